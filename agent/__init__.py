@@ -1,0 +1,1 @@
+"""The tray agent: a Qt tray shell over a headless agent service (see the agent issue)."""

@@ -1,0 +1,1 @@
+"""The admin console: thin Qt views over Qt-free fleet, placement and chat models."""

@@ -1,0 +1,65 @@
+"""``deskfleet generate``: answer one prompt with every stage of an export chained in-process."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from engine.cli import Command
+from engine.errors import TokenizerError
+from engine.generate import greedy_generate
+from engine.shard import LocalChain
+from engine.tokenizer import ChatTokenizer
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shards", required=True, type=Path, help="export directory (from `deskfleet export`)")
+    p.add_argument("--prompt", required=True, help="the user message")
+    p.add_argument("--system", default=None, help="optional system message")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="upper bound on the answer (default 128)")
+    p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    p.add_argument("--device", default="CPU", help="OpenVINO device for every stage (default CPU)")
+    p.add_argument("--exact", action="store_true",
+                   help="f32 compute and KV cache (bit-exact settings; slower)")
+    p.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+
+
+def load_prompt_ids(tokenizer: ChatTokenizer, prompt: str, system: str | None, raw: bool) -> list[int]:
+    if raw:
+        return tokenizer.encode(prompt)
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    return tokenizer.encode_chat(messages)
+
+
+def run(args: argparse.Namespace) -> int:
+    chain = LocalChain.load(args.shards, device=args.device, exact=args.exact)
+    tok_dir = args.shards / "tokenizer"
+    if not tok_dir.is_dir():
+        raise TokenizerError(f"{args.shards} has no tokenizer/ directory; re-export the model with its tokenizer")
+    tokenizer = ChatTokenizer(tok_dir)
+    ids = load_prompt_ids(tokenizer, args.prompt, args.system, args.raw)
+
+    def on_token(token: int) -> None:
+        if args.stream:
+            sys.stdout.write(tokenizer.decode([token]))
+            sys.stdout.flush()
+
+    result = greedy_generate(chain, ids, args.max_new_tokens, eos_ids=chain.manifest.model.eos_token_ids,
+                             on_token=on_token)
+    answer = tokenizer.decode(result.tokens)
+    if args.stream:
+        print()
+    else:
+        print(answer.strip())
+    stages = len(chain.stages)
+    print(
+        f"[{len(result.tokens)} tokens, {result.decode_tok_per_s:.1f} tok/s decode, "
+        f"TTFT {result.ttft_s * 1000:.0f} ms, {stages} stage{'s' if stages > 1 else ''}, {args.device}]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+COMMAND = Command(name="generate", help="answer one prompt with an export's stages chained in-process",
+                  configure=configure, run=run)

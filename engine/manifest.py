@@ -1,0 +1,277 @@
+"""The shard manifest: what an export produced, and the check that files still match it.
+
+An export directory looks like::
+
+    out/
+      manifest.json
+      tokenizer/            tokenizer.json, tokenizer_config.json, ...
+      stage_0/              openvino_model.xml + .bin (embedding + layers 0..k)
+      stage_1/              ...                        (layers k+1..L-1 + norm + head)
+
+``manifest.json`` records every file with its size and sha256. Nothing is compiled until the
+files a stage needs have been verified against it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from engine.errors import ManifestError, ShardIntegrityError
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+_HASH_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One file of an export, relative to the export directory (POSIX separators)."""
+
+    path: str
+    sha256: str
+    size: int
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A graph input or output; -1 marks a dynamic dimension."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    fingerprint: str
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class WeightInfo:
+    """How weights were compressed. ``format`` is one of int4, int8, fp16, fp32."""
+
+    format: str
+    group_size: int | None = None
+    symmetric: bool = True
+
+
+@dataclass(frozen=True)
+class StageManifest:
+    index: int
+    first_layer: int
+    last_layer: int  # inclusive
+    has_embedding: bool
+    has_head: bool
+    directory: str
+    xml: str
+    files: tuple[FileEntry, ...]
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    beam_idx: bool
+    kv_cache_precision: str
+    estimated_memory_bytes: int
+
+    @property
+    def num_layers(self) -> int:
+        return self.last_layer - self.first_layer + 1
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self.inputs)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    format_version: int
+    model: ModelInfo
+    weights: WeightInfo
+    stages: tuple[StageManifest, ...]
+    tokenizer_files: tuple[FileEntry, ...]
+    exporter: str
+    created: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def splits(self) -> tuple[int, ...]:
+        """First layer of every stage after the first (the ``--split`` that made this export)."""
+        return tuple(s.first_layer for s in self.stages[1:])
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=False) + "\n"
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def file_entry(root: Path, path: Path) -> FileEntry:
+    rel = path.relative_to(root).as_posix()
+    return FileEntry(path=rel, sha256=sha256_file(path), size=path.stat().st_size)
+
+
+def safe_join(root: Path, rel: str) -> Path:
+    """Resolve ``rel`` under ``root``; refuse absolute paths and anything that escapes ``root``."""
+    pure = PurePosixPath(rel)
+    if pure.is_absolute() or ".." in pure.parts or rel.strip() == "" or "\\" in rel:
+        raise ManifestError(f"manifest names an unsafe file path {rel!r}; refusing to use it")
+    full = (root / Path(*pure.parts)).resolve()
+    if not full.is_relative_to(root.resolve()):
+        raise ManifestError(f"manifest path {rel!r} escapes the shard directory; refusing to use it")
+    return full
+
+
+def _files(raw: list[dict[str, Any]]) -> tuple[FileEntry, ...]:
+    return tuple(FileEntry(path=str(f["path"]), sha256=str(f["sha256"]), size=int(f["size"])) for f in raw)
+
+
+def _tensors(raw: list[dict[str, Any]]) -> tuple[TensorSpec, ...]:
+    return tuple(
+        TensorSpec(name=str(t["name"]), dtype=str(t["dtype"]), shape=tuple(int(d) for d in t["shape"]))
+        for t in raw
+    )
+
+
+def parse_manifest(data: dict[str, Any]) -> Manifest:
+    """Build a :class:`Manifest` from decoded JSON, with a clear error for anything malformed."""
+    try:
+        version = int(data["format_version"])
+        if version != FORMAT_VERSION:
+            raise ManifestError(
+                f"shard format version {version} is not supported by this Deskfleet "
+                f"(it reads version {FORMAT_VERSION}); re-export the model with this version"
+            )
+        m = data["model"]
+        model = ModelInfo(
+            name=str(m["name"]),
+            fingerprint=str(m["fingerprint"]),
+            architecture=str(m["architecture"]),
+            num_layers=int(m["num_layers"]),
+            hidden_size=int(m["hidden_size"]),
+            vocab_size=int(m["vocab_size"]),
+            num_attention_heads=int(m["num_attention_heads"]),
+            num_kv_heads=int(m["num_kv_heads"]),
+            head_dim=int(m["head_dim"]),
+            max_position_embeddings=int(m["max_position_embeddings"]),
+            bos_token_id=None if m.get("bos_token_id") is None else int(m["bos_token_id"]),
+            eos_token_ids=tuple(int(t) for t in m["eos_token_ids"]),
+        )
+        w = data["weights"]
+        weights = WeightInfo(
+            format=str(w["format"]),
+            group_size=None if w.get("group_size") is None else int(w["group_size"]),
+            symmetric=bool(w.get("symmetric", True)),
+        )
+        stages = tuple(
+            StageManifest(
+                index=int(s["index"]),
+                first_layer=int(s["first_layer"]),
+                last_layer=int(s["last_layer"]),
+                has_embedding=bool(s["has_embedding"]),
+                has_head=bool(s["has_head"]),
+                directory=str(s["directory"]),
+                xml=str(s["xml"]),
+                files=_files(s["files"]),
+                inputs=_tensors(s["inputs"]),
+                outputs=_tensors(s["outputs"]),
+                beam_idx=bool(s["beam_idx"]),
+                kv_cache_precision=str(s["kv_cache_precision"]),
+                estimated_memory_bytes=int(s["estimated_memory_bytes"]),
+            )
+            for s in data["stages"]
+        )
+        manifest = Manifest(
+            format_version=version,
+            model=model,
+            weights=weights,
+            stages=stages,
+            tokenizer_files=_files(data.get("tokenizer_files", [])),
+            exporter=str(data.get("exporter", "")),
+            created=str(data.get("created", "")),
+            extra=dict(data.get("extra", {})),
+        )
+    except ManifestError:
+        raise
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ManifestError(f"manifest.json is malformed ({type(exc).__name__}: {exc}); re-export the model") from exc
+    _check_consistency(manifest)
+    return manifest
+
+
+def _check_consistency(manifest: Manifest) -> None:
+    stages = manifest.stages
+    if not stages:
+        raise ManifestError("manifest lists no stages; re-export the model")
+    expected_first = 0
+    for i, stage in enumerate(stages):
+        if stage.index != i or stage.first_layer != expected_first or stage.last_layer < stage.first_layer:
+            raise ManifestError(f"manifest stage {i} has an inconsistent layer range; re-export the model")
+        expected_first = stage.last_layer + 1
+    if expected_first != manifest.model.num_layers:
+        raise ManifestError("manifest stages do not cover every layer of the model; re-export the model")
+    if not stages[0].has_embedding or not stages[-1].has_head:
+        raise ManifestError("manifest: the first stage must hold the embedding and the last the head")
+
+
+def load_manifest(export_dir: Path | str) -> Manifest:
+    """Read and validate ``export_dir/manifest.json`` (file hashes are checked by :func:`verify_files`)."""
+    root = Path(export_dir)
+    if not root.is_dir():
+        raise ManifestError(f"shard directory {root} does not exist; run `deskfleet export` first")
+    path = root / MANIFEST_NAME
+    if not path.is_file():
+        raise ManifestError(f"{root} has no {MANIFEST_NAME}: it is not a Deskfleet export (or the export did not finish)")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ManifestError(f"cannot read {path}: {exc}; re-export the model") from exc
+    if not isinstance(data, dict):
+        raise ManifestError(f"{path} is not a JSON object; re-export the model")
+    return parse_manifest(data)
+
+
+def verify_files(root: Path | str, files: tuple[FileEntry, ...]) -> None:
+    """Check every file's size and sha256; raise :class:`ShardIntegrityError` naming the first mismatch."""
+    root = Path(root)
+    for entry in files:
+        path = safe_join(root, entry.path)
+        if not path.is_file():
+            raise ShardIntegrityError(f"shard file {entry.path} is missing from {root}; re-fetch or re-export the shard")
+        size = path.stat().st_size
+        if size != entry.size:
+            raise ShardIntegrityError(
+                f"shard file {entry.path} is {size} bytes but the manifest says {entry.size}: "
+                "it is truncated or was modified; re-fetch or re-export the shard"
+            )
+        if sha256_file(path) != entry.sha256:
+            raise ShardIntegrityError(
+                f"shard file {entry.path} does not match its sha256 in the manifest: it was modified "
+                "or corrupted; re-fetch or re-export the shard"
+            )
+
+
+def verify_stage(root: Path | str, manifest: Manifest, index: int) -> StageManifest:
+    """Verify the files of one stage and return its manifest entry."""
+    if not 0 <= index < len(manifest.stages):
+        raise ManifestError(f"stage {index} does not exist; this export has {len(manifest.stages)} stages")
+    stage = manifest.stages[index]
+    verify_files(root, stage.files)
+    return stage

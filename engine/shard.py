@@ -1,0 +1,167 @@
+"""Run exported stages with OpenVINO: compile a verified shard, keep one KV state per stream.
+
+A :class:`Stage` is one compiled shard; a :class:`StageStream` is one stream's KV state on it
+(an InferRequest: OpenVINO keeps the ReadValue/Assign variables per request). A
+:class:`LocalChain` runs stages back to back in one process: the in-process baseline that
+the network runtime distributes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import openvino as ov
+
+from engine.errors import GenerationError, ShardCompileError
+from engine.manifest import Manifest, StageManifest, load_manifest, safe_join, verify_stage
+
+# Settings under which a split model is bit-exact with the unsplit one (identity tests).
+EXACT_PROPERTIES: Mapping[str, str] = {
+    "INFERENCE_PRECISION_HINT": "f32",
+    "KV_CACHE_PRECISION": "f32",
+    "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0",
+}
+BEAM_IDX_ZERO = np.zeros(1, dtype=np.int32)
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """One forward step as the coordinator decided it.
+
+    x: token ids [1, S] int64 (stage 0) or hidden states [1, S, H] float32.
+    attention_mask: [1, P + S] int64 over every physical cache position plus the new ones.
+    position_ids: [1, S] int64 logical positions of the new tokens.
+    """
+
+    x: np.ndarray
+    attention_mask: np.ndarray
+    position_ids: np.ndarray
+
+
+def stage_properties(stage: StageManifest, exact: bool = False, num_threads: int | None = None,
+                     extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Plugin properties for compiling ``stage``: the shard's KV precision, or the exact set."""
+    props = dict(EXACT_PROPERTIES) if exact else {"KV_CACHE_PRECISION": stage.kv_cache_precision}
+    if num_threads:
+        props["INFERENCE_NUM_THREADS"] = str(num_threads)
+    props.update(extra or {})
+    return props
+
+
+def _core() -> ov.Core:
+    return ov.Core()
+
+
+class Stage:
+    """One compiled, verified shard."""
+
+    def __init__(self, export_dir: Path | str, index: int, *, device: str = "CPU",
+                 properties: Mapping[str, str] | None = None, exact: bool = False,
+                 num_threads: int | None = None, manifest: Manifest | None = None,
+                 verify: bool = True, core: ov.Core | None = None):
+        root = Path(export_dir)
+        self.manifest = manifest or load_manifest(root)
+        if verify:
+            self.spec = verify_stage(root, self.manifest, index)
+        else:
+            self.spec = self.manifest.stages[index]
+        self.properties = stage_properties(self.spec, exact, num_threads, properties)
+        self.device = device
+        core = core or _core()
+        xml = safe_join(root, self.spec.xml)
+        try:
+            self.compiled = core.compile_model(core.read_model(xml), device, self.properties)
+        except RuntimeError as exc:
+            raise ShardCompileError(
+                f"OpenVINO could not compile stage {index} of {root} on {device}: {exc}. "
+                "Check that the device is available (`deskfleet doctor`) and has enough free memory."
+            ) from exc
+        self._input_name = self.spec.inputs[0].name
+        self._has_beam = "beam_idx" in self.spec.input_names
+
+    @property
+    def index(self) -> int:
+        return self.spec.index
+
+    @property
+    def is_last(self) -> bool:
+        return self.spec.has_head
+
+    def new_stream(self) -> StageStream:
+        return StageStream(self)
+
+    def fused_attention_count(self) -> int:
+        """Fused ScaledDotProductAttention nodes in the runtime graph: one per layer when fusion fired."""
+        count = 0
+        for op in self.compiled.get_runtime_model().get_ops():
+            rt = op.get_rt_info()
+            if "layerType" in rt and rt["layerType"].astype(str) == "ScaledDotProductAttention":
+                count += 1
+        return count
+
+    def feed(self, step: StepInputs) -> dict[str, np.ndarray]:
+        inputs = {
+            self._input_name: step.x,
+            "attention_mask": step.attention_mask,
+            "position_ids": step.position_ids,
+        }
+        if self._has_beam:
+            inputs["beam_idx"] = BEAM_IDX_ZERO
+        return inputs
+
+
+class StageStream:
+    """One stream's KV state on one stage."""
+
+    def __init__(self, stage: Stage):
+        self.stage = stage
+        self.request = stage.compiled.create_infer_request()
+        self.request.reset_state()
+
+    def forward(self, step: StepInputs) -> np.ndarray:
+        """Run one step; returns hidden states [1, S, H] or logits [1, S, V] (a private copy)."""
+        self.request.infer(self.stage.feed(step), share_inputs=True, share_outputs=True)
+        return np.array(self.request.get_output_tensor(0).data, copy=True)
+
+    def reset(self) -> None:
+        self.request.reset_state()
+
+
+class LocalChain:
+    """Stages of one export run back to back in this process."""
+
+    def __init__(self, stages: Sequence[Stage]):
+        if not stages:
+            raise GenerationError("a chain needs at least one stage")
+        for i, stage in enumerate(stages):
+            if stage.index != i:
+                raise GenerationError(f"stage {stage.index} is in position {i}; stages must be given in order")
+        if not stages[-1].is_last:
+            raise GenerationError("the last stage of the chain does not hold the LM head; load every stage")
+        fingerprints = {s.manifest.model.fingerprint for s in stages}
+        if len(fingerprints) != 1:
+            raise GenerationError("stages come from different models (fingerprints differ); re-export together")
+        self.stages = list(stages)
+        self.manifest = stages[0].manifest
+
+    @classmethod
+    def load(cls, export_dir: Path | str, **kwargs) -> LocalChain:
+        """Verify and compile every stage of an export."""
+        manifest = load_manifest(export_dir)
+        core = kwargs.pop("core", None) or _core()
+        return cls([Stage(export_dir, i, manifest=manifest, core=core, **kwargs)
+                    for i in range(len(manifest.stages))])
+
+    def new_streams(self) -> list[StageStream]:
+        return [s.new_stream() for s in self.stages]
+
+    @staticmethod
+    def forward(streams: Sequence[StageStream], step: StepInputs) -> np.ndarray:
+        """Logits [1, S, V] for the new positions, passing hidden states stage to stage."""
+        x = step.x
+        for stream in streams:
+            x = stream.forward(StepInputs(x, step.attention_mask, step.position_ids))
+        return x

@@ -1,0 +1,1 @@
+"""Checkpoint -> per-stage stateful OpenVINO shards + manifest. Uses torch; never Qt."""

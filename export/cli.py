@@ -1,0 +1,96 @@
+"""``deskfleet export`` and ``deskfleet models``.
+
+This module imports nothing heavy at load time: the CLI lists these commands even on a stage
+PC without torch, and running them there explains which extra to install.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from engine.cli import Command
+
+EXPORT_STEPS = ("load", "convert", "stateful", "compress", "save")
+
+
+def _split(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--split takes comma-separated layer numbers, e.g. 10,20 (got {text!r})") from None
+
+
+def configure_export(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None,
+                   help="HF checkpoint directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    how = p.add_mutually_exclusive_group(required=True)
+    how.add_argument("--stages", type=int, help="number of stages, layers split as evenly as possible")
+    how.add_argument("--split", type=_split, help="first layer of every stage after the first, e.g. 10,20")
+    p.add_argument("--weights", choices=("int4", "int8", "fp16", "fp32"), default="int4",
+                   help="weight compression (default int4)")
+    p.add_argument("--group-size", type=int, default=64,
+                   help="INT4 group size; must divide the hidden and intermediate sizes (default 64)")
+    p.add_argument("--asym", action="store_true", help="asymmetric INT4 (default symmetric)")
+    p.add_argument("--kv-cache-precision", choices=("f16", "f32", "u8"), default="f16",
+                   help="KV cache precision written into each shard's runtime options (default f16)")
+    p.add_argument("--no-beam-idx", action="store_true",
+                   help="skip the beam_idx Gather injection (for comparison only: decode gets slower)")
+    p.add_argument("--out", required=True, type=Path, help="output directory")
+    p.add_argument("--force", action="store_true", help="replace an existing export in --out")
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from export.exporter import ExportOptions, export_model
+    from export.sources import resolve_model
+
+    source = resolve_model(args.model)
+    options = ExportOptions(weights=args.weights, group_size=args.group_size, symmetric=not args.asym,
+                            kv_cache_precision=args.kv_cache_precision, beam_idx=not args.no_beam_idx,
+                            force=args.force)
+    bars: dict[int, tqdm] = {}
+
+    def progress(stage: int, step: str) -> None:
+        if stage not in bars:
+            for bar in bars.values():
+                bar.update(bar.total - bar.n)
+                bar.close()
+            bars[stage] = tqdm(total=len(EXPORT_STEPS), desc=f"stage {stage}", unit="step", file=sys.stderr)
+        bar = bars[stage]
+        bar.set_postfix_str(step)
+        bar.update(EXPORT_STEPS.index(step) - bar.n)  # steps before this one are done
+
+    report = export_model(source.checkpoint_dir, args.out, stages=args.stages, split=args.split,
+                          options=options, name=source.name, progress=progress)
+    for bar in bars.values():
+        bar.update(bar.total - bar.n)
+        bar.close()
+    m = report.manifest
+    print(f"exported {m.model.name} ({m.model.architecture}, {m.model.num_layers} layers) "
+          f"as {len(m.stages)} {args.weights} stage(s) to {report.out_dir} in {report.seconds:.1f} s")
+    for s in m.stages:
+        size = sum(f.size for f in s.files) / 1e6
+        print(f"  stage {s.index}: layers {s.first_layer}-{s.last_layer}, {size:.1f} MB, "
+              f"~{s.estimated_memory_bytes / 1e9:.2f} GB at run time")
+    print(f"peak RSS {report.peak_rss_bytes / 1e6:.0f} MB (after imports {report.baseline_rss_bytes / 1e6:.0f} MB)")
+    return 0
+
+
+def configure_models(p: argparse.ArgumentParser) -> None:
+    pass
+
+
+def run_models(args: argparse.Namespace) -> int:
+    from export.sources import format_models_table, list_models
+
+    print(format_models_table(list_models()))
+    return 0
+
+
+EXPORT = Command(name="export", help="export a model into per-stage OpenVINO shards",
+                 configure=configure_export, run=run_export)
+MODELS = Command(name="models", help="list the models available for export",
+                 configure=configure_models, run=run_models)

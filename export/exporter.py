@@ -1,0 +1,355 @@
+"""Export a checkpoint into per-stage stateful OpenVINO shards plus a manifest.
+
+Per stage: load only that stage's tensors, build the traceable stage module, convert it,
+make the KV cache stateful (with the beam_idx Gather), compress the weights, save the IR.
+Everything is written into a temporary sibling directory and renamed into place at the end,
+so an error or a crash never leaves a half-written export behind.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import resource
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import openvino as ov
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig
+
+from engine import __version__
+from engine.errors import DeskfleetError
+from engine.manifest import (
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    FileEntry,
+    Manifest,
+    ModelInfo,
+    StageManifest,
+    TensorSpec,
+    WeightInfo,
+    file_entry,
+)
+from export.architectures import ArchSpec, arch_for, head_dim
+from export.compress import PRESETS, check_group_size, compress
+from export.graph import BEAM_IDX, convert_torch, make_stateful, set_io_names, set_runtime_options
+from export.modeling import StageModel, StageSpec, stage_tensor_names
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+)
+KV_PRECISIONS = ("f32", "f16", "u8")
+XML_NAME = "openvino_model.xml"
+
+
+class ExportError(DeskfleetError):
+    """The export request is invalid (split out of range, output exists, checkpoint unreadable)."""
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    weights: str = "int4"
+    group_size: int = 64
+    symmetric: bool = True
+    kv_cache_precision: str = "f16"
+    beam_idx: bool = True
+    context_for_estimate: int = 4096
+    force: bool = False
+
+
+@dataclass(frozen=True)
+class ExportReport:
+    out_dir: Path
+    manifest: Manifest
+    seconds: float
+    peak_rss_bytes: int
+    baseline_rss_bytes: int
+    stage_file_bytes: tuple[int, ...]
+
+
+Progress = Callable[[int, str], None]  # (stage index, step name)
+
+
+def plan_stages(num_layers: int, stages: int | None = None, split: Sequence[int] | None = None) -> list[StageSpec]:
+    """Contiguous layer ranges from ``--stages N`` (as even as possible) or ``--split a,b,...``."""
+    if (stages is None) == (split is None):
+        raise ExportError("give exactly one of --stages N or --split A,B,...")
+    if stages is not None:
+        if not 1 <= stages <= num_layers:
+            raise ExportError(f"--stages {stages} is out of range: this model has {num_layers} layers (1..{num_layers} stages)")
+        base, extra = divmod(num_layers, stages)
+        cuts, at = [], 0
+        for i in range(stages - 1):
+            at += base + (1 if i < extra else 0)
+            cuts.append(at)
+        split = cuts
+    cuts = list(split or [])
+    if any(not 0 < c < num_layers for c in cuts) or cuts != sorted(set(cuts)):
+        raise ExportError(
+            f"--split {','.join(map(str, cuts))} is out of range: cut points must be increasing layer "
+            f"numbers between 1 and {num_layers - 1} (this model has {num_layers} layers)"
+        )
+    bounds = [0, *cuts, num_layers]
+    return [
+        StageSpec(index=i, first_layer=bounds[i], last_layer=bounds[i + 1] - 1,
+                  has_embedding=i == 0, has_head=i == len(bounds) - 2)
+        for i in range(len(bounds) - 1)
+    ]
+
+
+class CheckpointReader:
+    """Lazy access to the tensors of an HF safetensors checkpoint, one tensor at a time."""
+
+    def __init__(self, checkpoint_dir: Path):
+        files = sorted(checkpoint_dir.glob("*.safetensors"))
+        if not files:
+            raise ExportError(f"{checkpoint_dir} has no *.safetensors files; is it an HF checkpoint directory?")
+        self._where: dict[str, Path] = {}
+        for f in files:
+            with safe_open(str(f), framework="pt") as st:
+                for key in st.keys():
+                    self._where[key] = f
+
+    @property
+    def names(self) -> set[str]:
+        return set(self._where)
+
+    def load(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        by_file: dict[Path, list[str]] = {}
+        for n in names:
+            if n not in self._where:
+                raise ExportError(f"checkpoint tensor {n!r} is missing; the checkpoint is incomplete")
+            by_file.setdefault(self._where[n], []).append(n)
+        for f, keys in by_file.items():
+            with safe_open(str(f), framework="pt") as st:
+                for k in keys:
+                    out[k] = st.get_tensor(k).to(torch.float32)
+        return out
+
+
+def _rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _io_names(stage: StageSpec) -> tuple[list[str], list[str]]:
+    first = "input_ids" if stage.has_embedding else "hidden_states"
+    inputs = [first, "attention_mask", "position_ids"]
+    outputs = ["logits" if stage.has_head else "hidden_states_out"]
+    for i in stage.layers:
+        inputs += [f"past_key_{i}", f"past_value_{i}"]
+        outputs += [f"present_key_{i}", f"present_value_{i}"]
+    return inputs, outputs
+
+
+def _example_inputs(config: Any, stage: StageSpec) -> tuple[torch.Tensor, ...]:
+    """Real tensors for tracing: S=3 new tokens over P=2 cached ones (every dimension converts dynamic)."""
+    s, p = 3, 2
+    kv, d = int(config.num_key_value_heads), head_dim(config)
+    if stage.has_embedding:
+        x = torch.randint(0, int(config.vocab_size), (1, s), dtype=torch.int64)
+    else:
+        x = torch.randn(1, s, int(config.hidden_size))
+    tensors = [x, torch.ones(1, p + s, dtype=torch.int64), torch.arange(p, p + s, dtype=torch.int64)[None]]
+    for _ in stage.layers:
+        tensors += [torch.randn(1, kv, p, d), torch.randn(1, kv, p, d)]
+    return tuple(tensors)
+
+
+def _spec_of(port: ov.Output) -> TensorSpec:
+    shape = tuple(-1 if dim.is_dynamic else dim.get_length() for dim in port.get_partial_shape())
+    return TensorSpec(name=port.get_any_name(), dtype=port.get_element_type().get_type_name(), shape=shape)
+
+
+def _estimate_memory(config: Any, stage: StageSpec, file_bytes: int, kv_precision: str, context: int) -> int:
+    kv_bytes = {"f32": 4, "f16": 2, "u8": 1}[kv_precision]
+    per_token = 2 * stage.last_layer - 2 * stage.first_layer + 2
+    kv = per_token * int(config.num_key_value_heads) * head_dim(config) * kv_bytes * context
+    activations = 64 * 1024 * 1024  # compiled-graph scratch, measured order of magnitude on CPU
+    return file_bytes + kv + activations
+
+
+def export_stage(config: Any, spec: ArchSpec, reader: CheckpointReader, stage: StageSpec,
+                 options: ExportOptions, out_dir: Path, progress: Progress) -> StageManifest:
+    """Build, convert, make stateful, compress and save one stage into ``out_dir``."""
+    progress(stage.index, "load")
+    tensors = reader.load(stage_tensor_names(config, spec, stage, reader.names))
+    module = StageModel(config, spec, stage, tensors).eval()
+    del tensors
+    example = _example_inputs(config, stage)
+    progress(stage.index, "convert")
+    with torch.no_grad():
+        model = convert_torch(module, example)
+    del module, example
+    gc.collect()
+    inputs, outputs = _io_names(stage)
+    set_io_names(model, inputs, outputs)
+    progress(stage.index, "stateful")
+    make_stateful(model, list(stage.layers), int(config.num_key_value_heads), head_dim(config), options.beam_idx)
+    progress(stage.index, "compress")
+    model = compress(model, options.weights, options.group_size, options.symmetric)
+    set_runtime_options(model, {"KV_CACHE_PRECISION": options.kv_cache_precision})
+    progress(stage.index, "save")
+    stage_dir = out_dir / f"stage_{stage.index}"
+    stage_dir.mkdir(parents=True)
+    ov.save_model(model, stage_dir / XML_NAME, compress_to_fp16=PRESETS[options.weights].fp16_ir)
+    io_in = tuple(_spec_of(p) for p in model.inputs)
+    io_out = tuple(_spec_of(p) for p in model.outputs)
+    del model
+    gc.collect()
+    files = tuple(file_entry(out_dir, f) for f in sorted(stage_dir.iterdir()))
+    size = sum(f.size for f in files)
+    return StageManifest(
+        index=stage.index,
+        first_layer=stage.first_layer,
+        last_layer=stage.last_layer,
+        has_embedding=stage.has_embedding,
+        has_head=stage.has_head,
+        directory=stage_dir.name,
+        xml=f"{stage_dir.name}/{XML_NAME}",
+        files=files,
+        inputs=io_in,
+        outputs=io_out,
+        beam_idx=options.beam_idx,
+        kv_cache_precision=options.kv_cache_precision,
+        estimated_memory_bytes=_estimate_memory(config, stage, size, options.kv_cache_precision,
+                                                options.context_for_estimate),
+    )
+
+
+def _eos_ids(checkpoint_dir: Path, config: Any) -> tuple[int, ...]:
+    eos: Any = None
+    gen = checkpoint_dir / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+    if eos is None:
+        eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+
+
+def _copy_tokenizer(checkpoint_dir: Path, out_dir: Path) -> tuple[FileEntry, ...]:
+    present = [checkpoint_dir / n for n in TOKENIZER_FILES if (checkpoint_dir / n).is_file()]
+    if not present:
+        return ()
+    tok_dir = out_dir / "tokenizer"
+    tok_dir.mkdir()
+    for f in present:
+        shutil.copy2(f, tok_dir / f.name)
+    return tuple(file_entry(out_dir, tok_dir / f.name) for f in present)
+
+
+def _validate_options(config: Any, options: ExportOptions) -> None:
+    if options.weights not in PRESETS:
+        raise ExportError(f"unknown --weights {options.weights!r}; choose one of {', '.join(PRESETS)}")
+    if options.kv_cache_precision not in KV_PRECISIONS:
+        raise ExportError(f"unknown KV cache precision {options.kv_cache_precision!r}; choose one of {', '.join(KV_PRECISIONS)}")
+    if options.weights == "int4":
+        check_group_size(options.group_size, {
+            "hidden size": int(config.hidden_size),
+            "intermediate size": int(config.intermediate_size),
+            "attention width": int(config.num_attention_heads) * head_dim(config),
+        })
+
+
+def _prepare_out_dir(out: Path, force: bool) -> Path:
+    occupied = out.exists() and (not out.is_dir() or any(out.iterdir()))
+    if occupied and not force:
+        raise ExportError(f"{out} already exists and is not empty; choose another --out or pass --force to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    return tmp
+
+
+def _commit(tmp: Path, out: Path) -> None:
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        os.replace(out, old)
+    os.replace(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def export_model(checkpoint_dir: Path | str, out_dir: Path | str, *, stages: int | None = None,
+                 split: Sequence[int] | None = None, options: ExportOptions = ExportOptions(),
+                 name: str | None = None, fingerprint: str | None = None,
+                 progress: Progress | None = None) -> ExportReport:
+    """Export ``checkpoint_dir`` into ``out_dir``; see the module docstring."""
+    started = time.perf_counter()
+    baseline = _rss_bytes()
+    ckpt, out = Path(checkpoint_dir), Path(out_dir)
+    if not (ckpt / "config.json").is_file():
+        raise ExportError(f"{ckpt} is not an HF checkpoint directory (no config.json)")
+    config = AutoConfig.from_pretrained(ckpt)
+    spec = arch_for(config)
+    _validate_options(config, options)
+    plan = plan_stages(int(config.num_hidden_layers), stages, split)
+    if fingerprint is None:
+        from export.sources import model_fingerprint
+
+        fingerprint = model_fingerprint(ckpt)
+    reader = CheckpointReader(ckpt)
+    progress = progress or (lambda i, step: None)
+    tmp = _prepare_out_dir(out, options.force)
+    try:
+        stage_manifests = tuple(export_stage(config, spec, reader, s, options, tmp, progress) for s in plan)
+        tokenizer_files = _copy_tokenizer(ckpt, tmp)
+        kv = int(config.num_key_value_heads)
+        manifest = Manifest(
+            format_version=FORMAT_VERSION,
+            model=ModelInfo(
+                name=name or ckpt.name,
+                fingerprint=fingerprint,
+                architecture=spec.model_type,
+                num_layers=int(config.num_hidden_layers),
+                hidden_size=int(config.hidden_size),
+                vocab_size=int(config.vocab_size),
+                num_attention_heads=int(config.num_attention_heads),
+                num_kv_heads=kv,
+                head_dim=head_dim(config),
+                max_position_embeddings=int(config.max_position_embeddings),
+                bos_token_id=getattr(config, "bos_token_id", None),
+                eos_token_ids=_eos_ids(ckpt, config),
+            ),
+            weights=WeightInfo(format=options.weights,
+                               group_size=options.group_size if options.weights == "int4" else None,
+                               symmetric=options.symmetric),
+            stages=stage_manifests,
+            tokenizer_files=tokenizer_files,
+            exporter=f"deskfleet {__version__}",
+            created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            extra={"options": asdict(options), "beam_idx_input": BEAM_IDX if options.beam_idx else None},
+        )
+        (tmp / MANIFEST_NAME).write_text(manifest.to_json(), encoding="utf-8")
+        _commit(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return ExportReport(
+        out_dir=out,
+        manifest=manifest,
+        seconds=time.perf_counter() - started,
+        peak_rss_bytes=_rss_bytes(),
+        baseline_rss_bytes=baseline,
+        stage_file_bytes=tuple(sum(f.size for f in s.files) for s in stage_manifests),
+    )
+

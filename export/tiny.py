@@ -1,0 +1,99 @@
+"""Tiny random-weight checkpoints for tests, built from a config in code (no hub needed).
+
+The weights use a large init range: with the usual 0.02 a random model greedily repeats one
+token, and an identity test over such output proves nothing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+# Shared by every family: hidden 64, 4 layers, 4 heads, 2 KV heads (GQA), head_dim 16.
+_COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    initializer_range=0.5,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+TINY_CONFIGS = {
+    "llama": lambda vocab: LlamaConfig(vocab_size=vocab, tie_word_embeddings=True, **_COMMON),
+    "llama3": lambda vocab: LlamaConfig(
+        vocab_size=vocab,
+        tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 128,
+        },
+        **_COMMON,
+    ),
+    "qwen2": lambda vocab: Qwen2Config(vocab_size=vocab, tie_word_embeddings=True, **_COMMON),
+    "mistral": lambda vocab: MistralConfig(vocab_size=vocab, tie_word_embeddings=False, sliding_window=None, **_COMMON),
+}
+
+
+# ChatML, as SmolLM2 uses it; ids 0..2 are the special tokens the tiny configs point at.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "
+    "+ '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+_CORPUS = (
+    "The capital of France is Paris. Deskfleet pools the idle office computers of a company. "
+    "Every stage runs a contiguous range of layers and passes hidden states to the next one. "
+    "What is the weather like today? Hello, how are you? I am a small random model."
+)
+
+
+def build_tiny_tokenizer(out_dir: Path | str, vocab_size: int = 512) -> Path:
+    """A byte-level BPE tokenizer trained in milliseconds, with a ChatML chat template."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    tok.save(str(out / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": SPECIAL_TOKENS[1],
+        "eos_token": SPECIAL_TOKENS[2],
+        "pad_token": SPECIAL_TOKENS[0],
+        "chat_template": CHAT_TEMPLATE,
+        "model_max_length": 512,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def build_tiny_model(out_dir: Path | str, family: str = "llama", vocab_size: int = 512, seed: int = 0,
+                     with_tokenizer: bool = True) -> Path:
+    """Save a random-weight checkpoint of ``family`` (and a matching tokenizer) to ``out_dir``."""
+    out = Path(out_dir)
+    config = TINY_CONFIGS[family](vocab_size)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out)
+    if with_tokenizer:
+        build_tiny_tokenizer(out, vocab_size)
+    return out

@@ -1,0 +1,1 @@
+"""Packaging and autostart registration (see the installer issue)."""

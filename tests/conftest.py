@@ -1,0 +1,84 @@
+"""Shared fixtures: tiny random checkpoints and their exports, built once per test session."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+FAMILIES = ("llama", "llama3", "qwen2", "mistral")
+PROMPT_IDS = (1, 87, 85, 267, 201, 299, 266, 286, 273, 391, 265, 384, 33, 2, 201, 1, 301)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """``tiny_checkpoint(family)`` -> directory of a random-weight HF checkpoint with a tokenizer."""
+    from export.tiny import build_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny-ckpt")
+    built: dict[str, Path] = {}
+
+    def get(family: str = "llama") -> Path:
+        if family not in built:
+            built[family] = build_tiny_model(root / family, family)
+        return built[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_export(tmp_path_factory, tiny_checkpoint):
+    """``tiny_export(family, stages, weights, beam_idx)`` -> export directory (cached per session)."""
+    from export.exporter import ExportOptions, export_model
+
+    root = tmp_path_factory.mktemp("tiny-export")
+    done: dict[tuple, Path] = {}
+
+    def get(family: str = "llama", stages: int = 1, weights: str = "fp32", beam_idx: bool = True,
+            kv: str = "f32") -> Path:
+        key = (family, stages, weights, beam_idx, kv)
+        if key not in done:
+            out = root / "-".join(map(str, key))
+            options = ExportOptions(weights=weights, group_size=16, kv_cache_precision=kv, beam_idx=beam_idx)
+            export_model(tiny_checkpoint(family), out, stages=stages, options=options)
+            done[key] = out
+        return done[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(tiny_checkpoint):
+    """``hf_greedy(family, n)`` -> HF torch fp32 greedy continuation of PROMPT_IDS."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cache: dict[tuple, tuple[int, ...]] = {}
+
+    def get(family: str, n: int = 32) -> tuple[int, ...]:
+        if (family, n) not in cache:
+            model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint(family), dtype=torch.float32)
+            ids = torch.tensor([PROMPT_IDS])
+            with torch.no_grad():
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                                     eos_token_id=None, pad_token_id=0)
+            cache[(family, n)] = tuple(out[0, len(PROMPT_IDS):].tolist())
+        return cache[(family, n)]
+
+    return get
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_threads():
+    """Fail a test that leaves non-daemon threads running (they would hang the process at exit)."""
+    before = set(threading.enumerate())
+    yield
+    leaked = [t for t in threading.enumerate() if t not in before and t.is_alive() and not t.daemon]
+    for t in leaked:
+        t.join(timeout=5)
+    still = [t.name for t in leaked if t.is_alive()]
+    assert not still, f"test leaked running threads: {still}"
