@@ -1,0 +1,124 @@
+"""Property tests of the codec: generated messages round trip canonically, and random, truncated
+or mutated bytes make the decoder raise only WireErrors.
+
+Hypothesis runs derandomized (a fixed seed per test) with no example database, so CI sees the
+same examples on every run (its .hypothesis/ scratch directory is git-ignored).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine.codec import decode, encode
+from engine.messages import Forward, Logits, Tokens
+from engine.wire import (
+    HEADER_FIELDS,
+    HEADER_SIZE,
+    HEADER_STRUCT,
+    MAGIC,
+    U64_MAX,
+    StreamId,
+    TruncatedFrameError,
+    WireError,
+)
+from tests.wire_helpers import (
+    CONTROL_SAMPLES,
+    HEADER_FIELD_BOUNDS,
+    assert_same,
+    decode_or_wire_error,
+    patch_header,
+)
+
+FUZZ = settings(
+    max_examples=400,
+    deadline=None,
+    database=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+@st.composite
+def messages(draw):
+    """Any valid message; hypothesis picks kind, shapes and ids, a seed fills the arrays (fast)."""
+    b, s = draw(st.integers(1, 3)), draw(st.integers(1, 4))
+    stream, seq = StreamId(draw(st.integers(1, U64_MAX))), draw(st.integers(0, U64_MAX))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+
+    def any_bits(shape, dtype):  # every bit pattern, NaN and inf included: must survive exactly
+        raw = rng.integers(0, 256, (*shape, np.dtype(dtype).itemsize), np.uint8)
+        return raw.view(dtype)[..., 0]
+
+    which = draw(st.sampled_from(["ids", "f32", "f16", "tokens", "logits", "other"]))
+    if which == "other":
+        return draw(st.sampled_from(CONTROL_SAMPLES))
+    if which == "tokens":
+        probs = rng.random(s, np.float32)
+        return Tokens(stream, seq, rng.integers(0, 2**40, s, np.int64), probs)
+    if which == "logits":
+        return Logits(stream, seq, any_bits((b, s, 5), "<f2"))
+    if which == "ids":
+        tensor = rng.integers(0, 2**40, (b, s), np.int64)
+    else:
+        tensor = any_bits((b, s, draw(st.integers(1, 6))), "<f4" if which == "f32" else "<f2")
+    t = s + draw(st.integers(0, 20))
+    mask = rng.integers(0, 2, (b, t), np.int64)
+    positions = rng.integers(0, 2**31, (b, s), np.int64)
+    return Forward(stream, seq, tensor, mask, positions, draw(st.booleans()))
+
+
+@FUZZ
+@given(messages())
+def test_fuzz_generated_messages_round_trip(msg):
+    frame = encode(msg)
+    assert_same(decode(frame), msg)
+    assert encode(decode(frame)) == frame
+
+
+@FUZZ
+@given(
+    st.one_of(st.binary(max_size=300), st.binary(max_size=300).map(lambda b: MAGIC + b"\1\0" + b))
+)
+def test_fuzz_random_bytes_raise_only_wire_errors(data):
+    assert isinstance(decode_or_wire_error(data), WireError)
+
+
+@FUZZ
+@given(messages(), st.data())
+def test_fuzz_truncated_frames_are_refused(msg, data):
+    frame = encode(msg)
+    cut = data.draw(st.integers(0, len(frame) - 1))
+    assert isinstance(decode_or_wire_error(frame[:cut]), TruncatedFrameError)
+
+
+@FUZZ
+@given(messages(), st.data())
+def test_fuzz_header_fields_set_to_wrong_values_are_refused(msg, data):
+    frame = encode(msg)
+    original = dict(zip(HEADER_FIELDS, HEADER_STRUCT.unpack(frame[:HEADER_SIZE]), strict=True))
+    name = data.draw(st.sampled_from(sorted(HEADER_FIELD_BOUNDS)))
+    value = data.draw(
+        st.integers(0, HEADER_FIELD_BOUNDS[name]).filter(lambda v: v != original[name])
+    )
+    mutated = patch_header(frame, **{name: value})
+    result = decode_or_wire_error(mutated)
+    if name in ("kind", "flags") and not isinstance(result, WireError):
+        assert encode(result) == mutated  # e.g. Ping -> Pong, or WANT_LOGITS set: still canonical
+    else:
+        assert isinstance(result, WireError), f"{name}={value} was accepted: {result!r}"
+
+
+@FUZZ
+@given(
+    messages(),
+    st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), min_size=1, max_size=4),
+)
+def test_fuzz_byte_flips_raise_only_wire_errors_or_decode_cleanly(msg, flips):
+    frame = bytearray(encode(msg))
+    for pos, value in flips:
+        frame[pos % min(len(frame), HEADER_SIZE + 48)] = value  # header and meta are the risky part
+    result = decode_or_wire_error(bytes(frame))
+    if not isinstance(result, WireError):
+        assert encode(result) == frame  # an accepted frame is canonical: no ignored bits
