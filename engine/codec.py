@@ -208,8 +208,8 @@ def _decode_forward(header: FrameHeader, meta: memoryview, tensor: np.ndarray | 
     assert tensor is not None
     if len(meta) < FORWARD_META.size:
         raise FrameError("Forward meta section is shorter than its 8-byte descriptor")
-    t, encoding = FORWARD_META.unpack_from(meta)
-    if encoding != MASK_PACKED_BITS or any(meta[5:8]):
+    t, encoding, reply_last = FORWARD_META.unpack_from(meta)
+    if encoding != MASK_PACKED_BITS or meta[5]:
         raise FrameError(f"unknown attention-mask encoding {encoding} (or reserved bytes set)")
     b, s = header.shape[0], header.shape[1]
     row_bytes = (t + 7) // 8
@@ -228,14 +228,14 @@ def _decode_forward(header: FrameHeader, meta: memoryview, tensor: np.ndarray | 
         raise FrameError("attention mask padding bits beyond T must be zero")
     mask = bits[:, :t].astype("<i8")
     want_logits = bool(header.flags & FrameFlag.WANT_LOGITS)
-    return Forward(header.stream_id, header.seq, tensor, mask, positions, want_logits)
+    return Forward(header.stream_id, header.seq, tensor, mask, positions, want_logits, reply_last)
 
 
 def _encode_forward(msg: Forward) -> bytes:
     """The Forward meta section: descriptor, position ids, bit-packed attention mask."""
     t = msg.attention_mask.shape[1]
     packed = np.packbits(msg.attention_mask.astype(np.uint8), axis=1, bitorder="little")
-    descriptor = FORWARD_META.pack(t, MASK_PACKED_BITS)
+    descriptor = FORWARD_META.pack(t, MASK_PACKED_BITS, msg.reply_last)
     positions = np.ascontiguousarray(msg.position_ids)  # [B,S], checked at init
     return descriptor + positions.tobytes() + packed.tobytes()
 

@@ -52,6 +52,8 @@ class Forward:
     ``tensor`` is int64 token ids [B,S] (into stage 0) or float32/float16 hidden states [B,S,H].
     ``attention_mask`` int64 [B,T] (0/1, T = cache length after this step, T >= S) and
     ``position_ids`` int64 [B,S] are decided by the coordinator; stages only apply them.
+    ``reply_last`` is how many trailing positions the last stage answers for (0 = all S): 1 for
+    plain decode and prefill, K+1 to verify K speculative drafts.
     Arrays are shared, not copied: treat them as immutable.
     """
 
@@ -61,6 +63,7 @@ class Forward:
     attention_mask: np.ndarray
     position_ids: np.ndarray
     want_logits: bool = False
+    reply_last: int = 0
     __repr__ = _shape_repr
 
     def __post_init__(self) -> None:
@@ -74,6 +77,8 @@ class Forward:
         if t.dtype == np.int64 and t.min() < 0:
             raise FrameError("Forward token ids must be >= 0; check the tokenizer output")
         b, s = t.shape[0], t.shape[1]
+        if not 0 <= self.reply_last <= min(s, 0xFFFF):
+            raise FrameError(f"Forward.reply_last {self.reply_last} must be between 0 and S={s} (the new positions)")
         m = self.attention_mask
         _check_array(m, "Forward.attention_mask", (_INT64,))
         if m.ndim != 2 or m.shape[0] != b or not s <= m.shape[1] <= U32_MAX:

@@ -48,7 +48,7 @@ HEADER_FIELDS = tuple(
 )
 HEADER_STRUCT = struct.Struct("<4sHBBQQBBH4IIQ")
 HEADER_SIZE = HEADER_STRUCT.size
-FORWARD_META = struct.Struct("<IB3x")  # mask length T, mask encoding, 3 reserved zero bytes
+FORWARD_META = struct.Struct("<IBxH")  # mask length T, mask encoding, 1 reserved zero byte, reply_last
 # protocol_version, stage_index, max_frame_bytes, [role,] fingerprint length; fingerprint follows
 HELLO_META = struct.Struct("<HHQBB")
 HELLO_ACK_META = struct.Struct("<HHQB")

@@ -7,12 +7,41 @@ PC without torch, and running them there explains which extra to install.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from engine.cli import Command
 
 EXPORT_STEPS = ("load", "convert", "stateful", "compress", "save")
+
+
+@contextlib.contextmanager
+def export_progress() -> Iterator[Callable[[int, str], None]]:
+    """One progress bar per stage on stderr, advanced by the exporter's (stage, step) callbacks."""
+    from tqdm import tqdm
+
+    bars: dict[int, tqdm] = {}
+
+    def finish() -> None:
+        for bar in bars.values():
+            bar.update(bar.total - bar.n)
+            bar.close()
+        bars.clear()
+
+    def progress(stage: int, step: str) -> None:
+        if stage not in bars:
+            finish()
+            bars[stage] = tqdm(total=len(EXPORT_STEPS), desc=f"stage {stage}", unit="step", file=sys.stderr)
+        bar = bars[stage]
+        bar.set_postfix_str(step)
+        bar.update(EXPORT_STEPS.index(step) - bar.n)  # the steps before this one are done
+
+    try:
+        yield progress
+    finally:
+        finish()
 
 
 def _split(text: str) -> list[int]:
@@ -42,8 +71,6 @@ def configure_export(p: argparse.ArgumentParser) -> None:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
     from export.exporter import ExportOptions, export_model
     from export.sources import resolve_model
 
@@ -51,23 +78,9 @@ def run_export(args: argparse.Namespace) -> int:
     options = ExportOptions(weights=args.weights, group_size=args.group_size, symmetric=not args.asym,
                             kv_cache_precision=args.kv_cache_precision, beam_idx=not args.no_beam_idx,
                             force=args.force)
-    bars: dict[int, tqdm] = {}
-
-    def progress(stage: int, step: str) -> None:
-        if stage not in bars:
-            for bar in bars.values():
-                bar.update(bar.total - bar.n)
-                bar.close()
-            bars[stage] = tqdm(total=len(EXPORT_STEPS), desc=f"stage {stage}", unit="step", file=sys.stderr)
-        bar = bars[stage]
-        bar.set_postfix_str(step)
-        bar.update(EXPORT_STEPS.index(step) - bar.n)  # steps before this one are done
-
-    report = export_model(source.checkpoint_dir, args.out, stages=args.stages, split=args.split,
-                          options=options, name=source.name, progress=progress)
-    for bar in bars.values():
-        bar.update(bar.total - bar.n)
-        bar.close()
+    with export_progress() as progress:
+        report = export_model(source.checkpoint_dir, args.out, stages=args.stages, split=args.split,
+                              options=options, name=source.name, progress=progress)
     m = report.manifest
     print(f"exported {m.model.name} ({m.model.architecture}, {m.model.num_layers} layers) "
           f"as {len(m.stages)} {args.weights} stage(s) to {report.out_dir} in {report.seconds:.1f} s")

@@ -82,3 +82,22 @@ def no_leaked_threads():
         t.join(timeout=5)
     still = [t.name for t in leaked if t.is_alive()]
     assert not still, f"test leaked running threads: {still}"
+
+
+@pytest.fixture(scope="session")
+def default_checkpoint():
+    """The embedded SmolLM2-135M-Instruct as an HF checkpoint (converted once, cached on disk)."""
+    from export.sources import resolve_model
+
+    return resolve_model(None).checkpoint_dir
+
+
+@pytest.fixture(scope="session")
+def default_export_int4(tmp_path_factory, default_checkpoint):
+    """The embedded default model exported as 2 INT4 stages."""
+    from export.exporter import ExportOptions, export_model
+
+    out = tmp_path_factory.mktemp("default") / "int4-2"
+    export_model(default_checkpoint, out, stages=2, options=ExportOptions(weights="int4", group_size=64),
+                 name="SmolLM2-135M-Instruct")
+    return out

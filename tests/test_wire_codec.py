@@ -286,3 +286,12 @@ def test_check_hello_ack_and_refusals_name_the_field():
     error = handshake_error_from(refusal)
     assert (error.field, error.code) == ("role", ErrorCode.ROLE_REFUSED)
     assert handshake_error_from(Error(ErrorCode.INTERNAL, "boom"), sent=True).field == "frame"
+
+
+def test_reply_last_round_trips_and_is_bounded_by_the_new_positions():
+    base = forward(s=4)
+    msg = Forward(base.stream_id, base.seq, base.tensor, base.attention_mask, base.position_ids, reply_last=3)
+    back = decode(encode(msg))
+    assert isinstance(back, Forward) and back.reply_last == 3
+    with pytest.raises(DeskfleetError, match="reply_last"):
+        Forward(base.stream_id, base.seq, base.tensor, base.attention_mask, base.position_ids, reply_last=5)

@@ -1,0 +1,225 @@
+"""The coordinator: admits requests into slots and keeps every active stream's step in flight.
+
+One asyncio task reads replies from the :class:`StepPath`; each reply advances its stream
+(:mod:`engine.scheduler`) and immediately submits that stream's next step. With several streams
+active, their steps interleave through the stages, so while stage 1 computes stream A's step,
+stage 0 computes stream B's (micro-batching, paper §7). Requests join when a slot frees and
+leave when they finish or are cancelled; a stream's output never depends on its batch-mates
+because each has its own KV state on every stage and its own sampling generator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from engine.errors import DeskfleetError, GenerationError
+from engine.generator import ModelCard, OverloadedError, UnavailableError
+from engine.path import LocalPath, StepPath, StepResult
+from engine.request import FinishReason, GenerationRequest, TokenEvent
+from engine.scheduler import StreamState, apply_reply, plan_step
+from engine.shard import LocalChain
+from engine.wire import StreamId
+
+log = logging.getLogger(__name__)
+
+_RATE_WINDOW_S = 10.0
+
+
+class Coordinator:
+    """Implements :class:`engine.generator.Generator` over a :class:`StepPath`."""
+
+    def __init__(self, path: StepPath, model: ModelCard, *, slots: int = 4, max_waiting: int = 32,
+                 prefill_chunk: int = 256):
+        if slots < 1:
+            raise DeskfleetError("a coordinator needs at least one slot")
+        self.path = path
+        self._model = model
+        self.slots = slots
+        self.max_waiting = max_waiting
+        self.prefill_chunk = prefill_chunk
+        self._ids = itertools.count(1)
+        self._active: dict[StreamId, StreamState] = {}
+        self._waiting: collections.deque[StreamState] = collections.deque()
+        self._queues: dict[StreamId, asyncio.Queue[TokenEvent | BaseException]] = {}
+        self._task: asyncio.Task | None = None
+        self._background: set[asyncio.Task] = set()
+        self._stopping = False
+        self._counters = collections.Counter()
+        self._token_times: collections.deque[float] = collections.deque()
+        self._ttft_sum = 0.0
+
+    @classmethod
+    def local(cls, export_dir: Path | str, *, slots: int = 4, exact: bool = False, device: str = "CPU",
+              num_threads: int | None = None, **kwargs) -> Coordinator:
+        """A coordinator whose stages all run in this process."""
+        chain = LocalChain.load(export_dir, exact=exact, device=device, num_threads=num_threads)
+        return cls(LocalPath(chain), model_card(chain.manifest), slots=slots, **kwargs)
+
+    @property
+    def model(self) -> ModelCard:
+        return self._model
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def async_start(self) -> None:
+        await self.path.async_start()
+        self._task = asyncio.create_task(self._run(), name="deskfleet-coordinator")
+
+    async def async_stop(self) -> None:
+        """Fail every request still running, then close the path."""
+        self._stopping = True
+        for state in list(self._active.values()) + list(self._waiting):
+            self._deliver(state, UnavailableError("the coordinator is shutting down; retry on another instance"))
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for task in list(self._background):
+            task.cancel()
+        await self.path.async_close()
+
+    async def __aenter__(self) -> Coordinator:
+        await self.async_start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.async_stop()
+
+    # -- the Generator protocol -----------------------------------------------------------------
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        if self._stopping or self._task is None or self._task.done():
+            raise UnavailableError("the coordinator is not running")
+        if len(self._active) >= self.slots and len(self._waiting) >= self.max_waiting:
+            self._counters["rejected_overloaded"] += 1
+            raise OverloadedError(
+                f"all {self.slots} slots are busy and {len(self._waiting)} requests are waiting; retry shortly"
+            )
+        state = StreamState(StreamId(next(self._ids)), request, self._model.context_length,
+                            frozenset(self._model.eos_token_ids))
+        queue: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
+        self._queues[state.stream_id] = queue
+        self._waiting.append(state)
+        self._counters["requests"] += 1
+        await self._admit()
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish is not None:
+                    return
+        finally:
+            self._queues.pop(state.stream_id, None)
+            if state.finish is None:
+                self._cancel(state)
+
+    def metrics(self) -> dict[str, float]:
+        now = time.perf_counter()
+        while self._token_times and now - self._token_times[0] > _RATE_WINDOW_S:
+            self._token_times.popleft()
+        first = self._counters["first_tokens"]
+        out = {
+            "requests_total": float(self._counters["requests"]),
+            "requests_finished_total": float(self._counters["finished"]),
+            "requests_cancelled_total": float(self._counters["cancelled"]),
+            "requests_failed_total": float(self._counters["failed"]),
+            "requests_rejected_total": float(self._counters["rejected_overloaded"]),
+            "tokens_generated_total": float(self._counters["tokens"]),
+            "tokens_per_second": len(self._token_times) / _RATE_WINDOW_S,
+            "ttft_seconds_avg": self._ttft_sum / first if first else 0.0,
+            "active_streams": float(len(self._active)),
+            "waiting_requests": float(len(self._waiting)),
+            "slots": float(self.slots),
+            "stages": float(self.path.num_stages),
+        }
+        out.update(self.path.stage_metrics())
+        return out
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    async def _admit(self) -> None:
+        while self._waiting and len(self._active) < self.slots and not self._stopping:
+            state = self._waiting.popleft()
+            if state.cancelled:
+                continue
+            self._active[state.stream_id] = state
+            await self._submit(state)
+
+    async def _submit(self, state: StreamState) -> None:
+        try:
+            await self.path.async_submit(plan_step(state, self.prefill_chunk))
+        except DeskfleetError as exc:
+            state.in_flight = False
+            await self._fail(state, exc)
+
+    async def _run(self) -> None:
+        while True:
+            result = await self.path.results.get()
+            state = self._active.get(result.stream_id)
+            if state is None or result.seq != state.seq:
+                log.debug("dropping a reply for stream %s seq %s", result.stream_id, result.seq)
+                continue
+            await self._on_reply(state, result)
+
+    async def _on_reply(self, state: StreamState, result: StepResult) -> None:
+        try:
+            event = apply_reply(state, result)
+        except GenerationError as exc:
+            await self._fail(state, exc)
+            return
+        if event is not None:
+            self._counters["tokens"] += 1
+            self._token_times.append(time.perf_counter())
+            if event.index == 0:
+                self._counters["first_tokens"] += 1
+                self._ttft_sum += (state.first_token_at or 0.0) - state.admitted_at
+            self._deliver(state, event)
+        if state.cancelled or state.finish is not None:
+            await self._retire(state, "cancelled" if state.cancelled else "finished")
+        else:
+            await self._submit(state)
+
+    def _deliver(self, state: StreamState, item: TokenEvent | BaseException) -> None:
+        queue = self._queues.get(state.stream_id)
+        if queue is not None:
+            queue.put_nowait(item)
+
+    async def _fail(self, state: StreamState, exc: BaseException) -> None:
+        log.warning("stream %s failed: %s", state.stream_id, exc)
+        state.finish = FinishReason.CANCELLED
+        self._deliver(state, exc)
+        await self._retire(state, "failed")
+
+    async def _retire(self, state: StreamState, outcome: str) -> None:
+        """Free the stream's slot and its KV state on every stage, then admit the next request."""
+        self._counters[outcome] += 1
+        if self._active.pop(state.stream_id, None) is not None:
+            with contextlib.suppress(DeskfleetError):
+                await self.path.async_release(state.stream_id)
+        await self._admit()
+
+    def _cancel(self, state: StreamState) -> None:
+        """The consumer went away: stop the stream now, or as soon as its step in flight returns."""
+        state.cancelled = True
+        if state.stream_id in self._active and not state.in_flight:
+            task = asyncio.get_running_loop().create_task(self._retire(state, "cancelled"))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        elif state in self._waiting:
+            self._waiting.remove(state)
+            self._counters["cancelled"] += 1
+
+
+def model_card(manifest) -> ModelCard:
+    m = manifest.model
+    return ModelCard(name=m.name, context_length=m.max_position_embeddings, eos_token_ids=m.eos_token_ids,
+                     stages=len(manifest.stages))

@@ -1,0 +1,34 @@
+"""The dependency rules of ARCHITECTURE.md, enforced by import-linter."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _lint_imports(cwd: Path) -> subprocess.CompletedProcess:
+    exe = shutil.which("lint-imports") or [sys.executable, "-m", "importlinter.cli"]
+    cmd = [exe] if isinstance(exe, str) else exe
+    return subprocess.run([*cmd, "--no-cache"], cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def test_import_contracts_hold():
+    result = _lint_imports(ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Contracts: 3 kept, 0 broken" in result.stdout
+
+
+def test_contracts_catch_a_torch_import_in_engine(tmp_path):
+    """The same contracts on a copy of the tree with one bad import must fail."""
+    tree = tmp_path / "tree"
+    for part in ("engine", "export", "agent", "console", "installer"):
+        shutil.copytree(ROOT / part, tree / part, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tree / "pyproject.toml")
+    (tree / "engine" / "sneaky.py").write_text("import torch\n")
+    result = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, '.'); "
+                             "from importlinter.cli import lint_imports_command; lint_imports_command()",
+                             "--no-cache"], cwd=tree, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "engine.sneaky -> torch" in result.stdout

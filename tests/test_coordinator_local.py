@@ -1,0 +1,104 @@
+"""The coordinator over stages in this process: identity, isolation, sampling, cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine.coordinator import Coordinator
+from engine.errors import GenerationError
+from engine.generate import greedy_generate
+from engine.generator import OverloadedError
+from engine.request import FinishReason, GenerationRequest, SamplingParams
+from engine.shard import LocalChain
+from tests.conftest import PROMPT_IDS
+
+
+async def collect(coordinator, request):
+    return [e async for e in coordinator.stream(request)]
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, timeout=300))
+
+
+def test_greedy_equals_the_in_process_chain(tiny_export):
+    export = tiny_export("llama", 2)
+    expected = greedy_generate(LocalChain.load(export, exact=True), PROMPT_IDS, 24, ignore_eos=True).tokens
+
+    async def main():
+        async with Coordinator.local(export, exact=True, prefill_chunk=5) as c:
+            events = await collect(c, GenerationRequest(PROMPT_IDS, 24, ignore_eos=True))
+        return events
+
+    events = run(main())
+    assert tuple(e.token_id for e in events) == expected
+    assert events[-1].finish is FinishReason.LENGTH and all(e.finish is None for e in events[:-1])
+
+
+def test_concurrent_streams_do_not_influence_each_other(tiny_export):
+    export = tiny_export("llama", 2)
+    prompts = [PROMPT_IDS, PROMPT_IDS[3:], (7, 8, 9, 10, 11, 12), PROMPT_IDS[::-1]]
+
+    async def main():
+        async with Coordinator.local(export, exact=True, slots=3) as c:
+            alone = [await collect(c, GenerationRequest(p, 16 + i, ignore_eos=True)) for i, p in enumerate(prompts)]
+            together = await asyncio.gather(*(collect(c, GenerationRequest(p, 16 + i, ignore_eos=True))
+                                              for i, p in enumerate(prompts)))
+            metrics = c.metrics()
+        return alone, together, metrics
+
+    alone, together, metrics = run(main())
+    for a, t in zip(alone, together, strict=True):
+        assert [e.token_id for e in a] == [e.token_id for e in t]
+    assert metrics["active_streams"] == 0 and metrics["requests_finished_total"] == 8
+
+
+def test_seeded_sampling_is_reproducible_and_seed_dependent(tiny_export):
+    export = tiny_export("llama", 1)
+
+    def req(seed):
+        return GenerationRequest(PROMPT_IDS, 20, SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=seed),
+                                 ignore_eos=True)
+
+    async def main():
+        async with Coordinator.local(export, exact=True) as c:
+            a, b, other = await asyncio.gather(collect(c, req(7)), collect(c, req(7)), collect(c, req(8)))
+        return a, b, other
+
+    a, b, other = run(main())
+    ids = lambda evs: [e.token_id for e in evs]  # noqa: E731
+    assert ids(a) == ids(b)
+    assert ids(a) != ids(other)
+
+
+def test_cancelling_frees_the_slot(tiny_export):
+    export = tiny_export("llama", 2)
+
+    async def main():
+        async with Coordinator.local(export, exact=True, slots=1, max_waiting=0) as c:
+            stream = c.stream(GenerationRequest(PROMPT_IDS, 200, ignore_eos=True))
+            await stream.__anext__()
+            with pytest.raises(OverloadedError):
+                await collect(c, GenerationRequest(PROMPT_IDS, 4))
+            await stream.aclose()
+            for _ in range(200):  # the slot frees once the step in flight returns
+                if c.metrics()["active_streams"] == 0:
+                    break
+                await asyncio.sleep(0.01)
+            done = await collect(c, GenerationRequest(PROMPT_IDS, 4, ignore_eos=True))
+            return c.metrics(), done
+
+    metrics, done = run(main())
+    assert len(done) == 4
+    assert metrics["requests_cancelled_total"] == 1 and metrics["requests_rejected_total"] == 1
+
+
+def test_prompt_longer_than_the_context_is_refused(tiny_export):
+    async def main():
+        async with Coordinator.local(tiny_export("llama", 1)) as c:
+            await collect(c, GenerationRequest(tuple(range(3, 600)), 4))
+
+    with pytest.raises(GenerationError, match="context"):
+        run(main())

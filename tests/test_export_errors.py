@@ -1,0 +1,137 @@
+"""Bad requests and damaged shards give clear errors and leave nothing half-written."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from engine.errors import DeskfleetError, ManifestError, ShardIntegrityError
+from engine.manifest import load_manifest
+from engine.shard import LocalChain, Stage
+from export.architectures import UnsupportedArchitectureError
+from export.compress import CompressionError
+from export.exporter import ExportError, ExportOptions, export_model, plan_stages
+
+
+def _leftovers(parent, name):
+    return [p.name for p in parent.iterdir() if name in p.name]
+
+
+def test_tampered_shard_is_refused_before_compiling(tiny_export, tmp_path, monkeypatch):
+    export = tmp_path / "copy"
+    shutil.copytree(tiny_export("llama", 2), export)
+    weights = export / "stage_1" / "openvino_model.bin"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    compiled = []
+    monkeypatch.setattr("openvino.Core.compile_model", lambda *a, **k: compiled.append(a))
+    with pytest.raises(ShardIntegrityError, match="stage_1/openvino_model.bin.*sha256"):
+        Stage(export, 1)
+    assert compiled == [], "nothing may be compiled from a shard that fails verification"
+
+
+def test_truncated_and_missing_shard_files_are_named(tiny_export, tmp_path):
+    export = tmp_path / "copy"
+    shutil.copytree(tiny_export("llama", 2), export)
+    xml = export / "stage_0" / "openvino_model.xml"
+    xml.write_bytes(xml.read_bytes()[:100])
+    with pytest.raises(ShardIntegrityError, match="truncated"):
+        LocalChain.load(export)
+    xml.unlink()
+    with pytest.raises(ShardIntegrityError, match="missing"):
+        LocalChain.load(export)
+
+
+def test_missing_directory_and_missing_manifest(tmp_path):
+    with pytest.raises(ManifestError, match="does not exist"):
+        load_manifest(tmp_path / "nowhere")
+    with pytest.raises(ManifestError, match="no manifest.json"):
+        load_manifest(tmp_path)
+
+
+def test_manifest_path_escaping_the_export_is_refused(tiny_export, tmp_path):
+    export = tmp_path / "copy"
+    shutil.copytree(tiny_export("llama", 1), export)
+    manifest = json.loads((export / "manifest.json").read_text())
+    manifest["stages"][0]["files"][0]["path"] = "../../etc/passwd"
+    (export / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ManifestError, match="unsafe|escapes"):
+        Stage(export, 0)
+
+
+def test_unknown_manifest_version_is_refused(tiny_export, tmp_path):
+    export = tmp_path / "copy"
+    shutil.copytree(tiny_export("llama", 1), export)
+    manifest = json.loads((export / "manifest.json").read_text())
+    manifest["format_version"] = 99
+    (export / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ManifestError, match="version 99"):
+        load_manifest(export)
+
+
+@pytest.mark.parametrize(("stages", "split", "message"), [
+    (0, None, "out of range"),
+    (5, None, "out of range"),
+    (None, [0], "out of range"),
+    (None, [4], "out of range"),
+    (None, [3, 2], "out of range"),
+])
+def test_split_out_of_range_writes_nothing(stages, split, message, tiny_checkpoint, tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(ExportError, match=message):
+        export_model(tiny_checkpoint("llama"), out, stages=stages, split=split, fingerprint="x")
+    assert not out.exists() and _leftovers(tmp_path, "out") == []
+
+
+def test_plan_stages_is_contiguous_and_balanced():
+    plan = plan_stages(30, stages=4)
+    assert [(s.first_layer, s.last_layer) for s in plan] == [(0, 7), (8, 15), (16, 22), (23, 29)]
+    assert plan[0].has_embedding and plan[-1].has_head and not plan[1].has_head
+    assert [s.first_layer for s in plan_stages(30, split=[10, 20])] == [0, 10, 20]
+
+
+def test_unsupported_architecture_names_what_is_supported(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    ckpt = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).save_pretrained(ckpt)
+    out = tmp_path / "out"
+    with pytest.raises(UnsupportedArchitectureError, match="'gpt2' is not supported.*llama.*mistral.*qwen2"):
+        export_model(ckpt, out, stages=1, fingerprint="x")
+    assert not out.exists()
+
+
+def test_group_size_that_does_not_divide_hidden_size(tiny_checkpoint, tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(CompressionError, match="group size 48 does not divide hidden size"):
+        export_model(tiny_checkpoint("llama"), out, stages=1, options=ExportOptions(group_size=48), fingerprint="x")
+    assert not out.exists()
+
+
+def test_existing_output_is_kept_unless_forced(tiny_checkpoint, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep me")
+    with pytest.raises(ExportError, match="already exists"):
+        export_model(tiny_checkpoint("llama"), out, stages=1, options=ExportOptions(weights="fp32"), fingerprint="x")
+    assert (out / "precious.txt").read_text() == "keep me"
+
+
+def test_failure_mid_export_leaves_no_partial_directory(tiny_checkpoint, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr("export.exporter._copy_tokenizer", boom)
+    with pytest.raises(RuntimeError, match="disk full"):
+        export_model(tiny_checkpoint("llama"), out, stages=2, options=ExportOptions(weights="fp32"), fingerprint="x")
+    assert not out.exists() and _leftovers(tmp_path, "out") == []
+
+
+def test_not_a_checkpoint_directory(tmp_path):
+    with pytest.raises(DeskfleetError, match="config.json"):
+        export_model(tmp_path, tmp_path / "out", stages=1, fingerprint="x")
