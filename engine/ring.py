@@ -1,0 +1,130 @@
+"""The coordinator's side of a ring of stage workers: a :class:`StepPath` over the network.
+
+Steps go out to stage 0 (or, when the coordinator hosts stage 0 itself, are computed here and
+their hidden states go to stage 1); replies come back from the last stage on a return port
+that this path listens on. Each reply is matched to its stream by id and sequence number.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+import time
+from ssl import SSLContext
+
+from engine.errors import DeskfleetError
+from engine.handshake import LocalIdentity
+from engine.messages import Error, Forward, Hello, Logits, Message, Release, Tokens
+from engine.path import StepRequest, StepResult
+from engine.shard import Stage, StageStream
+from engine.transport import Connection, FrameServer, async_connect
+from engine.wire import COORDINATOR_STAGE, Role, StreamId
+from engine.worker import Address
+
+log = logging.getLogger(__name__)
+
+
+class RingPath:
+    """Steps through remote stage workers; optionally runs stage 0 in this process."""
+
+    def __init__(self, fingerprint: str, num_stages: int, first_remote: Address, return_listen: Address, *,
+                 local_stage0: Stage | None = None, server_ssl: SSLContext | None = None,
+                 client_ssl: SSLContext | None = None, dial_deadline: float = 120.0):
+        self.fingerprint = fingerprint
+        self.num_stages = num_stages
+        self.first_remote = first_remote
+        self.return_listen = return_listen
+        self.local_stage0 = local_stage0
+        self._client_ssl = client_ssl
+        self._dial_deadline = dial_deadline
+        self.results: asyncio.Queue[StepResult] = asyncio.Queue()
+        identity = LocalIdentity(fingerprint, COORDINATOR_STAGE, frozenset({Role.STAGE}))
+        self._returns = FrameServer(self._on_return, identity, ssl=server_ssl, idle_timeout=None)
+        self._out: Connection | None = None
+        self._listening = False
+        self._local_streams: dict[StreamId, StageStream] = {}
+        self._executor = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="deskfleet-stage0")
+                          if local_stage0 else None)
+        self._sent_at: dict[tuple[StreamId, int], float] = {}
+        self._roundtrips: collections.deque[float] = collections.deque(maxlen=256)
+        self._local_compute: collections.deque[float] = collections.deque(maxlen=256)
+
+    @property
+    def return_address(self) -> Address:
+        host, port = self._returns.address
+        return Address(host, port)
+
+    async def async_listen(self) -> Address:
+        """Open the return port (idempotent): the last stage needs its address before it starts."""
+        if not self._listening:
+            await self._returns.async_start(self.return_listen.host, self.return_listen.port)
+            self._listening = True
+        return self.return_address
+
+    async def async_start(self) -> None:
+        await self.async_listen()
+        first_index = 1 if self.local_stage0 is not None else 0
+        role = Role.STAGE if self.local_stage0 is not None else Role.COORDINATOR
+        hello = Hello(self.fingerprint, first_index, role)
+        self._out = await async_connect(self.first_remote.host, self.first_remote.port, hello,
+                                        ssl=self._client_ssl, deadline=self._dial_deadline)
+        log.info("ring: connected to stage %d at %s; replies on %s", first_index, self.first_remote,
+                 self.return_address)
+
+    async def _on_return(self, conn: Connection, msg: Message) -> None:
+        match msg:
+            case Tokens():
+                self._deliver(StepResult(msg.stream_id, msg.seq, ids=msg.ids.reshape(-1),
+                                         probs=msg.probs.reshape(-1)))
+            case Logits():
+                logits = msg.logits.reshape(-1, msg.logits.shape[-1])
+                self._deliver(StepResult(msg.stream_id, msg.seq, logits=logits))
+            case Error() if msg.stream_id:
+                self._deliver(StepResult(msg.stream_id, msg.seq, error=msg.message))
+            case _:
+                log.debug("ring: ignoring %r on the return port", msg)
+
+    def _deliver(self, result: StepResult) -> None:
+        sent = self._sent_at.pop((result.stream_id, result.seq), None)
+        if sent is not None:
+            self._roundtrips.append(time.perf_counter() - sent)
+        self.results.put_nowait(result)
+
+    async def async_submit(self, step: StepRequest) -> None:
+        if self._out is None:
+            raise DeskfleetError("the ring is not connected; start the path first")
+        x = step.inputs.x
+        self._sent_at[(step.stream_id, step.seq)] = time.perf_counter()
+        if self.local_stage0 is not None:
+            stream = self._local_streams.get(step.stream_id)
+            if stream is None:
+                stream = self._local_streams[step.stream_id] = self.local_stage0.new_stream()
+            started = time.perf_counter()
+            x = await asyncio.get_running_loop().run_in_executor(self._executor, stream.forward, step.inputs)
+            self._local_compute.append(time.perf_counter() - started)
+        await self._out.async_send(Forward(step.stream_id, step.seq, x, step.inputs.attention_mask,
+                                           step.inputs.position_ids, step.want_logits, step.reply_last))
+
+    async def async_release(self, stream_id: StreamId) -> None:
+        if self._executor is not None:
+            await asyncio.get_running_loop().run_in_executor(self._executor, self._local_streams.pop, stream_id, None)
+        if self._out is not None and not self._out.closed:
+            await self._out.async_send(Release(stream_id))
+
+    async def async_close(self) -> None:
+        if self._out is not None:
+            await self._out.async_close()
+        await self._returns.async_close()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+        self._local_streams.clear()
+
+    def stage_metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        if self._roundtrips:
+            out["ring_step_ms_avg"] = 1000 * sum(self._roundtrips) / len(self._roundtrips)
+        if self._local_compute:
+            out['stage_compute_ms_per_step{stage="0"}'] = 1000 * sum(self._local_compute) / len(self._local_compute)
+        return out

@@ -1,0 +1,187 @@
+"""A stage worker: one verified, compiled shard serving its place in the ring.
+
+It listens for its upstream neighbour (the coordinator for stage 0), keeps one KV state per
+stream, and forwards each step's output to its successor, which it dials with retry so that the
+order in which a ring is brought up does not matter. The last stage sends its reply (top-1 ids,
+or logits on request) straight back to the coordinator, not hop by hop.
+
+On SIGTERM it drains: the frame in hand finishes, frames for new streams are refused, and the
+process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from ssl import SSLContext
+
+import numpy as np
+
+from engine.errors import DeskfleetError
+from engine.handshake import LocalIdentity
+from engine.messages import Error, Forward, Hello, Logits, Message, Release, Tokens
+from engine.path import last_stage_reply
+from engine.shard import Stage, StageStream, StepInputs
+from engine.transport import Connection, FrameServer, async_connect
+from engine.wire import COORDINATOR_STAGE, ErrorCode, Role, StreamId
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Address:
+    host: str
+    port: int
+
+    @classmethod
+    def parse(cls, text: str) -> Address:
+        host, sep, port = text.rpartition(":")
+        if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
+            raise DeskfleetError(f"{text!r} is not HOST:PORT (e.g. 127.0.0.1:7001)")
+        return cls(host.strip("[]") or "127.0.0.1", int(port))
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+class StageWorker:
+    """Serves one stage; ``next_address`` is the next stage, or the coordinator's return port."""
+
+    def __init__(self, stage: Stage, listen: Address, next_address: Address, *,
+                 server_ssl: SSLContext | None = None, client_ssl: SSLContext | None = None,
+                 dial_deadline: float = 120.0):
+        self.stage = stage
+        self.listen = listen
+        self.next_address = next_address
+        self.fingerprint = stage.manifest.model.fingerprint
+        self._server_ssl, self._client_ssl = server_ssl, client_ssl
+        self._dial_deadline = dial_deadline
+        upstream_role = Role.COORDINATOR if stage.index == 0 else Role.STAGE
+        self._server = FrameServer(self._handle, LocalIdentity(self.fingerprint, stage.index,
+                                                                frozenset({upstream_role})), ssl=server_ssl,
+                                   idle_timeout=None)
+        self._streams: dict[StreamId, StageStream] = {}
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"deskfleet-stage{stage.index}")
+        self._next: Connection | None = None
+        self._next_lock = asyncio.Lock()
+        self.draining = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.steps = 0
+        self.compute_s = 0.0
+
+    @property
+    def address(self) -> Address:
+        host, port = self._server.address
+        return Address(host, port)
+
+    async def async_start(self) -> Address:
+        await self._server.async_start(self.listen.host, self.listen.port)
+        log.info("stage %d listening on %s, next hop %s", self.stage.index, self.address, self.next_address)
+        return self.address
+
+    async def _downstream(self) -> Connection:
+        async with self._next_lock:
+            if self._next is None or self._next.closed:
+                next_index = COORDINATOR_STAGE if self.stage.is_last else self.stage.index + 1
+                hello = Hello(self.fingerprint, next_index, Role.STAGE)
+                self._next = await async_connect(self.next_address.host, self.next_address.port, hello,
+                                                 ssl=self._client_ssl, deadline=self._dial_deadline)
+                log.info("stage %d connected to %s", self.stage.index, self.next_address)
+            return self._next
+
+    async def _send(self, msg: Message) -> None:
+        conn = await self._downstream()
+        await conn.async_send(msg)
+
+    async def _handle(self, conn: Connection, msg: Message) -> None:
+        match msg:
+            case Forward():
+                await self._forward(msg)
+            case Release():
+                await self._release(msg.stream_id)
+                if not self.stage.is_last:
+                    await self._send(msg)
+            case Error() if msg.stream_id:
+                await self._send(msg)  # a stream failed upstream: pass it on toward the coordinator
+            case _:
+                log.debug("stage %d ignoring %r", self.stage.index, msg)
+
+    async def _forward(self, msg: Forward) -> None:
+        stream = self._streams.get(msg.stream_id)
+        if stream is None:
+            if self.draining:
+                await self._send(Error(ErrorCode.SHUTTING_DOWN, f"stage {self.stage.index} is shutting down",
+                                       msg.stream_id, msg.seq))
+                return
+            stream = self._streams[msg.stream_id] = self.stage.new_stream()
+        loop = asyncio.get_running_loop()
+        x = msg.tensor if msg.tensor.dtype != np.float16 else msg.tensor.astype(np.float32)
+        step = StepInputs(x, msg.attention_mask, msg.position_ids)
+        self._idle.clear()
+        started = time.perf_counter()
+        try:
+            out = await loop.run_in_executor(self._executor, stream.forward, step)
+        except Exception as exc:  # OpenVINO failure on one stream must not take the worker down
+            log.error("stage %d failed on stream %s: %s", self.stage.index, msg.stream_id, exc)
+            await self._send(Error(ErrorCode.STREAM_FAILED, f"stage {self.stage.index}: {exc}",
+                                   msg.stream_id, msg.seq))
+            return
+        finally:
+            self.compute_s += time.perf_counter() - started
+            self.steps += 1
+            self._idle.set()
+        if self.stage.is_last:
+            first, probs = last_stage_reply(out, msg.reply_last, msg.want_logits)
+            reply: Message = (Logits(msg.stream_id, msg.seq, first) if msg.want_logits
+                              else Tokens(msg.stream_id, msg.seq, first, probs))
+        else:
+            reply = Forward(msg.stream_id, msg.seq, out, msg.attention_mask, msg.position_ids,
+                            msg.want_logits, msg.reply_last)
+        await self._send(reply)
+
+    async def _release(self, stream_id: StreamId) -> None:
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._executor, self._streams.pop, stream_id, None)
+
+    async def async_drain(self) -> None:
+        """Refuse new streams and wait for the frame in hand to finish."""
+        self.draining = True
+        await self._idle.wait()
+
+    async def async_close(self) -> None:
+        await self._server.async_close()
+        if self._next is not None:
+            await self._next.async_close()
+        self._executor.shutdown(wait=True)
+        self._streams.clear()
+
+
+async def async_serve_worker(shard_dir: Path, stage_index: int, listen: Address, next_address: Address, *,
+                             device: str = "CPU", exact: bool = False, num_threads: int | None = None,
+                             server_ssl: SSLContext | None = None, client_ssl: SSLContext | None = None,
+                             ready: asyncio.Event | None = None) -> int:
+    """Run a worker until SIGTERM/SIGINT (drain, then exit 0)."""
+    stage = Stage(shard_dir, stage_index, device=device, exact=exact, num_threads=num_threads)
+    worker = StageWorker(stage, listen, next_address, server_ssl=server_ssl, client_ssl=client_ssl)
+    address = await worker.async_start()
+    print(f"deskfleet worker: stage {stage_index} ({stage.spec.num_layers} layers) on {address}, "
+          f"next hop {next_address}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    if ready is not None:
+        ready.set()
+    await stop.wait()
+    log.info("stage %d draining", stage_index)
+    await worker.async_drain()
+    await worker.async_close()
+    return 0
