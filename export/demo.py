@@ -1,7 +1,9 @@
-"""``deskfleet demo``: export the embedded default model (once) and answer a prompt through it.
+"""``deskfleet demo``: a local fleet on this machine, from nothing.
 
-Today the stages are chained in this process; the runtime issue turns this into a local
-2-node fleet (two worker processes + the coordinator) behind the same command.
+Exports the embedded default model once (cached), starts one worker process per stage on
+loopback plus the coordinator, answers the prompt and prints the answer and tok/s. With
+``--serve`` it then keeps the OpenAI-compatible API up until interrupted, and every process
+shuts down cleanly on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -19,36 +21,71 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stages", type=int, default=2, help="number of stages (default 2)")
     p.add_argument("--weights", choices=("int4", "int8", "fp16", "fp32"), default="int4")
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--slots", type=int, default=4, help="concurrent streams the fleet serves (default 4)")
+    p.add_argument("--serve", action="store_true", help="then keep the OpenAI-compatible API up until Ctrl-C")
+    p.add_argument("--port", type=int, default=8000, help="API port with --serve (default 8000; 0 = any free)")
 
 
-def run(args: argparse.Namespace) -> int:
+def ensure_default_export(weights: str, stages: int):
+    """The embedded model's export under the cache root: verified if present, else made now."""
     from engine.errors import ManifestError
-    from engine.generate import greedy_generate
-    from engine.shard import LocalChain
-    from engine.tokenizer import ChatTokenizer
+    from engine.manifest import load_manifest, verify_stage
     from export.cli import export_progress
     from export.exporter import ExportOptions, export_model
     from export.sources import default_cache_root, resolve_model
 
     source = resolve_model(None)
-    out = default_cache_root() / "exports" / f"{source.name}-{args.weights}-{args.stages}"
+    out = default_cache_root() / "exports" / f"{source.name}-{weights}-{stages}"
     try:
-        chain = LocalChain.load(out)  # verifies every file against the manifest
+        manifest = load_manifest(out)
+        for i in range(len(manifest.stages)):
+            verify_stage(out, manifest, i)
+        return source, out
     except ManifestError:
-        print(f"exporting {source.name} into {args.stages} {args.weights} stages (once) ...", file=sys.stderr)
-        with export_progress() as progress:
-            export_model(source.checkpoint_dir, out, stages=args.stages,
-                         options=ExportOptions(weights=args.weights, force=True), name=source.name,
-                         progress=progress)
-        chain = LocalChain.load(out)
+        pass
+    print(f"exporting {source.name} into {stages} {weights} stages (once) ...", file=sys.stderr)
+    with export_progress() as progress:
+        export_model(source.checkpoint_dir, out, stages=stages, options=ExportOptions(weights=weights, force=True),
+                     name=source.name, progress=progress)
+    return source, out
+
+
+async def _async_demo(args: argparse.Namespace, source, out) -> int:
+    import time
+
+    from engine.localfleet import local_fleet
+    from engine.request import GenerationRequest
+    from engine.tokenizer import ChatTokenizer
+
     tokenizer = ChatTokenizer(out / "tokenizer")
-    ids = tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
-    result = greedy_generate(chain, ids, args.max_new_tokens, eos_ids=chain.manifest.model.eos_token_ids)
-    print(f"Q: {args.prompt}")
-    print(f"A: {tokenizer.decode(result.tokens).strip()}")
-    print(f"[{result.decode_tok_per_s:.1f} tok/s decode, TTFT {result.ttft_s * 1000:.0f} ms, "
-          f"{len(chain.stages)} stages of {source.name} ({args.weights})]")
+    print(f"starting a {args.stages}-node fleet on loopback ...", file=sys.stderr)
+    async with local_fleet(out, slots=args.slots) as coordinator:
+        ids = tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
+        request = GenerationRequest(tuple(ids), args.max_new_tokens, stop_token_ids=coordinator.model.eos_token_ids)
+        started = time.perf_counter()
+        first = None
+        tokens: list[int] = []
+        async for event in coordinator.stream(request):
+            first = first or time.perf_counter()
+            tokens.append(event.token_id)
+        done = time.perf_counter()
+        rate = (len(tokens) - 1) / (done - first) if len(tokens) > 1 and first and done > first else 0.0
+        print(f"Q: {args.prompt}")
+        print(f"A: {tokenizer.decode(tokens).strip()}")
+        print(f"[{rate:.1f} tok/s decode, TTFT {(first - started) * 1000:.0f} ms, {len(tokens)} tokens, "
+              f"{args.stages} worker processes on loopback, {source.name} {args.weights}]", flush=True)
+        if args.serve:
+            from engine.serve_cli import async_serve_until_interrupted
+
+            await async_serve_until_interrupted(coordinator, tokenizer, host="127.0.0.1", port=args.port)
     return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    source, out = ensure_default_export(args.weights, args.stages)
+    return asyncio.run(_async_demo(args, source, out))
 
 
 COMMAND = Command(name="demo", help="answer a prompt with the embedded default model split into stages",

@@ -1,0 +1,162 @@
+"""``deskfleet serve``: the OpenAI-compatible API over a coordinator, until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import os
+import signal
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+from engine.api import ApiSettings, async_run_api
+from engine.cli import Command
+from engine.errors import DeskfleetError, TokenizerError
+from engine.tokenizer import ChatTokenizer
+from engine.worker import Address
+
+log = logging.getLogger("deskfleet.serve")
+
+_DEFAULTS = ApiSettings()
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shards", required=True, type=Path, help="export directory (from `deskfleet export`)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
+    p.add_argument("--api-key-env", metavar="VAR", default=None,
+                   help="name of the environment variable holding the API key clients must send as a bearer "
+                        "token (the key itself never goes on the command line); without it, no auth")
+    p.add_argument("--max-concurrent", type=int, default=_DEFAULTS.max_concurrent,
+                   help=f"requests in flight before answering 429 (default {_DEFAULTS.max_concurrent})")
+    p.add_argument("--slots", type=int, default=4, help="streams generated at once (default 4)")
+    p.add_argument("--max-prompt-tokens", type=int, default=_DEFAULTS.max_prompt_tokens,
+                   help=f"longest prompt accepted (default {_DEFAULTS.max_prompt_tokens})")
+    p.add_argument("--model-name", default=None, help="model id the API serves (default: the export's name)")
+    p.add_argument("--device", default="CPU", help="OpenVINO device for every stage (default CPU)")
+    p.add_argument("--exact", action="store_true", help="f32 compute and KV cache (bit-exact settings; slower)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--workers", action="store_true",
+                       help="run every stage in its own worker process on loopback (a local fleet)")
+    where.add_argument("--first-stage", type=Address.parse, default=None, metavar="HOST:PORT",
+                       help="serve through a ring of `deskfleet worker`s whose first stage listens here")
+    p.add_argument("--return-listen", type=Address.parse, default=Address("0.0.0.0", 7100), metavar="HOST:PORT",
+                   help="with --first-stage: where the last stage sends replies (default 0.0.0.0:7100)")
+    p.add_argument("--host-stage0", action="store_true",
+                   help="with --first-stage: run stage 0 in this process (the ring starts at stage 1)")
+
+
+def api_key_from_env(var: str | None, environ: Mapping[str, str]) -> str | None:
+    """The API key held by environment variable ``var`` (None: no auth); refuse an unset or empty one."""
+    if var is None:
+        return None
+    key = environ.get(var, "").strip()
+    if not key:
+        raise DeskfleetError(f"--api-key-env names {var}, but that environment variable is unset or empty; "
+                             f"export {var}=<key> before starting the server, or drop --api-key-env")
+    return key
+
+
+def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> ApiSettings:
+    """The API settings for the parsed command line."""
+    try:
+        return ApiSettings(model_name=args.model_name, api_key=api_key_from_env(args.api_key_env, environ),
+                           max_concurrent=args.max_concurrent, max_prompt_tokens=args.max_prompt_tokens)
+    except ValueError as exc:
+        raise DeskfleetError(f"invalid server limits: {exc}") from exc
+
+
+def _is_loopback(host: str) -> bool:
+    with contextlib.suppress(ValueError):
+        return ipaddress.ip_address(host).is_loopback
+    return host == "localhost"
+
+
+@contextlib.contextmanager
+def _stop_on_signals(stop: asyncio.Event) -> Iterator[None]:
+    loop = asyncio.get_running_loop()
+    signals = (signal.SIGINT, signal.SIGTERM)
+    previous = {}
+    try:
+        for sig in signals:
+            loop.add_signal_handler(sig, stop.set)
+    except NotImplementedError:  # Windows: no loop signal handlers
+        previous = {sig: signal.signal(sig, lambda *_: loop.call_soon_threadsafe(stop.set)) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig in signals:
+            if previous:
+                signal.signal(sig, previous[sig])
+            else:
+                loop.remove_signal_handler(sig)
+
+
+async def async_serve_until_interrupted(generator, tokenizer: ChatTokenizer, settings: ApiSettings | None = None,
+                                        host: str = "127.0.0.1", port: int = 8000) -> None:
+    """Serve the API over a running generator, print the URL, return on SIGINT or SIGTERM."""
+    settings = settings or ApiSettings()
+    stop = asyncio.Event()
+    with _stop_on_signals(stop):
+        api = await async_run_api(generator, tokenizer, settings, host, port)
+        try:
+            card = generator.model
+            print(f"deskfleet: serving {settings.model_name or card.name} ({card.stages} "
+                  f"stage{'s' if card.stages != 1 else ''}) at {api.url}  (Ctrl-C to stop)", flush=True)
+            await stop.wait()
+            log.info("stopping: finishing in-flight requests")
+        finally:
+            await api.async_stop()
+
+
+@contextlib.asynccontextmanager
+async def _open_generator(args: argparse.Namespace):
+    """The coordinator the command line asks for: stages in-process, local workers, or a remote ring."""
+    # Imported here, so `--help` does not load OpenVINO.
+    from engine.coordinator import Coordinator, model_card
+
+    if args.first_stage is not None:
+        from engine.manifest import load_manifest
+        from engine.ring import RingPath
+        from engine.shard import Stage
+
+        manifest = load_manifest(args.shards)
+        local0 = Stage(args.shards, 0, manifest=manifest, device=args.device, exact=args.exact) if args.host_stage0 else None
+        path = RingPath(manifest.model.fingerprint, len(manifest.stages), args.first_stage, args.return_listen,
+                        local_stage0=local0)
+        async with Coordinator(path, model_card(manifest), slots=args.slots) as coordinator:
+            yield coordinator
+    elif args.workers:
+        from engine.localfleet import local_fleet
+
+        async with local_fleet(args.shards, slots=args.slots, exact=args.exact) as coordinator:
+            yield coordinator
+    else:
+        async with Coordinator.local(args.shards, slots=args.slots, exact=args.exact, device=args.device) as coordinator:
+            yield coordinator
+
+
+async def async_serve(args: argparse.Namespace, settings: ApiSettings, tokenizer: ChatTokenizer) -> int:
+    """Start the coordinator and the API, print the URL, and serve until SIGINT or SIGTERM."""
+    async with _open_generator(args) as coordinator:
+        await async_serve_until_interrupted(coordinator, tokenizer, settings, args.host, args.port)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args, os.environ)
+    tok_dir = args.shards / "tokenizer"
+    if not tok_dir.is_dir():
+        raise TokenizerError(f"{args.shards} has no tokenizer/ directory; re-export the model with its tokenizer")
+    tokenizer = ChatTokenizer(tok_dir)
+    if settings.api_key is None and not _is_loopback(args.host):
+        log.warning("serving on %s without an API key: anyone on the network can use it; "
+                    "pass --api-key-env VAR", args.host)
+    return asyncio.run(async_serve(args, settings, tokenizer))
+
+
+COMMAND = Command(name="serve", help="serve an export over the OpenAI-compatible HTTP API",
+                  configure=configure, run=run)
