@@ -54,6 +54,8 @@ class Coordinator:
         self._counters = collections.Counter()
         self._token_times: collections.deque[float] = collections.deque()
         self._ttft_sum = 0.0
+        self._overhead_s = 0.0  # reply received -> next step submitted (policy, sampling, send)
+        self._overhead_n = 0
 
     @classmethod
     def local(cls, export_dir: Path | str, *, slots: int = 4, exact: bool = False, device: str = "CPU",
@@ -140,6 +142,7 @@ class Coordinator:
             "waiting_requests": float(len(self._waiting)),
             "slots": float(self.slots),
             "stages": float(self.path.num_stages),
+            "coordinator_overhead_ms_per_step": 1000 * self._overhead_s / self._overhead_n if self._overhead_n else 0.0,
         }
         out.update(self.path.stage_metrics())
         return out
@@ -171,6 +174,7 @@ class Coordinator:
             await self._on_reply(state, result)
 
     async def _on_reply(self, state: StreamState, result: StepResult) -> None:
+        started = time.perf_counter()
         try:
             event = apply_reply(state, result)
         except GenerationError as exc:
@@ -187,6 +191,8 @@ class Coordinator:
             await self._retire(state, "cancelled" if state.cancelled else "finished")
         else:
             await self._submit(state)
+            self._overhead_s += time.perf_counter() - started
+            self._overhead_n += 1
 
     def _deliver(self, state: StreamState, item: TokenEvent | BaseException) -> None:
         queue = self._queues.get(state.stream_id)

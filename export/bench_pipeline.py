@@ -1,0 +1,199 @@
+"""``deskfleet bench pipeline``: the ring against one PC, single user and micro-batched.
+
+The default model as 2 INT4 stages, each in its own worker process limited to one inference
+thread so that the two behave like two PCs. Variants, interleaved round-robin, medians:
+
+- REF   ``openvino_genai.LLMPipeline`` (the parity benchmark's reference), all cores, one user
+- IN1   our 1-stage shard in-process, all cores
+- IN2   our 2 stages chained in-process, one thread each (what the ring distributes)
+- R1    the ring, one stream (naive pipeline parallelism)
+- R2/R3 the ring with 2 / 3 streams micro-batched (aggregate and per stream)
+
+Plus a per-token time breakdown of R1: stage compute (measured per stage in-process with one
+thread), the coordinator's own overhead per step, and the rest of the ring round trip
+(serialisation, sockets, scheduling), i.e. transport.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engine.benchrecord import (
+    DEFAULT_DOC,
+    DEFAULT_JSON_DIR,
+    machine_info,
+    markdown_table,
+    median,
+    update_section,
+    write_json,
+)
+from engine.cli import Command
+from export.benchkit import Run, ensure_export, reference_runner, shard_runner
+
+PROMPT = "What is the capital of France? Answer in one long paragraph about its history."
+COMMAND_LINE = "deskfleet bench pipeline"
+
+
+async def ring_run(coordinator, ids: list[int], n: int, streams: int) -> dict[str, Any]:
+    """``streams`` identical-length requests at once; aggregate and per-stream decode rates."""
+    from engine.request import GenerationRequest
+
+    async def one(k: int) -> tuple[float, float, int]:
+        first = last = 0.0
+        count = 0
+        prompt = tuple(ids[k:] if k else ids)  # different prompts, so streams are not in lockstep by content
+        async for _ in coordinator.stream(GenerationRequest(prompt, n, ignore_eos=True)):
+            now = time.perf_counter()
+            first = first or now
+            last = now
+            count += 1
+        return first, last, count
+
+    started = time.perf_counter()
+    results = await asyncio.gather(*(one(k) for k in range(streams)))
+    firsts, lasts = [r[0] for r in results], [r[1] for r in results]
+    per_stream = [(c - 1) / (b - a) for a, b, c in results]
+    aggregate = sum(c - 1 for *_, c in results) / (max(lasts) - min(firsts))
+    return {"aggregate_tok_per_s": aggregate, "per_stream_tok_per_s": per_stream,
+            "ttft_ms": [1000 * (f - started) for f in firsts]}
+
+
+def stage_compute_ms(export_dir: Path, ids: list[int], steps: int = 64, num_threads: int = 1) -> list[float]:
+    """Median decode-step compute time of each stage alone (ms), one inference thread each."""
+    from engine.kv_layout import KVLayout
+    from engine.shard import LocalChain, StepInputs
+
+    chain = LocalChain.load(export_dir, num_threads=num_threads)
+    streams = chain.new_streams()
+    layout = KVLayout()
+    x = np.asarray([ids], dtype=np.int64)
+    times: list[list[float]] = [[] for _ in streams]
+    for step in range(steps + 1):
+        mask, pos = layout.plan(x.shape[1])
+        h = x
+        for i, stream in enumerate(streams):
+            t = time.perf_counter()
+            h = stream.forward(StepInputs(h, mask, pos))
+            if step:
+                times[i].append(1000 * (time.perf_counter() - t))
+        layout.append(x.shape[1])
+        x = np.asarray([[int(h[0, -1].argmax())]], dtype=np.int64)
+    return [median(t) for t in times]
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--runs", type=int, default=5, help="timed rounds (default 5)")
+    p.add_argument("--warmups", type=int, default=2, help="untimed rounds first (default 2)")
+    p.add_argument("--tokens", type=int, default=128, help="new tokens per request (default 128)")
+    p.add_argument("--json", type=Path, default=DEFAULT_JSON_DIR / "pipeline.json")
+    p.add_argument("--doc", type=Path, default=DEFAULT_DOC)
+
+
+async def _async_bench(args: argparse.Namespace) -> dict[str, Any]:
+    from engine.localfleet import local_fleet
+    from engine.tokenizer import ChatTokenizer
+    from export.reference import export_reference
+    from export.sources import default_cache_root, model_fingerprint, resolve_model
+
+    source = resolve_model(None)
+    fingerprint = model_fingerprint(source.checkpoint_dir)
+    root = default_cache_root() / "bench-exports"
+    one, _ = ensure_export(root, source, fingerprint, "int4", 1, True)
+    two, _ = ensure_export(root, source, fingerprint, "int4", 2, True)
+    ids = ChatTokenizer(source.checkpoint_dir).encode_chat([{"role": "user", "content": PROMPT}])
+    sync_runners = {"REF": reference_runner(export_reference(source.checkpoint_dir, "int4")),
+                    "IN1": shard_runner(one), "IN2": shard_runner(two, num_threads=1)}
+    rows: dict[str, list] = {k: [] for k in [*sync_runners, "R1", "R2", "R3"]}
+    async with local_fleet(two, slots=3, threads=1) as coordinator:
+        for round_ in range(args.warmups + args.runs):
+            timed = round_ >= args.warmups
+            for name, runner in sync_runners.items():
+                r: Run = await asyncio.to_thread(runner, ids, args.tokens)
+                if timed:
+                    rows[name].append({"aggregate_tok_per_s": r.decode_tok_per_s, "ttft_ms": [1000 * r.ttft_s]})
+            for k in (1, 2, 3):
+                r = await ring_run(coordinator, ids, args.tokens, k)
+                if timed:
+                    rows[f"R{k}"].append(r)
+            print(f"  round {round_ + 1}/{args.warmups + args.runs} {'timed' if timed else 'warm-up'}",
+                  file=sys.stderr, flush=True)
+        ring_metrics = coordinator.metrics()
+    compute = await asyncio.to_thread(stage_compute_ms, two, ids)
+    return summarise(rows, ring_metrics, compute, args, len(ids))
+
+
+def summarise(rows: dict[str, list], ring_metrics: dict[str, float], compute: list[float],
+              args: argparse.Namespace, prompt_tokens: int) -> dict[str, Any]:
+    variants = {}
+    for name, rs in rows.items():
+        variants[name] = {
+            "runs": rs,
+            "median_aggregate_tok_per_s": median([r["aggregate_tok_per_s"] for r in rs]),
+            "median_per_stream_tok_per_s": median([min(r.get("per_stream_tok_per_s", [r["aggregate_tok_per_s"]]))
+                                                   for r in rs]),
+            "median_ttft_ms": median([max(r["ttft_ms"]) for r in rs]),
+        }
+    agg = {k: v["median_aggregate_tok_per_s"] for k, v in variants.items()}
+    step_ms = 1000 / agg["R1"]  # one token of a single stream = one trip around the ring
+    overhead = ring_metrics.get("coordinator_overhead_ms_per_step", float("nan"))
+    ratios = {"R2/R1": agg["R2"] / agg["R1"], "R1/IN2": agg["R1"] / agg["IN2"], "R2/REF": agg["R2"] / agg["REF"],
+              "R3/REF": agg["R3"] / agg["REF"], "R1/REF": agg["R1"] / agg["REF"], "IN1/REF": agg["IN1"] / agg["REF"]}
+    breakdown = {"r1_ms_per_token": step_ms, "stage_compute_ms": compute, "coordinator_overhead_ms": overhead,
+                 "transport_ms": step_ms - sum(compute) - overhead}
+    return {"benchmark": "pipeline", "command": COMMAND_LINE, "machine": machine_info(), "prompt_tokens": prompt_tokens,
+            "new_tokens": args.tokens, "warmups": args.warmups, "runs": args.runs, "variants": variants,
+            "ratios": ratios, "breakdown": breakdown,
+            "targets": {"R2/R1": 1.85, "R1/IN2": 0.9, "R2/REF": 2.0}}
+
+
+def _verdict(value: float, target: float) -> str:
+    return "met" if value >= target else "**missed**"
+
+
+def render(result: dict[str, Any], json_path: Path) -> str:
+    m = result["machine"]
+    lines = ["## Pipeline: the 2-node ring on loopback vs one PC\n",
+             f"`{result['command']}` → `{json_path}` ({m['date']}, {m['cores']} cores, OpenVINO {m['openvino']}, "
+             f"load average at start {m['load_average']}). Default model INT4, 2 stages in 2 worker processes, "
+             f"one inference thread each; {result['prompt_tokens']}-token prompt, {result['new_tokens']} tokens "
+             f"with EOS ignored, {result['warmups']} warm-ups + {result['runs']} interleaved rounds, medians.\n"]
+    names = {"REF": "LLMPipeline (monolithic, all cores)", "IN1": "1 stage in-process (all cores)",
+             "IN2": "2 stages in-process (1 thread each)", "R1": "ring, 1 stream", "R2": "ring, 2 streams",
+             "R3": "ring, 3 streams"}
+    rows = [[names[k], v["median_aggregate_tok_per_s"], v["median_per_stream_tok_per_s"], v["median_ttft_ms"]]
+            for k, v in result["variants"].items()]
+    lines.append(markdown_table(["variant", "aggregate tok/s", "slowest stream tok/s", "TTFT ms (worst)"], rows))
+    r = result["ratios"]
+    lines += ["", markdown_table(["ratio", "value", "target", "verdict"], [
+        ["2 streams / 1 stream (R2/R1)", r["R2/R1"], "≥ 1.85", _verdict(r["R2/R1"], 1.85)],
+        ["ring 1 stream / in-process 2 stages (R1/IN2)", r["R1/IN2"], "≥ 0.90", _verdict(r["R1/IN2"], 0.9)],
+        ["headline: 2 users on the ring / LLMPipeline 1 user (R2/REF)", r["R2/REF"], "≥ 2.0",
+         _verdict(r["R2/REF"], 2.0)],
+        ["3 users on the ring / LLMPipeline (R3/REF)", r["R3/REF"], "", ""],
+        ["our 1 stage / LLMPipeline (IN1/REF)", r["IN1/REF"], "", ""],
+    ])]
+    b = result["breakdown"]
+    lines += ["", "Per-token time of a ring step (ms): "
+              + ", ".join(f"stage {i} compute {c:.2f}" for i, c in enumerate(b["stage_compute_ms"]))
+              + f", coordinator {b['coordinator_overhead_ms']:.2f}, transport (frames, sockets, hand-offs) "
+              f"{b['transport_ms']:.2f}; one token of R1 takes {b['r1_ms_per_token']:.2f}."]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    result = asyncio.run(_async_bench(args))
+    write_json(args.json, result)
+    update_section(args.doc, "pipeline", render(result, args.json))
+    print(render(result, args.json))
+    return 0
+
+
+COMMAND = Command(name="pipeline", help="the 2-node ring vs one PC: single user, micro-batched, breakdown",
+                  configure=configure, run=run)
