@@ -5,10 +5,11 @@ Routes: ``/v1/chat/completions`` and ``/v1/completions`` (JSON or SSE streaming)
 requests are parsed and tokenized here into a :class:`GenerationRequest` of ids, and the
 :class:`Generator`'s token ids are turned back into text deltas here, stop strings included.
 
-The pure parts (:func:`parse_completion`, :func:`to_generation_request`, :class:`TextStream`,
-:func:`api_error_from`, :class:`ApiMetrics`, :func:`render_prometheus`) hold the policy; the
-handlers only move bytes. A client that disconnects cancels its handler (aiohttp
-``handler_cancellation``), and closing the token stream cancels the generation.
+The policy is pure: :mod:`engine.openai_schema` parses requests, detokenizes and shapes the
+answers; here :func:`api_error_from`, :class:`ApiMetrics` and :func:`render_prometheus` map
+errors and count. The handlers only move bytes, check the key and enforce the limits. A client
+that disconnects cancels its handler (aiohttp ``handler_cancellation``), and closing the token
+stream cancels the generation.
 """
 
 from __future__ import annotations
@@ -17,12 +18,10 @@ import asyncio
 import contextlib
 import functools
 import hmac
-import json
 import logging
 import math
 import re
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,22 +29,29 @@ from typing import Any
 from aiohttp import web
 
 from engine.errors import DeskfleetError, GenerationError, TokenizerError
-from engine.generator import Generator, ModelCard, OverloadedError, UnavailableError
-from engine.request import FinishReason, GenerationRequest, SamplingParams
+from engine.generator import Generator, OverloadedError, UnavailableError
+from engine.openai_schema import (
+    FINISH_REASONS,
+    ApiError,
+    CompletionChunks,
+    CompletionParams,
+    TextStream,
+    completion_response,
+    parse_completion,
+    parse_json_body,
+    sse_event,
+    to_generation_request,
+    token_usage,
+)
+from engine.request import GenerationRequest
 from engine.tokenizer import ChatTokenizer
 
 log = logging.getLogger("deskfleet.api")
 
 STAGES_HEADER = "X-Deskfleet-Stages"
 PUBLIC_PATHS = frozenset({"/health"})  # reachable without the bearer token (liveness probes)
-MAX_STOP_STRINGS = 4
 CLIENT_CLOSED = 499  # nginx's code for "client closed the request", used in the request counter
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
-# Fields a client may send that this server cannot honour: refuse them rather than ignore them.
-UNSUPPORTED = ("tools", "functions", "logprobs", "top_logprobs", "logit_bias", "echo", "suffix",
-               "presence_penalty", "frequency_penalty")
 
 
 @dataclass(frozen=True)
@@ -72,27 +78,6 @@ class ApiSettings:
             raise ValueError("ApiSettings.api_key is empty; pass None to disable auth")
 
 
-class ApiError(DeskfleetError):
-    """A request the API answers with an OpenAI-style error body and a 4xx/5xx status."""
-
-    def __init__(self, status: int, message: str, code: str, *, param: str | None = None,
-                 headers: Mapping[str, str] | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.code = code
-        self.param = param
-        self.headers = dict(headers or {})
-
-    @property
-    def type(self) -> str:
-        return ERROR_TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}
 # Engine exceptions -> (status, code); the first matching class wins.
 EXCEPTION_STATUS: tuple[tuple[type[Exception], int, str], ...] = (
     (OverloadedError, 429, "overloaded"),
@@ -120,213 +105,6 @@ def api_error_from(exc: BaseException) -> ApiError:
     return ApiError(500, INTERNAL_MESSAGE, "internal_error")
 
 
-# -- request parsing (pure) --------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class CompletionParams:
-    """A validated chat or completions request; ``prompt`` is text or token ids for "text"."""
-
-    kind: str  # "chat" or "text"
-    messages: tuple[dict[str, str], ...] = ()
-    prompt: str | tuple[int, ...] = ""
-    max_tokens: int | None = None  # None: the server default, clipped to the context
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    stop: tuple[str, ...] = ()
-    stream: bool = False
-    include_usage: bool = False
-
-
-def _bad(message: str, param: str | None = None) -> ApiError:
-    return ApiError(400, message, "invalid_value" if param else "invalid_request", param=param)
-
-
-def _get(body: Mapping[str, Any], name: str, kinds: tuple[type, ...], what: str) -> Any:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
-        raise _bad(f"'{name}' must be {what}, got {json.dumps(value)[:60]}", name)
-    return value
-
-
-def _number(body: Mapping[str, Any], name: str, low: float, high: float) -> float | None:
-    value = _get(body, name, (int, float), "a number")
-    if value is not None and not (low <= value <= high and math.isfinite(value)):
-        raise _bad(f"'{name}' must be between {low} and {high}, got {value}", name)
-    return value
-
-
-def _integer(body: Mapping[str, Any], name: str, low: int, high: int) -> int | None:
-    value = _get(body, name, (int,), "an integer")
-    if value is not None and not low <= value <= high:
-        raise _bad(f"'{name}' must be between {low} and {high}, got {value}", name)
-    return value
-
-
-def _message_text(content: Any, index: int) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                raise _bad(f"messages[{index}].content: only text parts ({{'type': 'text', 'text': ...}}) "
-                           "are supported by this server", "messages")
-            parts.append(part["text"])
-        return "\n".join(parts)
-    raise _bad(f"messages[{index}].content must be a string or a list of text parts", "messages")
-
-
-def _messages(raw: Any) -> tuple[dict[str, str], ...]:
-    if not isinstance(raw, list) or not raw:
-        raise _bad("'messages' must be a non-empty list of {role, content} objects", "messages")
-    out = []
-    for i, message in enumerate(raw):
-        role = message.get("role") if isinstance(message, dict) else None
-        if role not in ROLES:
-            raise _bad(f"messages[{i}].role must be one of {sorted(ROLES)}, got {role!r}", "messages")
-        out.append({"role": ROLES[role], "content": _message_text(message.get("content"), i)})
-    return tuple(out)
-
-
-def _prompt(raw: Any) -> str | tuple[int, ...]:
-    if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], (str, list)):
-        raw = raw[0]  # a batch of one prompt
-    if isinstance(raw, str) and raw:
-        return raw
-    if isinstance(raw, list) and raw and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in raw):
-        return tuple(raw)
-    raise _bad("'prompt' must be a non-empty string or a list of token ids (one prompt per request)", "prompt")
-
-
-def _stop(raw: Any) -> tuple[str, ...]:
-    stops = [raw] if isinstance(raw, str) else raw if raw is not None else []
-    if not isinstance(stops, list) or len(stops) > MAX_STOP_STRINGS or not all(
-            isinstance(s, str) and s for s in stops):
-        raise _bad(f"'stop' must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them", "stop")
-    return tuple(stops)
-
-
-def parse_completion(body: Mapping[str, Any], kind: str, served_model: str) -> CompletionParams:
-    """Validate a decoded /v1/chat/completions (``kind`` "chat") or /v1/completions ("text") body.
-
-    Raises :class:`ApiError` 400 for an invalid field and 404 for a model this server does not serve.
-    """
-    model = body.get("model")
-    if model is not None and model != served_model:
-        raise ApiError(404, f"model {model!r} is not served here; use {served_model!r} (see /v1/models)",
-                       "model_not_found", param="model")
-    for name in UNSUPPORTED:
-        if body.get(name):
-            raise _bad(f"'{name}' is not supported by this server; leave it out", name)
-    if _integer(body, "n", 1, 1 << 30) not in (None, 1):
-        raise _bad("'n' must be 1: this server returns one choice per request", "n")
-    if _integer(body, "best_of", 1, 1 << 30) not in (None, 1):
-        raise _bad("'best_of' must be 1 on this server", "best_of")
-    max_tokens = _integer(body, "max_completion_tokens", 1, 1 << 30)
-    if max_tokens is None:
-        max_tokens = _integer(body, "max_tokens", 1, 1 << 30)
-    temperature = _number(body, "temperature", 0.0, 2.0)
-    top_p = _number(body, "top_p", 0.0, 1.0)
-    try:
-        sampling = SamplingParams(
-            temperature=1.0 if temperature is None else float(temperature),
-            top_p=1.0 if top_p is None else float(top_p),
-            top_k=_integer(body, "top_k", 0, 1 << 30) or 0,
-            seed=_integer(body, "seed", 0, (1 << 63) - 1),
-        )
-    except GenerationError as exc:
-        raise _bad(str(exc)) from exc
-    stream = bool(_get(body, "stream", (bool,), "true or false"))
-    options = _get(body, "stream_options", (dict,), "an object") or {}
-    return CompletionParams(
-        kind=kind,
-        messages=_messages(body.get("messages")) if kind == "chat" else (),
-        prompt=_prompt(body.get("prompt")) if kind == "text" else "",
-        max_tokens=max_tokens,
-        sampling=sampling,
-        stop=_stop(body.get("stop")),
-        stream=stream,
-        include_usage=stream and bool(_get(options, "include_usage", (bool,), "true or false")),
-    )
-
-
-def to_generation_request(prompt_ids: Sequence[int], params: CompletionParams, settings: ApiSettings,
-                          card: ModelCard) -> GenerationRequest:
-    """The id-level request for a tokenized prompt, within the server's limits and the model's context."""
-    n = len(prompt_ids)
-    if n > settings.max_prompt_tokens or n >= card.context_length:
-        limit = min(settings.max_prompt_tokens, card.context_length - 1)
-        raise ApiError(400, f"the prompt has {n} tokens; this server accepts at most {limit}. "
-                       "Shorten the prompt or the conversation.", "context_length_exceeded", param="messages")
-    room = card.context_length - n
-    if params.max_tokens is None:
-        max_new = min(settings.default_max_tokens, room)
-    elif params.max_tokens > settings.max_tokens_limit:
-        raise _bad(f"max_tokens is {params.max_tokens}; this server allows at most "
-                   f"{settings.max_tokens_limit}", "max_tokens")
-    elif params.max_tokens > room:
-        raise ApiError(400, f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceed the model's "
-                       f"context of {card.context_length}; ask for at most {room} tokens",
-                       "context_length_exceeded", param="max_tokens")
-    else:
-        max_new = params.max_tokens
-    return GenerationRequest(prompt_ids=tuple(prompt_ids), max_new_tokens=max_new, sampling=params.sampling,
-                             stop_token_ids=card.eos_token_ids)
-
-
-# -- incremental detokenization (pure) ---------------------------------------------------------
-
-class TextStream:
-    """Turn generated ids into safe-to-send text deltas, and stop at the first stop string.
-
-    Each step decodes the whole generated id list and emits the new suffix, holding back a
-    trailing U+FFFD (a multi-byte character cut between tokens) and any tail that could be the
-    start of a stop string, so nothing sent ever has to be taken back.
-    """
-
-    def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str] = ()):
-        self._decode = decode
-        self._stop = tuple(s for s in stop if s)
-        self._ids: list[int] = []
-        self.text = ""  # everything emitted so far
-        self.stopped = False  # a stop string was found; the caller should close the token stream
-
-    def push(self, token_id: int) -> str:
-        """Add one generated id; return the text that is now safe to send (may be empty)."""
-        self._ids.append(token_id)
-        return self._advance(final=False)
-
-    def finish(self) -> str:
-        """Return the held-back text once generation has ended."""
-        return self._advance(final=True)
-
-    def _advance(self, final: bool) -> str:
-        if self.stopped:
-            return ""
-        full = self._decode(self._ids)
-        start = len(self.text)
-        hits = [i for i in (full.find(s, start) for s in self._stop) if i >= 0]
-        if hits:
-            self.stopped = True
-            end = min(hits)
-        elif final:
-            end = len(full)
-        else:
-            end = start + len(full[start:].rstrip("\ufffd"))
-            end -= self._stop_prefix_len(full[start:end])
-        delta = full[start:end]
-        self.text += delta
-        return delta
-
-    def _stop_prefix_len(self, pending: str) -> int:
-        longest = max((len(s) for s in self._stop), default=0)
-        for k in range(min(len(pending), longest - 1), 0, -1):
-            if any(s.startswith(pending[-k:]) for s in self._stop):
-                return k
-        return 0
-
-
 # -- metrics (pure) ----------------------------------------------------------------------------
 
 @dataclass
@@ -343,13 +121,16 @@ class ApiMetrics:
     ttft_sum: float = 0.0
 
     def count(self, status: int) -> None:
+        """Count one answered request by its HTTP status."""
         self.requests[status] = self.requests.get(status, 0) + 1
 
     def observe_ttft(self, seconds: float) -> None:
+        """Record one request's time to first token."""
         self.ttft_counts[next((i for i, b in enumerate(TTFT_BUCKETS) if seconds <= b), len(TTFT_BUCKETS))] += 1
         self.ttft_sum += seconds
 
     def observe_generation(self, tokens: int, decode_seconds: float) -> None:
+        """Record one finished generation: its token count and first-to-last-token time."""
         self.completion_tokens += tokens
         self.generation_seconds += decode_seconds
         if tokens > 1 and decode_seconds > 0:
@@ -411,28 +192,11 @@ class _Outcome:
     finish_reason: str = "stop"
     completion_tokens: int = 0
 
-
-def _chat_choice(text: str, finish: str | None, chunk: bool) -> dict[str, Any]:
-    body = {"delta": {"content": text} if text else {}} if chunk else {
-        "message": {"role": "assistant", "content": text}}
-    return {"index": 0, **body, "finish_reason": finish, "logprobs": None}
+    def usage(self, gen_request: GenerationRequest) -> dict[str, int]:
+        return token_usage(len(gen_request.prompt_ids), self.completion_tokens)
 
 
-def _text_choice(text: str, finish: str | None, chunk: bool) -> dict[str, Any]:
-    return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
-
-
-# kind -> (id prefix, object, chunk object, choice shape)
-SHAPES = {
-    "chat": ("chatcmpl-", "chat.completion", "chat.completion.chunk", _chat_choice),
-    "text": ("cmpl-", "text_completion", "text_completion", _text_choice),
-}
 _GONE = web.RequestKey("client_gone", bool)
-
-
-def _sse(payload: Mapping[str, Any] | str) -> bytes:
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
-    return f"data: {data}\n\n".encode()
 
 
 class _Api:
@@ -506,13 +270,7 @@ class _Api:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise too_large from None
-        try:
-            body = json.loads(raw)
-        except (ValueError, RecursionError) as exc:
-            raise _bad(f"the request body is not valid JSON ({exc})") from None
-        if not isinstance(body, dict):
-            raise _bad("the request body must be a JSON object")
-        return body
+        return parse_json_body(raw)
 
     def _encode(self, params: CompletionParams) -> list[int]:
         if params.kind == "chat":
@@ -540,17 +298,8 @@ class _Api:
                 text = "".join([piece async for piece in deltas])
         finally:
             self.metrics.active -= 1
-        prefix, obj, _, choice = SHAPES[kind]
-        return web.json_response({
-            "id": prefix + uuid.uuid4().hex, "object": obj, "created": int(time.time()),
-            "model": self.served_model, "choices": [choice(text, outcome.finish_reason, False)],
-            "usage": self._usage(gen_request, outcome)})
-
-    @staticmethod
-    def _usage(gen_request: GenerationRequest, outcome: _Outcome) -> dict[str, int]:
-        n = len(gen_request.prompt_ids)
-        return {"prompt_tokens": n, "completion_tokens": outcome.completion_tokens,
-                "total_tokens": n + outcome.completion_tokens}
+        return web.json_response(completion_response(kind, self.served_model, text, outcome.finish_reason,
+                                                     outcome.usage(gen_request)))
 
     async def _deltas(self, gen_request: GenerationRequest, stop: Sequence[str], outcome: _Outcome,
                       started: float) -> AsyncIterator[str]:
@@ -587,25 +336,21 @@ class _Api:
                            deltas: AsyncIterator[str], outcome: _Outcome) -> web.StreamResponse:
         # Wait for the first token before sending headers so refusals (429/503) keep their status.
         piece = await anext(deltas, None)
-        prefix, _, obj, choice = SHAPES[params.kind]
-        head = {"id": prefix + uuid.uuid4().hex, "object": obj, "created": int(time.time()),
-                "model": self.served_model}
-        extra = {"usage": None} if params.include_usage else {}
+        chunks = CompletionChunks(params.kind, self.served_model, params.include_usage)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                "X-Accel-Buffering": "no"})
         await response.prepare(request)
         try:
-            if params.kind == "chat":
-                role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                await response.write(_sse({**head, "choices": [role], **extra}))
+            for chunk in chunks.opening():
+                await response.write(sse_event(chunk))
             while piece is not None:
                 if piece:
-                    await response.write(_sse({**head, "choices": [choice(piece, None, True)], **extra}))
+                    await response.write(sse_event(chunks.delta(piece)))
                 piece = await anext(deltas, None)
-            await response.write(_sse({**head, "choices": [choice("", outcome.finish_reason, True)], **extra}))
+            await response.write(sse_event(chunks.delta("", outcome.finish_reason)))
             if params.include_usage:
-                await response.write(_sse({**head, "choices": [], "usage": self._usage(gen_request, outcome)}))
-            await response.write(_sse("[DONE]"))
+                await response.write(sse_event(chunks.usage(outcome.usage(gen_request))))
+            await response.write(sse_event("[DONE]"))
         except ConnectionResetError:
             request[_GONE] = True
             log.debug("client left during a streamed answer; generation cancelled")
@@ -614,9 +359,8 @@ class _Api:
             if error.status == 500:
                 log.exception("generation failed mid-stream")
             with contextlib.suppress(ConnectionResetError):
-                await response.write(_sse(error.body()))
+                await response.write(sse_event(error.body()))
         return response
-
 
 
 def build_app(generator: Generator, tokenizer: ChatTokenizer, settings: ApiSettings) -> web.Application:

@@ -1,5 +1,7 @@
-"""The OpenAI-compatible API: pure policy with in-memory fakes, then the real `openai` client
-against the real app served on loopback by the real coordinator over a tiny 2-stage export."""
+"""The OpenAI-compatible API: error mapping and metrics, the HTTP layer over an in-memory
+generator, then the real `openai` client against the real app served on loopback by the real
+coordinator over a tiny 2-stage export. The pure request/response schema is tested in
+test_openai_schema.py."""
 
 from __future__ import annotations
 
@@ -23,39 +25,14 @@ import aiohttp
 import openai
 import pytest
 from aiohttp import web
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from engine.api import (
-    ApiError,
-    ApiMetrics,
-    ApiSettings,
-    TextStream,
-    api_error_from,
-    async_run_api,
-    parse_completion,
-    render_prometheus,
-    to_generation_request,
-)
+from engine.api import ApiMetrics, ApiSettings, api_error_from, async_run_api, render_prometheus
 from engine.errors import DeskfleetError, GenerationError, TokenizerError
 from engine.generator import ModelCard, OverloadedError, UnavailableError
 from engine.request import FinishReason, GenerationRequest, TokenEvent
+from tests.api_helpers import CARD, EOS, SETTINGS, ByteTokenizer
 
-EOS = 256
 TIMEOUT = 30.0
-
-
-class ByteTokenizer:
-    """ids 0..255 are UTF-8 bytes, 256 is EOS (special: skipped when decoding)."""
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(text.encode())
-
-    def encode_chat(self, messages, add_generation_prompt: bool = True) -> list[int]:
-        return self.encode("".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>")
-
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
 class FakeGenerator:
@@ -64,7 +41,7 @@ class FakeGenerator:
     def __init__(self, answer: str = "héllo wörld 🙂", *, refuse: Exception | None = None,
                  fail_at: int | None = None, hold_at: int | None = None):
         self.answer, self.refuse, self.fail_at, self.hold_at = answer, refuse, fail_at, hold_at
-        self.model = ModelCard("fake", 64, (EOS,), 3)
+        self.model = CARD
         self.requests: list[GenerationRequest] = []
         self.active = 0
         self.closed_early = 0
@@ -95,131 +72,6 @@ class FakeGenerator:
 
     def metrics(self) -> dict[str, float]:
         return {"active_streams": float(self.active), 'stage_compute_ms_per_step{stage="0"}': 1.5}
-
-
-CARD = ModelCard("fake", 64, (EOS,), 3)
-SETTINGS = ApiSettings(max_prompt_tokens=40, default_max_tokens=20, max_tokens_limit=50)
-
-
-def push_all(stream: TextStream, ids) -> list[str]:
-    return [stream.push(i) for i in ids] + [stream.finish()]
-
-
-# -- incremental detokenizer ---------------------------------------------------------------------
-
-def test_text_stream_never_splits_a_multibyte_character():
-    text = "añb€c🙂d"
-    deltas = push_all(TextStream(ByteTokenizer().decode), text.encode())
-    assert "".join(deltas) == text
-    assert not any("\ufffd" in d for d in deltas)
-    assert deltas[text.encode().index("🙂".encode()) : text.encode().index(b"d")][-1] == "🙂"
-
-
-def first_stop_cut(text: str, stops: tuple[str, ...]) -> str:
-    """Text up to the stop string that completes first (generation halts the moment one appears)."""
-    found = [(i + len(s), i) for s in stops if (i := text.find(s)) >= 0]
-    return text[: min(found)[1]] if found else text
-
-
-@settings(max_examples=300, deadline=None)
-@given(st.text(st.characters(blacklist_characters="\ufffd"), max_size=30),
-       st.lists(st.text(min_size=1, max_size=4), max_size=3).map(tuple))
-def test_text_stream_matches_cutting_the_whole_text(text, stops):
-    stream = TextStream(ByteTokenizer().decode, stops)
-    deltas = push_all(stream, text.encode())
-    assert "".join(deltas) == first_stop_cut(text, stops) == stream.text
-    assert not any("\ufffd" in d for d in deltas)
-
-
-def test_text_stream_flushes_a_truncated_character_at_the_end():
-    stream = TextStream(ByteTokenizer().decode)
-    assert stream.push(ord("a")) == "a"
-    assert stream.push("€".encode()[0]) == ""
-    assert stream.finish() == "\ufffd"
-
-
-def test_stop_string_is_cut_and_never_partly_sent():
-    stream = TextStream(ByteTokenizer().decode, stop=("END", "wor"))
-    deltas = [stream.push(b) for b in b"hello world END"]
-    assert "".join(deltas) == "hello " and stream.stopped
-    assert stream.finish() == "" and stream.text == "hello "
-
-
-def test_a_held_stop_prefix_is_released_when_the_stop_string_does_not_follow():
-    stream = TextStream(ByteTokenizer().decode, stop=("xyz",))
-    assert [stream.push(b) for b in b"axy"] == ["a", "", ""]
-    assert stream.push(ord("!")) == "xy!"
-    assert not stream.stopped
-
-
-# -- request parsing -----------------------------------------------------------------------------
-
-def test_chat_body_maps_to_params_and_generation_request():
-    body = {"model": "fake", "messages": [
-        {"role": "developer", "content": "be brief"},
-        {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]}],
-        "max_completion_tokens": 7, "max_tokens": 99, "temperature": 0.5, "top_p": 0.9, "top_k": 40, "seed": 3,
-        "stop": "\n\n", "n": 1, "stream": True, "stream_options": {"include_usage": True}, "user": "x"}
-    params = parse_completion(body, "chat", "fake")
-    assert params.messages == ({"role": "system", "content": "be brief"}, {"role": "user", "content": "hi\nthere"})
-    assert (params.max_tokens, params.stop, params.stream, params.include_usage) == (7, ("\n\n",), True, True)
-    assert (params.sampling.temperature, params.sampling.top_p, params.sampling.top_k, params.sampling.seed) == (
-        0.5, 0.9, 40, 3)
-    req = to_generation_request([1, 2, 3], params, SETTINGS, CARD)
-    assert (req.prompt_ids, req.max_new_tokens, req.stop_token_ids, req.sampling) == ((1, 2, 3), 7, (EOS,),
-                                                                                     params.sampling)
-
-
-def test_completion_prompt_forms_and_defaults():
-    assert parse_completion({"prompt": "hi"}, "text", "fake").prompt == "hi"
-    assert parse_completion({"prompt": ["hi"]}, "text", "fake").prompt == "hi"
-    assert parse_completion({"prompt": [5, 6]}, "text", "fake").prompt == (5, 6)
-    params = parse_completion({"prompt": "hi", "stream_options": {"include_usage": True}}, "text", "fake")
-    assert params.sampling.temperature == 1.0 and not params.include_usage  # OpenAI default; not streaming
-    # No max_tokens: the server default, clipped to what the context still holds.
-    assert to_generation_request(range(1, 11), params, SETTINGS, CARD).max_new_tokens == 20
-    assert to_generation_request(range(1, 51), params, replace(SETTINGS, max_prompt_tokens=60), CARD
-                                 ).max_new_tokens == 14
-
-
-@pytest.mark.parametrize("patch, param", [
-    ({"temperature": 3}, "temperature"), ({"temperature": "hot"}, "temperature"), ({"top_p": -0.1}, "top_p"),
-    ({"n": 2}, "n"), ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": True}, "max_tokens"),
-    ({"seed": -1}, "seed"), ({"stop": ["a", "b", "c", "d", "e"]}, "stop"), ({"stop": [""]}, "stop"),
-    ({"messages": []}, "messages"), ({"messages": [{"role": "tool", "content": "x"}]}, "messages"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
-    ({"messages": [{"role": "user", "content": None}]}, "messages"),
-    ({"tools": [{"type": "function"}]}, "tools"), ({"stream": "yes"}, "stream"), ({"top_k": -1}, "top_k"),
-])
-def test_invalid_fields_are_400_naming_the_field(patch, param):
-    body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], **patch}
-    with pytest.raises(ApiError) as info:
-        parse_completion(body, "chat", "fake")
-    assert (info.value.status, info.value.param, info.value.type) == (400, param, "invalid_request_error")
-
-
-def test_top_p_zero_is_refused_by_sampling_params():
-    with pytest.raises(ApiError) as info:
-        parse_completion({"prompt": "x", "top_p": 0}, "text", "fake")
-    assert info.value.status == 400 and "top_p" in info.value.message
-
-
-def test_unknown_model_is_404():
-    with pytest.raises(ApiError) as info:
-        parse_completion({"model": "gpt-4", "prompt": "x"}, "text", "fake")
-    assert info.value.status == 404 and "'fake'" in info.value.message
-
-
-@pytest.mark.parametrize("n_prompt, max_tokens, code", [
-    (41, None, "context_length_exceeded"),  # over max_prompt_tokens
-    (30, 51, "invalid_value"),  # over max_tokens_limit
-    (30, 40, "context_length_exceeded"),  # prompt + max_tokens over the context of 64
-])
-def test_limits_are_400(n_prompt, max_tokens, code):
-    params = parse_completion({"prompt": "x", "max_tokens": max_tokens}, "text", "fake")
-    with pytest.raises(ApiError) as info:
-        to_generation_request(range(1, n_prompt + 1), params, SETTINGS, CARD)
-    assert (info.value.status, info.value.code) == (400, code)
 
 
 # -- error mapping and metrics -------------------------------------------------------------------
@@ -563,13 +415,19 @@ def test_too_large_body_is_413(fleet):
     assert status == 413 and "exceeds 65536 bytes" in json.loads(text)["error"]["message"]
 
 
+@contextlib.asynccontextmanager
+async def held_stream(fleet: Fleet):
+    """``(client, stream, first chunk)``: a streamed chat answer on the held API, admitted and held open."""
+    async with openai.AsyncOpenAI(base_url=fleet.held_url, api_key=fleet.key, max_retries=0,
+                                  timeout=TIMEOUT) as c:
+        stream = await c.chat.completions.create(model=fleet.model, messages=MESSAGES, temperature=0,
+                                                 max_tokens=300, stream=True)
+        yield c, stream, await anext(aiter(stream))
+
+
 def test_over_max_concurrent_is_429_with_retry_after(fleet):
     async def scenario():
-        async with openai.AsyncOpenAI(base_url=fleet.held_url, api_key=fleet.key, max_retries=0,
-                                      timeout=TIMEOUT) as c:
-            first = await c.chat.completions.create(model=fleet.model, messages=MESSAGES, temperature=0,
-                                                    max_tokens=300, stream=True)
-            await anext(aiter(first))  # admitted, and now held open
+        async with held_stream(fleet) as (c, first, _):
             with pytest.raises(openai.RateLimitError) as info:
                 await c.chat.completions.create(model=fleet.model, messages=MESSAGES, max_tokens=4)
             await first.close()
@@ -585,11 +443,7 @@ def test_client_disconnect_cancels_the_generation(fleet):
     released = fleet.held.released
 
     async def scenario():
-        async with openai.AsyncOpenAI(base_url=fleet.held_url, api_key=fleet.key, max_retries=0,
-                                      timeout=TIMEOUT) as c:
-            stream = await c.chat.completions.create(model=fleet.model, messages=MESSAGES, temperature=0,
-                                                     max_tokens=300, stream=True)
-            first = await anext(aiter(stream))
+        async with held_stream(fleet) as (_, stream, first):
             await stream.close()  # drops the connection while the server is waiting for tokens
             return first
 
