@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.messages import (
+    Capture,
     Error,
     Forward,
     Hello,
@@ -25,9 +26,11 @@ from engine.messages import (
     Ping,
     Pong,
     Release,
+    Restore,
     Tokens,
 )
 from engine.wire import (
+    CAPTURE_META,
     DTYPE_CODE,
     ERROR_META,
     FORWARD_META,
@@ -45,6 +48,7 @@ from engine.wire import (
     NUMPY_DTYPE,
     PROTOCOL_VERSION,
     RESERVED_KINDS,
+    RESTORE_META,
     DType,
     ErrorCode,
     FrameError,
@@ -111,6 +115,8 @@ _KIND_RULES: dict[FrameKind, _KindRule] = {
     FrameKind.TOKENS: _KindRule(frozenset({DType.INT64}), frozenset({1, 2}), 0, "required", None),
     FrameKind.LOGITS: _KindRule(_FLOATS, frozenset({2, 3}), 0, "required"),
     FrameKind.RELEASE: _KindRule(*_NO_TENSOR, stream="required"),
+    FrameKind.CAPTURE: _KindRule(frozenset({DType.INT64}), frozenset({1}), 0, "required", CAPTURE_META.size),
+    FrameKind.RESTORE: _KindRule(*_NO_TENSOR, stream="required", max_meta=RESTORE_META.size),
 }
 
 
@@ -302,7 +308,24 @@ def _decode_hello_ack(header: FrameHeader, meta: memoryview, tensor: np.ndarray 
     return HelloAck(fingerprint, stage, bound, version)
 
 
+def _decode_capture(header: FrameHeader, meta: memoryview, tensor: np.ndarray | None) -> Message:
+    assert tensor is not None
+    if len(meta) != CAPTURE_META.size:
+        raise FrameError(f"Capture meta must be {CAPTURE_META.size} bytes, got {len(meta)}")
+    (capture_id,) = CAPTURE_META.unpack_from(meta)
+    return Capture(header.stream_id, header.seq, capture_id, tensor)
+
+
+def _decode_restore(header: FrameHeader, meta: memoryview, tensor: np.ndarray | None) -> Message:
+    if len(meta) != RESTORE_META.size:
+        raise FrameError(f"Restore meta must be {RESTORE_META.size} bytes, got {len(meta)}")
+    capture_id, length = RESTORE_META.unpack_from(meta)
+    return Restore(header.stream_id, header.seq, capture_id, length)
+
+
 _DECODERS: dict[FrameKind, _BodyDecoder] = {
+    FrameKind.CAPTURE: _decode_capture,
+    FrameKind.RESTORE: _decode_restore,
     FrameKind.FORWARD: _decode_forward,
     FrameKind.TOKENS: _decode_tokens,
     FrameKind.LOGITS: _decode_logits,
@@ -329,6 +352,12 @@ def _encode_body(msg: Message) -> tuple[FrameKind, int, int, int, bytes, np.ndar
             return FrameKind.LOGITS, 0, msg.stream_id, msg.seq, b"", msg.logits
         case Release():
             return FrameKind.RELEASE, 0, msg.stream_id, msg.seq, b"", None
+        case Capture():
+            meta = CAPTURE_META.pack(msg.capture_id)
+            return FrameKind.CAPTURE, 0, msg.stream_id, msg.seq, meta, msg.keep
+        case Restore():
+            meta = RESTORE_META.pack(msg.capture_id, msg.length)
+            return FrameKind.RESTORE, 0, msg.stream_id, msg.seq, meta, None
         case Ping():
             return FrameKind.PING, 0, 0, msg.seq, b"", None
         case Pong():

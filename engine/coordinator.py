@@ -22,8 +22,17 @@ from pathlib import Path
 from engine.errors import DeskfleetError, GenerationError
 from engine.generator import ModelCard, OverloadedError, UnavailableError
 from engine.path import LocalPath, StepPath, StepResult
+from engine.prefix_cache import PrefixIndex
 from engine.request import FinishReason, GenerationRequest, TokenEvent
-from engine.scheduler import StreamState, apply_reply, plan_step
+from engine.scheduler import (
+    StreamState,
+    apply_reply,
+    apply_restore,
+    fed_tokens,
+    plan_capture,
+    plan_restore,
+    plan_step,
+)
 from engine.shard import LocalChain
 from engine.wire import StreamId
 
@@ -36,7 +45,7 @@ class Coordinator:
     """Implements :class:`engine.generator.Generator` over a :class:`StepPath`."""
 
     def __init__(self, path: StepPath, model: ModelCard, *, slots: int = 4, max_waiting: int = 32,
-                 prefill_chunk: int = 256):
+                 prefill_chunk: int = 256, prefix_cache: bool = True, prefix_min_tokens: int = 16):
         if slots < 1:
             raise DeskfleetError("a coordinator needs at least one slot")
         self.path = path
@@ -44,6 +53,7 @@ class Coordinator:
         self.slots = slots
         self.max_waiting = max_waiting
         self.prefill_chunk = prefill_chunk
+        self.prefix = PrefixIndex(min_length=prefix_min_tokens) if prefix_cache else None
         self._ids = itertools.count(1)
         self._active: dict[StreamId, StreamState] = {}
         self._waiting: collections.deque[StreamState] = collections.deque()
@@ -51,6 +61,8 @@ class Coordinator:
         self._task: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
         self._stopping = False
+        self._idle = asyncio.Event()
+        self._idle.set()
         self._counters = collections.Counter()
         self._token_times: collections.deque[float] = collections.deque()
         self._ttft_sum = 0.0
@@ -124,6 +136,10 @@ class Coordinator:
             if state.finish is None:
                 self._cancel(state)
 
+    async def async_wait_idle(self, timeout: float = 60.0) -> None:
+        """Wait until no stream is active or waiting (end-of-stream captures included)."""
+        await asyncio.wait_for(self._idle.wait(), timeout)
+
     def metrics(self) -> dict[str, float]:
         now = time.perf_counter()
         while self._token_times and now - self._token_times[0] > _RATE_WINDOW_S:
@@ -143,6 +159,10 @@ class Coordinator:
             "slots": float(self.slots),
             "stages": float(self.path.num_stages),
             "coordinator_overhead_ms_per_step": 1000 * self._overhead_s / self._overhead_n if self._overhead_n else 0.0,
+            "prefix_hits_total": float(self._counters["prefix_hits"]),
+            "prefix_fallbacks_total": float(self._counters["prefix_fallbacks"]),
+            "prefix_tokens_reused_total": float(self._counters["prefix_tokens_reused"]),
+            "prefix_captures_total": float(self._counters["prefix_captures"]),
         }
         out.update(self.path.stage_metrics())
         return out
@@ -155,11 +175,19 @@ class Coordinator:
             if state.cancelled:
                 continue
             self._active[state.stream_id] = state
-            await self._submit(state)
+            self._idle.clear()
+            hit = self.prefix.lookup(state.request.prompt_ids) if self.prefix is not None else None
+            if hit is not None:
+                await self._send(state, plan_restore(state, hit))
+            else:
+                await self._submit(state)
 
     async def _submit(self, state: StreamState) -> None:
+        await self._send(state, plan_step(state, self.prefill_chunk))
+
+    async def _send(self, state: StreamState, step) -> None:
         try:
-            await self.path.async_submit(plan_step(state, self.prefill_chunk))
+            await self.path.async_submit(step)
         except DeskfleetError as exc:
             state.in_flight = False
             await self._fail(state, exc)
@@ -174,6 +202,16 @@ class Coordinator:
             await self._on_reply(state, result)
 
     async def _on_reply(self, state: StreamState, result: StepResult) -> None:
+        if state.restoring is not None:
+            await self._on_restored(state, result)
+            return
+        if state.capturing is not None:
+            state.in_flight = False
+            if result.ack and self.prefix is not None:
+                self.prefix.add(state.capturing, fed_tokens(state))
+                self._counters["prefix_captures"] += 1
+            await self._retire(state, "finished")
+            return
         started = time.perf_counter()
         try:
             event = apply_reply(state, result)
@@ -187,12 +225,34 @@ class Coordinator:
                 self._counters["first_tokens"] += 1
                 self._ttft_sum += (state.first_token_at or 0.0) - state.admitted_at
             self._deliver(state, event)
-        if state.cancelled or state.finish is not None:
-            await self._retire(state, "cancelled" if state.cancelled else "finished")
+        if state.cancelled:
+            await self._retire(state, "cancelled")
+        elif state.finish is not None and self.prefix is not None and state.layout.logical_len >= self.prefix.min_length:
+            await self._send(state, plan_capture(state, self.prefix.new_id()))
+        elif state.finish is not None:
+            await self._retire(state, "finished")
         else:
             await self._submit(state)
             self._overhead_s += time.perf_counter() - started
             self._overhead_n += 1
+
+    async def _on_restored(self, state: StreamState, result: StepResult) -> None:
+        hit = state.restoring
+        assert hit is not None
+        if apply_restore(state, result):
+            self._counters["prefix_hits"] += 1
+            self._counters["prefix_tokens_reused"] += hit.length
+        else:  # a stage lost the capture: forget it, clear any partial restore, prefill cold
+            log.info("prefix restore of capture %d failed (%s); prefilling cold", hit.capture_id, result.error)
+            self._counters["prefix_fallbacks"] += 1
+            if self.prefix is not None:
+                self.prefix.forget(hit.capture_id)
+            with contextlib.suppress(DeskfleetError):
+                await self.path.async_release(state.stream_id)
+        if state.cancelled:
+            await self._retire(state, "cancelled")
+        else:
+            await self._submit(state)
 
     def _deliver(self, state: StreamState, item: TokenEvent | BaseException) -> None:
         queue = self._queues.get(state.stream_id)
@@ -212,6 +272,8 @@ class Coordinator:
             with contextlib.suppress(DeskfleetError):
                 await self.path.async_release(state.stream_id)
         await self._admit()
+        if not self._active and not self._waiting:
+            self._idle.set()
 
     def _cancel(self, state: StreamState) -> None:
         """The consumer went away: stop the stream now, or as soon as its step in flight returns."""

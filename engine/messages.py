@@ -142,6 +142,43 @@ class Release:
         _check_stream(self.stream_id, self.seq, "Release")
 
 
+@dataclass(frozen=True, eq=False, repr=False)
+class Capture:
+    """Keep a copy of the stream's KV state, compacted to the physical positions in ``keep``
+    (int64 [n], increasing: the visible ones), under ``capture_id``; the last stage echoes the
+    frame to the coordinator once every stage holds it."""
+
+    stream_id: StreamId
+    seq: int
+    capture_id: int
+    keep: np.ndarray
+    __repr__ = _shape_repr
+
+    def __post_init__(self) -> None:
+        _check_stream(self.stream_id, self.seq, "Capture")
+        _check_u64(self.capture_id, "Capture.capture_id")
+        _check_array(self.keep, "Capture.keep", (_INT64,), ndims=(1,))
+        if self.keep.min() < 0 or (self.keep.size > 1 and (np.diff(self.keep) <= 0).any()):
+            raise FrameError("Capture.keep must be increasing, non-negative cache positions")
+
+
+@dataclass(frozen=True)
+class Restore:
+    """Start the stream from the first ``length`` positions of capture ``capture_id``; the last
+    stage echoes the frame to the coordinator once every stage has restored it."""
+
+    stream_id: StreamId
+    seq: int
+    capture_id: int
+    length: int
+
+    def __post_init__(self) -> None:
+        _check_stream(self.stream_id, self.seq, "Restore")
+        _check_u64(self.capture_id, "Restore.capture_id")
+        if not 1 <= self.length <= U32_MAX:
+            raise FrameError(f"Restore.length must be between 1 and {U32_MAX}, got {self.length}")
+
+
 @dataclass(frozen=True)
 class Ping:
     """Liveness probe; the receiver answers with a Pong carrying the same ``seq``."""
@@ -211,7 +248,9 @@ class HelloAck:
         _check_identity(self, "HelloAck")
 
 
-Message: TypeAlias = Forward | Tokens | Logits | Release | Ping | Pong | Error | Hello | HelloAck
+Message: TypeAlias = (
+    Forward | Tokens | Logits | Release | Capture | Restore | Ping | Pong | Error | Hello | HelloAck
+)
 
 
 def error_frame(exc: Exception, stream_id: int = 0, seq: int = 0) -> Error:

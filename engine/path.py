@@ -16,6 +16,7 @@ from typing import Protocol
 
 import numpy as np
 
+from engine.prefix_cache import CaptureStore
 from engine.shard import LocalChain, StageStream, StepInputs
 from engine.wire import StreamId
 
@@ -32,6 +33,22 @@ class StepRequest:
 
 
 @dataclass(frozen=True)
+class CacheStep:
+    """A prefix-cache operation on every stage: capture the stream's KV (``keep`` = physical
+    positions to keep) or restore the first ``length`` positions of a capture into the stream."""
+
+    stream_id: StreamId
+    seq: int
+    capture_id: int
+    keep: np.ndarray | None = None  # capture
+    length: int = 0  # restore
+
+    @property
+    def is_capture(self) -> bool:
+        return self.keep is not None
+
+
+@dataclass(frozen=True)
 class StepResult:
     """The last stage's reply: top-1 ``ids``/``probs`` [n], or ``logits`` [n, V]; or an error."""
 
@@ -41,7 +58,7 @@ class StepResult:
     probs: np.ndarray | None = None
     logits: np.ndarray | None = None
     error: str | None = None
-    compute_s: float = 0.0  # time spent in stage compute for this step (all stages, if known)
+    ack: bool = False  # a CacheStep completed on every stage
 
 
 def last_stage_reply(logits: np.ndarray, reply_last: int, want_logits: bool) -> tuple[np.ndarray, np.ndarray | None]:
@@ -67,7 +84,7 @@ class StepPath(Protocol):
 
     async def async_start(self) -> None: ...
 
-    async def async_submit(self, step: StepRequest) -> None: ...
+    async def async_submit(self, step: StepRequest | CacheStep) -> None: ...
 
     async def async_release(self, stream_id: StreamId) -> None: ...
 
@@ -80,8 +97,9 @@ class LocalPath:
     """Every stage in this process; steps run one at a time on a worker thread (OpenVINO
     releases the GIL in ``infer``, so the event loop keeps serving meanwhile)."""
 
-    def __init__(self, chain: LocalChain):
+    def __init__(self, chain: LocalChain, capture_bytes_per_stage: int = 256 << 20):
         self.chain = chain
+        self.stores = [CaptureStore(capture_bytes_per_stage) for _ in chain.stages]
         self.num_stages = len(chain.stages)
         self.results: asyncio.Queue[StepResult] = asyncio.Queue()
         self._streams: dict[StreamId, list[StageStream]] = {}
@@ -92,7 +110,25 @@ class LocalPath:
     async def async_start(self) -> None:
         return None
 
-    def _run(self, step: StepRequest) -> StepResult:
+    def _cache(self, step: CacheStep) -> StepResult:
+        if step.is_capture:
+            streams = self._streams.get(step.stream_id)
+            if streams is None:
+                return StepResult(step.stream_id, step.seq, error="capture of an unknown stream")
+            for store, stream in zip(self.stores, streams, strict=True):
+                store.put(step.capture_id, stream.snapshot(step.keep))
+            return StepResult(step.stream_id, step.seq, ack=True)
+        snapshots = [store.get(step.capture_id) for store in self.stores]
+        if any(s is None for s in snapshots):
+            return StepResult(step.stream_id, step.seq, error=f"capture {step.capture_id} is no longer held")
+        streams = self._streams[step.stream_id] = self.chain.new_streams()
+        for stream, snapshot in zip(streams, snapshots, strict=True):
+            stream.load(snapshot, step.length)
+        return StepResult(step.stream_id, step.seq, ack=True)
+
+    def _run(self, step: StepRequest | CacheStep) -> StepResult:
+        if isinstance(step, CacheStep):
+            return self._cache(step)
         streams = self._streams.get(step.stream_id)
         if streams is None:
             streams = self._streams[step.stream_id] = self.chain.new_streams()
@@ -107,7 +143,7 @@ class LocalPath:
             return StepResult(step.stream_id, step.seq, logits=first)
         return StepResult(step.stream_id, step.seq, ids=first, probs=second)
 
-    async def async_submit(self, step: StepRequest) -> None:
+    async def async_submit(self, step: StepRequest | CacheStep) -> None:
         loop = asyncio.get_running_loop()
         future = loop.run_in_executor(self._executor, self._run, step)
 

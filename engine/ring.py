@@ -16,8 +16,19 @@ from ssl import SSLContext
 
 from engine.errors import DeskfleetError
 from engine.handshake import LocalIdentity
-from engine.messages import Error, Forward, Hello, Logits, Message, Release, Tokens
-from engine.path import StepRequest, StepResult
+from engine.messages import (
+    Capture,
+    Error,
+    Forward,
+    Hello,
+    Logits,
+    Message,
+    Release,
+    Restore,
+    Tokens,
+)
+from engine.path import CacheStep, StepRequest, StepResult
+from engine.prefix_cache import CaptureStore
 from engine.shard import Stage, StageStream
 from engine.transport import Connection, FrameServer, async_connect
 from engine.wire import COORDINATOR_STAGE, Role, StreamId
@@ -31,7 +42,8 @@ class RingPath:
 
     def __init__(self, fingerprint: str, num_stages: int, first_remote: Address, return_listen: Address, *,
                  local_stage0: Stage | None = None, server_ssl: SSLContext | None = None,
-                 client_ssl: SSLContext | None = None, dial_deadline: float = 120.0):
+                 client_ssl: SSLContext | None = None, dial_deadline: float = 120.0,
+                 capture_bytes: int = 256 << 20):
         self.fingerprint = fingerprint
         self.num_stages = num_stages
         self.first_remote = first_remote
@@ -44,6 +56,7 @@ class RingPath:
         self._returns = FrameServer(self._on_return, identity, ssl=server_ssl, idle_timeout=None)
         self._out: Connection | None = None
         self._listening = False
+        self._captures = CaptureStore(capture_bytes)
         self._local_streams: dict[StreamId, StageStream] = {}
         self._executor = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="deskfleet-stage0")
                           if local_stage0 else None)
@@ -81,6 +94,8 @@ class RingPath:
             case Logits():
                 logits = msg.logits.reshape(-1, msg.logits.shape[-1])
                 self._deliver(StepResult(msg.stream_id, msg.seq, logits=logits))
+            case Capture() | Restore():
+                self._deliver(StepResult(msg.stream_id, msg.seq, ack=True))
             case Error() if msg.stream_id:
                 self._deliver(StepResult(msg.stream_id, msg.seq, error=msg.message))
             case _:
@@ -92,9 +107,34 @@ class RingPath:
             self._roundtrips.append(time.perf_counter() - sent)
         self.results.put_nowait(result)
 
-    async def async_submit(self, step: StepRequest) -> None:
+    async def _cache_step(self, step: CacheStep) -> None:
+        loop = asyncio.get_running_loop()
+        if step.is_capture:
+            assert step.keep is not None
+            if self.local_stage0 is not None:
+                stream = self._local_streams.get(step.stream_id)
+                if stream is None:
+                    self._deliver(StepResult(step.stream_id, step.seq, error="capture of an unknown stream"))
+                    return
+                self._captures.put(step.capture_id, await loop.run_in_executor(self._executor, stream.snapshot,
+                                                                                step.keep))
+            await self._out.async_send(Capture(step.stream_id, step.seq, step.capture_id, step.keep))
+            return
+        if self.local_stage0 is not None:
+            snapshot = self._captures.get(step.capture_id)
+            if snapshot is None:
+                self._deliver(StepResult(step.stream_id, step.seq, error=f"capture {step.capture_id} is gone"))
+                return
+            stream = self._local_streams[step.stream_id] = self.local_stage0.new_stream()
+            await loop.run_in_executor(self._executor, stream.load, snapshot, step.length)
+        await self._out.async_send(Restore(step.stream_id, step.seq, step.capture_id, step.length))
+
+    async def async_submit(self, step: StepRequest | CacheStep) -> None:
         if self._out is None:
             raise DeskfleetError("the ring is not connected; start the path first")
+        if isinstance(step, CacheStep):
+            await self._cache_step(step)
+            return
         x = step.inputs.x
         self._sent_at[(step.stream_id, step.seq)] = time.perf_counter()
         if self.local_stage0 is not None:

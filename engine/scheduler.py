@@ -14,7 +14,8 @@ import numpy as np
 
 from engine.errors import GenerationError
 from engine.kv_layout import KVLayout
-from engine.path import StepRequest, StepResult
+from engine.path import CacheStep, StepRequest, StepResult
+from engine.prefix_cache import PrefixHit
 from engine.request import FinishReason, GenerationRequest, TokenEvent
 from engine.sampling import choose, make_rng
 from engine.shard import StepInputs
@@ -39,6 +40,8 @@ class StreamState:
     finish: FinishReason | None = None
     admitted_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
+    restoring: PrefixHit | None = None  # a prefix-cache restore is in flight
+    capturing: int | None = None  # the capture id being taken at the end of the stream
 
     def __post_init__(self) -> None:
         if len(self.request.prompt_ids) >= self.context_length:
@@ -74,6 +77,39 @@ def plan_step(state: StreamState, prefill_chunk: int) -> StepRequest:
         reply_last=1,
         want_logits=want_logits,
     )
+
+
+def fed_tokens(state: StreamState) -> tuple[int, ...]:
+    """The logical token sequence whose KV the stages hold (the last generated token is not fed)."""
+    sequence = state.request.prompt_ids + tuple(state.generated)
+    return sequence[: state.layout.logical_len]
+
+
+def plan_restore(state: StreamState, hit: PrefixHit) -> CacheStep:
+    state.restoring = hit
+    state.seq += 1
+    state.in_flight = True
+    return CacheStep(state.stream_id, state.seq, hit.capture_id, length=hit.length)
+
+
+def apply_restore(state: StreamState, result: StepResult) -> bool:
+    """Account for a restore's outcome; False means fall back to a cold prefill from token 0."""
+    hit, state.restoring, state.in_flight = state.restoring, None, False
+    assert hit is not None
+    if result.ack:
+        state.layout.append(hit.length)
+        state.prompt_done = hit.length
+        return True
+    state.layout.reset()
+    state.prompt_done = 0
+    return False
+
+
+def plan_capture(state: StreamState, capture_id: int) -> CacheStep:
+    state.capturing = capture_id
+    state.seq += 1
+    state.in_flight = True
+    return CacheStep(state.stream_id, state.seq, capture_id, keep=state.layout.visible_positions().astype(np.int64))
 
 
 def apply_reply(state: StreamState, result: StepResult) -> TokenEvent | None:

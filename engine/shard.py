@@ -129,6 +129,24 @@ class StageStream:
     def reset(self) -> None:
         self.request.reset_state()
 
+    def snapshot(self, keep: np.ndarray) -> list[np.ndarray]:
+        """Copies of every KV state [1, KV, n, D] compacted to the physical positions ``keep``."""
+        out = []
+        for state in self.request.query_state():
+            data = state.state.data  # [1, KV, P, D]
+            if keep.size and int(keep[-1]) >= data.shape[2]:
+                raise GenerationError(f"capture asks for position {int(keep[-1])} of a {data.shape[2]}-position cache")
+            out.append(np.ascontiguousarray(data[:, :, keep, :]))
+        return out
+
+    def load(self, snapshot: Sequence[np.ndarray], length: int) -> None:
+        """Make this stream's cache the first ``length`` positions of ``snapshot``."""
+        states = self.request.query_state()
+        if len(states) != len(snapshot):
+            raise GenerationError("the capture does not match this stage's KV layout")
+        for state, data in zip(states, snapshot, strict=True):
+            state.state = ov.Tensor(np.ascontiguousarray(data[:, :, :length, :]))
+
 
 class LocalChain:
     """Stages of one export run back to back in this process."""

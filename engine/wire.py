@@ -48,6 +48,8 @@ HEADER_FIELDS = tuple(
 )
 HEADER_STRUCT = struct.Struct("<4sHBBQQBBH4IIQ")
 HEADER_SIZE = HEADER_STRUCT.size
+CAPTURE_META = struct.Struct("<Q")  # capture id; the kept positions are the int64 [n] tensor
+RESTORE_META = struct.Struct("<QI")  # capture id, number of leading positions to restore
 FORWARD_META = struct.Struct("<IBxH")  # mask length T, mask encoding, 1 reserved zero byte, reply_last
 # protocol_version, stage_index, max_frame_bytes, [role,] fingerprint length; fingerprint follows
 HELLO_META = struct.Struct("<HHQBB")
@@ -68,11 +70,11 @@ class FrameKind(enum.IntEnum):
     TOKENS = 17
     LOGITS = 18
     RELEASE = 19
-    CAPTURE = 32  # reserved: snapshot a stream's KV state (prefix cache), not in version 1
-    RESTORE = 33  # reserved: load a captured KV state into a stream, not in version 1
+    CAPTURE = 32  # prefix cache: keep a compacted copy of a stream's KV state under a capture id
+    RESTORE = 33  # prefix cache: start a stream from the first positions of a capture
 
 
-RESERVED_KINDS = frozenset({FrameKind.CAPTURE, FrameKind.RESTORE})
+RESERVED_KINDS: frozenset[FrameKind] = frozenset()
 
 
 class FrameFlag(enum.IntFlag):
@@ -107,7 +109,7 @@ class Role(enum.IntEnum):
 
 class ErrorCode(enum.IntEnum):
     """Why an Error frame was sent: 1-15 frame faults and 16-31 handshake refusals close the
-    connection, as do 48-49; 32-33 concern one stream and leave the connection up."""
+    connection, as do 48-49; 32-34 concern one stream and leave the connection up."""
 
     MALFORMED_FRAME = 1
     FRAME_TOO_LARGE = 2
@@ -120,6 +122,7 @@ class ErrorCode(enum.IntEnum):
     ROLE_REFUSED = 19
     UNKNOWN_STREAM = 32  # stream-level: the connection stays usable
     STREAM_FAILED = 33
+    CAPTURE_MISSING = 34  # stream-level: a Restore named a capture this stage does not hold
     INTERNAL = 48
     SHUTTING_DOWN = 49
 

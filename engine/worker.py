@@ -25,8 +25,19 @@ import numpy as np
 
 from engine.errors import DeskfleetError
 from engine.handshake import LocalIdentity
-from engine.messages import Error, Forward, Hello, Logits, Message, Release, Tokens
+from engine.messages import (
+    Capture,
+    Error,
+    Forward,
+    Hello,
+    Logits,
+    Message,
+    Release,
+    Restore,
+    Tokens,
+)
 from engine.path import last_stage_reply
+from engine.prefix_cache import CaptureStore
 from engine.shard import Stage, StageStream, StepInputs
 from engine.transport import Connection, FrameServer, async_connect
 from engine.wire import COORDINATOR_STAGE, ErrorCode, Role, StreamId
@@ -55,8 +66,9 @@ class StageWorker:
 
     def __init__(self, stage: Stage, listen: Address, next_address: Address, *,
                  server_ssl: SSLContext | None = None, client_ssl: SSLContext | None = None,
-                 dial_deadline: float = 120.0):
+                 dial_deadline: float = 120.0, capture_bytes: int = 256 << 20):
         self.stage = stage
+        self.captures = CaptureStore(capture_bytes)
         self.listen = listen
         self.next_address = next_address
         self.fingerprint = stage.manifest.model.fingerprint
@@ -108,6 +120,10 @@ class StageWorker:
                 await self._release(msg.stream_id)
                 if not self.stage.is_last:
                     await self._send(msg)
+            case Capture():
+                await self._capture(msg)
+            case Restore():
+                await self._restore(msg)
             case Error() if msg.stream_id:
                 await self._send(msg)  # a stream failed upstream: pass it on toward the coordinator
             case _:
@@ -145,6 +161,29 @@ class StageWorker:
             reply = Forward(msg.stream_id, msg.seq, out, msg.attention_mask, msg.position_ids,
                             msg.want_logits, msg.reply_last)
         await self._send(reply)
+
+    async def _capture(self, msg: Capture) -> None:
+        """Keep the stream's compacted KV; pass the frame on (the last stage's copy is the ack)."""
+        stream = self._streams.get(msg.stream_id)
+        if stream is None:
+            await self._send(Error(ErrorCode.UNKNOWN_STREAM, f"stage {self.stage.index} holds no stream "
+                                   f"{msg.stream_id} to capture", msg.stream_id, msg.seq))
+            return
+        loop = asyncio.get_running_loop()
+        snapshot = await loop.run_in_executor(self._executor, stream.snapshot, msg.keep)
+        self.captures.put(msg.capture_id, snapshot)
+        await self._send(msg)
+
+    async def _restore(self, msg: Restore) -> None:
+        snapshot = self.captures.get(msg.capture_id)
+        if snapshot is None:
+            await self._send(Error(ErrorCode.CAPTURE_MISSING, f"stage {self.stage.index} no longer holds capture "
+                                   f"{msg.capture_id}", msg.stream_id, msg.seq))
+            return
+        stream = self._streams[msg.stream_id] = self.stage.new_stream()
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._executor, stream.load, snapshot, msg.length)
+        await self._send(msg)
 
     async def _release(self, stream_id: StreamId) -> None:
         loop = asyncio.get_running_loop()

@@ -46,6 +46,7 @@ def test_concurrent_streams_do_not_influence_each_other(tiny_export):
             alone = [await collect(c, GenerationRequest(p, 16 + i, ignore_eos=True)) for i, p in enumerate(prompts)]
             together = await asyncio.gather(*(collect(c, GenerationRequest(p, 16 + i, ignore_eos=True))
                                               for i, p in enumerate(prompts)))
+            await c.async_wait_idle()
             metrics = c.metrics()
         return alone, together, metrics
 
@@ -83,10 +84,7 @@ def test_cancelling_frees_the_slot(tiny_export):
             with pytest.raises(OverloadedError):
                 await collect(c, GenerationRequest(PROMPT_IDS, 4))
             await stream.aclose()
-            for _ in range(200):  # the slot frees once the step in flight returns
-                if c.metrics()["active_streams"] == 0:
-                    break
-                await asyncio.sleep(0.01)
+            await c.async_wait_idle()  # the slot frees once the step in flight returns
             done = await collect(c, GenerationRequest(PROMPT_IDS, 4, ignore_eos=True))
             return c.metrics(), done
 
@@ -102,3 +100,31 @@ def test_prompt_longer_than_the_context_is_refused(tiny_export):
 
     with pytest.raises(GenerationError, match="context"):
         run(main())
+
+
+def test_prefix_cache_warm_path_equals_cold_and_falls_back_when_a_capture_is_lost(tiny_export):
+    export = tiny_export("llama", 2)
+    history = PROMPT_IDS + (44, 55, 66, 77, 88, 99, 111, 122)
+    follow_up = history + (133, 144, 155, 166)
+
+    async def main():
+        async with Coordinator.local(export, exact=True, prefix_cache=False) as cold:
+            expected = await collect(cold, GenerationRequest(follow_up, 16, ignore_eos=True))
+        async with Coordinator.local(export, exact=True, prefix_min_tokens=8) as c:
+            await collect(c, GenerationRequest(history, 6, ignore_eos=True))  # captured at the end
+            await c.async_wait_idle()
+            warm = await collect(c, GenerationRequest(follow_up, 16, ignore_eos=True))
+            hits = c.metrics()
+            for store in c.path.stores:  # a stage loses every capture: restore must fall back
+                store._items.clear()
+            await collect(c, GenerationRequest(PROMPT_IDS + (9, 9, 9), 4, ignore_eos=True))
+            await c.async_wait_idle()
+            fallback = await collect(c, GenerationRequest(follow_up, 16, ignore_eos=True))
+            return expected, warm, hits, fallback, c.metrics()
+
+    expected, warm, hits, fallback, after = run(main())
+    ids = lambda evs: [e.token_id for e in evs]  # noqa: E731
+    assert ids(warm) == ids(expected)
+    assert hits["prefix_hits_total"] == 1 and hits["prefix_tokens_reused_total"] >= len(history)
+    assert ids(fallback) == ids(expected)
+    assert after["prefix_fallbacks_total"] >= 1

@@ -55,6 +55,7 @@ def test_coordinator_hosting_stage0_and_micro_batched_streams(tiny_export, unspl
         async with local_fleet(tiny_export("llama", 3), exact=True, host_stage0=True, slots=3) as c:
             solo = [await collect(c, GenerationRequest(p, N, ignore_eos=True)) for p in prompts]
             together = await asyncio.gather(*(collect(c, GenerationRequest(p, N, ignore_eos=True)) for p in prompts))
+            await c.async_wait_idle()
             return solo, together, c.metrics()
 
     solo, together, metrics = run(main())
@@ -163,3 +164,22 @@ def test_malformed_frames_against_a_live_worker_spare_other_streams(tiny_export,
     assert tuple(tokens) == unsplit_tokens and tuple(after) == unsplit_tokens
     assert len(outcomes) == 1000
     assert outcomes.count("Error") > 500, {o: outcomes.count(o) for o in set(outcomes)}
+
+
+def test_prefix_cache_over_the_ring_restores_on_every_stage(tiny_export):
+    export = tiny_export("llama", 3)
+    history = PROMPT_IDS + (44, 55, 66, 77, 88, 99)
+    follow_up = history + (133, 144, 155)
+    cold = greedy_generate(LocalChain.load(export, exact=True), follow_up, N, ignore_eos=True).tokens
+
+    async def main():
+        async with local_fleet(export, exact=True, host_stage0=True) as c:
+            await collect(c, GenerationRequest(history, 8, ignore_eos=True))
+            await c.async_wait_idle()
+            warm = await collect(c, GenerationRequest(follow_up, N, ignore_eos=True))
+            await c.async_wait_idle()
+            return warm, c.metrics()
+
+    warm, metrics = run(main())
+    assert tuple(warm) == cold
+    assert metrics["prefix_hits_total"] == 1 and metrics["prefix_fallbacks_total"] == 0

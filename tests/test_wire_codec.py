@@ -17,7 +17,18 @@ from engine.handshake import (
     check_hello_ack,
     handshake_error_from,
 )
-from engine.messages import Error, Forward, Hello, HelloAck, Logits, Ping, Release, Tokens
+from engine.messages import (
+    Capture,
+    Error,
+    Forward,
+    Hello,
+    HelloAck,
+    Logits,
+    Ping,
+    Release,
+    Restore,
+    Tokens,
+)
 from engine.wire import (
     HEADER_SIZE,
     HEADER_STRUCT,
@@ -54,9 +65,9 @@ def test_every_message_round_trips(msg):
     assert_same(decode_body(header, frame[HEADER_SIZE:]), msg)
 
 
-def test_every_kind_has_a_sample_and_capture_restore_are_reserved():
+def test_every_kind_has_a_sample():
     kinds = {decode_header(encode(m)[:HEADER_SIZE]).kind for m in SAMPLES}
-    assert kinds | {FrameKind.CAPTURE, FrameKind.RESTORE} == set(FrameKind)
+    assert kinds == set(FrameKind)
     assert issubclass(WireError, DeskfleetError)
 
 
@@ -72,7 +83,7 @@ HEADER_CASES = [
     (FORWARD_FRAME, {"magic": b"GET "}, FrameError, "magic"),
     (FORWARD_FRAME, {"version": 2}, ProtocolVersionError, "version 2"),
     (FORWARD_FRAME, {"kind": 99}, FrameError, "unknown frame kind 99"),
-    (FORWARD_FRAME, {"kind": int(FrameKind.CAPTURE)}, FrameError, "reserved"),
+    (FORWARD_FRAME, {"kind": int(FrameKind.CAPTURE)}, FrameError, "CAPTURE frame cannot carry dtype FLOAT32"),
     (FORWARD_FRAME, {"flags": 0x02}, FrameError, "flag"),
     (TOKENS_FRAME, {"flags": 0x01}, FrameError, "flag"),
     (FORWARD_FRAME, {"reserved": 1}, FrameError, "reserved header"),
@@ -295,3 +306,10 @@ def test_reply_last_round_trips_and_is_bounded_by_the_new_positions():
     assert isinstance(back, Forward) and back.reply_last == 3
     with pytest.raises(DeskfleetError, match="reply_last"):
         Forward(base.stream_id, base.seq, base.tensor, base.attention_mask, base.position_ids, reply_last=5)
+
+
+def test_capture_and_restore_are_validated():
+    with pytest.raises(DeskfleetError, match="increasing"):
+        Capture(StreamId(1), 1, 5, np.array([3, 2], np.int64))
+    with pytest.raises(DeskfleetError, match="length"):
+        Restore(StreamId(1), 1, 5, 0)

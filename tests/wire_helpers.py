@@ -8,6 +8,7 @@ import numpy as np
 
 from engine.codec import decode, encode
 from engine.messages import (
+    Capture,
     Error,
     Forward,
     Hello,
@@ -17,6 +18,7 @@ from engine.messages import (
     Ping,
     Pong,
     Release,
+    Restore,
     Tokens,
 )
 from engine.wire import (
@@ -74,9 +76,11 @@ TENSOR_SAMPLES: list[Message] = [
     Tokens(StreamId(3), 9, np.array([[1, 2]], np.int64), np.array([[0.25, 0.75]], np.float32)),
     Logits(StreamId(4), 2, np.linspace(-3, 3, 2 * 11, dtype=np.float32).reshape(2, 11)),
     Logits(StreamId(4), 2, np.ones((1, 3, 7), np.float16)),
+    Capture(StreamId(6), 4, 77, np.array([0, 1, 2, 5, 6], np.int64)),
 ]
 CONTROL_SAMPLES: list[Message] = [  # no tensor payload
     Release(StreamId(5), 12),
+    Restore(StreamId(6), 1, U64_MAX, 300),
     Ping(7),
     Pong(7),
     Error(ErrorCode.UNKNOWN_STREAM, "stream 5 is unknown here — résumé", StreamId(5), 3),
