@@ -34,6 +34,7 @@ from engine.scheduler import (
     plan_step,
 )
 from engine.shard import LocalChain
+from engine.speculator import Speculator
 from engine.wire import StreamId
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,8 @@ class Coordinator:
     """Implements :class:`engine.generator.Generator` over a :class:`StepPath`."""
 
     def __init__(self, path: StepPath, model: ModelCard, *, slots: int = 4, max_waiting: int = 32,
-                 prefill_chunk: int = 256, prefix_cache: bool = True, prefix_min_tokens: int = 16):
+                 prefill_chunk: int = 256, prefix_cache: bool = True, prefix_min_tokens: int = 16,
+                 speculation: Speculator | None = None):
         if slots < 1:
             raise DeskfleetError("a coordinator needs at least one slot")
         self.path = path
@@ -54,6 +56,7 @@ class Coordinator:
         self.max_waiting = max_waiting
         self.prefill_chunk = prefill_chunk
         self.prefix = PrefixIndex(min_length=prefix_min_tokens) if prefix_cache else None
+        self.speculation = speculation
         self._ids = itertools.count(1)
         self._active: dict[StreamId, StreamState] = {}
         self._waiting: collections.deque[StreamState] = collections.deque()
@@ -98,6 +101,8 @@ class Coordinator:
         for task in list(self._background):
             task.cancel()
         await self.path.async_close()
+        if self.speculation is not None:
+            self.speculation.close()
 
     async def __aenter__(self) -> Coordinator:
         await self.async_start()
@@ -165,6 +170,8 @@ class Coordinator:
             "prefix_captures_total": float(self._counters["prefix_captures"]),
         }
         out.update(self.path.stage_metrics())
+        if self.speculation is not None:
+            out.update(self.speculation.metrics())
         return out
 
     # -- the loop -------------------------------------------------------------------------------
@@ -183,7 +190,11 @@ class Coordinator:
                 await self._submit(state)
 
     async def _submit(self, state: StreamState) -> None:
-        await self._send(state, plan_step(state, self.prefill_chunk))
+        if self.speculation is not None and not state.prefilling and state.generated:
+            draft, q = await self.speculation.async_propose(state)
+            await self._send(state, plan_step(state, self.prefill_chunk, draft, q))
+        else:
+            await self._send(state, plan_step(state, self.prefill_chunk))
 
     async def _send(self, state: StreamState, step) -> None:
         try:
@@ -213,14 +224,17 @@ class Coordinator:
             await self._retire(state, "finished")
             return
         started = time.perf_counter()
+        drafted = len(state.draft)
         try:
-            event = apply_reply(state, result)
+            events = apply_reply(state, result)
         except GenerationError as exc:
             await self._fail(state, exc)
             return
-        if event is not None:
+        if self.speculation is not None and not state.prefilling:
+            self.speculation.observe(state, drafted, started)
+        for event in events:
             self._counters["tokens"] += 1
-            self._token_times.append(time.perf_counter())
+            self._token_times.append(started)
             if event.index == 0:
                 self._counters["first_tokens"] += 1
                 self._ttft_sum += (state.first_token_at or 0.0) - state.admitted_at
@@ -268,6 +282,8 @@ class Coordinator:
     async def _retire(self, state: StreamState, outcome: str) -> None:
         """Free the stream's slot and its KV state on every stage, then admit the next request."""
         self._counters[outcome] += 1
+        if self.speculation is not None:
+            self.speculation.forget(state.stream_id)
         if self._active.pop(state.stream_id, None) is not None:
             with contextlib.suppress(DeskfleetError):
                 await self.path.async_release(state.stream_id)

@@ -8,6 +8,7 @@ position ids come from the stream's :class:`KVLayout`; nothing here touches sock
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,8 +18,9 @@ from engine.kv_layout import KVLayout
 from engine.path import CacheStep, StepRequest, StepResult
 from engine.prefix_cache import PrefixHit
 from engine.request import FinishReason, GenerationRequest, TokenEvent
-from engine.sampling import choose, make_rng
+from engine.sampling import choose, make_rng, probabilities
 from engine.shard import StepInputs
+from engine.speculation import Verdict, verify_greedy, verify_sampling
 from engine.wire import StreamId
 
 
@@ -40,6 +42,11 @@ class StreamState:
     finish: FinishReason | None = None
     admitted_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
+    draft: tuple[int, ...] = ()  # drafts in the step in flight
+    draft_probs: np.ndarray | None = None  # their q distributions [K, V] (sampling), or None
+    proposed_total: int = 0
+    accepted_total: int = 0
+    last_accepted: int = 0
     restoring: PrefixHit | None = None  # a prefix-cache restore is in flight
     capturing: int | None = None  # the capture id being taken at the end of the stream
 
@@ -57,25 +64,33 @@ class StreamState:
         return self.prompt_done < len(self.request.prompt_ids)
 
 
-def plan_step(state: StreamState, prefill_chunk: int) -> StepRequest:
-    """The stream's next step: the next prompt chunk, or the last generated token."""
+def plan_step(state: StreamState, prefill_chunk: int, draft: Sequence[int] = (),
+              draft_probs: np.ndarray | None = None) -> StepRequest:
+    """The stream's next step: the next prompt chunk, or the last token plus ``draft`` to verify.
+
+    A decode step with K drafts sends ``[last, d_1 .. d_K]`` and asks the last stage for all
+    K + 1 positions; :func:`apply_reply` keeps the accepted prefix and masks the rest.
+    """
     if state.prefilling:
         end = min(len(state.request.prompt_ids), state.prompt_done + prefill_chunk)
-        ids = state.request.prompt_ids[state.prompt_done : end]
+        ids = tuple(state.request.prompt_ids[state.prompt_done : end])
         state.prompt_done = end
+        state.draft, state.draft_probs = (), None
     else:
-        ids = (state.generated[-1],)
+        room = max(0, state.context_length - state.layout.logical_len - 2)  # logical positions left
+        state.draft = tuple(int(t) for t in draft[:room])
+        state.draft_probs = draft_probs[: len(state.draft)] if draft_probs is not None else None
+        ids = (state.generated[-1], *state.draft)
     mask, positions = state.layout.plan(len(ids))
     state.layout.append(len(ids))
     state.seq += 1
     state.in_flight = True
-    want_logits = state.request.want_logits or not state.request.sampling.greedy
     return StepRequest(
         stream_id=state.stream_id,
         seq=state.seq,
         inputs=StepInputs(np.asarray([ids], dtype=np.int64), mask, positions),
-        reply_last=1,
-        want_logits=want_logits,
+        reply_last=len(state.draft) + 1,
+        want_logits=state.request.want_logits or not state.request.sampling.greedy,
     )
 
 
@@ -112,25 +127,56 @@ def plan_capture(state: StreamState, capture_id: int) -> CacheStep:
     return CacheStep(state.stream_id, state.seq, capture_id, keep=state.layout.visible_positions().astype(np.int64))
 
 
-def apply_reply(state: StreamState, result: StepResult) -> TokenEvent | None:
-    """Update the stream with the last stage's reply; the new token's event, if there is one."""
+def _verify(state: StreamState, result: StepResult) -> tuple[Verdict, list[float]]:
+    """Accepted drafts + one target token, with each emitted token's probability."""
+    params = state.request.sampling
+    if result.logits is not None:
+        if params.greedy:  # logits were wanted for another reason: greedy still decides
+            top1 = result.logits.argmax(axis=-1)
+            verdict = verify_greedy(state.draft, top1)
+            return verdict, [1.0] * len(verdict.tokens)
+        target = np.stack([probabilities(row, params) for row in result.logits])  # [K+1, V]
+        verdict = verify_sampling(state.draft, state.draft_probs, target, state.rng)
+        return verdict, [float(target[i, t]) for i, t in enumerate(verdict.tokens)]
+    assert result.ids is not None and result.probs is not None
+    verdict = verify_greedy(state.draft, result.ids)
+    return verdict, [float(result.probs[i]) for i in range(len(verdict.tokens))]
+
+
+def apply_reply(state: StreamState, result: StepResult) -> list[TokenEvent]:
+    """Update the stream with the last stage's reply; the events of the tokens it produced."""
     state.in_flight = False
     if result.error is not None:
         raise GenerationError(f"stream {state.stream_id} failed in the pipeline: {result.error}")
     if state.prefilling or state.cancelled:
-        return None  # a prompt chunk that is not the last: its reply carries no token
-    if result.logits is not None:
+        return []  # a prompt chunk that is not the last: its reply carries no token
+    if not state.draft and result.logits is not None and not state.request.sampling.greedy:
         token, prob = choose(result.logits[-1], state.request.sampling, state.rng)
+        verdict, probs = Verdict(0, (token,)), [prob]
     else:
-        assert result.ids is not None and result.probs is not None
-        token, prob = int(result.ids[-1]), float(result.probs[-1])
-    state.generated.append(token)
-    if state.first_token_at is None:
-        state.first_token_at = time.perf_counter()
-    finish = None
-    if not state.request.ignore_eos and (token in state.eos_ids or token in state.request.stop_token_ids):
-        finish = FinishReason.STOP
-    elif len(state.generated) >= state.request.max_new_tokens or state.layout.logical_len + 1 >= state.context_length:
-        finish = FinishReason.LENGTH
-    state.finish = finish
-    return TokenEvent(token_id=token, index=len(state.generated) - 1, probability=prob, finish=finish)
+        verdict, probs = _verify(state, result)
+    rejected = len(state.draft) - verdict.accepted
+    if rejected:
+        state.layout.mask_last(rejected)  # the device cache keeps them; the mask hides them
+    state.accepted_total += verdict.accepted
+    state.proposed_total += len(state.draft)
+    state.last_accepted = verdict.accepted
+    events = []
+    for token, prob in zip(verdict.tokens, probs, strict=True):
+        state.generated.append(token)
+        if state.first_token_at is None:
+            state.first_token_at = time.perf_counter()
+        finish = None
+        if not state.request.ignore_eos and (token in state.eos_ids or token in state.request.stop_token_ids):
+            finish = FinishReason.STOP
+        elif (len(state.generated) >= state.request.max_new_tokens
+              or state.layout.logical_len + 1 >= state.context_length):
+            finish = FinishReason.LENGTH
+        events.append(TokenEvent(token_id=token, index=len(state.generated) - 1, probability=prob, finish=finish))
+        if finish is not None:
+            state.finish = finish
+            unused = len(verdict.tokens) - len(events)  # accepted drafts after the stop stay hidden
+            if unused:
+                state.layout.mask_last(unused)
+            break
+    return events

@@ -1,0 +1,109 @@
+"""Speculative decoding end to end: greedy output identical to plain decoding, over the
+in-process path and the ring, with prompt lookup and with a draft model."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine.coordinator import Coordinator
+from engine.generate import greedy_generate
+from engine.localfleet import local_fleet
+from engine.request import GenerationRequest, SamplingParams
+from engine.shard import LocalChain
+from engine.speculator import SpeculationConfig, Speculator
+from tests.conftest import PROMPT_IDS
+
+N = 40
+# A prompt that repeats itself, so prompt lookup has something to find.
+LOOPY = PROMPT_IDS + PROMPT_IDS[1:] + PROMPT_IDS[1:9]
+
+
+def run(coro, timeout=600):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+async def collect(c, request):
+    return [e.token_id async for e in c.stream(request)]
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_export):
+    chain = LocalChain.load(tiny_export("llama", 1), exact=True)
+    return {p: greedy_generate(chain, p, N, ignore_eos=True).tokens for p in (PROMPT_IDS, LOOPY)}
+
+
+@pytest.mark.parametrize("k", [None, 1, 4, 9])
+def test_prompt_lookup_is_identical_in_process(k, tiny_export, expected):
+    async def main():
+        spec = Speculator(SpeculationConfig("lookup", k=k))
+        async with Coordinator.local(tiny_export("llama", 2), exact=True, speculation=spec) as c:
+            out = [await collect(c, GenerationRequest(p, N, ignore_eos=True)) for p in (PROMPT_IDS, LOOPY)]
+            await c.async_wait_idle()
+            return out, c.metrics()
+
+    (plain, loopy), metrics = run(main())
+    assert tuple(plain) == expected[PROMPT_IDS] and tuple(loopy) == expected[LOOPY]
+    if k:
+        assert metrics["speculation_proposed_total"] > 0
+
+
+def test_draft_model_is_identical_and_accepts_everything_when_draft_equals_target(tiny_export, expected):
+    """The 1-stage export as its own draft: every draft must be accepted (a strong check of the
+    draft's mask-rewind alignment), and the output must not change."""
+
+    async def main():
+        spec = Speculator(SpeculationConfig("draft", k=4, draft_export=tiny_export("llama", 1)), exact=True)
+        async with Coordinator.local(tiny_export("llama", 3), exact=True, speculation=spec) as c:
+            out = await collect(c, GenerationRequest(PROMPT_IDS, N, ignore_eos=True))
+            await c.async_wait_idle()
+            return out, c.metrics()
+
+    out, metrics = run(main())
+    assert tuple(out) == expected[PROMPT_IDS]
+    assert metrics["speculation_acceptance_rate"] == 1.0
+    assert metrics["speculation_steps_total"] < N / 3  # 5 tokens per verify step
+
+
+def test_a_weaker_draft_is_rejected_often_yet_output_is_identical(tiny_checkpoint, tiny_export, tmp_path, expected):
+    from export.exporter import ExportOptions, export_model
+
+    other = export_model(tiny_checkpoint("llama"), tmp_path / "int8-draft", stages=1,
+                         options=ExportOptions(weights="int8", kv_cache_precision="f32")).out_dir
+
+    async def main():
+        spec = Speculator(SpeculationConfig("draft", k=3, draft_export=other), exact=True)
+        async with Coordinator.local(tiny_export("llama", 2), exact=True, speculation=spec) as c:
+            out = await collect(c, GenerationRequest(PROMPT_IDS, N, ignore_eos=True))
+            await c.async_wait_idle()
+            return out, c.metrics()
+
+    out, metrics = run(main())
+    assert tuple(out) == expected[PROMPT_IDS]
+    assert 0 < metrics["speculation_acceptance_rate"] <= 1.0
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+def test_speculation_over_the_ring_is_identical(stages, tiny_export, expected):
+    async def main():
+        async with local_fleet(tiny_export("llama", stages), exact=True, slots=2) as c:
+            c.speculation = Speculator(SpeculationConfig("lookup", k=5))
+            # two micro-batched streams, each speculating independently
+            return await asyncio.gather(collect(c, GenerationRequest(PROMPT_IDS, N, ignore_eos=True)),
+                                        collect(c, GenerationRequest(LOOPY, N, ignore_eos=True)))
+
+    plain, loopy = run(main())
+    assert tuple(plain) == expected[PROMPT_IDS] and tuple(loopy) == expected[LOOPY]
+
+
+def test_speculative_sampling_is_seed_reproducible(tiny_export):
+    req = GenerationRequest(LOOPY, 24, SamplingParams(temperature=0.8, seed=5), ignore_eos=True)
+
+    async def main():
+        spec = Speculator(SpeculationConfig("draft", k=3, draft_export=tiny_export("llama", 1)), exact=True)
+        async with Coordinator.local(tiny_export("llama", 2), exact=True, speculation=spec) as c:
+            return await collect(c, req), await collect(c, req)
+
+    a, b = run(main())
+    assert a == b and len(a) == 24
