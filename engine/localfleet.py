@@ -13,7 +13,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 
 from engine.coordinator import Coordinator, model_card
@@ -27,6 +27,13 @@ log = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 30.0
+
+
+Hop = Callable[[Address], Awaitable[Address]]
+
+
+async def _direct(address: Address) -> Address:
+    return address
 
 
 class WorkerStartError(DeskfleetError):
@@ -57,15 +64,21 @@ class LocalFleet:
             argv += ["--threads", str(self.threads)]
         return argv + list(self.extra_args)
 
-    async def async_start(self, return_address: Address) -> Address:
-        """Start every worker (last stage first); returns the address of the first one."""
-        next_address = return_address
+    async def async_start(self, return_address: Address, hop: Hop | None = None) -> Address:
+        """Start every worker (last stage first); returns the address to dial the first one on.
+
+        ``hop(address)`` may put something in front of every hop (a WAN emulator) and return the
+        address to use instead; it is applied to the return hop and to each worker.
+        """
+        hop = hop or _direct
+        next_address = await hop(return_address)
         for stage in reversed(range(self.first_stage, len(self.manifest.stages))):
             proc = await asyncio.create_subprocess_exec(
                 *self._argv(stage, next_address), stdout=asyncio.subprocess.PIPE, start_new_session=True,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
             self.processes[stage] = proc
-            next_address = self.addresses[stage] = await self._await_ready(stage, proc)
+            self.addresses[stage] = await self._await_ready(stage, proc)
+            next_address = await hop(self.addresses[stage])
         return next_address
 
     async def _await_ready(self, stage: int, proc: asyncio.subprocess.Process) -> Address:
@@ -103,7 +116,8 @@ class LocalFleet:
 
 @contextlib.asynccontextmanager
 async def local_fleet(export_dir: Path | str, *, slots: int = 4, exact: bool = False, threads: int | None = None,
-                      host_stage0: bool = False, prefill_chunk: int = 256) -> AsyncIterator[Coordinator]:
+                      host_stage0: bool = False, hop: Hop | None = None,
+                      **coordinator_options) -> AsyncIterator[Coordinator]:
     """A running coordinator over worker processes for every stage (stage 0 in-process if asked)."""
     manifest = load_manifest(export_dir)
     local0 = Stage(export_dir, 0, manifest=manifest, exact=exact, num_threads=threads) if host_stage0 else None
@@ -114,8 +128,8 @@ async def local_fleet(export_dir: Path | str, *, slots: int = 4, exact: bool = F
                     Address("127.0.0.1", 0), local_stage0=local0)
     try:
         return_address = await path.async_listen()
-        path.first_remote = await fleet.async_start(return_address)
-        coordinator = Coordinator(path, model_card(manifest), slots=slots, prefill_chunk=prefill_chunk)
+        path.first_remote = await fleet.async_start(return_address, hop)
+        coordinator = Coordinator(path, model_card(manifest), slots=slots, **coordinator_options)
         async with coordinator:
             yield coordinator
     finally:

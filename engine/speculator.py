@@ -67,6 +67,7 @@ class Speculator:
         self.proposed = 0
         self.accepted = 0
         self.steps = 0
+        self.k_history: list[int] = []  # K chosen at every verify step of finished streams
 
     def _spec(self, state: StreamState) -> _StreamSpec:
         spec = self._streams.get(state.stream_id)
@@ -113,7 +114,9 @@ class Speculator:
     def forget(self, stream_id: StreamId) -> list[int]:
         """Drop a finished stream's drafter; returns the K it chose at each step."""
         spec = self._streams.pop(stream_id, None)
-        return spec.chosen if spec is not None else []
+        chosen = spec.chosen if spec is not None else []
+        self.k_history.extend(chosen)
+        return chosen
 
     def metrics(self) -> dict[str, float]:
         return {

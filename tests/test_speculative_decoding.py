@@ -107,3 +107,28 @@ def test_speculative_sampling_is_seed_reproducible(tiny_export):
 
     a, b = run(main())
     assert a == b and len(a) == 24
+
+
+def test_ring_behind_wan_emulators_on_every_hop(tiny_export, expected):
+    """The hop hook puts a delaying proxy on each of the 3 hops; output must not change."""
+    from engine.wan import WanProxy
+    from engine.worker import Address
+
+    proxies = []
+
+    async def hop(target):
+        proxies.append(WanProxy(Address("127.0.0.1", 0), target, delay_ms=5))
+        return await proxies[-1].async_start()
+
+    async def main():
+        try:
+            async with local_fleet(tiny_export("llama", 2), exact=True, hop=hop,
+                                   speculation=Speculator(SpeculationConfig("lookup"))) as c:
+                return await collect(c, GenerationRequest(LOOPY, N, ignore_eos=True))
+        finally:
+            for p in proxies:
+                await p.async_close()
+
+    out = run(main())
+    assert tuple(out) == expected[LOOPY]
+    assert len(proxies) == 3 and all(p.stats.up.bytes > 0 for p in proxies)
