@@ -492,3 +492,14 @@ def test_serve_command_answers_and_stops_on_sigterm(tiny_export):
             proc.wait(timeout=TIMEOUT)
         proc.stdout.close()
         proc.stderr.close()
+
+
+def test_multi_turn_chat_hits_the_prefix_cache_without_client_help(client, fleet):
+    before = scrape(fleet.url, fleet.key)
+    first = client.chat.completions.create(model=fleet.model, messages=MESSAGES, temperature=0, max_tokens=12)
+    wait_for_metrics(fleet, fleet.url, lambda m: m.get("deskfleet_active_streams", 1) == 0)
+    conversation = [*MESSAGES, {"role": "assistant", "content": first.choices[0].message.content},
+                    {"role": "user", "content": "And the second one?"}]
+    client.chat.completions.create(model=fleet.model, messages=conversation, temperature=0, max_tokens=8)
+    after = wait_for_metrics(fleet, fleet.url, lambda m: m.get("deskfleet_active_streams", 1) == 0)
+    assert after["deskfleet_prefix_hits_total"] >= before.get("deskfleet_prefix_hits_total", 0) + 1
