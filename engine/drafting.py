@@ -48,7 +48,7 @@ class DraftModelDrafter:
 
     def _step(self, tokens: Sequence[int]) -> np.ndarray:
         mask, positions = self.layout.plan(len(tokens))
-        logits = self.chain.forward(self.streams, StepInputs(np.asarray([tokens], dtype=np.int64), mask, positions))
+        logits = self.chain.forward(self.streams, StepInputs(np.asarray([tokens], dtype=np.int64), mask, positions, 1))
         self.layout.append(len(tokens))
         self.fed.extend(int(t) for t in tokens)
         return logits[0, -1]  # [V]

@@ -63,7 +63,7 @@ def greedy_generate(chain: LocalChain, prompt_ids: Sequence[int], max_new_tokens
         offset = 0
         for size in sizes:
             mask, positions = layout.plan(size)
-            logits = chain.forward(streams, StepInputs(pending[:, offset : offset + size], mask, positions))
+            logits = chain.forward(streams, StepInputs(pending[:, offset : offset + size], mask, positions, 1))
             layout.append(size)
             offset += size
         token = int(np.argmax(logits[0, -1]))

@@ -135,7 +135,7 @@ class LocalPath:
         x = step.inputs.x
         for i, stream in enumerate(streams):
             started = time.perf_counter()
-            x = stream.forward(StepInputs(x, step.inputs.attention_mask, step.inputs.position_ids))
+            x = stream.forward(StepInputs(x, step.inputs.attention_mask, step.inputs.position_ids, step.reply_last))
             self._compute_s[i] += time.perf_counter() - started
         self._steps += 1
         first, second = last_stage_reply(x, step.reply_last, step.want_logits)

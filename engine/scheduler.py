@@ -88,7 +88,7 @@ def plan_step(state: StreamState, prefill_chunk: int, draft: Sequence[int] = (),
     return StepRequest(
         stream_id=state.stream_id,
         seq=state.seq,
-        inputs=StepInputs(np.asarray([ids], dtype=np.int64), mask, positions),
+        inputs=StepInputs(np.asarray([ids], dtype=np.int64), mask, positions, len(state.draft) + 1),
         reply_last=len(state.draft) + 1,
         want_logits=state.request.want_logits or not state.request.sampling.greedy,
     )

@@ -39,6 +39,7 @@ class StepInputs:
     x: np.ndarray
     attention_mask: np.ndarray
     position_ids: np.ndarray
+    logits_last: int = 0  # the last stage computes logits for this many trailing positions (0 = all)
 
 
 def stage_properties(stage: StageManifest, exact: bool = False, num_threads: int | None = None,
@@ -81,6 +82,7 @@ class Stage:
             ) from exc
         self._input_name = self.spec.inputs[0].name
         self._has_beam = "beam_idx" in self.spec.input_names
+        self._has_logits_last = "logits_last" in self.spec.input_names
 
     @property
     def index(self) -> int:
@@ -110,6 +112,8 @@ class Stage:
         }
         if self._has_beam:
             inputs["beam_idx"] = BEAM_IDX_ZERO
+        if self._has_logits_last:
+            inputs["logits_last"] = np.array(step.logits_last, dtype=np.int64)
         return inputs
 
 
@@ -181,5 +185,5 @@ class LocalChain:
         """Logits [1, S, V] for the new positions, passing hidden states stage to stage."""
         x = step.x
         for stream in streams:
-            x = stream.forward(StepInputs(x, step.attention_mask, step.position_ids))
+            x = stream.forward(StepInputs(x, step.attention_mask, step.position_ids, step.logits_last))
         return x

@@ -139,7 +139,7 @@ class StageWorker:
             stream = self._streams[msg.stream_id] = self.stage.new_stream()
         loop = asyncio.get_running_loop()
         x = msg.tensor if msg.tensor.dtype != np.float16 else msg.tensor.astype(np.float32)
-        step = StepInputs(x, msg.attention_mask, msg.position_ids)
+        step = StepInputs(x, msg.attention_mask, msg.position_ids, msg.reply_last)
         self._idle.clear()
         started = time.perf_counter()
         try:

@@ -100,7 +100,7 @@ def rewind_costs(export: Path, cached: int = 512, k: int = 8, repeats: int = 50)
     rng = np.random.default_rng(0)
     ids = rng.integers(100, 1000, (1, cached), dtype=np.int64)
     mask, pos = layout.plan(cached)
-    chain.forward(streams, StepInputs(ids, mask, pos))
+    chain.forward(streams, StepInputs(ids, mask, pos, 1))
     layout.append(cached)
     decode = []
     for _ in range(repeats):

@@ -70,11 +70,16 @@ def shard_runner(export_dir: Path, num_threads: int | None = None) -> Runner:
     return run
 
 
+# Our shards' default KV-cache precision; the reference gets the same, so the comparison is of
+# the export path alone (optimum's IR sets none, and the CPU plugin would default to u8).
+REFERENCE_PROPERTIES = {"KV_CACHE_PRECISION": "f16"}
+
+
 def reference_runner(model_dir: Path) -> Runner:
     """``openvino_genai.LLMPipeline`` on an optimum-intel export, all cores."""
     from export.reference import ReferencePipeline
 
-    pipe = ReferencePipeline(model_dir)
+    pipe = ReferencePipeline(model_dir, REFERENCE_PROPERTIES)
 
     def run(ids: list[int], n: int) -> Run:
         r = pipe.generate(ids, n)

@@ -142,13 +142,38 @@ class CheckpointReader:
         return out
 
 
-def _rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def _status_kb(field: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _reset_peak_rss() -> int:
+    """Current RSS in bytes, after resetting the kernel's peak-RSS mark where that is possible.
+
+    ``ru_maxrss`` survives exec, so a process spawned by a large parent would report the
+    parent's size; Linux's VmHWM belongs to this process alone and can be reset (clear_refs 5).
+    """
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+    current = _status_kb("VmRSS")
+    return current * 1024 if current is not None else _peak_rss_bytes()
+
+
+def _peak_rss_bytes() -> int:
+    peak = _status_kb("VmHWM")
+    return peak * 1024 if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _io_names(stage: StageSpec) -> tuple[list[str], list[str]]:
     first = "input_ids" if stage.has_embedding else "hidden_states"
-    inputs = [first, "attention_mask", "position_ids"]
+    inputs = [first, "attention_mask", "position_ids"] + (["logits_last"] if stage.has_head else [])
     outputs = ["logits" if stage.has_head else "hidden_states_out"]
     for i in stage.layers:
         inputs += [f"past_key_{i}", f"past_value_{i}"]
@@ -165,6 +190,8 @@ def _example_inputs(config: Any, stage: StageSpec) -> tuple[torch.Tensor, ...]:
     else:
         x = torch.randn(1, s, int(config.hidden_size))
     tensors = [x, torch.ones(1, p + s, dtype=torch.int64), torch.arange(p, p + s, dtype=torch.int64)[None]]
+    if stage.has_head:
+        tensors.append(torch.tensor(2, dtype=torch.int64))  # logits for the last 2 of the 3 positions
     for _ in stage.layers:
         tensors += [torch.randn(1, kv, p, d), torch.randn(1, kv, p, d)]
     return tuple(tensors)
@@ -295,7 +322,7 @@ def export_model(checkpoint_dir: Path | str, out_dir: Path | str, *, stages: int
                  progress: Progress | None = None) -> ExportReport:
     """Export ``checkpoint_dir`` into ``out_dir``; see the module docstring."""
     started = time.perf_counter()
-    baseline = _rss_bytes()
+    baseline = _reset_peak_rss()
     ckpt, out = Path(checkpoint_dir), Path(out_dir)
     if not (ckpt / "config.json").is_file():
         raise ExportError(f"{ckpt} is not an HF checkpoint directory (no config.json)")
@@ -348,7 +375,7 @@ def export_model(checkpoint_dir: Path | str, out_dir: Path | str, *, stages: int
         out_dir=out,
         manifest=manifest,
         seconds=time.perf_counter() - started,
-        peak_rss_bytes=_rss_bytes(),
+        peak_rss_bytes=_peak_rss_bytes(),
         baseline_rss_bytes=baseline,
         stage_file_bytes=tuple(sum(f.size for f in s.files) for s in stage_manifests),
     )

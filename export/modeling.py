@@ -12,7 +12,9 @@ cache positions (rejected speculative tokens) are invisible. Shapes::
                      position_ids    [B, S]          int64   logical positions
                      past_key_{i}    [B, KV, P, D]   float32 (becomes device state)
                      past_value_{i}  [B, KV, P, D]
-    outputs          hidden_states_out [B, S, H] or logits [B, S, V], present_key_{i}, ...
+    last stage       logits_last     []              int64   trailing positions to compute logits for
+                                                             (0 = all): prefill needs 1, verify K + 1
+    outputs          hidden_states_out [B, S, H] or logits [B, n, V], present_key_{i}, ...
 """
 
 from __future__ import annotations
@@ -163,7 +165,11 @@ class StageModel(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.rope_scaling = scaling
 
-    def forward(self, x, attention_mask, position_ids, *past):
+    def forward(self, x, attention_mask, position_ids, *rest):
+        if self.stage.has_head:
+            logits_last, past = rest[0], rest[1:]
+        else:
+            logits_last, past = None, rest
         h = F.embedding(x, self.embed) if self.embed is not None else x
         seq_len = h.shape[1]
         freqs = position_ids[:, :, None].to(torch.float32) * self.inv_freq[None, None, :]  # [B, S, R/2]
@@ -175,7 +181,11 @@ class StageModel(nn.Module):
             h, k, v = layer(h, mask, cos, sin, past[2 * j], past[2 * j + 1])
             presents += [k, v]
         if self.stage.has_head:
-            h = self.lm_head(self.norm(h))
+            # Only the positions whose logits are wanted go through the head: a prompt of S tokens
+            # would otherwise cost S x vocabulary multiply-adds for one useful row.
+            n = torch.where(logits_last > 0, logits_last, seq_len)
+            keep = torch.arange(torch.clamp(seq_len - n, min=0), seq_len)
+            h = self.lm_head(self.norm(h.index_select(1, keep)))
         return (h, *presents)
 
 
