@@ -19,8 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from engine.benchrecord import (
-    DEFAULT_DOC,
-    DEFAULT_JSON_DIR,
     machine_info,
     markdown_table,
     median,
@@ -28,7 +26,15 @@ from engine.benchrecord import (
     write_json,
 )
 from engine.cli import Command
-from export.benchkit import Run, Runner, ensure_export, reference_runner, shard_runner
+from export.benchkit import (
+    Run,
+    Runner,
+    add_common_arguments,
+    default_model_exports,
+    reference_runner,
+    shard_runner,
+)
+from export.benchkit import verdict as _verdict
 
 PROMPT = "What is the capital of France? Answer in one long paragraph about its history."
 COMMAND_LINE = "deskfleet bench parity"
@@ -37,30 +43,23 @@ TARGETS = {"B/A": 1.00, "B/B0 (int4)": 2.0, "C2/A": 0.95, "C3/A": 0.93, "export 
 
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", default="int4,fp16", help="comma-separated weight formats (default int4,fp16)")
-    p.add_argument("--runs", type=int, default=5, help="timed rounds (default 5)")
-    p.add_argument("--warmups", type=int, default=2, help="untimed rounds first (default 2)")
-    p.add_argument("--tokens", type=int, default=128, help="new tokens per run (default 128)")
-    p.add_argument("--json", type=Path, default=DEFAULT_JSON_DIR / "parity.json")
-    p.add_argument("--doc", type=Path, default=DEFAULT_DOC)
+    add_common_arguments(p, "parity.json", runs=5, warmups=2)
 
 
 def run(args: argparse.Namespace) -> int:
     from engine.tokenizer import ChatTokenizer
     from export.reference import export_reference
-    from export.sources import default_cache_root, model_fingerprint, resolve_model
 
-    source = resolve_model(None)
-    fingerprint = model_fingerprint(source.checkpoint_dir)
-    root = default_cache_root() / "bench-exports"
     formats = [w.strip() for w in args.weights.split(",") if w.strip()]
     runners: dict[str, Runner] = {}
     exports: dict[str, dict] = {}
+    labels = (("B", 1, True), ("B0", 1, False), ("C2", 2, True), ("C3", 3, True))
     for w in formats:
         print(f"preparing {w} variants", file=sys.stderr, flush=True)
+        source, dirs, stats = default_model_exports(*((w, stages, beam) for _, stages, beam in labels))
         runners[f"A {w}"] = reference_runner(export_reference(source.checkpoint_dir, w))
-        for label, stages, beam in (("B", 1, True), ("B0", 1, False), ("C2", 2, True), ("C3", 3, True)):
-            out, stats = ensure_export(root, source, fingerprint, w, stages, beam)
-            exports[f"{label} {w}"] = stats
+        for (label, _, _), out, st in zip(labels, dirs, stats, strict=True):
+            exports[f"{label} {w}"] = st
             runners[f"{label} {w}"] = shard_runner(out)
     tokenizer = ChatTokenizer(source.checkpoint_dir)
     ids = tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
@@ -109,10 +108,6 @@ def summarise(runs: dict[str, list[Run]], exports: dict[str, dict], formats: lis
     return {"benchmark": "parity", "command": COMMAND_LINE, "machine": machine_info(), "prompt_tokens": prompt_tokens,
             "new_tokens": args.tokens, "warmups": args.warmups, "runs": args.runs, "variants": rows,
             "ratios": ratios, "export_rss": rss, "targets": TARGETS}
-
-
-def _verdict(value: float, target: float) -> str:
-    return "met" if value >= target else "**missed**"
 
 
 def render(result: dict[str, Any], json_path: Path) -> str:

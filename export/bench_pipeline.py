@@ -26,8 +26,6 @@ from typing import Any
 import numpy as np
 
 from engine.benchrecord import (
-    DEFAULT_DOC,
-    DEFAULT_JSON_DIR,
     machine_info,
     markdown_table,
     median,
@@ -35,7 +33,14 @@ from engine.benchrecord import (
     write_json,
 )
 from engine.cli import Command
-from export.benchkit import Run, ensure_export, reference_runner, shard_runner
+from export.benchkit import (
+    Run,
+    add_common_arguments,
+    default_model_exports,
+    reference_runner,
+    shard_runner,
+)
+from export.benchkit import verdict as _verdict
 
 PROMPT = "What is the capital of France? Answer in one long paragraph about its history."
 COMMAND_LINE = "deskfleet bench pipeline"
@@ -89,24 +94,15 @@ def stage_compute_ms(export_dir: Path, ids: list[int], steps: int = 64, num_thre
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--runs", type=int, default=5, help="timed rounds (default 5)")
-    p.add_argument("--warmups", type=int, default=2, help="untimed rounds first (default 2)")
-    p.add_argument("--tokens", type=int, default=128, help="new tokens per request (default 128)")
-    p.add_argument("--json", type=Path, default=DEFAULT_JSON_DIR / "pipeline.json")
-    p.add_argument("--doc", type=Path, default=DEFAULT_DOC)
+    add_common_arguments(p, "pipeline.json", runs=5, warmups=2)
 
 
 async def _async_bench(args: argparse.Namespace) -> dict[str, Any]:
     from engine.localfleet import local_fleet
     from engine.tokenizer import ChatTokenizer
     from export.reference import export_reference
-    from export.sources import default_cache_root, model_fingerprint, resolve_model
 
-    source = resolve_model(None)
-    fingerprint = model_fingerprint(source.checkpoint_dir)
-    root = default_cache_root() / "bench-exports"
-    one, _ = ensure_export(root, source, fingerprint, "int4", 1, True)
-    two, _ = ensure_export(root, source, fingerprint, "int4", 2, True)
+    source, (one, two), _ = default_model_exports(("int4", 1, True), ("int4", 2, True))
     ids = ChatTokenizer(source.checkpoint_dir).encode_chat([{"role": "user", "content": PROMPT}])
     sync_runners = {"REF": reference_runner(export_reference(source.checkpoint_dir, "int4")),
                     "IN1": shard_runner(one), "IN2": shard_runner(two, num_threads=1)}
@@ -151,10 +147,6 @@ def summarise(rows: dict[str, list], ring_metrics: dict[str, float], compute: li
             "new_tokens": args.tokens, "warmups": args.warmups, "runs": args.runs, "variants": variants,
             "ratios": ratios, "breakdown": breakdown,
             "targets": {"R2/R1": 1.85, "R1/IN2": 0.9, "R2/REF": 2.0}}
-
-
-def _verdict(value: float, target: float) -> str:
-    return "met" if value >= target else "**missed**"
 
 
 def render(result: dict[str, Any], json_path: Path) -> str:

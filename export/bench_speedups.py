@@ -28,8 +28,6 @@ from typing import Any
 import numpy as np
 
 from engine.benchrecord import (
-    DEFAULT_DOC,
-    DEFAULT_JSON_DIR,
     machine_info,
     markdown_table,
     median,
@@ -37,7 +35,8 @@ from engine.benchrecord import (
     write_json,
 )
 from engine.cli import Command
-from export.benchkit import ensure_export
+from export.benchkit import add_common_arguments, default_model_exports
+from export.benchkit import verdict as _verdict
 
 # A task with overlap between prompt and answer (quoting, editing, summarising), as assistants
 # are often given; prompt lookup feeds on such overlap.
@@ -137,23 +136,14 @@ def ov_tensor(array: np.ndarray):
 
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--delays", default="0,10,50,100", help="one-way ms per hop (default 0,10,50,100)")
-    p.add_argument("--runs", type=int, default=3, help="timed rounds per delay (default 3)")
-    p.add_argument("--warmups", type=int, default=1, help="untimed rounds first (default 1)")
-    p.add_argument("--tokens", type=int, default=128, help="new tokens per request (default 128)")
-    p.add_argument("--json", type=Path, default=DEFAULT_JSON_DIR / "speedups.json")
-    p.add_argument("--doc", type=Path, default=DEFAULT_DOC)
+    add_common_arguments(p, "speedups.json", runs=3, warmups=1)
 
 
 async def _async_bench(args: argparse.Namespace) -> dict[str, Any]:
     from engine.speculator import SpeculationConfig, Speculator
     from engine.tokenizer import ChatTokenizer
-    from export.sources import default_cache_root, model_fingerprint, resolve_model
 
-    source = resolve_model(None)
-    fingerprint = model_fingerprint(source.checkpoint_dir)
-    root = default_cache_root() / "bench-exports"
-    one, _ = ensure_export(root, source, fingerprint, "int4", 1, True)
-    two, _ = ensure_export(root, source, fingerprint, "int4", 2, True)
+    source, (one, two), _ = default_model_exports(("int4", 1, True), ("int4", 2, True))
     tok = ChatTokenizer(source.checkpoint_dir)
     ids = tuple(tok.encode_chat([{"role": "user", "content": PROMPT}]))
     other = tuple(tok.encode_chat([{"role": "user", "content": PROMPT + " Then say thank you."}]))
@@ -236,11 +226,6 @@ async def _ttft(export: Path, tok, target_tokens: int = 1000) -> dict[str, Any]:
         hits = c.metrics()["prefix_hits_total"]
     return {"history_tokens": len(follow), "cold_ttft_ms": median(cold), "warm_ttft_ms": median(warm),
             "warm_over_cold": median(warm) / median(cold), "prefix_hits": hits}
-
-
-def _verdict(value: float, target: float, higher: bool = True) -> str:
-    ok = value >= target if higher else value <= target
-    return "met" if ok else "**missed**"
 
 
 def render(result: dict[str, Any], json_path: Path) -> str:

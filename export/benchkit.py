@@ -86,3 +86,31 @@ def reference_runner(model_dir: Path) -> Runner:
         return Run(tuple(r.tokens), r.ttft_s, r.decode_tok_per_s)
 
     return run
+
+
+def verdict(value: float, target: float, higher: bool = True) -> str:
+    """How a measured figure stands against its target, for the tables."""
+    ok = value >= target if higher else value <= target
+    return "met" if ok else "**missed**"
+
+
+def add_common_arguments(p: Any, json_name: str, runs: int, warmups: int) -> None:
+    """--runs, --warmups, --tokens, --json and --doc, as every benchmark takes them."""
+    from engine.benchrecord import DEFAULT_DOC, DEFAULT_JSON_DIR
+
+    p.add_argument("--runs", type=int, default=runs, help=f"timed rounds (default {runs})")
+    p.add_argument("--warmups", type=int, default=warmups, help=f"untimed rounds first (default {warmups})")
+    p.add_argument("--tokens", type=int, default=128, help="new tokens per request (default 128)")
+    p.add_argument("--json", type=Path, default=DEFAULT_JSON_DIR / json_name, help="where the raw results go")
+    p.add_argument("--doc", type=Path, default=DEFAULT_DOC, help="the Markdown file whose section is rewritten")
+
+
+def default_model_exports(*variants: tuple[str, int, bool]) -> tuple[Any, list[Path], list[dict]]:
+    """The embedded default model and its exports for (weights, stages, beam_idx) variants."""
+    from export.sources import default_cache_root, model_fingerprint, resolve_model
+
+    source = resolve_model(None)
+    fingerprint = model_fingerprint(source.checkpoint_dir)
+    root = default_cache_root() / "bench-exports"
+    made = [ensure_export(root, source, fingerprint, w, s, b) for w, s, b in variants]
+    return source, [m[0] for m in made], [m[1] for m in made]

@@ -12,15 +12,9 @@ from engine.generate import greedy_generate
 from engine.generator import OverloadedError
 from engine.request import FinishReason, GenerationRequest, SamplingParams
 from engine.shard import LocalChain
+from tests.asyncutil import collect_events as collect
+from tests.asyncutil import run
 from tests.conftest import PROMPT_IDS
-
-
-async def collect(coordinator, request):
-    return [e async for e in coordinator.stream(request)]
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, timeout=300))
 
 
 def test_greedy_equals_the_in_process_chain(tiny_export):

@@ -21,17 +21,12 @@ from engine.request import GenerationRequest, SamplingParams
 from engine.shard import LocalChain
 from engine.transport import async_connect
 from engine.wire import Role, StreamId
+from tests.asyncutil import collect, run
 from tests.conftest import PROMPT_IDS
 
 N = 20
 
 
-def run(coro, timeout=600):
-    return asyncio.run(asyncio.wait_for(coro, timeout))
-
-
-async def collect(coordinator, request):
-    return [e.token_id async for e in coordinator.stream(request)]
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from engine.localfleet import local_fleet
 from engine.request import GenerationRequest, SamplingParams
 from engine.shard import LocalChain
 from engine.speculator import SpeculationConfig, Speculator
+from tests.asyncutil import collect, run
 from tests.conftest import PROMPT_IDS
 
 N = 40
@@ -20,12 +21,6 @@ N = 40
 LOOPY = PROMPT_IDS + PROMPT_IDS[1:] + PROMPT_IDS[1:9]
 
 
-def run(coro, timeout=600):
-    return asyncio.run(asyncio.wait_for(coro, timeout))
-
-
-async def collect(c, request):
-    return [e.token_id async for e in c.stream(request)]
 
 
 @pytest.fixture(scope="module")
