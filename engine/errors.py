@@ -1,5 +1,7 @@
 """The engine's exception hierarchy. Every message says what happened and what to do."""
 
+from dataclasses import dataclass
+
 
 class DeskfleetError(Exception):
     """Base of every error Deskfleet raises on purpose; the CLI prints these without a traceback."""
@@ -27,3 +29,34 @@ class TokenizerError(DeskfleetError):
 
 class MissingExtraError(DeskfleetError):
     """A command needs an optional dependency group (e.g. ``deskfleet[export]``) that is not installed."""
+
+
+@dataclass(frozen=True)
+class Exclusion:
+    """An agent left out of the placement, and why ("not approved", "paused", "on battery",
+    "no device profile"). Carried by `PlacementInfeasible` and by `engine.placement.Plan`."""
+
+    pc_id: str
+    reason: str
+
+
+class PlacementInputError(DeskfleetError):
+    """Raised when the profiles or request handed to the solver are inconsistent or incomplete."""
+
+
+class PlacementInfeasible(DeskfleetError):
+    """Raised when no plan exists: no agent is available, or the model does not fit in memory.
+
+    ``shortfall_bytes`` is the least extra usable memory that would make a plan possible (None
+    when no agent was available at all); ``excluded`` lists the agents left out and why.
+    """
+
+    def __init__(self, message: str, *, shortfall_bytes: float | None = None,
+                 excluded: tuple[Exclusion, ...] = ()) -> None:
+        super().__init__(message)
+        self.shortfall_bytes = shortfall_bytes
+        self.excluded = excluded
+
+
+class PlacementTimeout(DeskfleetError):
+    """Raised when the time limit passed before HiGHS found any plan."""

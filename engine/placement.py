@@ -3,37 +3,9 @@
 Pure decision code over frozen inputs (no sockets, no OpenVINO, no Qt): the console feeds it the
 agents' calibrated device profiles and measured links and shows the returned `Plan`.
 
-Formulation - a path through layer cuts instead of PLACEMENT.md's slots, because layers are
-contiguous: a stage is fully described by (device, first layer, last layer), so slots need no
-variables and the slot symmetry disappears. D devices, L layers, P PCs, cut c = after layer c.
-
-    z[k] ∈ {0,1}        candidate stage k = (device d, layers i..j); only ranges that fit d's
-                        memory (and its PC's) are generated, so the device limit is exact
-    h[c,p,q] ∈ [0,1]    cut c hands over from PC p to PC q                (only when P > 1)
-
-    Σ_{k starts at 0} z = 1;  Σ_{k ends at c} z = Σ_{k starts at c+1} z    (one chain of stages)
-    Σ_{k on d} z ≤ 1                       each device at most one stage
-    Σ_{k on PC p} bytes·z ≤ C[p]           devices of a PC share its memory
-    Σ_q h[c,p,q] = Σ_{k on p ends at c} z;  Σ_p h[c,p,q] = Σ_{k on q starts at c+1} z
-        -- a transportation polytope with 0/1 unit-vector margins once z is integral, so h is
-           forced to the one hand-over pair without being declared integer
-    h[c,p,p] ≤ Σ_{e on p, e ≠ d} (e ends at c + e starts at c+1)   for each d on p
-    Σ_c h[c,p,p] ≤ Σ_{e on p, e ≠ d} (e used)                         for each d on p
-        -- valid cuts: a same-PC hand-over needs a second device, and a PC whose stages run
-           back to back hands over (used - 1) times. Without them the LP relaxation splits one
-           device into two half stages around another and skips hop costs (2-100x slower).
-    Σ z ≤ max_stages (optional)
-
-    minimise ms ≥ Σ z·(stage ms + coordinator hop if it holds layer 0 / L-1) + Σ h·lat[p][q]
-
-Throughput for N interleaved streams: a token leaves the ring every
-cycle = max(bottleneck, latency / N) ms, where the bottleneck is the slowest stage or hop. A
-minimax MILP is slow to prove (flat LP bound), so the solver searches the bottleneck instead:
-with Lmin(τ) = least latency when every stage and hop takes ≤ τ,
-    T* = min over τ in {stage, hop and coordinator times} of max(τ, Lmin(τ) / N),
-and max(increasing, non-increasing) is minimised where the two cross, found by bisection in
-O(log #values) latency MILPs (most skipped: one solved plan settles a whole range of τ). The
-plan found at T* also has the least latency among plans with cycle T* (exact tie-break).
+The MILP, its formulation and the bottleneck search for throughput live in
+`engine.placement_milp`; this module validates the inputs, turns them into a numeric fleet for
+it, and turns the stages it finds into a `Plan` (or an error that says what to change).
 """
 
 from __future__ import annotations
@@ -41,16 +13,31 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from itertools import pairwise
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import coo_array
 
-from engine.errors import DeskfleetError
+from engine.errors import (
+    Exclusion,
+    PlacementInfeasible,
+    PlacementInputError,
+    PlacementTimeout,
+)
+from engine.placement_milp import (
+    GB,
+    Fleet,
+    Search,
+    Stage,
+    Timing,
+    best_cycle,
+    build_milp,
+    extract_stages,
+    least_latency,
+    run_milp,
+    time_stages,
+)
 
 __all__ = [
     "DeviceProfile", "Exclusion", "Links", "ModelProfile", "PcInfo", "Plan", "PlacementInfeasible",
@@ -58,38 +45,8 @@ __all__ = [
     "solve",
 ]
 
-GB = 1e9  # decimal gigabytes in messages; the MILP works in GB so HiGHS sees O(1) numbers
-_MIP_REL_GAP = 1e-9  # HiGHS's default 1e-4 would call a 0.01 %-worse plan "optimal"
-# HiGHS presolve finds almost nothing to remove in these models but its probing cost 1-8 s per
-# solve on 30- and 64-layer fleets (measured); without it the 30-layer, 12-device benchmark set
-# took ~30 % less CPU.
-_PRESOLVE = False
-
 DeviceKind = Literal["CPU", "GPU", "NPU"]
 Objective = Literal["latency", "throughput"]
-Stage = tuple[int, int, int]  # (device index, first layer, last layer)
-
-
-class PlacementInputError(DeskfleetError):
-    """Raised when the profiles or request handed to the solver are inconsistent or incomplete."""
-
-
-class PlacementInfeasible(DeskfleetError):
-    """Raised when no plan exists: no agent is available, or the model does not fit in memory.
-
-    ``shortfall_bytes`` is the least extra usable memory that would make a plan possible (None
-    when no agent was available at all); ``excluded`` lists the agents left out and why.
-    """
-
-    def __init__(self, message: str, *, shortfall_bytes: float | None = None,
-                 excluded: tuple[Exclusion, ...] = ()) -> None:
-        super().__init__(message)
-        self.shortfall_bytes = shortfall_bytes
-        self.excluded = excluded
-
-
-class PlacementTimeout(DeskfleetError):
-    """Raised when the time limit passed before HiGHS found any plan."""
 
 
 @dataclass(frozen=True)
@@ -209,15 +166,6 @@ class PlacementRequest:
 
 
 @dataclass(frozen=True)
-class Exclusion:
-    """An agent left out of the placement, and why ("not approved", "paused", "on battery",
-    "no device profile")."""
-
-    pc_id: str
-    reason: str
-
-
-@dataclass(frozen=True)
 class PlannedStage:
     """One pipeline stage: layers ``first_layer..last_layer`` (inclusive) on one device."""
 
@@ -271,15 +219,18 @@ def solve(request: PlacementRequest, *, model: ModelProfile, pcs: Sequence[PcInf
     Raises `PlacementInfeasible` (with the memory shortfall or the exclusion counts),
     `PlacementTimeout` if no plan was found in time, `PlacementInputError` for bad profiles.
     """
-    fleet = _prepare(request, model, pcs, devices, links)
-    deadline = time.monotonic() + request.time_limit_s
-    stages, optimal = _least_latency(fleet, request, deadline, break_symmetry)
+    fleet, excluded = _prepare(request, model, pcs, devices, links)
+    search = Search(max_stages=request.max_stages, n_streams=request.n_streams,
+                    time_limit_s=request.time_limit_s,
+                    deadline=time.monotonic() + request.time_limit_s,
+                    break_symmetry=break_symmetry)
+    stages, optimal = least_latency(fleet, search)
     if stages is None:
-        raise _explain_infeasible(fleet, request, deadline)
-    plan = _evaluate(fleet, request, stages, optimal)
+        raise _explain_infeasible(fleet, excluded, request, search.deadline)
+    timing = time_stages(fleet, stages, request.n_streams, optimal)
     if request.objective == "throughput":
-        plan = _best_cycle(fleet, request, deadline, plan, break_symmetry)
-    return plan
+        timing = best_cycle(fleet, search, timing)
+    return _plan(fleet, request, timing, excluded)
 
 
 def format_plan(plan: Plan) -> str:
@@ -300,34 +251,6 @@ def format_plan(plan: Plan) -> str:
 
 # --- fleet preparation ---------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class _Fleet:
-    """The candidates after exclusions, as numbers: devices grouped by PC in canonical order."""
-
-    devices: tuple[DeviceProfile, ...]
-    dev_pc: np.ndarray  # (D,) index into pc_ids
-    dev_cap: np.ndarray  # (D,) usable bytes (headroom applied)
-    pc_ids: tuple[str, ...]
-    pc_cap: np.ndarray  # (P,) usable bytes
-    lat: np.ndarray  # (P, P) one-way ms
-    coord: np.ndarray  # (P,) coordinator <-> PC, each way
-    mem_pre: np.ndarray  # (L+1,) prefix sums of bytes per layer, embedding/head folded in
-    ms_pre: np.ndarray  # (L+1,) prefix sums of embedding/head ms per layer
-    excluded: tuple[Exclusion, ...]
-
-    @property
-    def n_layers(self) -> int:
-        return len(self.mem_pre) - 1
-
-
-def _stage_ms(f: _Fleet, d, first, last):
-    """Compute ms of device d on layers first..last; one expression for arrays and scalars so
-    the MILP's columns and the reported plan agree to the last bit."""
-    t = np.asarray([x.layer_ms for x in f.devices])[d]
-    o = np.asarray([x.overhead_ms for x in f.devices])[d]
-    return t * (last - first + 1) + o + (f.ms_pre[last + 1] - f.ms_pre[first])
-
-
 def _exclusion_reason(pc: PcInfo, allow_battery: bool) -> str | None:
     if not pc.approved:
         return "not approved"
@@ -339,7 +262,9 @@ def _exclusion_reason(pc: PcInfo, allow_battery: bool) -> str | None:
 
 
 def _prepare(request: PlacementRequest, model: ModelProfile, pcs: Sequence[PcInfo],
-             devices: Sequence[DeviceProfile], links: Links) -> _Fleet:
+             devices: Sequence[DeviceProfile], links: Links,
+             ) -> tuple[Fleet, tuple[Exclusion, ...]]:
+    """The numeric fleet for the MILP, and the agents left out of it."""
     if model.n_layers == 0 or min(model.layer_bytes) < 0 or min(model.embed_bytes,
                                                                  model.head_bytes) < 0:
         raise PlacementInputError("the model profile needs at least one layer and no negative "
@@ -382,12 +307,16 @@ def _prepare(request: PlacementRequest, model: ModelProfile, pcs: Sequence[PcInf
     coord = np.array([links.coordinator(p) for p in pc_ids])
     if lat.min() < 0 or coord.min() < 0:
         raise PlacementInputError("a measured latency is negative; re-run the link probe")
-    return _Fleet(
-        devices=chosen, dev_pc=np.array([index[d.pc_id] for d in chosen]),
-        dev_cap=np.array([request.headroom * d.memory_bytes for d in chosen]), pc_ids=pc_ids,
+    fleet = Fleet(
+        device_ids=tuple(d.device_id for d in chosen), pc_ids=pc_ids,
+        layer_ms=np.asarray([d.layer_ms for d in chosen]),
+        overhead_ms=np.asarray([d.overhead_ms for d in chosen]),
+        dev_pc=np.array([index[d.pc_id] for d in chosen]),
+        dev_cap=np.array([request.headroom * d.memory_bytes for d in chosen]),
         pc_cap=np.array([request.headroom * pc_by_id[p].memory_bytes for p in pc_ids]),
         lat=lat, coord=coord, mem_pre=np.concatenate(([0], np.cumsum(mem))),
-        ms_pre=np.concatenate(([0.0], np.cumsum(extra))), excluded=tuple(excluded))
+        ms_pre=np.concatenate(([0.0], np.cumsum(extra))))
+    return fleet, tuple(excluded)
 
 
 def _no_agent_message(excluded: Sequence[Exclusion]) -> str:
@@ -399,356 +328,50 @@ def _no_agent_message(excluded: Sequence[Exclusion]) -> str:
             "paused ones, calibrate their devices, or allow agents on battery")
 
 
-# --- the MILP -----------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class _Columns:
-    """Candidate stages z[k] = (device, first..last), as parallel (K,) arrays."""
-
-    dev: np.ndarray
-    first: np.ndarray
-    last: np.ndarray
-    mem: np.ndarray  # bytes
-    ms: np.ndarray  # compute per token
-
-
-def _columns(f: _Fleet, cap_ms: float | None, keep_oversized: bool) -> _Columns:
-    """Every (device, layer range) stage that fits the device and its PC (all of them when
-    ``keep_oversized``, for the shortfall re-solve) and, under ``cap_ms``, whose own time and
-    coordinator hops stay within the cap."""
-    L = f.n_layers
-    first, last = np.triu_indices(L)
-    span = f.mem_pre[last + 1] - f.mem_pre[first]
-    parts = []
-    for d in range(len(f.devices)):
-        ms = _stage_ms(f, d, first, last)
-        ok = np.ones(len(first), bool)
-        if not keep_oversized:
-            ok &= span <= min(f.dev_cap[d], f.pc_cap[f.dev_pc[d]])
-        if cap_ms is not None:
-            hop = f.coord[f.dev_pc[d]]
-            ok &= (ms <= cap_ms) & ((first > 0) | (hop <= cap_ms)) & ((last < L - 1) | (hop <= cap_ms))
-        parts.append((np.full(ok.sum(), d), first[ok], last[ok], span[ok], ms[ok]))
-    return _Columns(*(np.concatenate(x) for x in zip(*parts, strict=True)))
-
-
-class _Rows:
-    """Sparse constraint rows lo ≤ Σ coef·x ≤ hi, added in blocks of COO triplets."""
-
-    def __init__(self) -> None:
-        self.parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-        self.lo: list[np.ndarray] = []
-        self.hi: list[np.ndarray] = []
-        self.n = 0
-
-    def block(self, n_rows: int, row, col, val, lo, hi) -> None:
-        """Rows ``0..n_rows-1`` of a new block; entry e sits in row ``row[e]``, column ``col[e]``."""
-        row = np.asarray(row, int)
-        self.parts.append((self.n + row, np.asarray(col, int),
-                           np.broadcast_to(np.asarray(val, float), row.shape)))
-        self.lo.append(np.broadcast_to(np.asarray(lo, float), (n_rows,)))
-        self.hi.append(np.broadcast_to(np.asarray(hi, float), (n_rows,)))
-        self.n += n_rows
-
-    def row(self, col, val, lo: float, hi: float) -> None:
-        self.block(1, np.zeros(len(col), int), col, val, lo, hi)
-
-    def constraint(self, n_cols: int) -> LinearConstraint:
-        r, c, v = (np.concatenate(x) for x in zip(*self.parts, strict=True))
-        A = coo_array((v, (r, c)), shape=(self.n, n_cols)).tocsr()
-        return LinearConstraint(A, np.concatenate(self.lo), np.concatenate(self.hi))
-
-
-@dataclass(frozen=True)
-class _Milp:
-    c: np.ndarray
-    integrality: np.ndarray
-    bounds: Bounds
-    constraints: LinearConstraint
-    cols: _Columns
-    n_layers: int
-
-
-def _build(f: _Fleet, req: PlacementRequest, *, slack: bool = False, cap_ms: float | None = None,
-           max_latency: float | None = None, break_symmetry: bool = False) -> _Milp:
-    """The latency MILP (every stage and hop ≤ ``cap_ms`` and latency ≤ ``max_latency`` if
-    given), or with ``slack`` the least extra memory Σσ[p] that would make the model fit.
-    Columns: z, then h (P > 1), then σ (slack) or the latency ms (otherwise)."""
-    D, L, P = len(f.devices), f.n_layers, len(f.pc_ids)
-    cols = _columns(f, cap_ms, keep_oversized=slack)
-    K = len(cols.dev)
-    n_h = (L - 1) * P * P if P > 1 else 0
-    n = K + n_h + (P if slack else 0)
-    zk = np.arange(K)
-    pc = f.dev_pc[cols.dev]
-    at_start, at_end = cols.first == 0, cols.last == L - 1
-    inner, later = ~at_end, cols.first > 0
-    ones = np.ones
-    rows = _Rows()
-
-    rows.row(zk[at_start], 1.0, 1.0, 1.0)
-    rows.block(L - 1, np.concatenate((cols.last[inner], cols.first[later] - 1)),
-               np.concatenate((zk[inner], zk[later])),
-               np.concatenate((ones(inner.sum()), -ones(later.sum()))), 0.0, 0.0)
-    rows.block(D, cols.dev, zk, 1.0, 0.0, 1.0)
-    gb = cols.mem / GB
-    if slack:  # σ[p] is extra memory on PC p: it lifts the PC's limit and each of its devices'
-        s0 = K + n_h
-        rows.block(D, np.concatenate((cols.dev, np.arange(D))),
-                   np.concatenate((zk, s0 + f.dev_pc)), np.concatenate((gb, -ones(D))),
-                   -np.inf, f.dev_cap / GB)
-        rows.block(P, np.concatenate((pc, np.arange(P))), np.concatenate((zk, s0 + np.arange(P))),
-                   np.concatenate((gb, -ones(P))), -np.inf, f.pc_cap / GB)
-    else:
-        # Only PCs whose devices could together exceed the shared limit get a row.
-        biggest = np.zeros(D)
-        np.maximum.at(biggest, cols.dev, cols.mem)
-        shared = np.flatnonzero(np.bincount(f.dev_pc, weights=biggest, minlength=P) > f.pc_cap)
-        row_of = np.full(P, -1)
-        row_of[shared] = np.arange(len(shared))
-        on = row_of[pc] >= 0
-        rows.block(len(shared), row_of[pc[on]], zk[on], gb[on], -np.inf, f.pc_cap[shared] / GB)
-
-    hk, hop_ms = K + np.arange(n_h), np.zeros(n_h)
-    if P > 1:
-        c_idx, p_idx, q_idx = (a.ravel() for a in np.indices((L - 1, P, P)))
-        hop_ms = f.lat[p_idx, q_idx]
-        rows.block((L - 1) * P, np.concatenate((c_idx * P + p_idx, cols.last[inner] * P + pc[inner])),
-                   np.concatenate((hk, zk[inner])), np.concatenate((ones(n_h), -ones(inner.sum()))),
-                   0.0, 0.0)
-        rows.block((L - 1) * P,
-                   np.concatenate((c_idx * P + q_idx, (cols.first[later] - 1) * P + pc[later])),
-                   np.concatenate((hk, zk[later])), np.concatenate((ones(n_h), -ones(later.sum()))),
-                   0.0, 0.0)
-        cuts = np.arange(L - 1)
-        alone = np.bincount(f.dev_pc, minlength=P) == 1
-        same_pc = (p_idx == q_idx) & alone[p_idx]  # one device cannot hand over to itself
-        for d in np.flatnonzero(~alone[f.dev_pc]):
-            # A same-PC hand-over needs another device e of that PC to end or start there...
-            p = f.dev_pc[d]
-            h_pp = K + (cuts * P + p) * P + p
-            other = (pc == p) & (cols.dev != d)
-            ends, starts = other & inner, other & later
-            rows.block(L - 1, np.concatenate((cuts, cols.last[ends], cols.first[starts] - 1)),
-                       np.concatenate((h_pp, zk[ends], zk[starts])),
-                       np.concatenate((ones(L - 1), -ones(ends.sum() + starts.sum()))),
-                       -np.inf, 0.0)
-            # ...and a PC whose used devices run back to back hands over (used - 1) times:
-            # Σ_c h[c,p,p] ≤ Σ_{e on p, e ≠ d} used(e), which cuts "d, e, d again" sandwiches.
-            rows.row(np.concatenate((h_pp, zk[other])),
-                     np.concatenate((ones(L - 1), -ones(other.sum()))), -np.inf, 0.0)
-    if req.max_stages is not None:
-        rows.row(zk, 1.0, 0.0, req.max_stages)
-    for d, e in _twin_pairs(f) if break_symmetry else ():
-        # Interchangeable d, e: keep only solutions where d is used if e is, and starts first.
-        on_d, on_e = cols.dev == d, cols.dev == e
-        rows.row(np.concatenate((zk[on_e], zk[on_d])),
-                 np.concatenate((ones(on_e.sum()), -ones(on_d.sum()))), -np.inf, 0.0)
-        rows.row(np.concatenate((zk[on_d], zk[on_e])),
-                 np.concatenate((cols.first[on_d], L - cols.first[on_e])), -np.inf, float(L))
-
-    c = np.zeros(n)
-    if slack:
-        c[K + n_h:] = 1.0
-    else:
-        # The latency goes into one continuous column, ms ≥ Σ cost·x, which is minimised.
-        # With the costs on the binaries themselves, HiGHS extracts "objective cliques" from
-        # every incumbent, quadratic in the columns: 30 of 33 s CPU on a 64-layer, 30-device
-        # fleet went there (2.3 s this way). ``max_latency`` bounds that column and is also
-        # stated on the binaries, where HiGHS turns it into cliques that prove "nothing that
-        # good" quickly (measured: half the CPU of the bound alone on 30-layer probes).
-        cost = np.concatenate((cols.ms + np.where(at_start, f.coord[pc], 0.0)
-                               + np.where(at_end, f.coord[pc], 0.0), hop_ms))
-        nz = np.flatnonzero(cost)
-        rows.row(np.append(nz, n), np.append(cost[nz], -1.0), -np.inf, 0.0)
-        if max_latency is not None:
-            rows.row(nz, cost[nz], -np.inf, max_latency)
-        c = np.zeros(n + 1)
-        c[n] = 1.0
-        n += 1
-    integrality = np.zeros(n)
-    integrality[:K] = 1  # h follows z (transportation margins); σ and ms are continuous
-    ub = np.full(n, np.inf)
-    ub[:K + n_h] = 1.0
-    if P > 1:
-        ub[K:K + n_h] = ~same_pc & (hop_ms <= (np.inf if cap_ms is None else cap_ms))
-    if max_latency is not None:
-        ub[-1] = max_latency
-    return _Milp(c, integrality, Bounds(np.zeros(n), ub), rows.constraint(n), cols, L)
-
-
-def _twin_pairs(f: _Fleet) -> list[tuple[int, int]]:
-    """Pairs (d, e) of devices that a symmetry of the problem swaps; d is ordered before e.
-
-    Identical devices of one PC pair up directly. Identical PCs (same memory, coordinator hop,
-    latencies to every other PC, and device list) pair through their first devices; this is
-    compatible with the per-PC pairs because swapping two PCs maps k-th device to k-th device.
-    """
-    D, P = len(f.devices), len(f.pc_ids)
-    sig = [(x.layer_ms, x.overhead_ms, f.dev_cap[d]) for d, x in enumerate(f.devices)]
-    pairs = [(d, d + 1) for d in range(D - 1)
-             if f.dev_pc[d] == f.dev_pc[d + 1] and sig[d] == sig[d + 1]]
-    members = [[d for d in range(D) if f.dev_pc[d] == p] for p in range(P)]
-
-    def twins(p: int, q: int) -> bool:
-        others = [r for r in range(P) if r not in (p, q)]
-        return bool(f.pc_cap[p] == f.pc_cap[q] and f.coord[p] == f.coord[q]
-                    and f.lat[p, q] == f.lat[q, p]
-                    and [sig[d] for d in members[p]] == [sig[d] for d in members[q]]
-                    and (f.lat[p, others] == f.lat[q, others]).all()
-                    and (f.lat[others, p] == f.lat[others, q]).all())
-
-    classes: list[list[int]] = []
-    for p in range(P):
-        home = next((cl for cl in classes if all(twins(p, q) for q in cl)), None)
-        if home is None:
-            classes.append([p])
-        else:
-            home.append(p)
-    for cl in classes:
-        pairs += [(members[p][0], members[q][0]) for p, q in pairwise(cl)]
-    return pairs
-
-
-def _run(m: _Milp, deadline: float):
-    remaining = max(deadline - time.monotonic(), 0.05)
-    return milp(m.c, integrality=m.integrality, bounds=m.bounds, constraints=[m.constraints],
-                options={"time_limit": remaining, "mip_rel_gap": _MIP_REL_GAP,
-                         "presolve": _PRESOLVE})
-
-
-def _least_latency(f: _Fleet, req: PlacementRequest, deadline: float, break_symmetry: bool,
-                   cap_ms: float | None = None, max_latency: float | None = None,
-                   ) -> tuple[list[Stage] | None, bool]:
-    """Least-latency stages with every stage and hop ≤ ``cap_ms`` and latency ≤ ``max_latency``;
-    None if proven impossible. The flag says whether HiGHS proved optimality."""
-    m = _build(f, req, cap_ms=cap_ms, max_latency=max_latency, break_symmetry=break_symmetry)
-    if len(m.cols.dev) == 0:
-        return None, True
-    res = _run(m, deadline)
-    if res.status == 2:
-        return None, True
-    if res.x is None:
-        raise PlacementTimeout(
-            f"no placement found within {req.time_limit_s:g} s ({res.message}); raise the time "
-            "limit or set max_stages to shrink the search")
-    return _extract(m, res.x), res.status == 0
-
-
-def _best_cycle(f: _Fleet, req: PlacementRequest, deadline: float, top: Plan,
-                break_symmetry: bool) -> Plan:
-    """Least cycle (then least latency) by bisection over the bottleneck cap τ (module doc).
-
-    pred(k) := Lmin(τ_k) ≤ N·τ_k is monotone in k; with k the first index where it holds,
-    T* = min(τ_k, Lmin(τ_{k-1})/N), reached by the least-latency plan at τ_k or at τ_{k-1}.
-    Probes carry the bound latency ≤ N·τ_k, so a false predicate is a quick infeasibility proof.
-    """
-    n = req.n_streams
-    sizes = np.concatenate([_stage_ms(f, d, *np.triu_indices(f.n_layers))
-                            for d in range(len(f.devices))])
-    taus = np.unique(np.concatenate((sizes, f.lat.ravel(), f.coord)))
-    lo, hi, optimal = 0, len(taus) - 1, top.optimal
-    found: list[tuple[int, int, Plan]] = []  # plan is least-latency for caps τ_from..τ_to
-
-    def settle(k: int, plan: Plan) -> None:
-        # The plan stays least-latency for every cap from its own bottleneck up to τ_k, and no
-        # cap ≤ τ_k does better, so the predicate is false below i_n and true from max(k_b, i_n).
-        nonlocal lo, hi
-        k_b = int(np.searchsorted(taus, plan.bottleneck_ms))
-        i_n = int(np.searchsorted(taus, plan.per_token_ms / n))
-        found.append((k_b, k, plan))
-        lo = max(lo, min(i_n, k + 1))
-        if max(k_b, i_n) <= k:
-            hi = min(hi, max(k_b, i_n))
-
-    def probe(k: int, max_latency: float) -> Plan | None:
-        nonlocal optimal
-        if time.monotonic() >= deadline:
-            raise PlacementTimeout("time limit reached during the bottleneck search")
-        stages, ok = _least_latency(f, req, deadline, break_symmetry, float(taus[k]), max_latency)
-        optimal &= ok
-        return None if stages is None else _evaluate(f, req, stages, ok)
-
-    settle(hi, top)
-    try:
-        while lo < hi:
-            k = (lo + hi) // 2
-            plan = probe(k, n * float(taus[k]))
-            if plan is None:
-                lo = k + 1
-            else:
-                settle(k, plan)
-        if hi > 0 and not any(a <= hi - 1 <= b for a, b, _ in found):
-            # Lmin(τ_{k-1}) / N is the other candidate; only a plan beating the best counts.
-            best = min(p.cycle_ms for _, _, p in found)
-            plan = probe(hi - 1, n * best)
-            if plan is not None:
-                found.append((hi - 1, hi - 1, plan))
-    except PlacementTimeout:
-        optimal = False
-    best = min((p for _, _, p in found), key=lambda p: (p.cycle_ms, p.per_token_ms))
-    return replace(best, optimal=optimal)
-
-
-# --- reading a solution -------------------------------------------------------------------
-
-def _extract(m: _Milp, x: np.ndarray) -> list[Stage]:
-    """(device, first, last) per chosen stage, in layer order."""
-    chosen = np.flatnonzero(x[: len(m.cols.dev)] > 0.5)
-    stages = sorted(((int(m.cols.dev[k]), int(m.cols.first[k]), int(m.cols.last[k]))
-                     for k in chosen), key=lambda s: s[1])
-    edges = [-1] + [b for s in stages for b in (s[1] - 1, s[2])] + [m.n_layers - 1]
-    if not stages or edges[0::2] != edges[1::2]:
-        raise DeskfleetError("the placement solver returned stages that do not chain; this is "
-                             "a bug - please report it with the fleet profiles")
-    return stages
-
-
-def _evaluate(f: _Fleet, req: PlacementRequest, stages: Sequence[Stage], optimal: bool) -> Plan:
-    """Predictions for a chain of stages, recomputed exactly from the profiles."""
+def _plan(f: Fleet, request: PlacementRequest, timing: Timing,
+          excluded: tuple[Exclusion, ...]) -> Plan:
+    """The `Plan` for a timed chain of stages: who holds what, and the predictions."""
     planned = tuple(
-        PlannedStage(f.devices[d].device_id, f.devices[d].pc_id, first, last,
-                     float(_stage_ms(f, d, first, last)),
+        PlannedStage(f.device_ids[d], f.pc_ids[f.dev_pc[d]], first, last, compute_ms,
                      int(f.mem_pre[last + 1] - f.mem_pre[first]))
-        for d, first, last in stages)
-    pcs = [int(f.dev_pc[d]) for d, _, _ in stages]
-    hops = ((float(f.coord[pcs[0]]),) + tuple(float(f.lat[p, q]) for p, q in pairwise(pcs))
-            + (float(f.coord[pcs[-1]]),))
-    per_token = sum(s.compute_ms for s in planned) + sum(hops)
-    bottleneck = max(max(s.compute_ms for s in planned), max(hops))
-    cycle = max(bottleneck, per_token / req.n_streams)
-    return Plan(stages=planned, hop_ms=hops, per_token_ms=per_token, tok_s=1000.0 / per_token,
-                bottleneck_ms=bottleneck, n_streams=req.n_streams, cycle_ms=cycle,
-                aggregate_tok_s=1000.0 / cycle, objective=req.objective, optimal=optimal,
-                excluded=f.excluded)
+        for (d, first, last), compute_ms in zip(timing.stages, timing.compute_ms, strict=True))
+    return Plan(stages=planned, hop_ms=timing.hop_ms, per_token_ms=timing.per_token_ms,
+                tok_s=1000.0 / timing.per_token_ms, bottleneck_ms=timing.bottleneck_ms,
+                n_streams=request.n_streams, cycle_ms=timing.cycle_ms,
+                aggregate_tok_s=1000.0 / timing.cycle_ms, objective=request.objective,
+                optimal=timing.optimal, excluded=excluded)
 
 
-def _explain_infeasible(f: _Fleet, req: PlacementRequest, deadline: float) -> PlacementInfeasible:
+# --- explaining a failure -------------------------------------------------------------------
+
+def _explain_infeasible(f: Fleet, excluded: tuple[Exclusion, ...], req: PlacementRequest,
+                        deadline: float) -> PlacementInfeasible:
     """Re-solve with memory slack per PC; the least total slack is the shortfall to report."""
     need = int(f.mem_pre[-1])
     offer = float(sum(min(f.pc_cap[p], f.dev_cap[f.dev_pc == p].sum())
                       for p in range(len(f.pc_ids))))
-    m = _build(f, req, slack=True)
-    res = _run(m, max(deadline, time.monotonic() + 1.0))  # an explanation is worth a second
-    shortfall = _shortfall(f, _extract(m, res.x)) if res.x is not None else max(need - offer, 0)
+    m = build_milp(f, req.max_stages, slack=True)
+    res = run_milp(m, max(deadline, time.monotonic() + 1.0))  # an explanation is worth a second
+    shortfall = (_shortfall(f, extract_stages(m, res.x)) if res.x is not None
+                 else max(need - offer, 0))
     limits = f"{req.headroom:.0%} headroom"
     if req.max_stages is not None:
         limits += f", at most {req.max_stages} stage(s)"
     why = (f"the model needs {_gb_up(shortfall)} GB more memory than the approved agents offer "
-           f"(model {need / GB:.1f} GB; {offer / GB:.1f} GB usable on {len(f.devices)} "
+           f"(model {need / GB:.1f} GB; {offer / GB:.1f} GB usable on {len(f.device_ids)} "
            f"device(s) of {len(f.pc_ids)} agent(s) at {limits}")
     if offer >= need:
         why += "; a layer cannot be split across devices"
     why += ")"
-    if f.excluded:
-        why += f"; {len(f.excluded)} more agent(s) left out (" + ", ".join(
-            f"{e.pc_id}: {e.reason}" for e in f.excluded) + ")"
+    if excluded:
+        why += f"; {len(excluded)} more agent(s) left out (" + ", ".join(
+            f"{e.pc_id}: {e.reason}" for e in excluded) + ")"
     why += (". Free memory on the agents, approve or resume more agents, lower the context "
             "length or slot count, or use a more compressed model.")
-    return PlacementInfeasible(why, shortfall_bytes=shortfall, excluded=f.excluded)
+    return PlacementInfeasible(why, shortfall_bytes=shortfall, excluded=excluded)
 
 
-def _shortfall(f: _Fleet, stages: Sequence[Stage]) -> float:
+def _shortfall(f: Fleet, stages: Sequence[Stage]) -> float:
     """Extra bytes a plan's PCs would need: per PC, its worst device or its shared limit."""
     need = np.zeros(len(f.pc_ids))
     used = np.zeros(len(f.pc_ids))
