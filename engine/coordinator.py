@@ -47,7 +47,7 @@ class Coordinator:
 
     def __init__(self, path: StepPath, model: ModelCard, *, slots: int = 4, max_waiting: int = 32,
                  prefill_chunk: int = 256, prefix_cache: bool = True, prefix_min_tokens: int = 16,
-                 speculation: Speculator | None = None):
+                 speculation: Speculator | None = None, restore_timeout_s: float = 10.0):
         if slots < 1:
             raise DeskfleetError("a coordinator needs at least one slot")
         self.path = path
@@ -55,8 +55,10 @@ class Coordinator:
         self.slots = slots
         self.max_waiting = max_waiting
         self.prefill_chunk = prefill_chunk
-        self.prefix = PrefixIndex(min_length=prefix_min_tokens) if prefix_cache else None
+        self.prefix = (PrefixIndex(min_length=prefix_min_tokens, fingerprint=model.fingerprint)
+                       if prefix_cache else None)
         self.speculation = speculation
+        self.restore_timeout_s = restore_timeout_s
         self._ids = itertools.count(1)
         self._active: dict[StreamId, StreamState] = {}
         self._waiting: collections.deque[StreamState] = collections.deque()
@@ -183,9 +185,14 @@ class Coordinator:
                 continue
             self._active[state.stream_id] = state
             self._idle.clear()
-            hit = self.prefix.lookup(state.request.prompt_ids) if self.prefix is not None else None
+            hit = (self.prefix.lookup(state.request.prompt_ids, self._model.fingerprint)
+                   if self.prefix is not None else None)
             if hit is not None:
-                await self._send(state, plan_restore(state, hit))
+                step = plan_restore(state, hit)
+                # A restore that does not come back in time is treated as failed; its late reply
+                # carries an old sequence number and is dropped.
+                asyncio.get_running_loop().call_later(self.restore_timeout_s, self._restore_overdue, state, step.seq)
+                await self._send(state, step)
             else:
                 await self._submit(state)
 
@@ -250,6 +257,15 @@ class Coordinator:
             self._overhead_s += time.perf_counter() - started
             self._overhead_n += 1
 
+    def _restore_overdue(self, state: StreamState, seq: int) -> None:
+        if state.restoring is None or state.seq != seq or state.stream_id not in self._active:
+            return
+        state.seq += 1  # the late reply, if any, no longer matches
+        task = asyncio.get_running_loop().create_task(
+            self._on_restored(state, StepResult(state.stream_id, state.seq, error="restore timed out")))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     async def _on_restored(self, state: StreamState, result: StepResult) -> None:
         hit = state.restoring
         assert hit is not None
@@ -306,4 +322,4 @@ class Coordinator:
 def model_card(manifest) -> ModelCard:
     m = manifest.model
     return ModelCard(name=m.name, context_length=m.max_position_embeddings, eos_token_ids=m.eos_token_ids,
-                     stages=len(manifest.stages))
+                     stages=len(manifest.stages), fingerprint=m.fingerprint)

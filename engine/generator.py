@@ -28,6 +28,7 @@ class ModelCard:
     context_length: int
     eos_token_ids: tuple[int, ...]
     stages: int
+    fingerprint: str = ""
 
 
 class Generator(Protocol):

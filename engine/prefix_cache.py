@@ -61,9 +61,10 @@ class PrefixHit:
 class PrefixIndex:
     """Which token sequence each capture holds (coordinator side, pure)."""
 
-    def __init__(self, max_entries: int = 64, min_length: int = 16):
+    def __init__(self, max_entries: int = 64, min_length: int = 16, fingerprint: str = ""):
         self.max_entries = max_entries
         self.min_length = min_length
+        self.fingerprint = fingerprint  # the model every capture in this index was taken from
         self._entries: collections.OrderedDict[int, tuple[int, ...]] = collections.OrderedDict()
         self._next_id = 1
 
@@ -80,9 +81,17 @@ class PrefixIndex:
     def forget(self, capture_id: int) -> None:
         self._entries.pop(capture_id, None)
 
-    def lookup(self, prompt: Sequence[int]) -> PrefixHit | None:
+    def lookup(self, prompt: Sequence[int], fingerprint: str = "") -> PrefixHit | None:
         """The capture sharing the longest prefix with ``prompt`` (at least ``min_length`` tokens,
-        and always leaving one prompt token to prefill, whose logits start the answer)."""
+        and always leaving one prompt token to prefill, whose logits start the answer).
+
+        A ``fingerprint`` other than the index's (the ring now serves another export) empties the
+        index: its captures belong to a model that is gone, so everything prefills cold.
+        """
+        if fingerprint and fingerprint != self.fingerprint:
+            self._entries.clear()
+            self.fingerprint = fingerprint
+            return None
         best: PrefixHit | None = None
         for capture_id, tokens in self._entries.items():
             n = _common_prefix(tokens, prompt)

@@ -122,3 +122,45 @@ def test_prefix_cache_warm_path_equals_cold_and_falls_back_when_a_capture_is_los
     assert hits["prefix_hits_total"] == 1 and hits["prefix_tokens_reused_total"] >= len(history)
     assert ids(fallback) == ids(expected)
     assert after["prefix_fallbacks_total"] >= 1
+
+
+def test_a_restore_that_never_answers_times_out_into_a_cold_prefill(tiny_export, monkeypatch):
+    from engine.path import LocalPath
+
+    export = tiny_export("llama", 2)
+    history = PROMPT_IDS + (44, 55, 66, 77)
+    follow_up = history + (133, 144)
+    real_cache = LocalPath._cache
+
+    def stuck_restore(self, step):
+        if step.is_capture:
+            return real_cache(self, step)
+        import time
+
+        time.sleep(1.5)  # longer than the restore timeout below
+        return real_cache(self, step)
+
+    async def main():
+        async with Coordinator.local(export, exact=True, prefix_cache=False) as cold:
+            expected = await collect(cold, GenerationRequest(follow_up, 12, ignore_eos=True))
+        monkeypatch.setattr(LocalPath, "_cache", stuck_restore)
+        async with Coordinator.local(export, exact=True, prefix_min_tokens=8, restore_timeout_s=0.5) as c:
+            await collect(c, GenerationRequest(history, 4, ignore_eos=True))
+            await c.async_wait_idle()
+            out = await collect(c, GenerationRequest(follow_up, 12, ignore_eos=True))
+            await c.async_wait_idle()
+            return expected, out, c.metrics()
+
+    expected, out, metrics = run(main())
+    assert [e.token_id for e in out] == [e.token_id for e in expected]
+    assert metrics["prefix_fallbacks_total"] == 1 and metrics["prefix_hits_total"] == 0
+
+
+def test_prefix_index_forgets_captures_of_another_model():
+    from engine.prefix_cache import PrefixIndex
+
+    index = PrefixIndex(min_length=2, fingerprint="model-a")
+    index.add(index.new_id(), (1, 2, 3, 4))
+    assert index.lookup((1, 2, 3, 9), "model-a") is not None
+    assert index.lookup((1, 2, 3, 9), "model-b") is None
+    assert len(index) == 0
