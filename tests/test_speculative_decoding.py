@@ -127,3 +127,39 @@ def test_ring_behind_wan_emulators_on_every_hop(tiny_export, expected):
     out = run(main())
     assert tuple(out) == expected[LOOPY]
     assert len(proxies) == 3 and all(p.stats.up.bytes > 0 for p in proxies)
+
+
+def test_speculative_sampling_matches_plain_sampling_on_the_real_tiny_model(tiny_checkpoint, tiny_export, tmp_path):
+    """Two-sample chi-square over the first two sampled tokens: speculative (an INT8 draft, so
+    drafts are sometimes rejected) vs plain sampling from the same OpenVINO target."""
+    from scipy.stats import chi2_contingency
+
+    from export.exporter import ExportOptions, export_model
+
+    draft = export_model(tiny_checkpoint("llama"), tmp_path / "draft", stages=1,
+                         options=ExportOptions(weights="int8", kv_cache_precision="f32")).out_dir
+    trials = 1200
+
+    def params(seed, temperature=1.0):
+        return SamplingParams(temperature=temperature, top_k=3, seed=seed)
+
+    async def sample(speculator, temperature=1.0):
+        async with Coordinator.local(tiny_export("llama", 1), exact=True, prefix_cache=False,
+                                     speculation=speculator) as c:
+            out = []
+            for seed in range(trials):
+                req = GenerationRequest(PROMPT_IDS, 2, params(seed, temperature), ignore_eos=True)
+                out.append(tuple(await collect(c, req)))
+            return out
+
+    spec = run(sample(Speculator(SpeculationConfig("draft", k=2, draft_export=draft), exact=True)))
+    plain = run(sample(None))
+    hotter = run(sample(None, temperature=3.0))
+
+    def table(a, b):
+        cells = sorted(set(a) | set(b))
+        return [[a.count(c) for c in cells], [b.count(c) for c in cells]]
+
+    assert len(set(plain)) > 3, "the test needs a spread of outcomes"
+    assert chi2_contingency(table(spec, plain)).pvalue > 1e-3
+    assert chi2_contingency(table(hotter, plain)).pvalue < 1e-6  # the test can tell distributions apart
