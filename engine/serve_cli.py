@@ -45,6 +45,12 @@ def configure(p: argparse.ArgumentParser) -> None:
                        help="serve through a ring of `deskfleet worker`s whose first stage listens here")
     p.add_argument("--return-listen", type=Address.parse, default=Address("0.0.0.0", 7100), metavar="HOST:PORT",
                    help="with --first-stage: where the last stage sends replies (default 0.0.0.0:7100)")
+    p.add_argument("--speculation", choices=("off", "lookup", "draft"), default="off",
+                   help="speculative decoding: prompt lookup (no model) or a draft model (default off)")
+    p.add_argument("--draft", type=Path, default=None, metavar="DIR",
+                   help="with --speculation draft: a 1-stage export of a small model with the same tokenizer")
+    p.add_argument("--spec-k", type=int, default=None, metavar="K",
+                   help="drafts per step (default: chosen per stream from measured acceptance and latency)")
     p.add_argument("--host-stage0", action="store_true",
                    help="with --first-stage: run stage 0 in this process (the ring starts at stage 1)")
 
@@ -117,6 +123,12 @@ async def _open_generator(args: argparse.Namespace):
     """The coordinator the command line asks for: stages in-process, local workers, or a remote ring."""
     # Imported here, so `--help` does not load OpenVINO.
     from engine.coordinator import Coordinator, model_card
+    from engine.speculator import SpeculationConfig, Speculator
+
+    options = {}
+    if args.speculation != "off":
+        config = SpeculationConfig(args.speculation, k=args.spec_k, draft_export=args.draft)
+        options["speculation"] = Speculator(config, device=args.device, exact=args.exact)
 
     if args.first_stage is not None:
         from engine.manifest import load_manifest
@@ -127,15 +139,16 @@ async def _open_generator(args: argparse.Namespace):
         local0 = Stage(args.shards, 0, manifest=manifest, device=args.device, exact=args.exact) if args.host_stage0 else None
         path = RingPath(manifest.model.fingerprint, len(manifest.stages), args.first_stage, args.return_listen,
                         local_stage0=local0)
-        async with Coordinator(path, model_card(manifest), slots=args.slots) as coordinator:
+        async with Coordinator(path, model_card(manifest), slots=args.slots, **options) as coordinator:
             yield coordinator
     elif args.workers:
         from engine.localfleet import local_fleet
 
-        async with local_fleet(args.shards, slots=args.slots, exact=args.exact) as coordinator:
+        async with local_fleet(args.shards, slots=args.slots, exact=args.exact, **options) as coordinator:
             yield coordinator
     else:
-        async with Coordinator.local(args.shards, slots=args.slots, exact=args.exact, device=args.device) as coordinator:
+        async with Coordinator.local(args.shards, slots=args.slots, exact=args.exact, device=args.device,
+                                     **options) as coordinator:
             yield coordinator
 
 

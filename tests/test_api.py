@@ -469,13 +469,17 @@ def test_api_key_comes_only_from_the_environment():
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="sends SIGTERM")
-def test_serve_command_answers_and_stops_on_sigterm(tiny_export):
+@pytest.mark.parametrize("extra", [[], ["--workers", "--speculation", "draft", "--spec-k", "3"]],
+                         ids=["in-process", "workers+draft"])
+def test_serve_command_answers_and_stops_on_sigterm(extra, tiny_export):
     export = tiny_export("llama", 2)
+    if "draft" in extra:
+        extra += ["--draft", str(tiny_export("llama", 1))]
     launcher = ("import argparse, sys; from engine.serve_cli import COMMAND; p = argparse.ArgumentParser(); "
                 "COMMAND.configure(p); sys.exit(COMMAND.run(p.parse_args(sys.argv[1:])))")
     env = {**os.environ, "DF_TEST_KEY": "k-123"}
     proc = subprocess.Popen([sys.executable, "-c", launcher, "--shards", str(export), "--port", "0",
-                             "--api-key-env", "DF_TEST_KEY", "--slots", "2"], cwd=Path(__file__).parents[1],
+                             "--api-key-env", "DF_TEST_KEY", "--slots", "2", *extra], cwd=Path(__file__).parents[1],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         ready, _, _ = select.select([proc.stdout], [], [], 120)  # the server prints its URL once ready
@@ -483,7 +487,9 @@ def test_serve_command_answers_and_stops_on_sigterm(tiny_export):
         url = re.search(r"http://\S+/v1", line)
         assert url, f"no URL in {line!r}; stderr: {proc.stderr.read() if proc.poll() is not None else ''}"
         with openai.OpenAI(base_url=url.group(0), api_key="k-123", max_retries=0, timeout=TIMEOUT) as c:
-            assert c.completions.create(model=c.models.list().data[0].id, prompt="Hello", max_tokens=3).choices
+            answer = c.completions.create(model=c.models.list().data[0].id, prompt="Hello", max_tokens=6,
+                                          temperature=0)
+            assert answer.choices and answer.usage.completion_tokens == 6
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=TIMEOUT) == 0
     finally:
