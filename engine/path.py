@@ -116,14 +116,12 @@ class LocalPath:
             if streams is None:
                 return StepResult(step.stream_id, step.seq, error="capture of an unknown stream")
             for store, stream in zip(self.stores, streams, strict=True):
-                store.put(step.capture_id, stream.snapshot(step.keep))
+                store.capture(stream, step.capture_id, step.keep)
             return StepResult(step.stream_id, step.seq, ack=True)
-        snapshots = [store.get(step.capture_id) for store in self.stores]
-        if any(s is None for s in snapshots):
+        if not all(store.holds(step.capture_id) for store in self.stores):  # all stages or none
             return StepResult(step.stream_id, step.seq, error=f"capture {step.capture_id} is no longer held")
-        streams = self._streams[step.stream_id] = self.chain.new_streams()
-        for stream, snapshot in zip(streams, snapshots, strict=True):
-            stream.load(snapshot, step.length)
+        self._streams[step.stream_id] = [store.restore(stage, step.capture_id, step.length)
+                                         for store, stage in zip(self.stores, self.chain.stages, strict=True)]
         return StepResult(step.stream_id, step.seq, ack=True)
 
     def _run(self, step: StepRequest | CacheStep) -> StepResult:

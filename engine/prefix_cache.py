@@ -43,6 +43,23 @@ class CaptureStore:
             self._items.move_to_end(capture_id)
         return tensors
 
+    def capture(self, stream, capture_id: int, keep: np.ndarray) -> None:
+        """Keep ``stream``'s KV (a :class:`engine.shard.StageStream`) compacted to ``keep``."""
+        self.put(capture_id, stream.snapshot(keep))
+
+    def restore(self, stage, capture_id: int, length: int):
+        """A new stream of ``stage`` holding the first ``length`` positions of the capture, or
+        None if this store no longer holds it. Runs on the stage's compute thread."""
+        snapshot = self.get(capture_id)
+        if snapshot is None:
+            return None
+        stream = stage.new_stream()
+        stream.load(snapshot, length)
+        return stream
+
+    def holds(self, capture_id: int) -> bool:
+        return capture_id in self._items
+
     def drop(self, capture_id: int) -> None:
         old = self._items.pop(capture_id, None)
         if old is not None:

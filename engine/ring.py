@@ -116,17 +116,17 @@ class RingPath:
                 if stream is None:
                     self._deliver(StepResult(step.stream_id, step.seq, error="capture of an unknown stream"))
                     return
-                self._captures.put(step.capture_id, await loop.run_in_executor(self._executor, stream.snapshot,
-                                                                                step.keep))
+                await loop.run_in_executor(self._executor, self._captures.capture, stream, step.capture_id,
+                                           step.keep)
             await self._out.async_send(Capture(step.stream_id, step.seq, step.capture_id, step.keep))
             return
         if self.local_stage0 is not None:
-            snapshot = self._captures.get(step.capture_id)
-            if snapshot is None:
+            stream = await loop.run_in_executor(self._executor, self._captures.restore, self.local_stage0,
+                                                step.capture_id, step.length)
+            if stream is None:
                 self._deliver(StepResult(step.stream_id, step.seq, error=f"capture {step.capture_id} is gone"))
                 return
-            stream = self._local_streams[step.stream_id] = self.local_stage0.new_stream()
-            await loop.run_in_executor(self._executor, stream.load, snapshot, step.length)
+            self._local_streams[step.stream_id] = stream
         await self._out.async_send(Restore(step.stream_id, step.seq, step.capture_id, step.length))
 
     async def async_submit(self, step: StepRequest | CacheStep) -> None:

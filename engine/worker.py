@@ -170,19 +170,18 @@ class StageWorker:
                                    f"{msg.stream_id} to capture", msg.stream_id, msg.seq))
             return
         loop = asyncio.get_running_loop()
-        snapshot = await loop.run_in_executor(self._executor, stream.snapshot, msg.keep)
-        self.captures.put(msg.capture_id, snapshot)
+        await loop.run_in_executor(self._executor, self.captures.capture, stream, msg.capture_id, msg.keep)
         await self._send(msg)
 
     async def _restore(self, msg: Restore) -> None:
-        snapshot = self.captures.get(msg.capture_id)
-        if snapshot is None:
+        loop = asyncio.get_running_loop()
+        stream = await loop.run_in_executor(self._executor, self.captures.restore, self.stage, msg.capture_id,
+                                            msg.length)
+        if stream is None:
             await self._send(Error(ErrorCode.CAPTURE_MISSING, f"stage {self.stage.index} no longer holds capture "
                                    f"{msg.capture_id}", msg.stream_id, msg.seq))
             return
-        stream = self._streams[msg.stream_id] = self.stage.new_stream()
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._executor, stream.load, snapshot, msg.length)
+        self._streams[msg.stream_id] = stream
         await self._send(msg)
 
     async def _release(self, stream_id: StreamId) -> None:
