@@ -14,7 +14,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import json
 import logging
+import os
 import signal
 import time
 from dataclasses import dataclass
@@ -201,25 +203,68 @@ class StageWorker:
         self._streams.clear()
 
 
+READY_PREFIX = "deskfleet worker: stage"
+STATS_PREFIX = "deskfleet-stats "
+
+
+def stats_line(worker: StageWorker) -> str:
+    """One machine-readable line for the supervising agent (see ``agent.service.supervisor``)."""
+    stats = {"steps": worker.steps, "compute_s": round(worker.compute_s, 6), "streams": len(worker._streams),
+             "draining": worker.draining}
+    return STATS_PREFIX + json.dumps(stats, separators=(",", ":"))
+
+
+async def _async_report(worker: StageWorker, interval: float) -> None:
+    while True:
+        print(stats_line(worker), flush=True)
+        await asyncio.sleep(interval)
+
+
+async def _async_watch_parent(stop: asyncio.Event, parent: int, interval: float = 0.5) -> None:
+    """Stop when the process that started us is gone (re-parented), so a SIGKILLed agent or
+    coordinator does not leave its workers holding cores and ports."""
+    while os.getppid() == parent:
+        await asyncio.sleep(interval)
+    log.warning("parent process %d is gone: stopping", parent)
+    stop.set()
+
+
 async def async_serve_worker(shard_dir: Path, stage_index: int, listen: Address, next_address: Address, *,
                              device: str = "CPU", exact: bool = False, num_threads: int | None = None,
                              server_ssl: SSLContext | None = None, client_ssl: SSLContext | None = None,
-                             ready: asyncio.Event | None = None) -> int:
-    """Run a worker until SIGTERM/SIGINT (drain, then exit 0)."""
+                             ready: asyncio.Event | None = None, report_interval: float | None = None,
+                             exit_with_parent: bool = False) -> int:
+    """Run a worker until SIGTERM/SIGINT (drain, then exit 0).
+
+    ``report_interval`` prints a stats line that often; ``exit_with_parent`` stops the worker
+    (drained, like SIGTERM) when its parent process dies.
+    """
+    parent = os.getppid()
     stage = Stage(shard_dir, stage_index, device=device, exact=exact, num_threads=num_threads)
     worker = StageWorker(stage, listen, next_address, server_ssl=server_ssl, client_ssl=client_ssl)
     address = await worker.async_start()
-    print(f"deskfleet worker: stage {stage_index} ({stage.spec.num_layers} layers) on {address}, "
+    print(f"{READY_PREFIX} {stage_index} ({stage.spec.num_layers} layers) on {address}, "
           f"next hop {next_address}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
+    helpers = []
+    if report_interval:
+        helpers.append(asyncio.create_task(_async_report(worker, report_interval)))
+    if exit_with_parent:
+        helpers.append(asyncio.create_task(_async_watch_parent(stop, parent)))
     if ready is not None:
         ready.set()
-    await stop.wait()
+    try:
+        await stop.wait()
+    finally:
+        for task in helpers:
+            task.cancel()
     log.info("stage %d draining", stage_index)
     await worker.async_drain()
     await worker.async_close()
+    if report_interval:
+        print(stats_line(worker), flush=True)
     return 0

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import sys
 from pathlib import Path
 
 from engine.cli import Command
+from engine.errors import DeskfleetError
 from engine.worker import Address, async_serve_worker
 
 
@@ -20,11 +23,35 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="CPU", help="OpenVINO device (default CPU)")
     p.add_argument("--threads", type=int, default=None, help="inference threads (default: all cores)")
     p.add_argument("--exact", action="store_true", help="f32 compute and KV cache (bit-exact settings)")
+    p.add_argument("--tls-stdin", action="store_true",
+                   help="read fleet credentials as JSON {ca_pem, cert_pem, key_pem} from stdin and require "
+                        "mutual TLS on both hops (the agent passes them this way so keys never touch disk)")
+    p.add_argument("--report-interval", type=float, default=None, metavar="SECONDS",
+                   help="print a 'deskfleet-stats {json}' line this often (for the supervising agent)")
+    p.add_argument("--exit-with-parent", action="store_true",
+                   help="drain and exit when the parent process dies")
+
+
+def read_tls_credentials(stream) -> tuple:
+    """(server_ssl, client_ssl) from the JSON credentials on ``stream``; a clear error otherwise."""
+    from engine.trust import Credentials
+
+    try:
+        blob = json.loads(stream.read())
+        creds = Credentials(blob["ca_pem"].encode(), blob["cert_pem"].encode(), blob["key_pem"].encode())
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise DeskfleetError(f"--tls-stdin expects JSON with ca_pem, cert_pem and key_pem on stdin ({exc})") from exc
+    return creds.server_context(), creds.client_context()
 
 
 def run(args: argparse.Namespace) -> int:
+    server_ssl = client_ssl = None
+    if args.tls_stdin:
+        server_ssl, client_ssl = read_tls_credentials(sys.stdin)
     return asyncio.run(async_serve_worker(args.shard, args.stage, args.listen, args.next, device=args.device,
-                                          exact=args.exact, num_threads=args.threads))
+                                          exact=args.exact, num_threads=args.threads, server_ssl=server_ssl,
+                                          client_ssl=client_ssl, report_interval=args.report_interval,
+                                          exit_with_parent=args.exit_with_parent))
 
 
 COMMAND = Command(name="worker", help="serve one stage of an export in a ring of workers",
