@@ -25,6 +25,7 @@ from ssl import SSLContext
 
 import numpy as np
 
+from engine.control import READY_PREFIX, STATS_PREFIX
 from engine.errors import DeskfleetError
 from engine.handshake import LocalIdentity
 from engine.messages import (
@@ -203,10 +204,6 @@ class StageWorker:
         self._streams.clear()
 
 
-READY_PREFIX = "deskfleet worker: stage"
-STATS_PREFIX = "deskfleet-stats "
-
-
 def stats_line(worker: StageWorker) -> str:
     """One machine-readable line for the supervising agent (see ``agent.service.supervisor``)."""
     stats = {"steps": worker.steps, "compute_s": round(worker.compute_s, 6), "streams": len(worker._streams),
@@ -234,7 +231,8 @@ async def async_serve_worker(shard_dir: Path, stage_index: int, listen: Address,
                              server_ssl: SSLContext | None = None, client_ssl: SSLContext | None = None,
                              ready: asyncio.Event | None = None, report_interval: float | None = None,
                              exit_with_parent: bool = False) -> int:
-    """Run a worker until SIGTERM/SIGINT (drain, then exit 0).
+    """Run a worker until SIGTERM/SIGINT (finish the frame in hand, then exit 0) or SIGUSR1
+    (refuse new streams, let those in flight finish, then exit 0).
 
     ``report_interval`` prints a stats line that often; ``exit_with_parent`` stops the worker
     (drained, like SIGTERM) when its parent process dies.
@@ -251,6 +249,15 @@ async def async_serve_worker(shard_dir: Path, stage_index: int, listen: Address,
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
     helpers = []
+
+    async def drain_streams() -> None:  # SIGUSR1: let the streams in flight finish, take no new ones
+        worker.draining = True
+        while worker._streams:
+            await asyncio.sleep(0.1)
+        stop.set()
+
+    with contextlib.suppress(NotImplementedError, RuntimeError, AttributeError):
+        loop.add_signal_handler(signal.SIGUSR1, lambda: helpers.append(asyncio.create_task(drain_streams())))
     if report_interval:
         helpers.append(asyncio.create_task(_async_report(worker, report_interval)))
     if exit_with_parent:

@@ -1,0 +1,188 @@
+"""The agent's settings (chosen by the person at the PC or the installer) and its runtime state
+(what the console assigned, whether the person paused it), each one JSON file in the state dir.
+
+Both are parsed once into frozen objects. Files are replaced atomically (write a temporary file,
+fsync, rename), so a crash never leaves half a file; a file that does not parse is never
+overwritten: loading it raises :class:`SettingsError` naming the file and the problem.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import socket
+import tempfile
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.errors import DeskfleetError
+
+SETTINGS_FILE = "settings.json"
+STATE_FILE = "state.json"
+_DAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
+_HHMM = re.compile(r"^([01]\d|2[0-3]):([0-5]\d)$")
+
+
+class SettingsError(DeskfleetError):
+    """The agent's settings or state file is unreadable or holds an invalid value (the file is kept)."""
+
+
+def default_state_dir() -> Path:
+    """``$DESKFLEET_AGENT_HOME``, else the platform's per-user data directory."""
+    if env := os.environ.get("DESKFLEET_AGENT_HOME"):
+        return Path(env)
+    if os.name == "nt":
+        return Path(os.environ.get("LOCALAPPDATA", Path.home())) / "Deskfleet" / "agent"
+    return Path(os.environ.get("XDG_DATA_HOME", Path.home() / ".local" / "share")) / "deskfleet" / "agent"
+
+
+@dataclass(frozen=True)
+class OfficeHours:
+    """A weekly window in which the agent does not serve (the PC belongs to its user then)."""
+
+    days: tuple[str, ...] = ("mon", "tue", "wed", "thu", "fri")
+    start: str = "09:00"
+    end: str = "17:00"
+
+    def __post_init__(self) -> None:
+        bad = [d for d in self.days if d not in _DAYS]
+        if bad or not self.days:
+            raise SettingsError(f"office hours days must be some of {', '.join(_DAYS)}; got {list(self.days)}")
+        for value in (self.start, self.end):
+            if not _HHMM.match(value):
+                raise SettingsError(f"office hours times must be HH:MM (24 h), got {value!r}")
+        if self.start >= self.end:
+            raise SettingsError(f"office hours start {self.start} must be before end {self.end}")
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    """Defaults are what a person installing the agent would want: pause while they use the PC
+    and on battery, serve any time otherwise."""
+
+    name: str = field(default_factory=socket.gethostname)
+    instance: str = field(default_factory=lambda: uuid.uuid4().hex[:8])  # keeps mDNS names unique
+    interface: str | None = None  # None: every interface; tests pass 127.0.0.1 or a namespace address
+    control_port: int = 7210
+    data_port: int = 7211
+    seeds: tuple[str, ...] = ()  # console HOST:PORTs for networks that drop multicast
+    pause_while_in_use: bool = True
+    resume_after_idle_s: float = 300.0
+    pause_on_battery: bool = True
+    office_hours: OfficeHours | None = None
+    bandwidth_cap_bytes_s: int | None = None
+    start_at_login: bool = False
+
+    def __post_init__(self) -> None:
+        for port_name in ("control_port", "data_port"):
+            port = getattr(self, port_name)
+            if not isinstance(port, int) or not 0 <= port < 65536:
+                raise SettingsError(f"{port_name} must be 0..65535 (0 picks a free port), got {port!r}")
+        if not isinstance(self.resume_after_idle_s, int | float) or self.resume_after_idle_s < 0:
+            raise SettingsError(f"resume_after_idle_s must be >= 0 seconds, got {self.resume_after_idle_s!r}")
+        if self.bandwidth_cap_bytes_s is not None and self.bandwidth_cap_bytes_s <= 0:
+            raise SettingsError("bandwidth_cap_bytes_s must be positive (or null for no cap)")
+        if not self.name or len(self.name) > 63:
+            raise SettingsError("name must be 1..63 characters")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> AgentSettings:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise SettingsError(f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        values = dict(data)
+        try:
+            if values.get("office_hours") is not None:
+                hours = values["office_hours"]
+                values["office_hours"] = OfficeHours(tuple(hours.get("days", OfficeHours.days)),
+                                                     hours.get("start", OfficeHours.start),
+                                                     hours.get("end", OfficeHours.end))
+            if "seeds" in values:
+                values["seeds"] = tuple(values["seeds"])
+            return cls(**values)
+        except (TypeError, AttributeError) as exc:
+            raise SettingsError(f"invalid settings: {exc}") from exc
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class AgentState:
+    """What survives a restart: the assignment in force, whether to serve it, and the pauses."""
+
+    assignment: dict[str, Any] | None = None
+    serving: bool = False  # the console asked for the worker to run (resumed after a pause or restart)
+    manually_paused: bool = False
+    remotely_paused: bool = False
+    api_url: str | None = None
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> AgentState:
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise SettingsError(f"invalid agent state: {exc}") from exc
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    """Replace ``path`` with ``data`` so that a crash leaves either the old or the new file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SettingsError(f"cannot read {path}: {exc}. Fix or delete the file (it has been left as it is)") from exc
+    if not isinstance(data, dict):
+        raise SettingsError(f"{path} must hold a JSON object. Fix or delete the file (it has been left as it is)")
+    return data
+
+
+def load_settings(state_dir: Path) -> AgentSettings:
+    """The settings in ``state_dir``; a fresh directory gets defaults written so the instance id sticks."""
+    path = state_dir / SETTINGS_FILE
+    data = _read_json(path)
+    if data is None:
+        settings = AgentSettings()
+        write_json_atomic(path, settings.to_dict())
+        return settings
+    try:
+        return AgentSettings.from_dict(data)
+    except SettingsError as exc:
+        raise SettingsError(f"{path}: {exc}. Fix or delete the file (it has been left as it is)") from exc
+
+
+def save_settings(state_dir: Path, settings: AgentSettings) -> None:
+    write_json_atomic(state_dir / SETTINGS_FILE, settings.to_dict())
+
+
+def load_state(state_dir: Path) -> AgentState:
+    data = _read_json(state_dir / STATE_FILE)
+    return AgentState() if data is None else AgentState.from_dict(data)
+
+
+def save_state(state_dir: Path, state: AgentState) -> None:
+    write_json_atomic(state_dir / STATE_FILE, state.to_dict())
