@@ -62,6 +62,77 @@ class PlacementTimeout(DeskfleetError):
     """Raised when the time limit passed before HiGHS found any plan."""
 
 
+# -- trust: the fleet CA, join tokens, credentials ------------------------------------------------
+
+class TrustError(DeskfleetError):
+    """Base of the trust layer's errors (fleet CA, join tokens, credentials, enrollment)."""
+
+
+class CredentialsError(TrustError):
+    """Raised when a certificate, key or CA is unreadable, when a key does not match its
+    certificate, or when a certificate was not signed by the fleet CA it is stored with."""
+
+
+class CertificateRequestError(TrustError):
+    """Raised by the fleet CA when it refuses to sign a request: unreadable, its signature does not
+    verify, or its key is of an unsupported type or size."""
+
+
+class JoinTokenError(TrustError):
+    """Raised by ``parse_token`` when the text is not a join token: mistyped, cut short, or a
+    token from another product. Nothing has been sent anywhere when this is raised."""
+
+
+class TokenBookError(TrustError):
+    """Raised when the console's join-token book cannot be read (corrupt) or written."""
+
+
+class WrongFleetError(TrustError):
+    """Raised on an agent when the console's CA does not match the fingerprint its join token
+    carries: the address points at another fleet's console, or someone is in between."""
+
+
+class EnrollmentError(TrustError):
+    """Raised on an agent when joining fails for another reason than a refused token: the console
+    is unreachable, its TLS certificate does not verify, or its answer is not understood."""
+
+
+class EnrollmentTimeout(EnrollmentError):
+    """Raised on an agent when the console did not answer a join step within the timeout."""
+
+
+class KeyStoreError(TrustError):
+    """Raised when the OS keyring (or the file keyring standing in for it) refuses a read or a
+    write, or holds credentials that cannot be decoded."""
+
+
+# Why a join token was refused -> what the person holding it should do. The reason is the stable
+# part (logged, sent over the wire, tested); the text is for people.
+JOIN_REFUSALS: dict[str, str] = {
+    "malformed": "the join token is not well-formed; copy it again from the console",
+    "unknown": "the console does not know this join token (revoked, or issued by another console); "
+               "ask the admin for a new token",
+    "expired": "the join token has expired; ask the admin for a new token",
+    "used": "the join token was already used, and a token admits one PC only; "
+            "ask the admin for a new token",
+    "other_fleet": "the join token was issued for another fleet's CA; "
+                   "check the console address or ask the admin for a token from this console",
+}
+
+
+class JoinRefused(TrustError):
+    """Raised when the console refuses a join token: ``reason`` is one of ``JOIN_REFUSALS``.
+
+    Raised by ``TokenBook.redeem`` on the console, and again on the agent from the console's
+    403 answer, so both sides name the same reason.
+    """
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        text = JOIN_REFUSALS.get(reason, f"the console refused the join ({reason})")
+        super().__init__(f"{text} ({detail})" if detail else text)
+        self.reason = reason
+
+
 # -- discovery and inventory: what agents say about themselves ------------------------------------
 
 class DiscoveryError(DeskfleetError):
