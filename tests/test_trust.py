@@ -204,6 +204,14 @@ def test_mutual_tls_admits_members_and_refuses_everyone_else(fleet, other_fleet)
                 assert seen == [member.node_id], f"{name} was let in"
         finally:
             await runner.cleanup()
+        # A server of another fleet that would admit anyone: only the member's own check stops it.
+        runner, port, seen = await _serve(stranger.server_context(verify_clients=False))
+        try:
+            with pytest.raises(aiohttp.ClientConnectorCertificateError):
+                await _call(port, member.client_context())
+            assert seen == []
+        finally:
+            await runner.cleanup()
 
     run(scenario(), 60)
 
