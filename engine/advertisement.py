@@ -45,6 +45,7 @@ class AgentState(StrEnum):
 
     NOT_JOINED = "not-joined"
     IDLE = "idle"
+    FETCHING = "fetching"
     SERVING = "serving"
     PAUSED = "paused"
     ERROR = "error"
@@ -139,7 +140,9 @@ class Advertisement:
             object.__setattr__(self, "state", AgentState(self.state))
         except ValueError:
             raise _fail("state", f"{self.state!r} is not one of {[s.value for s in AgentState]}") from None
-        _check_int("control port", self.control_port, 1, 65535)
+        # an agent that has not joined has no control API yet (it opens with the fleet certificate)
+        lowest_port = 0 if self.state is AgentState.NOT_JOINED else 1
+        _check_int("control port", self.control_port, lowest_port, 65535)
         if not isinstance(self.addresses, tuple) or len(self.addresses) > MAX_ADDRESSES:
             raise _fail("addresses", f"{self.addresses!r} is not a tuple of at most {MAX_ADDRESSES}")
         object.__setattr__(self, "addresses", tuple(_check_ipv4("address", a) for a in self.addresses))

@@ -1,0 +1,387 @@
+"""The headless agent: joins a fleet, advertises the PC, takes an assignment, fetches and verifies
+its shard, supervises the stage worker, and steps aside when the person at the PC needs it.
+
+One asyncio loop. The decisions are pure (:mod:`agent.service.pause`, :mod:`engine.control`);
+this class holds the state, does the I/O around them, and tells whoever listens (the tray, the
+mDNS advertiser, the console) when something changed. Everything the console asked for is
+persisted in the state dir, so a restarted agent goes back to serving what it served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import aiohttp
+import psutil
+from aiohttp import web
+
+from agent.service import pause
+from agent.service.control_api import build_app
+from agent.service.settings import AgentSettings, AgentState, load_state, save_state
+from agent.service.store import ShardStore, async_fetch
+from agent.service.supervisor import WorkerLaunch, WorkerSupervisor, worker_args
+from engine import __version__
+from engine.control import AgentStatus, Assignment, ControlRequestError, FetchProgress, WorkerStatus
+from engine.discovery import Advertisement, Advertiser
+from engine.errors import DeskfleetError
+from engine.keystore import KeyStore
+from engine.trust import Credentials
+
+log = logging.getLogger(__name__)
+
+MONITOR_INTERVAL_S = 0.25
+WORKER_READY_TIMEOUT_S = 120.0
+DRAIN_TIMEOUT_S = 30.0
+
+
+def battery_on_ac() -> bool | None:
+    """True on mains power, False on battery, None for a PC without a battery."""
+    with contextlib.suppress(Exception):
+        battery = psutil.sensors_battery()
+        return None if battery is None else bool(battery.power_plugged)
+    return None
+
+
+class AgentService:
+    """``idle_source`` and ``power`` are seams: tests pass a fake idle clock; the tray passes the real one."""
+
+    def __init__(self, state_dir: Path, settings: AgentSettings, *, idle_source=None,
+                 power: Callable[[], bool | None] = battery_on_ac, inventory: Callable[[], dict] | None = None,
+                 clock: Callable[[], dt.datetime] = dt.datetime.now) -> None:
+        self.state_dir = state_dir
+        self.settings = settings
+        self.store = ShardStore(state_dir / "shards")
+        self.keystore = KeyStore(f"agent-{settings.instance}")
+        self._idle = idle_source
+        self._power = power
+        self._clock = clock
+        self._inventory_fn = inventory
+        self._inventory: dict = {}
+        self._state: AgentState = load_state(state_dir)
+        self._creds: Credentials | None = None
+        self._pause = pause.PauseState()
+        self._fetch = FetchProgress()
+        self._fetch_task: asyncio.Task | None = None
+        self._supervisor = WorkerSupervisor(on_change=self._on_worker)
+        self._runner: web.AppRunner | None = None
+        self._control_port: int | None = None
+        self._advertiser: Advertiser | None = None
+        self._monitor: asyncio.Task | None = None
+        self._listeners: list[Callable[[AgentStatus], None]] = []
+        self._last_state: str | None = None
+        self._background: set[asyncio.Task] = set()
+        self.last_pause_change: float | None = None  # monotonic time the pause state last flipped
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    async def async_start(self) -> None:
+        self._creds = self.keystore.load()
+        self._inventory = await asyncio.to_thread(self._collect_inventory)
+        if self._creds is not None:
+            await self._async_open_control()
+        self._advertiser = Advertiser(self.settings.interface or "0.0.0.0")
+        await self._advertiser.async_start(self.advertisement())
+        self._pause = self._decide()
+        self._monitor = asyncio.create_task(self._async_monitor(), name="deskfleet-agent-monitor")
+        if self._state.serving and self.assignment is not None and not self._pause.paused:
+            with contextlib.suppress(DeskfleetError):
+                await self._async_launch_worker()
+        self._changed()
+
+    async def async_close(self) -> None:
+        if self._monitor is not None:
+            self._monitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._monitor
+        if self._fetch_task is not None:
+            self._fetch_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._fetch_task
+        await self._supervisor.async_stop()
+        if self._advertiser is not None:
+            await self._advertiser.async_close()
+        await self._async_close_control()
+
+    def subscribe(self, listener: Callable[[AgentStatus], None]) -> None:
+        """``listener(status)`` after every change (called on the service's loop)."""
+        self._listeners.append(listener)
+
+    # ---- trust -------------------------------------------------------------------------------
+
+    @property
+    def joined(self) -> bool:
+        return self._creds is not None
+
+    async def async_join(self, console: str, token: str, *, timeout: float = 15.0) -> Credentials:
+        """Redeem a join token at the console's enrollment address; keep the key in the keyring."""
+        from engine.enrollment import async_join
+
+        creds = await async_join(console, token, self.settings.name, info=self._inventory, timeout=timeout)
+        self.keystore.save(creds)
+        self._creds = creds
+        await self._async_close_control()
+        await self._async_open_control()
+        log.info("joined fleet %s as node %s", creds.fleet_id, creds.node_id[:16])
+        self._changed()
+        return creds
+
+    async def async_leave(self) -> None:
+        """Forget the fleet: stop serving, delete the credentials and the assignment."""
+        await self._supervisor.async_stop()
+        await self._async_close_control()
+        self.keystore.delete()
+        self._creds = None
+        self._save(AgentState())
+        self._changed()
+
+    # ---- control (called by the control API and the tray) -----------------------------------
+
+    @property
+    def assignment(self) -> Assignment | None:
+        return None if self._state.assignment is None else Assignment.from_dict(self._state.assignment)
+
+    async def async_assign(self, assignment: Assignment) -> None:
+        current = self.assignment
+        if current is not None and current != assignment:
+            await self._supervisor.async_stop()
+            if self._fetch_task is not None:
+                self._fetch_task.cancel()
+        self._fetch = FetchProgress(total_bytes=sum(e.size for e in assignment.files()))
+        self._save(replace(self._state, assignment=assignment.to_dict(), serving=False,
+                           api_url=assignment.api_url or self._state.api_url))
+        self._changed()
+
+    async def async_begin_fetch(self, bandwidth_cap: int | None = None) -> None:
+        assignment = self._require_assignment()
+        if self._fetch_task is not None and not self._fetch_task.done():
+            return  # already fetching: the status shows its progress
+        self.store.check_space(assignment)  # 507 now rather than a failure in the background
+        cap = bandwidth_cap or self.settings.bandwidth_cap_bytes_s
+        self._fetch = replace(self._fetch, error=None, finished=False)
+        self._fetch_task = asyncio.create_task(self._async_fetch(assignment, cap), name="deskfleet-fetch")
+        self._changed()
+
+    async def async_wait_fetched(self, timeout: float) -> FetchProgress:
+        if self._fetch_task is not None:
+            await asyncio.wait_for(asyncio.shield(self._fetch_task), timeout)
+        return self._fetch
+
+    async def async_start_worker(self) -> None:
+        assignment = self._require_assignment()
+        if self.store.missing(assignment):
+            raise ControlRequestError("the shard is not fetched and verified yet: POST /v1/fetch first", 409)
+        self._save(replace(self._state, serving=True))
+        if self._pause.paused:
+            self._changed()  # it starts when the pause ends
+            return
+        await self._async_launch_worker()
+
+    async def async_stop_worker(self, *, drain: bool = False) -> None:
+        self._save(replace(self._state, serving=False))
+        if drain:
+            await self._supervisor.async_drain(DRAIN_TIMEOUT_S)
+        else:
+            await self._supervisor.async_stop()
+        self._changed()
+
+    async def async_wait_worker_ready(self, timeout: float = WORKER_READY_TIMEOUT_S) -> None:
+        await self._supervisor.async_wait_ready(timeout)
+
+    async def async_set_manual_pause(self, paused: bool) -> None:
+        self._save(replace(self._state, manually_paused=paused))
+        await self._async_apply(self._decide())
+
+    async def async_set_remote_pause(self, paused: bool) -> None:
+        self._save(replace(self._state, remotely_paused=paused))
+        await self._async_apply(self._decide())
+
+    # ---- status ------------------------------------------------------------------------------
+
+    @property
+    def control_port(self) -> int | None:
+        return self._control_port
+
+    @property
+    def worker_pid(self) -> int | None:
+        return self._supervisor.pid
+
+    def state(self) -> str:
+        worker = self._supervisor.status
+        if self._creds is None:
+            return "not-joined"
+        if worker.state == "failed" or self._fetch.error:
+            return "error"
+        if self._pause.paused:
+            return "paused"
+        if self._fetch_task is not None and not self._fetch_task.done():
+            return "fetching"
+        if worker.state in ("starting", "running", "backoff"):
+            return "serving"
+        return "idle"
+
+    def status(self) -> AgentStatus:
+        assignment = self.assignment
+        creds = self._creds
+        worker = self._supervisor.status
+        fetch_error = self._fetch.error
+        return AgentStatus(
+            node_id=creds.node_id if creds else "", fleet_id=creds.fleet_id if creds else "",
+            name=self.settings.name, version=__version__, state=self.state(),
+            paused_reasons=self._pause.reasons, inventory=self._inventory,
+            export_id=assignment.export_id if assignment else None, stage=assignment.stage if assignment else None,
+            fetch=self._fetch, worker=worker if not fetch_error else replace(worker, last_error=fetch_error),
+            api_url=self._state.api_url)
+
+    def probe(self) -> dict:
+        creds = self._creds
+        return {"node_id": creds.node_id if creds else "", "fleet_id": creds.fleet_id if creds else "",
+                "name": self.settings.name, "version": __version__, "state": self.state(),
+                "control_port": self._control_port}
+
+    def advertisement(self) -> Advertisement:
+        creds = self._creds
+        devices = tuple(d["name"] for d in self._inventory.get("devices", ()))
+        return Advertisement(
+            instance=f"{self.settings.name}-{self.settings.instance}", node_id=creds.node_id if creds else "",
+            fleet_id=creds.fleet_id if creds else "", version=__version__, devices=devices,
+            memory_bytes=int(self._inventory.get("ram_total", 0)), state=self.state(),
+            control_port=self._control_port or 0,
+            addresses=(self.settings.interface,) if self.settings.interface not in (None, "0.0.0.0") else ())
+
+    # ---- internals ---------------------------------------------------------------------------
+
+    def _collect_inventory(self) -> dict:
+        if self._inventory_fn is not None:
+            return self._inventory_fn()
+        from engine.inventory import collect_inventory
+
+        self.store.root.mkdir(parents=True, exist_ok=True)
+        return collect_inventory(self.store.root).to_dict()
+
+    def _require_assignment(self) -> Assignment:
+        assignment = self.assignment
+        if assignment is None:
+            raise ControlRequestError("this agent has no assignment yet: POST /v1/assign first", 409)
+        return assignment
+
+    def _save(self, state: AgentState) -> None:
+        save_state(self.state_dir, state)
+        self._state = state
+
+    async def _async_open_control(self) -> None:
+        assert self._creds is not None
+        app = build_app(self)
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.settings.interface or "0.0.0.0", self.settings.control_port,
+                           ssl_context=self._creds.server_context())
+        await site.start()
+        self._control_port = self._runner.addresses[0][1]
+        log.info("control API on https://%s:%d", self.settings.interface or "0.0.0.0", self._control_port)
+
+    async def _async_close_control(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+            self._control_port = None
+
+    async def _async_fetch(self, assignment: Assignment, cap: int | None) -> None:
+        def progress(p: FetchProgress) -> None:
+            self._fetch = p
+
+        try:
+            await async_fetch(self.store, assignment, ssl=self._creds.client_context() if self._creds else None,
+                              on_progress=progress, bandwidth_cap=cap)
+            self.store.prune(keep=assignment.export_id)
+        except asyncio.CancelledError:
+            raise
+        except (DeskfleetError, OSError) as exc:
+            log.warning("shard fetch failed: %s", exc)
+            self._fetch = replace(self._fetch, error=str(exc), finished=False)
+        finally:
+            self._changed()
+
+    async def _async_launch_worker(self) -> None:
+        assignment = self._require_assignment()
+        creds = self._creds
+        if creds is None:
+            raise ControlRequestError("join a fleet before serving", 409)
+        host = self.settings.interface or "0.0.0.0"
+        port = assignment.listen_port or self.settings.data_port
+        args = worker_args(str(self.store.directory(assignment.export_id)), assignment.stage, f"{host}:{port}",
+                           assignment.next_hop, device=assignment.worker.device, threads=assignment.worker.threads,
+                           exact=assignment.worker.exact, tls=True)
+        secrets = json.dumps({"ca_pem": creds.ca_pem.decode(), "cert_pem": creds.cert_pem.decode(),
+                              "key_pem": creds.key_pem.decode()}).encode()
+        await self._supervisor.async_start(WorkerLaunch(args, secrets))
+
+    def _on_worker(self, status: WorkerStatus) -> None:
+        self._changed()
+
+    def _decide(self) -> pause.PauseState:
+        idle_s = self._idle.seconds_since_input() if self._idle is not None else None
+        obs = pause.Observation(idle_s, self._power(), self._clock())
+        return pause.decide(self.settings, obs, self._pause, manual=self._state.manually_paused,
+                            remote=self._state.remotely_paused)
+
+    async def _async_apply(self, decision: pause.PauseState) -> None:
+        was = self._pause.paused
+        self._pause = decision
+        if decision.paused and not was:
+            self.last_pause_change = time.monotonic()
+            log.info("pausing: %s", ", ".join(decision.reasons))
+            await self._supervisor.async_stop()  # SIGTERM: the frame in hand finishes, cores are released
+            await self._async_notify("paused")
+        elif was and not decision.paused:
+            self.last_pause_change = time.monotonic()
+            log.info("resuming")
+            if self._state.serving and self.assignment is not None:
+                await self._async_launch_worker()
+            await self._async_notify("resumed")
+        self._changed()
+
+    async def _async_monitor(self) -> None:
+        while True:
+            await asyncio.sleep(MONITOR_INTERVAL_S)
+            try:
+                decision = self._decide()
+                if decision != self._pause:
+                    await self._async_apply(decision)
+            except Exception:  # a broken idle source must not stop the pause loop for good
+                log.exception("pause monitor step failed")
+
+    async def _async_notify(self, event: str) -> None:
+        """Tell the console (best effort) so it can hold or move the streams this stage served."""
+        assignment, creds = self.assignment, self._creds
+        if assignment is None or assignment.events_url is None or creds is None:
+            return
+        body = {"node_id": creds.node_id, "event": event, "reasons": list(self._pause.reasons),
+                "export_id": assignment.export_id, "stage": assignment.stage}
+        try:
+            timeout = aiohttp.ClientTimeout(total=3)
+            async with aiohttp.ClientSession(timeout=timeout) as session:
+                async with session.post(assignment.events_url, json=body, ssl=creds.client_context()) as resp:
+                    resp.release()
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            log.debug("could not tell the console about %s: %s", event, exc)
+
+    def _changed(self) -> None:
+        status = self.status()
+        if self._advertiser is not None and status.state != self._last_state:
+            self._last_state = status.state
+            task = asyncio.get_running_loop().create_task(self._advertiser.async_update(self.advertisement()))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        for listener in list(self._listeners):
+            try:
+                listener(status)
+            except Exception:
+                log.exception("status listener failed")

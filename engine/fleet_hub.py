@@ -1,0 +1,147 @@
+"""The console's side of the control plane, without Qt: the HTTPS endpoint agents talk to.
+
+It serves the shard files of the exports the console published (with HTTP Range, so an
+interrupted download resumes), takes registrations from agents on networks that drop multicast
+(unicast fallback), and takes the events agents send when they pause or resume. Mutual TLS
+against the fleet CA on every route: an agent proves membership with its certificate.
+
+Only files a published export's manifest names can be fetched: the URL path is looked up in
+the manifest, never joined onto the file system as given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiohttp import web
+
+from engine.control import ControlRequestError, decode_body
+from engine.manifest import FileEntry, load_manifest, safe_join
+from engine.trust import Credentials, peer_node_id
+
+log = logging.getLogger(__name__)
+
+_CHUNK = 256 << 10
+
+
+@dataclass(frozen=True)
+class AgentEvent:
+    """An agent's report: ``event`` is paused/resumed/registered; ``received`` is monotonic time."""
+
+    node_id: str
+    event: str
+    body: dict
+    received: float
+
+
+class FleetHub:
+    """``publish(export_id, export_dir)`` makes an export fetchable at ``shard_url(export_id)``."""
+
+    def __init__(self, credentials: Credentials, *, on_event: Callable[[AgentEvent], None] = lambda e: None) -> None:
+        self.credentials = credentials
+        self._exports: dict[str, tuple[Path, dict[str, FileEntry]]] = {}
+        self._on_event = on_event
+        self.events: list[AgentEvent] = []
+        self.registrations: dict[str, dict] = {}
+        self.bytes_served = 0
+        self._runner: web.AppRunner | None = None
+        self.host: str | None = None
+        self.port: int | None = None
+
+    def publish(self, export_id: str, export_dir: Path) -> None:
+        manifest = load_manifest(export_dir)
+        files = {e.path: e for stage in manifest.stages for e in stage.files}
+        files.update({e.path: e for e in manifest.tokenizer_files})
+        self._exports[export_id] = (export_dir, files)
+
+    def shard_url(self, export_id: str) -> str:
+        return f"https://{self.host}:{self.port}/v1/shards/{export_id}/"
+
+    @property
+    def events_url(self) -> str:
+        return f"https://{self.host}:{self.port}/v1/events"
+
+    async def async_start(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
+        app = web.Application(client_max_size=1 << 20)
+        app.router.add_get("/v1/shards/{export_id}/{path:.+}", self._shard)
+        app.router.add_post("/v1/register", self._register)
+        app.router.add_post("/v1/events", self._event)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port, ssl_context=self.credentials.server_context())
+        await site.start()
+        self.host, self.port = host, self._runner.addresses[0][1]
+        return self.host, self.port
+
+    async def async_close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    def _caller(self, request: web.Request) -> str:
+        ssl_object = request.transport.get_extra_info("ssl_object") if request.transport else None
+        der = ssl_object.getpeercert(binary_form=True) if ssl_object is not None else None
+        if not der:
+            raise web.HTTPForbidden(text="a fleet certificate is required")
+        return peer_node_id(der)
+
+    async def _shard(self, request: web.Request) -> web.StreamResponse:
+        self._caller(request)
+        export_id, rel = request.match_info["export_id"], request.match_info["path"]
+        published = self._exports.get(export_id)
+        entry = published[1].get(rel) if published else None
+        if published is None or entry is None:
+            log.warning("refused shard request for %s/%s: not a published file", export_id, rel)
+            raise web.HTTPNotFound(text=f"{export_id}/{rel} is not a published shard file")
+        path = safe_join(published[0], entry.path)
+        start = 0
+        if request.http_range.start is not None:
+            start = request.http_range.start
+            if not 0 <= start <= entry.size:
+                raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{entry.size}"})
+        status = 206 if start else 200
+        response = web.StreamResponse(status=status, headers={"Content-Type": "application/octet-stream"})
+        response.content_length = entry.size - start
+        if start:
+            response.headers["Content-Range"] = f"bytes {start}-{entry.size - 1}/{entry.size}"
+        await response.prepare(request)
+        with open(path, "rb") as f:
+            f.seek(start)
+            while chunk := f.read(_CHUNK):
+                await response.write(chunk)
+                self.bytes_served += len(chunk)
+        await response.write_eof()
+        return response
+
+    async def _register(self, request: web.Request) -> web.Response:
+        node = self._caller(request)
+        try:
+            body = decode_body(await request.read())
+        except ControlRequestError as exc:
+            return web.json_response({"error": {"message": str(exc)}}, status=exc.status)
+        self.registrations[node] = {**body, "registered": time.time()}
+        self._record(AgentEvent(node, "registered", body, time.monotonic()))
+        return web.json_response({"ok": True})
+
+    async def _event(self, request: web.Request) -> web.Response:
+        node = self._caller(request)
+        try:
+            body = decode_body(await request.read())
+        except ControlRequestError as exc:
+            return web.json_response({"error": {"message": str(exc)}}, status=exc.status)
+        event = body.get("event")
+        if event not in ("paused", "resumed"):
+            return web.json_response({"error": {"message": "event must be 'paused' or 'resumed'"}}, status=400)
+        self._record(AgentEvent(node, event, body, time.monotonic()))
+        return web.json_response({"ok": True})
+
+    def _record(self, event: AgentEvent) -> None:
+        self.events.append(dataclasses.replace(event))
+        del self.events[:-1000]
+        log.info("agent %s: %s", event.node_id[:16], event.event)
+        self._on_event(event)
