@@ -25,6 +25,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="IP address to bind the control and data ports and mDNS to (default: all interfaces)")
     p.add_argument("--control-port", type=int, default=None, help="control API port (default 7210; 0: any free)")
     p.add_argument("--data-port", type=int, default=None, help="stage worker port (default 7211; 0: any free)")
+    p.add_argument("--seed", action="append", default=None, metavar="HOST:PORT",
+                   help="a console to register with by address, for networks that drop multicast (repeatable; saved)")
     p.add_argument("--join", metavar="TOKEN", default=None, help="join a fleet with this one-time token")
     p.add_argument("--console", metavar="HOST:PORT", default=None,
                    help="with --join: the console's enrollment address (shown next to the token)")
@@ -38,6 +40,12 @@ def _settings(args: argparse.Namespace):
     settings = load_settings(state_dir)
     overrides = {k: v for k, v in (("interface", args.interface), ("control_port", args.control_port),
                                    ("data_port", args.data_port)) if v is not None}
+    if args.seed:
+        from engine.control import parse_hostport
+
+        for seed in args.seed:
+            parse_hostport(seed, "--seed")
+        overrides["seeds"] = tuple(args.seed)
     if overrides:
         settings = replace(settings, **overrides)
         save_settings(state_dir, settings)

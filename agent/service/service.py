@@ -38,8 +38,22 @@ from engine.trust import Credentials
 log = logging.getLogger(__name__)
 
 MONITOR_INTERVAL_S = 0.25
+REGISTER_INTERVAL_S = 30.0
 WORKER_READY_TIMEOUT_S = 120.0
 DRAIN_TIMEOUT_S = 30.0
+
+
+def primary_ipv4() -> str:
+    """The address this PC reaches its network from (the default route's interface); no packet is
+    sent. mDNS and the ports bind to it when the settings name no interface."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))
+            return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
 
 
 def battery_on_ac() -> bool | None:
@@ -75,6 +89,8 @@ class AgentService:
         self._control_port: int | None = None
         self._advertiser: Advertiser | None = None
         self._monitor: asyncio.Task | None = None
+        self._registrar: asyncio.Task | None = None
+        self.interface = settings.interface or primary_ipv4()
         self._listeners: list[Callable[[AgentStatus], None]] = []
         self._last_state: str | None = None
         self._background: set[asyncio.Task] = set()
@@ -87,20 +103,23 @@ class AgentService:
         self._inventory = await asyncio.to_thread(self._collect_inventory)
         if self._creds is not None:
             await self._async_open_control()
-        self._advertiser = Advertiser(self.settings.interface or "0.0.0.0")
+        self._advertiser = Advertiser(self.interface)
         await self._advertiser.async_start(self.advertisement())
         self._pause = self._decide()
         self._monitor = asyncio.create_task(self._async_monitor(), name="deskfleet-agent-monitor")
+        if self.settings.seeds:
+            self._registrar = asyncio.create_task(self._async_register_loop(), name="deskfleet-agent-register")
         if self._state.serving and self.assignment is not None and not self._pause.paused:
             with contextlib.suppress(DeskfleetError):
                 await self._async_launch_worker()
         self._changed()
 
     async def async_close(self) -> None:
-        if self._monitor is not None:
-            self._monitor.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._monitor
+        for task in (self._monitor, self._registrar):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._fetch_task is not None:
             self._fetch_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -131,6 +150,8 @@ class AgentService:
         await self._async_open_control()
         log.info("joined fleet %s as node %s", creds.fleet_id, creds.node_id[:16])
         self._changed()
+        if self.settings.seeds:
+            await self.async_register()
         return creds
 
     async def async_leave(self) -> None:
@@ -254,7 +275,7 @@ class AgentService:
             fleet_id=creds.fleet_id if creds else "", version=__version__, devices=devices,
             memory_bytes=int(self._inventory.get("ram_total", 0)), state=self.state(),
             control_port=self._control_port or 0,
-            addresses=(self.settings.interface,) if self.settings.interface not in (None, "0.0.0.0") else ())
+            addresses=(self.interface,))
 
     # ---- internals ---------------------------------------------------------------------------
 
@@ -281,11 +302,11 @@ class AgentService:
         app = build_app(self)
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.settings.interface or "0.0.0.0", self.settings.control_port,
+        site = web.TCPSite(self._runner, self.interface, self.settings.control_port,
                            ssl_context=self._creds.server_context())
         await site.start()
         self._control_port = self._runner.addresses[0][1]
-        log.info("control API on https://%s:%d", self.settings.interface or "0.0.0.0", self._control_port)
+        log.info("control API on https://%s:%d", self.interface, self._control_port)
 
     async def _async_close_control(self) -> None:
         if self._runner is not None:
@@ -314,7 +335,7 @@ class AgentService:
         creds = self._creds
         if creds is None:
             raise ControlRequestError("join a fleet before serving", 409)
-        host = self.settings.interface or "0.0.0.0"
+        host = self.interface
         port = assignment.listen_port or self.settings.data_port
         args = worker_args(str(self.store.directory(assignment.export_id)), assignment.stage, f"{host}:{port}",
                            assignment.next_hop, device=assignment.worker.device, threads=assignment.worker.threads,
@@ -372,6 +393,31 @@ class AgentService:
                     resp.release()
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             log.debug("could not tell the console about %s: %s", event, exc)
+
+    async def async_register(self) -> int:
+        """Register with every seed console by address (networks that drop multicast); returns how
+        many accepted. Needs the fleet certificate: the seed's hub is mutual TLS like the rest."""
+        creds = self._creds
+        if creds is None:
+            return 0
+        body = {"advertisement": self.advertisement().to_properties(), "control_port": self._control_port,
+                "address": self.interface}
+        accepted = 0
+        timeout = aiohttp.ClientTimeout(total=5)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            for seed in self.settings.seeds:
+                try:
+                    async with session.post(f"https://{seed}/v1/register", json=body,
+                                            ssl=creds.client_context()) as resp:
+                        accepted += resp.status == 200
+                except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                    log.debug("seed console %s unreachable: %s", seed, exc)
+        return accepted
+
+    async def _async_register_loop(self) -> None:
+        while True:
+            await self.async_register()
+            await asyncio.sleep(REGISTER_INTERVAL_S)
 
     def _changed(self) -> None:
         status = self.status()

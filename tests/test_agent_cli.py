@@ -1,0 +1,63 @@
+"""`deskfleet agent --headless` as a real process: it joins with a token, is found by a zeroconf
+browser on loopback with its TXT fields, registers with its seed console by address, answers the
+unicast probe, and withdraws its advertisement on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+
+from engine.control_client import ControlClient
+from engine.discovery import Browser
+from tests.agent_helpers import console
+from tests.asyncutil import run
+
+
+async def _until(predicate, timeout: float, what: str):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not (value := predicate()):
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.1)
+    return value
+
+
+def test_headless_agent_joins_is_discovered_registers_and_withdraws(tmp_path):
+    env = {**os.environ, "DESKFLEET_KEYRING_DIR": str(tmp_path / "keyring")}
+
+    async def main():
+        async with console(tmp_path) as con:
+            browser = Browser("127.0.0.1")
+            await browser.async_start()
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "engine.cli", "agent", "--headless", "--state-dir", str(tmp_path / "a"),
+                "--interface", "127.0.0.1", "--control-port", "0", "--data-port", "0",
+                "--seed", f"127.0.0.1:{con.hub.port}", "--join", con.token(), "--console", con.enrollment,
+                env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+            try:
+                def joined_peer():
+                    return next((p.advertisement for p in browser.peers().values()
+                                 if p.advertisement.state == "idle" and p.advertisement.node_id), None)
+
+                ad = await _until(joined_peer, 60, "the joined agent's advertisement")
+                assert ad.fleet_id == con.authority.fleet_id
+                assert "CPU" in ad.devices and ad.memory_bytes > 1 << 30
+                assert ad.addresses == ("127.0.0.1",) and ad.control_port > 0
+                probe = await ControlClient(con.credentials, "127.0.0.1", ad.control_port).async_probe()
+                assert probe["node_id"] == ad.node_id  # the advertised node id is the certificate's fingerprint
+                await _until(lambda: ad.node_id in con.hub.registrations, 30, "registration with the seed")
+                assert con.hub.registrations[ad.node_id]["control_port"] == ad.control_port
+                proc.send_signal(signal.SIGTERM)
+                assert await asyncio.wait_for(proc.wait(), 30) == 0
+                await _until(lambda: not browser.peers(), 10, "the advertisement to be withdrawn")
+            finally:
+                if proc.returncode is None:
+                    proc.kill()
+                    await proc.wait()
+                await browser.async_close()
+            return (await proc.stdout.read()).decode()
+
+    output = run(main())
+    assert "joined fleet" in output
