@@ -33,11 +33,12 @@ from engine.advertisement import (
 )
 from engine.errors import DiscoveryError
 
-__all__ = ["MAX_TXT_BYTES", "SERVICE_TYPE", "TXT_KEYS", "Advertisement", "Advertiser",
+__all__ = ["MAX_TXT_BYTES", "RECORD_TTL_S", "SERVICE_TYPE", "TXT_KEYS", "Advertisement", "Advertiser",
            "AgentState", "Browser", "Peer", "new_instance_name"]
 
 log = logging.getLogger(__name__)
 _SUFFIX = "." + SERVICE_TYPE
+RECORD_TTL_S = 120
 
 
 def _zeroconf_on(interface: str) -> AsyncZeroconf:
@@ -83,10 +84,12 @@ class Advertiser:
 
     def _info_for(self, ad: Advertisement) -> ServiceInfo:
         # The SRV target (host name) is the service name itself: unique per agent even when
-        # several agents share one machine, unlike the host's own name.
+        # several agents share one machine, unlike the host's own name. Every record lives
+        # RECORD_TTL_S rather than mDNS's 75 min default, so an agent that died without goodbye
+        # packets leaves the browsers within about two minutes.
         return ServiceInfo(SERVICE_TYPE, ad.service_name, port=ad.control_port,
                            properties=ad.to_properties(), parsed_addresses=list(ad.addresses),
-                           server=ad.service_name)
+                           server=ad.service_name, host_ttl=RECORD_TTL_S, other_ttl=RECORD_TTL_S)
 
     def _complete(self, ad: Advertisement) -> Advertisement:
         # An agent that does not list its addresses is reachable on the one it advertises on.
@@ -148,7 +151,9 @@ class Advertiser:
 
 @dataclass(frozen=True)
 class Peer:
-    """One agent as the browser last saw it; ``last_seen`` is `time.monotonic()`."""
+    """One agent as the browser last saw it. ``last_seen`` (`time.monotonic()`) is when its
+    record last arrived new or changed; an unchanged refresh does not move it. Liveness is the
+    record's TTL (`RECORD_TTL_S`): a silent agent is removed when its records expire."""
 
     advertisement: Advertisement
     last_seen: float

@@ -19,6 +19,7 @@ from zeroconf.asyncio import AsyncZeroconf
 
 from engine.discovery import (
     MAX_TXT_BYTES,
+    RECORD_TTL_S,
     SERVICE_TYPE,
     TXT_KEYS,
     Advertisement,
@@ -201,6 +202,9 @@ def test_advertiser_is_found_updated_and_withdrawn(loop, browser):
         peer = browser.peers()[ad.instance]
         assert peer.advertisement == published
         assert peer.last_seen <= time.monotonic()
+        # Records arrive with the short TTL, so a crashed agent (no goodbye) leaves in ~2 min.
+        cached = browser._zc.zeroconf.cache.async_entries_with_name(ad.service_name)
+        assert cached and {r.ttl for r in cached} == {RECORD_TTL_S}
 
         n = len(browser.changes)
         serving = await advertiser.async_update(replace(published, state=AgentState.SERVING,
