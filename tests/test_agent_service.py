@@ -71,7 +71,7 @@ def test_join_assign_fetch_and_serve_a_stage_in_a_real_ring(tmp_path, tiny_expor
 
     async def main():
         async with console(tmp_path, {"tiny-2": export}) as con:
-            agent = AgentService(tmp_path / "agent", _settings(), idle_source=FakeIdle(), power=lambda: None)
+            agent = AgentService(tmp_path / "agent", _settings(), idle_source=FakeIdle(1e6), power=lambda: None)
             await agent.async_start()
             try:
                 assert agent.status().state == "not-joined" and agent.control_port is None
@@ -127,7 +127,7 @@ def test_control_api_refuses_strangers_and_non_consoles_and_bad_requests(tmp_pat
 
     async def main():
         async with console(tmp_path, {"tiny-2": export}) as con:
-            agent = AgentService(tmp_path / "agent", _settings(), idle_source=FakeIdle(), power=lambda: None)
+            agent = AgentService(tmp_path / "agent", _settings(), idle_source=FakeIdle(1e6), power=lambda: None)
             await agent.async_start()
             try:
                 await agent.async_join(con.enrollment, con.token())
@@ -184,7 +184,7 @@ def test_corrupt_shards_are_refused_and_interrupted_fetches_resume(tmp_path, tin
 
     async def main():
         async with console(tmp_path, {"good": good, "bad": bad}) as con:
-            agent = AgentService(tmp_path / "agent", _settings(), idle_source=FakeIdle(), power=lambda: None)
+            agent = AgentService(tmp_path / "agent", _settings(), idle_source=FakeIdle(1e6), power=lambda: None)
             await agent.async_start()
             try:
                 await agent.async_join(con.enrollment, con.token())
@@ -227,7 +227,7 @@ def test_corrupt_shards_are_refused_and_interrupted_fetches_resume(tmp_path, tin
 
 def test_idle_input_pauses_within_2s_resumes_after_and_crashes_restart(tmp_path, tiny_export):
     export = tiny_export("llama", 2)
-    idle = FakeIdle()
+    idle = FakeIdle(1e6)
 
     async def main():
         async with console(tmp_path, {"tiny-2": export}) as con:
@@ -245,7 +245,7 @@ def test_idle_input_pauses_within_2s_resumes_after_and_crashes_restart(tmp_path,
                 pid = agent.worker_pid
                 proc = psutil.Process(pid)
 
-                idle.idle_s = 0.0  # someone touches the keyboard
+                idle.seconds = 0.0  # someone touches the keyboard
                 touched = time.monotonic()
                 await asyncio.to_thread(proc.wait, 2.0)  # the worker is gone: its cores are free again
                 released = time.monotonic() - touched
@@ -254,7 +254,7 @@ def test_idle_input_pauses_within_2s_resumes_after_and_crashes_restart(tmp_path,
                 await asyncio.sleep(0.3)
                 assert [e.event for e in con.hub.events][-1:] == ["paused"]
 
-                idle.idle_s = 5.0  # idle longer than resume_after_idle_s (1 s)
+                idle.seconds = 5.0  # idle longer than resume_after_idle_s (1 s)
                 await agent.async_wait_worker_ready(60)
                 status = await client.async_wait_for(lambda s: s.state == "serving", 10)
                 assert agent.worker_pid != pid
