@@ -102,11 +102,20 @@ def _check_ipv4(name: str, value: object) -> str:
     return str(address)
 
 
+def instance_name(label: str, unique: str) -> str:
+    """A valid instance name ``<label>-<unique>`` from any PC name: dots and control characters
+    become ``-`` (a dot would split the DNS label) and the label is cut, on a character
+    boundary, so the whole name fits one 63-byte DNS label. ``unique`` keeps names distinct
+    when several agents run on one host; it must itself be short and valid."""
+    clean = "".join(c if c.isprintable() and c != "." else "-" for c in label).strip("- ")
+    budget = MAX_INSTANCE_BYTES - 1 - len(unique.encode())
+    clean = clean.encode()[:max(budget, 0)].decode("utf-8", "ignore").rstrip("- ")
+    return _check_instance(f"{clean or 'agent'}-{unique}")
+
+
 def new_instance_name(host: str | None = None) -> str:
-    """A fresh service instance name, ``<host>-<8 hex>``: readable in the console, and unique
-    even when several agents run on one host (tests, or one agent per network interface)."""
-    base = re.sub(r"[^A-Za-z0-9-]+", "-", host or socket.gethostname()).strip("-")[:40]
-    return f"{base or 'agent'}-{secrets.token_hex(4)}"
+    """A fresh instance name, ``<host>-<8 hex>``: readable in the console, unique per agent."""
+    return instance_name(host or socket.gethostname(), secrets.token_hex(4))
 
 
 @dataclass(frozen=True)

@@ -29,12 +29,13 @@ from engine.advertisement import (
     TXT_KEYS,
     Advertisement,
     AgentState,
+    instance_name,
     new_instance_name,
 )
 from engine.errors import DiscoveryError
 
 __all__ = ["MAX_TXT_BYTES", "RECORD_TTL_S", "SERVICE_TYPE", "TXT_KEYS", "Advertisement", "Advertiser",
-           "AgentState", "Browser", "Peer", "new_instance_name"]
+           "AgentState", "Browser", "Peer", "instance_name", "new_instance_name"]
 
 log = logging.getLogger(__name__)
 _SUFFIX = "." + SERVICE_TYPE

@@ -26,6 +26,7 @@ from engine.discovery import (
     Advertiser,
     AgentState,
     Browser,
+    instance_name,
     new_instance_name,
 )
 from engine.errors import DiscoveryError
@@ -112,6 +113,22 @@ def test_unknown_keys_from_a_newer_agent_are_ignored():
     ad = make_ad()
     assert Advertisement.from_service_info(info_for(ad, properties={**ad.to_properties(),
                                                                    "gpu": "arc"})) == ad
+
+
+@pytest.mark.parametrize(("label", "expected"), [
+    ("pc42.corp.example.com", "pc42-corp-example-com-abcd1234"),   # a dot would split the label
+    ("Ana's PC\t(2)", "Ana's PC-(2)-abcd1234"),
+    ("...", "agent-abcd1234"),
+])
+def test_instance_name_from_any_pc_name(label, expected):
+    assert instance_name(label, "abcd1234") == expected
+
+
+@given(label=st.text(max_size=100))
+def test_instance_name_always_fits_one_dns_label(label):
+    name = instance_name(label, "abcd1234")
+    assert len(name.encode()) <= 63 and name.endswith("-abcd1234")
+    assert make_ad(instance=name).instance == name
 
 
 def test_interface_must_be_one_explicit_ipv4_address():
