@@ -10,6 +10,14 @@ An export directory looks like::
 
 ``manifest.json`` records every file with its size and sha256. Nothing is compiled until the
 files a stage needs have been verified against it.
+
+Two targets share the format. ``stateful`` shards (CPU/GPU) are one dynamic-shape graph per
+stage that keeps its KV cache in device state. ``npu`` shards are static and stateless: each
+stage has one or more fixed-shape graphs (``decode``, ``prefill``, ``packed``) whose KV travels
+through explicit inputs/outputs from a host ring of ``static.context - rows`` positions.
+Format version 2 added the target; a stateful export is still written as version 1, so
+older Deskfleet builds keep reading it, while an NPU export is version 2, which they refuse
+rather than misread as a stateful shard.
 """
 
 from __future__ import annotations
@@ -22,7 +30,11 @@ from typing import Any
 
 from engine.errors import ManifestError, ShardIntegrityError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest format this build reads and writes
+SUPPORTED_VERSIONS = (1, 2)
+TARGETS = ("stateful", "npu")
+GRAPH_KINDS = ("decode", "prefill", "packed")
+MASK_KINDS = ("2d", "4d")
 MANIFEST_NAME = "manifest.json"
 _HASH_CHUNK = 1 << 20
 
@@ -71,6 +83,51 @@ class WeightInfo:
 
 
 @dataclass(frozen=True)
+class GraphEntry:
+    """One static graph of an NPU stage.
+
+    ``rows`` is its sequence length S (1 for decode, the chunk C for prefill, the slot count for
+    packed). ``mask`` "2d" takes ``attention_mask`` int64 [1, W + S] shared by all rows (causal
+    among the S new positions is built in); "4d" takes ``attention_bias`` float32
+    [1, 1, S, W + S], one additive row per query row, written by the host.
+    """
+
+    name: str
+    xml: str
+    rows: int
+    mask: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self.inputs)
+
+
+@dataclass(frozen=True)
+class StaticInfo:
+    """What an NPU export fixed at export time.
+
+    ``context`` T is the attention length of the decode (or packed) graph: the host ring holds
+    ``window`` = T - rows past positions per stage, shared byte for byte by the prefill graph.
+    ``slots`` > 1 means the packed graph, whose window is split into ``slots`` equal regions.
+    """
+
+    context: int
+    slots: int = 1
+    prefill_chunk: int | None = None
+
+    @property
+    def rows(self) -> int:
+        """Query rows of the main graph: the slot count (1 when unpacked)."""
+        return self.slots
+
+    @property
+    def window(self) -> int:
+        return self.context - self.rows
+
+
+@dataclass(frozen=True)
 class StageManifest:
     index: int
     first_layer: int
@@ -85,6 +142,7 @@ class StageManifest:
     beam_idx: bool
     kv_cache_precision: str
     estimated_memory_bytes: int
+    graphs: tuple[GraphEntry, ...] = ()  # NPU target only; ``xml`` then names the main graph
 
     @property
     def num_layers(self) -> int:
@@ -93,6 +151,15 @@ class StageManifest:
     @property
     def input_names(self) -> tuple[str, ...]:
         return tuple(t.name for t in self.inputs)
+
+    def graph(self, name: str) -> GraphEntry:
+        """The static graph called ``name``; a clear error when this stage has none."""
+        for g in self.graphs:
+            if g.name == name:
+                return g
+        have = ", ".join(g.name for g in self.graphs) or "none (a stateful shard)"
+        raise ManifestError(f"stage {self.index} has no {name!r} graph (it has {have}); "
+                            "re-export with the options that produce it")
 
 
 @dataclass(frozen=True)
@@ -105,6 +172,8 @@ class Manifest:
     exporter: str
     created: str
     extra: dict[str, Any] = field(default_factory=dict)
+    target: str = "stateful"
+    static: StaticInfo | None = None  # set exactly when target == "npu"
 
     @property
     def splits(self) -> tuple[int, ...]:
@@ -113,6 +182,11 @@ class Manifest:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=False) + "\n"
+
+
+def format_version_for(target: str) -> int:
+    """The oldest format that can describe an export for ``target`` (see the module docstring)."""
+    return 1 if target == "stateful" else FORMAT_VERSION
 
 
 def sha256_file(path: Path) -> str:
@@ -150,14 +224,20 @@ def _tensors(raw: list[dict[str, Any]]) -> tuple[TensorSpec, ...]:
     )
 
 
+def _graph(raw: dict[str, Any]) -> GraphEntry:
+    return GraphEntry(name=str(raw["name"]), xml=str(raw["xml"]), rows=int(raw["rows"]),
+                      mask=str(raw["mask"]), inputs=_tensors(raw["inputs"]), outputs=_tensors(raw["outputs"]))
+
+
 def parse_manifest(data: dict[str, Any]) -> Manifest:
     """Build a :class:`Manifest` from decoded JSON, with a clear error for anything malformed."""
     try:
         version = int(data["format_version"])
-        if version != FORMAT_VERSION:
+        if version not in SUPPORTED_VERSIONS:
             raise ManifestError(
                 f"shard format version {version} is not supported by this Deskfleet "
-                f"(it reads version {FORMAT_VERSION}); re-export the model with this version"
+                f"(it reads versions {', '.join(map(str, SUPPORTED_VERSIONS))}); "
+                "re-export the model with this version"
             )
         m = data["model"]
         model = ModelInfo(
@@ -195,8 +275,16 @@ def parse_manifest(data: dict[str, Any]) -> Manifest:
                 beam_idx=bool(s["beam_idx"]),
                 kv_cache_precision=str(s["kv_cache_precision"]),
                 estimated_memory_bytes=int(s["estimated_memory_bytes"]),
+                graphs=tuple(_graph(g) for g in s.get("graphs", ())),
             )
             for s in data["stages"]
+        )
+        target = str(data.get("target", "stateful")) if version >= 2 else "stateful"
+        raw_static = data.get("static") if version >= 2 else None
+        static = None if raw_static is None else StaticInfo(
+            context=int(raw_static["context"]),
+            slots=int(raw_static.get("slots", 1)),
+            prefill_chunk=None if raw_static.get("prefill_chunk") is None else int(raw_static["prefill_chunk"]),
         )
         manifest = Manifest(
             format_version=version,
@@ -207,6 +295,8 @@ def parse_manifest(data: dict[str, Any]) -> Manifest:
             exporter=str(data.get("exporter", "")),
             created=str(data.get("created", "")),
             extra=dict(data.get("extra", {})),
+            target=target,
+            static=static,
         )
     except ManifestError:
         raise
@@ -229,6 +319,36 @@ def _check_consistency(manifest: Manifest) -> None:
         raise ManifestError("manifest stages do not cover every layer of the model; re-export the model")
     if not stages[0].has_embedding or not stages[-1].has_head:
         raise ManifestError("manifest: the first stage must hold the embedding and the last the head")
+    _check_target(manifest)
+
+
+def _check_target(manifest: Manifest) -> None:
+    """An NPU export must say what it fixed and list consistent static graphs on every stage."""
+    if manifest.target not in TARGETS:
+        raise ManifestError(f"manifest target {manifest.target!r} is unknown to this Deskfleet "
+                            f"(it knows {', '.join(TARGETS)}); upgrade Deskfleet or re-export")
+    static = manifest.static
+    if manifest.target == "stateful":
+        if static is not None or any(s.graphs for s in manifest.stages):
+            raise ManifestError("manifest: a stateful export lists static graphs; re-export the model")
+        return
+    if static is None:
+        raise ManifestError("manifest: an NPU export must record its static context; re-export the model")
+    if not (static.slots >= 1 and static.context > static.slots
+            and (static.prefill_chunk is None or 1 < static.prefill_chunk < static.context)):
+        raise ManifestError(f"manifest: inconsistent static settings {static}; re-export the model")
+    wanted = {"packed"} if static.slots > 1 else {"decode"} | ({"prefill"} if static.prefill_chunk else set())
+    for stage in manifest.stages:
+        names = [g.name for g in stage.graphs]
+        if sorted(names) != sorted(wanted):
+            raise ManifestError(f"manifest stage {stage.index} lists graphs {names}, expected "
+                                f"{sorted(wanted)}; re-export the model")
+        for g in stage.graphs:
+            rows = {"decode": 1, "prefill": static.prefill_chunk, "packed": static.slots}[g.name]
+            mask = "4d" if g.name == "packed" else "2d"
+            if g.rows != rows or g.mask != mask:
+                raise ManifestError(f"manifest stage {stage.index} graph {g.name!r} has {g.rows} rows "
+                                    f"and a {g.mask} mask, expected {rows} and {mask}; re-export")
 
 
 def load_manifest(export_dir: Path | str) -> Manifest:

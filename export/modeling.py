@@ -15,6 +15,11 @@ cache positions (rejected speculative tokens) are invisible. Shapes::
     last stage       logits_last     []              int64   trailing positions to compute logits for
                                                              (0 = all): prefill needs 1, verify K + 1
     outputs          hidden_states_out [B, S, H] or logits [B, n, V], present_key_{i}, ...
+
+With ``stateless=True`` (the static NPU path) there is no ``logits_last`` input (its output
+length would be dynamic: the last stage returns logits for all S rows) and the K/V outputs are
+only the S new positions, ``new_key_{i}`` [B, KV, S, D]: the host keeps the window in its own
+ring and copying the whole window back out every step would be pure waste.
 """
 
 from __future__ import annotations
@@ -111,7 +116,7 @@ class DecoderLayer(nn.Module):
         self.num_kv_heads = int(config.num_key_value_heads)
         self.head_dim = head_dim(config)
 
-    def forward(self, h, mask, cos, sin, past_k, past_v):
+    def forward(self, h, mask, cos, sin, past_k, past_v, new_only: bool = False):
         b, s, _ = h.shape
         x = self.input_layernorm(h)
         q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)  # [B, N, S, D]
@@ -120,6 +125,7 @@ class DecoderLayer(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # The ReadValue -> Gather(beam_idx) -> Concat -> SDPA chain is what the CPU/GPU plugins
         # fuse into one stateful attention op; keep the concat right next to the state.
+        k_new, v_new = k, v  # [B, KV, S, D]
         k = torch.cat((past_k, k), dim=2)  # [B, KV, P + S, D]
         v = torch.cat((past_v, v), dim=2)
         groups = self.num_heads // self.num_kv_heads
@@ -132,7 +138,7 @@ class DecoderLayer(nn.Module):
         h = h + self.o_proj(attn)
         x = self.post_attention_layernorm(h)
         h = h + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return h, k, v
+        return (h, k_new, v_new) if new_only else (h, k, v)
 
 
 def attention_bias(attention_mask: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -148,9 +154,11 @@ def attention_bias(attention_mask: torch.Tensor, seq_len: int) -> torch.Tensor:
 class StageModel(nn.Module):
     """Embedding (stage 0) + decoder layers + final norm and head (last stage)."""
 
-    def __init__(self, config: Any, spec: ArchSpec, stage: StageSpec, tensors: dict[str, torch.Tensor]):
+    def __init__(self, config: Any, spec: ArchSpec, stage: StageSpec, tensors: dict[str, torch.Tensor],
+                 stateless: bool = False):
         super().__init__()
         self.stage = stage
+        self.stateless = stateless
         self.embed = nn.Parameter(tensors[spec.embed], requires_grad=False) if stage.has_embedding else None
         self.layers = nn.ModuleList(DecoderLayer(config, spec, tensors, i) for i in stage.layers)
         if stage.has_head:
@@ -166,7 +174,7 @@ class StageModel(nn.Module):
         self.rope_scaling = scaling
 
     def forward(self, x, attention_mask, position_ids, *rest):
-        if self.stage.has_head:
+        if self.stage.has_head and not self.stateless:
             logits_last, past = rest[0], rest[1:]
         else:
             logits_last, past = None, rest
@@ -178,9 +186,11 @@ class StageModel(nn.Module):
         mask = attention_bias(attention_mask, seq_len)
         presents = []
         for j, layer in enumerate(self.layers):
-            h, k, v = layer(h, mask, cos, sin, past[2 * j], past[2 * j + 1])
+            h, k, v = layer(h, mask, cos, sin, past[2 * j], past[2 * j + 1], self.stateless)
             presents += [k, v]
-        if self.stage.has_head:
+        if self.stage.has_head and self.stateless:
+            h = self.lm_head(self.norm(h))  # [B, S, V]: every row may be a slot's next token
+        elif self.stage.has_head:
             # Only the positions whose logits are wanted go through the head: a prompt of S tokens
             # would otherwise cost S x vocabulary multiply-adds for one useful row.
             n = torch.where(logits_last > 0, logits_last, seq_len)
