@@ -211,13 +211,21 @@ def parse_logind_idle(output: bytes, now_us: int) -> float | None:
 class LogindIdle:
     """systemd-logind's idle hint for this session (``$XDG_SESSION_ID``, else the caller's)."""
 
+    RETRY_S = 30.0  # without a logind session, ask again this rarely: each ask is a subprocess
+
     def __init__(self, session: str | None = None) -> None:
         self.session = session
+        self._quiet_until = 0.0
 
     def seconds_since_input(self) -> float | None:
+        if time.monotonic() < self._quiet_until:
+            return None
         session = self.session or os.environ.get("XDG_SESSION_ID") or "self"
         out = _run(["loginctl", "show-session", session, "-p", "IdleHint", "-p", "IdleSinceHint"])
-        return None if out is None else parse_logind_idle(out, time.time_ns() // 1000)
+        seconds = None if out is None else parse_logind_idle(out, time.time_ns() // 1000)
+        if seconds is None:
+            self._quiet_until = time.monotonic() + self.RETRY_S
+        return seconds
 
 
 def _linux_sources(env: Mapping[str, str]) -> list[IdleSource]:

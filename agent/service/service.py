@@ -14,6 +14,8 @@ import contextlib
 import datetime as dt
 import json
 import logging
+import shutil
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -30,14 +32,15 @@ from agent.service.store import ShardStore, async_fetch
 from agent.service.supervisor import WorkerLaunch, WorkerSupervisor, worker_args
 from engine import __version__
 from engine.control import AgentStatus, Assignment, ControlRequestError, FetchProgress, WorkerStatus
-from engine.discovery import Advertisement, Advertiser
+from engine.discovery import Advertisement, Advertiser, instance_name
 from engine.errors import DeskfleetError
 from engine.keystore import KeyStore
 from engine.trust import Credentials
 
 log = logging.getLogger(__name__)
 
-MONITOR_INTERVAL_S = 0.25
+MONITOR_INTERVAL_S = 0.25  # while a worker runs: a keystroke must free its cores within 2 s
+IDLE_MONITOR_INTERVAL_S = 1.0  # while nothing is served, a slower poll keeps the agent's own cost down
 REGISTER_INTERVAL_S = 30.0
 WORKER_READY_TIMEOUT_S = 120.0
 DRAIN_TIMEOUT_S = 30.0
@@ -100,7 +103,7 @@ class AgentService:
 
     async def async_start(self) -> None:
         self._creds = self.keystore.load()
-        self._inventory = await asyncio.to_thread(self._collect_inventory)
+        self._inventory = await self._async_collect_inventory()
         if self._creds is not None:
             await self._async_open_control()
         self._advertiser = Advertiser(self.interface)
@@ -256,7 +259,7 @@ class AgentService:
         return AgentStatus(
             node_id=creds.node_id if creds else "", fleet_id=creds.fleet_id if creds else "",
             name=self.settings.name, version=__version__, state=self.state(),
-            paused_reasons=self._pause.reasons, inventory=self._inventory,
+            paused_reasons=self._pause.reasons, inventory=self._fresh_inventory(),
             export_id=assignment.export_id if assignment else None, stage=assignment.stage if assignment else None,
             fetch=self._fetch, worker=worker if not fetch_error else replace(worker, last_error=fetch_error),
             api_url=self._state.api_url)
@@ -271,7 +274,7 @@ class AgentService:
         creds = self._creds
         devices = tuple(d["name"] for d in self._inventory.get("devices", ()))
         return Advertisement(
-            instance=f"{self.settings.name}-{self.settings.instance}", node_id=creds.node_id if creds else "",
+            instance=instance_name(self.settings.name, self.settings.instance), node_id=creds.node_id if creds else "",
             fleet_id=creds.fleet_id if creds else "", version=__version__, devices=devices,
             memory_bytes=int(self._inventory.get("ram_total", 0)), state=self.state(),
             control_port=self._control_port or 0,
@@ -279,13 +282,33 @@ class AgentService:
 
     # ---- internals ---------------------------------------------------------------------------
 
-    def _collect_inventory(self) -> dict:
+    async def _async_collect_inventory(self) -> dict:
+        """The PC's inventory, collected in a short-lived subprocess: OpenVINO costs ~50 MB of RSS
+        that an idle agent should not carry (only the worker needs it)."""
         if self._inventory_fn is not None:
             return self._inventory_fn()
-        from engine.inventory import collect_inventory
-
         self.store.root.mkdir(parents=True, exist_ok=True)
-        return collect_inventory(self.store.root).to_dict()
+        code = ("import json, sys; from pathlib import Path; from engine.inventory import collect_inventory; "
+                "print(json.dumps(collect_inventory(Path(sys.argv[1])).to_dict()))")
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-c", code, str(self.store.root),
+                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(proc.communicate(), 120)
+        if proc.returncode != 0:
+            log.warning("inventory failed (%s); reporting the CPU only", err.decode(errors="replace")[-300:])
+            return {"devices": [{"name": "CPU", "kind": "CPU", "full_name": "", "memory_bytes": None}]}
+        return json.loads(out)
+
+    def _fresh_inventory(self) -> dict:
+        """The inventory with the facts that change (free memory, power, disk) read now."""
+        inventory = dict(self._inventory)
+        with contextlib.suppress(Exception):
+            inventory["ram_available"] = psutil.virtual_memory().available
+            battery = psutil.sensors_battery()
+            inventory["battery_percent"] = None if battery is None else battery.percent
+            inventory["on_ac"] = None if battery is None else bool(battery.power_plugged)
+            if self.store.root.is_dir():
+                inventory["disk_free"] = shutil.disk_usage(self.store.root).free
+        return inventory
 
     def _require_assignment(self) -> Assignment:
         assignment = self.assignment
@@ -371,7 +394,8 @@ class AgentService:
 
     async def _async_monitor(self) -> None:
         while True:
-            await asyncio.sleep(MONITOR_INTERVAL_S)
+            busy = self._supervisor.running
+            await asyncio.sleep(MONITOR_INTERVAL_S if busy else IDLE_MONITOR_INTERVAL_S)
             try:
                 decision = self._decide()
                 if decision != self._pause:
