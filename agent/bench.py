@@ -217,6 +217,7 @@ def render(result: dict[str, Any], json_path: Path) -> str:
 def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="deskfleet-bench-agent-") as tmp:
         work = Path(tmp)
+        os.environ["DESKFLEET_KEYRING_DIR"] = str(work / "keyring")  # never the real keyring
         footprint = asyncio.run(_async_footprint(args.seconds, args.settle, work / "footprint"))
         pause = asyncio.run(_async_pause_rounds(args.rounds, work / "pause"))
     result = {"benchmark": "agent", "command": COMMAND_LINE, "machine": machine_info(), "footprint": footprint,

@@ -127,9 +127,12 @@ class AgentService:
             self._fetch_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._fetch_task
+        advertiser, self._advertiser = self._advertiser, None  # no re-announcements from here on
+        for task in list(self._background):
+            task.cancel()
         await self._supervisor.async_stop()
-        if self._advertiser is not None:
-            await self._advertiser.async_close()
+        if advertiser is not None:
+            await advertiser.async_close()
         await self._async_close_control()
 
     def subscribe(self, listener: Callable[[AgentStatus], None]) -> None:

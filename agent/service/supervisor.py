@@ -110,6 +110,7 @@ class WorkerSupervisor:
     async def async_stop(self) -> None:
         """SIGTERM (drain the frame in hand), then SIGKILL after ``stop_timeout_s``; no restart."""
         task, self._task = self._task, None
+        self._ready.clear()
         if task is None:
             return
         task.cancel()
