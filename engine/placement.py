@@ -56,6 +56,12 @@ class DeviceProfile:
     ``layer_ms`` is t[d], decode time of one layer for one token; ``overhead_ms`` is o[d], the
     fixed cost of running a stage (dispatch, activation copies); ``memory_bytes`` is the memory
     the device can address now, of which the solver uses ``PlacementRequest.headroom``.
+
+    ``model`` is the model as this device would run it, when that differs from the request's
+    profile: an NPU runs static, stateless shards whose host KV ring is allocated for the whole
+    fixed context (and whose graphs differ), a CPU may hold another weight format. Its layer
+    bytes and embedding/head costs then replace the shared ones for this device only. For a
+    packed NPU stage, calibrate ``layer_ms`` per token at the slot count it will serve.
     """
 
     device_id: str  # "pc-a/GPU"
@@ -64,6 +70,7 @@ class DeviceProfile:
     layer_ms: float
     overhead_ms: float
     memory_bytes: int
+    model: ModelProfile | None = None
 
 
 @dataclass(frozen=True)
@@ -265,10 +272,14 @@ def _prepare(request: PlacementRequest, model: ModelProfile, pcs: Sequence[PcInf
              devices: Sequence[DeviceProfile], links: Links,
              ) -> tuple[Fleet, tuple[Exclusion, ...]]:
     """The numeric fleet for the MILP, and the agents left out of it."""
-    if model.n_layers == 0 or min(model.layer_bytes) < 0 or min(model.embed_bytes,
-                                                                 model.head_bytes) < 0:
-        raise PlacementInputError("the model profile needs at least one layer and no negative "
-                                  "sizes; re-run the model's memory profiling")
+    for m in (model, *(d.model for d in devices if d.model is not None)):
+        if m.n_layers == 0 or min(m.layer_bytes) < 0 or min(m.embed_bytes, m.head_bytes) < 0:
+            raise PlacementInputError("the model profile needs at least one layer and no negative "
+                                      "sizes; re-run the model's memory profiling")
+    for d in devices:
+        if d.model is not None and d.model.n_layers != model.n_layers:
+            raise PlacementInputError(f"device {d.device_id} profiles the model with {d.model.n_layers} "
+                                      f"layers, not {model.n_layers}; recalibrate it for this model")
     pc_by_id = {pc.pc_id: pc for pc in pcs}
     if len(pc_by_id) != len(pcs):
         raise PlacementInputError("two agents report the same pc_id; remove the stale entry")
@@ -297,12 +308,7 @@ def _prepare(request: PlacementRequest, model: ModelProfile, pcs: Sequence[PcInf
     chosen = tuple(sorted((d for d in devices if d.pc_id in index),
                           key=lambda d: (index[d.pc_id], d.layer_ms, d.overhead_ms,
                                          d.memory_bytes, d.device_id)))
-    mem = np.array(model.layer_bytes, dtype=np.int64)
-    extra = np.zeros(model.n_layers)
-    mem[0] += model.embed_bytes
-    mem[-1] += model.head_bytes
-    extra[0] += model.embed_ms
-    extra[-1] += model.head_ms
+    mem_pre, ms_pre = np.array([_prefix_sums(d.model or model) for d in chosen]).transpose(1, 0, 2)
     lat = np.array([[links.between(p, q) for q in pc_ids] for p in pc_ids])
     coord = np.array([links.coordinator(p) for p in pc_ids])
     if lat.min() < 0 or coord.min() < 0:
@@ -314,9 +320,19 @@ def _prepare(request: PlacementRequest, model: ModelProfile, pcs: Sequence[PcInf
         dev_pc=np.array([index[d.pc_id] for d in chosen]),
         dev_cap=np.array([request.headroom * d.memory_bytes for d in chosen]),
         pc_cap=np.array([request.headroom * pc_by_id[p].memory_bytes for p in pc_ids]),
-        lat=lat, coord=coord, mem_pre=np.concatenate(([0], np.cumsum(mem))),
-        ms_pre=np.concatenate(([0.0], np.cumsum(extra))))
+        lat=lat, coord=coord, mem_pre=mem_pre, ms_pre=ms_pre)
     return fleet, tuple(excluded)
+
+
+def _prefix_sums(model: ModelProfile) -> tuple[np.ndarray, np.ndarray]:
+    """(L+1,) prefix sums of bytes and of extra ms per layer, embedding on layer 0, head on the last."""
+    mem = np.array(model.layer_bytes, dtype=np.float64)
+    extra = np.zeros(model.n_layers)
+    mem[0] += model.embed_bytes
+    mem[-1] += model.head_bytes
+    extra[0] += model.embed_ms
+    extra[-1] += model.head_ms
+    return np.concatenate(([0.0], np.cumsum(mem))), np.concatenate(([0.0], np.cumsum(extra)))
 
 
 def _no_agent_message(excluded: Sequence[Exclusion]) -> str:
@@ -333,7 +349,7 @@ def _plan(f: Fleet, request: PlacementRequest, timing: Timing,
     """The `Plan` for a timed chain of stages: who holds what, and the predictions."""
     planned = tuple(
         PlannedStage(f.device_ids[d], f.pc_ids[f.dev_pc[d]], first, last, compute_ms,
-                     int(f.mem_pre[last + 1] - f.mem_pre[first]))
+                     int(f.stage_bytes(d, first, last)))
         for (d, first, last), compute_ms in zip(timing.stages, timing.compute_ms, strict=True))
     return Plan(stages=planned, hop_ms=timing.hop_ms, per_token_ms=timing.per_token_ms,
                 tok_s=1000.0 / timing.per_token_ms, bottleneck_ms=timing.bottleneck_ms,
@@ -347,7 +363,7 @@ def _plan(f: Fleet, request: PlacementRequest, timing: Timing,
 def _explain_infeasible(f: Fleet, excluded: tuple[Exclusion, ...], req: PlacementRequest,
                         deadline: float) -> PlacementInfeasible:
     """Re-solve with memory slack per PC; the least total slack is the shortfall to report."""
-    need = int(f.mem_pre[-1])
+    need = int(f.mem_pre[:, -1].min())  # the model in its smallest form
     offer = float(sum(min(f.pc_cap[p], f.dev_cap[f.dev_pc == p].sum())
                       for p in range(len(f.pc_ids))))
     m = build_milp(f, req.max_stages, slack=True)
@@ -376,7 +392,7 @@ def _shortfall(f: Fleet, stages: Sequence[Stage]) -> float:
     need = np.zeros(len(f.pc_ids))
     used = np.zeros(len(f.pc_ids))
     for d, first, last in stages:
-        p, m = f.dev_pc[d], float(f.mem_pre[last + 1] - f.mem_pre[first])
+        p, m = f.dev_pc[d], float(f.stage_bytes(d, first, last))
         used[p] += m
         need[p] = max(need[p], m - f.dev_cap[d])
     return float(np.maximum(np.maximum(need, used - f.pc_cap), 0.0).sum())

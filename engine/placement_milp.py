@@ -78,19 +78,25 @@ class Fleet:
     pc_cap: np.ndarray  # (P,) usable bytes
     lat: np.ndarray  # (P, P) one-way ms
     coord: np.ndarray  # (P,) coordinator <-> PC, each way
-    mem_pre: np.ndarray  # (L+1,) prefix sums of bytes per layer, embedding/head folded in
-    ms_pre: np.ndarray  # (L+1,) prefix sums of embedding/head ms per layer
+    # Per device, because a device may run the model in its own form (an NPU's static shards
+    # hold a fixed-context KV window and other graphs than a GPU's stateful ones).
+    mem_pre: np.ndarray  # (D, L+1) prefix sums of bytes per layer, embedding/head folded in
+    ms_pre: np.ndarray  # (D, L+1) prefix sums of embedding/head ms per layer
 
     @property
     def n_layers(self) -> int:
-        return len(self.mem_pre) - 1
+        return self.mem_pre.shape[1] - 1
+
+    def stage_bytes(self, d, first, last):
+        """Bytes of layers first..last on device d (arrays or scalars)."""
+        return self.mem_pre[d, last + 1] - self.mem_pre[d, first]
 
 
 def stage_ms(f: Fleet, d, first, last):
     """Compute ms of device d on layers first..last; one expression for arrays and scalars so
     the MILP's columns and the reported plan agree to the last bit."""
     t, o = f.layer_ms[d], f.overhead_ms[d]
-    return t * (last - first + 1) + o + (f.ms_pre[last + 1] - f.ms_pre[first])
+    return t * (last - first + 1) + o + (f.ms_pre[d, last + 1] - f.ms_pre[d, first])
 
 
 @dataclass(frozen=True)
@@ -138,9 +144,9 @@ def _columns(f: Fleet, cap_ms: float | None, keep_oversized: bool) -> _Columns:
     coordinator hops stay within the cap."""
     L = f.n_layers
     first, last = np.triu_indices(L)
-    span = f.mem_pre[last + 1] - f.mem_pre[first]
     parts = []
     for d in range(len(f.device_ids)):
+        span = f.stage_bytes(d, first, last)
         ms = stage_ms(f, d, first, last)
         ok = np.ones(len(first), bool)
         if not keep_oversized:
@@ -308,7 +314,8 @@ def _twin_pairs(f: Fleet) -> list[tuple[int, int]]:
     compatible with the per-PC pairs because swapping two PCs maps k-th device to k-th device.
     """
     D, P = len(f.device_ids), len(f.pc_ids)
-    sig = [(f.layer_ms[d], f.overhead_ms[d], f.dev_cap[d]) for d in range(D)]
+    sig = [(f.layer_ms[d], f.overhead_ms[d], f.dev_cap[d], f.mem_pre[d].tobytes(), f.ms_pre[d].tobytes())
+           for d in range(D)]
     pairs = [(d, d + 1) for d in range(D - 1)
              if f.dev_pc[d] == f.dev_pc[d + 1] and sig[d] == sig[d + 1]]
     members = [[d for d in range(D) if f.dev_pc[d] == p] for p in range(P)]
