@@ -83,6 +83,9 @@ class StaticStage:
                                         f"of {root} on {device}: {exc}") from exc
             new_kv = [port.get_any_name() for port in compiled.outputs[1:]]  # new_key_i, new_value_i
             self.graphs[entry.rows] = (entry, compiled.create_infer_request(), new_kv)
+        if not self.graphs:
+            raise ManifestError(f"stage {index} has none of the graphs {list(graphs or [])}; it has "
+                                + ", ".join(g.name for g in self.spec.graphs))
         m = self.manifest.model
         self.ring = KVRing(self.spec_layers, m.num_kv_heads, m.head_dim, self.geometry.window)
         self.slots: tuple[SlotRing, ...] = self.geometry.rings()
