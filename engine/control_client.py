@@ -30,9 +30,11 @@ class ControlClient:
         self._ssl = credentials.client_context()
         self._timeout = aiohttp.ClientTimeout(total=timeout)
 
-    async def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+    async def _call(self, method: str, path: str, body: dict[str, Any] | None = None, *,
+                    timeout: float | None = None) -> dict[str, Any]:
+        session_timeout = self._timeout if timeout is None else aiohttp.ClientTimeout(total=timeout)
         try:
-            async with aiohttp.ClientSession(timeout=self._timeout) as session:
+            async with aiohttp.ClientSession(timeout=session_timeout) as session:
                 async with session.request(method, self.base + path, json=body, ssl=self._ssl) as resp:
                     data = await resp.json(content_type=None)
                     if resp.status >= 400:
@@ -69,6 +71,14 @@ class ControlClient:
 
     async def async_resume(self) -> None:
         await self._call("POST", "/v1/resume", {})
+
+    async def async_measure_link(self, target: str, *, samples: int = 5, nbytes: int = 1 << 20) -> dict[str, float]:
+        """Ask this agent to measure its link to another agent (``target`` = that agent's control HOST:PORT)."""
+        return await self._call("POST", "/v1/link/measure", {"target": target, "samples": samples, "bytes": nbytes})
+
+    async def async_calibrate(self, calibration: dict[str, Any]) -> list[dict[str, Any]]:
+        """Time decode steps of a calibration export's stages on the agent (see engine.calibrate)."""
+        return (await self._call("POST", "/v1/calibrate", calibration, timeout=900))["timings"]
 
     async def async_wait_for(self, predicate: Callable[[AgentStatus], bool], timeout: float,
                              what: str = "the agent to reach the expected state") -> AgentStatus:

@@ -16,6 +16,9 @@ Routes (docs/CONTROL_API.md)::
     POST /v1/worker/stop
     POST /v1/drain           finish the frame in hand, refuse new streams, stop
     POST /v1/pause           {reason?}     POST /v1/resume
+    GET  /v1/link/echo?bytes=N   N bytes (link probes from the console or other agents)
+    POST /v1/link/measure    {target: HOST:PORT} -> this agent's link to another agent
+    POST /v1/calibrate       {export..., stages, device} -> decode-step times per stage
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from engine.control import Assignment, ControlRequestError, decode_body
+from engine.control import Assignment, ControlRequestError, decode_body, parse_hostport
 from engine.errors import DeskfleetError
+from engine.links import MAX_ECHO_BYTES
 from engine.trust import Role, peer_node_id, peer_role
 
 if TYPE_CHECKING:
@@ -121,5 +125,35 @@ def build_app(service: AgentService) -> web.Application:
     async def resume(request, body):
         await service.async_set_remote_pause(False)
         return None
+
+    async def echo(request: web.Request) -> web.StreamResponse:
+        try:
+            _peer(request)
+            n = int(request.query.get("bytes", "1"))
+            if not 0 <= n <= MAX_ECHO_BYTES:
+                raise ControlRequestError(f"bytes must be 0..{MAX_ECHO_BYTES}")
+        except ValueError:
+            return _json_error(ControlRequestError("bytes must be an integer"))
+        except ControlRequestError as exc:
+            return _json_error(exc)
+        return web.Response(body=bytes(n), content_type="application/octet-stream")
+
+    app.router.add_get("/v1/link/echo", echo)
+
+    @route("POST", "/v1/link/measure", console_only=True)
+    async def measure(request, body):
+        target = body.get("target")
+        host, port = parse_hostport(target, "target")
+        samples = body.get("samples", 5)
+        nbytes = body.get("bytes", 1 << 20)
+        if not (isinstance(samples, int) and 1 <= samples <= 50 and isinstance(nbytes, int)
+                and 1 <= nbytes <= MAX_ECHO_BYTES):
+            raise ControlRequestError(f"samples must be 1..50 and bytes 1..{MAX_ECHO_BYTES}")
+        result = await service.async_measure_link(host, port, samples=samples, nbytes=nbytes)
+        return {"rtt_ms": result.rtt_ms, "mbit_s": result.mbit_s}
+
+    @route("POST", "/v1/calibrate", console_only=True)
+    async def calibrate(request, body):
+        return {"timings": await service.async_calibrate(body)}
 
     return app

@@ -230,6 +230,48 @@ class AgentService:
         self._save(replace(self._state, remotely_paused=paused))
         await self._async_apply(self._decide())
 
+    async def async_measure_link(self, host: str, port: int, *, samples: int = 5, nbytes: int = 1 << 20):
+        """This PC's link to another agent's control API (for placement's agent -> agent latencies)."""
+        from engine.links import async_measure_link
+
+        if self._creds is None:
+            raise ControlRequestError("join a fleet first", 409)
+        return await async_measure_link(f"https://{host}:{port}", self._creds.client_context(),
+                                        samples=samples, nbytes=nbytes)
+
+    async def async_calibrate(self, body: dict) -> list[dict]:
+        """Fetch the named stages of a calibration export and time a decode step of each on the
+        requested device, in a subprocess (see :mod:`engine.calibrate`)."""
+        if self._pause.paused:
+            raise ControlRequestError(f"paused ({', '.join(self._pause.reasons)}): not calibrating now", 409)
+        stages = body.get("stages")
+        if not (isinstance(stages, list) and 1 <= len(stages) <= 8
+                and all(isinstance(i, int) and not isinstance(i, bool) for i in stages)):
+            raise ControlRequestError("stages must be a list of 1-8 stage indices")
+        steps = body.get("steps", 16)
+        if not (isinstance(steps, int) and 1 <= steps <= 256):
+            raise ControlRequestError("steps must be 1..256")
+        base = {k: body.get(k) for k in ("export_id", "manifest_json", "manifest_sha256", "source")}
+        parts = [Assignment.from_dict({**base, "stage": i, "listen_port": 0, "next_hop": "127.0.0.1:1",
+                                       "worker": {"device": body.get("device", "CPU")}}) for i in stages]
+        ssl = self._creds.client_context() if self._creds else None
+        for part in parts:
+            await async_fetch(self.store, part, ssl=ssl)
+        device = parts[0].worker.device
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "engine.calibrate", "--shard", str(self.store.directory(parts[0].export_id)),
+            "--stages", ",".join(map(str, stages)), "--device", device, "--steps", str(steps),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(), 600)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+            raise ControlRequestError("calibration took longer than 600 s", 504) from None
+        if proc.returncode != 0:
+            raise ControlRequestError(f"calibration failed on {device}: {err.decode(errors='replace')[-400:]}", 500)
+        return json.loads(out)
+
     # ---- status ------------------------------------------------------------------------------
 
     @property
