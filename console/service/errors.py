@@ -1,0 +1,81 @@
+"""The console services' exception hierarchy. Every message tells the admin what happened and
+what to do; each class says when it is raised."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.errors import DeskfleetError
+
+
+class ConsoleError(DeskfleetError):
+    """Base of every error the console's Qt-free services raise on purpose."""
+
+
+class ConsoleStateError(ConsoleError):
+    """A file in the console's state dir cannot be read, does not parse, or cannot be written; a
+    file that does not parse is left in place, never overwritten."""
+
+
+# -- the model library and export jobs ------------------------------------------------------------
+
+
+class ModelPathError(ConsoleError):
+    """An admin added (or exported from) a path that is not a model: missing, not an HF checkpoint
+    directory, not a GGUF file."""
+
+
+class ExportJobError(ConsoleError):
+    """An export running in the background process failed; the message is the exporter's."""
+
+    def __init__(self, message: str, kind: str = "") -> None:
+        super().__init__(message)
+        self.kind = kind  # the exporter's exception class name, e.g. "ExportError"
+
+
+class ExportCancelledError(ConsoleError):
+    """Waited on an export job that was cancelled: nothing was written."""
+
+
+class ExportTimeoutError(ConsoleError):
+    """An export job did not finish within the time the caller allowed (it keeps running)."""
+
+
+class ExportNotFoundError(ConsoleError):
+    """An export id names no export in the console's library."""
+
+
+# -- distribution and the ring ---------------------------------------------------------------------
+
+
+class DistributionError(ConsoleError):
+    """Base of the errors raised while distributing shards and bringing up the ring."""
+
+
+class LayoutError(DistributionError):
+    """A placement plan or target list cannot be turned into a ring: a stage without an agent,
+    stages missing or doubled, or a stage count that differs from the export's."""
+
+
+@dataclass(frozen=True)
+class AgentFailure:
+    """One agent that could not do its part, and why (the agent's own words where it gave any)."""
+
+    agent: str
+    stage: int
+    message: str
+
+
+class AgentsFailedError(DistributionError):
+    """One or more agents failed to fetch, verify or start their stage. Agents that succeeded keep
+    their verified files: running the distribution again resumes, sending only what is missing."""
+
+    def __init__(self, failures: tuple[AgentFailure, ...]) -> None:
+        self.failures = failures
+        lines = "; ".join(f"{f.agent} (stage {f.stage}): {f.message}" for f in failures)
+        super().__init__(f"{len(failures)} agent(s) failed: {lines}. Fix the cause and run the "
+                         "distribution again; verified shards are not sent twice.")
+
+
+class RingUnhealthyError(DistributionError):
+    """Every worker started, but the ring did not answer a one-token test generation."""
