@@ -27,7 +27,7 @@ from aiohttp import web
 
 from agent.service import pause
 from agent.service.control_api import build_app
-from agent.service.settings import AgentSettings, AgentState, load_state, save_state
+from agent.service.settings import AgentSettings, AgentState, load_state, save_settings, save_state
 from agent.service.store import ShardStore, async_fetch
 from agent.service.supervisor import WorkerLaunch, WorkerSupervisor, worker_args
 from engine import __version__
@@ -271,6 +271,14 @@ class AgentService:
         if proc.returncode != 0:
             raise ControlRequestError(f"calibration failed on {device}: {err.decode(errors='replace')[-400:]}", 500)
         return json.loads(out)
+
+    async def async_update_settings(self, **changes) -> AgentSettings:
+        """Change settings (validated, saved atomically) and re-decide the pause at once."""
+        settings = replace(self.settings, **changes)
+        await asyncio.to_thread(save_settings, self.state_dir, settings)
+        self.settings = settings
+        await self._async_apply(self._decide())
+        return settings
 
     # ---- status ------------------------------------------------------------------------------
 

@@ -14,13 +14,12 @@ import asyncio
 import concurrent.futures
 import logging
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 from PySide6.QtCore import QObject, QTimer, Signal
 
 from agent.service.service import AgentService
-from agent.service.settings import AgentSettings, save_settings
+from agent.service.settings import AgentSettings
 from agent.tray.tray_model import Notice, notices_between
 from console.loop_thread import LoopThread
 from console.qt_async import QtAsync
@@ -161,14 +160,9 @@ class AgentBridge(QObject):
                    "pausing" if paused else "resuming", on_result, on_error)
 
     def update_settings(self, on_result: OnResult = None, on_error: OnError = None, **changes: Any) -> None:
-        """Change and save settings (``settings.json``); the pause policy reads them on its next tick."""
-        self._call(self._async_update_settings(changes), CALL_TIMEOUT_S, "saving the settings", on_result, on_error)
-
-    async def _async_update_settings(self, changes: dict[str, Any]) -> AgentSettings:
-        settings = replace(self.service.settings, **changes)
-        await asyncio.to_thread(save_settings, self.service.state_dir, settings)
-        self.service.settings = settings
-        return settings
+        """Change and save settings (``settings.json``); the pause is re-decided at once."""
+        self._call(self.service.async_update_settings(**changes), CALL_TIMEOUT_S, "saving the settings",
+                   on_result, on_error)
 
     def join(self, console: str, token: str, on_result: Callable[[Credentials], None] | None = None,
              on_error: OnError = None) -> None:
