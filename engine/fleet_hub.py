@@ -46,12 +46,24 @@ class FleetHub:
         self.credentials = credentials
         self._exports: dict[str, tuple[Path, dict[str, FileEntry]]] = {}
         self._on_event = on_event
+        self._listeners: list[Callable[[AgentEvent], None]] = []
         self.events: list[AgentEvent] = []
         self.registrations: dict[str, dict] = {}
         self.bytes_served = 0
         self._runner: web.AppRunner | None = None
         self.host: str | None = None
         self.port: int | None = None
+
+    def subscribe(self, listener: Callable[[AgentEvent], None]) -> Callable[[], None]:
+        """``listener(event)`` on the loop after every registration or event, besides ``on_event``
+        (the console's fleet model listens here); returns a function that unsubscribes it."""
+        self._listeners.append(listener)
+
+        def unsubscribe() -> None:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
+        return unsubscribe
 
     def publish(self, export_id: str, export_dir: Path) -> None:
         manifest = load_manifest(export_dir)
@@ -145,3 +157,8 @@ class FleetHub:
         del self.events[:-1000]
         log.info("agent %s: %s", event.node_id[:16], event.event)
         self._on_event(event)
+        for listener in list(self._listeners):
+            try:
+                listener(event)
+            except Exception:  # a broken listener must not turn the agent's report into a 500
+                log.exception("hub event listener failed")

@@ -79,3 +79,33 @@ class AgentsFailedError(DistributionError):
 
 class RingUnhealthyError(DistributionError):
     """Every worker started, but the ring did not answer a one-token test generation."""
+
+
+# -- the fleet, links and placement inputs ---------------------------------------------------------
+
+
+class UnknownAgentError(ConsoleError):
+    """A node id names no agent the console knows (never seen, or removed)."""
+
+
+class ForeignAgentError(ConsoleError):
+    """An agent cannot be approved or controlled because it has not joined this console's fleet:
+    it belongs to another fleet, or has joined none yet."""
+
+
+class AgentUnreachableError(ConsoleError):
+    """An agent's control API did not answer in time, or refused the TLS handshake (another
+    fleet's agent refuses this console's certificate)."""
+
+
+class AgentRefusedError(ConsoleError):
+    """An agent answered a control request with an error; ``status`` is the HTTP status."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class CalibrationError(ConsoleError):
+    """A model cannot be profiled for placement: too few layers for calibration stages of one
+    and two layers, or its calibration export cannot be built."""

@@ -1,0 +1,57 @@
+"""JSON files in the console's state dir: read with a clear error, replaced atomically.
+
+A write goes to a temporary file in the same directory, is fsynced, and renamed over the old
+file, so a crash never leaves half a file. A file that does not parse raises
+`ConsoleStateError` and is left in place: nothing here ever overwrites what it could not read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from console.service.errors import ConsoleStateError
+
+
+def read_json(path: Path, what: str) -> dict[str, Any] | None:
+    """The JSON object in ``path``, or None when there is no such file. ``what`` names the file's
+    purpose in the error ("the approved-agents list")."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConsoleStateError(f"cannot read {what} in {path}: {exc}; check the file's permissions, "
+                                "or move it aside to start over") from exc
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConsoleStateError(f"{what} in {path} is not valid JSON ({exc}); it was left in place: "
+                                "restore it from a backup or move it aside to start over") from exc
+    if not isinstance(data, dict):
+        raise ConsoleStateError(f"{what} in {path} is not a JSON object; it was left in place: "
+                                "restore it from a backup or move it aside to start over")
+    return data
+
+
+def write_json(path: Path, data: dict[str, Any], what: str) -> None:
+    """Replace ``path`` with ``data`` atomically (temporary file, fsync, rename)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(data, f, indent=2, sort_keys=True)
+                f.write("\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError as exc:
+        raise ConsoleStateError(f"cannot write {what} to {path}: {exc}; check free disk space "
+                                "and the state directory's permissions") from exc
