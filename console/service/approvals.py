@@ -1,0 +1,84 @@
+"""The agents the admin approved for placement, kept in the console's state dir.
+
+One JSON file, replaced atomically on every change. Each entry keeps where the agent was last
+seen, so an approved agent is listed (and polled) after a console restart even on a network
+that drops multicast. A file that does not parse stops the console with `ConsoleStateError`
+and is left in place.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import MappingProxyType
+
+from console.service.errors import ConsoleStateError
+from console.service.state_file import read_json, write_json
+
+APPROVALS_FILE = "approved-agents.json"
+FORMAT = 1
+_WHAT = "the approved-agents list"
+
+
+@dataclass(frozen=True)
+class Approval:
+    node_id: str
+    name: str
+    address: str
+    control_port: int
+    fleet_id: str
+    approved_at: str  # ISO 8601, UTC
+
+
+class ApprovalBook:
+    """Approved agents by node id, persisted in ``state_dir / APPROVALS_FILE``."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.path = Path(state_dir) / APPROVALS_FILE
+        self._approved = self._load()
+
+    def __contains__(self, node_id: object) -> bool:
+        return node_id in self._approved
+
+    @property
+    def approved(self) -> Mapping[str, Approval]:
+        return MappingProxyType(self._approved)
+
+    def add(self, node_id: str, name: str, address: str, control_port: int, fleet_id: str) -> Approval:
+        approval = Approval(node_id, name, address, control_port, fleet_id,
+                            dt.datetime.now(dt.UTC).isoformat(timespec="seconds"))
+        self._save({**self._approved, node_id: approval})
+        return approval
+
+    def discard(self, node_id: str) -> None:
+        if node_id in self._approved:
+            self._save({k: v for k, v in self._approved.items() if k != node_id})
+
+    def _save(self, approved: dict[str, Approval]) -> None:
+        write_json(self.path, {"format": FORMAT, "agents": {k: asdict(v) for k, v in approved.items()}}, _WHAT)
+        self._approved = approved
+
+    def _load(self) -> dict[str, Approval]:
+        data = read_json(self.path, _WHAT)
+        if data is None:
+            return {}
+        agents = data.get("agents")
+        if data.get("format") != FORMAT or not isinstance(agents, dict):
+            raise ConsoleStateError(f"{_WHAT} in {self.path} is not format {FORMAT} with an 'agents' "
+                                    "object; it was left in place: restore it from a backup or move it "
+                                    "aside (the agents must then be approved again)")
+        approved = {}
+        for node_id, entry in agents.items():
+            try:
+                approval = Approval(**entry)
+                if not (isinstance(approval.control_port, int) and approval.node_id == node_id
+                        and all(isinstance(getattr(approval, f), str) for f in
+                                ("node_id", "name", "address", "fleet_id", "approved_at"))):
+                    raise TypeError("a field has the wrong type")
+            except TypeError as exc:
+                raise ConsoleStateError(f"{_WHAT} in {self.path} has a malformed entry for {node_id!r} "
+                                        f"({exc}); it was left in place: fix or remove that entry") from exc
+            approved[node_id] = approval
+        return approved
