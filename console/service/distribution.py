@@ -1,0 +1,327 @@
+"""Distribution: from an export and a ring layout to a running coordinator.
+
+:meth:`Distributor.async_run` publishes the export on the console's hub, sends every agent its
+:class:`~engine.control.Assignment` (listen port, next hop = the next agent's data address, and
+for the last stage the coordinator's return port), starts the fetches and polls the agents'
+status, reporting each agent's bytes as :class:`~console.service.ring_layout.AgentProgress`.
+Once every agent holds verified files it starts the workers, connects the ring (a
+:class:`~engine.ring.RingPath` with stage 0 in this process when the layout says so, mutual TLS
+with the console's fleet certificate) under a :class:`~engine.coordinator.Coordinator`, and checks
+it with a one-token generation.
+
+A failure is data until the end of a phase: every agent gets its chance, then
+:class:`AgentsFailedError` names each agent that failed and why. Running again resumes: agents
+keep the files they verified (the agent's store remembers them), an unchanged assignment keeps a
+running worker running, and the return port stays the same so the assignments do not change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from console.service.errors import (
+    AgentFailure,
+    AgentsFailedError,
+    DistributionError,
+    LayoutError,
+    RingUnhealthyError,
+)
+from console.service.ring_layout import AgentProgress, AgentTarget, RingHealth, RingLayout
+from engine.control import AgentStatus, Assignment, ControlRequestError, WorkerSettings
+from engine.control_client import ControlClient, ControlError
+from engine.coordinator import Coordinator, model_card
+from engine.errors import DeskfleetError
+from engine.fleet_host import FleetHost
+from engine.manifest import MANIFEST_NAME, load_manifest
+from engine.request import GenerationRequest
+from engine.ring import RingPath
+from engine.shard import Stage
+from engine.worker import Address
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DistributionTimeouts:
+    """Seconds each phase may take; ``poll_s`` is how often agents are asked for their status."""
+
+    fetch_s: float = 1800.0
+    start_s: float = 300.0
+    dial_s: float = 60.0
+    health_s: float = 60.0
+    poll_s: float = 0.2
+
+
+class Distributor:
+    """Brings one export up on one ring of agents and keeps its coordinator until closed."""
+
+    def __init__(self, host: FleetHost, export_dir: Path, layout: RingLayout, *, export_id: str | None = None,
+                 console_host: str = "127.0.0.1", worker: WorkerSettings | None = None,
+                 api_url: str | None = None, slots: int = 4,
+                 on_progress: Callable[[AgentProgress], None] | None = None,
+                 timeouts: DistributionTimeouts | None = None) -> None:
+        self.host = host
+        self.export_dir = Path(export_dir)
+        self.manifest = load_manifest(self.export_dir)
+        layout.check(len(self.manifest.stages))
+        self.layout = layout
+        self.export_id = export_id or self.export_dir.name
+        self.console_host = console_host
+        self.worker = worker or WorkerSettings()
+        self.api_url = api_url
+        self.slots = slots
+        self.timeouts = timeouts or DistributionTimeouts()
+        self._on_progress = on_progress or (lambda progress: None)
+        self._manifest_json = (self.export_dir / MANIFEST_NAME).read_text(encoding="utf-8")
+        self._clients = {t: ControlClient(host.credentials, t.host, t.port) for t in layout.targets}
+        self._progress: dict[AgentTarget, AgentProgress] = {}
+        self._stage0: Stage | None = None
+        self._path: RingPath | None = None
+        self._return_port = 0  # fixed by the first listen, so a re-run sends the same assignments
+        self._coordinator: Coordinator | None = None
+        for target in layout.targets:  # refuse here what an agent would refuse with a 400
+            try:
+                Assignment.from_dict(self._assignment(target, 1).to_dict())
+            except ControlRequestError as exc:
+                raise LayoutError(f"cannot assign stage {target.stage} to {target.label}: {exc}") from exc
+
+    # -- what the caller sees ----------------------------------------------------------------------
+
+    @property
+    def coordinator(self) -> Coordinator:
+        """The running coordinator, to put the OpenAI API on (:func:`engine.api.async_run_api`)."""
+        if self._coordinator is None:
+            raise DistributionError("the ring is not up; run the distribution first")
+        return self._coordinator
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        return self.export_dir / "tokenizer"
+
+    def progress(self) -> tuple[AgentProgress, ...]:
+        """The last progress of every agent, in stage order."""
+        return tuple(self._progress[t] for t in self.layout.targets if t in self._progress)
+
+    async def async_run(self) -> RingHealth:
+        """Distribute, start and check the ring; a healthy RingHealth, or AgentsFailedError /
+        RingUnhealthyError. Calling it again after a failure resumes where it stopped."""
+        if self._coordinator is not None:
+            return await self._async_checked()
+        self.host.hub.publish(self.export_id, self.export_dir)
+        path = await self._async_open_path()
+        return_port = path.return_address.port
+        await self._each(lambda t: self._async_fetch(t, self._assignment(t, return_port)))
+        await self._each(self._async_start_worker)
+        await self._async_connect(path)
+        return await self._async_checked()
+
+    async def async_health(self) -> RingHealth:
+        """Every agent's worker state, and a one-token generation through the ring."""
+        statuses = await asyncio.gather(*(self._async_status(t) for t in self.layout.targets))
+        agents = []
+        for target, status in zip(self.layout.targets, statuses, strict=True):
+            if isinstance(status, AgentStatus):
+                phase = "running" if status.worker.state == "running" else "failed"
+                agents.append(self._report(target, phase, status, error=status.worker.last_error
+                                           if phase == "failed" else None))
+            else:
+                agents.append(self._report(target, "failed", error=status))
+        if self._coordinator is None:
+            return RingHealth(tuple(agents), self.layout.local_stage0, None, 0.0, "the ring is not up")
+        started = time.perf_counter()
+        try:
+            token = await asyncio.wait_for(self._async_one_token(), self.timeouts.health_s)
+        except (DeskfleetError, TimeoutError) as exc:
+            return RingHealth(tuple(agents), self.layout.local_stage0, None, 0.0,
+                              f"a one-token test generation failed: {exc or 'timed out'}")
+        return RingHealth(tuple(agents), self.layout.local_stage0, token, 1000 * (time.perf_counter() - started))
+
+    async def async_close(self) -> None:
+        """Close the ring, then stop every agent's worker (an unreachable agent is logged)."""
+        coordinator, self._coordinator = self._coordinator, None
+        path, self._path = self._path, None
+        if coordinator is not None:
+            await coordinator.async_stop()  # closes its path
+        elif path is not None:
+            await path.async_close()
+        await asyncio.gather(*(self._async_stop_worker(t) for t in self.layout.targets))
+
+    async def __aenter__(self) -> Distributor:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.async_close()
+
+    # -- assignments and phases --------------------------------------------------------------------
+
+    def _assignment(self, target: AgentTarget, return_port: int) -> Assignment:
+        targets = self.layout.targets
+        index = targets.index(target)
+        next_hop = targets[index + 1].data_address if index + 1 < len(targets) else \
+            str(Address(self.console_host, return_port))
+        return Assignment.create(self._manifest_json, export_id=self.export_id, stage=target.stage,
+                                 source=self.host.hub.shard_url(self.export_id), listen_port=target.data_port,
+                                 next_hop=next_hop, worker=self.worker, api_url=self.api_url,
+                                 events_url=self.host.hub.events_url)
+
+    async def _each(self, phase: Callable[[AgentTarget], object]) -> None:
+        """Run ``phase`` on every agent at once; AgentsFailedError naming all that failed."""
+        results = await asyncio.gather(*(phase(t) for t in self.layout.targets))
+        failures = tuple(r for r in results if isinstance(r, AgentFailure))
+        if failures:
+            for failure in failures:
+                log.warning("distribution: %s (stage %d): %s", failure.agent, failure.stage, failure.message)
+            raise AgentsFailedError(failures)
+
+    def _fail(self, target: AgentTarget, message: str, status: AgentStatus | None = None) -> AgentFailure:
+        self._report(target, "failed", status, error=message)
+        return AgentFailure(target.label, target.stage, message)
+
+    async def _async_fetch(self, target: AgentTarget, assignment: Assignment) -> AgentFailure | None:
+        client = self._clients[target]
+        try:
+            self._report(target, "assigning")
+            await client.async_assign(assignment)
+            status = await client.async_status()
+            if status.worker.state == "running":  # the same assignment as before: still serving
+                self._report(target, "running", status)
+                return None
+            await client.async_fetch()
+            deadline = time.monotonic() + self.timeouts.fetch_s
+            while True:
+                status = await client.async_status()
+                if status.export_id != self.export_id or status.stage != target.stage:
+                    return self._fail(target, f"it was given another assignment ({status.export_id} stage "
+                                      f"{status.stage}) while fetching; is another console managing it?", status)
+                if status.fetch.error:
+                    return self._fail(target, f"fetching its shard failed: {status.fetch.error}", status)
+                if status.fetch.finished:
+                    self._report(target, "verified", status)
+                    return None
+                self._report(target, "fetching", status)
+                if time.monotonic() > deadline:
+                    return self._fail(target, f"the fetch did not finish within {self.timeouts.fetch_s:.0f} s "
+                                      f"({status.fetch.done_bytes} of {status.fetch.total_bytes} bytes); check "
+                                      "its network to the console and run the distribution again", status)
+                await asyncio.sleep(self.timeouts.poll_s)
+        except ControlError as exc:
+            return self._fail(target, str(exc))
+
+    async def _async_start_worker(self, target: AgentTarget) -> AgentFailure | None:
+        client = self._clients[target]
+        try:
+            status = await client.async_status()
+            if status.worker.state != "running":
+                self._report(target, "starting", status)
+                await client.async_start_worker()
+            deadline = time.monotonic() + self.timeouts.start_s
+            while True:
+                status = await client.async_status()
+                worker = status.worker
+                if worker.state == "running":
+                    self._report(target, "running", status)
+                    return None
+                if worker.state in ("failed", "stopped"):
+                    return self._fail(target, f"its stage worker {worker.state}: {worker.last_error or 'no reason given'}; "
+                                      "see the agent's log", status)
+                if status.state == "paused":
+                    return self._fail(target, f"it is paused ({', '.join(status.paused_reasons)}); its worker "
+                                      "starts when the pause ends. Run the distribution again then, or re-plan "
+                                      "without this PC", status)
+                if time.monotonic() > deadline:
+                    return self._fail(target, f"its stage worker was not running within {self.timeouts.start_s:.0f} s "
+                                      f"(state {worker.state}: {worker.last_error or 'no error yet'})", status)
+                self._report(target, "starting", status)
+                await asyncio.sleep(self.timeouts.poll_s)
+        except ControlError as exc:
+            return self._fail(target, str(exc))
+
+    async def _async_stop_worker(self, target: AgentTarget) -> None:
+        try:
+            await self._clients[target].async_stop_worker()
+        except ControlError as exc:
+            log.warning("could not stop the worker of %s: %s", target.label, exc)
+
+    async def _async_status(self, target: AgentTarget) -> AgentStatus | str:
+        try:
+            return await self._clients[target].async_status()
+        except ControlError as exc:
+            return str(exc)
+
+    # -- the ring ------------------------------------------------------------------------------------
+
+    async def _async_open_path(self) -> RingPath:
+        """The coordinator's path, listening on its return port (the last stage's next hop)."""
+        if self._path is None:
+            if self.layout.local_stage0 and self._stage0 is None:
+                self._stage0 = await asyncio.to_thread(
+                    Stage, self.export_dir, 0, device=self.worker.device, exact=self.worker.exact,
+                    num_threads=self.worker.threads, manifest=self.manifest)
+            first = self.layout.targets[0]
+            creds = self.host.credentials
+            self._path = RingPath(self.manifest.model.fingerprint, len(self.manifest.stages),
+                                  Address(first.host, first.data_port), Address(self.console_host, self._return_port),
+                                  local_stage0=self._stage0, server_ssl=creds.server_context(),
+                                  client_ssl=creds.client_context(), dial_deadline=self.timeouts.dial_s)
+            await self._path.async_listen()
+            self._return_port = self._path.return_address.port
+        return self._path
+
+    async def _async_connect(self, path: RingPath) -> None:
+        coordinator = Coordinator(path, model_card(self.manifest), slots=self.slots)
+        try:
+            await asyncio.wait_for(coordinator.async_start(), self.timeouts.dial_s + 5)
+        except (DeskfleetError, OSError, TimeoutError) as exc:
+            await self._async_drop(coordinator)
+            first = self.layout.targets[0]
+            raise RingUnhealthyError(f"the console could not connect to stage {first.stage} on {first.label} at "
+                                     f"{first.data_address} ({exc!r}); check that nothing blocks the port and "
+                                     "run the distribution again") from exc
+        self._coordinator = coordinator
+
+    async def _async_drop(self, coordinator: Coordinator) -> None:
+        """Forget a broken ring (its path is closed); the next run opens a new one on the same port."""
+        self._coordinator, self._path = None, None
+        with contextlib.suppress(DeskfleetError, OSError):
+            await coordinator.async_stop()
+
+    async def _async_one_token(self) -> int:
+        prompt = (self.manifest.model.bos_token_id or 0,)
+        request = GenerationRequest(prompt, 1, ignore_eos=True)
+        async with contextlib.aclosing(self.coordinator.stream(request)) as events:
+            tokens = [event.token_id async for event in events]
+        if len(tokens) != 1:
+            raise DistributionError(f"the ring answered {len(tokens)} tokens to a one-token request")
+        return tokens[0]
+
+    async def _async_checked(self) -> RingHealth:
+        health = await self.async_health()
+        if not health.ok:
+            if self._coordinator is not None:
+                await self._async_drop(self._coordinator)
+            failing = [f"{a.agent}: {a.phase} ({a.error})" for a in health.agents if a.phase != "running"]
+            raise RingUnhealthyError(f"the ring is not healthy: {health.error or '; '.join(failing)}. "
+                                     "Run the distribution again to rebuild it.")
+        return health
+
+    # -- progress ------------------------------------------------------------------------------------
+
+    def _report(self, target: AgentTarget, phase: str, status: AgentStatus | None = None,
+                error: str | None = None) -> AgentProgress:
+        total = sum(e.size for e in self.manifest.stages[target.stage].files)
+        done = 0
+        if status is not None and status.fetch.total_bytes:
+            done, total = status.fetch.done_bytes, status.fetch.total_bytes
+        if phase in ("verified", "starting", "running"):
+            done = total
+        progress = AgentProgress(target.label, target.stage, phase, done, total, error)
+        if self._progress.get(target) != progress:
+            self._progress[target] = progress
+            self._on_progress(progress)
+        return progress
