@@ -30,6 +30,7 @@ MASK_2D = "attention_mask"
 MASK_4D = "attention_bias"
 _SDPA = "ScaledDotProductAttention"
 _SDPA_MASK_PORT = 3
+_SHAPE_ONLY = frozenset({"Reshape", "Broadcast", "Unsqueeze", "Squeeze", "Tile"})
 
 
 class StaticShapeError(DeskfleetError):
@@ -64,8 +65,18 @@ def static_shapes(inputs: list[str], *, rows: int, window: int, hidden: int, kv_
 
 
 def make_static(model: ov.Model, shapes: Mapping[str, ov.PartialShape]) -> ov.Model:
-    """Pin every input to ``shapes`` (in place) and check that nothing dynamic is left."""
+    """Pin every input to ``shapes`` (in place) and check that nothing dynamic is left.
+
+    Shape arithmetic (ShapeOf chains) is folded into constants afterwards: with every shape known
+    it computes nothing, and left in place it would tie the mask's consumers to the 2-D mask input
+    that the packed edit removes.
+    """
+    from openvino.passes import ConstantFolding, Manager
+
     model.reshape(dict(shapes))
+    manager = Manager()
+    manager.register_pass(ConstantFolding())
+    manager.run_passes(model)
     check_static(model, "after reshape")
     return model
 
@@ -106,14 +117,27 @@ def check_stateless(model: ov.Model) -> None:
                                "cannot compile them - export with --target npu, not a stateful shard")
 
 
+def _query_rows(model: ov.Model) -> int:
+    """S, from the static ``position_ids`` [1, S] input."""
+    for p in model.inputs:
+        if "position_ids" in p.get_names() and p.get_partial_shape().is_static:
+            return p.get_partial_shape()[1].get_length()
+    raise MaskEditError("the graph has no static position_ids [1, S] input; make it static before packing")
+
+
+def _is_mask_shape(shape: ov.PartialShape, rows: int) -> bool:
+    return (shape.is_static and shape.rank.get_length() == 4 and shape[0].get_length() == 1
+            and shape[1].get_length() == 1 and shape[2].get_length() == rows)
+
+
 def replace_mask_with_input(model: ov.Model) -> ov.Model:
     """Replace the shared additive-mask node with a ``attention_bias`` [1, 1, S, T] f32 input.
 
     Works on a static stage graph, freshly converted or read back from IR: every attention block
     takes its mask from input 3 of a ScaledDotProductAttention op, and in a Deskfleet stage all of
-    them read one node (built once from the 2-D ``attention_mask``). That node's output is
-    replaced by a Parameter of the same type and shape, and the 2-D mask input, now unused, is
-    removed. In place; returns ``model``.
+    them read one node (built once from the 2-D ``attention_mask``, its rows then repeated per
+    query group by shape-only ops). That node's output is replaced by a Parameter of the same
+    type and shape, and the 2-D mask input, now unused, is removed. In place; returns ``model``.
     """
     sdpa = [op for op in model.get_ordered_ops() if op.get_type_name() == _SDPA]
     if not sdpa:
@@ -126,9 +150,14 @@ def replace_mask_with_input(model: ov.Model) -> ov.Model:
         raise MaskEditError(f"expected one mask node shared by all {len(sdpa)} attention ops, found "
                             f"{len(sources)}; this stage graph was not built by the Deskfleet exporter")
     source = sdpa[0].input_value(_SDPA_MASK_PORT)
+    # Grouped-query graphs repeat the mask rows per query group after building it: look through
+    # those shape-only ops for the [1, 1, S, T] node itself.
+    rows = _query_rows(model)
+    while not _is_mask_shape(source.get_partial_shape(), rows) and source.get_node().get_type_name() in _SHAPE_ONLY:
+        source = source.get_node().input_value(0)
     shape = source.get_partial_shape()
-    if not shape.is_static or shape.rank.get_length() != 4 or shape[1].get_length() != 1:
-        raise MaskEditError(f"the shared mask node has shape {shape}, not a static [1, 1, S, T]; "
+    if not _is_mask_shape(shape, rows):
+        raise MaskEditError(f"the shared mask node has shape {shape}, not a static [1, 1, {rows}, T]; "
                             "make the graph static before packing it")
     bias = ops.parameter(shape, source.get_element_type(), name=MASK_4D)
     source.replace(bias.output(0))
