@@ -4,6 +4,8 @@ and reuse of an identical export, including one asked for by a placement plan.""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
@@ -105,6 +107,20 @@ def test_cancel_mid_export_terminates_the_process_and_leaves_no_directory(tmp_pa
     with pytest.raises(ExportCancelledError):
         job.wait(1)
     assert not job.cancel()  # once is enough
+
+
+def test_an_export_process_killed_from_outside_is_a_failure_that_leaves_nothing(tmp_path, tiny_checkpoint):
+    library = ModelLibrary(tmp_path / "console")
+    job = library.start_export(tiny_checkpoint("llama"), stages=4, spec=SPEC)
+    deadline = time.monotonic() + TIMEOUT
+    while not any(p.name.startswith(".") for p in library.exports_dir.iterdir()):
+        assert time.monotonic() < deadline and not job.done
+        job.poll(0.2)
+    os.kill(job.pid, signal.SIGKILL)  # the OOM killer, say
+    with pytest.raises(ExportJobError, match="without a result") as died:
+        job.wait(60)
+    assert died.value.kind == "ProcessDied" and job.state == "failed"
+    assert list(library.exports_dir.iterdir()) == []
 
 
 def test_models_are_checked_persisted_and_bad_paths_explained(tmp_path, tiny_checkpoint):

@@ -244,9 +244,10 @@ class ExportJob:
     def _process_died(self) -> ExportFailed:
         self._reap()
         code = self._process.exitcode if self._process is not None else None
-        self.failure = ExportFailed("ProcessDied", f"the export process exited (code {code}) without a result; "
-                                    "it may have run out of memory. Close other programs or choose smaller "
-                                    "weights (int4) and export again.")
+        self.failure = ExportFailed("ProcessDied", f"the export process exited (code {code}) without a result: "
+                                    "it could not start (its error is on the console's stderr), was killed, "
+                                    "or ran out of memory. For the last, close other programs or choose "
+                                    "smaller weights (int4), then export again.")
         self.state = "failed"
         self._remove_partial()
         return self.failure
