@@ -16,7 +16,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 from engine.errors import DeskfleetError, GenerationError
@@ -32,6 +32,7 @@ from engine.scheduler import (
     plan_capture,
     plan_restore,
     plan_step,
+    reset_for_replay,
 )
 from engine.shard import LocalChain
 from engine.speculator import Speculator
@@ -40,6 +41,11 @@ from engine.wire import StreamId
 log = logging.getLogger(__name__)
 
 _RATE_WINDOW_S = 10.0
+MAX_FAILOVERS_PER_STREAM = 3
+
+# recover(broken_path, reason) -> a started path whose every stage answers (may be the same
+# object, reconnected). Raising, or not returning within hold_timeout_s, fails the streams.
+Recover = Callable[[StepPath, str], Awaitable[StepPath]]
 
 
 class Coordinator:
@@ -47,7 +53,9 @@ class Coordinator:
 
     def __init__(self, path: StepPath, model: ModelCard, *, slots: int = 4, max_waiting: int = 32,
                  prefill_chunk: int = 256, prefix_cache: bool = True, prefix_min_tokens: int = 16,
-                 speculation: Speculator | None = None, restore_timeout_s: float = 10.0):
+                 speculation: Speculator | None = None, restore_timeout_s: float = 10.0,
+                 recover: Recover | None = None, step_timeout_s: float | None = None,
+                 hold_timeout_s: float = 60.0):
         if slots < 1:
             raise DeskfleetError("a coordinator needs at least one slot")
         self.path = path
@@ -59,6 +67,12 @@ class Coordinator:
                        if prefix_cache else None)
         self.speculation = speculation
         self.restore_timeout_s = restore_timeout_s
+        self.recover = recover
+        self.step_timeout_s = step_timeout_s
+        self.hold_timeout_s = hold_timeout_s
+        self._recovering = False
+        self._sent_at: dict[StreamId, float] = {}
+        self._watchdog: asyncio.Task | None = None
         self._ids = itertools.count(1)
         self._active: dict[StreamId, StreamState] = {}
         self._waiting: collections.deque[StreamState] = collections.deque()
@@ -90,16 +104,19 @@ class Coordinator:
     async def async_start(self) -> None:
         await self.path.async_start()
         self._task = asyncio.create_task(self._run(), name="deskfleet-coordinator")
+        if self.step_timeout_s is not None:
+            self._watchdog = asyncio.create_task(self._async_watchdog(), name="deskfleet-step-watchdog")
 
     async def async_stop(self) -> None:
         """Fail every request still running, then close the path."""
         self._stopping = True
         for state in list(self._active.values()) + list(self._waiting):
             self._deliver(state, UnavailableError("the coordinator is shutting down; retry on another instance"))
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        for task in (self._task, self._watchdog):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         for task in list(self._background):
             task.cancel()
         await self.path.async_close()
@@ -116,7 +133,7 @@ class Coordinator:
     # -- the Generator protocol -----------------------------------------------------------------
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
-        if self._stopping or self._task is None or self._task.done():
+        if self._stopping or self._task is None or (self._task.done() and not self._recovering):
             raise UnavailableError("the coordinator is not running")
         if len(self._active) >= self.slots and len(self._waiting) >= self.max_waiting:
             self._counters["rejected_overloaded"] += 1
@@ -170,6 +187,7 @@ class Coordinator:
             "prefix_fallbacks_total": float(self._counters["prefix_fallbacks"]),
             "prefix_tokens_reused_total": float(self._counters["prefix_tokens_reused"]),
             "prefix_captures_total": float(self._counters["prefix_captures"]),
+            "failovers_total": float(self._counters["failovers"]),
         }
         out.update(self.path.stage_metrics())
         if self.speculation is not None:
@@ -179,7 +197,7 @@ class Coordinator:
     # -- the loop -------------------------------------------------------------------------------
 
     async def _admit(self) -> None:
-        while self._waiting and len(self._active) < self.slots and not self._stopping:
+        while self._waiting and len(self._active) < self.slots and not self._stopping and not self._recovering:
             state = self._waiting.popleft()
             if state.cancelled:
                 continue
@@ -204,11 +222,93 @@ class Coordinator:
             await self._send(state, plan_step(state, self.prefill_chunk))
 
     async def _send(self, state: StreamState, step) -> None:
+        if self._recovering:
+            state.in_flight = False  # replayed once the ring is back
+            return
+        self._sent_at[state.stream_id] = time.monotonic()
         try:
             await self.path.async_submit(step)
         except DeskfleetError as exc:
             state.in_flight = False
-            await self._fail(state, exc)
+            if self.recover is not None:
+                self._start_failover(f"sending a step failed: {exc}")
+            else:
+                await self._fail(state, exc)
+
+    # -- failover -------------------------------------------------------------------------------
+
+    async def _async_watchdog(self) -> None:
+        """A step that has not come back within ``step_timeout_s`` means a stage stopped answering
+        (crashed, killed, paused, link lost): fail over instead of hanging."""
+        assert self.step_timeout_s is not None
+        while True:
+            await asyncio.sleep(min(0.5, self.step_timeout_s / 4))
+            if self._recovering:
+                continue
+            now = time.monotonic()
+            late = [s for s in self._active.values()
+                    if s.in_flight and now - self._sent_at.get(s.stream_id, now) > self.step_timeout_s]
+            if late:
+                reason = f"stream {late[0].stream_id} got no reply within {self.step_timeout_s:.1f} s"
+                if self.recover is not None:
+                    self._start_failover(reason)
+                else:
+                    for state in late:
+                        await self._fail(state, UnavailableError(f"a stage stopped answering: {reason}"))
+
+    def _start_failover(self, reason: str) -> None:
+        if self._recovering or self._stopping:
+            return
+        self._recovering = True
+        task = asyncio.get_running_loop().create_task(self._async_failover(reason), name="deskfleet-failover")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _async_failover(self, reason: str) -> None:
+        """Hold every stream, get a working ring from ``recover``, rebuild each stream's KV there
+        by replaying what it had fed, and carry on. Clients see a delay, never an error, unless
+        no replacement comes within ``hold_timeout_s``."""
+        assert self.recover is not None
+        log.warning("failing over: %s", reason)
+        self._counters["failovers"] += 1
+        reader = self._task
+        if reader is not None and reader is not asyncio.current_task():
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+        for state in list(self._active.values()):
+            if state.capturing is not None:  # finished: only its end-of-stream capture was lost
+                state.capturing = None
+                self._active.pop(state.stream_id, None)
+                self._counters["finished"] += 1
+            else:
+                reset_for_replay(state)
+        try:
+            self.path = await asyncio.wait_for(self.recover(self.path, reason), self.hold_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - any failure to recover ends the held streams
+            self._recovering = False
+            self._task = asyncio.create_task(self._run(), name="deskfleet-coordinator")
+            error = UnavailableError(f"a stage stopped answering ({reason}) and no replacement was ready within "
+                                     f"{self.hold_timeout_s:.0f} s ({exc!r}); retry when the fleet is back")
+            for state in list(self._active.values()):
+                await self._fail(state, error)
+            return
+        self._task = asyncio.create_task(self._run(), name="deskfleet-coordinator")
+        self._recovering = False
+        log.info("ring recovered; replaying %d stream(s)", len(self._active))
+        for state in list(self._active.values()):
+            with contextlib.suppress(DeskfleetError):
+                await self.path.async_release(state.stream_id)  # surviving stages drop the old KV
+            if state.failovers > MAX_FAILOVERS_PER_STREAM:
+                await self._fail(state, UnavailableError(f"stream {state.stream_id} failed over "
+                                                         f"{state.failovers} times; giving up"))
+            elif state.cancelled:
+                await self._retire(state, "cancelled")
+            else:
+                await self._submit(state)
+        await self._admit()
+        if not self._active and not self._waiting:
+            self._idle.set()
 
     async def _run(self) -> None:
         while True:
@@ -232,6 +332,10 @@ class Coordinator:
             return
         started = time.perf_counter()
         drafted = len(state.draft)
+        if result.error is not None and self.recover is not None:
+            state.in_flight = False
+            self._start_failover(f"stage error on stream {state.stream_id}: {result.error}")
+            return
         try:
             events = apply_reply(state, result)
         except GenerationError as exc:

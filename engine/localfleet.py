@@ -54,6 +54,7 @@ class LocalFleet:
         self.extra_args = tuple(extra_args)
         self.processes: dict[int, asyncio.subprocess.Process] = {}
         self.addresses: dict[int, Address] = {}
+        self.next_hops: dict[int, Address] = {}
 
     def _argv(self, stage: int, next_address: Address) -> list[str]:
         argv = [sys.executable, "-m", "engine.cli", "worker", "--shard", str(self.export_dir), "--stage", str(stage),
@@ -77,6 +78,7 @@ class LocalFleet:
                 *self._argv(stage, next_address), stdout=asyncio.subprocess.PIPE, start_new_session=True,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
             self.processes[stage] = proc
+            self.next_hops[stage] = next_address
             self.addresses[stage] = await self._await_ready(stage, proc)
             next_address = await hop(self.addresses[stage])
         return next_address
@@ -95,6 +97,23 @@ class LocalFleet:
                     return Address.parse(text.split(" on ", 1)[1].split(",", 1)[0].strip())
         except TimeoutError:
             raise WorkerStartError(f"worker for stage {stage} did not report ready within {READY_TIMEOUT_S:.0f} s") from None
+
+    async def async_restart_dead(self) -> list[int]:
+        """Start again, on the same address and next hop, every worker whose process has exited
+        (the coordinator's failover hook for a local fleet); returns the restarted stages."""
+        restarted = []
+        for stage, proc in sorted(self.processes.items()):
+            if proc.returncode is None:
+                continue
+            address = self.addresses[stage]
+            argv = self._argv(stage, self.next_hops[stage])
+            argv[argv.index("--listen") + 1] = str(address)
+            new = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE, start_new_session=True,
+                                                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            self.processes[stage] = new
+            await self._await_ready(stage, new)
+            restarted.append(stage)
+        return restarted
 
     async def async_stop(self) -> dict[int, int]:
         """SIGTERM every worker (they drain and exit 0); kill any that outstays the timeout."""
@@ -116,9 +135,12 @@ class LocalFleet:
 
 @contextlib.asynccontextmanager
 async def local_fleet(export_dir: Path | str, *, slots: int = 4, exact: bool = False, threads: int | None = None,
-                      host_stage0: bool = False, hop: Hop | None = None,
+                      host_stage0: bool = False, hop: Hop | None = None, failover: bool = False,
                       **coordinator_options) -> AsyncIterator[Coordinator]:
-    """A running coordinator over worker processes for every stage (stage 0 in-process if asked)."""
+    """A running coordinator over worker processes for every stage (stage 0 in-process if asked).
+
+    With ``failover`` a worker that dies is restarted on its address and the coordinator replays
+    its streams there (pass ``step_timeout_s`` so a silent stage is noticed)."""
     manifest = load_manifest(export_dir)
     local0 = Stage(export_dir, 0, manifest=manifest, exact=exact, num_threads=threads) if host_stage0 else None
     if host_stage0 and len(manifest.stages) < 2:
@@ -129,6 +151,14 @@ async def local_fleet(export_dir: Path | str, *, slots: int = 4, exact: bool = F
     try:
         return_address = await path.async_listen()
         path.first_remote = await fleet.async_start(return_address, hop)
+        if failover:
+            async def recover(broken: RingPath, reason: str) -> RingPath:
+                restarted = await fleet.async_restart_dead()
+                log.warning("local fleet: restarted stage(s) %s after: %s", restarted, reason)
+                await broken.async_reconnect()
+                return broken
+
+            coordinator_options["recover"] = recover
         coordinator = Coordinator(path, model_card(manifest), slots=slots, **coordinator_options)
         async with coordinator:
             yield coordinator

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import logging
 import time
 from ssl import SSLContext
@@ -146,6 +147,21 @@ class RingPath:
             self._local_compute.append(time.perf_counter() - started)
         await self._out.async_send(Forward(step.stream_id, step.seq, x, step.inputs.attention_mask,
                                            step.inputs.position_ids, step.want_logits, step.reply_last))
+
+    async def async_reconnect(self, first_remote: Address | None = None) -> None:
+        """After a failover: drop the connection to the first remote stage (and every stream's
+        local stage-0 state, which the coordinator replays) and dial it again, at a new address
+        if one is given. Replies keep arriving on the same return port."""
+        if self._out is not None:
+            with contextlib.suppress(Exception):
+                await self._out.async_close()
+            self._out = None
+        if self._executor is not None:
+            await asyncio.get_running_loop().run_in_executor(self._executor, self._local_streams.clear)
+        self._sent_at.clear()
+        if first_remote is not None:
+            self.first_remote = first_remote
+        await self.async_start()
 
     async def async_release(self, stream_id: StreamId) -> None:
         if self._executor is not None:

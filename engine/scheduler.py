@@ -49,6 +49,8 @@ class StreamState:
     last_accepted: int = 0
     restoring: PrefixHit | None = None  # a prefix-cache restore is in flight
     capturing: int | None = None  # the capture id being taken at the end of the stream
+    replay: tuple[int, ...] = ()  # after a failover: the tokens to prefill again on the new ring
+    failovers: int = 0
 
     def __post_init__(self) -> None:
         if len(self.request.prompt_ids) >= self.context_length:
@@ -60,8 +62,13 @@ class StreamState:
         self.rng = make_rng(self.request.sampling)
 
     @property
+    def prefill_source(self) -> tuple[int, ...]:
+        """What prefill steps feed: the prompt, or after a failover everything fed before it."""
+        return self.replay or self.request.prompt_ids
+
+    @property
     def prefilling(self) -> bool:
-        return self.prompt_done < len(self.request.prompt_ids)
+        return self.prompt_done < len(self.prefill_source)
 
 
 def plan_step(state: StreamState, prefill_chunk: int, draft: Sequence[int] = (),
@@ -72,8 +79,9 @@ def plan_step(state: StreamState, prefill_chunk: int, draft: Sequence[int] = (),
     K + 1 positions; :func:`apply_reply` keeps the accepted prefix and masks the rest.
     """
     if state.prefilling:
-        end = min(len(state.request.prompt_ids), state.prompt_done + prefill_chunk)
-        ids = tuple(state.request.prompt_ids[state.prompt_done : end])
+        source = state.prefill_source
+        end = min(len(source), state.prompt_done + prefill_chunk)
+        ids = tuple(source[state.prompt_done : end])
         state.prompt_done = end
         state.draft, state.draft_probs = (), None
     else:
@@ -98,6 +106,24 @@ def fed_tokens(state: StreamState) -> tuple[int, ...]:
     """The logical token sequence whose KV the stages hold (the last generated token is not fed)."""
     sequence = state.request.prompt_ids + tuple(state.generated)
     return sequence[: state.layout.logical_len]
+
+
+def reset_for_replay(state: StreamState) -> None:
+    """The stream's KV is gone (a stage was lost): start over on a new ring by prefilling every
+    token it had fed — the prompt and all generated tokens but the last, which the next decode
+    step feeds as it would have. The prediction of the replay's last position is the token
+    already emitted, so it is dropped (:func:`apply_reply`); under greedy decoding the stream
+    then continues exactly as it would have. A step in flight is forgotten (its ``seq`` no
+    longer matches), and so are its drafts.
+    """
+    state.layout.reset()
+    state.seq += 1
+    state.in_flight = False
+    state.draft, state.draft_probs = (), None
+    state.restoring = None
+    state.failovers += 1
+    state.replay = (state.request.prompt_ids + tuple(state.generated[:-1])) if state.generated else ()
+    state.prompt_done = 0
 
 
 def plan_restore(state: StreamState, hit: PrefixHit) -> CacheStep:
@@ -148,6 +174,9 @@ def apply_reply(state: StreamState, result: StepResult) -> list[TokenEvent]:
     state.in_flight = False
     if result.error is not None:
         raise GenerationError(f"stream {state.stream_id} failed in the pipeline: {result.error}")
+    if state.replay and not state.prefilling:  # the last replay chunk: it predicts a token already sent
+        state.replay, state.prompt_done = (), len(state.request.prompt_ids)
+        return []
     if state.prefilling or state.cancelled:
         return []  # a prompt chunk that is not the last: its reply carries no token
     if not state.draft and result.logits is not None and not state.request.sampling.greedy:

@@ -42,7 +42,7 @@ from engine.messages import (
 from engine.path import last_stage_reply
 from engine.prefix_cache import CaptureStore
 from engine.shard import Stage, StageStream, StepInputs
-from engine.transport import Connection, FrameServer, async_connect
+from engine.transport import Connection, ConnectionClosedError, FrameServer, async_connect
 from engine.wire import COORDINATOR_STAGE, ErrorCode, Role, StreamId
 
 log = logging.getLogger(__name__)
@@ -85,6 +85,7 @@ class StageWorker:
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"deskfleet-stage{stage.index}")
         self._next: Connection | None = None
         self._next_lock = asyncio.Lock()
+        self._next_watch: asyncio.Task | None = None
         self.draining = False
         self._idle = asyncio.Event()
         self._idle.set()
@@ -108,12 +109,32 @@ class StageWorker:
                 hello = Hello(self.fingerprint, next_index, Role.STAGE)
                 self._next = await async_connect(self.next_address.host, self.next_address.port, hello,
                                                  ssl=self._client_ssl, deadline=self._dial_deadline)
+                self._next_watch = asyncio.create_task(self._watch_downstream(self._next))
                 log.info("stage %d connected to %s", self.stage.index, self.next_address)
             return self._next
 
+    async def _watch_downstream(self, conn: Connection) -> None:
+        """Nothing flows back on the downstream hop, so read it only to learn at once when the
+        next stage goes away (crash, kill, pause): the next frame then dials it afresh instead of
+        vanishing into a dead socket."""
+        try:
+            while True:
+                msg = await conn.async_recv(idle_timeout=None)
+                log.debug("stage %d: %r from downstream", self.stage.index, msg)
+        except Exception:  # closed, reset, or garbage: in every case this connection is done
+            with contextlib.suppress(Exception):
+                await conn.async_close()
+            log.info("stage %d: the connection to %s is gone", self.stage.index, self.next_address)
+
     async def _send(self, msg: Message) -> None:
         conn = await self._downstream()
-        await conn.async_send(msg)
+        try:
+            await conn.async_send(msg)
+        except (ConnectionClosedError, OSError):
+            with contextlib.suppress(Exception):
+                await conn.async_close()
+            conn = await self._downstream()  # the next stage came back on its address: one redial
+            await conn.async_send(msg)
 
     async def _handle(self, conn: Connection, msg: Message) -> None:
         match msg:
@@ -198,6 +219,8 @@ class StageWorker:
 
     async def async_close(self) -> None:
         await self._server.async_close()
+        if self._next_watch is not None:
+            self._next_watch.cancel()
         if self._next is not None:
             await self._next.async_close()
         self._executor.shutdown(wait=True)
