@@ -188,6 +188,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _machine(m: dict[str, Any]) -> str:
+    load = ", ".join(str(x) for x in m.get("load_average", ()))
+    return f"{m.get('cores')} cores, {m.get('memory_gb')} GB, load average {load}, {m.get('date')}"
+
+
 def render(result: dict[str, Any], json_path: Path) -> str:
     fp = result["footprint"]
     rows = [[name, f"{v['cpu_pct_of_core']:.2f} %", f"{v['rss_mb']:.0f} MB", f"{v['peak_rss_mb']:.0f} MB",
@@ -200,7 +205,7 @@ def render(result: dict[str, Any], json_path: Path) -> str:
                   ["idle again -> worker serving", f"{median(p['resume_s']):.2f} s", f"{max(p['resume_s']):.2f} s",
                    "within seconds", "met" if max(p["resume_s"]) < 10 else "**missed**"]]
     return "\n".join([
-        f"Command: `{COMMAND_LINE}` · raw results: `{json_path.as_posix()}` · {result['machine']['summary']}",
+        f"Command: `{COMMAND_LINE}` · raw results: `{json_path.as_posix()}` · {_machine(result['machine'])}",
         "",
         f"Idle footprint over {fp['headless']['seconds']:.0f} s (joined, not serving; process + children; "
         f"targets < {CPU_TARGET_PCT} % of a core, < {RSS_TARGET_MB} MB):",

@@ -62,7 +62,7 @@ class Stage:
     def __init__(self, export_dir: Path | str, index: int, *, device: str = "CPU",
                  properties: Mapping[str, str] | None = None, exact: bool = False,
                  num_threads: int | None = None, manifest: Manifest | None = None,
-                 verify: bool = True, core: ov.Core | None = None):
+                 verify: bool = True, core: ov.Core | None = None, cache_dir: Path | str | None = None):
         root = Path(export_dir)
         self.manifest = manifest or load_manifest(root)
         if verify:
@@ -70,6 +70,8 @@ class Stage:
         else:
             self.spec = self.manifest.stages[index]
         self.properties = stage_properties(self.spec, exact, num_threads, properties)
+        if cache_dir is not None:  # compiled blobs: a restarted worker is ready in a fraction of the time
+            self.properties = {**self.properties, "CACHE_DIR": str(cache_dir)}
         self.device = device
         core = core or _core()
         xml = safe_join(root, self.spec.xml)

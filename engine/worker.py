@@ -253,7 +253,7 @@ async def async_serve_worker(shard_dir: Path, stage_index: int, listen: Address,
                              device: str = "CPU", exact: bool = False, num_threads: int | None = None,
                              server_ssl: SSLContext | None = None, client_ssl: SSLContext | None = None,
                              ready: asyncio.Event | None = None, report_interval: float | None = None,
-                             exit_with_parent: bool = False) -> int:
+                             exit_with_parent: bool = False, cache_dir: Path | None = None) -> int:
     """Run a worker until SIGTERM/SIGINT (finish the frame in hand, then exit 0) or SIGUSR1
     (refuse new streams, let those in flight finish, then exit 0).
 
@@ -261,7 +261,7 @@ async def async_serve_worker(shard_dir: Path, stage_index: int, listen: Address,
     (drained, like SIGTERM) when its parent process dies.
     """
     parent = os.getppid()
-    stage = Stage(shard_dir, stage_index, device=device, exact=exact, num_threads=num_threads)
+    stage = Stage(shard_dir, stage_index, device=device, exact=exact, num_threads=num_threads, cache_dir=cache_dir)
     worker = StageWorker(stage, listen, next_address, server_ssl=server_ssl, client_ssl=client_ssl)
     address = await worker.async_start()
     print(f"{READY_PREFIX} {stage_index} ({stage.spec.num_layers} layers) on {address}, "

@@ -28,6 +28,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "mutual TLS on both hops (the agent passes them this way so keys never touch disk)")
     p.add_argument("--report-interval", type=float, default=None, metavar="SECONDS",
                    help="print a 'deskfleet-stats {json}' line this often (for the supervising agent)")
+    p.add_argument("--cache-dir", type=Path, default=None, metavar="DIR",
+                   help="keep compiled shards here so a restarted worker is ready sooner (OpenVINO CACHE_DIR)")
     p.add_argument("--exit-with-parent", action="store_true",
                    help="drain and exit when the parent process dies")
 
@@ -51,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     return asyncio.run(async_serve_worker(args.shard, args.stage, args.listen, args.next, device=args.device,
                                           exact=args.exact, num_threads=args.threads, server_ssl=server_ssl,
                                           client_ssl=client_ssl, report_interval=args.report_interval,
-                                          exit_with_parent=args.exit_with_parent))
+                                          exit_with_parent=args.exit_with_parent, cache_dir=args.cache_dir))
 
 
 COMMAND = Command(name="worker", help="serve one stage of an export in a ring of workers",

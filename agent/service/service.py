@@ -415,7 +415,7 @@ class AgentService:
         port = assignment.listen_port or self.settings.data_port
         args = worker_args(str(self.store.directory(assignment.export_id)), assignment.stage, f"{host}:{port}",
                            assignment.next_hop, device=assignment.worker.device, threads=assignment.worker.threads,
-                           exact=assignment.worker.exact, tls=True)
+                           exact=assignment.worker.exact, tls=True, cache_dir=str(self.state_dir / "compiled"))
         secrets = json.dumps({"ca_pem": creds.ca_pem.decode(), "cert_pem": creds.cert_pem.decode(),
                               "key_pem": creds.key_pem.decode()}).encode()
         await self._supervisor.async_start(WorkerLaunch(args, secrets))

@@ -208,9 +208,11 @@ class WorkerSupervisor:
 
 
 def worker_args(shard_dir: str, stage: int, listen: str, next_hop: str, *, device: str, threads: int | None,
-                exact: bool, tls: bool) -> tuple[str, ...]:
+                exact: bool, tls: bool, cache_dir: str | None = None) -> tuple[str, ...]:
     args: list[str] = ["--shard", shard_dir, "--stage", str(stage), "--listen", listen, "--next", next_hop,
                        "--device", device]
+    if cache_dir:
+        args += ["--cache-dir", cache_dir]
     if threads:
         args += ["--threads", str(threads)]
     if exact:
