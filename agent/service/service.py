@@ -40,7 +40,7 @@ from engine.trust import Credentials
 log = logging.getLogger(__name__)
 
 MONITOR_INTERVAL_S = 0.25  # while a worker runs: a keystroke must free its cores within 2 s
-IDLE_MONITOR_INTERVAL_S = 1.0  # while nothing is served, a slower poll keeps the agent's own cost down
+IDLE_MONITOR_INTERVAL_S = 1.0  # while nothing is to be served, a slower poll keeps the agent's own cost down
 REGISTER_INTERVAL_S = 30.0
 WORKER_READY_TIMEOUT_S = 120.0
 DRAIN_TIMEOUT_S = 30.0
@@ -447,7 +447,7 @@ class AgentService:
 
     async def _async_monitor(self) -> None:
         while True:
-            busy = self._supervisor.running
+            busy = self._supervisor.running or self._state.serving  # serving, or paused from serving
             await asyncio.sleep(MONITOR_INTERVAL_S if busy else IDLE_MONITOR_INTERVAL_S)
             try:
                 decision = self._decide()
