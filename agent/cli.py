@@ -29,7 +29,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="a console to register with by address, for networks that drop multicast (repeatable; saved)")
     p.add_argument("--join", metavar="TOKEN", default=None, help="join a fleet with this one-time token")
     p.add_argument("--console", metavar="HOST:PORT", default=None,
-                   help="with --join: the console's enrollment address (shown next to the token)")
+                   help="with --join: the console's enrollment address (shown next to the token); "
+                        "default: found on the network over mDNS")
     p.add_argument("--leave", action="store_true", help="forget the fleet (delete this agent's credentials) and exit")
 
 
@@ -55,7 +56,6 @@ def _settings(args: argparse.Namespace):
 async def async_run_headless(args: argparse.Namespace) -> int:
     from agent.service.idle import default_idle_source
     from agent.service.service import AgentService
-    from engine.errors import DeskfleetError
 
     state_dir, settings = _settings(args)
     service = AgentService(state_dir, settings, idle_source=default_idle_source())
@@ -67,7 +67,7 @@ async def async_run_headless(args: argparse.Namespace) -> int:
     try:
         if args.join and not service.joined:
             if not args.console:
-                raise DeskfleetError("--join needs --console HOST:PORT (the console shows both)")
+                print("deskfleet agent: looking for the fleet's console on the network ...", flush=True)
             creds = await service.async_join(args.console, args.join)
             print(f"deskfleet agent: joined fleet {creds.fleet_id} as node {creds.node_id[:16]}", flush=True)
         status = service.status()

@@ -4,7 +4,8 @@ that serves shards and takes agents' registrations and events.
 
 The Qt console hosts one of these; tests and benchmarks stand one up on loopback the same way.
 The CA key is written with mode 0600 next to the token book; moving it into the OS keyring is
-noted as follow-up work for the console issue.
+noted as follow-up work for the console issue. With ``advertise_on`` the enrollment address is
+also advertised over mDNS (:mod:`engine.console_discovery`), so a joining PC needs only the token.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine import __version__
+from engine.console_discovery import ConsoleAdvertiser, console_advertisement
 from engine.enrollment import EnrollmentServer
 from engine.fleet_hub import FleetHub
 from engine.jointoken import TokenBook
@@ -22,6 +25,11 @@ from engine.trust import Credentials, FleetAuthority, Role
 
 CA_CERT = "fleet-ca.crt"
 CA_KEY = "fleet-ca.key"
+
+
+def is_first_run(state_dir: Path) -> bool:
+    """Whether the console in ``state_dir`` has no fleet CA yet (the next start creates one)."""
+    return not ((state_dir / CA_CERT).exists() and (state_dir / CA_KEY).exists())
 
 
 def load_or_create_authority(state_dir: Path, name: str = "Deskfleet fleet") -> FleetAuthority:
@@ -52,19 +60,30 @@ class FleetHost:
 
 @contextlib.asynccontextmanager
 async def fleet_host(state_dir: Path, exports: dict[str, Path] | None = None, *, host: str = "127.0.0.1",
-                     enrollment_port: int = 0, hub_port: int = 0) -> AsyncIterator[FleetHost]:
-    """Run the console's enrollment endpoint and hub until the block exits."""
+                     enrollment_port: int = 0, hub_port: int = 0, advertise_on: str | None = None,
+                     name: str = "Deskfleet console") -> AsyncIterator[FleetHost]:
+    """Run the console's enrollment endpoint and hub until the block exits.
+
+    ``advertise_on``: an IPv4 address of this machine to advertise the enrollment port on
+    (``_deskfleet-join._tcp``); ``name`` is the console's name in that record.
+    """
     authority = load_or_create_authority(state_dir)
     creds = authority.issue_credentials("console", Role.CONSOLE)
     book = TokenBook(state_dir / "join-tokens.json", authority.fingerprint)
     enrollment = EnrollmentServer(authority, book, creds)
     enroll_host, enroll_port = await enrollment.async_start(host, enrollment_port)
     hub = FleetHub(creds)
+    advertiser = ConsoleAdvertiser(advertise_on) if advertise_on else None
     try:
         for export_id, path in (exports or {}).items():
             hub.publish(export_id, path)
         await hub.async_start(host, hub_port)
+        if advertiser is not None:
+            await advertiser.async_start(console_advertisement(name, authority.fingerprint, enroll_port,
+                                                               advertiser.interface, __version__))
         yield FleetHost(authority, creds, book, f"{enroll_host}:{enroll_port}", hub)
     finally:
+        if advertiser is not None:
+            await advertiser.async_close()
         await hub.async_close()
         await enrollment.async_close()

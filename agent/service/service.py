@@ -44,6 +44,7 @@ IDLE_MONITOR_INTERVAL_S = 1.0  # while nothing is to be served, a slower poll ke
 REGISTER_INTERVAL_S = 30.0
 WORKER_READY_TIMEOUT_S = 120.0
 DRAIN_TIMEOUT_S = 30.0
+PAUSE_STOP_S = 1.0
 
 
 def primary_ipv4() -> str:
@@ -145,11 +146,24 @@ class AgentService:
     def joined(self) -> bool:
         return self._creds is not None
 
-    async def async_join(self, console: str, token: str, *, timeout: float = 15.0) -> Credentials:
-        """Redeem a join token at the console's enrollment address; keep the key in the keyring."""
+    async def async_find_consoles(self, *, pin: str | None = None, timeout: float = 4.0):
+        """The consoles advertising their enrollment address on this agent's interface (mDNS)."""
+        from engine.console_discovery import async_find_consoles
+
+        return await async_find_consoles(self.interface, pin=pin, timeout=timeout)
+
+    async def async_join(self, console: str | None, token: str, *, timeout: float = 15.0) -> Credentials:
+        """Redeem a join token at the console's enrollment address; keep the key in the keyring.
+
+        With no ``console`` the address is found over mDNS: the consoles whose record names the
+        token's fleet, tried in turn (the join itself checks the CA against the token's pin).
+        """
         from engine.enrollment import async_join
 
-        creds = await async_join(console, token, self.settings.name, info=self._inventory, timeout=timeout)
+        if console:
+            creds = await async_join(console, token, self.settings.name, info=self._inventory, timeout=timeout)
+        else:
+            creds = await self._async_join_found_console(token, timeout)
         self.keystore.save(creds)
         self._creds = creds
         await self._async_close_control()
@@ -159,6 +173,33 @@ class AgentService:
         if self.settings.seeds:
             await self.async_register()
         return creds
+
+    async def _async_join_found_console(self, token: str, timeout: float) -> Credentials:
+        from engine.enrollment import async_join
+        from engine.errors import EnrollmentError, JoinRefused, TrustError
+        from engine.jointoken import parse_token
+
+        pin = parse_token(token).ca_pin  # a mistyped token is reported before any search
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        consoles = await self.async_find_consoles(pin=pin, timeout=min(timeout / 2, 6.0))
+        candidates = [c for c in consoles if c.ca_pin == pin]
+        if not candidates:
+            raise EnrollmentError(
+                f"no console of fleet {pin[:16]} answered on the network ({self.interface}); check that the "
+                "console is running on this network, or enter its address (host:port, shown next to the token)")
+        error: TrustError | None = None
+        for found in candidates:
+            try:
+                return await async_join(found.enrollment, token, self.settings.name, info=self._inventory,
+                                        timeout=max(deadline - loop.time(), 1.0))
+            except JoinRefused:
+                raise  # the fleet's own console (its CA matched the pin) said no: final
+            except TrustError as exc:  # a spoofed or stale record: try the next one
+                log.warning("joining at %s failed: %s", found.enrollment, exc)
+                error = exc
+        assert error is not None
+        raise error
 
     async def async_leave(self) -> None:
         """Forget the fleet: stop serving, delete the credentials and the assignment."""
@@ -435,7 +476,9 @@ class AgentService:
         if decision.paused and not was:
             self.last_pause_change = time.monotonic()
             log.info("pausing: %s", ", ".join(decision.reasons))
-            await self._supervisor.async_stop()  # SIGTERM: the frame in hand finishes, cores are released
+            # SIGTERM: the frame in hand finishes; a worker that takes longer than PAUSE_STOP_S is
+            # killed, since the person comes first and the coordinator replays whatever was lost.
+            await self._supervisor.async_stop(PAUSE_STOP_S)
             await self._async_notify("paused")
         elif was and not decision.paused:
             self.last_pause_change = time.monotonic()
