@@ -71,6 +71,7 @@ class WorkerSupervisor:
         self._ready = asyncio.Event()
         self._tail: collections.deque[str] = collections.deque(maxlen=20)
         self._draining = False
+        self._stop_timeout = stop_timeout_s
 
     @property
     def status(self) -> WorkerStatus:
@@ -107,8 +108,10 @@ class WorkerSupervisor:
             raise TimeoutError(f"the stage worker was not ready within {timeout:.0f} s "
                                f"(state {self._status.state}: {self._status.last_error or 'no error yet'})") from None
 
-    async def async_stop(self) -> None:
-        """SIGTERM (drain the frame in hand), then SIGKILL after ``stop_timeout_s``; no restart."""
+    async def async_stop(self, timeout: float | None = None) -> None:
+        """SIGTERM (drain the frame in hand), then SIGKILL after ``timeout`` (default
+        ``stop_timeout_s``); no restart."""
+        self._stop_timeout = self.stop_timeout_s if timeout is None else timeout
         task, self._task = self._task, None
         self._ready.clear()
         if task is None:
@@ -198,10 +201,11 @@ class WorkerSupervisor:
             return
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signal.SIGTERM)
+        timeout = self._stop_timeout
         try:
-            await asyncio.wait_for(proc.wait(), self.stop_timeout_s)
+            await asyncio.wait_for(proc.wait(), timeout)
         except TimeoutError:
-            log.warning("stage worker did not stop within %.0f s of SIGTERM: killing it", self.stop_timeout_s)
+            log.warning("stage worker did not stop within %.1f s of SIGTERM: killing it", timeout)
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             await proc.wait()
