@@ -12,18 +12,17 @@ from __future__ import annotations
 
 import base64
 import binascii
-import contextlib
 import hashlib
 import hmac
 import json
 import os
 import secrets
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.atomic import write_text_atomic
 from engine.errors import JoinRefused, JoinTokenError, TokenBookError
 
 PREFIX = "DFJ1"
@@ -176,18 +175,7 @@ class TokenBook:
         keep = {k: e for k, e in tokens.items() if e["expires_at"] > now - KEEP_EXPIRED_S}
         data = json.dumps({"format": BOOK_FORMAT, "tokens": keep}, indent=1, sort_keys=True)
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=self.path.parent)  # 0600
-            try:
-                with os.fdopen(fd, "w", encoding="utf-8") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, self.path)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
+            write_text_atomic(self.path, data)
         except OSError as exc:
             raise TokenBookError(f"cannot write the join-token book {self.path} ({exc}); "
                                  "check the disk and its permissions") from exc

@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import base64
 import binascii
-import contextlib
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import keyring
@@ -28,6 +26,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from keyring.compat import properties
 
+from engine.atomic import write_json_atomic
 from engine.envvars import KEYRING_DIR
 from engine.errors import CredentialsError, KeyStoreError
 from engine.trust import Credentials
@@ -97,18 +96,7 @@ class FileKeyring(keyring.backend.KeyringBackend):
     def _write(self, data: dict[str, dict[str, str]]) -> None:
         """Replace the file atomically (temp + ``os.replace``): a crash leaves the old or the new."""
         try:
-            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=f".{FILE_NAME}.", dir=self.path.parent)  # created 0600
-            try:
-                with os.fdopen(fd, "w", encoding="utf-8") as f:
-                    json.dump(data, f, indent=1, sort_keys=True)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, self.path)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
+            write_json_atomic(self.path, data, indent=1, sort_keys=True, dir_mode=0o700)
         except OSError as exc:
             raise keyring.errors.KeyringError(f"cannot write the file keyring {self.path} ({exc}); "
                                               "check the disk and the directory's permissions") from exc

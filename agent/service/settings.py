@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 import socket
-import tempfile
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.atomic import write_json_atomic
 from engine.errors import DeskfleetError
+from engine.host import DEFAULT_CONTROL_PORT, DEFAULT_DATA_PORT, default_agent_dir
 
 SETTINGS_FILE = "settings.json"
 STATE_FILE = "state.json"
@@ -33,11 +33,7 @@ class SettingsError(DeskfleetError):
 
 def default_state_dir() -> Path:
     """``$DESKFLEET_AGENT_HOME``, else the platform's per-user data directory."""
-    if env := os.environ.get("DESKFLEET_AGENT_HOME"):
-        return Path(env)
-    if os.name == "nt":
-        return Path(os.environ.get("LOCALAPPDATA", Path.home())) / "Deskfleet" / "agent"
-    return Path(os.environ.get("XDG_DATA_HOME", Path.home() / ".local" / "share")) / "deskfleet" / "agent"
+    return default_agent_dir()
 
 
 @dataclass(frozen=True)
@@ -67,8 +63,8 @@ class AgentSettings:
     name: str = field(default_factory=socket.gethostname)
     instance: str = field(default_factory=lambda: uuid.uuid4().hex[:8])  # keeps mDNS names unique
     interface: str | None = None  # None: every interface; tests pass 127.0.0.1 or a namespace address
-    control_port: int = 7210
-    data_port: int = 7211
+    control_port: int = DEFAULT_CONTROL_PORT
+    data_port: int = DEFAULT_DATA_PORT
     seeds: tuple[str, ...] = ()  # console HOST:PORTs for networks that drop multicast
     pause_while_in_use: bool = True
     resume_after_idle_s: float = 300.0
@@ -131,22 +127,6 @@ class AgentState:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    """Replace ``path`` with ``data`` so that a crash leaves either the old or the new file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

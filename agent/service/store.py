@@ -23,7 +23,7 @@ from ssl import SSLContext
 
 import aiohttp
 
-from agent.service.settings import write_json_atomic
+from engine.atomic import write_json_atomic
 from engine.control import Assignment, ControlRequestError, FetchProgress
 from engine.errors import DeskfleetError, ShardIntegrityError
 from engine.manifest import MANIFEST_NAME, FileEntry, safe_join, sha256_file

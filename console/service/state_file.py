@@ -8,12 +8,11 @@ file, so a crash never leaves half a file. A file that does not parse raises
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from console.service.errors import ConsoleStateError
+from engine.atomic import write_json_atomic
 
 
 def read_json(path: Path, what: str) -> dict[str, Any] | None:
@@ -40,18 +39,7 @@ def read_json(path: Path, what: str) -> dict[str, Any] | None:
 def write_json(path: Path, data: dict[str, Any], what: str) -> None:
     """Replace ``path`` with ``data`` atomically (temporary file, fsync, rename)."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(data, f, indent=2, sort_keys=True)
-                f.write("\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_json_atomic(path, data, sort_keys=True)
     except OSError as exc:
         raise ConsoleStateError(f"cannot write {what} to {path}: {exc}; check free disk space "
                                 "and the state directory's permissions") from exc

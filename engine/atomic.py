@@ -1,0 +1,35 @@
+"""Replacing a file so that a crash leaves either the old or the new one, never half of either.
+
+Every state file Deskfleet keeps (agent settings and state, the console's books, the join-token
+book, the file keyring) goes through :func:`write_text_atomic`: a private temporary file in the
+same directory (created 0600 by ``mkstemp``), fsync, then ``os.replace``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def write_text_atomic(path: Path, text: str, *, dir_mode: int = 0o777) -> None:
+    """Replace ``path`` with ``text``; raises OSError (the old file is untouched) on failure."""
+    path.parent.mkdir(mode=dir_mode, parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json_atomic(path: Path, data: Any, *, indent: int = 2, sort_keys: bool = False,
+                      dir_mode: int = 0o777) -> None:
+    """:func:`write_text_atomic` of ``data`` as JSON (with a final newline)."""
+    write_text_atomic(path, json.dumps(data, indent=indent, sort_keys=sort_keys) + "\n", dir_mode=dir_mode)
