@@ -25,6 +25,7 @@ from engine.errors import (
     PlacementInputError,
     PlacementTimeout,
 )
+from engine.inventory import Inventory
 from engine.placement_milp import (
     GB,
     Fleet,
@@ -40,7 +41,7 @@ from engine.placement_milp import (
 )
 
 __all__ = [
-    "DeviceProfile", "Exclusion", "Links", "ModelProfile", "PcInfo", "Plan", "PlacementInfeasible",
+    "Calibration", "DeviceProfile", "Exclusion", "device_candidates", "Links", "ModelProfile", "PcInfo", "Plan", "PlacementInfeasible",
     "PlacementInputError", "PlacementRequest", "PlacementTimeout", "PlannedStage", "format_plan",
     "solve",
 ]
@@ -71,6 +72,40 @@ class DeviceProfile:
     overhead_ms: float
     memory_bytes: int
     model: ModelProfile | None = None
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What a short calibration run measured for one device and the model being placed.
+
+    ``model`` is the form the device runs (see `DeviceProfile.model`): for an NPU, the static
+    export's profile; None for the request's (stateful) one.
+    """
+
+    layer_ms: float
+    overhead_ms: float
+    model: ModelProfile | None = None
+
+
+def device_candidates(pc_id: str, inventory: Inventory,
+                      calibrations: Mapping[str, Calibration]) -> tuple[DeviceProfile, ...]:
+    """One placement candidate per device of an agent's inventory that has been calibrated.
+
+    Every kind is a candidate - CPU and NPU as well as GPU - each with its own latency and
+    memory profile; keys of ``calibrations`` are OpenVINO device names (``CPU``, ``GPU.0``,
+    ``NPU``). A device that reports no memory of its own (the CPU, some drivers) is offered the
+    PC's available RAM, which the PC-wide limit then shares among its devices.
+    """
+    out = []
+    for dev in inventory.devices:
+        cal = calibrations.get(dev.name)
+        if cal is None:
+            continue
+        memory = dev.memory_bytes if dev.memory_bytes is not None else inventory.ram_available
+        out.append(DeviceProfile(device_id=f"{pc_id}/{dev.name}", pc_id=pc_id, kind=dev.kind.value,
+                                 layer_ms=cal.layer_ms, overhead_ms=cal.overhead_ms,
+                                 memory_bytes=int(memory), model=cal.model))
+    return tuple(out)
 
 
 @dataclass(frozen=True)

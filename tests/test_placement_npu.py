@@ -142,3 +142,34 @@ def test_mixed_device_forms_match_brute_force(seed):
         return
     plan = solve(PlacementRequest(), model=model, pcs=pcs, devices=tuple(devices), links=links)
     assert plan.optimal and plan.per_token_ms == pytest.approx(expected, rel=1e-9)
+
+
+def test_an_agent_inventory_offers_cpu_gpu_and_npu_each_with_its_own_profile():
+    from engine.inventory import CpuCores, Device, DeviceKind, Inventory
+    from engine.placement import Calibration, device_candidates
+
+    inventory = Inventory(
+        devices=(Device("CPU", DeviceKind.CPU, "Intel Core Ultra"),
+                 Device("GPU.0", DeviceKind.GPU, "Arc 140V", memory_bytes=int(1.2 * GB)),
+                 Device("NPU", DeviceKind.NPU, "Intel AI Boost", memory_bytes=4 * GB),
+                 Device("GPU.1", DeviceKind.GPU, "uncalibrated", memory_bytes=16 * GB)),
+        ram_total=32 * GB, ram_available=3 * GB, os="test", cpu_cores=CpuCores(4, 8),
+        battery_percent=None, on_ac=None, disk_free=100 * GB)
+    calibrations = {"CPU": Calibration(3.0, 0.2), "GPU.0": Calibration(1.0, 0.1),
+                    "NPU": Calibration(2.5, 0.1, STATIC)}
+    devices = device_candidates("a", _as_received(inventory), calibrations)
+    assert [(d.device_id, d.kind, d.memory_bytes) for d in devices] == [
+        ("a/CPU", "CPU", 3 * GB), ("a/GPU.0", "GPU", int(1.2 * GB)), ("a/NPU", "NPU", 4 * GB)]
+    assert devices[2].model is STATIC and devices[0].model is None
+    plan = solve(PlacementRequest(headroom=1.0), model=STATEFUL, pcs=(_pc("a", 32),), devices=devices,
+                 links=Links(default_ms=0.0))
+    # The GPU holds one stateful layer at most, the CPU's RAM three: the NPU in its static form
+    # is what makes the model fit, and it is used.
+    assert "a/NPU" in {s.device_id for s in plan.stages}
+
+
+def _as_received(inventory):
+    """The inventory as the console gets it from an agent (through to_dict/from_dict)."""
+    from engine.inventory import Inventory
+
+    return Inventory.from_dict(inventory.to_dict())
