@@ -53,9 +53,9 @@ def _plugins(group: str) -> list[Command]:
 
 
 def _builtin_commands() -> list[Command]:
-    from engine import generate_cli, serve_cli, wan_cli, worker_cli
+    from engine import doctor_cli, generate_cli, serve_cli, wan_cli, worker_cli
 
-    return [generate_cli.COMMAND, serve_cli.COMMAND, wan_cli.COMMAND, worker_cli.COMMAND]
+    return [doctor_cli.COMMAND, generate_cli.COMMAND, serve_cli.COMMAND, wan_cli.COMMAND, worker_cli.COMMAND]
 
 
 def _add(sub: argparse._SubParsersAction, cmd: Command) -> None:

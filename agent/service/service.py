@@ -34,6 +34,7 @@ from engine import __version__
 from engine.control import AgentStatus, Assignment, ControlRequestError, FetchProgress, WorkerStatus
 from engine.discovery import Advertisement, Advertiser, instance_name
 from engine.errors import DeskfleetError
+from engine.host import primary_ipv4
 from engine.keystore import KeyStore
 from engine.trust import Credentials
 
@@ -45,19 +46,6 @@ REGISTER_INTERVAL_S = 30.0
 WORKER_READY_TIMEOUT_S = 120.0
 DRAIN_TIMEOUT_S = 30.0
 PAUSE_STOP_S = 1.0
-
-
-def primary_ipv4() -> str:
-    """The address this PC reaches its network from (the default route's interface); no packet is
-    sent. mDNS and the ports bind to it when the settings name no interface."""
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect(("10.255.255.255", 1))
-            return s.getsockname()[0]
-        except OSError:
-            return "127.0.0.1"
 
 
 def battery_on_ac() -> bool | None:
