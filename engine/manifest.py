@@ -205,7 +205,7 @@ def file_entry(root: Path, path: Path) -> FileEntry:
 def safe_join(root: Path, rel: str) -> Path:
     """Resolve ``rel`` under ``root``; refuse absolute paths and anything that escapes ``root``."""
     pure = PurePosixPath(rel)
-    if pure.is_absolute() or ".." in pure.parts or rel.strip() == "" or "\\" in rel:
+    if pure.is_absolute() or ".." in pure.parts or rel.strip() == "" or "\\" in rel or "\x00" in rel:
         raise ManifestError(f"manifest names an unsafe file path {rel!r}; refusing to use it")
     full = (root / Path(*pure.parts)).resolve()
     if not full.is_relative_to(root.resolve()):
@@ -388,8 +388,18 @@ def verify_files(root: Path | str, files: tuple[FileEntry, ...]) -> None:
             )
 
 
-def verify_stage(root: Path | str, manifest: Manifest, index: int) -> StageManifest:
-    """Verify the files of one stage and return its manifest entry."""
+def verify_stage(root: Path | str, manifest: Manifest, index: int, target: str = "stateful") -> StageManifest:
+    """Verify the files of one stage and return its manifest entry.
+
+    ``target`` is what the caller's runtime runs: a stateful runtime handed an NPU export (or
+    the reverse) is refused here, before anything is compiled and fed the wrong inputs.
+    """
+    if manifest.target != target:
+        how = {"npu": "the static runtime (engine.packed_stage)",
+               "stateful": "a stateful runtime (deskfleet generate, serve, worker)"}
+        raise ManifestError(
+            f"{root} holds {manifest.target} shards, but this runs {target} shards: serve it with "
+            f"{how.get(manifest.target, 'another runtime')}, or re-export with --target {target}")
     if not 0 <= index < len(manifest.stages):
         raise ManifestError(f"stage {index} does not exist; this export has {len(manifest.stages)} stages")
     stage = manifest.stages[index]

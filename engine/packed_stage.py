@@ -65,7 +65,7 @@ class StaticStage:
                  sinks: int = DEFAULT_SINKS, graphs: Sequence[str] | None = None):
         root = Path(export_dir)
         self.manifest = static_manifest(manifest or load_manifest(root))
-        self.spec = verify_stage(root, self.manifest, index)
+        self.spec = verify_stage(root, self.manifest, index, target="npu")
         self.geometry = geometry_of(self.manifest, sinks)
         props = dict(EXACT_PROPERTIES) if exact else {}
         if num_threads:

@@ -212,3 +212,16 @@ def test_cli_exports_npu_shards_and_explains_bad_options(tiny_checkpoint, tmp_pa
         assert bad.returncode == 1 and why in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
     typo = _deskfleet("export", ckpt, "--stages", "1", "--target", "npu", "--context", "many", "--out", "x")
     assert typo.returncode == 2 and "--context" in typo.stderr
+
+
+def test_each_runtime_refuses_the_other_targets_shards(unpacked, tiny_export, tmp_path):
+    from engine.shard import Stage
+
+    with pytest.raises(ManifestError, match="holds npu shards, but this runs stateful shards"):
+        Stage(unpacked, 0)
+    with pytest.raises(ManifestError, match="holds stateful shards, but this runs npu shards"):
+        from engine.manifest import verify_stage
+
+        verify_stage(tiny_export("llama", 1), load_manifest(tiny_export("llama", 1)), 0, target="npu")
+    answer = _deskfleet("generate", "--shards", str(unpacked), "--prompt", "hi", "--max-new-tokens", "2")
+    assert answer.returncode == 1 and "static runtime" in answer.stderr and "Traceback" not in answer.stderr
