@@ -73,8 +73,8 @@ def decode_body(raw: bytes) -> dict[str, Any]:
         raise ControlRequestError(f"request body is {len(raw)} bytes; the limit is {MAX_BODY_BYTES}", 413)
     try:
         data = json.loads(raw or b"{}")
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ControlRequestError(f"request body is not valid JSON: {exc}") from exc
+    except (ValueError, RecursionError) as exc:  # also 4300+ digit numbers and nesting too deep to parse
+        raise ControlRequestError(f"request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise ControlRequestError("request body must be a JSON object")
     return data
@@ -150,7 +150,7 @@ class Assignment:
             raise ControlRequestError("manifest_sha256 does not match manifest_json: refusing the assignment")
         try:
             manifest = parse_manifest(json.loads(manifest_json))
-        except (json.JSONDecodeError, ManifestError) as exc:
+        except (ValueError, RecursionError, ManifestError) as exc:
             raise ControlRequestError(f"the assignment's manifest is invalid: {exc}") from exc
         if not 0 <= stage < len(manifest.stages):
             raise ControlRequestError(f"stage {stage} does not exist; the export has {len(manifest.stages)} stages")
