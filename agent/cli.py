@@ -70,14 +70,14 @@ async def async_run_headless(args: argparse.Namespace) -> int:
                 print("deskfleet agent: looking for the fleet's console on the network ...", flush=True)
             creds = await service.async_join(args.console, args.join)
             print(f"deskfleet agent: joined fleet {creds.fleet_id} as node {creds.node_id[:16]}", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):  # before the status line: whoever reads it may stop us
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, stop.set)
         status = service.status()
         print(f"deskfleet agent: {status.state}; control port {service.control_port}; state dir {state_dir}",
               flush=True)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, stop.set)
         await stop.wait()
     finally:
         await service.async_close()

@@ -183,7 +183,10 @@ def test_menu_follows_join_pause_resume_and_leave(qtbot, start_tray, fleet_conso
     dialog.token_edit.setText(fleet_console.token())
     dialog.console_edit.setText(fleet_console.enrollment)
     dialog.join_button.click()
-    qtbot.waitUntil(lambda: tray.join_dialog is None and bridge.status.state == "idle", timeout=30000)
+    qtbot.waitUntil(lambda: dialog.page == "waiting" and bridge.status.state == "idle", timeout=30000)
+    assert dialog.waiting_headline.text() == "Joined. Waiting for approval"
+    dialog.close_button.click()
+    qtbot.waitUntil(lambda: tray.join_dialog is None, timeout=5000)
     assert bridge.status.fleet_id == fleet_console.authority.fleet_id
     assert [n.title for n in tray.notices] == ["Joined the fleet"]
     assert fleet_console.authority.fleet_id[:16] in tray.notices[0].message
@@ -241,7 +244,7 @@ def test_a_bad_token_is_explained_in_the_dialog_and_changes_nothing(qtbot, start
         json.loads((tmp_path / "agent" / "state.json").read_text()) == AgentState().to_dict()
     dialog.token_edit.setText("")
     dialog.join_button.click()
-    assert "Enter both" in dialog.error_text
+    assert "Enter the join token" in dialog.error_text
 
 
 def bridge_state(tray: QtAgentTray) -> str:
@@ -318,6 +321,7 @@ def test_run_tray_quits_cleanly_and_warns_without_a_system_tray(qtbot, tmp_path,
             QTimer.singleShot(100, quit_when_running)
             return
         seen["state"], seen["loop"] = tray.bridge.status.state, tray.bridge.loop
+        seen["first run"] = tray.join_dialog is not None and tray.join_dialog.isVisible()
         tray.quit_action.trigger()
 
     QTimer.singleShot(100, quit_when_running)
@@ -330,6 +334,7 @@ def test_run_tray_quits_cleanly_and_warns_without_a_system_tray(qtbot, tmp_path,
     finally:
         watchdog.stop()
     assert seen["state"] == "not-joined"
+    assert seen["first run"]  # not in a fleet: the first-run window opened by itself
     assert not seen["loop"].running
     assert NO_TRAY_WARNING in capsys.readouterr().err
     assert (tmp_path / "agent" / "settings.json").is_file()

@@ -50,7 +50,9 @@ def run_tray(args: argparse.Namespace) -> int:
 
     def started() -> None:
         if getattr(args, "join", None) and not service.joined:
-            bridge.join(args.console or "", args.join)
+            bridge.join(args.console, args.join)
+        elif not service.joined:
+            tray.open_join_dialog()  # first run (or after leaving): the only question is the token
 
     # SIGINT/SIGTERM quit the event loop. Python runs signal handlers only between bytecodes, so a
     # timer wakes the interpreter while Qt waits for events.

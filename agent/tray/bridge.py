@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 120.0  # inventory (OpenVINO device query) + mDNS registration
 CALL_TIMEOUT_S = 30.0  # pause/resume stop or start a worker
-JOIN_TIMEOUT_S = 20.0
+JOIN_TIMEOUT_S = 20.0  # with no address: finding the console (<= 6 s) and the join itself
+FIND_CONSOLES_S = 4.0
 CLOSE_TIMEOUT_S = 60.0
 POLL_INTERVAL_MS = 1000  # fetch progress and steps/s change without the service announcing it
 
@@ -164,10 +165,18 @@ class AgentBridge(QObject):
         self._call(self.service.async_update_settings(**changes), CALL_TIMEOUT_S, "saving the settings",
                    on_result, on_error)
 
-    def join(self, console: str, token: str, on_result: Callable[[Credentials], None] | None = None,
+    def join(self, console: str | None, token: str, on_result: Callable[[Credentials], None] | None = None,
              on_error: OnError = None) -> None:
-        self._call(self.service.async_join(console.strip(), token.strip(), timeout=JOIN_TIMEOUT_S - 2),
+        """Join with ``token`` at ``console`` ("host:port"), or at the console found on the network
+        for the token's fleet when ``console`` is None or empty."""
+        self._call(self.service.async_join((console or "").strip() or None, token.strip(),
+                                           timeout=JOIN_TIMEOUT_S - 2),
                    JOIN_TIMEOUT_S, "joining the fleet", on_result, on_error)
+
+    def find_consoles(self, on_result: OnResult = None, on_error: OnError = None) -> None:
+        """The consoles advertising on the network (a tuple of ConsoleAdvertisement), after a few seconds."""
+        self._call(self.service.async_find_consoles(timeout=FIND_CONSOLES_S), FIND_CONSOLES_S + 10,
+                   "looking for the console", on_result, on_error)
 
     def leave(self, on_result: OnResult = None, on_error: OnError = None) -> None:
         self._call(self.service.async_leave(), CALL_TIMEOUT_S, "leaving the fleet", on_result, on_error)

@@ -1,8 +1,12 @@
-"""The "Join a fleet…" dialog: the one-time join token and the console's address, as the console shows them.
+"""The agent's first-run window ("Join a fleet…"): the join token, then "waiting for approval".
 
-The dialog stays open until the join succeeds: a mistyped token, a refused one or an
-unreachable console is explained inside it (the messages come from
-:mod:`engine.enrollment` and say what to do), and nothing about the agent changes.
+Page one says what the app will do with the PC and asks for the token only; the console is
+searched for on the network as the window opens, and the address field appears only when none
+answered or the person asks for it. A mistyped token, a refused one or an unreachable console
+is explained in the window (the messages come from :mod:`engine.enrollment` and say what to
+do), and nothing about the agent changes. Page two follows the join: waiting for the admin to
+approve the PC, then approved once the console gives it work. Texts come from
+:mod:`agent.tray.first_run_model`.
 """
 
 from __future__ import annotations
@@ -13,12 +17,22 @@ from PySide6.QtWidgets import (
     QFormLayout,
     QLabel,
     QLineEdit,
+    QPushButton,
+    QStackedWidget,
     QVBoxLayout,
     QWidget,
 )
 
+from agent.tray import first_run_model as model
 from agent.tray.bridge import AgentBridge
+from engine.control import AgentStatus
 from engine.trust import Credentials
+
+
+def _wrapped(text: str = "") -> QLabel:
+    label = QLabel(text)
+    label.setWordWrap(True)
+    return label
 
 
 class JoinDialog(QDialog):
@@ -26,50 +40,127 @@ class JoinDialog(QDialog):
         super().__init__(parent)
         self.bridge = bridge
         self.credentials: Credentials | None = None
-        self.setWindowTitle("Join a Deskfleet fleet")
-        self.setMinimumWidth(520)
+        self.consoles = None  # None while searching; then the tuple the search found
+        self.setWindowTitle("Welcome to Deskfleet")
+        self.setMinimumWidth(540)
 
-        intro = QLabel("Ask your admin for a join token. The console shows it together with its "
-                       "address; a token admits one PC, once.")
-        intro.setWordWrap(True)
+        self.what_it_does = _wrapped(model.WHAT_IT_DOES)
+        self.pages = QStackedWidget()
+        self.pages.addWidget(self._token_page())
+        self.pages.addWidget(self._waiting_page())
+        box = QVBoxLayout(self)
+        box.addWidget(self.what_it_does)
+        box.addWidget(self.pages)
+        bridge.status_changed.connect(self._status_changed)
+        self._refresh_address()
+
+    def _token_page(self) -> QWidget:
+        page = QWidget()
         self.token_edit = QLineEdit()
         self.token_edit.setPlaceholderText("DFJ1-…")
         self.console_edit = QLineEdit()
         self.console_edit.setPlaceholderText("host:port, e.g. 192.168.1.10:7411")
-        form = QFormLayout()
-        form.addRow("Join token:", self.token_edit)
-        form.addRow("Console address:", self.console_edit)
-
-        self.message = QLabel()
-        self.message.setWordWrap(True)
+        self.consoles_label = _wrapped(model.SEARCHING)
+        self.address_button = QPushButton("Enter the console's address…")
+        self.address_button.setFlat(True)
+        self.address_button.clicked.connect(self._ask_address)
+        self._address_asked = False
+        self.form = QFormLayout()
+        self.form.addRow("Join token:", self.token_edit)
+        self.form.addRow("Console address:", self.console_edit)
+        self.message = _wrapped()
         self.buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Cancel)
         self.join_button = self.buttons.addButton("Join", QDialogButtonBox.ButtonRole.AcceptRole)
         self.buttons.accepted.connect(self.submit)
         self.buttons.rejected.connect(self.reject)
-
-        box = QVBoxLayout(self)
-        box.addWidget(intro)
-        box.addLayout(form)
+        box = QVBoxLayout(page)
+        box.addWidget(_wrapped(model.TOKEN_PROMPT))
+        box.addLayout(self.form)
+        box.addWidget(self.consoles_label)
+        box.addWidget(self.address_button)
         box.addWidget(self.message)
         box.addWidget(self.buttons)
+        return page
+
+    def _waiting_page(self) -> QWidget:
+        page = QWidget()
+        self.waiting_headline = QLabel()
+        font = self.waiting_headline.font()
+        font.setBold(True)
+        font.setPointSizeF(font.pointSizeF() * 1.2)
+        self.waiting_headline.setFont(font)
+        self.waiting_detail = _wrapped()
+        close = QDialogButtonBox(QDialogButtonBox.StandardButton.Close)
+        close.rejected.connect(self.accept)
+        self.close_button = close.button(QDialogButtonBox.StandardButton.Close)
+        box = QVBoxLayout(page)
+        box.addWidget(self.waiting_headline)
+        box.addWidget(self.waiting_detail)
+        box.addStretch(1)
+        box.addWidget(close)
+        return page
+
+    # ---- the console search --------------------------------------------------------------------
+
+    def showEvent(self, event) -> None:  # noqa: N802 (Qt's name)
+        super().showEvent(event)
+        if self.consoles is None and not getattr(self, "_searching", False):
+            self.search()
+
+    def search(self) -> None:
+        self._searching = True
+        self.bridge.find_consoles(on_result=self._found, on_error=lambda _e: self._found(()))
+
+    def _found(self, consoles) -> None:
+        self._searching = False
+        self.consoles = tuple(consoles)
+        self.consoles_label.setText(model.consoles_line(self.consoles))
+        self._refresh_address()
+
+    def _ask_address(self) -> None:
+        self._address_asked = True
+        self._refresh_address()
+        self.console_edit.setFocus()
+
+    def _refresh_address(self) -> None:
+        show = model.show_address_field(self.consoles, self._address_asked)
+        self.form.setRowVisible(self.console_edit, show)
+        self.address_button.setVisible(not show)
+
+    # ---- joining -------------------------------------------------------------------------------
+
+    @property
+    def page(self) -> str:
+        return "token" if self.pages.currentIndex() == 0 else "waiting"
 
     @property
     def busy(self) -> bool:
         return not self.join_button.isEnabled()
 
     def submit(self) -> None:
-        token, console = self.token_edit.text().strip(), self.console_edit.text().strip()
-        if not token or not console:
-            self._show("Enter both the join token and the console address.", error=True)
+        request = model.join_request(self.token_edit.text(), self.console_edit.text())
+        if isinstance(request, str):
+            self._show(request, error=True)
             return
+        token, console = request
         self._set_busy(True)
-        self._show(f"Joining the fleet at {console}…", error=False)
+        self._show(f"Joining the fleet at {console}…" if console else
+                   "Finding your fleet's console and joining…", error=False)
         self.bridge.join(console, token, on_result=self._joined, on_error=self._failed)
 
     def _joined(self, credentials: Credentials) -> None:
         self.credentials = credentials
         self._set_busy(False)
-        self.accept()
+        self._show("", error=False)
+        self.pages.setCurrentIndex(1)
+        self._status_changed(self.bridge.status)
+
+    def _status_changed(self, status: AgentStatus | None) -> None:
+        if self.page != "waiting":
+            return
+        waiting = model.waiting_page(status)
+        self.waiting_headline.setText(waiting.headline)
+        self.waiting_detail.setText(waiting.detail)
 
     def _failed(self, error: BaseException) -> None:
         self._set_busy(False)
