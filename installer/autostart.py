@@ -4,7 +4,9 @@ systems), a LaunchAgent (macOS), or a value under the Run key (Windows).
 What gets written is produced by pure functions (`desktop_entry`, `launch_agent_plist`,
 `windows_run_value`), tested on every platform; `enable`/`disable`/`is_enabled` only write,
 delete or look for it. Per-user locations only: no administrator rights are needed, and an
-employee can always turn it off again.
+employee can always turn it off again. The Linux package installs a system-wide XDG entry of
+the same name (``/etc/xdg/autostart``); a person turns that one off with a per-user entry marked
+``Hidden=true``, as the XDG autostart spec prescribes.
 """
 
 from __future__ import annotations
@@ -102,6 +104,28 @@ def xdg_autostart_path(home: Path, env: Mapping[str, str]) -> Path:
     return base / "autostart" / DESKTOP_FILE
 
 
+def xdg_system_paths(env: Mapping[str, str]) -> list[Path]:
+    """The system-wide autostart entries of this name, most important first ($XDG_CONFIG_DIRS)."""
+    dirs = env.get("XDG_CONFIG_DIRS") or "/etc/xdg"
+    return [Path(d) / "autostart" / DESKTOP_FILE for d in dirs.split(":") if d and os.path.isabs(d)]
+
+
+def _xdg_entry_on(path: Path) -> bool | None:
+    """None: no such entry; else whether it starts the agent (``Hidden=true`` counts as off)."""
+    if not path.is_file():
+        return None
+    entry = ConfigParser(interpolation=None, strict=False)
+    try:
+        entry.read(path, encoding="utf-8")
+    except Exception:  # an unreadable entry: desktops skip it too
+        return False
+    return entry.get("Desktop Entry", "Hidden", fallback="false").strip() != "true"
+
+
+def _system_entry_on(env: Mapping[str, str]) -> bool:
+    return next((on for on in map(_xdg_entry_on, xdg_system_paths(env)) if on is not None), False)
+
+
 def launch_agent_path(home: Path) -> Path:
     return home / "Library" / "LaunchAgents" / f"{LAUNCH_AGENT_LABEL}.plist"
 
@@ -159,12 +183,17 @@ def enable(command: Sequence[str], *, platform: str = sys.platform, home: Path |
 
 def disable(*, platform: str = sys.platform, home: Path | None = None,
             env: Mapping[str, str] | None = None, winreg: Any = None) -> bool:
-    """Remove the registration. Returns whether there was one."""
+    """Remove the registration (or mask the system-wide one). Returns whether there was one."""
     kind = _kind(platform)
     home = Path.home() if home is None else home
     env = os.environ if env is None else env
     if kind in ("xdg", "macos"):
         path = xdg_autostart_path(home, env) if kind == "xdg" else launch_agent_path(home)
+        if kind == "xdg" and _system_entry_on(env):
+            # The package's system-wide entry stays; this user's hidden entry of the same name masks it.
+            was_on = _xdg_entry_on(path) is not False
+            _write(path, f"[Desktop Entry]\nType=Application\nName={APP_NAME}\nHidden=true\n".encode())
+            return was_on
         try:
             path.unlink()
         except FileNotFoundError:
@@ -184,20 +213,13 @@ def disable(*, platform: str = sys.platform, home: Path | None = None,
 def is_enabled(*, platform: str = sys.platform, home: Path | None = None,
                env: Mapping[str, str] | None = None, winreg: Any = None) -> bool:
     """Whether the agent is registered to start at login (an XDG entry marked ``Hidden=true``
-    counts as off, as desktops treat it)."""
+    counts as off, as desktops treat it; with no per-user entry, the system-wide one decides)."""
     kind = _kind(platform)
     home = Path.home() if home is None else home
     env = os.environ if env is None else env
     if kind == "xdg":
-        path = xdg_autostart_path(home, env)
-        if not path.is_file():
-            return False
-        entry = ConfigParser(interpolation=None, strict=False)
-        try:
-            entry.read(path, encoding="utf-8")
-        except Exception:  # an unreadable entry: desktops skip it too
-            return False
-        return entry.get("Desktop Entry", "Hidden", fallback="false").strip() != "true"
+        user = _xdg_entry_on(xdg_autostart_path(home, env))  # a user entry overrides the system's
+        return user if user is not None else _system_entry_on(env)
     if kind == "macos":
         return launch_agent_path(home).is_file()
     reg = _registry(winreg)

@@ -1,0 +1,193 @@
+"""What goes into Deskfleet's Debian packages, as text: pure functions, tested without dpkg.
+
+Two packages, so that a stage PC can never get torch by accident:
+
+- ``deskfleet``: the agent (tray and headless) and the console on the core dependencies plus
+  Qt. Its wheels (Deskfleet's and every dependency's) ship inside the package under
+  ``/opt/deskfleet/wheels``; ``postinst`` builds ``/opt/deskfleet/venv`` from them with no
+  network. Should the bundled wheels not fit the target's Python (another minor version), the
+  script falls back to the package index pip is configured with.
+- ``deskfleet-export``: the export toolchain (torch CPU, transformers, NNCF) for the admin's
+  machine, installed on top into the same environment. Optional; depends on ``deskfleet``.
+
+Layout: ``/usr/bin/deskfleet`` (a wrapper into the venv), desktop entries and hicolor icons for
+the tray agent and the console, an XDG autostart entry for the tray (same file name as the
+per-user one :mod:`installer.autostart` writes, so the tray's "Start at login" can override it),
+and a systemd *user* unit for the headless agent (``systemctl --user enable --now
+deskfleet-agent``).
+"""
+
+from __future__ import annotations
+
+from installer.autostart import DESKTOP_FILE, desktop_entry
+
+PREFIX = "/opt/deskfleet"
+BIN = "/usr/bin/deskfleet"
+UNIT_NAME = "deskfleet-agent.service"
+MAINTAINER = "Deskfleet maintainers <maintainers@deskfleet.invalid>"
+ICON_NAMES = ("deskfleet-agent", "deskfleet-console")
+EXPORT_WHEELS = f"{PREFIX}/export-wheels"
+
+
+def control(version: str, arch: str, installed_kb: int) -> str:
+    return (f"Package: deskfleet\nVersion: {version}\nArchitecture: {arch}\nMaintainer: {MAINTAINER}\n"
+            f"Installed-Size: {installed_kb}\nSection: net\nPriority: optional\n"
+            "Depends: python3 (>= 3.11), python3-venv\n"
+            "Recommends: libxcb-cursor0, libxkbcommon-x11-0, libegl1\n"
+            "Homepage: https://deskfleet.invalid\n"
+            "Description: lend idle office PCs to an LLM inference fleet\n"
+            " The Deskfleet agent (tray icon, or headless) lends this PC's CPU, GPU and NPU\n"
+            " to the organisation's LLM fleet while nobody uses it, and steps aside at once\n"
+            " when someone does. Also contains the admin console. No torch: the export\n"
+            " toolchain is the separate package deskfleet-export.\n")
+
+
+def export_control(version: str, arch: str, installed_kb: int) -> str:
+    return (f"Package: deskfleet-export\nVersion: {version}\nArchitecture: {arch}\nMaintainer: {MAINTAINER}\n"
+            f"Installed-Size: {installed_kb}\nSection: net\nPriority: optional\n"
+            f"Depends: deskfleet (= {version})\n"
+            "Description: Deskfleet's model export toolchain (for the admin's machine)\n"
+            " Adds torch (CPU build), transformers and NNCF to Deskfleet's environment, so the\n"
+            " console can turn checkpoints into per-stage OpenVINO shards. Stage PCs do not\n"
+            " need it.\n")
+
+
+def install_venv_script(version: str) -> str:
+    """``install-venv.sh [PREFIX]``: (re)build PREFIX/venv from PREFIX/wheels (and the export
+    wheels when deskfleet-export is installed). Offline first; the index only as a fallback.
+    ``PYTHON`` chooses the interpreter (default ``python3``)."""
+    return f"""#!/bin/sh
+# Build Deskfleet's Python environment from the wheels shipped in the package.
+set -eu
+prefix="${{1:-{PREFIX}}}"
+py="${{PYTHON:-python3}}"
+extras="gui"
+links="--find-links $prefix/wheels"
+if [ -d "$prefix/export-wheels" ]; then
+  extras="gui,export"
+  links="$links --find-links $prefix/export-wheels"
+fi
+spec="deskfleet[$extras]=={version}"
+rm -rf "$prefix/venv"
+"$py" -m venv "$prefix/venv"
+pip() {{ "$prefix/venv/bin/python" -m pip --disable-pip-version-check -q "$@"; }}
+echo "deskfleet: installing $spec into $prefix/venv (from the bundled wheels) ..." >&2
+# shellcheck disable=SC2086
+if ! pip install --no-index $links "$spec"; then
+  echo "deskfleet: the bundled wheels do not fit this Python ($("$py" -V 2>&1)); using the package index" >&2
+  # shellcheck disable=SC2086
+  pip install $links "$spec"
+fi
+echo "deskfleet: ready: {BIN} agent (tray) or {BIN} agent --headless" >&2
+"""
+
+
+def wrapper() -> str:
+    return f'#!/bin/sh\nexec {PREFIX}/venv/bin/deskfleet "$@"\n'
+
+
+def postinst() -> str:
+    return f"""#!/bin/sh
+set -e
+if [ "$1" = "configure" ]; then
+  {PREFIX}/lib/install-venv.sh {PREFIX}
+  if command -v update-desktop-database >/dev/null 2>&1; then update-desktop-database -q /usr/share/applications || true; fi
+  if command -v gtk-update-icon-cache >/dev/null 2>&1; then gtk-update-icon-cache -q -t /usr/share/icons/hicolor || true; fi
+fi
+exit 0
+"""
+
+
+def prerm() -> str:
+    # The venv is built by postinst, so dpkg does not know its files: remove it here.
+    return f"""#!/bin/sh
+set -e
+case "$1" in
+  remove|upgrade|deconfigure) rm -rf {PREFIX}/venv ;;
+esac
+exit 0
+"""
+
+
+def export_postinst() -> str:
+    return f"""#!/bin/sh
+set -e
+if [ "$1" = "configure" ]; then
+  {PREFIX}/lib/install-venv.sh {PREFIX}
+fi
+exit 0
+"""
+
+
+def export_postrm() -> str:
+    # Back to the core-only environment once the export wheels are gone (if deskfleet stays).
+    return f"""#!/bin/sh
+set -e
+if [ "$1" = "remove" ] && [ -x {PREFIX}/lib/install-venv.sh ]; then
+  {PREFIX}/lib/install-venv.sh {PREFIX} || true
+fi
+exit 0
+"""
+
+
+def app_entry(name: str, comment: str, args: str, icon: str, categories: str) -> str:
+    return ("[Desktop Entry]\nType=Application\n"
+            f"Name={name}\nComment={comment}\nExec={BIN} {args}\nIcon={icon}\n"
+            f"Terminal=false\nCategories={categories}\n")
+
+
+def agent_entry() -> str:
+    return app_entry("Deskfleet agent", "Lend this PC to the office LLM fleet while it is idle", "agent",
+                     "deskfleet-agent", "Utility;Network;")
+
+
+def console_entry() -> str:
+    return app_entry("Deskfleet console", "Run the office LLM fleet: agents, models, placement, chat", "console",
+                     "deskfleet-console", "Network;System;")
+
+
+def autostart_entry() -> str:
+    """The tray at every desktop login (the per-user "Start at login" setting can hide it)."""
+    return desktop_entry([BIN, "agent"]) + "Icon=deskfleet-agent\n"
+
+
+def systemd_user_unit() -> str:
+    return f"""[Unit]
+Description=Deskfleet agent (headless): lends this PC to the office LLM fleet while it is idle
+Documentation=file:///usr/share/doc/deskfleet/README.md
+
+[Service]
+Type=simple
+ExecStart={BIN} agent --headless
+Restart=on-failure
+RestartSec=10
+# SIGTERM to the agent only: it stops its stage worker itself, finishing the step in hand
+KillMode=mixed
+TimeoutStopSec=60
+Nice=10
+
+[Install]
+WantedBy=default.target
+"""
+
+
+def copyright_file() -> str:
+    return ("Format: https://www.debian.org/doc/packaging-manuals/copyright-format/1.0/\n"
+            "Upstream-Name: deskfleet\n\nFiles: *\nCopyright: Deskfleet authors\nLicense: Apache-2.0\n"
+            " The bundled wheels under /opt/deskfleet carry their own licences in their metadata.\n")
+
+
+def data_files(version: str) -> dict[str, tuple[str, int]]:
+    """Generated files of the ``deskfleet`` package: path -> (content, mode)."""
+    return {
+        f"{PREFIX}/lib/install-venv.sh": (install_venv_script(version), 0o755),
+        BIN: (wrapper(), 0o755),
+        "/usr/share/applications/deskfleet-agent.desktop": (agent_entry(), 0o644),
+        "/usr/share/applications/deskfleet-console.desktop": (console_entry(), 0o644),
+        f"/etc/xdg/autostart/{DESKTOP_FILE}": (autostart_entry(), 0o644),
+        f"/usr/lib/systemd/user/{UNIT_NAME}": (systemd_user_unit(), 0o644),
+        "/usr/share/doc/deskfleet/copyright": (copyright_file(), 0o644),
+    }
+
+
+CONFFILES = (f"/etc/xdg/autostart/{DESKTOP_FILE}",)

@@ -1,0 +1,196 @@
+"""Packaging: the files the Debian packages and the Windows installer carry (read back by
+independent parsers), the icons, and (slow) the real .deb built, unpacked into a temporary root,
+its environment built offline from the bundled wheels into a fresh venv (the machine's own Python
+untouched), no torch in it, and the headless agent started from it."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import struct
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from configparser import ConfigParser
+from pathlib import Path
+
+import pytest
+
+from installer import autostart, deb, windows
+from installer.build_deb import build, dpkg_build, stage_export_package
+from installer.build_windows import stage as stage_windows
+from installer.packaging import FORBIDDEN_ON_STAGE_PCS, REPO, project_version, requirement
+
+VERSION = project_version()
+
+
+def _ini(text: str) -> ConfigParser:
+    parser = ConfigParser(interpolation=None, strict=True)
+    parser.optionxform = str
+    parser.read_string(text)
+    return parser
+
+
+def _sh_syntax_ok(script: str, tmp_path: Path) -> None:
+    path = tmp_path / "script.sh"
+    path.write_text(script)
+    proc = subprocess.run(["sh", "-n", str(path)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_desktop_entries_unit_and_scripts(tmp_path):
+    files = deb.data_files(VERSION)
+    for name, args in (("agent", ["agent"]), ("console", ["console"])):
+        entry = _ini(files[f"/usr/share/applications/deskfleet-{name}.desktop"][0])["Desktop Entry"]
+        assert shlex.split(entry["Exec"]) == [deb.BIN, *args]
+        assert entry["Icon"] == f"deskfleet-{name}" and entry["Type"] == "Application"
+    auto = _ini(files["/etc/xdg/autostart/deskfleet-agent.desktop"][0])["Desktop Entry"]
+    assert shlex.split(auto["Exec"]) == [deb.BIN, "agent"] and "Hidden" not in auto
+    assert deb.CONFFILES == ("/etc/xdg/autostart/" + autostart.DESKTOP_FILE,)
+
+    unit = _ini(files["/usr/lib/systemd/user/deskfleet-agent.service"][0])
+    assert shlex.split(unit["Service"]["ExecStart"]) == [deb.BIN, "agent", "--headless"]
+    assert unit["Install"]["WantedBy"] == "default.target" and unit["Service"]["Restart"] == "on-failure"
+
+    script = files["/opt/deskfleet/lib/install-venv.sh"][0]
+    assert requirement(VERSION, ("gui",)).replace("gui", "$extras") in script
+    assert "--no-index" in script and "export" not in script.split("if [ -d")[0]
+    assert files[deb.BIN][0].endswith('exec /opt/deskfleet/venv/bin/deskfleet "$@"\n')
+    for text in (script, files[deb.BIN][0], deb.postinst(), deb.prerm(), deb.export_postinst(), deb.export_postrm()):
+        _sh_syntax_ok(text, tmp_path)
+    assert "/opt/deskfleet/lib/install-venv.sh /opt/deskfleet" in deb.postinst()
+    assert "rm -rf /opt/deskfleet/venv" in deb.prerm()
+
+
+def test_the_trays_start_at_login_toggle_masks_the_packages_autostart_entry(tmp_path):
+    system = tmp_path / "etc-xdg"
+    (system / "autostart").mkdir(parents=True)
+    (system / "autostart" / autostart.DESKTOP_FILE).write_text(deb.autostart_entry())
+    kw = dict(platform="linux", home=tmp_path / "home",
+              env={"XDG_CONFIG_HOME": str(tmp_path / "cfg"), "XDG_CONFIG_DIRS": f"/nonexistent:{system}"})
+    assert autostart.is_enabled(**kw)  # installed: on for everyone
+    assert autostart.disable(**kw) is True  # the person turns it off ...
+    assert not autostart.is_enabled(**kw)
+    mask = _ini((tmp_path / "cfg" / "autostart" / autostart.DESKTOP_FILE).read_text())["Desktop Entry"]
+    assert mask["Hidden"] == "true"
+    assert (system / "autostart" / autostart.DESKTOP_FILE).is_file()  # ... without touching the package's
+    assert autostart.disable(**kw) is False
+    autostart.enable([deb.BIN, "agent"], **kw)
+    assert autostart.is_enabled(**kw)
+
+
+def test_the_export_package_depends_on_the_core_and_carries_no_core_files(tmp_path):
+    root = tmp_path / "root"
+    stage_export_package(root, VERSION, [], "all")
+    built = dpkg_build(root, tmp_path)
+    info = subprocess.run(["dpkg-deb", "--field", str(built), "Package", "Depends"], capture_output=True,
+                          text=True, check=True).stdout
+    assert "Package: deskfleet-export" in info and f"Depends: deskfleet (= {VERSION})" in info
+    listing = subprocess.run(["dpkg-deb", "-c", str(built)], capture_output=True, text=True, check=True).stdout
+    assert "./opt/deskfleet/export-wheels/" in listing and "/usr/bin/" not in listing
+    assert "gui,export" in deb.install_venv_script(VERSION)  # the core script adds the extra when present
+
+
+def test_windows_installer_files(tmp_path):
+    iss = windows.inno_script(VERSION)
+    assert "PrivilegesRequired=lowest" in iss and f"AppVersion={VERSION}" in iss
+    reg = next(line for line in iss.splitlines() if line.startswith("Root: HKCU"))
+    assert f'Subkey: "{autostart.RUN_KEY}"' in reg and f'ValueName: "{autostart.RUN_VALUE_NAME}"' in reg
+    value = reg.split("ValueData: ", 1)[1].split("; Flags", 1)[0]
+    assert value[0] == value[-1] == '"'
+    app = r"C:\Users\Ana Lopez\AppData\Local\Programs\Deskfleet"
+    written = value[1:-1].replace('""', '"').replace("{app}", app)
+    # exactly what the tray's own "Start at login" writes, so the tray sees the installer's choice
+    assert written == autostart.windows_run_value([app + r"\venv\Scripts\pythonw.exe", "-m", "engine.cli", "agent"])
+    for shortcut, args in (("Deskfleet agent", "agent"), ("Deskfleet console", "console")):
+        line = next(x for x in iss.splitlines() if f"\\{shortcut}\"" in x)
+        assert windows.PYTHONW in line and f'Parameters: "-m engine.cli {args}"' in line
+    ps1 = windows.install_venv_ps1(VERSION)
+    assert f'"deskfleet[gui]=={VERSION}"' in ps1 and "--no-index" in ps1 and "export" not in ps1
+
+    out = tmp_path / "win"
+    out.mkdir()
+    iss_path = stage_windows(out, vendor=False)
+    assert iss_path.read_bytes().startswith(b"\xef\xbb\xbf")
+    names = {p.name for p in out.iterdir()} | {p.name for p in (out / "wheels").iterdir()}
+    assert {"deskfleet.iss", "install-venv.ps1", "deskfleet-agent.ico", "deskfleet-console.ico",
+            f"deskfleet-{VERSION}-py3-none-any.whl"} <= names
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()[:24]
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", path
+    return struct.unpack(">II", data[16:24])
+
+
+def test_icons_exist_in_every_size():
+    for name in deb.ICON_NAMES:
+        assert ET.parse(REPO / "assets" / f"{name}.svg").getroot().tag.endswith("svg")
+        for size in (16, 32, 48, 64, 128, 256):
+            assert _png_size(REPO / "assets" / f"{name}-{size}.png") == (size, size)
+        assert (REPO / "assets" / f"{name}.ico").read_bytes()[:4] == b"\x00\x00\x01\x00"  # ICO header
+
+
+def _work_dir() -> Path:
+    cache = Path(os.environ.get("DESKFLEET_CACHE", Path.home() / ".cache" / "deskfleet"))
+    return cache / "installer-work"  # downloaded wheels are kept between runs
+
+
+@pytest.mark.slow
+def test_the_deb_installs_offline_without_torch_and_runs_the_headless_agent(tmp_path):
+    (deb_path,) = build(tmp_path / "dist", work=_work_dir())
+    fields = subprocess.run(["dpkg-deb", "--field", str(deb_path), "Package", "Depends"], capture_output=True,
+                            text=True, check=True).stdout
+    assert "Package: deskfleet\n" in fields and "python3-venv" in fields
+    listing = subprocess.run(["dpkg-deb", "-c", str(deb_path)], capture_output=True, text=True, check=True).stdout
+    for path in ("./usr/bin/deskfleet", "./etc/xdg/autostart/deskfleet-agent.desktop",
+                 "./usr/lib/systemd/user/deskfleet-agent.service", "./usr/share/applications/deskfleet-console.desktop",
+                 "./usr/share/icons/hicolor/scalable/apps/deskfleet-agent.svg",
+                 f"./opt/deskfleet/wheels/deskfleet-{VERSION}-py3-none-any.whl"):
+        assert path in listing, path
+    bundled = [line.rsplit("/", 1)[1].split("-")[0].lower() for line in listing.splitlines() if line.endswith(".whl")]
+    assert "openvino" in bundled and "pyside6_essentials" in bundled
+    assert not set(bundled) & set(FORBIDDEN_ON_STAGE_PCS)
+
+    root = tmp_path / "root"
+    subprocess.run(["dpkg", "-x", str(deb_path), str(root)], check=True)
+    prefix = root / "opt" / "deskfleet"
+    # No pip configuration (no mirror, no find-links) and --no-index in the script: only the bundle counts.
+    env = {**os.environ, "PYTHON": sys.executable, "PIP_CONFIG_FILE": os.devnull, "PIP_NO_INDEX": "1"}
+    proc = subprocess.run(["sh", str(prefix / "lib" / "install-venv.sh"), str(prefix)], env=env,
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "do not fit this Python" not in proc.stderr  # the offline path, not the index fallback
+    python = prefix / "venv" / "bin" / "python"
+    probe = subprocess.run([str(python), "-c", "import importlib.util as u, sys; "
+                            "print(sys.prefix); print(u.find_spec('engine').origin); "
+                            "print([m for m in ('torch', 'transformers', 'nncf', 'PySide6', "
+                            "'openvino', 'engine', 'agent') if u.find_spec(m)])"],
+                           capture_output=True, text=True, check=True, env={"PATH": os.environ["PATH"]},
+                           cwd=tmp_path)
+    prefix_line, engine_origin, found = probe.stdout.splitlines()
+    assert Path(prefix_line) == prefix / "venv"
+    assert Path(engine_origin).is_relative_to(prefix / "venv")  # the packaged code, not this checkout
+    assert eval(found) == ["PySide6", "openvino", "engine", "agent"]  # and no torch, transformers or nncf
+
+    agent_env = {**os.environ, "DESKFLEET_KEYRING_DIR": str(tmp_path / "keyring")}
+    agent = subprocess.Popen([str(prefix / "venv" / "bin" / "deskfleet"), "agent", "--headless", "--interface",
+                              "127.0.0.1", "--state-dir", str(tmp_path / "state"), "--control-port", "0",
+                              "--data-port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env=agent_env, cwd=tmp_path)
+    lines = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = agent.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "deskfleet agent: not-joined" in line:
+                break
+        assert any("deskfleet agent: not-joined" in x for x in lines), "".join(lines)
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(60) == 0
