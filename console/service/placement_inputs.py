@@ -1,0 +1,176 @@
+"""Placement the admin can adjust: the solver's inputs kept after a placement, so that leaving an
+agent out re-solves without measuring anything again, and moving a split point re-times the
+plan at once (pure arithmetic over the same profiles the solver used).
+
+`async_place` (:mod:`console.service.profiling`) measures, calibrates and solves in one go and
+returns only the plan. The console's Placement page needs the inputs too, so
+:func:`async_placement_inputs` runs the same steps with the same public helpers and stops before
+the solver; :func:`solve_inputs` and :func:`retime` are pure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import TYPE_CHECKING
+
+from console.service.agent_record import Membership
+from console.service.calibration_export import (
+    async_build_calibration_set,
+    layer_weight_bytes,
+    model_profile,
+)
+from console.service.fleet import FleetModel
+from console.service.links import LinkReport, async_measure_links
+from console.service.profiling import (
+    ProfileCache,
+    async_calibrate_devices,
+    device_profiles,
+    pc_infos,
+)
+from engine.errors import Exclusion, PlacementInputError
+from engine.fleet_hub import FleetHub
+from engine.placement import (
+    DeviceProfile,
+    ModelProfile,
+    PcInfo,
+    PlacementRequest,
+    Plan,
+    PlannedStage,
+    solve,
+)
+
+if TYPE_CHECKING:
+    from export.exporter import ExportOptions
+
+LEFT_OUT = "left out by the admin"
+UNREACHABLE = "unreachable"
+
+
+@dataclass(frozen=True)
+class PlacementInputs:
+    """Everything the solver saw for one model and context. ``names`` maps node ids to agent
+    names (for display); ``unreachable`` are approved agents that did not answer; ``failures``
+    are devices whose calibration failed, and why."""
+
+    model: ModelProfile
+    pcs: tuple[PcInfo, ...]
+    devices: tuple[DeviceProfile, ...]
+    links: LinkReport
+    unreachable: tuple[str, ...]
+    names: Mapping[str, str]
+    failures: Mapping[tuple[str, str], str]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "names", MappingProxyType(dict(self.names)))
+        object.__setattr__(self, "failures", MappingProxyType(dict(self.failures)))
+
+    def name(self, node_id: str) -> str:
+        return self.names.get(node_id) or node_id[:12]
+
+    def device(self, device_id: str) -> DeviceProfile:
+        for d in self.devices:
+            if d.device_id == device_id:
+                return d
+        raise PlacementInputError(f"no device {device_id} was calibrated; place the model again")
+
+
+async def async_placement_inputs(fleet: FleetModel, hub: FleetHub, checkpoint: Path, *,
+                                 options: ExportOptions, context: int = 4096, streams: int = 1,
+                                 allow_battery: bool = False, steps: int = 16) -> PlacementInputs:
+    """Refresh the agents, measure the links, calibrate (cached), profile the model: what
+    `async_place` does before it solves. Runs on the console's loop (``fleet`` lives there)."""
+    await fleet.async_refresh()
+    members = [r for r in fleet.records() if r.membership is Membership.MEMBER]
+    unreachable = [r.node_id for r in members if r.approved and r.status is None]
+    polled = [r for r in members if r.status is not None]
+    usable = [r.node_id for r in polled if r.approved and not r.paused and (allow_battery or not r.on_battery)]
+    links = await async_measure_links(fleet, usable)
+    unreachable += sorted(links.unreachable & set(usable))
+    usable = [n for n in usable if n not in links.unreachable]
+    calibration = await async_build_calibration_set(checkpoint, fleet.state_dir, options)
+    calibrations = await async_calibrate_devices(fleet, hub, calibration, usable, ProfileCache(fleet.state_dir),
+                                                 steps=steps)
+    model = model_profile(calibration, context=context, streams=streams, kv_precision=options.kv_cache_precision)
+    by_id = {r.node_id: r for r in polled}
+    reachable = [r for r in polled if r.node_id not in links.unreachable]
+    devices = device_profiles(calibrations.done, by_id, model, layer_weight_bytes(calibration))
+    return PlacementInputs(model, tuple(pc_infos(reachable)), tuple(devices), links, tuple(unreachable),
+                           {r.node_id: r.name for r in members}, calibrations.failures)
+
+
+def solve_inputs(inputs: PlacementInputs, request: PlacementRequest,
+                 leave_out: Collection[str] = ()) -> Plan:
+    """Solve over ``inputs`` without the agents ``leave_out`` (node ids). Raises the solver's
+    `PlacementInfeasible` unchanged; an agent the admin left out is listed as `LEFT_OUT`."""
+    pcs = [dataclasses.replace(pc, approved=False) if pc.pc_id in leave_out else pc for pc in inputs.pcs]
+    plan = solve(request, model=inputs.model, pcs=pcs, devices=inputs.devices, links=inputs.links.links)
+    excluded = tuple(Exclusion(e.pc_id, LEFT_OUT) if e.pc_id in leave_out else e for e in plan.excluded)
+    excluded += tuple(Exclusion(n, UNREACHABLE) for n in inputs.unreachable)
+    return dataclasses.replace(plan, excluded=excluded)
+
+
+def stage_firsts(plan: Plan) -> tuple[int, ...]:
+    """The plan's split points: the first layer of every stage after the first."""
+    return tuple(s.first_layer for s in plan.stages[1:])
+
+
+def retime(inputs: PlacementInputs, plan: Plan, firsts: Sequence[int]) -> Plan:
+    """``plan`` with its stages cut at ``firsts`` instead (same devices, same order), re-timed
+    with the solver's own latency model: a stage costs layers x layer_ms + overhead (+ the
+    embedding or head it carries), every hop its measured one-way latency. ``optimal`` is False:
+    the admin chose the cuts. Raises PlacementInputError for cuts that leave a stage empty."""
+    n_layers = inputs.model.n_layers
+    cuts = [0, *firsts, n_layers]
+    if len(firsts) != len(plan.stages) - 1 or any(b <= a for a, b in zip(cuts, cuts[1:], strict=False)):
+        raise PlacementInputError(f"split points {list(firsts)} do not give {len(plan.stages)} non-empty "
+                                  f"stages over {n_layers} layers; each must be above the previous one")
+    stages = []
+    for old, first, end in zip(plan.stages, cuts, cuts[1:], strict=False):
+        device = inputs.device(old.device_id)
+        compute, memory = _stage_cost(device.model or inputs.model, device, first, end - 1)
+        stages.append(PlannedStage(old.device_id, old.pc_id, first, end - 1, compute, memory))
+    links = inputs.links.links
+    hops = ((links.coordinator(stages[0].pc_id),)
+            + tuple(links.between(a.pc_id, b.pc_id) for a, b in zip(stages, stages[1:], strict=False))
+            + (links.coordinator(stages[-1].pc_id),))
+    per_token = sum(s.compute_ms for s in stages) + sum(hops)
+    bottleneck = max(max(s.compute_ms for s in stages), max(hops))
+    cycle = max(bottleneck, per_token / plan.n_streams)
+    return dataclasses.replace(plan, stages=tuple(stages), hop_ms=hops, per_token_ms=per_token,
+                               tok_s=1000.0 / per_token, bottleneck_ms=bottleneck, cycle_ms=cycle,
+                               aggregate_tok_s=1000.0 / cycle, optimal=False)
+
+
+def _stage_cost(model: ModelProfile, device: DeviceProfile, first: int, last: int) -> tuple[float, int]:
+    """(ms per token, bytes) of layers first..last on ``device``; embedding with layer 0, head
+    with the last layer, as `engine.placement` counts them."""
+    ms = device.layer_ms * (last - first + 1) + device.overhead_ms
+    memory = sum(model.layer_bytes[first:last + 1])
+    if first == 0:
+        ms, memory = ms + model.embed_ms, memory + model.embed_bytes
+    if last == model.n_layers - 1:
+        ms, memory = ms + model.head_ms, memory + model.head_bytes
+    return ms, memory
+
+
+def memory_warnings(inputs: PlacementInputs, plan: Plan, headroom: float) -> list[str]:
+    """Why an adjusted plan would not fit: a stage over its device's share of memory, or a PC
+    whose stages together exceed its own (both at ``headroom``, as the solver counts)."""
+    warnings = []
+    pc_memory = {pc.pc_id: pc.memory_bytes for pc in inputs.pcs}
+    used: dict[str, int] = {}
+    for k, stage in enumerate(plan.stages):
+        cap = headroom * inputs.device(stage.device_id).memory_bytes
+        if stage.memory_bytes > cap:
+            warnings.append(f"stage {k} needs {stage.memory_bytes / 1e9:.2f} GB but {inputs.name(stage.pc_id)} "
+                            f"offers {cap / 1e9:.2f} GB on {stage.device_id.rsplit('/', 1)[-1]}")
+        used[stage.pc_id] = used.get(stage.pc_id, 0) + stage.memory_bytes
+    for pc_id, total in used.items():
+        cap = headroom * pc_memory.get(pc_id, 0)
+        if total > cap:
+            warnings.append(f"{inputs.name(pc_id)} would hold {total / 1e9:.2f} GB of {cap / 1e9:.2f} GB usable")
+    return warnings
