@@ -1,0 +1,92 @@
+"""``deskfleet console``: the QApplication, the console bridge and the main window.
+
+The console runs until its window is closed (or SIGINT/SIGTERM); then it stops serving (the
+API, the ring and every agent's worker), discovery and the fleet host, and joins its loop thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+
+from PySide6.QtCore import QTimer
+from PySide6.QtWidgets import QApplication
+
+log = logging.getLogger("deskfleet.console")
+
+
+def settings_from_args(args: argparse.Namespace):
+    """The console's settings for the parsed command line (defaults for what it does not name)."""
+    from console.service.console_settings import (
+        API_PORT,
+        ENROLLMENT_PORT,
+        HUB_PORT,
+        ConsoleSettings,
+        default_state_dir,
+    )
+    from engine.host import primary_ipv4
+
+    interface = getattr(args, "interface", None) or primary_ipv4()
+    return ConsoleSettings(state_dir=getattr(args, "state_dir", None) or default_state_dir(), interface=interface,
+                           api_port=_port(args, "api_port", API_PORT),
+                           enrollment_port=_port(args, "enrollment_port", ENROLLMENT_PORT),
+                           hub_port=_port(args, "hub_port", HUB_PORT))
+
+
+def _port(args: argparse.Namespace, name: str, default: int) -> int:
+    from engine.errors import DeskfleetError
+
+    value = getattr(args, name, None)
+    value = default if value is None else value
+    if not 0 <= value < 65536:
+        raise DeskfleetError(f"--{name.replace('_', '-')} must be a TCP port (0-65535), not {value}")
+    return value
+
+
+def run_console(args: argparse.Namespace, *, until=None) -> int:
+    """Run the console until its window closes; returns the exit code. ``until(window)`` (tests)
+    is called once the console has started and quits the app when it returns."""
+    from console.bridge import ConsoleBridge
+    from console.main_window import QtConsoleWindow
+
+    settings = settings_from_args(args)
+    app = QApplication.instance() or QApplication(sys.argv[:1])
+    app.setApplicationName("Deskfleet console")
+    bridge = ConsoleBridge(settings)
+    window = QtConsoleWindow(bridge)
+    code = {"exit": 0}
+
+    def failed(why: str) -> None:
+        print(f"deskfleet console: could not start: {why}", file=sys.stderr, flush=True)
+        code["exit"] = 1
+        app.quit()
+
+    def started() -> None:
+        print(f"deskfleet console: fleet {bridge.fleet_id}; PCs join at {bridge.enrollment}; state in "
+              f"{settings.state_dir}", flush=True)
+        if until is not None:
+            until(window)
+            app.quit()
+
+    bridge.start_failed.connect(failed)
+    bridge.started.connect(started)
+    # SIGINT/SIGTERM quit the event loop; a timer lets Python run its signal handlers while Qt waits.
+    previous = {sig: signal.signal(sig, lambda *_: app.quit()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    waker = QTimer()
+    waker.timeout.connect(lambda: None)
+    waker.start(250)
+    window.show()
+    bridge.start()
+    try:
+        app.exec()
+    finally:
+        waker.stop()
+        window.shutdown()
+        bridge.close()
+        window.close()
+        window.deleteLater()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return code["exit"]

@@ -1,0 +1,36 @@
+"""``deskfleet console``: the admin console (Qt). Qt is imported only when the command runs, so
+``deskfleet --help`` works on a machine without the gui extra."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from engine.cli import Command
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    from console.service.console_settings import API_PORT, ENROLLMENT_PORT, HUB_PORT
+
+    p.add_argument("--state-dir", type=Path, default=None,
+                   help="where the fleet CA, approvals, models and exports live (default: the per-user data "
+                        "directory); the CA is created there on the first run")
+    p.add_argument("--interface", default=None, metavar="ADDR",
+                   help="IPv4 address to serve agents and browse mDNS on (default: the address of the default "
+                        "route's interface; 127.0.0.1 keeps everything on this PC)")
+    p.add_argument("--api-port", type=int, default=API_PORT,
+                   help=f"port of the OpenAI-compatible API over the fleet (default {API_PORT}; 0: any free)")
+    p.add_argument("--enrollment-port", type=int, default=ENROLLMENT_PORT,
+                   help=f"port where PCs redeem join tokens (default {ENROLLMENT_PORT}; 0: any free)")
+    p.add_argument("--hub-port", type=int, default=HUB_PORT,
+                   help=f"port of the shard hub and unicast registration (default {HUB_PORT}; 0: any free)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from console.app import run_console
+
+    return run_console(args)
+
+
+COMMAND = Command(name="console", help="the Deskfleet admin console: fleet, models, placement, distribution, "
+                  "chat and metrics", configure=configure, run=run)

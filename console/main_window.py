@@ -1,0 +1,67 @@
+"""The console's one window: a page per step from an empty network to a served model (Fleet,
+Models, Placement, Distribution, Chat, Metrics), over one bridge and one serving controller.
+Closing the window shuts the pages down; the bridge itself is closed by whoever created it
+(`console.app.run_console`, or a test)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from PySide6.QtGui import QCloseEvent
+from PySide6.QtWidgets import QMainWindow, QTabWidget
+
+from console.bridge import ConsoleBridge
+from console.chat_page import QtChatPage
+from console.distribution_page import QtDistributionPage
+from console.fleet_page import QtFleetPage
+from console.metrics_page import QtMetricsPage
+from console.models_page import QtModelsPage
+from console.placement_page import QtPlacementPage
+from console.serving import FleetServing
+
+
+class QtConsoleWindow(QMainWindow):
+    def __init__(self, bridge: ConsoleBridge, *, chat_options: Mapping[str, Any] | None = None) -> None:
+        super().__init__()
+        self.bridge = bridge
+        self.serving = FleetServing(bridge, self)
+        self.setWindowTitle(f"Deskfleet console — {bridge.settings.interface}")
+        self.resize(1100, 720)
+        self.tabs = QTabWidget()
+        self.fleet_page = QtFleetPage(bridge)
+        self.models_page = QtModelsPage(bridge)
+        self.placement_page = QtPlacementPage(bridge)
+        self.distribution_page = QtDistributionPage(self.serving, bridge.session)
+        self.chat_page = QtChatPage(self.serving, bridge.loop, options=chat_options)
+        self.metrics_page = QtMetricsPage(bridge, self.serving)
+        for page, title in ((self.fleet_page, "Fleet"), (self.models_page, "Models"),
+                            (self.placement_page, "Placement"), (self.distribution_page, "Distribution"),
+                            (self.chat_page, "Chat"), (self.metrics_page, "Metrics")):
+            self.tabs.addTab(page, title)
+        self.setCentralWidget(self.tabs)
+        bridge.start_failed.connect(lambda why: self.statusBar().showMessage(f"The console did not start: {why}"))
+        bridge.started.connect(lambda: self.statusBar().showMessage(
+            f"Fleet {bridge.fleet_id[:16]}… — enrollment {bridge.enrollment}", 0))
+        bridge.error.connect(lambda what, why: self.statusBar().showMessage(f"{what} failed: {why}", 15000))
+        self.serving.api_ready.connect(lambda url: self.statusBar().showMessage(f"Serving at {url}", 0))
+
+    def page(self, title: str):
+        """The page whose tab is ``title``."""
+        for i in range(self.tabs.count()):
+            if self.tabs.tabText(i) == title:
+                return self.tabs.widget(i)
+        raise KeyError(title)
+
+    def show_page(self, title: str) -> None:
+        self.tabs.setCurrentWidget(self.page(title))
+
+    def shutdown(self) -> None:
+        """Stop what the pages run on their own (a chat reply, an export process)."""
+        self.chat_page.shutdown()
+        self.models_page.shutdown()
+        self.serving.cancel_export()
+
+    def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802 (Qt's name)
+        self.shutdown()
+        super().closeEvent(event)
