@@ -256,6 +256,17 @@ class Coordinator:
                     for state in late:
                         await self._fail(state, UnavailableError(f"a stage stopped answering: {reason}"))
 
+    @property
+    def recovering(self) -> bool:
+        """True while streams are held for a failover."""
+        return self._recovering
+
+    def request_failover(self, reason: str) -> None:
+        """Fail over now, without waiting for a step timeout (e.g. the console heard that an
+        agent paused). Ignored without a ``recover`` hook or while a failover is under way."""
+        if self.recover is not None and self._task is not None:
+            self._start_failover(reason)
+
     def _start_failover(self, reason: str) -> None:
         if self._recovering or self._stopping:
             return
@@ -283,22 +294,27 @@ class Coordinator:
                 self._counters["finished"] += 1
             else:
                 reset_for_replay(state)
+        stale = await self._async_renumber()
         try:
             self.path = await asyncio.wait_for(self.recover(self.path, reason), self.hold_timeout_s)
         except Exception as exc:  # noqa: BLE001 - any failure to recover ends the held streams
             self._recovering = False
             self._task = asyncio.create_task(self._run(), name="deskfleet-coordinator")
-            error = UnavailableError(f"a stage stopped answering ({reason}) and no replacement was ready within "
-                                     f"{self.hold_timeout_s:.0f} s ({exc!r}); retry when the fleet is back")
+            # a named error from the hook explains itself; anything else is reported as it came
+            detail = (str(exc) if isinstance(exc, DeskfleetError) else
+                      f"no replacement was ready within {self.hold_timeout_s:.0f} s ({exc!r})")
+            error = UnavailableError(f"a stage stopped answering ({reason}) and {detail}; retry when the fleet "
+                                     "is back")
             for state in list(self._active.values()):
                 await self._fail(state, error)
             return
         self._task = asyncio.create_task(self._run(), name="deskfleet-coordinator")
         self._recovering = False
         log.info("ring recovered; replaying %d stream(s)", len(self._active))
+        for stream_id in stale:  # again on the new ring, in case the old connection was already gone
+            with contextlib.suppress(DeskfleetError, OSError):
+                await self.path.async_release(stream_id)
         for state in list(self._active.values()):
-            with contextlib.suppress(DeskfleetError):
-                await self.path.async_release(state.stream_id)  # surviving stages drop the old KV
             if state.failovers > MAX_FAILOVERS_PER_STREAM:
                 await self._fail(state, UnavailableError(f"stream {state.stream_id} failed over "
                                                          f"{state.failovers} times; giving up"))
@@ -309,6 +325,32 @@ class Coordinator:
         await self._admit()
         if not self._active and not self._waiting:
             self._idle.set()
+
+    async def _async_renumber(self) -> list[StreamId]:
+        """Give every held stream a new wire id; release the old ids on the old connection first.
+
+        Frames sent before the failure may still sit in a surviving stage's queue and be computed
+        after the ring is back; under a new id the replay never shares KV state with them. The
+        Release goes out on the same connection behind them, so the stage drops their state once
+        they are done. Returns the old ids."""
+        stale = list(self._active)
+
+        async def release_old() -> None:
+            for stream_id in stale:
+                await self.path.async_release(stream_id)
+
+        with contextlib.suppress(DeskfleetError, OSError, TimeoutError):
+            await asyncio.wait_for(release_old(), 2.0)
+        for state in list(self._active.values()):
+            old = state.stream_id
+            state.stream_id = StreamId(next(self._ids))
+            self._active[state.stream_id] = self._active.pop(old)
+            if old in self._queues:
+                self._queues[state.stream_id] = self._queues.pop(old)
+            self._sent_at.pop(old, None)
+            if self.speculation is not None:
+                self.speculation.forget(old)
+        return stale
 
     async def _run(self) -> None:
         while True:

@@ -160,6 +160,13 @@ class StageWorker:
                 await self._send(Error(ErrorCode.SHUTTING_DOWN, f"stage {self.stage.index} is shutting down",
                                        msg.stream_id, msg.seq))
                 return
+            if msg.attention_mask.shape[-1] != msg.tensor.shape[1]:
+                # a later step of a stream this stage does not hold: a frame still in flight when the
+                # ring failed over. Computed on empty state it gives garbage (and can leave the stage
+                # answering empty tensors), so it is refused; the coordinator drops the reply.
+                await self._send(Error(ErrorCode.UNKNOWN_STREAM, f"stage {self.stage.index} holds no stream "
+                                       f"{msg.stream_id} for this step", msg.stream_id, msg.seq))
+                return
             stream = self._streams[msg.stream_id] = self.stage.new_stream()
         loop = asyncio.get_running_loop()
         x = msg.tensor if msg.tensor.dtype != np.float16 else msg.tensor.astype(np.float32)
