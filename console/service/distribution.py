@@ -13,6 +13,10 @@ A failure is data until the end of a phase: every agent gets its chance, then
 :class:`AgentsFailedError` names each agent that failed and why. Running again resumes: agents
 keep the files they verified (the agent's store remembers them), an unchanged assignment keeps a
 running worker running, and the return port stays the same so the assignments do not change.
+
+Once up, the ring fails over (:mod:`console.service.failover`): a stage that stops answering
+(step timeout, or at once when its agent tells the hub it paused) comes back on its own agent or
+moves to one of the ``standby`` agents while the coordinator holds and then replays every stream.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,12 +36,20 @@ from console.service.errors import (
     LayoutError,
     RingUnhealthyError,
 )
-from console.service.ring_layout import AgentProgress, AgentTarget, RingHealth, RingLayout
+from console.service.failover import FailoverSettings, RingRecovery
+from console.service.ring_layout import (
+    AgentEndpoint,
+    AgentProgress,
+    AgentTarget,
+    RingHealth,
+    RingLayout,
+)
 from engine.control import AgentStatus, Assignment, ControlRequestError, WorkerSettings
 from engine.control_client import ControlClient, ControlError
 from engine.coordinator import Coordinator, model_card
 from engine.errors import DeskfleetError
 from engine.fleet_host import FleetHost
+from engine.fleet_hub import AgentEvent
 from engine.manifest import MANIFEST_NAME, load_manifest
 from engine.request import GenerationRequest
 from engine.ring import RingPath
@@ -65,7 +77,8 @@ class Distributor:
                  console_host: str = "127.0.0.1", worker: WorkerSettings | None = None,
                  api_url: str | None = None, slots: int = 4,
                  on_progress: Callable[[AgentProgress], None] | None = None,
-                 timeouts: DistributionTimeouts | None = None) -> None:
+                 timeouts: DistributionTimeouts | None = None, standby: Sequence[AgentEndpoint] = (),
+                 failover: FailoverSettings | None = None) -> None:
         self.host = host
         self.export_dir = Path(export_dir)
         self.manifest = load_manifest(self.export_dir)
@@ -79,7 +92,13 @@ class Distributor:
         self.timeouts = timeouts or DistributionTimeouts()
         self._on_progress = on_progress or (lambda progress: None)
         self._manifest_json = (self.export_dir / MANIFEST_NAME).read_text(encoding="utf-8")
-        self._clients = {t: ControlClient(host.credentials, t.host, t.port) for t in layout.targets}
+        self.failover = failover or FailoverSettings()  # read at each failure: may be replaced between them
+        self.recovery = RingRecovery(self, standby)
+        self._clients: dict[str, ControlClient] = {}
+        self._sent: dict[str, Assignment] = {}  # control address -> the assignment it last accepted
+        self._node_ids: dict[str, str] = {}  # control address -> node id, to match the hub's events
+        self._unsubscribe: Callable[[], None] | None = None
+        self._watch: asyncio.Task | None = None
         self._progress: dict[AgentTarget, AgentProgress] = {}
         self._stage0: Stage | None = None
         self._path: RingPath | None = None
@@ -146,6 +165,7 @@ class Distributor:
         """Close the ring, then stop every agent's worker (an unreachable agent is logged)."""
         coordinator, self._coordinator = self._coordinator, None
         path, self._path = self._path, None
+        await self._async_stop_watch()
         if coordinator is not None:
             await coordinator.async_stop()  # closes its path
         elif path is not None:
@@ -158,7 +178,36 @@ class Distributor:
     async def __aexit__(self, *exc: object) -> None:
         await self.async_close()
 
-    # -- assignments and phases --------------------------------------------------------------------
+    # -- assignments and phases (also used by console.service.failover) ----------------------------
+
+    def client(self, control: str) -> ControlClient:
+        """The control client of the agent at ``control`` (HOST:PORT)."""
+        if control not in self._clients:
+            target = AgentTarget(control, 0)
+            self._clients[control] = ControlClient(self.host.credentials, target.host, target.port)
+        return self._clients[control]
+
+    def replace_layout(self, layout: RingLayout) -> None:
+        """Serve the same stages on other agents (a failover moved some); LayoutError if it cannot."""
+        layout.check(len(self.manifest.stages))
+        self.layout = layout
+
+    def changed_targets(self) -> tuple[AgentTarget, ...]:
+        """The agents whose assignment in the current layout differs from what they last accepted."""
+        return tuple(t for t in self.layout.targets if self._sent.get(t.control) != self._assignment(t, self._return_port))
+
+    def forget_assignment(self, control: str) -> None:
+        """The agent at ``control`` no longer serves its stage: the next assignment is sent anew."""
+        self._sent.pop(control, None)
+
+    async def async_bring_up(self, targets: Sequence[AgentTarget]) -> tuple[AgentFailure, ...]:
+        """Assign, fetch and start ``targets`` at once; the failures (empty when all serve)."""
+        async def one(target: AgentTarget) -> AgentFailure | None:
+            failure = await self._async_fetch(target, self._assignment(target, self._return_port))
+            return failure or await self._async_start_worker(target)
+
+        results = await asyncio.gather(*(one(t) for t in targets))
+        return tuple(r for r in results if r is not None)
 
     def _assignment(self, target: AgentTarget, return_port: int) -> Assignment:
         targets = self.layout.targets
@@ -184,10 +233,11 @@ class Distributor:
         return AgentFailure(target.label, target.stage, message)
 
     async def _async_fetch(self, target: AgentTarget, assignment: Assignment) -> AgentFailure | None:
-        client = self._clients[target]
+        client = self.client(target.control)
         try:
             self._report(target, "assigning")
             await client.async_assign(assignment)
+            self._sent[target.control] = assignment
             status = await client.async_status()
             if status.worker.state == "running":  # the same assignment as before: still serving
                 self._report(target, "running", status)
@@ -214,7 +264,7 @@ class Distributor:
             return self._fail(target, str(exc))
 
     async def _async_start_worker(self, target: AgentTarget) -> AgentFailure | None:
-        client = self._clients[target]
+        client = self.client(target.control)
         try:
             status = await client.async_status()
             if status.worker.state != "running":
@@ -244,13 +294,13 @@ class Distributor:
 
     async def _async_stop_worker(self, target: AgentTarget) -> None:
         try:
-            await self._clients[target].async_stop_worker()
+            await self.client(target.control).async_stop_worker()
         except ControlError as exc:
             log.warning("could not stop the worker of %s: %s", target.label, exc)
 
     async def _async_status(self, target: AgentTarget) -> AgentStatus | str:
         try:
-            return await self._clients[target].async_status()
+            return await self.client(target.control).async_status()
         except ControlError as exc:
             return str(exc)
 
@@ -274,7 +324,10 @@ class Distributor:
         return self._path
 
     async def _async_connect(self, path: RingPath) -> None:
-        coordinator = Coordinator(path, model_card(self.manifest), slots=self.slots)
+        settings = self.failover
+        coordinator = Coordinator(path, model_card(self.manifest), slots=self.slots,
+                                  recover=self.recovery.async_recover, step_timeout_s=settings.step_timeout_s,
+                                  hold_timeout_s=settings.coordinator_hold_s)
         try:
             await asyncio.wait_for(coordinator.async_start(), self.timeouts.dial_s + 5)
         except (DeskfleetError, OSError, TimeoutError) as exc:
@@ -284,10 +337,34 @@ class Distributor:
                                      f"{first.data_address} ({exc!r}); check that nothing blocks the port and "
                                      "run the distribution again") from exc
         self._coordinator = coordinator
+        self._unsubscribe = self.host.hub.subscribe(self._on_hub_event)
+        self._watch = asyncio.create_task(self.recovery.async_watch(coordinator), name="deskfleet-ring-watch")
+
+    async def _async_stop_watch(self) -> None:
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch
+
+    def _on_hub_event(self, event: AgentEvent) -> None:
+        """An agent of the ring paused: fail over now rather than at the next step timeout."""
+        coordinator = self._coordinator
+        if event.event != "paused" or coordinator is None:
+            return
+        for target in self.layout.targets:
+            if self._node_ids.get(target.control) == event.node_id:
+                reasons = ", ".join(event.body.get("reasons") or ()) or "no reason given"
+                coordinator.request_failover(f"{target.label} (stage {target.stage}) paused: {reasons}")
+                return
 
     async def _async_drop(self, coordinator: Coordinator) -> None:
         """Forget a broken ring (its path is closed); the next run opens a new one on the same port."""
         self._coordinator, self._path = None, None
+        await self._async_stop_watch()
         with contextlib.suppress(DeskfleetError, OSError):
             await coordinator.async_stop()
 
@@ -320,6 +397,8 @@ class Distributor:
             done, total = status.fetch.done_bytes, status.fetch.total_bytes
         if phase in ("verified", "starting", "running"):
             done = total
+        if status is not None and status.node_id:
+            self._node_ids[target.control] = status.node_id
         progress = AgentProgress(target.label, target.stage, phase, done, total, error)
         if self._progress.get(target) != progress:
             self._progress[target] = progress

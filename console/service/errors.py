@@ -109,3 +109,12 @@ class AgentRefusedError(ConsoleError):
 class CalibrationError(ConsoleError):
     """A model cannot be profiled for placement: too few layers for calibration stages of one
     and two layers, or its calibration export cannot be built."""
+
+
+# -- failover --------------------------------------------------------------------------------------
+
+
+class NoReplacementError(DistributionError):
+    """A stage of the running ring stopped answering and, within the hold time, neither came back
+    on its own agent (a restarted worker, a pause that ended) nor could move to a standby agent;
+    the held requests fail with this message."""
