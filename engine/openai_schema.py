@@ -109,16 +109,26 @@ def _integer(body: Mapping[str, Any], name: str, low: int, high: int) -> int | N
     return value
 
 
+def _unicode(text: str, where: str, param: str) -> str:
+    """``text``, if the tokenizer can take it: JSON may carry a lone surrogate (``"\\ud800"``), UTF-8 cannot."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise _bad(f"{where} is not valid Unicode (a lone surrogate at character {exc.start}); send UTF-8 text",
+                   param) from None
+    return text
+
+
 def _message_text(content: Any, index: int) -> str:
     if isinstance(content, str):
-        return content
+        return _unicode(content, f"messages[{index}].content", "messages")
     if isinstance(content, list):
         parts = []
         for part in content:
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
                 raise _bad(f"messages[{index}].content: only text parts ({{'type': 'text', 'text': ...}}) "
                            "are supported by this server", "messages")
-            parts.append(part["text"])
+            parts.append(_unicode(part["text"], f"messages[{index}].content", "messages"))
         return "\n".join(parts)
     raise _bad(f"messages[{index}].content must be a string or a list of text parts", "messages")
 
@@ -139,7 +149,7 @@ def _prompt(raw: Any) -> str | tuple[int, ...]:
     if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], (str, list)):
         raw = raw[0]  # a batch of one prompt
     if isinstance(raw, str) and raw:
-        return raw
+        return _unicode(raw, "'prompt'", "prompt")
     if isinstance(raw, list) and raw and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in raw):
         return tuple(raw)
     raise _bad("'prompt' must be a non-empty string or a list of token ids (one prompt per request)", "prompt")
