@@ -30,7 +30,7 @@ from console.service.links import LinkReport, async_measure_links
 from console.service.models import ModelEntry, ModelLibrary
 from console.service.placement_inputs import PlacementInputs, async_placement_inputs, solve_inputs
 from engine.discovery import Browser
-from engine.fleet_host import FleetHost, fleet_host
+from engine.fleet_host import FleetHost, fleet_host, is_first_run
 from engine.fleet_hub import AgentEvent
 from engine.placement import PlacementRequest, Plan
 
@@ -62,6 +62,7 @@ class ConsoleBridge(QObject):
         self.loop = LoopThread("deskfleet-console-loop")
         self.qt_async: QtAsync | None = None
         self.library = ModelLibrary(settings.state_dir)
+        self.first_run = is_first_run(settings.state_dir)  # this start creates the fleet CA
         self.session = ConsoleSession()
         self.host: FleetHost | None = None  # loop objects: touch them only in coroutines
         self.fleet: FleetModel | None = None
@@ -197,6 +198,16 @@ class ConsoleBridge(QObject):
 
     def new_token(self) -> None:
         self._on_loop(lambda: self.host.token(), "issuing a join token", self._set_token, None)
+
+    def issue_token_now(self) -> str:
+        """A new join token, waited for on the GUI thread (the token book lives on the loop; this
+        takes milliseconds). For widgets that need the token at once, like the first-run view."""
+        async def issue() -> str:
+            return self.host.token()
+
+        token = self.loop.run(issue(), CALL_TIMEOUT_S, "issuing a join token")
+        self._set_token(token)
+        return token
 
     def approve(self, key: str, on_result: OnResult = None, on_error: OnError = None) -> None:
         self._on_loop(lambda: self.fleet.approve(key), "approving the agent", on_result, on_error)

@@ -9,11 +9,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from PySide6.QtGui import QCloseEvent
-from PySide6.QtWidgets import QMainWindow, QTabWidget
+from PySide6.QtWidgets import QDialog, QMainWindow, QTabWidget, QVBoxLayout
 
 from console.bridge import ConsoleBridge
 from console.chat_page import QtChatPage
 from console.distribution_page import QtDistributionPage
+from console.first_run_view import QtFirstRunView
 from console.fleet_page import QtFleetPage
 from console.metrics_page import QtMetricsPage
 from console.models_page import QtModelsPage
@@ -45,6 +46,20 @@ class QtConsoleWindow(QMainWindow):
             f"Fleet {bridge.fleet_id[:16]}… — enrollment {bridge.enrollment}", 0))
         bridge.error.connect(lambda what, why: self.statusBar().showMessage(f"{what} failed: {why}", 15000))
         self.serving.api_ready.connect(lambda url: self.statusBar().showMessage(f"Serving at {url}", 0))
+        self.first_run_dialog: QDialog | None = None
+        bridge.started.connect(self._welcome)
+
+    def _welcome(self) -> None:
+        """On the start that created the fleet: say so, with the join token to hand out."""
+        if not self.bridge.first_run:
+            return
+        dialog = QDialog(self)
+        dialog.setWindowTitle("Deskfleet — your fleet is ready")
+        view = QtFirstRunView(self.bridge.fleet_id, self.bridge.enrollment, self.bridge.issue_token_now)
+        QVBoxLayout(dialog).addWidget(view)
+        dialog.view = view
+        self.first_run_dialog = dialog
+        dialog.show()
 
     def page(self, title: str):
         """The page whose tab is ``title``."""

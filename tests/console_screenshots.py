@@ -62,6 +62,12 @@ def take_console_screenshots(out: Path, checkpoint: Path, work: Path, cache: Pat
         names = tuple(agents)
         window.move(40, 30)
         window.show()
+        dialog = window.first_run_dialog  # this start created the fleet: the welcome with the token
+        if dialog is None:
+            raise RuntimeError("the first start of a console showed no first-run dialog")
+        settle(app)
+        save(dialog, "console-first-run.png")
+        dialog.close()
         drive.wait_rows(names, lambda row: row["State"] == "not joined", "the agents over mDNS")
         drive.join(agent_loop, agents)
         drive.wait_rows(names, lambda row: row["State"] == "idle", "the joined agents")
@@ -74,7 +80,7 @@ def take_console_screenshots(out: Path, checkpoint: Path, work: Path, cache: Pat
             raise RuntimeError(f"no plan: {window.placement_page.explanation.text()}")
         window.show_page("Distribution")
         drive.distribute()
-        window.chat_page.chat.options["max_tokens"] = 160  # long enough for the sparkline to show a rise
+        window.chat_page.chat.options["max_tokens"] = 64  # long enough for the sparkline to show a rise
         answer = drive.chat(QUESTION)
         if not answer.strip():
             raise RuntimeError(f"the chat did not answer: {window.chat_page.chat.error_label.text()}")
