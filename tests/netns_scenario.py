@@ -28,8 +28,11 @@ from engine.fleet_host import fleet_host
 from engine.generate import greedy_generate
 from engine.request import GenerationRequest
 from engine.shard import LocalChain
+from engine.wan import WanProxy
+from engine.worker import Address
 
 N = 24
+LINK_DELAY_MS = 5.0  # each way, on the console's hops into and out of the ring (user-space emulation)
 
 
 def say(text: str) -> None:
@@ -86,8 +89,15 @@ async def main(cfg: dict) -> dict:
             options = {}
             if standby_host is not None and "standby" in Distributor.__init__.__code__.co_varnames:
                 options["standby"] = [AgentEndpoint(records[standby_host].control_address)]
+            proxies: list[WanProxy] = []
+
+            async def delayed(target: Address) -> Address:
+                proxy = WanProxy(Address(me, 0), target, delay_ms=LINK_DELAY_MS)
+                proxies.append(proxy)
+                return await proxy.async_start()
+
             async with Distributor(host, export, layout, console_host=me, worker=WorkerSettings(exact=True, threads=1),
-                                   **options) as dist:
+                                   data_hop=delayed, **options) as dist:
                 health = await dist.async_run()
                 result["steps"].append("distributed")
                 result["health_ok"] = health.ok
@@ -110,6 +120,9 @@ async def main(cfg: dict) -> dict:
                     result["recovery_s"] = time.monotonic() - killed_at if killed_at else None
                     result["failovers"] = coordinator.metrics().get("failovers_total", 0)
                     result["steps"].append("survived a lost agent")
+                result["ring_step_ms"] = coordinator.metrics().get("ring_step_ms_avg")
+            for proxy in proxies:
+                await proxy.async_close()
         finally:
             await browser.async_close()
             detach()

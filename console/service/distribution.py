@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,6 +78,7 @@ class Distributor:
                  api_url: str | None = None, slots: int = 4,
                  on_progress: Callable[[AgentProgress], None] | None = None,
                  timeouts: DistributionTimeouts | None = None, standby: Sequence[AgentEndpoint] = (),
+                 data_hop: Callable[[Address], Awaitable[Address]] | None = None,
                  failover: FailoverSettings | None = None) -> None:
         self.host = host
         self.export_dir = Path(export_dir)
@@ -103,6 +104,10 @@ class Distributor:
         self._stage0: Stage | None = None
         self._path: RingPath | None = None
         self._return_port = 0  # fixed by the first listen, so a re-run sends the same assignments
+        # data_hop(address) -> the address to dial instead (e.g. a WAN emulator in front of it);
+        # applied to the console's own hops: to the first agent, and the last agent's way back.
+        self._data_hop = data_hop
+        self._return_dial: Address | None = None
         self._coordinator: Coordinator | None = None
         for target in layout.targets:  # refuse here what an agent would refuse with a 400
             try:
@@ -213,7 +218,7 @@ class Distributor:
         targets = self.layout.targets
         index = targets.index(target)
         next_hop = targets[index + 1].data_address if index + 1 < len(targets) else \
-            str(Address(self.console_host, return_port))
+            str(self._return_dial or Address(self.console_host, return_port))
         return Assignment.create(self._manifest_json, export_id=self.export_id, stage=target.stage,
                                  source=self.host.hub.shard_url(self.export_id), listen_port=target.data_port,
                                  next_hop=next_hop, worker=self.worker, api_url=self.api_url,
@@ -315,12 +320,17 @@ class Distributor:
                     num_threads=self.worker.threads, manifest=self.manifest)
             first = self.layout.targets[0]
             creds = self.host.credentials
+            first_remote = Address(first.host, first.data_port)
+            if self._data_hop is not None:
+                first_remote = await self._data_hop(first_remote)
             self._path = RingPath(self.manifest.model.fingerprint, len(self.manifest.stages),
-                                  Address(first.host, first.data_port), Address(self.console_host, self._return_port),
+                                  first_remote, Address(self.console_host, self._return_port),
                                   local_stage0=self._stage0, server_ssl=creds.server_context(),
                                   client_ssl=creds.client_context(), dial_deadline=self.timeouts.dial_s)
             await self._path.async_listen()
             self._return_port = self._path.return_address.port
+            if self._data_hop is not None:
+                self._return_dial = await self._data_hop(Address(self.console_host, self._return_port))
         return self._path
 
     async def _async_connect(self, path: RingPath) -> None:
