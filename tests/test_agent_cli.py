@@ -38,8 +38,9 @@ def test_headless_agent_joins_is_discovered_registers_and_withdraws(tmp_path):
                 env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
             try:
                 def joined_peer():
-                    return next((p.advertisement for p in browser.peers().values()
-                                 if p.advertisement.state == "idle" and p.advertisement.node_id), None)
+                    return next((p.advertisement for p in browser.peers().values()  # ours, not another test's
+                                 if p.advertisement.state == "idle" and p.advertisement.fleet_id == con.authority.fleet_id),
+                                None)
 
                 ad = await _until(joined_peer, 60, "the joined agent's advertisement")
                 assert ad.fleet_id == con.authority.fleet_id
@@ -51,7 +52,8 @@ def test_headless_agent_joins_is_discovered_registers_and_withdraws(tmp_path):
                 assert con.hub.registrations[ad.node_id]["control_port"] == ad.control_port
                 proc.send_signal(signal.SIGTERM)
                 assert await asyncio.wait_for(proc.wait(), 30) == 0
-                await _until(lambda: not browser.peers(), 10, "the advertisement to be withdrawn")
+                await _until(lambda: all(p.advertisement.node_id != ad.node_id for p in browser.peers().values()), 10,
+                             "the advertisement to be withdrawn")
             finally:
                 if proc.returncode is None:
                     proc.kill()
