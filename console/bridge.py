@@ -112,7 +112,8 @@ class ConsoleBridge(QObject):
     async def _async_start(self) -> tuple[FleetHost, FleetModel, str]:
         s = self.settings
         host = await self._stack.enter_async_context(
-            fleet_host(s.state_dir, host=s.interface, enrollment_port=s.enrollment_port, hub_port=s.hub_port))
+            fleet_host(s.state_dir, host=s.interface, enrollment_port=s.enrollment_port, hub_port=s.hub_port,
+                       advertise_on=s.interface))  # PCs find the console from their join token alone
         fleet = FleetModel(s.state_dir, host.credentials)
         self._stack.callback(fleet.subscribe(self._records_from_loop))
         self._stack.callback(fleet.attach_hub(host.hub))

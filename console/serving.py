@@ -11,6 +11,7 @@ resumes it (agents keep their verified files); distributing another plan closes 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 
 from PySide6.QtCore import QObject, QTimer, Signal
@@ -22,7 +23,7 @@ from console.service.distribution import Distributor
 from console.service.errors import ConsoleError
 from console.service.export_catalog import ExportInfo
 from console.service.export_job import ExportEvent, ExportFailed, ExportFinished, ExportJob
-from console.service.ring_layout import AgentProgress, RingHealth, RingLayout
+from console.service.ring_layout import AgentEndpoint, AgentProgress, RingHealth, RingLayout
 from engine.api import RunningApi, async_run_api
 from engine.placement import Plan
 from engine.tokenizer import ChatTokenizer
@@ -51,6 +52,7 @@ class FleetServing(QObject):
         self.job: ExportJob | None = None
         self.api_url: str | None = None
         self._dist: Distributor | None = None  # a loop object
+        self._standby: tuple[AgentEndpoint, ...] = ()
         self._api: RunningApi | None = None  # a loop object
         self._plan: Plan | None = None
         self._export: ExportInfo | None = None
@@ -147,10 +149,21 @@ class FleetServing(QObject):
         plan, settings = self._plan, self.bridge.settings
         records = {r.node_id: r for r in self.bridge.records if r.node_id}
         try:
-            layout = RingLayout.from_plan(plan, ring_endpoints(plan, records, settings.data_port))
+            endpoints = ring_endpoints(plan, records, settings.data_port)
+            layout = RingLayout.from_plan(plan, endpoints)
         except ConsoleError as exc:
             self._fail(str(exc))
             return
+        # every other approved agent stands by: a stage whose PC is paused or lost moves there
+        # (data ports as ring_endpoints gives them: one more per agent sharing an address)
+        per_address = collections.Counter(ep.control.rpartition(":")[0] for ep in endpoints.values())
+        standby = []
+        for r in records.values():
+            if r.approved and r.node_id not in endpoints:
+                index, per_address[r.address] = per_address[r.address], per_address[r.address] + 1
+                port = free_port(r.address) if settings.data_port == 0 else settings.data_port + index
+                standby.append(AgentEndpoint(r.control_address, port, r.name))
+        self._standby = tuple(standby)
         if self._api_port == 0:  # agents learn the API's address with their assignment
             self._api_port = free_port(settings.interface)
         self._set_phase("distributing")
@@ -164,7 +177,7 @@ class FleetServing(QObject):
             self._dist = Distributor(
                 self.bridge.host, export.path, layout, export_id=export.export_id, console_host=settings.interface,
                 worker=settings.worker, api_url=f"http://{settings.interface}:{self._api_port}/v1",
-                on_progress=self._progress_from_loop)
+                on_progress=self._progress_from_loop, standby=self._standby)
         if self._api is not None:  # the coordinator may be rebuilt: the API follows it
             await self._api.async_stop()
             self._api = None
