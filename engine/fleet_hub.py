@@ -111,9 +111,15 @@ class FleetHub:
             log.warning("refused shard request for %s/%s: not a published file", export_id, rel)
             raise web.HTTPNotFound(text=f"{export_id}/{rel} is not a published shard file")
         path = safe_join(published[0], entry.path)
+        try:
+            asked = request.http_range.start
+        except ValueError:  # aiohttp's parse of a malformed Range header: the client's error, not ours
+            raise web.HTTPRequestRangeNotSatisfiable(
+                text=f"malformed Range header {request.headers.get('Range')!r}; send 'bytes=N-'",
+                headers={"Content-Range": f"bytes */{entry.size}"}) from None
         start = 0
-        if request.http_range.start is not None:
-            start = request.http_range.start
+        if asked is not None:
+            start = asked
             if not 0 <= start <= entry.size:
                 raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{entry.size}"})
         status = 206 if start else 200

@@ -122,7 +122,13 @@ class HttpClient:
             conn = self._open()
             fresh = conn.sock is None
             try:
-                conn.request(method, path, body=body, headers=headers)
+                try:
+                    conn.request(method, path, body=body, headers=headers)
+                except (OSError, http.client.HTTPException):
+                    if conn.sock is None:
+                        raise
+                    # The server may answer a request line or body it refuses before reading the
+                    # rest, then close: what it sent is still there to be read.
                 response = conn.getresponse()
                 data = response.read()
             except TimeoutError as exc:
