@@ -20,6 +20,7 @@ import pytest
 from agent.service.service import AgentService
 from agent.service.settings import AgentSettings
 from console.service.distribution import Distributor
+from console.service.errors import LayoutError
 from console.service.failover import (
     PAUSED,
     RESTARTING,
@@ -30,6 +31,7 @@ from console.service.failover import (
     Reconnect,
     StageReport,
     Wait,
+    check_standby,
     moved_layout,
     plan_recovery,
     ring_alarm,
@@ -241,6 +243,11 @@ def test_moved_layout_swaps_the_agent_and_releases_the_old_one():
         [("desk-a", 1, 7211), ("desk-c", 2, 7211)]
     assert released == (AgentEndpoint("10.0.0.6:7210", 7211, "desk-b"),)
     moved.check(3)
+    check_standby(layout, [C, D])
+    with pytest.raises(LayoutError, match="both in the ring and a standby"):
+        check_standby(layout, [AgentEndpoint("10.0.0.6:7210", 7300)])
+    with pytest.raises(LayoutError, match="data port"):
+        check_standby(layout, [AgentEndpoint("10.0.0.5:7310", 7211)])
 
 
 def test_ring_alarm_sees_lost_and_replaced_workers_but_not_one_slow_answer():

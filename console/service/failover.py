@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from console.service.errors import NoReplacementError
+from console.service.errors import LayoutError, NoReplacementError
 from console.service.ring_layout import AgentEndpoint, AgentTarget, RingLayout
 from engine.control import AgentStatus, parse_hostport
 from engine.control_client import ControlClient, ControlError
@@ -178,6 +178,21 @@ def plan_recovery(reports: Sequence[StageReport], lost_for: Mapping[int, float],
     return Wait(f"{waiting}; waiting for its worker to come back")
 
 
+def check_standby(layout: RingLayout, standby: Sequence[AgentEndpoint]) -> None:
+    """LayoutError unless every standby is an agent outside the ring with a data address of its own."""
+    taken = {(t.host, t.port) for t in layout.targets}
+    data = {t.data_address for t in layout.targets}
+    for endpoint in standby:
+        target = AgentTarget(endpoint.control, 0, endpoint.data_port, endpoint.name)
+        if (target.host, target.port) in taken:
+            raise LayoutError(f"{target.label} is both in the ring and a standby; a standby must be another agent")
+        if target.data_address in data:
+            raise LayoutError(f"standby {target.label} would listen on {target.data_address}, which another "
+                              "agent of the ring uses; give it its own data port")
+        taken.add((target.host, target.port))
+        data.add(target.data_address)
+
+
 def moved_layout(layout: RingLayout, moves: Sequence[tuple[int, AgentEndpoint]]
                  ) -> tuple[RingLayout, tuple[AgentEndpoint, ...]]:
     """The layout with each moved stage on its standby, and the agents that lost their stage (as
@@ -199,6 +214,7 @@ class RingRecovery:
     ordered pool of approved agents that may take over a stage."""
 
     def __init__(self, distributor: Distributor, standby: Sequence[AgentEndpoint] = ()) -> None:
+        check_standby(distributor.layout, standby)
         self._dist = distributor
         self.standby: list[AgentEndpoint] = list(standby)
         self.moves: list[StageMove] = []
@@ -310,10 +326,14 @@ class RingRecovery:
         log.warning("failover: moving %s", ", ".join(f"stage {s} from {old[s].label} to {e.name or e.control}"
                                                      for s, e in move.moves))
         # the agents that lost their stage stop serving it (a paused one must not restart it on
-        # resume, a crashed one not come back beside its replacement), then wait as standbys
-        await asyncio.gather(*(self._async_release(e) for e in released))
-        self.standby.extend(released)
+        # resume, a crashed one not come back beside its replacement), then wait as standbys; an
+        # unreachable one must not hold up the move, so this runs beside the bring-up
+        for endpoint in released:
+            self._dist.forget_assignment(endpoint.control)
+        releasing = asyncio.gather(*(self._async_release(e) for e in released))
         failures = await self._dist.async_bring_up(self._dist.changed_targets())
+        await releasing
+        self.standby.extend(released)
         for failure in failures:
             log.warning("failover: %s (stage %d) could not take its part: %s", failure.agent, failure.stage,
                         failure.message)
@@ -322,6 +342,5 @@ class RingRecovery:
             self.moves.append(StageMove(stage, old[stage].label, endpoint.name or endpoint.control, move.why, seconds))
 
     async def _async_release(self, endpoint: AgentEndpoint) -> None:
-        self._dist.forget_assignment(endpoint.control)
         with contextlib.suppress(ControlError):
             await self._dist.client(endpoint.control).async_stop_worker()
