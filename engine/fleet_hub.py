@@ -21,6 +21,7 @@ from pathlib import Path
 from aiohttp import web
 
 from engine.control import ControlRequestError, decode_body
+from engine.errors import ManifestError
 from engine.manifest import FileEntry, load_manifest, safe_join
 from engine.trust import Credentials, peer_node_id
 
@@ -66,9 +67,17 @@ class FleetHub:
         return unsubscribe
 
     def publish(self, export_id: str, export_dir: Path) -> None:
+        """Make the files ``export_dir``'s manifest names fetchable; ManifestError, and nothing
+        published, if the manifest names a path outside the export."""
         manifest = load_manifest(export_dir)
         files = {e.path: e for stage in manifest.stages for e in stage.files}
         files.update({e.path: e for e in manifest.tokenizer_files})
+        for rel in files:
+            try:
+                safe_join(export_dir, rel)
+            except ManifestError as exc:
+                log.warning("refusing to publish %s from %s: %s", export_id, export_dir, exc)
+                raise
         self._exports[export_id] = (export_dir, files)
 
     def shard_url(self, export_id: str) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import logging
 import os
 import re
 import secrets
@@ -37,6 +38,16 @@ MAX_CSR_BYTES = 16 << 10
 EC_CURVES = frozenset({"secp256r1", "secp384r1", "secp521r1"})
 RSA_BITS = range(2048, 8192 + 1)
 ORGANISATION = "Deskfleet"
+
+log = logging.getLogger(__name__)
+# OpenSSL's reason for a refused handshake -> what it means, for the log of the refusing server.
+TLS_REFUSALS = {
+    "PEER_DID_NOT_RETURN_A_CERTIFICATE": "it presented no certificate",
+    "CERTIFICATE_VERIFY_FAILED": "its certificate is not a valid one from this fleet's CA",
+    "TLSV1_ALERT_UNKNOWN_CA": "it does not trust this fleet's CA",
+    "WRONG_VERSION_NUMBER": "it does not speak TLS",
+    "HTTP_REQUEST": "it sent plain HTTP to a TLS port",
+}
 
 
 class Role(StrEnum):
@@ -126,6 +137,32 @@ def _load_chain(ctx: ssl.SSLContext, cert_pem: bytes, key: ec.EllipticCurvePriva
         ctx.load_cert_chain(path, password=password)
 
 
+class _RefusalLoggingSSLObject(ssl.SSLObject):
+    """The server side of a fleet TLS connection, logging why a handshake was refused: asyncio
+    drops a failed server handshake without a word (unless the loop runs in debug mode), so a
+    stranger knocking on a port would otherwise leave no trace. Each reason is logged once at
+    WARNING per server context, then at DEBUG."""
+
+    _warned: set[str]
+    _server: str
+
+    def do_handshake(self) -> None:
+        try:
+            super().do_handshake()
+        except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+            raise
+        except ssl.SSLError as exc:
+            reason = str(getattr(exc, "reason", None) or type(exc).__name__)
+            if isinstance(exc, ssl.SSLEOFError | ssl.SSLZeroReturnError):
+                log.debug("%s: a client left during the TLS handshake (%s)", self._server, exc)
+            else:
+                level = logging.DEBUG if reason in self._warned else logging.WARNING
+                self._warned.add(reason)
+                log.log(level, "%s refused a TLS connection: %s (%s); only members of this fleet may connect",
+                        self._server, TLS_REFUSALS.get(reason, "the TLS handshake failed"), reason)
+            raise
+
+
 @dataclass(frozen=True)
 class Credentials:
     """A fleet member's identity: the fleet CA, its certificate, and its key (all PEM).
@@ -197,6 +234,8 @@ class Credentials:
         endpoint only, whose callers have no certificate yet and prove themselves with a token."""
         ctx = self._context(ssl.PROTOCOL_TLS_SERVER)
         ctx.verify_mode = ssl.CERT_REQUIRED if verify_clients else ssl.CERT_NONE
+        ctx.sslobject_class = type("FleetServerSSLObject", (_RefusalLoggingSSLObject,),
+                                   {"_warned": set(), "_server": f"{self.name or 'this node'} ({self.role or 'member'})"})
         return ctx
 
     def client_context(self) -> ssl.SSLContext:

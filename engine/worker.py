@@ -268,7 +268,11 @@ async def async_serve_worker(shard_dir: Path, stage_index: int, listen: Address,
     (drained, like SIGTERM) when its parent process dies.
     """
     parent = os.getppid()
-    stage = Stage(shard_dir, stage_index, device=device, exact=exact, num_threads=num_threads, cache_dir=cache_dir)
+    try:
+        stage = Stage(shard_dir, stage_index, device=device, exact=exact, num_threads=num_threads, cache_dir=cache_dir)
+    except DeskfleetError as exc:  # a shard that fails its checks is never served: say so in the worker's log
+        log.error("refusing to serve stage %d of %s: %s", stage_index, shard_dir, exc)
+        raise
     worker = StageWorker(stage, listen, next_address, server_ssl=server_ssl, client_ssl=client_ssl)
     address = await worker.async_start()
     print(f"{READY_PREFIX} {stage_index} ({stage.spec.num_layers} layers) on {address}, "
