@@ -108,6 +108,7 @@ def test_from_an_empty_network_to_a_chat_answered_by_two_agents(tmp_path, tiny_c
         dist.distribute_button.click()
         wait(lambda: serving.phase == "failed", 600, "the distribution to fail on the paused agent")
         assert f"{names[1]} (stage" in dist.error_label.text() and "run the distribution again" in dist.error_label.text()
+        assert "it is paused" in dist.error_label.text()  # the reason, not just "worker stopped"
         assert dist.rerun_button.isEnabled() and dist.distribute_button.isEnabled()
         served = window.bridge.host.hub.bytes_served
         window.show_page("Fleet")

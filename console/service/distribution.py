@@ -282,13 +282,13 @@ class Distributor:
                 if worker.state == "running":
                     self._report(target, "running", status)
                     return None
-                if worker.state in ("failed", "stopped"):
-                    return self._fail(target, f"its stage worker {worker.state}: {worker.last_error or 'no reason given'}; "
-                                      "see the agent's log", status)
-                if status.state == "paused":
+                if status.state == "paused":  # before the worker check: a paused agent's worker is stopped
                     return self._fail(target, f"it is paused ({', '.join(status.paused_reasons)}); its worker "
                                       "starts when the pause ends. Run the distribution again then, or re-plan "
                                       "without this PC", status)
+                if worker.state in ("failed", "stopped"):
+                    return self._fail(target, f"its stage worker {worker.state}: {worker.last_error or 'no reason given'}; "
+                                      "see the agent's log", status)
                 if time.monotonic() > deadline:
                     return self._fail(target, f"its stage worker was not running within {self.timeouts.start_s:.0f} s "
                                       f"(state {worker.state}: {worker.last_error or 'no error yet'})", status)
