@@ -1,7 +1,7 @@
 """Failover of the console's ring under load, end to end on loopback: a real fleet host, real
 in-process agents joined with tokens, real stage-worker processes, mutual TLS everywhere. Four
-greedy streams decode through a 2-stage ring on two agents while one agent is paused (or its
-worker SIGKILLed); its stage comes back in place or moves to a standby agent, and every answer is
+greedy streams decode through a 2-stage ring on two agents while one agent is paused, its
+worker SIGKILLed, or the agent gone altogether (unplugged); its stage comes back in place or moves to a standby agent, and every answer is
 identical to the undisturbed unsplit run, with no request lost. Without a standby the streams wait
 for the hold time (a resume within it saves them) and then fail with an error that says why."""
 
@@ -115,7 +115,7 @@ async def _generate_disturbed(dist: Distributor, disturb, *, after: int = 8):
 
 
 @pytest.mark.parametrize("how, stage, grace", [("pause", 1, 30.0), ("pause", 0, 30.0), ("kill", 1, 30.0),
-                                               ("kill", 0, 0.0)])
+                                               ("kill", 0, 0.0), ("unplug", 1, 30.0)])
 def test_a_lost_stage_comes_back_or_moves_to_the_standby_and_answers_are_identical(
         tmp_path, tiny_export, unsplit, how, stage, grace):
     export = tiny_export("llama", 2)
@@ -133,8 +133,10 @@ def test_a_lost_stage_comes_back_or_moves_to_the_standby_and_answers_are_identic
             async def disturb():
                 if how == "pause":
                     await victim.async_set_manual_pause(True)
-                else:
+                elif how == "kill":
                     os.kill(pid, signal.SIGKILL)
+                else:  # the PC is gone: its agent answers nothing, its worker is gone
+                    await victim.async_close()
 
             got, errors, at_disturbance, tail_s = await _generate_disturbed(dist, disturb)
             health = await dist.async_health()
@@ -152,7 +154,7 @@ def test_a_lost_stage_comes_back_or_moves_to_the_standby_and_answers_are_identic
     assert metrics["failovers_total"] >= 1 and metrics["requests_failed_total"] == 0
     assert metrics["requests_finished_total"] == len(PROMPTS) + 2  # + two one-token health checks
     assert health.ok
-    moved = how == "pause" or grace == 0.0
+    moved = how != "kill" or grace == 0.0
     if moved:
         assert [(m.stage, m.from_agent, m.to_agent) for m in moves] == [(stage, victim_name, "desk-c")]
         expected = ["desk-a", "desk-b"]
