@@ -34,14 +34,14 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from engine.benchrecord import machine_info, markdown_table, median, update_section, write_json
+from console.bench_placement_report import fit_stage_cpu, render
+from engine.benchrecord import machine_info, median, update_section, write_json
 from engine.cli import Command
 
 if TYPE_CHECKING:
     from engine.placement import Plan
 
 COMMAND_LINE = "deskfleet bench placement"
-TARGET_ERROR_PCT = 20.0
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
@@ -251,10 +251,11 @@ async def async_run_bench(work: Path, bench: PlacementBench) -> dict[str, Any]:
         for g in groups:
             metrics = g["dist"].coordinator.metrics()
             g["coordinator"] = {k: metrics.get(k) for k in ("ring_step_ms_avg", "coordinator_overhead_ms_per_step")}
+    summaries = [_summary(g, one_thread, head_ratio) for g in groups]
     return {"model": source.name, "weights": bench.weights, "tokens": bench.tokens, "prompt_tokens": len(prompt),
             "runs": bench.runs, "warmups": bench.warmups, "worker_threads": bench.threads,
             "calibration_steps": bench.calibration_steps, "head_ratio": head_ratio,
-            "one_thread_profile": list(one_thread), "groups": [_summary(g, one_thread, head_ratio) for g in groups]}
+            "one_thread_profile": list(one_thread), "groups": summaries, "stage_cpu_fit": fit_stage_cpu(summaries)}
 
 
 def _summary(g: dict[str, Any], one_thread: tuple[float, float], head_ratio: float) -> dict[str, Any]:
@@ -272,71 +273,6 @@ def _summary(g: dict[str, Any], one_thread: tuple[float, float], head_ratio: flo
         "one_thread": {"stage_ms": one_stages, "per_token_ms": one_ms, "tok_s": 1000 / one_ms,
                        "error_pct": error_pct(1000 / one_ms, 1000 / measured_ms)},
         "coordinator": g["coordinator"]}
-
-
-# -- the record ------------------------------------------------------------------------------------
-
-def _verdict(err: float) -> str:
-    return "met" if abs(err) <= TARGET_ERROR_PCT else "**missed**"
-
-
-def render(result: dict[str, Any], json_path: Path) -> str:
-    m = result["machine"]
-    groups = result["groups"]
-    lines = ["## Placement: predicted vs measured tok/s on real rings\n",
-             f"`{result['command']}` → `{json_path.as_posix()}` ({m['date']}, {m['cores']} cores, OpenVINO "
-             f"{m['openvino']}, load average at start {m['load_average']}, at end {result['load_average_end']}). "
-             f"{result['model']} {result['weights'].upper()}, in-process agents on loopback joined to one fleet host, "
-             f"workers with {result['worker_threads']} inference thread; one stream, {result['prompt_tokens']}-token "
-             f"prompt, {result['tokens']} tokens with EOS ignored, {result['warmups']} warm-up + {result['runs']} "
-             "interleaved rounds, medians. The 2- and 3-agent plans are the solver's throughput plans for 2 and 3 "
-             "streams (its one-stream plan is 1 stage); their one-stream prediction is compared.\n"]
-    rows = []
-    for g in groups:
-        p = g["plan"]
-        layers = ", ".join(f"{s['first_layer']}-{s['last_layer']}" for s in p["stages"])
-        rows.append([g["agents"], f"{p['objective']} ({p['n_streams']})", f"{len(p['stages'])}: {layers}",
-                     p["tok_s"], g["measured_tok_s"], f"{g['error_pct']:+.1f} %", _verdict(g["error_pct"]),
-                     g["one_thread"]["tok_s"], f"{g['one_thread']['error_pct']:+.1f} %"])
-    lines.append(markdown_table(["agents", "plan (streams)", "stages: layers", "predicted tok/s", "measured tok/s",
-                                 "error", f"within {TARGET_ERROR_PCT:.0f} %", "1-thread calib. tok/s",
-                                 "its error"], rows))
-    rows = []
-    for g in groups:
-        p = g["plan"]
-        for k, s in enumerate(p["stages"]):
-            rows.append([g["agents"], k, f"{s['first_layer']}-{s['last_layer']}", s["compute_ms"],
-                         g["one_thread"]["stage_ms"][k], g["measured_stage_cpu_ms"][k]])
-        rows.append([g["agents"], "hops + coordinator", "", sum(p["hop_ms"]), sum(p["hop_ms"]), g["measured_rest_ms"]])
-        rows.append([g["agents"], "**per token**", "", p["per_token_ms"], g["one_thread"]["per_token_ms"],
-                     g["measured_ms_per_token"]])
-    lines += ["", "Per stage, ms per token (measured: the worker process's CPU time per decode token; "
-              "hops + coordinator: the rest of a token's wall time):", "",
-              markdown_table(["agents", "stage", "layers", "predicted", "predicted, 1-thread calib.", "measured"], rows)]
-    t1, o1 = result["one_thread_profile"]
-    calib = "; ".join(f"{n}: " + ", ".join(f"{t:.3f} + {o:.2f}" for t, o in g["stage_profiles"])
-                      for n, g in ((g["agents"], g) for g in groups))
-    lines += ["", f"Calibration ({result['calibration_steps']} decode steps per stage; layer ms + stage overhead ms, "
-              f"per agent of each group): {calib}; on one thread "
-              f"{t1:.3f} + {o1:.2f}. The one-stream (latency) plans: " + "; ".join(
-                  f"{g['agents']} agent(s) → {len(g['latency_plan']['stages'])} stage(s), "
-                  f"{g['latency_plan']['tok_s']:.1f} tok/s predicted" for g in groups) + "."]
-    missed = [str(g["agents"]) for g in groups if abs(g["error_pct"]) > TARGET_ERROR_PCT]
-    lines += ["", "### Reading these numbers", "",
-              f"- Target: predicted one-stream tok/s within {TARGET_ERROR_PCT:.0f} % of the measured: "
-              + (f"**missed** for {', '.join(missed)} agent(s)." if missed else "met for every group."),
-              "- The agents calibrate in a subprocess with OpenVINO's default threads (both cores), one agent at "
-              "a time; the ring's workers run one inference thread each so that its processes do not "
-              "oversubscribe the two cores. The 1-thread columns re-predict the same splits from the calibration "
-              "stages timed on one thread: the gap between the two predictions is that mismatch, what remains is "
-              "the ring itself.",
-              "- With one stream the stages of a ring never compute at the same time (a token visits them in "
-              "turn), so the shared memory bandwidth that halves two concurrent decode loops on this VM (see the "
-              "pipeline section) does not apply; several idle OpenVINO processes and other engineers' jobs still "
-              "share the cores. What the ring adds that the solver's model does not is measured as "
-              "'hops + coordinator': waking each stage's process, TLS framing and (de)serialisation, the "
-              "coordinator's own step; the solver counts only half the link probe's HTTPS round trip per hop."]
-    return "\n".join(lines)
 
 
 def configure(p: argparse.ArgumentParser) -> None:

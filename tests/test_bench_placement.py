@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from console.bench_placement import PlacementBench, async_run_bench, error_pct, render
+from console.bench_placement import PlacementBench, async_run_bench, error_pct, predict
+from console.bench_placement_report import fit_stage_cpu, render
 from engine.placement import Plan, PlannedStage
 from tests.asyncutil import run
 from tests.conftest import PROMPT_IDS
@@ -52,6 +53,7 @@ def test_the_core_places_distributes_and_measures_two_agents(tmp_path, tiny_chec
     assert len(group["measured_stage_cpu_ms"]) == len(stages) and all(ms > 0 for ms in group["measured_stage_cpu_ms"])
     assert group["error_pct"] == pytest.approx(error_pct(plan["tok_s"], group["measured_tok_s"]))
     assert len(group["latency_plan"]["stages"]) >= 1
+    assert result["stage_cpu_fit"] is None  # two stages cannot separate layer, stage and head costs
 
     result.update(command="deskfleet bench placement", load_average_end=[0.0, 0.0, 0.0],
                   machine={"date": "today", "cores": 2, "openvino": "x", "load_average": [0.0, 0.0, 0.0]})
@@ -60,11 +62,21 @@ def test_the_core_places_distributes_and_measures_two_agents(tmp_path, tiny_chec
 
 
 def test_predict_reproduces_the_solvers_stage_times():
-    from console.bench_placement import predict
-
     stages = (PlannedStage("a/CPU", "a", 0, 9, 10 * 0.5 + 1.0, 1), PlannedStage("b/CPU", "b", 10, 29, 20 * 0.6 + 2.0 + 3 * 0.6, 1))
     plan = Plan(stages=stages, hop_ms=(0.1, 0.2, 0.3), per_token_ms=0.0, tok_s=1.0, bottleneck_ms=0.0, n_streams=1,
                 cycle_ms=0.0, aggregate_tok_s=0.0, objective="latency", optimal=True)
     per_stage, per_token = predict(plan, [(0.5, 1.0), (0.6, 2.0)], head_ratio=3.0)
     assert per_stage == pytest.approx([s.compute_ms for s in stages])
     assert per_token == pytest.approx(sum(per_stage) + 0.6)
+
+
+def test_the_cpu_fit_recovers_layer_stage_and_head_costs():
+    def group(*cuts: tuple[int, int]) -> dict:
+        stages = [{"first_layer": a, "last_layer": b} for a, b in cuts]
+        cpu = [(b - a + 1) * 0.8 + 4.0 + (6.0 if k == len(cuts) - 1 else 0.0) for k, (a, b) in enumerate(cuts)]
+        return {"plan": {"stages": stages}, "measured_stage_cpu_ms": cpu}
+
+    fit = fit_stage_cpu([group((0, 29)), group((0, 16), (17, 29)), group((0, 10), (11, 21), (22, 29))])
+    assert fit["layer_ms"] == pytest.approx(0.8) and fit["stage_ms"] == pytest.approx(4.0)
+    assert fit["head_ms"] == pytest.approx(6.0) and fit["worst_residual_ms"] < 1e-9
+    assert fit_stage_cpu([group((0, 16), (17, 29))]) is None
