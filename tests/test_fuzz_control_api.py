@@ -218,10 +218,11 @@ def test_fuzz_random_requests_never_get_a_server_error(live):
         reply = client.request(method, path, raw, {"Content-Type": content_type})
         what = f"{method} {path} as {'member' if as_member else 'console'}"
         assert_answered(reply, what)
-        if as_member and method == "POST" and path in ROUTES[2:] and path != "/v1/link/echo":
+        route = path.split("?")[0]
+        if as_member and method == "POST" and route in ROUTES[2:] and route != "/v1/link/echo":
             assert_clean_refusal(reply, what, json_error=_error_body)
             assert reply.status == 403
-        elif (method, path) not in known and method != "HEAD":
+        elif (method, route) not in known and method != "HEAD":
             assert_clean_refusal(reply, what)
         elif reply.status >= 400 and method != "HEAD":
             assert_clean_refusal(reply, what, json_error=_error_body)
