@@ -41,9 +41,17 @@ def _unavailable(name: str, exc: Exception) -> Command:
     return Command(name=name, help=f"(unavailable: {exc})", configure=lambda p: None, run=run)
 
 
-def _plugins(group: str) -> list[Command]:
+# Built-in subcommands by name -> module with a COMMAND. Loaded lazily: a long-running process
+# such as the agent should not carry the imports of every other command (OpenVINO, scipy).
+_BUILTINS = {"doctor": "engine.doctor_cli", "generate": "engine.generate_cli", "serve": "engine.serve_cli",
+             "wan": "engine.wan_cli", "worker": "engine.worker_cli"}
+
+
+def _plugins(group: str, only: str | None = None) -> list[Command]:
     commands = []
     for ep in sorted(entry_points(group=group), key=lambda e: e.name):
+        if only is not None and ep.name != only:
+            continue
         try:
             cmd = ep.load()
         except ImportError as exc:
@@ -52,10 +60,20 @@ def _plugins(group: str) -> list[Command]:
     return commands
 
 
-def _builtin_commands() -> list[Command]:
-    from engine import doctor_cli, generate_cli, serve_cli, wan_cli, worker_cli
+def _builtin_commands(only: str | None = None) -> list[Command]:
+    import importlib
 
-    return [doctor_cli.COMMAND, generate_cli.COMMAND, serve_cli.COMMAND, wan_cli.COMMAND, worker_cli.COMMAND]
+    return [importlib.import_module(module).COMMAND for name, module in _BUILTINS.items()
+            if only is None or name == only]
+
+
+def _requested(argv: Sequence[str]) -> str | None:
+    """The subcommand named on the command line, if it is one we know without loading the rest."""
+    words = [a for a in argv if not a.startswith("-")]
+    if not words or words[0] == "bench":
+        return None
+    known = set(_BUILTINS) | {ep.name for ep in entry_points(group="deskfleet.commands")}
+    return words[0] if words[0] in known else None
 
 
 def _add(sub: argparse._SubParsersAction, cmd: Command) -> None:
@@ -64,7 +82,8 @@ def _add(sub: argparse._SubParsersAction, cmd: Command) -> None:
     parser.set_defaults(_run=cmd.run)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line, or with ``only`` just that subcommand's parser (faster, lighter)."""
     parser = argparse.ArgumentParser(
         prog="deskfleet",
         description="Deskfleet: serve LLMs on a fleet of idle office PCs.",
@@ -72,8 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"deskfleet {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug output")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for cmd in _builtin_commands() + _plugins("deskfleet.commands"):
+    for cmd in _builtin_commands(only) + _plugins("deskfleet.commands", only):
         _add(sub, cmd)
+    if only is not None:
+        return parser
     bench = sub.add_parser("bench", help="run a benchmark and record JSON + docs/BENCHMARKS.md")
     bench_sub = bench.add_subparsers(dest="benchmark", metavar="BENCHMARK")
     for cmd in _plugins("deskfleet.benchmarks"):
@@ -88,7 +109,8 @@ def _missing_sub(parser: argparse.ArgumentParser) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(_requested(argv))
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
