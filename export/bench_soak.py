@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import inspect
 import os
 import re
 import signal
@@ -36,6 +37,7 @@ from engine.benchrecord import (
 )
 from engine.cli import Command
 from engine.errors import DeskfleetError
+from engine.worker import StageWorker
 from export.benchkit import verdict
 from export.soak_users import Outcome, async_user
 
@@ -43,6 +45,7 @@ USERS = 4
 SLOTS = 4
 RSS_TARGET = 0.05
 SAMPLE_EVERY_S = 10.0
+CAPTURE_MB = inspect.signature(StageWorker).parameters["capture_bytes"].default >> 20
 START_TIMEOUT_S = 600.0
 
 
@@ -261,8 +264,10 @@ def section(command: str, info: dict[str, Any], s: dict[str, Any], minutes: floa
             f"{s['completion_tokens']} completion tokens.\n\n"
             + markdown_table(["measure", "value", "target", "verdict"], rows) + "\n\n"
             + markdown_table(["process", "RSS MB at startup", "after warm-up", "at end", "growth"], procs)
-            + f"\n\nWarm-up: the first {s['warmup_s']:g} s (RSS growth is measured from its end; the prefix cache "
-            "and KV buffers fill during it). RSS was sampled every 10 s; the timeline is in the JSON." + failures)
+            + f"\n\nWarm-up: the first {s['warmup_s']:g} s; RSS growth is measured from its end. Each worker keeps "
+            f"captured KV states for the prefix cache up to {CAPTURE_MB} MiB (least recently used evicted; the "
+            "coordinator's index remembers 64 of them), so worker RSS rises until that store is full; the RSS of "
+            "every process, sampled every 10 s, is in the JSON." + failures)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -284,7 +289,7 @@ def run(args: argparse.Namespace) -> int:
     command = f"deskfleet bench soak --minutes {args.minutes:g}" + (" --tiny" if args.tiny else "")
     raw = {**result["run"], "outcomes": None,  # per minute in the summary; failed requests in full here
            "failed_requests": [vars(o) for o in result["run"]["outcomes"] if not o.ok]}
-    write_json(args.json, {"command": command, "machine": info, "summary": summary, "run": raw})
+    write_json(args.json, {"command": command, "what": what, "machine": info, "summary": summary, "run": raw})
     update_section(args.doc, "soak", section(command, info, summary, args.minutes, what))
     print(f"soak: {summary['served']} served, {summary['failed']} failed, RSS growth "
           f"{_fmt(100 * summary['rss_growth'], '+.2f')} %; wrote {args.json} and {args.doc}", file=sys.stderr)
