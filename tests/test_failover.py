@@ -75,7 +75,7 @@ def test_a_killed_stage_is_replaced_and_answers_are_identical(tiny_export, unspl
     assert metrics["requests_failed_total"] == 0
 
 
-def test_without_a_replacement_streams_fail_clearly_after_the_hold_time(tiny_export):
+def test_without_a_replacement_streams_fail_clearly_after_the_hold_time(tiny_export, unsplit):
     export = tiny_export("llama", 2)
 
     async def main():
@@ -92,7 +92,10 @@ def test_without_a_replacement_streams_fail_clearly_after_the_hold_time(tiny_exp
             return tokens, c.metrics()
 
     tokens, metrics = run(main())
-    assert len(tokens) == 5 and metrics["requests_failed_total"] == 1
+    # a step already past the killed stage may still deliver its token: what arrived is a true
+    # prefix of the answer (nothing lost or repeated), then the request fails once, clearly
+    assert 5 <= len(tokens) < N and tuple(tokens) == unsplit[PROMPT_IDS][: len(tokens)]
+    assert metrics["requests_failed_total"] == 1
 
 
 def test_replay_feeds_everything_once_and_drops_the_known_prediction():
