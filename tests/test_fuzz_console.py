@@ -13,7 +13,6 @@ an unpublished file (a secret next to the export, an unlisted file inside it) ev
 from __future__ import annotations
 
 import base64
-import logging
 import posixpath
 import shutil
 import ssl
@@ -47,8 +46,8 @@ from tests.fuzz_helpers import (
     fuzz_settings,
     json_values,
     loop_thread,
+    no_server_errors,  # noqa: F401  (autouse)
     paths,
-    unexpected_errors,
 )
 
 pytestmark = pytest.mark.filterwarnings("ignore::hypothesis.errors.HypothesisDeprecationWarning")
@@ -125,13 +124,6 @@ def live(tmp_path_factory, tiny_export):
         finally:
             loop.run(cm.__aexit__(None, None, None))
 
-
-@pytest.fixture(autouse=True)
-def no_server_errors(caplog):
-    caplog.set_level(logging.WARNING)
-    yield
-    errors = unexpected_errors(caplog.records, ("aiohttp", "deskfleet", "engine"))
-    assert not errors, errors[:5]
 
 
 # -- enrollment ------------------------------------------------------------------------------------

@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import logging
 from dataclasses import dataclass
 
 import pytest
@@ -37,8 +36,8 @@ from tests.fuzz_helpers import (
     fuzz_settings,
     json_values,
     loop_thread,
+    no_server_errors,  # noqa: F401  (autouse)
     paths,
-    unexpected_errors,
 )
 
 # The agent's zeroconf and aiohttp threads draw from `random` while hypothesis generates examples.
@@ -89,14 +88,6 @@ def live(tmp_path_factory, tiny_export):
             loop.run(agent.async_close())
             loop.run(host_cm.__aexit__(None, None, None))
 
-
-@pytest.fixture(autouse=True)
-def no_server_errors(caplog):
-    """aiohttp logs an unhandled handler exception at ERROR before it answers 500."""
-    caplog.set_level(logging.WARNING)
-    yield
-    errors = unexpected_errors(caplog.records, ("aiohttp", "agent", "engine"))
-    assert not errors, errors[:5]
 
 
 def _verdict(body: dict) -> str:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import threading
 from dataclasses import dataclass, field
 
@@ -41,8 +40,8 @@ from tests.fuzz_helpers import (
     fuzz_settings,
     json_values,
     loop_thread,
+    no_server_errors,  # noqa: F401  (autouse)
     paths,
-    unexpected_errors,
 )
 
 pytestmark = pytest.mark.filterwarnings("ignore::hypothesis.errors.HypothesisDeprecationWarning")
@@ -150,13 +149,6 @@ def live(tiny_export):
         finally:
             loop.run(coordinator.__aexit__(None, None, None))
 
-
-@pytest.fixture(autouse=True)
-def no_server_errors(caplog):
-    caplog.set_level(logging.WARNING)
-    yield
-    errors = unexpected_errors(caplog.records, ("aiohttp", "deskfleet", "engine"))
-    assert not errors, errors[:5]
 
 
 # -- strategies: a body is a few fields, each valid or absent, and a few of them hostile ----------
