@@ -27,7 +27,7 @@ from agent.service.settings import (
     save_settings,
     save_state,
 )
-from agent.tray.bridge import AgentBridge
+from agent.tray.bridge import START_TIMEOUT_S, AgentBridge
 from agent.tray.icons import STATE_STYLES, state_pixmap
 from agent.tray.tray import QtAgentTray
 from agent.tray.tray_model import (
@@ -102,7 +102,9 @@ def start_tray(qtbot, tmp_path):
         tray = QtAgentTray(bridge, LOGIN, confirm_leave=lambda: True)
         trays.append(tray)
         bridge.start()
-        qtbot.waitUntil(lambda: bridge.running and bridge.status is not None, timeout=60000)
+        qtbot.waitUntil(lambda: (bridge.running and bridge.status is not None) or bridge.start_error is not None,
+                        timeout=int((START_TIMEOUT_S + 10) * 1000))
+        assert bridge.start_error is None, f"the agent service did not start: {bridge.start_error!r}"
         return tray
 
     yield start
