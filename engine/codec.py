@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.errors import GenerationError
 from engine.messages import (
     Capture,
     Error,
@@ -23,12 +24,14 @@ from engine.messages import (
     HelloAck,
     Logits,
     Message,
+    Packed,
     Ping,
     Pong,
     Release,
     Restore,
     Tokens,
 )
+from engine.packing import PlanFrame
 from engine.wire import (
     CAPTURE_META,
     DTYPE_CODE,
@@ -46,9 +49,11 @@ from engine.wire import (
     MAX_FRAME_BYTES,
     MAX_MASK_ELEMENTS,
     NUMPY_DTYPE,
+    PACKED_META,
     PROTOCOL_VERSION,
     RESERVED_KINDS,
     RESTORE_META,
+    U16_MAX,
     DType,
     ErrorCode,
     FrameError,
@@ -111,6 +116,9 @@ _KIND_RULES: dict[FrameKind, _KindRule] = {
     FrameKind.PONG: _KindRule(*_NO_TENSOR),
     FrameKind.FORWARD: _KindRule(
         _FLOATS | {DType.INT64}, frozenset({2, 3}), FrameFlag.WANT_LOGITS, "required", None
+    ),
+    FrameKind.PACKED: _KindRule(
+        _FLOATS | {DType.INT64}, frozenset({2, 3}), 0, "required", PACKED_META.size + 3 * 8 * U16_MAX
     ),
     FrameKind.TOKENS: _KindRule(frozenset({DType.INT64}), frozenset({1, 2}), 0, "required", None),
     FrameKind.LOGITS: _KindRule(_FLOATS, frozenset({2, 3}), 0, "required"),
@@ -246,6 +254,30 @@ def _encode_forward(msg: Forward) -> bytes:
     return descriptor + positions.tobytes() + packed.tobytes()
 
 
+def _decode_packed(header: FrameHeader, meta: memoryview, tensor: np.ndarray | None) -> Message:
+    assert tensor is not None
+    if len(meta) < PACKED_META.size:
+        raise FrameError(f"Packed meta section is shorter than its {PACKED_META.size}-byte descriptor")
+    rows, reserved = PACKED_META.unpack_from(meta)
+    if reserved:
+        raise FrameError("Packed reserved descriptor bytes must be zero")
+    want = PACKED_META.size + 3 * 8 * rows
+    if len(meta) != want:
+        raise FrameError(f"Packed meta is {len(meta)} bytes; a {rows}-row plan needs {want}")
+    plan = np.frombuffer(meta[PACKED_META.size :], "<i8").reshape(3, rows)
+    try:
+        frame = PlanFrame(plan[0], plan[1], plan[2])
+    except GenerationError as exc:
+        raise FrameError(f"Packed plan: {exc}") from None
+    return Packed(header.stream_id, header.seq, frame, tensor)
+
+
+def _encode_packed(msg: Packed) -> bytes:
+    """The Packed meta section: row count, then the plan's slot, position and reuse rows."""
+    plan = np.stack([msg.plan.slot, msg.plan.position, msg.plan.reuse]).astype("<i8", copy=False)
+    return PACKED_META.pack(msg.plan.rows, 0) + plan.tobytes()
+
+
 def _decode_tokens(header: FrameHeader, meta: memoryview, tensor: np.ndarray | None) -> Message:
     assert tensor is not None
     if len(meta) != tensor.size * 4:
@@ -327,6 +359,7 @@ _DECODERS: dict[FrameKind, _BodyDecoder] = {
     FrameKind.CAPTURE: _decode_capture,
     FrameKind.RESTORE: _decode_restore,
     FrameKind.FORWARD: _decode_forward,
+    FrameKind.PACKED: _decode_packed,
     FrameKind.TOKENS: _decode_tokens,
     FrameKind.LOGITS: _decode_logits,
     FrameKind.RELEASE: lambda header, meta, tensor: Release(header.stream_id, header.seq),
@@ -345,6 +378,8 @@ def _encode_body(msg: Message) -> tuple[FrameKind, int, int, int, bytes, np.ndar
             flags = FrameFlag.WANT_LOGITS if msg.want_logits else 0
             meta = _encode_forward(msg)
             return FrameKind.FORWARD, flags, msg.stream_id, msg.seq, meta, msg.tensor
+        case Packed():
+            return FrameKind.PACKED, 0, msg.stream_id, msg.seq, _encode_packed(msg), msg.tensor
         case Tokens():
             meta = np.ascontiguousarray(msg.probs).tobytes()
             return FrameKind.TOKENS, 0, msg.stream_id, msg.seq, meta, msg.ids

@@ -9,6 +9,7 @@ from pathlib import Path
 from engine.cli import Command
 from engine.errors import TokenizerError
 from engine.generate import greedy_generate
+from engine.manifest import load_manifest
 from engine.shard import LocalChain
 from engine.tokenizer import ChatTokenizer
 
@@ -33,12 +34,15 @@ def load_prompt_ids(tokenizer: ChatTokenizer, prompt: str, system: str | None, r
 
 
 def run(args: argparse.Namespace) -> int:
-    chain = LocalChain.load(args.shards, device=args.device, exact=args.exact)
+    static = load_manifest(args.shards).target == "npu"  # also the clear error for a missing export
     tok_dir = args.shards / "tokenizer"
     if not tok_dir.is_dir():
         raise TokenizerError(f"{args.shards} has no tokenizer/ directory; re-export the model with its tokenizer")
     tokenizer = ChatTokenizer(tok_dir)
     ids = load_prompt_ids(tokenizer, args.prompt, args.system, args.raw)
+    if static:
+        return _run_static(args, tokenizer, ids)
+    chain = LocalChain.load(args.shards, device=args.device, exact=args.exact)
 
     def on_token(token: int) -> None:
         if args.stream:
@@ -58,6 +62,34 @@ def run(args: argparse.Namespace) -> int:
         f"TTFT {result.ttft_s * 1000:.0f} ms, {stages} stage{'s' if stages > 1 else ''}, {args.device}]",
         file=sys.stderr,
     )
+    return 0
+
+
+def _run_static(args: argparse.Namespace, tokenizer: ChatTokenizer, ids: list[int]) -> int:
+    """A static (NPU-target) export: its stages chained in-process, decoding greedily in one slot."""
+    import time
+
+    from engine.packed_stage import PackedServer, StaticChain
+
+    chain = StaticChain.load(args.shards, device=args.device, exact=args.exact)
+    server = PackedServer(chain)
+    rid = server.submit(ids, args.max_new_tokens, eos_ids=chain.manifest.model.eos_token_ids)
+    while server.busy:
+        for event in server.step():
+            if args.stream:
+                sys.stdout.write(tokenizer.decode([event.token]))
+                sys.stdout.flush()
+    done = server.completions[rid]
+    if args.stream:
+        print()
+    else:
+        print(tokenizer.decode(done.tokens).strip())
+    decode_s = (done.finished or time.perf_counter()) - (done.first_token or done.submitted)
+    rate = (len(done.tokens) - 1) / decode_s if decode_s > 0 and len(done.tokens) > 1 else 0.0
+    stages = len(chain.stages)
+    print(f"[{len(done.tokens)} tokens, {rate:.1f} tok/s decode, TTFT {done.ttft_s * 1000:.0f} ms, "
+          f"{stages} stage{'s' if stages > 1 else ''}, {args.device}, static {chain.geometry.slots}-slot export]",
+          file=sys.stderr)
     return 0
 
 

@@ -12,6 +12,7 @@ from typing import TypeAlias
 
 import numpy as np
 
+from engine.packing import PlanFrame
 from engine.wire import (
     MAX_DIMS,
     MAX_ERROR_MESSAGE_BYTES,
@@ -129,6 +130,41 @@ class Logits:
     def __post_init__(self) -> None:
         _check_stream(self.stream_id, self.seq, "Logits")
         _check_array(self.logits, "Logits.logits", (_FLOAT32, _FLOAT16), ndims=(2, 3))
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class Packed:
+    """One inference of a packed static ring (NPU-target export): stage 0's plan and the rows' input.
+
+    ``plan`` says, per row, which slot it serves, at which true absolute position, and how much
+    of the slot's previous sequence its request reuses; every stage derives its mask and KV writes
+    from it, so the stages' host KV rings stay in lockstep. ``tensor`` is int64 token ids [1,S]
+    (into stage 0) or float32/float16 hidden states [1,S,H], S = the plan's rows. The last stage
+    answers with **Tokens** [S] (each row's top-1) under the same ``stream_id`` and ``seq``; one
+    stream id names one packed session, and **Release** of it empties every slot.
+    """
+
+    stream_id: StreamId
+    seq: int
+    plan: PlanFrame
+    tensor: np.ndarray
+    __repr__ = _shape_repr
+
+    def __post_init__(self) -> None:
+        _check_stream(self.stream_id, self.seq, "Packed")
+        if not isinstance(self.plan, PlanFrame):
+            raise FrameError(f"Packed.plan must be a PlanFrame, got {type(self.plan).__name__}")
+        rows = self.plan.rows
+        if rows > U16_MAX:
+            raise FrameError(f"Packed plan has {rows} rows; at most {U16_MAX}")
+        t = self.tensor
+        _check_array(t, "Packed.tensor", (_INT64, _FLOAT32, _FLOAT16))
+        want = "[1,S]" if t.dtype == np.int64 else "[1,S,H]"
+        if t.ndim != (2 if t.dtype == np.int64 else 3) or t.shape[0] != 1 or t.shape[1] != rows:
+            raise FrameError(f"Packed {'token ids' if t.dtype == np.int64 else 'hidden states'} must be "
+                             f"{want} with S = {rows} plan rows, got shape {t.shape}")
+        if t.dtype == np.int64 and t.min() < 0:
+            raise FrameError("Packed token ids must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -249,7 +285,7 @@ class HelloAck:
 
 
 Message: TypeAlias = (
-    Forward | Tokens | Logits | Release | Capture | Restore | Ping | Pong | Error | Hello | HelloAck
+    Forward | Packed | Tokens | Logits | Release | Capture | Restore | Ping | Pong | Error | Hello | HelloAck
 )
 
 

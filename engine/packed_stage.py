@@ -30,6 +30,7 @@ from engine.slot_scheduler import (
     SlotRequest,
     TokenEvent,
     admit,
+    admit_queued,
     empty_slots,
     plan,
     update,
@@ -211,12 +212,7 @@ class PackedServer:
         return bool(self.queue) or any(s.request for s in self.slots)
 
     def step(self) -> list[TokenEvent]:
-        while self.queue:
-            slots, k = admit(self.slots, self.queue[0], self.geometry)
-            if k is None:
-                break
-            self.slots = slots
-            self.queue.pop(0)
+        self.slots = admit_queued(self.slots, self.queue, self.geometry)
         schedule = plan(self.slots, self.chain.row_options)
         if schedule is None:
             return []

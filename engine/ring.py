@@ -15,6 +15,8 @@ import logging
 import time
 from ssl import SSLContext
 
+import numpy as np
+
 from engine.errors import DeskfleetError
 from engine.handshake import LocalIdentity
 from engine.messages import (
@@ -24,10 +26,12 @@ from engine.messages import (
     Hello,
     Logits,
     Message,
+    Packed,
     Release,
     Restore,
     Tokens,
 )
+from engine.packing import PlanFrame
 from engine.path import CacheStep, StepRequest, StepResult
 from engine.prefix_cache import CaptureStore
 from engine.shard import Stage, StageStream
@@ -147,6 +151,16 @@ class RingPath:
             self._local_compute.append(time.perf_counter() - started)
         await self._out.async_send(Forward(step.stream_id, step.seq, x, step.inputs.attention_mask,
                                            step.inputs.position_ids, step.want_logits, step.reply_last))
+
+    async def async_submit_packed(self, stream_id: StreamId, seq: int, plan: PlanFrame, tokens: np.ndarray) -> None:
+        """One inference of a static (NPU-target) ring: the plan and its rows' token ids [S]; the
+        last stage's reply, each row's top-1, arrives on ``results`` like any step's."""
+        if self._out is None:
+            raise DeskfleetError("the ring is not connected; start the path first")
+        if self.local_stage0 is not None:
+            raise DeskfleetError("a static ring cannot host stage 0 in the coordinator; start every stage as a worker")
+        self._sent_at[(stream_id, seq)] = time.perf_counter()
+        await self._out.async_send(Packed(stream_id, seq, plan, tokens[None, :]))
 
     async def async_reconnect(self, first_remote: Address | None = None) -> None:
         """After a failover: drop the connection to the first remote stage (and every stream's

@@ -32,7 +32,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "token (the key itself never goes on the command line); without it, no auth")
     p.add_argument("--max-concurrent", type=int, default=_DEFAULTS.max_concurrent,
                    help=f"requests in flight before answering 429 (default {_DEFAULTS.max_concurrent})")
-    p.add_argument("--slots", type=int, default=4, help="streams generated at once (default 4)")
+    p.add_argument("--slots", type=int, default=4,
+                   help="streams generated at once (default 4; a static NPU-target export has its own, from export)")
     p.add_argument("--max-prompt-tokens", type=int, default=_DEFAULTS.max_prompt_tokens,
                    help=f"longest prompt accepted (default {_DEFAULTS.max_prompt_tokens})")
     p.add_argument("--model-name", default=None, help="model id the API serves (default: the export's name)")
@@ -123,7 +124,28 @@ async def _open_generator(args: argparse.Namespace):
     """The coordinator the command line asks for: stages in-process, local workers, or a remote ring."""
     # Imported here, so `--help` does not load OpenVINO.
     from engine.coordinator import Coordinator, model_card
+    from engine.manifest import load_manifest
     from engine.speculator import SpeculationConfig, Speculator
+
+    manifest = load_manifest(args.shards)
+    if manifest.target == "npu":  # a static export: packed greedy serving over its slots
+        from engine.packed_fleet import (
+            local_static_fleet,
+            refuse_stateful_options,
+            ring_static_generator,
+            static_generator,
+        )
+
+        refuse_stateful_options(speculation=args.speculation, host_stage0=args.host_stage0)
+        if args.first_stage is not None:
+            opened = ring_static_generator(manifest, args.first_stage, args.return_listen)
+        elif args.workers:
+            opened = local_static_fleet(args.shards, exact=args.exact)
+        else:
+            opened = static_generator(args.shards, device=args.device, exact=args.exact)
+        async with opened as generator:
+            yield generator
+        return
 
     options = {}
     if args.speculation != "off":
@@ -131,11 +153,9 @@ async def _open_generator(args: argparse.Namespace):
         options["speculation"] = Speculator(config, device=args.device, exact=args.exact)
 
     if args.first_stage is not None:
-        from engine.manifest import load_manifest
         from engine.ring import RingPath
         from engine.shard import Stage
 
-        manifest = load_manifest(args.shards)
         local0 = Stage(args.shards, 0, manifest=manifest, device=args.device, exact=args.exact) if args.host_stage0 else None
         path = RingPath(manifest.model.fingerprint, len(manifest.stages), args.first_stage, args.return_listen,
                         local_stage0=local0)

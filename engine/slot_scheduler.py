@@ -128,6 +128,26 @@ def admit(slots: tuple[Slot, ...], request: SlotRequest,
     return tuple(out), best
 
 
+def admit_queued(slots: tuple[Slot, ...], queue: list[SlotRequest],
+                 geometry: SlotGeometry) -> tuple[Slot, ...]:
+    """Admit requests from the head of ``queue`` (in order, removing them) while a slot is free."""
+    while queue:
+        slots, k = admit(slots, queue[0], geometry)
+        if k is None:
+            break
+        queue.pop(0)
+    return slots
+
+
+def retire(slots: tuple[Slot, ...], request_id: int, geometry: SlotGeometry) -> tuple[Slot, ...]:
+    """Free the slot serving ``request_id`` (a cancelled request); what it fed stays for reuse."""
+    return tuple(_freed(s, geometry) if s.request and s.request.request_id == request_id else s for s in slots)
+
+
+def _freed(s: Slot, geometry: SlotGeometry) -> Slot:
+    return Slot(fed=s.fed, kept=s.stream[: min(s.fed, geometry.region)])
+
+
 def plan(slots: Sequence[Slot], row_options: Sequence[int]) -> Schedule | None:
     """The next inference over ``slots`` with one of the graphs' row counts; None when idle.
 
@@ -182,6 +202,6 @@ def update(slots: tuple[Slot, ...], schedule: Schedule, sampled: Mapping[int, in
             done = len(s.generated) >= req.max_new_tokens or (token in req.eos_ids and not req.ignore_eos)
             events.append(TokenEvent(req.request_id, token, done))
             if done:  # free the region at once; its prefix stays for reuse
-                s = Slot(fed=s.fed, kept=s.stream[: min(s.fed, geometry.region)])
+                s = _freed(s, geometry)
         out[k] = s
     return tuple(out), events

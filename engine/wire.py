@@ -21,7 +21,7 @@ import numpy as np
 
 from engine.errors import DeskfleetError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 1: Forward/Tokens/Logits/Release; 2 adds Capture/Restore and Packed
 MAGIC = b"DKFL"
 MAX_FRAME_BYTES = 256 * 1024 * 1024  # default bound, header included; configurable per call
 MIN_FRAME_BOUND = 64 * 1024  # a node refusing frames this small could not even send a prefill
@@ -54,6 +54,7 @@ FORWARD_META = struct.Struct("<IBxH")  # mask length T, mask encoding, 1 reserve
 # protocol_version, stage_index, max_frame_bytes, [role,] fingerprint length; fingerprint follows
 HELLO_META = struct.Struct("<HHQBB")
 HELLO_ACK_META = struct.Struct("<HHQB")
+PACKED_META = struct.Struct("<HH")  # rows S, reserved zero; the int64 plan [3, S] follows
 ERROR_META = struct.Struct("<H")  # error code; the UTF-8 message fills the rest of meta
 MASK_PACKED_BITS = 0  # the only mask encoding of version 1; the byte leaves room for run lengths
 
@@ -70,6 +71,7 @@ class FrameKind(enum.IntEnum):
     TOKENS = 17
     LOGITS = 18
     RELEASE = 19
+    PACKED = 20  # one inference of a static (NPU-target) ring: stage 0's plan frame + the rows' inputs
     CAPTURE = 32  # prefix cache: keep a compacted copy of a stream's KV state under a capture id
     RESTORE = 33  # prefix cache: start a stream from the first positions of a capture
 

@@ -19,49 +19,36 @@ import logging
 import os
 import signal
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from ssl import SSLContext
 
 import numpy as np
 
+from engine.address import Address
 from engine.control import READY_PREFIX, STATS_PREFIX
+from engine.downstream import Downstream
 from engine.errors import DeskfleetError
 from engine.handshake import LocalIdentity
+from engine.manifest import load_manifest
 from engine.messages import (
     Capture,
     Error,
     Forward,
-    Hello,
     Logits,
     Message,
+    Packed,
     Release,
     Restore,
     Tokens,
 )
+from engine.packed_worker import PackedStageWorker
 from engine.path import last_stage_reply
 from engine.prefix_cache import CaptureStore
 from engine.shard import Stage, StageStream, StepInputs
-from engine.transport import Connection, ConnectionClosedError, FrameServer, async_connect
-from engine.wire import COORDINATOR_STAGE, ErrorCode, Role, StreamId
+from engine.transport import Connection, FrameServer
+from engine.wire import ErrorCode, Role, StreamId
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Address:
-    host: str
-    port: int
-
-    @classmethod
-    def parse(cls, text: str) -> Address:
-        host, sep, port = text.rpartition(":")
-        if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
-            raise DeskfleetError(f"{text!r} is not HOST:PORT (e.g. 127.0.0.1:7001)")
-        return cls(host.strip("[]") or "127.0.0.1", int(port))
-
-    def __str__(self) -> str:
-        return f"{self.host}:{self.port}"
 
 
 class StageWorker:
@@ -75,22 +62,23 @@ class StageWorker:
         self.listen = listen
         self.next_address = next_address
         self.fingerprint = stage.manifest.model.fingerprint
-        self._server_ssl, self._client_ssl = server_ssl, client_ssl
-        self._dial_deadline = dial_deadline
         upstream_role = Role.COORDINATOR if stage.index == 0 else Role.STAGE
         self._server = FrameServer(self._handle, LocalIdentity(self.fingerprint, stage.index,
                                                                 frozenset({upstream_role})), ssl=server_ssl,
                                    idle_timeout=None)
         self._streams: dict[StreamId, StageStream] = {}
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"deskfleet-stage{stage.index}")
-        self._next: Connection | None = None
-        self._next_lock = asyncio.Lock()
-        self._next_watch: asyncio.Task | None = None
+        self.downstream = Downstream(self.fingerprint, stage.index, stage.is_last, next_address,
+                                     client_ssl=client_ssl, dial_deadline=dial_deadline)
         self.draining = False
         self._idle = asyncio.Event()
         self._idle.set()
         self.steps = 0
         self.compute_s = 0.0
+
+    @property
+    def stream_count(self) -> int:
+        return len(self._streams)
 
     @property
     def address(self) -> Address:
@@ -102,39 +90,8 @@ class StageWorker:
         log.info("stage %d listening on %s, next hop %s", self.stage.index, self.address, self.next_address)
         return self.address
 
-    async def _downstream(self) -> Connection:
-        async with self._next_lock:
-            if self._next is None or self._next.closed:
-                next_index = COORDINATOR_STAGE if self.stage.is_last else self.stage.index + 1
-                hello = Hello(self.fingerprint, next_index, Role.STAGE)
-                self._next = await async_connect(self.next_address.host, self.next_address.port, hello,
-                                                 ssl=self._client_ssl, deadline=self._dial_deadline)
-                self._next_watch = asyncio.create_task(self._watch_downstream(self._next))
-                log.info("stage %d connected to %s", self.stage.index, self.next_address)
-            return self._next
-
-    async def _watch_downstream(self, conn: Connection) -> None:
-        """Nothing flows back on the downstream hop, so read it only to learn at once when the
-        next stage goes away (crash, kill, pause): the next frame then dials it afresh instead of
-        vanishing into a dead socket."""
-        try:
-            while True:
-                msg = await conn.async_recv(idle_timeout=None)
-                log.debug("stage %d: %r from downstream", self.stage.index, msg)
-        except Exception:  # closed, reset, or garbage: in every case this connection is done
-            with contextlib.suppress(Exception):
-                await conn.async_close()
-            log.info("stage %d: the connection to %s is gone", self.stage.index, self.next_address)
-
     async def _send(self, msg: Message) -> None:
-        conn = await self._downstream()
-        try:
-            await conn.async_send(msg)
-        except (ConnectionClosedError, OSError):
-            with contextlib.suppress(Exception):
-                await conn.async_close()
-            conn = await self._downstream()  # the next stage came back on its address: one redial
-            await conn.async_send(msg)
+        await self.downstream.async_send(msg)
 
     async def _handle(self, conn: Connection, msg: Message) -> None:
         match msg:
@@ -148,6 +105,9 @@ class StageWorker:
                 await self._capture(msg)
             case Restore():
                 await self._restore(msg)
+            case Packed():
+                await self._send(Error(ErrorCode.STREAM_FAILED, f"stage {self.stage.index} serves a stateful export: "
+                                       "Packed frames need a static (NPU-target) export", msg.stream_id, msg.seq))
             case Error() if msg.stream_id:
                 await self._send(msg)  # a stream failed upstream: pass it on toward the coordinator
             case _:
@@ -226,22 +186,19 @@ class StageWorker:
 
     async def async_close(self) -> None:
         await self._server.async_close()
-        if self._next_watch is not None:
-            self._next_watch.cancel()
-        if self._next is not None:
-            await self._next.async_close()
+        await self.downstream.async_close()
         self._executor.shutdown(wait=True)
         self._streams.clear()
 
 
-def stats_line(worker: StageWorker) -> str:
+def stats_line(worker: StageWorker | PackedStageWorker) -> str:
     """One machine-readable line for the supervising agent (see ``agent.service.supervisor``)."""
-    stats = {"steps": worker.steps, "compute_s": round(worker.compute_s, 6), "streams": len(worker._streams),
+    stats = {"steps": worker.steps, "compute_s": round(worker.compute_s, 6), "streams": worker.stream_count,
              "draining": worker.draining}
     return STATS_PREFIX + json.dumps(stats, separators=(",", ":"))
 
 
-async def _async_report(worker: StageWorker, interval: float) -> None:
+async def _async_report(worker: StageWorker | PackedStageWorker, interval: float) -> None:
     while True:
         print(stats_line(worker), flush=True)
         await asyncio.sleep(interval)
@@ -254,6 +211,23 @@ async def _async_watch_parent(stop: asyncio.Event, parent: int, interval: float 
         await asyncio.sleep(interval)
     log.warning("parent process %d is gone: stopping", parent)
     stop.set()
+
+
+def _open_worker(shard_dir: Path, stage_index: int, listen: Address, next_address: Address, *, device: str,
+                 exact: bool, num_threads: int | None, server_ssl: SSLContext | None,
+                 client_ssl: SSLContext | None, cache_dir: Path | None) -> StageWorker | PackedStageWorker:
+    """The worker the export calls for: stateful (KV per stream) or static (a packed host KV ring)."""
+    manifest = load_manifest(shard_dir)
+    if manifest.target == "npu":
+        from engine.packed_stage import StaticStage
+
+        properties = {"CACHE_DIR": str(cache_dir)} if cache_dir is not None else None
+        static = StaticStage(shard_dir, stage_index, device=device, exact=exact, num_threads=num_threads,
+                             properties=properties, manifest=manifest)
+        return PackedStageWorker(static, listen, next_address, server_ssl=server_ssl, client_ssl=client_ssl)
+    stage = Stage(shard_dir, stage_index, manifest=manifest, device=device, exact=exact, num_threads=num_threads,
+                  cache_dir=cache_dir)
+    return StageWorker(stage, listen, next_address, server_ssl=server_ssl, client_ssl=client_ssl)
 
 
 async def async_serve_worker(shard_dir: Path, stage_index: int, listen: Address, next_address: Address, *,
@@ -269,13 +243,14 @@ async def async_serve_worker(shard_dir: Path, stage_index: int, listen: Address,
     """
     parent = os.getppid()
     try:
-        stage = Stage(shard_dir, stage_index, device=device, exact=exact, num_threads=num_threads, cache_dir=cache_dir)
+        worker = _open_worker(shard_dir, stage_index, listen, next_address, device=device, exact=exact,
+                              num_threads=num_threads, server_ssl=server_ssl, client_ssl=client_ssl,
+                              cache_dir=cache_dir)
     except DeskfleetError as exc:  # a shard that fails its checks is never served: say so in the worker's log
         log.error("refusing to serve stage %d of %s: %s", stage_index, shard_dir, exc)
         raise
-    worker = StageWorker(stage, listen, next_address, server_ssl=server_ssl, client_ssl=client_ssl)
     address = await worker.async_start()
-    print(f"{READY_PREFIX} {stage_index} ({stage.spec.num_layers} layers) on {address}, "
+    print(f"{READY_PREFIX} {stage_index} ({worker.stage.spec.num_layers} layers) on {address}, "
           f"next hop {next_address}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -286,7 +261,7 @@ async def async_serve_worker(shard_dir: Path, stage_index: int, listen: Address,
 
     async def drain_streams() -> None:  # SIGUSR1: let the streams in flight finish, take no new ones
         worker.draining = True
-        while worker._streams:
+        while worker.stream_count:
             await asyncio.sleep(0.1)
         stop.set()
 

@@ -33,6 +33,7 @@ from engine.wire import (
     HEADER_SIZE,
     HEADER_STRUCT,
     MAGIC,
+    PROTOCOL_VERSION,
     DType,
     ErrorCode,
     FrameError,
@@ -81,7 +82,7 @@ def test_forward_mask_is_bit_packed_and_compact():
 TOKENS_FRAME, HELLO_FRAME, PING_FRAME = encode(TOKENS_1D), encode(HELLO), encode(Ping(1))
 HEADER_CASES = [
     (FORWARD_FRAME, {"magic": b"GET "}, FrameError, "magic"),
-    (FORWARD_FRAME, {"version": 2}, ProtocolVersionError, "version 2"),
+    (FORWARD_FRAME, {"version": 3}, ProtocolVersionError, "version 3"),
     (FORWARD_FRAME, {"kind": 99}, FrameError, "unknown frame kind 99"),
     (FORWARD_FRAME, {"kind": int(FrameKind.CAPTURE)}, FrameError, "CAPTURE frame cannot carry dtype FLOAT32"),
     (FORWARD_FRAME, {"flags": 0x02}, FrameError, "flag"),
@@ -149,7 +150,7 @@ def raw_frame(kind, meta=b"", payload=b"", *, dtype=DType.NONE, shape=(), stream
     """A frame with a well-formed header around arbitrary (possibly invalid) meta and payload."""
     dims = list(shape) + [0] * (4 - len(shape))
     head = HEADER_STRUCT.pack(
-        MAGIC, 1, kind, flags, stream, seq, dtype, len(shape), 0, *dims, len(meta), len(payload)
+        MAGIC, PROTOCOL_VERSION, kind, flags, stream, seq, dtype, len(shape), 0, *dims, len(meta), len(payload)
     )
     return head + meta + payload
 
@@ -161,6 +162,15 @@ def raw_forward(*, t=4, enc=0, positions=(0, 1), mask_byte=0x0F, tensor=None, ex
     meta += bytes([mask_byte]) * ((t + 7) // 8) + extra
     code = {np.dtype("<i8"): DType.INT64, np.dtype("<f4"): DType.FLOAT32}[tensor.dtype]
     return raw_frame(FrameKind.FORWARD, meta, tensor.tobytes(), dtype=code, shape=tensor.shape)
+
+
+def raw_packed(plan=((0, 5, 0), (-1, 0, 0)), *, rows=None, reserved=0, tensor=None, extra=b""):
+    """A Packed frame: the ``plan`` columns (slot, position, reuse) per row, over ``tensor``."""
+    plan = np.array(plan, "<i8").T  # [3, S]
+    tensor = np.zeros((1, plan.shape[1], 2), np.float32) if tensor is None else tensor
+    meta = struct.pack("<HH", plan.shape[1] if rows is None else rows, reserved) + plan.tobytes() + extra
+    code = {np.dtype("<i8"): DType.INT64, np.dtype("<f4"): DType.FLOAT32}[tensor.dtype]
+    return raw_frame(FrameKind.PACKED, meta, tensor.tobytes(), dtype=code, shape=tensor.shape)
 
 
 def raw_tokens(probs, ids=(1, 2)):
@@ -194,6 +204,16 @@ BODY_CASES = [
     (raw_tokens([0.0]), "probs"),  # one probability for two ids
     (raw_tokens([0.5, 1.5]), r"\[0, 1\]"),
     (raw_tokens([0.5, np.nan]), r"\[0, 1\]"),
+    (raw_packed(reserved=1), "reserved"),
+    (raw_packed(rows=3), "3-row plan needs"),
+    (raw_packed(extra=b"\0" * 8), "2-row plan needs"),
+    (raw_packed(((0, 5, 6), (-1, 0, 0))), "reuse length exceeds"),
+    (raw_packed(((0, 5, 0), (-1, 3, 0))), "idle rows"),
+    (raw_packed(((0, 5, 0), (0, 7, 0))), "consecutive positions"),
+    (raw_packed(((-2, 5, 0), (-1, 0, 0))), "slots must be >= -1"),
+    (raw_packed(tensor=np.zeros((1, 3, 2), np.float32)), "S = 2 plan rows"),
+    (raw_packed(tensor=np.zeros((2, 2, 2), np.float32)), r"\[1,S,H\]"),
+    (raw_packed(tensor=np.array([[4, -4]], "<i8")), "token ids must be >= 0"),
     (raw_tokens([0.5, 0.5], ids=(-1, -2)), "ids must be >= 0"),
     (raw_frame(FrameKind.ERROR, b"\x07", stream=0), "shorter than its 2-byte code"),
     (raw_frame(FrameKind.ERROR, b"\x63\x00oops", stream=0), "unknown error code 99"),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import fields, is_dataclass
 
 import numpy as np
 
@@ -15,12 +15,14 @@ from engine.messages import (
     HelloAck,
     Logits,
     Message,
+    Packed,
     Ping,
     Pong,
     Release,
     Restore,
     Tokens,
 )
+from engine.packing import PlanFrame
 from engine.wire import (
     HEADER_FIELDS,
     HEADER_SIZE,
@@ -60,6 +62,8 @@ def assert_same(a: Message, b: Message) -> None:
         x, y = getattr(a, f.name), getattr(b, f.name)
         if isinstance(x, np.ndarray):
             assert (x.dtype, x.shape, x.tobytes()) == (y.dtype, y.shape, y.tobytes()), f.name
+        elif is_dataclass(x):  # a PlanFrame inside a Packed
+            assert_same(x, y)
         else:
             assert x == y, f.name
 
@@ -68,6 +72,17 @@ TOKENS_1D = Tokens(
     StreamId(3), 9, np.array([17, 4, 0], np.int64), np.array([0.5, 1.0, 0.0], np.float32)
 )
 HELLO = Hello(FP, 2, Role.STAGE)
+# Three rows: slot 1 prefilling positions 4-5 over a kept prefix of 4, an idle row.
+PLAN = PlanFrame.of([(1, 4, 4), (1, 5, 4)], total=3)
+
+
+def packed(stream=8, seq=5, hidden=True, rng=None) -> Packed:
+    rng = rng or np.random.default_rng(1)
+    tensor = (rng.standard_normal((1, PLAN.rows, 8)).astype(np.float32) if hidden
+              else rng.integers(0, 49152, (1, PLAN.rows), dtype=np.int64))
+    return Packed(StreamId(stream), seq, PLAN, tensor)
+
+
 TENSOR_SAMPLES: list[Message] = [
     forward(),
     forward(b=2, s=3, t=13, dtype=np.float16, want_logits=True),
@@ -77,6 +92,8 @@ TENSOR_SAMPLES: list[Message] = [
     Logits(StreamId(4), 2, np.linspace(-3, 3, 2 * 11, dtype=np.float32).reshape(2, 11)),
     Logits(StreamId(4), 2, np.ones((1, 3, 7), np.float16)),
     Capture(StreamId(6), 4, 77, np.array([0, 1, 2, 5, 6], np.int64)),
+    packed(),
+    packed(stream=U64_MAX, hidden=False),
 ]
 CONTROL_SAMPLES: list[Message] = [  # no tensor payload
     Release(StreamId(5), 12),
@@ -86,10 +103,10 @@ CONTROL_SAMPLES: list[Message] = [  # no tensor payload
     Error(ErrorCode.UNKNOWN_STREAM, "stream 5 is unknown here — résumé", StreamId(5), 3),
     Error(ErrorCode.INTERNAL, ""),
     HELLO,
-    Hello(FP, 65535, Role.COORDINATOR, max_frame_bytes=MIN_FRAME_BOUND, protocol_version=1),
+    Hello(FP, 65535, Role.COORDINATOR, max_frame_bytes=MIN_FRAME_BOUND, protocol_version=1),  # a peer's older version: encodable
     HelloAck(FP, 0, max_frame_bytes=1 << 30),
 ]
-SAMPLES = TENSOR_SAMPLES + CONTROL_SAMPLES  # every frame kind of version 1, some twice
+SAMPLES = TENSOR_SAMPLES + CONTROL_SAMPLES  # every frame kind, some twice
 
 FORWARD_FRAME = encode(forward(b=1, s=2, h=8))  # float32 [1,2,8]: payload 64 bytes
 
