@@ -2,10 +2,10 @@
 
 Per stage: load only that stage's tensors, build the traceable stage module, convert it,
 make the KV cache stateful (with the beam_idx Gather), compress the weights, save the IR.
-With ``target="npu"`` the stage is instead pinned to static shapes and left stateless, as one
-graph per use (decode, optional prefill chunk, or the packed multi-slot graph); see
-:mod:`export.static_graph`. Everything is written into a temporary sibling directory and renamed into place at the end,
-so an error or a crash never leaves a half-written export behind.
+With ``target="npu"`` each stage is built by :mod:`export.static_export` instead (static
+shapes, stateless graphs, one graph per use); the parts both builders share are in
+:mod:`export.stage_parts`. Everything is written into a temporary sibling directory and
+renamed into place at the end, so an error or a crash never leaves a half-written export behind.
 """
 
 from __future__ import annotations
@@ -16,28 +16,22 @@ import os
 import resource
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import openvino as ov
 import torch
-from safetensors import safe_open
 from transformers import AutoConfig
 
 from engine import __version__
-from engine.errors import DeskfleetError
 from engine.manifest import (
     MANIFEST_NAME,
-    TARGETS,
     FileEntry,
-    GraphEntry,
     Manifest,
     ModelInfo,
     StageManifest,
-    StaticInfo,
-    TensorSpec,
     WeightInfo,
     file_entry,
     format_version_for,
@@ -46,13 +40,18 @@ from export.architectures import ArchSpec, arch_for, head_dim
 from export.compress import PRESETS, check_group_size, compress
 from export.graph import BEAM_IDX, convert_torch, make_stateful, set_io_names, set_runtime_options
 from export.modeling import StageModel, StageSpec, stage_tensor_names
-from export.static_graph import (
-    check_stateless,
-    check_static,
-    make_static,
-    replace_mask_with_input,
-    static_shapes,
+from export.stage_parts import (
+    XML_NAME,
+    CheckpointReader,
+    ExportError,
+    ExportOptions,
+    Progress,
+    estimate_memory,
+    example_inputs,
+    io_names,
+    spec_of,
 )
+from export.static_export import export_static_stage, validate_target
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -65,33 +64,6 @@ TOKENIZER_FILES = (
     "merges.txt",
 )
 KV_PRECISIONS = ("f32", "f16", "u8")
-XML_NAME = "openvino_model.xml"
-MIN_SLOT_REGION = 2  # past positions per packed slot; below this a slot cannot hold a sequence
-
-
-class ExportError(DeskfleetError):
-    """The export request is invalid (split out of range, output exists, checkpoint unreadable)."""
-
-
-@dataclass(frozen=True)
-class ExportOptions:
-    weights: str = "int4"
-    group_size: int = 64
-    symmetric: bool = True
-    kv_cache_precision: str = "f16"
-    beam_idx: bool = True
-    context_for_estimate: int = 4096
-    force: bool = False
-    target: str = "stateful"  # or "npu": static, stateless graphs
-    context: int | None = None  # NPU: attention length T of the decode / packed graph
-    slots: int = 1  # NPU: > 1 makes the packed graph with this many query rows
-    prefill_chunk: int | None = None  # NPU, unpacked: a second graph prefilling C tokens a step
-
-    @property
-    def static(self) -> StaticInfo | None:
-        if self.target != "npu" or self.context is None:
-            return None
-        return StaticInfo(context=self.context, slots=self.slots, prefill_chunk=self.prefill_chunk)
 
 
 @dataclass(frozen=True)
@@ -102,9 +74,6 @@ class ExportReport:
     peak_rss_bytes: int
     baseline_rss_bytes: int
     stage_file_bytes: tuple[int, ...]
-
-
-Progress = Callable[[int, str], None]  # (stage index, step name)
 
 
 def plan_stages(num_layers: int, stages: int | None = None, split: Sequence[int] | None = None) -> list[StageSpec]:
@@ -132,37 +101,6 @@ def plan_stages(num_layers: int, stages: int | None = None, split: Sequence[int]
                   has_embedding=i == 0, has_head=i == len(bounds) - 2)
         for i in range(len(bounds) - 1)
     ]
-
-
-class CheckpointReader:
-    """Lazy access to the tensors of an HF safetensors checkpoint, one tensor at a time."""
-
-    def __init__(self, checkpoint_dir: Path):
-        files = sorted(checkpoint_dir.glob("*.safetensors"))
-        if not files:
-            raise ExportError(f"{checkpoint_dir} has no *.safetensors files; is it an HF checkpoint directory?")
-        self._where: dict[str, Path] = {}
-        for f in files:
-            with safe_open(str(f), framework="pt") as st:
-                for key in st.keys():
-                    self._where[key] = f
-
-    @property
-    def names(self) -> set[str]:
-        return set(self._where)
-
-    def load(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
-        by_file: dict[Path, list[str]] = {}
-        for n in names:
-            if n not in self._where:
-                raise ExportError(f"checkpoint tensor {n!r} is missing; the checkpoint is incomplete")
-            by_file.setdefault(self._where[n], []).append(n)
-        for f, keys in by_file.items():
-            with safe_open(str(f), framework="pt") as st:
-                for k in keys:
-                    out[k] = st.get_tensor(k).to(torch.float32)
-        return out
 
 
 def _status_kb(field: str) -> int | None:
@@ -194,50 +132,6 @@ def _peak_rss_bytes() -> int:
     return peak * 1024 if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _io_names(stage: StageSpec, stateless: bool = False) -> tuple[list[str], list[str]]:
-    first = "input_ids" if stage.has_embedding else "hidden_states"
-    inputs = [first, "attention_mask", "position_ids"]
-    if stage.has_head and not stateless:
-        inputs.append("logits_last")
-    outputs = ["logits" if stage.has_head else "hidden_states_out"]
-    present = "new" if stateless else "present"  # stateless graphs return only the S new positions
-    for i in stage.layers:
-        inputs += [f"past_key_{i}", f"past_value_{i}"]
-        outputs += [f"{present}_key_{i}", f"{present}_value_{i}"]
-    return inputs, outputs
-
-
-def _example_inputs(config: Any, stage: StageSpec, stateless: bool = False) -> tuple[torch.Tensor, ...]:
-    """Real tensors for tracing: S=3 new tokens over P=2 cached ones (every dimension converts dynamic)."""
-    s, p = 3, 2
-    kv, d = int(config.num_key_value_heads), head_dim(config)
-    if stage.has_embedding:
-        x = torch.randint(0, int(config.vocab_size), (1, s), dtype=torch.int64)
-    else:
-        x = torch.randn(1, s, int(config.hidden_size))
-    tensors = [x, torch.ones(1, p + s, dtype=torch.int64), torch.arange(p, p + s, dtype=torch.int64)[None]]
-    if stage.has_head and not stateless:
-        tensors.append(torch.tensor(2, dtype=torch.int64))  # logits for the last 2 of the 3 positions
-    for _ in stage.layers:
-        tensors += [torch.randn(1, kv, p, d), torch.randn(1, kv, p, d)]
-    return tuple(tensors)
-
-
-def _spec_of(port: ov.Output) -> TensorSpec:
-    shape = tuple(-1 if dim.is_dynamic else dim.get_length() for dim in port.get_partial_shape())
-    return TensorSpec(name=port.get_any_name(), dtype=port.get_element_type().get_type_name(), shape=shape)
-
-
-def _estimate_memory(config: Any, stage: StageSpec, file_bytes: int, kv_precision: str, context: int) -> int:
-    """Shard files + KV at ``context`` positions + scratch. For an NPU stage ``context`` is the
-    fixed window and the KV is the host ring (f32): it is allocated in full from the start."""
-    kv_bytes = {"f32": 4, "f16": 2, "u8": 1}[kv_precision]
-    per_token = 2 * stage.last_layer - 2 * stage.first_layer + 2
-    kv = per_token * int(config.num_key_value_heads) * head_dim(config) * kv_bytes * context
-    activations = 64 * 1024 * 1024  # compiled-graph scratch, measured order of magnitude on CPU
-    return file_bytes + kv + activations
-
-
 def export_stage(config: Any, spec: ArchSpec, reader: CheckpointReader, stage: StageSpec,
                  options: ExportOptions, out_dir: Path, progress: Progress) -> StageManifest:
     """Build, convert, make stateful, compress and save one stage into ``out_dir``."""
@@ -245,13 +139,13 @@ def export_stage(config: Any, spec: ArchSpec, reader: CheckpointReader, stage: S
     tensors = reader.load(stage_tensor_names(config, spec, stage, reader.names))
     module = StageModel(config, spec, stage, tensors).eval()
     del tensors
-    example = _example_inputs(config, stage)
+    example = example_inputs(config, stage)
     progress(stage.index, "convert")
     with torch.no_grad():
         model = convert_torch(module, example)
     del module, example
     gc.collect()
-    inputs, outputs = _io_names(stage)
+    inputs, outputs = io_names(stage)
     set_io_names(model, inputs, outputs)
     progress(stage.index, "stateful")
     make_stateful(model, list(stage.layers), int(config.num_key_value_heads), head_dim(config), options.beam_idx)
@@ -262,8 +156,8 @@ def export_stage(config: Any, spec: ArchSpec, reader: CheckpointReader, stage: S
     stage_dir = out_dir / f"stage_{stage.index}"
     stage_dir.mkdir(parents=True)
     ov.save_model(model, stage_dir / XML_NAME, compress_to_fp16=PRESETS[options.weights].fp16_ir)
-    io_in = tuple(_spec_of(p) for p in model.inputs)
-    io_out = tuple(_spec_of(p) for p in model.outputs)
+    io_in = tuple(spec_of(p) for p in model.inputs)
+    io_out = tuple(spec_of(p) for p in model.outputs)
     del model
     gc.collect()
     files = tuple(file_entry(out_dir, f) for f in sorted(stage_dir.iterdir()))
@@ -281,81 +175,8 @@ def export_stage(config: Any, spec: ArchSpec, reader: CheckpointReader, stage: S
         outputs=io_out,
         beam_idx=options.beam_idx,
         kv_cache_precision=options.kv_cache_precision,
-        estimated_memory_bytes=_estimate_memory(config, stage, size, options.kv_cache_precision,
-                                                options.context_for_estimate),
-    )
-
-
-def _static_graph_plan(static: StaticInfo) -> list[tuple[str, int, str]]:
-    """(name, rows, mask kind) of every graph an NPU stage gets."""
-    if static.slots > 1:
-        return [("packed", static.slots, "4d")]
-    plan = [("decode", 1, "2d")]
-    if static.prefill_chunk:
-        plan.append(("prefill", static.prefill_chunk, "2d"))
-    return plan
-
-
-def export_static_stage(config: Any, spec: ArchSpec, reader: CheckpointReader, stage: StageSpec,
-                        options: ExportOptions, out_dir: Path, progress: Progress) -> StageManifest:
-    """Build, convert once, pin to static shapes per graph, compress, re-check and save one NPU stage.
-
-    Every graph of a stage reads the same host KV window W = context - slots (the prefill chunk
-    included), so the host ring is shared byte for byte between them.
-    """
-    static = options.static
-    assert static is not None
-    progress(stage.index, "load")
-    tensors = reader.load(stage_tensor_names(config, spec, stage, reader.names))
-    module = StageModel(config, spec, stage, tensors, stateless=True).eval()
-    del tensors
-    progress(stage.index, "convert")
-    with torch.no_grad():
-        base = convert_torch(module, _example_inputs(config, stage, stateless=True))
-    del module
-    gc.collect()
-    inputs, outputs = _io_names(stage, stateless=True)
-    set_io_names(base, inputs, outputs)
-    progress(stage.index, "static")
-    plan = _static_graph_plan(static)
-    graphs = []
-    for k, (_name, rows, mask) in enumerate(plan):
-        model = base if k == len(plan) - 1 else base.clone()
-        make_static(model, static_shapes(inputs, rows=rows, window=static.window,
-                                         hidden=int(config.hidden_size),
-                                         kv_heads=int(config.num_key_value_heads),
-                                         head_dim=head_dim(config), has_embedding=stage.has_embedding))
-        if mask == "4d":
-            replace_mask_with_input(model)
-            check_static(model, "after the packed-mask edit")
-        check_stateless(model)
-        graphs.append(model)
-    del base
-    progress(stage.index, "compress")
-    for k, model in enumerate(graphs):
-        graphs[k] = compress(model, options.weights, options.group_size, options.symmetric)
-        check_static(graphs[k], "after weight compression")
-    progress(stage.index, "save")
-    stage_dir = out_dir / f"stage_{stage.index}"
-    stage_dir.mkdir(parents=True)
-    entries = []
-    for (name, rows, mask), model in zip(plan, graphs, strict=True):
-        ov.save_model(model, stage_dir / f"{name}.xml", compress_to_fp16=PRESETS[options.weights].fp16_ir)
-        entries.append(GraphEntry(name=name, xml=f"{stage_dir.name}/{name}.xml", rows=rows, mask=mask,
-                                  inputs=tuple(_spec_of(p) for p in model.inputs),
-                                  outputs=tuple(_spec_of(p) for p in model.outputs)))
-    del graphs, model
-    gc.collect()
-    files = tuple(file_entry(out_dir, f) for f in sorted(stage_dir.iterdir()))
-    size = sum(f.size for f in files)
-    main = entries[0]
-    return StageManifest(
-        index=stage.index, first_layer=stage.first_layer, last_layer=stage.last_layer,
-        has_embedding=stage.has_embedding, has_head=stage.has_head, directory=stage_dir.name,
-        xml=main.xml, files=files, inputs=main.inputs, outputs=main.outputs, beam_idx=False,
-        kv_cache_precision="f32",
-        estimated_memory_bytes=_estimate_memory(config, stage, size, "f32", static.window),
-        graphs=tuple(entries),
+        estimated_memory_bytes=estimate_memory(config, stage, size, options.kv_cache_precision,
+                                               options.context_for_estimate),
     )
 
 
@@ -382,41 +203,8 @@ def _copy_tokenizer(checkpoint_dir: Path, out_dir: Path) -> tuple[FileEntry, ...
     return tuple(file_entry(out_dir, tok_dir / f.name) for f in present)
 
 
-def _validate_target(config: Any, options: ExportOptions) -> None:
-    """The NPU settings are fixed into the IR shapes, so every inconsistency is refused up front."""
-    if options.target not in TARGETS:
-        raise ExportError(f"unknown --target {options.target!r}; choose one of {', '.join(TARGETS)}")
-    context, slots, chunk = options.context, options.slots, options.prefill_chunk
-    if options.target == "stateful":
-        if context is not None or slots != 1 or chunk is not None:
-            raise ExportError("--context, --slots and --prefill-chunk apply to --target npu only: "
-                              "stateful shards grow their cache as needed")
-        return
-    if context is None:
-        raise ExportError("--target npu needs --context T: the attention window is fixed into the "
-                          "graph at export (e.g. --context 1024)")
-    limit = int(config.max_position_embeddings)
-    if not 2 <= context <= limit:
-        raise ExportError(f"--context {context} is out of range: it must be between 2 and the "
-                          f"model's {limit} positions")
-    if slots < 1:
-        raise ExportError(f"--slots {slots} must be at least 1")
-    if slots >= context or (context - slots) // slots < MIN_SLOT_REGION:
-        raise ExportError(
-            f"--slots {slots} does not fit --context {context}: each slot needs at least "
-            f"{MIN_SLOT_REGION} past positions of the {context - slots}-position window "
-            f"(context - slots); use at most {max((context) // (MIN_SLOT_REGION + 1), 1)} slots "
-            "or a larger --context")
-    if chunk is not None:
-        if slots > 1:
-            raise ExportError("--prefill-chunk does not apply with --slots > 1: in the packed graph "
-                              "several rows of one slot already form a causal prefill chunk")
-        if not 2 <= chunk < context:
-            raise ExportError(f"--prefill-chunk {chunk} must be between 2 and --context - 1 ({context - 1})")
-
-
 def _validate_options(config: Any, options: ExportOptions) -> None:
-    _validate_target(config, options)
+    validate_target(config, options)
     if options.weights not in PRESETS:
         raise ExportError(f"unknown --weights {options.weights!r}; choose one of {', '.join(PRESETS)}")
     if options.kv_cache_precision not in KV_PRECISIONS:
@@ -452,7 +240,7 @@ def _commit(tmp: Path, out: Path) -> None:
 
 
 def export_model(checkpoint_dir: Path | str, out_dir: Path | str, *, stages: int | None = None,
-                 split: Sequence[int] | None = None, options: ExportOptions = ExportOptions(),
+                 split: Sequence[int] | None = None, options: ExportOptions = ExportOptions(),  # noqa: B008 (frozen)
                  name: str | None = None, fingerprint: str | None = None,
                  progress: Progress | None = None) -> ExportReport:
     """Export ``checkpoint_dir`` into ``out_dir``; see the module docstring."""

@@ -81,9 +81,9 @@ def test_static_check_names_a_dynamic_dimension():
 
 def test_static_check_is_rerun_after_weight_compression(monkeypatch, tiny_checkpoint, tmp_path):
     """A compression step that brings back a dynamic dimension fails the export, and leaves nothing."""
-    import export.exporter as exporter
+    import export.static_export as static_export
 
-    real = exporter.compress
+    real = static_export.compress
 
     def compress_that_goes_dynamic(model, *args):
         model = real(model, *args)
@@ -92,7 +92,7 @@ def test_static_check_is_rerun_after_weight_compression(monkeypatch, tiny_checkp
         model.add_parameters([extra])
         return model
 
-    monkeypatch.setattr(exporter, "compress", compress_that_goes_dynamic)
+    monkeypatch.setattr(static_export, "compress", compress_that_goes_dynamic)
     out = tmp_path / "npu"
     with pytest.raises(StaticShapeError, match="after weight compression.*decompression_scale"):
         export_model(tiny_checkpoint("llama"), out, stages=1,

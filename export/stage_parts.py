@@ -1,0 +1,127 @@
+"""What both stage builders share: export options and errors, checkpoint access, stage I/O names.
+
+The stateful builder (:func:`export.exporter.export_stage`) and the NPU one
+(:func:`export.static_export.export_static_stage`) trace the same stage module from the same
+example tensors and describe their ports the same way; both read from here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import openvino as ov
+import torch
+from safetensors import safe_open
+
+from engine.errors import DeskfleetError
+from engine.manifest import StaticInfo, TensorSpec
+from export.architectures import head_dim
+from export.modeling import StageSpec
+
+XML_NAME = "openvino_model.xml"
+
+
+class ExportError(DeskfleetError):
+    """The export request is invalid (split out of range, output exists, checkpoint unreadable)."""
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    weights: str = "int4"
+    group_size: int = 64
+    symmetric: bool = True
+    kv_cache_precision: str = "f16"
+    beam_idx: bool = True
+    context_for_estimate: int = 4096
+    force: bool = False
+    target: str = "stateful"  # or "npu": static, stateless graphs
+    context: int | None = None  # NPU: attention length T of the decode / packed graph
+    slots: int = 1  # NPU: > 1 makes the packed graph with this many query rows
+    prefill_chunk: int | None = None  # NPU, unpacked: a second graph prefilling C tokens a step
+
+    @property
+    def static(self) -> StaticInfo | None:
+        if self.target != "npu" or self.context is None:
+            return None
+        return StaticInfo(context=self.context, slots=self.slots, prefill_chunk=self.prefill_chunk)
+
+
+Progress = Callable[[int, str], None]  # (stage index, step name)
+
+
+class CheckpointReader:
+    """Lazy access to the tensors of an HF safetensors checkpoint, one tensor at a time."""
+
+    def __init__(self, checkpoint_dir: Path):
+        files = sorted(checkpoint_dir.glob("*.safetensors"))
+        if not files:
+            raise ExportError(f"{checkpoint_dir} has no *.safetensors files; is it an HF checkpoint directory?")
+        self._where: dict[str, Path] = {}
+        for f in files:
+            with safe_open(str(f), framework="pt") as st:
+                for key in st.keys():
+                    self._where[key] = f
+
+    @property
+    def names(self) -> set[str]:
+        return set(self._where)
+
+    def load(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        by_file: dict[Path, list[str]] = {}
+        for n in names:
+            if n not in self._where:
+                raise ExportError(f"checkpoint tensor {n!r} is missing; the checkpoint is incomplete")
+            by_file.setdefault(self._where[n], []).append(n)
+        for f, keys in by_file.items():
+            with safe_open(str(f), framework="pt") as st:
+                for k in keys:
+                    out[k] = st.get_tensor(k).to(torch.float32)
+        return out
+
+
+def io_names(stage: StageSpec, stateless: bool = False) -> tuple[list[str], list[str]]:
+    first = "input_ids" if stage.has_embedding else "hidden_states"
+    inputs = [first, "attention_mask", "position_ids"]
+    if stage.has_head and not stateless:
+        inputs.append("logits_last")
+    outputs = ["logits" if stage.has_head else "hidden_states_out"]
+    present = "new" if stateless else "present"  # stateless graphs return only the S new positions
+    for i in stage.layers:
+        inputs += [f"past_key_{i}", f"past_value_{i}"]
+        outputs += [f"{present}_key_{i}", f"{present}_value_{i}"]
+    return inputs, outputs
+
+
+def example_inputs(config: Any, stage: StageSpec, stateless: bool = False) -> tuple[torch.Tensor, ...]:
+    """Real tensors for tracing: S=3 new tokens over P=2 cached ones (every dimension converts dynamic)."""
+    s, p = 3, 2
+    kv, d = int(config.num_key_value_heads), head_dim(config)
+    if stage.has_embedding:
+        x = torch.randint(0, int(config.vocab_size), (1, s), dtype=torch.int64)
+    else:
+        x = torch.randn(1, s, int(config.hidden_size))
+    tensors = [x, torch.ones(1, p + s, dtype=torch.int64), torch.arange(p, p + s, dtype=torch.int64)[None]]
+    if stage.has_head and not stateless:
+        tensors.append(torch.tensor(2, dtype=torch.int64))  # logits for the last 2 of the 3 positions
+    for _ in stage.layers:
+        tensors += [torch.randn(1, kv, p, d), torch.randn(1, kv, p, d)]
+    return tuple(tensors)
+
+
+def spec_of(port: ov.Output) -> TensorSpec:
+    shape = tuple(-1 if dim.is_dynamic else dim.get_length() for dim in port.get_partial_shape())
+    return TensorSpec(name=port.get_any_name(), dtype=port.get_element_type().get_type_name(), shape=shape)
+
+
+def estimate_memory(config: Any, stage: StageSpec, file_bytes: int, kv_precision: str, context: int) -> int:
+    """Shard files + KV at ``context`` positions + scratch. For an NPU stage ``context`` is the
+    fixed window and the KV is the host ring (f32): it is allocated in full from the start."""
+    kv_bytes = {"f32": 4, "f16": 2, "u8": 1}[kv_precision]
+    per_token = 2 * stage.last_layer - 2 * stage.first_layer + 2
+    kv = per_token * int(config.num_key_value_heads) * head_dim(config) * kv_bytes * context
+    activations = 64 * 1024 * 1024  # compiled-graph scratch, measured order of magnitude on CPU
+    return file_bytes + kv + activations
