@@ -223,5 +223,6 @@ def test_each_runtime_refuses_the_other_targets_shards(unpacked, tiny_export, tm
         from engine.manifest import verify_stage
 
         verify_stage(tiny_export("llama", 1), load_manifest(tiny_export("llama", 1)), 0, target="npu")
+    # The commands pick the runtime from the manifest: generate serves an NPU-target export statically.
     answer = _deskfleet("generate", "--shards", str(unpacked), "--prompt", "hi", "--max-new-tokens", "2")
-    assert answer.returncode == 1 and "static runtime" in answer.stderr and "Traceback" not in answer.stderr
+    assert answer.returncode == 0 and "static 1-slot export" in answer.stderr, answer.stderr
