@@ -14,6 +14,8 @@ import sys
 from PySide6.QtCore import QTimer
 from PySide6.QtWidgets import QApplication
 
+from console.qt_async import drop_pending_quit
+
 log = logging.getLogger("deskfleet.console")
 
 
@@ -89,4 +91,5 @@ def run_console(args: argparse.Namespace, *, until=None) -> int:
         window.deleteLater()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        drop_pending_quit(app)
     return code["exit"]

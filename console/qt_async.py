@@ -17,7 +17,7 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from PySide6.QtCore import QObject, Qt, Signal, Slot
+from PySide6.QtCore import QCoreApplication, QEvent, QObject, Qt, Signal, Slot
 
 from console.loop_thread import LoopThread, LoopTimeout
 
@@ -87,3 +87,10 @@ async def _within(coro: Coroutine[Any, Any, Any], timeout: float, what: str) -> 
         if deadline.expired():
             raise LoopTimeout(f"{what} did not finish within {timeout:g} s") from None
         raise
+
+
+def drop_pending_quit(app: QCoreApplication) -> None:
+    """Discard a Quit event still queued when ``app.exec()`` has returned (the last window closing
+    posts one): handled later, outside exec, it would leave the application quitting for good, and
+    every later event loop in this process (a second run, a test) would return at once."""
+    QCoreApplication.removePostedEvents(app, QEvent.Type.Quit)

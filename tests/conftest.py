@@ -72,6 +72,41 @@ def hf_greedy(tiny_checkpoint):
     return get
 
 
+def _qt_event_loops_run() -> bool:
+    """True unless the QApplication is stuck quitting: after QCoreApplication.quit()/exit() (or a
+    Quit event) outside ``app.exec()``, every later QEventLoop.exec() returns at once, so
+    qtbot.wait* and queued signals silently stop working for the rest of the session."""
+    import sys
+
+    if "PySide6.QtWidgets" not in sys.modules:
+        return True
+    from PySide6.QtCore import QEventLoop, QTimer
+    from PySide6.QtWidgets import QApplication
+
+    if QApplication.instance() is None:
+        return True
+    ran: list[int] = []
+    loop = QEventLoop()
+    QTimer.singleShot(0, lambda: (ran.append(1), loop.quit()))
+    loop.exec()
+    return bool(ran)
+
+
+@pytest.fixture(autouse=True)
+def qt_application_still_runs_event_loops():
+    """Fail the test that leaves the QApplication quitting (and repair it for the tests after)."""
+    yield
+    if not _qt_event_loops_run():
+        from PySide6.QtCore import QTimer
+        from PySide6.QtWidgets import QApplication
+
+        app = QApplication.instance()
+        QTimer.singleShot(0, app.quit)
+        app.exec()  # exec() clears the quitting flag on its way in and out
+        pytest.fail("this test left the QApplication quitting (QCoreApplication.quit/exit outside app.exec()): "
+                    "later event loops would return at once")
+
+
 @pytest.fixture(autouse=True)
 def no_leaked_threads():
     """Fail a test that leaves non-daemon threads running (they would hang the process at exit)."""

@@ -89,6 +89,22 @@ def _settings(**over) -> AgentSettings:
                                  pause_on_battery=False, resume_after_idle_s=0.5), **over)
 
 
+def _loop_tasks(bridge: AgentBridge) -> str:
+    """Every task on the bridge's loop with where it waits: what a hung start is stuck on."""
+    import io
+
+    async def dump() -> str:
+        out = io.StringIO()
+        for task in asyncio.all_tasks():
+            task.print_stack(limit=8, file=out)
+        return out.getvalue()
+
+    try:
+        return bridge.loop.run(dump(), 10, what="listing the loop's tasks")
+    except Exception as exc:
+        return f"(could not list them: {exc!r})"
+
+
 @pytest.fixture
 def start_tray(qtbot, tmp_path):
     """``start_tray(idle=FakeIdle())`` -> a started QtAgentTray over a real AgentService."""
@@ -102,8 +118,12 @@ def start_tray(qtbot, tmp_path):
         tray = QtAgentTray(bridge, LOGIN, confirm_leave=lambda: True)
         trays.append(tray)
         bridge.start()
-        qtbot.waitUntil(lambda: (bridge.running and bridge.status is not None) or bridge.start_error is not None,
-                        timeout=int((START_TIMEOUT_S + 10) * 1000))
+        try:
+            qtbot.waitUntil(lambda: (bridge.running and bridge.status is not None) or bridge.start_error is not None,
+                            timeout=int((START_TIMEOUT_S + 10) * 1000))
+        except Exception:
+            pytest.fail(f"the tray did not start: running={bridge.running}, status={bridge.status}, "
+                        f"start future={bridge._start_future}; the agent loop's tasks:\n{_loop_tasks(bridge)}")
         assert bridge.start_error is None, f"the agent service did not start: {bridge.start_error!r}"
         return tray
 

@@ -16,6 +16,8 @@ import sys
 from PySide6.QtCore import QTimer
 from PySide6.QtWidgets import QApplication, QSystemTrayIcon
 
+from console.qt_async import drop_pending_quit
+
 log = logging.getLogger("deskfleet.agent")
 
 NO_TRAY_WARNING = ("deskfleet agent: this desktop has no system tray, so no icon can be shown. The agent "
@@ -69,3 +71,4 @@ def run_tray(args: argparse.Namespace) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         tray.deleteLater()
+        drop_pending_quit(app)
