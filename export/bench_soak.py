@@ -125,7 +125,8 @@ def _pct(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
-async def _async_drive(fleet: FleetProcess, minutes: float, warmup_s: float, seed: int) -> dict[str, Any]:
+async def _async_drive(fleet: FleetProcess, minutes: float, warmup_s: float, seed: int,
+                       sample_every_s: float = SAMPLE_EVERY_S) -> dict[str, Any]:
     models = _get_json(fleet.url + "/models")["data"][0]
     budget = min(int(models["context_length"]), 4096) * 3 // 4
     idle_rss = fleet.rss()
@@ -137,7 +138,7 @@ async def _async_drive(fleet: FleetProcess, minutes: float, warmup_s: float, see
     async def sample() -> None:
         while True:
             timeline.append({"t_s": round(time.monotonic() - started, 1), "rss": fleet.rss()})
-            await asyncio.sleep(SAMPLE_EVERY_S)
+            await asyncio.sleep(sample_every_s)
 
     sampler = asyncio.create_task(sample())
     try:
@@ -191,14 +192,15 @@ def summarise(run: dict[str, Any]) -> dict[str, Any]:
             "rss_verdict": verdict(total_growth, RSS_TARGET, higher=False) if total_growth is not None else "n/a"}
 
 
-def run_soak(export_dir: Path, minutes: float, *, warmup_s: float | None = None, seed: int = 7) -> dict[str, Any]:
+def run_soak(export_dir: Path, minutes: float, *, warmup_s: float | None = None, seed: int = 7,
+             sample_every_s: float = SAMPLE_EVERY_S) -> dict[str, Any]:
     """Serve ``export_dir`` as a local fleet, drive it for ``minutes``, and return raw results + summary."""
     warmup_s = min(180.0, minutes * 6) if warmup_s is None else warmup_s  # 10 % of the run, at most 3 min
     with tempfile.TemporaryDirectory(prefix="deskfleet-soak-") as tmp:
         fleet = FleetProcess(export_dir, Path(tmp) / "fleet.log")
         try:
             fleet.start()
-            run = asyncio.run(_async_drive(fleet, minutes, warmup_s, seed))
+            run = asyncio.run(_async_drive(fleet, minutes, warmup_s, seed, sample_every_s))
         except BaseException:
             log_tail = (Path(tmp) / "fleet.log").read_text(errors="replace")[-3000:]
             print(f"fleet log (last lines):\n{log_tail}", file=sys.stderr)

