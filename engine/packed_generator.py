@@ -52,8 +52,9 @@ class StaticBackend(Protocol):
         """int64 [S]: the greedy next token of every row (idle rows included; ignore them)."""
         ...
 
-    async def async_reset(self) -> None:
-        """Empty every slot on every stage (the next inference starts a new session)."""
+    async def async_reset(self, failed: bool = False) -> None:
+        """Empty every slot on every stage (the next inference starts a new session); ``failed``:
+        the session ended in an error, so the stages may have restarted."""
         ...
 
     async def async_close(self) -> None: ...
@@ -75,7 +76,7 @@ class LocalStatic:
     async def async_top1(self, frame: PlanFrame, tokens: np.ndarray) -> np.ndarray:
         return await asyncio.get_running_loop().run_in_executor(self._executor, self._top1, frame, tokens)
 
-    async def async_reset(self) -> None:
+    async def async_reset(self, failed: bool = False) -> None:
         await asyncio.get_running_loop().run_in_executor(self._executor, self.chain.reset)
 
     async def async_close(self) -> None:
@@ -93,11 +94,15 @@ class RingStatic:
         self.step_timeout_s = step_timeout_s
         self.session = StreamId(1)
         self._seq = 0
+        self._redial = False
 
     async def async_start(self) -> None:
         await self.path.async_start()
 
     async def async_top1(self, frame: PlanFrame, tokens: np.ndarray) -> np.ndarray:
+        if self._redial or not self.path.connected:  # a session failed: the first stage may be a new process
+            await self.path.async_reconnect()
+            self._redial = False
         self._seq += 1
         seq = self._seq
         await self.path.async_submit_packed(self.session, seq, frame, tokens)
@@ -119,10 +124,11 @@ class RingStatic:
                 raise UnavailableError(f"the static ring answered step {seq} with no top-1 per row")
             return result.ids
 
-    async def async_reset(self) -> None:
+    async def async_reset(self, failed: bool = False) -> None:
         with contextlib.suppress(Exception):  # a ring that is down has nothing left to release
             await self.path.async_release(self.session)
         self.session = StreamId(self.session + 1)
+        self._redial = self._redial or failed
 
     async def async_close(self) -> None:
         await self.path.async_close()
@@ -152,7 +158,6 @@ class PackedGenerator:
         self._next_id = 1
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
-        self._failure: BaseException | None = None
         self._session_open = False
         self._cancelled: set[int] = set()
         self.steps = 0
@@ -187,8 +192,6 @@ class PackedGenerator:
         return slot_request, stops
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
-        if self._failure is not None:
-            raise UnavailableError(f"the static stages failed: {self._failure}")
         if len(self.queue) >= self.max_queue:
             raise OverloadedError(f"{len(self.queue)} requests are waiting for a slot; retry later")
         slot_request, stops = self._slot_request(request)
@@ -232,7 +235,7 @@ class PackedGenerator:
         self.slots = empty_slots(self.geometry)
         self._session_open = False
         with contextlib.suppress(Exception):
-            await self.backend.async_reset()
+            await self.backend.async_reset(failed=True)
 
     async def _step(self) -> bool:
         """One inference; False when there is nothing to do (the session is then closed)."""

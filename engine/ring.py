@@ -74,6 +74,11 @@ class RingPath:
         host, port = self._returns.address
         return Address(host, port)
 
+    @property
+    def connected(self) -> bool:
+        """The connection to the first remote stage is up (as far as this side knows)."""
+        return self._out is not None and not self._out.closed
+
     async def async_listen(self) -> Address:
         """Open the return port (idempotent): the last stage needs its address before it starts."""
         if not self._listening:

@@ -79,7 +79,7 @@ async def worker_ring(export: Path):
             workers.insert(0, worker)
             next_hop = await worker.async_start()
         path.first_remote = next_hop
-        generator = PackedGenerator(RingStatic(path, step_timeout_s=60), model_card(manifest), geometry_of(manifest),
+        generator = PackedGenerator(RingStatic(path, step_timeout_s=20), model_card(manifest), geometry_of(manifest),
                                     _row_options(manifest))
         async with generator:
             yield generator, workers
@@ -249,3 +249,20 @@ def test_finish_reasons_follow_the_stop_tokens(exports, expected):
     stopped, full = run(scenario(), TIMEOUT)
     assert [e.token_id for e in stopped] == expected[2][:2] and stopped[-1].finish is FinishReason.STOP
     assert [e.token_id for e in full] == expected[2] and full[-1].finish is FinishReason.LENGTH
+
+
+def test_a_restarted_first_stage_fails_the_session_in_flight_and_the_next_one_reconnects(exports, expected):
+    async def scenario():
+        async with worker_ring(exports[0]) as (generator, workers):
+            assert await _tokens(generator, _prompt(2, 9), 4) == expected[2]
+            address = workers[0].address
+            await workers[0].async_close()  # the PC of stage 0 restarts its worker
+            with pytest.raises(UnavailableError):
+                await _tokens(generator, _prompt(0, 17), 15)
+            manifest = load_manifest(exports[0])
+            workers[0] = PackedStageWorker(StaticStage(exports[0], 0, exact=True, manifest=manifest), address,
+                                           workers[1].address)
+            await workers[0].async_start()
+            return await _tokens(generator, _prompt(0, 17), 15)
+
+    assert run(scenario(), TIMEOUT) == expected[0]
