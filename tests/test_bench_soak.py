@@ -26,9 +26,9 @@ def test_conversations_fit_their_budget_and_end():
     assert fresh is not None and len(fresh.text) + fresh.max_tokens <= 100
 
 
-@pytest.mark.slow  # a 1-minute soak: 4 users against 2 worker processes behind the OpenAI API
-def test_one_minute_soak_on_the_tiny_model_fails_no_request(tiny_export):
-    result = run_soak(tiny_export("llama", 2), minutes=1, warmup_s=15, sample_every_s=4)
+@pytest.mark.slow  # the 2-minute soak issue 7 asks CI to run: 4 users against 2 worker processes behind the API
+def test_two_minute_soak_on_the_tiny_model_fails_no_request(tiny_export):
+    result = run_soak(tiny_export("llama", 2), minutes=2, warmup_s=30)
     s = result["summary"]
     print(f"soak: {s['served']} served, {s['failed']} failed, RSS growth {100 * s['rss_growth']:+.2f} % after "
           f"warm-up ({100 * s['rss_growth_second_half']:+.2f} % over the second half), per process: "
