@@ -7,17 +7,21 @@ same examples on every run (its .hypothesis/ scratch directory is git-ignored).
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.codec import decode, encode
-from engine.messages import Forward, Logits, Tokens
+from engine.messages import Forward, Logits, Packed, Tokens
+from engine.packing import PlanFrame
 from engine.wire import (
     HEADER_FIELDS,
     HEADER_SIZE,
     HEADER_STRUCT,
     MAGIC,
+    PROTOCOL_VERSION,
     U64_MAX,
     StreamId,
     TruncatedFrameError,
@@ -51,9 +55,25 @@ def messages(draw):
         raw = rng.integers(0, 256, (*shape, np.dtype(dtype).itemsize), np.uint8)
         return raw.view(dtype)[..., 0]
 
-    which = draw(st.sampled_from(["ids", "f32", "f16", "tokens", "logits", "other"]))
+    which = draw(st.sampled_from(["ids", "f32", "f16", "tokens", "logits", "packed", "other"]))
     if which == "other":
         return draw(st.sampled_from(CONTROL_SAMPLES))
+    if which == "packed":  # a valid plan: per slot consecutive positions in row order, one reuse length
+        rows, nxt, reuse = [], {}, {}
+        for _ in range(s):
+            k = int(rng.integers(-1, 4))
+            if k < 0:
+                rows.append((-1, 0, 0))
+                continue
+            if k not in nxt:
+                nxt[k] = int(rng.integers(0, 2**31))
+                reuse[k] = int(rng.integers(0, nxt[k] + 1))
+            rows.append((k, nxt[k], reuse[k]))
+            nxt[k] += 1
+        plan = PlanFrame(*(np.array(col, np.int64) for col in zip(*rows, strict=True)))
+        tensor = (rng.integers(0, 2**40, (1, s), np.int64) if draw(st.booleans())
+                  else any_bits((1, s, draw(st.integers(1, 6))), "<f4"))
+        return Packed(stream, seq, plan, tensor)
     if which == "tokens":
         probs = rng.random(s, np.float32)
         return Tokens(stream, seq, rng.integers(0, 2**40, s, np.int64), probs)
@@ -79,7 +99,8 @@ def test_fuzz_generated_messages_round_trip(msg):
 
 @FUZZ
 @given(
-    st.one_of(st.binary(max_size=300), st.binary(max_size=300).map(lambda b: MAGIC + b"\1\0" + b))
+    st.one_of(st.binary(max_size=300),
+              st.binary(max_size=300).map(lambda b: MAGIC + struct.pack("<H", PROTOCOL_VERSION) + b))
 )
 def test_fuzz_random_bytes_raise_only_wire_errors(data):
     assert isinstance(decode_or_wire_error(data), WireError)
