@@ -13,8 +13,9 @@ Each plan is exported with its own split and distributed (`Distributor`, one inf
 per worker); one stream of greedy tokens goes through each ring in turn, rounds interleaved.
 Measured per stage: the worker process's CPU time per decode token, against the plan's
 per-stage compute; the rest of a token's time (transport, coordinator, wake-ups) against the
-plan's hop latencies. A diagnostic re-predicts every split from calibration stages timed on one
-thread (what the workers run; the agents' calibration uses OpenVINO's default threads).
+plan's hop latencies. The agents calibrate with the workers' thread count (as the console does
+with its worker settings); a diagnostic re-predicts every split from calibration stages timed
+here in-process on one thread.
 """
 
 from __future__ import annotations
@@ -130,11 +131,17 @@ async def _agents(root: Path, host, names: Sequence[str]):
 
 
 async def _async_place_group(state_dir: Path, host, agents, checkpoint: Path, options, calibration,
-                             steps: int, streams: int | None) -> tuple[Plan, Plan, dict[str, tuple[float, float]]]:
+                             steps: int, streams: int | None,
+                             threads: int | None) -> tuple[Plan, Plan, dict[str, tuple[float, float]]]:
     """(latency plan, measured plan, (layer_ms, overhead_ms) by node) over ``agents`` only."""
     from console.service.fleet import FleetModel
     from console.service.links import async_measure_links
-    from console.service.profiling import ProfileCache, async_calibrate_devices, async_place
+    from console.service.profiling import (
+        ProfileCache,
+        async_calibrate_devices,
+        async_place,
+        cache_device,
+    )
     from engine.placement import PlacementRequest
 
     fleet = FleetModel(state_dir, host.credentials)
@@ -146,17 +153,18 @@ async def _async_place_group(state_dir: Path, host, agents, checkpoint: Path, op
     await fleet.async_refresh()
     cache = ProfileCache(state_dir)
     for node in nodes:  # one agent at a time: they share this machine's cores
-        done = await async_calibrate_devices(fleet, host.hub, calibration, [node], cache, steps=steps)
+        done = await async_calibrate_devices(fleet, host.hub, calibration, [node], cache, steps=steps,
+                                             threads=threads)
         if done.failures:
             raise RuntimeError(f"calibration failed: {dict(done.failures)}")
     links = await async_measure_links(fleet, nodes)
-    place = dict(options=options, links=links, steps=steps)
+    place = dict(options=options, links=links, steps=steps, threads=threads)
     latency = await async_place(fleet, host.hub, checkpoint, **place)
     plan = latency
     if len(agents) > 1:
         request = PlacementRequest("throughput", n_streams=streams or len(agents), max_stages=len(agents))
         plan = await async_place(fleet, host.hub, checkpoint, request=request, **place)
-    profiles = {n: ProfileCache(state_dir).get(calibration.key, n, "CPU") for n in nodes}
+    profiles = {n: ProfileCache(state_dir).get(calibration.key, n, cache_device("CPU", threads)) for n in nodes}
     return latency, plan, profiles
 
 
@@ -224,7 +232,7 @@ async def async_run_bench(work: Path, bench: PlacementBench) -> dict[str, Any]:
             (state / CALIBRATION_DIR).symlink_to((bench.library / CALIBRATION_DIR).resolve())
             latency, plan, profiles = await _async_place_group(state, host, agents, checkpoint, options,
                                                                calibration, bench.calibration_steps,
-                                                               bench.plan_streams)
+                                                               bench.plan_streams, bench.threads)
             by_node = {a.status().node_id: a for a in agents}
             groups.append({"n": n, "latency": latency, "plan": plan, "profiles": profiles, "agents": by_node,
                            "runs": []})

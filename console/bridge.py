@@ -250,7 +250,8 @@ class ConsoleBridge(QObject):
             checkpoint = await asyncio.to_thread(_checkpoint_of, model)
             inputs = await async_placement_inputs(
                 self.fleet, self.host.hub, checkpoint, options=ExportOptions(**spec.options_kwargs()),
-                context=context, streams=request.n_streams, allow_battery=request.allow_battery, steps=steps)
+                context=context, streams=request.n_streams, allow_battery=request.allow_battery, steps=steps,
+                threads=self.settings.worker.threads)  # time the devices as the workers will run them
             return inputs, await asyncio.to_thread(solve_inputs, inputs, request, frozenset(leave_out))
 
         self.call(place(), f"placing {model.name}", timeout=PLACE_TIMEOUT_S, on_result=on_result,

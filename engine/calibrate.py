@@ -30,6 +30,7 @@ class StageTiming:
     layers: int
     step_ms: float  # median decode step
     compile_s: float
+    threads: int | None = None  # the inference threads the compiled stage ran with
 
 
 def time_stage(shard_dir: Path, index: int, *, device: str = "CPU", steps: int = 16, context: int = 64,
@@ -54,7 +55,8 @@ def time_stage(shard_dir: Path, index: int, *, device: str = "CPU", steps: int =
         t0 = time.perf_counter()
         stream.forward(step)
         times.append((time.perf_counter() - t0) * 1e3)
-    return StageTiming(index, stage.spec.num_layers, float(np.median(times)), compile_s)
+    ran_with = int(stage.compiled.get_property("INFERENCE_NUM_THREADS"))
+    return StageTiming(index, stage.spec.num_layers, float(np.median(times)), compile_s, ran_with)
 
 
 def fit_layer_time(timings: list[StageTiming]) -> tuple[float, float]:

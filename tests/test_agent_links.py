@@ -86,15 +86,23 @@ def test_calibration_times_stages_of_two_sizes_on_the_agent(tmp_path, calibratio
                                              next_hop="127.0.0.1:1").to_dict()
                     body = {k: base[k] for k in ("export_id", "manifest_json", "manifest_sha256", "source")}
                     timings += await client.async_calibrate({**body, "stages": [1], "device": "CPU", "steps": 8})
+                one = await client.async_calibrate({**body, "stages": [1], "device": "CPU", "steps": 2,
+                                                    "threads": 1})  # the workers' setting
+                for threads in (0, True, "2"):
+                    with pytest.raises(ControlError) as refused:
+                        await client.async_calibrate({**body, "stages": [1], "threads": threads})
+                    assert refused.value.status == 400 and "threads" in str(refused.value)
                 with pytest.raises(ControlError) as bad:
                     await client.async_calibrate({**body, "stages": [0], "device": "CPU"})  # has the embedding
                 with pytest.raises(ControlError) as bad_stage:
                     await client.async_calibrate({**body, "stages": "1,2"})
-                return timings, bad.value.status, bad_stage.value.status
+                return timings, one, bad.value.status, bad_stage.value.status
             finally:
                 await agent.async_close()
 
-    timings, bad, bad_stage = run(main())
+    timings, one, bad, bad_stage = run(main())
+    assert [t["threads"] for t in one] == [1]
+    assert all(t["threads"] >= 1 for t in timings)
     assert [t["layers"] for t in timings] == [1, 2]
     assert all(t["step_ms"] > 0 for t in timings)
     layer_ms, overhead_ms = fit_layer_time([StageTiming(**t) for t in timings])

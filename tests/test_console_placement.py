@@ -146,18 +146,25 @@ def test_calibration_on_the_cpu_is_cached_per_model_node_and_device(tmp_path, te
             # a fresh cache object: the numbers come from the file, not from memory
             second = await async_calibrate_devices(f.fleet, f.host.hub, calibration, [a, b],
                                                    ProfileCache(f.fleet.state_dir), steps=4)
-            return a, b, calibration, first, second, after_first, f.fleet.state_dir
+            # workers set to one thread: timed again (as they will run), then cached on their own
+            one = [await async_calibrate_devices(f.fleet, f.host.hub, calibration, [a],
+                                                 ProfileCache(f.fleet.state_dir), steps=4, threads=1)
+                   for _ in range(2)]
+            return a, b, calibration, first, second, after_first, f.fleet.state_dir, one
 
-    a, b, calibration, first, second, after_first, state_dir = run(main())
+    a, b, calibration, first, second, after_first, state_dir, one = run(main())
+    assert [c.cached for c in one[0].done] == [False] and [c.cached for c in one[1].done] == [True]
     assert not first.failures and {(c.node_id, c.device) for c in first.done} >= {(a, "CPU"), (b, "CPU")}
     assert after_first == len(first.done) * len(calibration.parts) and after_first >= 4
-    assert len(calibrate_calls) == after_first  # the second round asked no agent
+    assert len(calibrate_calls) == after_first + len(calibration.parts)  # the second round asked no agent
     assert not any(c.cached for c in first.done) and all(c.cached for c in second.done)
     for c in first.done:
         assert 0 < c.layer_ms < 1000 and c.overhead_ms >= 0
     assert [(c.layer_ms, c.overhead_ms) for c in second.done] == [(c.layer_ms, c.overhead_ms) for c in first.done]
     stored = json.loads((state_dir / PROFILES_FILE).read_text())["profiles"]
     assert f"{calibration.key}|{a}|CPU" in stored and len(stored[f"{calibration.key}|{a}|CPU"]["timings"]) == 2
+    one_thread = stored[f"{calibration.key}|{a}|CPU@1t"]["timings"]
+    assert [t["threads"] for t in one_thread] == [1] * len(calibration.parts)
 
 
 def test_placement_over_two_agents(tmp_path, template, tiny_checkpoint, fp32, calibrate_calls):

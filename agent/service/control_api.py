@@ -18,7 +18,7 @@ Routes (docs/CONTROL_API.md)::
     POST /v1/pause           {reason?}     POST /v1/resume
     GET  /v1/link/echo?bytes=N   N bytes (link probes from the console or other agents)
     POST /v1/link/measure    {target: HOST:PORT} -> this agent's link to another agent
-    POST /v1/calibrate       {export..., stages, device} -> decode-step times per stage
+    POST /v1/calibrate       {export..., stages, device, threads?} -> decode-step times per stage
 """
 
 from __future__ import annotations

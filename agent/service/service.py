@@ -280,6 +280,10 @@ class AgentService:
         steps = body.get("steps", 16)
         if not (isinstance(steps, int) and 1 <= steps <= 256):
             raise ControlRequestError("steps must be 1..256")
+        threads = body.get("threads")  # the worker's thread count, so the timing is what will serve
+        if threads is not None and not (isinstance(threads, int) and not isinstance(threads, bool)
+                                        and 1 <= threads <= 1024):
+            raise ControlRequestError("threads must be 1..1024 (or absent: OpenVINO's default)")
         base = {k: body.get(k) for k in ("export_id", "manifest_json", "manifest_sha256", "source")}
         parts = [Assignment.from_dict({**base, "stage": i, "listen_port": 0, "next_hop": "127.0.0.1:1",
                                        "worker": {"device": body.get("device", "CPU")}}) for i in stages]
@@ -290,6 +294,7 @@ class AgentService:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "engine.calibrate", "--shard", str(self.store.directory(parts[0].export_id)),
             "--stages", ",".join(map(str, stages)), "--device", device, "--steps", str(steps),
+            *(["--threads", str(threads)] if threads is not None else []),
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
         try:
             out, err = await asyncio.wait_for(proc.communicate(), 600)

@@ -80,7 +80,8 @@ class PlacementInputs:
 
 async def async_placement_inputs(fleet: FleetModel, hub: FleetHub, checkpoint: Path, *,
                                  options: ExportOptions, context: int = 4096, streams: int = 1,
-                                 allow_battery: bool = False, steps: int = 16) -> PlacementInputs:
+                                 allow_battery: bool = False, steps: int = 16,
+                                 threads: int | None = None) -> PlacementInputs:
     """Refresh the agents, measure the links, calibrate (cached), profile the model: what
     `async_place` does before it solves. Runs on the console's loop (``fleet`` lives there)."""
     await fleet.async_refresh()
@@ -93,7 +94,7 @@ async def async_placement_inputs(fleet: FleetModel, hub: FleetHub, checkpoint: P
     usable = [n for n in usable if n not in links.unreachable]
     calibration = await async_build_calibration_set(checkpoint, fleet.state_dir, options)
     calibrations = await async_calibrate_devices(fleet, hub, calibration, usable, ProfileCache(fleet.state_dir),
-                                                 steps=steps)
+                                                 steps=steps, threads=threads)
     model = model_profile(calibration, context=context, streams=streams, kv_precision=options.kv_cache_precision)
     by_id = {r.node_id: r for r in polled}
     reachable = [r for r in polled if r.node_id not in links.unreachable]

@@ -113,15 +113,22 @@ def _calibrated_devices(record: AgentRecord) -> list[tuple[str, str]]:
             if isinstance(d, dict) and isinstance(d.get("name"), str) and d.get("kind") in CALIBRATED_KINDS]
 
 
+def cache_device(device: str, threads: int | None) -> str:
+    """The cache's name for ``device`` profiled with ``threads`` inference threads."""
+    return device if threads is None else f"{device}@{threads}t"
+
+
 async def async_calibrate_devices(fleet: FleetModel, hub: FleetHub, calibration: CalibrationSet,
                                   node_ids: Sequence[str], cache: ProfileCache, *,
-                                  steps: int = 16) -> Calibrations:
+                                  steps: int = 16, threads: int | None = None) -> Calibrations:
     """Profile every CPU/GPU of the agents ``node_ids`` (polled records) for ``calibration``'s
     model, from the cache where it has them. Agents run their calibrations at the same time (they
-    are different PCs); the devices of one agent one after another."""
+    are different PCs); the devices of one agent one after another. ``threads``: the inference
+    threads the workers will run with (None: OpenVINO's default), so the profile times what will
+    serve; it is part of the cache key."""
     records = [fleet.get(n) for n in node_ids]
     todo = [(r, name, kind) for r in records for name, kind in _calibrated_devices(r)]
-    if any(cache.get(calibration.key, r.node_id, name) is None for r, name, _ in todo):
+    if any(cache.get(calibration.key, r.node_id, cache_device(name, threads)) is None for r, name, _ in todo):
         for part in calibration.parts:
             hub.publish(part.export_id, part.path)
     failures: dict[tuple[str, str], str] = {}
@@ -129,17 +136,18 @@ async def async_calibrate_devices(fleet: FleetModel, hub: FleetHub, calibration:
     async def one_agent(record: AgentRecord) -> list[Calibration]:
         done = []
         for name, kind in _calibrated_devices(record):
-            if (hit := cache.get(calibration.key, record.node_id, name)) is not None:
+            slot = cache_device(name, threads)
+            if (hit := cache.get(calibration.key, record.node_id, slot)) is not None:
                 done.append(Calibration(record.node_id, name, kind, *hit, cached=True))
                 continue
             try:
-                timings = await _async_time_stages(fleet, hub, calibration, record, name, steps)
+                timings = await _async_time_stages(fleet, hub, calibration, record, name, steps, threads)
                 layer_ms, overhead_ms = fit_layer_time(timings)
             except (ControlError, ValueError, TypeError, KeyError) as exc:
                 log.warning("calibrating %s on %s failed: %s", name, record.name, exc)
                 failures[(record.node_id, name)] = f"calibration on {record.name} failed: {exc}"
                 continue
-            cache.put(calibration.key, record.node_id, name, layer_ms, overhead_ms, timings)
+            cache.put(calibration.key, record.node_id, slot, layer_ms, overhead_ms, timings)
             done.append(Calibration(record.node_id, name, kind, layer_ms, overhead_ms, cached=False))
         return done
 
@@ -148,7 +156,8 @@ async def async_calibrate_devices(fleet: FleetModel, hub: FleetHub, calibration:
 
 
 async def _async_time_stages(fleet: FleetModel, hub: FleetHub, calibration: CalibrationSet,
-                             record: AgentRecord, device: str, steps: int) -> list[StageTiming]:
+                             record: AgentRecord, device: str, steps: int,
+                             threads: int | None = None) -> list[StageTiming]:
     client = ControlClient(fleet.credentials, record.address, record.control_port, timeout=900)
     timings = []
     for part in calibration.parts:
@@ -157,6 +166,8 @@ async def _async_time_stages(fleet: FleetModel, hub: FleetHub, calibration: Cali
                 "manifest_sha256": hashlib.sha256(manifest_json.encode()).hexdigest(),
                 "source": hub.shard_url(part.export_id), "stages": list(part.stages),
                 "device": device, "steps": steps}
+        if threads is not None:
+            body["threads"] = threads
         timings += [StageTiming(**t) for t in await client.async_calibrate(body)]
     return timings
 
@@ -191,7 +202,7 @@ def pc_infos(records: Sequence[AgentRecord]) -> list[PcInfo]:
 async def async_place(fleet: FleetModel, hub: FleetHub, checkpoint: Path, *,
                       request: PlacementRequest | None = None,
                       options: ExportOptions | None = None, context: int = 4096,
-                      links: LinkReport | None = None, steps: int = 16) -> Plan:
+                      links: LinkReport | None = None, steps: int = 16, threads: int | None = None) -> Plan:
     """Place ``checkpoint`` (an HF checkpoint dir) over the fleet's approved agents.
 
     ``request`` is the solver's (default: least latency for one stream); ``options`` the export
@@ -217,7 +228,7 @@ async def async_place(fleet: FleetModel, hub: FleetHub, checkpoint: Path, *,
     usable = [n for n in usable if n not in links.unreachable]
     calibration = await async_build_calibration_set(checkpoint, fleet.state_dir, options)
     calibrations = await async_calibrate_devices(fleet, hub, calibration, usable,
-                                                 ProfileCache(fleet.state_dir), steps=steps)
+                                                 ProfileCache(fleet.state_dir), steps=steps, threads=threads)
     model = model_profile(calibration, context=context, streams=request.n_streams,
                           kv_precision=options.kv_cache_precision)
     by_id = {r.node_id: r for r in polled}
