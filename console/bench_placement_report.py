@@ -112,11 +112,11 @@ def reading(result: dict[str, Any]) -> list[str]:
             f"overhead ({min(overheads):.1f}-{max(overheads):.1f} ms, timed in-process without transport) plus half "
             f"a link probe's round trip per hop ({min(hops):.2f}-{max(hops):.2f} ms), and the head at "
             f"{result['head_ratio']:.1f} layers (its bytes over a layer's).")
-    notes += ["- Agents calibrate in a subprocess with OpenVINO's default threads (both cores), here one agent "
-              "at a time; the workers run one inference thread each (`WorkerSettings(threads=1)`) so that the "
-              "ring's processes do not oversubscribe the cores. The 1-thread columns re-predict the same splits "
-              "from the calibration stages timed on one thread in the benchmark's process: the gap between the "
-              "two predictions is that mismatch plus the load drift between the two timings.",
+    notes += ["- Agents calibrate in a subprocess with the workers' thread count (here one inference thread, "
+              "`WorkerSettings(threads=1)`, so that the ring's processes do not oversubscribe the cores), one "
+              "agent at a time. The 1-thread columns re-predict the same splits from the calibration stages timed "
+              "on one thread in the benchmark's own process: the gap between the two predictions is the drift "
+              "between the two timings (load, a subprocess vs this process).",
               "- With one stream the stages never compute at the same time (a token visits them in turn), so the "
               "shared memory bandwidth that halves two concurrent decode loops on this VM (pipeline section) is "
               "not what separates the calibration, timed alone, from the ring; waiting for a core, waking each "
