@@ -136,10 +136,10 @@ async def _async_place_group(state_dir: Path, host, agents, checkpoint: Path, op
     """(latency plan, measured plan, (layer_ms, overhead_ms) by node) over ``agents`` only."""
     from console.service.fleet import FleetModel
     from console.service.links import async_measure_links
+    from console.service.placement_inputs import async_place
     from console.service.profiling import (
         ProfileCache,
         async_calibrate_devices,
-        async_place,
         cache_device,
     )
     from engine.placement import PlacementRequest

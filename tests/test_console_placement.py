@@ -21,11 +21,11 @@ from console.service.calibration_export import (
 )
 from console.service.errors import CalibrationError
 from console.service.links import CONSOLE, async_measure_links
+from console.service.placement_inputs import async_place
 from console.service.profiling import (
     PROFILES_FILE,
     ProfileCache,
     async_calibrate_devices,
-    async_place,
 )
 from engine.control_client import ControlClient
 from engine.errors import Exclusion, PlacementInfeasible

@@ -2,14 +2,14 @@
 agent out re-solves without measuring anything again, and moving a split point re-times the
 plan at once (pure arithmetic over the same profiles the solver used).
 
-`async_place` (:mod:`console.service.profiling`) measures, calibrates and solves in one go and
-returns only the plan. The console's Placement page needs the inputs too, so
-:func:`async_placement_inputs` runs the same steps with the same public helpers and stops before
-the solver; :func:`solve_inputs` and :func:`retime` are pure.
+`async_placement_inputs` measures and calibrates (:mod:`console.service.profiling`) and stops
+before the solver: the console's Placement page keeps the inputs. :func:`async_place` solves over
+them in one go and returns only the plan; :func:`solve_inputs` and :func:`retime` are pure.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -80,16 +80,18 @@ class PlacementInputs:
 
 async def async_placement_inputs(fleet: FleetModel, hub: FleetHub, checkpoint: Path, *,
                                  options: ExportOptions, context: int = 4096, streams: int = 1,
-                                 allow_battery: bool = False, steps: int = 16,
-                                 threads: int | None = None) -> PlacementInputs:
-    """Refresh the agents, measure the links, calibrate (cached), profile the model: what
-    `async_place` does before it solves. Runs on the console's loop (``fleet`` lives there)."""
+                                 allow_battery: bool = False, steps: int = 16, threads: int | None = None,
+                                 links: LinkReport | None = None) -> PlacementInputs:
+    """Refresh the agents, measure the links (unless given), calibrate (cached, on ``threads``
+    inference threads: the workers'), profile the model. Runs on the console's loop (``fleet``
+    lives there)."""
     await fleet.async_refresh()
     members = [r for r in fleet.records() if r.membership is Membership.MEMBER]
     unreachable = [r.node_id for r in members if r.approved and r.status is None]
     polled = [r for r in members if r.status is not None]
     usable = [r.node_id for r in polled if r.approved and not r.paused and (allow_battery or not r.on_battery)]
-    links = await async_measure_links(fleet, usable)
+    if links is None:
+        links = await async_measure_links(fleet, usable)
     unreachable += sorted(links.unreachable & set(usable))
     usable = [n for n in usable if n not in links.unreachable]
     calibration = await async_build_calibration_set(checkpoint, fleet.state_dir, options)
@@ -101,6 +103,28 @@ async def async_placement_inputs(fleet: FleetModel, hub: FleetHub, checkpoint: P
     devices = device_profiles(calibrations.done, by_id, model, layer_weight_bytes(calibration))
     return PlacementInputs(model, tuple(pc_infos(reachable)), tuple(devices), links, tuple(unreachable),
                            {r.node_id: r.name for r in members}, calibrations.failures)
+
+
+async def async_place(fleet: FleetModel, hub: FleetHub, checkpoint: Path, *,
+                      request: PlacementRequest | None = None, options: ExportOptions | None = None,
+                      context: int = 4096, links: LinkReport | None = None, steps: int = 16,
+                      threads: int | None = None) -> Plan:
+    """Measure, calibrate and solve in one go: the plan for ``checkpoint`` over the approved,
+    reachable, unpaused agents (on battery only if the request allows). Approved agents that did
+    not answer are listed in the plan's ``excluded`` as "unreachable". Raises the solver's
+    `PlacementInfeasible` (with its explanation) unchanged when no plan exists."""
+    request = request or PlacementRequest()
+    if options is None:
+        from export.exporter import ExportOptions
+
+        options = ExportOptions()
+    inputs = await async_placement_inputs(fleet, hub, checkpoint, options=options, context=context,
+                                          streams=request.n_streams, allow_battery=request.allow_battery,
+                                          steps=steps, threads=threads, links=links)
+    plan = await asyncio.to_thread(solve, request, model=inputs.model, pcs=inputs.pcs, devices=inputs.devices,
+                                   links=inputs.links.links)
+    extra = tuple(Exclusion(n, UNREACHABLE) for n in inputs.unreachable)
+    return dataclasses.replace(plan, excluded=plan.excluded + extra) if extra else plan
 
 
 def solve_inputs(inputs: PlacementInputs, request: PlacementRequest,

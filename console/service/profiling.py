@@ -1,10 +1,10 @@
-"""Placement's inputs, measured, and the placement itself.
+"""Placement's inputs, measured: device calibration (cached), device and PC profiles.
 
-`async_place` does it all: refresh the agents' status, measure the links, build (once) the
-model's calibration export, calibrate every approved agent's devices that have no cached
-profile, and hand `engine.placement.solve` the model, PCs, devices and links. Calibrated
-numbers are cached in the console state dir by (model key, node id, device), so the next
-placement of the same model measures nothing again.
+`console.service.placement_inputs` puts them together: refresh the agents' status, measure the
+links, build (once) the model's calibration export, calibrate every approved agent's devices that
+have no cached profile, and hand `engine.placement.solve` the model, PCs, devices and links.
+Calibrated numbers are cached in the console state dir by (model key, node id, device, threads),
+so the next placement of the same model measures nothing again.
 
 Device kinds calibrated here are CPU and GPU, which run the stateful export; an NPU runs static
 shards (`deskfleet export --target npu`) and needs its own calibration export (not done yet).
@@ -23,27 +23,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING
 
-from console.service.agent_record import AgentRecord, Membership
+from console.service.agent_record import AgentRecord
 from console.service.calibration_export import (
     CalibrationSet,
-    async_build_calibration_set,
-    layer_weight_bytes,
-    model_profile,
 )
 from console.service.errors import ConsoleStateError
 from console.service.fleet import FleetModel
-from console.service.links import LinkReport, async_measure_links
 from console.service.state_file import read_json, write_json
 from engine.calibrate import StageTiming, fit_layer_time
 from engine.control_client import ControlClient, ControlError
-from engine.errors import Exclusion
 from engine.fleet_hub import FleetHub
-from engine.placement import DeviceProfile, ModelProfile, PcInfo, PlacementRequest, Plan, solve
-
-if TYPE_CHECKING:
-    from export.exporter import ExportOptions
+from engine.placement import DeviceProfile, ModelProfile, PcInfo
 
 log = logging.getLogger(__name__)
 
@@ -197,43 +188,3 @@ def _available(record: AgentRecord) -> int:
 def pc_infos(records: Sequence[AgentRecord]) -> list[PcInfo]:
     """Placement's PCs: free memory now, approval, pause and power as the last poll said."""
     return [PcInfo(r.node_id, _available(r), r.approved, r.paused, r.on_battery) for r in records]
-
-
-async def async_place(fleet: FleetModel, hub: FleetHub, checkpoint: Path, *,
-                      request: PlacementRequest | None = None,
-                      options: ExportOptions | None = None, context: int = 4096,
-                      links: LinkReport | None = None, steps: int = 16, threads: int | None = None) -> Plan:
-    """Place ``checkpoint`` (an HF checkpoint dir) over the fleet's approved agents.
-
-    ``request`` is the solver's (default: least latency for one stream); ``options`` the export
-    options the model will be served with (default: the exporter's defaults); ``context`` the
-    context length whose KV cache each of ``request.n_streams`` streams holds. ``links`` are measured now unless given. Approved agents that do not answer
-    are left out and listed in the plan's ``excluded`` as "unreachable". Raises the solver's
-    `PlacementInfeasible` (with its explanation) unchanged when no plan exists.
-    """
-    request = request or PlacementRequest()
-    if options is None:
-        from export.exporter import ExportOptions
-
-        options = ExportOptions()
-    await fleet.async_refresh()
-    members = [r for r in fleet.records() if r.membership is Membership.MEMBER]
-    unreachable = [r.node_id for r in members if r.approved and r.status is None]
-    polled = [r for r in members if r.status is not None]
-    usable = [r.node_id for r in polled if r.approved and not r.paused
-              and (request.allow_battery or not r.on_battery)]
-    if links is None:
-        links = await async_measure_links(fleet, usable)
-    unreachable += sorted(links.unreachable & set(usable))
-    usable = [n for n in usable if n not in links.unreachable]
-    calibration = await async_build_calibration_set(checkpoint, fleet.state_dir, options)
-    calibrations = await async_calibrate_devices(fleet, hub, calibration, usable,
-                                                 ProfileCache(fleet.state_dir), steps=steps, threads=threads)
-    model = model_profile(calibration, context=context, streams=request.n_streams,
-                          kv_precision=options.kv_cache_precision)
-    by_id = {r.node_id: r for r in polled}
-    pcs = pc_infos([r for r in polled if r.node_id not in links.unreachable])
-    devices = device_profiles(calibrations.done, by_id, model, layer_weight_bytes(calibration))
-    plan = await asyncio.to_thread(solve, request, model=model, pcs=pcs, devices=devices, links=links.links)
-    extra = tuple(Exclusion(n, "unreachable") for n in unreachable)
-    return dataclasses.replace(plan, excluded=plan.excluded + extra) if extra else plan
