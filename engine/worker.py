@@ -12,13 +12,11 @@ process exits 0.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import json
 import logging
 import os
 import signal
-import time
 from pathlib import Path
 from ssl import SSLContext
 
@@ -26,9 +24,7 @@ import numpy as np
 
 from engine.address import Address
 from engine.control import READY_PREFIX, STATS_PREFIX
-from engine.downstream import Downstream
 from engine.errors import DeskfleetError
-from engine.handshake import LocalIdentity
 from engine.manifest import load_manifest
 from engine.messages import (
     Capture,
@@ -45,53 +41,29 @@ from engine.packed_worker import PackedStageWorker
 from engine.path import last_stage_reply
 from engine.prefix_cache import CaptureStore
 from engine.shard import Stage, StageStream, StepInputs
-from engine.transport import Connection, FrameServer
-from engine.wire import ErrorCode, Role, StreamId
+from engine.stage_server import StageServer
+from engine.transport import Connection
+from engine.wire import ErrorCode, StreamId
 
 log = logging.getLogger(__name__)
 
 
-class StageWorker:
+class StageWorker(StageServer):
     """Serves one stage; ``next_address`` is the next stage, or the coordinator's return port."""
 
     def __init__(self, stage: Stage, listen: Address, next_address: Address, *,
                  server_ssl: SSLContext | None = None, client_ssl: SSLContext | None = None,
                  dial_deadline: float = 120.0, capture_bytes: int = 256 << 20):
         self.stage = stage
+        super().__init__(stage.index, stage.is_last, stage.manifest.model.fingerprint, listen, next_address,
+                         server_ssl=server_ssl, client_ssl=client_ssl, dial_deadline=dial_deadline,
+                         thread_name=f"deskfleet-stage{stage.index}")
         self.captures = CaptureStore(capture_bytes)
-        self.listen = listen
-        self.next_address = next_address
-        self.fingerprint = stage.manifest.model.fingerprint
-        upstream_role = Role.COORDINATOR if stage.index == 0 else Role.STAGE
-        self._server = FrameServer(self._handle, LocalIdentity(self.fingerprint, stage.index,
-                                                                frozenset({upstream_role})), ssl=server_ssl,
-                                   idle_timeout=None)
         self._streams: dict[StreamId, StageStream] = {}
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"deskfleet-stage{stage.index}")
-        self.downstream = Downstream(self.fingerprint, stage.index, stage.is_last, next_address,
-                                     client_ssl=client_ssl, dial_deadline=dial_deadline)
-        self.draining = False
-        self._idle = asyncio.Event()
-        self._idle.set()
-        self.steps = 0
-        self.compute_s = 0.0
 
     @property
     def stream_count(self) -> int:
         return len(self._streams)
-
-    @property
-    def address(self) -> Address:
-        host, port = self._server.address
-        return Address(host, port)
-
-    async def async_start(self) -> Address:
-        await self._server.async_start(self.listen.host, self.listen.port)
-        log.info("stage %d listening on %s, next hop %s", self.stage.index, self.address, self.next_address)
-        return self.address
-
-    async def _send(self, msg: Message) -> None:
-        await self.downstream.async_send(msg)
 
     async def _handle(self, conn: Connection, msg: Message) -> None:
         match msg:
@@ -128,22 +100,15 @@ class StageWorker:
                                        f"{msg.stream_id} for this step", msg.stream_id, msg.seq))
                 return
             stream = self._streams[msg.stream_id] = self.stage.new_stream()
-        loop = asyncio.get_running_loop()
         x = msg.tensor if msg.tensor.dtype != np.float16 else msg.tensor.astype(np.float32)
         step = StepInputs(x, msg.attention_mask, msg.position_ids, msg.reply_last)
-        self._idle.clear()
-        started = time.perf_counter()
         try:
-            out = await loop.run_in_executor(self._executor, stream.forward, step)
+            out = await self._compute(stream.forward, step)
         except Exception as exc:  # OpenVINO failure on one stream must not take the worker down
             log.error("stage %d failed on stream %s: %s", self.stage.index, msg.stream_id, exc)
             await self._send(Error(ErrorCode.STREAM_FAILED, f"stage {self.stage.index}: {exc}",
                                    msg.stream_id, msg.seq))
             return
-        finally:
-            self.compute_s += time.perf_counter() - started
-            self.steps += 1
-            self._idle.set()
         if self.stage.is_last:
             first, probs = last_stage_reply(out, msg.reply_last, msg.want_logits)
             reply: Message = (Logits(msg.stream_id, msg.seq, first) if msg.want_logits
@@ -160,14 +125,11 @@ class StageWorker:
             await self._send(Error(ErrorCode.UNKNOWN_STREAM, f"stage {self.stage.index} holds no stream "
                                    f"{msg.stream_id} to capture", msg.stream_id, msg.seq))
             return
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._executor, self.captures.capture, stream, msg.capture_id, msg.keep)
+        await self._run(self.captures.capture, stream, msg.capture_id, msg.keep)
         await self._send(msg)
 
     async def _restore(self, msg: Restore) -> None:
-        loop = asyncio.get_running_loop()
-        stream = await loop.run_in_executor(self._executor, self.captures.restore, self.stage, msg.capture_id,
-                                            msg.length)
+        stream = await self._run(self.captures.restore, self.stage, msg.capture_id, msg.length)
         if stream is None:
             await self._send(Error(ErrorCode.CAPTURE_MISSING, f"stage {self.stage.index} no longer holds capture "
                                    f"{msg.capture_id}", msg.stream_id, msg.seq))
@@ -176,18 +138,10 @@ class StageWorker:
         await self._send(msg)
 
     async def _release(self, stream_id: StreamId) -> None:
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._executor, self._streams.pop, stream_id, None)
-
-    async def async_drain(self) -> None:
-        """Refuse new streams and wait for the frame in hand to finish."""
-        self.draining = True
-        await self._idle.wait()
+        await self._run(self._streams.pop, stream_id, None)
 
     async def async_close(self) -> None:
-        await self._server.async_close()
-        await self.downstream.async_close()
-        self._executor.shutdown(wait=True)
+        await super().async_close()
         self._streams.clear()
 
 
