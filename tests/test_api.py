@@ -9,17 +9,12 @@ import asyncio
 import concurrent.futures
 import contextlib
 import json
-import os
 import re
-import select
-import signal
-import subprocess
 import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import aiohttp
 import openai
@@ -30,7 +25,7 @@ from engine.api import ApiMetrics, ApiSettings, api_error_from, async_run_api, r
 from engine.errors import DeskfleetError, GenerationError, TokenizerError
 from engine.generator import ModelCard, OverloadedError, UnavailableError
 from engine.request import FinishReason, GenerationRequest, TokenEvent
-from tests.api_helpers import CARD, EOS, SETTINGS, ByteTokenizer
+from tests.api_helpers import CARD, EOS, SETTINGS, ByteTokenizer, serve_process
 
 TIMEOUT = 30.0
 
@@ -475,29 +470,12 @@ def test_serve_command_answers_and_stops_on_sigterm(extra, tiny_export):
     export = tiny_export("llama", 2)
     if "draft" in extra:
         extra += ["--draft", str(tiny_export("llama", 1))]
-    launcher = ("import argparse, sys; from engine.serve_cli import COMMAND; p = argparse.ArgumentParser(); "
-                "COMMAND.configure(p); sys.exit(COMMAND.run(p.parse_args(sys.argv[1:])))")
-    env = {**os.environ, "DF_TEST_KEY": "k-123"}
-    proc = subprocess.Popen([sys.executable, "-c", launcher, "--shards", str(export), "--port", "0",
-                             "--api-key-env", "DF_TEST_KEY", "--slots", "2", *extra], cwd=Path(__file__).parents[1],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        ready, _, _ = select.select([proc.stdout], [], [], 120)  # the server prints its URL once ready
-        line = proc.stdout.readline() if ready else ""
-        url = re.search(r"http://\S+/v1", line)
-        assert url, f"no URL in {line!r}; stderr: {proc.stderr.read() if proc.poll() is not None else ''}"
-        with openai.OpenAI(base_url=url.group(0), api_key="k-123", max_retries=0, timeout=TIMEOUT) as c:
+    with serve_process("--shards", str(export), "--api-key-env", "DF_TEST_KEY", "--slots", "2", *extra,
+                       env={"DF_TEST_KEY": "k-123"}, ready_timeout=120, timeout=TIMEOUT) as url:
+        with openai.OpenAI(base_url=url, api_key="k-123", max_retries=0, timeout=TIMEOUT) as c:
             answer = c.completions.create(model=c.models.list().data[0].id, prompt="Hello", max_tokens=6,
                                           temperature=0)
             assert answer.choices and answer.usage.completion_tokens == 6
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=TIMEOUT) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=TIMEOUT)
-        proc.stdout.close()
-        proc.stderr.close()
 
 
 def test_multi_turn_chat_hits_the_prefix_cache_without_client_help(client, fleet):

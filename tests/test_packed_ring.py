@@ -8,10 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import re
-import select
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +32,7 @@ from engine.shard import Stage
 from engine.slot_scheduler import PromptTooLong
 from engine.wire import StreamId
 from engine.worker import StageWorker
+from tests.api_helpers import serve_process
 from tests.asyncutil import run
 from tests.conftest import PROMPT_IDS
 from tests.npu_helpers import npu_export
@@ -191,17 +188,9 @@ def test_a_one_stage_static_export_is_refused_by_a_stateful_ring_path_with_stage
 @pytest.mark.skipif(sys.platform == "win32", reason="sends SIGTERM")
 def test_serve_workers_answers_the_openai_client_from_a_static_export(exports):
     packed = exports[0]
-    launcher = ("import argparse, sys; from engine.serve_cli import COMMAND; p = argparse.ArgumentParser(); "
-                "COMMAND.configure(p); sys.exit(COMMAND.run(p.parse_args(sys.argv[1:])))")
-    proc = subprocess.Popen([sys.executable, "-c", launcher, "--shards", str(packed), "--port", "0", "--workers",
-                             "--exact"], cwd=Path(__file__).parents[1], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        ready, _, _ = select.select([proc.stdout], [], [], TIMEOUT)
-        line = proc.stdout.readline() if ready else ""
-        url = re.search(r"http://\S+/v1", line)
-        assert url, f"no URL in {line!r}; stderr: {proc.stderr.read() if proc.poll() is not None else ''}"
-        with openai.OpenAI(base_url=url.group(0), api_key="none", max_retries=0, timeout=TIMEOUT) as c:
+    with serve_process("--shards", str(packed), "--workers", "--exact", ready_timeout=TIMEOUT,
+                       timeout=TIMEOUT) as url:
+        with openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=TIMEOUT) as c:
             model = c.models.list().data[0].id
             answers = [c.completions.create(model=model, prompt=p, max_tokens=5, temperature=0)
                        for p in ("Hello", "The sky is")]
@@ -212,14 +201,6 @@ def test_serve_workers_answers_the_openai_client_from_a_static_export(exports):
         assert [a.usage.completion_tokens for a in answers] == [5, 5]
         assert answers[0].choices[0].text != answers[1].choices[0].text
         assert chat.choices[0].message.content is not None
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=TIMEOUT) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=TIMEOUT)
-        proc.stdout.close()
-        proc.stderr.close()
 
 
 def test_generate_answers_from_a_static_export_with_the_in_process_tokens(exports):
