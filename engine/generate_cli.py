@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from engine.cli import Command
@@ -40,35 +43,40 @@ def run(args: argparse.Namespace) -> int:
         raise TokenizerError(f"{args.shards} has no tokenizer/ directory; re-export the model with its tokenizer")
     tokenizer = ChatTokenizer(tok_dir)
     ids = load_prompt_ids(tokenizer, args.prompt, args.system, args.raw)
-    if static:
-        return _run_static(args, tokenizer, ids)
-    chain = LocalChain.load(args.shards, device=args.device, exact=args.exact)
 
     def on_token(token: int) -> None:
         if args.stream:
             sys.stdout.write(tokenizer.decode([token]))
             sys.stdout.flush()
 
-    result = greedy_generate(chain, ids, args.max_new_tokens, eos_ids=chain.manifest.model.eos_token_ids,
-                             on_token=on_token)
-    answer = tokenizer.decode(result.tokens)
+    answer = (_answer_static if static else _answer_stateful)(args, ids, on_token)
     if args.stream:
         print()
     else:
-        print(answer.strip())
-    stages = len(chain.stages)
-    print(
-        f"[{len(result.tokens)} tokens, {result.decode_tok_per_s:.1f} tok/s decode, "
-        f"TTFT {result.ttft_s * 1000:.0f} ms, {stages} stage{'s' if stages > 1 else ''}, {args.device}]",
-        file=sys.stderr,
-    )
+        print(tokenizer.decode(answer.tokens).strip())
+    print(f"[{len(answer.tokens)} tokens, {answer.tok_per_s:.1f} tok/s decode, TTFT {answer.ttft_s * 1000:.0f} ms, "
+          f"{answer.stages} stage{'s' if answer.stages > 1 else ''}, {args.device}{answer.note}]", file=sys.stderr)
     return 0
 
 
-def _run_static(args: argparse.Namespace, tokenizer: ChatTokenizer, ids: list[int]) -> int:
-    """A static (NPU-target) export: its stages chained in-process, decoding greedily in one slot."""
-    import time
+@dataclass(frozen=True)
+class _Answer:
+    tokens: list[int]
+    tok_per_s: float
+    ttft_s: float
+    stages: int
+    note: str = ""
 
+
+def _answer_stateful(args: argparse.Namespace, ids: list[int], on_token: Callable[[int], None]) -> _Answer:
+    chain = LocalChain.load(args.shards, device=args.device, exact=args.exact)
+    result = greedy_generate(chain, ids, args.max_new_tokens, eos_ids=chain.manifest.model.eos_token_ids,
+                             on_token=on_token)
+    return _Answer(list(result.tokens), result.decode_tok_per_s, result.ttft_s, len(chain.stages))
+
+
+def _answer_static(args: argparse.Namespace, ids: list[int], on_token: Callable[[int], None]) -> _Answer:
+    """A static (NPU-target) export: its stages chained in-process, decoding greedily in one slot."""
     from engine.packed_stage import PackedServer, StaticChain
 
     chain = StaticChain.load(args.shards, device=args.device, exact=args.exact)
@@ -76,21 +84,11 @@ def _run_static(args: argparse.Namespace, tokenizer: ChatTokenizer, ids: list[in
     rid = server.submit(ids, args.max_new_tokens, eos_ids=chain.manifest.model.eos_token_ids)
     while server.busy:
         for event in server.step():
-            if args.stream:
-                sys.stdout.write(tokenizer.decode([event.token]))
-                sys.stdout.flush()
+            on_token(event.token)
     done = server.completions[rid]
-    if args.stream:
-        print()
-    else:
-        print(tokenizer.decode(done.tokens).strip())
     decode_s = (done.finished or time.perf_counter()) - (done.first_token or done.submitted)
     rate = (len(done.tokens) - 1) / decode_s if decode_s > 0 and len(done.tokens) > 1 else 0.0
-    stages = len(chain.stages)
-    print(f"[{len(done.tokens)} tokens, {rate:.1f} tok/s decode, TTFT {done.ttft_s * 1000:.0f} ms, "
-          f"{stages} stage{'s' if stages > 1 else ''}, {args.device}, static {chain.geometry.slots}-slot export]",
-          file=sys.stderr)
-    return 0
+    return _Answer(done.tokens, rate, done.ttft_s, len(chain.stages), f", static {chain.geometry.slots}-slot export")
 
 
 COMMAND = Command(name="generate", help="answer one prompt with an export's stages chained in-process",

@@ -18,7 +18,7 @@ from engine.packed_stage import StaticChain, geometry_of, static_manifest
 from engine.ring import RingPath
 
 
-def _row_options(manifest: Manifest) -> tuple[int, ...]:
+def export_row_options(manifest: Manifest) -> tuple[int, ...]:
     """The row counts of the graphs every stage of the export has (1 decode row, C prefill rows, or S)."""
     stages = static_manifest(manifest).stages
     return tuple(sorted(set.intersection(*({g.rows for g in st.graphs} for st in stages))))
@@ -40,7 +40,7 @@ async def ring_static_generator(manifest: Manifest, first_stage: Address, return
     """Through packed stage workers: stage 0 listens at ``first_stage``, the last dials ``return_listen``."""
     path = RingPath(static_manifest(manifest).model.fingerprint, len(manifest.stages), first_stage, return_listen,
                     **path_options)
-    generator = PackedGenerator(RingStatic(path), model_card(manifest), geometry_of(manifest), _row_options(manifest))
+    generator = PackedGenerator(RingStatic(path), model_card(manifest), geometry_of(manifest), export_row_options(manifest))
     async with generator:
         yield generator
 
@@ -55,7 +55,7 @@ async def local_static_fleet(export_dir: Path | str, *, exact: bool = False, thr
     try:
         path.first_remote = await fleet.async_start(await path.async_listen(), hop)
         generator = PackedGenerator(RingStatic(path), model_card(manifest), geometry_of(manifest),
-                                    _row_options(manifest))
+                                    export_row_options(manifest))
         async with generator:
             yield generator
     finally:

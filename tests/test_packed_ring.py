@@ -21,7 +21,7 @@ from engine.coordinator import model_card
 from engine.generator import UnavailableError
 from engine.manifest import load_manifest
 from engine.messages import Forward, Packed
-from engine.packed_fleet import _row_options
+from engine.packed_fleet import export_row_options
 from engine.packed_generator import PackedGenerator, RingStatic
 from engine.packed_stage import StaticChain, StaticStage, geometry_of, static_generate
 from engine.packed_worker import PackedStageWorker
@@ -77,7 +77,7 @@ async def worker_ring(export: Path):
             next_hop = await worker.async_start()
         path.first_remote = next_hop
         generator = PackedGenerator(RingStatic(path, step_timeout_s=20), model_card(manifest), geometry_of(manifest),
-                                    _row_options(manifest))
+                                    export_row_options(manifest))
         async with generator:
             yield generator, workers
     finally:
