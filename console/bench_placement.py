@@ -5,8 +5,9 @@ on loopback, joined to one fleet host; each group approved by its own console st
 `async_place` sees only its group). Devices are calibrated one agent at a time: on this machine
 the agents share its cores, and `async_place` calibrates agents concurrently (right for separate
 PCs, not here). For one stream the solver puts the whole model on one agent (loopback hops cost
-almost nothing), so the 2- and 3-agent plans are its *throughput* plans for 2 and 3 streams, the
-splits it would serve that many users with; their one-stream prediction (`Plan.per_token_ms`) is
+almost nothing), so the 2- and 3-agent plans are its *throughput* plans for 2 and 3 streams
+with one stage per agent (`min_stages`: the group is there to check a split, which the solver
+would skip where a split gains nothing); their one-stream prediction (`Plan.per_token_ms`) is
 what is checked, on one stream.
 
 Each plan is exported with its own split and distributed (`Distributor`, one inference thread
@@ -162,7 +163,10 @@ async def _async_place_group(state_dir: Path, host, agents, checkpoint: Path, op
     latency = await async_place(fleet, host.hub, checkpoint, **place)
     plan = latency
     if len(agents) > 1:
-        request = PlacementRequest("throughput", n_streams=streams or len(agents), max_stages=len(agents))
+        # One stage per agent: on loopback a measured split can be no faster than one agent
+        # (noise in a tiny model's per-layer time), and the group is here to check a split.
+        request = PlacementRequest("throughput", n_streams=streams or len(agents),
+                                   min_stages=len(agents), max_stages=len(agents))
         plan = await async_place(fleet, host.hub, checkpoint, request=request, **place)
     profiles = {n: ProfileCache(state_dir).get(calibration.key, n, cache_device("CPU", threads)) for n in nodes}
     return latency, plan, profiles

@@ -46,7 +46,8 @@ def render(result: dict[str, Any], json_path: Path) -> str:
              f"workers with {result['worker_threads']} inference thread; one stream, {result['prompt_tokens']}-token "
              f"prompt, {result['tokens']} tokens with EOS ignored, {result['warmups']} warm-up + {result['runs']} "
              "interleaved rounds, medians. The 2- and 3-agent plans are the solver's throughput plans for 2 and 3 "
-             "streams (its one-stream plan is 1 stage); their one-stream prediction is compared.\n"]
+             "streams with one stage per agent (its one-stream plan is 1 stage); their one-stream prediction is "
+             "compared.\n"]
     rows = []
     for g in groups:
         p = g["plan"]

@@ -185,7 +185,9 @@ class PlacementRequest:
 
     ``objective`` "latency" minimises one stream's ms/token; "throughput" maximises the aggregate
     tok/s of ``n_streams`` interleaved streams. ``headroom`` is the fraction of free memory the
-    plan may fill. ``time_limit_s`` bounds the whole solve.
+    plan may fill. ``time_limit_s`` bounds the whole solve. ``min_stages``/``max_stages`` bound
+    the number of stages (at least N spreads the model over N devices even where fewer would be
+    faster, e.g. to measure a split, or to keep each PC's share small).
     """
 
     objective: Objective = "latency"
@@ -194,6 +196,7 @@ class PlacementRequest:
     allow_battery: bool = False
     time_limit_s: float = 10.0
     max_stages: int | None = None
+    min_stages: int = 1
 
     def __post_init__(self) -> None:
         rules = [(self.objective in ("latency", "throughput"), "objective must be 'latency' or "
@@ -202,7 +205,10 @@ class PlacementRequest:
                  (0.0 < self.headroom <= 1.0, f"headroom must be in (0, 1], not {self.headroom}"),
                  (self.time_limit_s > 0, f"time_limit_s must be positive, not {self.time_limit_s}"),
                  (self.max_stages is None or self.max_stages >= 1,
-                  f"max_stages must be at least 1 or None, not {self.max_stages}")]
+                  f"max_stages must be at least 1 or None, not {self.max_stages}"),
+                 (self.min_stages >= 1, f"min_stages must be at least 1, not {self.min_stages}"),
+                 (self.max_stages is None or self.min_stages <= self.max_stages,
+                  f"min_stages ({self.min_stages}) exceeds max_stages ({self.max_stages})")]
         if problems := [why for ok, why in rules if not ok]:
             raise PlacementInputError("invalid placement request: " + "; ".join(problems))
 
@@ -262,7 +268,7 @@ def solve(request: PlacementRequest, *, model: ModelProfile, pcs: Sequence[PcInf
     `PlacementTimeout` if no plan was found in time, `PlacementInputError` for bad profiles.
     """
     fleet, excluded = _prepare(request, model, pcs, devices, links)
-    search = Search(max_stages=request.max_stages, n_streams=request.n_streams,
+    search = Search(max_stages=request.max_stages, min_stages=request.min_stages, n_streams=request.n_streams,
                     time_limit_s=request.time_limit_s,
                     deadline=time.monotonic() + request.time_limit_s,
                     break_symmetry=break_symmetry)
@@ -338,6 +344,13 @@ def _prepare(request: PlacementRequest, model: ModelProfile, pcs: Sequence[PcInf
     if not pc_ids:
         raise PlacementInfeasible(_no_agent_message(excluded), excluded=tuple(excluded))
 
+    usable = sum(d.pc_id in pc_ids for d in devices)
+    if request.min_stages > min(usable, model.n_layers):
+        raise PlacementInfeasible(
+            f"at least {request.min_stages} stage(s) were asked for, but the model has "
+            f"{model.n_layers} layer(s) and the usable agents {usable} device(s); lower the minimum "
+            "or approve or resume more agents", excluded=tuple(excluded))
+
     index = {p: k for k, p in enumerate(pc_ids)}
     # Canonical order (PC, then profile) puts identical devices next to each other.
     chosen = tuple(sorted((d for d in devices if d.pc_id in index),
@@ -401,11 +414,13 @@ def _explain_infeasible(f: Fleet, excluded: tuple[Exclusion, ...], req: Placemen
     need = int(f.mem_pre[:, -1].min())  # the model in its smallest form
     offer = float(sum(min(f.pc_cap[p], f.dev_cap[f.dev_pc == p].sum())
                       for p in range(len(f.pc_ids))))
-    m = build_milp(f, req.max_stages, slack=True)
+    m = build_milp(f, req.max_stages, min_stages=req.min_stages, slack=True)
     res = run_milp(m, max(deadline, time.monotonic() + 1.0))  # an explanation is worth a second
     shortfall = (_shortfall(f, extract_stages(m, res.x)) if res.x is not None
                  else max(need - offer, 0))
     limits = f"{req.headroom:.0%} headroom"
+    if req.min_stages > 1:
+        limits += f", at least {req.min_stages} stage(s)"
     if req.max_stages is not None:
         limits += f", at most {req.max_stages} stage(s)"
     why = (f"the model needs {_gb_up(shortfall)} GB more memory than the approved agents offer "

@@ -23,7 +23,7 @@ variables and the slot symmetry disappears. D devices, L layers, P PCs, cut c = 
         -- valid cuts: a same-PC hand-over needs a second device, and a PC whose stages run
            back to back hands over (used - 1) times. Without them the LP relaxation splits one
            device into two half stages around another and skips hop costs (2-100x slower).
-    Σ z ≤ max_stages (optional)
+    min_stages ≤ Σ z ≤ max_stages (both optional)
 
     minimise ms ≥ Σ z·(stage ms + coordinator hop if it holds layer 0 / L-1) + Σ h·lat[p][q]
 
@@ -197,7 +197,7 @@ class Milp:
     n_layers: int
 
 
-def build_milp(f: Fleet, max_stages: int | None, *, slack: bool = False,
+def build_milp(f: Fleet, max_stages: int | None, *, min_stages: int = 1, slack: bool = False,
                cap_ms: float | None = None, max_latency: float | None = None,
                break_symmetry: bool = False) -> Milp:
     """The latency MILP (every stage and hop ≤ ``cap_ms`` and latency ≤ ``max_latency`` if
@@ -266,8 +266,8 @@ def build_milp(f: Fleet, max_stages: int | None, *, slack: bool = False,
             # Σ_c h[c,p,p] ≤ Σ_{e on p, e ≠ d} used(e), which cuts "d, e, d again" sandwiches.
             rows.row(np.concatenate((h_pp, zk[other])),
                      np.concatenate((ones(L - 1), -ones(other.sum()))), -np.inf, 0.0)
-    if max_stages is not None:
-        rows.row(zk, 1.0, 0.0, max_stages)
+    if max_stages is not None or min_stages > 1:
+        rows.row(zk, 1.0, float(min_stages), np.inf if max_stages is None else float(max_stages))
     for d, e in _twin_pairs(f) if break_symmetry else ():
         # Interchangeable d, e: keep only solutions where d is used if e is, and starts first.
         on_d, on_e = cols.dev == d, cols.dev == e
@@ -353,6 +353,7 @@ class Search:
     """The limits every solve of one placement shares."""
 
     max_stages: int | None
+    min_stages: int
     n_streams: int
     time_limit_s: float  # for messages; the solves obey ``deadline``
     deadline: float  # time.monotonic() when the whole solve must end
@@ -363,7 +364,7 @@ def least_latency(f: Fleet, s: Search, cap_ms: float | None = None,
                   max_latency: float | None = None) -> tuple[list[Stage] | None, bool]:
     """Least-latency stages with every stage and hop ≤ ``cap_ms`` and latency ≤ ``max_latency``;
     None if proven impossible. The flag says whether HiGHS proved optimality."""
-    m = build_milp(f, s.max_stages, cap_ms=cap_ms, max_latency=max_latency,
+    m = build_milp(f, s.max_stages, min_stages=s.min_stages, cap_ms=cap_ms, max_latency=max_latency,
                    break_symmetry=s.break_symmetry)
     if len(m.cols.dev) == 0:
         return None, True

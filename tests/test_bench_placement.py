@@ -32,8 +32,8 @@ def library(tmp_path_factory, tiny_checkpoint):
 
 
 def test_the_core_places_distributes_and_measures_two_agents(tmp_path, tiny_checkpoint, library):
-    # The tiny model's stages cost mostly fixed overhead: planned for one stream per agent it
-    # stays on one agent; for four streams the solver splits it over both.
+    # The tiny model's stages cost mostly fixed overhead, so whether a split pays off is down to
+    # calibration noise; the group's plan has one stage per agent all the same (min_stages).
     bench = PlacementBench(model=tiny_checkpoint("llama"), library=library, weights="fp32", agent_counts=(2,),
                            tokens=8, runs=2, warmups=1, calibration_steps=4, plan_streams=4,
                            prompt_ids=PROMPT_IDS)

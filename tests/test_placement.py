@@ -107,7 +107,7 @@ def brute_force(req: PlacementRequest, fleet: Fleet) -> dict:
     L = fleet.model.n_layers
     best_lat, best_cyc, least_short = None, None, math.inf
     top = min(len(devs), L, req.max_stages or len(devs))
-    for k in range(1, top + 1):
+    for k in range(req.min_stages, top + 1):
         for cuts in itertools.combinations(range(1, L), k - 1):
             bounds = list(zip((0,) + cuts, tuple(c - 1 for c in cuts) + (L - 1,), strict=True))
             for order in itertools.permutations(devs, k):
@@ -136,6 +136,7 @@ def check_plan(plan: Plan, req: PlacementRequest, fleet: Fleet) -> dict:
     assert set(ids) <= allowed, "an excluded device was used"
     if req.max_stages is not None:
         assert len(plan.stages) <= req.max_stages
+    assert len(plan.stages) >= req.min_stages
     chain = [(by_id[s.device_id], s.first_layer, s.last_layer) for s in plan.stages]
     r = _price(req, fleet, chain)
     assert r["shortfall"] <= REL * GB, "memory limit of a device or PC exceeded"
@@ -234,6 +235,42 @@ def test_milp_matches_brute_force(seed: int) -> None:
     assert thr.cycle_ms == pytest.approx(ref["throughput"]["cycle"], rel=REL)
     assert thr.per_token_ms == pytest.approx(ref["throughput"]["latency"], rel=REL)
     assert thr.objective_ms == thr.cycle_ms and lat.objective_ms == lat.per_token_ms
+
+
+def _spreadable(seed: int) -> bool:
+    fleet, req_args, _ = random_fleet(seed)
+    return len(_allowed(PlacementRequest(**req_args), fleet)) >= 2
+
+
+@pytest.mark.parametrize("seed", [s for s in range(120) if _spreadable(s)][:40])
+def test_a_minimum_stage_count_keeps_the_optimum_among_spread_plans(seed: int) -> None:
+    fleet, req_args, _ = random_fleet(seed)
+    req_args.update(min_stages=2, max_stages=None if req_args["max_stages"] == 1 else req_args["max_stages"])
+    for objective in ("latency", "throughput"):
+        req = PlacementRequest(objective=objective, **req_args)
+        ref = brute_force(req, fleet)[objective]
+        if ref is None:
+            with pytest.raises(PlacementInfeasible, match="at least 2 stage"):
+                solve(req, **fleet.kwargs())
+            continue
+        plan = solve(req, **fleet.kwargs())
+        check_plan(plan, req, fleet)
+        assert plan.objective_ms == pytest.approx(ref["cycle" if objective == "throughput" else "latency"], rel=REL)
+        assert plan.per_token_ms == pytest.approx(ref["latency"], rel=REL)
+
+
+def test_a_minimum_beyond_the_devices_or_layers_is_refused_clearly() -> None:
+    fleet = Fleet(ModelProfile((GB,) * 3), (_pc("a", 16), _pc("b", 16)),
+                  (_dev("a", "GPU", 1, 0, 8), _dev("b", "GPU", 1, 0, 8)), Links(default_ms=0.1))
+    plan = solve(PlacementRequest(min_stages=2), **fleet.kwargs())
+    assert len(plan.stages) == 2  # one device would be faster (no hop); two were asked for
+    assert len(solve(PlacementRequest(), **fleet.kwargs()).stages) == 1
+    with pytest.raises(PlacementInfeasible, match="at least 3 stage.*2 device"):
+        solve(PlacementRequest(min_stages=3), **fleet.kwargs())
+    with pytest.raises(PlacementInputError, match="min_stages \\(3\\) exceeds max_stages \\(2\\)"):
+        PlacementRequest(min_stages=3, max_stages=2)
+    with pytest.raises(PlacementInputError, match="min_stages must be at least 1"):
+        PlacementRequest(min_stages=0)
 
 
 @pytest.mark.parametrize("seed", [s for s in range(200) if random_fleet(s)[2]][:30])
