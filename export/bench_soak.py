@@ -268,8 +268,10 @@ def section(command: str, info: dict[str, Any], s: dict[str, Any], minutes: floa
             + markdown_table(["process", "RSS MB at startup", "after warm-up", "at end", "growth"], procs)
             + f"\n\nWarm-up: the first {s['warmup_s']:g} s; RSS growth is measured from its end. Each worker keeps "
             f"captured KV states for the prefix cache up to {CAPTURE_MB} MiB (least recently used evicted; the "
-            "coordinator's index remembers 64 of them), so worker RSS rises until that store is full; the RSS of "
-            "every process, sampled every 10 s, is in the JSON." + failures)
+            "coordinator's index remembers 64 of them), so worker RSS rises until that store is full; it also rises "
+            "as OpenVINO caches kernels for every new input shape (prompt and KV lengths): see *Shape caches* "
+            "(`deskfleet bench shape-caches`), flat when shapes repeat. The RSS of every process, sampled every "
+            "10 s, is in the JSON." + failures)
 
 
 def run(args: argparse.Namespace) -> int:
