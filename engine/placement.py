@@ -344,18 +344,16 @@ def _prepare(request: PlacementRequest, model: ModelProfile, pcs: Sequence[PcInf
     if not pc_ids:
         raise PlacementInfeasible(_no_agent_message(excluded), excluded=tuple(excluded))
 
-    usable = sum(d.pc_id in pc_ids for d in devices)
-    if request.min_stages > min(usable, model.n_layers):
-        raise PlacementInfeasible(
-            f"at least {request.min_stages} stage(s) were asked for, but the model has "
-            f"{model.n_layers} layer(s) and the usable agents {usable} device(s); lower the minimum "
-            "or approve or resume more agents", excluded=tuple(excluded))
-
     index = {p: k for k, p in enumerate(pc_ids)}
     # Canonical order (PC, then profile) puts identical devices next to each other.
     chosen = tuple(sorted((d for d in devices if d.pc_id in index),
                           key=lambda d: (index[d.pc_id], d.layer_ms, d.overhead_ms,
                                          d.memory_bytes, d.device_id)))
+    if request.min_stages > min(len(chosen), model.n_layers):
+        raise PlacementInfeasible(
+            f"at least {request.min_stages} stage(s) were asked for, but the model has "
+            f"{model.n_layers} layer(s) and the usable agents {len(chosen)} device(s); lower the minimum "
+            "or approve or resume more agents", excluded=tuple(excluded))
     mem_pre, ms_pre = np.array([_prefix_sums(d.model or model) for d in chosen]).transpose(1, 0, 2)
     lat = np.array([[links.between(p, q) for q in pc_ids] for p in pc_ids])
     coord = np.array([links.coordinator(p) for p in pc_ids])

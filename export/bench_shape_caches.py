@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from engine.benchrecord import machine_info, markdown_table, median, update_section, write_json
 from engine.cli import Command
 
@@ -40,8 +42,7 @@ _CACHE_OFF_PROPERTIES = {"CPU_RUNTIME_CACHE_CAPACITY": "0"}
 
 
 def _rss_mb() -> float:
-    with open("/proc/self/statm", encoding="ascii") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    return psutil.Process().memory_info().rss / 2**20
 
 
 def run_variant(shards: Path, variant: str, streams: int, measure_from: int, max_prompt: int,
@@ -49,6 +50,8 @@ def run_variant(shards: Path, variant: str, streams: int, measure_from: int, max
     """One variant in this process (run it in a fresh one): timings and RSS samples."""
     import numpy as np
 
+    from engine.generate import prefill_steps
+    from engine.kv_layout import KVLayout
     from engine.shard import Stage, StepInputs
 
     if variant not in VARIANTS:
@@ -64,26 +67,20 @@ def run_variant(shards: Path, variant: str, streams: int, measure_from: int, max
     for i in range(streams):
         if variant == "repeated" and i % 5 == 0:
             rng = np.random.default_rng(seed)  # the same five prompts, hence the same shapes
-        stream, past = stage.new_stream(), 0
+        stream, layout = stage.new_stream(), KVLayout()
         length = int(rng.integers(16, max_prompt + 1))
         measured = i >= measure_from
-        for start in range(0, length, CHUNK):
-            n = min(CHUNK, length - start)
-            ids = rng.integers(0, vocab, (1, n), dtype=np.int64)
-            step = StepInputs(ids, np.ones((1, past + n), np.int64), np.arange(past, past + n, dtype=np.int64)[None])
+        prefill = prefill_steps(length, CHUNK)
+        for k, n in enumerate(prefill + [1] * decode_steps):
+            step = StepInputs(rng.integers(0, vocab, (1, n), dtype=np.int64), *layout.plan(n))
             t = time.perf_counter()
             stream.forward(step)
-            if measured:
-                prefill_ms_per_token.append((time.perf_counter() - t) * 1000 / n)
-            past += n
-        for _ in range(decode_steps):
-            ids = rng.integers(0, vocab, (1, 1), dtype=np.int64)
-            step = StepInputs(ids, np.ones((1, past + 1), np.int64), np.array([[past]], np.int64))
-            t = time.perf_counter()
-            stream.forward(step)
-            if measured:
-                decode_ms.append((time.perf_counter() - t) * 1000)
-            past += 1
+            ms = (time.perf_counter() - t) * 1000
+            if measured and k < len(prefill):
+                prefill_ms_per_token.append(ms / n)
+            elif measured:
+                decode_ms.append(ms)
+            layout.append(n)
         del stream
         if (i + 1) % 10 == 0 or i + 1 == streams:
             rss.append((i + 1, _rss_mb()))

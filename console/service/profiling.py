@@ -25,9 +25,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 from console.service.agent_record import AgentRecord
-from console.service.calibration_export import (
-    CalibrationSet,
-)
+from console.service.calibration_export import CalibrationSet
 from console.service.errors import ConsoleStateError
 from console.service.fleet import FleetModel
 from console.service.state_file import read_json, write_json
