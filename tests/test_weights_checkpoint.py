@@ -1,0 +1,99 @@
+"""export.weights.checkpoint: safetensors directories read through memory maps, f32/f16/bf16."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from export.weights.checkpoint import CheckpointError, SafetensorsSource, open_checkpoint
+
+
+def _write_checkpoint(directory, tensors_by_file, config=None):
+    """Write HF-style safetensors files through torch (the independent writer)."""
+    import torch
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config or {"model_type": "llama"}))
+    for file, tensors in tensors_by_file.items():
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(directory / file))
+    return torch
+
+
+@pytest.fixture(scope="module")
+def mixed_checkpoint(tmp_path_factory):
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = {
+        "a.f32": torch.randn(7, 5, generator=gen),
+        "b.f16": torch.randn(3, 9, generator=gen).to(torch.float16),
+        "c.bf16": (torch.randn(11, 4, generator=gen) * 100).to(torch.bfloat16),
+        "d.vec": torch.randn(6, generator=gen).to(torch.bfloat16),
+    }
+    directory = tmp_path_factory.mktemp("mixed")
+    _write_checkpoint(directory, {"model-00001-of-00002.safetensors": dict(list(tensors.items())[:2]),
+                                  "model-00002-of-00002.safetensors": dict(list(tensors.items())[2:])},
+                      config={"model_type": "llama", "hidden_size": 5})
+    expected = {k: v.to(torch.float32).numpy() for k, v in tensors.items()}
+    return directory, expected
+
+
+def test_reads_every_dtype_exactly_as_torch_widens_it(mixed_checkpoint):
+    directory, expected = mixed_checkpoint
+    source = open_checkpoint(directory)
+    assert source.config == {"model_type": "llama", "hidden_size": 5}
+    assert source.names() == frozenset(expected)
+    for name, want in expected.items():
+        got = source.read(name)
+        assert got.dtype == np.float32 and got.flags.c_contiguous
+        assert source.shape(name) == want.shape
+        np.testing.assert_array_equal(got, want)
+    assert source.dtype("c.bf16") == "BF16"
+
+
+def test_read_rows_is_a_slice_of_read(mixed_checkpoint):
+    directory, expected = mixed_checkpoint
+    source = SafetensorsSource(directory)
+    np.testing.assert_array_equal(source.read_rows("c.bf16", 3, 8), expected["c.bf16"][3:8])
+    np.testing.assert_array_equal(source.read_rows("a.f32", 0, 0), expected["a.f32"][:0])
+    with pytest.raises(CheckpointError, match="outside"):
+        source.read_rows("a.f32", 5, 9)
+
+
+def test_read_returns_a_writable_copy_not_a_view_of_the_file(mixed_checkpoint):
+    directory, expected = mixed_checkpoint
+    source = SafetensorsSource(directory)
+    got = source.read("a.f32")
+    got[:] = 0
+    np.testing.assert_array_equal(source.read("a.f32"), expected["a.f32"])
+
+
+def test_bad_checkpoints_are_explained(tmp_path, mixed_checkpoint):
+    with pytest.raises(CheckpointError, match="no \\*.safetensors"):
+        (tmp_path / "empty").mkdir()
+        (tmp_path / "empty" / "config.json").write_text("{}")
+        SafetensorsSource(tmp_path / "empty")
+    with pytest.raises(CheckpointError, match="not JSON"):
+        SafetensorsSource(tmp_path)
+    with pytest.raises(CheckpointError, match="missing"):
+        SafetensorsSource(mixed_checkpoint[0]).read("nope")
+    with pytest.raises(CheckpointError, match="neither"):
+        open_checkpoint(tmp_path / "x.bin")
+    # A truncated file is refused, not read past its end.
+    directory = tmp_path / "trunc"
+    _write_checkpoint(directory, {"m.safetensors": {"w": __import__("torch").ones(64, 64)}})
+    data = (directory / "m.safetensors").read_bytes()
+    (directory / "m.safetensors").write_bytes(data[:-100])
+    with pytest.raises(CheckpointError, match="truncated"):
+        SafetensorsSource(directory)
+
+
+def test_a_tensor_in_two_files_is_refused(tmp_path):
+    import torch
+
+    _write_checkpoint(tmp_path, {"a.safetensors": {"w": torch.ones(2)}, "b.safetensors": {"w": torch.ones(2)}})
+    with pytest.raises(CheckpointError, match="both"):
+        SafetensorsSource(tmp_path)
