@@ -21,6 +21,7 @@ import hmac
 import logging
 import math
 import re
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from typing import Any
 
 from aiohttp import web
 
+from engine.api_guard import HostPolicy, check_json_type, check_prompt_chars
 from engine.errors import DeskfleetError, GenerationError, TokenizerError
 from engine.generator import Generator, OverloadedError, UnavailableError
 from engine.openai_schema import (
@@ -56,10 +58,14 @@ TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 @dataclass(frozen=True)
 class ApiSettings:
-    """Limits and identity of the API, parsed once (``api_key`` None means no auth)."""
+    """Limits and identity of the API, parsed once (``api_key`` None means no auth).
+
+    ``allowed_hosts``: host names clients may address the server by, besides the address it is
+    bound to and the loopback names (see :mod:`engine.api_guard`)."""
 
     model_name: str | None = None  # None: the generator's model name
     api_key: str | None = field(default=None, repr=False)
+    allowed_hosts: tuple[str, ...] = ()
     max_body_bytes: int = 1 << 20
     max_prompt_tokens: int = 4096
     default_max_tokens: int = 256
@@ -199,19 +205,49 @@ class _Outcome:
 _GONE = web.RequestKey("client_gone", bool)
 
 
+async def _off_loop(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` on a short-lived daemon thread: rendering and tokenising a long prompt takes
+    a while, and the loop also runs the coordinator's steps. (Not the loop's default executor:
+    its threads outlive the server.) Admission (``max_concurrent``) bounds how many wait."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if not done.done():
+            done.set_exception(error) if error is not None else done.set_result(result)
+
+    def run() -> None:
+        try:
+            result, error = fn(*args), None
+        except BaseException as exc:  # handed to the awaiting request, which maps it to an answer
+            result, error = None, exc
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name="deskfleet-tokenize", daemon=True).start()
+    return await done
+
+
 class _Api:
-    def __init__(self, generator: Generator, tokenizer: ChatTokenizer, settings: ApiSettings):
+    def __init__(self, generator: Generator, tokenizer: ChatTokenizer, settings: ApiSettings, hosts: HostPolicy):
         self.generator = generator
         self.tokenizer = tokenizer
         self.settings = settings
+        self.hosts = hosts
         self.metrics = ApiMetrics()
         self.served_model = settings.model_name or generator.model.name
         self._key = settings.api_key.encode() if settings.api_key else None
+        # one tokenizer use at a time: a tokenizer object is not meant to be shared between threads
+        self._tokenizer_lock = threading.Lock()
 
     @web.middleware
     async def errors(self, request: web.Request, handler: Callable) -> web.StreamResponse:
         try:
+            # cheapest first: a page on another site (Host), a stranger (key), a form (type)
+            self.hosts.check(request.headers.get("Host"))
             self._authorize(request)
+            if request.method == "POST":
+                check_json_type(request.content_type)
             response = await handler(request)
         except asyncio.CancelledError:
             self.metrics.count(CLIENT_CLOSED)
@@ -272,6 +308,10 @@ class _Api:
             raise too_large from None
         return parse_json_body(raw)
 
+    def _encode_locked(self, params: CompletionParams) -> list[int]:
+        with self._tokenizer_lock:
+            return self._encode(params)
+
     def _encode(self, params: CompletionParams) -> list[int]:
         if params.kind == "chat":
             return self.tokenizer.encode_chat(params.messages)
@@ -280,18 +320,23 @@ class _Api:
         return self.tokenizer.encode(params.prompt)
 
     async def complete(self, kind: str, request: web.Request) -> web.StreamResponse:
-        """Answer /v1/chat/completions (``kind`` "chat") or /v1/completions ("text")."""
+        """Answer /v1/chat/completions (``kind`` "chat") or /v1/completions ("text").
+
+        Limits in order of cost: admission (a slot), the body's bytes, its validity, the
+        prompt's characters; only then is it rendered and tokenised, off the loop."""
         started = time.perf_counter()
-        params = parse_completion(await self._read_json(request), kind, self.served_model)
-        gen_request = to_generation_request(self._encode(params), params, self.settings, self.generator.model)
         if self.metrics.active >= self.settings.max_concurrent:
             raise ApiError(429, f"the server is handling {self.metrics.active} requests, its limit; retry "
                            f"in {self.settings.retry_after_s} s", "too_many_requests")
-        self.metrics.active += 1
-        self.metrics.prompt_tokens += len(gen_request.prompt_ids)
-        outcome = _Outcome()
-        deltas = self._deltas(gen_request, params.stop, outcome, started)
+        self.metrics.active += 1  # admitted: counts from here, so tokenising requests hold a slot
         try:
+            params = parse_completion(await self._read_json(request), kind, self.served_model)
+            check_prompt_chars(params, self.settings.max_prompt_tokens)
+            prompt_ids = await _off_loop(self._encode_locked, params)
+            gen_request = to_generation_request(prompt_ids, params, self.settings, self.generator.model)
+            self.metrics.prompt_tokens += len(gen_request.prompt_ids)
+            outcome = _Outcome()
+            deltas = self._deltas(gen_request, params.stop, outcome, started)
             async with contextlib.aclosing(deltas):
                 if params.stream:
                     return await self._send_stream(request, params, gen_request, deltas, outcome)
@@ -363,9 +408,13 @@ class _Api:
         return response
 
 
-def build_app(generator: Generator, tokenizer: ChatTokenizer, settings: ApiSettings) -> web.Application:
-    """The aiohttp application serving ``generator`` under the OpenAI API, within ``settings``' limits."""
-    api = _Api(generator, tokenizer, settings)
+def build_app(generator: Generator, tokenizer: ChatTokenizer, settings: ApiSettings,
+              host: str = "127.0.0.1") -> web.Application:
+    """The aiohttp application serving ``generator`` under the OpenAI API, within ``settings``' limits.
+
+    ``host`` is the address it will be bound to: with ``settings.allowed_hosts`` and the loopback
+    names, what a request's ``Host`` header may name."""
+    api = _Api(generator, tokenizer, settings, HostPolicy(host, settings.allowed_hosts))
     app = web.Application(middlewares=[api.errors], client_max_size=settings.max_body_bytes)
     app.on_response_prepare.append(api.add_headers)
     app.router.add_post("/v1/chat/completions", functools.partial(api.complete, "chat"))
@@ -401,7 +450,7 @@ async def async_run_api(generator: Generator, tokenizer: ChatTokenizer, settings
 
     A client that disconnects cancels its handler, which closes its token stream.
     """
-    runner = web.AppRunner(build_app(generator, tokenizer, settings), handler_cancellation=True,
+    runner = web.AppRunner(build_app(generator, tokenizer, settings, host), handler_cancellation=True,
                            shutdown_timeout=shutdown_timeout)
     await runner.setup()
     try:

@@ -154,7 +154,9 @@ def test_auth_size_and_path_errors_are_openai_json():
             "wrong key": await post(s, base + "/v1/chat/completions", CHAT, headers={"Authorization": "Bearer k3"}),
             "too large": await post(s, base + "/v1/completions", {"prompt": "x" * 300}, headers=auth),
             "no path": await post(s, base + "/v2/nothing", {}, headers=auth),
-            "bad json": (await s.post(base + "/v1/completions", data=b"{", headers=auth)).status,
+            "bad json": (await s.post(base + "/v1/completions", data=b"{",
+                                      headers={**auth, "Content-Type": "application/json"})).status,
+            "form post": (await s.post(base + "/v1/completions", data=b"prompt=hi", headers=auth)).status,
         }
         async with s.get(base + "/health") as r:
             health = r.status, await r.json()
@@ -163,6 +165,7 @@ def test_auth_size_and_path_errors_are_openai_json():
     results, health = over_http(FakeGenerator(), scenario, replace(SETTINGS, api_key="k3y", max_body_bytes=200))
     assert [results[k][0] for k in ("no key", "wrong key", "too large", "no path")] == [401, 401, 413, 404]
     assert results["bad json"] == 400
+    assert results["form post"] == 415  # what a cross-site HTML form can send
     assert results["no key"][1]["WWW-Authenticate"] == "Bearer"
     assert json.loads(results["too large"][2])["error"]["code"] == "request_too_large"
     assert all(r[1]["X-Deskfleet-Stages"] == "3" for r in results.values() if isinstance(r, tuple))

@@ -24,6 +24,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from engine.api import ApiSettings, async_run_api
+from engine.api_guard import check_prompt_chars
 from engine.errors import GenerationError, TokenizerError
 from engine.openai_schema import ApiError, parse_completion, to_generation_request
 from engine.request import GenerationRequest
@@ -217,6 +218,7 @@ def predict(live: LiveApi, body: dict, kind: str) -> ApiError | None:
     """What the server must answer: None (serve it) or the ApiError it must refuse it with."""
     try:
         params = parse_completion(body, kind, live.model)
+        check_prompt_chars(params, SETTINGS.max_prompt_tokens)  # refused unread: too long to tokenise
         if kind == "chat":
             ids = live.tokenizer.encode_chat(params.messages)
         else:
@@ -300,6 +302,11 @@ AUTH_VARIANTS = ({"Authorization": f"Bearer {KEY}"}, {}, {"Authorization": "Bear
                  {"Authorization": "Bearer " + "x" * 4000}, {"Authorization": f"Bearer {KEY}\u00e9"})
 
 
+# None: http.client's own Host header (the address dialled)
+GOOD_HOSTS = (None, "127.0.0.1", "localhost:1234", "[::1]:80", "LOCALHOST.")
+BAD_HOSTS = ("evil.example", "127.0.0.1.nip.io:8000", "", "10.9.8.7", "127.0.0.1:x", "[::1", "localhost:80:80")
+
+
 def test_fuzz_raw_requests(live):
     ran = []
     since = len(live.neighbour.answers)
@@ -308,19 +315,28 @@ def test_fuzz_raw_requests(live):
     @given(method=st.sampled_from(METHODS), path=st.sampled_from(ROUTES) | paths(ROUTES),
            body=st.sampled_from(RAW_BODIES) | st.binary(max_size=300).map(Blob) | json_values().map(dumps)
            | st.integers((64 << 10) + 1, 200 << 10).map(lambda n: Blob(b"{\"prompt\": \"" + b"x" * n + b"\"}")),
-           content_type=st.sampled_from(CONTENT_TYPES), auth=st.sampled_from(AUTH_VARIANTS))
-    def case(method, path, body, content_type, auth):
+           content_type=st.sampled_from(CONTENT_TYPES), auth=st.sampled_from(AUTH_VARIANTS),
+           host=st.sampled_from((*GOOD_HOSTS, *GOOD_HOSTS, *BAD_HOSTS)))
+    def case(method, path, body, content_type, auth, host):
         ran.append(1)
-        headers = {**auth, "Content-Type": content_type}
+        headers = {**auth, "Content-Type": content_type, **({} if host is None else {"Host": host})}
         reply = live.client.request(method, path, body, {k: v.encode().decode("latin-1") for k, v in headers.items()})
         what = f"{method} {path[:80]} ({len(body)} B, {auth.get('Authorization', 'no key')[:20]})"
         assert_answered(reply, what)
         authorised = auth.get("Authorization", "").strip() in (f"Bearer {KEY}", f"bearer  {KEY}")
+        if host in BAD_HOSTS:  # a rebinding page's name (or none): refused before anything else
+            parser_refused = reply.status == 400 and reply.content_type != "application/json"
+            assert reply.status == 421 or parser_refused, f"{what}: Host {host!r} got {reply.status}"
+            return
+        assert reply.status != 421, f"{what}: Host {host!r} refused"
+        is_json = content_type.split(";")[0].strip() == "application/json"
+        if authorised and method == "POST" and path in ROUTES[:2] and not is_json:
+            assert reply.status == 415, f"{what}: a {content_type!r} POST got {reply.status}"
         if reply.status == 200:
             assert authorised or path.split("?")[0] == "/health", f"{what}: answered 200 without the key"
         if reply.status >= 400 and method != "HEAD" and reply.content_type == "application/json":
             assert _is_openai_error(reply.json()), f"{what}: {reply.body[:200]!r}"
-        if len(body) > SETTINGS.max_body_bytes and authorised and method == "POST" and path in ROUTES[:2]:
+        if len(body) > SETTINGS.max_body_bytes and authorised and method == "POST" and path in ROUTES[:2] and is_json:
             assert reply.status == 413, what
 
     case()
