@@ -52,6 +52,7 @@ def test_reads_every_dtype_exactly_as_torch_widens_it(mixed_checkpoint):
         assert source.shape(name) == want.shape
         np.testing.assert_array_equal(got, want)
     assert source.dtype("c.bf16") == "BF16"
+    source.close()
 
 
 def test_read_rows_is_a_slice_of_read(mixed_checkpoint):

@@ -4,12 +4,10 @@ A :class:`TensorSource` answers in HF names (``model.layers.0.self_attn.q_proj.w
 float32, whatever the file holds. Two sources exist:
 
 - an HF safetensors directory (config.json + ``*.safetensors``). The safetensors header is
-  parsed here and each file is memory-mapped, so f32, f16 **and bf16** read the same way
-  (``safe_open(framework="np")`` cannot return bf16) and only the rows asked for are widened;
+  parsed here and tensors are read with positioned reads, so f32, f16 **and bf16** read the
+  same way (``safe_open(framework="np")`` cannot return bf16) and only the rows asked for are
+  read and widened;
 - a ``.gguf`` file (:mod:`export.weights.gguf_source`), dequantised in numpy.
-
-Mapped checkpoint pages are file-backed: the kernel can drop them at any time, and they never
-count as anonymous memory.
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import BinaryIO, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -112,7 +110,7 @@ class SafetensorsSource:
                 if end > file_size:
                     raise CheckpointError(f"{file} is truncated (tensor {name!r} ends past the file); copy it again")
                 self._entries[name] = _Entry(file, str(info["dtype"]), tuple(int(d) for d in info["shape"]), begin, end)
-        self._maps: dict[Path, np.memmap] = {}
+        self._handles: dict[Path, BinaryIO] = {}
 
     def names(self) -> frozenset[str]:
         return frozenset(self._entries)
@@ -130,38 +128,52 @@ class SafetensorsSource:
         """The stored dtype tag (``F32``, ``F16``, ``BF16``...)."""
         return self._entry(name).dtype
 
-    def raw(self, name: str) -> np.ndarray:
-        """The stored tensor as a read-only view of the mapped file (bf16 as uint16)."""
+    def _read_raw(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows ``[start, stop)`` as stored (bf16 as uint16), read into fresh anonymous memory.
+
+        ``pread`` rather than a memory map: mapped checkpoint pages would stay in this process's
+        RSS until the file is closed, so a stage would hold all of its source tensors at once.
+        """
         entry = self._entry(name)
         if entry.dtype not in _DTYPES:
             raise CheckpointError(
                 f"tensor {name!r} is stored as {entry.dtype}; supported: {', '.join(_DTYPES)}. "
                 "Re-save the checkpoint in float32, float16 or bfloat16")
         storage, _ = _DTYPES[entry.dtype]
-        mapped = self._maps.get(entry.file)
-        if mapped is None:
-            mapped = self._maps[entry.file] = np.memmap(entry.file, dtype=np.uint8, mode="r")
-        count = (entry.end - entry.begin) // storage.itemsize
-        if count != int(np.prod(entry.shape, dtype=np.int64)):
-            raise CheckpointError(f"tensor {name!r} has {count} values but shape {list(entry.shape)}; the file is damaged")
-        return mapped[entry.begin:entry.end].view(storage).reshape(entry.shape)
+        count = int(np.prod(entry.shape, dtype=np.int64))
+        if (entry.end - entry.begin) != count * storage.itemsize:
+            raise CheckpointError(f"tensor {name!r} has {entry.end - entry.begin} bytes but shape "
+                                  f"{list(entry.shape)} of {entry.dtype}; the file is damaged")
+        rows = entry.shape[0] if entry.shape else 1
+        if not 0 <= start <= stop <= rows:
+            raise CheckpointError(f"rows [{start}, {stop}) are outside tensor {name!r} of shape {list(entry.shape)}")
+        row_values = count // rows if rows else 0
+        out = np.empty((stop - start) * row_values, dtype=storage)
+        handle = self._handles.get(entry.file)
+        if handle is None:
+            handle = self._handles[entry.file] = entry.file.open("rb")
+        handle.seek(entry.begin + start * row_values * storage.itemsize)
+        if handle.readinto(memoryview(out).cast("B")) != out.nbytes:
+            raise CheckpointError(f"{entry.file} ended early while reading {name!r}; copy it again")
+        return out.reshape((stop - start, *entry.shape[1:]) if entry.shape else ())
 
     def read(self, name: str) -> np.ndarray:
-        return self._widen(name, self.raw(name))
+        entry = self._entry(name)
+        return self._widen(entry, self._read_raw(name, 0, entry.shape[0] if entry.shape else 1))
 
     def read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
-        raw = self.raw(name)
-        if not 0 <= start <= stop <= raw.shape[0]:
-            raise CheckpointError(f"rows [{start}, {stop}) are outside tensor {name!r} of shape {list(raw.shape)}")
-        return self._widen(name, raw[start:stop])
+        return self._widen(self._entry(name), self._read_raw(name, start, stop))
 
-    def _widen(self, name: str, raw: np.ndarray) -> np.ndarray:
-        widen = _DTYPES[self._entry(name).dtype][1]
-        out = widen(raw) if widen is not None else raw.astype(np.float32)  # astype copies: never a view of the map
+    @staticmethod
+    def _widen(entry: _Entry, raw: np.ndarray) -> np.ndarray:
+        widen = _DTYPES[entry.dtype][1]
+        out = widen(raw) if widen is not None else raw.astype(np.float32, copy=False)
         return np.ascontiguousarray(out, dtype=np.float32)
 
     def close(self) -> None:
-        self._maps.clear()
+        for handle in self._handles.values():
+            handle.close()
+        self._handles.clear()
 
     def __enter__(self) -> SafetensorsSource:
         return self

@@ -9,9 +9,16 @@ The subgraphs are the ones NNCF / ``ov.save_model(compress_to_fp16=True)`` emit,
 CPU/GPU plugins keep compressed at run time::
 
     fp16:      f16 Constant ─ Convert f32 (marked "decompression")
-    int8_asym: u8 [out, in] ─ Convert f16 ─ Subtract(u8 zp [out,1] ─ Convert f16) ─ Multiply(f16 scale [out,1]) ─ Convert f32
-    int4_asym: u4 [out, in/g, g] ─ Convert f16 ─ Subtract(u4 zp [out, in/g, 1] ─ Convert f16) ─ Multiply(f16 scale) ─ Reshape [out, in] ─ Convert f32
-    int4_sym:  i4 [out, in/g, g] ─ Convert f16 ─ Multiply(f16 scale [out, in/g, 1]) ─ Reshape [out, in] ─ Convert f32
+    int8_asym: u8 [out, in] ─ Convert f16 ─ Subtract(u8 zp [out, 1] ─ Convert f16)
+               ─ Multiply(f16 scale [out, 1]) ─ Convert f32
+    int4_asym: u4 [out, in/g, g] ─ Convert f16 ─ Subtract(u4 zp [out, in/g, 1] ─ Convert f16)
+               ─ Multiply(f16 scale [out, in/g, 1]) ─ Reshape [out, in] ─ Convert f32
+    int4_sym:  i4 [out, in/g, g] ─ Convert f16 ─ Multiply(f16 scale [out, in/g, 1])
+               ─ Reshape [out, in] ─ Convert f32
+
+The integer codes, scales and zero points are those of :mod:`export.weights.rtn`, equal to
+``nncf.compress_weights``'s; NNCF itself leaves these Converts unmarked (the plugins recognise
+the pattern), so only the fp16 Convert carries the ``decompression`` mark.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ import openvino.opset13 as ops
 
 from engine.errors import DeskfleetError
 from export.weights.checkpoint import TensorSource
+from export.weights.rtn import Scheme, grouped_shape, quantize, row_block, scheme_for
+from export.weights.weight_file import ConstantSpec, MemoryConstants, WeightFile, pack_nibbles
 
 KINDS = ("int4_sym", "int4_asym", "int8_asym", "fp16", "fp32")
 _DECODER = re.compile(r"(^|\.)layers\.\d+\.")
@@ -94,14 +103,18 @@ def mark_decompression(node: ov.Node) -> None:
 class StageWeights:
     """Builds one stage's weight subgraphs from a :class:`TensorSource`; a context manager.
 
-    ``linear`` / ``embedding`` return the same node when asked twice for one tensor (a tied head
-    and its embedding share one compressed constant, as in the traced graph NNCF saw).
+    With ``bin_path`` every constant is written to that scratch file as it is produced and
+    memory-mapped back (:class:`~export.weights.weight_file.WeightFile`); closing deletes the
+    file, and the constants stay valid until the graph is gone. Without it constants are
+    ordinary memory. ``linear`` / ``embedding`` return the same node when asked twice for one
+    tensor (a tied head and its embedding share one compressed constant, as in the traced graph
+    NNCF saw).
     """
 
     def __init__(self, source: TensorSource, mode: WeightMode, bin_path: Path | None = None):
         self.source = source
         self.mode = mode
-        self.bin_path = bin_path
+        self._store: WeightFile | MemoryConstants = WeightFile(bin_path) if bin_path else MemoryConstants()
         self._built: dict[tuple[str, str], ov.Output] = {}
 
     def __enter__(self) -> StageWeights:
@@ -112,6 +125,7 @@ class StageWeights:
 
     def close(self) -> None:
         self._built.clear()
+        self._store.close()
 
     # -- public --------------------------------------------------------------------------
 
@@ -125,10 +139,10 @@ class StageWeights:
 
     def vector(self, name: str) -> ov.Output:
         """f32 1-D constant (norm gammas, biases), stored as read."""
-        values = self.source.read(name)
-        if values.ndim != 1:
-            raise WeightModeError(f"{name} has shape {list(values.shape)}; vector() expects a 1-D tensor")
-        return self._constant(values, name)
+        shape = self.source.shape(name)
+        if len(shape) != 1:
+            raise WeightModeError(f"{name} has shape {list(shape)}; vector() expects a 1-D tensor")
+        return self._one(self.source.read(name), "f32", name)
 
     # -- lowering ------------------------------------------------------------------------
 
@@ -138,18 +152,65 @@ class StageWeights:
             shape = self.source.shape(name)
             if len(shape) != 2:
                 raise WeightModeError(f"{name} has shape {list(shape)}; a matrix weight must be 2-D")
-            self._built[key] = getattr(self, f"_lower_{kind}")(name, shape)
+            self._built[key] = self._lower(name, (int(shape[0]), int(shape[1])), kind)
         return self._built[key]
 
-    def _lower_fp32(self, name: str, shape: tuple[int, ...]) -> ov.Output:
-        return self._constant(self.source.read(name), name)
+    def _blocks(self, name: str, rows: int, cols: int):
+        step = row_block(rows, cols)
+        if cols % 2:
+            step += step % 2  # keep 4-bit packing on byte boundaries
+        for start in range(0, rows, step):
+            yield self.source.read_rows(name, start, min(rows, start + step))
 
-    def _lower_fp16(self, name: str, shape: tuple[int, ...]) -> ov.Output:
-        half = self.source.read(name).astype(np.float16)
-        convert = ops.convert(self._constant(half, name), "f32", name=f"{name}/decompress")
-        mark_decompression(convert)
-        return convert.output(0)
+    def _lower(self, name: str, shape: tuple[int, int], kind: str) -> ov.Output:
+        rows, cols = shape
+        if kind in ("fp32", "fp16"):
+            dtype, type_name = (np.float32, "f32") if kind == "fp32" else (np.float16, "f16")
+            region = self._store.write(b.astype(dtype, copy=False) for b in self._blocks(name, rows, cols))
+            (const,) = self._store.constants([ConstantSpec(region, type_name, shape, name)])
+            if kind == "fp32":
+                return const.output(0)
+            convert = ops.convert(const, "f32", name=f"{name}/decompress")
+            mark_decompression(convert)
+            return convert.output(0)
+        return self._lower_integer(name, shape, scheme_for(kind, self.mode.group_size))
 
-    def _constant(self, values: np.ndarray, name: str) -> ov.Output:
-        const = ops.constant(values, name=name)
+    def _lower_integer(self, name: str, shape: tuple[int, int], scheme: Scheme) -> ov.Output:
+        """Quantise row block by row block straight into the store; scales follow in one piece."""
+        rows, cols = shape
+        grouped = grouped_shape(shape, scheme)
+        scales: list[np.ndarray] = []
+        zeros: list[np.ndarray] = []
+        four_bit = scheme.bits == 4
+
+        def codes():
+            for block in self._blocks(name, rows, cols):
+                q = quantize(block, scheme)
+                scales.append(q.scale)
+                if q.zero_point is not None:
+                    zeros.append(q.zero_point)
+                yield pack_nibbles(q.values) if four_bit else q.values
+
+        code_type = ("i4" if four_bit else "i8") if scheme.symmetric else ("u4" if four_bit else "u8")
+        region = self._store.write(codes())
+        scale = np.concatenate(scales)
+        specs = [ConstantSpec(region, code_type, grouped, name),
+                 ConstantSpec(self._store.write([scale]), "f16", scale.shape, f"{name}/scale")]
+        if zeros:
+            zero = np.concatenate(zeros)
+            zero_bytes = pack_nibbles(zero) if four_bit else zero
+            specs.append(ConstantSpec(self._store.write([zero_bytes]), code_type, zero.shape, f"{name}/zero_point"))
+        nodes = self._store.constants(specs)
+        # NNCF's decompression subgraph, node for node (see the module docstring).
+        weight = ops.convert(nodes[0], "f16")
+        if zeros:
+            weight = ops.subtract(weight, ops.convert(nodes[2], "f16"), name=f"{name}/zero_point/subtract")
+        weight = ops.multiply(weight, nodes[1], name=f"{name}/fq_weights")
+        if scheme.group_size is not None:
+            weight = ops.reshape(weight, ops.constant(np.array(shape, np.int64)), special_zero=False)
+        return ops.convert(weight, "f32", name=f"{name}/fq_weights/convert").output(0)
+
+    def _one(self, values: np.ndarray, type_name: str, name: str) -> ov.Output:
+        region = self._store.write([values])
+        (const,) = self._store.constants([ConstantSpec(region, type_name, tuple(values.shape), name)])
         return const.output(0)
