@@ -9,7 +9,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    Phi3Config,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 # Shared by every family: hidden 64, 4 layers, 4 heads, 2 KV heads (GQA), head_dim 16.
 _COMMON = dict(
@@ -43,6 +50,23 @@ TINY_CONFIGS = {
     ),
     "qwen2": lambda vocab: Qwen2Config(vocab_size=vocab, tie_word_embeddings=True, **_COMMON),
     "mistral": lambda vocab: MistralConfig(vocab_size=vocab, tie_word_embeddings=False, sliding_window=None, **_COMMON),
+    "qwen3": lambda vocab: Qwen3Config(vocab_size=vocab, tie_word_embeddings=True, head_dim=16, **_COMMON),
+    # longrope (as Phi-3.5-mini) with a short original window: a sequence longer than 64 takes
+    # the long factors. HF's Phi-3 generate re-prefills its whole cache when it crosses that point.
+    "phi3": lambda vocab: Phi3Config(
+        vocab_size=vocab,
+        tie_word_embeddings=False,
+        sliding_window=None,
+        original_max_position_embeddings=64,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+            "long_factor": [1.2, 1.9, 2.8, 4.0, 5.5, 7.3, 9.4, 12.0],
+            "original_max_position_embeddings": 64,
+        },
+        **_COMMON,
+    ),
 }
 
 

@@ -1,0 +1,203 @@
+"""One pipeline stage's OpenVINO graph, built op by op from the checkpoint's tensors.
+
+The graph keeps the traced export's interface, so the engine runs it unchanged::
+
+    stage 0       input_ids        [B, S]      i64   (tensor and node name: the paged-attention
+    later stages  inputs_embeds    [B, S, H]   f32    conversion finds the token input by them)
+    every stage   attention_mask   [B, P + S]  i64   1 = attend, 0 = masked (physical positions)
+                  position_ids     [B, S]      i64   logical positions
+    last stage    logits_last      []          i64   trailing positions that get logits (0 = all)
+    with beam_idx beam_idx         [B]         i32   reorders every KV read (always zeros here)
+    outputs       logits [B, n, V] or hidden_states_out [B, S, H]
+    state         past_key_{i}, past_value_{i} [B, KV, T, D] f32 per layer i of the stage
+
+cos/sin and the attention bias are computed once per stage and shared by its layers.
+``weights`` turns checkpoint tensor names into weight subgraphs (:class:`WeightSource`); the
+quantisation mode lives there, never here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import openvino as ov
+import openvino.opset13 as ops
+
+from export.builder import ops as blocks
+from export.builder.families import ModelShape
+from export.builder.rope import inverse_frequencies
+
+BEAM_IDX = "beam_idx"
+
+
+class WeightSource(Protocol):
+    """What the builder asks of a stage's weights (export.weights.stage_weights.StageWeights)."""
+
+    def linear(self, name: str) -> ov.Output: ...  # f32 [out, in]
+    def embedding(self, name: str) -> ov.Output: ...  # f32 [vocab, hidden]
+    def vector(self, name: str) -> ov.Output: ...  # f32 [n]
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Which part of the model one stage holds (layers first..last inclusive)."""
+
+    index: int
+    first_layer: int
+    last_layer: int
+    has_embedding: bool
+    has_head: bool
+
+    @property
+    def layers(self) -> range:
+        return range(self.first_layer, self.last_layer + 1)
+
+
+def _parameter(name: str, shape: list[int], dtype: ov.Type) -> ov.Node:
+    param = ops.parameter(ov.PartialShape(shape), dtype, name=name)
+    param.output(0).get_tensor().set_names({name})
+    return param
+
+
+def _rotary(shape: ModelShape, position_ids: ov.Output) -> tuple[ov.Output, ov.Output]:
+    tables = inverse_frequencies(shape.rope, shape.head_dim, shape.max_positions)
+    inv = blocks.const(tables.inv_freq)
+    if tables.long_inv_freq is not None:
+        # longrope: the long factors once the sequence (max position + 1) outgrows the original window
+        longest = ops.reduce_max(position_ids, blocks.i64([0, 1]), keep_dims=False)
+        is_long = ops.greater(longest, blocks.i64(tables.switch_at - 1))
+        inv = ops.select(is_long, blocks.const(tables.long_inv_freq), inv).output(0)
+    return blocks.rotary_cos_sin(position_ids, inv, tables.scaling)
+
+
+class _Layer:
+    """Names of one decoder layer's tensors, resolved once."""
+
+    def __init__(self, shape: ModelShape, index: int):
+        f = shape.family
+        self.index = index
+        self.prefix = f.layer_prefix.format(i=index)
+
+    def __call__(self, name: str) -> str:
+        return self.prefix + name
+
+
+def _attention(shape: ModelShape, w: WeightSource, n: _Layer, x: ov.Output, cos: ov.Output, sin: ov.Output,
+               bias: ov.Output, beam_idx: ov.Output | None, sinks: list) -> ov.Output:
+    f, d = shape.family, shape.head_dim
+    q_width, kv_width = shape.heads * d, shape.kv_heads * d
+    if f.fused_qkv is not None:
+        qkv = blocks.linear(x, w.linear(n(f.fused_qkv + ".weight")))
+        parts = ops.variadic_split(qkv, blocks.i64(-1), blocks.i64([q_width, kv_width, kv_width]))
+        q, k, v = parts.output(0), parts.output(1), parts.output(2)
+    else:
+        def proj(name: str) -> ov.Output:
+            b = w.vector(n(name + ".bias")) if shape.qkv_bias else None
+            return blocks.linear(x, w.linear(n(name + ".weight")), b)
+
+        q, k, v = proj(f.q), proj(f.k), proj(f.v)
+    q = blocks.split_heads(q, shape.heads, d)  # [B, S, H, D]
+    k = blocks.split_heads(k, shape.kv_heads, d)
+    v = blocks.split_heads(v, shape.kv_heads, d)
+    if f.q_norm is not None:
+        q = blocks.rms_norm(q, w.vector(n(f.q_norm)), shape.eps)
+        k = blocks.rms_norm(k, w.vector(n(f.k_norm)), shape.eps)
+    q = blocks.rotary(blocks.to_bhsd(q), cos, sin, d)  # [B, H, S, D]
+    k = blocks.rotary(blocks.to_bhsd(k), cos, sin, d)  # [B, KV, S, D]
+    v = blocks.to_bhsd(v)
+    k_all, k_sink = blocks.kv_state(f"past_key_{n.index}", k, shape.kv_heads, d, beam_idx)
+    v_all, v_sink = blocks.kv_state(f"past_value_{n.index}", v, shape.kv_heads, d, beam_idx)
+    sinks += [k_sink, v_sink]
+    k_all = blocks.expand_groups(k_all, shape.groups, shape.heads, d)  # [B, H, T, D]
+    v_all = blocks.expand_groups(v_all, shape.groups, shape.heads, d)
+    scale = blocks.const(1.0 / math.sqrt(d))
+    attn = ops.scaled_dot_product_attention(q, k_all, v_all, bias, scale, causal=False)  # [B, H, S, D]
+    o_bias = w.vector(n(f.o + ".bias")) if shape.o_bias else None
+    return blocks.linear(blocks.merge_heads(attn.output(0), q_width), w.linear(n(f.o + ".weight")), o_bias)
+
+
+def _mlp(shape: ModelShape, w: WeightSource, n: _Layer, x: ov.Output) -> ov.Output:
+    f = shape.family
+
+    def b(name: str) -> ov.Output | None:
+        return w.vector(n(name + ".bias")) if shape.mlp_bias else None
+
+    if f.fused_gate_up is not None:
+        both = blocks.linear(x, w.linear(n(f.fused_gate_up + ".weight")))
+        parts = ops.variadic_split(both, blocks.i64(-1), blocks.i64([shape.intermediate, shape.intermediate]))
+        gate, up = parts.output(0), parts.output(1)
+    else:
+        gate = blocks.linear(x, w.linear(n(f.gate + ".weight")), b(f.gate))
+        up = blocks.linear(x, w.linear(n(f.up + ".weight")), b(f.up))
+    act = ops.multiply(ops.swish(gate), up)
+    return blocks.linear(act.output(0), w.linear(n(f.down + ".weight")), b(f.down))
+
+
+def head_tensor(shape: ModelShape, available: frozenset[str]) -> str:
+    """The LM head's tensor: its own, or the embedding when tied (HF drops a tied head on save)."""
+    f = shape.family
+    return f.head if f.head in available and not shape.tied else f.embed
+
+
+def build_stage_model(shape: ModelShape, stage: StagePlan, weights: WeightSource, head: str,
+                      beam_idx: bool = True) -> ov.Model:
+    """The stage's stateful graph (see the module docstring); ``head`` from :func:`head_tensor`."""
+    f = shape.family
+    if stage.has_embedding:
+        first = _parameter("input_ids", [-1, -1], ov.Type.i64)
+        h = ops.gather(weights.embedding(f.embed), first, blocks.i64(0)).output(0)  # [B, S, H]
+    else:
+        first = _parameter("inputs_embeds", [-1, -1, shape.hidden], ov.Type.f32)
+        h = first.output(0)
+    mask = _parameter("attention_mask", [-1, -1], ov.Type.i64)
+    positions = _parameter("position_ids", [-1, -1], ov.Type.i64)
+    params = [first, mask, positions]
+    logits_last = None
+    if stage.has_head:
+        logits_last = _parameter("logits_last", [], ov.Type.i64)
+        params.append(logits_last)
+    beam = _parameter(BEAM_IDX, [-1], ov.Type.i32) if beam_idx else None
+
+    cos, sin = _rotary(shape, positions.output(0))
+    bias = blocks.attention_bias(mask.output(0), positions.output(0))
+    sinks: list = []
+    for i in stage.layers:
+        n = _Layer(shape, i)
+        x = blocks.rms_norm(h, weights.vector(n(f.input_norm)), shape.eps)
+        h = ops.add(h, _attention(shape, weights, n, x, cos, sin, bias, beam.output(0) if beam else None, sinks)).output(0)
+        x = blocks.rms_norm(h, weights.vector(n(f.post_attn_norm)), shape.eps)
+        h = ops.add(h, _mlp(shape, weights, n, x)).output(0)
+
+    if stage.has_head:
+        h = blocks.trailing_rows(h, logits_last.output(0))
+        h = blocks.rms_norm(h, weights.vector(f.final_norm), shape.eps)
+        out, out_name = blocks.linear(h, weights.linear(head)), "logits"
+    else:
+        out, out_name = h, "hidden_states_out"
+    result = ops.result(out)
+    result.output(0).get_tensor().set_names({out_name})
+    if beam is not None:
+        params.append(beam)
+    model = ov.Model([result], sinks, params, f"deskfleet_stage_{stage.index}")
+    model.validate_nodes_and_infer_types()
+    return model
+
+
+def stage_tensor_names(shape: ModelShape, stage: StagePlan, available: frozenset[str]) -> list[str]:
+    """The checkpoint tensors ``stage`` reads (a missing one is reported before building)."""
+    f = shape.family
+    names: list[str] = [f.embed] if stage.has_embedding else []
+    for i in stage.layers:
+        p = f.layer_prefix.format(i=i)
+        names += [n for n in available if n.startswith(p)]
+    if stage.has_head:
+        names += [f.final_norm, head_tensor(shape, available)]
+    return sorted(set(names))
+
+
+def kv_bytes_per_token(shape: ModelShape, stage: StagePlan, precision: str) -> int:
+    size = {"f32": 4, "f16": 2, "u8": 1}[precision]
+    return 2 * len(stage.layers) * shape.kv_heads * shape.head_dim * size
+
