@@ -98,3 +98,22 @@ def test_a_tensor_in_two_files_is_refused(tmp_path):
     _write_checkpoint(tmp_path, {"a.safetensors": {"w": torch.ones(2)}, "b.safetensors": {"w": torch.ones(2)}})
     with pytest.raises(CheckpointError, match="both"):
         SafetensorsSource(tmp_path)
+
+
+def test_streamed_synthetic_checkpoint_reads_back_in_torch_and_here(tmp_path):
+    import torch
+    from safetensors import safe_open
+
+    from export.weights.synthetic import LlamaShape, llama_tensors, write_synthetic_llama
+
+    shape = LlamaShape(layers=2, hidden=64, intermediate=96, heads=4, kv_heads=2, vocab=300)
+    directory = write_synthetic_llama(tmp_path / "ckpt", shape, dtype="BF16", seed=3)
+    source = open_checkpoint(directory)
+    assert source.names() == frozenset(n for n, _ in llama_tensors(shape))
+    assert source.config["num_key_value_heads"] == 2
+    with safe_open(str(directory / "model.safetensors"), framework="pt") as st:
+        for name in source.names():
+            want = st.get_tensor(name)
+            assert want.dtype == torch.bfloat16
+            np.testing.assert_array_equal(source.read(name), want.float().numpy())
+    source.close()

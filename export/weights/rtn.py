@@ -124,6 +124,7 @@ def quantize(weight: np.ndarray, scheme: Scheme) -> Quantized:
     return Quantized(values, scale.astype(np.float16), zero_point.astype(np.uint8), scale)
 
 
-def row_block(rows: int, cols: int, budget_bytes: int = 64 * 1024 * 1024) -> int:
-    """Rows per block so that one f32 block (plus numpy's temporaries, ~4x) stays in ``budget``."""
-    return max(1, min(rows, budget_bytes // max(1, 16 * cols)))
+def row_block(rows: int, cols: int, block_bytes: int = 8 * 1024 * 1024) -> int:
+    """Rows per block so that one f32 block is about ``block_bytes`` (numpy's temporaries while
+    quantising it take about four times that)."""
+    return max(1, min(rows, block_bytes // max(1, 4 * cols)))
