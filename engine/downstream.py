@@ -1,8 +1,10 @@
 """A stage worker's connection to its next hop: the next stage, or the coordinator's return port.
 
 It is dialled on first use (with retry, so the order in which a ring comes up does not matter),
-watched so that a next stage that goes away is noticed at once, and redialled once when a send
-finds it gone (the next stage came back on its address). Stateful and static workers share it.
+watched so that a next stage that goes away is noticed at once (and Pinged while idle, so the
+next stage's idle timeout never closes it between requests), and redialled once when a send
+finds it gone (the next stage came back on its address). With TLS the listener must be the
+node id the worker's peer policy names as next hop. Stateful and static workers share it.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from ssl import SSLContext
 
 from engine.address import Address
 from engine.messages import Hello, Message
-from engine.transport import Connection, ConnectionClosedError, async_connect
+from engine.transport import Connection, ConnectionClosedError, PeerCheck, async_connect, async_hold
 from engine.wire import COORDINATOR_STAGE, Role
 
 log = logging.getLogger(__name__)
@@ -24,13 +26,15 @@ class Downstream:
     """The hop from stage ``stage_index`` to ``address`` (the return port when ``is_last``)."""
 
     def __init__(self, fingerprint: str, stage_index: int, is_last: bool, address: Address, *,
-                 client_ssl: SSLContext | None = None, dial_deadline: float = 120.0):
+                 client_ssl: SSLContext | None = None, dial_deadline: float = 120.0,
+                 peer_check: PeerCheck | None = None):
         self.fingerprint = fingerprint
         self.stage_index = stage_index
         self.is_last = is_last
         self.address = address
         self._client_ssl = client_ssl
         self._dial_deadline = dial_deadline
+        self._peer_check = peer_check
         self._conn: Connection | None = None
         self._lock = asyncio.Lock()
         self._watch: asyncio.Task | None = None
@@ -41,23 +45,31 @@ class Downstream:
                 next_index = COORDINATOR_STAGE if self.is_last else self.stage_index + 1
                 hello = Hello(self.fingerprint, next_index, Role.STAGE)
                 self._conn = await async_connect(self.address.host, self.address.port, hello,
-                                                 ssl=self._client_ssl, deadline=self._dial_deadline)
+                                                 ssl=self._client_ssl, deadline=self._dial_deadline,
+                                                 peer_check=self._peer_check)
                 self._watch = asyncio.create_task(self._watch_connection(self._conn))
                 log.info("stage %d connected to %s", self.stage_index, self.address)
             return self._conn
 
     async def _watch_connection(self, conn: Connection) -> None:
-        """Nothing flows back on the downstream hop, so read it only to learn at once when the
-        next stage goes away (crash, kill, pause): the next frame then dials it afresh instead of
-        vanishing into a dead socket."""
-        try:
-            while True:
-                msg = await conn.async_recv(idle_timeout=None)
-                log.debug("stage %d: %r from downstream", self.stage_index, msg)
-        except Exception:  # closed, reset, or garbage: in every case this connection is done
-            with contextlib.suppress(Exception):
-                await conn.async_close()
-            log.info("stage %d: the connection to %s is gone", self.stage_index, self.address)
+        """Learn at once when the next stage goes away (crash, kill, pause): the next frame then
+        dials it afresh instead of vanishing into a dead socket."""
+        await async_hold(conn, f"stage {self.stage_index} next hop")
+        log.info("stage %d: the connection to %s is gone", self.stage_index, self.address)
+
+    async def async_recheck(self) -> bool:
+        """Drop the connection if the peer check no longer admits its listener (the policy
+        changed); the next frame then dials afresh. True if it was dropped."""
+        conn = self._conn
+        if self._peer_check is None or conn is None or conn.closed:
+            return False
+        reason = self._peer_check(conn.peer_node_id)
+        if reason is None:
+            return False
+        log.warning("stage %d: dropping the connection to %s: %s", self.stage_index, self.address, reason)
+        with contextlib.suppress(Exception):
+            await conn.async_close()
+        return True
 
     async def async_send(self, msg: Message) -> None:
         conn = await self._connection()

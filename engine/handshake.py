@@ -15,7 +15,8 @@ from engine.wire import PROTOCOL_VERSION, ErrorCode, Role, WireError
 
 class HandshakeError(WireError):
     """The Hello/HelloAck exchange failed. ``field`` names what did not match
-    (protocol_version, model_fingerprint, stage_index, role), or is "frame" / "connection" when
+    (protocol_version, model_fingerprint, stage_index, role, or "peer": the certificate's node id
+    is not the one expected, see ``engine.peer_policy``), or is "frame" / "connection" when
     the exchange itself broke (wrong first frame, peer closed, TLS refused our certificate)."""
 
     def __init__(self, message: str, field: str, code: ErrorCode = ErrorCode.UNEXPECTED_FRAME):
@@ -56,6 +57,7 @@ _IDENTITY_CHECKS = (
 _FIELD_OF_CODE = {
     **{code: field for field, code, _ in _IDENTITY_CHECKS},
     ErrorCode.ROLE_REFUSED: "role",
+    ErrorCode.PEER_REFUSED: "peer",
 }
 
 
@@ -63,17 +65,17 @@ def check_hello(hello: Hello, local: LocalIdentity) -> Error | None:
     """Return the refusal to send for ``hello``, or None to accept it.
 
     The code names the first mismatch in the order version, fingerprint, stage, role; the
-    message lists every mismatching field with both values.
+    message lists every mismatching field with the value the dialer sent. It never states this
+    node's own values: a refusal goes to whoever dialled, and an identity echoed back would
+    tell a prober what to claim (the protocol version, public by nature, is the exception).
     """
     problems = [
-        (code, f"{name} mismatch: you sent {getattr(hello, name)!r}, this node has "
-         f"{getattr(local, name)!r} ({hint})")
+        (code, f"{name} mismatch: you sent {getattr(hello, name)!r} ({hint})")
         for name, code, hint in _IDENTITY_CHECKS
         if getattr(hello, name) != getattr(local, name)
     ]  # fmt: skip
     if hello.role not in local.accepted_roles:
-        accepted = ", ".join(sorted(r.name for r in local.accepted_roles))
-        text = f"role mismatch: a {hello.role.name} may not dial this port (accepted: {accepted})"
+        text = f"role mismatch: a {hello.role.name} may not dial this port"
         problems.append((ErrorCode.ROLE_REFUSED, text))
     if not problems:
         return None

@@ -8,7 +8,8 @@ with its hidden states; the last stage answers the coordinator with each row's t
 (**Tokens** [S]). So every stage's ring stays in lockstep with no control message of its own.
 
 One stream id is one packed session: a Packed frame for a new stream id, or a Release of the
-current one, empties every slot. A plan that does not follow from the stage's ring (a lost
+current one, empties every slot. The session belongs to the upstream connection that started it:
+while that connection is open, no other one may step, start or release a session here. A plan that does not follow from the stage's ring (a lost
 frame, a restarted stage) is refused with a stream-level Error that travels to the coordinator.
 """
 
@@ -23,7 +24,8 @@ from engine.address import Address
 from engine.messages import Error, Forward, Message, Packed, Release, Tokens
 from engine.packed_stage import StaticStage
 from engine.path import last_stage_reply
-from engine.stage_server import StageServer
+from engine.peer_policy import PeerPolicy
+from engine.stage_server import StageServer, stage_frame_bound
 from engine.transport import Connection
 from engine.wire import ErrorCode, StreamId
 
@@ -35,20 +37,33 @@ class PackedStageWorker(StageServer):
 
     def __init__(self, stage: StaticStage, listen: Address, next_address: Address, *,
                  server_ssl: SSLContext | None = None, client_ssl: SSLContext | None = None,
-                 dial_deadline: float = 120.0):
+                 dial_deadline: float = 120.0, peers: PeerPolicy | None = None, **listener_options):
         self.stage = stage
-        super().__init__(stage.spec.index, stage.is_last, stage.manifest.model.fingerprint, listen, next_address,
+        model = stage.manifest.model
+        super().__init__(stage.spec.index, stage.is_last, model.fingerprint, listen, next_address,
                          server_ssl=server_ssl, client_ssl=client_ssl, dial_deadline=dial_deadline,
-                         thread_name=f"deskfleet-static{stage.spec.index}")
+                         thread_name=f"deskfleet-static{stage.spec.index}", peers=peers,
+                         max_frame_bytes=stage_frame_bound(model.hidden_size, model.max_position_embeddings),
+                         **listener_options)
         self.session: StreamId | None = None
+        self._owner: Connection | None = None  # the upstream connection whose session this is
 
     @property
     def stream_count(self) -> int:
         return int(self.session is not None)
 
     async def _handle(self, conn: Connection, msg: Message) -> None:
+        if isinstance(msg, Packed | Release) and self._owner is not None and self._owner is not conn:
+            if not self._owner.closed:
+                log.warning("static stage %d: refused %s from %s: another connection owns the session",
+                            self.index, type(msg).__name__, conn.peername)
+                await conn.async_send(Error(ErrorCode.UNKNOWN_STREAM, "this connection holds no session here",
+                                            msg.stream_id, msg.seq))
+                return
+            self._owner = conn  # the owner's connection ended: the session goes to whoever carries it on
         match msg:
             case Packed():
+                self._owner = conn
                 await self._step(msg)
             case Release():
                 if msg.stream_id == self.session:

@@ -3,6 +3,10 @@
 Steps go out to stage 0 (or, when the coordinator hosts stage 0 itself, are computed here and
 their hidden states go to stage 1); replies come back from the last stage on a return port
 that this path listens on. Each reply is matched to its stream by id and sequence number.
+
+With TLS a :class:`~engine.peer_policy.PeerPolicy` is required: its ``upstream`` is the node id
+of the ring's last stage (the only member whose replies the return port takes) and its ``next``
+the node id of the first remote stage (checked before a step is sent to it).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from ssl import SSLContext
 import numpy as np
 
 from engine.errors import DeskfleetError
+from engine.frame_server import FrameServer
 from engine.handshake import LocalIdentity
 from engine.messages import (
     Capture,
@@ -33,9 +38,10 @@ from engine.messages import (
 )
 from engine.packing import PlanFrame
 from engine.path import CacheStep, StepRequest, StepResult
+from engine.peer_policy import PeerPolicy, PeerPolicyError
 from engine.prefix_cache import CaptureStore
 from engine.shard import Stage, StageStream
-from engine.transport import Connection, FrameServer, async_connect
+from engine.transport import Connection, async_connect, async_hold
 from engine.wire import COORDINATOR_STAGE, Role, StreamId
 from engine.worker import Address
 
@@ -48,7 +54,12 @@ class RingPath:
     def __init__(self, fingerprint: str, num_stages: int, first_remote: Address, return_listen: Address, *,
                  local_stage0: Stage | None = None, server_ssl: SSLContext | None = None,
                  client_ssl: SSLContext | None = None, dial_deadline: float = 120.0,
-                 capture_bytes: int = 256 << 20):
+                 capture_bytes: int = 256 << 20, peers: PeerPolicy | None = None):
+        if peers is None and (server_ssl is not None or client_ssl is not None):
+            raise PeerPolicyError("a ring over TLS needs peers=PeerPolicy(upstream={the last stage's node id}, "
+                                  "next=the first remote stage's node id): without them any fleet member could "
+                                  "answer for the ring")
+        self.peers = peers or PeerPolicy()
         self.fingerprint = fingerprint
         self.num_stages = num_stages
         self.first_remote = first_remote
@@ -58,8 +69,10 @@ class RingPath:
         self._dial_deadline = dial_deadline
         self.results: asyncio.Queue[StepResult] = asyncio.Queue()
         identity = LocalIdentity(fingerprint, COORDINATOR_STAGE, frozenset({Role.STAGE}))
-        self._returns = FrameServer(self._on_return, identity, ssl=server_ssl, idle_timeout=None)
+        self._returns = FrameServer(self._on_return, identity, ssl=server_ssl,
+                                    peer_check=self._check_last if server_ssl is not None else None)
         self._out: Connection | None = None
+        self._hold: asyncio.Task | None = None
         self._listening = False
         self._captures = CaptureStore(capture_bytes)
         self._local_streams: dict[StreamId, StageStream] = {}
@@ -73,6 +86,24 @@ class RingPath:
     def return_address(self) -> Address:
         host, port = self._returns.address
         return Address(host, port)
+
+    def _check_last(self, node_id: str | None) -> str | None:
+        return self.peers.refuse_upstream(node_id)
+
+    def _check_first(self, node_id: str | None) -> str | None:
+        return self.peers.refuse_next(node_id)
+
+    @property
+    def returns(self) -> FrameServer:
+        """The return port's listener (its ``stats`` count refusals)."""
+        return self._returns
+
+    async def async_set_peers(self, peers: PeerPolicy) -> None:
+        """Replace who the ring's ends must be (a failover moved the last stage): return-port
+        connections it no longer admits are closed at once. The dial to the first stage is
+        checked against it at the next (re)connect."""
+        self.peers = peers
+        await self._returns.async_recheck()
 
     @property
     def connected(self) -> bool:
@@ -92,7 +123,11 @@ class RingPath:
         role = Role.STAGE if self.local_stage0 is not None else Role.COORDINATOR
         hello = Hello(self.fingerprint, first_index, role)
         self._out = await async_connect(self.first_remote.host, self.first_remote.port, hello,
-                                        ssl=self._client_ssl, deadline=self._dial_deadline)
+                                        ssl=self._client_ssl, deadline=self._dial_deadline,
+                                        peer_check=self._check_first if self._client_ssl is not None else None)
+        # Pings keep stage 0's idle timeout from closing the hop between requests; reading it
+        # notices at once when stage 0 goes away (``connected`` turns False).
+        self._hold = asyncio.create_task(async_hold(self._out, "ring first hop"), name="deskfleet-ring-hold")
         log.info("ring: connected to stage %d at %s; replies on %s", first_index, self.first_remote,
                  self.return_address)
 
@@ -167,10 +202,14 @@ class RingPath:
         self._sent_at[(stream_id, seq)] = time.perf_counter()
         await self._out.async_send(Packed(stream_id, seq, plan, tokens[None, :]))
 
-    async def async_reconnect(self, first_remote: Address | None = None) -> None:
+    async def async_reconnect(self, first_remote: Address | None = None, peers: PeerPolicy | None = None) -> None:
         """After a failover: drop the connection to the first remote stage (and every stream's
         local stage-0 state, which the coordinator replays) and dial it again, at a new address
-        if one is given. Replies keep arriving on the same return port."""
+        if one is given (and with ``peers``, the node ids of the moved ends). Replies keep
+        arriving on the same return port."""
+        if peers is not None:
+            await self.async_set_peers(peers)
+        self._stop_hold()
         if self._out is not None:
             with contextlib.suppress(Exception):
                 await self._out.async_close()
@@ -188,7 +227,13 @@ class RingPath:
         if self._out is not None and not self._out.closed:
             await self._out.async_send(Release(stream_id))
 
+    def _stop_hold(self) -> None:
+        if self._hold is not None:
+            self._hold.cancel()
+            self._hold = None
+
     async def async_close(self) -> None:
+        self._stop_hold()
         if self._out is not None:
             await self._out.async_close()
         await self._returns.async_close()

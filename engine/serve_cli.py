@@ -9,6 +9,7 @@ import ipaddress
 import logging
 import os
 import signal
+import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -44,8 +45,20 @@ def configure(p: argparse.ArgumentParser) -> None:
                        help="run every stage in its own worker process on loopback (a local fleet)")
     where.add_argument("--first-stage", type=Address.parse, default=None, metavar="HOST:PORT",
                        help="serve through a ring of `deskfleet worker`s whose first stage listens here")
-    p.add_argument("--return-listen", type=Address.parse, default=Address("0.0.0.0", 7100), metavar="HOST:PORT",
-                   help="with --first-stage: where the last stage sends replies (default 0.0.0.0:7100)")
+    p.add_argument("--return-listen", type=Address.parse, default=Address("127.0.0.1", 7100), metavar="HOST:PORT",
+                   help="with --first-stage: where the last stage sends replies (default 127.0.0.1:7100; a "
+                        "non-loopback address needs TLS)")
+    tls = p.add_mutually_exclusive_group()
+    tls.add_argument("--tls-credentials", type=Path, default=None, metavar="FILE",
+                     help="with --first-stage: mutual TLS on the ring, credentials from this JSON file (the "
+                          "worker's --tls-stdin format: ca_pem, cert_pem, key_pem[, expect_upstream, expect_next])")
+    tls.add_argument("--tls-stdin", action="store_true",
+                     help="with --first-stage: the same credentials JSON, read from stdin")
+    p.add_argument("--expect-first", default=None, metavar="NODE_ID",
+                   help="with TLS: the node id the ring's first remote stage must present")
+    p.add_argument("--expect-last", action="append", default=[], metavar="NODE_ID",
+                   help="with TLS: the node id of the ring's last stage, the only member whose replies the "
+                        "return port takes (repeatable)")
     p.add_argument("--speculation", choices=("off", "lookup", "draft"), default="off",
                    help="speculative decoding: prompt lookup (no model) or a draft model (default off)")
     p.add_argument("--draft", type=Path, default=None, metavar="DIR",
@@ -80,6 +93,38 @@ def _is_loopback(host: str) -> bool:
     with contextlib.suppress(ValueError):
         return ipaddress.ip_address(host).is_loopback
     return host == "localhost"
+
+
+def ring_options(args: argparse.Namespace, stdin=None) -> dict:
+    """RingPath's TLS options (server_ssl, client_ssl, peers) for ``--first-stage``; empty without
+    TLS, which only a loopback ring may do. Raises DeskfleetError naming the flag to add."""
+    from engine.peer_policy import PeerPolicy, PeerPolicyError
+    from engine.worker_cli import read_tls_credentials, refuse_plaintext_exposure
+
+    tls = args.tls_stdin or args.tls_credentials is not None
+    if not tls:
+        if args.expect_first or args.expect_last:
+            raise DeskfleetError("--expect-first/--expect-last need TLS (--tls-credentials FILE or --tls-stdin)")
+        for flag, address in (("--return-listen", args.return_listen), ("--first-stage", args.first_stage)):
+            refuse_plaintext_exposure(address, tls=False, flag=flag, tls_flag="--tls-credentials FILE")
+        return {}
+    if args.tls_stdin:
+        server_ssl, client_ssl, peers = read_tls_credentials(stdin or sys.stdin)
+    else:
+        try:
+            with args.tls_credentials.open(encoding="utf-8") as f:
+                server_ssl, client_ssl, peers = read_tls_credentials(f)
+        except OSError as exc:
+            raise DeskfleetError(f"cannot read --tls-credentials {args.tls_credentials}: {exc}") from exc
+    if peers is None:
+        try:
+            peers = PeerPolicy.of(args.expect_last, args.expect_first)
+        except PeerPolicyError as exc:
+            raise DeskfleetError(f"--expect-first/--expect-last: {exc}") from exc
+    if not peers.upstream or peers.next is None:
+        raise DeskfleetError("a TLS ring needs the node ids of its ends: pass --expect-first NODE_ID (the first "
+                             "remote stage) and --expect-last NODE_ID (the last stage), as the console lists them")
+    return {"server_ssl": server_ssl, "client_ssl": client_ssl, "peers": peers}
 
 
 @contextlib.contextmanager
@@ -138,7 +183,7 @@ async def _open_generator(args: argparse.Namespace):
 
         refuse_stateful_options(speculation=args.speculation, host_stage0=args.host_stage0)
         if args.first_stage is not None:
-            opened = ring_static_generator(manifest, args.first_stage, args.return_listen)
+            opened = ring_static_generator(manifest, args.first_stage, args.return_listen, **args.ring)
         elif args.workers:
             opened = local_static_fleet(args.shards, exact=args.exact)
         else:
@@ -158,7 +203,7 @@ async def _open_generator(args: argparse.Namespace):
 
         local0 = Stage(args.shards, 0, manifest=manifest, device=args.device, exact=args.exact) if args.host_stage0 else None
         path = RingPath(manifest.model.fingerprint, len(manifest.stages), args.first_stage, args.return_listen,
-                        local_stage0=local0)
+                        local_stage0=local0, **args.ring)
         async with Coordinator(path, model_card(manifest), slots=args.slots, **options) as coordinator:
             yield coordinator
     elif args.workers:
@@ -185,9 +230,12 @@ def run(args: argparse.Namespace) -> int:
     if not tok_dir.is_dir():
         raise TokenizerError(f"{args.shards} has no tokenizer/ directory; re-export the model with its tokenizer")
     tokenizer = ChatTokenizer(tok_dir)
-    if settings.api_key is None and not _is_loopback(args.host):
-        log.warning("serving on %s without an API key: anyone on the network can use it; "
-                    "pass --api-key-env VAR", args.host)
+    # Checked (and the credentials read) before any model is loaded: a refusal costs nothing.
+    args.ring = ring_options(args) if args.first_stage is not None else {}
+    if settings.api_key is None and not _is_loopback(args.host):  # loopback: key-less, Host-checked
+        raise DeskfleetError(f"refusing to serve on {args.host} without an API key: anyone on the network "
+                             "could use it. Pass --api-key-env VAR (export VAR=<key> first), or serve on "
+                             "127.0.0.1")
     return asyncio.run(async_serve(args, settings, tokenizer))
 
 

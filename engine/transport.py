@@ -12,8 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from contextlib import suppress
 from ssl import SSLContext, SSLError
 
@@ -25,12 +24,16 @@ from engine.handshake import (
     check_hello_ack,
     handshake_error_from,
 )
-from engine.messages import Error, Hello, HelloAck, Message, Ping, Pong, error_frame
+from engine.messages import Error, Hello, HelloAck, Message, Ping, error_frame
+from engine.trust import peer_node_id
 from engine.wire import (
+    HANDSHAKE_REPLY_BYTES,
     HEADER_SIZE,
+    HELLO_FRAME_BYTES,
     MAX_FRAME_BYTES,
     ErrorCode,
     FrameError,
+    FrameTooLargeError,
     TruncatedFrameError,
     UnexpectedFrameError,
     WireError,
@@ -46,6 +49,8 @@ DIAL_DEADLINE = 60.0  # seconds async_dial_with_retry keeps trying by default
 CLOSE_TIMEOUT = 2.0  # seconds for an orderly (TLS close_notify) shutdown before we abort
 LINGER_SECONDS = 1.0  # after an Error frame: how long we drain the peer's input before closing
 LINGER_BYTES = 16 << 20
+PRE_HANDSHAKE_LINGER_BYTES = 64 << 10  # a peer that never handshook gets no more of our time
+PING_INTERVAL = 60.0  # seconds between a dialer's Pings, well inside the listener's IDLE_TIMEOUT
 # Dead-peer detection below the protocol: first probe after 30 s idle, then every 10 s, 3 misses.
 _KEEPALIVE = (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3))
 
@@ -56,12 +61,21 @@ class FrameTimeoutError(WireError):
     code = ErrorCode.TIMEOUT
 
 
+class IdleTimeoutError(FrameTimeoutError):
+    """No frame started within the idle timeout (the link is silent, not mid-frame)."""
+
+
 class ConnectionClosedError(WireError):
     """The peer closed (or reset) the connection, or it was already closed on our side."""
 
 
 class DialError(WireError):
     """No connection could be opened within the attempts/deadline, or TLS refused the peer."""
+
+
+# A peer check takes the peer's node id (None without a certificate) and returns why the peer is
+# refused, or None to admit it: ``PeerPolicy.refuse_upstream`` / ``refuse_next`` (engine.peer_policy).
+PeerCheck = Callable[[str | None], str | None]
 
 
 def configure_socket(sock: socket.socket | None) -> None:
@@ -101,7 +115,7 @@ async def async_read_frame(
             async with asyncio.timeout(idle_timeout):
                 first = await reader.readexactly(1)
         except TimeoutError:
-            raise FrameTimeoutError(
+            raise IdleTimeoutError(
                 f"no frame for {idle_timeout:g} s on an idle link; the peer should send Ping "
                 "while it has nothing else to say"
             ) from None
@@ -204,6 +218,11 @@ class Connection:
         """The peer's TLS certificate (DER), whose fingerprint is its node id; None without TLS."""
         return self._peer_cert
 
+    @property
+    def peer_node_id(self) -> str | None:
+        """sha256 of the peer's certificate (its node id, ``engine.trust.peer_node_id``); None without TLS."""
+        return peer_node_id(self._peer_cert) if self._peer_cert else None
+
     async def async_send(self, msg: Message) -> None:
         """Send one message, bounded by the peer's announced frame size."""
         if self._closed:
@@ -214,21 +233,32 @@ class Connection:
             )
 
     async def async_recv(
-        self, *, idle_timeout: float | None = IDLE_TIMEOUT, frame_timeout: float | None = None
+        self,
+        *,
+        idle_timeout: float | None = IDLE_TIMEOUT,
+        frame_timeout: float | None = None,
+        max_bytes: int | None = None,
     ) -> Message:
-        """Receive the next message (an Error frame is returned as data, not raised)."""
+        """Receive the next message (an Error frame is returned as data, not raised).
+
+        ``max_bytes`` bounds this one frame below ``max_frame_bytes`` (the handshake's frames).
+        """
         if self._closed:
             raise ConnectionClosedError(f"connection to {self.peername} is closed; dial again")
         async with self._recv_lock:
             return await async_read_frame(
                 self._reader,
-                self.max_frame_bytes,
+                self.max_frame_bytes if max_bytes is None else min(max_bytes, self.max_frame_bytes),
                 timeout=self.frame_timeout if frame_timeout is None else frame_timeout,
                 idle_timeout=idle_timeout,
             )
 
-    async def async_close(self, error: Error | None = None) -> None:
-        """Close the connection, first telling the peer why if ``error`` is given. Idempotent."""
+    async def async_close(self, error: Error | None = None, *, linger_bytes: int = LINGER_BYTES) -> None:
+        """Close the connection, first telling the peer why if ``error`` is given. Idempotent.
+
+        After an Error the peer's input is drained (up to ``linger_bytes``; 0: not at all, for a
+        close from another task than the one reading) so that our Error reaches it.
+        """
         if self._closed:
             return
         self._closed = True
@@ -241,7 +271,8 @@ class Connection:
                 if self._writer.can_write_eof():
                     with suppress(OSError):
                         self._writer.write_eof()
-                await self._async_linger()
+                if linger_bytes:
+                    await self._async_linger(linger_bytes)
         finally:
             self._writer.close()
             try:
@@ -250,14 +281,14 @@ class Connection:
             except OSError:  # includes TimeoutError (peer ignored close_notify) and SSLError
                 self._writer.transport.abort()
 
-    async def _async_linger(self) -> None:
+    async def _async_linger(self, limit: int) -> None:
         # Closing a socket whose receive buffer still holds the rest of a bad frame makes the
         # kernel send RST, which can destroy our Error frame before the peer reads it. So drain
         # the peer's input for a moment; a well-behaved peer closes once it read our Error.
         discarded = 0
         with suppress(OSError):  # TimeoutError and SSLError are OSErrors too
             async with asyncio.timeout(LINGER_SECONDS):
-                while discarded < LINGER_BYTES:
+                while discarded < limit:
                     chunk = await self._reader.read(64 * 1024)
                     if not chunk:
                         return
@@ -337,7 +368,9 @@ async def async_client_handshake(
     """
     try:
         await conn.async_send(hello)
-        reply = await conn.async_recv(idle_timeout=timeout, frame_timeout=timeout)
+        reply = await conn.async_recv(
+            idle_timeout=timeout, frame_timeout=timeout, max_bytes=HANDSHAKE_REPLY_BYTES
+        )
     except ConnectionClosedError as exc:
         await conn.async_close()
         raise HandshakeError(
@@ -363,7 +396,7 @@ async def async_client_handshake(
     return reply
 
 
-async def _async_await_hello(
+async def async_await_hello(
     conn: Connection, local: LocalIdentity, timeout: float
 ) -> Hello | Error:
     """Read the dialer's Hello; accept it with a HelloAck, or return the refusal to send.
@@ -371,9 +404,19 @@ async def _async_await_hello(
     Raises (without closing) the WireError of a first frame that is malformed or not a Hello.
     """
     # The frame timeout still applies inside the handshake: a stalled Hello is a stalled frame.
-    msg = await conn.async_recv(
-        idle_timeout=timeout, frame_timeout=min(timeout, conn.frame_timeout)
-    )
+    # At most a Hello's size: a first frame announcing more is refused after its header, so a
+    # dialer that has not said who it is cannot make us read (or allocate) more than that.
+    try:
+        msg = await conn.async_recv(
+            idle_timeout=timeout,
+            frame_timeout=min(timeout, conn.frame_timeout),
+            max_bytes=HELLO_FRAME_BYTES,
+        )
+    except FrameTooLargeError as exc:
+        raise UnexpectedFrameError(
+            f"the first frame must be a Hello of at most {HELLO_FRAME_BYTES} bytes ({exc}); "
+            "dial with async_connect()"
+        ) from None
     if not isinstance(msg, Hello):
         raise UnexpectedFrameError(
             f"the first frame must be Hello, got {type(msg).__name__}; dial with async_connect()"
@@ -399,7 +442,7 @@ async def async_server_handshake(
     WireError raised.
     """
     try:
-        outcome = await _async_await_hello(conn, local, timeout)
+        outcome = await async_await_hello(conn, local, timeout)
     except (FrameError, FrameTimeoutError) as exc:
         await conn.async_close(error_frame(exc))
         raise
@@ -418,8 +461,14 @@ async def async_connect(
     attempts: int | None = None,
     deadline: float = DIAL_DEADLINE,
     server_hostname: str | None = None,
+    peer_check: PeerCheck | None = None,
 ) -> Connection:
-    """Dial (with retry) and handshake: the one call a stage or the coordinator makes."""
+    """Dial (with retry) and handshake: the one call a stage or the coordinator makes.
+
+    With ``peer_check`` the listener's certificate is checked before anything is sent: a
+    listener that is some other member (a taken-over address, a stale placement) gets no Hello
+    and no step; HandshakeError with ``field`` "peer" is raised.
+    """
     conn = await async_dial_with_retry(
         host,
         port,
@@ -429,148 +478,50 @@ async def async_connect(
         server_hostname=server_hostname,
         max_frame_bytes=hello.max_frame_bytes,
     )
+    if peer_check is not None:
+        reason = peer_check(conn.peer_node_id)
+        if reason is not None:
+            await conn.async_close()
+            raise HandshakeError(
+                f"refused to handshake with {host}:{port}: {reason}", "peer", ErrorCode.PEER_REFUSED
+            )
     await async_client_handshake(conn, hello)
     return conn
 
 
-FrameHandler = Callable[[Connection, Message], Awaitable[None]]
+async def async_hold(conn: Connection, name: str, interval: float = PING_INTERVAL) -> None:
+    """Keep a dialled connection alive and watched until it ends (run it as a task).
 
-
-class _HandlerFailed(Exception):
-    """Carries the message a handler failed on; the handler's exception is ``__cause__``."""
-
-    def __init__(self, msg: Message) -> None:
-        super().__init__(f"handler failed on {msg!r}")
-        self.msg = msg
-
-
-class FrameServer:
-    """A listener that handshakes each connection and feeds its frames to ``handler``.
-
-    ``handler(conn, msg)`` is awaited for every Forward/Tokens/Logits/Release/Error/Pong, in
-    arrival order per connection; it answers through ``conn.async_send``. Ping is answered here.
-    A connection that breaks the protocol gets an Error frame and is closed; a handler that
-    raises gets its connection closed with INTERNAL. Neither affects any other connection.
-    ``stats`` counts how connections ended, for metrics and tests.
+    Nothing but Pong (or an Error before the listener closes) flows back on a ring hop, so read
+    it only to learn at once when the listener goes away, and Ping after ``interval`` s of
+    silence so the listener's idle timeout never closes a hop that is merely between requests.
+    Returns (never raises) once the connection is closed, having closed it.
     """
-
-    def __init__(
-        self,
-        handler: FrameHandler,
-        local: LocalIdentity,
-        *,
-        ssl: SSLContext | None = None,
-        max_frame_bytes: int = MAX_FRAME_BYTES,
-        frame_timeout: float = FRAME_TIMEOUT,
-        idle_timeout: float | None = IDLE_TIMEOUT,
-        handshake_timeout: float = HANDSHAKE_TIMEOUT,
-    ) -> None:
-        self._handler = handler
-        self._local = local
-        self._ssl = ssl
-        self._max_frame_bytes = max_frame_bytes
-        self._frame_timeout = frame_timeout
-        self._idle_timeout = idle_timeout
-        self._handshake_timeout = handshake_timeout
-        self._server: asyncio.Server | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._warned: set[str] = set()
-        self.stats: Counter[str] = Counter()
-
-    @property
-    def address(self) -> tuple[str, int]:
-        """The bound (host, port); valid after async_start."""
-        if self._server is None:
-            raise RuntimeError("FrameServer.address is known only after async_start()")
-        host, port = self._server.sockets[0].getsockname()[:2]
-        return host, port
-
-    async def async_start(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
-        """Start listening (port 0: any free port) and return the bound address."""
-        self._server = await asyncio.start_server(
-            self._async_accept,
-            host,
-            port,
-            ssl=self._ssl,
-            ssl_handshake_timeout=self._handshake_timeout if self._ssl is not None else None,
-        )
-        return self.address
-
-    async def async_close(self) -> None:
-        """Stop listening and close every connection (peers see the stream end)."""
-        if self._server is not None:
-            self._server.close()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._server is not None:
-            await self._server.wait_closed()
-
-    async def _async_accept(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._tasks.add(task)
-        conn = Connection(
-            reader, writer, max_frame_bytes=self._max_frame_bytes, frame_timeout=self._frame_timeout
-        )
-        try:
-            configure_socket(writer.get_extra_info("socket"))
-            await self._async_serve(conn)
-        except asyncio.CancelledError:
-            # async_close (or loop shutdown) cancels these tasks and nothing awaits them; ending
-            # quietly keeps asyncio's stream callback, which calls task.exception() on them,
-            # from logging a spurious traceback.
-            pass
-        except Exception:  # a bug in this module must cost one connection, never the listener
-            log.exception("data-plane connection from %s failed", conn.peername)
-            self.stats["internal_error"] += 1
-        finally:
+    seq = 0
+    try:
+        while True:
+            try:
+                msg = await conn.async_recv(idle_timeout=interval)
+            except IdleTimeoutError:
+                seq += 1
+                await conn.async_send(Ping(seq))
+                continue
+            if isinstance(msg, Error):
+                log.warning("%s: %s refused or closed the link: %s", name, conn.peername, msg.message)
+            else:
+                log.debug("%s: %r from %s", name, msg, conn.peername)
+    except asyncio.CancelledError:
+        raise
+    except Exception:  # closed, reset, or garbage: in every case this connection is done
+        with suppress(Exception):
             await conn.async_close()
-            self._tasks.discard(task)
 
-    async def _async_serve(self, conn: Connection) -> None:
-        """Run one connection to its end; count how it ended in ``stats`` before closing it."""
-        try:
-            hello = await _async_await_hello(conn, self._local, self._handshake_timeout)
-            if isinstance(hello, Error):
-                self._end(conn, "handshake_refused", hello.message)
-                await conn.async_close(hello)
-                return
-            while True:
-                msg = await conn.async_recv(idle_timeout=self._idle_timeout)
-                if isinstance(msg, Ping):
-                    await conn.async_send(Pong(msg.seq))
-                elif isinstance(msg, Hello | HelloAck):
-                    raise UnexpectedFrameError("a handshake frame arrived after the handshake")
-                else:
-                    try:
-                        await self._handler(conn, msg)
-                    except (ConnectionClosedError, FrameTimeoutError):
-                        raise  # the peer went away or stopped reading: not the handler's fault
-                    except Exception as exc:
-                        raise _HandlerFailed(msg) from exc
-        except ConnectionClosedError:
-            self._end(conn, "closed", "")
-        except (FrameError, FrameTimeoutError) as exc:
-            kind = "timeout" if isinstance(exc, FrameTimeoutError) else "frame_error"
-            self._end(conn, kind, str(exc))
-            await conn.async_close(error_frame(exc))
-        except _HandlerFailed as failed:
-            cause = failed.__cause__ or failed
-            log.error("handler failed on %s from %s", failed.msg, conn.peername, exc_info=cause)
-            self._end(conn, "internal_error", "")
-            stream = getattr(failed.msg, "stream_id", 0)
-            await conn.async_close(error_frame(cause, stream, getattr(failed.msg, "seq", 0)))
 
-    def _end(self, conn: Connection, outcome: str, reason: str) -> None:
-        self.stats[outcome] += 1
-        if reason:
-            self._warn(f"closing {conn.peername} ({outcome}): {reason}", key=outcome)
+def __getattr__(name: str) -> object:
+    # FrameServer (the listener) lives in engine.frame_server, which builds on this module; it is
+    # still importable from here, where callers have always found it.
+    if name in ("FrameServer", "FrameHandler"):
+        from engine import frame_server
 
-    def _warn(self, text: str, *, key: str) -> None:
-        # A misconfigured peer redials forever: say it once at WARNING, then at DEBUG.
-        level = logging.DEBUG if key in self._warned else logging.WARNING
-        self._warned.add(key)
-        log.log(level, "data plane: %s", text)
+        return getattr(frame_server, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

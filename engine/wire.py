@@ -57,6 +57,10 @@ HELLO_ACK_META = struct.Struct("<HHQB")
 PACKED_META = struct.Struct("<HH")  # rows S, reserved zero; the int64 plan [3, S] follows
 ERROR_META = struct.Struct("<H")  # error code; the UTF-8 message fills the rest of meta
 MASK_PACKED_BITS = 0  # the only mask encoding of version 1; the byte leaves room for run lengths
+# What a listener reads before the handshake: one Hello at most (a bigger first frame is refused
+# after its header), and what a dialer reads for the answer: a HelloAck or a refusal's Error.
+HELLO_FRAME_BYTES = HEADER_SIZE + HELLO_META.size + MAX_FINGERPRINT_BYTES
+HANDSHAKE_REPLY_BYTES = HEADER_SIZE + ERROR_META.size + MAX_ERROR_MESSAGE_BYTES
 
 
 class FrameKind(enum.IntEnum):
@@ -111,7 +115,7 @@ class Role(enum.IntEnum):
 
 class ErrorCode(enum.IntEnum):
     """Why an Error frame was sent: 1-15 frame faults and 16-31 handshake refusals close the
-    connection, as do 48-49; 32-34 concern one stream and leave the connection up."""
+    connection, as do 48-49; 32-35 concern one stream and leave the connection up."""
 
     MALFORMED_FRAME = 1
     FRAME_TOO_LARGE = 2
@@ -122,6 +126,8 @@ class ErrorCode(enum.IntEnum):
     MODEL_FINGERPRINT_MISMATCH = 17
     STAGE_INDEX_MISMATCH = 18
     ROLE_REFUSED = 19
+    PEER_REFUSED = 20  # handshake refused: the peer's certificate (node id) is not the one expected here
+    STREAM_LIMIT = 35  # stream-level: the receiver holds as many streams as it accepts
     UNKNOWN_STREAM = 32  # stream-level: the connection stays usable
     STREAM_FAILED = 33
     CAPTURE_MISSING = 34  # stream-level: a Restore named a capture this stage does not hold

@@ -1,7 +1,7 @@
 """A stage worker: one verified, compiled shard serving its place in the ring.
 
 It listens for its upstream neighbour (the coordinator for stage 0), keeps one KV state per
-stream, and forwards each step's output to its successor, which it dials with retry so that the
+stream (each bound to the upstream connection that opened it, at most ``max_streams``), and forwards each step's output to its successor, which it dials with retry so that the
 order in which a ring is brought up does not matter. The last stage sends its reply (top-1 ids,
 or logits on request) straight back to the coordinator, not hop by hop.
 
@@ -17,8 +17,10 @@ import json
 import logging
 import os
 import signal
+import threading
 from pathlib import Path
 from ssl import SSLContext
+from typing import TextIO
 
 import numpy as np
 
@@ -39,13 +41,16 @@ from engine.messages import (
 )
 from engine.packed_worker import PackedStageWorker
 from engine.path import last_stage_reply
+from engine.peer_policy import PeerPolicy, PeerPolicyError, parse_policy_update
 from engine.prefix_cache import CaptureStore
 from engine.shard import Stage, StageStream, StepInputs
-from engine.stage_server import StageServer
+from engine.stage_server import MAX_STREAMS, StageServer, stage_frame_bound
 from engine.transport import Connection
 from engine.wire import ErrorCode, StreamId
 
 log = logging.getLogger(__name__)
+
+PEERS_PREFIX = "deskfleet-peers"  # stdout: a peer-policy update from stdin is in force
 
 
 class StageWorker(StageServer):
@@ -53,22 +58,30 @@ class StageWorker(StageServer):
 
     def __init__(self, stage: Stage, listen: Address, next_address: Address, *,
                  server_ssl: SSLContext | None = None, client_ssl: SSLContext | None = None,
-                 dial_deadline: float = 120.0, capture_bytes: int = 256 << 20):
+                 dial_deadline: float = 120.0, capture_bytes: int = 256 << 20, peers: PeerPolicy | None = None,
+                 max_streams: int = MAX_STREAMS, **listener_options):
         self.stage = stage
-        super().__init__(stage.index, stage.is_last, stage.manifest.model.fingerprint, listen, next_address,
+        model = stage.manifest.model
+        super().__init__(stage.index, stage.is_last, model.fingerprint, listen, next_address,
                          server_ssl=server_ssl, client_ssl=client_ssl, dial_deadline=dial_deadline,
-                         thread_name=f"deskfleet-stage{stage.index}")
+                         thread_name=f"deskfleet-stage{stage.index}", peers=peers,
+                         max_frame_bytes=stage_frame_bound(model.hidden_size, model.max_position_embeddings),
+                         **listener_options)
         self.captures = CaptureStore(capture_bytes)
+        self.max_streams = max_streams
         self._streams: dict[StreamId, StageStream] = {}
+        self._owners: dict[StreamId, Connection] = {}  # the upstream connection that opened each stream
 
     @property
     def stream_count(self) -> int:
         return len(self._streams)
 
     async def _handle(self, conn: Connection, msg: Message) -> None:
+        if isinstance(msg, Forward | Release | Capture | Restore) and not await self._owned_by(conn, msg):
+            return
         match msg:
             case Forward():
-                await self._forward(msg)
+                await self._forward(conn, msg)
             case Release():
                 await self._release(msg.stream_id)
                 if not self.stage.is_last:
@@ -76,7 +89,7 @@ class StageWorker(StageServer):
             case Capture():
                 await self._capture(msg)
             case Restore():
-                await self._restore(msg)
+                await self._restore(conn, msg)
             case Packed():
                 await self._send(Error(ErrorCode.STREAM_FAILED, f"stage {self.stage.index} serves a stateful export: "
                                        "Packed frames need a static (NPU-target) export", msg.stream_id, msg.seq))
@@ -85,7 +98,39 @@ class StageWorker(StageServer):
             case _:
                 log.debug("stage %d ignoring %r", self.stage.index, msg)
 
-    async def _forward(self, msg: Forward) -> None:
+    async def _owned_by(self, conn: Connection, msg: Forward | Release | Capture | Restore) -> bool:
+        """A stream belongs to the connection that opened it: a frame naming it from another one is
+        refused to that connection (never passed on, so it cannot reach the coordinator)."""
+        owner = self._owners.get(msg.stream_id)
+        if owner is None or owner is conn:
+            return True
+        log.warning("stage %d: refused %s for stream %s from %s: another connection owns that stream",
+                    self.stage.index, type(msg).__name__, msg.stream_id, conn.peername)
+        await conn.async_send(Error(ErrorCode.UNKNOWN_STREAM, f"this connection holds no stream {msg.stream_id}",
+                                    msg.stream_id, msg.seq))
+        return False
+
+    def _full(self, msg: Forward | Restore) -> Error | None:
+        if len(self._streams) < self.max_streams:
+            return None
+        return Error(ErrorCode.STREAM_LIMIT, f"stage {self.stage.index} already holds its maximum of "
+                     f"{self.max_streams} streams; retry when one ends, or add stages", msg.stream_id, msg.seq)
+
+    async def _on_close(self, conn: Connection) -> None:
+        """The streams an upstream connection opened end with it, here and on the later stages
+        (the coordinator replays them under new ids after it reconnects), so a vanished dialer
+        leaves no KV state behind."""
+        orphans = [stream_id for stream_id, owner in self._owners.items() if owner is conn]
+        for stream_id in orphans:
+            await self._release(stream_id)
+            if not self.stage.is_last:  # the later stages hold the same streams: release them too
+                with contextlib.suppress(DeskfleetError, OSError):
+                    await self._send(Release(stream_id))
+        if orphans:
+            log.info("stage %d: dropped %d stream(s) of the closed connection from %s", self.stage.index,
+                     len(orphans), conn.peername)
+
+    async def _forward(self, conn: Connection, msg: Forward) -> None:
         stream = self._streams.get(msg.stream_id)
         if stream is None:
             if self.draining:
@@ -99,7 +144,12 @@ class StageWorker(StageServer):
                 await self._send(Error(ErrorCode.UNKNOWN_STREAM, f"stage {self.stage.index} holds no stream "
                                        f"{msg.stream_id} for this step", msg.stream_id, msg.seq))
                 return
+            full = self._full(msg)
+            if full is not None:
+                await self._send(full)  # the coordinator ends this stream; the others go on
+                return
             stream = self._streams[msg.stream_id] = self.stage.new_stream()
+            self._owners[msg.stream_id] = conn
         x = msg.tensor if msg.tensor.dtype != np.float16 else msg.tensor.astype(np.float32)
         step = StepInputs(x, msg.attention_mask, msg.position_ids, msg.reply_last)
         try:
@@ -128,21 +178,28 @@ class StageWorker(StageServer):
         await self._run(self.captures.capture, stream, msg.capture_id, msg.keep)
         await self._send(msg)
 
-    async def _restore(self, msg: Restore) -> None:
+    async def _restore(self, conn: Connection, msg: Restore) -> None:
+        full = self._full(msg) if msg.stream_id not in self._streams else None
+        if full is not None:
+            await self._send(full)
+            return
         stream = await self._run(self.captures.restore, self.stage, msg.capture_id, msg.length)
         if stream is None:
             await self._send(Error(ErrorCode.CAPTURE_MISSING, f"stage {self.stage.index} no longer holds capture "
                                    f"{msg.capture_id}", msg.stream_id, msg.seq))
             return
         self._streams[msg.stream_id] = stream
+        self._owners[msg.stream_id] = conn
         await self._send(msg)
 
     async def _release(self, stream_id: StreamId) -> None:
+        self._owners.pop(stream_id, None)
         await self._run(self._streams.pop, stream_id, None)
 
     async def async_close(self) -> None:
         await super().async_close()
         self._streams.clear()
+        self._owners.clear()
 
 
 def stats_line(worker: StageWorker | PackedStageWorker) -> str:
@@ -169,7 +226,8 @@ async def _async_watch_parent(stop: asyncio.Event, parent: int, interval: float 
 
 def _open_worker(shard_dir: Path, stage_index: int, listen: Address, next_address: Address, *, device: str,
                  exact: bool, num_threads: int | None, server_ssl: SSLContext | None,
-                 client_ssl: SSLContext | None, cache_dir: Path | None) -> StageWorker | PackedStageWorker:
+                 client_ssl: SSLContext | None, cache_dir: Path | None,
+                 peers: PeerPolicy | None) -> StageWorker | PackedStageWorker:
     """The worker the export calls for: stateful (KV per stream) or static (a packed host KV ring)."""
     manifest = load_manifest(shard_dir)
     if manifest.target == "npu":
@@ -178,28 +236,55 @@ def _open_worker(shard_dir: Path, stage_index: int, listen: Address, next_addres
         properties = {"CACHE_DIR": str(cache_dir)} if cache_dir is not None else None
         static = StaticStage(shard_dir, stage_index, device=device, exact=exact, num_threads=num_threads,
                              properties=properties, manifest=manifest)
-        return PackedStageWorker(static, listen, next_address, server_ssl=server_ssl, client_ssl=client_ssl)
+        return PackedStageWorker(static, listen, next_address, server_ssl=server_ssl, client_ssl=client_ssl,
+                                 peers=peers)
     stage = Stage(shard_dir, stage_index, manifest=manifest, device=device, exact=exact, num_threads=num_threads,
                   cache_dir=cache_dir)
-    return StageWorker(stage, listen, next_address, server_ssl=server_ssl, client_ssl=client_ssl)
+    return StageWorker(stage, listen, next_address, server_ssl=server_ssl, client_ssl=client_ssl, peers=peers)
+
+
+def _read_policy_updates(lines: TextIO, worker: StageWorker | PackedStageWorker,
+                         loop: asyncio.AbstractEventLoop) -> None:
+    """Apply each JSON line of ``lines`` as the worker's new peer policy (runs on its own daemon
+    thread: a blocking read of stdin must not hold the loop, nor the exit). A bad line is logged
+    and ignored; the policy in force stays."""
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            peers = parse_policy_update(json.loads(line))
+        except (ValueError, PeerPolicyError) as exc:  # json.JSONDecodeError is a ValueError
+            log.warning("ignoring a peer-policy update on stdin (the policy in force stays): %s", exc)
+            continue
+        try:
+            asyncio.run_coroutine_threadsafe(worker.async_set_peers(peers), loop).result(30)
+        except RuntimeError:  # the loop has closed: the worker is gone, the update moot
+            return
+        except Exception as exc:  # noqa: BLE001 - reported; the thread must keep reading
+            log.error("applying a peer-policy update failed: %r", exc)
+            continue
+        print(f"{PEERS_PREFIX} {len(peers.upstream)} upstream, next {'set' if peers.next else 'unset'}, "
+                  f"{len(peers.deny)} denied", flush=True)
 
 
 async def async_serve_worker(shard_dir: Path, stage_index: int, listen: Address, next_address: Address, *,
                              device: str = "CPU", exact: bool = False, num_threads: int | None = None,
                              server_ssl: SSLContext | None = None, client_ssl: SSLContext | None = None,
                              ready: asyncio.Event | None = None, report_interval: float | None = None,
-                             exit_with_parent: bool = False, cache_dir: Path | None = None) -> int:
+                             exit_with_parent: bool = False, cache_dir: Path | None = None,
+                             peers: PeerPolicy | None = None, policy_updates: TextIO | None = None) -> int:
     """Run a worker until SIGTERM/SIGINT (finish the frame in hand, then exit 0) or SIGUSR1
     (refuse new streams, let those in flight finish, then exit 0).
 
     ``report_interval`` prints a stats line that often; ``exit_with_parent`` stops the worker
-    (drained, like SIGTERM) when its parent process dies.
+    (drained, like SIGTERM) when its parent process dies. With TLS, ``peers`` says who may be
+    on either end (None: nobody yet) and each JSON line read from ``policy_updates`` replaces it.
     """
     parent = os.getppid()
     try:
         worker = _open_worker(shard_dir, stage_index, listen, next_address, device=device, exact=exact,
                               num_threads=num_threads, server_ssl=server_ssl, client_ssl=client_ssl,
-                              cache_dir=cache_dir)
+                              cache_dir=cache_dir, peers=peers)
     except DeskfleetError as exc:  # a shard that fails its checks is never served: say so in the worker's log
         log.error("refusing to serve stage %d of %s: %s", stage_index, shard_dir, exc)
         raise
@@ -225,6 +310,9 @@ async def async_serve_worker(shard_dir: Path, stage_index: int, listen: Address,
         helpers.append(asyncio.create_task(_async_report(worker, report_interval)))
     if exit_with_parent:
         helpers.append(asyncio.create_task(_async_watch_parent(stop, parent)))
+    if policy_updates is not None:
+        threading.Thread(target=_read_policy_updates, args=(policy_updates, worker, loop), daemon=True,
+                         name="deskfleet-peer-policy").start()
     if ready is not None:
         ready.set()
     try:

@@ -44,6 +44,7 @@ from engine.control_client import ControlClient, ControlError
 from engine.errors import JoinRefused, ManifestError, ShardIntegrityError
 from engine.manifest import load_manifest
 from engine.messages import Hello
+from engine.peer_policy import PeerPolicy
 from engine.shard import Stage
 from engine.transport import async_connect
 from engine.trust import Credentials, FleetAuthority, Role, make_key_and_csr
@@ -127,7 +128,8 @@ def test_strangers_are_refused_and_logged_on_every_mutual_tls_port(tmp_path, tin
             await agent.async_start()
             worker_creds = con.authority.issue_credentials("desk-2", Role.AGENT)
             worker = StageWorker(Stage(export, 1, exact=True), Address("127.0.0.1", 0), Address("127.0.0.1", 9),
-                                 server_ssl=worker_creds.server_context(), client_ssl=worker_creds.client_context())
+                                 server_ssl=worker_creds.server_context(), client_ssl=worker_creds.client_context(),
+                                 peers=PeerPolicy.of([worker_creds.node_id]))  # the member that knocks below
             try:
                 await agent.async_join(con.enrollment, con.token())
                 data = await worker.async_start()

@@ -176,6 +176,7 @@ def test_live_fuzzing_never_disturbs_a_well_behaved_stream(security):
             frame_timeout=0.5,
             max_frame_bytes=256 * 1024,
             handshake_timeout=2,
+            max_per_peer=32,  # the 24 concurrent fuzzers all dial from 127.0.0.1
         )
         host, port = await server.async_start()
         good = await async_connect(host, port, Hello(FP, 1, Role.STAGE), ssl=client_ctx)
