@@ -1,0 +1,260 @@
+"""A GGUF file as a :class:`~export.weights.checkpoint.TensorSource`: HF names, HF layout, f32.
+
+What a GGUF stores differently from an HF checkpoint, and what is undone here (the same facts
+transformers' GGUF loader applies, so both read the same numbers):
+
+- names: ``blk.N.attn_q.weight`` ↔ ``model.layers.N.self_attn.q_proj.weight`` (table below);
+- shapes: GGUF lists dimensions innermost first; the data itself is row-major ``[out, in]``;
+- llama.cpp's converter permutes the rows of Llama's Q and K projections (to interleave the
+  rotary halves); for the ``llama`` architecture they are permuted back, per head (KV heads
+  for K): ``w.reshape(heads, d / 2, 2, in).swapaxes(1, 2).reshape(d_all, in)``;
+- quantised tensors (Q4_0, Q4_1, Q8_0, K-quants...) are dequantised in numpy by the ``gguf``
+  package, one row block at a time (each row is a whole number of blocks).
+
+:meth:`GGUFSource.blocks` hands out a tensor's raw blocks for the keep-the-quantisation route
+(:mod:`export.weights.gguf_blocks`).
+"""
+
+from __future__ import annotations
+
+import mmap
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from export.weights.checkpoint import CheckpointError
+
+# GGUF key (after "<arch>.") -> HF config key, as transformers maps them.
+_CONFIG_KEYS = {
+    "context_length": "max_position_embeddings",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "embedding_length": "hidden_size",
+    "rope.freq_base": "rope_theta",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "attention.key_length": "head_dim",
+    "attention.sliding_window": "sliding_window",
+    "vocab_size": "vocab_size",
+}
+# rope.dimension_count is the head size only where the whole head rotates.
+_HEAD_DIM_FROM_ROPE = frozenset({"llama", "mistral"})
+_TOKEN_KEYS = {
+    "tokenizer.ggml.bos_token_id": "bos_token_id",
+    "tokenizer.ggml.eos_token_id": "eos_token_id",
+    "tokenizer.ggml.padding_token_id": "pad_token_id",
+}
+_ARCHITECTURE_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                         "qwen3": "Qwen3ForCausalLM"}
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_0-9]+)\.(weight|bias)$")
+_PERMUTED = {"llama": {"self_attn.q_proj.weight": "num_attention_heads", "self_attn.k_proj.weight": "num_key_value_heads"}}
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The HF tensor name of a GGUF tensor, or ``None`` for tensors HF checkpoints do not have."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _LAYER_RE.match(gguf_name)
+    if match is None or match.group(2) not in _LAYER_NAMES:
+        return None
+    return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}.{match.group(3)}"
+
+
+def unpermute_rows(weight: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (``heads``: attention heads for Q, KV heads for K)."""
+    rows = weight.shape[0]
+    return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+@dataclass(frozen=True)
+class RawBlocks:
+    """A GGUF tensor's stored bytes: ``data`` is uint8 ``[rows, bytes per row]`` (or the plain
+    f32/f16 array), ``type_name`` the GGML type (``Q4_1``...), ``shape`` the HF ``[out, in]``."""
+
+    type_name: str
+    shape: tuple[int, ...]
+    data: np.ndarray
+
+
+class GGUFSource:
+    """A GGUF model file read lazily in HF terms (see the module docstring)."""
+
+    def __init__(self, path: Path):
+        try:
+            from gguf import GGUFReader
+        except ImportError as exc:  # pragma: no cover - gguf is an export dependency
+            raise CheckpointError(f"reading GGUF files needs the gguf package ({exc}): pip install 'deskfleet[export]'") from exc
+        self.path = Path(path)
+        try:
+            self._reader = GGUFReader(str(self.path))
+        except (ValueError, OSError) as exc:
+            raise CheckpointError(f"{self.path} is not a readable GGUF file ({exc}); download or copy it again") from exc
+        self.architecture = str(self.field("general.architecture") or "")
+        self._tensors = {}
+        self.unmapped: tuple[str, ...] = ()
+        unmapped = []
+        for tensor in self._reader.tensors:
+            name = hf_name(tensor.name)
+            if name is None:
+                unmapped.append(tensor.name)
+            else:
+                self._tensors[name] = tensor
+        self.unmapped = tuple(unmapped)
+        self.config = self._config()
+
+    # -- metadata ------------------------------------------------------------------------
+
+    def field(self, key: str):
+        """A metadata value (``str``/number/list), or ``None`` when the GGUF does not have it."""
+        field = self._reader.fields.get(key)
+        return None if field is None else field.contents()
+
+    def _config(self) -> dict:
+        arch = self.architecture
+        name = str(self.field("general.name") or "").lower()
+        model_type = "mistral" if arch == "llama" and "mistral" in name else arch
+        config: dict = {"model_type": model_type}
+        if model_type in _ARCHITECTURE_CLASSES:
+            config["architectures"] = [_ARCHITECTURE_CLASSES[model_type]]
+        for key, hf_key in _CONFIG_KEYS.items():
+            value = self.field(f"{arch}.{key}")
+            if value is not None:
+                config[hf_key] = value
+        rope_dims = self.field(f"{arch}.rope.dimension_count")
+        if rope_dims is not None and arch in _HEAD_DIM_FROM_ROPE:
+            config["head_dim"] = rope_dims
+        for key, hf_key in _TOKEN_KEYS.items():
+            value = self.field(key)
+            if value is not None:
+                config[hf_key] = value
+        if "vocab_size" not in config:
+            tokens = self._reader.fields.get("tokenizer.ggml.tokens")
+            if tokens is not None:
+                config["vocab_size"] = len(tokens.data)
+            elif "model.embed_tokens.weight" in self._tensors:
+                config["vocab_size"] = self.shape("model.embed_tokens.weight")[0]
+        config["tie_word_embeddings"] = "lm_head.weight" not in self._tensors
+        if config.get("head_dim") is None and "hidden_size" in config and "num_attention_heads" in config:
+            config["head_dim"] = int(config["hidden_size"]) // int(config["num_attention_heads"])
+        if arch in ("qwen2",):
+            config["attention_bias"] = "model.layers.0.self_attn.q_proj.bias" in self._tensors
+        return config
+
+    # -- tensors -------------------------------------------------------------------------
+
+    def names(self) -> frozenset[str]:
+        return frozenset(self._tensors)
+
+    def _tensor(self, name: str):
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise CheckpointError(f"tensor {name!r} is not in {self.path.name}; the GGUF is incomplete "
+                                  "or of another architecture") from None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(int(d) for d in reversed(self._tensor(name).shape.tolist()))
+
+    def type_name(self, name: str) -> str:
+        """The GGML storage type of ``name`` (``F32``, ``F16``, ``Q4_1``, ``Q8_0``...)."""
+        return self._tensor(name).tensor_type.name
+
+    def _permuted_heads(self, name: str) -> int | None:
+        suffix = name.split(".", 3)[-1] if name.startswith("model.layers.") else ""
+        key = _PERMUTED.get(self.architecture, {}).get(suffix)
+        return int(self.config[key]) if key else None
+
+    def blocks(self, name: str) -> RawBlocks:
+        """The stored bytes of ``name`` (rows in GGUF order; see :meth:`row_order`)."""
+        tensor = self._tensor(name)
+        data = tensor.data
+        shape = self.shape(name)
+        if data.ndim == 1 and len(shape) == 2:
+            data = data.reshape(shape[0], -1)
+        return RawBlocks(tensor.tensor_type.name, shape, data)
+
+    def row_order(self, name: str) -> np.ndarray | None:
+        """For a permuted Q/K tensor: the stored row holding each HF row; else ``None``."""
+        heads = self._permuted_heads(name)
+        if heads is None:
+            return None
+        rows = self.shape(name)[0]
+        return unpermute_rows(np.arange(rows)[:, None], heads)[:, 0]
+
+    def read(self, name: str) -> np.ndarray:
+        rows = self.shape(name)[0] if self.shape(name) else 1
+        return self.read_rows(name, 0, rows) if len(self.shape(name)) > 1 else self._dequantize(name, 0, rows)
+
+    def read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        shape = self.shape(name)
+        if not 0 <= start <= stop <= shape[0]:
+            raise CheckpointError(f"rows [{start}, {stop}) are outside tensor {name!r} of shape {list(shape)}")
+        order = self.row_order(name)
+        if order is None:
+            return self._dequantize(name, start, stop)
+        # Q/K are small: dequantise whole, then pick the HF rows.
+        return np.ascontiguousarray(self._dequantize(name, 0, shape[0])[order[start:stop]])
+
+    def _dequantize(self, name: str, start: int, stop: int) -> np.ndarray:
+        from gguf import GGMLQuantizationType, dequantize
+
+        raw = self.blocks(name)
+        if len(raw.shape) == 1:
+            values = np.asarray(raw.data[start:stop])
+        else:
+            values = raw.data[start:stop]
+        qtype = self._tensor(name).tensor_type
+        if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            out = np.asarray(values, dtype=np.float32)
+        else:
+            out = dequantize(np.asarray(values), qtype).astype(np.float32, copy=False)
+        out = np.array(out, dtype=np.float32, copy=True)
+        self._release(values)
+        return out.reshape((stop - start, *raw.shape[1:]))
+
+    def _release(self, view: np.ndarray) -> None:
+        """Drop the file pages just read from this process's RSS (they stay in the page cache)."""
+        mapped = getattr(self._reader.data, "_mmap", None)
+        if mapped is None or view.size == 0:
+            return
+        base = self._reader.data.ctypes.data
+        begin = view.ctypes.data - base
+        end = begin + view.nbytes
+        page = mmap.PAGESIZE
+        first, last = (begin + page - 1) // page * page, end // page * page  # whole pages only
+        if last > first:
+            try:
+                mapped.madvise(mmap.MADV_DONTNEED, first, last - first)
+            except (OSError, ValueError, AttributeError):
+                pass
+
+    def close(self) -> None:
+        self._tensors.clear()
+
+    def __enter__(self) -> GGUFSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
