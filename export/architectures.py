@@ -36,12 +36,17 @@ class ArchSpec:
     post_attn_norm: str = "post_attention_layernorm.weight"
     # None: read ``attention_bias`` from the config; True/False: fixed for the family.
     qkv_bias: bool | None = None
+    # False: only the graph builder (export.builder) knows this family; the traced static NPU
+    # path (export.modeling) has no q/k norms or fused projections and refuses it.
+    traced: bool = True
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
     "llama": ArchSpec(model_type="llama", family="Llama (Llama 2/3/3.x, SmolLM2, TinyLlama)"),
     "mistral": ArchSpec(model_type="mistral", family="Mistral", qkv_bias=False),
     "qwen2": ArchSpec(model_type="qwen2", family="Qwen2 / Qwen2.5", qkv_bias=True),
+    "qwen3": ArchSpec(model_type="qwen3", family="Qwen3 (dense)", traced=False),
+    "phi3": ArchSpec(model_type="phi3", family="Phi-3 / Phi-3.5 mini", qkv_bias=False, traced=False),
 }
 
 # RoPE variants whose frequencies are fixed at export time (a "dynamic" rope changes with length).

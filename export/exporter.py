@@ -1,7 +1,9 @@
 """Export a checkpoint into per-stage OpenVINO shards plus a manifest.
 
-Per stage: load only that stage's tensors, build the traceable stage module, convert it,
-make the KV cache stateful (with the beam_idx Gather), compress the weights, save the IR.
+CPU/GPU (``target="stateful"``): each stage's graph is written op by op from the checkpoint's
+tensors by :mod:`export.builder` (stateful KV with the beam_idx Gather, weights lowered one
+tensor at a time by :mod:`export.weights`); no tracing. :func:`export_stage` below is the
+traced torch path it replaced, kept for comparison benchmarks only.
 With ``target="npu"`` each stage is built by :mod:`export.static_export` instead (static
 shapes, stateless graphs, one graph per use); the parts both builders share are in
 :mod:`export.stage_parts`. Everything is written into a temporary sibling directory and
@@ -239,6 +241,31 @@ def _commit(tmp: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def _export_built(ckpt: Path, plan: list[StageSpec], options: ExportOptions, out_dir: Path,
+                  progress: Progress) -> tuple[StageManifest, ...]:
+    """CPU/GPU shards from :mod:`export.builder`, one stage at a time."""
+    from export.builder.export import BuildError
+    from export.builder.export import export_stage as build_stage
+    from export.builder.families import model_shape
+    from export.builder.stage_graph import StagePlan
+    from export.weights.checkpoint import open_checkpoint
+
+    source = open_checkpoint(ckpt)
+    try:
+        shape = model_shape(source.config)
+        return tuple(
+            build_stage(source, shape, StagePlan(s.index, s.first_layer, s.last_layer, s.has_embedding, s.has_head),
+                        options, out_dir, progress)
+            for s in plan
+        )
+    except BuildError as exc:
+        raise ExportError(str(exc)) from exc
+    finally:
+        close = getattr(source, "close", None)
+        if close is not None:
+            close()
+
+
 def export_model(checkpoint_dir: Path | str, out_dir: Path | str, *, stages: int | None = None,
                  split: Sequence[int] | None = None, options: ExportOptions = ExportOptions(),  # noqa: B008 (frozen)
                  name: str | None = None, fingerprint: str | None = None,
@@ -251,18 +278,23 @@ def export_model(checkpoint_dir: Path | str, out_dir: Path | str, *, stages: int
         raise ExportError(f"{ckpt} is not an HF checkpoint directory (no config.json)")
     config = AutoConfig.from_pretrained(ckpt)
     spec = arch_for(config)
+    if options.target == "npu" and not spec.traced:
+        raise ExportError(f"the NPU target does not support {spec.family} yet; export it for CPU/GPU "
+                          "(without --target npu) or choose a Llama, Mistral or Qwen2 checkpoint")
     _validate_options(config, options)
     plan = plan_stages(int(config.num_hidden_layers), stages, split)
     if fingerprint is None:
         from export.sources import model_fingerprint
 
         fingerprint = model_fingerprint(ckpt)
-    reader = CheckpointReader(ckpt)
     progress = progress or (lambda i, step: None)
     tmp = _prepare_out_dir(out, options.force)
     try:
-        export_one = export_static_stage if options.target == "npu" else export_stage
-        stage_manifests = tuple(export_one(config, spec, reader, s, options, tmp, progress) for s in plan)
+        if options.target == "npu":
+            reader = CheckpointReader(ckpt)
+            stage_manifests = tuple(export_static_stage(config, spec, reader, s, options, tmp, progress) for s in plan)
+        else:
+            stage_manifests = _export_built(ckpt, plan, options, tmp, progress)
         tokenizer_files = _copy_tokenizer(ckpt, tmp)
         kv = int(config.num_key_value_heads)
         manifest = Manifest(

@@ -140,7 +140,10 @@ def export_stage(source: Any, shape: ModelShape, stage: StagePlan, options: Any,
     stage_dir = out_dir / f"stage_{stage.index}"
     stage_dir.mkdir(parents=True)
     progress(stage.index, "build")
-    with weights_factory(source, mode if mode is not None else weight_mode(options), None) as weights:
+    # Constants go to a scratch file as they are produced and are memory-mapped back, so the
+    # stage is never whole in anonymous memory; closing the weights deletes it.
+    scratch = out_dir / f".stage_{stage.index}.weights"
+    with weights_factory(source, mode if mode is not None else weight_mode(options), scratch) as weights:
         model = build_stage_model(shape, stage, weights, head_tensor(shape, available), options.beam_idx)
         model.set_rt_info(options.kv_cache_precision, ["runtime_options", "KV_CACHE_PRECISION"])
         progress(stage.index, "save")
@@ -241,10 +244,22 @@ def build_export(checkpoint: Path | str, out_dir: Path | str, options: Any, *, s
     started = time.perf_counter()
     baseline = _reset_peak_rss()
     ckpt, out = Path(checkpoint), Path(out_dir)
+    opened = None
     if source is None:
         from export.weights.checkpoint import open_checkpoint
 
-        source = open_checkpoint(ckpt)
+        source = opened = open_checkpoint(ckpt)
+    try:
+        return _build(ckpt, out, options, source, stages, split, name, fingerprint, progress, weights_factory,
+                      mode, started, baseline)
+    finally:
+        if opened is not None and hasattr(opened, "close"):
+            opened.close()
+
+
+def _build(ckpt: Path, out: Path, options: Any, source: Any, stages: int | None, split: Sequence[int] | None,
+           name: str | None, fingerprint: str | None, progress: Progress | None, weights_factory: WeightsFactory,
+           mode: Any, started: float, baseline: int) -> BuildReport:
     config = source.config
     shape = model_shape(config)
     validate(shape, options)
