@@ -34,10 +34,11 @@ import openvino.opset13 as ops
 
 from engine.errors import DeskfleetError
 from export.weights.checkpoint import TensorSource
+from export.weights.gguf_blocks import BLOCK_VALUES, KEPT_TYPES, decode
 from export.weights.rtn import Scheme, grouped_shape, quantize, row_block, scheme_for
 from export.weights.weight_file import ConstantSpec, MemoryConstants, WeightFile, pack_nibbles
 
-KINDS = ("int4_sym", "int4_asym", "int8_asym", "fp16", "fp32")
+KINDS = ("int4_sym", "int4_asym", "int8_asym", "fp16", "fp32", "gguf_keep")
 _DECODER = re.compile(r"(^|\.)layers\.\d+\.")
 
 
@@ -64,7 +65,11 @@ _OUTSIDE_DECODER: dict[str, str] = {
     "int8_asym": "int8_asym",
     "fp16": "fp16",
     "fp32": "fp32",
+    "gguf_keep": "gguf_keep",
 }
+# gguf_keep: a GGUF's Q8_0/Q4_0/Q4_1 blocks become constants as they are (export.weights.gguf_blocks);
+# F16 and F32 matrices stay fp16/fp32; any other GGML type (K-quants) is dequantised to fp16.
+_KEEP_FALLBACK = {"F16": "fp16", "F32": "fp32"}
 
 
 def kind_for(name: str, mode: WeightMode) -> str:
@@ -173,7 +178,50 @@ class StageWeights:
             convert = ops.convert(const, "f32", name=f"{name}/decompress")
             mark_decompression(convert)
             return convert.output(0)
+        if kind == "gguf_keep":
+            return self._lower_kept(name, shape)
         return self._lower_integer(name, shape, scheme_for(kind, self.mode.group_size))
+
+    def _lower_kept(self, name: str, shape: tuple[int, int]) -> ov.Output:
+        type_of = getattr(self.source, "type_name", None)
+        if type_of is None:
+            raise WeightModeError("gguf_keep keeps a GGUF's own quantisation, but this checkpoint is not a GGUF; "
+                                  "choose int4_sym, int4_asym, int8_asym, fp16 or fp32")
+        type_name = type_of(name)
+        if type_name not in KEPT_TYPES:
+            return self._lower(name, shape, _KEEP_FALLBACK.get(type_name, "fp16"))
+        rows, cols = shape
+        raw = self.source.blocks(name).data  # uint8 [rows, bytes per row], GGUF row order
+        order = self.source.row_order(name)
+        step = row_block(rows, cols)
+        scales: list[np.ndarray] = []
+        zeros: list[np.ndarray] = []
+        code_type = decode(type_name, raw[:1]).code_type
+
+        def codes():
+            for start in range(0, rows, step):
+                picked = raw[start:start + step] if order is None else raw[order[start:start + step]]
+                block = decode(type_name, picked)
+                scales.append(block.scale)
+                if block.zero_point is not None:
+                    zeros.append(block.zero_point)
+                yield pack_nibbles(block.codes) if code_type in ("u4", "i4") else block.codes
+
+        grouped = (rows, cols // BLOCK_VALUES, BLOCK_VALUES)
+        region = self._store.write(codes())
+        scale = np.concatenate(scales)
+        specs = [ConstantSpec(region, code_type, grouped, name),
+                 ConstantSpec(self._store.write([scale]), "f16", scale.shape, f"{name}/scale")]
+        if zeros:
+            zero = np.concatenate(zeros)
+            specs.append(ConstantSpec(self._store.write([zero]), "f16", zero.shape, f"{name}/zero_point"))
+        nodes = self._store.constants(specs)
+        weight = ops.convert(nodes[0], "f16")
+        if zeros:
+            weight = ops.subtract(weight, nodes[2], name=f"{name}/zero_point/subtract")
+        weight = ops.multiply(weight, nodes[1], name=f"{name}/fq_weights")
+        weight = ops.reshape(weight, ops.constant(np.array(shape, np.int64)), special_zero=False)
+        return ops.convert(weight, "f32", name=f"{name}/fq_weights/convert").output(0)
 
     def _lower_integer(self, name: str, shape: tuple[int, int], scheme: Scheme) -> ov.Output:
         """Quantise row block by row block straight into the store; scales follow in one piece."""
