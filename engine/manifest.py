@@ -320,6 +320,29 @@ def _check_consistency(manifest: Manifest) -> None:
     if not stages[0].has_embedding or not stages[-1].has_head:
         raise ManifestError("manifest: the first stage must hold the embedding and the last the head")
     _check_target(manifest)
+    for stage in stages:
+        _check_graphs_listed(stage)
+
+
+def ir_paths(xml: str) -> tuple[str, str]:
+    """An OpenVINO IR's two files: the graph (``.xml``) and its weights (the same name, ``.bin``)."""
+    return xml, str(PurePosixPath(xml).with_suffix(".bin"))
+
+
+def _check_graphs_listed(stage: StageManifest) -> None:
+    """Every graph a stage compiles, and its weights, must be among its hashed files: otherwise a
+    runtime would compile a file nothing verified."""
+    listed = {f.path for f in stage.files}
+    for xml in dict.fromkeys((stage.xml, *(g.xml for g in stage.graphs))):
+        for path in ir_paths(xml):
+            if path not in listed:
+                raise ManifestError(f"manifest stage {stage.index} compiles {xml}, but {path} is not among its "
+                                    "hashed files, so it could not be verified; re-export the model")
+
+
+def file_entry_for(stage: StageManifest, path: str) -> FileEntry:
+    """The manifest entry of one of ``stage``'s files (listed: parsing checked that)."""
+    return next(f for f in stage.files if f.path == path)
 
 
 def _check_target(manifest: Manifest) -> None:
@@ -368,6 +391,20 @@ def load_manifest(export_dir: Path | str) -> Manifest:
     return parse_manifest(data)
 
 
+def check_entry(entry: FileEntry, size: int, sha256: str) -> None:
+    """ShardIntegrityError unless a file read as ``size`` bytes hashing to ``sha256`` is ``entry``."""
+    if size != entry.size:
+        raise ShardIntegrityError(
+            f"shard file {entry.path} is {size} bytes but the manifest says {entry.size}: "
+            "it is truncated or was modified; re-fetch or re-export the shard"
+        )
+    if sha256 != entry.sha256:
+        raise ShardIntegrityError(
+            f"shard file {entry.path} does not match its sha256 in the manifest: it was modified "
+            "or corrupted; re-fetch or re-export the shard"
+        )
+
+
 def verify_files(root: Path | str, files: tuple[FileEntry, ...]) -> None:
     """Check every file's size and sha256; raise :class:`ShardIntegrityError` naming the first mismatch."""
     root = Path(root)
@@ -376,23 +413,16 @@ def verify_files(root: Path | str, files: tuple[FileEntry, ...]) -> None:
         if not path.is_file():
             raise ShardIntegrityError(f"shard file {entry.path} is missing from {root}; re-fetch or re-export the shard")
         size = path.stat().st_size
-        if size != entry.size:
-            raise ShardIntegrityError(
-                f"shard file {entry.path} is {size} bytes but the manifest says {entry.size}: "
-                "it is truncated or was modified; re-fetch or re-export the shard"
-            )
-        if sha256_file(path) != entry.sha256:
-            raise ShardIntegrityError(
-                f"shard file {entry.path} does not match its sha256 in the manifest: it was modified "
-                "or corrupted; re-fetch or re-export the shard"
-            )
+        check_entry(entry, size, sha256_file(path) if size == entry.size else "")
 
 
-def verify_stage(root: Path | str, manifest: Manifest, index: int, target: str = "stateful") -> StageManifest:
+def verify_stage(root: Path | str, manifest: Manifest, index: int, target: str = "stateful", *,
+                 skip: frozenset[str] = frozenset()) -> StageManifest:
     """Verify the files of one stage and return its manifest entry.
 
     ``target`` is what the caller's runtime runs: a stateful runtime handed an NPU export (or
     the reverse) is refused here, before anything is compiled and fed the wrong inputs.
+    ``skip``: paths the caller verifies itself, on the very bytes it compiles (engine.shard).
     """
     if manifest.target != target:
         how = {"npu": "the static runtime (engine.packed_stage)",
@@ -403,5 +433,5 @@ def verify_stage(root: Path | str, manifest: Manifest, index: int, target: str =
     if not 0 <= index < len(manifest.stages):
         raise ManifestError(f"stage {index} does not exist; this export has {len(manifest.stages)} stages")
     stage = manifest.stages[index]
-    verify_files(root, stage.files)
+    verify_files(root, tuple(f for f in stage.files if f.path not in skip))
     return stage

@@ -8,6 +8,9 @@ the network runtime distributes.
 
 from __future__ import annotations
 
+import hashlib
+import mmap
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,8 +18,17 @@ from pathlib import Path
 import numpy as np
 import openvino as ov
 
-from engine.errors import GenerationError, ShardCompileError
-from engine.manifest import Manifest, StageManifest, load_manifest, safe_join, verify_stage
+from engine.errors import GenerationError, ShardCompileError, ShardIntegrityError
+from engine.manifest import (
+    Manifest,
+    StageManifest,
+    check_entry,
+    file_entry_for,
+    ir_paths,
+    load_manifest,
+    safe_join,
+    verify_stage,
+)
 
 # Settings under which a split model is bit-exact with the unsplit one (identity tests).
 EXACT_PROPERTIES: Mapping[str, str] = {
@@ -56,6 +68,51 @@ def _core() -> ov.Core:
     return ov.Core()
 
 
+_HASH_STEP = 16 << 20
+
+
+def _map(path: Path) -> tuple[mmap.mmap | None, int]:
+    """``path`` mapped copy-on-write (never written back: OpenVINO's Tensor wants writable memory,
+    and nothing writes it), and its size. The mapping keeps the file it was opened on: a file
+    renamed over ``path`` later changes nothing here. (Rewriting the same file in place still
+    would: only a private copy stops that, and a stage is too big to copy.)"""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+    try:
+        size = os.fstat(fd).st_size
+        return (mmap.mmap(fd, size, access=mmap.ACCESS_COPY) if size else None), size
+    finally:
+        os.close(fd)  # the mapping holds its own reference to the file
+
+
+def _sha256(view: memoryview) -> str:
+    digest = hashlib.sha256()
+    for start in range(0, len(view), _HASH_STEP):
+        digest.update(view[start:start + _HASH_STEP])
+    return digest.hexdigest()
+
+
+def read_verified_model(core: ov.Core, root: Path, stage: StageManifest, xml: str, *,
+                        verify: bool = True) -> tuple[ov.Model, mmap.mmap | None]:
+    """Read the IR ``xml`` of ``stage`` from the very bytes that were hashed: the graph read once
+    into memory, the weights hashed through a memory map that then backs the model's constants
+    (no second open by path between check and compile). Returns the model and the mapping, which
+    must outlive every model compiled from it. ShardIntegrityError if a hash does not match."""
+    xml_rel, bin_rel = ir_paths(xml)
+    xml_path, bin_path = safe_join(root, xml_rel), safe_join(root, bin_rel)
+    try:
+        graph = xml_path.read_bytes()
+        weights, size = _map(bin_path)
+    except FileNotFoundError as exc:
+        raise ShardIntegrityError(f"shard file {exc.filename} is missing; re-fetch or re-export the shard") from exc
+    view = memoryview(weights) if weights is not None else memoryview(b"")
+    if verify:
+        check_entry(file_entry_for(stage, xml_rel), len(graph), hashlib.sha256(graph).hexdigest())
+        check_entry(file_entry_for(stage, bin_rel), size, _sha256(view))
+    tensor = ov.Tensor(np.frombuffer(view, dtype=np.uint8), shared_memory=True) if size else ov.Tensor(
+        np.zeros(0, dtype=np.uint8))
+    return core.read_model(model=graph, weights=tensor), weights
+
+
 class Stage:
     """One compiled, verified shard."""
 
@@ -65,8 +122,10 @@ class Stage:
                  verify: bool = True, core: ov.Core | None = None, cache_dir: Path | str | None = None):
         root = Path(export_dir)
         self.manifest = manifest or load_manifest(root)
-        if verify:
-            self.spec = verify_stage(root, self.manifest, index)
+        spec = self.manifest.stages[index] if 0 <= index < len(self.manifest.stages) else None
+        if verify:  # the IR itself is verified below, on the bytes compiled
+            skip = frozenset(ir_paths(spec.xml)) if spec is not None else frozenset()
+            self.spec = verify_stage(root, self.manifest, index, skip=skip)
         else:
             self.spec = self.manifest.stages[index]
         self.properties = stage_properties(self.spec, exact, num_threads, properties)
@@ -74,9 +133,9 @@ class Stage:
             self.properties = {**self.properties, "CACHE_DIR": str(cache_dir)}
         self.device = device
         core = core or _core()
-        xml = safe_join(root, self.spec.xml)
+        model, self._weights = read_verified_model(core, root, self.spec, self.spec.xml, verify=verify)
         try:
-            self.compiled = core.compile_model(core.read_model(xml), device, self.properties)
+            self.compiled = core.compile_model(model, device, self.properties)
         except RuntimeError as exc:
             raise ShardCompileError(
                 f"OpenVINO could not compile stage {index} of {root} on {device}: {exc}. "
