@@ -54,8 +54,13 @@ def export_control(version: str, arch: str, installed_kb: int) -> str:
 
 def install_venv_script(version: str) -> str:
     """``install-venv.sh [PREFIX]``: (re)build PREFIX/venv from PREFIX/wheels (and the export
-    wheels when deskfleet-export is installed). Offline first; the index only as a fallback.
-    ``PYTHON`` chooses the interpreter (default ``python3``)."""
+    wheels when deskfleet-export is installed). ``PYTHON`` chooses the interpreter (default
+    ``python3``).
+
+    Offline only, and it fails closed: postinst runs it as root, and a fallback to the package
+    index (without hashes) would let whoever owns a dependency's name there run code as root
+    (dependency confusion). The interpreter runs isolated (``-I``): no module from the current
+    directory or ``PYTHON*`` variables when it is run by hand."""
     return f"""#!/bin/sh
 # Build Deskfleet's Python environment from the wheels shipped in the package.
 set -eu
@@ -69,14 +74,15 @@ if [ -d "$prefix/export-wheels" ]; then
 fi
 spec="deskfleet[$extras]=={version}"
 rm -rf "$prefix/venv"
-"$py" -m venv "$prefix/venv"
-pip() {{ "$prefix/venv/bin/python" -m pip --disable-pip-version-check -q "$@"; }}
+"$py" -I -m venv "$prefix/venv"
+pip() {{ "$prefix/venv/bin/python" -I -m pip --disable-pip-version-check -q "$@"; }}
 echo "deskfleet: installing $spec into $prefix/venv (from the bundled wheels) ..." >&2
 # shellcheck disable=SC2086
 if ! pip install --no-index $links "$spec"; then
-  echo "deskfleet: the bundled wheels do not fit this Python ($("$py" -V 2>&1)); using the package index" >&2
-  # shellcheck disable=SC2086
-  pip install $links "$spec"
+  echo "deskfleet: the bundled wheels do not fit this Python ($("$py" -V 2>&1)); nothing was installed from" \
+       "the network. Install the Deskfleet package built for this system's Python version." >&2
+  rm -rf "$prefix/venv"
+  exit 1
 fi
 echo "deskfleet: ready: {BIN} agent (tray) or {BIN} agent --headless" >&2
 """

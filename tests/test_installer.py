@@ -64,6 +64,33 @@ def test_desktop_entries_unit_and_scripts(tmp_path):
     assert "rm -rf /opt/deskfleet/venv" in deb.prerm()
 
 
+_STUB_PYTHON = """#!/bin/sh
+# A Python whose pip finds nothing: logs every call, makes "venv" a copy of itself.
+echo "$*" >> "$STUB_LOG"
+if [ "$2" = "-m" ] && [ "$3" = "venv" ]; then mkdir -p "$4/bin" && cp "$0" "$4/bin/python"; exit 0; fi
+if [ "$1" = "-V" ]; then echo "Python 3.99.0"; exit 0; fi
+exit 1
+"""
+
+
+@pytest.mark.skipif(os.name != "posix", reason="runs the .deb's shell script")
+def test_install_venv_fails_closed_when_the_bundled_wheels_do_not_fit(tmp_path):
+    stub, log, prefix = tmp_path / "python3", tmp_path / "calls.log", tmp_path / "opt"
+    stub.write_text(_STUB_PYTHON)
+    stub.chmod(0o755)
+    (prefix / "wheels").mkdir(parents=True)
+    script = tmp_path / "install-venv.sh"
+    script.write_text(deb.install_venv_script(VERSION))
+    proc = subprocess.run(["sh", str(script), str(prefix)], env={"PATH": os.environ["PATH"], "PYTHON": str(stub),
+                          "STUB_LOG": str(log)}, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "nothing was installed from the network" in proc.stderr
+    calls = log.read_text().splitlines()
+    installs = [c for c in calls if " pip " in f" {c} " and "install" in c]
+    assert installs and all("--no-index" in c for c in installs), calls  # never the package index
+    assert calls[0].startswith("-I -m venv") and all(c.startswith("-I") for c in installs)
+    assert not (prefix / "venv").exists()  # no half-built environment left behind
+
+
 def test_the_trays_start_at_login_toggle_masks_the_packages_autostart_entry(tmp_path):
     system = tmp_path / "etc-xdg"
     (system / "autostart").mkdir(parents=True)
