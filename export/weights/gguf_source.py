@@ -50,6 +50,14 @@ _TOKEN_KEYS = {
 _ARCHITECTURE_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                          "qwen3": "Qwen3ForCausalLM"}
 
+# What transformers' configs of these families say and a GGUF leaves implicit.
+_FAMILY_DEFAULTS: dict[str, dict] = {
+    "llama": {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False},
+    "mistral": {"hidden_act": "silu"},
+    "qwen2": {"hidden_act": "silu"},
+    "qwen3": {"hidden_act": "silu", "attention_bias": False},
+}
+
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -126,6 +134,11 @@ class GGUFSource:
 
     # -- metadata ------------------------------------------------------------------------
 
+    @property
+    def reader(self):
+        """The open ``gguf.GGUFReader`` (for the tokenizer metadata: parsing it again costs seconds)."""
+        return self._reader
+
     def field(self, key: str):
         """A metadata value (``str``/number/list), or ``None`` when the GGUF does not have it."""
         field = self._reader.fields.get(key)
@@ -156,6 +169,18 @@ class GGUFSource:
             elif "model.embed_tokens.weight" in self._tensors:
                 config["vocab_size"] = self.shape("model.embed_tokens.weight")[0]
         config["tie_word_embeddings"] = "lm_head.weight" not in self._tensors
+        config.update({k: v for k, v in _FAMILY_DEFAULTS.get(model_type, {}).items() if k not in config})
+        rope: dict = {"rope_type": "default", "rope_theta": float(config.get("rope_theta", 10000.0))}
+        scaling = self.field(f"{arch}.rope.scaling.type")
+        if scaling not in (None, "none"):
+            rope["rope_type"] = str(scaling)
+            factor = self.field(f"{arch}.rope.scaling.factor")
+            original = self.field(f"{arch}.rope.scaling.original_context_length")
+            if factor is not None:
+                rope["factor"] = float(factor)
+            if original is not None:
+                rope["original_max_position_embeddings"] = int(original)
+        config["rope_parameters"] = rope
         if config.get("head_dim") is None and "hidden_size" in config and "num_attention_heads" in config:
             config["head_dim"] = int(config["hidden_size"]) // int(config["num_attention_heads"])
         if arch in ("qwen2",):
