@@ -16,7 +16,14 @@ from ssl import SSLContext
 
 from engine.address import Address
 from engine.messages import Hello, Message
-from engine.transport import Connection, ConnectionClosedError, PeerCheck, async_connect, async_hold
+from engine.transport import (
+    PING_INTERVAL,
+    Connection,
+    ConnectionClosedError,
+    PeerCheck,
+    async_connect,
+    async_hold,
+)
 from engine.wire import COORDINATOR_STAGE, Role
 
 log = logging.getLogger(__name__)
@@ -27,7 +34,7 @@ class Downstream:
 
     def __init__(self, fingerprint: str, stage_index: int, is_last: bool, address: Address, *,
                  client_ssl: SSLContext | None = None, dial_deadline: float = 120.0,
-                 peer_check: PeerCheck | None = None):
+                 peer_check: PeerCheck | None = None, ping_interval: float = PING_INTERVAL):
         self.fingerprint = fingerprint
         self.stage_index = stage_index
         self.is_last = is_last
@@ -35,6 +42,7 @@ class Downstream:
         self._client_ssl = client_ssl
         self._dial_deadline = dial_deadline
         self._peer_check = peer_check
+        self._ping_interval = ping_interval
         self._conn: Connection | None = None
         self._lock = asyncio.Lock()
         self._watch: asyncio.Task | None = None
@@ -54,7 +62,7 @@ class Downstream:
     async def _watch_connection(self, conn: Connection) -> None:
         """Learn at once when the next stage goes away (crash, kill, pause): the next frame then
         dials it afresh instead of vanishing into a dead socket."""
-        await async_hold(conn, f"stage {self.stage_index} next hop")
+        await async_hold(conn, f"stage {self.stage_index} next hop", self._ping_interval)
         log.info("stage %d: the connection to %s is gone", self.stage_index, self.address)
 
     async def async_recheck(self) -> bool:
@@ -80,6 +88,18 @@ class Downstream:
                 await conn.async_close()
             conn = await self._connection()  # the next stage came back on its address: one redial
             await conn.async_send(msg)
+
+    async def async_send_if_connected(self, msg: Message) -> bool:
+        """Send ``msg`` only over a connection that is up now (never dial: cleanup must not wait
+        for a next stage that is gone). True if it was sent."""
+        conn = self._conn
+        if conn is None or conn.closed:
+            return False
+        try:
+            await conn.async_send(msg)
+        except (ConnectionClosedError, OSError):
+            return False
+        return True
 
     async def async_close(self) -> None:
         if self._watch is not None:

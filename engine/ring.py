@@ -41,7 +41,7 @@ from engine.path import CacheStep, StepRequest, StepResult
 from engine.peer_policy import PeerPolicy, PeerPolicyError
 from engine.prefix_cache import CaptureStore
 from engine.shard import Stage, StageStream
-from engine.transport import Connection, async_connect, async_hold
+from engine.transport import IDLE_TIMEOUT, PING_INTERVAL, Connection, async_connect, async_hold
 from engine.wire import COORDINATOR_STAGE, Role, StreamId
 from engine.worker import Address
 
@@ -54,7 +54,8 @@ class RingPath:
     def __init__(self, fingerprint: str, num_stages: int, first_remote: Address, return_listen: Address, *,
                  local_stage0: Stage | None = None, server_ssl: SSLContext | None = None,
                  client_ssl: SSLContext | None = None, dial_deadline: float = 120.0,
-                 capture_bytes: int = 256 << 20, peers: PeerPolicy | None = None):
+                 capture_bytes: int = 256 << 20, peers: PeerPolicy | None = None,
+                 ping_interval: float = PING_INTERVAL, idle_timeout: float = IDLE_TIMEOUT):
         if peers is None and (server_ssl is not None or client_ssl is not None):
             raise PeerPolicyError("a ring over TLS needs peers=PeerPolicy(upstream={the last stage's node id}, "
                                   "next=the first remote stage's node id): without them any fleet member could "
@@ -69,8 +70,9 @@ class RingPath:
         self._dial_deadline = dial_deadline
         self.results: asyncio.Queue[StepResult] = asyncio.Queue()
         identity = LocalIdentity(fingerprint, COORDINATOR_STAGE, frozenset({Role.STAGE}))
-        self._returns = FrameServer(self._on_return, identity, ssl=server_ssl,
+        self._returns = FrameServer(self._on_return, identity, ssl=server_ssl, idle_timeout=idle_timeout,
                                     peer_check=self._check_last if server_ssl is not None else None)
+        self._ping_interval = ping_interval
         self._out: Connection | None = None
         self._hold: asyncio.Task | None = None
         self._listening = False
@@ -127,7 +129,8 @@ class RingPath:
                                         peer_check=self._check_first if self._client_ssl is not None else None)
         # Pings keep stage 0's idle timeout from closing the hop between requests; reading it
         # notices at once when stage 0 goes away (``connected`` turns False).
-        self._hold = asyncio.create_task(async_hold(self._out, "ring first hop"), name="deskfleet-ring-hold")
+        self._hold = asyncio.create_task(async_hold(self._out, "ring first hop", self._ping_interval),
+                                         name="deskfleet-ring-hold")
         log.info("ring: connected to stage %d at %s; replies on %s", first_index, self.first_remote,
                  self.return_address)
 

@@ -19,7 +19,7 @@ from engine.frame_server import FrameServer
 from engine.handshake import LocalIdentity
 from engine.messages import Message
 from engine.peer_policy import PeerPolicy
-from engine.transport import Connection
+from engine.transport import PING_INTERVAL, Connection
 from engine.wire import (
     FORWARD_META,
     HEADER_SIZE,
@@ -48,7 +48,7 @@ class StageServer:
     def __init__(self, index: int, is_last: bool, fingerprint: str, listen: Address, next_address: Address, *,
                  server_ssl: SSLContext | None, client_ssl: SSLContext | None, dial_deadline: float,
                  thread_name: str, peers: PeerPolicy | None = None, max_frame_bytes: int = MAX_FRAME_BYTES,
-                 **listener_options: Any):
+                 ping_interval: float = PING_INTERVAL, **listener_options: Any):
         self.index = index
         self.listen = listen
         self.next_address = next_address
@@ -63,7 +63,8 @@ class StageServer:
                                    **listener_options)
         self.downstream = Downstream(fingerprint, index, is_last, next_address, client_ssl=client_ssl,
                                      dial_deadline=dial_deadline,
-                                     peer_check=self._check_next if client_ssl is not None else None)
+                                     peer_check=self._check_next if client_ssl is not None else None,
+                                     ping_interval=ping_interval)
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=thread_name)
         self.draining = False
         self._idle = asyncio.Event()

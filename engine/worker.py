@@ -77,7 +77,7 @@ class StageWorker(StageServer):
         return len(self._streams)
 
     async def _handle(self, conn: Connection, msg: Message) -> None:
-        if isinstance(msg, Forward | Release | Capture | Restore) and not await self._owned_by(conn, msg):
+        if isinstance(msg, Forward | Release | Capture | Restore | Error) and not await self._owned_by(conn, msg):
             return
         match msg:
             case Forward():
@@ -98,7 +98,7 @@ class StageWorker(StageServer):
             case _:
                 log.debug("stage %d ignoring %r", self.stage.index, msg)
 
-    async def _owned_by(self, conn: Connection, msg: Forward | Release | Capture | Restore) -> bool:
+    async def _owned_by(self, conn: Connection, msg: Forward | Release | Capture | Restore | Error) -> bool:
         """A stream belongs to the connection that opened it: a frame naming it from another one is
         refused to that connection (never passed on, so it cannot reach the coordinator)."""
         owner = self._owners.get(msg.stream_id)
@@ -124,8 +124,8 @@ class StageWorker(StageServer):
         for stream_id in orphans:
             await self._release(stream_id)
             if not self.stage.is_last:  # the later stages hold the same streams: release them too
-                with contextlib.suppress(DeskfleetError, OSError):
-                    await self._send(Release(stream_id))
+                with contextlib.suppress(DeskfleetError):
+                    await self.downstream.async_send_if_connected(Release(stream_id))
         if orphans:
             log.info("stage %d: dropped %d stream(s) of the closed connection from %s", self.stage.index,
                      len(orphans), conn.peername)

@@ -158,7 +158,8 @@ def test_a_member_posing_as_last_stage_or_upstream_is_refused_and_the_stream_is_
             assert secret not in text, f"the refusal {who} echoed the local identity: {text}"
     assert isinstance(raw, Error) and raw.code is ErrorCode.PEER_REFUSED
     assert return_stats["peer_refused"] == 2 and stage_stats["peer_refused"] == 1
-    assert _refusals(caplog, mallory.node_id), "the refusal was not logged with the member's node id"
+    # logged once per listener (the return port and the stage), naming the member
+    assert len(_refusals(caplog, mallory.node_id)) == 2, [r.getMessage() for r in caplog.records]
 
 
 def test_a_revoked_member_is_refused_though_expected_and_its_open_link_is_cut(fleet, export, stage):
@@ -226,7 +227,8 @@ def test_a_stream_opened_on_one_connection_cannot_be_touched_from_another(fleet,
             first = await reply()
             refusals = []
             for msg in (Release(StreamId(5)), Forward(StreamId(5), 1, *decode, reply_last=1),
-                        Capture(StreamId(5), 1, 77, np.arange(8, dtype=np.int64))):
+                        Capture(StreamId(5), 1, 77, np.arange(8, dtype=np.int64)),
+                        Error(ErrorCode.STREAM_FAILED, "injected", StreamId(5), 1)):
                 await y.async_send(msg)
                 refusals.append(await y.async_recv(idle_timeout=10))
             await x.async_send(Forward(StreamId(5), 1, *decode, reply_last=1))
@@ -441,3 +443,81 @@ def test_a_thousand_idle_connections_are_refused_past_the_cap_while_a_real_strea
     assert flooded["refused_cap"] == 1000 - 63
     assert one_peer == 12 - 8
 
+
+
+def test_ring_hops_idle_between_requests_stay_up_while_a_silent_dialer_is_timed_out(export, stage):
+    """Both listeners close links silent for 1.5 s; the ring's dialers Ping every 0.3 s, so the same
+    two connections carry a request after 4 s of idleness, while a dialer that only handshook is cut."""
+    fp = _fp(export)
+    request = GenerationRequest(PROMPT_IDS, N, ignore_eos=True)
+
+    async def main():
+        path = RingPath(fp, 1, LOOP, LOOP, dial_deadline=10, ping_interval=0.3, idle_timeout=1.5)
+        ret = await path.async_listen()
+        worker = StageWorker(stage, LOOP, ret, idle_timeout=1.5, ping_interval=0.3)
+        path.first_remote = await worker.async_start()
+        try:
+            async with Coordinator(path, model_card(load_manifest(export))) as c:
+                first = await collect(c, request)
+                silent = await async_connect(path.first_remote.host, path.first_remote.port,
+                                             Hello(fp, 0, WireRole.COORDINATOR), attempts=1)
+                await asyncio.sleep(4)
+                try:
+                    cut = await silent.async_recv(idle_timeout=5)
+                except ConnectionClosedError:
+                    cut = "closed"
+                await silent.async_close()
+                second = await collect(c, request)
+                return (first, second, cut, dict(worker.listener.stats), dict(path.returns.stats),
+                        worker.listener.open_connections, path.returns.open_connections)
+        finally:
+            await worker.async_close()
+            await path.async_close()
+
+    first, second, cut, stage_stats, return_stats, stage_open, return_open = run(main(), 90)
+    assert second == first and len(first) == N
+    assert isinstance(cut, Error) and cut.code is ErrorCode.TIMEOUT
+    assert stage_stats == {"timeout": 1} and return_stats == {}  # only the silent dialer was closed
+    assert (stage_open, return_open) == (1, 1)
+
+
+# -- no plaintext door ------------------------------------------------------------------------------
+
+def test_a_worker_refuses_to_listen_beyond_loopback_without_tls(export):
+    import subprocess
+
+    cmd = [sys.executable, "-m", "engine.cli", "worker", "--shard", str(export), "--next", "127.0.0.1:9"]
+    exposed = subprocess.run([*cmd, "--listen", "0.0.0.0:0"], capture_output=True, text=True, timeout=120)
+    flags = subprocess.run([*cmd, "--expect-upstream", "a" * 64], capture_output=True, text=True, timeout=120)
+    assert exposed.returncode == 1 and "--tls-stdin" in exposed.stderr and "0.0.0.0:0" in exposed.stderr
+    assert flags.returncode == 1 and "need --tls-stdin" in flags.stderr
+
+
+def test_serve_over_a_ring_needs_tls_off_loopback_and_the_ring_ends_with_it(fleet, tmp_path):
+    import argparse
+
+    from engine.errors import DeskfleetError
+    from engine.serve_cli import configure, ring_options
+
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    console, desk = fleet["console"], fleet["desk"]
+    creds = tmp_path / "console.json"
+    creds.write_text(json.dumps({"ca_pem": console.ca_pem.decode(), "cert_pem": console.cert_pem.decode(),
+                                 "key_pem": console.key_pem.decode()}))
+
+    def options(*argv):
+        return ring_options(parser.parse_args(["--shards", str(tmp_path), *argv]))
+
+    assert parser.parse_args(["--shards", "x"]).return_listen == Address("127.0.0.1", 7100)
+    assert options("--first-stage", "127.0.0.1:7101") == {}  # a loopback ring may stay plaintext
+    with pytest.raises(DeskfleetError, match="--tls-credentials"):
+        options("--first-stage", "10.0.0.5:7101")
+    with pytest.raises(DeskfleetError, match="--tls-credentials"):
+        options("--first-stage", "127.0.0.1:7101", "--return-listen", "0.0.0.0:7100")
+    with pytest.raises(DeskfleetError, match="--expect-first"):
+        options("--first-stage", "10.0.0.5:7101", "--tls-credentials", str(creds))
+    ring = options("--first-stage", "10.0.0.5:7101", "--return-listen", "0.0.0.0:7100", "--tls-credentials",
+                   str(creds), "--expect-first", desk.node_id, "--expect-last", desk.node_id)
+    assert ring["peers"] == PeerPolicy.of([desk.node_id], desk.node_id)
+    assert ring["server_ssl"] is not None and ring["client_ssl"] is not None

@@ -13,16 +13,21 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.codec import decode, encode
-from engine.messages import Forward, Logits, Packed, Tokens
+from engine.codec import decode, decode_header, encode
+from engine.handshake import LocalIdentity, check_hello, handshake_error_from
+from engine.messages import Forward, Hello, Logits, Packed, Tokens
 from engine.packing import PlanFrame
+from engine.peer_policy import PeerPolicyError, parse_policy_update
 from engine.wire import (
     HEADER_FIELDS,
     HEADER_SIZE,
     HEADER_STRUCT,
+    HELLO_FRAME_BYTES,
     MAGIC,
     PROTOCOL_VERSION,
     U64_MAX,
+    FrameTooLargeError,
+    Role,
     StreamId,
     TruncatedFrameError,
     WireError,
@@ -143,3 +148,65 @@ def test_fuzz_byte_flips_raise_only_wire_errors_or_decode_cleanly(msg, flips):
     result = decode_or_wire_error(bytes(frame))
     if not isinstance(result, WireError):
         assert encode(result) == frame  # an accepted frame is canonical: no ignored bits
+
+
+# -- before the handshake, and the peer policy it leads to ------------------------------------------
+
+
+@FUZZ
+@given(messages())
+def test_fuzz_a_first_frame_bigger_than_a_hello_is_refused_from_its_header_alone(msg):
+    """What the listener reads before the handshake: any frame announcing more than a Hello is
+    refused by ``decode_header`` with the Hello bound, before a byte of its body is wanted."""
+    frame = encode(msg)
+    try:
+        decode_header(frame[:HEADER_SIZE], max_frame_bytes=HELLO_FRAME_BYTES)
+    except FrameTooLargeError:
+        assert len(frame) > HELLO_FRAME_BYTES
+    else:
+        assert len(frame) <= HELLO_FRAME_BYTES
+
+
+@FUZZ
+@given(
+    st.text("0123456789abcdef", min_size=16, max_size=128),  # fingerprints as exports make them
+    st.text("0123456789abcdef", min_size=16, max_size=128),
+    st.integers(0, 65535),
+    st.integers(0, 65535),
+    st.sampled_from(list(Role)),
+    st.sets(st.sampled_from(list(Role))),
+)
+def test_fuzz_handshake_refusals_never_state_the_listeners_identity(ours, theirs, stage, their_stage, role,
+                                                                    accepted):
+    local = LocalIdentity(ours, stage, frozenset(accepted))
+    refusal = check_hello(Hello(theirs, their_stage, role), local)
+    if refusal is None:
+        assert (ours, stage) == (theirs, their_stage) and role in accepted
+        return
+    if ours not in theirs:  # a fingerprint containing ours would echo it by itself
+        assert ours not in refusal.message
+    assert handshake_error_from(refusal).field in ("model_fingerprint", "stage_index", "role")
+
+
+_NODE = st.text("0123456789abcdefABCDEF", min_size=60, max_size=66)
+_JSONISH = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8) | _NODE,
+                        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                                    max_size=3), max_leaves=8)
+
+
+@FUZZ
+@given(st.one_of(
+    _JSONISH,
+    st.fixed_dictionaries({}, optional={"expect_upstream": st.lists(_NODE, max_size=3) | _JSONISH,
+                                        "expect_next": _NODE | _JSONISH, "deny": st.lists(_NODE, max_size=3),
+                                        "extra": _JSONISH}),
+))
+def test_fuzz_peer_policy_updates_parse_to_a_policy_or_a_named_refusal(blob):
+    """Whatever a stdin line decodes to, the worker gets a valid policy or PeerPolicyError (it keeps
+    the old one), never another exception or a policy holding a malformed id."""
+    try:
+        policy = parse_policy_update(blob)
+    except PeerPolicyError:
+        return
+    for node in (*policy.upstream, *policy.deny, *((policy.next,) if policy.next else ())):
+        assert len(node) == 64 and node == node.lower()
