@@ -2,8 +2,8 @@
 
 CPU/GPU (``target="stateful"``): each stage's graph is written op by op from the checkpoint's
 tensors by :mod:`export.builder` (stateful KV with the beam_idx Gather, weights lowered one
-tensor at a time by :mod:`export.weights`); no tracing. :func:`export_stage` below is the
-traced torch path it replaced, kept for comparison benchmarks only.
+tensor at a time by :mod:`export.weights`); no tracing (the traced torch path this replaced
+is in the history before this change, for comparison benchmarks).
 With ``target="npu"`` each stage is built by :mod:`export.static_export` instead (static
 shapes, stateless graphs, one graph per use); the parts both builders share are in
 :mod:`export.stage_parts`. Everything is written into a temporary sibling directory and
@@ -12,7 +12,6 @@ renamed into place at the end, so an error or a crash never leaves a half-writte
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import resource
@@ -23,8 +22,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import openvino as ov
-import torch
 from transformers import AutoConfig
 
 from engine import __version__
@@ -38,20 +35,15 @@ from engine.manifest import (
     file_entry,
     format_version_for,
 )
-from export.architectures import ArchSpec, arch_for, head_dim
-from export.compress import PRESETS, check_group_size, compress
-from export.graph import BEAM_IDX, convert_torch, make_stateful, set_io_names, set_runtime_options
-from export.modeling import StageModel, StageSpec, stage_tensor_names
+from export.architectures import arch_for, head_dim
+from export.compress import PRESETS, check_group_size
+from export.graph import BEAM_IDX
+from export.modeling import StageSpec
 from export.stage_parts import (
-    XML_NAME,
     CheckpointReader,
     ExportError,
     ExportOptions,
     Progress,
-    estimate_memory,
-    example_inputs,
-    io_names,
-    spec_of,
 )
 from export.static_export import export_static_stage, validate_target
 
@@ -132,54 +124,6 @@ def _reset_peak_rss() -> int:
 def _peak_rss_bytes() -> int:
     peak = _status_kb("VmHWM")
     return peak * 1024 if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def export_stage(config: Any, spec: ArchSpec, reader: CheckpointReader, stage: StageSpec,
-                 options: ExportOptions, out_dir: Path, progress: Progress) -> StageManifest:
-    """Build, convert, make stateful, compress and save one stage into ``out_dir``."""
-    progress(stage.index, "load")
-    tensors = reader.load(stage_tensor_names(config, spec, stage, reader.names))
-    module = StageModel(config, spec, stage, tensors).eval()
-    del tensors
-    example = example_inputs(config, stage)
-    progress(stage.index, "convert")
-    with torch.no_grad():
-        model = convert_torch(module, example)
-    del module, example
-    gc.collect()
-    inputs, outputs = io_names(stage)
-    set_io_names(model, inputs, outputs)
-    progress(stage.index, "stateful")
-    make_stateful(model, list(stage.layers), int(config.num_key_value_heads), head_dim(config), options.beam_idx)
-    progress(stage.index, "compress")
-    model = compress(model, options.weights, options.group_size, options.symmetric)
-    set_runtime_options(model, {"KV_CACHE_PRECISION": options.kv_cache_precision})
-    progress(stage.index, "save")
-    stage_dir = out_dir / f"stage_{stage.index}"
-    stage_dir.mkdir(parents=True)
-    ov.save_model(model, stage_dir / XML_NAME, compress_to_fp16=PRESETS[options.weights].fp16_ir)
-    io_in = tuple(spec_of(p) for p in model.inputs)
-    io_out = tuple(spec_of(p) for p in model.outputs)
-    del model
-    gc.collect()
-    files = tuple(file_entry(out_dir, f) for f in sorted(stage_dir.iterdir()))
-    size = sum(f.size for f in files)
-    return StageManifest(
-        index=stage.index,
-        first_layer=stage.first_layer,
-        last_layer=stage.last_layer,
-        has_embedding=stage.has_embedding,
-        has_head=stage.has_head,
-        directory=stage_dir.name,
-        xml=f"{stage_dir.name}/{XML_NAME}",
-        files=files,
-        inputs=io_in,
-        outputs=io_out,
-        beam_idx=options.beam_idx,
-        kv_cache_precision=options.kv_cache_precision,
-        estimated_memory_bytes=estimate_memory(config, stage, size, options.kv_cache_precision,
-                                               options.context_for_estimate),
-    )
 
 
 def _eos_ids(checkpoint_dir: Path, config: Any) -> tuple[int, ...]:
