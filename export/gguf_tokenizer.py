@@ -17,6 +17,7 @@ is llama.cpp's split written as the equivalent `tokenizers` pre-tokenizer. Other
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -42,13 +43,10 @@ class GGUFTokenizerError(DeskfleetError):
     tokenizer model / pre-tokenizer this converter does not support)."""
 
 
-def _fields(reader: Any) -> dict[str, Any]:
-    return {key: field.contents() for key, field in reader.fields.items() if key.startswith("tokenizer.")}
-
-
-def tokenizer_files(reader: Any) -> dict[str, str]:
-    """File name -> text of the HF tokenizer files for an open ``gguf.GGUFReader``."""
-    meta = _fields(reader)
+def tokenizer_files(metadata: Mapping[str, Any]) -> dict[str, str]:
+    """File name -> text of the HF tokenizer files, from a GGUF's metadata (key -> plain value,
+    as :attr:`export.weights.gguf_source.GGUFSource.metadata` holds it)."""
+    meta = {key: value for key, value in metadata.items() if key.startswith("tokenizer.")}
     model = meta.get("tokenizer.ggml.model")
     if model != "gpt2":
         raise GGUFTokenizerError(
@@ -124,20 +122,19 @@ def tokenizer_files(reader: Any) -> dict[str, str]:
     return files
 
 
-def write_tokenizer_files(gguf_path: Path, out_dir: Path, reader: Any = None) -> list[Path]:
+def write_tokenizer_files(gguf_path: Path, out_dir: Path, metadata: Mapping[str, Any] | None = None) -> list[Path]:
     """Write the HF tokenizer files of ``gguf_path`` into ``out_dir``; return their paths.
 
-    Pass an open ``reader`` to avoid parsing the GGUF twice (reading the metadata of a model with
-    a 50k vocabulary takes seconds).
+    Pass the open source's ``metadata`` to avoid parsing the GGUF header a second time.
     """
-    if reader is None:
-        from gguf import GGUFReader
+    if metadata is None:
+        from export.weights.gguf_file import GGUFFile
 
-        reader = GGUFReader(str(gguf_path))
+        metadata = GGUFFile(Path(gguf_path)).fields
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, text in tokenizer_files(reader).items():
+    for name, text in tokenizer_files(metadata).items():
         (out_dir / name).write_text(text, encoding="utf-8")
         written.append(out_dir / name)
     return written

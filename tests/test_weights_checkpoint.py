@@ -144,3 +144,32 @@ def test_raw_bytes_fingerprint_equals_the_torch_one_and_sees_every_byte(mixed_ch
     assert model_fingerprint(gguf) == first and first != checkpoint_fingerprint(directory)
     gguf.write_bytes(b"GGUF" + bytes(99) + b"\1")
     assert gguf_fingerprint(gguf) != first
+
+
+TORCH_FREE_PROBE = """
+import sys
+from pathlib import Path
+from export.weights.synthetic import LlamaShape, write_synthetic_llama
+from export.weights.checkpoint import open_checkpoint
+from export.weights.stage_weights import StageWeights, WeightMode
+from export.weights.fingerprint import model_fingerprint
+import export.gguf_tokenizer, export.weights.gguf_source, export.weights.gguf_blocks
+d = write_synthetic_llama(Path(sys.argv[1]), LlamaShape(1, 64, 96, 4, 2, 128), dtype="BF16")
+source = open_checkpoint(d)
+for kind in ("int4_sym", "int4_asym", "int8_asym", "fp16", "fp32"):
+    with StageWeights(source, WeightMode(kind, 32), bin_path=Path(sys.argv[1]) / "scratch") as w:
+        w.linear("model.layers.0.mlp.down_proj.weight"), w.embedding("model.embed_tokens.weight")
+model_fingerprint(d)
+print(sorted(m for m in ("torch", "transformers", "nncf", "safetensors", "optimum") if m in sys.modules))
+"""
+
+
+def test_reading_lowering_and_fingerprinting_import_no_torch(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    done = subprocess.run([sys.executable, "-c", TORCH_FREE_PROBE, str(tmp_path / "ckpt")], capture_output=True,
+                          text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"

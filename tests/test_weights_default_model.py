@@ -49,7 +49,7 @@ def hf_tokenizer(default_source):
 @pytest.fixture(scope="module")
 def our_tokenizer_dir(default_source, tmp_path_factory):
     out = tmp_path_factory.mktemp("tok")
-    write_tokenizer_files(default_source.path, out, reader=default_source.reader)
+    write_tokenizer_files(default_source.path, out, metadata=default_source.metadata)
     return out
 
 
@@ -102,18 +102,10 @@ def test_the_files_pass_the_conversion_check(our_tokenizer_dir):
 
 
 def test_unsupported_tokenizers_are_explained():
-    class Field:
-        def __init__(self, value):
-            self.value = value
-
-        def contents(self):
-            return self.value
-
-    class Reader:
-        def __init__(self, **fields):
-            self.fields = {k.replace("__", "."): Field(v) for k, v in fields.items()}
-
     with pytest.raises(GGUFTokenizerError, match="only byte-level BPE"):
-        tokenizer_files(Reader(tokenizer__ggml__model="llama"))
+        tokenizer_files({"tokenizer.ggml.model": "llama"})
     with pytest.raises(GGUFTokenizerError, match="pre-tokenizer 'tekken' is not supported"):
-        tokenizer_files(Reader(tokenizer__ggml__model="gpt2", tokenizer__ggml__pre="tekken"))
+        tokenizer_files({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "tekken"})
+    with pytest.raises(GGUFTokenizerError, match="no tokenizer vocabulary"):
+        tokenizer_files({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "smollm"})
+

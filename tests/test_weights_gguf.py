@@ -54,6 +54,12 @@ def write_tiny_gguf(path, types: dict[str, str], tie: bool = False, seed: int = 
     writer.add_vocab_size(VOCAB)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"tok{i}" for i in range(VOCAB)])
+    writer.add_token_types([3 if i < 3 else 1 for i in range(VOCAB)])
+    writer.add_token_merges(["t o", "to k"])
+    writer.add_array("test.floats", [0.5, -1.25])
+    writer.add_bool("test.flag", True)
     gguf_names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                   "lm_head.weight": "output.weight"}
     for name, value in hf.items():
@@ -135,3 +141,27 @@ def test_a_damaged_gguf_is_explained(tmp_path):
     bad.write_bytes(b"GGUF" + b"\0" * 20)
     with pytest.raises(CheckpointError, match="not a readable GGUF"):
         open_checkpoint(bad)
+
+
+def test_header_parser_agrees_with_gguf_reader(tiny_gguf):
+    import gguf
+
+    reader = gguf.GGUFReader(str(tiny_gguf))
+    source = GGUFSource(tiny_gguf)
+    fields = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    assert set(fields) == set(source.metadata)
+    for key, want in fields.items():
+        got = source.metadata[key]
+        assert (got == pytest.approx(want)) if isinstance(want, float) else got == want, key
+    assert source.metadata["test.flag"] is True and source.metadata["tokenizer.ggml.tokens"][319] == "tok319"
+    for tensor in reader.tensors:
+        raw = source.blocks(hf_name(tensor.name)).data
+        np.testing.assert_array_equal(np.asarray(raw).reshape(-1).view(np.uint8),
+                                      np.asarray(tensor.data).reshape(-1).view(np.uint8), err_msg=tensor.name)
+
+
+def test_a_truncated_gguf_is_explained(tiny_gguf, tmp_path):
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tiny_gguf.read_bytes()[:-1000])
+    with pytest.raises(CheckpointError, match="truncated"):
+        GGUFSource(cut)

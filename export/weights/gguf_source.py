@@ -9,7 +9,9 @@ transformers' GGUF loader applies, so both read the same numbers):
   rotary halves); for the ``llama`` architecture they are permuted back, per head (KV heads
   for K): ``w.reshape(heads, d / 2, 2, in).swapaxes(1, 2).reshape(d_all, in)``;
 - quantised tensors (Q4_0, Q4_1, Q8_0, K-quants...) are dequantised in numpy by the ``gguf``
-  package, one row block at a time (each row is a whole number of blocks).
+  package, one row block at a time (each row is a whole number of blocks); the header is
+  parsed by :mod:`export.weights.gguf_file` (``gguf.GGUFReader`` costs ~150 MB for a 50k
+  vocabulary) and tensor bytes are read from a memory map whose pages are released as read.
 
 :meth:`GGUFSource.blocks` hands out a tensor's raw blocks for the keep-the-quantisation route
 (:mod:`export.weights.gguf_blocks`).
@@ -76,6 +78,7 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_PLAIN = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_0-9]+)\.(weight|bias)$")
 _PERMUTED = {"llama": {"self_attn.q_proj.weight": "num_attention_heads", "self_attn.k_proj.weight": "num_key_value_heads"}}
 
@@ -110,39 +113,36 @@ class GGUFSource:
     """A GGUF model file read lazily in HF terms (see the module docstring)."""
 
     def __init__(self, path: Path):
-        try:
-            from gguf import GGUFReader
-        except ImportError as exc:  # pragma: no cover - gguf is an export dependency
-            raise CheckpointError(f"reading GGUF files needs the gguf package ({exc}): pip install 'deskfleet[export]'") from exc
+        from export.weights.gguf_file import GGUFFile, GGUFFormatError
+
         self.path = Path(path)
         try:
-            self._reader = GGUFReader(str(self.path))
-        except (ValueError, OSError) as exc:
+            self._file = GGUFFile(self.path)
+        except (GGUFFormatError, OSError, UnicodeDecodeError) as exc:
             raise CheckpointError(f"{self.path} is not a readable GGUF file ({exc}); download or copy it again") from exc
         self.architecture = str(self.field("general.architecture") or "")
         self._tensors = {}
-        self.unmapped: tuple[str, ...] = ()
         unmapped = []
-        for tensor in self._reader.tensors:
+        for tensor in self._file.tensors:
             name = hf_name(tensor.name)
             if name is None:
                 unmapped.append(tensor.name)
             else:
                 self._tensors[name] = tensor
-        self.unmapped = tuple(unmapped)
+        self.unmapped: tuple[str, ...] = tuple(unmapped)
+        self._map: np.memmap | None = None
         self.config = self._config()
 
     # -- metadata ------------------------------------------------------------------------
 
     @property
-    def reader(self):
-        """The open ``gguf.GGUFReader`` (for the tokenizer metadata: parsing it again costs seconds)."""
-        return self._reader
+    def metadata(self) -> dict:
+        """Every metadata key -> plain value (for the tokenizer files: no second parse)."""
+        return self._file.fields
 
     def field(self, key: str):
         """A metadata value (``str``/number/list), or ``None`` when the GGUF does not have it."""
-        field = self._reader.fields.get(key)
-        return None if field is None else field.contents()
+        return self._file.fields.get(key)
 
     def _config(self) -> dict:
         arch = self.architecture
@@ -163,9 +163,9 @@ class GGUFSource:
             if value is not None:
                 config[hf_key] = value
         if "vocab_size" not in config:
-            tokens = self._reader.fields.get("tokenizer.ggml.tokens")
+            tokens = self.field("tokenizer.ggml.tokens")
             if tokens is not None:
-                config["vocab_size"] = len(tokens.data)
+                config["vocab_size"] = len(tokens)
             elif "model.embed_tokens.weight" in self._tensors:
                 config["vocab_size"] = self.shape("model.embed_tokens.weight")[0]
         config["tie_word_embeddings"] = "lm_head.weight" not in self._tensors
@@ -200,11 +200,16 @@ class GGUFSource:
                                   "or of another architecture") from None
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(int(d) for d in reversed(self._tensor(name).shape.tolist()))
+        return tuple(reversed(self._tensor(name).dims))
+
+    def _qtype(self, name: str):
+        from gguf import GGMLQuantizationType
+
+        return GGMLQuantizationType(self._tensor(name).type_id)
 
     def type_name(self, name: str) -> str:
         """The GGML storage type of ``name`` (``F32``, ``F16``, ``Q4_1``, ``Q8_0``...)."""
-        return self._tensor(name).tensor_type.name
+        return self._qtype(name).name
 
     def _permuted_heads(self, name: str) -> int | None:
         suffix = name.split(".", 3)[-1] if name.startswith("model.layers.") else ""
@@ -214,11 +219,17 @@ class GGUFSource:
     def blocks(self, name: str) -> RawBlocks:
         """The stored bytes of ``name`` (rows in GGUF order; see :meth:`row_order`)."""
         tensor = self._tensor(name)
-        data = tensor.data
+        if self._map is None:
+            self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+        data = self._map[tensor.offset:tensor.offset + tensor.nbytes]
         shape = self.shape(name)
-        if data.ndim == 1 and len(shape) == 2:
-            data = data.reshape(shape[0], -1)
-        return RawBlocks(tensor.tensor_type.name, shape, data)
+        plain = _PLAIN.get(self.type_name(name))
+        if plain is not None:
+            data = data.view(plain).reshape(shape)
+        else:
+            rows = int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
+            data = data.reshape(rows, -1)
+        return RawBlocks(self.type_name(name), shape, data)
 
     def row_order(self, name: str) -> np.ndarray | None:
         """For a permuted Q/K tensor: the stored row holding each HF row; else ``None``."""
@@ -246,25 +257,24 @@ class GGUFSource:
         from gguf import GGMLQuantizationType, dequantize
 
         raw = self.blocks(name)
-        if len(raw.shape) == 1:
-            values = np.asarray(raw.data[start:stop])
-        else:
-            values = raw.data[start:stop]
-        qtype = self._tensor(name).tensor_type
+        values = raw.data[start:stop]
+        qtype = self._qtype(name)
         if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-            out = np.asarray(values, dtype=np.float32)
+            out = np.array(values, dtype=np.float32, copy=True)
+        elif qtype == GGMLQuantizationType.BF16:
+            out = (np.asarray(values).astype(np.uint32) << 16).view(np.float32)
         else:
             out = dequantize(np.asarray(values), qtype).astype(np.float32, copy=False)
-        out = np.array(out, dtype=np.float32, copy=True)
+        out = np.ascontiguousarray(out, dtype=np.float32)
         self._release(values)
         return out.reshape((stop - start, *raw.shape[1:]))
 
     def _release(self, view: np.ndarray) -> None:
         """Drop the file pages just read from this process's RSS (they stay in the page cache)."""
-        mapped = getattr(self._reader.data, "_mmap", None)
+        mapped = getattr(self._map, "_mmap", None)
         if mapped is None or view.size == 0:
             return
-        base = self._reader.data.ctypes.data
+        base = self._map.ctypes.data
         begin = view.ctypes.data - base
         end = begin + view.nbytes
         page = mmap.PAGESIZE
@@ -276,7 +286,7 @@ class GGUFSource:
                 pass
 
     def close(self) -> None:
-        self._tensors.clear()
+        self._map = None
 
     def __enter__(self) -> GGUFSource:
         return self
