@@ -164,10 +164,17 @@ class ConsoleAdvertiser:
             await zc.async_close()
 
 
+MAX_CONSOLES = 16  # console records kept (and looked up at once) in one search
+PIN_GRACE_S = 0.5  # after the first record with the pin, how long others may still answer
+
+
 async def async_find_consoles(interface: str, *, pin: str | None = None,
                               timeout: float = SEARCH_TIMEOUT_S) -> tuple[ConsoleAdvertisement, ...]:
-    """The consoles advertising on ``interface`` within ``timeout`` s; returns as soon as one with
-    ``pin`` is found when a pin is given. Malformed records are skipped (logged at DEBUG)."""
+    """The consoles advertising on ``interface`` within ``timeout`` s; returns shortly after one
+    with ``pin`` is found when a pin is given (a moment more, so a member posing as the console
+    with the public pin does not hide the real one: the join tries each and refuses non-consoles).
+    Malformed records are skipped (logged at DEBUG); at most MAX_CONSOLES records are kept and
+    MAX_CONSOLES lookups run at once."""
     zc = _zeroconf_on(interface)
     found: dict[str, ConsoleAdvertisement] = {}
     hit = asyncio.Event()
@@ -182,12 +189,14 @@ async def async_find_consoles(interface: str, *, pin: str | None = None,
         except DiscoveryError as exc:
             log.debug("%s", exc)
             return
+        if len(found) >= MAX_CONSOLES and ad.instance not in found:
+            return
         found[ad.instance] = ad
         if pin is None or ad.ca_pin == pin.lower():
             hit.set()
 
     def on_change(zeroconf, service_type: str, name: str, state_change: ServiceStateChange) -> None:
-        if state_change is not ServiceStateChange.Removed:
+        if state_change is not ServiceStateChange.Removed and len(pending) < MAX_CONSOLES:
             task = asyncio.get_running_loop().create_task(resolve(name))
             pending.add(task)
             task.add_done_callback(pending.discard)
@@ -199,6 +208,7 @@ async def async_find_consoles(interface: str, *, pin: str | None = None,
         with contextlib.suppress(TimeoutError):
             if pin is not None:
                 await asyncio.wait_for(hit.wait(), timeout)
+                await asyncio.sleep(min(PIN_GRACE_S, timeout))
             else:
                 await asyncio.sleep(timeout)
     finally:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from engine.errors import DeskfleetError, ManifestError
@@ -27,6 +27,7 @@ WORKER_STATES = ("stopped", "starting", "running", "backoff", "failed")
 # What a stage worker prints for its supervising agent: once when it is ready, then stats lines.
 READY_PREFIX = "deskfleet worker: stage"
 STATS_PREFIX = "deskfleet-stats "
+PEERS_PREFIX = "deskfleet-peers"  # a peer-policy update from stdin is in force (engine.worker prints it)
 _HOSTPORT = re.compile(r"^[A-Za-z0-9.\-:\[\]]{1,255}:\d{1,5}$")
 _EXPORT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,127}$")
 
@@ -108,6 +109,12 @@ class Assignment:
     fetched from (the console's shard server): file ``p`` of the manifest is ``source + p``.
     ``next_hop`` is the next stage's data address, or the coordinator's return port for the last
     stage. ``api_url`` is the fleet's OpenAI-compatible API, for the tray's chat window.
+
+    Who the worker deals with on the data plane (node ids, sha256 of the peers' certificates;
+    see engine.peer_policy): ``expect_upstream`` may dial its listener (the previous stage's
+    agent, or the console for stage 0; two during a failover move), ``expect_next`` must answer
+    at ``next_hop`` (the next stage's agent, or the console's return port for the last stage).
+    ``deny`` is the console's revocation list, refused by the worker and the control API alike.
     """
 
     export_id: str
@@ -120,6 +127,10 @@ class Assignment:
     worker: WorkerSettings = WorkerSettings()
     api_url: str | None = None
     events_url: str | None = None
+    expect_upstream: tuple[str, ...] = ()
+    expect_next: str | None = None
+    deny: tuple[str, ...] = ()
+    api_key: str | None = field(default=None, repr=False)  # the fleet API's key, for the tray's chat
 
     @property
     def manifest(self) -> Manifest:
@@ -173,7 +184,51 @@ class Assignment:
             if url is not None and not re.match(r"^https?://", url):
                 raise ControlRequestError(f"{name} must be an http(s) URL, got {url!r}")
             urls[name] = url
-        return cls(export_id, stage, manifest_json, digest.lower(), source, listen_port, next_hop, worker, **urls)
+        peers = parse_peers(data)
+        api_key = _field(data, "api_key", str, optional=True)
+        if api_key is not None and not (0 < len(api_key) <= 256 and api_key.isascii() and api_key.isprintable()):
+            raise ControlRequestError("api_key must be 1-256 printable ASCII characters")
+        return cls(export_id, stage, manifest_json, digest.lower(), source, listen_port, next_hop, worker, **urls,
+                   **peers, api_key=api_key)
+
+    def same_stage(self, other: Assignment) -> bool:
+        """Whether ``other`` differs from this at most in the peers and the URLs shown to the tray:
+        a running worker then takes it as a policy update instead of a restart."""
+        peers = {"expect_upstream": (), "expect_next": None, "deny": (), "api_url": None, "events_url": None,
+                 "api_key": None}
+        return replace(self, **peers) == replace(other, **peers)
+
+    def peer_policy_json(self) -> dict[str, Any]:
+        """The worker's peer policy (the ``--tls-stdin`` keys of engine.peer_policy)."""
+        return {"expect_upstream": list(self.expect_upstream), "expect_next": self.expect_next,
+                "deny": list(self.deny)}
+
+
+MAX_NODE_IDS = 1024  # a deny list of a whole office still fits; engine.peer_policy has the same cap
+
+
+def parse_node_id(value: Any, what: str) -> str:
+    """A node id (64 hex digits, lowercased), or ControlRequestError naming ``what``."""
+    if not isinstance(value, str) or not re.fullmatch(r"[0-9a-fA-F]{64}", value):
+        raise ControlRequestError(f"{what} must be a node id (64 hex digits), got {value!r:.80}")
+    return value.lower()
+
+
+def parse_node_ids(value: Any, what: str) -> tuple[str, ...]:
+    """A list of node ids -> a sorted, de-duplicated tuple (absent: empty)."""
+    if value is None:
+        return ()
+    if not isinstance(value, (list, tuple)) or len(value) > MAX_NODE_IDS:
+        raise ControlRequestError(f"{what} must be a list of at most {MAX_NODE_IDS} node ids")
+    return tuple(sorted({parse_node_id(v, what) for v in value}))
+
+
+def parse_peers(data: dict[str, Any]) -> dict[str, Any]:
+    """An assignment's ``expect_upstream``, ``expect_next`` and ``deny``, validated."""
+    upstream = parse_node_ids(data.get("expect_upstream"), "expect_upstream")
+    nxt = data.get("expect_next")
+    return {"expect_upstream": upstream, "expect_next": None if nxt is None else parse_node_id(nxt, "expect_next"),
+            "deny": parse_node_ids(data.get("deny"), "deny")}
 
 
 def _check_relative(rel: str) -> None:
@@ -210,6 +265,7 @@ class WorkerStatus:
     steps_per_s: float = 0.0
     streams: int = 0
     last_error: str | None = None
+    policy_updates: int = 0  # peer-policy updates the running worker applied without a restart
 
 
 @dataclass(frozen=True)

@@ -160,8 +160,15 @@ class Peer:
     last_seen: float
 
 
+MAX_PENDING_RESOLVES = 32  # record lookups in flight: a flood of new names waits its turn, or is dropped
+MAX_PEERS = 512  # agents tracked on one interface: an office, with room; a flood of names stops here
+
+
 class Browser:
     """Keeps the set of valid agents advertising on one interface.
+
+    Bounded against a flood of forged names: at most MAX_PENDING_RESOLVES lookups in flight and
+    MAX_PEERS peers tracked; names past those are ignored (logged once) until others leave.
 
     ``on_change(peers)`` is called on the loop with a fresh ``{instance: Peer}`` snapshot when
     a peer appears, changes its advertisement, or leaves (goodbye, TTL expiry, or turning
@@ -203,6 +210,11 @@ class Browser:
             old.cancel()
         if state_change is ServiceStateChange.Removed:
             self._drop(name)
+        elif len(self._pending) >= MAX_PENDING_RESOLVES or (
+                len(self._peers) >= MAX_PEERS and not self._tracks(name)):
+            self._complain("(flood)", f"ignoring {name!r}: {len(self._pending)} records are being resolved "
+                                      f"and {len(self._peers)} agents tracked already (limits "
+                                      f"{MAX_PENDING_RESOLVES}, {MAX_PEERS})")
         else:
             task = asyncio.get_running_loop().create_task(self._resolve(name))
             self._pending[key] = task
@@ -229,13 +241,22 @@ class Browser:
             return
         self._warned.discard(name.lower())
         changed = ad != (self._peers[ad.instance].advertisement if ad.instance in self._peers else None)
+        if ad.instance not in self._peers and len(self._peers) >= MAX_PEERS:
+            self._complain("(flood)", f"ignoring {name!r}: {MAX_PEERS} agents are tracked already")
+            return
         self._peers[ad.instance] = Peer(ad, time.monotonic())
         if changed:
             self._notify()
 
+    def _tracks(self, name: str) -> bool:
+        instance = name[: -len(_SUFFIX)] if name.lower().endswith(_SUFFIX.lower()) else name
+        return instance in self._peers
+
     def _complain(self, name: str, message: str) -> None:
         # Once at WARNING per peer, then DEBUG: a broken peer re-announces every few seconds.
         key = name.lower()
+        if len(self._warned) > 4 * MAX_PEERS:  # a flood of broken names must not grow this for ever
+            self._warned.clear()
         log.log(logging.DEBUG if key in self._warned else logging.WARNING, "%s", message)
         self._warned.add(key)
 

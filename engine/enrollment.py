@@ -7,6 +7,10 @@ trusts nothing the console says until the CA it serves matches the pin inside th
 1. ``GET /v1/ca`` over unverified TLS -> the CA PEM; the agent compares its sha256 to the pin.
 2. ``POST /v1/join`` ``{token, csr_pem, name, info?}`` over TLS verified against that CA ->
    ``{cert_pem, ca_pem, fleet_id, node_id}``. The agent's key never leaves it, only its CSR.
+   Before the token is written, the server's certificate must carry the console role: every
+   member's certificate chains to the same CA (and may serve TLS), so the CA alone does not
+   tell the console from an enrolled PC posing as it. The console's node id (the sha256 of that
+   certificate) is what the agent then pins: its control API takes orders from that id only.
 
 A refused token is answered 403 with its reason (``engine.errors.JOIN_REFUSALS``) and logged.
 """
@@ -14,11 +18,15 @@ A refused token is answered 403 with its reason (``engine.errors.JOIN_REFUSALS``
 from __future__ import annotations
 
 import asyncio
+import datetime
 import inspect
 import json
 import logging
+import os
 import ssl
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -36,6 +44,12 @@ from engine.errors import (
     WrongFleetError,
 )
 from engine.jointoken import TokenBook, parse_token
+from engine.tls_peer import (
+    PeerCheckingConnector,
+    PeerIdentityError,
+    async_read_limited,
+    expect_peer,
+)
 from engine.trust import (
     LEAF_DAYS,
     Credentials,
@@ -55,6 +69,21 @@ MAX_JOIN_BYTES = 64 << 10  # a CSR is ~0.5 KB; info is a handful of hardware fac
 MAX_CA_BYTES = 16 << 10
 JOIN_TIMEOUT = 10.0
 PEM_TYPE = "application/x-pem-file"
+
+class NotTheConsoleError(EnrollmentError):
+    """Raised on an agent when the server at the console's address holds a certificate of the
+    fleet that is not the console's (another member posing as it): the join token was not sent,
+    so it is still good for the real console."""
+
+
+@dataclass(frozen=True)
+class Joined:
+    """A successful join: this PC's new credentials and the node id of the console that admitted
+    it (the sha256 of the console certificate the join was made over, not anything it wrote)."""
+
+    credentials: Credentials
+    console_node_id: str
+
 
 # on_join(node_id, name, info): told of every admitted PC, after its certificate is signed.
 JoinCallback = Callable[[str, str, Mapping[str, Any]], Awaitable[None] | None]
@@ -171,6 +200,44 @@ def _parse_join(body: bytes) -> tuple[str, str, str, dict[str, Any]] | str:
     return doc["token"], doc["csr_pem"], sanitize_name(doc["name"]), info
 
 
+# -- the console's own certificate ---------------------------------------------------------------
+
+CONSOLE_CERT = "console.crt"
+CONSOLE_KEY = "console.key"
+RENEW_BEFORE = datetime.timedelta(days=7)
+
+
+def load_or_create_console_credentials(state_dir: Path, authority: FleetAuthority,
+                                       name: str = "console") -> Credentials:
+    """The console's fleet certificate, kept in ``state_dir`` (key 0600 beside the CA key) so that
+    its node id — which every agent pins at its join — survives a restart. A new one is issued
+    (and the agents must join again; logged) only when none is stored, when it no longer fits
+    the CA or has lost the console role, or when it expires within RENEW_BEFORE."""
+    cert, key = state_dir / CONSOLE_CERT, state_dir / CONSOLE_KEY
+    if cert.exists() and key.exists():
+        try:
+            creds = Credentials(authority.ca_pem, cert.read_bytes(), key.read_bytes())
+        except (CredentialsError, OSError) as exc:
+            log.warning("the console certificate in %s is unusable (%s): issuing a new one; agents "
+                        "that joined through the old one must join again", state_dir, exc)
+        else:
+            fresh = creds.not_after - datetime.datetime.now(datetime.UTC) > RENEW_BEFORE
+            if creds.role is Role.CONSOLE and fresh:
+                return creds
+            log.warning("the console certificate in %s expires on %s: issuing a new one; agents must "
+                        "join again", state_dir, creds.not_after.date())
+    state_dir.mkdir(parents=True, exist_ok=True)
+    creds = authority.issue_credentials(name, role=Role.CONSOLE)
+    partial = key.with_name(key.name + ".new")
+    partial.unlink(missing_ok=True)
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(creds.key_pem)
+    os.replace(partial, key)
+    cert.write_bytes(creds.cert_pem)
+    return creds
+
+
 # -- the agent side ----------------------------------------------------------------------------
 
 def split_address(console: str) -> tuple[str, int]:
@@ -193,21 +260,18 @@ def _pinned_context(ca_pem: bytes) -> ssl.SSLContext:
 
 
 async def _async_read_limited(resp: aiohttp.ClientResponse, limit: int) -> bytes:
-    data = bytearray()
-    async for chunk in resp.content.iter_chunked(8192):
-        data.extend(chunk)
-        if len(data) > limit:
-            raise EnrollmentError(f"the console's answer exceeds {limit} bytes; this is not a Deskfleet console")
-    return bytes(data)
+    return await async_read_limited(
+        resp, limit, lambda message: EnrollmentError(f"{message}; this is not a Deskfleet console"))
 
 
 async def async_join(console: str, token: str, name: str, *, info: Mapping[str, Any] | None = None,
-                     timeout: float = JOIN_TIMEOUT) -> Credentials:
+                     timeout: float = JOIN_TIMEOUT) -> Joined:
     """Join the fleet whose console listens at ``console`` ("host:port") with a join token.
 
     Raises JoinTokenError (mistyped token, nothing sent), WrongFleetError (the console's CA is
-    not the one the token pins; the CSR is not sent), JoinRefused (the console refused the
-    token), EnrollmentTimeout (a step took longer than ``timeout`` s in all), EnrollmentError.
+    not the one the token pins; the CSR is not sent), NotTheConsoleError (a member that is not
+    the console answered; the token is not sent), JoinRefused (the console refused the token),
+    EnrollmentTimeout (a step took longer than ``timeout`` s in all), EnrollmentError.
     """
     pinned = parse_token(token)
     host, port = split_address(console)
@@ -236,9 +300,19 @@ async def async_join(console: str, token: str, name: str, *, info: Mapping[str, 
             key_pem, csr_pem = make_key_and_csr(name)
             step = "sending the join request"
             request = {"token": pinned.text, "csr_pem": csr_pem.decode("ascii"), "name": name, "info": dict(info or {})}
-            async with session.post(f"{base}/v1/join", json=request, ssl=_pinned_context(ca_pem)) as resp:
-                answer = await _async_read_limited(resp, MAX_CA_BYTES * 4)
-                status = resp.status
+            # A second session whose connector checks the console role on the new TLS connection
+            # before the request (and so the token) is written to it.
+            checked = PeerCheckingConnector(expect_peer(Role.CONSOLE, what=f"the server at {console}"),
+                                            force_close=True)
+            async with aiohttp.ClientSession(connector=checked, timeout=aiohttp.ClientTimeout(total=timeout)) as joining:
+                async with joining.post(f"{base}/v1/join", json=request, ssl=_pinned_context(ca_pem)) as resp:
+                    answer = await _async_read_limited(resp, MAX_CA_BYTES * 4)
+                    status = resp.status
+            console_node_id = checked.seen
+    except PeerIdentityError as exc:
+        log.warning("join at %s refused before sending the token: %s", console, exc)
+        raise NotTheConsoleError(f"{exc}. The join token was not sent and is still good; check the console "
+                                 "address, and tell the admin: a fleet member may be posing as the console") from exc
     except TimeoutError:
         raise EnrollmentTimeout(f"the console at {console} did not answer within {timeout:g} s while "
                                 f"{step}; check that it is running and reachable") from None
@@ -251,7 +325,8 @@ async def async_join(console: str, token: str, name: str, *, info: Mapping[str, 
                               "address and that the console is running") from exc
     except aiohttp.ClientError as exc:
         raise EnrollmentError(f"the connection to the console at {console} failed while {step} ({exc})") from exc
-    return _credentials_from(console, status, answer, ca_pem, key_pem)
+    assert console_node_id is not None  # the connector checked (and so saw) the console's certificate
+    return Joined(_credentials_from(console, status, answer, ca_pem, key_pem), console_node_id)
 
 
 def _credentials_from(console: str, status: int, answer: bytes, ca_pem: bytes, key_pem: bytes) -> Credentials:

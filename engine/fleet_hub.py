@@ -6,7 +6,10 @@ interrupted download resumes), takes registrations from agents on networks that 
 against the fleet CA on every route: an agent proves membership with its certificate.
 
 Only files a published export's manifest names can be fetched: the URL path is looked up in
-the manifest, never joined onto the file system as given.
+the manifest, never joined onto the file system as given, and only by an agent the console
+granted them (:meth:`FleetHub.grant`: the stage of its current assignment, or the stages it
+calibrates). A member the console revoked (:meth:`FleetHub.set_deny`) is refused on every route.
+Every refusal is logged and answered 403 or 404 without saying more than the caller knows.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,12 +48,16 @@ class FleetHub:
 
     def __init__(self, credentials: Credentials, *, on_event: Callable[[AgentEvent], None] = lambda e: None) -> None:
         self.credentials = credentials
-        self._exports: dict[str, tuple[Path, dict[str, FileEntry]]] = {}
+        # export id -> (directory, files by path, each stage's file paths)
+        self._exports: dict[str, tuple[Path, dict[str, FileEntry], tuple[frozenset[str], ...]]] = {}
         self._on_event = on_event
         self._listeners: list[Callable[[AgentEvent], None]] = []
         self.events: list[AgentEvent] = []
         self.registrations: dict[str, dict] = {}
         self.bytes_served = 0
+        self._deny: frozenset[str] = frozenset()
+        self._deny_listeners: list[Callable[[frozenset[str]], None]] = []
+        self._grants: dict[str, dict[str, frozenset[int]]] = {}  # node id -> export id -> stages
         self._runner: web.AppRunner | None = None
         self.host: str | None = None
         self.port: int | None = None
@@ -78,7 +85,42 @@ class FleetHub:
             except ManifestError as exc:
                 log.warning("refusing to publish %s from %s: %s", export_id, export_dir, exc)
                 raise
-        self._exports[export_id] = (export_dir, files)
+        per_stage = tuple(frozenset(e.path for e in stage.files) for stage in manifest.stages)
+        self._exports[export_id] = (export_dir, files, per_stage)
+
+    @property
+    def deny(self) -> frozenset[str]:
+        """The node ids refused on every route (the console's deny list)."""
+        return self._deny
+
+    def set_deny(self, deny: Iterable[str]) -> None:
+        """Revoked node ids: refused on every route (the console's deny list)."""
+        self._deny = frozenset(deny)
+        for node_id in self._deny:
+            self._grants.pop(node_id, None)
+        for listener in list(self._deny_listeners):
+            try:
+                listener(self._deny)
+            except Exception:
+                log.exception("deny-list listener failed")
+
+    def subscribe_deny(self, listener: Callable[[frozenset[str]], None]) -> Callable[[], None]:
+        """``listener(deny)`` after every change of the deny list (the coordinator's ring listens);
+        returns a function that unsubscribes it."""
+        self._deny_listeners.append(listener)
+        return lambda: self._deny_listeners.remove(listener) if listener in self._deny_listeners else None
+
+    def grant(self, node_id: str, export_id: str, stages: Iterable[int]) -> None:
+        """Let ``node_id`` fetch the files of ``stages`` of ``export_id``, in place of what it was
+        granted before for that export (an agent serves one stage; a calibration names several)."""
+        self._grants.setdefault(node_id, {})[export_id] = frozenset(stages)
+
+    def revoke_grants(self, node_id: str) -> None:
+        """``node_id`` may fetch nothing any more (its assignment ended, or it was removed)."""
+        self._grants.pop(node_id, None)
+
+    def granted(self, node_id: str, export_id: str) -> frozenset[int]:
+        return self._grants.get(node_id, {}).get(export_id, frozenset())
 
     def shard_url(self, export_id: str) -> str:
         return f"https://{self.host}:{self.port}/v1/shards/{export_id}/"
@@ -109,16 +151,27 @@ class FleetHub:
         der = ssl_object.getpeercert(binary_form=True) if ssl_object is not None else None
         if not der:
             raise web.HTTPForbidden(text="a fleet certificate is required")
-        return peer_node_id(der)
+        node = peer_node_id(der)
+        if node in self._deny:
+            log.warning("refused %s %s from revoked member %s", request.method, request.path, node[:16])
+            raise web.HTTPForbidden(text="this member's certificate was revoked by the console")
+        return node
 
     async def _shard(self, request: web.Request) -> web.StreamResponse:
-        self._caller(request)
+        node = self._caller(request)
         export_id, rel = request.match_info["export_id"], request.match_info["path"]
         published = self._exports.get(export_id)
         entry = published[1].get(rel) if published else None
         if published is None or entry is None:
             log.warning("refused shard request for %s/%s: not a published file", export_id, rel)
             raise web.HTTPNotFound(text=f"{export_id}/{rel} is not a published shard file")
+        stages = self.granted(node, export_id)
+        manifest_stages = published[2]
+        if not any(rel in manifest_stages[i] for i in stages if i < len(manifest_stages)):
+            log.warning("refused shard request for %s/%s from %s: no current assignment names it",
+                        export_id, rel, node[:16])
+            raise web.HTTPForbidden(text=f"{export_id}/{rel} is not part of an assignment the console gave "
+                                         "this agent")
         path = safe_join(published[0], entry.path)
         try:
             asked = request.http_range.start

@@ -51,14 +51,20 @@ def test_links_measured_console_to_agent_and_agent_to_agent(tmp_path):
                 direct = await async_measure_link(f"https://127.0.0.1:{a.control_port}",
                                                   con.credentials.client_context(), samples=3, nbytes=4 << 20)
                 client_a = ControlClient(con.credentials, "127.0.0.1", a.control_port)
-                a_to_b = await client_a.async_measure_link(f"127.0.0.1:{b.control_port}", samples=3)
-                peer = ControlClient(con.authority.issue_credentials("c", Role.AGENT), "127.0.0.1", a.control_port)
+                client_b = ControlClient(con.credentials, "127.0.0.1", b.control_port)
+                with pytest.raises(ControlError) as not_expected:  # b's echo is not open to a yet
+                    await client_a.async_measure_link(f"127.0.0.1:{b.control_port}", samples=3)
+                await client_b.async_expect_link(a.status().node_id)
+                a_to_b = await client_a.async_measure_link(f"127.0.0.1:{b.control_port}", samples=3,
+                                                           target_node_id=b.status().node_id)
+                peer = ControlClient(con.authority.issue_credentials("c", role=Role.AGENT), "127.0.0.1", a.control_port)
                 with pytest.raises(ControlError) as forbidden:
                     await peer.async_measure_link(f"127.0.0.1:{b.control_port}")
                 with pytest.raises(ControlError) as bad:
                     await client_a._call("GET", "/v1/link/echo?bytes=-5")
                 with pytest.raises(ControlError) as unreachable:
                     await client_a.async_measure_link("127.0.0.1:9")
+                assert "403" in str(not_expected.value)
                 return direct, a_to_b, forbidden.value.status, bad.value.status, unreachable.value.status
             finally:
                 await a.async_close()
@@ -85,6 +91,7 @@ def test_calibration_times_stages_of_two_sizes_on_the_agent(tmp_path, calibratio
                                              stage=1, source=con.hub.shard_url(export_id), listen_port=0,
                                              next_hop="127.0.0.1:1").to_dict()
                     body = {k: base[k] for k in ("export_id", "manifest_json", "manifest_sha256", "source")}
+                    con.hub.grant(agent.status().node_id, export_id, [0, 1])  # the stages calibrated below
                     timings += await client.async_calibrate({**body, "stages": [1], "device": "CPU", "steps": 8})
                 one = await client.async_calibrate({**body, "stages": [1], "device": "CPU", "steps": 2,
                                                     "threads": 1})  # the workers' setting

@@ -20,8 +20,10 @@ from agent.service.settings import AgentSettings
 from engine.control import Assignment, WorkerSettings
 from engine.control_client import ControlClient, ControlError
 from engine.coordinator import Coordinator, model_card
+from engine.errors import DeskfleetError
 from engine.generate import greedy_generate
 from engine.manifest import load_manifest
+from engine.peer_policy import PeerPolicy
 from engine.request import GenerationRequest
 from engine.ring import RingPath
 from engine.shard import LocalChain, Stage
@@ -54,14 +56,24 @@ def _assignment(con, export: Path, export_id: str, *, listen_port: int, next_hop
     return Assignment.create((export / "manifest.json").read_text(), export_id=export_id, stage=1,
                              source=con.hub.shard_url(export_id), listen_port=listen_port, next_hop=next_hop,
                              worker=WorkerSettings(threads=1, exact=True),
-                             api_url="http://127.0.0.1:8000/v1", events_url=con.hub.events_url)
+                             api_url="http://127.0.0.1:8000/v1", events_url=con.hub.events_url,
+                             # the console runs stage 0 and the return port: it is both neighbours
+                             expect_upstream=(con.credentials.node_id,), expect_next=con.credentials.node_id)
 
 
-async def _ring_tokens(con, export: Path, agent_data: Address, return_port: int) -> list[int]:
+async def _assign(con, client: ControlClient, assignment: Assignment) -> None:
+    """Assign as the console does: the hub serves the stage's files to that agent only."""
+    await client.async_assign(assignment)
+    con.hub.grant(client.peer_node_id, assignment.export_id, [assignment.stage])
+
+
+async def _ring_tokens(con, export: Path, agent_data: Address, return_port: int, agent_node: str, *,
+                       dial_deadline: float = 30) -> list[int]:
     manifest = load_manifest(export)
     path = RingPath(manifest.model.fingerprint, 2, agent_data, Address("127.0.0.1", return_port),
                     local_stage0=Stage(export, 0, exact=True), server_ssl=con.credentials.server_context(),
-                    client_ssl=con.credentials.client_context(), dial_deadline=30)
+                    client_ssl=con.credentials.client_context(), dial_deadline=dial_deadline,
+                    peers=PeerPolicy.of([agent_node], agent_node))
     async with Coordinator(path, model_card(manifest)) as c:
         return await collect(c, GenerationRequest(PROMPT_IDS, N, ignore_eos=True))
 
@@ -83,7 +95,7 @@ def test_join_assign_fetch_and_serve_a_stage_in_a_real_ring(tmp_path, tiny_expor
                 assert {d["name"] for d in status.inventory["devices"]} >= {"CPU"}
 
                 data_port, return_port = free_port(), free_port()
-                await client.async_assign(_assignment(con, export, "tiny-2", listen_port=data_port,
+                await _assign(con, client, _assignment(con, export, "tiny-2", listen_port=data_port,
                                                       next_hop=f"127.0.0.1:{return_port}"))
                 with pytest.raises(ControlError) as early:
                     await client.async_start_worker()
@@ -98,10 +110,20 @@ def test_join_assign_fetch_and_serve_a_stage_in_a_real_ring(tmp_path, tiny_expor
 
                 await client.async_start_worker()
                 await agent.async_wait_worker_ready(120)
-                tokens = await _ring_tokens(con, export, Address("127.0.0.1", data_port), return_port)
+                tokens = await _ring_tokens(con, export, Address("127.0.0.1", data_port), return_port, creds.node_id)
                 status = await client.async_wait_for(lambda s: s.worker.streams == 0 and s.worker.rss_bytes, 10)
                 assert status.state == "serving" and status.worker.state == "running"
                 assert status.worker.rss_bytes > 10 << 20
+
+                # An assignment that changes only the peers reaches the running worker as a stdin
+                # line (no restart, no recompile); from then on the console is not its upstream.
+                pid, stranger = agent.worker_pid, con.authority.issue_credentials("elsewhere", role=Role.AGENT)
+                await _assign(con, client, replace(agent.assignment, expect_upstream=(stranger.node_id,)))
+                status = await client.async_wait_for(lambda s: s.worker.policy_updates == 1, 30, "the policy line")
+                assert agent.worker_pid == pid and status.worker.state == "running" and status.worker.restarts == 0
+                with pytest.raises((DeskfleetError, OSError, TimeoutError)):
+                    await _ring_tokens(con, export, Address("127.0.0.1", data_port), return_port, creds.node_id,
+                                       dial_deadline=3)
                 return tokens
             finally:
                 await agent.async_close()
@@ -136,11 +158,11 @@ def test_control_api_refuses_strangers_and_non_consoles_and_bad_requests(tmp_pat
                 with pytest.raises(aiohttp.ClientError):
                     await _raw_status(port, _bare_context())
                 # a certificate from another fleet's CA
-                other = FleetAuthority.create("other fleet").issue_credentials("intruder", Role.CONSOLE)
+                other = FleetAuthority.create("other fleet").issue_credentials("intruder", role=Role.CONSOLE)
                 with pytest.raises(ControlError):
                     await ControlClient(other, "127.0.0.1", port).async_status()
                 # an agent of this fleet may read but not command
-                peer = con.authority.issue_credentials("desk-2", Role.AGENT)
+                peer = con.authority.issue_credentials("desk-2", role=Role.AGENT)
                 peer_client = ControlClient(peer, "127.0.0.1", port)
                 assert (await peer_client.async_status()).state == "idle"
                 with pytest.raises(ControlError) as forbidden:
@@ -153,7 +175,7 @@ def test_control_api_refuses_strangers_and_non_consoles_and_bad_requests(tmp_pat
                 # malformed requests: 4xx, state unchanged
                 client = ControlClient(con.credentials, "127.0.0.1", port)
                 good = _assignment(con, export, "tiny-2", listen_port=free_port(), next_hop="127.0.0.1:9")
-                await client.async_assign(good)
+                await _assign(con, client, good)
                 before = (tmp_path / "agent" / "state.json").read_text()
                 for body in ({}, {**good.to_dict(), "stage": 9}, {**good.to_dict(), "manifest_sha256": "0" * 64}):
                     with pytest.raises(ControlError) as bad:
@@ -189,7 +211,7 @@ def test_corrupt_shards_are_refused_and_interrupted_fetches_resume(tmp_path, tin
             try:
                 await agent.async_join(con.enrollment, con.token())
                 client = ControlClient(con.credentials, "127.0.0.1", agent.control_port)
-                await client.async_assign(_assignment(con, bad, "bad", listen_port=free_port(), next_hop="127.0.0.1:9"))
+                await _assign(con, client, _assignment(con, bad, "bad", listen_port=free_port(), next_hop="127.0.0.1:9"))
                 await client.async_fetch()
                 status = await client.async_wait_for(lambda s: s.state == "error", 60, "the corrupt fetch to fail")
                 assert "sha256" in status.worker.last_error
@@ -200,7 +222,7 @@ def test_corrupt_shards_are_refused_and_interrupted_fetches_resume(tmp_path, tin
 
                 # a slow download interrupted half-way resumes from where it stopped
                 total = sum(e.size for e in load_manifest(good).stages[1].files)
-                await client.async_assign(_assignment(con, good, "good", listen_port=free_port(), next_hop="127.0.0.1:9"))
+                await _assign(con, client, _assignment(con, good, "good", listen_port=free_port(), next_hop="127.0.0.1:9"))
                 served_before = con.hub.bytes_served
                 await client.async_fetch(bandwidth_cap_bytes_s=max(total // 2, 1))
                 await client.async_wait_for(lambda s: s.fetch.done_bytes > total // 4, 30, "part of the fetch")
@@ -236,7 +258,7 @@ def test_idle_input_pauses_within_2s_resumes_after_and_crashes_restart(tmp_path,
             try:
                 await agent.async_join(con.enrollment, con.token())
                 client = ControlClient(con.credentials, "127.0.0.1", agent.control_port)
-                await client.async_assign(_assignment(con, export, "tiny-2", listen_port=free_port(),
+                await _assign(con, client, _assignment(con, export, "tiny-2", listen_port=free_port(),
                                                       next_hop="127.0.0.1:9"))
                 await client.async_fetch()
                 await client.async_wait_for(lambda s: s.fetch.finished, 60)

@@ -45,21 +45,31 @@ def _sighting(source, at, state="idle", address="10.0.0.5", **kw):
     return Sighting(source, kw.pop("name", "desk"), address, 7210, kw.pop("fleet", "F"), state, at=at, **kw)
 
 
-def test_the_newest_word_wins_and_a_failed_poll_keeps_the_record():
-    sightings = {AgentSource.MDNS: _sighting(AgentSource.MDNS, 1.0, "idle", "10.0.0.5"),
-                 AgentSource.HUB: _sighting(AgentSource.HUB, 2.0, "serving", "10.0.0.9")}
+def test_the_newest_proven_word_wins_an_mdns_claim_never_moves_a_verified_agent_and_a_failed_poll_keeps_it():
+    # The hub heard the agent over mutual TLS; a newer mDNS record (anyone's claim) says it moved
+    # and paused: the record stays where the proven source put it.
+    sightings = {AgentSource.HUB: _sighting(AgentSource.HUB, 1.0, "idle", "10.0.0.5"),
+                 AgentSource.MDNS: _sighting(AgentSource.MDNS, 2.0, "paused", "10.0.0.66")}
     r = merge_record("n1", sightings, own_fleet_id="F", approved=True)
-    assert (r.state, r.address, r.last_seen, r.membership) == ("serving", "10.0.0.9", 2.0, Membership.MEMBER)
+    assert (r.state, r.address, r.verified, r.membership) == ("idle", "10.0.0.5", True, Membership.MEMBER)
     assert r.sources == {AgentSource.MDNS, AgentSource.HUB} and r.reachable is None
-    news = HubNews(3.0, "paused", ("someone is using this PC",))
+    # A probe of the new address, where the agent proved its node id, does move it.
+    sightings[AgentSource.PROBE] = _sighting(AgentSource.PROBE, 3.0, "serving", "10.0.0.9")
+    r = merge_record("n1", sightings, own_fleet_id="F", approved=True)
+    assert (r.state, r.address, r.last_seen) == ("serving", "10.0.0.9", 3.0)
+    news = HubNews(4.0, "paused", ("someone is using this PC",))
     r = merge_record("n1", sightings, own_fleet_id="F", approved=True, news=news)
-    assert r.paused and r.paused_reasons == ("someone is using this PC",) and r.last_seen == 3.0
-    failed = Poll(4.0, error="unreachable")
+    assert r.paused and r.paused_reasons == ("someone is using this PC",) and r.last_seen == 4.0
+    failed = Poll(5.0, error="unreachable")
     r = merge_record("n1", sightings, own_fleet_id="F", approved=True, news=news, poll=failed)
-    assert (r.reachable, r.error, r.state, r.last_seen) == (False, "unreachable", "paused", 3.0)
+    assert (r.reachable, r.error, r.state, r.last_seen) == (False, "unreachable", "paused", 4.0)
+    # Known from mDNS alone: listed with what it claims, but not verified (so not approvable).
+    claimed = merge_record("n3", {AgentSource.MDNS: _sighting(AgentSource.MDNS, 1.0)}, own_fleet_id="F",
+                           approved=False)
+    assert claimed.membership is Membership.MEMBER and not claimed.verified and claimed.state == "unverified"
     other = merge_record("n2", {AgentSource.MDNS: _sighting(AgentSource.MDNS, 1.0, fleet="G")},
                          own_fleet_id="F", approved=False)
-    assert other.membership is Membership.OTHER_FLEET
+    assert other.membership is Membership.OTHER_FLEET and not other.verified
     fresh = merge_record("instance:x", {AgentSource.MDNS: _sighting(AgentSource.MDNS, 1.0, fleet="",
                                                                     instance="x")},
                          own_fleet_id="F", approved=False)
@@ -67,7 +77,7 @@ def test_the_newest_word_wins_and_a_failed_poll_keeps_the_record():
 
 
 def test_a_corrupt_approvals_file_is_a_clear_error_and_is_left_in_place(tmp_path):
-    creds = FleetAuthority.create("t").issue_credentials("console", Role.CONSOLE)
+    creds = FleetAuthority.create("t").issue_credentials("console", role=Role.CONSOLE)
     path = tmp_path / APPROVALS_FILE
     path.write_text("{not json")
     with pytest.raises(ConsoleStateError) as err:
@@ -101,12 +111,14 @@ def test_mdns_lists_members_and_another_fleets_agent_which_cannot_be_approved(tm
                 def listed():
                     keys = {r.key: r for r in f.fleet.records()}
                     return (members | {gamma} <= set(keys) and keys[gamma].membership is Membership.OTHER_FLEET
+                            and all(keys[n].verified for n in members)
                             and any(r.membership is Membership.NOT_JOINED for r in keys.values()))
 
-                await until(listed, "both members, the stranger and the newcomer over mDNS")
+                # mDNS lists them; the console's probe of each advertised address verifies the members
+                await until(listed, "both members (probed), the stranger and the newcomer over mDNS")
                 for n in members:
                     r = f.fleet.get(n)
-                    assert r.membership is Membership.MEMBER and AgentSource.MDNS in r.sources
+                    assert r.membership is Membership.MEMBER and {AgentSource.MDNS, AgentSource.PROBE} <= r.sources
                     assert r.address == "127.0.0.1" and r.control_port == f.agents[r.name].control_port
                     assert r.state == "idle" and r.devices and r.memory_bytes > 0 and not r.approved
                 with pytest.raises(ForeignAgentError, match="another fleet"):
@@ -184,8 +196,11 @@ def test_approvals_persist_across_a_reload_and_remove_forgets(tmp_path):
                 reloaded.get(beta)
             again = FleetModel(tmp_path / "console", f.host.credentials)
             assert {r.key for r in again.records()} == {alpha}
+            assert again.deny == (beta,)  # removed is revoked, across a reload too
             with pytest.raises(UnknownAgentError):
                 again.remove(beta)
+            with pytest.raises(ForeignAgentError, match="revoked"):  # adding it back by address is refused
+                await again.async_add_address("127.0.0.1", f.agents["beta"].control_port)
 
     run(main())
 

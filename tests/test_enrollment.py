@@ -22,7 +22,7 @@ from engine.errors import (
     WrongFleetError,
 )
 from engine.jointoken import JoinToken, TokenBook
-from engine.trust import FleetAuthority, Role, make_key_and_csr, peer_node_id
+from engine.trust import FleetAuthority, Role, make_key_and_csr, peer_node_id, sanitize_name
 from tests.asyncutil import run
 
 LOGGER = "deskfleet.enrollment"
@@ -43,7 +43,7 @@ class Console:
         self.authority = authority or FleetAuthority.create("Acme")
         self.clock = Clock()
         self.book = TokenBook(tmp_path / "tokens.json", self.authority.fingerprint, clock=self.clock)
-        self.credentials = credentials or self.authority.issue_credentials("console", Role.CONSOLE)
+        self.credentials = credentials or self.authority.issue_credentials("console", role=Role.CONSOLE)
         self.joins: list[tuple[str, str, dict]] = []
         self.server = EnrollmentServer(self.authority, self.book, self.credentials,
                                        on_join=lambda node, name, info: self.joins.append((node, name, info)))
@@ -94,11 +94,15 @@ def test_join_gives_working_fleet_credentials(tmp_path, caplog):
     async def scenario():
         async with Console(tmp_path) as console:
             token = console.book.issue()
-            creds = await async_join(console.address, token, "Büro PC 3", info={"os": "Windows 11"})
+            joined = await async_join(console.address, token, "Büro PC 3", info={"os": "Windows 11"})
+            creds = joined.credentials
+            # The console is known by its certificate as seen over the join's TLS (the agent pins it).
+            assert joined.console_node_id == console.credentials.node_id
             # The node id is the certificate's fingerprint, and the console was told of it.
             der = x509.load_pem_x509_certificate(creds.cert_pem).public_bytes(serialization.Encoding.DER)
             assert creds.node_id == hashlib.sha256(der).hexdigest()
-            assert console.joins == [(creds.node_id, "Büro PC 3", {"os": "Windows 11"})]
+            # the console records the name as engine.trust cleans it (a safe alphabet)
+            assert console.joins == [(creds.node_id, sanitize_name("Büro PC 3"), {"os": "Windows 11"})]
             assert creds.fleet_id == console.authority.fleet_id and creds.role is Role.AGENT
             assert creds.ca_pem == console.authority.ca_pem
             # The new member and the console authenticate each other, in both directions.
@@ -109,7 +113,7 @@ def test_join_gives_working_fleet_credentials(tmp_path, caplog):
             return creds
 
     run(scenario(), 60)
-    assert any("admitted Büro PC 3" in r.getMessage() for r in caplog.records)
+    assert any(f"admitted {sanitize_name('Büro PC 3')}" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.parametrize("case", ["used", "expired", "unknown"])
@@ -194,7 +198,7 @@ def test_token_for_another_fleet_is_refused_before_the_csr_is_sent(tmp_path, cap
 def test_a_console_that_cannot_prove_the_pinned_ca_is_refused(tmp_path):
     # It serves the genuine CA certificate (public) but holds no certificate that CA signed.
     genuine = FleetAuthority.create("Acme")
-    impostor = FleetAuthority.create("Impostor").issue_credentials("console", Role.CONSOLE)
+    impostor = FleetAuthority.create("Impostor").issue_credentials("console", role=Role.CONSOLE)
 
     async def scenario():
         async with Console(tmp_path, authority=genuine, credentials=impostor) as console:

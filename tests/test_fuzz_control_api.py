@@ -22,7 +22,13 @@ from hypothesis import strategies as st
 
 from agent.service.service import AgentService
 from agent.service.settings import AgentSettings
-from engine.control import Assignment, ControlRequestError, WorkerSettings
+from engine.control import (
+    Assignment,
+    ControlRequestError,
+    WorkerSettings,
+    parse_node_id,
+    parse_node_ids,
+)
 from engine.trust import Role
 from tests.agent_helpers import FakeIdle, console, free_port
 from tests.fuzz_helpers import (
@@ -44,9 +50,10 @@ from tests.fuzz_helpers import (
 pytestmark = pytest.mark.filterwarnings("ignore::hypothesis.errors.HypothesisDeprecationWarning")
 
 CASES = {"control API: mutated assignments": 900, "control API: random requests": 800,
-         "control API: oversized bodies": 12}
+         "control API: oversized bodies": 12, "control API: deny lists and measure targets": 300}
 ROUTES = ("/v1/status", "/v1/probe", "/v1/assign", "/v1/fetch", "/v1/worker/start", "/v1/worker/stop",
-          "/v1/drain", "/v1/pause", "/v1/resume", "/v1/link/echo", "/v1/link/measure", "/v1/calibrate")
+          "/v1/drain", "/v1/pause", "/v1/resume", "/v1/link/echo", "/v1/link/measure", "/v1/calibrate",
+          "/v1/link/expect", "/v1/deny")
 
 
 @dataclass
@@ -78,7 +85,7 @@ def live(tmp_path_factory, tiny_export):
             good = Assignment.create((export / "manifest.json").read_text(), export_id="tiny-2", stage=1,
                                      source=con.hub.shard_url("tiny-2"), listen_port=free_port(),
                                      next_hop="127.0.0.1:9", worker=WorkerSettings(threads=1)).to_dict()
-            member = con.authority.issue_credentials("desk-2", Role.AGENT)
+            member = con.authority.issue_credentials("desk-2", role=Role.AGENT)
             clients = [HttpClient("127.0.0.1", agent.control_port, c.client_context())
                        for c in (con.credentials, member)]
             yield LiveAgent(agent, *clients, good, root / "agent" / "state.json")
@@ -100,7 +107,10 @@ def _verdict(body: dict) -> str:
 
 
 FIELDS = ("export_id", "stage", "manifest_json", "manifest_sha256", "source", "listen_port", "next_hop",
-          "worker", "worker.device", "worker.threads", "worker.exact", "api_url", "events_url")
+          "worker", "worker.device", "worker.threads", "worker.exact", "api_url", "events_url",
+          "expect_upstream", "expect_next", "deny")
+NODE_IDS = st.sampled_from(["a" * 64, "A" * 64, "0" * 63, "g" * 64, "a" * 65, "", " " + "a" * 63]) | \
+    st.text("0123456789abcdef", min_size=64, max_size=64)
 BAD_VALUES = {
     "export_id": st.sampled_from(["", "../up", "a/b", "x" * 200, ".hidden", "tiny 2", "\u00e9t\u00e9"]),
     "stage": st.sampled_from([-1, 2, 99, 2**63, True, 1.0, "1"]),
@@ -110,6 +120,9 @@ BAD_VALUES = {
     "worker.device": st.sampled_from(["TPU", "GPU.", "cpu", "", "CPU;rm", "NPU.0"]),
     "worker.threads": st.sampled_from([0, -1, 1025, 2**70, 1.5, "2"]),
     "api_url": st.sampled_from(["ftp://x", "javascript:alert(1)", "", "//x"]),
+    "expect_upstream": st.lists(NODE_IDS, max_size=3) | st.just(["a" * 64] * 1025),
+    "expect_next": NODE_IDS,
+    "deny": st.lists(NODE_IDS, max_size=3) | st.just("a" * 64),
 }
 
 
@@ -240,6 +253,46 @@ def test_fuzz_oversized_bodies_are_413(live):
     case()
     assert len(ran) >= CASES["control API: oversized bodies"]
     assert live.console.request("GET", "/v1/probe").status == 200
+
+
+def _peer_verdict(path: str, body) -> str:
+    try:
+        if not isinstance(body, dict):
+            return "refused"
+        if path == "/v1/deny":
+            parse_node_ids(body.get("deny"), "deny")
+        else:
+            parse_node_id(body.get("node_id"), "node_id")
+    except ControlRequestError:
+        return "refused"
+    return "ok"
+
+
+def test_fuzz_deny_lists_and_measure_targets_are_taken_exactly_when_well_formed(live):
+    ran = []
+    key = {"/v1/deny": "deny", "/v1/link/expect": "node_id"}
+
+    @fuzz_settings(CASES["control API: deny lists and measure targets"])
+    @given(path=st.sampled_from(sorted(key)), data=st.data())
+    def case(path, data):
+        ran.append(1)
+        value = data.draw(st.lists(NODE_IDS, max_size=4) | NODE_IDS | json_values(4), label="value")
+        body = data.draw(st.sampled_from([{key[path]: value}, {"other": value}, value]), label="body")
+        before = live.state_file.read_bytes()
+        reply = live.console.request("POST", path, dumps(body), {"Content-Type": "application/json"})
+        assert_answered(reply, path)
+        if _peer_verdict(path, body) == "ok":
+            assert reply.status == 200, reply.body[:300]
+            if path == "/v1/deny":
+                assert live.agent.deny == set(parse_node_ids(body.get("deny"), "deny"))
+        else:
+            assert_clean_refusal(reply, path, json_error=_error_body)
+            assert reply.status == 400 and live.state_file.read_bytes() == before
+
+    case()
+    assert len(ran) >= CASES["control API: deny lists and measure targets"]
+    assert live.console.request("POST", "/v1/deny", dumps({"deny": []})).status == 200
+    assert live.agent.deny == frozenset()
 
 
 def test_the_agent_still_serves_its_control_api(live):

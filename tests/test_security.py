@@ -120,13 +120,13 @@ async def _knock(kind: str, port: int, ctx: ssl.SSLContext, fingerprint: str) ->
 def test_strangers_are_refused_and_logged_on_every_mutual_tls_port(tmp_path, tiny_export, caplog):
     caplog.set_level(logging.DEBUG, logger="engine.trust")
     export = tiny_export("llama", 2)
-    other = FleetAuthority.create("another fleet").issue_credentials("intruder", Role.CONSOLE)
+    other = FleetAuthority.create("another fleet").issue_credentials("intruder", role=Role.CONSOLE)
 
     async def main():
         async with console(tmp_path / "console", {"tiny-2": export}) as con:
             agent = _agent(tmp_path)
             await agent.async_start()
-            worker_creds = con.authority.issue_credentials("desk-2", Role.AGENT)
+            worker_creds = con.authority.issue_credentials("desk-2", role=Role.AGENT)
             worker = StageWorker(Stage(export, 1, exact=True), Address("127.0.0.1", 0), Address("127.0.0.1", 9),
                                  server_ssl=worker_creds.server_context(), client_ssl=worker_creds.client_context(),
                                  peers=PeerPolicy.of([worker_creds.node_id]))  # the member that knocks below
@@ -226,7 +226,7 @@ def test_a_manifest_path_escaping_the_shard_store_is_refused_and_logged_on_every
             with pytest.raises(ManifestError, match="unsafe|escapes"):  # the hub will not publish it
                 con.hub.publish("evil", evil)
             hub_log = await _logged(caplog, since, "engine.fleet_hub", "refusing to publish evil")
-            member = con.authority.issue_credentials("desk-9", Role.AGENT).client_context()
+            member = con.authority.issue_credentials("desk-9", role=Role.AGENT).client_context()
             async with aiohttp.ClientSession() as s, \
                     s.get(f"https://127.0.0.1:{con.hub.port}/v1/shards/evil/..%2F..%2Foutside.bin", ssl=member) as r:
                 hub_status = r.status
@@ -287,6 +287,7 @@ def test_a_shard_whose_hash_does_not_match_is_refused_and_logged_on_every_port(t
                 await agent.async_join(con.enrollment, con.token())
                 client = ControlClient(con.credentials, "127.0.0.1", agent.control_port)
                 await client.async_assign(_assignment(con, (bad / "manifest.json").read_text(), "bad"))
+                con.hub.grant(client.peer_node_id, "bad", [1])  # as the console does with an assignment
                 since = len(caplog.records)
                 await client.async_fetch()
                 status = await client.async_wait_for(lambda s: s.state == "error", 60, "the fetch to fail")

@@ -1,10 +1,14 @@
 """The agent's control API: HTTPS with mutual TLS against the fleet CA (aiohttp, the same stack
 as the OpenAI API).
 
-Any fleet member may read (``GET /v1/status``, ``GET /v1/probe`` — agents measure links through
-each other); only a certificate with the console role may change anything. Every request is
-parsed by :mod:`engine.control` before the service sees it; a bad request gets a 4xx with a
-message and changes nothing.
+Any fleet member may read (``GET /v1/status``, ``GET /v1/probe``); only the console may change
+anything: a certificate with the console role and, once the agent joined through a console,
+that console's node id (pinned at the join; a fresh join is the only way to replace it). A
+member the console revoked (its deny list) is refused on every route. ``/v1/link/echo`` is for
+the console and for the members the console named as measure targets (``POST /v1/link/expect``,
+for a minute), streamed from one shared buffer, a few at a time. Every request is parsed by
+:mod:`engine.control` before the service sees it; a bad request gets a 4xx with a message and
+changes nothing; every refusal is logged.
 
 Routes (docs/CONTROL_API.md)::
 
@@ -16,20 +20,31 @@ Routes (docs/CONTROL_API.md)::
     POST /v1/worker/stop
     POST /v1/drain           finish the frame in hand, refuse new streams, stop
     POST /v1/pause           {reason?}     POST /v1/resume
-    GET  /v1/link/echo?bytes=N   N bytes (link probes from the console or other agents)
-    POST /v1/link/measure    {target: HOST:PORT} -> this agent's link to another agent
+    GET  /v1/link/echo?bytes=N   N zero bytes (link probes: the console, or an expected member)
+    POST /v1/link/expect     {node_id} -> that member may probe /v1/link/echo for EXPECT_S
+    POST /v1/link/measure    {target: HOST:PORT, target_node_id?} -> this agent's link to another agent
+    POST /v1/deny            {deny: [node ids]} -> the console's revocation list (control API + worker)
     POST /v1/calibrate       {export..., stages, device, threads?} -> decode-step times per stage
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from engine.control import Assignment, ControlRequestError, decode_body, parse_hostport
+from engine.control import (
+    Assignment,
+    ControlRequestError,
+    decode_body,
+    parse_hostport,
+    parse_node_id,
+    parse_node_ids,
+)
 from engine.errors import DeskfleetError
 from engine.links import MAX_ECHO_BYTES
 from engine.trust import Role, peer_node_id, peer_role
@@ -38,6 +53,11 @@ if TYPE_CHECKING:
     from agent.service.service import AgentService
 
 log = logging.getLogger(__name__)
+
+ECHO_CHUNK = memoryview(bytes(1 << 20))  # every echo streams slices of this one zero buffer
+MAX_ECHOES = 2  # concurrent echoes per agent: a link probe runs one at a time
+EXPECT_S = 60.0  # how long a member named by POST /v1/link/expect may probe the echo
+MAX_EXPECTED = 64
 
 
 def _peer(request: web.Request) -> tuple[str, Role | None]:
@@ -56,16 +76,36 @@ def _json_error(exc: Exception) -> web.Response:
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+def _admit(service: AgentService, request: web.Request, *, console_only: bool) -> tuple[str, Role | None]:
+    """The caller's (node id, role) from its certificate, or ControlRequestError 403: a revoked
+    member anywhere; anyone but the pinned console (or, unpinned, a console-role certificate)
+    on a console route."""
+    node, role = _peer(request)
+    if node in service.deny:
+        raise ControlRequestError(f"member {node[:16]}… is revoked by the console", 403)
+    if console_only and not is_console(service, node, role):
+        pinned = service.console_node_id
+        raise ControlRequestError(f"{request.path} is for the fleet console only" + (
+            f" (this agent joined through console {pinned[:16]}…; join again to change consoles)"
+            if pinned and role is Role.CONSOLE else ""), 403)
+    return node, role
+
+
+def is_console(service: AgentService, node: str, role: Role | None) -> bool:
+    pinned = service.console_node_id
+    return role is Role.CONSOLE and (pinned is None or node == pinned)
+
+
 def build_app(service: AgentService) -> web.Application:
     app = web.Application(client_max_size=4 << 20)
+    expected: dict[str, float] = {}  # node id -> monotonic deadline to probe the echo
+    echoes = asyncio.Semaphore(MAX_ECHOES)
 
     def route(method: str, path: str, *, console_only: bool):
         def wrap(fn: Callable[[web.Request, dict[str, Any]], Awaitable[Any]]) -> Handler:
             async def handler(request: web.Request) -> web.StreamResponse:
                 try:
-                    node, role = _peer(request)
-                    if console_only and role is not Role.CONSOLE:
-                        raise ControlRequestError(f"{request.path} is for the fleet console only", 403)
+                    _admit(service, request, console_only=console_only)
                     body = decode_body(await request.read()) if method == "POST" else {}
                     result = await fn(request, body)
                 except (ControlRequestError, DeskfleetError) as exc:
@@ -128,15 +168,32 @@ def build_app(service: AgentService) -> web.Application:
 
     async def echo(request: web.Request) -> web.StreamResponse:
         try:
-            _peer(request)
+            node, role = _admit(service, request, console_only=False)
+            if not is_console(service, node, role) and expected.get(node, 0.0) < time.monotonic():
+                raise ControlRequestError("/v1/link/echo is for the console and for members it named as "
+                                          "measure targets (POST /v1/link/expect)", 403)
             n = int(request.query.get("bytes", "1"))
             if not 0 <= n <= MAX_ECHO_BYTES:
                 raise ControlRequestError(f"bytes must be 0..{MAX_ECHO_BYTES}")
+            if echoes.locked():
+                raise ControlRequestError(f"{MAX_ECHOES} link probes are running already; try again in a moment",
+                                          429)
         except ValueError:
             return _json_error(ControlRequestError("bytes must be an integer"))
         except ControlRequestError as exc:
+            log.warning("control GET /v1/link/echo refused: %s", exc)
             return _json_error(exc)
-        return web.Response(body=bytes(n), content_type="application/octet-stream")
+        async with echoes:
+            response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+            response.content_length = n
+            await response.prepare(request)
+            left = n
+            while left:
+                chunk = ECHO_CHUNK[:min(left, len(ECHO_CHUNK))]
+                await response.write(chunk)
+                left -= len(chunk)
+            await response.write_eof()
+            return response
 
     app.router.add_get("/v1/link/echo", echo)
 
@@ -149,8 +206,26 @@ def build_app(service: AgentService) -> web.Application:
         if not (isinstance(samples, int) and 1 <= samples <= 50 and isinstance(nbytes, int)
                 and 1 <= nbytes <= MAX_ECHO_BYTES):
             raise ControlRequestError(f"samples must be 1..50 and bytes 1..{MAX_ECHO_BYTES}")
-        result = await service.async_measure_link(host, port, samples=samples, nbytes=nbytes)
+        target_node = body.get("target_node_id")
+        target_node = None if target_node is None else parse_node_id(target_node, "target_node_id")
+        result = await service.async_measure_link(host, port, samples=samples, nbytes=nbytes, node_id=target_node)
         return {"rtt_ms": result.rtt_ms, "mbit_s": result.mbit_s}
+
+    @route("POST", "/v1/link/expect", console_only=True)
+    async def expect(request, body):
+        node = parse_node_id(body.get("node_id"), "node_id")
+        now = time.monotonic()
+        for key in [k for k, t in expected.items() if t < now]:
+            del expected[key]
+        if len(expected) >= MAX_EXPECTED and node not in expected:
+            raise ControlRequestError(f"at most {MAX_EXPECTED} measure targets at once", 429)
+        expected[node] = now + EXPECT_S
+        return {"expires_in_s": EXPECT_S}
+
+    @route("POST", "/v1/deny", console_only=True)
+    async def deny(request, body):
+        await service.async_set_deny(parse_node_ids(body.get("deny"), "deny"))
+        return None
 
     @route("POST", "/v1/calibrate", console_only=True)
     async def calibrate(request, body):

@@ -36,7 +36,8 @@ from engine.discovery import Advertisement, Advertiser, instance_name
 from engine.errors import DeskfleetError
 from engine.host import primary_ipv4
 from engine.keystore import KeyStore
-from engine.trust import Credentials
+from engine.tls_peer import PeerCheckingConnector, PeerIdentityError, expect_peer
+from engine.trust import Credentials, Role
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,8 @@ REGISTER_INTERVAL_S = 30.0
 WORKER_READY_TIMEOUT_S = 120.0
 DRAIN_TIMEOUT_S = 30.0
 PAUSE_STOP_S = 1.0
+# The stage worker reads peer-policy updates as further JSON lines on stdin (engine.worker_cli).
+WORKER_READS_POLICY_UPDATES = True
 
 
 def battery_on_ac() -> bool | None:
@@ -149,11 +152,14 @@ class AgentService:
         from engine.enrollment import async_join
 
         if console:
-            creds = await async_join(console, token, self.settings.name, info=self._inventory, timeout=timeout)
+            joined = await async_join(console, token, self.settings.name, info=self._inventory, timeout=timeout)
         else:
-            creds = await self._async_join_found_console(token, timeout)
+            joined = await self._async_join_found_console(token, timeout)
+        creds = joined.credentials
         self.keystore.save(creds)
         self._creds = creds
+        # the one place the pinned console is (re)written: a fresh join through a console-role peer
+        self._save(replace(self._state, console_node_id=joined.console_node_id))
         await self._async_close_control()
         await self._async_open_control()
         log.info("joined fleet %s as node %s", creds.fleet_id, creds.node_id[:16])
@@ -162,7 +168,7 @@ class AgentService:
             await self.async_register()
         return creds
 
-    async def _async_join_found_console(self, token: str, timeout: float) -> Credentials:
+    async def _async_join_found_console(self, token: str, timeout: float):
         from engine.enrollment import async_join
         from engine.errors import EnrollmentError, JoinRefused, TrustError
         from engine.jointoken import parse_token
@@ -182,8 +188,8 @@ class AgentService:
                 return await async_join(found.enrollment, token, self.settings.name, info=self._inventory,
                                         timeout=max(deadline - loop.time(), 1.0))
             except JoinRefused:
-                raise  # the fleet's own console (its CA matched the pin) said no: final
-            except TrustError as exc:  # a spoofed or stale record: try the next one
+                raise  # the fleet's own console (CA matched the pin, console-role certificate) said no: final
+            except TrustError as exc:  # a spoofed or stale record, or a member posing as the console: next
                 log.warning("joining at %s failed: %s", found.enrollment, exc)
                 error = exc
         assert error is not None
@@ -195,7 +201,7 @@ class AgentService:
         await self._async_close_control()
         self.keystore.delete()
         self._creds = None
-        self._save(AgentState())
+        self._save(AgentState())  # forgets the pinned console too: only a fresh join sets it again
         self._changed()
 
     # ---- control (called by the control API and the tray) -----------------------------------
@@ -205,15 +211,50 @@ class AgentService:
         return None if self._state.assignment is None else Assignment.from_dict(self._state.assignment)
 
     async def async_assign(self, assignment: Assignment) -> None:
+        """Store an assignment. One that changes only who the worker deals with (a failover moved
+        a neighbour, a new deny list) goes to the running worker as a policy update; any other
+        change stops the worker and the fetch (the console fetches and starts again)."""
         current = self.assignment
+        deny = tuple(sorted(set(assignment.deny) - {self._state.console_node_id}))
+        if current is not None and current.same_stage(assignment) and self._supervisor.running:
+            self._save(replace(self._state, assignment=assignment.to_dict(), deny=deny,
+                               api_url=assignment.api_url or self._state.api_url))
+            if not await self._supervisor.async_update_policy(assignment.peer_policy_json()):
+                await self._async_launch_worker()
+            self._changed()
+            return
         if current is not None and current != assignment:
             await self._supervisor.async_stop()
             if self._fetch_task is not None:
                 self._fetch_task.cancel()
         self._fetch = FetchProgress(total_bytes=sum(e.size for e in assignment.files()))
-        self._save(replace(self._state, assignment=assignment.to_dict(), serving=False,
+        self._save(replace(self._state, assignment=assignment.to_dict(), serving=False, deny=deny,
                            api_url=assignment.api_url or self._state.api_url))
         self._changed()
+
+    @property
+    def console_node_id(self) -> str | None:
+        """The console this agent takes orders from (pinned at the join)."""
+        return self._state.console_node_id
+
+    @property
+    def deny(self) -> frozenset[str]:
+        """Node ids the console revoked: refused by the control API and the worker."""
+        return frozenset(self._state.deny)
+
+    async def async_set_deny(self, deny: tuple[str, ...]) -> None:
+        """Take the console's new deny list (``POST /v1/deny``): kept, and given to the worker."""
+        deny = tuple(sorted(set(deny) - {self._state.console_node_id}))  # never lock out the pinned console
+        assignment = self.assignment
+        state = replace(self._state, deny=deny)
+        if assignment is not None:
+            assignment = replace(assignment, deny=deny)
+            state = replace(state, assignment=assignment.to_dict())
+        self._save(state)
+        if assignment is not None and self._supervisor.running:
+            if not await self._supervisor.async_update_policy(assignment.peer_policy_json()):
+                await self._async_launch_worker()
+        log.info("the console's deny list now holds %d member(s)", len(deny))
 
     async def async_begin_fetch(self, bandwidth_cap: int | None = None) -> None:
         assignment = self._require_assignment()
@@ -259,14 +300,16 @@ class AgentService:
         self._save(replace(self._state, remotely_paused=paused))
         await self._async_apply(self._decide())
 
-    async def async_measure_link(self, host: str, port: int, *, samples: int = 5, nbytes: int = 1 << 20):
-        """This PC's link to another agent's control API (for placement's agent -> agent latencies)."""
+    async def async_measure_link(self, host: str, port: int, *, samples: int = 5, nbytes: int = 1 << 20,
+                                 node_id: str | None = None):
+        """This PC's link to another agent's control API (for placement's agent -> agent latencies);
+        ``node_id``: the agent that must answer there."""
         from engine.links import async_measure_link
 
         if self._creds is None:
             raise ControlRequestError("join a fleet first", 409)
         return await async_measure_link(f"https://{host}:{port}", self._creds.client_context(),
-                                        samples=samples, nbytes=nbytes)
+                                        samples=samples, nbytes=nbytes, node_id=node_id)
 
     async def async_calibrate(self, body: dict) -> list[dict]:
         """Fetch the named stages of a calibration export and time a decode step of each on the
@@ -289,7 +332,7 @@ class AgentService:
                                        "worker": {"device": body.get("device", "CPU")}}) for i in stages]
         ssl = self._creds.client_context() if self._creds else None
         for part in parts:
-            await async_fetch(self.store, part, ssl=ssl)
+            await async_fetch(self.store, part, ssl=ssl, console_node_id=self._state.console_node_id)
         device = parts[0].worker.device
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "engine.calibrate", "--shard", str(self.store.directory(parts[0].export_id)),
@@ -430,7 +473,7 @@ class AgentService:
 
         try:
             await async_fetch(self.store, assignment, ssl=self._creds.client_context() if self._creds else None,
-                              on_progress=progress, bandwidth_cap=cap)
+                              on_progress=progress, bandwidth_cap=cap, console_node_id=self._state.console_node_id)
             self.store.prune(keep=assignment.export_id)
         except asyncio.CancelledError:
             raise
@@ -451,8 +494,8 @@ class AgentService:
                            assignment.next_hop, device=assignment.worker.device, threads=assignment.worker.threads,
                            exact=assignment.worker.exact, tls=True, cache_dir=str(self.state_dir / "compiled"))
         secrets = json.dumps({"ca_pem": creds.ca_pem.decode(), "cert_pem": creds.cert_pem.decode(),
-                              "key_pem": creds.key_pem.decode()}).encode()
-        await self._supervisor.async_start(WorkerLaunch(args, secrets))
+                              "key_pem": creds.key_pem.decode(), **assignment.peer_policy_json()}).encode() + b"\n"
+        await self._supervisor.async_start(WorkerLaunch(args, secrets, keep_stdin=WORKER_READS_POLICY_UPDATES))
 
     def _on_worker(self, status: WorkerStatus) -> None:
         self._changed()
@@ -501,10 +544,10 @@ class AgentService:
                 "export_id": assignment.export_id, "stage": assignment.stage}
         try:
             timeout = aiohttp.ClientTimeout(total=3)
-            async with aiohttp.ClientSession(timeout=timeout) as session:
+            async with aiohttp.ClientSession(timeout=timeout, connector=self._console_connector()) as session:
                 async with session.post(assignment.events_url, json=body, ssl=creds.client_context()) as resp:
                     resp.release()
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        except (aiohttp.ClientError, TimeoutError, OSError, PeerIdentityError) as exc:
             log.debug("could not tell the console about %s: %s", event, exc)
 
     async def async_register(self) -> int:
@@ -517,15 +560,21 @@ class AgentService:
                 "address": self.interface}
         accepted = 0
         timeout = aiohttp.ClientTimeout(total=5)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
+        async with aiohttp.ClientSession(timeout=timeout, connector=self._console_connector()) as session:
             for seed in self.settings.seeds:
                 try:
                     async with session.post(f"https://{seed}/v1/register", json=body,
                                             ssl=creds.client_context()) as resp:
                         accepted += resp.status == 200
-                except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                except (aiohttp.ClientError, TimeoutError, OSError, PeerIdentityError) as exc:
                     log.debug("seed console %s unreachable: %s", seed, exc)
         return accepted
+
+    def _console_connector(self) -> PeerCheckingConnector:
+        """Connections to the console's hub: a console certificate, the pinned one if any (what
+        the agent tells it — pauses, its address — is for the console alone)."""
+        return PeerCheckingConnector(expect_peer(Role.CONSOLE, self._state.console_node_id,
+                                                 what="the console's hub"))
 
     async def _async_register_loop(self) -> None:
         while True:

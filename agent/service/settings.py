@@ -117,10 +117,19 @@ class AgentState:
     manually_paused: bool = False
     remotely_paused: bool = False
     api_url: str | None = None
+    # The node id of the console this agent joined through (its certificate's sha256, seen over
+    # the join's TLS): the only certificate the control API takes orders from. Replaced only by
+    # a fresh join; None for an agent that joined before consoles were pinned.
+    console_node_id: str | None = None
+    # Node ids the console revoked (sent with every assignment and by POST /v1/deny): refused by
+    # the control API and by the stage worker.
+    deny: tuple[str, ...] = ()
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> AgentState:
         try:
+            if isinstance(data.get("deny"), list):
+                data = {**data, "deny": tuple(data["deny"])}
             return cls(**data)
         except TypeError as exc:
             raise SettingsError(f"invalid agent state: {exc}") from exc

@@ -27,6 +27,8 @@ from engine.atomic import write_json_atomic
 from engine.control import Assignment, ControlRequestError, FetchProgress
 from engine.errors import DeskfleetError, ShardIntegrityError
 from engine.manifest import MANIFEST_NAME, FileEntry, safe_join, sha256_file
+from engine.tls_peer import PeerCheckingConnector, expect_peer
+from engine.trust import Role
 
 log = logging.getLogger(__name__)
 
@@ -130,10 +132,13 @@ class _Throttle:
 
 async def async_fetch(store: ShardStore, assignment: Assignment, *, ssl: SSLContext | None,
                       on_progress: Callable[[FetchProgress], None] = lambda p: None,
-                      bandwidth_cap: int | None = None, timeout: float = 60.0) -> None:
+                      bandwidth_cap: int | None = None, timeout: float = 60.0,
+                      console_node_id: str | None = None) -> None:
     """Download and verify every missing file of the assignment's stage, resuming partial files.
+    Over TLS the hub must hold a console certificate (``console_node_id``: that console's).
 
-    Raises FetchError (or ControlRequestError 507 for disk space); what was verified stays.
+    Raises FetchError, PeerIdentityError (someone else answered at the hub's address), or
+    ControlRequestError 507 for disk space; what was verified stays.
     """
     directory = store.write_manifest(assignment)
     store.check_space(assignment)
@@ -144,7 +149,9 @@ async def async_fetch(store: ShardStore, assignment: Assignment, *, ssl: SSLCont
     throttle = _Throttle(bandwidth_cap)
     on_progress(FetchProgress(done, total))
     client_timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout)
-    async with aiohttp.ClientSession(timeout=client_timeout) as session:
+    connector = None if ssl is None else PeerCheckingConnector(
+        expect_peer(Role.CONSOLE, console_node_id, what=f"the console's hub at {assignment.source}"))
+    async with aiohttp.ClientSession(timeout=client_timeout, connector=connector) as session:
         for entry in todo:
             dest = safe_join(directory, entry.path)
             dest.parent.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,11 @@ the agent reports steps/s. A worker that exits without being asked is restarted 
 exponential backoff; after ``max_failures`` crashes within ``failure_window_s`` the supervisor
 gives up and reports ``failed`` with the worker's last words.
 
+The credentials JSON carries the worker's peer policy too (``expect_upstream``, ``expect_next``,
+``deny``: engine.peer_policy). stdin stays open while the worker runs, so a new policy — a
+failover moved a neighbour, the console revoked a member — is one more JSON line on it
+(:meth:`WorkerSupervisor.async_update_policy`) instead of a restart that would recompile the shard.
+
 Stopping sends SIGTERM: the worker finishes the frame in hand, refuses new streams and exits,
 releasing its cores; a worker that does not exit in time is killed.
 """
@@ -27,17 +32,25 @@ from dataclasses import dataclass, replace
 
 import psutil
 
-from engine.control import READY_PREFIX, STATS_PREFIX, WorkerStatus
+from engine.control import PEERS_PREFIX, READY_PREFIX, STATS_PREFIX, WorkerStatus
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class WorkerLaunch:
-    """What to run: the ``deskfleet worker`` arguments and the credentials JSON for stdin."""
+    """What to run: the ``deskfleet worker`` arguments and the credentials JSON for stdin (one
+    line). ``keep_stdin``: leave stdin open for policy updates (a worker that reads them)."""
 
     args: tuple[str, ...]
     stdin: bytes = b""
+    keep_stdin: bool = False
+
+    def with_policy(self, policy: dict) -> WorkerLaunch:
+        """The same launch with ``policy``'s keys replacing those in the stdin JSON."""
+        blob = json.loads(self.stdin or b"{}")
+        blob.update(policy)
+        return replace(self, stdin=json.dumps(blob).encode() + b"\n")
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", "engine.cli", "worker", *self.args, "--report-interval", "1",
@@ -97,8 +110,27 @@ class WorkerSupervisor:
         await self.async_stop()
         self._launch = launch
         self._ready.clear()
-        self._set(state="starting", restarts=0, last_error=None, steps_per_s=0.0, streams=0)
+        self._set(state="starting", restarts=0, last_error=None, steps_per_s=0.0, streams=0, policy_updates=0)
         self._task = asyncio.create_task(self._async_supervise(launch), name="deskfleet-worker-supervisor")
+
+    async def async_update_policy(self, policy: dict) -> bool:
+        """Give the running worker a new peer policy (one JSON line on its stdin) and keep it for
+        restarts; False if no worker runs or its stdin is closed (the caller restarts it)."""
+        if self._launch is None:
+            return False
+        self._launch = self._launch.with_policy(policy)
+        proc = self._proc
+        if (not self._launch.keep_stdin or proc is None or proc.returncode is not None or proc.stdin is None
+                or proc.stdin.is_closing() or self._task is None):
+            return False
+        try:
+            proc.stdin.write(json.dumps(policy).encode() + b"\n")
+            await asyncio.wait_for(proc.stdin.drain(), 5.0)
+        except (OSError, TimeoutError) as exc:
+            log.warning("could not send the worker its new peer policy (%s); restarting it", exc)
+            return False
+        log.info("sent the worker a new peer policy")
+        return True
 
     async def async_wait_ready(self, timeout: float) -> None:
         """Wait until the worker has printed its ready line, or raise TimeoutError naming why not."""
@@ -141,7 +173,7 @@ class WorkerSupervisor:
     async def _async_supervise(self, launch: WorkerLaunch) -> None:
         failures: list[float] = []
         while True:
-            code = await self._async_run_once(launch)
+            code = await self._async_run_once(self._launch or launch)  # the latest policy on a restart
             if self._draining:
                 self._draining = False
                 self._set(state="stopped", pid=None, steps_per_s=0.0, streams=0)
@@ -169,7 +201,8 @@ class WorkerSupervisor:
         try:
             proc.stdin.write(launch.stdin)
             await proc.stdin.drain()
-            proc.stdin.close()
+            if not launch.keep_stdin:
+                proc.stdin.close()
             await self._async_read(proc)
             return await proc.wait()
         except asyncio.CancelledError:
@@ -189,6 +222,10 @@ class WorkerSupervisor:
                         rate = (steps - last[1]) / (now - last[0])
                     last = (now, steps)
                     self._status = replace(self._status, steps_per_s=round(rate, 2), streams=int(stats["streams"]))
+                continue
+            if text.startswith(PEERS_PREFIX):
+                log.info("worker: %s", text)
+                self._set(policy_updates=self._status.policy_updates + 1)
                 continue
             self._tail.append(text[:300])
             log.debug("worker: %s", text)

@@ -2,8 +2,14 @@
 
 Pure (no sockets): `console.service.fleet.FleetModel` collects `Sighting`s from mDNS, the hub's
 unicast registrations, "add by address" probes and the approvals file, plus the last status
-poll and hub event, and `merge_record` turns them into one frozen `AgentRecord`. The newest
-piece of news wins for what changes (state), the newest sighting for where the agent is.
+poll and hub event, and `merge_record` turns them into one frozen `AgentRecord`.
+
+Only what came over mutual TLS is believed: a hub registration or event (the hub saw the
+sender's certificate), a probe or status poll (the console saw the agent's certificate), or the
+approvals file (written from those). An mDNS record is anyone's claim: it lists a PC the console
+has not verified yet (``verified=False``, not approvable) and suggests an address to probe, but
+it never sets where a verified agent is or what state it is in. Among the proven sources, the
+newest word wins for the state, the newest sighting for where the agent is.
 """
 
 from __future__ import annotations
@@ -16,12 +22,14 @@ from typing import Any
 from engine.control import AgentStatus
 
 UNKNOWN_STATE = "unknown"  # approved earlier, not heard from since the console started
+UNVERIFIED_STATE = "unverified"  # this fleet's agent by an mDNS record alone: not proven, nothing it claims shown
 
 
 class AgentSource(StrEnum):
     """Where the console heard of an agent."""
 
-    MDNS = "mdns"  # the agent's DNS-SD advertisement
+    MDNS = "mdns"  # the agent's DNS-SD advertisement: a claim (a hint to probe), never proof
+    PROBE = "probe"  # the console probed an mDNS hint's address and the agent proved its node id
     HUB = "hub"  # a unicast registration at the console's hub (networks that drop multicast)
     ADDRESS = "address"  # the admin added it by address (GET /v1/probe)
     SAVED = "saved"  # approved earlier: address kept in the approvals file
@@ -102,6 +110,7 @@ class AgentRecord:
     paused_reasons: tuple[str, ...] = ()
     version: str = ""
     instance: str = ""
+    verified: bool = False  # heard of over mutual TLS (hub, probe, poll, approvals): approvable
 
     @property
     def key(self) -> str:
@@ -132,17 +141,26 @@ def merge_record(key: str, sightings: Mapping[AgentSource, Sighting], *, own_fle
                  approved: bool, poll: Poll | None = None, news: HubNews | None = None) -> AgentRecord:
     """The record for ``key`` from every source's last word. ``sightings`` must not be empty."""
     ordered = sorted(sightings.values(), key=lambda s: -1.0 if s.at is None else s.at)
-    where = ordered[-1]  # newest sighting: where the agent is now
-    named = next((s for s in reversed(ordered) if s.name), where)
+    proven = [s for s in ordered if s.source is not AgentSource.MDNS]
+    believed = proven or ordered  # an mDNS claim counts only while nothing proven is known
+    where = believed[-1]  # newest believed sighting: where the agent is now
+    named = next((s for s in reversed(believed) if s.name), where)
     times = [s.at for s in ordered if s.at is not None]
-    # (time, state, reasons) from every source that reports a state; the newest wins
-    states = [(s.at, s.state, ()) for s in ordered if s.at is not None and s.state != UNKNOWN_STATE]
-    name, devices, memory, version = named.name, where.devices, where.memory_bytes, where.version
+    # (time, state, reasons) from every believed source that reports a state; the newest wins
+    states = [(s.at, s.state, ()) for s in believed if s.at is not None and s.state != UNKNOWN_STATE]
+    # hardware facts (shown until a poll reports the inventory): a proven source's, else those of
+    # an mDNS record from the proven address (the same agent's own advertisement)
+    facts = next((s for s in reversed(believed) if s.devices), None) or next(
+        (s for s in reversed(ordered) if s.devices and (s.address, s.control_port) == (where.address, where.control_port)),
+        where)
+    name, devices, memory, version = named.name, facts.devices, facts.memory_bytes, where.version or facts.version
     fleet_id = where.fleet_id
     status, reachable, error = None, None, None
+    verified = bool(proven)
     if poll is not None:
         reachable, error = poll.status is not None, poll.error
         if poll.status is not None:
+            verified = True
             status = poll.status
             times.append(poll.at)
             states.append((poll.at, status.state, status.paused_reasons))
@@ -153,10 +171,14 @@ def merge_record(key: str, sightings: Mapping[AgentSource, Sighting], *, own_fle
         times.append(news.at)
         states.append((news.at, news.state, news.reasons))
     _, state, reasons = max(states, key=lambda s: s[0]) if states else (None, where.state, ())
+    membership = membership_of(fleet_id, own_fleet_id)
+    if not verified and membership is Membership.MEMBER:
+        state, reasons = UNVERIFIED_STATE, ()
     return AgentRecord(
         node_id=key if not key.startswith("instance:") else "", name=name, address=where.address,
         control_port=where.control_port, state=state, devices=devices, memory_bytes=memory,
-        fleet_id=fleet_id, membership=membership_of(fleet_id, own_fleet_id),
+        fleet_id=fleet_id, membership=membership,
         last_seen=max(times) if times else None, sources=frozenset(sightings), approved=approved,
         status=status, reachable=reachable, error=error, paused_reasons=tuple(reasons),
-        version=version, instance=next((s.instance for s in reversed(ordered) if s.instance), ""))
+        version=version, instance=next((s.instance for s in reversed(ordered) if s.instance), ""),
+        verified=verified)

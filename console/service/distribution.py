@@ -9,6 +9,13 @@ Once every agent holds verified files it starts the workers, connects the ring (
 with the console's fleet certificate) under a :class:`~engine.coordinator.Coordinator`, and checks
 it with a one-token generation.
 
+Every agent is known by its certificate: the first contact learns its node id from the TLS
+peer (or the layout names it), and every later call is pinned to it. The assignments carry
+who each worker deals with — the previous stage's agent (the console for the first) as its
+upstream, the next stage's agent (the console's return port for the last) as its next hop —
+and the console's deny list; the hub serves each agent only its assigned stage's files, and the
+coordinator's return port takes answers only from the last stage's agent.
+
 A failure is data until the end of a phase: every agent gets its chance, then
 :class:`AgentsFailedError` names each agent that failed and why. Running again resumes: agents
 keep the files they verified (the agent's store remembers them), an unchanged assignment keeps a
@@ -51,6 +58,7 @@ from engine.errors import DeskfleetError
 from engine.fleet_host import FleetHost
 from engine.fleet_hub import AgentEvent
 from engine.manifest import MANIFEST_NAME, load_manifest
+from engine.peer_policy import PeerPolicy
 from engine.request import GenerationRequest
 from engine.ring import RingPath
 from engine.shard import Stage
@@ -97,7 +105,9 @@ class Distributor:
         self.recovery = RingRecovery(self, standby)
         self._clients: dict[str, ControlClient] = {}
         self._sent: dict[str, Assignment] = {}  # control address -> the assignment it last accepted
-        self._node_ids: dict[str, str] = {}  # control address -> node id, to match the hub's events
+        # control address -> node id (from the certificate, or the layout): pins the control
+        # clients, names the workers' peers and matches the hub's events
+        self._node_ids: dict[str, str] = {t.control: t.node_id for t in layout.targets if t.node_id}
         self._unsubscribe: Callable[[], None] | None = None
         self._watch: asyncio.Task | None = None
         self._progress: dict[AgentTarget, AgentProgress] = {}
@@ -109,6 +119,7 @@ class Distributor:
         self._data_hop = data_hop
         self._return_dial: Address | None = None
         self._coordinator: Coordinator | None = None
+        self._background: set[asyncio.Task] = set()
         for target in layout.targets:  # refuse here what an agent would refuse with a 400
             try:
                 Assignment.from_dict(self._assignment(target, 1).to_dict())
@@ -138,6 +149,7 @@ class Distributor:
         if self._coordinator is not None:
             return await self._async_checked()
         self.host.hub.publish(self.export_id, self.export_dir)
+        await self._each(self._async_identify)
         path = await self._async_open_path()
         return_port = path.return_address.port
         await self._each(lambda t: self._async_fetch(t, self._assignment(t, return_port)))
@@ -186,11 +198,32 @@ class Distributor:
     # -- assignments and phases (also used by console.service.failover) ----------------------------
 
     def client(self, control: str) -> ControlClient:
-        """The control client of the agent at ``control`` (HOST:PORT)."""
-        if control not in self._clients:
+        """The control client of the agent at ``control`` (HOST:PORT), pinned to its node id once
+        known (:meth:`_async_identify`)."""
+        node_id = self._node_ids.get(control)
+        if control not in self._clients or self._clients[control].node_id != node_id:
             target = AgentTarget(control, 0)
-            self._clients[control] = ControlClient(self.host.credentials, target.host, target.port)
+            self._clients[control] = ControlClient(self.host.credentials, target.host, target.port,
+                                                   node_id=node_id)
         return self._clients[control]
+
+    def node_id_of(self, control: str) -> str | None:
+        """The node id of the agent at ``control``, as its certificate proved it (None: not yet)."""
+        return self._node_ids.get(control)
+
+    async def _async_identify(self, target: AgentTarget) -> AgentFailure | None:
+        """Learn (or check) the agent's node id from its certificate, before anything is sent."""
+        try:
+            client = self.client(target.control)
+            await client.async_probe()
+        except ControlError as exc:
+            return self._fail(target, str(exc))
+        node_id = client.peer_node_id
+        if node_id is None or node_id in self.host.hub.deny:
+            return self._fail(target, "its certificate was revoked by the console (it was removed); re-plan "
+                              "without it")
+        self._node_ids[target.control] = node_id
+        return None
 
     def replace_layout(self, layout: RingLayout) -> None:
         """Serve the same stages on other agents (a failover moved some); LayoutError if it cannot."""
@@ -202,8 +235,12 @@ class Distributor:
         return tuple(t for t in self.layout.targets if self._sent.get(t.control) != self._assignment(t, self._return_port))
 
     def forget_assignment(self, control: str) -> None:
-        """The agent at ``control`` no longer serves its stage: the next assignment is sent anew."""
+        """The agent at ``control`` no longer serves its stage: the next assignment is sent anew,
+        and until then the hub serves it none of this export's files."""
         self._sent.pop(control, None)
+        node_id = self._node_ids.get(control)
+        if node_id is not None:
+            self.host.hub.grant(node_id, self.export_id, ())
 
     async def async_bring_up(self, targets: Sequence[AgentTarget]) -> tuple[AgentFailure, ...]:
         """Assign, fetch and start ``targets`` at once; the failures (empty when all serve)."""
@@ -211,6 +248,11 @@ class Distributor:
             failure = await self._async_fetch(target, self._assignment(target, self._return_port))
             return failure or await self._async_start_worker(target)
 
+        identified = await asyncio.gather(*(self._async_identify(t) for t in targets))
+        if any(identified):
+            return tuple(f for f in identified if f is not None)
+        if self._path is not None:
+            await self._path.async_set_peers(self._ring_peers())
         results = await asyncio.gather(*(one(t) for t in targets))
         return tuple(r for r in results if r is not None)
 
@@ -219,10 +261,15 @@ class Distributor:
         index = targets.index(target)
         next_hop = targets[index + 1].data_address if index + 1 < len(targets) else \
             str(self._return_dial or Address(self.console_host, return_port))
+        console = self.host.credentials.node_id
+        upstream = self._node_ids.get(targets[index - 1].control) if index > 0 else console
+        expect_next = self._node_ids.get(targets[index + 1].control) if index + 1 < len(targets) else console
         return Assignment.create(self._manifest_json, export_id=self.export_id, stage=target.stage,
                                  source=self.host.hub.shard_url(self.export_id), listen_port=target.data_port,
                                  next_hop=next_hop, worker=self.worker, api_url=self.api_url,
-                                 events_url=self.host.hub.events_url)
+                                 events_url=self.host.hub.events_url,
+                                 expect_upstream=(upstream,) if upstream else (), expect_next=expect_next,
+                                 deny=tuple(sorted(self.host.hub.deny)))
 
     async def _each(self, phase: Callable[[AgentTarget], object]) -> None:
         """Run ``phase`` on every agent at once; AgentsFailedError naming all that failed."""
@@ -241,6 +288,7 @@ class Distributor:
         client = self.client(target.control)
         try:
             self._report(target, "assigning")
+            self.host.hub.grant(client.node_id or "", self.export_id, [target.stage])
             await client.async_assign(assignment)
             self._sent[target.control] = assignment
             status = await client.async_status()
@@ -326,12 +374,20 @@ class Distributor:
             self._path = RingPath(self.manifest.model.fingerprint, len(self.manifest.stages),
                                   first_remote, Address(self.console_host, self._return_port),
                                   local_stage0=self._stage0, server_ssl=creds.server_context(),
-                                  client_ssl=creds.client_context(), dial_deadline=self.timeouts.dial_s)
+                                  client_ssl=creds.client_context(), dial_deadline=self.timeouts.dial_s,
+                                  peers=self._ring_peers())
             await self._path.async_listen()
             self._return_port = self._path.return_address.port
             if self._data_hop is not None:
                 self._return_dial = await self._data_hop(Address(self.console_host, self._return_port))
         return self._path
+
+    def _ring_peers(self) -> PeerPolicy:
+        """The coordinator's ends of the ring: replies only from the last stage's agent, steps only
+        to the first agent's worker; the deny list on both."""
+        targets = self.layout.targets
+        last, first = self._node_ids.get(targets[-1].control), self._node_ids.get(targets[0].control)
+        return PeerPolicy.of((last,) if last else (), first, self.host.hub.deny)
 
     async def _async_connect(self, path: RingPath) -> None:
         settings = self.failover
@@ -347,7 +403,14 @@ class Distributor:
                                      f"{first.data_address} ({exc!r}); check that nothing blocks the port and "
                                      "run the distribution again") from exc
         self._coordinator = coordinator
-        self._unsubscribe = self.host.hub.subscribe(self._on_hub_event)
+        unsubscribe_events = self.host.hub.subscribe(self._on_hub_event)
+        unsubscribe_deny = self.host.hub.subscribe_deny(self._on_deny)
+
+        def unsubscribe() -> None:
+            unsubscribe_events()
+            unsubscribe_deny()
+
+        self._unsubscribe = unsubscribe
         self._watch = asyncio.create_task(self.recovery.async_watch(coordinator), name="deskfleet-ring-watch")
 
     async def _async_stop_watch(self) -> None:
@@ -370,6 +433,13 @@ class Distributor:
                 reasons = ", ".join(event.body.get("reasons") or ()) or "no reason given"
                 coordinator.request_failover(f"{target.label} (stage {target.stage}) paused: {reasons}")
                 return
+
+    def _on_deny(self, deny: frozenset[str]) -> None:
+        """The admin removed a member: the return port refuses it from now on."""
+        if self._path is not None:
+            task = asyncio.get_running_loop().create_task(self._path.async_set_peers(self._ring_peers()))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
 
     async def _async_drop(self, coordinator: Coordinator) -> None:
         """Forget a broken ring (its path is closed); the next run opens a new one on the same port."""
@@ -407,8 +477,6 @@ class Distributor:
             done, total = status.fetch.done_bytes, status.fetch.total_bytes
         if phase in ("verified", "starting", "running"):
             done = total
-        if status is not None and status.node_id:
-            self._node_ids[target.control] = status.node_id
         progress = AgentProgress(target.label, target.stage, phase, done, total, error)
         if self._progress.get(target) != progress:
             self._progress[target] = progress

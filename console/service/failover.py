@@ -183,7 +183,7 @@ def check_standby(layout: RingLayout, standby: Sequence[AgentEndpoint]) -> None:
     taken = {(t.host, t.port) for t in layout.targets}
     data = {t.data_address for t in layout.targets}
     for endpoint in standby:
-        target = AgentTarget(endpoint.control, 0, endpoint.data_port, endpoint.name)
+        target = AgentTarget(endpoint.control, 0, endpoint.data_port, endpoint.name, endpoint.node_id)
         if (target.host, target.port) in taken:
             raise LayoutError(f"{target.label} is both in the ring and a standby; a standby must be another agent")
         if target.data_address in data:
@@ -204,8 +204,9 @@ def moved_layout(layout: RingLayout, moves: Sequence[tuple[int, AgentEndpoint]]
         if endpoint is None:
             targets.append(target)
             continue
-        released.append(AgentEndpoint(target.control, target.data_port, target.name))
-        targets.append(AgentTarget(endpoint.control, target.stage, endpoint.data_port, endpoint.name))
+        released.append(AgentEndpoint(target.control, target.data_port, target.name, target.node_id))
+        targets.append(AgentTarget(endpoint.control, target.stage, endpoint.data_port, endpoint.name,
+                                   endpoint.node_id))
     return replace(layout, targets=tuple(targets)), tuple(released)
 
 
@@ -221,10 +222,11 @@ class RingRecovery:
         self._quick: dict[str, ControlClient] = {}
 
     def _client(self, control: str) -> ControlClient:
-        if control not in self._quick:
+        if control not in self._quick or self._quick[control].node_id != self._dist.node_id_of(control):
             host, port = parse_hostport(control, "the agent's control address")
             self._quick[control] = ControlClient(self._dist.host.credentials, host, port,
-                                                 timeout=self._dist.failover.status_timeout_s)
+                                                 timeout=self._dist.failover.status_timeout_s,
+                                                 node_id=self._dist.node_id_of(control))
         return self._quick[control]
 
     async def _async_status(self, control: str) -> AgentStatus | str:

@@ -6,18 +6,23 @@ pure, in `console.service.agent_record`); it lives on the console's one asyncio 
 thread-safe. Listeners get the new list of records after every change, on the loop: the Qt
 view forwards them to the GUI thread with a queued signal.
 
-An agent's node id is only trusted as far as its source: an mDNS record is what a peer claims,
-whereas a hub registration, a probe and a status poll come over mutual TLS against the fleet CA.
-Approving is refused for an agent that, as far as the console can tell, is in another fleet
-or none.
+Node ids come only from certificates: the hub's caller, the peer of a probe or a status poll
+(each control client checks ``sha256(peer certificate)`` against the node id it dials). An mDNS
+record is what anyone on the LAN may claim: it lists a PC as unverified and suggests an address
+to probe (a few probes at a time, each address at most every ``PROBE_RETRY_S``); it never moves
+a verified agent or changes its state, and never makes a node id approvable. Approving is
+refused for an agent that is not verified, or that is, as far as the console can tell, in
+another fleet or none. Removing an agent revokes it (console.service.revocations).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
 
 from console.service.agent_record import (
@@ -37,7 +42,8 @@ from console.service.errors import (
     ForeignAgentError,
     UnknownAgentError,
 )
-from engine.control_client import ControlClient, ControlError
+from console.service.revocations import RevocationBook
+from engine.control_client import ControlClient, ControlError, WrongAgentError
 from engine.discovery import Peer
 from engine.fleet_hub import AgentEvent, FleetHub
 from engine.trust import Credentials
@@ -47,6 +53,9 @@ __all__ = ["AgentRecord", "AgentSource", "FleetModel", "Membership"]
 log = logging.getLogger(__name__)
 
 POLL_TIMEOUT_S = 5.0
+MAX_HINTS = 256  # mDNS records kept from one snapshot: an office, with room; a flood is cut here
+MAX_PROBES = 4  # probes of mDNS hints in flight at once
+PROBE_RETRY_S = 30.0  # an mDNS hint's address is probed at most this often
 Listener = Callable[[tuple[AgentRecord, ...]], None]
 
 
@@ -61,6 +70,12 @@ class FleetModel:
         self.timeout = timeout
         self._clock = clock
         self._approvals = ApprovalBook(state_dir)  # raises ConsoleStateError for a corrupt file
+        self._revoked = RevocationBook(state_dir)
+        self._hub: FleetHub | None = None
+        self._probed: dict[tuple[str, str, int], float] = {}  # (claimed key, host, port) -> when
+        self._probes: set[asyncio.Task] = set()
+        self._probe_slots = asyncio.Semaphore(MAX_PROBES)
+        self._warned: set[tuple[str, str, int]] = set()
         self._sightings: dict[str, dict[AgentSource, Sighting]] = {}
         self._polls: dict[str, Poll] = {}
         self._news: dict[str, HubNews] = {}
@@ -101,15 +116,23 @@ class FleetModel:
 
     def update_peers(self, peers: Mapping[str, Peer]) -> None:
         """Take the mDNS browser's snapshot (use as ``Browser(interface, fleet.update_peers)``):
-        agents that left the snapshot lose their mDNS source."""
+        agents that left the snapshot lose their mDNS source. Records are hints only: a new
+        address of this fleet's agent is probed over mutual TLS (on the loop, if one runs)."""
         fresh: dict[str, Sighting] = {}
-        for peer in peers.values():
+        newest = sorted(peers.values(), key=lambda p: -p.last_seen)
+        for peer in newest[:MAX_HINTS]:
             ad = peer.advertisement
             key = ad.node_id or f"instance:{ad.instance}"
-            fresh[key] = Sighting(AgentSource.MDNS, ad.instance.rsplit("-", 1)[0] or ad.instance,
-                                  ad.addresses[0] if ad.addresses else "", ad.control_port, ad.fleet_id,
-                                  ad.state.value, ad.devices, ad.memory_bytes, ad.version, ad.instance,
-                                  peer.last_seen)
+            if key in self._revoked:
+                continue
+            sighting = Sighting(AgentSource.MDNS, ad.instance.rsplit("-", 1)[0] or ad.instance,
+                                ad.addresses[0] if ad.addresses else "", ad.control_port, ad.fleet_id,
+                                ad.state.value, ad.devices, ad.memory_bytes, ad.version, ad.instance,
+                                peer.last_seen)
+            self._consider_probe(key, sighting)  # every record's address, even if two claim one id
+            fresh.setdefault(key, sighting)  # newest first
+        if len(newest) > MAX_HINTS:
+            log.warning("%d mDNS records on the network; only the %d newest are listed", len(newest), MAX_HINTS)
         for key, by_source in self._sightings.items():
             if key not in fresh:
                 by_source.pop(AgentSource.MDNS, None)
@@ -117,18 +140,88 @@ class FleetModel:
             self._sightings.setdefault(key, {})[AgentSource.MDNS] = sighting
         self._rebuild()
 
+    def _consider_probe(self, key: str, hint: Sighting) -> None:
+        """Probe an mDNS hint's address unless it says nothing new about a verified agent."""
+        if hint.fleet_id != self.fleet_id or not hint.address or not hint.control_port:
+            return
+        record = self._records.get(key)
+        where = (key, hint.address, hint.control_port)
+        if record is not None and record.verified:
+            if (record.address, record.control_port) == (hint.address, hint.control_port):
+                return
+            if where not in self._warned:
+                self._warned.add(where)
+                log.warning("an mDNS record claims agent %s (%s) is at %s:%d; the console keeps %s until a "
+                            "probe there proves it", key[:16], record.name, hint.address, hint.control_port,
+                            record.control_address)
+        now = self._clock()
+        if now - self._probed.get(where, -PROBE_RETRY_S) < PROBE_RETRY_S or len(self._probes) >= 4 * MAX_PROBES:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # no loop (a pure caller): hints stay hints
+        self._probed[where] = now
+        if len(self._probed) > 4 * MAX_HINTS:  # forget the oldest attempts
+            for old in sorted(self._probed, key=self._probed.get)[:MAX_HINTS]:
+                del self._probed[old]
+        task = loop.create_task(self._async_probe_hint(key, hint.address, hint.control_port),
+                                name="deskfleet-probe-hint")
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
+
+    async def _async_probe_hint(self, claimed: str, host: str, port: int) -> None:
+        async with self._probe_slots:
+            client = ControlClient(self.credentials, host, port, timeout=self.timeout)
+            try:
+                probe = await client.async_probe()
+            except ControlError as exc:
+                log.info("mDNS hint %s at %s:%d not verified: %s", claimed[:16], host, port, exc)
+                return
+        proven = client.peer_node_id
+        if proven is None:
+            return
+        if proven != claimed:
+            log.warning("an mDNS record named agent %s at %s:%d, but the agent there proved to be %s; the "
+                        "record's claim is ignored", claimed[:16], host, port, proven[:16])
+        self._take_proof(proven, host, port, probe, AgentSource.PROBE)
+        self._rebuild()
+
+    def _take_proof(self, node_id: str, host: str, port: int, probe: Mapping, source: AgentSource) -> bool:
+        """Record what an agent said over a connection whose certificate proved ``node_id``."""
+        probe = probe if isinstance(probe, Mapping) else {}
+        if node_id in self._revoked:
+            log.warning("revoked agent %s answered at %s:%d; ignored", node_id[:16], host, port)
+            return False
+        self._sightings.setdefault(node_id, {})[source] = Sighting(
+            source, str(probe.get("name", ""))[:64], host, port, self.fleet_id,  # the CA signed its certificate
+            str(probe.get("state", UNKNOWN_STATE))[:32], version=str(probe.get("version", ""))[:64],
+            at=self._clock())
+        return True
+
     def attach_hub(self, hub: FleetHub) -> Callable[[], None]:
         """Take the hub's registrations so far and every registration and event from now on;
         returns a function that detaches."""
+        self._hub = hub
+        hub.set_deny(self._revoked.node_ids)
         for node_id, body in list(hub.registrations.items()):
             self._take_registration(node_id, body, self._clock())
         self._rebuild()
-        return hub.subscribe(self.on_hub_event)
+        unsubscribe = hub.subscribe(self.on_hub_event)
+
+        def detach() -> None:
+            self._hub = None
+            unsubscribe()
+
+        return detach
 
     def on_hub_event(self, event: AgentEvent) -> None:
         """A registration (unicast discovery) or a paused/resumed report from an agent; the hub
         checked the sender's fleet certificate, so ``event.node_id`` is who sent it."""
         now = self._clock()
+        if event.node_id in self._revoked:
+            log.warning("%s from revoked agent %s ignored", event.event, event.node_id[:16])
+            return
         if event.event == "registered":
             self._take_registration(event.node_id, event.body, now)
         elif event.node_id in self._sightings:
@@ -153,15 +246,18 @@ class FleetModel:
                 f"no Deskfleet agent of this fleet answered at {host}:{port} ({exc}); check the address "
                 "and the control port (7210 by default), that the PC is on and its firewall lets the "
                 "port through, and that it joined this console's fleet") from exc
-        node_id = probe.get("node_id")
-        if not isinstance(node_id, str) or not node_id:
+        node_id = client.peer_node_id
+        claimed = probe.get("node_id") if isinstance(probe, dict) else None
+        if not isinstance(claimed, str) or not claimed:
             raise ForeignAgentError(f"the agent at {host}:{port} has not joined a fleet; join it with a "
                                     "token from this console first")
-        fleet_id = probe.get("fleet_id") if isinstance(probe.get("fleet_id"), str) else ""
-        self._sightings.setdefault(node_id, {})[AgentSource.ADDRESS] = Sighting(
-            AgentSource.ADDRESS, str(probe.get("name", "")), host, int(probe.get("control_port") or port),
-            fleet_id, str(probe.get("state", UNKNOWN_STATE)), version=str(probe.get("version", "")),
-            at=self._clock())
+        if claimed != node_id:
+            log.warning("the agent at %s:%d claims node id %s but its certificate is %s; the certificate "
+                        "counts", host, port, claimed[:16], node_id[:16])
+        if node_id in self._revoked:
+            raise ForeignAgentError(f"the agent at {host}:{port} was removed from this fleet (its certificate "
+                                    "is revoked); to use the PC again, join it with a new token")
+        self._take_proof(node_id, host, port, probe, AgentSource.ADDRESS)
         self._rebuild()
         return self._records[node_id]
 
@@ -170,6 +266,11 @@ class FleetModel:
     def approve(self, node_id: str) -> AgentRecord:
         """Allow placement to use this agent (persisted). Refused for another fleet's agent."""
         record = self.get(node_id)
+        if not record.verified and record.membership is Membership.MEMBER:
+            raise ForeignAgentError(
+                f"{record.name} is only known from an mDNS record, which anyone on the network can send; "
+                "the console approves an agent once it proved its identity over mutual TLS (a probe of "
+                "its address, or its registration at the hub). Wait a moment, or add the PC by address")
         if record.membership is Membership.OTHER_FLEET:
             raise ForeignAgentError(
                 f"{record.name} belongs to another fleet (fleet {record.fleet_id[:16]}…) and cannot be "
@@ -182,14 +283,45 @@ class FleetModel:
         self._rebuild()
         return self._records[node_id]
 
+    @property
+    def deny(self) -> tuple[str, ...]:
+        """The node ids the admin removed (sent with every assignment)."""
+        return self._revoked.node_ids
+
     def remove(self, node_id: str) -> None:
-        """Withdraw the approval and forget the agent. It is listed again, unapproved, when it
-        next advertises or registers (its fleet certificate stays valid)."""
-        self.get(node_id)
+        """Withdraw the approval, forget the agent and revoke its certificate: the hub refuses it,
+        every member agent is told (``POST /v1/deny``, in the background when a loop runs) and
+        the next assignments carry it. Only a fresh join (a new node id) brings the PC back."""
+        record = self.get(node_id)
         self._approvals.discard(node_id)
+        self._revoked.add(record.node_id, record.name)
         for table in (self._sightings, self._polls, self._news):
             table.pop(node_id, None)
+        if self._hub is not None:
+            self._hub.set_deny(self._revoked.node_ids)
+            self._hub.revoke_grants(node_id)
+        log.warning("removed agent %s (%s): its certificate is revoked", node_id[:16], record.name)
         self._rebuild()
+        with contextlib.suppress(RuntimeError):  # no running loop: the next assignments carry it
+            task = asyncio.get_running_loop().create_task(self.async_push_deny(), name="deskfleet-push-deny")
+            self._probes.add(task)
+            task.add_done_callback(self._probes.discard)
+
+    async def async_push_deny(self) -> dict[str, str]:
+        """Send the deny list to every verified member; {node id: why it failed} for those not told."""
+        deny = self.deny
+        failed: dict[str, str] = {}
+        records = [r for r in self.records() if r.verified and r.membership is Membership.MEMBER and r.control_port]
+
+        async def one(record: AgentRecord) -> None:
+            try:
+                await self.client(record.key).async_deny(deny)
+            except (ControlError, ForeignAgentError) as exc:
+                log.warning("could not give %s the deny list: %s", record.name, exc)
+                failed[record.key] = str(exc)
+
+        await asyncio.gather(*(one(r) for r in records))
+        return failed
 
     # ---- control -----------------------------------------------------------------------------
 
@@ -199,12 +331,17 @@ class FleetModel:
         if record.membership is not Membership.MEMBER or not record.control_port:
             raise ForeignAgentError(f"{record.name} is not a member of this fleet (it is "
                                     f"{record.membership.value}); the console cannot control it")
-        return ControlClient(self.credentials, record.address, record.control_port, timeout=self.timeout)
+        if not record.verified:
+            raise ForeignAgentError(f"{record.name} has not proved its identity to the console yet (it is "
+                                    "only known from an mDNS record); wait for the probe, or add it by address")
+        return ControlClient(self.credentials, record.address, record.control_port, timeout=self.timeout,
+                             node_id=record.node_id)
 
     async def async_refresh(self) -> tuple[AgentRecord, ...]:
         """Poll every member agent's status at once; an agent that does not answer within the
         timeout is marked unreachable (``reachable=False``, ``error``), never dropped."""
-        keys = [r.key for r in self.records() if r.membership is Membership.MEMBER and r.control_port]
+        keys = [r.key for r in self.records()
+                if r.membership is Membership.MEMBER and r.control_port and r.verified]
         await asyncio.gather(*(self._async_poll(k) for k in keys))
         self._rebuild()
         return self.records()
@@ -241,22 +378,28 @@ class FleetModel:
         record = self._records.get(key)
         if record is None:
             return
-        client = ControlClient(self.credentials, record.address, record.control_port, timeout=self.timeout)
+        client = ControlClient(self.credentials, record.address, record.control_port, timeout=self.timeout,
+                               node_id=key)  # the certificate must be this agent's, whatever the body says
         try:
             status = await client.async_status()
-        except ControlError as exc:
+        except WrongAgentError as exc:
+            log.warning("status poll of %s refused: %s", record.name, exc)
+            poll = Poll(self._clock(), error=f"{record.control_address} now answers as another agent "
+                                             f"({(exc.node_id or '?')[:16]}…); the agent moved or was re-joined")
+        except (ControlError, KeyError, TypeError, ValueError) as exc:
             log.debug("status poll of %s failed: %s", record.name, exc)
             poll = Poll(self._clock(), error=f"unreachable at {record.control_address}: {exc}")
         else:
-            if status.node_id != key:
-                poll = Poll(self._clock(), error=f"{record.control_address} now answers as another agent "
-                                                 f"({status.node_id[:16]}…); the agent moved or was re-joined")
-            else:
-                poll = Poll(self._clock(), status=status)
+            if status.node_id != key:  # the certificate is right; the body is not believed either way
+                log.warning("agent %s writes node id %s in its status; ignored", key[:16], status.node_id[:16])
+            # who it is and which fleet: what its certificate (signed by this fleet's CA) proved
+            poll = Poll(self._clock(), status=replace(status, node_id=key, fleet_id=self.fleet_id))
         if key in self._sightings:  # removed while the poll was in flight: stay forgotten
             self._polls[key] = poll
 
     def _take_registration(self, node_id: str, body: Mapping, at: float) -> None:
+        if node_id in self._revoked:
+            return
         props = body.get("advertisement") if isinstance(body.get("advertisement"), dict) else {}
         port, address = body.get("control_port"), body.get("address")
         if not (isinstance(port, int) and 0 < port < 65536 and isinstance(address, str) and address):

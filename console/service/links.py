@@ -4,7 +4,9 @@ measured by agent A on request (``POST /v1/link/measure``), turned into `engine.
 Latencies are one-way (half the median round trip). The console hosts the coordinator, so its
 own measurements are the coordinator's latencies. Each unordered pair of agents is measured
 once, from the first to the second: `Links.between` uses a pair for both directions.
-Bandwidths are kept for display only; the solver does not use them.
+Bandwidths are kept for display only; the solver does not use them. Every probe is pinned to
+the node id the fleet model proved for the agent, and an agent's echo admits another agent only
+after the console named it (``POST /v1/link/expect``).
 """
 
 from __future__ import annotations
@@ -68,15 +70,19 @@ async def async_measure_links(fleet: FleetModel, node_ids: Sequence[str], *, sam
     for r in records:
         try:
             measured[(CONSOLE, r.node_id)] = await async_measure_link(
-                f"https://{r.address}:{r.control_port}", ssl, samples=samples, nbytes=nbytes, timeout=timeout)
+                f"https://{r.address}:{r.control_port}", ssl, samples=samples, nbytes=nbytes, timeout=timeout,
+                node_id=r.node_id)
         except LinkError as exc:
             log.warning("link to %s not measured: %s", r.name, exc)
             failures[(CONSOLE, r.node_id)] = str(exc)
     reachable = [r for r in records if (CONSOLE, r.node_id) in measured]
     for a, b in combinations(reachable, 2):
-        client = ControlClient(fleet.credentials, a.address, a.control_port, timeout=timeout)
+        client = ControlClient(fleet.credentials, a.address, a.control_port, timeout=timeout, node_id=a.node_id)
+        target = ControlClient(fleet.credentials, b.address, b.control_port, timeout=timeout, node_id=b.node_id)
         try:
-            got = await client.async_measure_link(b.control_address, samples=samples, nbytes=nbytes)
+            await target.async_expect_link(a.node_id)  # b's echo admits a's probes for a minute
+            got = await client.async_measure_link(b.control_address, samples=samples, nbytes=nbytes,
+                                                  target_node_id=b.node_id)
             measured[(a.node_id, b.node_id)] = LinkMeasurement(float(got["rtt_ms"]), float(got["mbit_s"]))
         except (ControlError, KeyError, TypeError, ValueError) as exc:
             log.warning("link %s -> %s not measured: %s", a.name, b.name, exc)

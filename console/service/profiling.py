@@ -147,7 +147,8 @@ async def async_calibrate_devices(fleet: FleetModel, hub: FleetHub, calibration:
 async def _async_time_stages(fleet: FleetModel, hub: FleetHub, calibration: CalibrationSet,
                              record: AgentRecord, device: str, steps: int,
                              threads: int | None = None) -> list[StageTiming]:
-    client = ControlClient(fleet.credentials, record.address, record.control_port, timeout=900)
+    client = ControlClient(fleet.credentials, record.address, record.control_port, timeout=900,
+                           node_id=record.node_id)
     timings = []
     for part in calibration.parts:
         manifest_json = (part.path / "manifest.json").read_text(encoding="utf-8")
@@ -157,7 +158,11 @@ async def _async_time_stages(fleet: FleetModel, hub: FleetHub, calibration: Cali
                 "device": device, "steps": steps}
         if threads is not None:
             body["threads"] = threads
-        timings += [StageTiming(**t) for t in await client.async_calibrate(body)]
+        hub.grant(record.node_id, part.export_id, part.stages)  # the hub serves these stages to it alone
+        try:
+            timings += [StageTiming(**t) for t in await client.async_calibrate(body)]
+        finally:
+            hub.grant(record.node_id, part.export_id, ())
     return timings
 
 

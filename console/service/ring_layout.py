@@ -27,21 +27,25 @@ DEFAULT_DATA_PORT = 7211  # an agent's default data port (agent.service.settings
 @dataclass(frozen=True)
 class AgentEndpoint:
     """How the console reaches one agent: its control API ``host:port`` and the data port its
-    stage worker should listen on (on the same host)."""
+    stage worker should listen on (on the same host). ``node_id``: the agent that must answer
+    there (from the fleet model, which learnt it over mutual TLS); None: learnt from the
+    certificate at the first contact, then pinned."""
 
     control: str
     data_port: int = DEFAULT_DATA_PORT
     name: str | None = None
+    node_id: str | None = None
 
 
 @dataclass(frozen=True)
 class AgentTarget:
-    """One agent and the stage it serves."""
+    """One agent and the stage it serves (``node_id`` as in AgentEndpoint)."""
 
     control: str
     stage: int
     data_port: int = DEFAULT_DATA_PORT
     name: str | None = None
+    node_id: str | None = None
 
     @property
     def host(self) -> str:
@@ -94,7 +98,8 @@ class RingLayout:
                          "it by address, or place the stage elsewhere")
                 raise LayoutError(f"stage {index} (layers {stage.first_layer}-{stage.last_layer}) is placed on "
                                   f"{where}")
-            targets.append(AgentTarget(endpoint.control, index, endpoint.data_port, endpoint.name or stage.pc_id))
+            targets.append(AgentTarget(endpoint.control, index, endpoint.data_port, endpoint.name or stage.pc_id,
+                                       endpoint.node_id))
         return cls(tuple(targets), local)
 
     @property
