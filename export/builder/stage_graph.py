@@ -195,9 +195,3 @@ def stage_tensor_names(shape: ModelShape, stage: StagePlan, available: frozenset
     if stage.has_head:
         names += [f.final_norm, head_tensor(shape, available)]
     return sorted(set(names))
-
-
-def kv_bytes_per_token(shape: ModelShape, stage: StagePlan, precision: str) -> int:
-    size = {"f32": 4, "f16": 2, "u8": 1}[precision]
-    return 2 * len(stage.layers) * shape.kv_heads * shape.head_dim * size
-
