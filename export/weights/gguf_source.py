@@ -266,11 +266,12 @@ class GGUFSource:
         else:
             out = dequantize(np.asarray(values), qtype).astype(np.float32, copy=False)
         out = np.ascontiguousarray(out, dtype=np.float32)
-        self._release(values)
+        self.release(values)
         return out.reshape((stop - start, *raw.shape[1:]))
 
-    def _release(self, view: np.ndarray) -> None:
-        """Drop the file pages just read from this process's RSS (they stay in the page cache)."""
+    def release(self, view: np.ndarray) -> None:
+        """Drop the file pages of ``view`` (a slice of :meth:`blocks` data) from this process's
+        RSS once read; they stay in the page cache, so reading them again costs no disk I/O."""
         mapped = getattr(self._map, "_mmap", None)
         if mapped is None or view.size == 0:
             return

@@ -198,14 +198,19 @@ class StageWeights:
         zeros: list[np.ndarray] = []
         code_type = decode(type_name, raw[:1]).code_type
 
+        release = getattr(self.source, "release", lambda view: None)
+
         def codes():
             for start in range(0, rows, step):
                 picked = raw[start:start + step] if order is None else raw[order[start:start + step]]
                 block = decode(type_name, picked)
+                if order is None:
+                    release(picked)  # mapped GGUF pages leave this process's RSS once decoded
                 scales.append(block.scale)
                 if block.zero_point is not None:
                     zeros.append(block.zero_point)
                 yield pack_nibbles(block.codes) if code_type in ("u4", "i4") else block.codes
+            release(raw)
 
         grouped = (rows, cols // BLOCK_VALUES, BLOCK_VALUES)
         region = self._store.write(codes())
