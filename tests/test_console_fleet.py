@@ -25,6 +25,7 @@ from console.service.errors import (
     UnknownAgentError,
 )
 from console.service.fleet import FleetModel
+from console.service.revocations import REVOKED_FILE
 from engine.control import Assignment
 from engine.control_client import ControlClient
 from engine.discovery import Browser
@@ -87,6 +88,16 @@ def test_a_corrupt_approvals_file_is_a_clear_error_and_is_left_in_place(tmp_path
     path.write_text(json.dumps({"format": 1, "agents": {"n1": {"node_id": "n1", "name": 3}}}))
     with pytest.raises(ConsoleStateError, match="malformed entry for 'n1'"):
         FleetModel(tmp_path, creds)
+
+
+def test_a_damaged_revocation_list_stops_the_console_rather_than_letting_removed_pcs_back(tmp_path):
+    creds = FleetAuthority.create("t").issue_credentials("console", role=Role.CONSOLE)
+    path = tmp_path / REVOKED_FILE
+    for text in ("{not json", json.dumps({"format": 1, "revoked": {"not-a-node-id": {}}})):
+        path.write_text(text)
+        with pytest.raises(ConsoleStateError) as err:
+            FleetModel(tmp_path, creds)
+        assert str(path) in str(err.value) and path.read_text() == text  # left in place
 
 
 # -- live: real agents, real console, real zeroconf on 127.0.0.1 -----------------------------------
