@@ -117,3 +117,64 @@ def test_keep_needs_a_gguf():
     source = ArraySource({"model.layers.0.mlp.up_proj.weight": np.ones((4, 32), np.float32)})
     with StageWeights(source, WeightMode("gguf_keep")) as stage, pytest.raises(WeightModeError, match="not a GGUF"):
         stage.linear("model.layers.0.mlp.up_proj.weight")
+
+
+def random_k_blocks(type_name: str, rows: int, supers: int, seed: int) -> np.ndarray:
+    """Valid K-quant rows: any bytes are valid codes and sub-scales; the f16 super-scales are set
+    to sane random values (random bytes could be inf/nan)."""
+    size = {"Q4_K": 144, "Q6_K": 210}[type_name]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows, supers, size), dtype=np.uint8)
+    halves = rng.uniform(1e-4, 2e-2, (rows, supers, 2)).astype(np.float16).view(np.uint8).reshape(rows, supers, 4)
+    if type_name == "Q4_K":
+        blocks[..., 0:4] = halves  # d, dmin
+        blocks[0, 0, 4:16] = 0  # a sub-block scale of 0 with offset 0 -> constant blocks
+    else:
+        blocks[..., 208:210] = halves[..., :2]  # d
+    return blocks.reshape(rows, supers * size)
+
+
+def test_q6_k_decompresses_exactly():
+    raw = random_k_blocks("Q6_K", rows=8, supers=3, seed=2)
+    block = decode("Q6_K", raw)
+    assert block.code_type == "i8" and block.codes.shape == (8, 48, 16) and block.scale.dtype == np.float32
+    assert block.codes.min() >= -32 and block.codes.max() <= 31
+    np.testing.assert_array_equal(block.dequantize(), gguf_dequantize(raw, "Q6_K"))
+
+
+def test_q4_k_decompresses_within_f32_rounding():
+    raw = random_k_blocks("Q4_K", rows=8, supers=3, seed=3)
+    block = decode("Q4_K", raw)
+    want = gguf_dequantize(raw, "Q4_K")
+    assert block.code_type == "u4" and block.codes.shape == (8, 24, 32) and block.zero_point.dtype == np.float32
+    np.testing.assert_allclose(block.dequantize(), want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("type_name,code_type", [("Q4_K", "u4"), ("Q6_K", "i8")])
+def test_k_quant_matmul_stays_compressed(type_name, code_type, tmp_path):
+    class KSource(ArraySource):
+        def __init__(self, raw, values):
+            super().__init__({"model.layers.0.mlp.up_proj.weight": values})
+            self._raw = raw
+
+        def type_name(self, name):
+            return type_name
+
+        def blocks(self, name):
+            from export.weights.gguf_source import RawBlocks
+
+            return RawBlocks(type_name, self.shape(name), self._raw)
+
+        def row_order(self, name):
+            return None
+
+    raw = random_k_blocks(type_name, rows=16, supers=2, seed=5)
+    values = gguf_dequantize(raw, type_name).reshape(16, 512)
+    name = "model.layers.0.mlp.up_proj.weight"
+    with StageWeights(KSource(raw, values), WeightMode("gguf_keep"), bin_path=tmp_path / "w") as stage:
+        out = stage.linear(name)
+        model = matmul_model(out, 512)
+    assert first_constant_type(out) == code_type
+    x = np.random.default_rng(0).standard_normal((2, 512)).astype(np.float32)
+    np.testing.assert_allclose(run(model, x), x @ values.T, rtol=1e-4, atol=1e-4 * np.abs(x @ values.T).max())
+    assert code_type in runtime_weight_precisions(model)

@@ -20,6 +20,19 @@ weight compressed), so a Q4_1 value is ``d * (q - z)``, off gguf's ``d * q + m``
 f16 rounding of ``z`` (|m| x 2^-11). A block whose scale is 0 holds ``m`` 32 times and is kept
 exactly as codes 1, zero point 0, scale ``m`` (so is a block with ``|m / d|`` beyond f16's
 range, off by at most ``15 d``).
+
+K-quants group 256 values into a super-block whose sub-block scales are small integers times
+an f16 super-scale, so a sub-block's scale ``d * sc`` needs up to 17 significant bits: these
+are kept with **f32** scales (and zero points), the pattern's Converts going to f32:
+
+=======  =====================================  ==============================================
+Q6_K     256 x 6-bit q, 16 int8 sc, f16 d       i8 codes q - 32, f32 scale d * sc, groups of 16
+Q4_K     256 x 4-bit q, 8 x (6-bit sc, 6-bit    u4 codes q, f32 scale d * sc, f32 zero point
+         mn), f16 d, f16 dmin                   dmin * mn / (d * sc), groups of 32
+=======  =====================================  ==============================================
+
+Q6_K decompresses to exactly gguf's values; Q4_K's ``(q - z) * s`` differs from gguf's
+``s * q - dmin * mn`` by f32 rounding only.
 """
 
 from __future__ import annotations
@@ -29,7 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 
 BLOCK_VALUES = 32
-_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q6_K": 210}
 KEPT_TYPES = frozenset(_BLOCK_BYTES)
 
 
@@ -37,8 +50,9 @@ KEPT_TYPES = frozenset(_BLOCK_BYTES)
 class BlockCodes:
     """One row block of a kept tensor, in the decompression pattern's terms.
 
-    ``codes``: int8 (``i8``/``i4``) or uint8 (``u4``) ``[rows, in / 32, 32]`` in logical order;
-    ``scale``: f16 ``[rows, in / 32, 1]``; ``zero_point``: f16 of the same shape, or ``None``.
+    ``codes``: int8 (``i8``/``i4``) or uint8 (``u4``) ``[rows, in / g, g]`` in logical order
+    (g = 32, or 16 for Q6_K); ``scale``: f16 (f32 for K-quants) ``[rows, in / g, 1]``;
+    ``zero_point``: of the scale's type and shape, or ``None``.
     """
 
     code_type: str
@@ -60,8 +74,42 @@ def _split_nibbles(packed: np.ndarray) -> np.ndarray:
     return np.concatenate([packed & 0x0F, packed >> 4], axis=-1)
 
 
+def _q6_k(blocks: np.ndarray) -> BlockCodes:
+    """``blocks``: uint8 ``[rows, super-blocks, 210]``."""
+    rows, supers = blocks.shape[:2]
+    low = blocks[..., :128].reshape(rows, supers, 2, 2, 32)  # [half, first/second 32 bytes, 32]
+    high = blocks[..., 128:192].reshape(rows, supers, 2, 1, 32)  # [half, 1, 32]
+    nibbles = np.stack([low & 0x0F, low >> 4], axis=3).reshape(rows, supers, 2, 4, 32)  # k = 2 * shift + part
+    crumbs = (high >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1)) & 0x03
+    codes = ((nibbles | (crumbs << 4)).astype(np.int16) - 32).astype(np.int8)
+    sc = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)  # [rows, supers, 16]
+    d = blocks[..., 208:210].copy().view(np.float16).astype(np.float32)  # [rows, supers, 1]
+    scale = (d * sc).reshape(rows, supers * 16, 1)
+    return BlockCodes("i8", codes.reshape(rows, supers * 16, 16), scale, None)
+
+
+def _q4_k(blocks: np.ndarray) -> BlockCodes:
+    """``blocks``: uint8 ``[rows, super-blocks, 144]``."""
+    rows, supers = blocks.shape[:2]
+    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
+    a, b, c = blocks[..., 4:8], blocks[..., 8:12], blocks[..., 12:16]  # the 12 bytes of 6-bit pairs
+    sc = np.concatenate([a & 0x3F, (c & 0x0F) | ((a >> 6) << 4)], axis=-1).astype(np.float32)  # [rows, supers, 8]
+    mn = np.concatenate([b & 0x3F, (c >> 4) | ((b >> 6) << 4)], axis=-1).astype(np.float32)
+    qs = blocks[..., 16:144].reshape(rows, supers, 4, 1, 32)
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=3).reshape(rows, supers * 8, 32)
+    scale = (d * sc).reshape(rows, supers * 8, 1)
+    offset = (dmin * mn).reshape(rows, supers * 8, 1)  # value = scale * q - offset
+    flat = scale == 0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        zero = np.where(flat, np.float32(0), offset / np.where(flat, np.float32(1), scale)).astype(np.float32)
+    codes = np.where(flat, np.uint8(1), codes).astype(np.uint8)
+    scale = np.where(flat, -offset, scale).astype(np.float32)
+    return BlockCodes("u4", codes, scale, zero)
+
+
 def decode(type_name: str, raw: np.ndarray) -> BlockCodes:
-    """Decode uint8 rows ``[rows, bytes per row]`` of a Q8_0 / Q4_0 / Q4_1 tensor."""
+    """Decode uint8 rows ``[rows, bytes per row]`` of a Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K tensor."""
     if type_name not in _BLOCK_BYTES:
         raise ValueError(f"GGML type {type_name} has no kept form; kept types: {', '.join(sorted(KEPT_TYPES))}")
     size = _BLOCK_BYTES[type_name]
@@ -70,6 +118,10 @@ def decode(type_name: str, raw: np.ndarray) -> BlockCodes:
     if raw.shape[-1] % size:
         raise ValueError(f"{type_name} rows of {raw.shape[-1]} bytes are not whole {size}-byte blocks")
     blocks = raw.reshape(rows, -1, size)
+    if type_name == "Q6_K":
+        return _q6_k(blocks)
+    if type_name == "Q4_K":
+        return _q4_k(blocks)
     scale = blocks[..., 0:2].copy().view(np.float16)  # [rows, groups, 1]
     if type_name == "Q8_0":
         codes = blocks[..., 2:].copy().view(np.int8)

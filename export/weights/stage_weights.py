@@ -34,7 +34,7 @@ import openvino.opset13 as ops
 
 from engine.errors import DeskfleetError
 from export.weights.checkpoint import TensorSource
-from export.weights.gguf_blocks import BLOCK_VALUES, KEPT_TYPES, decode
+from export.weights.gguf_blocks import KEPT_TYPES, decode
 from export.weights.rtn import Scheme, grouped_shape, quantize, row_block, scheme_for
 from export.weights.weight_file import ConstantSpec, MemoryConstants, WeightFile, pack_nibbles
 
@@ -67,8 +67,9 @@ _OUTSIDE_DECODER: dict[str, str] = {
     "fp32": "fp32",
     "gguf_keep": "gguf_keep",
 }
-# gguf_keep: a GGUF's Q8_0/Q4_0/Q4_1 blocks become constants as they are (export.weights.gguf_blocks);
-# F16 and F32 matrices stay fp16/fp32; any other GGML type (K-quants) is dequantised to fp16.
+# gguf_keep: a GGUF's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K blocks become constants as they are
+# (export.weights.gguf_blocks); F16 and F32 matrices stay fp16/fp32; any other GGML type
+# (Q5_*, Q2_K, Q3_K, Q5_K, IQ*) is dequantised to fp16.
 _KEEP_FALLBACK = {"F16": "fp16", "F32": "fp32"}
 
 
@@ -196,7 +197,9 @@ class StageWeights:
         step = row_block(rows, cols)
         scales: list[np.ndarray] = []
         zeros: list[np.ndarray] = []
-        code_type = decode(type_name, raw[:1]).code_type
+        probe = decode(type_name, raw[:1])
+        code_type, group = probe.code_type, probe.codes.shape[-1]
+        float_type = "f16" if probe.scale.dtype == np.float16 else "f32"  # K-quants: f32 scales
 
         release = getattr(self.source, "release", lambda view: None)
 
@@ -212,16 +215,16 @@ class StageWeights:
                 yield pack_nibbles(block.codes) if code_type in ("u4", "i4") else block.codes
             release(raw)
 
-        grouped = (rows, cols // BLOCK_VALUES, BLOCK_VALUES)
+        grouped = (rows, cols // group, group)
         region = self._store.write(codes())
         scale = np.concatenate(scales)
         specs = [ConstantSpec(region, code_type, grouped, name),
-                 ConstantSpec(self._store.write([scale]), "f16", scale.shape, f"{name}/scale")]
+                 ConstantSpec(self._store.write([scale]), float_type, scale.shape, f"{name}/scale")]
         if zeros:
             zero = np.concatenate(zeros)
-            specs.append(ConstantSpec(self._store.write([zero]), "f16", zero.shape, f"{name}/zero_point"))
+            specs.append(ConstantSpec(self._store.write([zero]), float_type, zero.shape, f"{name}/zero_point"))
         nodes = self._store.constants(specs)
-        weight = ops.convert(nodes[0], "f16")
+        weight = ops.convert(nodes[0], float_type)
         if zeros:
             weight = ops.subtract(weight, nodes[2], name=f"{name}/zero_point/subtract")
         weight = ops.multiply(weight, nodes[1], name=f"{name}/fq_weights")
