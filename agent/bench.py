@@ -44,6 +44,15 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--doc", type=Path, default=DEFAULT_DOC, help="the Markdown file whose section is rewritten")
 
 
+def _token_file(path: Path, token: str) -> Path:
+    """``token`` in a new 0600 file at ``path``, for ``--join-file`` (a token never goes in argv)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token)
+    return path
+
+
 def _tree(proc: psutil.Process) -> list[psutil.Process]:
     with contextlib.suppress(psutil.Error):
         return [proc, *proc.children(recursive=True)]
@@ -78,7 +87,8 @@ async def _async_footprint(seconds: float, settle: float, work: Path) -> dict[st
             procs[name] = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "engine.cli", "agent", *extra, "--state-dir", str(work / name),
                 "--interface", "127.0.0.1", "--control-port", "0", "--data-port", "0",
-                "--join", con.token(), "--console", con.enrollment, env=env,
+                "--join-file", str(_token_file(work / f"{name}.token", con.token())), "--console", con.enrollment,
+                env=env,
                 stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
         try:
             await asyncio.sleep(settle)
@@ -117,6 +127,7 @@ async def _async_pause_rounds(rounds: int, work: Path) -> dict[str, Any]:
     from engine.coordinator import Coordinator, model_card
     from engine.fleet_host import fleet_host
     from engine.manifest import load_manifest
+    from engine.peer_policy import PeerPolicy
     from engine.request import GenerationRequest
     from engine.ring import RingPath
     from engine.shard import Stage
@@ -139,7 +150,9 @@ async def _async_pause_rounds(rounds: int, work: Path) -> dict[str, Any]:
             await client.async_assign(Assignment.create(
                 (export / "manifest.json").read_text(), export_id="default-2", stage=1,
                 source=con.hub.shard_url("default-2"), listen_port=data_port, next_hop="127.0.0.1:9",
-                worker=WorkerSettings(threads=1)))
+                worker=WorkerSettings(threads=1), expect_upstream=(con.credentials.node_id,),
+                expect_next=con.credentials.node_id))  # the console is both of its neighbours
+            con.hub.grant(client.peer_node_id, "default-2", [1])
             await client.async_fetch()
             await client.async_wait_for(lambda s: s.fetch.finished, 300, "the shard fetch")
             await client.async_start_worker()
@@ -153,7 +166,8 @@ async def _async_pause_rounds(rounds: int, work: Path) -> dict[str, Any]:
                 path = RingPath(manifest.model.fingerprint, 2, Address("127.0.0.1", data_port),
                                 Address("127.0.0.1", return_port), local_stage0=stage0,
                                 server_ssl=con.credentials.server_context(),
-                                client_ssl=con.credentials.client_context(), dial_deadline=30)
+                                client_ssl=con.credentials.client_context(), dial_deadline=30,
+                                peers=PeerPolicy.of([client.peer_node_id], client.peer_node_id))
                 async with Coordinator(path, model_card(manifest)) as coordinator:
                     async def generate():
                         with contextlib.suppress(Exception):

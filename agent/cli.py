@@ -7,8 +7,10 @@ import asyncio
 import contextlib
 import logging
 import signal
+import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import TextIO
 
 from engine.cli import Command
 
@@ -27,11 +29,45 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-port", type=int, default=None, help="stage worker port (default 7211; 0: any free)")
     p.add_argument("--seed", action="append", default=None, metavar="HOST:PORT",
                    help="a console to register with by address, for networks that drop multicast (repeatable; saved)")
-    p.add_argument("--join", metavar="TOKEN", default=None, help="join a fleet with this one-time token")
+    join = p.add_mutually_exclusive_group()
+    join.add_argument("--join", metavar="-", default=None,
+                      help="join a fleet with a one-time token read from standard input ('--join -'); "
+                           "never on the command line, where every user of this PC could read it")
+    join.add_argument("--join-file", metavar="PATH", type=Path, default=None,
+                      help="join a fleet with the one-time token in this file")
     p.add_argument("--console", metavar="HOST:PORT", default=None,
-                   help="with --join: the console's enrollment address (shown next to the token); "
+                   help="with --join/--join-file: the console's enrollment address (shown next to the token); "
                         "default: found on the network over mDNS")
     p.add_argument("--leave", action="store_true", help="forget the fleet (delete this agent's credentials) and exit")
+
+
+MAX_TOKEN_CHARS = 4096  # a join token is ~100 characters; more is not a token
+
+
+def read_join_token(args: argparse.Namespace, stdin: TextIO) -> str | None:
+    """The join token ``--join -`` (standard input) or ``--join-file PATH`` names; None without
+    either. A token given on the command line itself is refused: any local user can read another
+    process's arguments (``/proc/*/cmdline``) for its whole lifetime, and shells keep them."""
+    from engine.errors import DeskfleetError
+
+    if args.join_file is not None:
+        try:
+            text = args.join_file.read_text(encoding="utf-8", errors="replace")[:MAX_TOKEN_CHARS]
+        except OSError as exc:
+            raise DeskfleetError(f"cannot read the join token file {args.join_file} ({exc.strerror or exc})") from exc
+        where = str(args.join_file)
+    elif args.join == "-":
+        text, where = stdin.readline(MAX_TOKEN_CHARS), "standard input"
+    elif args.join is not None:
+        raise DeskfleetError("--join takes '-' and reads the token from standard input (echo TOKEN | deskfleet "
+                             "agent --join -), or use --join-file PATH: a token on the command line is readable "
+                             "by every user of this PC")
+    else:
+        return None
+    token = text.strip()
+    if not token:
+        raise DeskfleetError(f"no join token in {where}; paste the token the console shows")
+    return token
 
 
 def _settings(args: argparse.Namespace):
@@ -85,6 +121,7 @@ async def async_run_headless(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    args.join = read_join_token(args, sys.stdin)  # the token itself from here on
     if args.headless or args.leave:
         return asyncio.run(async_run_headless(args))
     from agent.tray.app import run_tray

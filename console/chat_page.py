@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
 
 from console.chat_view import QtChatWindow
@@ -25,9 +26,11 @@ class QtChatPage(QWidget):
                  parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.loop = loop
+        self.serving = serving
         self.options = dict(options or {})
         self.chat: QtChatWindow | None = None
         self.url_label = QLabel()
+        self.url_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)  # copy the key
         self.placeholder = QLabel(WAITING)
         self.placeholder.setWordWrap(True)
         self.box = QVBoxLayout(self)
@@ -37,12 +40,15 @@ class QtChatPage(QWidget):
         serving.phase_changed.connect(self._on_phase)
 
     def show_api(self, url: str) -> None:
-        self.url_label.setText(f"OpenAI-compatible API: {url}  (no key needed from this network)")
-        if self.chat is not None and self.chat.client.base_url == url.rstrip("/"):
+        key = self.serving.api_key
+        self.url_label.setText(f"OpenAI-compatible API: {url}  API key: {key}" if key else
+                               f"OpenAI-compatible API: {url}")
+        if (self.chat is not None and self.chat.client.base_url == url.rstrip("/")
+                and self.chat.client.api_key == key):
             self.chat.refresh_models()
             return
         self._drop_chat()
-        self.chat = QtChatWindow(url, loop=self.loop, options=self.options, parent=self)
+        self.chat = QtChatWindow(url, api_key=key, loop=self.loop, options=self.options, parent=self)
         self.placeholder.hide()
         self.box.addWidget(self.chat, 1)
 

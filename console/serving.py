@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
+import socket
 
 from PySide6.QtCore import QObject, QTimer, Signal
 
@@ -51,6 +53,7 @@ class FleetServing(QObject):
         self.phase = "idle"
         self.job: ExportJob | None = None
         self.api_url: str | None = None
+        self.api_key: str | None = None  # what the API requires (the console's, from the keyring)
         self._dist: Distributor | None = None  # a loop object
         self._standby: tuple[AgentEndpoint, ...] = ()
         self._api: RunningApi | None = None  # a loop object
@@ -162,7 +165,7 @@ class FleetServing(QObject):
             if r.approved and r.node_id not in endpoints:
                 index, per_address[r.address] = per_address[r.address], per_address[r.address] + 1
                 port = free_port(r.address) if settings.data_port == 0 else settings.data_port + index
-                standby.append(AgentEndpoint(r.control_address, port, r.name))
+                standby.append(AgentEndpoint(r.control_address, port, r.name, r.node_id))
         self._standby = tuple(standby)
         if self._api_port == 0:  # agents learn the API's address with their assignment
             self._api_port = free_port(settings.interface)
@@ -183,9 +186,17 @@ class FleetServing(QObject):
             self._api = None
         health = await self._dist.async_run()
         tokenizer = await asyncio.to_thread(ChatTokenizer, self._dist.tokenizer_dir)
-        self._api = await async_run_api(self._dist.coordinator, tokenizer, self.bridge.settings.api,
+        settings = self.api_settings()
+        self._api = await async_run_api(self._dist.coordinator, tokenizer, settings,
                                         self.bridge.settings.interface, self._api_port)
         return health, self._api.url
+
+    def api_settings(self):
+        """The API's settings: the console's key always (from the command line, else the keyring's),
+        and this PC's name among the host names clients may address it by."""
+        base = self.bridge.settings.api
+        return dataclasses.replace(base, api_key=base.api_key or self.bridge.host.api_key,
+                                   allowed_hosts=(*base.allowed_hosts, socket.gethostname()))
 
     def _progress_from_loop(self, progress: AgentProgress) -> None:
         if self.bridge.qt_async is not None:
@@ -194,6 +205,7 @@ class FleetServing(QObject):
     def _served(self, result: tuple[RingHealth, str]) -> None:
         health, url = result
         self.api_url = url
+        self.api_key = self.api_settings().api_key
         self.health.emit(health)
         self.bridge.session.set_serving(Serving(self._plan, self._export.export_id, health.local_stage0, url))
         self._set_phase("serving")

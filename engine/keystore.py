@@ -8,14 +8,19 @@ base64 of DER because it is compact and has no newlines for a backend to mangle.
 
 Headless Linux has no OS keyring (keyring's choice there is its ``fail`` backend); only then is
 :class:`FileKeyring` used, a 0600 JSON file, protected like an SSH key is: by file permissions.
+
+The console keeps its own secrets here too (:class:`ConsoleSecrets`): the key its fleet CA key
+is encrypted under, and the API key.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import keyring
@@ -108,6 +113,51 @@ def default_backend() -> keyring.backend.KeyringBackend:
     if isinstance(backend, keyring.backends.fail.Keyring):
         return FileKeyring()
     return backend
+
+
+def console_backend(state_dir: Path) -> keyring.backend.KeyringBackend:
+    """Where the console keeps its own secrets: the OS keyring; without one, a :class:`FileKeyring`
+    in ``$DESKFLEET_KEYRING_DIR`` if set (e.g. on another disk than the state), else in the
+    console's own (0700) state directory, protected by file permissions only."""
+    backend = default_backend()
+    if isinstance(backend, FileKeyring) and not os.environ.get(KEYRING_DIR):
+        return FileKeyring(state_dir)
+    return backend
+
+
+class ConsoleSecrets:
+    """The console's own secrets (the fleet CA key's wrapping key, the API key), one keyring
+    entry each under the account ``console-<sha256 of the state directory>``: two consoles on
+    one PC with different state directories keep different secrets."""
+
+    def __init__(self, state_dir: Path, *, backend: keyring.backend.KeyringBackend | None = None) -> None:
+        state_dir = Path(state_dir)
+        self.account = "console-" + hashlib.sha256(str(state_dir.resolve()).encode()).hexdigest()[:16]
+        self.backend = backend if backend is not None else console_backend(state_dir)
+
+    def get(self, name: str) -> str | None:
+        """The secret ``name``, or None if the keyring holds none. KeyStoreError if it cannot be read."""
+        try:
+            return self.backend.get_password(SERVICE, f"{self.account}/{name}")
+        except keyring.errors.KeyringError as exc:
+            raise KeyStoreError(f"the keyring ({self.backend}) could not be read ({exc}); "
+                                "unlock the keyring and start the console again") from exc
+
+    def put(self, name: str, value: str) -> None:
+        """Store the secret ``name``, replacing what was there. KeyStoreError if refused."""
+        try:
+            self.backend.set_password(SERVICE, f"{self.account}/{name}", value)
+        except keyring.errors.KeyringError as exc:
+            raise KeyStoreError(f"the keyring ({self.backend}) refused to store the console's {name} "
+                                f"({exc}); unlock the keyring and start the console again") from exc
+
+    def get_or_create(self, name: str, make: Callable[[], str]) -> str:
+        """The secret ``name``; ``make()`` stored under it the first time."""
+        value = self.get(name)
+        if value is None:
+            value = make()
+            self.put(name, value)
+        return value
 
 
 def _encode(part: str, pem: bytes) -> str:

@@ -87,12 +87,12 @@ def fleet_id_of(fingerprint: str) -> str:
 
 
 def sanitize_name(name: str) -> str:
-    """A PC name fit for a certificate CN and a log line: word characters, space, '.', '-' only,
-    at most 64 bytes of UTF-8 (X.509 counts bytes); anything else becomes '-'. Empty names become
-    'unnamed'."""
-    cleaned = re.sub(r"[^\w .-]", "-", " ".join(str(name).split()))
-    cleaned = cleaned.encode("utf-8")[:MAX_NAME].decode("utf-8", "ignore").strip()
-    return cleaned or "unnamed"
+    """A PC name fit for a certificate CN, a log line and an admin's eye: ASCII letters, digits,
+    space, '.', '-' and '_' only, at most 64 characters; anything else becomes '-'. ASCII only
+    because Unicode look-alikes ('dеsk-1' with a Cyrillic 'е') would let two PCs show the same
+    name. Empty names become 'unnamed'."""
+    cleaned = re.sub(r"[^A-Za-z0-9 ._-]", "-", " ".join(str(name).split()))
+    return cleaned[:MAX_NAME].strip() or "unnamed"
 
 
 def _load_cert(pem: bytes, what: str) -> x509.Certificate:
@@ -103,10 +103,13 @@ def _load_cert(pem: bytes, what: str) -> x509.Certificate:
                                "the stored credentials are damaged: leave the fleet and join again") from exc
 
 
-def _load_key(pem: bytes) -> ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey:
+def _load_key(pem: bytes, password: bytes | None = None) -> ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey:
     try:
-        key = serialization.load_pem_private_key(pem, password=None)
+        key = serialization.load_pem_private_key(pem, password=password)
     except (ValueError, TypeError) as exc:
+        if password is not None:
+            raise CredentialsError(f"the private key does not decrypt with the key kept for it ({exc}); "
+                                   "the key file or the keyring entry was replaced") from exc
         raise CredentialsError(f"the private key is not an unencrypted PEM key ({exc}); "
                                "the stored credentials are damaged: leave the fleet and join again") from exc
     if not isinstance(key, ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey):
@@ -325,10 +328,11 @@ class FleetAuthority:
         return cls(cert, key)
 
     @classmethod
-    def from_pem(cls, cert_pem: bytes, key_pem: bytes) -> FleetAuthority:
-        """The CA from its stored certificate and key; CredentialsError if they do not belong together
-        or the certificate is not a CA."""
-        cert, key = _load_cert(cert_pem, "fleet CA certificate"), _load_key(key_pem)
+    def from_pem(cls, cert_pem: bytes, key_pem: bytes, *, password: bytes | None = None) -> FleetAuthority:
+        """The CA from its stored certificate and key (encrypted under ``password`` if given);
+        CredentialsError if the key does not decrypt, they do not belong together, or the
+        certificate is not a CA."""
+        cert, key = _load_cert(cert_pem, "fleet CA certificate"), _load_key(key_pem, password)
         if key.public_key().public_numbers() != cert.public_key().public_numbers():
             raise CredentialsError("the fleet CA key does not belong to the fleet CA certificate")
         try:
@@ -345,8 +349,13 @@ class FleetAuthority:
 
     @property
     def key_pem(self) -> bytes:
-        """The CA key, unencrypted PKCS#8 PEM: for the console's keyring only."""
+        """The CA key, unencrypted PKCS#8 PEM: for tests and in-memory use; on disk it is
+        :meth:`encrypted_key_pem`."""
         return _pkcs8(self._key)
+
+    def encrypted_key_pem(self, password: bytes) -> bytes:
+        """The CA key as encrypted PKCS#8 PEM (the best scheme ``cryptography`` offers), to rest on disk."""
+        return _pkcs8(self._key, serialization.BestAvailableEncryption(password))
 
     @property
     def fingerprint(self) -> str:
@@ -398,7 +407,8 @@ class FleetAuthority:
                 .sign(self._key, hashes.SHA256()))
         return cert.public_bytes(serialization.Encoding.PEM)
 
-    def issue_credentials(self, name: str, role: Role = Role.CONSOLE, *, days: int = LEAF_DAYS) -> Credentials:
-        """Fresh member credentials signed here (for the console itself, or for tests)."""
+    def issue_credentials(self, name: str, *, role: Role, days: int = LEAF_DAYS) -> Credentials:
+        """Fresh member credentials signed here (for the console itself, or for tests). ``role``
+        has no default: a forgotten one must not quietly mint a console."""
         key_pem, csr_pem = make_key_and_csr(name)
         return Credentials(self.ca_pem, self.sign_request(csr_pem, role=role, days=days), key_pem)

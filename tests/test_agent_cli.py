@@ -4,13 +4,20 @@ unicast probe, and withdraws its advertisement on SIGTERM."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import io
 import os
 import signal
 import sys
+from pathlib import Path
 
+import pytest
+
+from agent.cli import configure, read_join_token
 from engine.control_client import ControlClient
 from engine.discovery import Browser
+from engine.errors import DeskfleetError
 from tests.agent_helpers import console
 from tests.asyncutil import run
 
@@ -34,8 +41,11 @@ def test_headless_agent_joins_is_discovered_registers_and_withdraws(tmp_path):
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "engine.cli", "agent", "--headless", "--state-dir", str(tmp_path / "a"),
                 "--interface", "127.0.0.1", "--control-port", "0", "--data-port", "0",
-                "--seed", f"127.0.0.1:{con.hub.port}", "--join", con.token(), "--console", con.enrollment,
-                env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+                "--seed", f"127.0.0.1:{con.hub.port}", "--join", "-", "--console", con.enrollment,
+                env=env, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+            token = con.token()
+            proc.stdin.write(token.encode() + b"\n")
+            proc.stdin.close()
             try:
                 def joined_peer():
                     return next((p.advertisement for p in browser.peers().values()  # ours, not another test's
@@ -43,6 +53,8 @@ def test_headless_agent_joins_is_discovered_registers_and_withdraws(tmp_path):
                                 None)
 
                 ad = await _until(joined_peer, 60, "the joined agent's advertisement")
+                if sys.platform == "linux":  # what every local user can read
+                    assert token not in Path(f"/proc/{proc.pid}/cmdline").read_text(errors="replace")
                 assert ad.fleet_id == con.authority.fleet_id
                 assert "CPU" in ad.devices and ad.memory_bytes > 1 << 30
                 assert ad.addresses == ("127.0.0.1",) and ad.control_port > 0
@@ -63,3 +75,25 @@ def test_headless_agent_joins_is_discovered_registers_and_withdraws(tmp_path):
 
     output = run(main())
     assert "joined fleet" in output
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_the_join_token_comes_from_a_file_or_standard_input_never_the_command_line(tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("dfj1.secret-token\n")
+    assert read_join_token(_args("--join-file", str(token_file)), io.StringIO()) == "dfj1.secret-token"
+    assert read_join_token(_args("--join", "-"), io.StringIO(" dfj1.from-stdin \nrest")) == "dfj1.from-stdin"
+    assert read_join_token(_args(), io.StringIO("ignored")) is None
+    with pytest.raises(DeskfleetError, match="--join -.*--join-file"):
+        read_join_token(_args("--join", "dfj1.on-the-command-line"), io.StringIO())
+    with pytest.raises(DeskfleetError, match="no join token in standard input"):
+        read_join_token(_args("--join", "-"), io.StringIO("\n"))
+    with pytest.raises(DeskfleetError, match="cannot read the join token file"):
+        read_join_token(_args("--join-file", str(tmp_path / "missing")), io.StringIO())
+    with pytest.raises(SystemExit):  # one source only
+        _args("--join", "-", "--join-file", str(token_file))

@@ -1,6 +1,6 @@
 """The console's enrollment address over mDNS: the record's checks (pure) and, on loopback only,
 a real console half advertising it, found by pin, and joined by an agent given only the token
-(in-process and as `deskfleet agent --headless --join TOKEN` without --console)."""
+(in-process and as `deskfleet agent --headless --join-file PATH` without --console)."""
 
 from __future__ import annotations
 
@@ -109,9 +109,11 @@ def test_headless_agent_joins_with_only_the_token(tmp_path):
 
     async def main():
         async with console(tmp_path / "console", advertise_on="127.0.0.1") as con:
+            (tmp_path / "token").write_text(con.token())
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "engine.cli", "agent", "--headless", "--state-dir", str(tmp_path / "a"),
-                "--interface", "127.0.0.1", "--control-port", "0", "--data-port", "0", "--join", con.token(),
+                "--interface", "127.0.0.1", "--control-port", "0", "--data-port", "0",
+                "--join-file", str(tmp_path / "token"),
                 env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
             lines = []
             try:

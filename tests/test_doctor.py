@@ -42,7 +42,7 @@ from engine.doctor import (
     report,
 )
 from engine.keystore import FileKeyring
-from engine.trust import FleetAuthority
+from engine.trust import FleetAuthority, Role
 from tests.agent_helpers import console
 from tests.asyncutil import run
 
@@ -218,7 +218,7 @@ def test_clock_against_a_real_console_and_one_an_hour_off(tmp_path):
         app.router.add_get("/v1/ca", stale_date)
         runner = web.AppRunner(app)
         await runner.setup()
-        creds = FleetAuthority.create("clock").issue_credentials("c")
+        creds = FleetAuthority.create("clock").issue_credentials("c", role=Role.CONSOLE)
         site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=creds.server_context(verify_clients=False))
         await site.start()
         try:

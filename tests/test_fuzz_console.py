@@ -114,7 +114,7 @@ def live(tmp_path_factory, tiny_export):
             time.sleep(0.1)
             anonymous = ssl.create_default_context(cadata=con.authority.ca_pem.decode())
             anonymous.check_hostname = False
-            member = con.authority.issue_credentials("desk-9", Role.AGENT).client_context()
+            member = con.authority.issue_credentials("desk-9", role=Role.AGENT).client_context()
             host, port = con.enrollment.rsplit(":", 1)
             clients = (HttpClient(host, int(port), anonymous), HttpClient(con.hub.host, con.hub.port, member))
             yield Console(*clients, fresh, expired, used, files, con.authority.fingerprint,

@@ -204,7 +204,8 @@ def test_replayed_and_expired_join_tokens_leave_the_agent_outside_and_are_logged
 def _escaping_copy(export: Path, dest: Path) -> Path:
     shutil.copytree(export, dest)
     manifest = json.loads((dest / "manifest.json").read_text())
-    manifest["stages"][1]["files"][0]["path"] = "../../outside.bin"
+    files = manifest["stages"][1]["files"]  # one more file, outside: the stage's own IR stays listed
+    files.append({**files[0], "path": "../../outside.bin"})
     (dest / "manifest.json").write_text(json.dumps(manifest, indent=2))
     (dest.parent / "outside.bin").write_bytes(b"not a shard")
     return dest

@@ -7,6 +7,7 @@ import datetime
 import hashlib
 import json
 import os
+import re
 import ssl
 import stat
 import sys
@@ -62,7 +63,7 @@ def der(cert_pem: bytes) -> bytes:
 # -- certificates ------------------------------------------------------------------------------
 
 def test_node_id_is_the_certificate_fingerprint_and_role_is_recorded(fleet):
-    creds = fleet.issue_credentials("pc-7", Role.AGENT)
+    creds = fleet.issue_credentials("pc-7", role=Role.AGENT)
     assert creds.node_id == hashlib.sha256(der(creds.cert_pem)).hexdigest() == peer_node_id(der(creds.cert_pem))
     assert creds.fleet_id == hashlib.sha256(der(fleet.ca_pem)).hexdigest()[:16] == fleet.fleet_id
     assert creds.role is Role.AGENT and creds.name == "pc-7"
@@ -85,13 +86,13 @@ def test_ca_is_a_path_length_zero_ca_and_round_trips_through_pem(fleet, other_fl
     assert again.fingerprint == fleet.fingerprint
     with pytest.raises(CredentialsError, match="does not belong"):
         FleetAuthority.from_pem(fleet.ca_pem, other_fleet.key_pem)
-    leaf = fleet.issue_credentials("x")
+    leaf = fleet.issue_credentials("x", role=Role.CONSOLE)
     with pytest.raises(CredentialsError, match="not a CA"):
         FleetAuthority.from_pem(leaf.cert_pem, leaf.key_pem)
 
 
 def test_credentials_refuse_a_foreign_key_or_a_foreign_ca(fleet, other_fleet):
-    mine, theirs = fleet.issue_credentials("a"), other_fleet.issue_credentials("b")
+    mine, theirs = fleet.issue_credentials("a", role=Role.CONSOLE), other_fleet.issue_credentials("b", role=Role.CONSOLE)
     with pytest.raises(CredentialsError, match="does not belong"):
         Credentials(mine.ca_pem, mine.cert_pem, theirs.key_pem)
     with pytest.raises(CredentialsError, match="not issued by the stored fleet CA"):
@@ -137,13 +138,33 @@ def test_a_request_cannot_make_itself_a_ca_and_names_are_sanitised(fleet):
     assert cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == "evil name-..--x-"
     long_name = fleet.sign_request(pem, role=Role.AGENT, name="Büro " * 30)
     cn = x509.load_pem_x509_certificate(long_name).subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value
-    assert cn.startswith("Büro Büro") and len(cn.encode()) <= 64
-    assert sanitize_name("  ") == "unnamed" and sanitize_name("Büro PC 3") == "Büro PC 3"
+    assert cn.startswith("B-ro B-ro") and len(cn.encode()) <= 64
+    assert sanitize_name("  ") == "unnamed" and sanitize_name("Büro PC 3") == "B-ro PC 3"
+
+
+@pytest.mark.parametrize("name, shown", [
+    ("desk-1", "desk-1"), ("Desk_2.local", "Desk_2.local"), ("  two   words ", "two words"),
+    ("d\u0435sk-1", "d-sk-1"),  # a Cyrillic 'е' would show as "desk-1"
+    ("desk\u200b-1", "desk--1"),  # a zero-width space
+    ("ｄｅｓｋ", "----"),  # fullwidth letters
+    ("desk\u202e1-", "desk-1-"),  # a right-to-left override
+    ("a/b\\c:d*?<>|\"", "a-b-c-d------"), ("tab\there\nnewline", "tab here newline"),
+    ("x" * 100, "x" * 64), ("\u00e9" * 3, "---"),
+])
+def test_pc_names_keep_only_a_safe_ascii_alphabet(name, shown):
+    assert sanitize_name(name) == shown
+    assert re.fullmatch(r"[A-Za-z0-9 ._-]{1,64}", sanitize_name(name))
+
+
+def test_look_alike_names_do_not_collide_with_the_real_one(fleet):
+    _, csr = make_key_and_csr("d\u0435sk-1")  # the CSR carries the look-alike; the CA keeps it ASCII
+    cert = x509.load_pem_x509_certificate(fleet.sign_request(csr, role=Role.AGENT))
+    assert cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == "d-sk-1" != "desk-1"
 
 
 def test_validity_is_cut_at_the_ca_expiry():
     short = FleetAuthority.create("short", days=10)
-    creds = short.issue_credentials("pc", days=365)
+    creds = short.issue_credentials("pc", role=Role.CONSOLE, days=365)
     assert creds.not_after <= x509.load_pem_x509_certificate(short.ca_pem).not_valid_after_utc
 
 
@@ -180,9 +201,9 @@ def _bare_client(ca_pem):
 
 
 def test_mutual_tls_admits_members_and_refuses_everyone_else(fleet, other_fleet):
-    server = fleet.issue_credentials("console", Role.CONSOLE)
-    member = fleet.issue_credentials("pc-1", Role.AGENT)
-    stranger = other_fleet.issue_credentials("pc-x", Role.AGENT)
+    server = fleet.issue_credentials("console", role=Role.CONSOLE)
+    member = fleet.issue_credentials("pc-1", role=Role.AGENT)
+    stranger = other_fleet.issue_credentials("pc-x", role=Role.AGENT)
     key_pem, csr_pem = make_key_and_csr("pc-old")
     long_ago = datetime.datetime.now(datetime.UTC) - datetime.timedelta(days=400)
     expired = Credentials(fleet.ca_pem, fleet.sign_request(csr_pem, role=Role.AGENT, days=30, now=long_ago), key_pem)
@@ -229,7 +250,7 @@ def _mixed(ca_pem, creds):
 
 def test_contexts_leave_no_key_on_disk(fleet, tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    creds = fleet.issue_credentials("pc")
+    creds = fleet.issue_credentials("pc", role=Role.CONSOLE)
     creds.server_context()
     creds.client_context()
     assert list(tmp_path.iterdir()) == []
@@ -318,7 +339,7 @@ def test_keystore_round_trip_two_accounts_and_delete(fleet, tmp_path):
     backend = FileKeyring(tmp_path / "kr")
     a, b = KeyStore("agent-a", backend=backend), KeyStore("agent-b", backend=backend)
     assert a.load() is None
-    creds_a, creds_b = fleet.issue_credentials("a", Role.AGENT), fleet.issue_credentials("b", Role.AGENT)
+    creds_a, creds_b = fleet.issue_credentials("a", role=Role.AGENT), fleet.issue_credentials("b", role=Role.AGENT)
     a.save(creds_a)
     b.save(creds_b)
     assert KeyStore("agent-a", backend=FileKeyring(tmp_path / "kr")).load() == creds_a
@@ -336,7 +357,7 @@ def test_keystore_round_trip_two_accounts_and_delete(fleet, tmp_path):
 def test_keystore_reports_partial_and_damaged_contents(fleet, tmp_path):
     backend = FileKeyring(tmp_path)
     store = KeyStore("agent", backend=backend)
-    store.save(fleet.issue_credentials("a"))
+    store.save(fleet.issue_credentials("a", role=Role.CONSOLE))
     backend.set_password("deskfleet", "agent/cert", "!!!not base64")
     with pytest.raises(CredentialsError, match="damaged"):
         store.load()

@@ -53,6 +53,9 @@ class AgentBridge(QObject):
         self.loop = LoopThread("deskfleet-agent-loop")
         self.qt_async: QtAsync | None = None
         self.status: AgentStatus | None = None  # the latest, as seen on the GUI thread
+        # the fleet API's key from the current assignment, for the chat; kept out of AgentStatus,
+        # which the control API serves to other members
+        self.api_key: str | None = None
         self.start_error: BaseException | None = None
         self._start_future: concurrent.futures.Future | None = None
         self._running = False
@@ -117,11 +120,20 @@ class AgentBridge(QObject):
     def _status_from_loop(self, status: AgentStatus) -> None:
         """The service's listener: runs on the loop thread, so it only posts."""
         if self.qt_async is not None and not self._closed:
-            self.qt_async.post(self._apply_status, status)
+            self.qt_async.post(self._apply_status, status, self._api_key_on_loop())
 
-    def _apply_status(self, status: AgentStatus) -> None:
+    def _api_key_on_loop(self) -> str | None:
+        try:
+            assignment = self.service.assignment
+        except Exception as exc:  # a damaged stored assignment: the service reports it; the chat goes key-less
+            log.debug("no API key from the assignment: %s", exc)
+            return None
+        return assignment.api_key if assignment is not None else None
+
+    def _apply_status(self, status: AgentStatus, api_key: str | None = None) -> None:
         if self._closed:
             return
+        self.api_key = api_key
         before, self.status = self.status, status
         if status != before:
             self.status_changed.emit(status)
@@ -131,11 +143,12 @@ class AgentBridge(QObject):
     def poll(self) -> None:
         """Fetch a fresh status (fetch progress, steps/s) without waiting for the service to announce one."""
         if self.running:
-            self._call(self._async_status(), CALL_TIMEOUT_S, "reading the agent's status", self._apply_status,
+            self._call(self._async_status(), CALL_TIMEOUT_S, "reading the agent's status",
+                       lambda result: self._apply_status(*result),
                        lambda error: log.debug("status poll failed: %s", error))
 
-    async def _async_status(self) -> AgentStatus:
-        return self.service.status()
+    async def _async_status(self) -> tuple[AgentStatus, str | None]:
+        return self.service.status(), self._api_key_on_loop()
 
     # ---- actions from the GUI ---------------------------------------------------------------------
 

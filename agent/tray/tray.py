@@ -181,13 +181,15 @@ class QtAgentTray(QObject):
         if not url:
             self.show_notice(Notice("Chat", NO_CHAT_ADDRESS, "warning"))
             return None
-        if self.chat_window is not None and self.chat_window.client.base_url != url.rstrip("/"):
+        key = self.bridge.api_key  # sent as the bearer token: the console's API requires it
+        if self.chat_window is not None and (self.chat_window.client.base_url != url.rstrip("/")
+                                             or self.chat_window.client.api_key != key):
             self.chat_window.close()
             self.chat_window = None
         if self.chat_window is None:
             from console.chat_view import QtChatWindow
 
-            self.chat_window = QtChatWindow(url, loop=self.bridge.loop)
+            self.chat_window = QtChatWindow(url, api_key=key, loop=self.bridge.loop)
         self.chat_window.show()
         self.chat_window.raise_()
         self.chat_window.activateWindow()

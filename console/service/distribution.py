@@ -267,7 +267,7 @@ class Distributor:
         return Assignment.create(self._manifest_json, export_id=self.export_id, stage=target.stage,
                                  source=self.host.hub.shard_url(self.export_id), listen_port=target.data_port,
                                  next_hop=next_hop, worker=self.worker, api_url=self.api_url,
-                                 events_url=self.host.hub.events_url,
+                                 api_key=self.host.api_key or None, events_url=self.host.hub.events_url,
                                  expect_upstream=(upstream,) if upstream else (), expect_next=expect_next,
                                  deny=tuple(sorted(self.host.hub.deny)))
 
