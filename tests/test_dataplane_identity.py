@@ -260,6 +260,64 @@ def test_a_stream_opened_on_one_connection_cannot_be_touched_from_another(fleet,
     assert held == 2 and left == 0 and stray == 0
 
 
+def test_a_static_workers_packed_session_belongs_to_the_connection_that_started_it(tmp_path_factory,
+                                                                                   tiny_checkpoint):
+    from engine.messages import Packed
+    from engine.packed_stage import StaticStage
+    from engine.packed_worker import PackedStageWorker
+    from engine.packing import PlanFrame
+    from tests.npu_helpers import npu_export
+
+    export = npu_export(tmp_path_factory, tiny_checkpoint("llama"), stages=1, context=32)
+    manifest = load_manifest(export)
+    fp = manifest.model.fingerprint
+    hello = Hello(fp, 0, WireRole.COORDINATOR)
+
+    def step(stream: int, seq: int, position: int) -> Packed:
+        return Packed(StreamId(stream), seq, PlanFrame.of([(0, position, 0)], 1), np.array([[5 + position]], np.int64))
+
+    async def main():
+        replies: asyncio.Queue = asyncio.Queue()
+
+        async def sink_handler(conn, msg):
+            await replies.put(msg)
+
+        sink = FrameServer(sink_handler, LocalIdentity(fp, COORDINATOR_STAGE, frozenset({WireRole.STAGE})))
+        host, port = await sink.async_start()
+        worker = PackedStageWorker(StaticStage(export, 0, exact=True, manifest=manifest), LOOP, Address(host, port))
+        address = await worker.async_start()
+        x = await async_connect(address.host, address.port, hello, attempts=1)
+        y = await async_connect(address.host, address.port, hello, attempts=1)
+
+        async def reply():
+            return await asyncio.wait_for(replies.get(), 30)
+
+        try:
+            await x.async_send(step(3, 0, 0))
+            first = await reply()
+            refusals = []
+            for msg in (step(9, 0, 0), Release(StreamId(3))):  # a new session would empty the slots
+                await y.async_send(msg)
+                refusals.append(await y.async_recv(idle_timeout=10))
+            await x.async_send(step(3, 1, 1))  # position 1 follows only from X's own first step
+            second = await reply()
+            await x.async_close()
+            await asyncio.sleep(0.2)
+            await y.async_send(step(9, 0, 0))  # X's connection is gone: the ring is Y's to carry on
+            taken_over = await reply()
+            await y.async_close()
+            return first, refusals, second, taken_over, worker.session
+        finally:
+            await worker.async_close()
+            await sink.async_close()
+
+    first, refusals, second, taken_over, session = run(main(), 120)
+    assert all(isinstance(r, Error) and r.code is ErrorCode.UNKNOWN_STREAM for r in refusals), refusals
+    assert isinstance(first, Tokens) and isinstance(second, Tokens), (first, second)
+    assert (first.stream_id, second.stream_id, second.seq) == (3, 3, 1)
+    assert isinstance(taken_over, Tokens) and taken_over.stream_id == 9 and session == 9
+
+
 # -- the peer policy of a real worker process, switched over its stdin --------------------------------
 
 def test_a_running_worker_switches_its_accepted_upstream_from_stdin_without_restarting(fleet, export):

@@ -65,8 +65,9 @@ def expected(exports):
 async def worker_ring(export: Path):
     """A packed stage worker per stage (real sockets on loopback) and a generator over their ring."""
     manifest = load_manifest(export)
+    # dial_deadline: a session that finds stage 0 gone redials it for this long before it fails
     path = RingPath(manifest.model.fingerprint, len(manifest.stages), Address("127.0.0.1", 0),
-                    Address("127.0.0.1", 0))
+                    Address("127.0.0.1", 0), dial_deadline=20)
     workers: list[PackedStageWorker] = []
     next_hop = await path.async_listen()
     try:
