@@ -138,3 +138,21 @@ def write_tokenizer_files(gguf_path: Path, out_dir: Path, metadata: Mapping[str,
         (out_dir / name).write_text(text, encoding="utf-8")
         written.append(out_dir / name)
     return written
+
+
+def write_checkpoint_metadata(gguf_path: Path, out_dir: Path, source: Any = None) -> list[Path]:
+    """config.json (HF-style, from the GGUF's metadata) plus the tokenizer files, into ``out_dir``.
+
+    The torch-free replacement for converting a GGUF into a safetensors checkpoint: the stage
+    builder reads the weights from the GGUF itself, so only what describes the model is written.
+    """
+    if source is None:
+        from export.weights.gguf_source import GGUFSource
+
+        source = GGUFSource(Path(gguf_path))
+    out_dir = Path(out_dir)
+    written = write_tokenizer_files(gguf_path, out_dir, metadata=source.metadata)
+    config = dict(source.config)
+    config.setdefault("torch_dtype", "float32")
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    return [*written, out_dir / "config.json"]

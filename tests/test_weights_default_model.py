@@ -109,3 +109,18 @@ def test_unsupported_tokenizers_are_explained():
     with pytest.raises(GGUFTokenizerError, match="no tokenizer vocabulary"):
         tokenizer_files({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "smollm"})
 
+
+
+def test_checkpoint_metadata_is_an_hf_config(default_source, tmp_path):
+    from transformers import AutoConfig
+
+    from export.gguf_tokenizer import write_checkpoint_metadata
+
+    written = write_checkpoint_metadata(default_source.path, tmp_path, source=default_source)
+    assert {p.name for p in written} == {"config.json", "tokenizer.json", "tokenizer_config.json",
+                                         "generation_config.json", "chat_template.jinja"}
+    config = AutoConfig.from_pretrained(tmp_path)
+    assert (config.model_type, config.num_hidden_layers, config.hidden_size, config.intermediate_size,
+            config.num_attention_heads, config.num_key_value_heads, config.vocab_size, config.tie_word_embeddings) == (
+        "llama", 30, 576, 1536, 9, 3, 49152, True)
+    assert config.rope_parameters["rope_theta"] == 100000.0 and config.rms_norm_eps == pytest.approx(1e-5)

@@ -250,14 +250,13 @@ class GGUFSource:
         order = self.row_order(name)
         if order is None:
             return self._dequantize(name, start, stop)
-        # Q/K are small: dequantise whole, then pick the HF rows.
-        return np.ascontiguousarray(self._dequantize(name, 0, shape[0])[order[start:stop]])
+        return self._dequantize(name, start, stop, rows=order[start:stop])  # the stored rows of these HF rows
 
-    def _dequantize(self, name: str, start: int, stop: int) -> np.ndarray:
+    def _dequantize(self, name: str, start: int, stop: int, rows: np.ndarray | None = None) -> np.ndarray:
         from gguf import GGMLQuantizationType, dequantize
 
         raw = self.blocks(name)
-        values = raw.data[start:stop]
+        values = raw.data[start:stop] if rows is None else raw.data[rows]
         qtype = self._qtype(name)
         if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
             out = np.array(values, dtype=np.float32, copy=True)
@@ -266,7 +265,7 @@ class GGUFSource:
         else:
             out = dequantize(np.asarray(values), qtype).astype(np.float32, copy=False)
         out = np.ascontiguousarray(out, dtype=np.float32)
-        self.release(values)
+        self.release(values if rows is None else raw.data)
         return out.reshape((stop - start, *raw.shape[1:]))
 
     def release(self, view: np.ndarray) -> None:
