@@ -169,8 +169,8 @@ def test_fuzz_a_first_frame_bigger_than_a_hello_is_refused_from_its_header_alone
 
 @FUZZ
 @given(
-    st.text("0123456789abcdef", min_size=16, max_size=128),  # fingerprints as exports make them
-    st.text("0123456789abcdef", min_size=16, max_size=128),
+    st.binary(min_size=8, max_size=64).map(bytes.hex),  # hex fingerprints, as exports make them
+    st.binary(min_size=8, max_size=64).map(bytes.hex),
     st.integers(0, 65535),
     st.integers(0, 65535),
     st.sampled_from(list(Role)),
@@ -188,10 +188,10 @@ def test_fuzz_handshake_refusals_never_state_the_listeners_identity(ours, theirs
     assert handshake_error_from(refusal).field in ("model_fingerprint", "stage_index", "role")
 
 
-_NODE = st.text("0123456789abcdefABCDEF", min_size=60, max_size=66)
-_JSONISH = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8) | _NODE,
-                        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
-                                                                                    max_size=3), max_leaves=8)
+_NODE = st.tuples(st.binary(min_size=30, max_size=33), st.booleans()).map(  # 60-66 hex digits, either case
+    lambda t: t[0].hex().upper() if t[1] else t[0].hex())
+_SCALAR = st.none() | st.booleans() | st.integers() | st.text(max_size=8) | _NODE
+_JSONISH = _SCALAR | st.lists(_SCALAR, max_size=3) | st.dictionaries(st.text(max_size=8), _SCALAR, max_size=3)
 
 
 @FUZZ
