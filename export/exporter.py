@@ -188,7 +188,7 @@ def _commit(tmp: Path, out: Path) -> None:
 def _export_built(ckpt: Path, plan: list[StageSpec], options: ExportOptions, out_dir: Path,
                   progress: Progress) -> tuple[StageManifest, ...]:
     """CPU/GPU shards from :mod:`export.builder`, one stage at a time."""
-    from export.builder.export import BuildError
+    from export.builder.export import BuildError, check_tensors
     from export.builder.export import export_stage as build_stage
     from export.builder.families import model_shape
     from export.builder.stage_graph import StagePlan
@@ -197,11 +197,9 @@ def _export_built(ckpt: Path, plan: list[StageSpec], options: ExportOptions, out
     source = open_checkpoint(ckpt)
     try:
         shape = model_shape(source.config)
-        return tuple(
-            build_stage(source, shape, StagePlan(s.index, s.first_layer, s.last_layer, s.has_embedding, s.has_head),
-                        options, out_dir, progress)
-            for s in plan
-        )
+        plans = [StagePlan(s.index, s.first_layer, s.last_layer, s.has_embedding, s.has_head) for s in plan]
+        check_tensors(source, shape, plans)
+        return tuple(build_stage(source, shape, p, options, out_dir, progress) for p in plans)
     except BuildError as exc:
         raise ExportError(str(exc)) from exc
     finally:

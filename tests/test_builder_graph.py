@@ -151,3 +151,21 @@ def test_the_npu_target_refuses_builder_only_families(family, tiny_checkpoint, t
         export_model(tiny_checkpoint(family), out, stages=1, fingerprint="x",
                      options=ExportOptions(target="npu", context=64))
     assert not out.exists()
+
+
+def test_a_missing_tensor_is_named_and_nothing_is_written(tiny_checkpoint, tmp_path):
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from export.exporter import ExportError, ExportOptions, export_model
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint("qwen3"), ckpt)
+    tensors = load_file(ckpt / "model.safetensors")
+    del tensors["model.layers.3.self_attn.k_norm.weight"]
+    save_file(tensors, ckpt / "model.safetensors")
+    out = tmp_path / "out"
+    with pytest.raises(ExportError, match="layers.3.self_attn.k_norm.weight.*missing.*stage 1.*incomplete"):
+        export_model(ckpt, out, stages=2, fingerprint="x", options=ExportOptions(weights="fp32"))
+    assert not out.exists() and [p.name for p in tmp_path.iterdir() if "out" in p.name] == []

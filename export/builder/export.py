@@ -57,13 +57,21 @@ def estimate_memory(shape: ModelShape, stage: StagePlan, file_bytes: int, kv_pre
     return file_bytes + per_position * context + 64 * 1024 * 1024
 
 
+def check_tensors(source: Any, shape: ModelShape, plan: list[StagePlan]) -> None:
+    """Refuse a checkpoint that lacks a tensor any stage needs, before anything is built."""
+    available = source.names()
+    for stage in plan:
+        missing = [n for n in stage_tensor_names(shape, stage, available) if n not in available]
+        if missing:
+            raise BuildError(f"checkpoint tensor {missing[0]!r} is missing (stage {stage.index} needs it); "
+                             "the checkpoint is incomplete: download or convert it again")
+
+
 def export_stage(source: Any, shape: ModelShape, stage: StagePlan, options: Any, out_dir: Path,
                  progress: Progress, weights_factory: WeightsFactory = _default_weights) -> StageManifest:
     """Build and save one stage into ``out_dir/stage_{index}``."""
+    check_tensors(source, shape, [stage])
     available = source.names()
-    missing = [n for n in stage_tensor_names(shape, stage, available) if n not in available]
-    if missing:
-        raise BuildError(f"checkpoint tensor {missing[0]!r} is missing; the checkpoint is incomplete")
     stage_dir = out_dir / f"stage_{stage.index}"
     stage_dir.mkdir(parents=True)
     progress(stage.index, "build")

@@ -186,12 +186,25 @@ def build_stage_model(shape: ModelShape, stage: StagePlan, weights: WeightSource
 
 
 def stage_tensor_names(shape: ModelShape, stage: StagePlan, available: frozenset[str]) -> list[str]:
-    """The checkpoint tensors ``stage`` reads (a missing one is reported before building)."""
+    """Exactly the checkpoint tensors :func:`build_stage_model` reads for ``stage``."""
     f = shape.family
     names: list[str] = [f.embed] if stage.has_embedding else []
     for i in stage.layers:
-        p = f.layer_prefix.format(i=i)
-        names += [n for n in available if n.startswith(p)]
+        n = _Layer(shape, i)
+        names += [n(f.input_norm), n(f.post_attn_norm), n(f.o + ".weight"), n(f.down + ".weight")]
+        if f.fused_qkv is not None:
+            names.append(n(f.fused_qkv + ".weight"))
+        else:
+            names += [n(p + ".weight") for p in (f.q, f.k, f.v)]
+            names += [n(p + ".bias") for p in (f.q, f.k, f.v)] if shape.qkv_bias else []
+        if f.q_norm is not None:
+            names += [n(f.q_norm), n(f.k_norm)]
+        names += [n(f.o + ".bias")] if shape.o_bias else []
+        if f.fused_gate_up is not None:
+            names.append(n(f.fused_gate_up + ".weight"))
+        else:
+            names += [n(f.gate + ".weight"), n(f.up + ".weight")]
+        names += [n(p + ".bias") for p in (f.gate, f.up, f.down)] if shape.mlp_bias and f.fused_gate_up is None else []
     if stage.has_head:
         names += [f.final_norm, head_tensor(shape, available)]
-    return sorted(set(names))
+    return names
