@@ -327,6 +327,24 @@ def test_open_chat_needs_the_fleets_address(qtbot, start_tray, tmp_path):
     qtbot.waitUntil(lambda: "cannot reach the fleet's API" in window.error_label.text(), timeout=15000)
 
 
+def test_the_trays_chat_sends_the_api_key_its_assignment_brought(qtbot, start_tray, tmp_path, tiny_export):
+    from engine.control import Assignment
+
+    manifest_json = (tiny_export("llama", 1) / "manifest.json").read_text()
+    assignment = Assignment.create(manifest_json, export_id="e1", stage=0, source="https://127.0.0.1:9/shards/e1/",
+                                   listen_port=0, next_hop="127.0.0.1:9", api_url="http://127.0.0.1:9/v1",
+                                   api_key="sk-deskfleet-tray")
+    state_dir = tmp_path / "agent-3"
+    state_dir.mkdir()
+    save_state(state_dir, AgentState(api_url=assignment.api_url, assignment=assignment.to_dict()))
+    tray = start_tray(state_dir=state_dir)
+    qtbot.waitUntil(lambda: tray.bridge.api_key == "sk-deskfleet-tray", timeout=10000)
+    window = tray.open_chat()
+    assert window.client.base_url == "http://127.0.0.1:9/v1"
+    assert window.client._headers() == {"Authorization": "Bearer sk-deskfleet-tray"}
+    assert "sk-deskfleet-tray" not in repr(tray.bridge.status)  # the status other members may read has no key
+
+
 def test_run_tray_quits_cleanly_and_warns_without_a_system_tray(qtbot, tmp_path, capsys):
     from agent.cli import configure
     from agent.tray.app import NO_TRAY_WARNING, run_tray
