@@ -102,6 +102,11 @@ def ring_options(args: argparse.Namespace, stdin=None) -> dict:
     from engine.worker_cli import read_tls_credentials, refuse_plaintext_exposure
 
     tls = args.tls_stdin or args.tls_credentials is not None
+    if args.first_stage is None:
+        if tls or args.expect_first or args.expect_last:
+            raise DeskfleetError("--tls-credentials, --tls-stdin and --expect-* are for a remote ring: add "
+                                 "--first-stage HOST:PORT (in-process stages and --workers stay on loopback)")
+        return {}
     if not tls:
         if args.expect_first or args.expect_last:
             raise DeskfleetError("--expect-first/--expect-last need TLS (--tls-credentials FILE or --tls-stdin)")
@@ -231,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
         raise TokenizerError(f"{args.shards} has no tokenizer/ directory; re-export the model with its tokenizer")
     tokenizer = ChatTokenizer(tok_dir)
     # Checked (and the credentials read) before any model is loaded: a refusal costs nothing.
-    args.ring = ring_options(args) if args.first_stage is not None else {}
+    args.ring = ring_options(args)
     if settings.api_key is None and not _is_loopback(args.host):  # loopback: key-less, Host-checked
         raise DeskfleetError(f"refusing to serve on {args.host} without an API key: anyone on the network "
                              "could use it. Pass --api-key-env VAR (export VAR=<key> first), or serve on "

@@ -195,6 +195,54 @@ def test_a_revoked_member_is_refused_though_expected_and_its_open_link_is_cut(fl
     assert again.field == "peer"
 
 
+def test_dialers_check_who_answers_before_sending_anything(fleet, export, stage):
+    """The coordinator dialling stage 0, and a stage dialling its next hop, each find a fellow
+    member at the address: no Hello and no step reaches it."""
+    console, desk, mallory = fleet["console"], fleet["desk"], fleet["mallory"]
+    fp = _fp(export)
+
+    async def main():
+        seen = []
+
+        async def record(conn, msg):
+            seen.append(msg)
+
+        impostor = FrameServer(record, LocalIdentity(fp, COORDINATOR_STAGE, frozenset({WireRole.STAGE})),
+                               ssl=mallory.server_context(), peer_check=lambda node: None)
+        host, port = await impostor.async_start()
+        # a real stage whose next hop (the return port) has been taken over by mallory
+        worker = StageWorker(stage, LOOP, Address(host, port), server_ssl=desk.server_context(),
+                             client_ssl=desk.client_context(),
+                             peers=PeerPolicy.of([console.node_id], console.node_id))
+        address = await worker.async_start()
+        # the coordinator, whose stage 0 address now answers with mallory's certificate
+        path = RingPath(fp, 1, Address(host, port), LOOP, server_ssl=console.server_context(),
+                        client_ssl=console.client_context(), peers=PeerPolicy.of([desk.node_id], desk.node_id),
+                        dial_deadline=5)
+        try:
+            with pytest.raises(HandshakeError) as ring_dial:
+                await path.async_start()
+            upstream = await async_connect(address.host, address.port, Hello(fp, 0, WireRole.COORDINATOR),
+                                           ssl=console.client_context(), attempts=1)
+            await upstream.async_send(Forward(StreamId(1), 0, *_step(PROMPT_IDS[:4], 0), reply_last=1))
+            try:
+                answer = await upstream.async_recv(idle_timeout=20)
+            except ConnectionClosedError:
+                answer = "closed"
+            await upstream.async_close()
+            return ring_dial.value, answer, seen, dict(impostor.stats)
+        finally:
+            await path.async_close()
+            await worker.async_close()
+            await impostor.async_close()
+
+    ring_dial, answer, seen, impostor_stats = run(main(), 90)
+    assert ring_dial.field == "peer" and short(mallory.node_id) in str(ring_dial)
+    assert isinstance(answer, Error) or answer == "closed"  # the step failed loudly, not into the impostor
+    assert seen == [] and impostor_stats.get("frame_error", 0) == 0
+    assert impostor_stats["closed"] == 2  # both dialers hung up without a single frame
+
+
 # -- streams belong to the connection that opened them ----------------------------------------------
 
 def test_a_stream_opened_on_one_connection_cannot_be_touched_from_another(fleet, export, stage):
@@ -539,6 +587,36 @@ def test_ring_hops_idle_between_requests_stay_up_while_a_silent_dialer_is_timed_
     assert (stage_open, return_open) == (1, 1)
 
 
+def test_one_member_may_hold_only_so_many_connections_from_any_number_of_addresses(fleet, export, stage):
+    console, desk = fleet["console"], fleet["desk"]
+    fp = _fp(export)
+    hello = Hello(fp, 0, WireRole.COORDINATOR)
+
+    async def main():
+        worker = StageWorker(stage, LOOP, Address("127.0.0.1", 9), server_ssl=desk.server_context(),
+                             client_ssl=desk.client_context(), peers=PeerPolicy.of([console.node_id]), max_per_peer=3)
+        address = await worker.async_start()
+        held, outcomes = [], []
+        try:
+            for i in range(5):  # a new source address each time: only the node id cap can bind
+                reader, writer = await asyncio.open_connection(address.host, address.port, ssl=console.client_context(),
+                                                               local_addr=(f"127.0.0.{10 + i}", 0))
+                held.append(writer)
+                writer.write(encode(hello))
+                await writer.drain()
+                reply = await async_read_frame(reader, timeout=10, idle_timeout=10)
+                outcomes.append(type(reply).__name__ if not isinstance(reply, Error) else reply.code.name)
+            return outcomes, dict(worker.listener.stats)
+        finally:
+            for writer in held:
+                writer.close()
+            await worker.async_close()
+
+    outcomes, stats = run(main(), 60)
+    assert outcomes == ["HelloAck"] * 3 + ["PEER_REFUSED"] * 2
+    assert stats["refused_cap"] == 2
+
+
 # -- no plaintext door ------------------------------------------------------------------------------
 
 def test_a_worker_refuses_to_listen_beyond_loopback_without_tls(export):
@@ -569,6 +647,9 @@ def test_serve_over_a_ring_needs_tls_off_loopback_and_the_ring_ends_with_it(flee
 
     assert parser.parse_args(["--shards", "x"]).return_listen == Address("127.0.0.1", 7100)
     assert options("--first-stage", "127.0.0.1:7101") == {}  # a loopback ring may stay plaintext
+    assert options() == {}
+    with pytest.raises(DeskfleetError, match="--first-stage"):
+        options("--workers", "--tls-credentials", str(creds))
     with pytest.raises(DeskfleetError, match="--tls-credentials"):
         options("--first-stage", "10.0.0.5:7101")
     with pytest.raises(DeskfleetError, match="--tls-credentials"):
