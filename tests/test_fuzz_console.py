@@ -114,7 +114,9 @@ def live(tmp_path_factory, tiny_export):
             time.sleep(0.1)
             anonymous = ssl.create_default_context(cadata=con.authority.ca_pem.decode())
             anonymous.check_hostname = False
-            member = con.authority.issue_credentials("desk-9", role=Role.AGENT).client_context()
+            member_creds = con.authority.issue_credentials("desk-9", role=Role.AGENT)
+            con.hub.grant(member_creds.node_id, "tiny-2", range(len(manifest.stages)))  # as if assigned each stage
+            member = member_creds.client_context()
             host, port = con.enrollment.rsplit(":", 1)
             clients = (HttpClient(host, int(port), anonymous), HttpClient(con.hub.host, con.hub.port, member))
             yield Console(*clients, fresh, expired, used, files, con.authority.fingerprint,
