@@ -115,6 +115,7 @@ def test_three_stages_with_stage0_in_the_console_resume_after_a_failed_fetch_and
                 assert _fetch_complete(progress, "desk-b")
                 assert [p.phase for p in dist.progress()] == ["running", "running"]
                 assert [a.status().stage for a in agents] == [1, 2]
+                assert con.api_key and all(a.assignment.api_key == con.api_key for a in agents)  # for the tray's chat
 
                 tokens = await collect(dist.coordinator, GenerationRequest(PROMPT_IDS, N, ignore_eos=True))
 
