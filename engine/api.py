@@ -10,6 +10,11 @@ answers; here :func:`api_error_from`, :class:`ApiMetrics` and :func:`render_prom
 errors and count. The handlers only move bytes, check the key and enforce the limits. A client
 that disconnects cancels its handler (aiohttp ``handler_cancellation``), and closing the token
 stream cancels the generation.
+
+Before a request costs anything (:mod:`engine.api_guard`): its ``Host`` must name this server
+(DNS rebinding), then the key, then a POST must be ``application/json`` (cross-site forms);
+then admission (``max_concurrent``), the body's size, and the prompt's length in characters;
+only then is it rendered and tokenised, on a thread, so the loop keeps stepping the ring.
 """
 
 from __future__ import annotations
