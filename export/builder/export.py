@@ -70,11 +70,14 @@ def check_tensors(source: Any, shape: ModelShape, plan: list[StagePlan]) -> None
 def export_stage(source: Any, shape: ModelShape, stage: StagePlan, options: Any, out_dir: Path,
                  progress: Progress, weights_factory: WeightsFactory = _default_weights) -> StageManifest:
     """Build and save one stage into ``out_dir/stage_{index}``."""
+    # Step names are the ones progress consumers know (export.cli.EXPORT_STEPS, the console's
+    # export job); building lowers each weight as the graph reaches it, so it reports "compress".
+    progress(stage.index, "load")
     check_tensors(source, shape, [stage])
     available = source.names()
     stage_dir = out_dir / f"stage_{stage.index}"
     stage_dir.mkdir(parents=True)
-    progress(stage.index, "build")
+    progress(stage.index, "compress")
     # Constants go to a scratch file as they are produced and are memory-mapped back, so the
     # stage is never whole in anonymous memory; closing the weights deletes it.
     scratch = out_dir / f".stage_{stage.index}.weights"
