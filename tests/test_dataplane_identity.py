@@ -243,6 +243,30 @@ def test_dialers_check_who_answers_before_sending_anything(fleet, export, stage)
     assert impostor_stats["closed"] == 2  # both dialers hung up without a single frame
 
 
+def test_a_tls_ring_or_worker_without_expected_peers_admits_nobody(fleet, export, stage):
+    """There is no "any member" default: a TLS RingPath needs its ends named, and a TLS worker
+    given no policy refuses every member until one arrives."""
+    from engine.peer_policy import PeerPolicyError
+
+    console, desk = fleet["console"], fleet["desk"]
+    with pytest.raises(PeerPolicyError, match="peers=PeerPolicy"):
+        RingPath(_fp(export), 1, LOOP, LOOP, server_ssl=console.server_context(), client_ssl=console.client_context())
+
+    async def main():
+        worker = StageWorker(stage, LOOP, Address("127.0.0.1", 9), server_ssl=desk.server_context(),
+                             client_ssl=desk.client_context())
+        address = await worker.async_start()
+        try:
+            with pytest.raises(HandshakeError, match="no upstream peer is expected") as refused:
+                await async_connect(address.host, address.port, Hello(_fp(export), 0, WireRole.COORDINATOR),
+                                    ssl=console.client_context(), attempts=1)
+            return refused.value
+        finally:
+            await worker.async_close()
+
+    assert run(main(), 60).field == "peer"
+
+
 # -- streams belong to the connection that opened them ----------------------------------------------
 
 def test_a_stream_opened_on_one_connection_cannot_be_touched_from_another(fleet, export, stage):
