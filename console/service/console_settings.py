@@ -83,5 +83,5 @@ def ring_endpoints(plan: Plan, records: Mapping[str, AgentRecord], data_port: in
         index = per_address.get(record.address, 0)
         per_address[record.address] = index + 1
         port = pick_free(record.address) if data_port == 0 else data_port + index
-        endpoints[stage.pc_id] = AgentEndpoint(record.control_address, port, record.name)
+        endpoints[stage.pc_id] = AgentEndpoint(record.control_address, port, record.name, record.node_id)
     return endpoints
