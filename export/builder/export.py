@@ -70,20 +70,24 @@ def check_tensors(source: Any, shape: ModelShape, plan: list[StagePlan]) -> None
 def export_stage(source: Any, shape: ModelShape, stage: StagePlan, options: Any, out_dir: Path,
                  progress: Progress, weights_factory: WeightsFactory = _default_weights) -> StageManifest:
     """Build and save one stage into ``out_dir/stage_{index}``."""
-    # Step names are the ones progress consumers know (export.cli.EXPORT_STEPS, the console's
-    # export job); building lowers each weight as the graph reaches it, so it reports "compress".
+    # Progress consumers (export.cli.EXPORT_STEPS, the console's export job) know the traced
+    # path's five steps in order. Here "convert" is the whole build: the graph is written with its
+    # state ("stateful") and each weight is lowered ("compress") as the graph reaches it, so those
+    # two are reported as done when the build returns.
     progress(stage.index, "load")
     check_tensors(source, shape, [stage])
     available = source.names()
     stage_dir = out_dir / f"stage_{stage.index}"
     stage_dir.mkdir(parents=True)
-    progress(stage.index, "compress")
+    progress(stage.index, "convert")
     # Constants go to a scratch file as they are produced and are memory-mapped back, so the
     # stage is never whole in anonymous memory; closing the weights deletes it.
     scratch = out_dir / f".stage_{stage.index}.weights"
     with weights_factory(source, weight_mode(options), scratch) as weights:
         model = build_stage_model(shape, stage, weights, head_tensor(shape, available), options.beam_idx)
         model.set_rt_info(options.kv_cache_precision, ["runtime_options", "KV_CACHE_PRECISION"])
+        progress(stage.index, "stateful")
+        progress(stage.index, "compress")
         progress(stage.index, "save")
         ov.save_model(model, stage_dir / XML_NAME, compress_to_fp16=False)
         inputs = tuple(_port(p) for p in model.inputs)
