@@ -20,6 +20,7 @@ from aiohttp import web
 
 from console.service.errors import ForeignAgentError
 from console.service.fleet import FleetModel
+from engine.console_discovery import ConsoleAdvertiser, console_advertisement
 from engine.control import Assignment
 from engine.control_client import ControlClient, ControlError, WrongAgentError
 from engine.discovery import Advertisement, Advertiser, Browser
@@ -52,6 +53,10 @@ async def fake_server(creds: Credentials, routes, *, port: int = 0, verify_clien
 
 
 def test_a_member_posing_as_the_console_at_enrolment_never_sees_the_token(tmp_path, caplog):
+    """The review's reproduction: an enrolled PC advertises ``_deskfleet-join`` with the fleet's
+    (public) pin and serves the real CA, with its own agent certificate. Alone on the network it
+    gets a refusal before the token is sent (not a final "used"); beside the real console, the
+    agent joins the real one with the same token, whichever record it tries first."""
     caplog.set_level(logging.WARNING)
 
     async def main():
@@ -59,7 +64,7 @@ def test_a_member_posing_as_the_console_at_enrolment_never_sees_the_token(tmp_pa
             mallory = con.authority.issue_credentials("mallory", role=Role.AGENT)
             posted = []
 
-            async def ca(request):  # the fleet's CA is public: the impostor serves the real one
+            async def ca(request):
                 return web.Response(body=con.authority.ca_pem, content_type="application/x-pem-file")
 
             async def join(request):
@@ -68,17 +73,24 @@ def test_a_member_posing_as_the_console_at_enrolment_never_sees_the_token(tmp_pa
 
             victim = agent(tmp_path, "victim")
             await victim.async_start()
+            fake, real = ConsoleAdvertiser("127.0.0.1"), ConsoleAdvertiser("127.0.0.1")
             try:
                 token = con.token()
                 async with fake_server(mallory, [("GET", "/v1/ca", ca), ("POST", "/v1/join", join)],
                                        verify_clients=False) as port:
+                    pin = con.authority.fingerprint
+                    await fake.async_start(console_advertisement("Acme console", pin, port, "127.0.0.1", "0.1.0"))
                     with pytest.raises(NotTheConsoleError, match="not sent and is still good"):
-                        await victim.async_join(f"127.0.0.1:{port}", token)
-                assert posted == [] and not victim.joined  # the token never left the victim
-                assert con.tokens.outstanding() == 1
-                creds = await victim.async_join(con.enrollment, token)  # the real console still takes it
-                assert creds.role is Role.AGENT and victim.console_node_id == con.credentials.node_id
+                        await victim.async_join(None, token, timeout=8)
+                    assert posted == [] and not victim.joined and con.tokens.outstanding() == 1
+                    enrollment_port = int(con.enrollment.rsplit(":", 1)[1])
+                    await real.async_start(console_advertisement("Acme", pin, enrollment_port, "127.0.0.1", "0.1.0"))
+                    creds = await victim.async_join(None, token, timeout=15)
+                assert posted == [] and creds.fleet_id == con.authority.fleet_id
+                assert victim.console_node_id == con.credentials.node_id
             finally:
+                await fake.async_close()
+                await real.async_close()
                 await victim.async_close()
 
     run(main(), 120)
