@@ -36,6 +36,9 @@ from tests.asyncutil import collect, run
 from tests.conftest import PROMPT_IDS
 from tests.dataplane_helpers import LOOP, N, fp_of, make_fleet
 
+IDLE = 1000  # idle connections thrown at a live stage; each is answered (accepted or refused)
+CASES = {"idle connections against a live stage": IDLE}  # what tests/test_fuzz_budget.py may count
+
 
 @pytest.fixture(scope="module")
 def fleet():
@@ -134,9 +137,9 @@ def test_a_thousand_idle_connections_are_refused_past_the_cap_while_a_real_strea
         try:
             async with Coordinator(path, model_card(load_manifest(export))) as c:
                 undisturbed = await collect(c, request)
-                for batch in range(0, 1000, 100):
+                for batch in range(0, IDLE, 100):
                     await asyncio.gather(*(dial(f"127.0.0.{2 + i % 125}") for i in range(batch, batch + 100)))
-                await settle(1001)
+                await settle(IDLE + 1)
                 peak = listener.open_connections
                 flooded = dict(listener.stats)
                 during = await collect(c, request)
@@ -162,7 +165,7 @@ def test_a_thousand_idle_connections_are_refused_past_the_cap_while_a_real_strea
     undisturbed, during, after, peak, flooded, one_peer = run(main(), 120)
     assert len(undisturbed) == N and during == undisturbed and after == undisturbed
     assert peak == 64  # the ring's connection plus 63 idle ones
-    assert flooded["refused_cap"] == 1000 - 63
+    assert flooded["refused_cap"] == IDLE - 63
     assert one_peer == 12 - 8
 
 
