@@ -23,8 +23,9 @@ import openvino as ov
 
 from engine.errors import GenerationError, ManifestError, ShardCompileError
 from engine.kv_ring import DEFAULT_SINKS, KVRing, SlotRing
-from engine.manifest import GraphEntry, Manifest, load_manifest, safe_join, verify_stage
+from engine.manifest import GraphEntry, Manifest, ir_paths, load_manifest, verify_stage
 from engine.packing import PlanFrame, SlotGeometry, additive_bias, layout_step, shared_mask
+from engine.shard import read_verified_model
 from engine.slot_scheduler import (
     Slot,
     SlotRequest,
@@ -66,7 +67,12 @@ class StaticStage:
                  sinks: int = DEFAULT_SINKS, graphs: Sequence[str] | None = None):
         root = Path(export_dir)
         self.manifest = static_manifest(manifest or load_manifest(root))
-        self.spec = verify_stage(root, self.manifest, index, target="npu")
+        spec = self.manifest.stages[index] if 0 <= index < len(self.manifest.stages) else None
+        chosen = [g for g in spec.graphs if graphs is None or g.name in graphs] if spec is not None else []
+        # the graphs compiled are verified below, on the very bytes compiled (engine.shard)
+        self.spec = verify_stage(root, self.manifest, index, target="npu",
+                                 skip=frozenset(p for g in chosen for p in ir_paths(g.xml)))
+        self._mapped: list = []  # the weights' memory maps: they back the compiled graphs' constants
         self.geometry = geometry_of(self.manifest, sinks)
         props = dict(EXACT_PROPERTIES) if exact else {}
         if num_threads:
@@ -77,8 +83,10 @@ class StaticStage:
         for entry in self.spec.graphs:
             if graphs is not None and entry.name not in graphs:
                 continue
+            model, mapped = read_verified_model(core, root, self.spec, entry.xml)
+            self._mapped.append(mapped)
             try:
-                compiled = core.compile_model(core.read_model(safe_join(root, entry.xml)), device, props)
+                compiled = core.compile_model(model, device, props)
             except RuntimeError as exc:
                 raise ShardCompileError(f"OpenVINO could not compile the {entry.name} graph of stage {index} "
                                         f"of {root} on {device}: {exc}") from exc
