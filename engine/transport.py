@@ -495,13 +495,16 @@ async def async_hold(conn: Connection, name: str, interval: float = PING_INTERVA
     Nothing but Pong (or an Error before the listener closes) flows back on a ring hop, so read
     it only to learn at once when the listener goes away, and Ping after ``interval`` s of
     silence so the listener's idle timeout never closes a hop that is merely between requests.
-    Returns (never raises) once the connection is closed, having closed it.
+    Returns (never raises) once the connection is closed (or sent a frame larger than an
+    Error), having closed it.
     """
     seq = 0
     try:
         while True:
             try:
-                msg = await conn.async_recv(idle_timeout=interval)
+                # At most an Error's size: a next hop sends nothing bigger back, and one that
+                # announces a tensor-sized frame is dropped after its header, not read.
+                msg = await conn.async_recv(idle_timeout=interval, max_bytes=HANDSHAKE_REPLY_BYTES)
             except IdleTimeoutError:
                 seq += 1
                 await conn.async_send(Ping(seq))
