@@ -30,7 +30,11 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
     p.add_argument("--api-key-env", metavar="VAR", default=None,
                    help="name of the environment variable holding the API key clients must send as a bearer "
-                        "token (the key itself never goes on the command line); without it, no auth")
+                        "token (the key itself never goes on the command line); without it, no auth, and "
+                        "only a loopback --host is accepted")
+    p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                   help="a host name clients may address the server by, besides its --host address and "
+                        "localhost (repeatable); requests naming any other host are refused (DNS rebinding)")
     p.add_argument("--max-concurrent", type=int, default=_DEFAULTS.max_concurrent,
                    help=f"requests in flight before answering 429 (default {_DEFAULTS.max_concurrent})")
     p.add_argument("--slots", type=int, default=4,
@@ -84,7 +88,8 @@ def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> 
     """The API settings for the parsed command line."""
     try:
         return ApiSettings(model_name=args.model_name, api_key=api_key_from_env(args.api_key_env, environ),
-                           max_concurrent=args.max_concurrent, max_prompt_tokens=args.max_prompt_tokens)
+                           max_concurrent=args.max_concurrent, max_prompt_tokens=args.max_prompt_tokens,
+                           allowed_hosts=tuple(args.allow_host))
     except ValueError as exc:
         raise DeskfleetError(f"invalid server limits: {exc}") from exc
 

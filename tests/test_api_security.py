@@ -204,3 +204,16 @@ def test_serve_refuses_a_non_loopback_address_without_a_key(tiny_export, monkeyp
     monkeypatch.setattr(asyncio, "run", lambda *a, **k: pytest.fail("the server started"))
     with pytest.raises(DeskfleetError, match="refusing to serve on 0.0.0.0 without an API key.*--api-key-env"):
         COMMAND.run(args)
+
+
+def test_serve_takes_the_host_names_it_may_be_addressed_by(tiny_export):
+    from engine.serve_cli import COMMAND, settings_from_args
+
+    parser = argparse.ArgumentParser()
+    COMMAND.configure(parser)
+    args = parser.parse_args(["--shards", str(tiny_export("llama", 1)), "--allow-host", "gpu-box.lan",
+                              "--allow-host", "gpu-box"])
+    settings = settings_from_args(args, {})
+    assert settings.allowed_hosts == ("gpu-box.lan", "gpu-box") and settings.api_key is None
+    policy = HostPolicy(args.host, settings.allowed_hosts)
+    assert policy.allows("gpu-box.lan:8000") and policy.allows("GPU-BOX") and not policy.allows("gpu-box.evil")
