@@ -101,11 +101,21 @@ class RingPath:
         return self._returns
 
     async def async_set_peers(self, peers: PeerPolicy) -> None:
-        """Replace who the ring's ends must be (a failover moved the last stage): return-port
-        connections it no longer admits are closed at once. The dial to the first stage is
-        checked against it at the next (re)connect."""
+        """Replace who the ring's ends must be (a failover moved the last stage, the admin
+        revoked a member): return-port connections it no longer admits are closed at once, and
+        so is the open connection to the first stage if it no longer admits that stage (stage 0
+        sees every prompt: a revoked one must not get the next). Later dials are checked against it."""
         self.peers = peers
         await self._returns.async_recheck()
+        out = self._out
+        if self._client_ssl is None or out is None or out.closed:
+            return
+        reason = peers.refuse_next(out.peer_node_id)
+        if reason is not None:
+            log.warning("ring: dropping the connection to %s: %s", self.first_remote, reason)
+            self._stop_hold()
+            with contextlib.suppress(Exception):
+                await out.async_close()
 
     @property
     def connected(self) -> bool:

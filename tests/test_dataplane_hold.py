@@ -1,18 +1,26 @@
 """A dialer's hold on its next hop (ring first hop, a stage's next stage) reads only what a ring
 hop sends back — Pong, or an Error — so a next hop cannot make it read or allocate a tensor-sized
-frame: the hold closes the connection after the frame's header."""
+frame: the hold closes the connection after the frame's header. And the coordinator's open
+connection to its first stage is cut as soon as a policy update no longer names (or denies) that
+stage, as a stage's next-hop connection is."""
 
 from __future__ import annotations
 
 import asyncio
 
 import numpy as np
+import pytest
 
 from engine.codec import encode
 from engine.messages import Hello, HelloAck, Logits, Pong
+from engine.peer_policy import PeerPolicy
+from engine.ring import RingPath
+from engine.shard import Stage
 from engine.transport import async_connect, async_hold, async_read_frame
 from engine.wire import Role
+from engine.worker import StageWorker
 from tests.asyncutil import run
+from tests.dataplane_helpers import LOOP, fp_of, make_fleet
 
 FP = "ab" * 32
 
@@ -52,3 +60,40 @@ def test_a_next_hop_that_answers_with_a_tensor_frame_is_dropped_unread():
             await server.wait_closed()
 
     assert run(main(), 60) is True
+
+
+@pytest.fixture(scope="module")
+def stage(tiny_export):
+    return Stage(tiny_export("llama", 1), 0, exact=True)
+
+
+def test_the_rings_open_link_to_a_revoked_first_stage_is_cut_at_the_policy_update(stage, tiny_export):
+    fleet = make_fleet()
+    console, desk = fleet["console"], fleet["desk"]
+    fp = fp_of(tiny_export("llama", 1))
+
+    async def main():
+        path = RingPath(fp, 1, LOOP, LOOP, server_ssl=console.server_context(), client_ssl=console.client_context(),
+                        peers=PeerPolicy.of([desk.node_id], desk.node_id), dial_deadline=10)
+        ret = await path.async_listen()
+        worker = StageWorker(stage, LOOP, ret, server_ssl=desk.server_context(), client_ssl=desk.client_context(),
+                             peers=PeerPolicy.of([console.node_id], console.node_id))
+        path.first_remote = await worker.async_start()
+        try:
+            await path.async_start()
+            before = path.connected
+            # the admin removed the desk: the console's deny list reaches the ring
+            await path.async_set_peers(PeerPolicy.of([desk.node_id], desk.node_id, deny=[desk.node_id]))
+            for _ in range(100):  # the stage's side sees the close shortly after ours
+                if worker.listener.open_connections == 0:
+                    break
+                await asyncio.sleep(0.05)
+            return before, path.connected, worker.listener.open_connections
+        finally:
+            await worker.async_close()
+            await path.async_close()
+
+    before, after, stage_side = run(main(), 60)
+    assert before is True
+    assert after is False  # no further prompt goes to the revoked member over the old connection
+    assert stage_side == 0
