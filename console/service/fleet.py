@@ -150,6 +150,8 @@ class FleetModel:
             if (record.address, record.control_port) == (hint.address, hint.control_port):
                 return
             if where not in self._warned:
+                if len(self._warned) > 4 * MAX_HINTS:  # a stream of forged records must not grow it for ever
+                    self._warned.clear()
                 self._warned.add(where)
                 log.warning("an mDNS record claims agent %s (%s) is at %s:%d; the console keeps %s until a "
                             "probe there proves it", key[:16], record.name, hint.address, hint.control_port,
