@@ -12,7 +12,7 @@ import inspect
 import re
 
 TARGETS = {  # target -> modules holding its fuzz tests
-    "wire protocol": ("tests.test_wire_fuzz", "tests.test_transport_live"),
+    "wire protocol": ("tests.test_wire_fuzz", "tests.test_transport_live", "tests.test_dataplane_bounds"),
     "control API": ("tests.test_fuzz_control_api",),
     "OpenAI API": ("tests.test_fuzz_openai_api",),
     "enrollment + hub": ("tests.test_fuzz_console",),
