@@ -75,11 +75,15 @@ def shard_runner(export_dir: Path, num_threads: int | None = None) -> Runner:
 REFERENCE_PROPERTIES = {"KV_CACHE_PRECISION": "f16"}
 
 
-def reference_runner(model_dir: Path) -> Runner:
-    """``openvino_genai.LLMPipeline`` on an optimum-intel export, all cores."""
+def reference_runner(model_dir: Path, *, backend: str | None = None, num_threads: int | None = None) -> Runner:
+    """``openvino_genai.LLMPipeline`` on ``model_dir`` (all cores unless ``num_threads``);
+    ``backend`` "sdpa" or "pa" as :func:`export.reference.pipeline_properties` says."""
     from export.reference import ReferencePipeline
 
-    pipe = ReferencePipeline(model_dir, REFERENCE_PROPERTIES)
+    props: dict[str, Any] = dict(REFERENCE_PROPERTIES)
+    if num_threads:
+        props["INFERENCE_NUM_THREADS"] = num_threads
+    pipe = ReferencePipeline(model_dir, props, backend=backend)  # type: ignore[arg-type]
 
     def run(ids: list[int], n: int) -> Run:
         r = pipe.generate(ids, n)
@@ -114,3 +118,120 @@ def default_model_exports(*variants: tuple[str, int, bool]) -> tuple[Any, list[P
     root = default_cache_root() / "bench-exports"
     made = [ensure_export(root, source, fingerprint, w, s, b) for w, s, b in variants]
     return source, [m[0] for m in made], [m[1] for m in made]
+
+
+# -- an export measured from outside ----------------------------------------------------------
+
+_SAMPLE_S = 0.05  # the kernel keeps no peak for RssAnon/RssFile: sample them this often
+_STATUS_FIELDS = ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem")
+# Printed by the child once its imports are done, so the parent knows the baseline (the child's
+# own VmHWM is reset there, as `deskfleet export` does itself when it starts).
+_IMPORTED = "deskfleet-bench: imported"
+_CHILD = (
+    "import sys\n"
+    "import openvino, engine.cli, export.cli, export.exporter, export.builder.export  # noqa: F401\n"
+    f"print({_IMPORTED!r}, flush=True)\n"
+    "sys.stdin.readline()  # the parent reads our RSS, then lets us go\n"
+    "sys.exit(engine.cli.main(sys.argv[1:]))\n"
+)
+
+
+def _status_kb(pid: int) -> dict[str, int]:
+    """The memory fields of /proc/<pid>/status in kB ({} once the process is gone)."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key in _STATUS_FIELDS:
+            out[key] = int(value.split()[0])
+    return out
+
+
+@dataclass(frozen=True)
+class ExportMemory:
+    """One `deskfleet export` run as the parent saw it (bytes; ``peak_*`` from 50 ms samples).
+
+    ``vmhwm`` is the kernel's peak RSS (exact); anonymous and file-backed RSS have no kernel
+    peak, so ``peak_anon``/``peak_file`` are the largest sampled values and ``at_peak_*`` the
+    split in the sample with the largest RSS. ``after_imports*`` is the RSS the parent read once
+    the CLI's modules were imported (the child waits for it); ``exporter_baseline`` the RSS the
+    exporter itself printed when it started (every import done, MB precision).
+    """
+
+    seconds: float
+    after_imports: int
+    after_imports_anon: int
+    after_imports_file: int
+    exporter_baseline: int
+    vmhwm: int
+    peak_anon: int
+    peak_file: int
+    at_peak_anon: int
+    at_peak_file: int
+    samples: int
+    stage_file_bytes: tuple[int, ...]
+
+
+def measured_export(model: str | None, out: Path, weights: str, stages: int, *,
+                    group_size: int = 64, timeout_s: float = 900.0) -> ExportMemory:
+    """Run `deskfleet export` (the CLI's own entry point) in a child and sample its memory."""
+    import subprocess
+    import time
+
+    from engine.manifest import load_manifest
+
+    argv = [sys.executable, "-c", _CHILD, "export", *([model] if model else []), "--stages", str(stages),
+            "--weights", weights, "--group-size", str(group_size), "--out", str(out), "--force"]
+    started = time.perf_counter()
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, bufsize=1)
+    assert proc.stdout is not None and proc.stdin is not None
+    first = proc.stdout.readline()
+    if _IMPORTED not in first:
+        proc.kill()
+        rest = first + proc.stdout.read()
+        proc.wait()
+        raise RuntimeError(f"the export child did not start: {rest[-2000:]}")
+    base = _status_kb(proc.pid)
+    proc.stdin.write("go\n")
+    proc.stdin.close()
+    import threading
+
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)  # type: ignore[arg-type]
+    reader.start()
+    peak = dict(base)
+    best = dict(base)
+    n = 0
+    while proc.poll() is None:
+        s = _status_kb(proc.pid)
+        if s:
+            n += 1
+            peak = {k: max(v, peak.get(k, 0)) for k, v in s.items()}
+            if s.get("VmRSS", 0) >= best.get("VmRSS", 0):
+                best = s
+        if time.perf_counter() - started > timeout_s:
+            proc.kill()
+            proc.wait()
+            raise RuntimeError(f"the export did not finish within {timeout_s:.0f} s")
+        time.sleep(_SAMPLE_S)
+    reader.join(timeout=10)
+    seconds = time.perf_counter() - started
+    text = "".join(lines)
+    if proc.returncode != 0:
+        raise RuntimeError(f"deskfleet export failed (exit {proc.returncode}):\n{text[-3000:]}")
+    # The child's VmHWM is reset when export_model starts (its own RSS then, after every import,
+    # is the baseline); the CLI prints both: "peak RSS N MB (after imports M MB)".
+    printed = [ln.replace("(", " ").split() for ln in text.splitlines() if ln.startswith("peak RSS ")]
+    vmhwm = int(float(printed[-1][2]) * 1e6) if printed else 0
+    exporter_base = int(float(printed[-1][6]) * 1e6) if printed else base.get("VmRSS", 0) * 1024
+    manifest = load_manifest(out)
+    sizes = tuple(sum(f.size for f in s.files) for s in manifest.stages)
+    kb = 1024
+    return ExportMemory(seconds, base.get("VmRSS", 0) * kb, base.get("RssAnon", 0) * kb, base.get("RssFile", 0) * kb,
+                        exporter_base, max(vmhwm, peak.get("VmHWM", 0) * kb), peak.get("RssAnon", 0) * kb,
+                        peak.get("RssFile", 0) * kb, best.get("RssAnon", 0) * kb, best.get("RssFile", 0) * kb,
+                        n, sizes)

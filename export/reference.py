@@ -366,13 +366,76 @@ def _convert_tokenizer(checkpoint_dir: Path, out_dir: Path) -> None:
 
 # -- running ---------------------------------------------------------------------------------
 
+AttentionBackend = Literal["sdpa", "pa"]
+
+
+def pipeline_properties(properties: Mapping[str, Any] | None, backend: AttentionBackend | None) -> dict[str, Any]:
+    """LLMPipeline properties for one attention path.
+
+    On x86 genai's default is PagedAttention with continuous batching and prefix caching on,
+    so a benchmark repeating a prompt would time cache hits. ``"sdpa"`` asks for the stateful
+    path (``ATTENTION_BACKEND="SDPA"``, the one our shards use); ``"pa"`` keeps PagedAttention
+    with a scheduler whose prefix caching is off.
+    """
+    import openvino_genai as genai
+
+    props = dict(properties or {})
+    if backend == "sdpa":
+        props["ATTENTION_BACKEND"] = "SDPA"
+    elif backend == "pa":
+        scheduler = genai.SchedulerConfig()  # 2026.4.1: no keyword constructor
+        scheduler.enable_prefix_caching = False
+        props["scheduler_config"] = scheduler
+    elif backend is not None:
+        raise ReferenceToolError(f"Unknown attention backend {backend!r}; use 'sdpa' or 'pa'.")
+    return props
+
+
+def pipeline_dir_from_export(export_dir: Path, out_dir: Path, checkpoint_dir: Path | None = None) -> Path:
+    """Our own 1-stage export as a directory ``LLMPipeline`` loads: the same graph and weights.
+
+    The stage's ``logits_last`` input (how many trailing positions get logits) becomes the
+    constant 1, which is what genai samples from; nothing else changes (weights are saved as
+    they are: ``compress_to_fp16=False``). No tokenizer IRs: the pipeline is fed token ids.
+    ``config.json`` comes from ``checkpoint_dir`` when given (genai reads it if present).
+    """
+    import numpy as np
+    import openvino as ov
+
+    from engine.manifest import load_manifest
+
+    manifest = load_manifest(export_dir)
+    if len(manifest.stages) != 1:
+        raise ReferenceToolError(f"{export_dir} has {len(manifest.stages)} stages; LLMPipeline needs a 1-stage export.")
+    model = ov.Core().read_model(str(Path(export_dir) / manifest.stages[0].xml))
+    for param in model.get_parameters():
+        if param.get_friendly_name() == "logits_last":
+            param.output(0).replace(ov.opset13.constant(np.array(1, dtype=np.int64)).output(0))
+            model.remove_parameter(param)
+    model.validate_nodes_and_infer_types()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ov.save_model(model, str(out_dir / "openvino_model.xml"), compress_to_fp16=False)
+    tokenizer_dir = Path(export_dir) / "tokenizer"
+    for name in ("config.json", "generation_config.json"):
+        for where in (tokenizer_dir, *([Path(checkpoint_dir)] if checkpoint_dir else [])):
+            if (where / name).is_file():
+                shutil.copy(where / name, out_dir / name)
+                break
+    if not (out_dir / "config.json").is_file():
+        _write_json(out_dir / "config.json", {"model_type": manifest.model.architecture,
+                                              "max_position_embeddings": manifest.model.max_position_embeddings})
+    return out_dir
+
+
 
 class ReferencePipeline:
     """One compiled ``openvino_genai.LLMPipeline``, reused across timed generations.
 
     Compiling takes seconds, so benchmarks build this once and call :meth:`generate` per round
     (the first call includes one-off setup: run a warm-up round first). ``properties`` go to
-    the device plugin, e.g. ``{"KV_CACHE_PRECISION": "f32"}``.
+    the device plugin, e.g. ``{"KV_CACHE_PRECISION": "f32"}``; ``backend`` chooses the attention
+    path (:func:`pipeline_properties`), None leaves genai's default.
     """
 
     def __init__(
@@ -381,11 +444,13 @@ class ReferencePipeline:
         properties: Mapping[str, Any] | None = None,
         *,
         device: str = "CPU",
+        backend: AttentionBackend | None = None,
     ) -> None:
         import openvino_genai as genai
 
         self.model_dir = Path(model_dir)
-        self._pipe = genai.LLMPipeline(str(self.model_dir), device, dict(properties or {}))
+        self.backend = backend
+        self._pipe = genai.LLMPipeline(str(self.model_dir), device, **pipeline_properties(properties, backend))
 
     def generate(
         self, input_ids: Sequence[int], max_new_tokens: int = 128, ignore_eos: bool = True
