@@ -117,6 +117,7 @@ class ConsoleBridge(QObject):
         fleet = FleetModel(s.state_dir, host.credentials)
         self._stack.callback(fleet.subscribe(self._records_from_loop))
         self._stack.callback(fleet.attach_hub(host.hub))
+        self._stack.callback(fleet.attach_api_key(host.rotate_api_key))  # a removal rotates the API key
         self._stack.callback(host.hub.subscribe(self._event_from_loop))
         browser = Browser(s.interface, fleet.update_peers)
         await browser.async_start()

@@ -57,6 +57,8 @@ class FleetServing(QObject):
         self._dist: Distributor | None = None  # a loop object
         self._standby: tuple[AgentEndpoint, ...] = ()
         self._api: RunningApi | None = None  # a loop object
+        self._rotated = False  # a removal rotated the key: the keyring's wins over the command line's
+        self._unsubscribe_key = None  # from FleetHost.subscribe_api_key, once serving
         self._plan: Plan | None = None
         self._export: ExportInfo | None = None
         self._api_port = bridge.settings.api_port
@@ -189,13 +191,30 @@ class FleetServing(QObject):
         settings = self.api_settings()
         self._api = await async_run_api(self._dist.coordinator, tokenizer, settings,
                                         self.bridge.settings.interface, self._api_port)
+        if self._unsubscribe_key is None:
+            self._unsubscribe_key = self.bridge.host.subscribe_api_key(self._api_key_rotated)
         return health, self._api.url
 
+    def _api_key_rotated(self, key: str) -> None:
+        """On the loop: a removal rotated the console's key. The running API takes it at once;
+        the chat page is told through ``api_ready`` (it re-opens its client on a changed key)."""
+        self._rotated = True
+        if self._api is not None:
+            self._api.set_api_key(key)
+        if self.bridge.qt_async is not None:
+            self.bridge.qt_async.post(self._take_key, key)
+
+    def _take_key(self, key: str) -> None:  # GUI thread
+        self.api_key = key
+        if self.api_url is not None and self.phase == "serving":
+            self.api_ready.emit(self.api_url)  # the chat page re-opens its client with the new key
+
     def api_settings(self):
-        """The API's settings: the console's key always (from the command line, else the keyring's),
-        and this PC's name among the host names clients may address it by."""
+        """The API's settings: the console's key always (from the command line, else the keyring's;
+        the keyring's once a removal rotated it), and this PC's name among the host names clients may address it by."""
         base = self.bridge.settings.api
-        return dataclasses.replace(base, api_key=base.api_key or self.bridge.host.api_key,
+        key = self.bridge.host.api_key if self._rotated else (base.api_key or self.bridge.host.api_key)
+        return dataclasses.replace(base, api_key=key,
                                    allowed_hosts=(*base.allowed_hosts, socket.gethostname()))
 
     def _progress_from_loop(self, progress: AgentProgress) -> None:
@@ -221,6 +240,9 @@ class FleetServing(QObject):
         self.failed.emit(message)
 
     async def _async_close(self) -> None:
+        if self._unsubscribe_key is not None:
+            self._unsubscribe_key()
+            self._unsubscribe_key = None
         api, self._api = self._api, None
         dist, self._dist = self._dist, None
         if api is not None:

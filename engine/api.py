@@ -208,6 +208,7 @@ class _Outcome:
 
 
 _GONE = web.RequestKey("client_gone", bool)
+API_STATE = web.AppKey("deskfleet_api", object)  # the app's _Api (RunningApi.set_api_key reaches it)
 
 
 async def _off_loop(fn: Callable[..., Any], *args: Any) -> Any:
@@ -267,6 +268,9 @@ class _Api:
             response = web.json_response(error.body(), status=error.status, headers=headers)
         self.metrics.count(CLIENT_CLOSED if request.get(_GONE) else response.status)
         return response
+
+    def set_api_key(self, key: str) -> None:
+        self._key = key.encode()
 
     def _authorize(self, request: web.Request) -> None:
         if self._key is None or request.path in PUBLIC_PATHS:
@@ -422,6 +426,7 @@ def build_app(generator: Generator, tokenizer: ChatTokenizer, settings: ApiSetti
     api = _Api(generator, tokenizer, settings, HostPolicy(host, settings.allowed_hosts))
     app = web.Application(middlewares=[api.errors], client_max_size=settings.max_body_bytes)
     app.on_response_prepare.append(api.add_headers)
+    app[API_STATE] = api
     app.router.add_post("/v1/chat/completions", functools.partial(api.complete, "chat"))
     app.router.add_post("/v1/completions", functools.partial(api.complete, "text"))
     app.router.add_get("/v1/models", api.models)
@@ -447,6 +452,13 @@ class RunningApi:
     async def async_stop(self) -> None:
         """Stop listening, give in-flight requests the runner's grace period, then cancel them."""
         await self.runner.cleanup()
+
+    def set_api_key(self, key: str) -> None:
+        """Require ``key`` from the next request on (the console rotated its key: the old one is
+        refused at once, requests already admitted run on)."""
+        if not key:
+            raise ValueError("an empty API key would turn auth off; pass a key")
+        self.runner.app[API_STATE].set_api_key(key)
 
 
 async def async_run_api(generator: Generator, tokenizer: ChatTokenizer, settings: ApiSettings,

@@ -185,9 +185,7 @@ class Assignment:
                 raise ControlRequestError(f"{name} must be an http(s) URL, got {url!r}")
             urls[name] = url
         peers = parse_peers(data)
-        api_key = _field(data, "api_key", str, optional=True)
-        if api_key is not None and not (0 < len(api_key) <= 256 and api_key.isascii() and api_key.isprintable()):
-            raise ControlRequestError("api_key must be 1-256 printable ASCII characters")
+        api_key = parse_api_key(data.get("api_key"))
         return cls(export_id, stage, manifest_json, digest.lower(), source, listen_port, next_hop, worker, **urls,
                    **peers, api_key=api_key)
 
@@ -212,6 +210,15 @@ def parse_node_id(value: Any, what: str) -> str:
     if not isinstance(value, str) or not re.fullmatch(r"[0-9a-fA-F]{64}", value):
         raise ControlRequestError(f"{what} must be a node id (64 hex digits), got {value!r:.80}")
     return value.lower()
+
+
+def parse_api_key(value: Any) -> str | None:
+    """The fleet API's key as an assignment or ``POST /v1/deny`` carries it (absent: None)."""
+    if value is None:
+        return None
+    if not (isinstance(value, str) and 0 < len(value) <= 256 and value.isascii() and value.isprintable()):
+        raise ControlRequestError("api_key must be 1-256 printable ASCII characters")
+    return value
 
 
 def parse_node_ids(value: Any, what: str) -> tuple[str, ...]:

@@ -127,9 +127,13 @@ class ControlClient:
         """Let member ``prober_node_id`` probe this agent's echo for a minute (a link measure)."""
         await self._call("POST", "/v1/link/expect", {"node_id": prober_node_id})
 
-    async def async_deny(self, deny: list[str] | tuple[str, ...]) -> None:
-        """Give the agent the console's deny list (its control API and worker refuse them)."""
-        await self._call("POST", "/v1/deny", {"deny": list(deny)})
+    async def async_deny(self, deny: list[str] | tuple[str, ...], api_key: str | None = None) -> None:
+        """Give the agent the console's deny list (its control API and worker refuse them) and,
+        after a removal rotated it, the API's new key for its tray's chat."""
+        body: dict[str, Any] = {"deny": list(deny)}
+        if api_key is not None:
+            body["api_key"] = api_key
+        await self._call("POST", "/v1/deny", body)
 
     async def async_calibrate(self, calibration: dict[str, Any]) -> list[dict[str, Any]]:
         """Time decode steps of a calibration export's stages on the agent (see engine.calibrate)."""

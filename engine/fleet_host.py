@@ -21,7 +21,7 @@ import contextlib
 import os
 import secrets
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -149,7 +149,11 @@ def load_or_create_api_key(state_dir: Path, *, secrets_: ConsoleSecrets | None =
     """The key clients send to the console's OpenAI API (``Authorization: Bearer``), generated
     the first time (192 bits) and kept in the keyring beside the CA's wrapping key."""
     store = secrets_ or ConsoleSecrets(state_dir)
-    return store.get_or_create(API_KEY_SECRET, lambda: API_KEY_PREFIX + secrets.token_urlsafe(24))
+    return store.get_or_create(API_KEY_SECRET, _new_api_key)
+
+
+def _new_api_key() -> str:
+    return API_KEY_PREFIX + secrets.token_urlsafe(24)
 
 
 @dataclass
@@ -160,9 +164,28 @@ class FleetHost:
     enrollment: str  # HOST:PORT where PCs redeem join tokens
     hub: FleetHub
     api_key: str = field(default="", repr=False)  # the OpenAI API's key; the tray's chat gets it with an assignment
+    secrets_store: ConsoleSecrets | None = field(default=None, repr=False)  # where api_key is kept
+    _key_listeners: list[Callable[[str], None]] = field(default_factory=list, repr=False)
 
     def token(self, ttl_s: float = 24 * 3600) -> str:
         return self.tokens.issue(ttl_s)
+
+    def rotate_api_key(self) -> str:
+        """A new API key, kept in the keyring before anyone uses it, then given to every
+        subscriber (the running API, the console's chat). Removing a member calls this: the one
+        fleet key was in its assignments, so the old key must stop working."""
+        key = _new_api_key()
+        if self.secrets_store is not None:
+            self.secrets_store.put(API_KEY_SECRET, key)
+        self.api_key = key
+        for listener in list(self._key_listeners):
+            listener(key)
+        return key
+
+    def subscribe_api_key(self, listener: Callable[[str], None]) -> Callable[[], None]:
+        """Call ``listener(new key)`` on each rotation; returns a function that unsubscribes."""
+        self._key_listeners.append(listener)
+        return lambda: self._key_listeners.remove(listener) if listener in self._key_listeners else None
 
 
 @contextlib.asynccontextmanager
@@ -181,6 +204,7 @@ async def fleet_host(state_dir: Path, exports: dict[str, Path] | None = None, *,
         api_key = load_or_create_api_key(state_dir, secrets_=store)
         async with _fleet_services(state_dir, authority, api_key, exports, host=host, enrollment_port=enrollment_port,
                                    hub_port=hub_port, advertise_on=advertise_on, name=name) as fleet:
+            fleet.secrets_store = store
             yield fleet
 
 

@@ -11,6 +11,7 @@ nothing. Real TLS, real aiohttp, real zeroconf on 127.0.0.1, real agents in-proc
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import secrets
 
@@ -25,10 +26,13 @@ from engine.control import Assignment
 from engine.control_client import ControlClient, ControlError, WrongAgentError
 from engine.discovery import Advertisement, Advertiser, Browser
 from engine.enrollment import NotTheConsoleError
+from engine.fleet_host import API_KEY_SECRET
+from engine.keystore import ConsoleSecrets
 from engine.trust import Credentials, Role
 from tests.agent_helpers import console
 from tests.asyncutil import run
 from tests.console_fleet_helpers import agent, joined_fleet, until
+from tests.test_api_security import SETTINGS
 
 
 @pytest.fixture(autouse=True)
@@ -271,3 +275,48 @@ def test_an_mdns_flood_stops_at_the_browsers_caps(monkeypatch, caplog):
                                          discovery.ServiceStateChange.Added)
     assert not browser._pending and set(browser.peers()) == {"a", "b"}
     assert caplog.text.count("agents tracked already") == 1
+
+
+def test_removing_a_member_rotates_the_api_key_and_only_the_remaining_members_get_the_new_one(tmp_path, tiny_export):
+    """The one fleet API key rode in every assignment, so a removed PC kept API access. Removing
+    it rotates the key: the running API refuses the old key at once and takes the new one, the
+    keyring holds the new one, and the remaining member's stored assignment (its tray's chat)
+    gets it with the deny list; the removed PC gets nothing."""
+    from tests.test_api_security import served  # the API over the tiny 2-stage export
+
+    export = tiny_export("llama", 2)
+
+    async def status(api, key):
+        async with aiohttp.ClientSession() as session:
+            async with session.get(api.url + "/models", headers={"Authorization": f"Bearer {key}"}) as resp:
+                return resp.status
+
+    async def main():
+        async with joined_fleet(tmp_path, ("alpha", "beta"), exports={"tiny-2": export}) as f:
+            old = f.host.api_key
+            assert old
+            detach = f.fleet.attach_api_key(f.host.rotate_api_key)
+            for name, stage in (("alpha", 0), ("beta", 1)):
+                a = f.agents[name]
+                await f.fleet.async_add_address("127.0.0.1", a.control_port)
+                f.fleet.approve(a.status().node_id)
+                await f.fleet.client(a.status().node_id).async_assign(Assignment.create(
+                    (export / "manifest.json").read_text(), export_id="tiny-2", stage=stage,
+                    source=f.host.hub.shard_url("tiny-2"), listen_port=0, next_hop="127.0.0.1:1",
+                    api_url="http://127.0.0.1:1/v1", api_key=old))
+            alpha, beta = f.agents["alpha"], f.agents["beta"]
+            async with served(tiny_export, dataclasses.replace(SETTINGS, api_key=old)) as (_, api):
+                unsubscribe = f.host.subscribe_api_key(api.set_api_key)  # what FleetServing does
+                assert await status(api, old) == 200
+                f.fleet.remove(beta.status().node_id)
+                new = f.host.api_key
+                assert new != old and new.startswith("sk-")
+                assert await status(api, old) == 401 and await status(api, new) == 200
+                assert await f.fleet.async_push_deny() == {}
+                unsubscribe()
+            assert alpha.assignment.api_key == new
+            assert beta.assignment.api_key == old  # the removed PC was told nothing
+            assert ConsoleSecrets(tmp_path / "console").get(API_KEY_SECRET) == new  # kept for the next start
+            detach()
+
+    run(main(), 180)

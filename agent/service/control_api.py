@@ -23,7 +23,8 @@ Routes (docs/CONTROL_API.md)::
     GET  /v1/link/echo?bytes=N   N zero bytes (link probes: the console, or an expected member)
     POST /v1/link/expect     {node_id} -> that member may probe /v1/link/echo for EXPECT_S
     POST /v1/link/measure    {target: HOST:PORT, target_node_id?} -> this agent's link to another agent
-    POST /v1/deny            {deny: [node ids]} -> the console's revocation list (control API + worker)
+    POST /v1/deny            {deny: [node ids], api_key?} -> the console's revocation list (control API +
+                             worker) and, after a removal, the API's new key (the tray's chat)
     POST /v1/calibrate       {export..., stages, device, threads?} -> decode-step times per stage
 """
 
@@ -41,6 +42,7 @@ from engine.control import (
     Assignment,
     ControlRequestError,
     decode_body,
+    parse_api_key,
     parse_hostport,
     parse_node_id,
     parse_node_ids,
@@ -224,7 +226,7 @@ def build_app(service: AgentService) -> web.Application:
 
     @route("POST", "/v1/deny", console_only=True)
     async def deny(request, body):
-        await service.async_set_deny(parse_node_ids(body.get("deny"), "deny"))
+        await service.async_set_deny(parse_node_ids(body.get("deny"), "deny"), api_key=parse_api_key(body.get("api_key")))
         return None
 
     @route("POST", "/v1/calibrate", console_only=True)

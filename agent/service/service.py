@@ -242,18 +242,21 @@ class AgentService:
         """Node ids the console revoked: refused by the control API and the worker."""
         return frozenset(self._state.deny)
 
-    async def async_set_deny(self, deny: tuple[str, ...]) -> None:
-        """Take the console's new deny list (``POST /v1/deny``): kept, and given to the worker."""
+    async def async_set_deny(self, deny: tuple[str, ...], *, api_key: str | None = None) -> None:
+        """Take the console's new deny list (``POST /v1/deny``): kept, and given to the worker;
+        ``api_key``, the API's key after the removal rotated it, replaces the assignment's (the
+        tray's chat sends it)."""
         deny = tuple(sorted(set(deny) - {self._state.console_node_id}))  # never lock out the pinned console
         assignment = self.assignment
         state = replace(self._state, deny=deny)
         if assignment is not None:
-            assignment = replace(assignment, deny=deny)
+            assignment = replace(assignment, deny=deny, api_key=api_key or assignment.api_key)
             state = replace(state, assignment=assignment.to_dict())
         self._save(state)
         if assignment is not None and self._supervisor.running:
             if not await self._supervisor.async_update_policy(assignment.peer_policy_json()):
                 await self._async_launch_worker()
+        self._changed()  # the tray re-reads the assignment (its chat's key)
         log.info("the console's deny list now holds %d member(s)", len(deny))
 
     async def async_begin_fetch(self, bandwidth_cap: int | None = None) -> None:

@@ -72,6 +72,8 @@ class FleetModel:
         self._approvals = ApprovalBook(state_dir)  # raises ConsoleStateError for a corrupt file
         self._revoked = RevocationBook(state_dir)
         self._hub: FleetHub | None = None
+        self._rotate_api_key: Callable[[], str] | None = None  # FleetHost.rotate_api_key, once attached
+        self._api_key: str | None = None  # the key the last removal rotated to (pushed with the deny list)
         self._probed: dict[tuple[str, str, int], float] = {}  # (claimed key, host, port) -> when
         self._probes: set[asyncio.Task] = set()
         self._probe_slots = asyncio.Semaphore(MAX_PROBES)
@@ -217,6 +219,16 @@ class FleetModel:
 
         return detach
 
+    def attach_api_key(self, rotate: Callable[[], str]) -> Callable[[], None]:
+        """Removing a member from now on calls ``rotate()`` (``FleetHost.rotate_api_key``): the one
+        API key was in the removed PC's assignments. Returns a function that detaches."""
+        self._rotate_api_key = rotate
+
+        def detach() -> None:
+            self._rotate_api_key = None
+
+        return detach
+
     def on_hub_event(self, event: AgentEvent) -> None:
         """A registration (unicast discovery) or a paused/resumed report from an agent; the hub
         checked the sender's fleet certificate, so ``event.node_id`` is who sent it."""
@@ -304,20 +316,24 @@ class FleetModel:
             self._hub.revoke_grants(node_id)
         log.warning("removed agent %s (%s): its certificate is revoked", node_id[:16], record.name)
         self._rebuild()
-        with contextlib.suppress(RuntimeError):  # no running loop: the next assignments carry it
+        if self._rotate_api_key is not None:  # its assignments carried the API key: a new one, now
+            self._api_key = self._rotate_api_key()
+            log.warning("the API key was rotated: the removed PC's copy no longer works")
+        with contextlib.suppress(RuntimeError):  # no running loop: the next assignments carry both
             task = asyncio.get_running_loop().create_task(self.async_push_deny(), name="deskfleet-push-deny")
             self._probes.add(task)
             task.add_done_callback(self._probes.discard)
 
     async def async_push_deny(self) -> dict[str, str]:
-        """Send the deny list to every verified member; {node id: why it failed} for those not told."""
-        deny = self.deny
+        """Send the deny list (and the API key a removal rotated) to every verified member;
+        {node id: why it failed} for those not told."""
+        deny, api_key = self.deny, self._api_key
         failed: dict[str, str] = {}
         records = [r for r in self.records() if r.verified and r.membership is Membership.MEMBER and r.control_port]
 
         async def one(record: AgentRecord) -> None:
             try:
-                await self.client(record.key).async_deny(deny)
+                await self.client(record.key).async_deny(deny, api_key)
             except (ControlError, ForeignAgentError) as exc:
                 log.warning("could not give %s the deny list: %s", record.name, exc)
                 failed[record.key] = str(exc)
