@@ -1,6 +1,8 @@
 """Per-architecture facts as data: weight names and attention features.
 
 Adding a Llama-like architecture means adding a row here, not an ``if`` in the model code.
+A config is either a transformers config object (the traced NPU path) or the plain config.json
+dict (the CPU/GPU export, which never imports transformers); :func:`config_value` reads both.
 """
 
 from __future__ import annotations
@@ -53,13 +55,22 @@ ARCHITECTURES: dict[str, ArchSpec] = {
 STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn", "longrope"})
 
 
+def config_value(config: Any, key: str, default: Any = None) -> Any:
+    """``config[key]`` of a config.json dict, or the attribute of a transformers config."""
+    if isinstance(config, dict):
+        value = config.get(key, default)
+    else:
+        value = getattr(config, key, default)
+    return default if value is None else value
+
+
 def supported_summary() -> str:
     return ", ".join(f"{k} ({v.family})" for k, v in sorted(ARCHITECTURES.items()))
 
 
 def arch_for(config: Any) -> ArchSpec:
     """Return the spec for a transformers config, or explain what is supported."""
-    model_type = getattr(config, "model_type", None)
+    model_type = config_value(config, "model_type")
     spec = ARCHITECTURES.get(str(model_type))
     if spec is None:
         raise UnsupportedArchitectureError(
@@ -76,20 +87,21 @@ def arch_for(config: Any) -> ArchSpec:
 
 def rope_parameters(config: Any) -> dict[str, Any]:
     """The config's rope settings as one dict (transformers 5 keeps them in ``rope_parameters``)."""
-    params = getattr(config, "rope_parameters", None)
+    params = config_value(config, "rope_parameters")
     if isinstance(params, dict) and params:
         return dict(params)
-    legacy = dict(getattr(config, "rope_scaling", None) or {})
+    legacy = dict(config_value(config, "rope_scaling") or {})
     legacy.setdefault("rope_type", legacy.pop("type", "default"))
-    legacy.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    legacy.setdefault("rope_theta", config_value(config, "rope_theta", 10000.0))
     return legacy
 
 
 def head_dim(config: Any) -> int:
-    return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    explicit = config_value(config, "head_dim")
+    return int(explicit or int(config_value(config, "hidden_size")) // int(config_value(config, "num_attention_heads")))
 
 
 def has_qkv_bias(spec: ArchSpec, config: Any) -> bool:
     if spec.qkv_bias is not None:
         return spec.qkv_bias
-    return bool(getattr(config, "attention_bias", False))
+    return bool(config_value(config, "attention_bias", False))

@@ -1,7 +1,9 @@
 """``deskfleet export`` and ``deskfleet models``.
 
-This module imports nothing heavy at load time: the CLI lists these commands even on a stage
-PC without torch, and running them there explains which extra to install.
+This module imports nothing heavy at load time: the CLI lists these commands even on a stage PC
+without the export extra, and running them there explains which extra to install. The CPU/GPU
+export needs openvino, numpy, safetensors and gguf only; ``--target npu`` also needs torch and
+transformers (the export-npu extra).
 """
 
 from __future__ import annotations
@@ -59,8 +61,9 @@ def configure_export(p: argparse.ArgumentParser) -> None:
     how = p.add_mutually_exclusive_group(required=True)
     how.add_argument("--stages", type=int, help="number of stages, layers split as evenly as possible")
     how.add_argument("--split", type=_split, help="first layer of every stage after the first, e.g. 10,20")
-    p.add_argument("--weights", choices=("int4", "int8", "fp16", "fp32"), default="int4",
-                   help="weight compression (default int4)")
+    p.add_argument("--weights", choices=("int4", "int8", "fp16", "fp32", "keep"), default="int4",
+                   help="weight compression (default int4); keep: a GGUF's own Q4_0/Q4_1/Q8_0/Q4_K/Q6_K "
+                        "blocks as they are, no second rounding (GGUF models, stateful target)")
     p.add_argument("--group-size", type=int, default=64,
                    help="INT4 group size; must divide the hidden and intermediate sizes (default 64)")
     p.add_argument("--asym", action="store_true", help="asymmetric INT4 (default symmetric)")
@@ -84,7 +87,8 @@ def configure_export(p: argparse.ArgumentParser) -> None:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from export.exporter import ExportError, ExportOptions, export_model
+    from export.exporter import export_model
+    from export.options import ExportError, ExportOptions
     from export.sources import resolve_model
 
     if args.target == "npu" and (args.kv_cache_precision or args.no_beam_idx):
@@ -96,7 +100,7 @@ def run_export(args: argparse.Namespace) -> int:
                             prefill_chunk=args.prefill_chunk)
     source = resolve_model(args.model)
     with export_progress() as progress:
-        report = export_model(source.checkpoint_dir, args.out, stages=args.stages, split=args.split,
+        report = export_model(source.weights, args.out, stages=args.stages, split=args.split,
                               options=options, name=source.name, progress=progress)
     m = report.manifest
     kind = "" if m.static is None else (

@@ -1,4 +1,5 @@
-"""Weight compression presets (NNCF) applied to one stage's OpenVINO model.
+"""Weight compression presets (NNCF) applied to one stage's OpenVINO model: the traced NPU path only
+(the CPU/GPU builder lowers weights in numpy, :mod:`export.weights`).
 
 Every weight is compressed by a rule that depends only on what the weight is, never on which
 stage it sits in: NNCF alone treats the last MatMul of *any* graph as the model's head and keeps
@@ -13,11 +14,9 @@ from dataclasses import dataclass
 
 import openvino as ov
 
-from engine.errors import DeskfleetError
+from export.options import CompressionError, check_group_size
 
-
-class CompressionError(DeskfleetError):
-    """The requested weight format or group size cannot be applied to this model."""
+__all__ = ["PRESETS", "CompressionError", "WeightPreset", "check_group_size", "compress"]
 
 
 @dataclass(frozen=True)
@@ -36,21 +35,6 @@ PRESETS: dict[str, WeightPreset] = {
 
 # Node-name patterns of decoder-layer weights in a converted stage (module path ``layers.N``).
 _DECODER_PATTERN = r".*layers\.\d+\..*"
-
-
-def check_group_size(group_size: int, dims: dict[str, int]) -> None:
-    """INT4 groups run along each weight's input dimension, so they must divide all of them."""
-    if group_size <= 0:
-        raise CompressionError(f"group size must be positive, got {group_size}")
-    bad = {name: d for name, d in dims.items() if d % group_size}
-    if bad:
-        divisors = sorted({g for g in (32, 64, 128, 256) if all(d % g == 0 for d in dims.values())})
-        hint = f"; try --group-size {divisors[-1]}" if divisors else "; use --weights int8"
-        raise CompressionError(
-            f"INT4 group size {group_size} does not divide "
-            + ", ".join(f"{n} ({d})" for n, d in bad.items())
-            + hint
-        )
 
 
 def compress(model: ov.Model, weights: str, group_size: int, symmetric: bool = True) -> ov.Model:

@@ -1,6 +1,6 @@
 """``deskfleet demo``: a local fleet on this machine, from nothing.
 
-Exports the embedded default model once (cached), starts one worker process per stage on
+Exports the embedded default model once (cached; straight from its GGUF, no torch), starts one worker process per stage on
 loopback plus the coordinator, answers the prompt and prints the answer and tok/s. With
 ``--serve`` it then keeps the OpenAI-compatible API up until interrupted, and every process
 shuts down cleanly on Ctrl-C.
@@ -31,7 +31,8 @@ def ensure_default_export(weights: str, stages: int):
     from engine.errors import ManifestError
     from engine.manifest import load_manifest, verify_stage
     from export.cli import export_progress
-    from export.exporter import ExportOptions, export_model
+    from export.exporter import export_model
+    from export.options import ExportOptions
     from export.sources import default_cache_root, resolve_model
 
     source = resolve_model(None)
@@ -45,7 +46,7 @@ def ensure_default_export(weights: str, stages: int):
         pass
     print(f"exporting {source.name} into {stages} {weights} stages (once) ...", file=sys.stderr)
     with export_progress() as progress:
-        export_model(source.checkpoint_dir, out, stages=stages, options=ExportOptions(weights=weights, force=True),
+        export_model(source.weights, out, stages=stages, options=ExportOptions(weights=weights, force=True),
                      name=source.name, progress=progress)
     return source, out
 

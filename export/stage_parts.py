@@ -1,14 +1,13 @@
-"""What both stage builders share: export options and errors, checkpoint access, stage I/O names.
+"""The traced NPU path's torch helpers: checkpoint tensors as torch tensors, example inputs, ports.
 
-The stateful builder (:func:`export.exporter.export_stage`) and the NPU one
-(:func:`export.static_export.export_static_stage`) trace the same stage module from the same
-example tensors and describe their ports the same way; both read from here.
+:func:`export.static_export.export_static_stage` traces a stage module from these. Only that
+path imports this module (torch at the top): the options and errors every path shares are in
+the torch-free :mod:`export.options` (re-exported here for the NPU modules).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,40 +15,13 @@ import openvino as ov
 import torch
 from safetensors import safe_open
 
-from engine.errors import DeskfleetError
-from engine.manifest import StaticInfo, TensorSpec
+from engine.manifest import TensorSpec
 from export.architectures import head_dim
 from export.modeling import StageSpec
+from export.options import XML_NAME, ExportError, ExportOptions, Progress
 
-XML_NAME = "openvino_model.xml"
-
-
-class ExportError(DeskfleetError):
-    """The export request is invalid (split out of range, output exists, checkpoint unreadable)."""
-
-
-@dataclass(frozen=True)
-class ExportOptions:
-    weights: str = "int4"
-    group_size: int = 64
-    symmetric: bool = True
-    kv_cache_precision: str = "f16"
-    beam_idx: bool = True
-    context_for_estimate: int = 4096
-    force: bool = False
-    target: str = "stateful"  # or "npu": static, stateless graphs
-    context: int | None = None  # NPU: attention length T of the decode / packed graph
-    slots: int = 1  # NPU: > 1 makes the packed graph with this many query rows
-    prefill_chunk: int | None = None  # NPU, unpacked: a second graph prefilling C tokens a step
-
-    @property
-    def static(self) -> StaticInfo | None:
-        if self.target != "npu" or self.context is None:
-            return None
-        return StaticInfo(context=self.context, slots=self.slots, prefill_chunk=self.prefill_chunk)
-
-
-Progress = Callable[[int, str], None]  # (stage index, step name)
+__all__ = ["XML_NAME", "CheckpointReader", "ExportError", "ExportOptions", "Progress", "estimate_memory",
+           "example_inputs", "io_names", "spec_of"]
 
 
 class CheckpointReader:

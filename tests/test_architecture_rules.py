@@ -17,18 +17,23 @@ def _lint_imports(cwd: Path) -> subprocess.CompletedProcess:
 def test_import_contracts_hold():
     result = _lint_imports(ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "Contracts: 6 kept, 0 broken" in result.stdout
+    assert "Contracts: 7 kept, 0 broken" in result.stdout
 
 
-def test_contracts_catch_a_torch_import_in_engine(tmp_path):
-    """The same contracts on a copy of the tree with one bad import must fail."""
+def test_contracts_catch_a_torch_import_in_engine_and_in_the_console(tmp_path):
+    """The same contracts on a copy of the tree with bad imports must fail, naming each."""
     tree = tmp_path / "tree"
     for part in ("engine", "export", "agent", "console", "installer"):
         shutil.copytree(ROOT / part, tree / part, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", tree / "pyproject.toml")
     (tree / "engine" / "sneaky.py").write_text("import torch\n")
+    # The console reaching torch through the exporter's CPU/GPU path (not the ignored NPU edge).
+    (tree / "export" / "sneaky_export.py").write_text("def f():\n    import transformers\n")
+    (tree / "console" / "service" / "sneaky.py").write_text("from export import sneaky_export\n")
     result = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, '.'); "
                              "from importlinter.cli import lint_imports_command; lint_imports_command()",
                              "--no-cache"], cwd=tree, capture_output=True, text=True, timeout=300)
     assert result.returncode != 0
     assert "engine.sneaky -> torch" in result.stdout
+    assert "console.service.sneaky -> export.sneaky_export" in result.stdout
+    assert "export.sneaky_export -> transformers" in result.stdout

@@ -52,13 +52,26 @@ def test_missing_directory_and_missing_manifest(tmp_path):
         load_manifest(tmp_path)
 
 
-def test_manifest_path_escaping_the_export_is_refused(tiny_export, tmp_path):
+@pytest.mark.parametrize("tamper", ["extra file", "graph and weights"])
+def test_manifest_path_escaping_the_export_is_refused(tiny_export, tmp_path, tamper):
     export = tmp_path / "copy"
     shutil.copytree(tiny_export("llama", 1), export)
     manifest = json.loads((export / "manifest.json").read_text())
-    manifest["stages"][0]["files"][0]["path"] = "../../etc/passwd"
+    stage = manifest["stages"][0]
+    if tamper == "extra file":
+        # The graph and weights stay listed (parsing requires them), so only the escape can refuse it.
+        stage["files"].append({**stage["files"][0], "path": "../../etc/passwd"})
+        escaping = "../../etc/passwd"
+    else:
+        # The stage compiles a graph outside the export, consistently listed with its weights.
+        moved = {stage["xml"]: "../../etc/openvino_model.xml",
+                 stage["xml"].replace(".xml", ".bin"): "../../etc/openvino_model.bin"}
+        assert set(moved) <= {f["path"] for f in stage["files"]}
+        for entry in stage["files"]:
+            entry["path"] = moved.get(entry["path"], entry["path"])
+        stage["xml"] = escaping = "../../etc/openvino_model.xml"
     (export / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(ManifestError, match="unsafe|escapes"):
+    with pytest.raises(ManifestError, match=r"(unsafe|escapes).*" + escaping.replace(".", r"\.")):
         Stage(export, 0)
 
 

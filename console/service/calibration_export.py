@@ -28,7 +28,7 @@ from engine.manifest import Manifest, StageManifest, load_manifest
 from engine.placement import ModelProfile
 
 if TYPE_CHECKING:
-    from export.exporter import ExportOptions
+    from export.options import ExportOptions
 
 CALIBRATION_DIR = "calibration"
 KV_BYTES = {"f32": 4, "f16": 2, "u8": 1}  # ExportOptions.kv_cache_precision -> bytes per value
@@ -72,18 +72,16 @@ def _plan_for(num_layers: int):
 
 
 def build_calibration_set(checkpoint: Path, state_dir: Path, options: ExportOptions) -> CalibrationSet:
-    """The calibration exports of ``checkpoint`` (HF checkpoint dir) in ``options``' weight format
-    exported now or reused from ``state_dir``. Blocking
-    (torch): run it in a worker thread."""
-    from transformers import AutoConfig
-
-    from export.exporter import export_model
+    """The calibration exports of ``checkpoint`` (an HF checkpoint dir, a .gguf, or a model
+    directory prepared from one) in ``options``' weight format, exported now or reused from
+    ``state_dir``. Blocking (no torch: the builder's CPU/GPU export): run it in a worker thread."""
+    from export.exporter import export_model, read_config
     from export.sources import model_fingerprint
 
     checkpoint = Path(checkpoint)
     fingerprint = model_fingerprint(checkpoint)
     key = calibration_key(fingerprint, options)
-    num_layers = int(AutoConfig.from_pretrained(checkpoint).num_hidden_layers)
+    num_layers = int(read_config(checkpoint)["num_hidden_layers"])
     parts = []
     for name, split, stages in _plan_for(num_layers):
         out = Path(state_dir) / CALIBRATION_DIR / key / name

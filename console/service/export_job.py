@@ -1,13 +1,13 @@
 """An export running in a background process, with progress, cancellation and the exporter's
 own error message.
 
-The export needs torch and a lot of memory for a while; a separate process keeps both out of the
-console and makes cancelling a plain ``terminate()``. The process reports over a one-way pipe
+The export needs a lot of memory for a while (and torch for an NPU target); a separate process
+keeps both out of the console and makes cancelling a plain ``terminate()``. The process reports over a one-way pipe
 (frozen messages, no threads on either side). Whoever owns the job calls :meth:`ExportJob.poll`
 (a Qt timer, or :meth:`ExportJob.wait` / :meth:`ExportJob.async_wait`), which drains the pipe
 and hands every event to ``on_event`` on the caller's thread.
 
-What the process does: resolve the model (a GGUF is converted once), fingerprint it, turn
+What the process does: resolve the model (a GGUF's config and tokenizer are written once), fingerprint it, turn
 ``stages``/``split`` into the cut points, and reuse an existing export with the same
 :class:`~console.service.export_catalog.ExportKey`; otherwise run ``export_model``, which writes
 into a hidden ``.NAME.partial-PID`` sibling and renames it into place only when complete. A
@@ -128,17 +128,16 @@ def _export_process(request: ExportRequest, conn: Connection) -> None:
 
 
 def _export(request: ExportRequest, send: Callable[[object], None]) -> None:
-    from transformers import AutoConfig
-
-    from export.exporter import ExportOptions, export_model, plan_stages
+    from export.exporter import export_model, plan_stages, read_config
+    from export.options import ExportOptions
     from export.sources import model_fingerprint, resolve_model
 
     send(ExportProgress(None, "resolve", 0.0))
     source = resolve_model(request.model)
     send(ExportProgress(None, "fingerprint", 0.0))
-    fingerprint = model_fingerprint(source.checkpoint_dir)
-    config = AutoConfig.from_pretrained(source.checkpoint_dir)
-    plan = plan_stages(int(config.num_hidden_layers), request.stages, request.split)
+    fingerprint = model_fingerprint(source.weights)
+    config = read_config(source.weights)
+    plan = plan_stages(int(config["num_hidden_layers"]), request.stages, request.split)
     key = ExportKey.of_request(fingerprint, [s.first_layer for s in plan[1:]], request.spec)
     existing = find_export(request.exports_dir, key)
     if existing is not None:
@@ -151,7 +150,7 @@ def _export(request: ExportRequest, send: Callable[[object], None]) -> None:
         send(ExportProgress(stage, step, export_fraction(stage, step, len(plan))))
 
     options = ExportOptions(**request.spec.options_kwargs())
-    export_model(source.checkpoint_dir, out, split=list(key.split), options=options, name=source.name,
+    export_model(source.weights, out, split=list(key.split), options=options, name=source.name,
                  fingerprint=fingerprint, progress=progress)
     send(_Done(out, reused=False))
 

@@ -37,7 +37,7 @@ def weight_mode(options: Any):
 
     if options.weights == "int4":
         return WeightMode("int4_sym" if options.symmetric else "int4_asym", options.group_size)
-    return WeightMode({"int8": "int8_asym", "fp16": "fp16", "fp32": "fp32"}[options.weights])
+    return WeightMode({"int8": "int8_asym", "fp16": "fp16", "fp32": "fp32", "keep": "gguf_keep"}[options.weights])
 
 
 def _default_weights(source: Any, mode: Any, bin_path: Path | None) -> Any:
