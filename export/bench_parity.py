@@ -71,6 +71,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reference-checkpoint", type=Path, default=None,
                    help="HF safetensors checkpoint optimum exports the reference from (default: the model's "
                         "own checkpoint directory; a GGUF model needs its converted safetensors here)")
+    p.add_argument("--reference-dirs", default=None,
+                   help="existing optimum-intel exports to use as they are, e.g. int4=DIR,fp16=DIR "
+                        "(default: export_reference makes or reuses them)")
     p.add_argument("--group-size", type=int, default=64, help="INT4 group size for every export (default 64)")
     p.add_argument("--nonce-tokens", type=int, default=8, help="digit tokens opening every prompt (default 8)")
     p.add_argument("--export-root", type=Path, default=None,
@@ -237,7 +240,9 @@ def run(args: argparse.Namespace) -> int:
         ir = pipeline_dir_from_export(dirs[(w, 1)], root / f"{dirs[(w, 1)].name}-genai",
                                       source.checkpoint_dir) if 1 in stage_counts else None
         if args.reference == "optimum":
-            refs[w], irs[w] = export_reference(ref_checkpoint, w, group_size=args.group_size), ir
+            given = dict(x.split("=", 1) for x in (args.reference_dirs or "").split(",") if "=" in x)
+            refs[w] = Path(given[w]) if w in given else export_reference(ref_checkpoint, w, group_size=args.group_size)
+            irs[w] = ir
         else:
             refs[w], irs[w] = ir, None
     tokenizer = ChatTokenizer(source.checkpoint_dir)
@@ -263,21 +268,23 @@ def run(args: argparse.Namespace) -> int:
                                        for w in formats}
         per_threads[str(threads)] = result
         del runners
-    result = {"benchmark": "parity", "command": _command_line(args), "machine": machine_info(),
-              "load_before": load_before, "load_after": [round(x, 2) for x in os.getloadavg()],
-              "uptime_before": _uptime(load_before), "seconds": round(time.time() - started, 1),
-              "model": source.name, "reference": args.reference, "reference_dirs": {w: str(p) for w, p in refs.items()},
-              "reference_checkpoint": str(ref_checkpoint) if args.reference == "optimum" else None,
-              "prompt_tokens": len(chat) + args.nonce_tokens, "nonce_tokens": args.nonce_tokens,
-              "new_tokens": args.tokens, "warmups": args.warmups, "runs": args.runs, "group_size": args.group_size,
-              "kv_cache_precision": "f16", "reference_cache_hits": CACHE_HITS, "threads": per_threads,
-              "export_memory": memory_rows(memory), "targets": {"decode_vs_sdpa": DECODE_TARGETS,
-                                                                "ttft_vs_sdpa": TTFT_TARGET,
-                                                                "net_export_peak": "1.3 x largest stage + 64 MB"}}
-    result["uptime_after"] = _uptime(result["load_after"])
-    write_json(args.json, result)
-    update_section(args.doc, "parity", render(result, args.json))
-    print(render(result, args.json))
+        # Written after every thread count, so an interrupted run keeps what it measured.
+        final = {"benchmark": "parity", "command": _command_line(args), "machine": machine_info(),
+                 "load_before": load_before, "load_after": [round(x, 2) for x in os.getloadavg()],
+                 "uptime_before": _uptime(load_before), "seconds": round(time.time() - started, 1),
+                 "model": source.name, "reference": args.reference,
+                 "reference_dirs": {w: str(p) for w, p in refs.items()},
+                 "reference_checkpoint": str(ref_checkpoint) if args.reference == "optimum" else None,
+                 "prompt_tokens": len(chat) + args.nonce_tokens, "nonce_tokens": args.nonce_tokens,
+                 "new_tokens": args.tokens, "warmups": args.warmups, "runs": args.runs,
+                 "group_size": args.group_size, "kv_cache_precision": "f16", "reference_cache_hits": CACHE_HITS,
+                 "threads": per_threads, "export_memory": memory_rows(memory),
+                 "targets": {"decode_vs_sdpa": DECODE_TARGETS, "ttft_vs_sdpa": TTFT_TARGET,
+                             "net_export_peak": "1.3 x largest stage + 64 MB"}}
+        final["uptime_after"] = _uptime(final["load_after"])
+        write_json(args.json, final)
+        update_section(args.doc, "parity", render(final, args.json))
+    print(render(final, args.json))
     return 0
 
 
@@ -292,6 +299,10 @@ def _command_line(args: argparse.Namespace) -> str:
         parts.append(f"--model {args.model}")
     if args.reference != "optimum":
         parts.append(f"--reference {args.reference}")
+    if args.reference_checkpoint:
+        parts.append(f"--reference-checkpoint {args.reference_checkpoint}")
+    if args.reference_dirs:
+        parts.append(f"--reference-dirs {args.reference_dirs}")
     return " ".join(parts)
 
 
