@@ -254,6 +254,7 @@ def _pinned_context(ca_pem: bytes) -> ssl.SSLContext:
     """A client context that trusts only ``ca_pem``, with no certificate of its own (not yet)."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.verify_flags |= ssl.VERIFY_X509_STRICT  # as every fleet context (engine.trust)
     ctx.check_hostname = False  # the console is reached by IP; its identity is the pinned CA
     ctx.load_verify_locations(cadata=ca_pem.decode("ascii"))
     return ctx

@@ -42,10 +42,29 @@ from engine.peer_policy import PeerPolicy, PeerPolicyError
 from engine.prefix_cache import CaptureStore
 from engine.shard import Stage, StageStream
 from engine.transport import IDLE_TIMEOUT, PING_INTERVAL, Connection, async_connect, async_hold
-from engine.wire import COORDINATOR_STAGE, Role, StreamId
+from engine.wire import (
+    COORDINATOR_STAGE,
+    FORWARD_META,
+    HEADER_SIZE,
+    MAX_FRAME_BYTES,
+    MIN_FRAME_BOUND,
+    PACKED_META,
+    Role,
+    StreamId,
+)
 from engine.worker import Address
 
 log = logging.getLogger(__name__)
+
+
+def return_frame_bound(vocab_size: int, context: int) -> int:
+    """The largest frame the last stage can legitimately send the return port: Logits of
+    ``context`` rows of float32 over the vocabulary (a prefill that wanted every row), which is
+    more than Tokens (12 bytes a row), a Packed answer or a Capture echo (8 bytes a kept position)
+    of as many rows, plus the header and their row metadata."""
+    meta = max(PACKED_META.size, FORWARD_META.size) + 3 * 8 * context
+    bound = HEADER_SIZE + meta + 4 * max(vocab_size, 3) * context
+    return min(MAX_FRAME_BYTES, max(MIN_FRAME_BOUND, bound))
 
 
 class RingPath:
@@ -55,7 +74,8 @@ class RingPath:
                  local_stage0: Stage | None = None, server_ssl: SSLContext | None = None,
                  client_ssl: SSLContext | None = None, dial_deadline: float = 120.0,
                  capture_bytes: int = 256 << 20, peers: PeerPolicy | None = None,
-                 ping_interval: float = PING_INTERVAL, idle_timeout: float = IDLE_TIMEOUT):
+                 ping_interval: float = PING_INTERVAL, idle_timeout: float = IDLE_TIMEOUT,
+                 max_frame_bytes: int = MAX_FRAME_BYTES):
         if peers is None and (server_ssl is not None or client_ssl is not None):
             raise PeerPolicyError("a ring over TLS needs peers=PeerPolicy(upstream={the last stage's node id}, "
                                   "next=the first remote stage's node id): without them any fleet member could "
@@ -70,7 +90,10 @@ class RingPath:
         self._dial_deadline = dial_deadline
         self.results: asyncio.Queue[StepResult] = asyncio.Queue()
         identity = LocalIdentity(fingerprint, COORDINATOR_STAGE, frozenset({Role.STAGE}))
+        # max_frame_bytes: return_frame_bound(...) when the caller knows the export; a larger frame
+        # from the last stage is refused from its header, before its body is read
         self._returns = FrameServer(self._on_return, identity, ssl=server_ssl, idle_timeout=idle_timeout,
+                                    max_frame_bytes=max_frame_bytes,
                                     peer_check=self._check_last if server_ssl is not None else None)
         self._ping_interval = ping_interval
         self._out: Connection | None = None

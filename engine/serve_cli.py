@@ -208,12 +208,13 @@ async def _open_generator(args: argparse.Namespace):
         options["speculation"] = Speculator(config, device=args.device, exact=args.exact)
 
     if args.first_stage is not None:
-        from engine.ring import RingPath
+        from engine.ring import RingPath, return_frame_bound
         from engine.shard import Stage
 
         local0 = Stage(args.shards, 0, manifest=manifest, device=args.device, exact=args.exact) if args.host_stage0 else None
         path = RingPath(manifest.model.fingerprint, len(manifest.stages), args.first_stage, args.return_listen,
-                        local_stage0=local0, **args.ring)
+                        local_stage0=local0, max_frame_bytes=return_frame_bound(
+                            manifest.model.vocab_size, manifest.model.max_position_embeddings), **args.ring)
         async with Coordinator(path, model_card(manifest), slots=args.slots, **options) as coordinator:
             yield coordinator
     elif args.workers:

@@ -18,11 +18,12 @@ from engine.manifest import load_manifest
 from engine.messages import Error, Hello
 from engine.peer_policy import PeerPolicy
 from engine.request import GenerationRequest
-from engine.ring import RingPath
+from engine.ring import RingPath, return_frame_bound
 from engine.shard import Stage
 from engine.stage_server import stage_frame_bound
 from engine.transport import ConnectionClosedError, async_connect, async_read_frame
 from engine.wire import (
+    COORDINATOR_STAGE,
     HEADER_STRUCT,
     MAGIC,
     PROTOCOL_VERSION,
@@ -234,6 +235,40 @@ def test_one_member_may_hold_only_so_many_connections_from_any_number_of_address
     outcomes, stats = run(main(), 60)
     assert outcomes == ["HelloAck"] * 3 + ["PEER_REFUSED"] * 2
     assert stats["refused_cap"] == 2
+
+
+def test_the_return_port_refuses_an_oversized_frame_from_the_last_stage_unread(fleet, export):
+    """The coordinator's return port is bounded by what the last stage can send (Logits of the
+    export's vocabulary for a context of rows), not by the wire's 256 MiB: a frame announcing
+    twice the rows is refused from its header, even from the expected last stage."""
+    console, desk = fleet["console"], fleet["desk"]
+    model = load_manifest(export).model
+    bound = return_frame_bound(model.vocab_size, model.max_position_embeddings)
+    too_big = _header(FrameKind.LOGITS, DType.FLOAT32, (1, 2 * model.max_position_embeddings, model.vocab_size),
+                      stream=1)
+
+    async def main():
+        path = RingPath(fp_of(export), 2, Address("127.0.0.1", 9), LOOP, server_ssl=console.server_context(),
+                        client_ssl=console.client_context(), peers=PeerPolicy.of([desk.node_id]),
+                        max_frame_bytes=bound)
+        address = await path.async_listen()
+        try:
+            conn = await async_connect(address.host, address.port, Hello(fp_of(export), COORDINATOR_STAGE,
+                                                                        WireRole.STAGE),
+                                       ssl=desk.client_context(), attempts=1)
+            conn._writer.write(too_big)  # the header alone: an answer proves the body was never awaited
+            await conn._writer.drain()
+            answer = await async_read_frame(conn._reader, timeout=10, idle_timeout=10)
+            await conn.async_close()
+            return answer, conn.peer_max_frame_bytes
+        finally:
+            await path.async_close()
+
+    assert bound < int(np.frombuffer(too_big[-8:], "<u8")[0]) < 256 << 20  # under today's bound, over the real one
+    answer, announced = run(main(), 60)
+    assert isinstance(answer, Error) and answer.code is ErrorCode.FRAME_TOO_LARGE
+    assert announced == bound < 256 << 20
+    assert return_frame_bound(150_000, 1 << 20) == 256 << 20  # an unknown or huge export: today's bound
 
 
 # -- no plaintext door ------------------------------------------------------------------------------

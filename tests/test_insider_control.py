@@ -10,6 +10,7 @@ nothing. Real TLS, real aiohttp, real zeroconf on 127.0.0.1, real agents in-proc
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -320,3 +321,38 @@ def test_removing_a_member_rotates_the_api_key_and_only_the_remaining_members_ge
             detach()
 
     run(main(), 180)
+
+
+def test_a_refused_shard_fetch_reads_only_a_few_kib_of_the_answer(tmp_path, tiny_export):
+    """A hub answering a fetch with an error and an endless body: the agent reads at most
+    MAX_ERROR_BYTES of it and reports the refusal (it used to read the whole body first)."""
+    from agent.service.store import MAX_ERROR_BYTES, FetchError, ShardStore, async_fetch
+    from engine.trust import FleetAuthority
+
+    export = tiny_export("llama", 2)
+    authority = FleetAuthority.create("fetch test")
+    hub = authority.issue_credentials("console", role=Role.CONSOLE)
+    member = authority.issue_credentials("member", role=Role.AGENT)
+    sent = []
+
+    async def endless(request):
+        resp = web.StreamResponse(status=404)
+        await resp.prepare(request)
+        with contextlib.suppress(ConnectionError):
+            while True:  # until the agent hangs up
+                await resp.write(b"x" * 65536)
+                sent.append(65536)
+        return resp
+
+    async def main():
+        async with fake_server(hub, [("GET", "/shards/{tail:.*}", endless)]) as port:
+            assignment = Assignment.create((export / "manifest.json").read_text(), export_id="tiny-2", stage=1,
+                                           source=f"https://127.0.0.1:{port}/shards/tiny-2/", listen_port=0,
+                                           next_hop="127.0.0.1:1")
+            with pytest.raises(FetchError, match=f"HTTP 404.*exceeds {MAX_ERROR_BYTES} bytes"):
+                await asyncio.wait_for(async_fetch(ShardStore(tmp_path / "shards"), assignment,
+                                                   ssl=member.client_context(), console_node_id=hub.node_id,
+                                                   timeout=10), 30)  # did not hang
+        assert sent  # the body really was being streamed when the agent gave up
+
+    run(main(), 60)

@@ -54,7 +54,10 @@ def test_every_fleet_context_is_tls_1_2_or_later_strict_and_an_older_client_is_r
     authority = FleetAuthority.create("guards")
     console = authority.issue_credentials("console", role=Role.CONSOLE)
     member = authority.issue_credentials("pc", role=Role.AGENT)
-    for ctx in (console.server_context(), console.server_context(verify_clients=False), member.client_context()):
+    from engine.enrollment import _pinned_context  # the join's context, before the PC has a certificate
+
+    for ctx in (console.server_context(), console.server_context(verify_clients=False), member.client_context(),
+                _pinned_context(authority.ca_pem)):
         assert ctx.minimum_version >= ssl.TLSVersion.TLSv1_2
         assert ctx.verify_flags & ssl.VERIFY_X509_STRICT
     assert console.server_context().verify_mode is ssl.CERT_REQUIRED

@@ -27,13 +27,14 @@ from engine.atomic import write_json_atomic
 from engine.control import Assignment, ControlRequestError, FetchProgress
 from engine.errors import DeskfleetError, ShardIntegrityError
 from engine.manifest import MANIFEST_NAME, FileEntry, safe_join, sha256_file
-from engine.tls_peer import PeerCheckingConnector, expect_peer
+from engine.tls_peer import PeerCheckingConnector, async_read_limited, expect_peer
 from engine.trust import Role
 
 log = logging.getLogger(__name__)
 
 DISK_MARGIN_BYTES = 64 << 20
 _CHUNK = 256 << 10
+MAX_ERROR_BYTES = 4096  # of a refused fetch's body: enough for the reason, never a whole file
 _VERIFIED = ".verified.json"
 
 
@@ -170,8 +171,9 @@ async def async_fetch(store: ShardStore, assignment: Assignment, *, ssl: SSLCont
                         offset = 0
                         part.unlink(missing_ok=True)
                     elif resp.status not in (200, 206):
-                        raise FetchError(f"fetching {entry.path} from {assignment.source}: HTTP {resp.status} "
-                                         f"{(await resp.text())[:200]}")
+                        what = f"fetching {entry.path} from {assignment.source}: HTTP {resp.status}"
+                        body = await async_read_limited(resp, MAX_ERROR_BYTES, lambda m: FetchError(f"{what} ({m})"))
+                        raise FetchError(f"{what} {body[:200].decode('utf-8', 'replace')}")
                     with open(part, "ab") as f:
                         async for chunk in resp.content.iter_chunked(_CHUNK):
                             if f.tell() + len(chunk) > entry.size:

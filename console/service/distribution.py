@@ -60,7 +60,7 @@ from engine.fleet_hub import AgentEvent
 from engine.manifest import MANIFEST_NAME, load_manifest
 from engine.peer_policy import PeerPolicy
 from engine.request import GenerationRequest
-from engine.ring import RingPath
+from engine.ring import RingPath, return_frame_bound
 from engine.shard import Stage
 from engine.worker import Address
 
@@ -375,7 +375,9 @@ class Distributor:
                                   first_remote, Address(self.console_host, self._return_port),
                                   local_stage0=self._stage0, server_ssl=creds.server_context(),
                                   client_ssl=creds.client_context(), dial_deadline=self.timeouts.dial_s,
-                                  peers=self._ring_peers())
+                                  peers=self._ring_peers(),
+                                  max_frame_bytes=return_frame_bound(self.manifest.model.vocab_size,
+                                                                     self.manifest.model.max_position_embeddings))
             await self._path.async_listen()
             self._return_port = self._path.return_address.port
             if self._data_hop is not None:
