@@ -10,7 +10,7 @@ import ssl
 import aiohttp
 from aiohttp import web
 
-from engine.enrollment import EnrollmentServer, async_join
+from engine.enrollment import EnrollmentServer, _pinned_context, async_join
 from engine.errors import JoinRefused
 from engine.jointoken import TokenBook, parse_token
 from engine.trust import FleetAuthority, Role
@@ -54,10 +54,8 @@ def test_every_fleet_context_is_tls_1_2_or_later_strict_and_an_older_client_is_r
     authority = FleetAuthority.create("guards")
     console = authority.issue_credentials("console", role=Role.CONSOLE)
     member = authority.issue_credentials("pc", role=Role.AGENT)
-    from engine.enrollment import _pinned_context  # the join's context, before the PC has a certificate
-
     for ctx in (console.server_context(), console.server_context(verify_clients=False), member.client_context(),
-                _pinned_context(authority.ca_pem)):
+                _pinned_context(authority.ca_pem)):  # the join's, before the PC has a certificate
         assert ctx.minimum_version >= ssl.TLSVersion.TLSv1_2
         assert ctx.verify_flags & ssl.VERIFY_X509_STRICT
     assert console.server_context().verify_mode is ssl.CERT_REQUIRED

@@ -172,7 +172,7 @@ async def async_fetch(store: ShardStore, assignment: Assignment, *, ssl: SSLCont
                         part.unlink(missing_ok=True)
                     elif resp.status not in (200, 206):
                         what = f"fetching {entry.path} from {assignment.source}: HTTP {resp.status}"
-                        body = await async_read_limited(resp, MAX_ERROR_BYTES, lambda m: FetchError(f"{what} ({m})"))
+                        body = await async_read_limited(resp, MAX_ERROR_BYTES, lambda m, w=what: FetchError(f"{w} ({m})"))
                         raise FetchError(f"{what} {body[:200].decode('utf-8', 'replace')}")
                     with open(part, "ab") as f:
                         async for chunk in resp.content.iter_chunked(_CHUNK):
