@@ -237,10 +237,14 @@ def _gguf_weights(model: Path) -> Path | None:
     """The GGUF whose tensors an export of ``model`` reads, or None for a safetensors directory."""
     if model.is_file() and model.suffix.lower() == ".gguf":
         return model
-    if model.is_dir() and not any(model.glob("*.safetensors")):
+    if model.is_dir():
+        # A model directory prepared from a GGUF (an older Deskfleet's entry also holds a
+        # transformers conversion of it: the GGUF is still the source, so every machine agrees).
         from export.sources import gguf_of
 
-        return gguf_of(model)
+        gguf = gguf_of(model)
+        if gguf is not None and (gguf.is_file() or not any(model.glob("*.safetensors"))):
+            return gguf
     return None
 
 

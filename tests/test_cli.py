@@ -38,12 +38,16 @@ def test_export_then_generate_on_a_tiny_model(tiny_checkpoint, tmp_path):
     assert "tok/s" in answer.stderr and "3 stages" in answer.stderr
 
 
-def test_errors_are_one_clear_line_without_traceback(tmp_path):
+def test_errors_are_one_clear_line_without_traceback(tmp_path, tiny_checkpoint):
     result = deskfleet("generate", "--shards", str(tmp_path / "missing"), "--prompt", "hi")
     assert result.returncode == 1
     assert "does not exist" in result.stderr and "Traceback" not in result.stderr
     bad = deskfleet("export", str(tmp_path), "--stages", "2", "--out", str(tmp_path / "o"))
     assert bad.returncode == 1 and "Traceback" not in bad.stderr
+    keep = deskfleet("export", str(tiny_checkpoint("llama")), "--stages", "1", "--weights", "keep",
+                     "--out", str(tmp_path / "k"))
+    assert keep.returncode == 1 and "needs a .gguf model" in keep.stderr and "Traceback" not in keep.stderr
+    assert not (tmp_path / "k").exists()
 
 
 def test_export_requires_a_split():

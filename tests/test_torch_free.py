@@ -141,3 +141,15 @@ def test_the_console_exports_and_calibrates_without_torch(tiny_llama, tiny_gguf,
     assert report["heavy"] == [], f"the console process imported {report['heavy']}"
     job_export = tmp_path / "state" / "exports" / report["job"][0]
     assert load_manifest(job_export).weights.format == "int4"
+
+
+def test_npu_target_of_a_gguf_traces_its_transformers_conversion(tiny_gguf, tmp_path, monkeypatch):
+    """The NPU path is the one that still needs torch: a GGUF goes through transformers first."""
+    monkeypatch.setenv("DESKFLEET_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "npu"
+    report = export_model(tiny_gguf, out, stages=2, fingerprint="x",
+                          options=ExportOptions(weights="fp16", target="npu", context=32))
+    assert [s.graphs[0].name for s in report.manifest.stages] == ["decode", "decode"]
+    assert load_manifest(out).static.context == 32
+    (converted,) = (tmp_path / "cache" / "hf-checkpoints").iterdir()
+    assert (converted / "model.safetensors").is_file() and (out / "tokenizer" / "tokenizer.json").is_file()
