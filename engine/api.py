@@ -37,6 +37,7 @@ from aiohttp import web
 from engine.api_guard import HostPolicy, check_json_type, check_prompt_chars
 from engine.errors import DeskfleetError, GenerationError, TokenizerError
 from engine.generator import Generator, OverloadedError, UnavailableError
+from engine.http_limits import LimitedAppRunner
 from engine.openai_schema import (
     FINISH_REASONS,
     ApiError,
@@ -467,8 +468,8 @@ async def async_run_api(generator: Generator, tokenizer: ChatTokenizer, settings
 
     A client that disconnects cancels its handler, which closes its token stream.
     """
-    runner = web.AppRunner(build_app(generator, tokenizer, settings, host), handler_cancellation=True,
-                           shutdown_timeout=shutdown_timeout)
+    runner = LimitedAppRunner(build_app(generator, tokenizer, settings, host), handler_cancellation=True,
+                              shutdown_timeout=shutdown_timeout, what="OpenAI API")
     await runner.setup()
     try:
         site = web.TCPSite(runner, host, port)

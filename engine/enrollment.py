@@ -43,6 +43,7 @@ from engine.errors import (
     TokenBookError,
     WrongFleetError,
 )
+from engine.http_limits import LimitedAppRunner
 from engine.jointoken import TokenBook, parse_token
 from engine.tls_peer import (
     PeerCheckingConnector,
@@ -112,7 +113,7 @@ class EnrollmentServer:
         app = web.Application(client_max_size=self._max_body_bytes)
         app.router.add_get("/v1/ca", self._async_ca)
         app.router.add_post("/v1/join", self._async_join)
-        runner = web.AppRunner(app, shutdown_timeout=2.0, access_log=None)
+        runner = LimitedAppRunner(app, shutdown_timeout=2.0, access_log=None, what="enrollment endpoint")
         await runner.setup()
         try:
             site = web.TCPSite(runner, host, port,

@@ -25,6 +25,7 @@ from aiohttp import web
 
 from engine.control import ControlRequestError, decode_body
 from engine.errors import ManifestError
+from engine.http_limits import DEFAULT_LIMITS, ConnectionLimits, LimitedAppRunner
 from engine.manifest import FileEntry, load_manifest, safe_join
 from engine.trust import Credentials, peer_node_id
 
@@ -46,7 +47,9 @@ class AgentEvent:
 class FleetHub:
     """``publish(export_id, export_dir)`` makes an export fetchable at ``shard_url(export_id)``."""
 
-    def __init__(self, credentials: Credentials, *, on_event: Callable[[AgentEvent], None] = lambda e: None) -> None:
+    def __init__(self, credentials: Credentials, *, on_event: Callable[[AgentEvent], None] = lambda e: None,
+                 limits: ConnectionLimits = DEFAULT_LIMITS) -> None:
+        self.limits = limits  # connections per peer address and in all
         self.credentials = credentials
         # export id -> (directory, files by path, each stage's file paths)
         self._exports: dict[str, tuple[Path, dict[str, FileEntry], tuple[frozenset[str], ...]]] = {}
@@ -134,7 +137,7 @@ class FleetHub:
         app.router.add_get("/v1/shards/{export_id}/{path:.+}", self._shard)
         app.router.add_post("/v1/register", self._register)
         app.router.add_post("/v1/events", self._event)
-        self._runner = web.AppRunner(app, access_log=None)
+        self._runner = LimitedAppRunner(app, access_log=None, limits=self.limits, what="fleet hub")
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port, ssl_context=self.credentials.server_context())
         await site.start()

@@ -5,6 +5,8 @@ fleet context (an older client is refused by a real server; strict X.509 on both
 from __future__ import annotations
 
 import asyncio
+import importlib
+import inspect
 import ssl
 
 import aiohttp
@@ -12,6 +14,8 @@ from aiohttp import web
 
 from engine.enrollment import EnrollmentServer, _pinned_context, async_join
 from engine.errors import JoinRefused
+from engine.fleet_hub import FleetHub
+from engine.http_limits import ConnectionLimits
 from engine.jointoken import TokenBook, parse_token
 from engine.trust import FleetAuthority, Role
 from tests.asyncutil import run
@@ -82,3 +86,56 @@ def test_every_fleet_context_is_tls_1_2_or_later_strict_and_an_older_client_is_r
 
     assert run(call(member.client_context()), 30) == "ok"  # the same member, current TLS: admitted
     assert isinstance(run(call(old), 30), aiohttp.ClientError)
+
+
+def test_past_its_connection_caps_a_listener_closes_new_connections_while_a_held_client_still_works():
+    """The hub with small caps (2 per address, 3 in all; the real defaults are 32 and 256): a
+    keep-alive client registers, a second connection from its address is served, the third is
+    closed at once; another address gets the last place, a fourth address is closed; the first
+    client's next request on its connection still succeeds. Every listener uses the same runner."""
+    authority = FleetAuthority.create("guards")
+    console = authority.issue_credentials("console", role=Role.CONSOLE)
+    member = authority.issue_credentials("pc", role=Role.AGENT)
+    hub = FleetHub(console, limits=ConnectionLimits(per_ip=2, total=3))
+
+    async def raw(source: str):
+        """A raw TLS connection from ``source``: 'served' if it answers a request, else 'closed'."""
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", hub.port, ssl=member.client_context(),
+                                                           local_addr=(source, 0))
+            writer.write(b"GET /v1/shards/none/x HTTP/1.1\r\nHost: hub\r\n\r\n")
+            await writer.drain()
+            line = await asyncio.wait_for(reader.readline(), 10)  # did not hang
+        except (ConnectionError, ssl.SSLError):
+            return "closed", None
+        return ("served" if line.startswith(b"HTTP/1.1 ") else "closed"), writer
+
+    async def main():
+        await hub.async_start("127.0.0.1", 0)
+        held = []
+        try:
+            connector = aiohttp.TCPConnector(limit=1, ssl=member.client_context())
+            async with aiohttp.ClientSession(connector=connector) as session:
+                url = f"https://127.0.0.1:{hub.port}/v1/register"
+                async with session.post(url, json={"name": "pc"}) as resp:
+                    first = resp.status
+                outcomes = []
+                for source in ("127.0.0.1", "127.0.0.1", "127.0.0.2", "127.0.0.3"):
+                    outcome, writer = await raw(source)
+                    outcomes.append(outcome)
+                    if writer is not None:
+                        held.append(writer)
+                async with session.post(url, json={"name": "pc"}) as resp:
+                    again = resp.status
+            return first, outcomes, again
+        finally:
+            for writer in held:
+                writer.close()
+            await hub.async_close()
+
+    first, outcomes, again = run(main(), 60)
+    assert first == 200 and again == 200
+    assert outcomes == ["served", "closed", "served", "closed"]
+    for module in ("engine.api", "engine.enrollment", "engine.fleet_hub", "agent.service.service"):
+        source = inspect.getsource(importlib.import_module(module))
+        assert "LimitedAppRunner(" in source and "web.AppRunner(" not in source, module

@@ -35,6 +35,7 @@ from engine.control import AgentStatus, Assignment, ControlRequestError, FetchPr
 from engine.discovery import Advertisement, Advertiser, instance_name
 from engine.errors import DeskfleetError
 from engine.host import primary_ipv4
+from engine.http_limits import LimitedAppRunner
 from engine.keystore import KeyStore
 from engine.tls_peer import PeerCheckingConnector, PeerIdentityError, expect_peer
 from engine.trust import Credentials, Role
@@ -456,7 +457,7 @@ class AgentService:
     async def _async_open_control(self) -> None:
         assert self._creds is not None
         app = build_app(self)
-        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        self._runner = LimitedAppRunner(app, access_log=None, handler_cancellation=True, what="control API")
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.interface, self.settings.control_port,
                            ssl_context=self._creds.server_context())
