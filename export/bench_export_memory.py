@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
+
 from engine.cli import Command
 
 COMMAND_LINE = "deskfleet bench export-memory"
@@ -47,11 +49,9 @@ POOL_VALUES = 1 << 25  # 64 MB of bf16 random values; every matrix is slices of 
 _CHUNK_VALUES = 1 << 22  # 8 MB written at a time
 
 
-def _bf16_pool(seed: int, values: int = POOL_VALUES) -> "np.ndarray":
+def _bf16_pool(seed: int, values: int = POOL_VALUES) -> np.ndarray:
     """N(0, 0.05) values encoded to bf16 once, by export.weights.synthetic's own rounding: encoding
     16 GB value by value costs ~30 min of a shared core, copying slices of a pool ~1."""
-    import numpy as np
-
     from export.weights.synthetic import _encode
 
     rng = np.random.default_rng([seed, 7])
@@ -62,8 +62,6 @@ def _write_bf16_shard(path: Path, tensors: list[tuple[str, tuple[int, ...]]], po
     """One safetensors file in the layout of export.weights.synthetic.write_safetensors, written
     in 8 MB chunks: matrices are pool slices at seeded offsets, norm gammas 1 + N(0, 0.1)."""
     import struct
-
-    import numpy as np
 
     from export.weights.synthetic import _encode
 
@@ -96,8 +94,6 @@ def write_sharded_llama(directory: Path, shape, seed: int = 0, shard_bytes: int 
     """A random-weight bf16 Llama checkpoint as HF shards (model-0000i-of-0000n.safetensors +
     index), streamed (never whole in memory). An existing complete checkpoint of the same
     config is reused; an interrupted one is rewritten."""
-    import numpy as np
-
     from export.weights.synthetic import llama_config, llama_tensors
 
     directory = Path(directory)
@@ -346,95 +342,6 @@ def remove_tree(where: Path) -> None:
     subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(where)], capture_output=True)
 
 
-# ---------------------------------------------------------------- bandwidth and serving
-
-def sweep_bandwidth(gib: float = 4.0, repeats: int = 3) -> dict:
-    """Bytes/s of one thread summing a >= ``gib`` GiB float32 array (best of ``repeats``);
-    run in a child with one BLAS/OpenMP thread."""
-    import numpy as np
-
-    a = np.ones(int(gib * GIB) // 4, dtype=np.float32)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        a.sum()
-        best = min(best, time.perf_counter() - t)
-    return {"gib": gib, "best_seconds": best, "bytes_per_s": a.nbytes / best}
-
-
-def chained_tokens(export_dir: Path, prompt: list[int], n: int, threads: int) -> dict:
-    """Greedy tokens of every stage chained in this process (the reference for the served run)."""
-    from engine.generate import greedy_generate
-    from engine.shard import LocalChain
-
-    chain = LocalChain.load(export_dir, num_threads=threads)
-    r = greedy_generate(chain, prompt, n, ignore_eos=True)
-    return {"tokens": list(r.tokens), "decode_tok_per_s": r.decode_tok_per_s, "ttft_s": r.ttft_s}
-
-
-async def served_tokens(export_dir: Path, prompt: list[int], n: int, threads: int, rounds: int = 2) -> dict:
-    """The same prompt through one loopback worker process per stage (``threads`` each)."""
-    from engine.localfleet import local_fleet
-    from engine.request import GenerationRequest
-
-    out: dict = {"rounds": []}
-    async with local_fleet(export_dir, slots=1, threads=threads) as coordinator:
-        for _ in range(rounds):
-            stamps, tokens = [], []
-            started = time.perf_counter()
-            async for ev in coordinator.stream(GenerationRequest(tuple(prompt), n, ignore_eos=True)):
-                stamps.append(time.perf_counter())
-                tokens.append(ev.token_id)
-            decode = (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else float("nan")
-            out["rounds"].append({"tokens": tokens, "ttft_s": stamps[0] - started, "decode_tok_per_s": decode})
-    out["tokens"] = out["rounds"][-1]["tokens"]
-    out["decode_tok_per_s"] = max(r["decode_tok_per_s"] for r in out["rounds"])
-    return out
-
-
-def _child(kind: str, payload: dict) -> dict:
-    """Run one of the measurements above in a fresh interpreter (its memory is its own and ends)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "export.bench_export_memory", "--child", kind, json.dumps(payload)],
-                          cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise BenchError(f"the {kind} step failed (exit {done.returncode}): {done.stderr[-1500:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def _child_main(kind: str, payload: dict) -> dict:
-    import asyncio
-
-    if kind == "bandwidth":
-        return sweep_bandwidth(payload["gib"])
-    export_dir, prompt = Path(payload["export"]), payload["prompt"]
-    if kind == "chained":
-        return chained_tokens(export_dir, prompt, payload["tokens"], payload["threads"])
-    if kind == "served":
-        return asyncio.run(served_tokens(export_dir, prompt, payload["tokens"], payload["threads"]))
-    raise BenchError(f"unknown child step {kind!r}")
-
-
-def serve_phase(export_dir: Path, tokens: int = 16, threads: int = 1, prompt_len: int = 16) -> dict:
-    """Served (worker processes) vs chained (one process) tokens, and the bandwidth bound."""
-    import numpy as np
-
-    from engine.manifest import load_manifest
-
-    manifest = load_manifest(export_dir)
-    vocab = manifest.model.vocab_size if hasattr(manifest.model, "vocab_size") else 32000
-    prompt = [int(x) for x in np.random.default_rng(5).integers(10, min(vocab, 32000), prompt_len)]
-    bw = _child("bandwidth", {"gib": 4.0})
-    chained = _child("chained", {"export": str(export_dir), "prompt": prompt, "tokens": tokens, "threads": threads})
-    served = _child("served", {"export": str(export_dir), "prompt": prompt, "tokens": tokens, "threads": threads})
-    weight_bytes = sum(f.size for s in manifest.stages for f in s.files if f.path.endswith(".bin"))
-    bound = bw["bytes_per_s"] / weight_bytes
-    return {"prompt": prompt, "tokens": tokens, "threads_per_worker": threads, "bandwidth": bw,
-            "weight_bytes_per_token": weight_bytes, "bound_tok_per_s": bound,
-            "chained": chained, "served": served, "tokens_equal": chained["tokens"] == served["tokens"],
-            "served_fraction_of_bound": served["decode_tok_per_s"] / bound}
-
-
 # ---------------------------------------------------------------- the command
 
 PHASES = ("8b", "serve", "cut", "default")
@@ -488,6 +395,8 @@ def run(args: argparse.Namespace) -> int:
             result["8b"].append(measure_export(big, work / f"8b-int4-{stages}", stages, "int4", args.group_size, keep=keep))
             _record(args, result)
     if "serve" in only:
+        from export.bench_export_memory_serve import serve_phase
+
         try:
             result["serve"] = serve_phase(four, tokens=args.tokens, threads=1)
             shutil.rmtree(four, ignore_errors=True)
@@ -657,9 +566,6 @@ COMMAND = Command(name="export-memory", help="the exporter's peak memory against
                   "and the 8B-shape stages served", configure=configure, run=run)
 
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--child":  # one step of serve_phase
-        print(json.dumps(_child_main(sys.argv[2], json.loads(sys.argv[3]))))
-        sys.exit(0)
     parser = argparse.ArgumentParser(prog=COMMAND_LINE)
     configure(parser)
     sys.exit(run(parser.parse_args()))

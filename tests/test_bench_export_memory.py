@@ -11,8 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from export.bench_export_memory import (BOUND_SLACK, COMPLETE, MB, Sampler, checkpoint_bytes, measure_export,
-                                        render, write_sharded_llama)
+from export.bench_export_memory import (
+    BOUND_SLACK,
+    COMPLETE,
+    MB,
+    Sampler,
+    checkpoint_bytes,
+    measure_export,
+    render,
+    write_sharded_llama,
+)
 from export.weights.checkpoint import open_checkpoint
 from export.weights.synthetic import LlamaShape, llama_tensors
 
