@@ -52,6 +52,9 @@ def _settings(**over) -> AgentSettings:
     return replace(base, **over)
 
 
+API_KEY = "sk-deskfleet-agent-test-key"  # rides in the assignment; must never reach a process argument
+
+
 def _assignment(con, export: Path, export_id: str, *, listen_port: int, next_hop: str) -> Assignment:
     return Assignment.create((export / "manifest.json").read_text(), export_id=export_id, stage=1,
                              source=con.hub.shard_url(export_id), listen_port=listen_port, next_hop=next_hop,
@@ -95,8 +98,9 @@ def test_join_assign_fetch_and_serve_a_stage_in_a_real_ring(tmp_path, tiny_expor
                 assert {d["name"] for d in status.inventory["devices"]} >= {"CPU"}
 
                 data_port, return_port = free_port(), free_port()
-                await _assign(con, client, _assignment(con, export, "tiny-2", listen_port=data_port,
-                                                      next_hop=f"127.0.0.1:{return_port}"))
+                await _assign(con, client, replace(_assignment(con, export, "tiny-2", listen_port=data_port,
+                                                              next_hop=f"127.0.0.1:{return_port}"),
+                                                  api_key=API_KEY))
                 with pytest.raises(ControlError) as early:
                     await client.async_start_worker()
                 assert early.value.status == 409  # nothing verified yet: nothing loads
@@ -110,6 +114,12 @@ def test_join_assign_fetch_and_serve_a_stage_in_a_real_ring(tmp_path, tiny_expor
 
                 await client.async_start_worker()
                 await agent.async_wait_worker_ready(120)
+                # credentials reach the worker over its stdin, never its arguments (any local user reads those)
+                cmdline = Path(f"/proc/{agent.worker_pid}/cmdline").read_bytes()
+                key_body = b"".join(creds.key_pem.strip().splitlines()[1:-1])  # the PEM's base64, unwrapped
+                assert b"--tls-stdin" in cmdline.split(b"\0")
+                for secret in (key_body[:48], API_KEY.encode(), b"PRIVATE KEY", b"sk-deskfleet"):
+                    assert secret not in cmdline.replace(b"\0", b"")
                 tokens = await _ring_tokens(con, export, Address("127.0.0.1", data_port), return_port, creds.node_id)
                 status = await client.async_wait_for(lambda s: s.worker.streams == 0 and s.worker.rss_bytes, 10)
                 assert status.state == "serving" and status.worker.state == "running"
