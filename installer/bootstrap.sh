@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Install Deskfleet with every extra (export, gui, dev) into the current Python, from a clone.
-# torch is installed first and pinned to the 2.13.0 CPU build, so that nothing later pulls a
-# multi-GB CUDA build. Set PYTHON to choose the interpreter (default: python3).
+# The product needs no torch; the tests do (transformers and NNCF are their independent
+# references, and dev pulls export-npu). torch is installed first and pinned to the 2.13.0 CPU
+# build, so that nothing later pulls a multi-GB CUDA build. Set PYTHON to choose the interpreter
+# (default: python3).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 py="${PYTHON:-python3}"

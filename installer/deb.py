@@ -6,9 +6,11 @@ Two packages, so that a stage PC can never get torch by accident:
   Qt. Its wheels (Deskfleet's and every dependency's) ship inside the package under
   ``/opt/deskfleet/wheels``; ``postinst`` builds ``/opt/deskfleet/venv`` from them with no
   network. Should the bundled wheels not fit the target's Python (another minor version), the
-  script falls back to the package index pip is configured with.
-- ``deskfleet-export``: the export toolchain (torch CPU, transformers, NNCF) for the admin's
-  machine, installed on top into the same environment. Optional; depends on ``deskfleet``.
+  script fails closed (see :func:`install_venv_script`).
+- ``deskfleet-export``: the export toolchain for the admin's machine (the safetensors and GGUF
+  readers; the stage builder itself needs nothing else), installed on top into the same
+  environment. Optional; depends on ``deskfleet``. The NPU target still traces with torch: that
+  toolchain is ``pip install 'deskfleet[export-npu]'``, in no package.
 
 Layout: ``/usr/bin/deskfleet`` (a wrapper into the venv), desktop entries and hicolor icons for
 the tray agent and the console, an XDG autostart entry for the tray (same file name as the
@@ -47,8 +49,8 @@ def export_control(version: str, arch: str, installed_kb: int) -> str:
             f"Installed-Size: {installed_kb}\nSection: net\nPriority: optional\n"
             f"Depends: deskfleet (= {version})\n"
             "Description: Deskfleet's model export toolchain (for the admin's machine)\n"
-            " Adds torch (CPU build), transformers and NNCF to Deskfleet's environment, so the\n"
-            " console can turn checkpoints into per-stage OpenVINO shards. Stage PCs do not\n"
+            " Adds the safetensors and GGUF readers to Deskfleet's environment, so the console\n"
+            " can turn checkpoints into per-stage OpenVINO shards (no torch). Stage PCs do not\n"
             " need it.\n")
 
 

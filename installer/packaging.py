@@ -17,8 +17,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("engine", "export", "agent", "console", "installer")
-# What a stage PC gets: the core (openvino, numpy, ...) and the Qt tray/console. Never the export
-# extra (torch, transformers, nncf): that is the admin's separate, optional step.
+# What a stage PC gets: the core (openvino, numpy, ...) and the Qt tray/console. The admin's
+# package adds the (torch-free) export extra; the NPU target's torch toolchain is in neither.
 STAGE_EXTRAS = ("gui",)
 EXPORT_EXTRAS = ("gui", "export")
 FORBIDDEN_ON_STAGE_PCS = ("torch", "transformers", "nncf", "optimum", "accelerate")
