@@ -57,7 +57,6 @@ class FleetServing(QObject):
         self._dist: Distributor | None = None  # a loop object
         self._standby: tuple[AgentEndpoint, ...] = ()
         self._api: RunningApi | None = None  # a loop object
-        self._rotated = False  # a removal rotated the key: the keyring's wins over the command line's
         self._unsubscribe_key = None  # from FleetHost.subscribe_api_key, once serving
         self._plan: Plan | None = None
         self._export: ExportInfo | None = None
@@ -198,7 +197,6 @@ class FleetServing(QObject):
     def _api_key_rotated(self, key: str) -> None:
         """On the loop: a removal rotated the console's key. The running API takes it at once;
         the chat page is told through ``api_ready`` (it re-opens its client on a changed key)."""
-        self._rotated = True
         if self._api is not None:
             self._api.set_api_key(key)
         if self.bridge.qt_async is not None:
@@ -213,7 +211,7 @@ class FleetServing(QObject):
         """The API's settings: the console's key always (from the command line, else the keyring's;
         the keyring's once a removal rotated it), and this PC's name among the host names clients may address it by."""
         base = self.bridge.settings.api
-        key = self.bridge.host.api_key if self._rotated else (base.api_key or self.bridge.host.api_key)
+        key = self.bridge.host.api_key if self.bridge.host.key_rotated else (base.api_key or self.bridge.host.api_key)
         return dataclasses.replace(base, api_key=key,
                                    allowed_hosts=(*base.allowed_hosts, socket.gethostname()))
 

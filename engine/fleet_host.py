@@ -165,6 +165,7 @@ class FleetHost:
     hub: FleetHub
     api_key: str = field(default="", repr=False)  # the OpenAI API's key; the tray's chat gets it with an assignment
     secrets_store: ConsoleSecrets | None = field(default=None, repr=False)  # where api_key is kept
+    key_rotated: bool = False  # a removal replaced the key this run: it wins over one given on the command line
     _key_listeners: list[Callable[[str], None]] = field(default_factory=list, repr=False)
 
     def token(self, ttl_s: float = 24 * 3600) -> str:
@@ -177,7 +178,7 @@ class FleetHost:
         key = _new_api_key()
         if self.secrets_store is not None:
             self.secrets_store.put(API_KEY_SECRET, key)
-        self.api_key = key
+        self.api_key, self.key_rotated = key, True
         for listener in list(self._key_listeners):
             listener(key)
         return key
