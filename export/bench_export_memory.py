@@ -500,16 +500,25 @@ def _row(label: str, r: dict) -> list:
 def render(result: dict, json_path: Path) -> str:
     from engine.benchrecord import markdown_table
 
-    header = ["model", "stages", "weights", "largest stage MB", "peak - baseline MB", "anon growth MB",
-              "file growth MB", "net / stage", "bound", "seconds"]
+    header = ["model", "stages", "weights", "largest stage MiB", "peak - baseline MiB", "anon growth MiB",
+              "file growth MiB", "net / stage", "bound", "seconds"]
     rows = [_row("Llama-3.1-8B shape (bf16, random)", r) for r in result.get("8b", [])]
     cut = result.get("cut") or {}
     for key, label in (("new", "builder"), ("old", f"torch path @ {OLD_COMMIT}")):
         if key in cut:
             rows.append(_row(f"8B shape, {cut['layers']}-layer cut, {label}", cut[key]))
     rows += [_row("default model", r) for r in result.get("default", [])]
+    ck = result.get("checkpoint_8b") or {}
     lines = ["## Export memory", "",
-             f"`{COMMAND_LINE}` (raw runs: `{json_path}`). Each export is `deskfleet export` in a child process;",
+             f"`{result.get('ran_as', COMMAND_LINE)}` (raw runs: `{json_path}`; machine: "
+             f"{result.get('machine', {}).get('cores', '?')} cores, load average "
+             f"{result.get('machine', {}).get('load_average', '?')} when recorded).", "",
+             (f"The 8B-shape checkpoint: {ck['bytes'] / 1e9:.1f} GB bf16 in {ck['files']} HF shards, written "
+              f"in {ck['write_seconds']:.0f} s as 8 MB slices of a 64 MB pool of N(0, 0.05) bf16 values at seeded "
+              "offsets (never whole in memory), deleted after the run. " if ck else "")
+             + f"INT4 is the export default (symmetric), group size {result.get('group_size_8b')} for the 8B "
+             "shape, the CLI's default 64 for the default model. "
+             "Each export is `deskfleet export` in a child process;",
              "peak is its VmHWM, baseline its RSS after imports (both as the exporter reports them), and the",
              "anonymous / file-backed growth are the peaks of RssAnon / RssFile sampled from the parent every",
              f"50 ms minus their values at the baseline. Bound: {result.get('bound', '')}.", "",
@@ -541,7 +550,9 @@ def render(result: dict, json_path: Path) -> str:
                   f"{serve['bandwidth']['gib']:.0f} GiB) / {serve['weight_bytes_per_token'] / 1e9:.2f} GB of "
                   f"weights per token = {serve['bound_tok_per_s']:.2f} tok/s, so "
                   f"{serve['served_fraction_of_bound']:.2f} of the bound. Tokens over {serve['tokens']} "
-                  f"steps equal to the in-process chained run: {'yes' if serve['tokens_equal'] else '**no**'}."]
+                  f"steps equal to the in-process chained run: {'yes' if serve['tokens_equal'] else '**no**'}.",
+                  "Decode rounds (tok/s): " + ", ".join(f"{r['decode_tok_per_s']:.2f}" for r in serve["served"]["rounds"])
+                  + f" (the best is quoted); the chained run in one process: {serve['chained']['decode_tok_per_s']:.2f}."]
     return "\n".join(lines)
 
 
