@@ -116,7 +116,10 @@ def test_assignment_round_trips(tiny_export):
 
 def _escaping_manifest(manifest_json: str) -> str:
     data = json.loads(manifest_json)
-    data["stages"][1]["files"][0]["path"] = "../../../etc/evil"
+    # An extra entry: the graph and weights stay listed (parsing requires them), so only the
+    # escape can refuse it.
+    files = data["stages"][1]["files"]
+    files.append({**files[0], "path": "../../../etc/evil"})
     return json.dumps(data)
 
 
