@@ -44,15 +44,6 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--doc", type=Path, default=DEFAULT_DOC, help="the Markdown file whose section is rewritten")
 
 
-def _token_file(path: Path, token: str) -> Path:
-    """``token`` in a new 0600 file at ``path``, for ``--join-file`` (a token never goes in argv)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token)
-    return path
-
-
 def _tree(proc: psutil.Process) -> list[psutil.Process]:
     with contextlib.suppress(psutil.Error):
         return [proc, *proc.children(recursive=True)]
@@ -77,7 +68,7 @@ def _rss(proc: psutil.Process) -> int:
 
 
 async def _async_footprint(seconds: float, settle: float, work: Path) -> dict[str, Any]:
-    from engine.fleet_host import fleet_host
+    from engine.fleet_host import fleet_host, write_token_file
 
     async with fleet_host(work / "console") as con:
         env = {**os.environ, "DESKFLEET_KEYRING_DIR": str(work / "keyring"), "QT_QPA_PLATFORM": "offscreen"}
@@ -87,7 +78,7 @@ async def _async_footprint(seconds: float, settle: float, work: Path) -> dict[st
             procs[name] = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "engine.cli", "agent", *extra, "--state-dir", str(work / name),
                 "--interface", "127.0.0.1", "--control-port", "0", "--data-port", "0",
-                "--join-file", str(_token_file(work / f"{name}.token", con.token())), "--console", con.enrollment,
+                "--join-file", str(write_token_file(work / f"{name}.token", con.token())), "--console", con.enrollment,
                 env=env,
                 stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
         try:

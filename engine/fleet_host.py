@@ -71,6 +71,14 @@ def write_private(path: Path, data: bytes) -> None:
         raise
 
 
+def write_token_file(path: Path, token: str) -> Path:
+    """``token`` in a new 0600 file at ``path`` (its folder made if missing), for an agent's
+    ``--join-file``: a join token never goes on a command line. Returns ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_private(path, token.encode())
+    return path
+
+
 def _lock(fd: int) -> None:
     if os.name == "nt":
         import msvcrt

@@ -24,7 +24,7 @@ from console.service.fleet import FleetModel
 from console.service.ring_layout import AgentEndpoint, RingLayout
 from engine.control import WorkerSettings
 from engine.discovery import Browser
-from engine.fleet_host import fleet_host
+from engine.fleet_host import fleet_host, write_token_file
 from engine.generate import greedy_generate
 from engine.request import GenerationRequest
 from engine.shard import LocalChain
@@ -33,15 +33,6 @@ from engine.worker import Address
 
 N = 24
 LINK_DELAY_MS = 5.0  # each way, on the console's hops into and out of the ring (user-space emulation)
-
-
-def _token_file(path: Path, token: str) -> Path:
-    """``token`` in a new 0600 file at ``path``, for ``--join-file`` (a token never goes in argv)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token)
-    return path
 
 
 def say(text: str) -> None:
@@ -73,7 +64,7 @@ async def main(cfg: dict) -> dict:
             for a in agents_cfg:
                 argv = ["ip", "netns", "exec", a["ns"], sys.executable, "-m", "engine.cli", "agent", "--headless",
                         "--state-dir", str(state / a["ns"]), "--interface", a["address"], "--control-port", "7210",
-                        "--data-port", "7211", "--join-file", str(_token_file(state / f"{a['ns']}.token", host.token())),
+                        "--data-port", "7211", "--join-file", str(write_token_file(state / f"{a['ns']}.token", host.token())),
                         "--console", host.enrollment]
                 procs[a["address"]] = subprocess.Popen(argv, env=env,
                                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
