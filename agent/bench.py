@@ -25,8 +25,8 @@ from typing import Any
 
 import psutil
 
-from engine.benchrecord import machine_info, markdown_table, median, update_section, write_json
-from engine.cli import Command
+from engine.tools.bench_record import machine_info, markdown_table, median, update_section, write_json
+from engine.cli.main import Command
 
 COMMAND_LINE = "deskfleet bench agent"
 CPU_TARGET_PCT = 0.5
@@ -35,7 +35,7 @@ PAUSE_TARGET_S = 2.0
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    from engine.benchrecord import DEFAULT_DOC, DEFAULT_JSON_DIR
+    from engine.tools.bench_record import DEFAULT_DOC, DEFAULT_JSON_DIR
 
     p.add_argument("--seconds", type=float, default=60.0, help="footprint window (default 60)")
     p.add_argument("--settle", type=float, default=10.0, help="seconds to let the agents settle first (default 10)")
@@ -68,7 +68,7 @@ def _rss(proc: psutil.Process) -> int:
 
 
 async def _async_footprint(seconds: float, settle: float, work: Path) -> dict[str, Any]:
-    from engine.fleet_host import fleet_host, write_token_file
+    from engine.control.fleet_services import fleet_host, write_token_file
 
     async with fleet_host(work / "console") as con:
         env = {**os.environ, "DESKFLEET_KEYRING_DIR": str(work / "keyring"), "QT_QPA_PLATFORM": "offscreen"}
@@ -76,7 +76,7 @@ async def _async_footprint(seconds: float, settle: float, work: Path) -> dict[st
         procs: dict[str, asyncio.subprocess.Process] = {}
         for name, extra in variants.items():
             procs[name] = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "engine.cli", "agent", *extra, "--state-dir", str(work / name),
+                sys.executable, "-m", "engine.cli.main", "agent", *extra, "--state-dir", str(work / name),
                 "--interface", "127.0.0.1", "--control-port", "0", "--data-port", "0",
                 "--join-file", str(write_token_file(work / f"{name}.token", con.token())), "--console", con.enrollment,
                 env=env,
@@ -113,16 +113,16 @@ async def _async_pause_rounds(rounds: int, work: Path) -> dict[str, Any]:
     from agent.service.idle import FakeIdle
     from agent.service.service import AgentService
     from agent.service.settings import AgentSettings
-    from engine.control import Assignment, WorkerSettings
-    from engine.control_client import ControlClient
-    from engine.coordinator import Coordinator, model_card
-    from engine.fleet_host import fleet_host
-    from engine.manifest import load_manifest
-    from engine.peer_policy import PeerPolicy
-    from engine.request import GenerationRequest
-    from engine.ring import RingPath
-    from engine.shard import Stage
-    from engine.worker import Address
+    from engine.control.messages import Assignment, WorkerSettings
+    from engine.control.client import ControlClient
+    from engine.coordinator.coordinator import Coordinator, model_card
+    from engine.control.fleet_services import fleet_host
+    from engine.shards.manifest import load_manifest
+    from engine.trust.peer_policy import PeerPolicy
+    from engine.generation.request import GenerationRequest
+    from engine.coordinator.ring import RingPath
+    from engine.shards.stage import Stage
+    from engine.wire.address import Address
     from export.benchkit import default_model_exports
 
     _, (export,), _ = default_model_exports(("int4", 2, True))

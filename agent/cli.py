@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TextIO
 
-from engine.cli import Command
+from engine.cli.main import Command
 
 log = logging.getLogger("deskfleet.agent")
 
@@ -78,7 +78,7 @@ def _settings(args: argparse.Namespace):
     overrides = {k: v for k, v in (("interface", args.interface), ("control_port", args.control_port),
                                    ("data_port", args.data_port)) if v is not None}
     if args.seed:
-        from engine.control import parse_hostport
+        from engine.control.messages import parse_hostport
 
         for seed in args.seed:
             parse_hostport(seed, "--seed")

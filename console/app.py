@@ -28,7 +28,7 @@ def settings_from_args(args: argparse.Namespace):
         ConsoleSettings,
         default_state_dir,
     )
-    from engine.host import primary_ipv4
+    from engine.machine.this_pc import primary_ipv4
 
     interface = getattr(args, "interface", None) or primary_ipv4()
     return ConsoleSettings(state_dir=getattr(args, "state_dir", None) or default_state_dir(), interface=interface,

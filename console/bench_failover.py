@@ -29,8 +29,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from engine.benchrecord import machine_info, markdown_table, median, update_section, write_json
-from engine.cli import Command
+from engine.tools.bench_record import machine_info, markdown_table, median, update_section, write_json
+from engine.cli.main import Command
 
 COMMAND_LINE = "deskfleet bench failover"
 TARGET_S = 10.0
@@ -58,7 +58,7 @@ _TURNS = (
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    from engine.benchrecord import DEFAULT_DOC, DEFAULT_JSON_DIR
+    from engine.tools.bench_record import DEFAULT_DOC, DEFAULT_JSON_DIR
 
     p.add_argument("--rounds", type=int, default=3, help="rounds of each recovery, interleaved (default 3)")
     p.add_argument("--prompt-tokens", type=int, default=400, help="most prompt tokens: whole turns that fit (default 400)")
@@ -88,7 +88,7 @@ def added_delay(times: list[float], kill_index: int) -> tuple[float, float, floa
 
 
 async def _async_timed(dist, prompt: list[int], n: int, kill=None) -> dict[str, Any]:
-    from engine.request import GenerationRequest
+    from engine.generation.request import GenerationRequest
 
     tokens, times = [], []
     kill_index = n // 2
@@ -131,9 +131,9 @@ async def _async_bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from console.service.distribution import Distributor
     from console.service.failover import FailoverSettings
     from console.service.ring_layout import AgentEndpoint, AgentTarget, RingLayout
-    from engine.control import WorkerSettings
-    from engine.fleet_host import fleet_host
-    from engine.tokenizer import ChatTokenizer
+    from engine.control.messages import WorkerSettings
+    from engine.control.fleet_services import fleet_host
+    from engine.generation.tokenizer import ChatTokenizer
     from export.benchkit import default_model_exports
 
     _, (export,), _ = default_model_exports(("int4", 2, True))

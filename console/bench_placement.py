@@ -37,11 +37,11 @@ from typing import TYPE_CHECKING, Any
 import psutil
 
 from console.bench_placement_report import fit_stage_cpu, render
-from engine.benchrecord import machine_info, median, update_section, write_json
-from engine.cli import Command
+from engine.tools.bench_record import machine_info, median, update_section, write_json
+from engine.cli.main import Command
 
 if TYPE_CHECKING:
-    from engine.placement import Plan
+    from engine.placement.planner import Plan
 
 COMMAND_LINE = "deskfleet bench placement"
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -143,7 +143,7 @@ async def _async_place_group(state_dir: Path, host, agents, checkpoint: Path, op
         async_calibrate_devices,
         cache_device,
     )
-    from engine.placement import PlacementRequest
+    from engine.placement.planner import PlacementRequest
 
     fleet = FleetModel(state_dir, host.credentials)
     nodes = []
@@ -174,7 +174,7 @@ async def _async_place_group(state_dir: Path, host, agents, checkpoint: Path, op
 
 def one_thread_profile(calibration, steps: int) -> tuple[float, float]:
     """(layer_ms, overhead_ms) from the calibration stages timed here on one inference thread."""
-    from engine.calibrate import fit_layer_time, time_stage
+    from engine.shards.calibration import fit_layer_time, time_stage
 
     return fit_layer_time([time_stage(part.path, i, steps=steps, threads=1)
                            for part in calibration.parts for i in part.stages])
@@ -182,7 +182,7 @@ def one_thread_profile(calibration, steps: int) -> tuple[float, float]:
 
 async def _timed_request(coordinator, prompt: tuple[int, ...], tokens: int, pids: Sequence[int]) -> dict[str, Any]:
     """One greedy stream: decode ms per token, and each worker's CPU ms per decode token."""
-    from engine.request import GenerationRequest
+    from engine.generation.request import GenerationRequest
 
     arrivals: list[float] = []
     cpu0: list[float] = []
@@ -212,9 +212,9 @@ async def async_run_bench(work: Path, bench: PlacementBench) -> dict[str, Any]:
     from console.service.export_catalog import ExportSpec
     from console.service.models import ModelLibrary
     from console.service.ring_layout import AgentEndpoint, RingLayout
-    from engine.control import WorkerSettings
-    from engine.fleet_host import fleet_host
-    from engine.tokenizer import ChatTokenizer
+    from engine.control.messages import WorkerSettings
+    from engine.control.fleet_services import fleet_host
+    from engine.generation.tokenizer import ChatTokenizer
     from export.exporter import ExportOptions
     from export.sources import resolve_model
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.benchrecord import markdown_table
+from engine.tools.bench_record import markdown_table
 
 TARGET_ERROR_PCT = 20.0
 

@@ -29,10 +29,10 @@ from console.service.fleet import FleetModel
 from console.service.links import LinkReport, async_measure_links
 from console.service.models import ModelEntry, ModelLibrary
 from console.service.placement_inputs import PlacementInputs, async_placement_inputs, solve_inputs
-from engine.discovery import Browser
-from engine.fleet_host import FleetHost, fleet_host, is_first_run
-from engine.fleet_hub import AgentEvent
-from engine.placement import PlacementRequest, Plan
+from engine.discovery.mdns import Browser
+from engine.control.fleet_services import FleetHost, fleet_host, is_first_run
+from engine.control.hub import AgentEvent
+from engine.placement.planner import PlacementRequest, Plan
 
 log = logging.getLogger("deskfleet.console")
 
@@ -52,7 +52,7 @@ class ConsoleBridge(QObject):
     started = Signal()
     start_failed = Signal(str)
     records_changed = Signal(object)  # tuple[AgentRecord, ...], on the GUI thread
-    hub_event = Signal(object)  # engine.fleet_hub.AgentEvent
+    hub_event = Signal(object)  # engine.control.hub.AgentEvent
     token_changed = Signal(str)
     error = Signal(str, str)  # (what failed, why) for actions without their own error handler
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from engine.cli import Command
+from engine.cli.main import Command
 
 
 def configure(p: argparse.ArgumentParser) -> None:

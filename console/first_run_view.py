@@ -1,7 +1,7 @@
 """The console's first-run view: the fleet is created; here is the join token, to copy or scan.
 
 A standalone widget for the console window to embed (for instance as the Fleet page's empty
-state, or a dialog on the first start: ``engine.fleet_host.is_first_run(state_dir)`` tells, before
+state, or a dialog on the first start: ``engine.control.fleet_services.is_first_run(state_dir)`` tells, before
 the fleet host starts, whether this start creates the fleet). It needs three things from its
 host: the fleet id, the enrollment address, and ``issue_token()`` returning a new join token
 (``FleetHost.token``; called on the GUI thread, so pass a function that is safe there).

@@ -28,7 +28,7 @@ from PySide6.QtWidgets import (
 from console.bridge import ConsoleBridge
 from console.service.agent_record import AgentRecord, Membership
 from console.service.links import CONSOLE, LinkReport
-from engine.control import parse_hostport
+from engine.control.messages import parse_hostport
 from engine.errors import DeskfleetError
 
 COLUMNS = ("Name", "State", "Devices", "Memory", "Last seen", "Approved", "Address", "RTT ms", "Mbit/s")

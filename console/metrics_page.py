@@ -32,7 +32,7 @@ from console.service.fleet_metrics import (
     stage_breakdown,
 )
 from console.serving import FleetServing
-from engine.fleet_hub import AgentEvent
+from engine.control.hub import AgentEvent
 
 BREAKDOWN_COLUMNS = ("Stage / hop", "Kind", "Predicted ms", "Measured ms")
 

@@ -45,7 +45,7 @@ from console.service.export_job import (
     ExportProgress,
 )
 from console.service.models import ModelEntry
-from engine.manifest import MANIFEST_NAME
+from engine.shards.manifest import MANIFEST_NAME
 
 ROLE = Qt.ItemDataRole.UserRole
 WEIGHTS = ("int4", "int8", "fp16", "fp32")

@@ -30,7 +30,7 @@ from console.bridge import ConsoleBridge
 from console.service.console_session import MODEL, PLAN
 from console.service.placement_inputs import memory_warnings, retime, stage_firsts
 from engine.errors import DeskfleetError
-from engine.placement import PlacementRequest, Plan
+from engine.placement.planner import PlacementRequest, Plan
 
 COLUMNS = ("Stage", "Agent", "Device", "Layers", "Predicted ms", "Memory", "Hop to next ms")
 

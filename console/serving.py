@@ -26,9 +26,9 @@ from console.service.errors import ConsoleError
 from console.service.export_catalog import ExportInfo
 from console.service.export_job import ExportEvent, ExportFailed, ExportFinished, ExportJob
 from console.service.ring_layout import AgentEndpoint, AgentProgress, RingHealth, RingLayout
-from engine.api import RunningApi, async_run_api
-from engine.placement import Plan
-from engine.tokenizer import ChatTokenizer
+from engine.api.server import RunningApi, async_run_api
+from engine.placement.planner import Plan
+from engine.generation.tokenizer import ChatTokenizer
 
 log = logging.getLogger("deskfleet.console")
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.cli import Command
+from engine.cli.main import Command
 
 COMMAND_LINE = "deskfleet bench export-memory"
 MB = 1024 * 1024
@@ -226,7 +226,7 @@ def run_measured(argv: list[str], *, env: dict | None = None, cwd: Path | None =
 
 
 def stage_file_bytes(export_dir: Path) -> list[int]:
-    from engine.manifest import load_manifest
+    from engine.shards.manifest import load_manifest
 
     return [sum(f.size for f in s.files) for s in load_manifest(export_dir).stages]
 
@@ -256,7 +256,7 @@ def summarise_export(run: dict, stages: list[int]) -> dict:
 
 
 def export_argv(model: Path | None, out: Path, stages: int, weights: str, group_size: int | None) -> list[str]:
-    argv = [sys.executable, "-m", "engine.cli", "export"] + ([str(model)] if model else [])
+    argv = [sys.executable, "-m", "engine.cli.main", "export"] + ([str(model)] if model else [])
     argv += ["--stages", str(stages), "--weights", weights, "--out", str(out), "--force"]
     if weights == "int4" and group_size:
         argv += ["--group-size", str(group_size)]
@@ -329,7 +329,7 @@ def old_tree(commit: str, where: Path) -> Path:
 def check_old_imports(where: Path) -> str:
     """The file the child imports export.exporter from, with PYTHONPATH set to the worktree."""
     env = {**os.environ, "PYTHONPATH": str(where)}
-    code = "import export.exporter as e, engine.cli as c; print(e.__file__); print(c.__file__)"
+    code = "import export.exporter as e, engine.cli.main as c; print(e.__file__); print(c.__file__)"
     done = subprocess.run([sys.executable, "-c", code], env=env, cwd=where, capture_output=True, text=True, check=True)
     files = done.stdout.split()
     if not all(f.startswith(str(where)) for f in files):
@@ -350,7 +350,7 @@ CUT_LAYERS = 4
 
 
 def _record(args: argparse.Namespace, result: dict) -> None:
-    from engine.benchrecord import machine_info, update_section, write_json
+    from engine.tools.bench_record import machine_info, update_section, write_json
 
     result["machine"] = machine_info()
     write_json(args.json, result)
@@ -361,7 +361,7 @@ def run(args: argparse.Namespace) -> int:
     from export.weights.synthetic import LLAMA31_8B
 
     if args.render_only:  # the table again from the JSON (after a change to render or the bound)
-        from engine.benchrecord import update_section, write_json
+        from engine.tools.bench_record import update_section, write_json
 
         result = json.loads(args.json.read_text())
         if isinstance(result.get("cut"), dict) and extrapolate_old(result["cut"]):
@@ -498,7 +498,7 @@ def _row(label: str, r: dict) -> list:
 
 
 def render(result: dict, json_path: Path) -> str:
-    from engine.benchrecord import markdown_table
+    from engine.tools.bench_record import markdown_table
 
     header = ["model", "stages", "weights", "largest stage MiB", "peak - baseline MiB", "anon growth MiB",
               "file growth MiB", "net / stage", "bound", "seconds"]
@@ -557,7 +557,7 @@ def render(result: dict, json_path: Path) -> str:
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    from engine.benchrecord import DEFAULT_DOC, DEFAULT_JSON_DIR
+    from engine.tools.bench_record import DEFAULT_DOC, DEFAULT_JSON_DIR
 
     p.add_argument("--work", type=Path, default=Path("/var/tmp/deskfleet-export-memory"),
                    help="scratch directory for the checkpoints and exports (needs ~40 GB free)")

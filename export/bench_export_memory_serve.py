@@ -32,8 +32,8 @@ def sweep_bandwidth(gib: float = 4.0, repeats: int = 3) -> dict:
 
 def chained_tokens(export_dir: Path, prompt: list[int], n: int, threads: int) -> dict:
     """Greedy tokens of every stage chained in this process (the reference for the served run)."""
-    from engine.generate import greedy_generate
-    from engine.shard import LocalChain
+    from engine.generation.in_process import greedy_generate
+    from engine.shards.stage import LocalChain
 
     chain = LocalChain.load(export_dir, num_threads=threads)
     r = greedy_generate(chain, prompt, n, ignore_eos=True)
@@ -42,8 +42,8 @@ def chained_tokens(export_dir: Path, prompt: list[int], n: int, threads: int) ->
 
 async def served_tokens(export_dir: Path, prompt: list[int], n: int, threads: int, rounds: int = 2) -> dict:
     """The same prompt through one loopback worker process per stage (``threads`` each)."""
-    from engine.localfleet import local_fleet
-    from engine.request import GenerationRequest
+    from engine.tools.local_fleet import local_fleet
+    from engine.generation.request import GenerationRequest
 
     out: dict = {"rounds": []}
     async with local_fleet(export_dir, slots=1, threads=threads) as coordinator:
@@ -87,7 +87,7 @@ def serve_phase(export_dir: Path, tokens: int = 16, threads: int = 1, prompt_len
     """Served (worker processes) vs chained (one process) tokens, and the bandwidth bound."""
     import numpy as np
 
-    from engine.manifest import load_manifest
+    from engine.shards.manifest import load_manifest
 
     manifest = load_manifest(export_dir)
     vocab = manifest.model.vocab_size if hasattr(manifest.model, "vocab_size") else 32000

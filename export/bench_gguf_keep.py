@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.benchrecord import machine_info, markdown_table, median, update_section, write_json
-from engine.cli import Command
+from engine.tools.bench_record import machine_info, markdown_table, median, update_section, write_json
+from engine.cli.main import Command
 
 COMMAND_LINE = "deskfleet bench gguf-keep"
 REFERENCE = "fp32"
@@ -97,8 +97,8 @@ def first_divergence(tokens: Sequence[int], reference: Sequence[int]) -> int:
 def exact_tokens(export_dir: Path, prompts: Sequence[Sequence[int]], tokens: int,
                  threads: int | None) -> list[list[int]]:
     """Greedy tokens for every prompt at the exact settings (EOS ignored), one chain loaded."""
-    from engine.generate import greedy_generate
-    from engine.shard import LocalChain
+    from engine.generation.in_process import greedy_generate
+    from engine.shards.stage import LocalChain
 
     chain = LocalChain.load(export_dir, exact=True, num_threads=threads)
     return [list(greedy_generate(chain, list(p), tokens, ignore_eos=True).tokens) for p in prompts]
@@ -240,7 +240,7 @@ def _command_line(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.tokenizer import ChatTokenizer
+    from engine.generation.tokenizer import ChatTokenizer
     from export.sources import default_cache_root, resolve_model
 
     def log(msg: str) -> None:

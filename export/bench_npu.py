@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from engine.benchrecord import machine_info, markdown_table, median, update_section, write_json
-from engine.cli import Command
+from engine.tools.bench_record import machine_info, markdown_table, median, update_section, write_json
+from engine.cli.main import Command
 from export.benchkit import add_common_arguments
 from export.benchkit import verdict as _verdict
 
@@ -57,7 +57,7 @@ def _export_job(job: dict[str, Any]) -> dict[str, Any]:
 def ensure_npu_exports(context: int) -> tuple[Any, dict[int, Path], dict[int, dict]]:
     """The default model's static exports per slot count (cached next to the other bench exports)."""
     from engine.errors import ManifestError
-    from engine.manifest import load_manifest
+    from engine.shards.manifest import load_manifest
     from export.sources import default_cache_root, model_fingerprint, resolve_model
 
     source = resolve_model(None)
@@ -86,7 +86,7 @@ def _all_decoding(chain) -> tuple[Any, np.ndarray]:
     """A frame with every slot decoding at the middle of its region (ring filled with noise)."""
     from dataclasses import replace
 
-    from engine.packing import PlanFrame
+    from engine.wire.plan_frame import PlanFrame
 
     geo = chain.geometry
     count = geo.region // 2
@@ -120,7 +120,7 @@ def time_interleaved(chains: dict[int, Any], steps: int) -> dict[int, list[float
 
 def serve(chain, prompts: list[list[int]], tokens: int) -> dict[str, Any]:
     """All ``prompts`` submitted at once; per-request TTFT, total wall clock, the tokens."""
-    from engine.packed_stage import PackedServer
+    from engine.static.stage import PackedServer
 
     chain.reset()
     server = PackedServer(chain)
@@ -139,8 +139,8 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
-    from engine.packed_stage import StaticChain
-    from engine.tokenizer import ChatTokenizer
+    from engine.static.stage import StaticChain
+    from engine.generation.tokenizer import ChatTokenizer
 
     load_start = [round(x, 2) for x in os.getloadavg()]
     source, paths, stats = ensure_npu_exports(args.context)

@@ -33,8 +33,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from engine.benchrecord import machine_info, markdown_table, median, update_section, write_json
-from engine.cli import Command
+from engine.tools.bench_record import machine_info, markdown_table, median, update_section, write_json
+from engine.cli.main import Command
 from export.benchkit import (
     Run,
     Runner,
@@ -213,7 +213,7 @@ def memory_rows(memory: dict[str, dict]) -> dict[str, dict[str, float]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.tokenizer import ChatTokenizer
+    from engine.generation.tokenizer import ChatTokenizer
     from export.reference import ReferenceToolError, export_reference, pipeline_dir_from_export
     from export.sources import default_cache_root, resolve_model
 

@@ -25,14 +25,14 @@ from typing import Any
 
 import numpy as np
 
-from engine.benchrecord import (
+from engine.tools.bench_record import (
     machine_info,
     markdown_table,
     median,
     update_section,
     write_json,
 )
-from engine.cli import Command
+from engine.cli.main import Command
 from export.benchkit import (
     Run,
     add_common_arguments,
@@ -48,7 +48,7 @@ COMMAND_LINE = "deskfleet bench pipeline"
 
 async def ring_run(coordinator, ids: list[int], n: int, streams: int) -> dict[str, Any]:
     """``streams`` identical-length requests at once; aggregate and per-stream decode rates."""
-    from engine.request import GenerationRequest
+    from engine.generation.request import GenerationRequest
 
     async def one(k: int) -> tuple[float, float, int]:
         first = last = 0.0
@@ -72,8 +72,8 @@ async def ring_run(coordinator, ids: list[int], n: int, streams: int) -> dict[st
 
 def stage_compute_ms(export_dir: Path, ids: list[int], steps: int = 64, num_threads: int = 1) -> list[float]:
     """Median decode-step compute time of each stage alone (ms), one inference thread each."""
-    from engine.kv_layout import KVLayout
-    from engine.shard import LocalChain, StepInputs
+    from engine.shards.kv_layout import KVLayout
+    from engine.shards.stage import LocalChain, StepInputs
 
     chain = LocalChain.load(export_dir, num_threads=num_threads)
     streams = chain.new_streams()
@@ -98,8 +98,8 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 async def _async_bench(args: argparse.Namespace) -> dict[str, Any]:
-    from engine.localfleet import local_fleet
-    from engine.tokenizer import ChatTokenizer
+    from engine.tools.local_fleet import local_fleet
+    from engine.generation.tokenizer import ChatTokenizer
     from export.reference import export_reference
 
     source, (one, two), _ = default_model_exports(("int4", 1, True), ("int4", 2, True))

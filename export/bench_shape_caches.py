@@ -31,8 +31,8 @@ from typing import Any
 
 import psutil
 
-from engine.benchrecord import machine_info, markdown_table, median, update_section, write_json
-from engine.cli import Command
+from engine.tools.bench_record import machine_info, markdown_table, median, update_section, write_json
+from engine.cli.main import Command
 
 COMMAND_LINE = "deskfleet bench shape-caches"
 VARIANTS = ("default", "repeated", "off")
@@ -50,9 +50,9 @@ def run_variant(shards: Path, variant: str, streams: int, measure_from: int, max
     """One variant in this process (run it in a fresh one): timings and RSS samples."""
     import numpy as np
 
-    from engine.generate import prefill_steps
-    from engine.kv_layout import KVLayout
-    from engine.shard import Stage, StepInputs
+    from engine.generation.in_process import prefill_steps
+    from engine.shards.kv_layout import KVLayout
+    from engine.shards.stage import Stage, StepInputs
 
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; one of {', '.join(VARIANTS)}")

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import psutil
 
-from engine.benchrecord import (
+from engine.tools.bench_record import (
     DEFAULT_DOC,
     DEFAULT_JSON_DIR,
     machine_info,
@@ -35,9 +35,9 @@ from engine.benchrecord import (
     update_section,
     write_json,
 )
-from engine.cli import Command
+from engine.cli.main import Command
 from engine.errors import DeskfleetError
-from engine.worker import StageWorker
+from engine.worker.stage_worker import StageWorker
 from export.benchkit import verdict
 from export.soak_users import Outcome, async_user
 
@@ -58,7 +58,7 @@ class FleetProcess:
         self.url = ""
 
     def start(self) -> str:
-        argv = [sys.executable, "-m", "engine.cli", "serve", "--shards", str(self.export_dir), "--workers",
+        argv = [sys.executable, "-m", "engine.cli.main", "serve", "--shards", str(self.export_dir), "--workers",
                 "--port", "0", "--slots", str(SLOTS), "--max-concurrent", "16"]
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - kept open for the server's life
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self._log, text=True,
@@ -215,7 +215,7 @@ def run_soak(export_dir: Path, minutes: float, *, warmup_s: float | None = None,
 def tiny_export(root: Path) -> Path:
     """A random-weight tiny llama as 2 fp32 stages (built once under ``root``): for CI."""
     from engine.errors import ManifestError
-    from engine.manifest import load_manifest
+    from engine.shards.manifest import load_manifest
     from export.exporter import ExportOptions, export_model
     from export.tiny import build_tiny_model
 
@@ -275,7 +275,7 @@ def section(command: str, info: dict[str, Any], s: dict[str, Any], minutes: floa
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.manifest import load_manifest
+    from engine.shards.manifest import load_manifest
 
     if args.tiny:
         from export.sources import default_cache_root

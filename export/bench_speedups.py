@@ -27,14 +27,14 @@ from typing import Any
 
 import numpy as np
 
-from engine.benchrecord import (
+from engine.tools.bench_record import (
     machine_info,
     markdown_table,
     median,
     update_section,
     write_json,
 )
-from engine.cli import Command
+from engine.cli.main import Command
 from export.benchkit import add_common_arguments, default_model_exports
 from export.benchkit import verdict as _verdict
 
@@ -48,7 +48,7 @@ COMMAND_LINE = "deskfleet bench speedups"
 
 
 async def timed_streams(coordinator, prompts: list[tuple[int, ...]], n: int, want_logits: bool = False) -> dict:
-    from engine.request import GenerationRequest
+    from engine.generation.request import GenerationRequest
 
     async def one(ids):
         started = time.perf_counter()
@@ -69,9 +69,9 @@ async def timed_streams(coordinator, prompts: list[tuple[int, ...]], n: int, wan
 @contextlib.asynccontextmanager
 async def wan_fleet(export: Path, delay_ms: float, bandwidth_mbit: float | None = None, **options):
     """A 2-worker fleet whose every hop is delayed by ``delay_ms`` (one way)."""
-    from engine.localfleet import local_fleet
-    from engine.wan import WanProxy
-    from engine.worker import Address
+    from engine.tools.local_fleet import local_fleet
+    from engine.tools.wan_emulator import WanProxy
+    from engine.wire.address import Address
 
     proxies: list[WanProxy] = []
 
@@ -90,8 +90,8 @@ async def wan_fleet(export: Path, delay_ms: float, bandwidth_mbit: float | None 
 
 def rewind_costs(export: Path, cached: int = 512, k: int = 8, repeats: int = 50) -> dict[str, float]:
     """ms per step: mask rewind bookkeeping vs physically trimming every KV state, vs a decode step."""
-    from engine.kv_layout import KVLayout
-    from engine.shard import LocalChain, StepInputs
+    from engine.shards.kv_layout import KVLayout
+    from engine.shards.stage import LocalChain, StepInputs
 
     chain = LocalChain.load(export)
     streams = chain.new_streams()
@@ -140,8 +140,8 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 async def _async_bench(args: argparse.Namespace) -> dict[str, Any]:
-    from engine.speculator import SpeculationConfig, Speculator
-    from engine.tokenizer import ChatTokenizer
+    from engine.coordinator.speculation import SpeculationConfig, Speculator
+    from engine.generation.tokenizer import ChatTokenizer
 
     source, (one, two), _ = default_model_exports(("int4", 1, True), ("int4", 2, True))
     tok = ChatTokenizer(source.checkpoint_dir)
@@ -198,8 +198,8 @@ def _history(tok, turns: int) -> list[dict[str, str]]:
 
 
 async def _ttft(export: Path, tok, target_tokens: int = 1000) -> dict[str, Any]:
-    from engine.localfleet import local_fleet
-    from engine.request import GenerationRequest
+    from engine.tools.local_fleet import local_fleet
+    from engine.generation.request import GenerationRequest
 
     turns = 1
     while len(tok.encode_chat(_history(tok, turns))) < target_tokens:
@@ -214,7 +214,7 @@ async def _ttft(export: Path, tok, target_tokens: int = 1000) -> dict[str, Any]:
             r = await timed_streams(c, [follow], 2)
             cold.append(r["ttft_ms"])
             await c.async_wait_idle()
-            from engine.prefix_cache import PrefixIndex
+            from engine.shards.prefix_cache import PrefixIndex
 
             c.prefix = PrefixIndex()
             async for _ in c.stream(GenerationRequest(before, 2, ignore_eos=True)):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.benchrecord import write_json
+from engine.tools.bench_record import write_json
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ def _export_job(job: dict[str, Any]) -> dict[str, Any]:
 def ensure_export(root: Path, source: Any, fingerprint: str, weights: str, stages: int, beam_idx: bool) -> tuple[Path, dict]:
     """Export (or reuse) one variant under ``root``; returns its directory and export stats."""
     from engine.errors import ManifestError
-    from engine.manifest import load_manifest
+    from engine.shards.manifest import load_manifest
 
     name = f"{fingerprint[:16]}-{weights}-{stages}{'' if beam_idx else '-nobeam'}"
     out, stats_file = root / name, root / f"{name}.stats.json"
@@ -58,8 +58,8 @@ def ensure_export(root: Path, source: Any, fingerprint: str, weights: str, stage
 
 def shard_runner(export_dir: Path, num_threads: int | None = None) -> Runner:
     """Greedy generation over every stage of ``export_dir`` chained in this process."""
-    from engine.generate import greedy_generate
-    from engine.shard import LocalChain
+    from engine.generation.in_process import greedy_generate
+    from engine.shards.stage import LocalChain
 
     chain = LocalChain.load(export_dir, num_threads=num_threads)
 
@@ -100,7 +100,7 @@ def verdict(value: float, target: float, higher: bool = True) -> str:
 
 def add_common_arguments(p: Any, json_name: str, runs: int, warmups: int) -> None:
     """--runs, --warmups, --tokens, --json and --doc, as every benchmark takes them."""
-    from engine.benchrecord import DEFAULT_DOC, DEFAULT_JSON_DIR
+    from engine.tools.bench_record import DEFAULT_DOC, DEFAULT_JSON_DIR
 
     p.add_argument("--runs", type=int, default=runs, help=f"timed rounds (default {runs})")
     p.add_argument("--warmups", type=int, default=warmups, help=f"untimed rounds first (default {warmups})")
@@ -129,10 +129,10 @@ _STATUS_FIELDS = ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem")
 _IMPORTED = "deskfleet-bench: imported"
 _CHILD = (
     "import sys\n"
-    "import openvino, engine.cli, export.cli, export.exporter, export.builder.export  # noqa: F401\n"
+    "import openvino, engine.cli.main, export.cli, export.exporter, export.builder.export  # noqa: F401\n"
     f"print({_IMPORTED!r}, flush=True)\n"
     "sys.stdin.readline()  # the parent reads our RSS, then lets us go\n"
-    "sys.exit(engine.cli.main(sys.argv[1:]))\n"
+    "sys.exit(engine.cli.main.main(sys.argv[1:]))\n"
 )
 
 
@@ -181,7 +181,7 @@ def measured_export(model: str | None, out: Path, weights: str, stages: int, *,
     import subprocess
     import time
 
-    from engine.manifest import load_manifest
+    from engine.shards.manifest import load_manifest
 
     argv = [sys.executable, "-c", _CHILD, "export", *([model] if model else []), "--stages", str(stages),
             "--weights", weights, "--group-size", str(group_size), "--out", str(out), "--force"]

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from engine.cli import Command
+from engine.cli.main import Command
 
 EXPORT_STEPS = ("load", "convert", "stateful", "compress", "save")
 # An NPU export pins static shapes where a stateful one adds state: same place in the bar.

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.cli import Command
+from engine.cli.main import Command
 
 DEFAULT_PROMPT = "What is the capital of France?"
 
@@ -29,7 +29,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 def ensure_default_export(weights: str, stages: int):
     """The embedded model's export under the cache root: verified if present, else made now."""
     from engine.errors import ManifestError
-    from engine.manifest import load_manifest, verify_stage
+    from engine.shards.manifest import load_manifest, verify_stage
     from export.cli import export_progress
     from export.exporter import export_model
     from export.options import ExportOptions
@@ -54,9 +54,9 @@ def ensure_default_export(weights: str, stages: int):
 async def _async_demo(args: argparse.Namespace, source, out) -> int:
     import time
 
-    from engine.localfleet import local_fleet
-    from engine.request import GenerationRequest
-    from engine.tokenizer import ChatTokenizer
+    from engine.tools.local_fleet import local_fleet
+    from engine.generation.request import GenerationRequest
+    from engine.generation.tokenizer import ChatTokenizer
 
     tokenizer = ChatTokenizer(out / "tokenizer")
     print(f"starting a {args.stages}-node fleet on loopback ...", file=sys.stderr)
@@ -76,7 +76,7 @@ async def _async_demo(args: argparse.Namespace, source, out) -> int:
         print(f"[{rate:.1f} tok/s decode, TTFT {(first - started) * 1000:.0f} ms, {len(tokens)} tokens, "
               f"{args.stages} worker processes on loopback, {source.name} {args.weights}]", flush=True)
         if args.serve:
-            from engine.serve_cli import async_serve_until_interrupted
+            from engine.cli.serve import async_serve_until_interrupted
 
             await async_serve_until_interrupted(coordinator, tokenizer, host="127.0.0.1", port=args.port)
     return 0

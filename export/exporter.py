@@ -29,7 +29,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from engine import __version__
-from engine.manifest import (
+from engine.shards.manifest import (
     MANIFEST_NAME,
     TARGETS,
     FileEntry,

@@ -2,7 +2,7 @@
 
 The GGUF carries the whole tokenizer as metadata (``tokenizer.ggml.*``): the model type, the
 vocabulary, the BPE merges, token types, special token ids and the pre-tokenizer's name. This
-module writes what :class:`engine.tokenizer.ChatTokenizer` and HF tools read:
+module writes what :class:`engine.generation.tokenizer.ChatTokenizer` and HF tools read:
 
     tokenizer.json          the `tokenizers` library's format (BPE, byte-level)
     tokenizer_config.json   special tokens and the chat template

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch  # noqa: F401 - fail on import, before anything is written, when the extra is missing
 from transformers import AutoConfig
 
-from engine.manifest import StageManifest
+from engine.shards.manifest import StageManifest
 from export.architectures import arch_for
 from export.builder.stage_graph import StagePlan
 from export.hf_conversion import hf_checkpoint

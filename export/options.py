@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.errors import DeskfleetError, MissingExtraError
-from engine.manifest import StaticInfo
+from engine.shards.manifest import StaticInfo
 
 XML_NAME = "openvino_model.xml"
 # --weights: the NNCF-equivalent formats, plus "keep" (a GGUF's own blocks, re-packed, never re-rounded)

@@ -402,7 +402,7 @@ def pipeline_dir_from_export(export_dir: Path, out_dir: Path, checkpoint_dir: Pa
     import numpy as np
     import openvino as ov
 
-    from engine.manifest import load_manifest
+    from engine.shards.manifest import load_manifest
 
     manifest = load_manifest(export_dir)
     if len(manifest.stages) != 1:

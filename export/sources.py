@@ -342,7 +342,7 @@ def check_converted_tokenizer(checkpoint_dir: Path, *, adds_bos: bool | None = N
     ``adds_bos`` is the GGUF's flag when known. Raises :class:`ModelSourceError` on an unwanted
     or doubled BOS or a missing chat template.
     """
-    from engine.tokenizer import ChatTokenizer
+    from engine.generation.tokenizer import ChatTokenizer
 
     config = json.loads((checkpoint_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
     if not config.get("chat_template"):

@@ -15,7 +15,7 @@ import openvino as ov
 import torch
 from safetensors import safe_open
 
-from engine.manifest import TensorSpec
+from engine.shards.manifest import TensorSpec
 from export.architectures import head_dim
 from export.modeling import StageSpec
 from export.options import XML_NAME, ExportError, ExportOptions, Progress

@@ -15,7 +15,7 @@ from typing import Any
 import openvino as ov
 import torch
 
-from engine.manifest import TARGETS, GraphEntry, StageManifest, StaticInfo, file_entry
+from engine.shards.manifest import TARGETS, GraphEntry, StageManifest, StaticInfo, file_entry
 from export.architectures import ArchSpec, head_dim
 from export.compress import PRESETS, compress
 from export.graph import convert_torch, set_io_names

@@ -26,8 +26,8 @@ def _iss_quote(text: str) -> str:
 
 def run_value() -> str:
     """The Run key's command line, as :func:`installer.autostart.windows_run_value` would write it
-    for ``[pythonw, -m, engine.cli, agent]``: the program quoted (``{app}`` may hold spaces)."""
-    return f'"{PYTHONW}" -m engine.cli agent'
+    for ``[pythonw, -m, engine.cli.main, agent]``: the program quoted (``{app}`` may hold spaces)."""
+    return f'"{PYTHONW}" -m engine.cli.main agent'
 
 
 def inno_script(version: str) -> str:
@@ -64,14 +64,14 @@ Source: "deskfleet-agent.ico"; DestDir: "{{app}}"; Flags: ignoreversion
 Source: "deskfleet-console.ico"; DestDir: "{{app}}"; Flags: ignoreversion
 
 [Icons]
-Name: "{{userprograms}}\\Deskfleet\\Deskfleet agent"; Filename: "{PYTHONW}"; Parameters: "-m engine.cli agent"; IconFilename: "{{app}}\\deskfleet-agent.ico"; Comment: "Lend this PC to the office LLM fleet while it is idle"
-Name: "{{userprograms}}\\Deskfleet\\Deskfleet console"; Filename: "{PYTHONW}"; Parameters: "-m engine.cli console"; IconFilename: "{{app}}\\deskfleet-console.ico"; Comment: "Run the office LLM fleet"
+Name: "{{userprograms}}\\Deskfleet\\Deskfleet agent"; Filename: "{PYTHONW}"; Parameters: "-m engine.cli.main agent"; IconFilename: "{{app}}\\deskfleet-agent.ico"; Comment: "Lend this PC to the office LLM fleet while it is idle"
+Name: "{{userprograms}}\\Deskfleet\\Deskfleet console"; Filename: "{PYTHONW}"; Parameters: "-m engine.cli.main console"; IconFilename: "{{app}}\\deskfleet-console.ico"; Comment: "Run the office LLM fleet"
 
 [Registry]
 Root: HKCU; Subkey: "{RUN_KEY}"; ValueType: string; ValueName: "{RUN_VALUE_NAME}"; ValueData: {_iss_quote(run_value())}; Flags: uninsdeletevalue; Tasks: startatlogin
 
 [Run]
-Filename: "{PYTHONW}"; Parameters: "-m engine.cli agent"; Description: "Start the Deskfleet agent now"; Flags: nowait postinstall skipifsilent
+Filename: "{PYTHONW}"; Parameters: "-m engine.cli.main agent"; Description: "Start the Deskfleet agent now"; Flags: nowait postinstall skipifsilent
 
 [UninstallDelete]
 Type: filesandordirs; Name: "{{app}}\\venv"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 
 from agent.service.idle import FakeIdle
-from engine.fleet_host import fleet_host as console
+from engine.control.fleet_services import fleet_host as console
 
 __all__ = ["FakeIdle", "console", "free_port"]
 

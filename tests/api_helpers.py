@@ -12,8 +12,8 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from engine.api import ApiSettings
-from engine.generator import ModelCard
+from engine.api.server import ApiSettings
+from engine.generation.generator import ModelCard
 
 EOS = 256
 CARD = ModelCard("fake", 64, (EOS,), 3)
@@ -38,7 +38,7 @@ def serve_process(*args: str, env: dict[str, str] | None = None, ready_timeout: 
                   timeout: float = 180) -> Iterator[str]:
     """``deskfleet serve ARGS --port 0`` in a subprocess: yields its API URL once it printed it; on a
     clean exit of the block, SIGTERM must stop it with code 0. Killed (and its pipes closed) in any case."""
-    launcher = ("import argparse, sys; from engine.serve_cli import COMMAND; p = argparse.ArgumentParser(); "
+    launcher = ("import argparse, sys; from engine.cli.serve import COMMAND; p = argparse.ArgumentParser(); "
                 "COMMAND.configure(p); sys.exit(COMMAND.run(p.parse_args(sys.argv[1:])))")
     proc = subprocess.Popen([sys.executable, "-c", launcher, *args, "--port", "0"], cwd=Path(__file__).parents[1],
                             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, stdout=subprocess.PIPE,

@@ -22,7 +22,7 @@ from console.loop_thread import LoopThread
 from console.main_window import QtConsoleWindow
 from console.service.calibration_export import KV_BYTES
 from console.service.console_settings import ConsoleSettings
-from engine.control import WorkerSettings
+from engine.control.messages import WorkerSettings
 from tests.agent_helpers import FakeIdle
 
 Wait = Callable[[Callable[[], bool], float, str], None]

@@ -13,7 +13,7 @@ from pathlib import Path
 from agent.service.service import AgentService
 from agent.service.settings import AgentSettings
 from console.service.fleet import FleetModel
-from engine.fleet_host import FleetHost
+from engine.control.fleet_services import FleetHost
 from tests.agent_helpers import FakeIdle, console
 
 

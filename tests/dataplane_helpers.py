@@ -3,9 +3,9 @@ serving a stage and two fellow members, and the small helpers both files use."""
 
 from __future__ import annotations
 
-from engine.address import Address
-from engine.manifest import load_manifest
-from engine.trust import Credentials, FleetAuthority, Role
+from engine.wire.address import Address
+from engine.shards.manifest import load_manifest
+from engine.trust.fleet_ca import Credentials, FleetAuthority, Role
 
 N = 12  # tokens per test request
 LOOP = Address("127.0.0.1", 0)

@@ -22,14 +22,14 @@ from pathlib import Path
 from console.service.distribution import Distributor
 from console.service.fleet import FleetModel
 from console.service.ring_layout import AgentEndpoint, RingLayout
-from engine.control import WorkerSettings
-from engine.discovery import Browser
-from engine.fleet_host import fleet_host, write_token_file
-from engine.generate import greedy_generate
-from engine.request import GenerationRequest
-from engine.shard import LocalChain
-from engine.wan import WanProxy
-from engine.worker import Address
+from engine.control.messages import WorkerSettings
+from engine.discovery.mdns import Browser
+from engine.control.fleet_services import fleet_host, write_token_file
+from engine.generation.in_process import greedy_generate
+from engine.generation.request import GenerationRequest
+from engine.shards.stage import LocalChain
+from engine.tools.wan_emulator import WanProxy
+from engine.wire.address import Address
 
 N = 24
 LINK_DELAY_MS = 5.0  # each way, on the console's hops into and out of the ring (user-space emulation)
@@ -62,7 +62,7 @@ async def main(cfg: dict) -> dict:
         try:
             env = {**os.environ, "DESKFLEET_KEYRING_DIR": str(state / "keyring")}
             for a in agents_cfg:
-                argv = ["ip", "netns", "exec", a["ns"], sys.executable, "-m", "engine.cli", "agent", "--headless",
+                argv = ["ip", "netns", "exec", a["ns"], sys.executable, "-m", "engine.cli.main", "agent", "--headless",
                         "--state-dir", str(state / a["ns"]), "--interface", a["address"], "--control-port", "7210",
                         "--data-port", "7211", "--join-file", str(write_token_file(state / f"{a['ns']}.token", host.token())),
                         "--console", host.enrollment]

@@ -59,9 +59,9 @@ def _held(loop, factory, timeout: float = 300.0):
 
 @contextlib.asynccontextmanager
 async def _api(export: Path):
-    from engine.api import ApiSettings, async_run_api
-    from engine.coordinator import Coordinator
-    from engine.tokenizer import ChatTokenizer
+    from engine.api.server import ApiSettings, async_run_api
+    from engine.coordinator.coordinator import Coordinator
+    from engine.generation.tokenizer import ChatTokenizer
 
     async with Coordinator.local(export, slots=2) as coordinator:
         running = await async_run_api(coordinator, ChatTokenizer(export / "tokenizer"),
@@ -112,7 +112,7 @@ def take_screenshots(out: Path, export: Path, work: Path) -> list[Path]:
         save_state(state_dir, AgentState(api_url=url))  # learnt from an earlier assignment
         service = AgentService(state_dir, settings, idle_source=FakeIdle(), power=lambda: None)
         bridge = AgentBridge(service, poll_interval_ms=200)
-        tray = QtAgentTray(bridge, [sys.executable, "-m", "engine.cli", "agent"], confirm_leave=lambda: True)
+        tray = QtAgentTray(bridge, [sys.executable, "-m", "engine.cli.main", "agent"], confirm_leave=lambda: True)
         try:
             bridge.start()
             _wait(app, lambda: bridge.running and bridge.status is not None, 120, "the agent to start")

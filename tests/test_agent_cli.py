@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from agent.cli import configure, read_join_token
-from engine.control_client import ControlClient
-from engine.discovery import Browser
+from engine.control.client import ControlClient
+from engine.discovery.mdns import Browser
 from engine.errors import DeskfleetError
 from tests.agent_helpers import console
 from tests.asyncutil import run
@@ -39,7 +39,7 @@ def test_headless_agent_joins_is_discovered_registers_and_withdraws(tmp_path):
             browser = Browser("127.0.0.1")
             await browser.async_start()
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "engine.cli", "agent", "--headless", "--state-dir", str(tmp_path / "a"),
+                sys.executable, "-m", "engine.cli.main", "agent", "--headless", "--state-dir", str(tmp_path / "a"),
                 "--interface", "127.0.0.1", "--control-port", "0", "--data-port", "0",
                 "--seed", f"127.0.0.1:{con.hub.port}", "--join", "-", "--console", con.enrollment,
                 env=env, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)

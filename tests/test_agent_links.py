@@ -8,11 +8,11 @@ import pytest
 
 from agent.service.service import AgentService
 from agent.service.settings import AgentSettings
-from engine.calibrate import StageTiming, fit_layer_time
-from engine.control import Assignment
-from engine.control_client import ControlClient, ControlError
-from engine.links import async_measure_link
-from engine.trust import Role
+from engine.shards.calibration import StageTiming, fit_layer_time
+from engine.control.messages import Assignment
+from engine.control.client import ControlClient, ControlError
+from engine.control.links import async_measure_link
+from engine.trust.fleet_ca import Role
 from tests.agent_helpers import FakeIdle, console
 from tests.asyncutil import run
 

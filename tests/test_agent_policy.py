@@ -19,7 +19,7 @@ from agent.service.settings import (
     save_settings,
     save_state,
 )
-from engine.control import Assignment, ControlRequestError, decode_body, parse_hostport
+from engine.control.messages import Assignment, ControlRequestError, decode_body, parse_hostport
 
 MONDAY_NOON = dt.datetime(2026, 11, 30, 12, 0)
 SUNDAY_NOON = dt.datetime(2026, 11, 29, 12, 0)

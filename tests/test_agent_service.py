@@ -17,18 +17,18 @@ import pytest
 
 from agent.service.service import AgentService
 from agent.service.settings import AgentSettings
-from engine.control import Assignment, WorkerSettings
-from engine.control_client import ControlClient, ControlError
-from engine.coordinator import Coordinator, model_card
+from engine.control.messages import Assignment, WorkerSettings
+from engine.control.client import ControlClient, ControlError
+from engine.coordinator.coordinator import Coordinator, model_card
 from engine.errors import DeskfleetError
-from engine.generate import greedy_generate
-from engine.manifest import load_manifest
-from engine.peer_policy import PeerPolicy
-from engine.request import GenerationRequest
-from engine.ring import RingPath
-from engine.shard import LocalChain, Stage
-from engine.trust import FleetAuthority, Role
-from engine.worker import Address
+from engine.generation.in_process import greedy_generate
+from engine.shards.manifest import load_manifest
+from engine.trust.peer_policy import PeerPolicy
+from engine.generation.request import GenerationRequest
+from engine.coordinator.ring import RingPath
+from engine.shards.stage import LocalChain, Stage
+from engine.trust.fleet_ca import FleetAuthority, Role
+from engine.wire.address import Address
 from tests.agent_helpers import FakeIdle, console, free_port
 from tests.asyncutil import collect, run
 from tests.conftest import PROMPT_IDS

@@ -21,10 +21,10 @@ import openai
 import pytest
 from aiohttp import web
 
-from engine.api import ApiMetrics, ApiSettings, api_error_from, async_run_api, render_prometheus
+from engine.api.server import ApiMetrics, ApiSettings, api_error_from, async_run_api, render_prometheus
 from engine.errors import DeskfleetError, GenerationError, TokenizerError
-from engine.generator import ModelCard, OverloadedError, UnavailableError
-from engine.request import FinishReason, GenerationRequest, TokenEvent
+from engine.generation.generator import ModelCard, OverloadedError, UnavailableError
+from engine.generation.request import FinishReason, GenerationRequest, TokenEvent
 from tests.api_helpers import CARD, EOS, SETTINGS, ByteTokenizer, serve_process
 
 TIMEOUT = 30.0
@@ -297,8 +297,8 @@ REAL_SETTINGS = ApiSettings(api_key="sk-deskfleet-test", max_body_bytes=64 << 10
 
 @pytest.fixture(scope="module")
 def fleet(tiny_export):
-    from engine.coordinator import Coordinator
-    from engine.tokenizer import ChatTokenizer
+    from engine.coordinator.coordinator import Coordinator
+    from engine.generation.tokenizer import ChatTokenizer
 
     export = tiny_export("llama", 2)
     tokenizer = ChatTokenizer(export / "tokenizer")
@@ -458,7 +458,7 @@ def test_client_disconnect_cancels_the_generation(fleet):
 # -- `deskfleet serve` ---------------------------------------------------------------------------
 
 def test_api_key_comes_only_from_the_environment():
-    from engine.serve_cli import api_key_from_env
+    from engine.cli.serve import api_key_from_env
 
     assert api_key_from_env(None, {}) is None
     assert api_key_from_env("DF_KEY", {"DF_KEY": " s3cret\n"}) == "s3cret"

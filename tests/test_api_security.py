@@ -20,11 +20,11 @@ import openai
 import pytest
 
 from console.chat_model import ChatClient, ChatError
-from engine.api import ApiSettings, async_run_api
-from engine.api_guard import CHARS_PER_TOKEN, HostPolicy, host_name
-from engine.control import Assignment, ControlRequestError
+from engine.api.server import ApiSettings, async_run_api
+from engine.api.guard import CHARS_PER_TOKEN, HostPolicy, host_name
+from engine.control.messages import Assignment, ControlRequestError
 from engine.errors import DeskfleetError
-from engine.request import GenerationRequest
+from engine.generation.request import GenerationRequest
 from tests.asyncutil import run
 
 KEY = "sk-deskfleet-security-test"
@@ -38,8 +38,8 @@ BIG_PROMPTS = 3
 @contextlib.asynccontextmanager
 async def served(tiny_export, settings: ApiSettings = SETTINGS, host: str = "127.0.0.1"):
     """(coordinator, api) on this loop over the tiny 2-stage export, warmed up."""
-    from engine.coordinator import Coordinator
-    from engine.tokenizer import ChatTokenizer
+    from engine.coordinator.coordinator import Coordinator
+    from engine.generation.tokenizer import ChatTokenizer
 
     export = tiny_export("llama", 2)
     tokenizer = await asyncio.to_thread(ChatTokenizer, export / "tokenizer")
@@ -196,7 +196,7 @@ def test_an_assignment_carries_the_api_key_for_the_trays_chat_and_keeps_it_out_o
 
 
 def test_serve_refuses_a_non_loopback_address_without_a_key(tiny_export, monkeypatch):
-    from engine.serve_cli import COMMAND
+    from engine.cli.serve import COMMAND
 
     parser = argparse.ArgumentParser()
     COMMAND.configure(parser)
@@ -207,7 +207,7 @@ def test_serve_refuses_a_non_loopback_address_without_a_key(tiny_export, monkeyp
 
 
 def test_serve_takes_the_host_names_it_may_be_addressed_by(tiny_export):
-    from engine.serve_cli import COMMAND, settings_from_args
+    from engine.cli.serve import COMMAND, settings_from_args
 
     parser = argparse.ArgumentParser()
     COMMAND.configure(parser)

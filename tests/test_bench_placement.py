@@ -9,7 +9,7 @@ import pytest
 
 from console.bench_placement import PlacementBench, async_run_bench, error_pct, predict
 from console.bench_placement_report import fit_stage_cpu, render
-from engine.placement import Plan, PlannedStage
+from engine.placement.planner import Plan, PlannedStage
 from tests.asyncutil import run
 from tests.conftest import PROMPT_IDS
 

@@ -12,9 +12,9 @@ import numpy as np
 import openvino as ov
 import pytest
 
-from engine.generate import greedy_generate
-from engine.manifest import load_manifest
-from engine.shard import EXACT_PROPERTIES, LocalChain, StepInputs
+from engine.generation.in_process import greedy_generate
+from engine.shards.manifest import load_manifest
+from engine.shards.stage import EXACT_PROPERTIES, LocalChain, StepInputs
 from tests.conftest import FAMILIES as TRACED_FAMILIES
 from tests.conftest import PROMPT_IDS
 

@@ -23,7 +23,7 @@ from console.chat_model import (
     async_stream_reply,
 )
 from console.loop_thread import LoopThread
-from engine.api import ApiSettings, async_run_api
+from engine.api.server import ApiSettings, async_run_api
 
 KEY = "sk-chat-test"
 SETTINGS = ApiSettings(api_key=KEY, max_prompt_tokens=200, default_max_tokens=24, max_tokens_limit=400,
@@ -44,9 +44,9 @@ class Api:
 def api(tiny_export):
     """The API on a thread of its own, up for the whole module (the coordinator's compute thread
     is started here by a first request, so no test is blamed for it)."""
-    from engine.coordinator import Coordinator
-    from engine.request import GenerationRequest
-    from engine.tokenizer import ChatTokenizer
+    from engine.coordinator.coordinator import Coordinator
+    from engine.generation.request import GenerationRequest
+    from engine.generation.tokenizer import ChatTokenizer
 
     export = tiny_export("llama", 2)
     tokenizer = ChatTokenizer(export / "tokenizer")

@@ -10,7 +10,7 @@ import pytest
 
 
 def deskfleet(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "engine.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "engine.cli.main", *args], capture_output=True, text=True,
                           timeout=timeout)
 
 

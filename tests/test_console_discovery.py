@@ -14,7 +14,7 @@ from zeroconf import ServiceInfo
 
 from agent.service.service import AgentService
 from agent.service.settings import AgentSettings
-from engine.console_discovery import (
+from engine.discovery.join_service import (
     CONSOLE_SERVICE_TYPE,
     ConsoleAdvertisement,
     async_find_consoles,
@@ -22,8 +22,8 @@ from engine.console_discovery import (
     matching,
 )
 from engine.errors import DiscoveryError, EnrollmentError, JoinTokenError
-from engine.jointoken import JoinToken
-from engine.trust import FleetAuthority
+from engine.trust.join_token import JoinToken
+from engine.trust.fleet_ca import FleetAuthority
 from tests.agent_helpers import FakeIdle, console
 from tests.asyncutil import run
 
@@ -111,7 +111,7 @@ def test_headless_agent_joins_with_only_the_token(tmp_path):
         async with console(tmp_path / "console", advertise_on="127.0.0.1") as con:
             (tmp_path / "token").write_text(con.token())
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "engine.cli", "agent", "--headless", "--state-dir", str(tmp_path / "a"),
+                sys.executable, "-m", "engine.cli.main", "agent", "--headless", "--state-dir", str(tmp_path / "a"),
                 "--interface", "127.0.0.1", "--control-port", "0", "--data-port", "0",
                 "--join-file", str(tmp_path / "token"),
                 env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)

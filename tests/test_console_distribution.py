@@ -19,14 +19,14 @@ from agent.service.settings import AgentSettings
 from console.service.distribution import Distributor
 from console.service.errors import AgentsFailedError, LayoutError
 from console.service.ring_layout import AgentEndpoint, AgentTarget, RingLayout
-from engine.api import ApiSettings, async_run_api
-from engine.control import WorkerSettings
-from engine.generate import greedy_generate
-from engine.manifest import load_manifest
-from engine.placement import Plan, PlannedStage
-from engine.request import GenerationRequest
-from engine.shard import LocalChain
-from engine.tokenizer import ChatTokenizer
+from engine.api.server import ApiSettings, async_run_api
+from engine.control.messages import WorkerSettings
+from engine.generation.in_process import greedy_generate
+from engine.shards.manifest import load_manifest
+from engine.placement.planner import Plan, PlannedStage
+from engine.generation.request import GenerationRequest
+from engine.shards.stage import LocalChain
+from engine.generation.tokenizer import ChatTokenizer
 from tests.agent_helpers import FakeIdle, console, free_port
 from tests.asyncutil import collect, run
 from tests.conftest import PROMPT_IDS

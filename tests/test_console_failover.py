@@ -37,11 +37,11 @@ from console.service.failover import (
     ring_alarm,
 )
 from console.service.ring_layout import AgentEndpoint, AgentTarget, RingLayout
-from engine.control import WorkerSettings
-from engine.generate import greedy_generate
-from engine.generator import UnavailableError
-from engine.request import GenerationRequest
-from engine.shard import LocalChain
+from engine.control.messages import WorkerSettings
+from engine.generation.in_process import greedy_generate
+from engine.generation.generator import UnavailableError
+from engine.generation.request import GenerationRequest
+from engine.shards.stage import LocalChain
 from tests.agent_helpers import FakeIdle, console, free_port
 from tests.asyncutil import run
 from tests.conftest import PROMPT_IDS

@@ -26,10 +26,10 @@ from console.service.errors import (
 )
 from console.service.fleet import FleetModel
 from console.service.revocations import REVOKED_FILE
-from engine.control import Assignment
-from engine.control_client import ControlClient
-from engine.discovery import Browser
-from engine.trust import FleetAuthority, Role
+from engine.control.messages import Assignment
+from engine.control.client import ControlClient
+from engine.discovery.mdns import Browser
+from engine.trust.fleet_ca import FleetAuthority, Role
 from tests.agent_helpers import console, free_port
 from tests.asyncutil import run
 from tests.console_fleet_helpers import agent, joined_fleet, until

@@ -20,8 +20,8 @@ from console.service.export_job import (
     export_fraction,
 )
 from console.service.models import ModelLibrary
-from engine.manifest import load_manifest, verify_files
-from engine.placement import Plan, PlannedStage
+from engine.shards.manifest import load_manifest, verify_files
+from engine.placement.planner import Plan, PlannedStage
 
 SPEC = ExportSpec(weights="fp32", kv_cache_precision="f32")
 TIMEOUT = 300.0

@@ -1,5 +1,5 @@
 """Placement inputs measured over real agents on loopback, and placement itself: links into
-`engine.placement.Links`, calibration of the real CPU (OpenVINO, in the agents' subprocesses)
+`engine.placement.planner.Links`, calibration of the real CPU (OpenVINO, in the agents' subprocesses)
 cached per (model, node, device), the model's memory profile read from its calibration export,
 and `async_place` over two agents: a valid plan, an infeasible request explained, a paused agent
 left out with the reason, an unreachable one too.
@@ -27,9 +27,9 @@ from console.service.profiling import (
     ProfileCache,
     async_calibrate_devices,
 )
-from engine.control_client import ControlClient
+from engine.control.client import ControlClient
 from engine.errors import Exclusion, PlacementInfeasible
-from engine.placement import Plan
+from engine.placement.planner import Plan
 from tests.asyncutil import run
 from tests.console_fleet_helpers import joined_fleet
 

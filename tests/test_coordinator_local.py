@@ -6,12 +6,12 @@ import asyncio
 
 import pytest
 
-from engine.coordinator import Coordinator
+from engine.coordinator.coordinator import Coordinator
 from engine.errors import GenerationError
-from engine.generate import greedy_generate
-from engine.generator import OverloadedError
-from engine.request import FinishReason, GenerationRequest, SamplingParams
-from engine.shard import LocalChain
+from engine.generation.in_process import greedy_generate
+from engine.generation.generator import OverloadedError
+from engine.generation.request import FinishReason, GenerationRequest, SamplingParams
+from engine.shards.stage import LocalChain
 from tests.asyncutil import collect_events as collect
 from tests.asyncutil import run
 from tests.conftest import PROMPT_IDS
@@ -125,7 +125,7 @@ def test_prefix_cache_warm_path_equals_cold_and_falls_back_when_a_capture_is_los
 
 
 def test_a_restore_that_never_answers_times_out_into_a_cold_prefill(tiny_export, monkeypatch):
-    from engine.path import LocalPath
+    from engine.shards.step_path import LocalPath
 
     export = tiny_export("llama", 2)
     history = PROMPT_IDS + (44, 55, 66, 77)
@@ -157,7 +157,7 @@ def test_a_restore_that_never_answers_times_out_into_a_cold_prefill(tiny_export,
 
 
 def test_prefix_index_forgets_captures_of_another_model():
-    from engine.prefix_cache import PrefixIndex
+    from engine.shards.prefix_cache import PrefixIndex
 
     index = PrefixIndex(min_length=2, fingerprint="model-a")
     index.add(index.new_id(), (1, 2, 3, 4))

@@ -12,17 +12,17 @@ import sys
 import numpy as np
 import pytest
 
-from engine.codec import encode
-from engine.coordinator import Coordinator, model_card
-from engine.manifest import load_manifest
-from engine.messages import Error, Hello
-from engine.peer_policy import PeerPolicy
-from engine.request import GenerationRequest
-from engine.ring import RingPath, return_frame_bound
-from engine.shard import Stage
-from engine.stage_server import stage_frame_bound
-from engine.transport import ConnectionClosedError, async_connect, async_read_frame
-from engine.wire import (
+from engine.wire.codec import encode
+from engine.coordinator.coordinator import Coordinator, model_card
+from engine.shards.manifest import load_manifest
+from engine.wire.messages import Error, Hello
+from engine.trust.peer_policy import PeerPolicy
+from engine.generation.request import GenerationRequest
+from engine.coordinator.ring import RingPath, return_frame_bound
+from engine.shards.stage import Stage
+from engine.wire.stage_server import stage_frame_bound
+from engine.wire.transport import ConnectionClosedError, async_connect, async_read_frame
+from engine.wire.format import (
     COORDINATOR_STAGE,
     HEADER_STRUCT,
     MAGIC,
@@ -31,8 +31,9 @@ from engine.wire import (
     ErrorCode,
     FrameKind,
 )
-from engine.wire import Role as WireRole
-from engine.worker import Address, StageWorker
+from engine.wire.format import Role as WireRole
+from engine.wire.address import Address
+from engine.worker.stage_worker import StageWorker
 from tests.asyncutil import collect, run
 from tests.conftest import PROMPT_IDS
 from tests.dataplane_helpers import LOOP, N, fp_of, make_fleet
@@ -276,7 +277,7 @@ def test_the_return_port_refuses_an_oversized_frame_from_the_last_stage_unread(f
 def test_a_worker_refuses_to_listen_beyond_loopback_without_tls(export):
     import subprocess
 
-    cmd = [sys.executable, "-m", "engine.cli", "worker", "--shard", str(export), "--next", "127.0.0.1:9"]
+    cmd = [sys.executable, "-m", "engine.cli.main", "worker", "--shard", str(export), "--next", "127.0.0.1:9"]
     exposed = subprocess.run([*cmd, "--listen", "0.0.0.0:0"], capture_output=True, text=True, timeout=120)
     flags = subprocess.run([*cmd, "--expect-upstream", "a" * 64], capture_output=True, text=True, timeout=120)
     assert exposed.returncode == 1 and "--tls-stdin" in exposed.stderr and "0.0.0.0:0" in exposed.stderr
@@ -287,7 +288,7 @@ def test_serve_over_a_ring_needs_tls_off_loopback_and_the_ring_ends_with_it(flee
     import argparse
 
     from engine.errors import DeskfleetError
-    from engine.serve_cli import configure, ring_options
+    from engine.cli.serve import configure, ring_options
 
     parser = argparse.ArgumentParser()
     configure(parser)

@@ -11,14 +11,14 @@ import asyncio
 import numpy as np
 import pytest
 
-from engine.codec import encode
-from engine.messages import Hello, HelloAck, Logits, Pong
-from engine.peer_policy import PeerPolicy
-from engine.ring import RingPath
-from engine.shard import Stage
-from engine.transport import async_connect, async_hold, async_read_frame
-from engine.wire import Role
-from engine.worker import StageWorker
+from engine.wire.codec import encode
+from engine.wire.messages import Hello, HelloAck, Logits, Pong
+from engine.trust.peer_policy import PeerPolicy
+from engine.coordinator.ring import RingPath
+from engine.shards.stage import Stage
+from engine.wire.transport import async_connect, async_hold, async_read_frame
+from engine.wire.format import Role
+from engine.worker.stage_worker import StageWorker
 from tests.asyncutil import run
 from tests.dataplane_helpers import LOOP, fp_of, make_fleet
 

@@ -15,24 +15,26 @@ import sys
 import numpy as np
 import pytest
 
-from engine.codec import encode
-from engine.coordinator import Coordinator, model_card
-from engine.frame_server import FrameServer
-from engine.handshake import HandshakeError, LocalIdentity
-from engine.manifest import load_manifest
-from engine.messages import Capture, Error, Forward, Hello, Release, Tokens
-from engine.peer_policy import PeerPolicy, short
-from engine.request import GenerationRequest
-from engine.ring import RingPath
-from engine.shard import Stage
-from engine.transport import ConnectionClosedError, async_connect, async_read_frame
-from engine.wire import (
+from engine.wire.codec import encode
+from engine.coordinator.coordinator import Coordinator, model_card
+from engine.wire.frame_server import FrameServer
+from engine.wire.handshake import HandshakeError, LocalIdentity
+from engine.shards.manifest import load_manifest
+from engine.wire.messages import Capture, Error, Forward, Hello, Release, Tokens
+from engine.trust.peer_policy import PeerPolicy, short
+from engine.generation.request import GenerationRequest
+from engine.coordinator.ring import RingPath
+from engine.shards.stage import Stage
+from engine.wire.transport import ConnectionClosedError, async_connect, async_read_frame
+from engine.wire.format import (
     COORDINATOR_STAGE,
     ErrorCode,
     StreamId,
 )
-from engine.wire import Role as WireRole
-from engine.worker import PEERS_PREFIX, Address, StageWorker
+from engine.wire.format import Role as WireRole
+from engine.wire.address import Address
+from engine.worker.stage_worker import StageWorker
+from engine.worker.status_lines import PEERS_PREFIX
 from tests.asyncutil import collect, run
 from tests.conftest import PROMPT_IDS
 from tests.dataplane_helpers import LOOP, N, fp_of, make_fleet
@@ -86,7 +88,7 @@ async def _raw_frames_after_tls(address: Address, ctx, *frames) -> object:
 
 def test_a_member_posing_as_last_stage_or_upstream_is_refused_and_the_stream_is_untouched(fleet, export, stage,
                                                                                         caplog):
-    caplog.set_level(logging.WARNING, logger="engine.transport")
+    caplog.set_level(logging.WARNING, logger="engine.wire.transport")
     console, desk, mallory = fleet["console"], fleet["desk"], fleet["mallory"]
     fp = fp_of(export)
     request = GenerationRequest(PROMPT_IDS, N, ignore_eos=True)
@@ -230,7 +232,7 @@ def test_dialers_check_who_answers_before_sending_anything(fleet, export, stage)
 def test_a_tls_ring_or_worker_without_expected_peers_admits_nobody(fleet, export, stage):
     """There is no "any member" default: a TLS RingPath needs its ends named, and a TLS worker
     given no policy refuses every member until one arrives."""
-    from engine.peer_policy import PeerPolicyError
+    from engine.trust.peer_policy import PeerPolicyError
 
     console, desk = fleet["console"], fleet["desk"]
     with pytest.raises(PeerPolicyError, match="peers=PeerPolicy"):
@@ -318,10 +320,10 @@ def test_a_stream_opened_on_one_connection_cannot_be_touched_from_another(fleet,
 
 def test_a_static_workers_packed_session_belongs_to_the_connection_that_started_it(tmp_path_factory,
                                                                                    tiny_checkpoint):
-    from engine.messages import Packed
-    from engine.packed_stage import StaticStage
-    from engine.packed_worker import PackedStageWorker
-    from engine.packing import PlanFrame
+    from engine.wire.messages import Packed
+    from engine.static.stage import StaticStage
+    from engine.static.worker import PackedStageWorker
+    from engine.wire.plan_frame import PlanFrame
     from tests.npu_helpers import npu_export
 
     export = npu_export(tmp_path_factory, tiny_checkpoint("llama"), stages=1, context=32)
@@ -394,7 +396,7 @@ def test_a_running_worker_switches_its_accepted_upstream_from_stdin_without_rest
 
     async def main():
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "engine.cli", "worker", "--shard", str(export), "--listen", "127.0.0.1:0",
+            sys.executable, "-m", "engine.cli.main", "worker", "--shard", str(export), "--listen", "127.0.0.1:0",
             "--next", "127.0.0.1:9", "--exact", "--tls-stdin", stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True)
 

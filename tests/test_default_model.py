@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.generate import greedy_generate
-from engine.manifest import load_manifest
-from engine.shard import LocalChain
-from engine.tokenizer import ChatTokenizer
+from engine.generation.in_process import greedy_generate
+from engine.shards.manifest import load_manifest
+from engine.shards.stage import LocalChain
+from engine.generation.tokenizer import ChatTokenizer
 
 pytestmark = pytest.mark.slow
 

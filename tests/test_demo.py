@@ -25,7 +25,7 @@ def test_demo_answers_then_serves_the_openai_api_and_stops_cleanly_on_sigint(tmp
     # A fresh cache: the demo prepares the embedded GGUF and exports it here, from nothing. Every
     # process (the demo and its workers) reports its imports, so torch anywhere shows.
     env = {**os.environ, "DESKFLEET_CACHE": str(tmp_path / "cache"), "PYTHONPROFILEIMPORTTIME": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "demo", "--serve", "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "engine.cli.main", "demo", "--serve", "--port", "0",
                              "--max-new-tokens", "48"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True, env=env)
     lines: list[str] = []

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from zeroconf import IPVersion, ServiceInfo
 from zeroconf.asyncio import AsyncZeroconf
 
-from engine.discovery import (
+from engine.discovery.mdns import (
     MAX_TXT_BYTES,
     RECORD_TTL_S,
     SERVICE_TYPE,
@@ -304,7 +304,7 @@ def test_hostile_records_are_ignored_and_logged_once(loop, browser, caplog):
         await asyncio.sleep(0.5)
         assert good.instance in browser.peers()
 
-    caplog.set_level(logging.DEBUG, logger="engine.discovery")
+    caplog.set_level(logging.DEBUG, logger="engine.discovery.mdns")
     try:
         run(loop, scenario())
     finally:

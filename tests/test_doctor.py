@@ -19,8 +19,8 @@ import psutil
 import pytest
 from aiohttp import web
 
-from engine import doctor_facts as g
-from engine.doctor import (
+from engine.doctor import facts as g
+from engine.doctor.checks import (
     ClockFacts,
     DeviceFacts,
     DiskFacts,
@@ -41,8 +41,8 @@ from engine.doctor import (
     exit_code,
     report,
 )
-from engine.keystore import FileKeyring
-from engine.trust import FleetAuthority, Role
+from engine.trust.keystore import FileKeyring
+from engine.trust.fleet_ca import FleetAuthority, Role
 from tests.agent_helpers import console
 from tests.asyncutil import run
 
@@ -236,7 +236,7 @@ def test_clock_against_a_real_console_and_one_an_hour_off(tmp_path):
 
 def _doctor(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "DESKFLEET_KEYRING_DIR": str(tmp_path / "keyring")}
-    return subprocess.run([sys.executable, "-m", "engine.cli", "doctor", "--interface", "127.0.0.1",
+    return subprocess.run([sys.executable, "-m", "engine.cli.main", "doctor", "--interface", "127.0.0.1",
                            "--state-dir", str(tmp_path / "agent"), "--control-port", "0", *extra],
                           capture_output=True, text=True, timeout=120, env=env)
 

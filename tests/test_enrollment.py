@@ -13,7 +13,7 @@ from aiohttp import web
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
-from engine.enrollment import EnrollmentServer, async_join
+from engine.control.enrollment import EnrollmentServer, async_join
 from engine.errors import (
     EnrollmentError,
     EnrollmentTimeout,
@@ -21,8 +21,8 @@ from engine.errors import (
     JoinTokenError,
     WrongFleetError,
 )
-from engine.jointoken import JoinToken, TokenBook
-from engine.trust import FleetAuthority, Role, make_key_and_csr, peer_node_id, sanitize_name
+from engine.trust.join_token import JoinToken, TokenBook
+from engine.trust.fleet_ca import FleetAuthority, Role, make_key_and_csr, peer_node_id, sanitize_name
 from tests.asyncutil import run
 
 LOGGER = "deskfleet.enrollment"
@@ -101,7 +101,7 @@ def test_join_gives_working_fleet_credentials(tmp_path, caplog):
             # The node id is the certificate's fingerprint, and the console was told of it.
             der = x509.load_pem_x509_certificate(creds.cert_pem).public_bytes(serialization.Encoding.DER)
             assert creds.node_id == hashlib.sha256(der).hexdigest()
-            # the console records the name as engine.trust cleans it (a safe alphabet)
+            # the console records the name as engine.trust.fleet_ca cleans it (a safe alphabet)
             assert console.joins == [(creds.node_id, sanitize_name("Büro PC 3"), {"os": "Windows 11"})]
             assert creds.fleet_id == console.authority.fleet_id and creds.role is Role.AGENT
             assert creds.ca_pem == console.authority.ca_pem

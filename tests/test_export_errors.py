@@ -8,8 +8,8 @@ import shutil
 import pytest
 
 from engine.errors import DeskfleetError, ManifestError, ShardIntegrityError
-from engine.manifest import load_manifest
-from engine.shard import LocalChain, Stage
+from engine.shards.manifest import load_manifest
+from engine.shards.stage import LocalChain, Stage
 from export.architectures import UnsupportedArchitectureError
 from export.compress import CompressionError
 from export.exporter import ExportError, ExportOptions, export_model, plan_stages

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.generate import greedy_generate
-from engine.manifest import load_manifest
-from engine.shard import LocalChain, Stage
+from engine.generation.in_process import greedy_generate
+from engine.shards.manifest import load_manifest
+from engine.shards.stage import LocalChain, Stage
 from tests.conftest import FAMILIES, PROMPT_IDS
 
 N_TOKENS = 32

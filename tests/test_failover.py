@@ -13,13 +13,13 @@ import numpy as np
 import psutil
 import pytest
 
-from engine.generate import greedy_generate
-from engine.generator import UnavailableError
-from engine.localfleet import local_fleet
-from engine.path import StepResult
-from engine.request import GenerationRequest
-from engine.scheduler import StreamState, apply_reply, plan_step, reset_for_replay
-from engine.shard import LocalChain
+from engine.generation.in_process import greedy_generate
+from engine.generation.generator import UnavailableError
+from engine.tools.local_fleet import local_fleet
+from engine.shards.step_path import StepResult
+from engine.generation.request import GenerationRequest
+from engine.coordinator.scheduler import StreamState, apply_reply, plan_step, reset_for_replay
+from engine.shards.stage import LocalChain
 from tests.asyncutil import run
 from tests.conftest import PROMPT_IDS
 

@@ -15,10 +15,10 @@ from agent.tray import first_run_model as model
 from agent.tray.join_dialog import JoinDialog
 from console.first_run_model import NO_QR, first_run_text, qr_matrix
 from console.first_run_view import QtFirstRunView
-from engine.console_discovery import console_advertisement
-from engine.control import AgentStatus, FetchProgress, WorkerStatus
-from engine.fleet_host import is_first_run, load_or_create_authority
-from engine.jointoken import TokenBook, parse_token
+from engine.discovery.join_service import console_advertisement
+from engine.control.messages import AgentStatus, FetchProgress, WorkerStatus
+from engine.control.fleet_services import is_first_run, load_or_create_authority
+from engine.trust.join_token import TokenBook, parse_token
 from tests.agent_helpers import console
 from tests.test_tray import held, start_tray  # noqa: F401  (fixture)
 

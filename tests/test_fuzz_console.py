@@ -1,6 +1,6 @@
 """Hostile input against the console's two live endpoints, the enrollment server and the hub (issue 7).
 
-One console half (``engine.fleet_host``) on loopback for the module, publishing the tiny 2-stage
+One console half (``engine.control.fleet_services``) on loopback for the module, publishing the tiny 2-stage
 export. Enrollment gets join bodies built from tokens of every kind (fresh, replayed, expired,
 another fleet's, mistyped, junk), certificate requests of every kind (valid, tampered, RSA-1024,
 Ed25519, not a CSR at all, oversized) and hostile names and info; an independent prediction says
@@ -29,9 +29,9 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from engine.errors import CertificateRequestError, JoinTokenError
-from engine.jointoken import JoinToken, parse_token
-from engine.manifest import load_manifest
-from engine.trust import FleetAuthority, Role, check_request, make_key_and_csr
+from engine.trust.join_token import JoinToken, parse_token
+from engine.shards.manifest import load_manifest
+from engine.trust.fleet_ca import FleetAuthority, Role, check_request, make_key_and_csr
 from tests.agent_helpers import console
 from tests.fuzz_helpers import (
     CONTENT_TYPES,

@@ -22,14 +22,14 @@ from hypothesis import strategies as st
 
 from agent.service.service import AgentService
 from agent.service.settings import AgentSettings
-from engine.control import (
+from engine.control.messages import (
     Assignment,
     ControlRequestError,
     WorkerSettings,
     parse_node_id,
     parse_node_ids,
 )
-from engine.trust import Role
+from engine.trust.fleet_ca import Role
 from tests.agent_helpers import FakeIdle, console, free_port
 from tests.fuzz_helpers import (
     CONTENT_TYPES,

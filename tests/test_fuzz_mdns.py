@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from zeroconf import IPVersion, ServiceInfo
 from zeroconf.asyncio import AsyncZeroconf
 
-from engine.discovery import SERVICE_TYPE, TXT_KEYS, Advertisement, Advertiser, AgentState, Browser
+from engine.discovery.mdns import SERVICE_TYPE, TXT_KEYS, Advertisement, Advertiser, AgentState, Browser
 from engine.errors import DiscoveryError
 from tests.fuzz_helpers import fuzz_settings, loop_thread
 
@@ -113,7 +113,7 @@ class Heard(logging.Handler):
 @pytest.fixture(scope="module")
 def live():
     heard = Heard()
-    logger = logging.getLogger("engine.discovery")
+    logger = logging.getLogger("engine.discovery.mdns")
     logger.addHandler(heard)
     old_level = logger.level
     logger.setLevel(logging.DEBUG)

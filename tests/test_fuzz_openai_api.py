@@ -23,11 +23,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.api import ApiSettings, async_run_api
-from engine.api_guard import check_prompt_chars
+from engine.api.server import ApiSettings, async_run_api
+from engine.api.guard import check_prompt_chars
 from engine.errors import GenerationError, TokenizerError
-from engine.openai_schema import ApiError, parse_completion, to_generation_request
-from engine.request import GenerationRequest
+from engine.api.openai_schema import ApiError, parse_completion, to_generation_request
+from engine.generation.request import GenerationRequest
 from tests.fuzz_helpers import (
     CONTENT_TYPES,
     HUGE_NUMBERS,
@@ -124,8 +124,8 @@ class LiveApi:
 
 @pytest.fixture(scope="module")
 def live(tiny_export):
-    from engine.coordinator import Coordinator
-    from engine.tokenizer import ChatTokenizer
+    from engine.coordinator.coordinator import Coordinator
+    from engine.generation.tokenizer import ChatTokenizer
 
     export = tiny_export("llama", 2)
     tokenizer = ChatTokenizer(export / "tokenizer")

@@ -22,14 +22,14 @@ from aiohttp import web
 
 from console.service.errors import ForeignAgentError
 from console.service.fleet import FleetModel
-from engine.console_discovery import ConsoleAdvertiser, console_advertisement
-from engine.control import Assignment
-from engine.control_client import ControlClient, ControlError, WrongAgentError
-from engine.discovery import Advertisement, Advertiser, Browser
-from engine.enrollment import NotTheConsoleError
-from engine.fleet_host import API_KEY_SECRET
-from engine.keystore import ConsoleSecrets
-from engine.trust import Credentials, Role
+from engine.discovery.join_service import ConsoleAdvertiser, console_advertisement
+from engine.control.messages import Assignment
+from engine.control.client import ControlClient, ControlError, WrongAgentError
+from engine.discovery.mdns import Advertisement, Advertiser, Browser
+from engine.control.enrollment import NotTheConsoleError
+from engine.control.fleet_services import API_KEY_SECRET
+from engine.trust.keystore import ConsoleSecrets
+from engine.trust.fleet_ca import Credentials, Role
 from tests.agent_helpers import console
 from tests.asyncutil import run
 from tests.console_fleet_helpers import agent, joined_fleet, until
@@ -264,7 +264,7 @@ def test_forged_mdns_records_change_no_approved_agent_and_make_no_node_id_approv
 
 def test_an_mdns_flood_stops_at_the_browsers_caps(monkeypatch, caplog):
     """Past MAX_PEERS agents tracked, a new name is not even looked up (logged once)."""
-    import engine.discovery as discovery
+    import engine.discovery.mdns as discovery
 
     monkeypatch.setattr(discovery, "MAX_PEERS", 2)
     browser = discovery.Browser("127.0.0.1")
@@ -327,7 +327,7 @@ def test_a_refused_shard_fetch_reads_only_a_few_kib_of_the_answer(tmp_path, tiny
     """A hub answering a fetch with an error and an endless body: the agent reads at most
     MAX_ERROR_BYTES of it and reports the refusal (it used to read the whole body first)."""
     from agent.service.store import MAX_ERROR_BYTES, FetchError, ShardStore, async_fetch
-    from engine.trust import FleetAuthority
+    from engine.trust.fleet_ca import FleetAuthority
 
     export = tiny_export("llama", 2)
     authority = FleetAuthority.create("fetch test")

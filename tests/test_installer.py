@@ -130,10 +130,10 @@ def test_windows_installer_files(tmp_path):
     app = r"C:\Users\Ana Lopez\AppData\Local\Programs\Deskfleet"
     written = value[1:-1].replace('""', '"').replace("{app}", app)
     # exactly what the tray's own "Start at login" writes, so the tray sees the installer's choice
-    assert written == autostart.windows_run_value([app + r"\venv\Scripts\pythonw.exe", "-m", "engine.cli", "agent"])
+    assert written == autostart.windows_run_value([app + r"\venv\Scripts\pythonw.exe", "-m", "engine.cli.main", "agent"])
     for shortcut, args in (("Deskfleet agent", "agent"), ("Deskfleet console", "console")):
         line = next(x for x in iss.splitlines() if f"\\{shortcut}\"" in x)
-        assert windows.PYTHONW in line and f'Parameters: "-m engine.cli {args}"' in line
+        assert windows.PYTHONW in line and f'Parameters: "-m engine.cli.main {args}"' in line
     ps1 = windows.install_venv_ps1(VERSION)
     assert f'"deskfleet[gui]=={VERSION}"' in ps1 and "--no-index" in ps1 and "export" not in ps1
 

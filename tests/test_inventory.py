@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.errors import InventoryError
-from engine.inventory import (
+from engine.machine.inventory import (
     CpuCores,
     Device,
     DeviceKind,

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from engine.kv_layout import KVLayout
+from engine.shards.kv_layout import KVLayout
 
 
 def test_plain_decode_is_all_ones_with_consecutive_positions():

@@ -15,7 +15,7 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 
 from engine.errors import CredentialsError
-from engine.fleet_host import (
+from engine.control.fleet_services import (
     API_KEY_PREFIX,
     CA_KEY,
     WRAP_SECRET,
@@ -25,8 +25,8 @@ from engine.fleet_host import (
     load_or_create_authority,
     state_dir_lock,
 )
-from engine.keystore import ConsoleSecrets, FileKeyring
-from engine.trust import FleetAuthority
+from engine.trust.keystore import ConsoleSecrets, FileKeyring
+from engine.trust.fleet_ca import FleetAuthority
 from tests.asyncutil import run
 
 posix_only = pytest.mark.skipif(os.name != "posix", reason="POSIX file modes")
@@ -103,7 +103,7 @@ def test_the_api_key_is_made_once_and_kept(tmp_path):
 _HOLD = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from engine.fleet_host import state_dir_lock
+    from engine.control.fleet_services import state_dir_lock
     with state_dir_lock(Path(sys.argv[1])):
         print("held", flush=True)
         sys.stdin.read()

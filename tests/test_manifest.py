@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from engine.errors import ManifestError, ShardIntegrityError
-from engine.manifest import file_entry, parse_manifest, safe_join, verify_files
+from engine.shards.manifest import file_entry, parse_manifest, safe_join, verify_files
 
 
 @pytest.mark.parametrize("rel", ["../x", "/etc/passwd", "a/../../b", "", "a\\..\\b"])
@@ -64,7 +64,7 @@ def test_a_stage_whose_graph_or_weights_are_not_hashed_is_refused_at_parse_time(
 
 
 def _stage_logits(stage) -> np.ndarray:
-    from engine.shard import StepInputs
+    from engine.shards.stage import StepInputs
 
     ids = np.array([[1, 87, 85, 267]], dtype=np.int64)
     step = StepInputs(ids, np.ones((1, 4), dtype=np.int64), np.arange(4, dtype=np.int64)[None])
@@ -95,7 +95,7 @@ def test_what_is_hashed_is_what_gets_compiled_even_if_the_file_is_swapped_in_bet
 
     import openvino as ov
 
-    from engine.shard import Stage
+    from engine.shards.stage import Stage
 
     export = tmp_path / "export"
     shutil.copytree(tiny_export("llama", 1), export)

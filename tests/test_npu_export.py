@@ -12,8 +12,8 @@ import openvino.opset13 as ops
 import pytest
 
 from engine.errors import ManifestError
-from engine.manifest import SUPPORTED_VERSIONS, load_manifest, parse_manifest
-from engine.packed_stage import StaticChain
+from engine.shards.manifest import SUPPORTED_VERSIONS, load_manifest, parse_manifest
+from engine.static.stage import StaticChain
 from export.exporter import ExportError, ExportOptions, export_model
 from export.static_graph import (
     MaskEditError,
@@ -191,7 +191,7 @@ def test_bad_npu_options_are_refused_before_any_work(options, why, tiny_checkpoi
 
 
 def _deskfleet(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "engine.cli", *args], capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, "-m", "engine.cli.main", *args], capture_output=True, text=True, timeout=600)
 
 
 def test_cli_exports_npu_shards_and_explains_bad_options(tiny_checkpoint, tmp_path):
@@ -215,12 +215,12 @@ def test_cli_exports_npu_shards_and_explains_bad_options(tiny_checkpoint, tmp_pa
 
 
 def test_each_runtime_refuses_the_other_targets_shards(unpacked, tiny_export, tmp_path):
-    from engine.shard import Stage
+    from engine.shards.stage import Stage
 
     with pytest.raises(ManifestError, match="holds npu shards, but this runs stateful shards"):
         Stage(unpacked, 0)
     with pytest.raises(ManifestError, match="holds stateful shards, but this runs npu shards"):
-        from engine.manifest import verify_stage
+        from engine.shards.manifest import verify_stage
 
         verify_stage(tiny_export("llama", 1), load_manifest(tiny_export("llama", 1)), 0, target="npu")
     # The commands pick the runtime from the manifest: generate serves an NPU-target export statically.

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.openai_schema import (
+from engine.api.openai_schema import (
     ApiError,
     CompletionChunks,
     TextStream,
@@ -171,7 +171,7 @@ def test_answer_and_chunk_shapes():
 
 
 def test_the_schema_imports_no_aiohttp():
-    code = "import sys, engine.openai_schema; print(sorted(m for m in sys.modules if m.startswith('aiohttp')))"
+    code = "import sys, engine.api.openai_schema; print(sorted(m for m in sys.modules if m.startswith('aiohttp')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True,
                          cwd=Path(__file__).resolve().parents[1])
     assert out.stdout.strip() == "[]"

@@ -16,22 +16,22 @@ import numpy as np
 import openai
 import pytest
 
-from engine.address import Address
-from engine.coordinator import model_card
-from engine.generator import UnavailableError
-from engine.manifest import load_manifest
-from engine.messages import Forward, Packed
-from engine.packed_fleet import export_row_options
-from engine.packed_generator import PackedGenerator, RingStatic
-from engine.packed_stage import StaticChain, StaticStage, geometry_of, static_generate
-from engine.packed_worker import PackedStageWorker
-from engine.packing import PlanFrame
-from engine.request import FinishReason, GenerationRequest
-from engine.ring import RingPath
-from engine.shard import Stage
-from engine.slot_scheduler import PromptTooLong
-from engine.wire import StreamId
-from engine.worker import StageWorker
+from engine.wire.address import Address
+from engine.coordinator.coordinator import model_card
+from engine.generation.generator import UnavailableError
+from engine.shards.manifest import load_manifest
+from engine.wire.messages import Forward, Packed
+from engine.tools.static_fleet import export_row_options
+from engine.static.generator import PackedGenerator, RingStatic
+from engine.static.stage import StaticChain, StaticStage, geometry_of, static_generate
+from engine.static.worker import PackedStageWorker
+from engine.wire.plan_frame import PlanFrame
+from engine.generation.request import FinishReason, GenerationRequest
+from engine.coordinator.ring import RingPath
+from engine.shards.stage import Stage
+from engine.static.slot_scheduler import PromptTooLong
+from engine.wire.format import StreamId
+from engine.worker.stage_worker import StageWorker
 from tests.api_helpers import serve_process
 from tests.asyncutil import run
 from tests.conftest import PROMPT_IDS
@@ -206,11 +206,11 @@ def test_serve_workers_answers_the_openai_client_from_a_static_export(exports):
 
 def test_generate_answers_from_a_static_export_with_the_in_process_tokens(exports):
     alone = exports[1]
-    out = subprocess.run([sys.executable, "-m", "engine.cli", "generate", "--shards", str(alone), "--prompt",
+    out = subprocess.run([sys.executable, "-m", "engine.cli.main", "generate", "--shards", str(alone), "--prompt",
                           "Hello there", "--raw", "--max-new-tokens", "6", "--exact"],
                          cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=TIMEOUT)
     assert out.returncode == 0, out.stderr
-    from engine.tokenizer import ChatTokenizer
+    from engine.generation.tokenizer import ChatTokenizer
 
     tok = ChatTokenizer(alone / "tokenizer")
     chain = StaticChain.load(alone, exact=True)

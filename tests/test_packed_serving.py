@@ -8,10 +8,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from engine.packed_stage import PackedServer, StaticChain, static_generate
-from engine.packing import IDLE, PlanFrame
-from engine.shard import LocalChain, StepInputs
-from engine.slot_scheduler import PromptTooLong
+from engine.static.stage import PackedServer, StaticChain, static_generate
+from engine.wire.plan_frame import IDLE, PlanFrame
+from engine.shards.stage import LocalChain, StepInputs
+from engine.static.slot_scheduler import PromptTooLong
 from tests.conftest import FAMILIES, PROMPT_IDS
 from tests.npu_helpers import npu_export
 
@@ -41,7 +41,7 @@ def test_static_greedy_equals_hf_torch_inside_the_window(family, stages, tmp_pat
 
 
 def test_int4_static_shards_give_the_stateful_int4_tokens(tmp_path_factory, tiny_checkpoint, tiny_export):
-    from engine.generate import greedy_generate
+    from engine.generation.in_process import greedy_generate
 
     stateful = greedy_generate(LocalChain.load(tiny_export("llama", 2, "int4"), exact=True), PROMPT_IDS,
                                N_TOKENS, ignore_eos=True)
@@ -166,7 +166,7 @@ def test_isolation_is_exact_other_slots_cannot_move_a_slot_by_one_bit(own_rows, 
 
 @pytest.mark.slow
 def test_default_model_packed_agrees_with_unpacked(default_checkpoint, tmp_path_factory):
-    from engine.tokenizer import ChatTokenizer
+    from engine.generation.tokenizer import ChatTokenizer
 
     tok = ChatTokenizer(default_checkpoint)
     questions = ["What is the capital of France?", "Name three primary colours.", "What is 12 times 12?"]

@@ -8,17 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.errors import GenerationError
-from engine.kv_ring import KVRing, SlotRing
-from engine.packing import (
-    IDLE,
-    LockstepError,
-    PlanFrame,
-    SlotGeometry,
-    additive_bias,
-    layout_step,
-    shared_mask,
-)
-from engine.slot_scheduler import PromptTooLong, Slot, SlotRequest, admit, empty_slots, plan, update
+from engine.static.kv_ring import KVRing, SlotRing
+from engine.wire.plan_frame import IDLE, PlanFrame
+from engine.static.packing import LockstepError, SlotGeometry, additive_bias, layout_step, shared_mask
+from engine.static.slot_scheduler import PromptTooLong, Slot, SlotRequest, admit, empty_slots, plan, update
 
 # --- the ring ---------------------------------------------------------------------------------
 

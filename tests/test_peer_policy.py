@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.peer_policy import PeerPolicy, PeerPolicyError, parse_policy_update
+from engine.trust.peer_policy import PeerPolicy, PeerPolicyError, parse_policy_update
 
 A, B, C = ("a" * 64), ("b" * 64), ("c" * 64)
 

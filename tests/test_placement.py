@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import pytest
 
 from engine.errors import DeskfleetError
-from engine.placement import (
+from engine.placement.planner import (
     DeviceProfile,
     Links,
     ModelProfile,

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from engine.placement import (
+from engine.placement.planner import (
     DeviceProfile,
     Links,
     ModelProfile,
@@ -145,8 +145,8 @@ def test_mixed_device_forms_match_brute_force(seed):
 
 
 def test_an_agent_inventory_offers_cpu_gpu_and_npu_each_with_its_own_profile():
-    from engine.inventory import CpuCores, Device, DeviceKind, Inventory
-    from engine.placement import Calibration, device_candidates
+    from engine.machine.inventory import CpuCores, Device, DeviceKind, Inventory
+    from engine.placement.planner import Calibration, device_candidates
 
     inventory = Inventory(
         devices=(Device("CPU", DeviceKind.CPU, "Intel Core Ultra"),
@@ -170,6 +170,6 @@ def test_an_agent_inventory_offers_cpu_gpu_and_npu_each_with_its_own_profile():
 
 def _as_received(inventory):
     """The inventory as the console gets it from an agent (through to_dict/from_dict)."""
-    from engine.inventory import Inventory
+    from engine.machine.inventory import Inventory
 
     return Inventory.from_dict(inventory.to_dict())

@@ -12,15 +12,15 @@ import sys
 import numpy as np
 import pytest
 
-from engine.codec import encode
-from engine.generate import greedy_generate
-from engine.localfleet import local_fleet
-from engine.manifest import load_manifest
-from engine.messages import Error, Forward, Hello
-from engine.request import GenerationRequest, SamplingParams
-from engine.shard import LocalChain
-from engine.transport import async_connect
-from engine.wire import Role, StreamId
+from engine.wire.codec import encode
+from engine.generation.in_process import greedy_generate
+from engine.tools.local_fleet import local_fleet
+from engine.shards.manifest import load_manifest
+from engine.wire.messages import Error, Forward, Hello
+from engine.generation.request import GenerationRequest, SamplingParams
+from engine.shards.stage import LocalChain
+from engine.wire.transport import async_connect
+from engine.wire.format import Role, StreamId
 from tests.asyncutil import collect, run
 from tests.conftest import PROMPT_IDS
 
@@ -83,14 +83,14 @@ def test_start_order_does_not_matter_and_sigterm_drains(tiny_export, unsplit_tok
     p0, p1, ret = _free_port(), _free_port(), _free_port()
 
     def worker(stage, listen, nxt):
-        return subprocess.Popen([sys.executable, "-m", "engine.cli", "worker", "--shard", str(export), "--stage",
+        return subprocess.Popen([sys.executable, "-m", "engine.cli.main", "worker", "--shard", str(export), "--stage",
                                  str(stage), "--listen", f"127.0.0.1:{listen}", "--next", f"127.0.0.1:{nxt}",
                                  "--exact"], stdout=subprocess.PIPE, text=True, start_new_session=True)
 
     async def main(procs):
-        from engine.coordinator import Coordinator, model_card
-        from engine.ring import RingPath
-        from engine.worker import Address
+        from engine.coordinator.coordinator import Coordinator, model_card
+        from engine.coordinator.ring import RingPath
+        from engine.wire.address import Address
 
         path = RingPath(fingerprint, 2, Address("127.0.0.1", p0), Address("127.0.0.1", ret))
         async with Coordinator(path, model_card(load_manifest(export))) as c:
@@ -146,7 +146,7 @@ def test_malformed_frames_against_a_live_worker_spare_other_streams(tiny_export,
 
     async def main():
         async with local_fleet(export, exact=True) as c:
-            from engine.ring import RingPath
+            from engine.coordinator.ring import RingPath
 
             assert isinstance(c.path, RingPath)
             outcomes: list[str] = []

@@ -39,17 +39,18 @@ import pytest
 
 from agent.service.service import AgentService
 from agent.service.settings import AgentSettings
-from engine.control import Assignment, WorkerSettings
-from engine.control_client import ControlClient, ControlError
+from engine.control.messages import Assignment, WorkerSettings
+from engine.control.client import ControlClient, ControlError
 from engine.errors import JoinRefused, ManifestError, ShardIntegrityError
-from engine.manifest import load_manifest
-from engine.messages import Hello
-from engine.peer_policy import PeerPolicy
-from engine.shard import Stage
-from engine.transport import async_connect
-from engine.trust import Credentials, FleetAuthority, Role, make_key_and_csr
-from engine.wire import Role as WireRole
-from engine.worker import Address, StageWorker, async_serve_worker
+from engine.shards.manifest import load_manifest
+from engine.wire.messages import Hello
+from engine.trust.peer_policy import PeerPolicy
+from engine.shards.stage import Stage
+from engine.wire.transport import async_connect
+from engine.trust.fleet_ca import Credentials, FleetAuthority, Role, make_key_and_csr
+from engine.wire.format import Role as WireRole
+from engine.wire.address import Address
+from engine.worker.stage_worker import StageWorker, async_serve_worker
 from tests.agent_helpers import FakeIdle, console, free_port
 from tests.asyncutil import run
 
@@ -118,7 +119,7 @@ async def _knock(kind: str, port: int, ctx: ssl.SSLContext, fingerprint: str) ->
 
 
 def test_strangers_are_refused_and_logged_on_every_mutual_tls_port(tmp_path, tiny_export, caplog):
-    caplog.set_level(logging.DEBUG, logger="engine.trust")
+    caplog.set_level(logging.DEBUG, logger="engine.trust.fleet_ca")
     export = tiny_export("llama", 2)
     other = FleetAuthority.create("another fleet").issue_credentials("intruder", role=Role.CONSOLE)
 
@@ -145,7 +146,7 @@ def test_strangers_are_refused_and_logged_on_every_mutual_tls_port(tmp_path, tin
                     for who, (ctx, meaning) in strangers.items():
                         since = len(caplog.records)
                         turned_away = await _knock(kind, port, ctx, fingerprint)
-                        logged = await _logged(caplog, since, "engine.trust", "refused a TLS connection", meaning)
+                        logged = await _logged(caplog, since, "engine.trust.fleet_ca", "refused a TLS connection", meaning)
                         outcomes[(port_name, who)] = (turned_away, logged)
                 member = worker_creds.client_context()
                 let_in = {name: await _knock(kind, port, member, fingerprint) for name, (kind, port) in ports.items()}
@@ -226,12 +227,12 @@ def test_a_manifest_path_escaping_the_shard_store_is_refused_and_logged_on_every
             since = len(caplog.records)
             with pytest.raises(ManifestError, match="unsafe|escapes"):  # the hub will not publish it
                 con.hub.publish("evil", evil)
-            hub_log = await _logged(caplog, since, "engine.fleet_hub", "refusing to publish evil")
+            hub_log = await _logged(caplog, since, "engine.control.hub", "refusing to publish evil")
             member = con.authority.issue_credentials("desk-9", role=Role.AGENT).client_context()
             async with aiohttp.ClientSession() as s, \
                     s.get(f"https://127.0.0.1:{con.hub.port}/v1/shards/evil/..%2F..%2Foutside.bin", ssl=member) as r:
                 hub_status = r.status
-            await _logged(caplog, since, "engine.fleet_hub", "refused shard request")
+            await _logged(caplog, since, "engine.control.hub", "refused shard request")
 
             agent = _agent(tmp_path)
             await agent.async_start()
@@ -250,7 +251,7 @@ def test_a_manifest_path_escaping_the_shard_store_is_refused_and_logged_on_every
         since = len(caplog.records)
         with pytest.raises(ManifestError, match="unsafe|escapes"):
             await async_serve_worker(evil, 1, Address("127.0.0.1", port), Address("127.0.0.1", 9))
-        worker_log = await _logged(caplog, since, "engine.worker", "refusing to serve stage 1")
+        worker_log = await _logged(caplog, since, "engine.worker.stage_worker", "refusing to serve stage 1")
         with pytest.raises(OSError):  # nothing ever listened
             await asyncio.open_connection("127.0.0.1", port)
         return hub_log, hub_status, refused.value.status, control_log, assigned, worker_log
@@ -277,7 +278,7 @@ def test_a_shard_whose_hash_does_not_match_is_refused_and_logged_on_every_port(t
         since = len(caplog.records)
         with pytest.raises(ShardIntegrityError, match="sha256"):
             await async_serve_worker(bad, 1, Address("127.0.0.1", port), Address("127.0.0.1", 9))
-        worker_log = await _logged(caplog, since, "engine.worker", "refusing to serve stage 1", big.name)
+        worker_log = await _logged(caplog, since, "engine.worker.stage_worker", "refusing to serve stage 1", big.name)
         with pytest.raises(OSError):
             await asyncio.open_connection("127.0.0.1", port)
 

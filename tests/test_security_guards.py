@@ -12,12 +12,12 @@ import ssl
 import aiohttp
 from aiohttp import web
 
-from engine.enrollment import EnrollmentServer, _pinned_context, async_join
+from engine.control.enrollment import EnrollmentServer, _pinned_context, async_join
 from engine.errors import JoinRefused
-from engine.fleet_hub import FleetHub
+from engine.control.hub import FleetHub
 from engine.http_limits import ConnectionLimits
-from engine.jointoken import TokenBook, parse_token
-from engine.trust import FleetAuthority, Role
+from engine.trust.join_token import TokenBook, parse_token
+from engine.trust.fleet_ca import FleetAuthority, Role
 from tests.asyncutil import run
 
 JOINS = 20
@@ -136,6 +136,6 @@ def test_past_its_connection_caps_a_listener_closes_new_connections_while_a_held
     first, outcomes, again = run(main(), 60)
     assert first == 200 and again == 200
     assert outcomes == ["served", "closed", "served", "closed"]
-    for module in ("engine.api", "engine.enrollment", "engine.fleet_hub", "agent.service.service"):
+    for module in ("engine.api.server", "engine.control.enrollment", "engine.control.hub", "agent.service.service"):
         source = inspect.getsource(importlib.import_module(module))
         assert "LimitedAppRunner(" in source and "web.AppRunner(" not in source, module

@@ -15,10 +15,10 @@ import pytest
 from scipy.stats import chisquare
 
 from engine.errors import DeskfleetError, GenerationError
-from engine.kv_layout import KVLayout
-from engine.request import SamplingParams
-from engine.sampling import choose, probabilities
-from engine.speculation import (
+from engine.shards.kv_layout import KVLayout
+from engine.generation.request import SamplingParams
+from engine.generation.sampling import choose, probabilities
+from engine.coordinator.speculation_policy import (
     AdaptiveK,
     AdaptiveKConfig,
     PromptLookupDrafter,

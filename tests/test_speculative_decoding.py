@@ -7,12 +7,12 @@ import asyncio
 
 import pytest
 
-from engine.coordinator import Coordinator
-from engine.generate import greedy_generate
-from engine.localfleet import local_fleet
-from engine.request import GenerationRequest, SamplingParams
-from engine.shard import LocalChain
-from engine.speculator import SpeculationConfig, Speculator
+from engine.coordinator.coordinator import Coordinator
+from engine.generation.in_process import greedy_generate
+from engine.tools.local_fleet import local_fleet
+from engine.generation.request import GenerationRequest, SamplingParams
+from engine.shards.stage import LocalChain
+from engine.coordinator.speculation import SpeculationConfig, Speculator
 from tests.asyncutil import collect, run
 from tests.conftest import PROMPT_IDS
 
@@ -106,8 +106,8 @@ def test_speculative_sampling_is_seed_reproducible(tiny_export):
 
 def test_ring_behind_wan_emulators_on_every_hop(tiny_export, expected):
     """The hop hook puts a delaying proxy on each of the 3 hops; output must not change."""
-    from engine.wan import WanProxy
-    from engine.worker import Address
+    from engine.tools.wan_emulator import WanProxy
+    from engine.wire.address import Address
 
     proxies = []
 

@@ -9,14 +9,14 @@ import asyncio
 
 import numpy as np
 
-from engine.generate import greedy_generate
-from engine.localfleet import local_fleet
-from engine.manifest import load_manifest
-from engine.messages import Forward, Hello
-from engine.request import GenerationRequest
-from engine.shard import LocalChain
-from engine.transport import async_connect
-from engine.wire import Role, StreamId
+from engine.generation.in_process import greedy_generate
+from engine.tools.local_fleet import local_fleet
+from engine.shards.manifest import load_manifest
+from engine.wire.messages import Forward, Hello
+from engine.generation.request import GenerationRequest
+from engine.shards.stage import LocalChain
+from engine.wire.transport import async_connect
+from engine.wire.format import Role, StreamId
 from tests.asyncutil import collect, run
 from tests.conftest import PROMPT_IDS
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.manifest import load_manifest
+from engine.shards.manifest import load_manifest
 from export.exporter import ExportError, ExportOptions, export_model
 
 pytest.importorskip("gguf")
@@ -48,7 +48,7 @@ def _run(script: str, tmp_path: Path, timeout: float = 300) -> dict:
 
 _EXPORT_CLI = """
 import json, sys
-from engine.cli import main
+from engine.cli.main import main
 code = main(["export", {model!r}, "--stages", "2", "--weights", {weights!r}, "--out", {out!r}])
 print(json.dumps({{"code": code, "heavy": [m for m in {heavy!r} if m in sys.modules]}}))
 """
@@ -82,7 +82,7 @@ def test_npu_target_without_torch_names_the_extra(tiny_llama, tmp_path):
     script = f"""
     import json, sys
     sys.modules["torch"] = None  # what an install without the export-npu extra looks like to import
-    from engine.cli import main
+    from engine.cli.main import main
     code = main(["export", {str(tiny_llama)!r}, "--stages", "1", "--target", "npu",
                  "--context", "64", "--out", {str(tmp_path / "npu")!r}])
     print(json.dumps({{"code": code}}))

@@ -13,10 +13,10 @@ import socket
 import numpy as np
 import pytest
 
-from engine.codec import encode
-from engine.handshake import HandshakeError, LocalIdentity
-from engine.messages import Error, Forward, Hello, HelloAck, Ping, Pong
-from engine.transport import (
+from engine.wire.codec import encode
+from engine.wire.handshake import HandshakeError, LocalIdentity
+from engine.wire.messages import Error, Forward, Hello, HelloAck, Ping, Pong
+from engine.wire.transport import (
     ConnectionClosedError,
     DialError,
     FrameServer,
@@ -25,7 +25,7 @@ from engine.transport import (
     async_dial_with_retry,
     async_read_frame,
 )
-from engine.wire import (
+from engine.wire.format import (
     HEADER_SIZE,
     MIN_FRAME_BOUND,
     ErrorCode,
@@ -330,7 +330,7 @@ def test_dial_retries_until_the_listener_appears():
         probe.close()  # a free port nobody listens on yet
         failed_once = asyncio.Event()
         handler = FirstFailure(failed_once)
-        logging.getLogger("engine.transport").addHandler(handler)
+        logging.getLogger("engine.wire.transport").addHandler(handler)
         try:
             dial = asyncio.create_task(
                 async_connect("127.0.0.1", port, Hello(FP, 0, Role.COORDINATOR), deadline=20)
@@ -340,7 +340,7 @@ def test_dial_retries_until_the_listener_appears():
             await server.async_start("127.0.0.1", port)
             conn = await dial
         finally:
-            logging.getLogger("engine.transport").removeHandler(handler)
+            logging.getLogger("engine.wire.transport").removeHandler(handler)
         await conn.async_close()
         await server.async_close()
         with pytest.raises(DialError, match=f"127.0.0.1:{port} after 3 attempts"):

@@ -38,8 +38,8 @@ from agent.tray.tray_model import (
     status_line,
 )
 from console.loop_thread import LoopThread
-from engine.control import AgentStatus, FetchProgress, WorkerStatus
-from engine.jointoken import JoinToken
+from engine.control.messages import AgentStatus, FetchProgress, WorkerStatus
+from engine.trust.join_token import JoinToken
 from tests.agent_helpers import FakeIdle, console
 
 LOGIN = ["/usr/bin/deskfleet", "agent", "--state-dir", "/tmp/a dir"]
@@ -328,7 +328,7 @@ def test_open_chat_needs_the_fleets_address(qtbot, start_tray, tmp_path):
 
 
 def test_the_trays_chat_sends_the_api_key_its_assignment_brought(qtbot, start_tray, tmp_path, tiny_export):
-    from engine.control import Assignment
+    from engine.control.messages import Assignment
 
     manifest_json = (tiny_export("llama", 1) / "manifest.json").read_text()
     assignment = Assignment.create(manifest_json, export_id="e1", stage=0, source="https://127.0.0.1:9/shards/e1/",

@@ -32,9 +32,9 @@ from engine.errors import (
     KeyStoreError,
     TokenBookError,
 )
-from engine.jointoken import JoinToken, TokenBook, parse_token
-from engine.keystore import FileKeyring, KeyStore, default_backend
-from engine.trust import (
+from engine.trust.join_token import JoinToken, TokenBook, parse_token
+from engine.trust.keystore import FileKeyring, KeyStore, default_backend
+from engine.trust.fleet_ca import (
     Credentials,
     FleetAuthority,
     Role,

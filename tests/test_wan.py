@@ -18,13 +18,13 @@ import time
 
 import pytest
 
-from engine.handshake import LocalIdentity
-from engine.messages import Forward, Hello
-from engine.transport import FrameServer, async_connect
-from engine.wan import CHUNK_BYTES, LinkSchedule, WanProxy, WanProxyError
-from engine.wan_cli import COMMAND, async_serve_wan
-from engine.wire import Role
-from engine.worker import Address
+from engine.wire.handshake import LocalIdentity
+from engine.wire.messages import Forward, Hello
+from engine.wire.transport import FrameServer, async_connect
+from engine.tools.wan_emulator import CHUNK_BYTES, LinkSchedule, WanProxy, WanProxyError
+from engine.cli.wan import COMMAND, async_serve_wan
+from engine.wire.format import Role
+from engine.wire.address import Address
 from tests.tlsutil import make_pki
 from tests.wire_helpers import FP, assert_same, forward
 
@@ -296,7 +296,7 @@ def test_unreachable_target_resets_the_client_and_warns_once(caplog):
                 assert await read_to_end(reader) == b""
                 writer.close()
 
-    with caplog.at_level(logging.DEBUG, logger="engine.wan"):
+    with caplog.at_level(logging.DEBUG, logger="engine.tools.wan_emulator"):
         run(scenario())
     levels = [r.levelno for r in caplog.records if "could not reach" in r.getMessage()]
     assert levels == [logging.WARNING, logging.DEBUG]

@@ -79,7 +79,7 @@ def test_token_ids_equal_the_transformers_conversion(our_tokenizer_dir, hf_token
 
 
 def test_chat_template_and_special_tokens_equal_the_transformers_conversion(our_tokenizer_dir, hf_tokenizer):
-    from engine.tokenizer import ChatTokenizer
+    from engine.generation.tokenizer import ChatTokenizer
 
     config = json.loads((our_tokenizer_dir / "tokenizer_config.json").read_text())
     assert config["chat_template"] == hf_tokenizer.chat_template

@@ -8,16 +8,16 @@ import struct
 import numpy as np
 import pytest
 
-from engine.codec import decode, decode_body, decode_header, encode
+from engine.wire.codec import decode, decode_body, decode_header, encode
 from engine.errors import DeskfleetError
-from engine.handshake import (
+from engine.wire.handshake import (
     HandshakeError,
     LocalIdentity,
     check_hello,
     check_hello_ack,
     handshake_error_from,
 )
-from engine.messages import (
+from engine.wire.messages import (
     Capture,
     Error,
     Forward,
@@ -29,7 +29,7 @@ from engine.messages import (
     Restore,
     Tokens,
 )
-from engine.wire import (
+from engine.wire.format import (
     HEADER_SIZE,
     HEADER_STRUCT,
     MAGIC,

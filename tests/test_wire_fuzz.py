@@ -13,12 +13,12 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.codec import decode, decode_header, encode
-from engine.handshake import LocalIdentity, check_hello, handshake_error_from
-from engine.messages import Forward, Hello, Logits, Packed, Tokens
-from engine.packing import PlanFrame
-from engine.peer_policy import PeerPolicyError, parse_policy_update
-from engine.wire import (
+from engine.wire.codec import decode, decode_header, encode
+from engine.wire.handshake import LocalIdentity, check_hello, handshake_error_from
+from engine.wire.messages import Forward, Hello, Logits, Packed, Tokens
+from engine.wire.plan_frame import PlanFrame
+from engine.trust.peer_policy import PeerPolicyError, parse_policy_update
+from engine.wire.format import (
     HEADER_FIELDS,
     HEADER_SIZE,
     HEADER_STRUCT,

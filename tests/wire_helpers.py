@@ -6,8 +6,8 @@ from dataclasses import fields, is_dataclass
 
 import numpy as np
 
-from engine.codec import decode, encode
-from engine.messages import (
+from engine.wire.codec import decode, encode
+from engine.wire.messages import (
     Capture,
     Error,
     Forward,
@@ -22,8 +22,8 @@ from engine.messages import (
     Restore,
     Tokens,
 )
-from engine.packing import PlanFrame
-from engine.wire import (
+from engine.wire.plan_frame import PlanFrame
+from engine.wire.format import (
     HEADER_FIELDS,
     HEADER_SIZE,
     HEADER_STRUCT,

@@ -7,7 +7,7 @@ that console's node id (pinned at the join; a fresh join is the only way to repl
 member the console revoked (its deny list) is refused on every route. ``/v1/link/echo`` is for
 the console and for the members the console named as measure targets (``POST /v1/link/expect``,
 for a minute), streamed from one shared buffer, a few at a time. Every request is parsed by
-:mod:`engine.control` before the service sees it; a bad request gets a 4xx with a message and
+:mod:`engine.control.messages` before the service sees it; a bad request gets a 4xx with a message and
 changes nothing; every refusal is logged.
 
 Routes (docs/CONTROL_API.md)::
@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from engine.control import (
+from engine.control.messages import (
     Assignment,
     ControlRequestError,
     decode_body,
@@ -48,8 +48,8 @@ from engine.control import (
     parse_node_ids,
 )
 from engine.errors import DeskfleetError
-from engine.links import MAX_ECHO_BYTES
-from engine.trust import Role, peer_node_id, peer_role
+from engine.control.links import MAX_ECHO_BYTES
+from engine.trust.fleet_ca import Role, peer_node_id, peer_role
 
 if TYPE_CHECKING:
     from agent.service.service import AgentService

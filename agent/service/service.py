@@ -1,7 +1,7 @@
 """The headless agent: joins a fleet, advertises the PC, takes an assignment, fetches and verifies
 its shard, supervises the stage worker, and steps aside when the person at the PC needs it.
 
-One asyncio loop. The decisions are pure (:mod:`agent.service.pause`, :mod:`engine.control`);
+One asyncio loop. The decisions are pure (:mod:`agent.service.pause`, :mod:`engine.control.messages`);
 this class holds the state, does the I/O around them, and tells whoever listens (the tray, the
 mDNS advertiser, the console) when something changed. Everything the console asked for is
 persisted in the state dir, so a restarted agent goes back to serving what it served.
@@ -31,14 +31,14 @@ from agent.service.settings import AgentSettings, AgentState, load_state, save_s
 from agent.service.store import ShardStore, async_fetch
 from agent.service.supervisor import WorkerLaunch, WorkerSupervisor, worker_args
 from engine import __version__
-from engine.control import AgentStatus, Assignment, ControlRequestError, FetchProgress, WorkerStatus
-from engine.discovery import Advertisement, Advertiser, instance_name
+from engine.control.messages import AgentStatus, Assignment, ControlRequestError, FetchProgress, WorkerStatus
+from engine.discovery.mdns import Advertisement, Advertiser, instance_name
 from engine.errors import DeskfleetError
-from engine.host import primary_ipv4
+from engine.machine.this_pc import primary_ipv4
 from engine.http_limits import LimitedAppRunner
-from engine.keystore import KeyStore
-from engine.tls_peer import PeerCheckingConnector, PeerIdentityError, expect_peer
-from engine.trust import Credentials, Role
+from engine.trust.keystore import KeyStore
+from engine.trust.tls_peer import PeerCheckingConnector, PeerIdentityError, expect_peer
+from engine.trust.fleet_ca import Credentials, Role
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ REGISTER_INTERVAL_S = 30.0
 WORKER_READY_TIMEOUT_S = 120.0
 DRAIN_TIMEOUT_S = 30.0
 PAUSE_STOP_S = 1.0
-# The stage worker reads peer-policy updates as further JSON lines on stdin (engine.worker_cli).
+# The stage worker reads peer-policy updates as further JSON lines on stdin (engine.cli.worker).
 WORKER_READS_POLICY_UPDATES = True
 
 
@@ -140,7 +140,7 @@ class AgentService:
 
     async def async_find_consoles(self, *, pin: str | None = None, timeout: float = 4.0):
         """The consoles advertising their enrollment address on this agent's interface (mDNS)."""
-        from engine.console_discovery import async_find_consoles
+        from engine.discovery.join_service import async_find_consoles
 
         return await async_find_consoles(self.interface, pin=pin, timeout=timeout)
 
@@ -150,7 +150,7 @@ class AgentService:
         With no ``console`` the address is found over mDNS: the consoles whose record names the
         token's fleet, tried in turn (the join itself checks the CA against the token's pin).
         """
-        from engine.enrollment import async_join
+        from engine.control.enrollment import async_join
 
         if console:
             joined = await async_join(console, token, self.settings.name, info=self._inventory, timeout=timeout)
@@ -170,9 +170,9 @@ class AgentService:
         return creds
 
     async def _async_join_found_console(self, token: str, timeout: float):
-        from engine.enrollment import async_join
+        from engine.control.enrollment import async_join
         from engine.errors import EnrollmentError, JoinRefused, TrustError
-        from engine.jointoken import parse_token
+        from engine.trust.join_token import parse_token
 
         pin = parse_token(token).ca_pin  # a mistyped token is reported before any search
         loop = asyncio.get_running_loop()
@@ -308,7 +308,7 @@ class AgentService:
                                  node_id: str | None = None):
         """This PC's link to another agent's control API (for placement's agent -> agent latencies);
         ``node_id``: the agent that must answer there."""
-        from engine.links import async_measure_link
+        from engine.control.links import async_measure_link
 
         if self._creds is None:
             raise ControlRequestError("join a fleet first", 409)
@@ -317,7 +317,7 @@ class AgentService:
 
     async def async_calibrate(self, body: dict) -> list[dict]:
         """Fetch the named stages of a calibration export and time a decode step of each on the
-        requested device, in a subprocess (see :mod:`engine.calibrate`)."""
+        requested device, in a subprocess (see :mod:`engine.shards.calibration`)."""
         if self._pause.paused:
             raise ControlRequestError(f"paused ({', '.join(self._pause.reasons)}): not calibrating now", 409)
         stages = body.get("stages")
@@ -339,7 +339,7 @@ class AgentService:
             await async_fetch(self.store, part, ssl=ssl, console_node_id=self._state.console_node_id)
         device = parts[0].worker.device
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "engine.calibrate", "--shard", str(self.store.directory(parts[0].export_id)),
+            sys.executable, "-m", "engine.shards.calibration", "--shard", str(self.store.directory(parts[0].export_id)),
             "--stages", ",".join(map(str, stages)), "--device", device, "--steps", str(steps),
             *(["--threads", str(threads)] if threads is not None else []),
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
@@ -422,7 +422,7 @@ class AgentService:
         if self._inventory_fn is not None:
             return self._inventory_fn()
         self.store.root.mkdir(parents=True, exist_ok=True)
-        code = ("import json, sys; from pathlib import Path; from engine.inventory import collect_inventory; "
+        code = ("import json, sys; from pathlib import Path; from engine.machine.inventory import collect_inventory; "
                 "print(json.dumps(collect_inventory(Path(sys.argv[1])).to_dict()))")
         proc = await asyncio.create_subprocess_exec(sys.executable, "-c", code, str(self.store.root),
                                                     stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.atomic import write_json_atomic
+from engine.atomic_file import write_json_atomic
 from engine.errors import DeskfleetError
-from engine.host import DEFAULT_CONTROL_PORT, DEFAULT_DATA_PORT, default_agent_dir
+from engine.machine.this_pc import DEFAULT_CONTROL_PORT, DEFAULT_DATA_PORT, default_agent_dir
 
 SETTINGS_FILE = "settings.json"
 STATE_FILE = "state.json"

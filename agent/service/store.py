@@ -1,7 +1,7 @@
 """The shard store: where an agent keeps the files of its assigned stage, and how it gets them.
 
 Layout: ``<state dir>/shards/<export id>/manifest.json`` plus the stage's files at the paths the
-manifest names (every path goes through :func:`engine.manifest.safe_join`, so nothing a console
+manifest names (every path goes through :func:`engine.shards.manifest.safe_join`, so nothing a console
 sends can escape the store). A download writes ``<file>.part`` and resumes from its length with
 an HTTP Range request; a file becomes visible under its real name only after its sha256
 matched. Verified files are remembered by (size, mtime) in ``.verified.json``, so re-running a
@@ -23,12 +23,12 @@ from ssl import SSLContext
 
 import aiohttp
 
-from engine.atomic import write_json_atomic
-from engine.control import Assignment, ControlRequestError, FetchProgress
+from engine.atomic_file import write_json_atomic
+from engine.control.messages import Assignment, ControlRequestError, FetchProgress
 from engine.errors import DeskfleetError, ShardIntegrityError
-from engine.manifest import MANIFEST_NAME, FileEntry, safe_join, sha256_file
-from engine.tls_peer import PeerCheckingConnector, async_read_limited, expect_peer
-from engine.trust import Role
+from engine.shards.manifest import MANIFEST_NAME, FileEntry, safe_join, sha256_file
+from engine.trust.tls_peer import PeerCheckingConnector, async_read_limited, expect_peer
+from engine.trust.fleet_ca import Role
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ exponential backoff; after ``max_failures`` crashes within ``failure_window_s`` 
 gives up and reports ``failed`` with the worker's last words.
 
 The credentials JSON carries the worker's peer policy too (``expect_upstream``, ``expect_next``,
-``deny``: engine.peer_policy). stdin stays open while the worker runs, so a new policy — a
+``deny``: engine.trust.peer_policy). stdin stays open while the worker runs, so a new policy — a
 failover moved a neighbour, the console revoked a member — is one more JSON line on it
 (:meth:`WorkerSupervisor.async_update_policy`) instead of a restart that would recompile the shard.
 
@@ -32,7 +32,8 @@ from dataclasses import dataclass, replace
 
 import psutil
 
-from engine.control import PEERS_PREFIX, READY_PREFIX, STATS_PREFIX, WorkerStatus
+from engine.control.messages import WorkerStatus
+from engine.worker.status_lines import PEERS_PREFIX, READY_PREFIX, STATS_PREFIX
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ class WorkerLaunch:
         return replace(self, stdin=json.dumps(blob).encode() + b"\n")
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "engine.cli", "worker", *self.args, "--report-interval", "1",
+        return [sys.executable, "-m", "engine.cli.main", "worker", *self.args, "--report-interval", "1",
                 "--exit-with-parent"]
 
 

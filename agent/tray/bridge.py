@@ -23,8 +23,8 @@ from agent.service.settings import AgentSettings
 from agent.tray.tray_model import Notice, notices_between
 from console.loop_thread import LoopThread
 from console.qt_async import QtAsync
-from engine.control import AgentStatus
-from engine.trust import Credentials
+from engine.control.messages import AgentStatus
+from engine.trust.fleet_ca import Credentials
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """What the agent's first-run window says, decided without Qt.
 
 An agent that is not in a fleet asks for one thing: the join token. The console's address is
-found on the network (:mod:`engine.console_discovery`); typing it is the fallback for a console
+found on the network (:mod:`engine.discovery.join_service`); typing it is the fallback for a console
 on another network. Once joined, the window says the PC waits for the admin's approval, and
 changes when the console gives it work. Every page first says, in plain words, what the app
 will do with the PC. Pure functions of the search result and the agent's status, tested
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.console_discovery import ConsoleAdvertisement
-from engine.control import AgentStatus
+from engine.discovery.join_service import ConsoleAdvertisement
+from engine.control.messages import AgentStatus
 
 WHAT_IT_DOES = (
     "Deskfleet lends this PC's spare computing power to your organisation's own AI assistant, which "

@@ -3,7 +3,7 @@
 Page one says what the app will do with the PC and asks for the token only; the console is
 searched for on the network as the window opens, and the address field appears only when none
 answered or the person asks for it. A mistyped token, a refused one or an unreachable console
-is explained in the window (the messages come from :mod:`engine.enrollment` and say what to
+is explained in the window (the messages come from :mod:`engine.control.enrollment` and say what to
 do), and nothing about the agent changes. Page two follows the join: waiting for the admin to
 approve the PC, then approved once the console gives it work. Texts come from
 :mod:`agent.tray.first_run_model`.
@@ -25,8 +25,8 @@ from PySide6.QtWidgets import (
 
 from agent.tray import first_run_model as model
 from agent.tray.bridge import AgentBridge
-from engine.control import AgentStatus
-from engine.trust import Credentials
+from engine.control.messages import AgentStatus
+from engine.trust.fleet_ca import Credentials
 
 
 def _wrapped(text: str = "") -> QLabel:

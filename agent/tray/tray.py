@@ -21,7 +21,7 @@ from agent.tray.bridge import AgentBridge
 from agent.tray.icons import state_icon
 from agent.tray.join_dialog import JoinDialog
 from agent.tray.tray_model import NO_CHAT_ADDRESS, STARTING, MenuState, Notice, menu_state
-from engine.control import AgentStatus
+from engine.control.messages import AgentStatus
 from installer import autostart
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """What the tray shows, decided without Qt: the status line, the menu's state, and which status
 changes deserve a desktop notification.
 
-Pure functions of :class:`engine.control.AgentStatus` and the settings, so every rule is tested
+Pure functions of :class:`engine.control.messages.AgentStatus` and the settings, so every rule is tested
 without a QApplication; :mod:`agent.tray.tray` only copies the result onto its QActions.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from agent.service import pause
 from agent.service.settings import AgentSettings
-from engine.control import AgentStatus
+from engine.control.messages import AgentStatus
 
 STARTING = "starting"  # not an agent state: the tray's own, until the service's first status
 STATUS_MAX_CHARS = 90
@@ -111,7 +111,7 @@ def notices_between(before: AgentStatus | None, after: AgentStatus) -> list[Noti
 def login_command(state_dir: Path, default_state_dir: Path) -> list[str]:
     """The command registered to start the tray at login: this interpreter running the CLI, so it
     works from a virtualenv as well; a non-default state dir is passed on so the same agent starts."""
-    command = [sys.executable, "-m", "engine.cli", "agent"]
+    command = [sys.executable, "-m", "engine.cli.main", "agent"]
     if Path(state_dir).resolve() != Path(default_state_dir).resolve():
         command += ["--state-dir", str(Path(state_dir).resolve())]
     return command

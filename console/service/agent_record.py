@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from engine.control import AgentStatus
+from engine.control.messages import AgentStatus
 
 UNKNOWN_STATE = "unknown"  # approved earlier, not heard from since the console started
 UNVERIFIED_STATE = "unverified"  # this fleet's agent by an mDNS record alone: not proven, nothing it claims shown

@@ -1,7 +1,7 @@
 """The calibration export of a model, and the model's memory profile read from it.
 
 Calibration times decode steps of stages of one and of two decoder layers on every candidate
-device (`engine.calibrate`): the slope is placement's per-layer time, the intercept its
+device (`engine.shards.calibration`): the slope is placement's per-layer time, the intercept its
 per-stage overhead. Such stages must be middle stages (no embedding, no head), so a model of
 five or more layers is exported once with ``split=[1, 2, 4]`` (stage 1 holds layer 1, stage 2
 layers 2-3), and a four-layer model twice, with ``[1, 2]`` and ``[1, 3]``. The exports use the
@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 
 from console.service.errors import CalibrationError
 from engine.errors import ManifestError
-from engine.manifest import Manifest, StageManifest, load_manifest
-from engine.placement import ModelProfile
+from engine.shards.manifest import Manifest, StageManifest, load_manifest
+from engine.placement.planner import ModelProfile
 
 if TYPE_CHECKING:
     from export.options import ExportOptions

@@ -17,9 +17,9 @@ from pathlib import Path
 from console.service.agent_record import AgentRecord
 from console.service.errors import LayoutError
 from console.service.ring_layout import DEFAULT_DATA_PORT, AgentEndpoint
-from engine.api import ApiSettings
-from engine.control import WorkerSettings
-from engine.placement import Plan
+from engine.api.server import ApiSettings
+from engine.control.messages import WorkerSettings
+from engine.placement.planner import Plan
 
 ENROLLMENT_PORT = 7220
 HUB_PORT = 7221

@@ -1,12 +1,12 @@
 """Distribution: from an export and a ring layout to a running coordinator.
 
 :meth:`Distributor.async_run` publishes the export on the console's hub, sends every agent its
-:class:`~engine.control.Assignment` (listen port, next hop = the next agent's data address, and
+:class:`~engine.control.messages.Assignment` (listen port, next hop = the next agent's data address, and
 for the last stage the coordinator's return port), starts the fetches and polls the agents'
 status, reporting each agent's bytes as :class:`~console.service.ring_layout.AgentProgress`.
 Once every agent holds verified files it starts the workers, connects the ring (a
-:class:`~engine.ring.RingPath` with stage 0 in this process when the layout says so, mutual TLS
-with the console's fleet certificate) under a :class:`~engine.coordinator.Coordinator`, and checks
+:class:`~engine.coordinator.ring.RingPath` with stage 0 in this process when the layout says so, mutual TLS
+with the console's fleet certificate) under a :class:`~engine.coordinator.coordinator.Coordinator`, and checks
 it with a one-token generation.
 
 Every agent is known by its certificate: the first contact learns its node id from the TLS
@@ -51,18 +51,18 @@ from console.service.ring_layout import (
     RingHealth,
     RingLayout,
 )
-from engine.control import AgentStatus, Assignment, ControlRequestError, WorkerSettings
-from engine.control_client import ControlClient, ControlError
-from engine.coordinator import Coordinator, model_card
+from engine.control.messages import AgentStatus, Assignment, ControlRequestError, WorkerSettings
+from engine.control.client import ControlClient, ControlError
+from engine.coordinator.coordinator import Coordinator, model_card
 from engine.errors import DeskfleetError
-from engine.fleet_host import FleetHost
-from engine.fleet_hub import AgentEvent
-from engine.manifest import MANIFEST_NAME, load_manifest
-from engine.peer_policy import PeerPolicy
-from engine.request import GenerationRequest
-from engine.ring import RingPath, return_frame_bound
-from engine.shard import Stage
-from engine.worker import Address
+from engine.control.fleet_services import FleetHost
+from engine.control.hub import AgentEvent
+from engine.shards.manifest import MANIFEST_NAME, load_manifest
+from engine.trust.peer_policy import PeerPolicy
+from engine.generation.request import GenerationRequest
+from engine.coordinator.ring import RingPath, return_frame_bound
+from engine.shards.stage import Stage
+from engine.wire.address import Address
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ class Distributor:
 
     @property
     def coordinator(self) -> Coordinator:
-        """The running coordinator, to put the OpenAI API on (:func:`engine.api.async_run_api`)."""
+        """The running coordinator, to put the OpenAI API on (:func:`engine.api.server.async_run_api`)."""
         if self._coordinator is None:
             raise DistributionError("the ring is not up; run the distribution first")
         return self._coordinator

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import ManifestError
-from engine.manifest import MANIFEST_NAME, Manifest, load_manifest
+from engine.shards.manifest import MANIFEST_NAME, Manifest, load_manifest
 
 log = logging.getLogger(__name__)
 

@@ -28,15 +28,15 @@ from typing import TYPE_CHECKING
 
 from console.service.errors import LayoutError, NoReplacementError
 from console.service.ring_layout import AgentEndpoint, AgentTarget, RingLayout
-from engine.control import AgentStatus, parse_hostport
-from engine.control_client import ControlClient, ControlError
+from engine.control.messages import AgentStatus, parse_hostport
+from engine.control.client import ControlClient, ControlError
 from engine.errors import DeskfleetError
-from engine.ring import RingPath
-from engine.worker import Address
+from engine.coordinator.ring import RingPath
+from engine.wire.address import Address
 
 if TYPE_CHECKING:
     from console.service.distribution import Distributor
-    from engine.coordinator import Coordinator
+    from engine.coordinator.coordinator import Coordinator
 
 log = logging.getLogger(__name__)
 

@@ -43,10 +43,10 @@ from console.service.errors import (
     UnknownAgentError,
 )
 from console.service.revocations import RevocationBook
-from engine.control_client import ControlClient, ControlError, WrongAgentError
-from engine.discovery import Peer
-from engine.fleet_hub import AgentEvent, FleetHub
-from engine.trust import Credentials
+from engine.control.client import ControlClient, ControlError, WrongAgentError
+from engine.discovery.mdns import Peer
+from engine.control.hub import AgentEvent, FleetHub
+from engine.trust.fleet_ca import Credentials
 
 __all__ = ["AgentRecord", "AgentSource", "FleetModel", "Membership"]
 

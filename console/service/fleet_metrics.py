@@ -16,8 +16,8 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from engine.fleet_hub import AgentEvent
-from engine.placement import Plan
+from engine.control.hub import AgentEvent
+from engine.placement.planner import Plan
 
 LOCAL_COMPUTE = 'stage_compute_ms_per_step{stage="0"}'
 HISTORY = 120  # samples kept for the sparkline (two minutes at one a second)

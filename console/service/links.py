@@ -1,5 +1,5 @@
 """Link probes for placement: console -> agent measured by the console itself, agent -> agent
-measured by agent A on request (``POST /v1/link/measure``), turned into `engine.placement.Links`.
+measured by agent A on request (``POST /v1/link/measure``), turned into `engine.placement.planner.Links`.
 
 Latencies are one-way (half the median round trip). The console hosts the coordinator, so its
 own measurements are the coordinator's latencies. Each unordered pair of agents is measured
@@ -18,9 +18,9 @@ from itertools import combinations
 from types import MappingProxyType
 
 from console.service.fleet import FleetModel
-from engine.control_client import ControlClient, ControlError
-from engine.links import LinkError, LinkMeasurement, async_measure_link
-from engine.placement import Links
+from engine.control.client import ControlClient, ControlError
+from engine.control.links import LinkError, LinkMeasurement, async_measure_link
+from engine.placement.planner import Links
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ from export.sources import (
 )
 
 if TYPE_CHECKING:
-    from engine.placement import Plan
+    from engine.placement.planner import Plan
 
 MODELS_FILE = "models.json"
 _GGUF_MAGIC = b"GGUF"

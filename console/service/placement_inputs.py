@@ -32,8 +32,8 @@ from console.service.profiling import (
     pc_infos,
 )
 from engine.errors import Exclusion, PlacementInputError
-from engine.fleet_hub import FleetHub
-from engine.placement import (
+from engine.control.hub import FleetHub
+from engine.placement.planner import (
     DeviceProfile,
     ModelProfile,
     PcInfo,
@@ -172,7 +172,7 @@ def retime(inputs: PlacementInputs, plan: Plan, firsts: Sequence[int]) -> Plan:
 
 def _stage_cost(model: ModelProfile, device: DeviceProfile, first: int, last: int) -> tuple[float, int]:
     """(ms per token, bytes) of layers first..last on ``device``; embedding with layer 0, head
-    with the last layer, as `engine.placement` counts them."""
+    with the last layer, as `engine.placement.planner` counts them."""
     ms = device.layer_ms * (last - first + 1) + device.overhead_ms
     memory = sum(model.layer_bytes[first:last + 1])
     if first == 0:

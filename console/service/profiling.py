@@ -2,7 +2,7 @@
 
 `console.service.placement_inputs` puts them together: refresh the agents' status, measure the
 links, build (once) the model's calibration export, calibrate every approved agent's devices that
-have no cached profile, and hand `engine.placement.solve` the model, PCs, devices and links.
+have no cached profile, and hand `engine.placement.planner.solve` the model, PCs, devices and links.
 Calibrated numbers are cached in the console state dir by (model key, node id, device, threads),
 so the next placement of the same model measures nothing again.
 
@@ -29,10 +29,10 @@ from console.service.calibration_export import CalibrationSet
 from console.service.errors import ConsoleStateError
 from console.service.fleet import FleetModel
 from console.service.state_file import read_json, write_json
-from engine.calibrate import StageTiming, fit_layer_time
-from engine.control_client import ControlClient, ControlError
-from engine.fleet_hub import FleetHub
-from engine.placement import DeviceProfile, ModelProfile, PcInfo
+from engine.shards.calibration import StageTiming, fit_layer_time
+from engine.control.client import ControlClient, ControlError
+from engine.control.hub import FleetHub
+from engine.placement.planner import DeviceProfile, ModelProfile, PcInfo
 
 log = logging.getLogger(__name__)
 

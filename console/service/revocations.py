@@ -1,6 +1,6 @@
 """Members the admin removed: their node ids, kept in the console's state dir (the deny list).
 
-A fleet certificate stays valid for its whole life (engine.trust.LEAF_DAYS), so "remove" must
+A fleet certificate stays valid for its whole life (engine.trust.fleet_ca.LEAF_DAYS), so "remove" must
 also take back what the certificate lets its holder do. The deny list is enforced where a
 member's certificate is checked: the console's hub (registrations, events, shards), the
 coordinator's return port (RingPath), and every agent — its control API and its stage worker —

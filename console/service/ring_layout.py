@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from console.service.errors import LayoutError
-from engine.control import parse_hostport
+from engine.control.messages import parse_hostport
 from engine.errors import DeskfleetError
 
 if TYPE_CHECKING:
-    from engine.placement import Plan
+    from engine.placement.planner import Plan
 
 DEFAULT_DATA_PORT = 7211  # an agent's default data port (agent.service.settings.AgentSettings)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from console.service.errors import ConsoleStateError
-from engine.atomic import write_json_atomic
+from engine.atomic_file import write_json_atomic
 
 
 def read_json(path: Path, what: str) -> dict[str, Any] | None:

@@ -17,7 +17,7 @@ from typing import Any
 import openvino as ov
 
 from engine.errors import DeskfleetError
-from engine.manifest import StageManifest, TensorSpec, file_entry
+from engine.shards.manifest import StageManifest, TensorSpec, file_entry
 from export.builder.families import ModelShape
 from export.builder.stage_graph import StagePlan, build_stage_model, head_tensor, stage_tensor_names
 

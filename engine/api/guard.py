@@ -1,0 +1,104 @@
+"""Request hygiene for the OpenAI API, as pure policy: who may address it, what it accepts.
+
+Three checks run before a request costs anything (:mod:`engine.api.server` applies them):
+
+* **Host.** A browser page on another site can make the browser send requests to this API;
+  with DNS rebinding its own host name even resolves to this machine, so the request looks
+  same-origin to the browser. What it cannot forge is the ``Host`` header: it is the page's
+  name. So only names this server is known by are accepted: the address it is bound to,
+  the loopback names, and names the admin configured. A server bound to every interface
+  (``0.0.0.0``, ``::``) also takes any IP literal: a rebinding page can only send a name.
+* **Content type.** A cross-site HTML form can POST without a CORS preflight, but only as
+  ``text/plain``, ``multipart/form-data`` or ``application/x-www-form-urlencoded``; requiring
+  ``application/json`` refuses all of them.
+* **Prompt size in characters.** Rendering and tokenising cost time in proportion to the
+  text, so a prompt far longer than ``max_prompt_tokens`` could ever tokenise to is refused
+  unread: no tokenizer produces fewer than one token per :data:`CHARS_PER_TOKEN` characters
+  of natural text in practice (English averages about 4).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable
+
+from engine.api.openai_schema import ApiError, CompletionParams
+
+CHARS_PER_TOKEN = 8
+LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "127.0.0.1", "::1"})
+WILDCARD_BINDS = frozenset({"", "0.0.0.0", "::"})
+JSON_TYPE = "application/json"
+
+
+def host_name(header: str) -> str | None:
+    """The host part of a ``Host`` header, lower-case, without port or trailing dot
+    (``"[::1]:8000"`` -> ``"::1"``); None if it is not a well-formed host."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        name, sep, rest = header[1:].partition("]")
+        if not sep or (rest and not (rest.startswith(":") and rest[1:].isdigit())):
+            return None
+    else:
+        name, sep, port = header.rpartition(":") if header.count(":") == 1 else (header, "", "")
+        if sep and not port.isdigit():
+            return None
+        name = name if sep else header
+    name = name.rstrip(".")
+    return name or None
+
+
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+class HostPolicy:
+    """Which ``Host`` headers a server bound to ``bind`` answers (see the module docstring)."""
+
+    def __init__(self, bind: str, extra: Iterable[str] = ()) -> None:
+        self.any_ip = bind in WILDCARD_BINDS
+        names = set(LOOPBACK_NAMES) | {n for n in (host_name(h) for h in extra) if n}
+        if not self.any_ip:
+            names.add(host_name(f"[{bind}]" if ":" in bind else bind) or bind.lower())
+        self.names = frozenset(names)
+
+    def allows(self, header: str | None) -> bool:
+        name = host_name(header) if header else None
+        if name is None:
+            return False
+        return name in self.names or (self.any_ip and _is_ip(name))
+
+    def check(self, header: str | None) -> None:
+        """Raise ApiError 421 unless ``header`` names this server."""
+        if not self.allows(header):
+            raise ApiError(421, f"this server does not answer to the host name {header!r}; address it by "
+                           f"one of {', '.join(sorted(self.names))} (a page on another site cannot use "
+                           "this API)", "wrong_host")
+
+
+def check_json_type(content_type: str) -> None:
+    """Raise ApiError 415 unless a POST body is declared ``application/json``."""
+    if content_type != JSON_TYPE:
+        raise ApiError(415, f"the request body must be sent as Content-Type: {JSON_TYPE}, not "
+                       f"{content_type or 'none'!r}", "unsupported_media_type")
+
+
+def prompt_chars(params: CompletionParams) -> int:
+    """The characters the tokenizer would read: every chat message's content, or the prompt
+    (a prompt of token ids counts one per id)."""
+    if params.kind == "chat":
+        return sum(len(m.get("content", "")) for m in params.messages)
+    return len(params.prompt)
+
+
+def check_prompt_chars(params: CompletionParams, max_prompt_tokens: int) -> None:
+    """Raise ApiError 400 ``context_length_exceeded`` for a prompt too long to be worth tokenising."""
+    n, limit = prompt_chars(params), CHARS_PER_TOKEN * max_prompt_tokens
+    if n > limit:
+        raise ApiError(400, f"the prompt has {n} characters; this server accepts at most {max_prompt_tokens} "
+                       f"tokens, so at most {limit} characters are read. Shorten the prompt or the "
+                       "conversation.", "context_length_exceeded",
+                       param="messages" if params.kind == "chat" else "prompt")

@@ -1,0 +1,481 @@
+"""The coordinator's OpenAI-compatible HTTP API (aiohttp, one asyncio loop).
+
+Routes: ``/v1/chat/completions`` and ``/v1/completions`` (JSON or SSE streaming),
+``/v1/models``, ``/health`` and ``/metrics`` (Prometheus text). Text is this layer's business:
+requests are parsed and tokenized here into a :class:`GenerationRequest` of ids, and the
+:class:`Generator`'s token ids are turned back into text deltas here, stop strings included.
+
+The policy is pure: :mod:`engine.api.openai_schema` parses requests, detokenizes and shapes the
+answers; here :func:`api_error_from`, :class:`ApiMetrics` and :func:`render_prometheus` map
+errors and count. The handlers only move bytes, check the key and enforce the limits. A client
+that disconnects cancels its handler (aiohttp ``handler_cancellation``), and closing the token
+stream cancels the generation.
+
+Before a request costs anything (:mod:`engine.api.guard`): its ``Host`` must name this server
+(DNS rebinding), then the key, then a POST must be ``application/json`` (cross-site forms);
+then admission (``max_concurrent``), the body's size, and the prompt's length in characters;
+only then is it rendered and tokenised, on a thread, so the loop keeps stepping the ring.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import hmac
+import logging
+import math
+import re
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from engine.api.guard import HostPolicy, check_json_type, check_prompt_chars
+from engine.errors import DeskfleetError, GenerationError, TokenizerError
+from engine.generation.generator import Generator, OverloadedError, UnavailableError
+from engine.http_limits import LimitedAppRunner
+from engine.api.openai_schema import (
+    FINISH_REASONS,
+    ApiError,
+    CompletionChunks,
+    CompletionParams,
+    TextStream,
+    completion_response,
+    parse_completion,
+    parse_json_body,
+    sse_event,
+    to_generation_request,
+    token_usage,
+)
+from engine.generation.request import GenerationRequest
+from engine.generation.tokenizer import ChatTokenizer
+
+log = logging.getLogger("deskfleet.api")
+
+STAGES_HEADER = "X-Deskfleet-Stages"
+PUBLIC_PATHS = frozenset({"/health"})  # reachable without the bearer token (liveness probes)
+CLIENT_CLOSED = 499  # nginx's code for "client closed the request", used in the request counter
+TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+@dataclass(frozen=True)
+class ApiSettings:
+    """Limits and identity of the API, parsed once (``api_key`` None means no auth).
+
+    ``allowed_hosts``: host names clients may address the server by, besides the address it is
+    bound to and the loopback names (see :mod:`engine.api.guard`)."""
+
+    model_name: str | None = None  # None: the generator's model name
+    api_key: str | None = field(default=None, repr=False)
+    allowed_hosts: tuple[str, ...] = ()
+    max_body_bytes: int = 1 << 20
+    max_prompt_tokens: int = 4096
+    default_max_tokens: int = 256
+    max_tokens_limit: int = 2048
+    max_concurrent: int = 16
+    retry_after_s: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_prompt_tokens", "default_max_tokens", "max_tokens_limit",
+                     "max_concurrent", "retry_after_s"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ApiSettings.{name} must be at least 1, got {getattr(self, name)}")
+        if self.default_max_tokens > self.max_tokens_limit:
+            raise ValueError("ApiSettings.default_max_tokens must not exceed max_tokens_limit")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("ApiSettings.api_key is empty; pass None to disable auth")
+
+
+# Engine exceptions -> (status, code); the first matching class wins.
+EXCEPTION_STATUS: tuple[tuple[type[Exception], int, str], ...] = (
+    (OverloadedError, 429, "overloaded"),
+    (UnavailableError, 503, "unavailable"),
+    (GenerationError, 400, "invalid_request"),
+    (TokenizerError, 400, "invalid_prompt"),
+)
+INTERNAL_MESSAGE = "internal server error; the server log has the details"
+NO_SUCH_PATH = "no such path; the API serves /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics"
+
+
+def api_error_from(exc: BaseException) -> ApiError:
+    """The HTTP answer for an exception raised while handling a request."""
+    if isinstance(exc, ApiError):
+        return exc
+    for cls, status, code in EXCEPTION_STATUS:
+        if isinstance(exc, cls):
+            return ApiError(status, str(exc), code)
+    if isinstance(exc, web.HTTPMethodNotAllowed):
+        allowed = " or ".join(sorted(exc.allowed_methods))
+        return ApiError(405, f"{exc.method} is not allowed on this path; use {allowed}", "method_not_allowed")
+    if isinstance(exc, web.HTTPException):
+        return ApiError(exc.status, NO_SUCH_PATH if exc.status == 404 else exc.reason,
+                        exc.reason.lower().replace(" ", "_"))
+    return ApiError(500, INTERNAL_MESSAGE, "internal_error")
+
+
+# -- metrics (pure) ----------------------------------------------------------------------------
+
+@dataclass
+class ApiMetrics:
+    """The API's own counters, rendered next to the generator's on /metrics."""
+
+    requests: dict[int, int] = field(default_factory=dict)  # by HTTP status
+    active: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    generation_seconds: float = 0.0  # first token to last, summed over requests
+    last_decode_tok_per_s: float = 0.0
+    ttft_counts: list[int] = field(default_factory=lambda: [0] * (len(TTFT_BUCKETS) + 1))
+    ttft_sum: float = 0.0
+
+    def count(self, status: int) -> None:
+        """Count one answered request by its HTTP status."""
+        self.requests[status] = self.requests.get(status, 0) + 1
+
+    def observe_ttft(self, seconds: float) -> None:
+        """Record one request's time to first token."""
+        self.ttft_counts[next((i for i, b in enumerate(TTFT_BUCKETS) if seconds <= b), len(TTFT_BUCKETS))] += 1
+        self.ttft_sum += seconds
+
+    def observe_generation(self, tokens: int, decode_seconds: float) -> None:
+        """Record one finished generation: its token count and first-to-last-token time."""
+        self.completion_tokens += tokens
+        self.generation_seconds += decode_seconds
+        if tokens > 1 and decode_seconds > 0:
+            self.last_decode_tok_per_s = (tokens - 1) / decode_seconds
+
+
+# ApiMetrics attribute -> (metric name, type, help)
+API_SCALARS = {
+    "active": ("api_active_requests", "gauge", "generation requests in flight"),
+    "prompt_tokens": ("api_prompt_tokens_total", "counter", "prompt tokens admitted"),
+    "completion_tokens": ("api_completion_tokens_total", "counter", "tokens generated"),
+    "generation_seconds": ("api_generation_seconds_total", "counter", "first to last token, summed over requests"),
+    "last_decode_tok_per_s": ("api_decode_tokens_per_second", "gauge", "decode speed of the last request"),
+}
+_METRIC_KEY = re.compile(r"^([^{]*)(\{.*\})?$")
+
+
+def _value(v: float) -> str:
+    if math.isnan(v) or math.isinf(v):
+        return "NaN" if math.isnan(v) else "+Inf" if v > 0 else "-Inf"
+    return repr(int(v)) if float(v).is_integer() and abs(v) < 1 << 53 else repr(float(v))
+
+
+def _family(lines: list[str], name: str, kind: str, help_text: str, samples: Sequence[tuple[str, float]]) -> None:
+    """One metric family; a sample's "labels" may start with a suffix (``_bucket{le="1"}``)."""
+    lines += [f"# HELP deskfleet_{name} {help_text}", f"# TYPE deskfleet_{name} {kind}"]
+    lines += [f"deskfleet_{name}{labels} {_value(v)}" for labels, v in samples]
+
+
+def render_prometheus(generator_metrics: Mapping[str, float], api: ApiMetrics) -> str:
+    """Prometheus text exposition (0.0.4) of the generator's metrics and the API's, prefixed ``deskfleet_``.
+
+    A generator key may carry labels (``stage_seconds_total{stage="1"}``); names ending in
+    ``_total`` are counters, everything else a gauge.
+    """
+    lines: list[str] = []
+    grouped: dict[str, list[tuple[str, float]]] = {}
+    for key, v in sorted(generator_metrics.items()):
+        base, labels = _METRIC_KEY.match(key).groups()  # type: ignore[union-attr]
+        grouped.setdefault(re.sub(r"[^a-zA-Z0-9_:]", "_", base), []).append((labels or "", float(v)))
+    for name, samples in grouped.items():
+        _family(lines, name, "counter" if name.endswith("_total") else "gauge", "reported by the generator", samples)
+    _family(lines, "api_requests_total", "counter", "HTTP requests answered, by status code",
+            [(f'{{code="{code}"}}', n) for code, n in sorted(api.requests.items())])
+    for attr, (name, kind, help_text) in API_SCALARS.items():
+        _family(lines, name, kind, help_text, [("", getattr(api, attr))])
+    bounds = (*map(str, TTFT_BUCKETS), "+Inf")
+    cumulative = [sum(api.ttft_counts[: i + 1]) for i in range(len(bounds))]
+    _family(lines, "api_ttft_seconds", "histogram", "time to first token",
+            [*((f'_bucket{{le="{b}"}}', n) for b, n in zip(bounds, cumulative, strict=True)),
+             ("_sum", api.ttft_sum), ("_count", cumulative[-1])])
+    return "\n".join(lines) + "\n"
+
+
+# -- HTTP --------------------------------------------------------------------------------------
+
+@dataclass
+class _Outcome:
+    finish_reason: str = "stop"
+    completion_tokens: int = 0
+
+    def usage(self, gen_request: GenerationRequest) -> dict[str, int]:
+        return token_usage(len(gen_request.prompt_ids), self.completion_tokens)
+
+
+_GONE = web.RequestKey("client_gone", bool)
+API_STATE = web.AppKey("deskfleet_api", object)  # the app's _Api (RunningApi.set_api_key reaches it)
+
+
+async def _off_loop(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` on a short-lived daemon thread: rendering and tokenising a long prompt takes
+    a while, and the loop also runs the coordinator's steps. (Not the loop's default executor:
+    its threads outlive the server.) Admission (``max_concurrent``) bounds how many wait."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if not done.done():
+            done.set_exception(error) if error is not None else done.set_result(result)
+
+    def run() -> None:
+        try:
+            result, error = fn(*args), None
+        except BaseException as exc:  # handed to the awaiting request, which maps it to an answer
+            result, error = None, exc
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name="deskfleet-tokenize", daemon=True).start()
+    return await done
+
+
+class _Api:
+    def __init__(self, generator: Generator, tokenizer: ChatTokenizer, settings: ApiSettings, hosts: HostPolicy):
+        self.generator = generator
+        self.tokenizer = tokenizer
+        self.settings = settings
+        self.hosts = hosts
+        self.metrics = ApiMetrics()
+        self.served_model = settings.model_name or generator.model.name
+        self._key = settings.api_key.encode() if settings.api_key else None
+        # one tokenizer use at a time: a tokenizer object is not meant to be shared between threads
+        self._tokenizer_lock = threading.Lock()
+
+    @web.middleware
+    async def errors(self, request: web.Request, handler: Callable) -> web.StreamResponse:
+        try:
+            # cheapest first: a page on another site (Host), a stranger (key), a form (type)
+            self.hosts.check(request.headers.get("Host"))
+            self._authorize(request)
+            if request.method == "POST":
+                check_json_type(request.content_type)
+            response = await handler(request)
+        except asyncio.CancelledError:
+            self.metrics.count(CLIENT_CLOSED)
+            raise
+        except Exception as exc:
+            error = api_error_from(exc)
+            if error.status == 500:
+                log.exception("unhandled error on %s %s", request.method, request.path)
+            headers = error.headers
+            if error.status in (429, 503):
+                headers = {"Retry-After": str(self.settings.retry_after_s), **headers}
+            response = web.json_response(error.body(), status=error.status, headers=headers)
+        self.metrics.count(CLIENT_CLOSED if request.get(_GONE) else response.status)
+        return response
+
+    def set_api_key(self, key: str) -> None:
+        self._key = key.encode()
+
+    def _authorize(self, request: web.Request) -> None:
+        if self._key is None or request.path in PUBLIC_PATHS:
+            return
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._key):
+            raise ApiError(401, "missing or wrong API key; send 'Authorization: Bearer <key>' with the key "
+                           "the server was started with", "invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+
+    async def add_headers(self, request: web.Request, response: web.StreamResponse) -> None:
+        response.headers[STAGES_HEADER] = str(self.generator.model.stages)
+
+    async def health(self, request: web.Request) -> web.Response:
+        card = self.generator.model
+        return web.json_response({"status": "ok", "model": self.served_model, "stages": card.stages,
+                                  "active_requests": self.metrics.active})
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        text = render_prometheus(self.generator.metrics(), self.metrics)
+        return web.Response(text=text, content_type="text/plain", headers={"Cache-Control": "no-store"})
+
+    def _model_entry(self) -> dict[str, Any]:
+        return {"id": self.served_model, "object": "model", "created": 0, "owned_by": "deskfleet",
+                "context_length": self.generator.model.context_length}
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._model_entry()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        if request.match_info["model"] != self.served_model:
+            raise ApiError(404, f"model {request.match_info['model']!r} is not served here; "
+                           f"use {self.served_model!r}", "model_not_found")
+        return web.json_response(self._model_entry())
+
+    async def _read_json(self, request: web.Request) -> Mapping[str, Any]:
+        too_large = ApiError(413, f"the request body exceeds {self.settings.max_body_bytes} bytes; "
+                             "send a shorter prompt", "request_too_large")
+        if (request.content_length or 0) > self.settings.max_body_bytes:
+            raise too_large
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise too_large from None
+        return parse_json_body(raw)
+
+    def _encode_locked(self, params: CompletionParams) -> list[int]:
+        with self._tokenizer_lock:
+            return self._encode(params)
+
+    def _encode(self, params: CompletionParams) -> list[int]:
+        if params.kind == "chat":
+            return self.tokenizer.encode_chat(params.messages)
+        if isinstance(params.prompt, tuple):
+            return list(params.prompt)
+        return self.tokenizer.encode(params.prompt)
+
+    async def complete(self, kind: str, request: web.Request) -> web.StreamResponse:
+        """Answer /v1/chat/completions (``kind`` "chat") or /v1/completions ("text").
+
+        Limits in order of cost: admission (a slot), the body's bytes, its validity, the
+        prompt's characters; only then is it rendered and tokenised, off the loop."""
+        started = time.perf_counter()
+        if self.metrics.active >= self.settings.max_concurrent:
+            raise ApiError(429, f"the server is handling {self.metrics.active} requests, its limit; retry "
+                           f"in {self.settings.retry_after_s} s", "too_many_requests")
+        self.metrics.active += 1  # admitted: counts from here, so tokenising requests hold a slot
+        try:
+            params = parse_completion(await self._read_json(request), kind, self.served_model)
+            check_prompt_chars(params, self.settings.max_prompt_tokens)
+            prompt_ids = await _off_loop(self._encode_locked, params)
+            gen_request = to_generation_request(prompt_ids, params, self.settings, self.generator.model)
+            self.metrics.prompt_tokens += len(gen_request.prompt_ids)
+            outcome = _Outcome()
+            deltas = self._deltas(gen_request, params.stop, outcome, started)
+            async with contextlib.aclosing(deltas):
+                if params.stream:
+                    return await self._send_stream(request, params, gen_request, deltas, outcome)
+                text = "".join([piece async for piece in deltas])
+        finally:
+            self.metrics.active -= 1
+        return web.json_response(completion_response(kind, self.served_model, text, outcome.finish_reason,
+                                                     outcome.usage(gen_request)))
+
+    async def _deltas(self, gen_request: GenerationRequest, stop: Sequence[str], outcome: _Outcome,
+                      started: float) -> AsyncIterator[str]:
+        """Yield one text delta (maybe empty) per generated token, then the held-back tail."""
+        text = TextStream(self.tokenizer.decode, stop)
+        first_at = 0.0
+        try:
+            # aclosing: leaving this block early (stop string, disconnect, error) cancels the request.
+            async with contextlib.aclosing(self.generator.stream(gen_request)) as tokens:
+                async for event in tokens:
+                    if not outcome.completion_tokens:
+                        first_at = time.perf_counter()
+                        self.metrics.observe_ttft(first_at - started)
+                    outcome.completion_tokens += 1
+                    delta = text.push(event.token_id)
+                    if text.stopped:
+                        outcome.finish_reason = "stop"
+                        yield delta
+                        return
+                    if event.finish is not None:
+                        if event.finish not in FINISH_REASONS:
+                            raise UnavailableError("the coordinator cancelled this request (it is stopping or "
+                                                   "a stage failed); retry it")
+                        outcome.finish_reason = FINISH_REASONS[event.finish]
+                        yield delta
+                        break
+                    yield delta
+            yield text.finish()
+        finally:
+            if outcome.completion_tokens:
+                self.metrics.observe_generation(outcome.completion_tokens, time.perf_counter() - first_at)
+
+    async def _send_stream(self, request: web.Request, params: CompletionParams, gen_request: GenerationRequest,
+                           deltas: AsyncIterator[str], outcome: _Outcome) -> web.StreamResponse:
+        # Wait for the first token before sending headers so refusals (429/503) keep their status.
+        piece = await anext(deltas, None)
+        chunks = CompletionChunks(params.kind, self.served_model, params.include_usage)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                               "X-Accel-Buffering": "no"})
+        await response.prepare(request)
+        try:
+            for chunk in chunks.opening():
+                await response.write(sse_event(chunk))
+            while piece is not None:
+                if piece:
+                    await response.write(sse_event(chunks.delta(piece)))
+                piece = await anext(deltas, None)
+            await response.write(sse_event(chunks.delta("", outcome.finish_reason)))
+            if params.include_usage:
+                await response.write(sse_event(chunks.usage(outcome.usage(gen_request))))
+            await response.write(sse_event("[DONE]"))
+        except ConnectionResetError:
+            request[_GONE] = True
+            log.debug("client left during a streamed answer; generation cancelled")
+        except Exception as exc:  # after the headers: report in-band, as OpenAI does
+            error = api_error_from(exc)
+            if error.status == 500:
+                log.exception("generation failed mid-stream")
+            with contextlib.suppress(ConnectionResetError):
+                await response.write(sse_event(error.body()))
+        return response
+
+
+def build_app(generator: Generator, tokenizer: ChatTokenizer, settings: ApiSettings,
+              host: str = "127.0.0.1") -> web.Application:
+    """The aiohttp application serving ``generator`` under the OpenAI API, within ``settings``' limits.
+
+    ``host`` is the address it will be bound to: with ``settings.allowed_hosts`` and the loopback
+    names, what a request's ``Host`` header may name."""
+    api = _Api(generator, tokenizer, settings, HostPolicy(host, settings.allowed_hosts))
+    app = web.Application(middlewares=[api.errors], client_max_size=settings.max_body_bytes)
+    app.on_response_prepare.append(api.add_headers)
+    app[API_STATE] = api
+    app.router.add_post("/v1/chat/completions", functools.partial(api.complete, "chat"))
+    app.router.add_post("/v1/completions", functools.partial(api.complete, "text"))
+    app.router.add_get("/v1/models", api.models)
+    app.router.add_get("/v1/models/{model}", api.model)
+    app.router.add_get("/health", api.health)
+    app.router.add_get("/metrics", api.prometheus)
+    return app
+
+
+@dataclass
+class RunningApi:
+    """A started API server; ``async_stop()`` closes the listener and ends in-flight requests."""
+
+    runner: web.AppRunner
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/v1"
+
+    async def async_stop(self) -> None:
+        """Stop listening, give in-flight requests the runner's grace period, then cancel them."""
+        await self.runner.cleanup()
+
+    def set_api_key(self, key: str) -> None:
+        """Require ``key`` from the next request on (the console rotated its key: the old one is
+        refused at once, requests already admitted run on)."""
+        if not key:
+            raise ValueError("an empty API key would turn auth off; pass a key")
+        self.runner.app[API_STATE].set_api_key(key)
+
+
+async def async_run_api(generator: Generator, tokenizer: ChatTokenizer, settings: ApiSettings,
+                        host: str = "127.0.0.1", port: int = 0, *, shutdown_timeout: float = 5.0) -> RunningApi:
+    """Serve the API on ``host:port`` (0 picks a free port) in the running loop; return the bound port.
+
+    A client that disconnects cancels its handler, which closes its token stream.
+    """
+    runner = LimitedAppRunner(build_app(generator, tokenizer, settings, host), handler_cancellation=True,
+                              shutdown_timeout=shutdown_timeout, what="OpenAI API")
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise DeskfleetError(f"cannot listen on {host}:{port} ({exc}); pick another --port or stop "
+                               "the program using it") from exc
+    return RunningApi(runner, host, runner.addresses[0][1])

@@ -1,0 +1,1 @@
+"""The `deskfleet` command line and its engine subcommands."""

@@ -1,0 +1,242 @@
+"""The console's headless services in one place: the fleet CA (created on first run and kept
+in the console's state dir), join tokens, the enrollment endpoint for joining PCs, and the hub
+that serves shards and takes agents' registrations and events.
+
+The Qt console hosts one of these; tests and benchmarks stand one up on loopback the same way.
+With ``advertise_on`` the enrollment address is also advertised over mDNS
+(:mod:`engine.discovery.join_service`), so a joining PC needs only the token.
+
+At rest: the state directory is 0700 (tightened if it was not); the CA key file is 0600,
+encrypted PKCS#8 under a random wrapping key kept in the keyring (:class:`ConsoleSecrets`: the
+OS keyring, or without one a 0600 ``keyring.json`` in ``$DESKFLEET_KEYRING_DIR`` or else in the
+state directory itself; then the key file alone, as a backup might copy it, is useless, but a
+copy of the whole directory is not). The API key is generated on the first run and kept the
+same way. For the console's lifetime an exclusive lock on ``console.lock`` keeps a second
+console off the same state (two would lose each other's token book updates).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import sys
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine import __version__
+from engine.discovery.join_service import ConsoleAdvertiser, console_advertisement
+from engine.control.enrollment import EnrollmentServer, load_or_create_console_credentials
+from engine.errors import CredentialsError, DeskfleetError
+from engine.control.hub import FleetHub
+from engine.trust.join_token import TokenBook
+from engine.trust.keystore import ConsoleSecrets
+from engine.trust.fleet_ca import Credentials, FleetAuthority
+
+CA_CERT = "fleet-ca.crt"
+CA_KEY = "fleet-ca.key"
+LOCK_FILE = "console.lock"
+WRAP_SECRET = "ca-key-wrap"  # ConsoleSecrets name of the CA key's wrapping key
+API_KEY_SECRET = "api-key"
+API_KEY_PREFIX = "sk-deskfleet-"
+HOLDER_OFFSET = 16  # the lock holder's description starts past the (Windows) locked byte
+
+
+class StateDirLockedError(DeskfleetError):
+    """Raised when a console starts on a state directory another running console holds."""
+
+
+def prepare_state_dir(state_dir: Path) -> None:
+    """Create ``state_dir`` 0700, or tighten it to 0700: it holds the fleet's keys."""
+    state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if os.name == "posix":
+        os.chmod(state_dir, 0o700)
+
+
+def write_private(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data``, mode 0600 from the first byte: a fresh temp file made with
+    O_EXCL (never an existing file, whose old mode O_TRUNC would keep), then renamed over."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def write_token_file(path: Path, token: str) -> Path:
+    """``token`` in a new 0600 file at ``path`` (its folder made if missing), for an agent's
+    ``--join-file``: a join token never goes on a command line. Returns ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_private(path, token.encode())
+    return path
+
+
+def _lock(fd: int) -> None:
+    if os.name == "nt":
+        import msvcrt
+
+        msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+    else:
+        import fcntl
+
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+@contextlib.contextmanager
+def state_dir_lock(state_dir: Path) -> Iterator[None]:
+    """Hold ``state_dir``'s console lock until the block exits; StateDirLockedError naming the
+    process that holds it otherwise. The OS drops the lock when the process dies, so a crashed
+    console never leaves a stale one."""
+    path = state_dir / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            _lock(fd)
+        except OSError:
+            os.lseek(fd, HOLDER_OFFSET, os.SEEK_SET)
+            holder = os.read(fd, 512).decode("utf-8", "replace").strip() or "a process that did not say which"
+            raise StateDirLockedError(f"another Deskfleet console is using {state_dir} ({holder}); close it "
+                                      "first, or give this console its own --state-dir") from None
+        os.ftruncate(fd, HOLDER_OFFSET)
+        os.lseek(fd, HOLDER_OFFSET, os.SEEK_SET)
+        os.write(fd, f"pid {os.getpid()}: {' '.join(sys.argv)[:300]}\n".encode("utf-8", "replace"))
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def is_first_run(state_dir: Path) -> bool:
+    """Whether the console in ``state_dir`` has no fleet CA yet (the next start creates one)."""
+    return not ((state_dir / CA_CERT).exists() and (state_dir / CA_KEY).exists())
+
+
+def _new_wrapping_key() -> str:
+    return secrets.token_urlsafe(32)
+
+
+def load_or_create_authority(state_dir: Path, name: str = "Deskfleet fleet", *,
+                             secrets_: ConsoleSecrets | None = None) -> FleetAuthority:
+    """The fleet CA in ``state_dir``; a new one the first time. The key file is encrypted under
+    the wrapping key in ``secrets_`` (see the module docstring); a plaintext key left by an older
+    console is encrypted on the way in, and any key file is tightened to 0600."""
+    prepare_state_dir(state_dir)
+    store = secrets_ or ConsoleSecrets(state_dir)
+    cert, key = state_dir / CA_CERT, state_dir / CA_KEY
+    if cert.exists() and key.exists():
+        if os.name == "posix":
+            os.chmod(key, 0o600)
+        key_pem = key.read_bytes()
+        if b"ENCRYPTED" not in key_pem:  # an older console's plaintext key: encrypt it now
+            authority = FleetAuthority.from_pem(cert.read_bytes(), key_pem)
+            wrap = store.get_or_create(WRAP_SECRET, _new_wrapping_key)
+            write_private(key, authority.encrypted_key_pem(wrap.encode()))
+            return authority
+        wrap = store.get(WRAP_SECRET)
+        if wrap is None:
+            raise CredentialsError(f"the fleet CA key in {key} is encrypted, and the key it is encrypted under "
+                                   f"is not in the keyring ({store.backend}); restore that keyring (or its "
+                                   "keyring.json), or start a new fleet in an empty --state-dir")
+        return FleetAuthority.from_pem(cert.read_bytes(), key_pem, password=wrap.encode())
+    authority = FleetAuthority.create(name)
+    wrap = _new_wrapping_key()
+    store.put(WRAP_SECRET, wrap)  # first: a key file whose wrapping key was never kept is useless
+    write_private(key, authority.encrypted_key_pem(wrap.encode()))
+    cert.write_bytes(authority.ca_pem)
+    return authority
+
+
+def load_or_create_api_key(state_dir: Path, *, secrets_: ConsoleSecrets | None = None) -> str:
+    """The key clients send to the console's OpenAI API (``Authorization: Bearer``), generated
+    the first time (192 bits) and kept in the keyring beside the CA's wrapping key."""
+    store = secrets_ or ConsoleSecrets(state_dir)
+    return store.get_or_create(API_KEY_SECRET, _new_api_key)
+
+
+def _new_api_key() -> str:
+    return API_KEY_PREFIX + secrets.token_urlsafe(24)
+
+
+@dataclass
+class FleetHost:
+    authority: FleetAuthority
+    credentials: Credentials  # the console's own fleet certificate (role console)
+    tokens: TokenBook
+    enrollment: str  # HOST:PORT where PCs redeem join tokens
+    hub: FleetHub
+    api_key: str = field(default="", repr=False)  # the OpenAI API's key; the tray's chat gets it with an assignment
+    secrets_store: ConsoleSecrets | None = field(default=None, repr=False)  # where api_key is kept
+    key_rotated: bool = False  # a removal replaced the key this run: it wins over one given on the command line
+    _key_listeners: list[Callable[[str], None]] = field(default_factory=list, repr=False)
+
+    def token(self, ttl_s: float = 24 * 3600) -> str:
+        return self.tokens.issue(ttl_s)
+
+    def rotate_api_key(self) -> str:
+        """A new API key, kept in the keyring before anyone uses it, then given to every
+        subscriber (the running API, the console's chat). Removing a member calls this: the one
+        fleet key was in its assignments, so the old key must stop working."""
+        key = _new_api_key()
+        if self.secrets_store is not None:
+            self.secrets_store.put(API_KEY_SECRET, key)
+        self.api_key, self.key_rotated = key, True
+        for listener in list(self._key_listeners):
+            listener(key)
+        return key
+
+    def subscribe_api_key(self, listener: Callable[[str], None]) -> Callable[[], None]:
+        """Call ``listener(new key)`` on each rotation; returns a function that unsubscribes."""
+        self._key_listeners.append(listener)
+        return lambda: self._key_listeners.remove(listener) if listener in self._key_listeners else None
+
+
+@contextlib.asynccontextmanager
+async def fleet_host(state_dir: Path, exports: dict[str, Path] | None = None, *, host: str = "127.0.0.1",
+                     enrollment_port: int = 0, hub_port: int = 0, advertise_on: str | None = None,
+                     name: str = "Deskfleet console") -> AsyncIterator[FleetHost]:
+    """Run the console's enrollment endpoint and hub until the block exits.
+
+    ``advertise_on``: an IPv4 address of this machine to advertise the enrollment port on
+    (``_deskfleet-join._tcp``); ``name`` is the console's name in that record.
+    """
+    prepare_state_dir(state_dir)
+    with state_dir_lock(state_dir):
+        store = ConsoleSecrets(state_dir)
+        authority = load_or_create_authority(state_dir, secrets_=store)
+        api_key = load_or_create_api_key(state_dir, secrets_=store)
+        async with _fleet_services(state_dir, authority, api_key, exports, host=host, enrollment_port=enrollment_port,
+                                   hub_port=hub_port, advertise_on=advertise_on, name=name) as fleet:
+            fleet.secrets_store = store
+            yield fleet
+
+
+@contextlib.asynccontextmanager
+async def _fleet_services(state_dir: Path, authority: FleetAuthority, api_key: str, exports: dict[str, Path] | None,
+                          *, host: str, enrollment_port: int, hub_port: int, advertise_on: str | None,
+                          name: str) -> AsyncIterator[FleetHost]:
+    creds = load_or_create_console_credentials(state_dir, authority)  # agents pin its node id
+    book = TokenBook(state_dir / "join-tokens.json", authority.fingerprint)
+    enrollment = EnrollmentServer(authority, book, creds)
+    enroll_host, enroll_port = await enrollment.async_start(host, enrollment_port)
+    hub = FleetHub(creds)
+    advertiser = ConsoleAdvertiser(advertise_on) if advertise_on else None
+    try:
+        for export_id, path in (exports or {}).items():
+            hub.publish(export_id, path)
+        await hub.async_start(host, hub_port)
+        if advertiser is not None:
+            await advertiser.async_start(console_advertisement(name, authority.fingerprint, enroll_port,
+                                                               advertiser.interface, __version__))
+        yield FleetHost(authority, creds, book, f"{enroll_host}:{enroll_port}", hub, api_key)
+    finally:
+        if advertiser is not None:
+            await advertiser.async_close()
+        await hub.async_close()
+        await enrollment.async_close()

@@ -1,0 +1,51 @@
+"""The seam between the OpenAI API (or the chat window) and whatever generates tokens.
+
+The coordinator implements it, whether its stages run in this process or in a ring of
+workers; the API layer depends only on this protocol.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from engine.errors import DeskfleetError
+from engine.generation.request import GenerationRequest, TokenEvent
+
+
+class OverloadedError(DeskfleetError):
+    """Every slot is busy and the waiting queue is full; retry later (HTTP 429)."""
+
+
+class UnavailableError(DeskfleetError):
+    """The fleet cannot serve right now (a stage is down, the coordinator is stopping): HTTP 503."""
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    name: str
+    context_length: int
+    eos_token_ids: tuple[int, ...]
+    stages: int
+    fingerprint: str = ""
+
+
+class Generator(Protocol):
+    """Generates token ids for requests, several at once."""
+
+    @property
+    def model(self) -> ModelCard: ...
+
+    def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        """Yield the request's tokens as they come; the last event carries ``finish``.
+
+        Raises :class:`OverloadedError` or :class:`UnavailableError` before the first token.
+        Closing the iterator (``aclose()``) or cancelling its consumer cancels the request and
+        frees its slot on every stage.
+        """
+        ...
+
+    def metrics(self) -> dict[str, float]:
+        """Counters and gauges for /metrics (names without the ``deskfleet_`` prefix)."""
+        ...

@@ -1,0 +1,1 @@
+"""Facts about this PC: devices, memory and cores it can lend, its address and state directory."""

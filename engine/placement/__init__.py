@@ -1,0 +1,1 @@
+"""Which stages go where: the placement planner and its MILP."""

@@ -1,0 +1,451 @@
+"""Stage placement: how many stages, which contiguous layers each holds, and on which device.
+
+Pure decision code over frozen inputs (no sockets, no OpenVINO, no Qt): the console feeds it the
+agents' calibrated device profiles and measured links and shows the returned `Plan`.
+
+The MILP, its formulation and the bottleneck search for throughput live in
+`engine.placement.milp`; this module validates the inputs, turns them into a numeric fleet for
+it, and turns the stages it finds into a `Plan` (or an error that says what to change).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Literal
+
+import numpy as np
+
+from engine.errors import (
+    Exclusion,
+    PlacementInfeasible,
+    PlacementInputError,
+    PlacementTimeout,
+)
+from engine.machine.inventory import Inventory
+from engine.placement.milp import (
+    GB,
+    Fleet,
+    Search,
+    Stage,
+    Timing,
+    best_cycle,
+    build_milp,
+    extract_stages,
+    least_latency,
+    run_milp,
+    time_stages,
+)
+
+__all__ = [
+    "Calibration", "DeviceProfile", "Exclusion", "device_candidates", "Links", "ModelProfile", "PcInfo", "Plan", "PlacementInfeasible",
+    "PlacementInputError", "PlacementRequest", "PlacementTimeout", "PlannedStage", "format_plan",
+    "solve",
+]
+
+DeviceKind = Literal["CPU", "GPU", "NPU"]
+Objective = Literal["latency", "throughput"]
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """One candidate device of an agent, calibrated for the model being placed.
+
+    ``layer_ms`` is t[d], decode time of one layer for one token; ``overhead_ms`` is o[d], the
+    fixed cost of running a stage (dispatch, activation copies); ``memory_bytes`` is the memory
+    the device can address now, of which the solver uses ``PlacementRequest.headroom``.
+
+    ``model`` is the model as this device would run it, when that differs from the request's
+    profile: an NPU runs static, stateless shards whose host KV ring is allocated for the whole
+    fixed context (and whose graphs differ), a CPU may hold another weight format. Its layer
+    bytes and embedding/head costs then replace the shared ones for this device only. For a
+    packed NPU stage, calibrate ``layer_ms`` per token at the slot count it will serve.
+    """
+
+    device_id: str  # "pc-a/GPU"
+    pc_id: str
+    kind: DeviceKind
+    layer_ms: float
+    overhead_ms: float
+    memory_bytes: int
+    model: ModelProfile | None = None
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What a short calibration run measured for one device and the model being placed.
+
+    ``model`` is the form the device runs (see `DeviceProfile.model`): for an NPU, the static
+    export's profile; None for the request's (stateful) one.
+    """
+
+    layer_ms: float
+    overhead_ms: float
+    model: ModelProfile | None = None
+
+
+def device_candidates(pc_id: str, inventory: Inventory,
+                      calibrations: Mapping[str, Calibration]) -> tuple[DeviceProfile, ...]:
+    """One placement candidate per device of an agent's inventory that has been calibrated.
+
+    Every kind is a candidate - CPU and NPU as well as GPU - each with its own latency and
+    memory profile; keys of ``calibrations`` are OpenVINO device names (``CPU``, ``GPU.0``,
+    ``NPU``). A device that reports no memory of its own (the CPU, some drivers) is offered the
+    PC's available RAM, which the PC-wide limit then shares among its devices.
+    """
+    out = []
+    for dev in inventory.devices:
+        cal = calibrations.get(dev.name)
+        if cal is None:
+            continue
+        memory = dev.memory_bytes if dev.memory_bytes is not None else inventory.ram_available
+        out.append(DeviceProfile(device_id=f"{pc_id}/{dev.name}", pc_id=pc_id, kind=dev.kind.value,
+                                 layer_ms=cal.layer_ms, overhead_ms=cal.overhead_ms,
+                                 memory_bytes=int(memory), model=cal.model))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class PcInfo:
+    """One agent's PC: free memory shared by all its devices, and whether it may be used."""
+
+    pc_id: str
+    memory_bytes: int
+    approved: bool
+    paused: bool = False
+    on_battery: bool = False
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """Memory per decoder layer (weights + KV cache at the configured context and slot count).
+
+    The embedding lives with layer 0 and the final norm + LM head with the last layer; their
+    bytes and per-token milliseconds are added to whichever stage holds those layers.
+    """
+
+    layer_bytes: tuple[int, ...]
+    embed_bytes: int = 0
+    embed_ms: float = 0.0
+    head_bytes: int = 0
+    head_ms: float = 0.0
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layer_bytes)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.layer_bytes) + self.embed_bytes + self.head_bytes
+
+
+@dataclass(frozen=True)
+class Links:
+    """Measured one-way latencies in ms: ``pc_ms[(src, dst)]`` between PCs (the reverse pair is
+    used when only one direction was measured), ``coordinator_ms[pc]`` each way between the
+    coordinator and a PC. ``default_ms`` stands in for pairs never measured; without it a missing
+    pair is an error, because guessing 0 would favour unmeasured PCs."""
+
+    pc_ms: Mapping[tuple[str, str], float] = field(default_factory=dict)
+    coordinator_ms: Mapping[str, float] = field(default_factory=dict)
+    default_ms: float | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "pc_ms", MappingProxyType(dict(self.pc_ms)))
+        object.__setattr__(self, "coordinator_ms", MappingProxyType(dict(self.coordinator_ms)))
+
+    def between(self, src: str, dst: str) -> float:
+        """One-way latency from PC ``src`` to PC ``dst`` (0 on the same PC)."""
+        if src == dst:
+            return 0.0
+        for key in ((src, dst), (dst, src)):
+            if key in self.pc_ms:
+                return float(self.pc_ms[key])
+        return self._default(f"between {src} and {dst}")
+
+    def coordinator(self, pc_id: str) -> float:
+        """One-way latency between the coordinator and ``pc_id``."""
+        if pc_id in self.coordinator_ms:
+            return float(self.coordinator_ms[pc_id])
+        return self._default(f"between the coordinator and {pc_id}")
+
+    def _default(self, what: str) -> float:
+        if self.default_ms is None:
+            raise PlacementInputError(f"no latency measured {what}; run the link probe from "
+                                      "the console or set Links.default_ms")
+        return float(self.default_ms)
+
+
+@dataclass(frozen=True)
+class PlacementRequest:
+    """What to optimise and under which limits.
+
+    ``objective`` "latency" minimises one stream's ms/token; "throughput" maximises the aggregate
+    tok/s of ``n_streams`` interleaved streams. ``headroom`` is the fraction of free memory the
+    plan may fill. ``time_limit_s`` bounds the whole solve. ``min_stages``/``max_stages`` bound
+    the number of stages (at least N spreads the model over N devices even where fewer would be
+    faster, e.g. to measure a split, or to keep each PC's share small).
+    """
+
+    objective: Objective = "latency"
+    n_streams: int = 1
+    headroom: float = 0.8
+    allow_battery: bool = False
+    time_limit_s: float = 10.0
+    max_stages: int | None = None
+    min_stages: int = 1
+
+    def __post_init__(self) -> None:
+        rules = [(self.objective in ("latency", "throughput"), "objective must be 'latency' or "
+                  f"'throughput', not {self.objective!r}"),
+                 (self.n_streams >= 1, f"n_streams must be at least 1, not {self.n_streams}"),
+                 (0.0 < self.headroom <= 1.0, f"headroom must be in (0, 1], not {self.headroom}"),
+                 (self.time_limit_s > 0, f"time_limit_s must be positive, not {self.time_limit_s}"),
+                 (self.max_stages is None or self.max_stages >= 1,
+                  f"max_stages must be at least 1 or None, not {self.max_stages}"),
+                 (self.min_stages >= 1, f"min_stages must be at least 1, not {self.min_stages}"),
+                 (self.max_stages is None or self.min_stages <= self.max_stages,
+                  f"min_stages ({self.min_stages}) exceeds max_stages ({self.max_stages})")]
+        if problems := [why for ok, why in rules if not ok]:
+            raise PlacementInputError("invalid placement request: " + "; ".join(problems))
+
+
+@dataclass(frozen=True)
+class PlannedStage:
+    """One pipeline stage: layers ``first_layer..last_layer`` (inclusive) on one device."""
+
+    device_id: str
+    pc_id: str
+    first_layer: int
+    last_layer: int
+    compute_ms: float  # per token, including overhead and any embedding/head work
+    memory_bytes: int  # including the embedding/head bytes it carries
+
+    @property
+    def n_layers(self) -> int:
+        return self.last_layer - self.first_layer + 1
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A placement and what it predicts.
+
+    ``hop_ms`` has one entry more than ``stages``: coordinator → stage 0, stage k → k+1, and
+    last stage → coordinator. ``cycle_ms`` = max(bottleneck_ms, per_token_ms / n_streams) is the
+    time between tokens leaving the ring when ``n_streams`` streams are interleaved.
+    """
+
+    stages: tuple[PlannedStage, ...]
+    hop_ms: tuple[float, ...]
+    per_token_ms: float
+    tok_s: float  # one stream: 1000 / per_token_ms
+    bottleneck_ms: float  # slowest stage or hop
+    n_streams: int
+    cycle_ms: float
+    aggregate_tok_s: float  # n_streams interleaved: 1000 / cycle_ms
+    objective: Objective
+    optimal: bool  # HiGHS proved optimality of every solve within the time limit
+    excluded: tuple[Exclusion, ...] = ()
+
+    @property
+    def objective_ms(self) -> float:
+        """The value the solver minimised: per-token ms, or the ring's cycle ms."""
+        return self.per_token_ms if self.objective == "latency" else self.cycle_ms
+
+
+def solve(request: PlacementRequest, *, model: ModelProfile, pcs: Sequence[PcInfo],
+          devices: Sequence[DeviceProfile], links: Links, break_symmetry: bool = False) -> Plan:
+    """Choose the number of stages, their layer ranges and devices; return the optimal `Plan`.
+
+    ``break_symmetry`` adds explicit order constraints between interchangeable devices and PCs.
+    It is off by default because HiGHS detects these symmetries itself: on a benchmark set of
+    30-layer fleets of 6-12 devices (half of them clones) the extra rows tripled the CPU time.
+
+    Raises `PlacementInfeasible` (with the memory shortfall or the exclusion counts),
+    `PlacementTimeout` if no plan was found in time, `PlacementInputError` for bad profiles.
+    """
+    fleet, excluded = _prepare(request, model, pcs, devices, links)
+    search = Search(max_stages=request.max_stages, min_stages=request.min_stages, n_streams=request.n_streams,
+                    time_limit_s=request.time_limit_s,
+                    deadline=time.monotonic() + request.time_limit_s,
+                    break_symmetry=break_symmetry)
+    stages, optimal = least_latency(fleet, search)
+    if stages is None:
+        raise _explain_infeasible(fleet, excluded, request, search.deadline)
+    timing = time_stages(fleet, stages, request.n_streams, optimal)
+    if request.objective == "throughput":
+        timing = best_cycle(fleet, search, timing)
+    return _plan(fleet, request, timing, excluded)
+
+
+def format_plan(plan: Plan) -> str:
+    """Render a plan for the CLI and logs: one line per stage and hop, then the predictions."""
+    lines = [f"{len(plan.stages)} stage(s), {plan.per_token_ms:.2f} ms/token = "
+             f"{plan.tok_s:.1f} tok/s for one stream ({'optimal' if plan.optimal else 'best found'})",
+             f"  coordinator -> {plan.stages[0].pc_id}: {plan.hop_ms[0]:.2f} ms"]
+    for k, st in enumerate(plan.stages):
+        lines.append(f"  stage {k}: {st.device_id:<16} layers {st.first_layer}-{st.last_layer} "
+                     f"({st.n_layers})  {st.compute_ms:.2f} ms  {st.memory_bytes / GB:.2f} GB")
+        dst = plan.stages[k + 1].pc_id if k + 1 < len(plan.stages) else "coordinator"
+        lines.append(f"  {st.pc_id} -> {dst}: {plan.hop_ms[k + 1]:.2f} ms")
+    lines.append(f"  bottleneck {plan.bottleneck_ms:.2f} ms; {plan.n_streams} stream(s): "
+                 f"{plan.aggregate_tok_s:.1f} tok/s aggregate")
+    lines += [f"  excluded {ex.pc_id}: {ex.reason}" for ex in plan.excluded]
+    return "\n".join(lines)
+
+
+# --- fleet preparation ---------------------------------------------------------------------
+
+def _exclusion_reason(pc: PcInfo, allow_battery: bool) -> str | None:
+    if not pc.approved:
+        return "not approved"
+    if pc.paused:
+        return "paused"
+    if pc.on_battery and not allow_battery:
+        return "on battery"
+    return None
+
+
+def _prepare(request: PlacementRequest, model: ModelProfile, pcs: Sequence[PcInfo],
+             devices: Sequence[DeviceProfile], links: Links,
+             ) -> tuple[Fleet, tuple[Exclusion, ...]]:
+    """The numeric fleet for the MILP, and the agents left out of it."""
+    for m in (model, *(d.model for d in devices if d.model is not None)):
+        if m.n_layers == 0 or min(m.layer_bytes) < 0 or min(m.embed_bytes, m.head_bytes) < 0:
+            raise PlacementInputError("the model profile needs at least one layer and no negative "
+                                      "sizes; re-run the model's memory profiling")
+    for d in devices:
+        if d.model is not None and d.model.n_layers != model.n_layers:
+            raise PlacementInputError(f"device {d.device_id} profiles the model with {d.model.n_layers} "
+                                      f"layers, not {model.n_layers}; recalibrate it for this model")
+    pc_by_id = {pc.pc_id: pc for pc in pcs}
+    if len(pc_by_id) != len(pcs):
+        raise PlacementInputError("two agents report the same pc_id; remove the stale entry")
+    if len({d.device_id for d in devices}) != len(devices):
+        raise PlacementInputError("two device profiles share a device_id; recalibrate the agent")
+    for d in devices:
+        if d.pc_id not in pc_by_id:
+            raise PlacementInputError(f"device {d.device_id} names unknown PC {d.pc_id}; "
+                                      "refresh the agent list")
+        if not (d.layer_ms > 0 and d.overhead_ms >= 0 and d.memory_bytes >= 0):
+            raise PlacementInputError(f"device {d.device_id} has an invalid profile (layer_ms "
+                                      "must be > 0, overhead and memory >= 0); recalibrate it")
+
+    excluded = [Exclusion(pc.pc_id, r) for pc in pcs
+                if (r := _exclusion_reason(pc, request.allow_battery))]
+    out = {e.pc_id for e in excluded}
+    with_devices = {d.pc_id for d in devices}
+    excluded += [Exclusion(pc.pc_id, "no device profile") for pc in pcs
+                 if pc.pc_id not in out and pc.pc_id not in with_devices]
+    pc_ids = tuple(pc.pc_id for pc in pcs if pc.pc_id not in out and pc.pc_id in with_devices)
+    if not pc_ids:
+        raise PlacementInfeasible(_no_agent_message(excluded), excluded=tuple(excluded))
+
+    index = {p: k for k, p in enumerate(pc_ids)}
+    # Canonical order (PC, then profile) puts identical devices next to each other.
+    chosen = tuple(sorted((d for d in devices if d.pc_id in index),
+                          key=lambda d: (index[d.pc_id], d.layer_ms, d.overhead_ms,
+                                         d.memory_bytes, d.device_id)))
+    if request.min_stages > min(len(chosen), model.n_layers):
+        raise PlacementInfeasible(
+            f"at least {request.min_stages} stage(s) were asked for, but the model has "
+            f"{model.n_layers} layer(s) and the usable agents {len(chosen)} device(s); lower the minimum "
+            "or approve or resume more agents", excluded=tuple(excluded))
+    mem_pre, ms_pre = np.array([_prefix_sums(d.model or model) for d in chosen]).transpose(1, 0, 2)
+    lat = np.array([[links.between(p, q) for q in pc_ids] for p in pc_ids])
+    coord = np.array([links.coordinator(p) for p in pc_ids])
+    if lat.min() < 0 or coord.min() < 0:
+        raise PlacementInputError("a measured latency is negative; re-run the link probe")
+    fleet = Fleet(
+        device_ids=tuple(d.device_id for d in chosen), pc_ids=pc_ids,
+        layer_ms=np.asarray([d.layer_ms for d in chosen]),
+        overhead_ms=np.asarray([d.overhead_ms for d in chosen]),
+        dev_pc=np.array([index[d.pc_id] for d in chosen]),
+        dev_cap=np.array([request.headroom * d.memory_bytes for d in chosen]),
+        pc_cap=np.array([request.headroom * pc_by_id[p].memory_bytes for p in pc_ids]),
+        lat=lat, coord=coord, mem_pre=mem_pre, ms_pre=ms_pre)
+    return fleet, tuple(excluded)
+
+
+def _prefix_sums(model: ModelProfile) -> tuple[np.ndarray, np.ndarray]:
+    """(L+1,) prefix sums of bytes and of extra ms per layer, embedding on layer 0, head on the last."""
+    mem = np.array(model.layer_bytes, dtype=np.float64)
+    extra = np.zeros(model.n_layers)
+    mem[0] += model.embed_bytes
+    mem[-1] += model.head_bytes
+    extra[0] += model.embed_ms
+    extra[-1] += model.head_ms
+    return np.concatenate(([0.0], np.cumsum(mem))), np.concatenate(([0.0], np.cumsum(extra)))
+
+
+def _no_agent_message(excluded: Sequence[Exclusion]) -> str:
+    counts: dict[str, int] = {}
+    for e in excluded:
+        counts[e.reason] = counts.get(e.reason, 0) + 1
+    why = ", ".join(f"{n} {reason}" for reason, n in counts.items()) or "no agents known"
+    return (f"no approved agent is available ({why}); approve agents in the console, resume "
+            "paused ones, calibrate their devices, or allow agents on battery")
+
+
+def _plan(f: Fleet, request: PlacementRequest, timing: Timing,
+          excluded: tuple[Exclusion, ...]) -> Plan:
+    """The `Plan` for a timed chain of stages: who holds what, and the predictions."""
+    planned = tuple(
+        PlannedStage(f.device_ids[d], f.pc_ids[f.dev_pc[d]], first, last, compute_ms,
+                     int(f.stage_bytes(d, first, last)))
+        for (d, first, last), compute_ms in zip(timing.stages, timing.compute_ms, strict=True))
+    return Plan(stages=planned, hop_ms=timing.hop_ms, per_token_ms=timing.per_token_ms,
+                tok_s=1000.0 / timing.per_token_ms, bottleneck_ms=timing.bottleneck_ms,
+                n_streams=request.n_streams, cycle_ms=timing.cycle_ms,
+                aggregate_tok_s=1000.0 / timing.cycle_ms, objective=request.objective,
+                optimal=timing.optimal, excluded=excluded)
+
+
+# --- explaining a failure -------------------------------------------------------------------
+
+def _explain_infeasible(f: Fleet, excluded: tuple[Exclusion, ...], req: PlacementRequest,
+                        deadline: float) -> PlacementInfeasible:
+    """Re-solve with memory slack per PC; the least total slack is the shortfall to report."""
+    need = int(f.mem_pre[:, -1].min())  # the model in its smallest form
+    offer = float(sum(min(f.pc_cap[p], f.dev_cap[f.dev_pc == p].sum())
+                      for p in range(len(f.pc_ids))))
+    m = build_milp(f, req.max_stages, min_stages=req.min_stages, slack=True)
+    res = run_milp(m, max(deadline, time.monotonic() + 1.0))  # an explanation is worth a second
+    shortfall = (_shortfall(f, extract_stages(m, res.x)) if res.x is not None
+                 else max(need - offer, 0))
+    limits = f"{req.headroom:.0%} headroom"
+    if req.min_stages > 1:
+        limits += f", at least {req.min_stages} stage(s)"
+    if req.max_stages is not None:
+        limits += f", at most {req.max_stages} stage(s)"
+    why = (f"the model needs {_gb_up(shortfall)} GB more memory than the approved agents offer "
+           f"(model {need / GB:.1f} GB; {offer / GB:.1f} GB usable on {len(f.device_ids)} "
+           f"device(s) of {len(f.pc_ids)} agent(s) at {limits}")
+    if offer >= need:
+        why += "; a layer cannot be split across devices"
+    why += ")"
+    if excluded:
+        why += f"; {len(excluded)} more agent(s) left out (" + ", ".join(
+            f"{e.pc_id}: {e.reason}" for e in excluded) + ")"
+    why += (". Free memory on the agents, approve or resume more agents, lower the context "
+            "length or slot count, or use a more compressed model.")
+    return PlacementInfeasible(why, shortfall_bytes=shortfall, excluded=excluded)
+
+
+def _shortfall(f: Fleet, stages: Sequence[Stage]) -> float:
+    """Extra bytes a plan's PCs would need: per PC, its worst device or its shared limit."""
+    need = np.zeros(len(f.pc_ids))
+    used = np.zeros(len(f.pc_ids))
+    for d, first, last in stages:
+        p, m = f.dev_pc[d], float(f.stage_bytes(d, first, last))
+        used[p] += m
+        need[p] = max(need[p], m - f.dev_cap[d])
+    return float(np.maximum(np.maximum(need, used - f.pc_cap), 0.0).sum())
+
+
+def _gb_up(nbytes: float) -> str:
+    """Round up to 0.1 GB, so that adding the reported amount is always enough."""
+    return f"{max(math.ceil(nbytes / 1e8 - 1e-6), 1) / 10:.1f}"

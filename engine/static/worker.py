@@ -1,0 +1,108 @@
+"""A stage worker for a static (NPU-target) export: packed serving across PCs.
+
+Where the stateful worker keeps a KV state per stream, a static stage owns one host KV ring whose
+slots are shared by many requests. Every inference arrives as a **Packed** frame: stage 0's
+:class:`~engine.static.packing.PlanFrame` plus the rows' inputs. The stage derives its mask and KV writes
+from the plan alone (:func:`~engine.static.packing.layout_step`), runs its graph, and passes the plan on
+with its hidden states; the last stage answers the coordinator with each row's top-1
+(**Tokens** [S]). So every stage's ring stays in lockstep with no control message of its own.
+
+One stream id is one packed session: a Packed frame for a new stream id, or a Release of the
+current one, empties every slot. The session belongs to the upstream connection that started it:
+while that connection is open, no other one may step, start or release a session here. A plan that does not follow from the stage's ring (a lost
+frame, a restarted stage) is refused with a stream-level Error that travels to the coordinator.
+"""
+
+from __future__ import annotations
+
+import logging
+from ssl import SSLContext
+
+import numpy as np
+
+from engine.wire.address import Address
+from engine.wire.messages import Error, Forward, Message, Packed, Release, Tokens
+from engine.static.stage import StaticStage
+from engine.shards.step_path import last_stage_reply
+from engine.trust.peer_policy import PeerPolicy
+from engine.wire.stage_server import StageServer, stage_frame_bound
+from engine.wire.transport import Connection
+from engine.wire.format import ErrorCode, StreamId
+
+log = logging.getLogger(__name__)
+
+
+class PackedStageWorker(StageServer):
+    """Serves one static stage; ``next_address`` is the next stage, or the coordinator's return port."""
+
+    def __init__(self, stage: StaticStage, listen: Address, next_address: Address, *,
+                 server_ssl: SSLContext | None = None, client_ssl: SSLContext | None = None,
+                 dial_deadline: float = 120.0, peers: PeerPolicy | None = None, **listener_options):
+        self.stage = stage
+        model = stage.manifest.model
+        super().__init__(stage.spec.index, stage.is_last, model.fingerprint, listen, next_address,
+                         server_ssl=server_ssl, client_ssl=client_ssl, dial_deadline=dial_deadline,
+                         thread_name=f"deskfleet-static{stage.spec.index}", peers=peers,
+                         max_frame_bytes=stage_frame_bound(model.hidden_size, model.max_position_embeddings),
+                         **listener_options)
+        self.session: StreamId | None = None
+        self._owner: Connection | None = None  # the upstream connection whose session this is
+
+    @property
+    def stream_count(self) -> int:
+        return int(self.session is not None)
+
+    async def _handle(self, conn: Connection, msg: Message) -> None:
+        if isinstance(msg, Packed | Release) and self._owner is not None and self._owner is not conn:
+            if not self._owner.closed:
+                log.warning("static stage %d: refused %s from %s: another connection owns the session",
+                            self.index, type(msg).__name__, conn.peername)
+                await conn.async_send(Error(ErrorCode.UNKNOWN_STREAM, "this connection holds no session here",
+                                            msg.stream_id, msg.seq))
+                return
+            self._owner = conn  # the owner's connection ended: the session goes to whoever carries it on
+        match msg:
+            case Packed():
+                self._owner = conn
+                await self._step(msg)
+            case Release():
+                if msg.stream_id == self.session:
+                    await self._run(self._reset)
+                if not self.stage.is_last:
+                    await self._send(msg)
+            case Forward():
+                await self._send(Error(
+                    ErrorCode.STREAM_FAILED, f"stage {self.index} serves a static (NPU-target) export: it takes "
+                    "Packed frames, not Forward", msg.stream_id, msg.seq))
+            case Error() if msg.stream_id:
+                await self._send(msg)  # a step failed upstream: on toward the coordinator
+            case _:
+                log.debug("static stage %d ignoring %r", self.index, msg)
+
+    def _reset(self) -> None:
+        self.stage.reset()
+        self.session = None
+
+    async def _step(self, msg: Packed) -> None:
+        if msg.stream_id != self.session:
+            if self.draining:
+                await self._send(Error(ErrorCode.SHUTTING_DOWN, f"stage {self.index} is shutting "
+                                                       "down", msg.stream_id, msg.seq))
+                return
+            await self._run(self._reset)  # a new session starts on empty slots
+            self.session = msg.stream_id
+        x = msg.tensor if msg.tensor.dtype != np.float16 else msg.tensor.astype(np.float32)
+        try:
+            out = await self._compute(self.stage.step, msg.plan, x)
+        except Exception as exc:  # a lockstep break or an OpenVINO failure: the session is over here
+            log.error("static stage %d failed on step %d of session %s: %s", self.index, msg.seq, msg.stream_id, exc)
+            await self._run(self._reset)
+            await self._send(Error(ErrorCode.STREAM_FAILED, f"stage {self.index}: {exc}",
+                                                   msg.stream_id, msg.seq))
+            return
+        if self.stage.is_last:
+            ids, probs = last_stage_reply(out, 0, False)
+            reply: Message = Tokens(msg.stream_id, msg.seq, ids, probs)
+        else:
+            reply = Packed(msg.stream_id, msg.seq, msg.plan, out)
+        await self._send(reply)

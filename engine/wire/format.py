@@ -1,0 +1,175 @@
+"""The data-plane wire format: its numbers, layouts, enums and exceptions (no code that runs).
+
+Every frame is a fixed 56-byte little-endian header, then a kind-specific *meta* section, then
+the raw bytes of at most one tensor (the *payload*)::
+
+    | header (56 B) | meta (meta_len B) | payload (payload_len B = prod(dims) * itemsize) |
+
+The header describes the payload tensor completely (dtype code, ndim, dims), so a receiver can
+bound and check a frame before reading its body. docs/PROTOCOL.md is the normative description.
+The typed messages live in ``engine.wire.messages``, bytes <-> messages in ``engine.wire.codec``, the
+handshake decisions in ``engine.wire.handshake`` and sockets in ``engine.wire.transport``.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from typing import ClassVar, NewType
+
+import numpy as np
+
+from engine.errors import DeskfleetError
+
+PROTOCOL_VERSION = 2  # 1: Forward/Tokens/Logits/Release; 2 adds Capture/Restore and Packed
+MAGIC = b"DKFL"
+MAX_FRAME_BYTES = 256 * 1024 * 1024  # default bound, header included; configurable per call
+MIN_FRAME_BOUND = 64 * 1024  # a node refusing frames this small could not even send a prefill
+MAX_DIMS = 4
+MAX_FINGERPRINT_BYTES = 128
+MAX_ERROR_MESSAGE_BYTES = 4096
+# The packed mask grows 64x when unpacked to int64, so its size is capped on its own:
+# 16 Mi positions (B*T) is 128 MiB decoded, far beyond any real context (B=1, T=128k is 1 Mi).
+MAX_MASK_ELEMENTS = 1 << 24
+U64_MAX = 2**64 - 1
+U32_MAX = 2**32 - 1
+U16_MAX = 2**16 - 1
+# The stage_index a dialer names when it dials the coordinator's token-return port.
+COORDINATOR_STAGE = U16_MAX
+
+StreamId = NewType("StreamId", int)  # 1..2**64-1 on stream frames; 0 means "the whole connection"
+
+# --- layouts: docs/PROTOCOL.md has the tables ----------------------------------------------------
+
+# The fixed header. Little-endian, no padding, 56 bytes.
+HEADER_FIELDS = tuple(
+    "magic version kind flags stream_id seq dtype ndim reserved dim0 dim1 dim2 dim3 "
+    "meta_len payload_len".split()
+)
+HEADER_STRUCT = struct.Struct("<4sHBBQQBBH4IIQ")
+HEADER_SIZE = HEADER_STRUCT.size
+CAPTURE_META = struct.Struct("<Q")  # capture id; the kept positions are the int64 [n] tensor
+RESTORE_META = struct.Struct("<QI")  # capture id, number of leading positions to restore
+FORWARD_META = struct.Struct("<IBxH")  # mask length T, mask encoding, 1 reserved zero byte, reply_last
+# protocol_version, stage_index, max_frame_bytes, [role,] fingerprint length; fingerprint follows
+HELLO_META = struct.Struct("<HHQBB")
+HELLO_ACK_META = struct.Struct("<HHQB")
+PACKED_META = struct.Struct("<HH")  # rows S, reserved zero; the int64 plan [3, S] follows
+ERROR_META = struct.Struct("<H")  # error code; the UTF-8 message fills the rest of meta
+MASK_PACKED_BITS = 0  # the only mask encoding of version 1; the byte leaves room for run lengths
+# What a listener reads before the handshake: one Hello at most (a bigger first frame is refused
+# after its header), and what a dialer reads for the answer: a HelloAck or a refusal's Error.
+HELLO_FRAME_BYTES = HEADER_SIZE + HELLO_META.size + MAX_FINGERPRINT_BYTES
+HANDSHAKE_REPLY_BYTES = HEADER_SIZE + ERROR_META.size + MAX_ERROR_MESSAGE_BYTES
+
+
+class FrameKind(enum.IntEnum):
+    """What a frame carries. Numbers are stable forever; a new kind means a new number."""
+
+    HELLO = 1
+    HELLO_ACK = 2
+    ERROR = 3
+    PING = 4
+    PONG = 5
+    FORWARD = 16
+    TOKENS = 17
+    LOGITS = 18
+    RELEASE = 19
+    PACKED = 20  # one inference of a static (NPU-target) ring: stage 0's plan frame + the rows' inputs
+    CAPTURE = 32  # prefix cache: keep a compacted copy of a stream's KV state under a capture id
+    RESTORE = 33  # prefix cache: start a stream from the first positions of a capture
+
+
+RESERVED_KINDS: frozenset[FrameKind] = frozenset()
+
+
+class FrameFlag(enum.IntFlag):
+    """Per-frame flag bits; each kind accepts only the bits listed for it in docs/PROTOCOL.md."""
+
+    WANT_LOGITS = 0x01  # Forward: the last stage answers with full Logits instead of top-1 Tokens
+
+
+class DType(enum.IntEnum):
+    """Payload element type codes. Payloads are always little-endian."""
+
+    NONE = 0
+    INT64 = 1
+    FLOAT32 = 2
+    FLOAT16 = 3
+
+
+NUMPY_DTYPE = {
+    DType.INT64: np.dtype("<i8"),
+    DType.FLOAT32: np.dtype("<f4"),
+    DType.FLOAT16: np.dtype("<f2"),
+}
+DTYPE_CODE = {dt: code for code, dt in NUMPY_DTYPE.items()}
+
+
+class Role(enum.IntEnum):
+    """Who is dialling, as announced in Hello."""
+
+    COORDINATOR = 1
+    STAGE = 2  # an upstream stage worker (or the last stage returning tokens)
+
+
+class ErrorCode(enum.IntEnum):
+    """Why an Error frame was sent: 1-15 frame faults and 16-31 handshake refusals close the
+    connection, as do 48-49; 32-35 concern one stream and leave the connection up."""
+
+    MALFORMED_FRAME = 1
+    FRAME_TOO_LARGE = 2
+    TRUNCATED_FRAME = 3
+    TIMEOUT = 4
+    UNEXPECTED_FRAME = 5
+    PROTOCOL_VERSION_MISMATCH = 16
+    MODEL_FINGERPRINT_MISMATCH = 17
+    STAGE_INDEX_MISMATCH = 18
+    ROLE_REFUSED = 19
+    PEER_REFUSED = 20  # handshake refused: the peer's certificate (node id) is not the one expected here
+    STREAM_LIMIT = 35  # stream-level: the receiver holds as many streams as it accepts
+    UNKNOWN_STREAM = 32  # stream-level: the connection stays usable
+    STREAM_FAILED = 33
+    CAPTURE_MISSING = 34  # stream-level: a Restore named a capture this stage does not hold
+    INTERNAL = 48
+    SHUTTING_DOWN = 49
+
+
+# --- errors: engine.wire.handshake adds HandshakeError; engine.wire.transport adds FrameTimeoutError,
+# ConnectionClosedError and DialError ----------------------------------------------------------
+
+
+class WireError(DeskfleetError):
+    """Base of every data-plane protocol or transport failure; ``code`` is what goes on the wire."""
+
+    code: ClassVar[ErrorCode] = ErrorCode.INTERNAL
+
+
+class FrameError(WireError):
+    """A frame's bytes (received) or a message's fields (to send) break the protocol's rules."""
+
+    code = ErrorCode.MALFORMED_FRAME
+
+
+class FrameTooLargeError(FrameError):
+    """A frame would exceed the size bound (``max_frame_bytes``) of the node that refuses it."""
+
+    code = ErrorCode.FRAME_TOO_LARGE
+
+
+class TruncatedFrameError(FrameError):
+    """Fewer bytes arrived than the header announced (peer closed mid-frame, or a short buffer)."""
+
+    code = ErrorCode.TRUNCATED_FRAME
+
+
+class ProtocolVersionError(FrameError):
+    """A frame header carries a protocol version this node does not speak."""
+
+    code = ErrorCode.PROTOCOL_VERSION_MISMATCH
+
+
+class UnexpectedFrameError(FrameError):
+    """A well-formed frame arrived where the protocol does not allow it (Forward before Hello)."""
+
+    code = ErrorCode.UNEXPECTED_FRAME

@@ -1,0 +1,350 @@
+"""The data-plane messages: one frozen dataclass per frame kind, its fields checked at init.
+
+A message that exists is valid: every constructor raises FrameError for a field the protocol
+refuses, so the encoder can trust its input and the decoder gets the same checks for free by
+building messages from what it read. docs/PROTOCOL.md states the rules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import TypeAlias
+
+import numpy as np
+
+from engine.wire.plan_frame import PlanFrame
+from engine.wire.format import (
+    MAX_DIMS,
+    MAX_ERROR_MESSAGE_BYTES,
+    MAX_FINGERPRINT_BYTES,
+    MAX_FRAME_BYTES,
+    MAX_MASK_ELEMENTS,
+    MIN_FRAME_BOUND,
+    PROTOCOL_VERSION,
+    U16_MAX,
+    U32_MAX,
+    U64_MAX,
+    ErrorCode,
+    FrameError,
+    Role,
+    StreamId,
+    WireError,
+)
+
+_INT64 = np.dtype("<i8")
+_FLOAT32 = np.dtype("<f4")
+_FLOAT16 = np.dtype("<f2")
+
+
+def _shape_repr(msg: object) -> str:
+    """repr of a tensor message that shows dtypes and shapes, not megabytes of numbers."""
+    parts = []
+    for f in fields(msg):  # type: ignore[arg-type]
+        v = getattr(msg, f.name)
+        shown = f"{v.dtype}{list(v.shape)}" if isinstance(v, np.ndarray) else repr(v)
+        parts.append(f"{f.name}={shown}")
+    return f"{type(msg).__name__}({', '.join(parts)})"
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class Forward:
+    """Run one pipeline step of a stream: the input of the receiving stage, plus its descriptor.
+
+    ``tensor`` is int64 token ids [B,S] (into stage 0) or float32/float16 hidden states [B,S,H].
+    ``attention_mask`` int64 [B,T] (0/1, T = cache length after this step, T >= S) and
+    ``position_ids`` int64 [B,S] are decided by the coordinator; stages only apply them.
+    ``reply_last`` is how many trailing positions the last stage answers for (0 = all S): 1 for
+    plain decode and prefill, K+1 to verify K speculative drafts.
+    Arrays are shared, not copied: treat them as immutable.
+    """
+
+    stream_id: StreamId
+    seq: int
+    tensor: np.ndarray
+    attention_mask: np.ndarray
+    position_ids: np.ndarray
+    want_logits: bool = False
+    reply_last: int = 0
+    __repr__ = _shape_repr
+
+    def __post_init__(self) -> None:
+        _check_stream(self.stream_id, self.seq, "Forward")
+        t = self.tensor
+        _check_array(t, "Forward.tensor", (_INT64, _FLOAT32, _FLOAT16))
+        if t.dtype == np.int64 and t.ndim != 2:
+            raise FrameError(f"Forward token ids must be [B,S], got shape {t.shape}")
+        if t.dtype != np.int64 and t.ndim != 3:
+            raise FrameError(f"Forward hidden states must be [B,S,H], got shape {t.shape}")
+        if t.dtype == np.int64 and t.min() < 0:
+            raise FrameError("Forward token ids must be >= 0; check the tokenizer output")
+        b, s = t.shape[0], t.shape[1]
+        if not 0 <= self.reply_last <= min(s, 0xFFFF):
+            raise FrameError(f"Forward.reply_last {self.reply_last} must be between 0 and S={s} (the new positions)")
+        m = self.attention_mask
+        _check_array(m, "Forward.attention_mask", (_INT64,))
+        if m.ndim != 2 or m.shape[0] != b or not s <= m.shape[1] <= U32_MAX:
+            raise FrameError(f"attention_mask must be [B={b}, T>={s}], got shape {m.shape}")
+        if m.size > MAX_MASK_ELEMENTS:
+            raise FrameError(f"attention_mask has {m.size} > {MAX_MASK_ELEMENTS} elements")
+        if not np.isin(m, (0, 1)).all():
+            raise FrameError("attention_mask values must be 0 or 1")
+        p = self.position_ids
+        _check_array(p, "Forward.position_ids", (_INT64,))
+        if p.shape != (b, s):
+            raise FrameError(f"position_ids must be [B={b}, S={s}], got shape {p.shape}")
+        if p.min() < 0:
+            raise FrameError("position_ids must be >= 0")
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class Tokens:
+    """The last stage's top-1 answer: ids int64 [S] (or [B,S]) and their probabilities float32."""
+
+    stream_id: StreamId
+    seq: int
+    ids: np.ndarray
+    probs: np.ndarray
+    __repr__ = _shape_repr
+
+    def __post_init__(self) -> None:
+        _check_stream(self.stream_id, self.seq, "Tokens")
+        _check_array(self.ids, "Tokens.ids", (_INT64,), ndims=(1, 2))
+        _check_array(self.probs, "Tokens.probs", (_FLOAT32,), ndims=(1, 2))
+        if self.probs.shape != self.ids.shape:
+            raise FrameError(f"Tokens.probs shape {self.probs.shape} != ids {self.ids.shape}")
+        if self.ids.min() < 0:
+            raise FrameError("Tokens.ids must be >= 0")
+        if not ((self.probs >= 0) & (self.probs <= 1)).all():  # NaN fails both comparisons
+            raise FrameError("Tokens.probs must be probabilities in [0, 1]")
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class Logits:
+    """Full-vocabulary logits float32/float16 [B,V] or [B,S,V], sent when Forward wanted them."""
+
+    stream_id: StreamId
+    seq: int
+    logits: np.ndarray
+    __repr__ = _shape_repr
+
+    def __post_init__(self) -> None:
+        _check_stream(self.stream_id, self.seq, "Logits")
+        _check_array(self.logits, "Logits.logits", (_FLOAT32, _FLOAT16), ndims=(2, 3))
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class Packed:
+    """One inference of a packed static ring (NPU-target export): stage 0's plan and the rows' input.
+
+    ``plan`` says, per row, which slot it serves, at which true absolute position, and how much
+    of the slot's previous sequence its request reuses; every stage derives its mask and KV writes
+    from it, so the stages' host KV rings stay in lockstep. ``tensor`` is int64 token ids [1,S]
+    (into stage 0) or float32/float16 hidden states [1,S,H], S = the plan's rows. The last stage
+    answers with **Tokens** [S] (each row's top-1) under the same ``stream_id`` and ``seq``; one
+    stream id names one packed session, and **Release** of it empties every slot.
+    """
+
+    stream_id: StreamId
+    seq: int
+    plan: PlanFrame
+    tensor: np.ndarray
+    __repr__ = _shape_repr
+
+    def __post_init__(self) -> None:
+        _check_stream(self.stream_id, self.seq, "Packed")
+        if not isinstance(self.plan, PlanFrame):
+            raise FrameError(f"Packed.plan must be a PlanFrame, got {type(self.plan).__name__}")
+        rows = self.plan.rows
+        if rows > U16_MAX:
+            raise FrameError(f"Packed plan has {rows} rows; at most {U16_MAX}")
+        t = self.tensor
+        _check_array(t, "Packed.tensor", (_INT64, _FLOAT32, _FLOAT16))
+        want = "[1,S]" if t.dtype == np.int64 else "[1,S,H]"
+        if t.ndim != (2 if t.dtype == np.int64 else 3) or t.shape[0] != 1 or t.shape[1] != rows:
+            raise FrameError(f"Packed {'token ids' if t.dtype == np.int64 else 'hidden states'} must be "
+                             f"{want} with S = {rows} plan rows, got shape {t.shape}")
+        if t.dtype == np.int64 and t.min() < 0:
+            raise FrameError("Packed token ids must be >= 0")
+
+
+@dataclass(frozen=True)
+class Release:
+    """The stream is finished: free its KV state on every stage that holds one."""
+
+    stream_id: StreamId
+    seq: int = 0
+
+    def __post_init__(self) -> None:
+        _check_stream(self.stream_id, self.seq, "Release")
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class Capture:
+    """Keep a copy of the stream's KV state, compacted to the physical positions in ``keep``
+    (int64 [n], increasing: the visible ones), under ``capture_id``; the last stage echoes the
+    frame to the coordinator once every stage holds it."""
+
+    stream_id: StreamId
+    seq: int
+    capture_id: int
+    keep: np.ndarray
+    __repr__ = _shape_repr
+
+    def __post_init__(self) -> None:
+        _check_stream(self.stream_id, self.seq, "Capture")
+        _check_u64(self.capture_id, "Capture.capture_id")
+        _check_array(self.keep, "Capture.keep", (_INT64,), ndims=(1,))
+        if self.keep.min() < 0 or (self.keep.size > 1 and (np.diff(self.keep) <= 0).any()):
+            raise FrameError("Capture.keep must be increasing, non-negative cache positions")
+
+
+@dataclass(frozen=True)
+class Restore:
+    """Start the stream from the first ``length`` positions of capture ``capture_id``; the last
+    stage echoes the frame to the coordinator once every stage has restored it."""
+
+    stream_id: StreamId
+    seq: int
+    capture_id: int
+    length: int
+
+    def __post_init__(self) -> None:
+        _check_stream(self.stream_id, self.seq, "Restore")
+        _check_u64(self.capture_id, "Restore.capture_id")
+        if not 1 <= self.length <= U32_MAX:
+            raise FrameError(f"Restore.length must be between 1 and {U32_MAX}, got {self.length}")
+
+
+@dataclass(frozen=True)
+class Ping:
+    """Liveness probe; the receiver answers with a Pong carrying the same ``seq``."""
+
+    seq: int = 0
+
+    def __post_init__(self) -> None:
+        _check_u64(self.seq, "Ping.seq")
+
+
+@dataclass(frozen=True)
+class Pong:
+    """Answer to a Ping with the same ``seq``."""
+
+    seq: int = 0
+
+    def __post_init__(self) -> None:
+        _check_u64(self.seq, "Pong.seq")
+
+
+@dataclass(frozen=True)
+class Error:
+    """A failure as data. After a connection-level code (1-31, 48-49) the sender closes the
+    connection; ``stream_id`` (0: none) names the stream concerned."""
+
+    code: ErrorCode
+    message: str
+    stream_id: StreamId = StreamId(0)
+    seq: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.code, ErrorCode):
+            raise FrameError(f"Error.code must be an ErrorCode, got {self.code!r}")
+        _check_u64(self.stream_id, "Error.stream_id")
+        _check_u64(self.seq, "Error.seq")
+        if len(self.message.encode("utf-8")) > MAX_ERROR_MESSAGE_BYTES:
+            raise FrameError(f"Error.message exceeds {MAX_ERROR_MESSAGE_BYTES} UTF-8 bytes")
+
+
+@dataclass(frozen=True)
+class Hello:
+    """The dialer's first frame: what it speaks, which model, which stage it expects to reach,
+    and the largest frame it accepts (so the listener never sends it one it must refuse)."""
+
+    model_fingerprint: str
+    stage_index: int
+    role: Role
+    max_frame_bytes: int = MAX_FRAME_BYTES
+    protocol_version: int = PROTOCOL_VERSION
+
+    def __post_init__(self) -> None:
+        _check_identity(self, "Hello")
+        if not isinstance(self.role, Role):
+            raise FrameError(f"Hello.role must be a Role, got {self.role!r}")
+
+
+@dataclass(frozen=True)
+class HelloAck:
+    """The listener's acceptance: its own identity and the largest frame it will accept."""
+
+    model_fingerprint: str
+    stage_index: int
+    max_frame_bytes: int = MAX_FRAME_BYTES
+    protocol_version: int = PROTOCOL_VERSION
+
+    def __post_init__(self) -> None:
+        _check_identity(self, "HelloAck")
+
+
+Message: TypeAlias = (
+    Forward | Packed | Tokens | Logits | Release | Capture | Restore | Ping | Pong | Error | Hello | HelloAck
+)
+
+
+def error_frame(exc: Exception, stream_id: int = 0, seq: int = 0) -> Error:
+    """The Error frame that reports ``exc`` to the peer (message clipped to the wire limit).
+
+    A WireError keeps its code; anything else is reported as INTERNAL.
+    """
+    code = exc.code if isinstance(exc, WireError) else ErrorCode.INTERNAL
+    text = str(exc) if isinstance(exc, WireError) else f"internal error: {exc}"
+    clipped = text.encode("utf-8")[:MAX_ERROR_MESSAGE_BYTES].decode("utf-8", "ignore")
+    return Error(code, clipped, StreamId(stream_id), seq)
+
+
+# --- field checks ---------------------------------------------------------------------------------
+
+
+def _check_u64(value: int, name: str) -> None:
+    if not isinstance(value, int) or not 0 <= value <= U64_MAX:
+        raise FrameError(f"{name} must be an integer in 0..2**64-1, got {value!r}")
+
+
+def _check_stream(stream_id: int, seq: int, kind: str) -> None:
+    _check_u64(stream_id, f"{kind}.stream_id")
+    _check_u64(seq, f"{kind}.seq")
+    if stream_id == 0:
+        raise FrameError(f"{kind}.stream_id must be >= 1 (0 is reserved for the connection)")
+
+
+def _check_array(
+    a: object, name: str, dtypes: tuple[np.dtype, ...], ndims: tuple[int, ...] | None = None
+) -> None:
+    if not isinstance(a, np.ndarray):
+        raise FrameError(f"{name} must be a numpy array, got {type(a).__name__}")
+    if a.dtype not in dtypes:
+        wanted = " or ".join(str(d) for d in dtypes)
+        raise FrameError(f"{name} has dtype {a.dtype}; convert it with .astype() to {wanted}")
+    if ndims is not None and a.ndim not in ndims:
+        raise FrameError(f"{name} must have {' or '.join(map(str, ndims))} dims, got {a.shape}")
+    if not 1 <= a.ndim <= MAX_DIMS or not all(1 <= d <= U32_MAX for d in a.shape):
+        raise FrameError(f"{name} has shape {a.shape}; every dim must be in 1..2**32-1")
+
+
+def _check_identity(msg: Hello | HelloAck, kind: str) -> None:
+    """The fields Hello and HelloAck share: version, stage, fingerprint and frame bound."""
+    version, stage_index = msg.protocol_version, msg.stage_index
+    fingerprint, bound = msg.model_fingerprint, msg.max_frame_bytes
+    if not isinstance(version, int) or not 1 <= version <= U16_MAX:
+        raise FrameError(f"{kind}.protocol_version must be in 1..65535, got {version!r}")
+    if not isinstance(stage_index, int) or not 0 <= stage_index <= U16_MAX:
+        raise FrameError(f"{kind}.stage_index must be in 0..65535, got {stage_index!r}")
+    if (
+        not isinstance(fingerprint, str)
+        or not 1 <= len(fingerprint) <= MAX_FINGERPRINT_BYTES
+        or not all("!" <= c <= "~" for c in fingerprint)
+    ):
+        raise FrameError(
+            f"{kind}.model_fingerprint must be 1..{MAX_FINGERPRINT_BYTES} printable ASCII "
+            f"characters (e.g. the manifest sha256 in hex), got {fingerprint!r:.80}"
+        )
+    if not isinstance(bound, int) or not MIN_FRAME_BOUND <= bound <= U64_MAX:
+        raise FrameError(f"max_frame_bytes must be >= {MIN_FRAME_BOUND}, got {bound!r}")

@@ -1,0 +1,1 @@
+"""A stage worker process: one verified shard serving its place in a ring."""
