@@ -120,7 +120,7 @@ def time_interleaved(chains: dict[int, Any], steps: int) -> dict[int, list[float
 
 def serve(chain, prompts: list[list[int]], tokens: int) -> dict[str, Any]:
     """All ``prompts`` submitted at once; per-request TTFT, total wall clock, the tokens."""
-    from engine.static.stage import PackedServer
+    from engine.static.packed_stage import PackedServer
 
     chain.reset()
     server = PackedServer(chain)
@@ -139,7 +139,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
-    from engine.static.stage import StaticChain
+    from engine.static.packed_stage import StaticChain
     from engine.generation.tokenizer import ChatTokenizer
 
     load_start = [round(x, 2) for x in os.getloadavg()]

@@ -321,8 +321,8 @@ def test_a_stream_opened_on_one_connection_cannot_be_touched_from_another(fleet,
 def test_a_static_workers_packed_session_belongs_to_the_connection_that_started_it(tmp_path_factory,
                                                                                    tiny_checkpoint):
     from engine.wire.messages import Packed
-    from engine.static.stage import StaticStage
-    from engine.static.worker import PackedStageWorker
+    from engine.static.packed_stage import StaticStage
+    from engine.static.packed_worker import PackedStageWorker
     from engine.wire.plan_frame import PlanFrame
     from tests.npu_helpers import npu_export
 

@@ -13,7 +13,7 @@ import pytest
 
 from engine.errors import ManifestError
 from engine.shards.manifest import SUPPORTED_VERSIONS, load_manifest, parse_manifest
-from engine.static.stage import StaticChain
+from engine.static.packed_stage import StaticChain
 from export.exporter import ExportError, ExportOptions, export_model
 from export.static_graph import (
     MaskEditError,

@@ -21,10 +21,10 @@ from engine.coordinator.coordinator import model_card
 from engine.generation.generator import UnavailableError
 from engine.shards.manifest import load_manifest
 from engine.wire.messages import Forward, Packed
-from engine.tools.static_fleet import export_row_options
-from engine.static.generator import PackedGenerator, RingStatic
-from engine.static.stage import StaticChain, StaticStage, geometry_of, static_generate
-from engine.static.worker import PackedStageWorker
+from engine.tools.packed_fleet import export_row_options
+from engine.static.packed_generator import PackedGenerator, RingStatic
+from engine.static.packed_stage import StaticChain, StaticStage, geometry_of, static_generate
+from engine.static.packed_worker import PackedStageWorker
 from engine.wire.plan_frame import PlanFrame
 from engine.generation.request import FinishReason, GenerationRequest
 from engine.coordinator.ring import RingPath

@@ -8,7 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from engine.static.stage import PackedServer, StaticChain, static_generate
+from engine.static.packed_stage import PackedServer, StaticChain, static_generate
 from engine.wire.plan_frame import IDLE, PlanFrame
 from engine.shards.stage import LocalChain, StepInputs
 from engine.static.slot_scheduler import PromptTooLong

@@ -77,7 +77,7 @@ def _answer_stateful(args: argparse.Namespace, ids: list[int], on_token: Callabl
 
 def _answer_static(args: argparse.Namespace, ids: list[int], on_token: Callable[[int], None]) -> _Answer:
     """A static (NPU-target) export: its stages chained in-process, decoding greedily in one slot."""
-    from engine.static.stage import PackedServer, StaticChain
+    from engine.static.packed_stage import PackedServer, StaticChain
 
     chain = StaticChain.load(args.shards, device=args.device, exact=args.exact)
     server = PackedServer(chain)

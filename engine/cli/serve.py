@@ -184,7 +184,7 @@ async def _open_generator(args: argparse.Namespace):
 
     manifest = load_manifest(args.shards)
     if manifest.target == "npu":  # a static export: packed greedy serving over its slots
-        from engine.tools.static_fleet import (
+        from engine.tools.packed_fleet import (
             local_static_fleet,
             refuse_stateful_options,
             ring_static_generator,

@@ -425,7 +425,7 @@ def verify_stage(root: Path | str, manifest: Manifest, index: int, target: str =
     ``skip``: paths the caller verifies itself, on the very bytes it compiles (engine.shards.stage).
     """
     if manifest.target != target:
-        how = {"npu": "the static runtime (engine.static.stage)",
+        how = {"npu": "the static runtime (engine.static.packed_stage)",
                "stateful": "a stateful runtime (deskfleet generate, serve, worker)"}
         raise ManifestError(
             f"{root} holds {manifest.target} shards, but this runs {target} shards: serve it with "

@@ -3,7 +3,7 @@
 Decisions are functions over a frozen tuple of :class:`Slot`: :func:`admit` puts a request in a
 free slot (or refuses a prompt its region cannot hold), :func:`plan` chooses the rows of the next
 inference, :func:`update` applies the sampled tokens and frees the slots that finished. The
-infer loop around them (:mod:`engine.static.stage`) only runs graphs and samples.
+infer loop around them (:mod:`engine.static.packed_stage`) only runs graphs and samples.
 
 Rows per step, in this order (Sarathi-style stall-free batching from the mask alone):
 1. every decoding slot gets one row, so a long prompt never stalls running generations;

@@ -39,7 +39,7 @@ from engine.wire.messages import (
     Restore,
     Tokens,
 )
-from engine.static.worker import PackedStageWorker
+from engine.static.packed_worker import PackedStageWorker
 from engine.shards.step_path import last_stage_reply
 from engine.trust.peer_policy import PeerPolicy, PeerPolicyError, parse_policy_update
 from engine.shards.prefix_cache import CaptureStore
@@ -230,7 +230,7 @@ def _open_worker(shard_dir: Path, stage_index: int, listen: Address, next_addres
     """The worker the export calls for: stateful (KV per stream) or static (a packed host KV ring)."""
     manifest = load_manifest(shard_dir)
     if manifest.target == "npu":
-        from engine.static.stage import StaticStage
+        from engine.static.packed_stage import StaticStage
 
         properties = {"CACHE_DIR": str(cache_dir)} if cache_dir is not None else None
         static = StaticStage(shard_dir, stage_index, device=device, exact=exact, num_threads=num_threads,

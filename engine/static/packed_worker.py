@@ -22,7 +22,7 @@ import numpy as np
 
 from engine.wire.address import Address
 from engine.wire.messages import Error, Forward, Message, Packed, Release, Tokens
-from engine.static.stage import StaticStage
+from engine.static.packed_stage import StaticStage
 from engine.shards.step_path import last_stage_reply
 from engine.trust.peer_policy import PeerPolicy
 from engine.wire.stage_server import StageServer, stage_frame_bound

@@ -1,6 +1,6 @@
 """Open packed serving of a static (NPU-target) export: in this process, over local worker
 processes, or over a ring of packed stage workers elsewhere. Each yields a running
-:class:`~engine.static.generator.PackedGenerator` (a Generator the OpenAI API serves)."""
+:class:`~engine.static.packed_generator.PackedGenerator` (a Generator the OpenAI API serves)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from engine.coordinator.coordinator import model_card
 from engine.errors import DeskfleetError
 from engine.tools.local_fleet import Hop, LocalFleet
 from engine.shards.manifest import Manifest, load_manifest
-from engine.static.generator import LocalStatic, PackedGenerator, RingStatic
-from engine.static.stage import StaticChain, geometry_of, static_manifest
+from engine.static.packed_generator import LocalStatic, PackedGenerator, RingStatic
+from engine.static.packed_stage import StaticChain, geometry_of, static_manifest
 from engine.coordinator.ring import RingPath
 
 

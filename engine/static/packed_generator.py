@@ -24,7 +24,7 @@ import numpy as np
 
 from engine.errors import GenerationError
 from engine.generation.generator import ModelCard, OverloadedError, UnavailableError
-from engine.static.stage import StaticChain
+from engine.static.packed_stage import StaticChain
 from engine.wire.plan_frame import PlanFrame
 from engine.static.packing import SlotGeometry
 from engine.generation.request import FinishReason, GenerationRequest, TokenEvent
