@@ -8,7 +8,6 @@ import contextlib
 import logging
 import signal
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import TextIO
 
@@ -70,30 +69,13 @@ def read_join_token(args: argparse.Namespace, stdin: TextIO) -> str | None:
     return token
 
 
-def _settings(args: argparse.Namespace):
-    from agent.service.settings import default_state_dir, load_settings, save_settings
-
-    state_dir = args.state_dir or default_state_dir()
-    settings = load_settings(state_dir)
-    overrides = {k: v for k, v in (("interface", args.interface), ("control_port", args.control_port),
-                                   ("data_port", args.data_port)) if v is not None}
-    if args.seed:
-        from engine.control.messages import parse_hostport
-
-        for seed in args.seed:
-            parse_hostport(seed, "--seed")
-        overrides["seeds"] = tuple(args.seed)
-    if overrides:
-        settings = replace(settings, **overrides)
-        save_settings(state_dir, settings)
-    return state_dir, settings
-
-
 async def async_run_headless(args: argparse.Namespace) -> int:
     from agent.service.idle import default_idle_source
     from agent.service.service import AgentService
+    from agent.service.settings import resolve_settings
 
-    state_dir, settings = _settings(args)
+    state_dir, settings = resolve_settings(args.state_dir, interface=args.interface, control_port=args.control_port,
+                                           data_port=args.data_port, seeds=args.seed)
     service = AgentService(state_dir, settings, idle_source=default_idle_source())
     if args.leave:
         await service.async_leave()

@@ -13,11 +13,13 @@ import json
 import re
 import socket
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from engine.atomic_file import write_json_atomic
+from engine.control.messages import parse_hostport
 from engine.errors import DeskfleetError
 from engine.machine.this_pc import DEFAULT_CONTROL_PORT, DEFAULT_DATA_PORT, default_agent_dir
 
@@ -166,6 +168,26 @@ def load_settings(state_dir: Path) -> AgentSettings:
 
 def save_settings(state_dir: Path, settings: AgentSettings) -> None:
     write_json_atomic(state_dir / SETTINGS_FILE, settings.to_dict())
+
+
+def resolve_settings(state_dir: Path | None, *, interface: str | None = None, control_port: int | None = None,
+                     data_port: int | None = None, seeds: Sequence[str] | None = None) -> tuple[Path, AgentSettings]:
+    """The state dir and settings one run of the agent uses (headless or tray): ``state_dir``
+    (None: :func:`default_state_dir`) and its saved settings with the command line's choices laid
+    over them. A choice given (not None; ``seeds`` non-empty) is saved, so the next run keeps it;
+    a seed that is not HOST:PORT raises before anything is written."""
+    state_dir = state_dir or default_state_dir()
+    settings = load_settings(state_dir)
+    overrides: dict[str, Any] = {k: v for k, v in (("interface", interface), ("control_port", control_port),
+                                                   ("data_port", data_port)) if v is not None}
+    if seeds:
+        for seed in seeds:
+            parse_hostport(seed, "--seed")
+        overrides["seeds"] = tuple(seeds)
+    if overrides:
+        settings = dataclasses.replace(settings, **overrides)
+        save_settings(state_dir, settings)
+    return state_dir, settings
 
 
 def load_state(state_dir: Path) -> AgentState:

@@ -27,10 +27,9 @@ NO_TRAY_WARNING = ("deskfleet agent: this desktop has no system tray, so no icon
 
 def run_tray(args: argparse.Namespace) -> int:
     """Run the tray agent until Quit (or SIGINT/SIGTERM); returns the exit code."""
-    from agent.cli import _settings
     from agent.service.idle import default_idle_source
     from agent.service.service import AgentService
-    from agent.service.settings import default_state_dir
+    from agent.service.settings import default_state_dir, resolve_settings
     from agent.tray.bridge import AgentBridge
     from agent.tray.tray import QtAgentTray
     from agent.tray.tray_model import login_command
@@ -39,7 +38,8 @@ def run_tray(args: argparse.Namespace) -> int:
     app.setQuitOnLastWindowClosed(False)
     app.setApplicationName("Deskfleet")
 
-    state_dir, settings = _settings(args)
+    state_dir, settings = resolve_settings(args.state_dir, interface=args.interface, control_port=args.control_port,
+                                           data_port=args.data_port, seeds=args.seed)
     service = AgentService(state_dir, settings, idle_source=default_idle_source())
     bridge = AgentBridge(service)
     tray = QtAgentTray(bridge, login_command(state_dir, default_state_dir()), parent=app)
