@@ -3,7 +3,7 @@
 A random-weight checkpoint in Llama-3.1-8B shape (bf16, sharded like HF, ~16 GB) is written as a
 stream if absent, exported by ``deskfleet export`` in a child process whose /proc status the
 parent samples every ~50 ms (RssAnon, RssFile, RssShmem peaks; VmHWM and the RSS after imports as
-the exporter reports them), and compared with the issue's bound: peak - baseline <= 1.3x the
+the export child reports them), and compared with the issue's bound: peak - baseline <= 1.3x the
 largest stage's files + 64 MB. The old torch path runs from a git worktree of the commit before
 the builder, inside a memory-capped cgroup, on a 4-layer cut of the same shape. Then the 4 INT4
 stages are served as loopback worker processes and their decode speed is set against the
@@ -27,6 +27,8 @@ from pathlib import Path
 import numpy as np
 
 from engine.cli.main import Command
+from export.bench_export_child import PEAK_LINE
+from export.benchkit import EXPORT_CHILD
 
 COMMAND_LINE = "deskfleet bench export-memory"
 MB = 1024 * 1024
@@ -34,7 +36,6 @@ GIB = 1024 ** 3
 SHARD_BYTES = 5 * 10 ** 9  # HF's 8B checkpoints come as ~5 GB shards
 COMPLETE = ".complete"  # written last: a checkpoint without it was interrupted and is rewritten
 STATUS_FIELDS = ("VmHWM", "VmRSS", "RssAnon", "RssFile", "RssShmem")
-PEAK_LINE = re.compile(r"peak RSS (\d+) MB \(after imports (\d+) MB\)")
 BOUND_FACTOR, BOUND_SLACK = 1.3, 64 * MB
 
 
@@ -152,7 +153,7 @@ def _status(pid: int) -> dict[str, int] | None:
 
 @dataclass
 class Sampler:
-    """Peaks of a process's memory fields, sampled from outside. The exporter resets its VmHWM
+    """Peaks of a process's memory fields, sampled from outside. The export child resets its VmHWM
     after its imports (clear_refs 5), so the sample where VmHWM falls is the post-import baseline
     of the anonymous/file-backed split; when the import peak was the RSS itself there is no fall,
     and the first sample after the progress bar of stage 0 appears is taken instead."""
@@ -215,7 +216,7 @@ def run_measured(argv: list[str], *, env: dict | None = None, cwd: Path | None =
     result = {"argv": argv, "returncode": proc.returncode, "wall_seconds": round(seconds, 1),
               "samples": sampler.samples, "sampled_peak": sampler.peaks, "sampled_baseline": sampler.baseline,
               "stdout_tail": stdout[-2000:]}
-    found = PEAK_LINE.search(stdout)
+    found = PEAK_LINE.search(stdout)  # the first: an old tree's exporter printed its own
     if found:
         result["peak_rss_bytes"] = int(found.group(1)) * 10 ** 6
         result["baseline_rss_bytes"] = int(found.group(2)) * 10 ** 6
@@ -238,7 +239,7 @@ def summarise_export(run: dict, stages: list[int]) -> dict:
         out["ok"] = False
         return out
     largest = max(stages)
-    # The exporter's own VmHWM (rounded to MB on stdout) or the sampled one, whichever is larger.
+    # The child's own VmHWM (rounded to MB on stdout) or the sampled one, whichever is larger.
     peak = max(run["peak_rss_bytes"], run["sampled_peak"].get("VmHWM", 0))
     net = peak - run["baseline_rss_bytes"]
     bound = BOUND_FACTOR * largest + BOUND_SLACK
@@ -255,8 +256,11 @@ def summarise_export(run: dict, stages: list[int]) -> dict:
     return out
 
 
-def export_argv(model: Path | None, out: Path, stages: int, weights: str, group_size: int | None) -> list[str]:
-    argv = [sys.executable, "-m", "engine.cli.main", "export"] + ([str(model)] if model else [])
+def export_argv(model: Path | None, out: Path, stages: int, weights: str, group_size: int | None,
+                child: str = EXPORT_CHILD) -> list[str]:
+    """``python -m <child> export ...``: today's tree through the measuring child; an old tree
+    (whose exporter printed its own peak line) through its plain ``engine.cli.main``."""
+    argv = [sys.executable, "-m", child, "export"] + ([str(model)] if model else [])
     argv += ["--stages", str(stages), "--weights", weights, "--out", str(out), "--force"]
     if weights == "int4" and group_size:
         argv += ["--group-size", str(group_size)]
@@ -264,9 +268,10 @@ def export_argv(model: Path | None, out: Path, stages: int, weights: str, group_
 
 
 def measure_export(model: Path | None, out: Path, stages: int, weights: str, group_size: int | None,
-                   keep: bool = False, **kwargs) -> dict:
+                   keep: bool = False, child: str = EXPORT_CHILD, **kwargs) -> dict:
     print(f"  export {model or 'default model'} -> {stages} x {weights}", file=sys.stderr, flush=True)
-    run = run_measured(export_argv(model, out, stages, weights, group_size), log=out.with_suffix(".log"), **kwargs)
+    argv = export_argv(model, out, stages, weights, group_size, child)
+    run = run_measured(argv, log=out.with_suffix(".log"), **kwargs)
     sizes = stage_file_bytes(out) if run["returncode"] == 0 else []
     result = summarise_export(run, sizes) if sizes else summarise_export(run, [1])
     result.update({"stages": stages, "weights": weights, "group_size": group_size if weights == "int4" else None})
@@ -472,7 +477,8 @@ def cut_phase(args: argparse.Namespace, work: Path) -> dict:
         out["old_imports_from"] = check_old_imports(where)
         group = make_cgroup("deskfleet-bench", args.old_cap_gb * GIB)
         env = {**os.environ, "PYTHONPATH": str(where)}
-        out["old"] = measure_export(cut, work / "cut-old", 2, "int4", args.group_size, env=env, cwd=where, cgroup=group)
+        out["old"] = measure_export(cut, work / "cut-old", 2, "int4", args.group_size, child="engine.cli.main",
+                                    env=env, cwd=where, cgroup=group)
         out["old"]["cgroup"] = cgroup_report(group)
         group.rmdir()
     finally:
@@ -519,7 +525,7 @@ def render(result: dict, json_path: Path) -> str:
              + f"INT4 is the export default (symmetric), group size {result.get('group_size_8b')} for the 8B "
              "shape, the CLI's default 64 for the default model. "
              "Each export is `deskfleet export` in a child process;",
-             "peak is its VmHWM, baseline its RSS after imports (both as the exporter reports them), and the",
+             "peak is its VmHWM, baseline its RSS after imports (both as the export process reports them), and the",
              "anonymous / file-backed growth are the peaks of RssAnon / RssFile sampled from the parent every",
              f"50 ms minus their values at the baseline. Bound: {result.get('bound', '')}.", "",
              markdown_table(header, rows)]

@@ -26,13 +26,15 @@ Runner = Callable[[list[int], int], Run]
 
 def _export_job(job: dict[str, Any]) -> dict[str, Any]:
     """Runs in a spawned process: export one variant and report its own peak RSS."""
+    from export.bench_export_child import peak_rss_bytes, reset_peak_rss
     from export.exporter import ExportOptions, export_model
 
+    baseline = reset_peak_rss()
     report = export_model(job["checkpoint"], job["out"], stages=job["stages"],
                           options=ExportOptions(weights=job["weights"], beam_idx=job["beam_idx"], force=True),
                           name=job["name"], fingerprint=job["fingerprint"])
-    return {"seconds": report.seconds, "peak_rss_bytes": report.peak_rss_bytes,
-            "baseline_rss_bytes": report.baseline_rss_bytes, "stage_file_bytes": list(report.stage_file_bytes)}
+    return {"seconds": report.seconds, "peak_rss_bytes": peak_rss_bytes(),
+            "baseline_rss_bytes": baseline, "stage_file_bytes": list(report.stage_file_bytes)}
 
 
 def ensure_export(root: Path, source: Any, fingerprint: str, weights: str, stages: int, beam_idx: bool) -> tuple[Path, dict]:
@@ -122,18 +124,9 @@ def default_model_exports(*variants: tuple[str, int, bool]) -> tuple[Any, list[P
 
 # -- an export measured from outside ----------------------------------------------------------
 
+EXPORT_CHILD = "export.bench_export_child"  # `deskfleet export` with its peak RSS printed
 _SAMPLE_S = 0.05  # the kernel keeps no peak for RssAnon/RssFile: sample them this often
 _STATUS_FIELDS = ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem")
-# Printed by the child once its imports are done, so the parent knows the baseline (the child's
-# own VmHWM is reset there, as `deskfleet export` does itself when it starts).
-_IMPORTED = "deskfleet-bench: imported"
-_CHILD = (
-    "import sys\n"
-    "import openvino, engine.cli.main, export.cli, export.exporter, export.builder.export  # noqa: F401\n"
-    f"print({_IMPORTED!r}, flush=True)\n"
-    "sys.stdin.readline()  # the parent reads our RSS, then lets us go\n"
-    "sys.exit(engine.cli.main.main(sys.argv[1:]))\n"
-)
 
 
 def _status_kb(pid: int) -> dict[str, int]:
@@ -158,7 +151,7 @@ class ExportMemory:
     peak, so ``peak_anon``/``peak_file`` are the largest sampled values and ``at_peak_*`` the
     split in the sample with the largest RSS. ``after_imports*`` is the RSS the parent read once
     the CLI's modules were imported (the child waits for it); ``exporter_baseline`` the RSS the
-    exporter itself printed when it started (every import done, MB precision).
+    child printed when it reset its peak, just before the export (MB precision).
     """
 
     seconds: float
@@ -182,15 +175,16 @@ def measured_export(model: str | None, out: Path, weights: str, stages: int, *,
     import time
 
     from engine.shards.manifest import load_manifest
+    from export.bench_export_child import IMPORTED, PEAK_LINE
 
-    argv = [sys.executable, "-c", _CHILD, "export", *([model] if model else []), "--stages", str(stages),
-            "--weights", weights, "--group-size", str(group_size), "--out", str(out), "--force"]
+    argv = [sys.executable, "-m", EXPORT_CHILD, "--wait", "export", *([model] if model else []),
+            "--stages", str(stages), "--weights", weights, "--group-size", str(group_size), "--out", str(out), "--force"]
     started = time.perf_counter()
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, bufsize=1)
     assert proc.stdout is not None and proc.stdin is not None
     first = proc.stdout.readline()
-    if _IMPORTED not in first:
+    if IMPORTED not in first:
         proc.kill()
         rest = first + proc.stdout.read()
         proc.wait()
@@ -223,11 +217,11 @@ def measured_export(model: str | None, out: Path, weights: str, stages: int, *,
     text = "".join(lines)
     if proc.returncode != 0:
         raise RuntimeError(f"deskfleet export failed (exit {proc.returncode}):\n{text[-3000:]}")
-    # The child's VmHWM is reset when export_model starts (its own RSS then, after every import,
-    # is the baseline); the CLI prints both: "peak RSS N MB (after imports M MB)".
-    printed = [ln.replace("(", " ").split() for ln in text.splitlines() if ln.startswith("peak RSS ")]
-    vmhwm = int(float(printed[-1][2]) * 1e6) if printed else 0
-    exporter_base = int(float(printed[-1][6]) * 1e6) if printed else base.get("VmRSS", 0) * 1024
+    # The child resets its VmHWM once the parent has read it (its RSS then, after every import,
+    # is the baseline) and prints both: "peak RSS N MB (after imports M MB)".
+    printed = PEAK_LINE.findall(text)
+    vmhwm = int(printed[-1][0]) * 10 ** 6 if printed else 0
+    exporter_base = int(printed[-1][1]) * 10 ** 6 if printed else base.get("VmRSS", 0) * 1024
     manifest = load_manifest(out)
     sizes = tuple(sum(f.size for f in s.files) for s in manifest.stages)
     kb = 1024

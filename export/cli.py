@@ -113,7 +113,6 @@ def run_export(args: argparse.Namespace) -> int:
         graphs = f", graphs {', '.join(g.name for g in s.graphs)}" if s.graphs else ""
         print(f"  stage {s.index}: layers {s.first_layer}-{s.last_layer}, {size:.1f} MB, "
               f"~{s.estimated_memory_bytes / 1e9:.2f} GB at run time{graphs}")
-    print(f"peak RSS {report.peak_rss_bytes / 1e6:.0f} MB (after imports {report.baseline_rss_bytes / 1e6:.0f} MB)")
     return 0
 
 

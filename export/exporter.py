@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import shutil
 import time
 from collections.abc import Sequence
@@ -73,8 +72,6 @@ class ExportReport:
     out_dir: Path
     manifest: Manifest
     seconds: float
-    peak_rss_bytes: int
-    baseline_rss_bytes: int
     stage_file_bytes: tuple[int, ...]
 
 
@@ -103,35 +100,6 @@ def plan_stages(num_layers: int, stages: int | None = None, split: Sequence[int]
                   has_embedding=i == 0, has_head=i == len(bounds) - 2)
         for i in range(len(bounds) - 1)
     ]
-
-
-def _status_kb(field: str) -> int | None:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-def _reset_peak_rss() -> int:
-    """Current RSS in bytes, after resetting the kernel's peak-RSS mark where that is possible.
-
-    ``ru_maxrss`` survives exec, so a process spawned by a large parent would report the
-    parent's size; Linux's VmHWM belongs to this process alone and can be reset (clear_refs 5).
-    """
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
-    current = _status_kb("VmRSS")
-    return current * 1024 if current is not None else _peak_rss_bytes()
-
-
-def _peak_rss_bytes() -> int:
-    peak = _status_kb("VmHWM")
-    return peak * 1024 if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _eos_ids(tokenizer_dir: Path, config: Any) -> tuple[int, ...]:
@@ -289,7 +257,6 @@ def export_model(checkpoint_dir: Path | str, out_dir: Path | str, *, stages: int
     """Export ``checkpoint_dir`` (an HF checkpoint directory, a ``.gguf`` file, or a model
     directory prepared from a GGUF) into ``out_dir``; see the module docstring."""
     started = time.perf_counter()
-    baseline = _reset_peak_rss()
     ckpt, out = Path(checkpoint_dir), Path(out_dir)
     gguf = _gguf_weights(ckpt)
     if gguf is None and not (ckpt / "config.json").is_file():
@@ -364,7 +331,5 @@ def export_model(checkpoint_dir: Path | str, out_dir: Path | str, *, stages: int
         out_dir=out,
         manifest=manifest,
         seconds=time.perf_counter() - started,
-        peak_rss_bytes=_peak_rss_bytes(),
-        baseline_rss_bytes=baseline,
         stage_file_bytes=tuple(sum(f.size for f in s.files) for s in stage_manifests),
     )
