@@ -34,11 +34,13 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
+from engine.control.links import MAX_ECHO_BYTES, LinkMeasurement
 from engine.control.messages import (
+    AgentStatus,
     Assignment,
     ControlRequestError,
     decode_body,
@@ -48,11 +50,7 @@ from engine.control.messages import (
     parse_node_ids,
 )
 from engine.errors import DeskfleetError
-from engine.control.links import MAX_ECHO_BYTES
 from engine.trust.fleet_ca import Role, peer_node_id, peer_role
-
-if TYPE_CHECKING:
-    from agent.service.service import AgentService
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +58,43 @@ ECHO_CHUNK = memoryview(bytes(1 << 20))  # every echo streams slices of this one
 MAX_ECHOES = 2  # concurrent echoes per agent: a link probe runs one at a time
 EXPECT_S = 60.0  # how long a member named by POST /v1/link/expect may probe the echo
 MAX_EXPECTED = 64
+
+
+class ControlledAgent(Protocol):
+    """What the control API asks of the agent behind it: one call per route, plus who may give
+    orders. :class:`agent.service.service.AgentService` implements it; the API knows nothing else
+    of the service. A call refuses with ControlRequestError (its status becomes the answer's)."""
+
+    @property
+    def console_node_id(self) -> str | None:
+        """The console this agent takes orders from (None: any console-role certificate)."""
+        ...
+
+    @property
+    def deny(self) -> frozenset[str]:
+        """Node ids the console revoked: refused on every route."""
+        ...
+
+    def status(self) -> AgentStatus: ...
+
+    def probe(self) -> dict[str, Any]: ...
+
+    async def async_assign(self, assignment: Assignment) -> None: ...
+
+    async def async_begin_fetch(self, bandwidth_cap: int | None = None) -> None: ...
+
+    async def async_start_worker(self) -> None: ...
+
+    async def async_stop_worker(self, *, drain: bool = False) -> None: ...
+
+    async def async_set_remote_pause(self, paused: bool) -> None: ...
+
+    async def async_measure_link(self, host: str, port: int, *, samples: int = 5, nbytes: int = 1 << 20,
+                                 node_id: str | None = None) -> LinkMeasurement: ...
+
+    async def async_set_deny(self, deny: tuple[str, ...], *, api_key: str | None = None) -> None: ...
+
+    async def async_calibrate(self, body: dict[str, Any]) -> list[dict[str, Any]]: ...
 
 
 def _peer(request: web.Request) -> tuple[str, Role | None]:
@@ -78,7 +113,7 @@ def _json_error(exc: Exception) -> web.Response:
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def _admit(service: AgentService, request: web.Request, *, console_only: bool) -> tuple[str, Role | None]:
+def _admit(service: ControlledAgent, request: web.Request, *, console_only: bool) -> tuple[str, Role | None]:
     """The caller's (node id, role) from its certificate, or ControlRequestError 403: a revoked
     member anywhere; anyone but the pinned console (or, unpinned, a console-role certificate)
     on a console route."""
@@ -93,12 +128,12 @@ def _admit(service: AgentService, request: web.Request, *, console_only: bool) -
     return node, role
 
 
-def is_console(service: AgentService, node: str, role: Role | None) -> bool:
+def is_console(service: ControlledAgent, node: str, role: Role | None) -> bool:
     pinned = service.console_node_id
     return role is Role.CONSOLE and (pinned is None or node == pinned)
 
 
-def build_app(service: AgentService) -> web.Application:
+def build_app(service: ControlledAgent) -> web.Application:
     app = web.Application(client_max_size=4 << 20)
     expected: dict[str, float] = {}  # node id -> monotonic deadline to probe the echo
     echoes = asyncio.Semaphore(MAX_ECHOES)

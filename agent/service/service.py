@@ -31,14 +31,21 @@ from agent.service.settings import AgentSettings, AgentState, load_state, save_s
 from agent.service.store import ShardStore, async_fetch
 from agent.service.supervisor import WorkerLaunch, WorkerSupervisor, worker_args
 from engine import __version__
-from engine.control.messages import AgentStatus, Assignment, ControlRequestError, FetchProgress, WorkerStatus
+from engine.control.links import LinkMeasurement, async_measure_link
+from engine.control.messages import (
+    AgentStatus,
+    Assignment,
+    ControlRequestError,
+    FetchProgress,
+    WorkerStatus,
+)
 from engine.discovery.mdns import Advertisement, Advertiser, instance_name
 from engine.errors import DeskfleetError
-from engine.machine.this_pc import primary_ipv4
 from engine.http_limits import LimitedAppRunner
+from engine.machine.this_pc import primary_ipv4
+from engine.trust.fleet_ca import Credentials, Role
 from engine.trust.keystore import KeyStore
 from engine.trust.tls_peer import PeerCheckingConnector, PeerIdentityError, expect_peer
-from engine.trust.fleet_ca import Credentials, Role
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +68,8 @@ def battery_on_ac() -> bool | None:
 
 
 class AgentService:
-    """``idle_source`` and ``power`` are seams: tests pass a fake idle clock; the tray passes the real one."""
+    """Implements :class:`~agent.service.control_api.ControlledAgent`, what its control API calls.
+    ``idle_source`` and ``power`` are seams: tests pass a fake idle clock; the tray passes the real one."""
 
     def __init__(self, state_dir: Path, settings: AgentSettings, *, idle_source=None,
                  power: Callable[[], bool | None] = battery_on_ac, inventory: Callable[[], dict] | None = None,
@@ -305,11 +313,9 @@ class AgentService:
         await self._async_apply(self._decide())
 
     async def async_measure_link(self, host: str, port: int, *, samples: int = 5, nbytes: int = 1 << 20,
-                                 node_id: str | None = None):
+                                 node_id: str | None = None) -> LinkMeasurement:
         """This PC's link to another agent's control API (for placement's agent -> agent latencies);
         ``node_id``: the agent that must answer there."""
-        from engine.control.links import async_measure_link
-
         if self._creds is None:
             raise ControlRequestError("join a fleet first", 409)
         return await async_measure_link(f"https://{host}:{port}", self._creds.client_context(),
