@@ -1,0 +1,344 @@
+"""Hostile input against the live OpenAI-compatible API over a tiny-model coordinator (issue 7).
+
+One server for the module (4 slots, exact f32 so greedy tokens cannot depend on batching).
+Hypothesis builds /v1/chat/completions and /v1/completions bodies field by field, each field
+absent, valid or hostile (wrong types, huge numbers, NaN, lone surrogates, token ids far past the
+vocabulary, stream flag combinations), and sends random methods, paths, raw bodies, content
+types and API keys. The pure request parser and the tokenizer predict each answer: a valid
+request must be served (JSON or an SSE stream ending in [DONE]), an invalid one must get exactly
+the predicted 4xx with the OpenAI error body. Nothing may be a 5xx or go unanswered.
+
+Meanwhile another user streams the same greedy chat over and over on its own connection with
+the real ``openai`` client; every one of its answers must equal the undisturbed first one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from engine.api.guard import check_prompt_chars
+from engine.api.openai_schema import ApiError, parse_completion, to_generation_request
+from engine.api.server import ApiSettings, async_run_api
+from engine.errors import GenerationError, TokenizerError
+from engine.generation.request import GenerationRequest
+from tests.support.fuzz_helpers import (
+    CONTENT_TYPES,
+    HUGE_NUMBERS,
+    METHODS,
+    RAW_BODIES,
+    Blob,
+    HttpClient,
+    Reply,
+    assert_answered,
+    dumps,
+    fuzz_settings,
+    json_values,
+    loop_thread,
+    no_server_errors,  # noqa: F401  (autouse)
+    paths,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore::hypothesis.errors.HypothesisDeprecationWarning")
+
+CASES = {"OpenAI API: chat bodies": 900, "OpenAI API: completion bodies": 600, "OpenAI API: raw requests": 2000}
+KEY = "sk-fuzz-key"
+SETTINGS = ApiSettings(api_key=KEY, max_body_bytes=64 << 10, max_prompt_tokens=160, default_max_tokens=3,
+                       max_tokens_limit=16, max_concurrent=16)
+AUTH = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+NEIGHBOUR = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three rivers."}]
+ABSENT = object()
+
+
+class Neighbour:
+    """Another user: the same greedy streamed chat, again and again, on its own loop and connection."""
+
+    def __init__(self, url: str, model: str) -> None:
+        self.url, self.model = url, model
+        self.answers: list[tuple[str, int]] = []
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.baseline = asyncio.run(self._once_alone())
+
+    async def _ask(self, client) -> tuple[str, int]:
+        stream = await client.chat.completions.create(model=self.model, messages=NEIGHBOUR, temperature=0,
+                                                      max_tokens=16, stream=True,
+                                                      stream_options={"include_usage": True})
+        text, used = [], 0
+        async for chunk in stream:
+            if chunk.choices:
+                text.append(chunk.choices[0].delta.content or "")
+            if chunk.usage is not None:
+                used = chunk.usage.completion_tokens
+        return "".join(text), used
+
+    async def _once_alone(self) -> tuple[str, int]:
+        import openai
+
+        async with openai.AsyncOpenAI(base_url=self.url, api_key=KEY, max_retries=0, timeout=30) as client:
+            return await self._ask(client)
+
+    async def _loop(self) -> None:
+        import openai
+
+        async with openai.AsyncOpenAI(base_url=self.url, api_key=KEY, max_retries=0, timeout=30) as client:
+            while not self._stop.is_set():
+                try:
+                    self.answers.append(await self._ask(client))
+                except Exception as exc:  # recorded, then asserted by the tests
+                    self.errors.append(repr(exc))
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=asyncio.run, args=(self._loop(),), name="fuzz-neighbour", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(60)
+
+    def check(self, since: int) -> None:
+        """Every answer since answer ``since`` equals the undisturbed one, and there was at least one."""
+        assert not self.errors, self.errors[:3]
+        seen = self.answers[since:]
+        assert seen, "the neighbour's stream made no progress while the fuzzing ran"
+        assert all(a == self.baseline for a in seen), [a for a in seen if a != self.baseline][:2]
+
+
+@dataclass
+class LiveApi:
+    client: HttpClient
+    tokenizer: object
+    card: object
+    model: str
+    neighbour: Neighbour
+    served: dict = field(default_factory=lambda: {"ok": 0, "stream": 0, "refused": 0})
+
+
+@pytest.fixture(scope="module")
+def live(tiny_export):
+    from engine.coordinator.coordinator import Coordinator
+    from engine.generation.tokenizer import ChatTokenizer
+
+    export = tiny_export("llama", 2)
+    tokenizer = ChatTokenizer(export / "tokenizer")
+    with loop_thread() as loop:
+        coordinator = Coordinator.local(export, slots=4, exact=True)
+        loop.run(coordinator.__aenter__())
+        try:
+            async def warm_up():
+                return [e async for e in coordinator.stream(GenerationRequest((1, 5, 9), 2))]
+
+            loop.run(warm_up())
+            api = loop.run(async_run_api(coordinator, tokenizer, SETTINGS))
+            neighbour = Neighbour(api.url, coordinator.model.name)
+            neighbour.start()
+            client = HttpClient(api.host, api.port)
+            try:
+                yield LiveApi(client, tokenizer, coordinator.model, coordinator.model.name, neighbour)
+            finally:
+                neighbour.stop()
+                client.close()
+                loop.run(api.async_stop())
+        finally:
+            loop.run(coordinator.__aexit__(None, None, None))
+
+
+
+# -- strategies: a body is a few fields, each valid or absent, and a few of them hostile ----------
+
+SAFE_TEXT = ("", "hi", "\U0001f600" * 5, "\u202e\u2066", "\u00e9" * 10, "\\", "${jndi:ldap://x}", "<script>",
+             "' OR 1=1 --", "%s%s%n", "\r\nX-Injected: 1", "\u0000", "\ufeff", "\U0010ffff", "a\tb")
+text = st.sampled_from(SAFE_TEXT) | st.text(max_size=20)
+bad_text = st.sampled_from(("\ud800", "\udfff x", "A" * 5000, "\u00e9" * 3000))
+role = st.sampled_from(["system", "developer", "user", "assistant"])
+message = st.fixed_dictionaries({"role": role, "content": text | st.lists(
+    st.fixed_dictionaries({"type": st.just("text"), "text": text}), min_size=1, max_size=2)})
+bad_message = st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["tool", "function", "", "USER", None, 1]), "content": text}),
+    st.fixed_dictionaries({"role": role, "content": bad_text}),
+    st.fixed_dictionaries({"role": role, "content": st.sampled_from([None, 1, {}, [{"type": "image_url"}],
+                                                                    [{"type": "text", "text": 5}], [1]])}),
+    st.fixed_dictionaries({"role": role}), st.sampled_from([None, "hi", 1, [], {}]))
+HOSTILE = (None, True, False, "", "1", "NaN", [], {}, [1], {"a": 1}, float("nan"), float("inf"), -float("inf"),
+           *HUGE_NUMBERS, -1, 0, 0.5, 1.5)
+hostile = st.sampled_from(HOSTILE)
+
+# name -> (valid value or absent, hostile value)
+FIELDS = {
+    "model": (st.sampled_from([ABSENT, "MODEL"]), st.sampled_from(["gpt-4", "", "MODEL ", 1, [], {}])),
+    "max_tokens": (st.just(ABSENT) | st.integers(1, 6), st.integers(17, 10**6) | hostile),
+    "max_completion_tokens": (st.just(ABSENT) | st.integers(1, 6), hostile),
+    "temperature": (st.just(ABSENT) | st.floats(0, 2), st.floats(2.0001, 1e308) | hostile),
+    "top_p": (st.just(ABSENT) | st.floats(0.01, 1), st.sampled_from([0, -0.1, 1.01]) | hostile),
+    "top_k": (st.just(ABSENT) | st.integers(0, 50), st.integers(max_value=-1) | hostile),
+    "seed": (st.just(ABSENT) | st.integers(0, 2**63 - 1), st.integers(min_value=2**63) | hostile),
+    "stop": (st.just(ABSENT) | text.filter(bool) | st.lists(text.filter(bool), max_size=4),
+             st.lists(text.filter(bool), min_size=5, max_size=6) | st.sampled_from([[""], "", [1], {}, 3])),
+    "stream": (st.sampled_from([ABSENT, True, True, False, None]), st.sampled_from(["true", 1, 0, [], {}, "false"])),
+    "stream_options": (st.sampled_from([ABSENT, {"include_usage": True}, {"include_usage": False}, {}, None]),
+                       st.sampled_from([{"include_usage": "yes"}, [], "x", {"include_usage": 1}, 5])),
+    "n": (st.sampled_from([ABSENT, 1, None]), st.integers(2, 2**70) | hostile),
+    "best_of": (st.sampled_from([ABSENT, 1]), st.integers(2, 5) | hostile),
+    "tools": (st.sampled_from([ABSENT, [], None]), st.sampled_from([[{"type": "function"}], "x", 1])),
+    "logprobs": (st.sampled_from([ABSENT, False, None]), st.sampled_from([True, 5, "x"])),
+    "presence_penalty": (st.sampled_from([ABSENT, 0, None]), st.sampled_from([0.5, "x", -2])),
+    "messages": (st.lists(message, min_size=1, max_size=3),
+                 st.lists(bad_message, min_size=1, max_size=2) | st.sampled_from([ABSENT, [], None, "hi", {}, 1])),
+    "prompt": (text.filter(bool) | st.lists(st.integers(0, 511), min_size=1, max_size=8)
+               | st.lists(text.filter(bool), min_size=1, max_size=1),
+               bad_text | st.lists(st.integers(512, 2**62) | st.integers(max_value=-1), min_size=1, max_size=4)
+               | st.lists(text, min_size=2, max_size=3) | st.sampled_from([ABSENT, [], "", [[]], [True], [1.5], None])
+               | st.lists(st.lists(st.integers(0, 9), min_size=1), min_size=1, max_size=2)),
+}
+
+
+@st.composite
+def bodies(draw, kind: str, model: str):
+    names = [n for n in FIELDS if n != ("prompt" if kind == "chat" else "messages")]
+    n_bad = draw(st.sampled_from([0, 0, 0, 1, 1, 2, 3]), label="hostile fields")
+    bad = set(draw(st.lists(st.sampled_from(names), min_size=n_bad, max_size=n_bad, unique=True)))
+    body = {name: draw(FIELDS[name][name in bad], label=name) for name in names}
+    if draw(st.integers(0, 9)) == 0:
+        body[draw(st.text(max_size=12), label="extra key")] = draw(hostile, label="extra value")
+    return {k: (model if isinstance(v, str) and v.startswith("MODEL") else v)
+            for k, v in body.items() if v is not ABSENT}
+
+
+# -- the oracle and the checks --------------------------------------------------------------------
+
+def predict(live: LiveApi, body: dict, kind: str) -> ApiError | None:
+    """What the server must answer: None (serve it) or the ApiError it must refuse it with."""
+    try:
+        params = parse_completion(body, kind, live.model)
+        check_prompt_chars(params, SETTINGS.max_prompt_tokens)  # refused unread: too long to tokenise
+        if kind == "chat":
+            ids = live.tokenizer.encode_chat(params.messages)
+        else:
+            ids = list(params.prompt) if isinstance(params.prompt, tuple) else live.tokenizer.encode(params.prompt)
+        to_generation_request(ids, params, SETTINGS, live.card)
+    except ApiError as exc:
+        return exc
+    except (TokenizerError, GenerationError) as exc:
+        return ApiError(400, str(exc), "invalid_prompt")
+    return None
+
+
+def _is_openai_error(doc) -> bool:
+    error = doc.get("error") if isinstance(doc, dict) else None
+    return isinstance(error, dict) and set(error) == {"message", "type", "param", "code"} and bool(error["message"])
+
+
+def check_served(reply: Reply, body: dict, kind: str, what: str) -> bool:
+    """A 200 in the shape asked for; returns whether it was streamed."""
+    assert reply.status == 200, f"{what}: a valid request got {reply.status}: {reply.body[:300]!r}"
+    if body.get("stream") is True:
+        assert reply.content_type == "text/event-stream", what
+        events = [line[6:] for line in reply.body.decode().split("\n") if line.startswith("data: ")]
+        assert events and events[-1] == "[DONE]", f"{what}: the stream did not end with [DONE]: {events[-3:]}"
+        docs = [json.loads(e) for e in events[:-1]]
+        assert not any("error" in d for d in docs), f"{what}: error mid-stream: {docs[-1]}"
+        return True
+    doc = reply.json()
+    choice = doc["choices"][0]
+    assert isinstance(choice["message"]["content"] if kind == "chat" else choice["text"], str), what
+    assert choice["finish_reason"] in ("stop", "length"), what
+    return False
+
+
+def check_refused(reply: Reply, expected: ApiError, what: str) -> None:
+    text = reply.body.decode("utf-8", "replace")
+    assert reply.status == expected.status, f"{what}: expected {expected.status} ({expected}), got {reply.status}: {text[:300]}"
+    assert reply.content_type == "application/json" and _is_openai_error(reply.json()), f"{what}: {text[:300]}"
+    assert "Traceback" not in text
+    if expected.param is not None:
+        assert reply.json()["error"]["param"] == expected.param, f"{what}: {text[:300]}"
+
+
+def _fuzz_bodies(live: LiveApi, kind: str, name: str) -> None:
+    ran = []
+    path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+    since = len(live.neighbour.answers)
+
+    @fuzz_settings(CASES[name])
+    @given(body=bodies(kind, live.model))
+    def case(body):
+        ran.append(1)
+        reply = live.client.request("POST", path, dumps(body), AUTH)
+        what = f"{path} {json.dumps(body)[:200]}"
+        assert_answered(reply, what)
+        expected = predict(live, body, kind)
+        if expected is None:
+            live.served["stream" if check_served(reply, body, kind, what) else "ok"] += 1
+        else:
+            live.served["refused"] += 1
+            check_refused(reply, expected, what)
+
+    case()
+    assert len(ran) >= CASES[name]
+    live.neighbour.check(since)
+    print(f"{name}: {live.served} (cumulative), neighbour answers {len(live.neighbour.answers)}")
+
+
+def test_fuzz_chat_bodies(live):
+    _fuzz_bodies(live, "chat", "OpenAI API: chat bodies")
+    assert min(live.served.values()) >= 50, live.served  # the mix reaches every outcome
+
+
+def test_fuzz_completion_bodies(live):
+    _fuzz_bodies(live, "text", "OpenAI API: completion bodies")
+
+
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/x", "/health", "/metrics")
+AUTH_VARIANTS = ({"Authorization": f"Bearer {KEY}"}, {}, {"Authorization": "Bearer wrong"},
+                 {"Authorization": f"Basic {KEY}"}, {"Authorization": f"bearer  {KEY} "},
+                 {"Authorization": "Bearer " + "x" * 4000}, {"Authorization": f"Bearer {KEY}\u00e9"})
+
+
+# None: http.client's own Host header (the address dialled)
+GOOD_HOSTS = (None, "127.0.0.1", "localhost:1234", "[::1]:80", "LOCALHOST.")
+BAD_HOSTS = ("evil.example", "127.0.0.1.nip.io:8000", "", "10.9.8.7", "127.0.0.1:x", "[::1", "localhost:80:80")
+
+
+def test_fuzz_raw_requests(live):
+    ran = []
+    since = len(live.neighbour.answers)
+
+    @fuzz_settings(CASES["OpenAI API: raw requests"])
+    @given(method=st.sampled_from(METHODS), path=st.sampled_from(ROUTES) | paths(ROUTES),
+           body=st.sampled_from(RAW_BODIES) | st.binary(max_size=300).map(Blob) | json_values().map(dumps)
+           | st.integers((64 << 10) + 1, 200 << 10).map(lambda n: Blob(b"{\"prompt\": \"" + b"x" * n + b"\"}")),
+           content_type=st.sampled_from(CONTENT_TYPES), auth=st.sampled_from(AUTH_VARIANTS),
+           host=st.sampled_from((*GOOD_HOSTS, *GOOD_HOSTS, *BAD_HOSTS)))
+    def case(method, path, body, content_type, auth, host):
+        ran.append(1)
+        headers = {**auth, "Content-Type": content_type, **({} if host is None else {"Host": host})}
+        reply = live.client.request(method, path, body, {k: v.encode().decode("latin-1") for k, v in headers.items()})
+        what = f"{method} {path[:80]} ({len(body)} B, {auth.get('Authorization', 'no key')[:20]})"
+        assert_answered(reply, what)
+        authorised = auth.get("Authorization", "").strip() in (f"Bearer {KEY}", f"bearer  {KEY}")
+        if host in BAD_HOSTS:  # a rebinding page's name (or none): refused before anything else
+            parser_refused = reply.status == 400 and reply.content_type != "application/json"
+            assert reply.status == 421 or parser_refused, f"{what}: Host {host!r} got {reply.status}"
+            return
+        assert reply.status != 421, f"{what}: Host {host!r} refused"
+        is_json = content_type.split(";")[0].strip() == "application/json"
+        if authorised and method == "POST" and path in ROUTES[:2] and not is_json:
+            assert reply.status == 415, f"{what}: a {content_type!r} POST got {reply.status}"
+        if reply.status == 200:
+            assert authorised or path.split("?")[0] == "/health", f"{what}: answered 200 without the key"
+        if reply.status >= 400 and method != "HEAD" and reply.content_type == "application/json":
+            assert _is_openai_error(reply.json()), f"{what}: {reply.body[:200]!r}"
+        if len(body) > SETTINGS.max_body_bytes and authorised and method == "POST" and path in ROUTES[:2] and is_json:
+            assert reply.status == 413, what
+
+    case()
+    assert len(ran) >= CASES["OpenAI API: raw requests"]
+    live.neighbour.check(since)

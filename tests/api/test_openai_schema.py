@@ -1,0 +1,177 @@
+"""The OpenAI wire schema, pure: request parsing and limits, the incremental detokenizer with
+stop strings, and the shapes of answers and stream chunks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.api.openai_schema import (
+    ApiError,
+    CompletionChunks,
+    TextStream,
+    completion_response,
+    parse_completion,
+    sse_event,
+    to_generation_request,
+    token_usage,
+)
+from tests.support.api_helpers import CARD, EOS, SETTINGS, ByteTokenizer
+
+
+def push_all(stream: TextStream, ids) -> list[str]:
+    return [stream.push(i) for i in ids] + [stream.finish()]
+
+
+# -- incremental detokenizer ---------------------------------------------------------------------
+
+def test_text_stream_never_splits_a_multibyte_character():
+    text = "añb€c🙂d"
+    deltas = push_all(TextStream(ByteTokenizer().decode), text.encode())
+    assert "".join(deltas) == text
+    assert not any("\ufffd" in d for d in deltas)
+    assert deltas[text.encode().index("🙂".encode()) : text.encode().index(b"d")][-1] == "🙂"
+
+
+def first_stop_cut(text: str, stops: tuple[str, ...]) -> str:
+    """Text up to the stop string that completes first (generation halts the moment one appears)."""
+    found = [(i + len(s), i) for s in stops if (i := text.find(s)) >= 0]
+    return text[: min(found)[1]] if found else text
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\ufffd"),
+               max_size=30),
+       st.lists(st.text(min_size=1, max_size=4), max_size=3).map(tuple))
+def test_text_stream_matches_cutting_the_whole_text(text, stops):
+    stream = TextStream(ByteTokenizer().decode, stops)
+    deltas = push_all(stream, text.encode())
+    assert "".join(deltas) == first_stop_cut(text, stops) == stream.text
+    assert not any("\ufffd" in d for d in deltas)
+
+
+def test_text_stream_flushes_a_truncated_character_at_the_end():
+    stream = TextStream(ByteTokenizer().decode)
+    assert stream.push(ord("a")) == "a"
+    assert stream.push("€".encode()[0]) == ""
+    assert stream.finish() == "\ufffd"
+
+
+def test_stop_string_is_cut_and_never_partly_sent():
+    stream = TextStream(ByteTokenizer().decode, stop=("END", "wor"))
+    deltas = [stream.push(b) for b in b"hello world END"]
+    assert "".join(deltas) == "hello " and stream.stopped
+    assert stream.finish() == "" and stream.text == "hello "
+
+
+def test_a_held_stop_prefix_is_released_when_the_stop_string_does_not_follow():
+    stream = TextStream(ByteTokenizer().decode, stop=("xyz",))
+    assert [stream.push(b) for b in b"axy"] == ["a", "", ""]
+    assert stream.push(ord("!")) == "xy!"
+    assert not stream.stopped
+
+
+# -- request parsing -----------------------------------------------------------------------------
+
+def test_chat_body_maps_to_params_and_generation_request():
+    body = {"model": "fake", "messages": [
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]}],
+        "max_completion_tokens": 7, "max_tokens": 99, "temperature": 0.5, "top_p": 0.9, "top_k": 40, "seed": 3,
+        "stop": "\n\n", "n": 1, "stream": True, "stream_options": {"include_usage": True}, "user": "x"}
+    params = parse_completion(body, "chat", "fake")
+    assert params.messages == ({"role": "system", "content": "be brief"}, {"role": "user", "content": "hi\nthere"})
+    assert (params.max_tokens, params.stop, params.stream, params.include_usage) == (7, ("\n\n",), True, True)
+    assert (params.sampling.temperature, params.sampling.top_p, params.sampling.top_k, params.sampling.seed) == (
+        0.5, 0.9, 40, 3)
+    req = to_generation_request([1, 2, 3], params, SETTINGS, CARD)
+    assert (req.prompt_ids, req.max_new_tokens, req.stop_token_ids, req.sampling) == ((1, 2, 3), 7, (EOS,),
+                                                                                     params.sampling)
+
+
+def test_completion_prompt_forms_and_defaults():
+    assert parse_completion({"prompt": "hi"}, "text", "fake").prompt == "hi"
+    assert parse_completion({"prompt": ["hi"]}, "text", "fake").prompt == "hi"
+    assert parse_completion({"prompt": [5, 6]}, "text", "fake").prompt == (5, 6)
+    params = parse_completion({"prompt": "hi", "stream_options": {"include_usage": True}}, "text", "fake")
+    assert params.sampling.temperature == 1.0 and not params.include_usage  # OpenAI default; not streaming
+    # No max_tokens: the server default, clipped to what the context still holds.
+    assert to_generation_request(range(1, 11), params, SETTINGS, CARD).max_new_tokens == 20
+    assert to_generation_request(range(1, 51), params, replace(SETTINGS, max_prompt_tokens=60), CARD
+                                 ).max_new_tokens == 14
+
+
+@pytest.mark.parametrize("patch, param", [
+    ({"temperature": 3}, "temperature"), ({"temperature": "hot"}, "temperature"), ({"top_p": -0.1}, "top_p"),
+    ({"n": 2}, "n"), ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": True}, "max_tokens"),
+    ({"seed": -1}, "seed"), ({"stop": ["a", "b", "c", "d", "e"]}, "stop"), ({"stop": [""]}, "stop"),
+    ({"messages": []}, "messages"), ({"messages": [{"role": "tool", "content": "x"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages"),
+    ({"tools": [{"type": "function"}]}, "tools"), ({"stream": "yes"}, "stream"), ({"top_k": -1}, "top_k"),
+])
+def test_invalid_fields_are_400_naming_the_field(patch, param):
+    body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], **patch}
+    with pytest.raises(ApiError) as info:
+        parse_completion(body, "chat", "fake")
+    assert (info.value.status, info.value.param, info.value.type) == (400, param, "invalid_request_error")
+
+
+def test_top_p_zero_is_refused_by_sampling_params():
+    with pytest.raises(ApiError) as info:
+        parse_completion({"prompt": "x", "top_p": 0}, "text", "fake")
+    assert info.value.status == 400 and "top_p" in info.value.message
+
+
+def test_unknown_model_is_404():
+    with pytest.raises(ApiError) as info:
+        parse_completion({"model": "gpt-4", "prompt": "x"}, "text", "fake")
+    assert info.value.status == 404 and "'fake'" in info.value.message
+
+
+@pytest.mark.parametrize("n_prompt, max_tokens, code", [
+    (41, None, "context_length_exceeded"),  # over max_prompt_tokens
+    (30, 51, "invalid_value"),  # over max_tokens_limit
+    (30, 40, "context_length_exceeded"),  # prompt + max_tokens over the context of 64
+])
+def test_limits_are_400(n_prompt, max_tokens, code):
+    params = parse_completion({"prompt": "x", "max_tokens": max_tokens}, "text", "fake")
+    with pytest.raises(ApiError) as info:
+        to_generation_request(range(1, n_prompt + 1), params, SETTINGS, CARD)
+    assert (info.value.status, info.value.code) == (400, code)
+
+
+# -- response shapes -----------------------------------------------------------------------------
+
+def test_answer_and_chunk_shapes():
+    usage = token_usage(5, 2)
+    assert usage == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+    chat = completion_response("chat", "fake", "hi", "stop", usage)
+    assert chat["id"].startswith("chatcmpl-") and chat["object"] == "chat.completion" and chat["usage"] == usage
+    assert chat["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "hi"},
+                                "finish_reason": "stop", "logprobs": None}]
+    assert completion_response("text", "fake", "hi", "length", usage)["choices"][0]["text"] == "hi"
+
+    chunks = CompletionChunks("chat", "fake", include_usage=True)
+    sent = [*chunks.opening(), chunks.delta("hé"), chunks.delta("", "stop"), chunks.usage(usage)]
+    assert len({(c["id"], c["object"], c["created"], c["model"]) for c in sent}) == 1
+    assert sent[0]["object"] == "chat.completion.chunk" and sent[0]["usage"] is None
+    assert [c["choices"][0]["delta"] for c in sent[:3]] == [{"role": "assistant", "content": ""},
+                                                             {"content": "hé"}, {}]
+    assert sent[3]["choices"] == [] and sent[3]["usage"] == usage
+    text = CompletionChunks("text", "fake")
+    assert text.opening() == [] and "usage" not in text.delta("a")
+    assert sse_event({"a": "é"}) == 'data: {"a":"é"}\n\n'.encode() and sse_event("[DONE]") == b"data: [DONE]\n\n"
+
+
+def test_the_schema_imports_no_aiohttp():
+    code = "import sys, engine.api.openai_schema; print(sorted(m for m in sys.modules if m.startswith('aiohttp')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.stdout.strip() == "[]"

@@ -1,0 +1,177 @@
+"""Drive the admin console the way an admin does, through its pages' widgets, against a real
+local fleet: the console (bridge + window) and headless `AgentService`s on 127.0.0.1, each with
+its own state dir. Shared by tests/console/test_console_app.py (pytest-qt, offscreen) and
+tests/console/console_screenshots.py (under Xvfb): ``wait(condition, timeout_s, what)`` is the only
+thing they supply differently.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from PySide6.QtCore import Qt
+
+from agent.service.service import AgentService
+from agent.service.settings import AgentSettings
+from console.bridge import ConsoleBridge
+from console.loop_thread import LoopThread
+from console.main_window import QtConsoleWindow
+from console.service.calibration_export import KV_BYTES
+from console.service.console_settings import ConsoleSettings
+from engine.control.messages import WorkerSettings
+from tests.support.agent_helpers import FakeIdle
+
+Wait = Callable[[Callable[[], bool], float, str], None]
+# Names of their own: other test runs on this machine may advertise a "desk-a" on loopback too.
+SUFFIX = uuid.uuid4().hex[:4]
+NAMES = (f"desk-a-{SUFFIX}", f"desk-b-{SUFFIX}")
+CHAT_OPTIONS = {"temperature": 0, "max_tokens": 16}
+
+
+def console_settings(state_dir: Path) -> ConsoleSettings:
+    """Everything on loopback with OS-chosen ports; one thread per stage worker."""
+    return ConsoleSettings(state_dir=state_dir, interface="127.0.0.1", api_port=0, enrollment_port=0, hub_port=0,
+                           data_port=0, worker=WorkerSettings(threads=1), refresh_s=1.0, metrics_s=0.25,
+                           calibration_steps=4)
+
+
+@contextlib.contextmanager
+def running_console(state_dir: Path, wait: Wait) -> Iterator[QtConsoleWindow]:
+    bridge = ConsoleBridge(console_settings(state_dir))
+    window = QtConsoleWindow(bridge, chat_options=CHAT_OPTIONS)
+    try:
+        bridge.start()
+        wait(lambda: bridge.running, 60, "the console to start")
+        yield window
+    finally:
+        window.shutdown()
+        bridge.close()
+        window.close()
+        window.deleteLater()
+
+
+@contextlib.contextmanager
+def local_agents(root: Path, names: tuple[str, ...] = NAMES) -> Iterator[tuple[LoopThread, dict[str, AgentService]]]:
+    """Started, not yet joined agents on a loop thread of their own (as if on other PCs)."""
+    with LoopThread("test-agents") as loop:
+        agents: dict[str, AgentService] = {}
+        try:
+            for name in names:
+                settings = AgentSettings(name=name, interface="127.0.0.1", control_port=0, data_port=0)
+                agents[name] = AgentService(root / name, settings, idle_source=FakeIdle(1e6), power=lambda: None)
+                loop.run(agents[name].async_start(), 120, f"starting {name}")
+            yield loop, agents
+        finally:
+            for agent in agents.values():
+                loop.run(agent.async_close(), 60, "stopping an agent")
+
+
+@dataclass
+class ConsoleDriver:
+    window: QtConsoleWindow
+    wait: Wait
+
+    @property
+    def bridge(self) -> ConsoleBridge:
+        return self.window.bridge
+
+    # -- Fleet page ----------------------------------------------------------------------------------
+
+    def fleet_rows(self) -> dict[str, dict[str, str]]:
+        """The Fleet table as {agent name: {column: text}}."""
+        table, rows = self.window.fleet_page.table, {}
+        headers = [table.horizontalHeaderItem(c).text() for c in range(table.columnCount())]
+        for r in range(table.rowCount()):
+            cells = {h: (table.item(r, c).text() if table.item(r, c) else "") for c, h in enumerate(headers)}
+            rows[cells["Name"]] = cells
+        return rows
+
+    def wait_rows(self, names, predicate: Callable[[dict[str, str]], bool], what: str, timeout: float = 30) -> None:
+        def ok() -> bool:
+            rows = self.fleet_rows()
+            return all(n in rows and predicate(rows[n]) for n in names)
+        self.wait(ok, timeout, what)
+
+    def join(self, loop: LoopThread, agents: dict[str, AgentService]) -> None:
+        """Each agent redeems the token shown on the Fleet page (a fresh one for each: one-time)."""
+        page = self.window.fleet_page
+        for name, agent in agents.items():
+            token, console = page.token_edit.text(), page.enrollment_label.text()
+            assert token and ":" in console
+            loop.run(agent.async_join(console, token), 30, f"{name} joining")
+            previous = token
+            page.new_token_button.click()
+            self.wait(lambda p=previous: page.token_edit.text() not in ("", p), 10, "a new join token")
+
+    def select(self, names) -> None:
+        page = self.window.fleet_page
+        page.select({r.key for r in self.bridge.records if r.name in names})
+
+    def approve(self, names) -> None:
+        self.select(names)
+        self.window.fleet_page.approve_button.click()
+        self.wait_rows(names, lambda row: row["Approved"] == "yes", "the approvals")
+
+    def measure_links(self, names) -> None:
+        self.select(names)
+        self.window.fleet_page.measure_button.click()
+        self.wait_rows(names, lambda row: bool(row["RTT ms"]), "the links to be measured", timeout=120)
+
+    # -- Models, Placement, Distribution ---------------------------------------------------------------
+
+    def add_model(self, path: Path, weights: str = "fp32") -> None:
+        page = self.window.models_page
+        page.path_edit.setText(str(path))
+        page.add_button.click()
+        page.weights.setCurrentText(weights)
+        self.wait(lambda: self.bridge.session.model is not None and self.bridge.session.model.path == path.resolve()
+                  and self.bridge.session.spec.weights == weights, 5, "the model to be chosen")
+
+    def two_agent_context(self) -> int:
+        """A context whose KV cache makes one layer 0.4 of an agent's usable memory: the tiny
+        model's four layers then fit on two agents (two each), never three on one; the agents'
+        free memory may move by 20 % either way (other programs) before that changes."""
+        def polled() -> list:
+            return [r for r in self.bridge.records if r.approved and r.status is not None]
+        self.wait(lambda: len(polled()) >= 2, 20, "the approved agents' status")
+        free = min(r.status.inventory["ram_available"] for r in polled())
+        per_token = 2 * 2 * 16 * KV_BYTES[self.bridge.session.spec.kv_cache_precision]  # 2 KV heads of 16
+        return int(0.4 * 0.8 * free / per_token)
+
+    def place(self, context: int, timeout: float = 600) -> None:
+        page = self.window.placement_page
+        page.context.setValue(context)
+        page.place_button.click()
+        self.wait(lambda: not page.busy, timeout, "the placement")
+
+    def distribute(self, timeout: float = 600) -> None:
+        self.window.distribution_page.distribute_button.click()
+        serving = self.window.serving
+        self.wait(lambda: serving.phase in ("serving", "failed"), timeout, "the distribution")
+        assert serving.phase == "serving", self.window.distribution_page.error_label.text()
+
+    def chat(self, question: str, timeout: float = 120) -> str:
+        self.window.show_page("Chat")
+        chat = self.window.chat_page.chat
+        assert chat is not None
+        self.wait(lambda: chat.model_choice.count() > 0, 30, "the model list")
+        chat.input.setText(question)
+        chat.send()
+        self.wait(lambda: not chat.streaming, timeout, "the answer")
+        return chat.model.current.messages[-1].content
+
+    def metric(self, label: str) -> str:
+        page = self.window.metrics_page
+        return {"tokens": page.tokens, "rate": page.rate, "streams": page.streams}[label].text()
+
+
+def item_texts(widget) -> list[str]:
+    return [widget.item(i).text() for i in range(widget.count())]
+
+
+def checked(widget) -> list[bool]:
+    return [widget.item(i).checkState() == Qt.CheckState.Checked for i in range(widget.count())]

@@ -1,0 +1,311 @@
+"""The admin console end to end (pytest-qt, offscreen), against a real local fleet: the console's
+bridge and window, two headless `AgentService`s on 127.0.0.1 with their own state dirs, real
+mDNS, TLS, calibration, export process, stage workers and OpenAI API. Only the idle clock is fake.
+
+From an empty network to a chat answered by a 2-agent fleet through the pages' widgets: agents
+discovered on the Fleet page, joined with the token shown there, approved, links measured; the
+tiny model added on the Models page and placed (a plan over both agents, a split moved by hand
+and re-timed, an impossible context explained); distributed with per-agent progress; the Chat
+page answers; the Metrics page counts the tokens and logs an agent's pause. Also: an export
+cancelled from the Models page leaves nothing behind; the Qt-free pieces without a QApplication.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from console.service.console_settings import ring_endpoints
+from console.service.export_job import ExportProgress
+from console.service.fleet_metrics import PauseLog, stage_breakdown
+from console.service.placement_inputs import retime, stage_firsts
+from engine.control.hub import AgentEvent
+from engine.placement.planner import Plan, PlannedStage
+from tests.console.console_app_helpers import (
+    ConsoleDriver,
+    item_texts,
+    local_agents,
+    running_console,
+)
+from tests.console.console_screenshots import PAGES, copy_caches, take_console_screenshots
+
+
+@pytest.fixture(autouse=True)
+def private_dirs(tmp_path, monkeypatch):
+    """Never the real keyring, config or data directories."""
+    monkeypatch.setenv("DESKFLEET_KEYRING_DIR", str(tmp_path / "keyring"))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+
+
+@pytest.fixture(scope="module")
+def console_cache(tmp_path_factory):
+    """Calibration exports and shard exports of the first console run, for the screenshots' run
+    (both are keyed by content, so reusing them changes no outcome, only the time taken)."""
+    return tmp_path_factory.mktemp("console-cache")
+
+
+@pytest.fixture
+def wait(qtbot):
+    def wait(condition, timeout: float, what: str) -> None:
+        try:
+            qtbot.waitUntil(condition, timeout=int(timeout * 1000))
+        except AssertionError:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}") from None
+    return wait
+
+
+def test_from_an_empty_network_to_a_chat_answered_by_two_agents(tmp_path, tiny_checkpoint, wait, console_cache):
+    with local_agents(tmp_path) as (agent_loop, agents), \
+            running_console(tmp_path / "console", wait) as window:
+        drive = ConsoleDriver(window, wait)
+        names = tuple(agents)
+        # Fleet: both agents are found over mDNS before they join, then join with the page's token
+        drive.wait_rows(names, lambda row: row["State"] == "not joined", "the agents over mDNS")
+        assert window.fleet_page.enrollment_label.text() == window.bridge.enrollment
+        drive.join(agent_loop, agents)
+        drive.wait_rows(names, lambda row: row["State"] == "idle" and row["Approved"] == "no", "the joined agents")
+        assert not window.placement_page.place_button.isEnabled()  # no model chosen yet
+        drive.approve(names)
+        drive.measure_links(names)
+        rows = drive.fleet_rows()
+        assert all(0 < float(rows[n]["RTT ms"]) < 500 and float(rows[n]["Mbit/s"]) > 0 for n in names)
+        assert f"{names[0]} ↔ {names[1]}" in window.fleet_page.links_label.text()
+
+        # Models + Placement: the context makes a layer ~1/3 of an agent: two stages, one per agent
+        drive.add_model(tiny_checkpoint("llama"))
+        window.show_page("Placement")
+        context = drive.two_agent_context()
+        drive.place(context)
+        page, session = window.placement_page, window.bridge.session
+        plan = session.plan
+        assert plan is not None, page.explanation.text()
+        assert {session.name(s.pc_id) for s in plan.stages} == set(names) and stage_firsts(plan) == (2,)
+        assert page.table.rowCount() == 2 and page.table.item(0, 3).text() == "0-1 (2)"
+        assert f"{plan.tok_s:.1f} tok/s" in page.summary.text() and not page.explanation.text()
+        # moving the split re-times the plan at once, and says that three layers do not fit one agent
+        page.split_boxes[0].setValue(3)
+        moved = session.plan
+        assert stage_firsts(moved) == (3,) and not moved.optimal and moved.stages[0].compute_ms > plan.stages[0].compute_ms
+        assert page.table.item(0, 3).text() == "0-2 (3)" and "does not fit" in page.explanation.text()
+        page.split_boxes[0].setValue(2)
+        assert session.plan.per_token_ms == pytest.approx(plan.per_token_ms) and not page.explanation.text()
+        # an impossible context: the solver's explanation is shown, and no plan is kept
+        drive.place(context * 4)
+        assert session.plan is None and "GB more memory than the approved agents offer" in page.explanation.text()
+        drive.place(context)
+        assert session.plan is not None and stage_firsts(session.plan) == (2,)
+
+        # Distribution: the admin paused desk-b meanwhile: the run fails naming it; resumed, Re-run
+        # finishes it (desk-b's verified shard is not sent again) with a progress bar per agent
+        window.show_page("Fleet")
+        drive.select(names[1:])
+        window.fleet_page.pause_button.click()
+        drive.wait_rows(names[1:], lambda row: row["State"].startswith("paused"), "the pause in the table")
+        window.show_page("Distribution")
+        dist, serving = window.distribution_page, window.serving
+        dist.distribute_button.click()
+        wait(lambda: serving.phase == "failed", 600, "the distribution to fail on the paused agent")
+        assert f"{names[1]} (stage" in dist.error_label.text() and "run the distribution again" in dist.error_label.text()
+        assert "it is paused" in dist.error_label.text()  # the reason, not just "worker stopped"
+        assert dist.rerun_button.isEnabled() and dist.distribute_button.isEnabled()
+        served = window.bridge.host.hub.bytes_served
+        window.show_page("Fleet")
+        window.fleet_page.resume_button.click()
+        drive.wait_rows(names[1:], lambda row: not row["State"].startswith("paused"), "the resume")
+        window.show_page("Distribution")
+        dist.rerun_button.click()
+        wait(lambda: serving.phase in ("serving", "failed"), 300, "the re-run")
+        assert serving.phase == "serving", dist.error_label.text()
+        assert window.bridge.host.hub.bytes_served == served  # resumed: nothing fetched twice
+        assert sorted(stage for _, stage in dist.rows) == [0, 1] and {a for a, _ in dist.rows} == set(names)
+        bars = [dist.table.cellWidget(r, 3) for r in dist.rows.values()]
+        assert all(b.value() == 1000 for b in bars) and "Ring: healthy" in dist.health_label.text()
+        assert [a.status().stage for a in agents.values()] in ([0, 1], [1, 0])
+        assert all(a.status().worker.state == "running" for a in agents.values())
+        exported = window.bridge.library.exports()
+        assert [e.split for e in exported] == [(2,)] and exported[0].weights == "fp32"
+        copy_caches(tmp_path / "console", console_cache)
+
+        # Chat answers through the console's API; Metrics count the tokens (1 of them the health check)
+        answer = drive.chat("What is the capital of France?")
+        assert answer.strip(), window.chat_page.chat.error_label.text()
+        streamed = window.chat_page.chat.model.current.messages[-1].throughput.tokens
+        window.show_page("Metrics")
+        wait(lambda: float(drive.metric("tokens")) >= 1 + streamed, 10, "the metrics")
+        metrics = window.metrics_page
+        assert len(metrics.history.series("tokens_per_second")) >= 1
+        assert metrics.breakdown.rowCount() == 2 * 2 + 1 + 1  # two stages, three hops, the ring step
+        assert metrics.breakdown.item(metrics.breakdown.rowCount() - 1, 3).text() != "—"
+
+        # an agent with an assignment reports its pauses to the hub: the Metrics page logs them
+        assert any(f"{names[1]} resumed" in t for t in item_texts(metrics.pause_list))
+        window.show_page("Fleet")
+        drive.select(names[:1])
+        window.fleet_page.pause_button.click()
+        wait(lambda: any(f"{names[0]} paused" in t for t in item_texts(metrics.pause_list)), 20, "the pause event")
+
+    assert all(a.status().worker.state == "stopped" for a in agents.values())  # closing stopped the ring
+
+
+def test_an_export_cancelled_from_the_models_page_leaves_nothing(tmp_path, tiny_checkpoint, wait):
+    with running_console(tmp_path / "console", wait) as window:
+        drive = ConsoleDriver(window, wait)
+        page = window.models_page
+        drive.add_model(tiny_checkpoint("llama"))
+        progress = []
+        page.export()
+        page.job._on_event = lambda e, seen=page.job._on_event: (progress.append(e), seen(e))
+        wait(lambda: any(isinstance(e, ExportProgress) and e.stage is not None for e in progress), 120,
+             "the export to begin its first stage")
+        assert page.cancel_button.isEnabled()
+        page.cancel_button.click()
+        assert page.job.state == "cancelled" and "cancelled" in page.progress_label.text()
+        exports_dir = window.bridge.library.exports_dir
+        assert window.bridge.library.exports() == [] and not any(exports_dir.iterdir())
+        assert page.export_button.isEnabled() and page.exports_table.rowCount() == 0
+
+
+def test_the_console_command_starts_and_stops(tmp_path, qtbot):
+    """`deskfleet console` creates the fleet CA on its first run and keeps it on the next."""
+    from console.app import run_console
+    from console.cli import COMMAND
+
+    parser = argparse.ArgumentParser()
+    COMMAND.configure(parser)
+    args = parser.parse_args(["--state-dir", str(tmp_path / "state"), "--interface", "127.0.0.1",
+                              "--api-port", "0", "--enrollment-port", "0", "--hub-port", "0"])
+    seen = []
+
+    def look(window) -> None:
+        dialog = window.first_run_dialog  # the first start says the fleet is ready, with the token
+        seen.append((window.bridge.fleet_id, window.bridge.token, dialog and dialog.view.token))
+        assert window.fleet_page.token_edit.text() == window.bridge.token
+
+    assert run_console(args, until=look) == 0
+    assert run_console(args, until=look) == 0
+    (fleet_a, token_a, welcome_a), (fleet_b, token_b, welcome_b) = seen
+    assert fleet_a == fleet_b and token_a and token_b and token_a != token_b
+    assert welcome_a == token_a and welcome_b is None
+    assert (tmp_path / "state" / "fleet-ca.key").stat().st_mode & 0o777 == 0o600
+
+
+# -- the Qt-free decisions behind the pages ----------------------------------------------------------
+
+def _plan(*stages: tuple[str, int, int, float]) -> Plan:
+    planned = tuple(PlannedStage(f"{pc}/CPU", pc, a, b, ms, 1 << 20) for pc, a, b, ms in stages)
+    hops = (0.5,) * (len(planned) + 1)
+    per_token = sum(s.compute_ms for s in planned) + sum(hops)
+    return Plan(stages=planned, hop_ms=hops, per_token_ms=per_token, tok_s=1000 / per_token,
+                bottleneck_ms=max(s.compute_ms for s in planned), n_streams=1, cycle_ms=per_token,
+                aggregate_tok_s=1000 / per_token, objective="latency", optimal=True)
+
+
+def test_ring_endpoints_give_agents_on_one_address_their_own_data_ports():
+    from console.service.agent_record import AgentRecord, Membership
+
+    def record(node: str, address: str) -> AgentRecord:
+        return AgentRecord(node, f"desk-{node}", address, 7210, "idle", ("CPU",), 1, "f", Membership.MEMBER,
+                           None, frozenset(), True)
+
+    plan = _plan(("a", 0, 1, 1.0), ("b", 2, 3, 1.0), ("c", 4, 5, 1.0))
+    records = {"a": record("a", "10.0.0.5"), "b": record("b", "10.0.0.6"), "c": record("c", "10.0.0.5")}
+    ports = {n: e.data_port for n, e in ring_endpoints(plan, records, 7211).items()}
+    assert ports == {"a": 7211, "b": 7211, "c": 7212}
+    assert ring_endpoints(plan, records, 7211)["c"].control == "10.0.0.5:7210"
+    with pytest.raises(Exception, match="no longer lists"):
+        ring_endpoints(plan, {"a": records["a"]}, 7211)
+
+
+def test_the_metrics_breakdown_and_the_pause_log():
+    plan = _plan(("a", 0, 1, 2.0), ("b", 2, 3, 3.0))
+    rows = stage_breakdown(plan, {"ring_step_ms_avg": 9.0}, {"a": "desk-a", "b": "desk-b"}, local_stage0=False)
+    assert [r.what for r in rows][:2] == ["hop console → desk-a", "stage 0 on desk-a (layers 0-1)"]
+    assert rows[-1].predicted_ms == pytest.approx(2.0 + 3.0 + 3 * 0.5) and rows[-1].measured_ms == 9.0
+    local = stage_breakdown(plan, {"ring_step_ms_avg": 9.0, 'stage_compute_ms_per_step{stage="0"}': 2.5}, {}, True)
+    assert local[1].measured_ms == 2.5 and local[-1].measured_ms == pytest.approx(6.5)
+    log = PauseLog()
+    assert log.take(AgentEvent("n", "registered", {}, 0.0), "desk-a") is None
+    entry = log.take(AgentEvent("n", "paused", {"reasons": ["in-use", 3]}, 0.0), "desk-a")
+    assert entry.text.endswith("desk-a paused (in-use)") and len(log.entries) == 1
+
+
+def _inputs():
+    from console.service.links import LinkReport
+    from console.service.placement_inputs import PlacementInputs
+    from engine.placement.planner import DeviceProfile, Links, ModelProfile, PcInfo
+
+    model = ModelProfile(layer_bytes=(600,) * 4, embed_bytes=100, head_bytes=150, head_ms=0.3)
+    devices = tuple(DeviceProfile(f"{pc}/CPU", pc, "CPU", layer_ms, 0.2, 2000, dataclasses.replace(model, head_ms=head))
+                    for pc, layer_ms, head in (("a", 1.0, 0.3), ("b", 1.5, 1.0)))
+    links = LinkReport(Links(pc_ms={("a", "b"): 0.25}, coordinator_ms={"a": 0.1, "b": 0.4}), {}, {})
+    pcs = (PcInfo("a", 2000, True), PcInfo("b", 2000, True))
+    return PlacementInputs(model, pcs, devices, links, ("c",), {"a": "desk-a", "b": "desk-b"}, {})
+
+
+def test_a_plan_is_retimed_exactly_and_re_solved_without_an_agent():
+    from console.service.placement_inputs import LEFT_OUT, memory_warnings, solve_inputs
+    from engine.errors import Exclusion, PlacementInfeasible
+    from engine.placement.planner import PlacementRequest
+
+    inputs = _inputs()
+    plan = solve_inputs(inputs, PlacementRequest())  # 80 % of 2000 bytes: two layers per agent at most
+    # desk-b's head is slow: it takes the first half
+    assert [(s.pc_id, s.first_layer, s.last_layer) for s in plan.stages] == [("b", 0, 1), ("a", 2, 3)]
+    assert Exclusion("c", "unreachable") in plan.excluded
+    same = retime(inputs, plan, stage_firsts(plan))  # the solver's own numbers, recomputed
+    for mine, solver in zip(same.stages, plan.stages, strict=True):
+        assert mine.compute_ms == pytest.approx(solver.compute_ms) and mine.memory_bytes == solver.memory_bytes
+    assert same.per_token_ms == pytest.approx(plan.per_token_ms) and same.hop_ms == pytest.approx(plan.hop_ms)
+    moved = retime(inputs, plan, (1,))
+    assert moved.stages[0].compute_ms == pytest.approx(1 * 1.5 + 0.2)
+    assert moved.stages[1].compute_ms == pytest.approx(3 * 1.0 + 0.2 + 0.3) and not moved.optimal
+    assert moved.stages[1].memory_bytes == 3 * 600 + 150
+    assert moved.per_token_ms == pytest.approx(1.7 + 3.5 + 0.4 + 0.25 + 0.1)
+    warnings = memory_warnings(inputs, moved, 0.8)
+    assert len(warnings) == 2 and warnings[0].startswith("stage 1 needs") and "desk-a" in warnings[1]
+    assert memory_warnings(inputs, same, 0.8) == []
+    for firsts in ((0,), (4,), (1, 2), (3, 2)):
+        with pytest.raises(Exception, match="non-empty"):
+            retime(inputs, plan, firsts)
+    roomy = dataclasses.replace(inputs, pcs=tuple(dataclasses.replace(p, memory_bytes=10_000) for p in inputs.pcs),
+                                devices=tuple(dataclasses.replace(d, memory_bytes=10_000) for d in inputs.devices))
+    alone = solve_inputs(roomy, PlacementRequest(), leave_out={"a"})
+    assert {s.pc_id for s in alone.stages} == {"b"} and Exclusion("a", LEFT_OUT) in alone.excluded
+    with pytest.raises(PlacementInfeasible):
+        solve_inputs(inputs, PlacementRequest(), leave_out={"a"})  # four layers do not fit desk-b alone
+
+
+# -- screenshots ---------------------------------------------------------------------------------------
+
+def test_screenshots_of_every_page(tmp_path, tiny_checkpoint, console_cache, qtbot):
+    """One PNG per page into ``$DESKFLEET_SCREENSHOTS`` (default: a temporary folder), under Xvfb
+    when it is installed and Qt's xcb plugin loads, else offscreen in this process."""
+    from PySide6.QtGui import QImage
+
+    from tests.agent.test_screenshots import XVFB, _xvfb_works
+
+    out = Path(os.environ.get("DESKFLEET_SCREENSHOTS") or tmp_path / "screenshots")
+    checkpoint = tiny_checkpoint("llama")
+    env = {**os.environ, "QT_QPA_PLATFORM": "xcb"}
+    expected = [f"console-{p.lower()}.png" for p in PAGES] + ["console-first-run.png"]
+    if _xvfb_works(env):
+        run = subprocess.run([*XVFB, sys.executable, "-m", "tests.console.console_screenshots", "--out", str(out),
+                              "--checkpoint", str(checkpoint), "--work", str(tmp_path / "work"),
+                              "--cache", str(console_cache)], env=env, capture_output=True, text=True, timeout=900)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+        expected.append("console-screen.png")
+    else:
+        take_console_screenshots(out, checkpoint, tmp_path / "work", console_cache)
+    print(f"console screenshots ({(out / 'CONSOLE-PLATFORM.txt').read_text().strip()}) in {out}")
+    for name in expected:
+        image = QImage(str(out / name))
+        assert not image.isNull() and image.width() >= 300 and image.height() >= 200, name
+        colours = {image.pixel(x, y) for x in range(0, image.width(), 7) for y in range(0, image.height(), 7)}
+        assert len(colours) > 8, f"{name} is blank"

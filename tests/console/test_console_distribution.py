@@ -1,0 +1,186 @@
+"""Distribution end to end on loopback: a real fleet host, two real in-process agents joined with
+join tokens, real stage-worker processes, mutual TLS everywhere. A 3-stage export with stage 0 in
+the console (decided by the plan) and a 2-stage export entirely on agents both generate exactly
+what the unsplit model generates; a failed fetch is reported by agent name and a re-run resumes
+without sending verified files again; the OpenAI API on the resulting coordinator answers the
+real `openai` client; closing stops every worker."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import replace
+from pathlib import Path
+
+import openai
+import pytest
+
+from agent.service.service import AgentService
+from agent.service.settings import AgentSettings
+from console.service.distribution import Distributor
+from console.service.errors import AgentsFailedError, LayoutError
+from console.service.ring_layout import AgentEndpoint, AgentTarget, RingLayout
+from engine.api.server import ApiSettings, async_run_api
+from engine.control.messages import WorkerSettings
+from engine.generation.in_process import greedy_generate
+from engine.generation.request import GenerationRequest
+from engine.generation.tokenizer import ChatTokenizer
+from engine.placement.planner import Plan, PlannedStage
+from engine.shards.manifest import load_manifest
+from engine.shards.stage import LocalChain
+from tests.conftest import PROMPT_IDS
+from tests.support.agent_helpers import FakeIdle, console, free_port
+from tests.support.asyncutil import collect, run
+
+N = 12
+WORKER = WorkerSettings(threads=1, exact=True)
+
+
+@pytest.fixture(autouse=True)
+def private_keyring(tmp_path, monkeypatch):
+    monkeypatch.setenv("DESKFLEET_KEYRING_DIR", str(tmp_path / "keyring"))
+
+
+@pytest.fixture(scope="module")
+def unsplit(tiny_export):
+    return greedy_generate(LocalChain.load(tiny_export("llama", 1), exact=True), PROMPT_IDS, N, ignore_eos=True).tokens
+
+
+def _plan(*stages: tuple[str, int, int]) -> Plan:
+    planned = tuple(PlannedStage(f"{pc}/CPU", pc, a, b, 1.0, 1 << 20) for pc, a, b in stages)
+    return Plan(stages=planned, hop_ms=(0.0,) * (len(planned) + 1), per_token_ms=1.0, tok_s=1000.0,
+                bottleneck_ms=1.0, n_streams=1, cycle_ms=1.0, aggregate_tok_s=1000.0, objective="latency",
+                optimal=True)
+
+
+@contextlib.asynccontextmanager
+async def _agents(tmp_path: Path, con, names: tuple[str, ...]):
+    """Started, joined agents on loopback with OS-chosen control ports."""
+    agents = []
+    try:
+        for name in names:
+            settings = AgentSettings(name=name, interface="127.0.0.1", control_port=0, data_port=0)
+            agent = AgentService(tmp_path / name, settings, idle_source=FakeIdle(1e6), power=lambda: None)
+            agents.append(agent)
+            await agent.async_start()
+            await agent.async_join(con.enrollment, con.token())
+        yield agents
+    finally:
+        for agent in agents:
+            await agent.async_close()
+
+
+def _stage_bytes(export: Path, stage: int) -> int:
+    return sum(f.size for f in load_manifest(export).stages[stage].files)
+
+
+def _fetch_complete(progress, agent: str) -> bool:
+    return any(p.agent == agent and p.phase == "verified" and p.fraction == 1.0 and p.done_bytes > 0
+               for p in progress)
+
+
+def test_three_stages_with_stage0_in_the_console_resume_after_a_failed_fetch_and_serve_the_api(
+        tmp_path, tiny_export, unsplit):
+    export = tiny_export("llama", 3)
+    tokenizer = ChatTokenizer(export / "tokenizer")
+
+    async def main():
+        async with console(tmp_path / "console") as con, _agents(tmp_path, con, ("desk-a", "desk-b")) as agents:
+            endpoints = {f"pc-{i}": AgentEndpoint(f"127.0.0.1:{agent.control_port}", free_port(), agent.settings.name)
+                         for i, agent in enumerate(agents)}
+            plan = _plan(("console-pc", 0, 1), ("pc-0", 2, 2), ("pc-1", 3, 3))
+            layout = RingLayout.from_plan(plan, endpoints, console_pc_id="console-pc")
+            assert layout.local_stage0 and [(t.label, t.stage) for t in layout.targets] == [("desk-a", 1), ("desk-b", 2)]
+
+            # desk-b cannot write its stage directory (a file is in the way): its fetch fails
+            blocker = tmp_path / "desk-b" / "shards" / "tiny-3" / "stage_2"
+            blocker.parent.mkdir(parents=True)
+            blocker.write_text("in the way")
+            progress = []
+            async with Distributor(con, export, layout, export_id="tiny-3", worker=WORKER,
+                                   api_url="http://127.0.0.1:9/v1", on_progress=progress.append) as dist:
+                with pytest.raises(AgentsFailedError) as failed:
+                    await dist.async_run()
+                assert [(f.agent, f.stage) for f in failed.value.failures] == [("desk-b", 2)]
+                assert "desk-b" in str(failed.value) and "stage_2" in str(failed.value)
+                assert con.hub.bytes_served == _stage_bytes(export, 1)  # only desk-a's stage travelled
+                assert _fetch_complete(progress, "desk-a") and not _fetch_complete(progress, "desk-b")
+                assert [p.phase for p in dist.progress()] == ["verified", "failed"]
+                assert all(a.status().worker.state == "stopped" for a in agents)  # nothing started
+
+                blocker.unlink()
+                served = con.hub.bytes_served
+                health = await dist.async_run()
+                assert health.ok and health.local_stage0 and health.test_token is not None
+                assert con.hub.bytes_served - served == _stage_bytes(export, 2)  # desk-a got nothing again
+                assert _fetch_complete(progress, "desk-b")
+                assert [p.phase for p in dist.progress()] == ["running", "running"]
+                assert [a.status().stage for a in agents] == [1, 2]
+                assert con.api_key and all(a.assignment.api_key == con.api_key for a in agents)  # for the tray's chat
+
+                tokens = await collect(dist.coordinator, GenerationRequest(PROMPT_IDS, N, ignore_eos=True))
+
+                api = await async_run_api(dist.coordinator, ChatTokenizer(dist.tokenizer_dir), ApiSettings())
+                try:
+                    async with openai.AsyncOpenAI(base_url=api.url, api_key="unused", max_retries=0,
+                                                  timeout=60) as client:
+                        models = [m.id async for m in client.models.list()]
+                        completion = await client.completions.create(model=models[0], prompt=list(PROMPT_IDS),
+                                                                     max_tokens=N, temperature=0)
+                finally:
+                    await api.async_stop()
+            assert all(a.status().worker.state == "stopped" for a in agents)  # close stopped the workers
+            return tokens, models, completion
+
+    tokens, models, completion = run(main())
+    assert tuple(tokens) == unsplit
+    assert models == [load_manifest(export).model.name]
+    eos = set(load_manifest(export).model.eos_token_ids)
+    expected = list(unsplit[:next((i for i, t in enumerate(unsplit) if t in eos), N)])
+    assert expected and completion.choices[0].text == tokenizer.decode(expected)
+    assert completion.choices[0].finish_reason == ("length" if len(expected) == N else "stop")
+
+
+def test_two_stages_on_two_agents_match_the_unsplit_model(tmp_path, tiny_export, unsplit):
+    export = tiny_export("llama", 2)
+
+    async def main():
+        async with console(tmp_path / "console") as con, _agents(tmp_path, con, ("desk-a", "desk-b")) as agents:
+            layout = RingLayout.of([AgentTarget(f"127.0.0.1:{a.control_port}", stage, free_port(), a.settings.name)
+                                    for stage, a in enumerate(agents)])
+            assert not layout.local_stage0
+            progress = []
+            async with Distributor(con, export, layout, worker=WORKER, on_progress=progress.append) as dist:
+                health = await dist.async_run()
+                assert health.ok and not health.local_stage0
+                assert _fetch_complete(progress, "desk-a") and _fetch_complete(progress, "desk-b")
+                served = con.hub.bytes_served
+                assert served == _stage_bytes(export, 0) + _stage_bytes(export, 1)
+                tokens = await collect(dist.coordinator, GenerationRequest(PROMPT_IDS, N, ignore_eos=True))
+                pids = [a.worker_pid for a in agents]
+                again = await dist.async_run()  # already up: only checked
+                assert again.ok and con.hub.bytes_served == served and [a.worker_pid for a in agents] == pids
+                first_fetching = next(p for p in progress if p.agent == "desk-a" and p.phase in ("fetching", "verified"))
+                assert first_fetching.total_bytes == _stage_bytes(export, 0)
+            assert all(a.status().worker.state == "stopped" for a in agents)
+            return tokens
+
+    assert tuple(run(main())) == unsplit
+
+
+def test_layouts_that_cannot_make_a_ring_are_refused_with_the_reason():
+    endpoints = {"pc-a": AgentEndpoint("10.0.0.5:7210"), "pc-b": AgentEndpoint("10.0.0.6:7210")}
+    with pytest.raises(LayoutError, match="pc-x"):
+        RingLayout.from_plan(_plan(("pc-a", 0, 1), ("pc-x", 2, 3)), endpoints)
+    with pytest.raises(LayoutError, match="only stage 0"):
+        RingLayout.from_plan(_plan(("pc-a", 0, 1), ("console", 2, 3)), endpoints, console_pc_id="console")
+    on_agents = RingLayout.from_plan(_plan(("pc-a", 0, 1), ("pc-b", 2, 3)), endpoints, console_pc_id="console")
+    assert not on_agents.local_stage0 and [t.data_address for t in on_agents.targets] == ["10.0.0.5:7211", "10.0.0.6:7211"]
+    on_agents.check(2)
+    with pytest.raises(LayoutError, match="3 stages"):
+        on_agents.check(3)
+    with pytest.raises(LayoutError, match="two stages"):
+        RingLayout.of([("10.0.0.5:7210", 0), ("10.0.0.5:7210", 1)]).check(2)
+    same_data = RingLayout.of([AgentTarget("10.0.0.5:7210", 0), AgentTarget("10.0.0.5:7310", 1)])
+    with pytest.raises(LayoutError, match="data port"):
+        same_data.check(2)
+    RingLayout.of([same_data.targets[0], replace(same_data.targets[1], data_port=7212)]).check(2)

@@ -1,0 +1,264 @@
+"""Failover of the console's ring under load, end to end on loopback: a real fleet host, real
+in-process agents joined with tokens, real stage-worker processes, mutual TLS everywhere. Four
+greedy streams decode through a 2-stage ring on two agents while one agent is paused, its
+worker SIGKILLed, or the agent gone altogether (unplugged); its stage comes back in place or moves to a standby agent, and every answer is
+identical to the undisturbed unsplit run, with no request lost. Without a standby the streams wait
+for the hold time (a resume within it saves them) and then fail with an error that says why."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from agent.service.service import AgentService
+from agent.service.settings import AgentSettings
+from console.service.distribution import Distributor
+from console.service.errors import LayoutError
+from console.service.failover import (
+    PAUSED,
+    RESTARTING,
+    SERVING,
+    UNREACHABLE,
+    FailoverSettings,
+    Move,
+    Reconnect,
+    StageReport,
+    Wait,
+    check_standby,
+    moved_layout,
+    plan_recovery,
+    ring_alarm,
+)
+from console.service.ring_layout import AgentEndpoint, AgentTarget, RingLayout
+from engine.control.messages import WorkerSettings
+from engine.generation.generator import UnavailableError
+from engine.generation.in_process import greedy_generate
+from engine.generation.request import GenerationRequest
+from engine.shards.stage import LocalChain
+from tests.conftest import PROMPT_IDS
+from tests.support.agent_helpers import FakeIdle, console, free_port
+from tests.support.asyncutil import run
+
+N = 48
+PROMPTS = (PROMPT_IDS, PROMPT_IDS[:7], PROMPT_IDS[4:], PROMPT_IDS[:12])
+WORKER = WorkerSettings(threads=1, exact=True)
+
+
+@pytest.fixture(autouse=True)
+def private_keyring(tmp_path, monkeypatch):
+    monkeypatch.setenv("DESKFLEET_KEYRING_DIR", str(tmp_path / "keyring"))
+
+
+@pytest.fixture(scope="module")
+def unsplit(tiny_export):
+    chain = LocalChain.load(tiny_export("llama", 1), exact=True)
+    return {p: greedy_generate(chain, p, N, ignore_eos=True).tokens for p in PROMPTS}
+
+
+@contextlib.asynccontextmanager
+async def _ring(tmp_path: Path, export: Path, settings: FailoverSettings, *, standby: bool):
+    """desk-a serves stage 0, desk-b stage 1, desk-c (if ``standby``) waits; yields the running
+    distributor and the agents by name."""
+    async with console(tmp_path / "console") as con:
+        agents: dict[str, AgentService] = {}
+        try:
+            for name in ("desk-a", "desk-b", "desk-c") if standby else ("desk-a", "desk-b"):
+                agent = AgentService(tmp_path / name, AgentSettings(name=name, interface="127.0.0.1", control_port=0,
+                                                                    data_port=0),
+                                     idle_source=FakeIdle(1e6), power=lambda: None)
+                agents[name] = agent
+                await agent.async_start()
+                await agent.async_join(con.enrollment, con.token())
+            control = {name: f"127.0.0.1:{a.control_port}" for name, a in agents.items()}
+            layout = RingLayout.of([AgentTarget(control["desk-a"], 0, free_port(), "desk-a"),
+                                    AgentTarget(control["desk-b"], 1, free_port(), "desk-b")])
+            spare = [AgentEndpoint(control["desk-c"], free_port(), "desk-c")] if standby else []
+            async with Distributor(con, export, layout, worker=WORKER, standby=spare, failover=settings) as dist:
+                assert (await dist.async_run()).ok
+                yield dist, agents
+        finally:
+            for agent in agents.values():
+                await agent.async_close()
+
+
+async def _generate_disturbed(dist: Distributor, disturb, *, after: int = 8):
+    """The four streams at once; ``disturb()`` runs when the first stream has ``after`` tokens.
+    Returns each prompt's tokens (or its exception), each stream's length at the disturbance and
+    the seconds from the disturbance to the last stream's end."""
+    got: dict[tuple, list[int]] = {p: [] for p in PROMPTS}
+    errors: dict[tuple, BaseException] = {}
+    at_disturbance: dict[tuple, int] = {}
+    disturbed = asyncio.Event()
+    when = [0.0]
+
+    async def consume(prompt):
+        try:
+            async for event in dist.coordinator.stream(GenerationRequest(prompt, N, ignore_eos=True)):
+                got[prompt].append(event.token_id)
+                if len(got[prompt]) == after and not disturbed.is_set():
+                    disturbed.set()
+                    at_disturbance.update({p: len(t) for p, t in got.items()})
+                    when[0] = time.monotonic()
+                    await disturb()
+        except UnavailableError as exc:
+            errors[prompt] = exc
+
+    await asyncio.gather(*(consume(p) for p in PROMPTS))
+    return got, errors, at_disturbance, time.monotonic() - when[0]
+
+
+@pytest.mark.parametrize("how, stage, grace", [("pause", 1, 30.0), ("pause", 0, 30.0), ("kill", 1, 30.0),
+                                               ("kill", 0, 0.0), ("unplug", 1, 30.0)])
+def test_a_lost_stage_comes_back_or_moves_to_the_standby_and_answers_are_identical(
+        tmp_path, tiny_export, unsplit, how, stage, grace):
+    export = tiny_export("llama", 2)
+    # a pause is heard from the hub, a dead or restarted worker seen by the ring watch: both long
+    # before this step timeout
+    step_timeout = 30.0
+    settings = FailoverSettings(step_timeout_s=step_timeout, hold_s=60.0, restart_grace_s=grace, move_s=120.0)
+    victim_name = ("desk-a", "desk-b")[stage]
+
+    async def main():
+        async with _ring(tmp_path, export, settings, standby=True) as (dist, agents):
+            victim = agents[victim_name]
+            pid = victim.worker_pid
+
+            async def disturb():
+                if how == "pause":
+                    await victim.async_set_manual_pause(True)
+                elif how == "kill":
+                    os.kill(pid, signal.SIGKILL)
+                else:  # the PC is gone: its agent answers nothing, its worker is gone
+                    await victim.async_close()
+
+            got, errors, at_disturbance, tail_s = await _generate_disturbed(dist, disturb)
+            health = await dist.async_health()
+            labels = [t.label for t in dist.layout.targets]
+            states = {name: a.status() for name, a in agents.items()}
+            spares = [e.name for e in dist.recovery.standby]
+            return got, errors, at_disturbance, tail_s, dist.coordinator.metrics(), list(dist.recovery.moves), \
+                health, labels, states, pid, spares
+
+    got, errors, at_disturbance, tail_s, metrics, moves, health, labels, states, pid, spares = run(main())
+    assert not errors
+    assert all(n < N for n in at_disturbance.values())  # every stream was mid-answer
+    for prompt in PROMPTS:
+        assert tuple(got[prompt]) == unsplit[prompt]
+    assert metrics["failovers_total"] >= 1 and metrics["requests_failed_total"] == 0
+    assert metrics["requests_finished_total"] == len(PROMPTS) + 2  # + two one-token health checks
+    assert health.ok
+    moved = how != "kill" or grace == 0.0
+    if moved:
+        assert [(m.stage, m.from_agent, m.to_agent) for m in moves] == [(stage, victim_name, "desk-c")]
+        expected = ["desk-a", "desk-b"]
+        expected[stage] = "desk-c"
+        assert labels == expected
+        assert states["desk-c"].worker.state == "running" and states["desk-c"].stage == stage
+        assert states[victim_name].worker.state == "stopped"  # it does not serve beside its replacement
+        assert spares == [victim_name]  # it waits as a standby now
+    else:
+        assert moves == [] and labels == ["desk-a", "desk-b"]
+        assert states[victim_name].worker.restarts >= 1 and states[victim_name].worker.pid != pid
+        assert states["desk-c"].worker.state == "stopped" and states["desk-c"].stage is None
+        assert spares == ["desk-c"]
+    assert tail_s < step_timeout  # noticed at once, not after a step timeout
+    if how == "pause":
+        assert "paused" in moves[0].why
+
+
+def test_without_a_standby_streams_wait_for_a_resume_then_fail_clearly_after_the_hold(tmp_path, tiny_export, unsplit):
+    export = tiny_export("llama", 2)
+    settings = FailoverSettings(step_timeout_s=10.0, hold_s=60.0, restart_grace_s=30.0, move_s=60.0)
+
+    async def main():
+        async with _ring(tmp_path, export, settings, standby=False) as (dist, agents):
+            desk_b = agents["desk-b"]
+
+            async def pause_briefly():
+                await desk_b.async_set_manual_pause(True)
+                await asyncio.sleep(1.0)  # a short pause: the streams are held meanwhile
+                await desk_b.async_set_manual_pause(False)
+
+            resumed = await _generate_disturbed(dist, pause_briefly)
+
+            async def pause_for_good():
+                await desk_b.async_set_manual_pause(True)
+
+            dist.failover = replace(settings, hold_s=5.0)  # read at each failure
+
+            started = time.monotonic()
+            failed = await _generate_disturbed(dist, pause_for_good)
+            return resumed, failed, time.monotonic() - started, dist.coordinator.metrics()
+
+    resumed, failed, failed_after_s, metrics = run(main())
+    got, errors, at_disturbance, _ = resumed
+    assert not errors and all(n < N for n in at_disturbance.values())
+    for prompt in PROMPTS:
+        assert tuple(got[prompt]) == unsplit[prompt]
+
+    _, errors, _, _ = failed
+    assert set(errors) == set(PROMPTS)  # every held stream fails, none hangs
+    message = str(errors[PROMPT_IDS])
+    assert "no replacement within 5 s" in message and "desk-b" in message and "paused" in message
+    assert "no standby agent is free" in message
+    assert 5.0 <= failed_after_s < 5.0 + 30.0
+    assert metrics["requests_failed_total"] == len(PROMPTS)
+
+
+# -- the decisions, without sockets ------------------------------------------------------------------
+
+C = AgentEndpoint("10.0.0.9:7210", 7211, "desk-c")
+D = AgentEndpoint("10.0.0.10:7210", 7211, "desk-d")
+
+
+def _reports(*conditions: str) -> list[StageReport]:
+    return [StageReport(i, f"desk-{i}", c) for i, c in enumerate(conditions)]
+
+
+def test_plan_recovery_reconnects_waits_or_moves():
+    assert plan_recovery(_reports(SERVING, SERVING), {}, [C], 10.0) == Reconnect()
+    # a crash its agent is restarting: wait for it within the grace, move after it
+    wait = plan_recovery(_reports(SERVING, RESTARTING), {1: 3.0}, [C], 10.0)
+    assert isinstance(wait, Wait) and "come back" in wait.why
+    assert plan_recovery(_reports(SERVING, RESTARTING), {1: 10.0}, [C], 10.0).moves == ((1, C),)
+    # paused or unreachable: move at once, one standby per lost stage, in pool order
+    assert plan_recovery(_reports(PAUSED, UNREACHABLE), {0: 0.0, 1: 0.0}, [C, D], 10.0).moves == ((0, C), (1, D))
+    assert plan_recovery(_reports(PAUSED, UNREACHABLE), {}, [D], 10.0).moves == ((0, D),)
+    # nothing to move to: wait, saying why
+    stuck = plan_recovery(_reports(SERVING, PAUSED), {1: 1.0}, [], 10.0)
+    assert isinstance(stuck, Wait) and "desk-1 is paused" in stuck.why and "no standby" in stuck.why
+    assert isinstance(plan_recovery(_reports(PAUSED), {}, [C], 0.0), Move)
+
+
+def test_moved_layout_swaps_the_agent_and_releases_the_old_one():
+    layout = RingLayout.of([AgentTarget("10.0.0.5:7210", 1, 7211, "desk-a"),
+                            AgentTarget("10.0.0.6:7210", 2, 7211, "desk-b")])
+    moved, released = moved_layout(layout, [(2, C)])
+    assert moved.local_stage0 and [(t.label, t.stage, t.data_port) for t in moved.targets] == \
+        [("desk-a", 1, 7211), ("desk-c", 2, 7211)]
+    assert released == (AgentEndpoint("10.0.0.6:7210", 7211, "desk-b"),)
+    moved.check(3)
+    check_standby(layout, [C, D])
+    with pytest.raises(LayoutError, match="both in the ring and a standby"):
+        check_standby(layout, [AgentEndpoint("10.0.0.6:7210", 7300)])
+    with pytest.raises(LayoutError, match="data port"):
+        check_standby(layout, [AgentEndpoint("10.0.0.5:7310", 7211)])
+
+
+def test_ring_alarm_sees_lost_and_replaced_workers_but_not_one_slow_answer():
+    serving = [StageReport(0, "desk-a", SERVING, pid=10), StageReport(1, "desk-b", SERVING, pid=20)]
+    assert ring_alarm(serving, {0: 10, 1: 20}, {}) is None
+    assert ring_alarm(serving, {}, {}) is None  # no baseline yet
+    assert "pid 21 -> 20" in ring_alarm(serving, {0: 10, 1: 21}, {})  # crashed and restarted between looks
+    restarting = [serving[0], StageReport(1, "desk-b", RESTARTING, "worker backoff")]
+    assert "desk-b is restarting" in ring_alarm(restarting, {0: 10, 1: 20}, {})
+    gone = [serving[0], StageReport(1, "desk-b", UNREACHABLE, "timed out")]
+    assert ring_alarm(gone, {0: 10, 1: 20}, {1: 1}) is None
+    assert "unreachable" in ring_alarm(gone, {0: 10, 1: 20}, {1: 2})

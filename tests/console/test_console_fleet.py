@@ -1,0 +1,253 @@
+"""The console's fleet model over real agents on loopback: mDNS discovery (zeroconf bound to
+127.0.0.1), unicast registration at the hub, add by address, approvals persisted in the console
+state dir, another fleet's agent refused, remote pause seen by polling and by hub event, and an
+unreachable agent marked rather than dropped. Real TLS, real aiohttp, real zeroconf."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from console.service.agent_record import (
+    AgentSource,
+    HubNews,
+    Membership,
+    Poll,
+    Sighting,
+    merge_record,
+)
+from console.service.approvals import APPROVALS_FILE
+from console.service.errors import (
+    AgentUnreachableError,
+    ConsoleStateError,
+    ForeignAgentError,
+    UnknownAgentError,
+)
+from console.service.fleet import FleetModel
+from console.service.revocations import REVOKED_FILE
+from engine.control.client import ControlClient
+from engine.control.messages import Assignment
+from engine.discovery.mdns import Browser
+from engine.trust.fleet_ca import FleetAuthority, Role
+from tests.support.agent_helpers import console, free_port
+from tests.support.asyncutil import run
+from tests.support.console_fleet_helpers import agent, joined_fleet, until
+
+
+@pytest.fixture(autouse=True)
+def private_keyring(tmp_path, monkeypatch):
+    monkeypatch.setenv("DESKFLEET_KEYRING_DIR", str(tmp_path / "keyring"))
+
+
+# -- pure: merging what the sources said -----------------------------------------------------------
+
+def _sighting(source, at, state="idle", address="10.0.0.5", **kw):
+    return Sighting(source, kw.pop("name", "desk"), address, 7210, kw.pop("fleet", "F"), state, at=at, **kw)
+
+
+def test_the_newest_proven_word_wins_an_mdns_claim_never_moves_a_verified_agent_and_a_failed_poll_keeps_it():
+    # The hub heard the agent over mutual TLS; a newer mDNS record (anyone's claim) says it moved
+    # and paused: the record stays where the proven source put it.
+    sightings = {AgentSource.HUB: _sighting(AgentSource.HUB, 1.0, "idle", "10.0.0.5"),
+                 AgentSource.MDNS: _sighting(AgentSource.MDNS, 2.0, "paused", "10.0.0.66")}
+    r = merge_record("n1", sightings, own_fleet_id="F", approved=True)
+    assert (r.state, r.address, r.verified, r.membership) == ("idle", "10.0.0.5", True, Membership.MEMBER)
+    assert r.sources == {AgentSource.MDNS, AgentSource.HUB} and r.reachable is None
+    # A probe of the new address, where the agent proved its node id, does move it.
+    sightings[AgentSource.PROBE] = _sighting(AgentSource.PROBE, 3.0, "serving", "10.0.0.9")
+    r = merge_record("n1", sightings, own_fleet_id="F", approved=True)
+    assert (r.state, r.address, r.last_seen) == ("serving", "10.0.0.9", 3.0)
+    news = HubNews(4.0, "paused", ("someone is using this PC",))
+    r = merge_record("n1", sightings, own_fleet_id="F", approved=True, news=news)
+    assert r.paused and r.paused_reasons == ("someone is using this PC",) and r.last_seen == 4.0
+    failed = Poll(5.0, error="unreachable")
+    r = merge_record("n1", sightings, own_fleet_id="F", approved=True, news=news, poll=failed)
+    assert (r.reachable, r.error, r.state, r.last_seen) == (False, "unreachable", "paused", 4.0)
+    # Known from mDNS alone: listed with what it claims, but not verified (so not approvable).
+    claimed = merge_record("n3", {AgentSource.MDNS: _sighting(AgentSource.MDNS, 1.0)}, own_fleet_id="F",
+                           approved=False)
+    assert claimed.membership is Membership.MEMBER and not claimed.verified and claimed.state == "unverified"
+    other = merge_record("n2", {AgentSource.MDNS: _sighting(AgentSource.MDNS, 1.0, fleet="G")},
+                         own_fleet_id="F", approved=False)
+    assert other.membership is Membership.OTHER_FLEET and not other.verified
+    fresh = merge_record("instance:x", {AgentSource.MDNS: _sighting(AgentSource.MDNS, 1.0, fleet="",
+                                                                    instance="x")},
+                         own_fleet_id="F", approved=False)
+    assert fresh.membership is Membership.NOT_JOINED and fresh.node_id == "" and fresh.key == "instance:x"
+
+
+def test_a_corrupt_approvals_file_is_a_clear_error_and_is_left_in_place(tmp_path):
+    creds = FleetAuthority.create("t").issue_credentials("console", role=Role.CONSOLE)
+    path = tmp_path / APPROVALS_FILE
+    path.write_text("{not json")
+    with pytest.raises(ConsoleStateError) as err:
+        FleetModel(tmp_path, creds)
+    assert str(path) in str(err.value) and "move it aside" in str(err.value)
+    assert path.read_text() == "{not json"
+    path.write_text(json.dumps({"format": 1, "agents": {"n1": {"node_id": "n1", "name": 3}}}))
+    with pytest.raises(ConsoleStateError, match="malformed entry for 'n1'"):
+        FleetModel(tmp_path, creds)
+
+
+def test_a_damaged_revocation_list_stops_the_console_rather_than_letting_removed_pcs_back(tmp_path):
+    creds = FleetAuthority.create("t").issue_credentials("console", role=Role.CONSOLE)
+    path = tmp_path / REVOKED_FILE
+    for text in ("{not json", json.dumps({"format": 1, "revoked": {"not-a-node-id": {}}})):
+        path.write_text(text)
+        with pytest.raises(ConsoleStateError) as err:
+            FleetModel(tmp_path, creds)
+        assert str(path) in str(err.value) and path.read_text() == text  # left in place
+
+
+# -- live: real agents, real console, real zeroconf on 127.0.0.1 -----------------------------------
+
+def test_mdns_lists_members_and_another_fleets_agent_which_cannot_be_approved(tmp_path):
+    changes = []
+
+    async def main():
+        async with joined_fleet(tmp_path) as f, console(tmp_path / "other") as other:
+            stranger = agent(tmp_path, "gamma")
+            await stranger.async_start()
+            newcomer = agent(tmp_path, "delta")
+            await newcomer.async_start()
+            browser = Browser("127.0.0.1", f.fleet.update_peers)
+            f.fleet.subscribe(changes.append)
+            try:
+                await stranger.async_join(other.enrollment, other.token())
+                await browser.async_start()
+                gamma = stranger.status().node_id
+                members = {f.node("alpha"), f.node("beta")}
+
+                def listed():
+                    keys = {r.key: r for r in f.fleet.records()}
+                    return (members | {gamma} <= set(keys) and keys[gamma].membership is Membership.OTHER_FLEET
+                            and all(keys[n].verified for n in members)
+                            and any(r.membership is Membership.NOT_JOINED for r in keys.values()))
+
+                # mDNS lists them; the console's probe of each advertised address verifies the members
+                await until(listed, "both members (probed), the stranger and the newcomer over mDNS")
+                for n in members:
+                    r = f.fleet.get(n)
+                    assert r.membership is Membership.MEMBER and {AgentSource.MDNS, AgentSource.PROBE} <= r.sources
+                    assert r.address == "127.0.0.1" and r.control_port == f.agents[r.name].control_port
+                    assert r.state == "idle" and r.devices and r.memory_bytes > 0 and not r.approved
+                with pytest.raises(ForeignAgentError, match="another fleet"):
+                    f.fleet.approve(gamma)
+                unjoined = next(r for r in f.fleet.records() if r.membership is Membership.NOT_JOINED)
+                assert unjoined.name == "delta"
+                with pytest.raises(ForeignAgentError, match="join token"):
+                    f.fleet.approve(unjoined.key)
+                with pytest.raises(ForeignAgentError):
+                    f.fleet.client(gamma)
+                assert f.fleet.approve(f.node("alpha")).approved
+                # another fleet's agent is not polled (its TLS refuses this console); members are
+                records = {r.key: r for r in await f.fleet.async_refresh()}
+                assert records[gamma].reachable is None and records[f.node("beta")].reachable is True
+                await newcomer.async_close()  # goodbye packets: it leaves the list
+                await until(lambda: not any(r.membership is Membership.NOT_JOINED for r in f.fleet.records()),
+                            "the newcomer's goodbye")
+                return members
+            finally:
+                await browser.async_close()
+                await stranger.async_close()
+                await newcomer.async_close()
+
+    members = run(main())
+    assert changes and members <= {r.key for r in changes[-1]}
+
+
+def test_unicast_registration_and_add_by_address(tmp_path):
+    async def main():
+        async with joined_fleet(tmp_path, ("alpha",), seeds=True) as f, console(tmp_path / "other") as other:
+            alpha = f.node("alpha")
+            await until(lambda: alpha in {r.key for r in f.fleet.records()}, "alpha's registration at the hub")
+            r = f.fleet.get(alpha)
+            assert AgentSource.HUB in r.sources and r.membership is Membership.MEMBER
+            assert r.control_port == f.agents["alpha"].control_port and r.address == "127.0.0.1"
+
+            lone = FleetModel(tmp_path / "console2", f.host.credentials)  # no mDNS, no hub
+            added = await lone.async_add_address("127.0.0.1", f.agents["alpha"].control_port)
+            assert (added.node_id, added.name, added.sources) == (alpha, "alpha", {AgentSource.ADDRESS})
+            assert added.membership is Membership.MEMBER and added.state == "idle"
+            with pytest.raises(AgentUnreachableError, match="no Deskfleet agent"):
+                await lone.async_add_address("127.0.0.1", free_port())
+            stranger = agent(tmp_path, "gamma")
+            await stranger.async_start()
+            try:
+                await stranger.async_join(other.enrollment, other.token())
+                with pytest.raises(AgentUnreachableError, match="joined this console's fleet"):
+                    await lone.async_add_address("127.0.0.1", stranger.control_port)
+            finally:
+                await stranger.async_close()
+            with pytest.raises(UnknownAgentError):
+                lone.get("nobody")
+
+    run(main())
+
+
+def test_approvals_persist_across_a_reload_and_remove_forgets(tmp_path):
+    async def main():
+        async with joined_fleet(tmp_path) as f:
+            alpha, beta = f.node("alpha"), f.node("beta")
+            for name in ("alpha", "beta"):
+                await f.fleet.async_add_address("127.0.0.1", f.agents[name].control_port)
+            f.fleet.approve(alpha)
+            f.fleet.approve(beta)
+            reloaded = FleetModel(tmp_path / "console", f.host.credentials)
+            assert {r.key for r in reloaded.approved()} == {alpha, beta}
+            saved = reloaded.get(alpha)
+            assert saved.sources == {AgentSource.SAVED} and saved.last_seen is None
+            assert (saved.name, saved.control_port) == ("alpha", f.agents["alpha"].control_port)
+            refreshed = await reloaded.async_refresh_one(alpha)  # the saved address is enough to poll
+            assert refreshed.reachable and refreshed.state == "idle" and refreshed.status.node_id == alpha
+
+            reloaded.remove(beta)
+            with pytest.raises(UnknownAgentError):
+                reloaded.get(beta)
+            again = FleetModel(tmp_path / "console", f.host.credentials)
+            assert {r.key for r in again.records()} == {alpha}
+            assert again.deny == (beta,)  # removed is revoked, across a reload too
+            with pytest.raises(UnknownAgentError):
+                again.remove(beta)
+            with pytest.raises(ForeignAgentError, match="revoked"):  # adding it back by address is refused
+                await again.async_add_address("127.0.0.1", f.agents["beta"].control_port)
+
+    run(main())
+
+
+def test_pause_is_seen_by_polling_and_by_hub_event_and_a_dead_agent_is_marked(tmp_path, tiny_export):
+    export = tiny_export("llama", 1)
+
+    async def main():
+        async with joined_fleet(tmp_path, exports={"tiny": export}) as f:
+            alpha, beta = f.node("alpha"), f.node("beta")
+            for name in ("alpha", "beta"):
+                await f.fleet.async_add_address("127.0.0.1", f.agents[name].control_port)
+                f.fleet.approve(f.node(name))
+
+            paused = await f.fleet.async_pause(alpha)
+            assert paused.paused and paused.paused_reasons == ("paused from the console",)
+            assert f.agents["alpha"].status().state == "paused"
+            resumed = await f.fleet.async_resume(alpha)
+            assert resumed.state == "idle" and not resumed.paused_reasons
+
+            # events reach the hub once the agent has an assignment naming the hub's events URL
+            assignment = Assignment.create((export / "manifest.json").read_text(), export_id="tiny", stage=0,
+                                           source=f.host.hub.shard_url("tiny"), listen_port=0,
+                                           next_hop="127.0.0.1:1", events_url=f.host.hub.events_url)
+            await ControlClient(f.host.credentials, "127.0.0.1", f.agents["beta"].control_port).async_assign(assignment)
+            await f.agents["beta"].async_set_manual_pause(True)  # the person at the PC, from the tray
+            await until(lambda: f.fleet.get(beta).paused, "beta's pause event")
+            assert f.fleet.get(beta).paused_reasons == ("paused by the user",)
+            await f.agents["beta"].async_set_manual_pause(False)
+            await until(lambda: not f.fleet.get(beta).paused, "beta's resume event")
+
+            await f.agents["alpha"].async_close()
+            records = {r.key: r for r in await f.fleet.async_refresh()}
+            assert records[alpha].reachable is False and "unreachable" in records[alpha].error
+            assert records[alpha].approved and records[beta].reachable
+            with pytest.raises(AgentUnreachableError, match="did not answer"):
+                await f.fleet.async_pause(alpha)
+
+    run(main())

@@ -1,0 +1,142 @@
+"""Sample messages and frame surgery shared by the wire codec, fuzz and live transport tests."""
+
+from __future__ import annotations
+
+from dataclasses import fields, is_dataclass
+
+import numpy as np
+
+from engine.wire.codec import decode, encode
+from engine.wire.format import (
+    HEADER_FIELDS,
+    HEADER_SIZE,
+    HEADER_STRUCT,
+    MIN_FRAME_BOUND,
+    U64_MAX,
+    ErrorCode,
+    Role,
+    StreamId,
+    WireError,
+)
+from engine.wire.messages import (
+    Capture,
+    Error,
+    Forward,
+    Hello,
+    HelloAck,
+    Logits,
+    Message,
+    Packed,
+    Ping,
+    Pong,
+    Release,
+    Restore,
+    Tokens,
+)
+from engine.wire.plan_frame import PlanFrame
+
+FP = "sha256-0f3a9c"  # a model fingerprint
+
+
+def forward(stream=1, seq=0, b=1, s=2, h=8, t=None, dtype=np.float32, want_logits=False, rng=None):
+    """A valid Forward: token ids [B,S] (``dtype=np.int64``) or hidden states [B,S,H], with a
+    mask of length T (default S+3) whose first position is a rejected draft."""
+    rng = rng or np.random.default_rng(0)
+    t = s + 3 if t is None else t
+    if dtype == np.int64:
+        tensor = rng.integers(0, 49152, (b, s), dtype=np.int64)
+    else:
+        tensor = rng.standard_normal((b, s, h)).astype(dtype)
+    mask = np.ones((b, t), np.int64)
+    rejected = int(t > s)
+    mask[:, :rejected] = 0  # a rejected draft position, as mask-based rewind leaves it
+    start = t - s - rejected  # position ids follow the logical length, not the cache length
+    positions = np.tile(np.arange(start, start + s, dtype=np.int64), (b, 1))
+    return Forward(StreamId(stream), seq, tensor, mask, positions, want_logits)
+
+
+def assert_same(a: Message, b: Message) -> None:
+    """Field-by-field equality; arrays must match bit for bit, with dtype and shape."""
+    assert type(a) is type(b)
+    for f in fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, np.ndarray):
+            assert (x.dtype, x.shape, x.tobytes()) == (y.dtype, y.shape, y.tobytes()), f.name
+        elif is_dataclass(x):  # a PlanFrame inside a Packed
+            assert_same(x, y)
+        else:
+            assert x == y, f.name
+
+
+TOKENS_1D = Tokens(
+    StreamId(3), 9, np.array([17, 4, 0], np.int64), np.array([0.5, 1.0, 0.0], np.float32)
+)
+HELLO = Hello(FP, 2, Role.STAGE)
+# Three rows: slot 1 prefilling positions 4-5 over a kept prefix of 4, an idle row.
+PLAN = PlanFrame.of([(1, 4, 4), (1, 5, 4)], total=3)
+
+
+def packed(stream=8, seq=5, hidden=True, rng=None) -> Packed:
+    rng = rng or np.random.default_rng(1)
+    tensor = (rng.standard_normal((1, PLAN.rows, 8)).astype(np.float32) if hidden
+              else rng.integers(0, 49152, (1, PLAN.rows), dtype=np.int64))
+    return Packed(StreamId(stream), seq, PLAN, tensor)
+
+
+TENSOR_SAMPLES: list[Message] = [
+    forward(),
+    forward(b=2, s=3, t=13, dtype=np.float16, want_logits=True),
+    forward(stream=U64_MAX, seq=U64_MAX, s=5, t=5, dtype=np.int64),
+    TOKENS_1D,
+    Tokens(StreamId(3), 9, np.array([[1, 2]], np.int64), np.array([[0.25, 0.75]], np.float32)),
+    Logits(StreamId(4), 2, np.linspace(-3, 3, 2 * 11, dtype=np.float32).reshape(2, 11)),
+    Logits(StreamId(4), 2, np.ones((1, 3, 7), np.float16)),
+    Capture(StreamId(6), 4, 77, np.array([0, 1, 2, 5, 6], np.int64)),
+    packed(),
+    packed(stream=U64_MAX, hidden=False),
+]
+CONTROL_SAMPLES: list[Message] = [  # no tensor payload
+    Release(StreamId(5), 12),
+    Restore(StreamId(6), 1, U64_MAX, 300),
+    Ping(7),
+    Pong(7),
+    Error(ErrorCode.UNKNOWN_STREAM, "stream 5 is unknown here — résumé", StreamId(5), 3),
+    Error(ErrorCode.INTERNAL, ""),
+    HELLO,
+    Hello(FP, 65535, Role.COORDINATOR, max_frame_bytes=MIN_FRAME_BOUND, protocol_version=1),  # a peer's older version: encodable
+    HelloAck(FP, 0, max_frame_bytes=1 << 30),
+]
+SAMPLES = TENSOR_SAMPLES + CONTROL_SAMPLES  # every frame kind, some twice
+
+FORWARD_FRAME = encode(forward(b=1, s=2, h=8))  # float32 [1,2,8]: payload 64 bytes
+
+# The largest value each patchable header field holds (magic, stream_id and seq excluded).
+HEADER_FIELD_BOUNDS = {
+    "version": 2**16 - 1,
+    "kind": 255,
+    "flags": 255,
+    "dtype": 255,
+    "ndim": 255,
+    "reserved": 2**16 - 1,
+    "dim0": 2**32 - 1,
+    "dim1": 2**32 - 1,
+    "dim2": 2**32 - 1,
+    "dim3": 2**32 - 1,
+    "meta_len": 2**32 - 1,
+    "payload_len": U64_MAX,
+}
+
+
+def patch_header(frame: bytes, **changes) -> bytes:
+    """``frame`` with the named header fields (see HEADER_FIELDS) replaced, body untouched."""
+    values = dict(zip(HEADER_FIELDS, HEADER_STRUCT.unpack(frame[:HEADER_SIZE]), strict=True))
+    values.update(changes)
+    return HEADER_STRUCT.pack(*(values[f] for f in HEADER_FIELDS)) + frame[HEADER_SIZE:]
+
+
+def decode_or_wire_error(data: bytes, bound: int = 1 << 20) -> Message | WireError:
+    """Decode ``data``; the property under test is that only WireErrors ever come out."""
+    try:
+        return decode(data, max_frame_bytes=bound)
+    except WireError as exc:
+        return exc
