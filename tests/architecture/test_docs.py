@@ -10,6 +10,7 @@ a function over a root directory, so the tests at the end show it failing on a s
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 from collections.abc import Iterable
@@ -129,6 +130,14 @@ def _path_exists(root: Path, path: str) -> bool:
     return any(root.glob(path)) if "*" in path else (root / path).exists()
 
 
+def _python_file_names(root: Path) -> set[str]:
+    names = set()
+    for _, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if not (d.startswith(".") or d.endswith(".egg-info"))]
+        names.update(f for f in files if f.endswith(".py"))
+    return names
+
+
 def stale_code_paths(root: Path, files: Iterable[Path]) -> list[str]:
     """One line per path (`engine/wire/transport.py`, `assets/*.svg`, `stage_worker.py`) or
     dotted module name (`engine.shards.calibration`, `console.loop_thread.LoopThread`) written
@@ -142,7 +151,7 @@ def stale_code_paths(root: Path, files: Iterable[Path]) -> list[str]:
                 found = _path_exists(root, path)
             elif BARE_MODULE.match(path):
                 if basenames is None:
-                    basenames = {p.name for p in root.rglob("*.py")}
+                    basenames = _python_file_names(root)
                 found = path in basenames
             elif DOTTED_IN_CODE.match(span) and span.rsplit(".", 1)[1] not in FILE_SUFFIXES:
                 found = _module_exists(root, span)
