@@ -51,17 +51,17 @@ from console.service.ring_layout import (
     RingHealth,
     RingLayout,
 )
-from engine.control.messages import AgentStatus, Assignment, ControlRequestError, WorkerSettings
 from engine.control.client import ControlClient, ControlError
-from engine.coordinator.coordinator import Coordinator, model_card
-from engine.errors import DeskfleetError
 from engine.control.fleet_services import FleetHost
 from engine.control.hub import AgentEvent
-from engine.shards.manifest import MANIFEST_NAME, load_manifest
-from engine.trust.peer_policy import PeerPolicy
-from engine.generation.request import GenerationRequest
+from engine.control.messages import AgentStatus, Assignment, ControlRequestError, WorkerSettings
+from engine.coordinator.coordinator import Coordinator, model_card
 from engine.coordinator.ring import RingPath, return_frame_bound
+from engine.errors import DeskfleetError
+from engine.generation.request import GenerationRequest
+from engine.shards.manifest import MANIFEST_NAME, load_manifest
 from engine.shards.stage import Stage
+from engine.trust.peer_policy import PeerPolicy
 from engine.wire.address import Address
 
 log = logging.getLogger(__name__)
@@ -104,6 +104,7 @@ class Distributor:
         self.failover = failover or FailoverSettings()  # read at each failure: may be replaced between them
         self.recovery = RingRecovery(self, standby)
         self._clients: dict[str, ControlClient] = {}
+        self._quick: dict[str, ControlClient] = {}  # short-timeout clients for failover's status looks
         self._sent: dict[str, Assignment] = {}  # control address -> the assignment it last accepted
         # control address -> node id (from the certificate, or the layout): pins the control
         # clients, names the workers' peers and matches the hub's events
@@ -195,7 +196,71 @@ class Distributor:
     async def __aexit__(self, *exc: object) -> None:
         await self.async_close()
 
-    # -- assignments and phases (also used by console.service.failover) ----------------------------
+    # -- what failover does to the ring (console.service.failover.RecoverableRing) ---------------------
+
+    async def async_agent_status(self, control: str, timeout: float) -> AgentStatus | str:
+        """The status of the agent at ``control`` (HOST:PORT), or why it did not answer within
+        ``timeout`` seconds; asked through a client of its own, pinned like :meth:`client`."""
+        node_id = self._node_ids.get(control)
+        quick = self._quick.get(control)
+        if quick is None or quick.node_id != node_id:
+            target = AgentTarget(control, 0)
+            quick = self._quick[control] = ControlClient(self.host.credentials, target.host, target.port,
+                                                         timeout=timeout, node_id=node_id)
+        try:
+            return await quick.async_status()
+        except ControlError as exc:
+            return str(exc)
+
+    async def async_redial(self, path: RingPath) -> None:
+        """Every stage serves again: redial the first stage (in this process: nothing to dial)."""
+        first = None if self.layout.local_stage0 else Address(self.layout.targets[0].host,
+                                                               self.layout.targets[0].data_port)
+        await asyncio.wait_for(path.async_reconnect(first), self.timeouts.dial_s + 5)
+
+    async def async_move(self, layout: RingLayout, released: Sequence[AgentEndpoint]) -> tuple[AgentFailure, ...]:
+        """Serve the same stages on ``layout`` (a failover moved some; LayoutError if it cannot).
+        The ``released`` agents lost their stage: they stop serving it (a paused one must not
+        restart it on resume, a crashed one not come back beside its replacement), beside the
+        bring-up so an unreachable one holds nothing up. Every agent whose assignment changed is
+        assigned, fetched and started; the failures (empty when all serve)."""
+        layout.check(len(self.manifest.stages))
+        self.layout = layout
+        for endpoint in released:
+            self._forget_assignment(endpoint.control)
+        releasing = asyncio.gather(*(self._async_release(e.control) for e in released))
+        changed = tuple(t for t in layout.targets if self._sent.get(t.control) != self._assignment(t, self._return_port))
+        failures = await self._async_bring_up(changed)
+        await releasing
+        return failures
+
+    def _forget_assignment(self, control: str) -> None:
+        """The agent at ``control`` no longer serves its stage: the next assignment is sent anew,
+        and until then the hub serves it none of this export's files."""
+        self._sent.pop(control, None)
+        node_id = self._node_ids.get(control)
+        if node_id is not None:
+            self.host.hub.grant(node_id, self.export_id, ())
+
+    async def _async_release(self, control: str) -> None:
+        with contextlib.suppress(ControlError):
+            await self.client(control).async_stop_worker()
+
+    async def _async_bring_up(self, targets: Sequence[AgentTarget]) -> tuple[AgentFailure, ...]:
+        """Assign, fetch and start ``targets`` at once; the failures (empty when all serve)."""
+        async def one(target: AgentTarget) -> AgentFailure | None:
+            failure = await self._async_fetch(target, self._assignment(target, self._return_port))
+            return failure or await self._async_start_worker(target)
+
+        identified = await asyncio.gather(*(self._async_identify(t) for t in targets))
+        if any(identified):
+            return tuple(f for f in identified if f is not None)
+        if self._path is not None:
+            await self._path.async_set_peers(self._ring_peers())
+        results = await asyncio.gather(*(one(t) for t in targets))
+        return tuple(r for r in results if r is not None)
+
+    # -- assignments and phases ----------------------------------------------------------------------
 
     def client(self, control: str) -> ControlClient:
         """The control client of the agent at ``control`` (HOST:PORT), pinned to its node id once
@@ -206,10 +271,6 @@ class Distributor:
             self._clients[control] = ControlClient(self.host.credentials, target.host, target.port,
                                                    node_id=node_id)
         return self._clients[control]
-
-    def node_id_of(self, control: str) -> str | None:
-        """The node id of the agent at ``control``, as its certificate proved it (None: not yet)."""
-        return self._node_ids.get(control)
 
     async def _async_identify(self, target: AgentTarget) -> AgentFailure | None:
         """Learn (or check) the agent's node id from its certificate, before anything is sent."""
@@ -224,37 +285,6 @@ class Distributor:
                               "without it")
         self._node_ids[target.control] = node_id
         return None
-
-    def replace_layout(self, layout: RingLayout) -> None:
-        """Serve the same stages on other agents (a failover moved some); LayoutError if it cannot."""
-        layout.check(len(self.manifest.stages))
-        self.layout = layout
-
-    def changed_targets(self) -> tuple[AgentTarget, ...]:
-        """The agents whose assignment in the current layout differs from what they last accepted."""
-        return tuple(t for t in self.layout.targets if self._sent.get(t.control) != self._assignment(t, self._return_port))
-
-    def forget_assignment(self, control: str) -> None:
-        """The agent at ``control`` no longer serves its stage: the next assignment is sent anew,
-        and until then the hub serves it none of this export's files."""
-        self._sent.pop(control, None)
-        node_id = self._node_ids.get(control)
-        if node_id is not None:
-            self.host.hub.grant(node_id, self.export_id, ())
-
-    async def async_bring_up(self, targets: Sequence[AgentTarget]) -> tuple[AgentFailure, ...]:
-        """Assign, fetch and start ``targets`` at once; the failures (empty when all serve)."""
-        async def one(target: AgentTarget) -> AgentFailure | None:
-            failure = await self._async_fetch(target, self._assignment(target, self._return_port))
-            return failure or await self._async_start_worker(target)
-
-        identified = await asyncio.gather(*(self._async_identify(t) for t in targets))
-        if any(identified):
-            return tuple(f for f in identified if f is not None)
-        if self._path is not None:
-            await self._path.async_set_peers(self._ring_peers())
-        results = await asyncio.gather(*(one(t) for t in targets))
-        return tuple(r for r in results if r is not None)
 
     def _assignment(self, target: AgentTarget, return_port: int) -> Assignment:
         targets = self.layout.targets

@@ -21,12 +21,12 @@ from agent.service.service import AgentService
 from agent.service.settings import AgentSettings
 from console.service.distribution import Distributor
 from console.service.errors import LayoutError
-from console.service.failover import (
+from console.service.failover import FailoverSettings
+from console.service.failover_plan import (
     PAUSED,
     RESTARTING,
     SERVING,
     UNREACHABLE,
-    FailoverSettings,
     Move,
     Reconnect,
     StageReport,
