@@ -39,6 +39,7 @@ def _agent(tmp_path, name: str) -> AgentService:
     return AgentService(tmp_path / name, settings, idle_source=FakeIdle(1e6), power=lambda: None)
 
 
+@pytest.mark.slow
 def test_links_measured_console_to_agent_and_agent_to_agent(tmp_path):
     async def main():
         async with console(tmp_path) as con:
@@ -77,6 +78,7 @@ def test_links_measured_console_to_agent_and_agent_to_agent(tmp_path):
     assert unreachable >= 400
 
 
+@pytest.mark.slow
 def test_calibration_times_stages_of_two_sizes_on_the_agent(tmp_path, calibration_export):
     async def main():
         async with console(tmp_path, calibration_export) as con:

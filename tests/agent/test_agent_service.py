@@ -203,6 +203,7 @@ def test_control_api_refuses_strangers_and_non_consoles_and_bad_requests(tmp_pat
     assert "refused" in caplog.text
 
 
+@pytest.mark.slow
 def test_corrupt_shards_are_refused_and_interrupted_fetches_resume(tmp_path, tiny_export):
     import shutil
 
@@ -257,6 +258,7 @@ def test_corrupt_shards_are_refused_and_interrupted_fetches_resume(tmp_path, tin
     run(main())
 
 
+@pytest.mark.slow
 def test_idle_input_pauses_within_2s_resumes_after_and_crashes_restart(tmp_path, tiny_export):
     export = tiny_export("llama", 2)
     idle = FakeIdle(1e6)

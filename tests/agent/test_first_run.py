@@ -58,6 +58,7 @@ def test_first_run_texts():
     assert approved.approved and "stage 1 of smol-2" in approved.detail
 
 
+@pytest.mark.slow
 def test_agent_first_run_needs_only_the_token(qtbot, start_tray, tmp_path):  # noqa: F811
     with held(lambda: console(tmp_path / "console", advertise_on="127.0.0.1")) as con:
         tray = start_tray()
@@ -91,6 +92,7 @@ def test_agent_first_run_needs_only_the_token(qtbot, start_tray, tmp_path):  # n
         assert not tray.join_action.isVisible() and tray.leave_action.isVisible()
 
 
+@pytest.mark.slow
 def test_agent_first_run_without_a_console_on_the_network_asks_for_its_address(qtbot, start_tray, tmp_path):  # noqa: F811
     with held(lambda: console(tmp_path / "console")) as con:  # not advertised: another network
         tray = start_tray()

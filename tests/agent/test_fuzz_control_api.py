@@ -47,7 +47,10 @@ from tests.support.fuzz_helpers import (
 )
 
 # The agent's zeroconf and aiohttp threads draw from `random` while hypothesis generates examples.
-pytestmark = pytest.mark.filterwarnings("ignore::hypothesis.errors.HypothesisDeprecationWarning")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.filterwarnings("ignore::hypothesis.errors.HypothesisDeprecationWarning"),
+]
 
 CASES = {"control API: mutated assignments": 900, "control API: random requests": 800,
          "control API: oversized bodies": 12, "control API: deny lists and measure targets": 200}

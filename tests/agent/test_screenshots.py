@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from PySide6.QtGui import QImage
 
+pytestmark = pytest.mark.slow
+
 EXPECTED = ("tray-icons.png", "tray-menu-not-joined.png", "join-dialog.png", "tray-menu-paused.png",
             "chat-window.png")
 XVFB = ["xvfb-run", "-a", "-s", "-screen 0 1280x800x24"]

@@ -472,6 +472,7 @@ def test_api_key_comes_only_from_the_environment():
         api_key_from_env("DF_KEY", {})
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform == "win32", reason="sends SIGTERM")
 @pytest.mark.parametrize("extra", [[], ["--workers", "--speculation", "draft", "--spec-k", "3"]],
                          ids=["in-process", "workers+draft"])

@@ -45,6 +45,7 @@ def first_stop_cut(text: str, stops: tuple[str, ...]) -> str:
     return text[: min(found)[1]] if found else text
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\ufffd"),
                max_size=30),

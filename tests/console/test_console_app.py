@@ -61,6 +61,7 @@ def wait(qtbot):
     return wait
 
 
+@pytest.mark.slow
 def test_from_an_empty_network_to_a_chat_answered_by_two_agents(tmp_path, tiny_checkpoint, wait, console_cache):
     with local_agents(tmp_path) as (agent_loop, agents), \
             running_console(tmp_path / "console", wait) as window:
@@ -284,6 +285,7 @@ def test_a_plan_is_retimed_exactly_and_re_solved_without_an_agent():
 
 # -- screenshots ---------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_screenshots_of_every_page(tmp_path, tiny_checkpoint, console_cache, qtbot):
     """One PNG per page into ``$DESKFLEET_SCREENSHOTS`` (default: a temporary folder), under Xvfb
     when it is installed and Qt's xcb plugin loads, else offscreen in this process."""

@@ -74,6 +74,7 @@ def _agent(tmp_path, name="desk-1") -> AgentService:
                         inventory=lambda: {"devices": [{"name": "CPU"}]})
 
 
+@pytest.mark.slow
 def test_an_agent_finds_the_console_by_the_tokens_pin_and_joins_with_the_token_alone(tmp_path, monkeypatch):
     monkeypatch.setenv("DESKFLEET_KEYRING_DIR", str(tmp_path / "keyring"))
 
@@ -104,6 +105,7 @@ def test_an_agent_finds_the_console_by_the_tokens_pin_and_joins_with_the_token_a
     run(main(), timeout=120)
 
 
+@pytest.mark.slow
 def test_headless_agent_joins_with_only_the_token(tmp_path):
     env = {**os.environ, "DESKFLEET_KEYRING_DIR": str(tmp_path / "keyring")}
 

@@ -78,6 +78,7 @@ def _fetch_complete(progress, agent: str) -> bool:
                for p in progress)
 
 
+@pytest.mark.slow
 def test_three_stages_with_stage0_in_the_console_resume_after_a_failed_fetch_and_serve_the_api(
         tmp_path, tiny_export, unsplit):
     export = tiny_export("llama", 3)

@@ -102,6 +102,7 @@ def test_a_damaged_revocation_list_stops_the_console_rather_than_letting_removed
 
 # -- live: real agents, real console, real zeroconf on 127.0.0.1 -----------------------------------
 
+@pytest.mark.slow
 def test_mdns_lists_members_and_another_fleets_agent_which_cannot_be_approved(tmp_path):
     changes = []
 
@@ -186,6 +187,7 @@ def test_unicast_registration_and_add_by_address(tmp_path):
     run(main())
 
 
+@pytest.mark.slow
 def test_approvals_persist_across_a_reload_and_remove_forgets(tmp_path):
     async def main():
         async with joined_fleet(tmp_path) as f:
@@ -216,6 +218,7 @@ def test_approvals_persist_across_a_reload_and_remove_forgets(tmp_path):
     run(main())
 
 
+@pytest.mark.slow
 def test_pause_is_seen_by_polling_and_by_hub_event_and_a_dead_agent_is_marked(tmp_path, tiny_export):
     export = tiny_export("llama", 1)
 

@@ -84,6 +84,7 @@ async def _approve_all(f) -> list[str]:
 
 # -- pure: the model's memory profile from its calibration exports ---------------------------------
 
+@pytest.mark.slow
 def test_model_profile_reads_layer_embedding_and_head_bytes_from_the_exports(template, tiny_checkpoint, fp32):
     calibration = build_calibration_set(tiny_checkpoint("llama"), template, fp32)  # reused, not rebuilt
     assert [p.stages for p in calibration.parts] == [(1,), (1,)]
@@ -112,6 +113,7 @@ def test_a_model_too_small_to_calibrate_is_refused(tmp_path, tiny_checkpoint, fp
 
 # -- live: agents on loopback ----------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_links_are_measured_into_placement_links(tmp_path):
     async def main():
         async with joined_fleet(tmp_path) as f:
@@ -132,6 +134,7 @@ def test_links_are_measured_into_placement_links(tmp_path):
     assert gone.unreachable == {b} and b not in gone.links.coordinator_ms and a in gone.links.coordinator_ms
 
 
+@pytest.mark.slow
 def test_calibration_on_the_cpu_is_cached_per_model_node_and_device(tmp_path, template, tiny_checkpoint,
                                                                     fp32, calibrate_calls):
     root = _seeded(tmp_path, template)
@@ -167,6 +170,7 @@ def test_calibration_on_the_cpu_is_cached_per_model_node_and_device(tmp_path, te
     assert [t["threads"] for t in one_thread] == [1] * len(calibration.parts)
 
 
+@pytest.mark.slow
 def test_placement_over_two_agents(tmp_path, template, tiny_checkpoint, fp32, calibrate_calls):
     root = _seeded(tmp_path, template)
     checkpoint = tiny_checkpoint("llama")

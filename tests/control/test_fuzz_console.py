@@ -50,7 +50,10 @@ from tests.support.fuzz_helpers import (
     paths,
 )
 
-pytestmark = pytest.mark.filterwarnings("ignore::hypothesis.errors.HypothesisDeprecationWarning")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.filterwarnings("ignore::hypothesis.errors.HypothesisDeprecationWarning"),
+]
 
 CASES = {"enrollment: join bodies": 1000, "enrollment: raw requests": 400, "hub: shard paths and ranges": 1200,
          "hub: registrations and events": 300}

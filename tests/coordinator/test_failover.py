@@ -57,6 +57,7 @@ async def _collect_with_kill(coordinator, prompts, *, kill_stage: int, after_tok
     return got
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kill_stage, host_stage0", [(1, False), (0, False), (1, True)])
 def test_a_killed_stage_is_replaced_and_answers_are_identical(tiny_export, unsplit, kill_stage, host_stage0):
     export = tiny_export("llama", 3 if host_stage0 else 2)
@@ -75,6 +76,7 @@ def test_a_killed_stage_is_replaced_and_answers_are_identical(tiny_export, unspl
     assert metrics["requests_failed_total"] == 0
 
 
+@pytest.mark.slow
 def test_without_a_replacement_streams_fail_clearly_after_the_hold_time(tiny_export, unsplit):
     export = tiny_export("llama", 2)
 

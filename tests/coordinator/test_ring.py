@@ -34,6 +34,7 @@ def unsplit_tokens(tiny_export):
     return greedy_generate(LocalChain.load(tiny_export("llama", 1), exact=True), PROMPT_IDS, N, ignore_eos=True).tokens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stages", [1, 2, 3, 4])
 def test_ring_greedy_equals_the_unsplit_run(stages, tiny_export, unsplit_tokens):
     async def main():
@@ -43,6 +44,7 @@ def test_ring_greedy_equals_the_unsplit_run(stages, tiny_export, unsplit_tokens)
     assert tuple(run(main())) == unsplit_tokens
 
 
+@pytest.mark.slow
 def test_coordinator_hosting_stage0_and_micro_batched_streams(tiny_export, unsplit_tokens):
     prompts = [PROMPT_IDS, PROMPT_IDS[2:], PROMPT_IDS[::-1]]
 
@@ -108,6 +110,7 @@ def test_start_order_does_not_matter_and_sigterm_drains(tiny_export, unsplit_tok
     assert codes == [0, 0]
 
 
+@pytest.mark.slow
 def test_malformed_frames_against_a_live_worker_spare_other_streams(tiny_export, unsplit_tokens):
     """1,000 generated bad frames on their own connections while a real stream keeps decoding."""
     export = tiny_export("llama", 2)
@@ -161,6 +164,7 @@ def test_malformed_frames_against_a_live_worker_spare_other_streams(tiny_export,
     assert outcomes.count("Error") > 500, {o: outcomes.count(o) for o in set(outcomes)}
 
 
+@pytest.mark.slow
 def test_prefix_cache_over_the_ring_restores_on_every_stage(tiny_export):
     export = tiny_export("llama", 3)
     history = PROMPT_IDS + (44, 55, 66, 77, 88, 99)

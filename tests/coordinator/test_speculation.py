@@ -291,6 +291,7 @@ def _speculative_first_two(target: np.ndarray, draft: np.ndarray, k: int, verify
     return counts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setting", sorted(PARAMS))
 def test_speculative_sampling_matches_the_target_and_wrong_rules_are_caught(setting):
     _, target = _bigram(11, PARAMS[setting])
@@ -321,6 +322,7 @@ def test_speculative_sampling_with_a_deterministic_drafter_matches_the_target():
     assert _chisquare_pvalue(counts, target[BOS][:, None] * target[:V]) > 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setting", sorted(PARAMS))
 def test_plain_sampling_matches_the_target(setting):
     logits, target = _bigram(11, PARAMS[setting])

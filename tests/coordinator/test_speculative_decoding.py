@@ -61,6 +61,7 @@ def test_draft_model_is_identical_and_accepts_everything_when_draft_equals_targe
     assert metrics["speculation_steps_total"] < N / 3  # 5 tokens per verify step
 
 
+@pytest.mark.slow
 def test_a_weaker_draft_is_rejected_often_yet_output_is_identical(tiny_checkpoint, tiny_export, tmp_path, expected):
     from export.exporter import ExportOptions, export_model
 
@@ -79,6 +80,7 @@ def test_a_weaker_draft_is_rejected_often_yet_output_is_identical(tiny_checkpoin
     assert 0 < metrics["speculation_acceptance_rate"] <= 1.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stages", [1, 2, 3, 4])
 def test_speculation_over_the_ring_is_identical(stages, tiny_export, expected):
     async def main():
@@ -104,6 +106,7 @@ def test_speculative_sampling_is_seed_reproducible(tiny_export):
     assert a == b and len(a) == 24
 
 
+@pytest.mark.slow
 def test_ring_behind_wan_emulators_on_every_hop(tiny_export, expected):
     """The hop hook puts a delaying proxy on each of the 3 hops; output must not change."""
     from engine.tools.wan_emulator import WanProxy
@@ -129,6 +132,7 @@ def test_ring_behind_wan_emulators_on_every_hop(tiny_export, expected):
     assert len(proxies) == 3 and all(p.stats.up.bytes > 0 for p in proxies)
 
 
+@pytest.mark.slow
 def test_speculative_sampling_matches_plain_sampling_on_the_real_tiny_model(tiny_checkpoint, tiny_export, tmp_path):
     """Two-sample chi-square over the first two sampled tokens: speculative (an INT8 draft, so
     drafts are sometimes rejected) vs plain sampling from the same OpenVINO target."""

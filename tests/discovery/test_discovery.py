@@ -124,6 +124,7 @@ def test_instance_name_from_any_pc_name(label, expected):
     assert instance_name(label, "abcd1234") == expected
 
 
+@pytest.mark.slow
 @given(label=st.text(max_size=100))
 def test_instance_name_always_fits_one_dns_label(label):
     name = instance_name(label, "abcd1234")
@@ -153,6 +154,7 @@ def _accepts_or_raises_discovery_error(info: ServiceInfo) -> None:
     assert ad.to_properties() == {k: info.properties[k.encode()].decode() for k in TXT_KEYS}
 
 
+@pytest.mark.slow
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(mutations=st.dictionaries(_keys, _values, max_size=8), drop=st.sets(_keys, max_size=3),
        port=st.none() | st.integers(0, 70000),
@@ -244,6 +246,7 @@ def test_advertiser_is_found_updated_and_withdrawn(loop, browser):
         run(loop, advertiser.async_close())
 
 
+@pytest.mark.slow
 def test_two_advertisers_side_by_side_on_their_own_interfaces(loop, browser):
     first, second = make_ad(control_port=9001), make_ad(control_port=9002, addresses=())
     a1, a2 = Advertiser("127.0.0.1"), Advertiser("127.0.0.2")

@@ -35,7 +35,10 @@ from engine.discovery.mdns import (
 from engine.errors import DiscoveryError
 from tests.support.fuzz_helpers import fuzz_settings, loop_thread
 
-pytestmark = pytest.mark.filterwarnings("ignore::hypothesis.errors.HypothesisDeprecationWarning")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.filterwarnings("ignore::hypothesis.errors.HypothesisDeprecationWarning"),
+]
 
 BATCH = 25
 EXAMPLES = 24

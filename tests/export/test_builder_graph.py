@@ -39,6 +39,7 @@ def built(tiny_export):
 
 # The four traced-era families keep their identity test in tests/export/test_export_identity.py (same
 # export path, same fixture); the builder's new families get theirs here.
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(set(FAMILIES) - set(TRACED_FAMILIES)))
 @pytest.mark.parametrize("stages", [1, 2, 3])
 def test_chained_greedy_equals_hf_torch(family, stages, built, hf_greedy):
@@ -53,6 +54,7 @@ def _layer_type(node) -> str:
     return node.get_rt_info()["layerType"].astype(str)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_cpu_runtime_model_has_the_reference_fused_nodes(family, built):
     export = built(family, 1)
@@ -76,6 +78,7 @@ def test_cpu_runtime_model_has_the_reference_fused_nodes(family, built):
             assert feeding["MemoryInput"] == 2, f"attention not fused with its K/V state: fed by {dict(feeding)}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_stage_converts_to_paged_attention_and_compiles(family, built):
     from openvino._offline_transformations import paged_attention_transformation

@@ -42,6 +42,7 @@ def test_without_beam_idx_attention_is_not_fused(tiny_export):
     assert with_beam.tokens == without.tokens
 
 
+@pytest.mark.slow
 def test_int4_split_gives_the_same_tokens_as_int4_unsplit(tiny_export):
     whole = greedy_generate(LocalChain.load(tiny_export("llama", 1, "int4"), exact=True), PROMPT_IDS, N_TOKENS,
                             ignore_eos=True)

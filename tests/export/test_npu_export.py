@@ -35,6 +35,7 @@ def packed(tmp_path_factory, tiny_checkpoint):
     return npu_export(tmp_path_factory, tiny_checkpoint("llama"), stages=2, context=132, slots=4)
 
 
+@pytest.mark.slow
 def test_every_graph_is_static_and_stateless_with_explicit_kv(unpacked, packed):
     core = ov.Core()
     for export, expected in ((unpacked, {"decode": 1, "prefill": 8}), (packed, {"packed": 4})):
@@ -59,6 +60,7 @@ def test_every_graph_is_static_and_stateless_with_explicit_kv(unpacked, packed):
                 assert "beam_idx" not in names and "logits_last" not in names
 
 
+@pytest.mark.slow
 def test_int4_graphs_stay_static_after_compression(tmp_path_factory, tiny_checkpoint):
     export = npu_export(tmp_path_factory, tiny_checkpoint("qwen2"), stages=2, context=48, slots=3, weights="int4")
     manifest = load_manifest(export)
@@ -79,6 +81,7 @@ def test_static_check_names_a_dynamic_dimension():
     check_static(model, "after reshape")
 
 
+@pytest.mark.slow
 def test_static_check_is_rerun_after_weight_compression(monkeypatch, tiny_checkpoint, tmp_path):
     """A compression step that brings back a dynamic dimension fails the export, and leaves nothing."""
     import export.static_export as static_export
@@ -100,6 +103,7 @@ def test_static_check_is_rerun_after_weight_compression(monkeypatch, tiny_checkp
     assert not out.exists() and not [p for p in tmp_path.iterdir() if "partial" in p.name]
 
 
+@pytest.mark.slow
 def test_mask_edit_runs_on_a_saved_ir_and_keeps_the_numbers(unpacked):
     """Packing is a graph edit on exported IR (no re-trace): the prefill graph with its 2-D mask
     replaced by a 4-D input gives the same outputs when the 4-D mask says the same thing."""
@@ -129,6 +133,7 @@ def test_mask_edit_runs_on_a_saved_ir_and_keeps_the_numbers(unpacked):
         np.testing.assert_array_equal(out_a[i], out_b[i])
 
 
+@pytest.mark.slow
 def test_manifest_round_trip_and_versions(unpacked, packed, tiny_export):
     for export in (unpacked, packed):
         raw = json.loads((export / "manifest.json").read_text())
@@ -151,6 +156,7 @@ def test_manifest_round_trip_and_versions(unpacked, packed, tiny_export):
         StaticChain.load(tiny_export("llama", 2))
 
 
+@pytest.mark.slow
 def test_inconsistent_npu_manifests_are_refused(packed):
     good = json.loads((packed / "manifest.json").read_text())
 
@@ -194,6 +200,7 @@ def _deskfleet(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "engine.cli.main", *args], capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_cli_exports_npu_shards_and_explains_bad_options(tiny_checkpoint, tmp_path):
     ckpt = str(tiny_checkpoint("mistral"))
     out = tmp_path / "npu"
@@ -214,6 +221,7 @@ def test_cli_exports_npu_shards_and_explains_bad_options(tiny_checkpoint, tmp_pa
     assert typo.returncode == 2 and "--context" in typo.stderr
 
 
+@pytest.mark.slow
 def test_each_runtime_refuses_the_other_targets_shards(unpacked, tiny_export, tmp_path):
     from engine.shards.stage import Stage
 

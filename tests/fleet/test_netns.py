@@ -19,7 +19,10 @@ from tests.fleet.netns import namespaces, why_unavailable
 ROOT = Path(__file__).resolve().parents[2]
 _REASON = why_unavailable()
 
-pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"multi-host harness unavailable: {_REASON}")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(_REASON is not None, reason=f"multi-host harness unavailable: {_REASON}"),
+]
 
 
 def test_console_and_three_agents_in_their_own_namespaces(tmp_path, tiny_export):

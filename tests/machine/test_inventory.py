@@ -166,6 +166,7 @@ _paths = st.sampled_from(["ram_total", "ram_available", "os", "disk_free", "batt
                           "devices.0", "devices.0.kind", "devices.1.memory_bytes"])
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(edits=st.lists(st.tuples(_paths, _json | st.just(KeyError)), max_size=3))
 def test_fuzz_from_dict_raises_only_inventory_error(edits):

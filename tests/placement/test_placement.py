@@ -242,6 +242,7 @@ def _spreadable(seed: int) -> bool:
     return len(_allowed(PlacementRequest(**req_args), fleet)) >= 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [s for s in range(120) if _spreadable(s)][:40])
 def test_a_minimum_stage_count_keeps_the_optimum_among_spread_plans(seed: int) -> None:
     fleet, req_args, _ = random_fleet(seed)
@@ -273,6 +274,7 @@ def test_a_minimum_beyond_the_devices_or_layers_is_refused_clearly() -> None:
         PlacementRequest(min_stages=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [s for s in range(200) if random_fleet(s)[2]][:30])
 def test_symmetry_breaking_keeps_the_optimum(seed: int) -> None:
     """Fleets of cloned PCs, where the optional order constraints actually bind."""
@@ -413,6 +415,7 @@ def test_shortfall_counts_whole_layers_and_max_stages() -> None:
         solve(PlacementRequest(max_stages=1), **fleet.kwargs())
 
 
+@pytest.mark.slow
 def test_thirty_layers_on_twelve_devices_is_solved_to_optimality() -> None:
     rng = random.Random(2024)
     pcs, devices = [], []

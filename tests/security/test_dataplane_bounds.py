@@ -172,6 +172,7 @@ def test_a_thousand_idle_connections_are_refused_past_the_cap_while_a_real_strea
 
 
 
+@pytest.mark.slow
 def test_ring_hops_idle_between_requests_stay_up_while_a_silent_dialer_is_timed_out(export, stage):
     """Both listeners close links silent for 1.5 s; the ring's dialers Ping every 0.3 s, so the same
     two connections carry a request after 4 s of idleness, while a dialer that only handshook is cut."""

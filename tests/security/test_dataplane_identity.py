@@ -318,6 +318,7 @@ def test_a_stream_opened_on_one_connection_cannot_be_touched_from_another(fleet,
     assert held == 2 and left == 0 and stray == 0
 
 
+@pytest.mark.slow
 def test_a_static_workers_packed_session_belongs_to_the_connection_that_started_it(tmp_path_factory,
                                                                                    tiny_checkpoint):
     from engine.static.packed_stage import StaticStage

@@ -57,6 +57,7 @@ async def fake_server(creds: Credentials, routes, *, port: int = 0, verify_clien
         await runner.cleanup()
 
 
+@pytest.mark.slow
 def test_a_member_posing_as_the_console_at_enrolment_never_sees_the_token(tmp_path, caplog):
     """The review's reproduction: an enrolled PC advertises ``_deskfleet-join`` with the fleet's
     (public) pin and serves the real CA, with its own agent certificate. Alone on the network it
@@ -102,6 +103,7 @@ def test_a_member_posing_as_the_console_at_enrolment_never_sees_the_token(tmp_pa
     assert "refused before sending the token" in caplog.text and "agent certificate" in caplog.text
 
 
+@pytest.mark.slow
 def test_only_the_pinned_console_commands_and_a_revoked_member_is_refused_everywhere(tmp_path, tiny_export, caplog):
     export = tiny_export("llama", 2)
     caplog.set_level(logging.WARNING)
@@ -215,6 +217,7 @@ def test_a_poll_answered_by_another_member_echoing_the_victims_id_gets_nothing(t
     assert "claims node id" in caplog.text
 
 
+@pytest.mark.slow
 def test_forged_mdns_records_change_no_approved_agent_and_make_no_node_id_approvable(tmp_path, caplog):
     caplog.set_level(logging.INFO)
 
@@ -278,6 +281,7 @@ def test_an_mdns_flood_stops_at_the_browsers_caps(monkeypatch, caplog):
     assert caplog.text.count("agents tracked already") == 1
 
 
+@pytest.mark.slow
 def test_removing_a_member_rotates_the_api_key_and_only_the_remaining_members_get_the_new_one(tmp_path, tiny_export):
     """The one fleet API key rode in every assignment, so a removed PC kept API access. Removing
     it rotates the key: the running API refuses the old key at once and takes the new one, the

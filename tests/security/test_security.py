@@ -166,6 +166,7 @@ def test_strangers_are_refused_and_logged_on_every_mutual_tls_port(tmp_path, tin
 
 # -- join tokens at the enrollment port, through a real agent ------------------------------------------
 
+@pytest.mark.slow
 def test_replayed_and_expired_join_tokens_leave_the_agent_outside_and_are_logged(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="deskfleet.enrollment")
 
@@ -217,6 +218,7 @@ def _assignment(con, manifest_json: str, export_id: str) -> Assignment:
                              listen_port=free_port(), next_hop="127.0.0.1:9", worker=WorkerSettings(threads=1))
 
 
+@pytest.mark.slow
 def test_a_manifest_path_escaping_the_shard_store_is_refused_and_logged_on_every_port(tmp_path, tiny_export,
                                                                                      caplog):
     caplog.set_level(logging.INFO)
@@ -264,6 +266,7 @@ def test_a_manifest_path_escaping_the_shard_store_is_refused_and_logged_on_every
 
 # -- a shard whose hash does not match ----------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_shard_whose_hash_does_not_match_is_refused_and_logged_on_every_port(tmp_path, tiny_export, caplog):
     caplog.set_level(logging.INFO)
     bad = tmp_path / "exports" / "bad"

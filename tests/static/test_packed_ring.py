@@ -125,6 +125,7 @@ def test_a_stage_that_lost_its_ring_fails_the_session_clearly_and_the_next_one_i
     assert again == expected[0], "a new session starts every stage on empty slots"
 
 
+@pytest.mark.slow
 def test_a_cancelled_request_frees_its_slot_and_a_prompt_too_long_is_refused(exports, expected):
     async def scenario():
         async with worker_ring(exports[0]) as (generator, _):
@@ -145,6 +146,7 @@ def test_a_cancelled_request_frees_its_slot_and_a_prompt_too_long_is_refused(exp
     assert busy == 0
 
 
+@pytest.mark.slow
 def test_stateful_and_static_workers_refuse_each_others_frames(tmp_path_factory, tiny_checkpoint, tiny_export):
     """A Packed frame to a stateful stage, or a Forward to a static one, is answered with a
     stream-level error at the coordinator, not silently dropped."""
@@ -186,6 +188,7 @@ def test_a_one_stage_static_export_is_refused_by_a_stateful_ring_path_with_stage
         run(path.async_submit_packed(StreamId(1), 1, PlanFrame.of([(0, 0, 0)], 1), np.array([1], np.int64)))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform == "win32", reason="sends SIGTERM")
 def test_serve_workers_answers_the_openai_client_from_a_static_export(exports):
     packed = exports[0]
@@ -204,6 +207,7 @@ def test_serve_workers_answers_the_openai_client_from_a_static_export(exports):
         assert chat.choices[0].message.content is not None
 
 
+@pytest.mark.slow
 def test_generate_answers_from_a_static_export_with_the_in_process_tokens(exports):
     alone = exports[1]
     out = subprocess.run([sys.executable, "-m", "engine.cli.main", "generate", "--shards", str(alone), "--prompt",
@@ -233,6 +237,7 @@ def test_finish_reasons_follow_the_stop_tokens(exports, expected):
     assert [e.token_id for e in full] == expected[2] and full[-1].finish is FinishReason.LENGTH
 
 
+@pytest.mark.slow
 def test_a_restarted_first_stage_fails_the_session_in_flight_and_the_next_one_reconnects(exports, expected):
     async def scenario():
         async with worker_ring(exports[0]) as (generator, workers):

@@ -15,6 +15,10 @@ from engine.wire.plan_frame import IDLE, PlanFrame
 from tests.conftest import FAMILIES, PROMPT_IDS
 from tests.support.npu_helpers import npu_export
 
+# Each test exports (NPU target, traced) and decodes whole static graphs on the CPU: 5 minutes
+# together; the fast lane covers the static path with test_packing.py and test_packed_ring.py.
+pytestmark = pytest.mark.slow
+
 N_TOKENS = 32
 # (prompt length, new tokens): more requests than slots, different lengths, early finishers;
 # prompt + new tokens stay within a 32-position region, where packing must change nothing.
@@ -164,7 +168,6 @@ def test_isolation_is_exact_other_slots_cannot_move_a_slot_by_one_bit(own_rows, 
     assert np.abs(changed - outputs[0]).max() > 1e-2
 
 
-@pytest.mark.slow
 def test_default_model_packed_agrees_with_unpacked(default_checkpoint, tmp_path_factory):
     from engine.generation.tokenizer import ChatTokenizer
 

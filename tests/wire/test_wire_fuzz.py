@@ -10,6 +10,7 @@ from __future__ import annotations
 import struct
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -39,6 +40,8 @@ from tests.wire.wire_helpers import (
     decode_or_wire_error,
     patch_header,
 )
+
+pytestmark = pytest.mark.slow
 
 FUZZ = settings(
     max_examples=400,

@@ -13,6 +13,8 @@ import pytest
 from export.gguf_tokenizer import GGUFTokenizerError, tokenizer_files, write_tokenizer_files
 from export.weights.gguf_source import GGUFSource
 
+pytestmark = pytest.mark.slow
+
 TEXTS = [
     "Hello", "Hello, world!", "What is the capital of France?", " leading space", "trailing space ",
     "In 2024, 1234567 people paid $3.50 each (15% off).", "x=12+34*5; y = 0.001e-9", "call 555-0199 or +1 (800) 123",

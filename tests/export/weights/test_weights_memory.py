@@ -15,6 +15,8 @@ import pytest
 
 from export.weights.synthetic import LlamaShape, write_synthetic_llama
 
+pytestmark = pytest.mark.slow
+
 MB = 1024 * 1024
 SHAPE = LlamaShape(layers=4, hidden=1024, intermediate=2816, heads=16, kv_heads=4, vocab=32000)
 ROOT = Path(__file__).resolve().parents[3]

@@ -1,0 +1,37 @@
+"""The benchmarks' own tests. A test that runs a benchmark for real (exports, worker processes, a
+fleet on loopback, a built wheel) belongs to the slow lane; the pure parts (plans, fits, ratios,
+rendering) and one real run (the shape-cache benchmark, a few seconds) stay in the fast lane."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+
+# test module -> its tests that run a benchmark for real ("*": every test of the module).
+SLOW = {
+    "test_bench_export_memory": {"test_the_checkpoint_is_hf_shards_with_an_index_that_reads_back",
+                                 "test_a_real_export_stays_within_the_issue_bound"},
+    "test_bench_gguf_keep": "*",  # every test reads the one real run of four exports
+    "test_bench_parity": {"test_parity_runs_every_variant_and_records_json_and_table"},
+    "test_bench_placement": {"test_the_core_places_distributes_and_measures_two_agents"},
+    "test_bench_soak": {"test_two_minute_soak_on_the_tiny_model_fails_no_request"},
+    "test_not_shipped": {"test_the_wheel_carries_no_benchmark", "test_the_deb_carries_no_benchmark"},
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects anything
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.path.parent != HERE or item.path.stem not in SLOW:
+            continue
+        slow = SLOW[item.path.stem]
+        if slow != "*":
+            missing = sorted(n for n in slow if not hasattr(item.module, n))
+            if missing:
+                raise pytest.UsageError(f"tests/benchmarks/conftest.py lists tests {item.path.name} no "
+                                        f"longer has: {missing}")
+        if slow == "*" or item.originalname in slow:
+            item.add_marker(pytest.mark.slow)
