@@ -22,7 +22,7 @@ PROMPT_IDS = (1, 87, 85, 267, 201, 299, 266, 286, 273, 391, 265, 384, 33, 2, 201
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """``tiny_checkpoint(family)`` -> directory of a random-weight HF checkpoint with a tokenizer."""
-    from export.tiny import build_tiny_model
+    from tests.support.tiny_models import build_tiny_model
 
     root = tmp_path_factory.mktemp("tiny-ckpt")
     built: dict[str, Path] = {}

@@ -1,9 +1,9 @@
 """The ``deskfleet`` command line.
 
-Commands that live outside ``engine`` (export, models, the GUI shells, benchmarks that need
-torch) plug in through the ``deskfleet.commands`` and ``deskfleet.benchmarks`` entry-point
-groups, so ``engine`` never imports them and a stage PC without the export extra still gets a
-helpful message instead of an ImportError.
+Commands that live outside ``engine`` (export, models, the GUI shells) plug in through the
+``deskfleet.commands`` entry-point group, so ``engine`` never imports them and a stage PC without
+the export extra still gets a helpful message instead of an ImportError. The benchmarks are no
+part of the product: they run from a clone, ``python -m tests.benchmarks``.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def _builtin_commands(only: str | None = None) -> list[Command]:
 def _requested(argv: Sequence[str]) -> str | None:
     """The subcommand named on the command line, if it is one we know without loading the rest."""
     words = [a for a in argv if not a.startswith("-")]
-    if not words or words[0] == "bench":
+    if not words:
         return None
     known = set(_BUILTINS) | {ep.name for ep in entry_points(group="deskfleet.commands")}
     return words[0] if words[0] in known else None
@@ -93,19 +93,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for cmd in _builtin_commands(only) + _plugins("deskfleet.commands", only):
         _add(sub, cmd)
-    if only is not None:
-        return parser
-    bench = sub.add_parser("bench", help="run a benchmark and record JSON + docs/BENCHMARKS.md")
-    bench_sub = bench.add_subparsers(dest="benchmark", metavar="BENCHMARK")
-    for cmd in _plugins("deskfleet.benchmarks"):
-        _add(bench_sub, cmd)
-    bench.set_defaults(_run=lambda a: _missing_sub(bench))
     return parser
-
-
-def _missing_sub(parser: argparse.ArgumentParser) -> int:
-    parser.print_help(sys.stderr)
-    return 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""``deskfleet bench export-memory`` on a small synthetic (issue 13, memory).
+"""``python -m tests.benchmarks export-memory`` on a small synthetic (issue 13, memory).
 
 The benchmark's own code writes a sharded bf16 Llama checkpoint of ~240 MB and measures a real
 ``deskfleet export`` child from outside; the issue's bound is asserted on what it reports.
@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from export.bench_export_memory import (
+from export.weights.checkpoint import open_checkpoint
+from export.weights.synthetic import LlamaShape, llama_tensors
+from tests.benchmarks.export_memory import (
     BOUND_SLACK,
     COMPLETE,
     MB,
@@ -21,8 +23,6 @@ from export.bench_export_memory import (
     render,
     write_sharded_llama,
 )
-from export.weights.checkpoint import open_checkpoint
-from export.weights.synthetic import LlamaShape, llama_tensors
 
 SHAPE = LlamaShape(layers=4, hidden=1024, intermediate=4096, heads=16, kv_heads=4, vocab=32000)
 

@@ -1,5 +1,5 @@
-"""`deskfleet bench gguf-keep` on a tiny mixed-type GGUF (Q4_0/Q4_1/Q8_0/F16): four real 1-stage
-exports, exact-settings greedy runs and paired speed rounds, minimal sizes."""
+"""`python -m tests.benchmarks gguf-keep` on a tiny mixed-type GGUF (Q4_0/Q4_1/Q8_0/F16): four
+real 1-stage exports, exact-settings greedy runs and paired speed rounds, minimal sizes."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from export import bench_gguf_keep as bench
+from tests.benchmarks import gguf_keep as bench
 from tests.export.weights import test_weights_gguf
 
 pytest.importorskip("gguf")

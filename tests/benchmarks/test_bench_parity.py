@@ -1,5 +1,5 @@
-"""`deskfleet bench parity` on the tiny model: every variant runs, the JSON and the Markdown
-section have their shape, exports are measured from outside. No speed assertions."""
+"""`python -m tests.benchmarks parity` on the tiny model: every variant runs, the JSON and the
+Markdown section have their shape, exports are measured from outside. No speed assertions."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import random
 import openvino  # noqa: F401  (its first import starts a telemetry thread: not this test's leak)
 import pytest
 
-from export import bench_parity
-from export.benchkit import Run
+from tests.benchmarks import parity as bench_parity
+from tests.benchmarks.kit import Run
 
 
 def _args(tmp_path, checkpoint, **over) -> argparse.Namespace:
@@ -60,7 +60,7 @@ def test_parity_runs_every_variant_and_records_json_and_table(tmp_path, tiny_che
     text = doc.read_text()
     assert "<!-- other:start -->\nkept\n<!-- other:end -->" in text  # another section untouched
     section = text.split("<!-- parity:start -->", 1)[1].split("<!-- parity:end -->", 1)[0]
-    assert "deskfleet bench parity --weights fp16 --stages 1,2 --threads 1" in section
+    assert "python -m tests.benchmarks parity --weights fp16 --stages 1,2 --threads 1" in section
     for row in ("| fp16 sdpa |", "| fp16 pa |", "| fp16 1 |", "| fp16 2 |", "| fp16 | sdpa |", "| fp16 | pa |"):
         assert row in section
     assert "What changed" in section and "Export peak" in section

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from console.bench_placement import PlacementBench, async_run_bench, error_pct, predict
-from console.bench_placement_report import fit_stage_cpu, render
 from engine.placement.planner import Plan, PlannedStage
+from tests.benchmarks.placement import PlacementBench, async_run_bench, error_pct, predict
+from tests.benchmarks.placement_report import fit_stage_cpu, render
 from tests.conftest import PROMPT_IDS
 from tests.support.asyncutil import run
 
@@ -55,7 +55,7 @@ def test_the_core_places_distributes_and_measures_two_agents(tmp_path, tiny_chec
     assert len(group["latency_plan"]["stages"]) >= 1
     assert result["stage_cpu_fit"] is None  # two stages cannot separate layer, stage and head costs
 
-    result.update(command="deskfleet bench placement", load_average_end=[0.0, 0.0, 0.0],
+    result.update(command="python -m tests.benchmarks placement", load_average_end=[0.0, 0.0, 0.0],
                   machine={"date": "today", "cores": 2, "openvino": "x", "load_average": [0.0, 0.0, 0.0]})
     text = render(result, tmp_path / "placement.json")
     assert "predicted tok/s" in text and "Reading these numbers" in text

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from export.bench_shape_caches import VARIANTS, findings, render, rss_at, run, run_variant
+from tests.benchmarks.shape_caches import VARIANTS, findings, render, rss_at, run, run_variant
 
 
 def test_the_benchmark_runs_every_variant_in_its_own_process_and_records_them(tmp_path, tiny_export):

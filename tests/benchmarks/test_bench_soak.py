@@ -1,6 +1,7 @@
-"""The soak benchmark (``deskfleet bench soak``, issue 7): its users' plan, and a 2-minute soak of a
-real local fleet on the tiny model. The soak asserts that no request failed and that the fleet
-stops cleanly; it reports RSS growth but does not assert it, nor any speed (CI machines vary)."""
+"""The soak benchmark (``python -m tests.benchmarks soak``, issue 7): its users' plan, and a
+2-minute soak of a real local fleet on the tiny model. The soak asserts that no request failed
+and that the fleet stops cleanly; it reports RSS growth but does not assert it, nor any speed (CI
+machines vary)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import random
 
 import pytest
 
-from export.bench_soak import run_soak, section
-from export.soak_users import MAX_TURNS, plan_turn
+from tests.benchmarks.soak import run_soak, section
+from tests.benchmarks.soak_users import MAX_TURNS, plan_turn
 
 
 def test_conversations_fit_their_budget_and_end():

@@ -17,7 +17,7 @@ def deskfleet(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
 def test_help_lists_every_command():
     result = deskfleet("--help")
     assert result.returncode == 0
-    for command in ("export", "generate", "models", "bench"):
+    for command in ("export", "generate", "models", "serve"):
         assert command in result.stdout
 
 

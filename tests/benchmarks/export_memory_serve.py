@@ -1,8 +1,8 @@
-"""The serving step of ``deskfleet bench export-memory``: an export's stages as loopback worker
-processes against the same stages chained in one process (token ids must agree), and the decode
-speed as a fraction of the bandwidth bound (all stages' weight bytes per token / the bytes per
-second of a one-thread sweep). Each step runs in its own interpreter, so its memory ends with it.
-"""
+"""The serving step of ``python -m tests.benchmarks export-memory``: an export's stages as
+loopback worker processes against the same stages chained in one process (token ids must agree),
+and the decode speed as a fraction of the bandwidth bound (all stages' weight bytes per token /
+the bytes per second of a one-thread sweep). Each step runs in its own interpreter, so its memory
+ends with it."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import sys
 import time
 from pathlib import Path
 
-from export.bench_export_memory import GIB, BenchError
+from tests.benchmarks.export_memory import GIB, BenchError
+from tests.benchmarks.kit import REPO
 
 
 def sweep_bandwidth(gib: float = 4.0, repeats: int = 3) -> dict:
@@ -42,8 +43,8 @@ def chained_tokens(export_dir: Path, prompt: list[int], n: int, threads: int) ->
 
 async def served_tokens(export_dir: Path, prompt: list[int], n: int, threads: int, rounds: int = 2) -> dict:
     """The same prompt through one loopback worker process per stage (``threads`` each)."""
-    from engine.tools.local_fleet import local_fleet
     from engine.generation.request import GenerationRequest
+    from engine.tools.local_fleet import local_fleet
 
     out: dict = {"rounds": []}
     async with local_fleet(export_dir, slots=1, threads=threads) as coordinator:
@@ -63,8 +64,8 @@ async def served_tokens(export_dir: Path, prompt: list[int], n: int, threads: in
 def _child(kind: str, payload: dict) -> dict:
     """Run one of the measurements above in a fresh interpreter (its memory is its own and ends)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "export.bench_export_memory_serve", "--child", kind, json.dumps(payload)],
-                          cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "tests.benchmarks.export_memory_serve", "--child", kind, json.dumps(payload)],
+                          cwd=REPO, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise BenchError(f"the {kind} step failed (exit {done.returncode}): {done.stderr[-1500:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -105,5 +106,5 @@ def serve_phase(export_dir: Path, tokens: int = 16, threads: int = 1, prompt_len
 
 if __name__ == "__main__":
     if len(sys.argv) != 4 or sys.argv[1] != "--child":
-        sys.exit("usage: python -m export.bench_export_memory_serve --child KIND JSON (run by serve_phase)")
+        sys.exit("usage: python -m tests.benchmarks.export_memory_serve --child KIND JSON (run by serve_phase)")
     print(json.dumps(_child_main(sys.argv[2], json.loads(sys.argv[3]))))

@@ -1,4 +1,5 @@
-"""``deskfleet bench export-memory``: the exporter's peak memory against the stage it writes.
+"""``python -m tests.benchmarks export-memory``: the exporter's peak memory against the stage it
+writes.
 
 A random-weight checkpoint in Llama-3.1-8B shape (bf16, sharded like HF, ~16 GB) is written as a
 stream if absent, exported by ``deskfleet export`` in a child process whose /proc status the
@@ -27,10 +28,10 @@ from pathlib import Path
 import numpy as np
 
 from engine.cli.main import Command
-from export.bench_export_child import PEAK_LINE
-from export.benchkit import EXPORT_CHILD
+from tests.benchmarks.export_child import PEAK_LINE
+from tests.benchmarks.kit import EXPORT_CHILD, REPO
 
-COMMAND_LINE = "deskfleet bench export-memory"
+COMMAND_LINE = "python -m tests.benchmarks export-memory"
 MB = 1024 * 1024
 GIB = 1024 ** 3
 SHARD_BYTES = 5 * 10 ** 9  # HF's 8B checkpoints come as ~5 GB shards
@@ -322,7 +323,7 @@ def cgroup_report(group: Path) -> dict:
 
 def old_tree(commit: str, where: Path) -> Path:
     """A git worktree of ``commit`` at ``where``, checked to hold the torch exporter."""
-    repo = Path(__file__).resolve().parents[1]
+    repo = REPO
     if not where.exists():
         subprocess.run(["git", "-C", str(repo), "worktree", "add", "--detach", str(where), commit],
                        check=True, capture_output=True)
@@ -343,7 +344,7 @@ def check_old_imports(where: Path) -> str:
 
 
 def remove_tree(where: Path) -> None:
-    repo = Path(__file__).resolve().parents[1]
+    repo = REPO
     subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(where)], capture_output=True)
 
 
@@ -355,7 +356,7 @@ CUT_LAYERS = 4
 
 
 def _record(args: argparse.Namespace, result: dict) -> None:
-    from engine.tools.bench_record import machine_info, update_section, write_json
+    from tests.benchmarks.record import machine_info, update_section, write_json
 
     result["machine"] = machine_info()
     write_json(args.json, result)
@@ -366,7 +367,7 @@ def run(args: argparse.Namespace) -> int:
     from export.weights.synthetic import LLAMA31_8B
 
     if args.render_only:  # the table again from the JSON (after a change to render or the bound)
-        from engine.tools.bench_record import update_section, write_json
+        from tests.benchmarks.record import update_section, write_json
 
         result = json.loads(args.json.read_text())
         if isinstance(result.get("cut"), dict) and extrapolate_old(result["cut"]):
@@ -400,7 +401,7 @@ def run(args: argparse.Namespace) -> int:
             result["8b"].append(measure_export(big, work / f"8b-int4-{stages}", stages, "int4", args.group_size, keep=keep))
             _record(args, result)
     if "serve" in only:
-        from export.bench_export_memory_serve import serve_phase
+        from tests.benchmarks.export_memory_serve import serve_phase
 
         try:
             result["serve"] = serve_phase(four, tokens=args.tokens, threads=1)
@@ -504,7 +505,7 @@ def _row(label: str, r: dict) -> list:
 
 
 def render(result: dict, json_path: Path) -> str:
-    from engine.tools.bench_record import markdown_table
+    from tests.benchmarks.record import markdown_table
 
     header = ["model", "stages", "weights", "largest stage MiB", "peak - baseline MiB", "anon growth MiB",
               "file growth MiB", "net / stage", "bound", "seconds"]
@@ -563,7 +564,7 @@ def render(result: dict, json_path: Path) -> str:
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    from engine.tools.bench_record import DEFAULT_DOC, DEFAULT_JSON_DIR
+    from tests.benchmarks.record import DEFAULT_DOC, DEFAULT_JSON_DIR
 
     p.add_argument("--work", type=Path, default=Path("/var/tmp/deskfleet-export-memory"),
                    help="scratch directory for the checkpoints and exports (needs ~40 GB free)")
@@ -581,8 +582,3 @@ def configure(p: argparse.ArgumentParser) -> None:
 COMMAND = Command(name="export-memory", help="the exporter's peak memory against its largest stage "
                   "(Llama-3.1-8B-shaped synthetic, the old torch path on a cut, the default model), "
                   "and the 8B-shape stages served", configure=configure, run=run)
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog=COMMAND_LINE)
-    configure(parser)
-    sys.exit(run(parser.parse_args()))

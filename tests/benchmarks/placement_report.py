@@ -1,6 +1,6 @@
-"""The record of ``deskfleet bench placement``: its tables for docs/BENCHMARKS.md, the notes
-under them (from the run's own figures), and a least-squares split of the workers' CPU time per
-token into per-layer, per-stage and head costs, to set against the solver's cost model."""
+"""The record of ``python -m tests.benchmarks placement``: its tables for docs/BENCHMARKS.md, the
+notes under them (from the run's own figures), and a least-squares split of the workers' CPU time
+per token into per-layer, per-stage and head costs, to set against the solver's cost model."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.tools.bench_record import markdown_table
+from tests.benchmarks.record import markdown_table
 
 TARGET_ERROR_PCT = 20.0
 

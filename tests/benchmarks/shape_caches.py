@@ -1,4 +1,5 @@
-"""``deskfleet bench shape-caches``: where a worker's RSS growth comes from, and what stopping it costs.
+"""``python -m tests.benchmarks shape-caches``: where a worker's RSS growth comes from, and what
+stopping it costs.
 
 The soak benchmark saw each worker's RSS rise ~10 % over 30 minutes of chat. A stateful shard
 has dynamic shapes: every step's KV length differs, and each prefill chunk has its own length.
@@ -31,10 +32,10 @@ from typing import Any
 
 import psutil
 
-from engine.tools.bench_record import machine_info, markdown_table, median, update_section, write_json
 from engine.cli.main import Command
+from tests.benchmarks.record import machine_info, markdown_table, median, update_section, write_json
 
-COMMAND_LINE = "deskfleet bench shape-caches"
+COMMAND_LINE = "python -m tests.benchmarks shape-caches"
 VARIANTS = ("default", "repeated", "off")
 CHUNK = 128
 _CACHE_OFF_ENV = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0"}
@@ -90,7 +91,7 @@ def run_variant(shards: Path, variant: str, streams: int, measure_from: int, max
 
 def _child(shards: Path, variant: str, args: argparse.Namespace) -> dict[str, Any]:
     env = {**os.environ, **(_CACHE_OFF_ENV if variant == "off" else {})}
-    cmd = [sys.executable, "-m", "export.bench_shape_caches", "--child", variant, "--shards", str(shards),
+    cmd = [sys.executable, "-m", "tests.benchmarks.shape_caches", "--child", variant, "--shards", str(shards),
            "--streams", str(args.streams), "--measure-from", str(args.measure_from),
            "--max-prompt", str(args.max_prompt), "--decode-steps", str(args.decode_steps)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
@@ -159,7 +160,7 @@ def findings(v: dict[str, Any], ratios: dict[str, float]) -> list[str]:
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    from export.benchkit import add_common_arguments
+    from tests.benchmarks.kit import add_common_arguments
 
     p.add_argument("--shards", type=Path, default=None,
                    help="a stateful export (default: the embedded default model, INT4, 2 stages)")
@@ -175,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--measure-from must be at least 0 and less than --streams")
     shards = args.shards
     if shards is None:
-        from export.benchkit import default_model_exports
+        from tests.benchmarks.kit import default_model_exports
 
         _, (shards,), _ = default_model_exports(("int4", 2, True))
     runs: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
@@ -191,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _child_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m export.bench_shape_caches")
+    p = argparse.ArgumentParser(prog="python -m tests.benchmarks.shape_caches")
     p.add_argument("--child", required=True, choices=VARIANTS)
     p.add_argument("--shards", type=Path, required=True)
     p.add_argument("--streams", type=int, required=True)

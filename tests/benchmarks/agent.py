@@ -1,5 +1,5 @@
-"""``deskfleet bench agent``: what the agent costs a PC when it is idle, and how fast it steps
-aside when the person at the PC touches it.
+"""``python -m tests.benchmarks agent``: what the agent costs a PC when it is idle, and how fast it
+steps aside when the person at the PC touches it.
 
 - footprint: a joined, idle agent process (headless, and the tray app under the offscreen Qt
   platform) measured side by side over the same window: CPU time as % of one core, RSS at the
@@ -25,17 +25,17 @@ from typing import Any
 
 import psutil
 
-from engine.tools.bench_record import machine_info, markdown_table, median, update_section, write_json
 from engine.cli.main import Command
+from tests.benchmarks.record import machine_info, markdown_table, median, update_section, write_json
 
-COMMAND_LINE = "deskfleet bench agent"
+COMMAND_LINE = "python -m tests.benchmarks agent"
 CPU_TARGET_PCT = 0.5
 RSS_TARGET_MB = 150
 PAUSE_TARGET_S = 2.0
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    from engine.tools.bench_record import DEFAULT_DOC, DEFAULT_JSON_DIR
+    from tests.benchmarks.record import DEFAULT_DOC, DEFAULT_JSON_DIR
 
     p.add_argument("--seconds", type=float, default=60.0, help="footprint window (default 60)")
     p.add_argument("--settle", type=float, default=10.0, help="seconds to let the agents settle first (default 10)")
@@ -113,17 +113,17 @@ async def _async_pause_rounds(rounds: int, work: Path) -> dict[str, Any]:
     from agent.service.idle import FakeIdle
     from agent.service.service import AgentService
     from agent.service.settings import AgentSettings
-    from engine.control.messages import Assignment, WorkerSettings
     from engine.control.client import ControlClient
-    from engine.coordinator.coordinator import Coordinator, model_card
     from engine.control.fleet_services import fleet_host
-    from engine.shards.manifest import load_manifest
-    from engine.trust.peer_policy import PeerPolicy
-    from engine.generation.request import GenerationRequest
+    from engine.control.messages import Assignment, WorkerSettings
+    from engine.coordinator.coordinator import Coordinator, model_card
     from engine.coordinator.ring import RingPath
+    from engine.generation.request import GenerationRequest
+    from engine.shards.manifest import load_manifest
     from engine.shards.stage import Stage
+    from engine.trust.peer_policy import PeerPolicy
     from engine.wire.address import Address
-    from export.benchkit import default_model_exports
+    from tests.benchmarks.kit import default_model_exports
 
     _, (export,), _ = default_model_exports(("int4", 2, True))
     manifest = load_manifest(export)

@@ -1,5 +1,5 @@
-"""``deskfleet bench speedups``: what speculation, micro-batching, top-1 replies and the prefix
-cache buy on a 2-stage ring, from loopback to 100 ms per hop.
+"""``python -m tests.benchmarks speedups``: what speculation, micro-batching, top-1 replies and the
+prefix cache buy on a 2-stage ring, from loopback to 100 ms per hop.
 
 The default model as 2 INT4 stages in 2 worker processes (one inference thread each). Every
 hop of the ring (coordinator → stage 0 → stage 1 → coordinator) goes through the WAN emulator.
@@ -27,16 +27,16 @@ from typing import Any
 
 import numpy as np
 
-from engine.tools.bench_record import (
+from engine.cli.main import Command
+from tests.benchmarks.kit import add_common_arguments, default_model_exports
+from tests.benchmarks.kit import verdict as _verdict
+from tests.benchmarks.record import (
     machine_info,
     markdown_table,
     median,
     update_section,
     write_json,
 )
-from engine.cli.main import Command
-from export.benchkit import add_common_arguments, default_model_exports
-from export.benchkit import verdict as _verdict
 
 # A task with overlap between prompt and answer (quoting, editing, summarising), as assistants
 # are often given; prompt lookup feeds on such overlap.
@@ -44,7 +44,7 @@ PASSAGE = ("Deskfleet pools the idle office computers of a company into one infe
            "Each computer runs a contiguous range of layers of the model and passes its hidden "
            "states to the next computer over the office network. ")
 PROMPT = f"Repeat the following text three times, exactly as written:\n\n{PASSAGE}"
-COMMAND_LINE = "deskfleet bench speedups"
+COMMAND_LINE = "python -m tests.benchmarks speedups"
 
 
 async def timed_streams(coordinator, prompts: list[tuple[int, ...]], n: int, want_logits: bool = False) -> dict:
@@ -198,8 +198,8 @@ def _history(tok, turns: int) -> list[dict[str, str]]:
 
 
 async def _ttft(export: Path, tok, target_tokens: int = 1000) -> dict[str, Any]:
-    from engine.tools.local_fleet import local_fleet
     from engine.generation.request import GenerationRequest
+    from engine.tools.local_fleet import local_fleet
 
     turns = 1
     while len(tok.encode_chat(_history(tok, turns))) < target_tokens:

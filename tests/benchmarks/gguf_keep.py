@@ -1,5 +1,5 @@
-"""``deskfleet bench gguf-keep``: a GGUF's own quantisation kept (``--weights keep``) against the
-dequantised route and against re-quantising it to INT4.
+"""``python -m tests.benchmarks gguf-keep``: a GGUF's own quantisation kept (``--weights keep``)
+against the dequantised route and against re-quantising it to INT4.
 
 The default model ships as a Q4_1 GGUF (groups of 32, an f16 scale and an f16 offset each).
 Four 1-stage exports of that one file, all by :func:`export.exporter.export_model`:
@@ -29,10 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.tools.bench_record import machine_info, markdown_table, median, update_section, write_json
 from engine.cli.main import Command
+from tests.benchmarks.record import machine_info, markdown_table, median, update_section, write_json
 
-COMMAND_LINE = "deskfleet bench gguf-keep"
+COMMAND_LINE = "python -m tests.benchmarks gguf-keep"
 REFERENCE = "fp32"
 SPEED_VARIANTS = ("keep", "int4 g32", "int4 g64")
 # Fixed, varied chat requests (facts, a list, code, a story, arithmetic, advice, translation, a
@@ -67,10 +67,10 @@ def export_variants(gguf: Path, name: str, root: Path, variants: Sequence[Varian
                     log: Callable[[str], None] = print) -> dict[str, Path]:
     """1-stage exports of ``gguf`` under ``root``, reused while the file and the exporter code are
     unchanged (the key holds both)."""
-    from export.bench_parity import _builder_digest
     from export.exporter import export_model
     from export.options import ExportOptions
     from export.sources import model_fingerprint
+    from tests.benchmarks.parity import _builder_digest
 
     fingerprint = model_fingerprint(gguf)
     key = f"{fingerprint[:12]}-{_builder_digest()}"
@@ -125,8 +125,8 @@ def agreement(dirs: dict[str, Path], prompts: Sequence[Sequence[int]], tokens: i
 def speed(dirs: dict[str, Path], prompts: Sequence[Sequence[int]], tokens: int, runs: int, warmups: int,
           threads: int, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Paired interleaved rounds of the speed variants at the default settings."""
-    from export.bench_parity import interleave, paired
-    from export.benchkit import shard_runner
+    from tests.benchmarks.kit import shard_runner
+    from tests.benchmarks.parity import interleave, paired
 
     runners = {name: shard_runner(dirs[name], num_threads=threads) for name in SPEED_VARIANTS}
     rounds = [list(prompts[i % len(prompts)]) for i in range(warmups + runs)]
@@ -222,7 +222,7 @@ def findings(result: dict[str, Any]) -> list[str]:
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    from export.benchkit import add_common_arguments
+    from tests.benchmarks.kit import add_common_arguments
 
     p.add_argument("--threads", type=int, default=1, help="inference threads for the speed rounds (default 1)")
     p.add_argument("--exact-threads", type=int, default=None,

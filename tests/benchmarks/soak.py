@@ -1,8 +1,8 @@
-"""``deskfleet bench soak``: four chat users against a local fleet for N minutes.
+"""``python -m tests.benchmarks soak``: four chat users against a local fleet for N minutes.
 
 The fleet is ``deskfleet serve --workers`` in its own process (the coordinator and the OpenAI API;
 each stage in a worker process it starts on loopback), so every process's memory is its own. Four
-users (:mod:`export.soak_users`) hold multi-turn conversations with the real ``openai`` client.
+users (:mod:`tests.benchmarks.soak_users`) hold multi-turn conversations with the real ``openai`` client.
 Recorded: requests served and failed, TTFT and per-request decode speed (p50/p95), aggregate
 tokens/s, prefix-cache hits, and the RSS of every process at startup, after the warm-up and at the
 end, sampled throughout. Targets: no failed request, RSS growth (after warm-up to end) under 5 %.
@@ -27,7 +27,11 @@ from typing import Any
 import numpy as np
 import psutil
 
-from engine.tools.bench_record import (
+from engine.cli.main import Command
+from engine.errors import DeskfleetError
+from engine.worker.stage_worker import StageWorker
+from tests.benchmarks.kit import verdict
+from tests.benchmarks.record import (
     DEFAULT_DOC,
     DEFAULT_JSON_DIR,
     machine_info,
@@ -35,11 +39,7 @@ from engine.tools.bench_record import (
     update_section,
     write_json,
 )
-from engine.cli.main import Command
-from engine.errors import DeskfleetError
-from engine.worker.stage_worker import StageWorker
-from export.benchkit import verdict
-from export.soak_users import Outcome, async_user
+from tests.benchmarks.soak_users import Outcome, async_user
 
 USERS = 4
 SLOTS = 4
@@ -217,7 +217,7 @@ def tiny_export(root: Path) -> Path:
     from engine.errors import ManifestError
     from engine.shards.manifest import load_manifest
     from export.exporter import ExportOptions, export_model
-    from export.tiny import build_tiny_model
+    from tests.support.tiny_models import build_tiny_model
 
     out = root / "tiny-llama-2"
     with contextlib.suppress(ManifestError):
@@ -270,7 +270,7 @@ def section(command: str, info: dict[str, Any], s: dict[str, Any], minutes: floa
             f"captured KV states for the prefix cache up to {CAPTURE_MB} MiB (least recently used evicted; the "
             "coordinator's index remembers 64 of them), so worker RSS rises until that store is full; it also rises "
             "as OpenVINO caches kernels for every new input shape (prompt and KV lengths): see *Shape caches* "
-            "(`deskfleet bench shape-caches`), flat when shapes repeat. The RSS of every process, sampled every "
+            "(`python -m tests.benchmarks shape-caches`), flat when shapes repeat. The RSS of every process, sampled every "
             "10 s, is in the JSON." + failures)
 
 
@@ -282,7 +282,7 @@ def run(args: argparse.Namespace) -> int:
 
         export, what = tiny_export(default_cache_root() / "bench-exports"), "A random-weight tiny llama, 2 fp32 stages,"
     else:
-        from export.benchkit import default_model_exports
+        from tests.benchmarks.kit import default_model_exports
 
         _, exports, _ = default_model_exports(("int4", 2, True))
         export, what = exports[0], "The default model (SmolLM2-135M-Instruct) as 2 INT4 stages"
@@ -290,7 +290,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"soak: {args.minutes:g} min over {load_manifest(export).model.name} ({export})", file=sys.stderr)
     result = run_soak(export, args.minutes, seed=args.seed)
     summary = result["summary"]
-    command = f"deskfleet bench soak --minutes {args.minutes:g}" + (" --tiny" if args.tiny else "")
+    command = f"python -m tests.benchmarks soak --minutes {args.minutes:g}" + (" --tiny" if args.tiny else "")
     raw = {**result["run"], "outcomes": None,  # per minute in the summary; failed requests in full here
            "failed_requests": [vars(o) for o in result["run"]["outcomes"] if not o.ok]}
     write_json(args.json, {"command": command, "what": what, "machine": info, "summary": summary, "run": raw})

@@ -1,4 +1,5 @@
-"""``deskfleet bench npu``: packed multi-slot serving on static (NPU-target) shards, on the CPU.
+"""``python -m tests.benchmarks npu``: packed multi-slot serving on static (NPU-target) shards, on
+the CPU.
 
 The default model as one INT4 static stage (``--target npu``) at a fixed context of 1024, the
 paper's Table 20 window. No NPU here: the same IR compiles for the CPU, so this measures the
@@ -24,12 +25,12 @@ from typing import Any
 
 import numpy as np
 
-from engine.tools.bench_record import machine_info, markdown_table, median, update_section, write_json
 from engine.cli.main import Command
-from export.benchkit import add_common_arguments
-from export.benchkit import verdict as _verdict
+from tests.benchmarks.kit import add_common_arguments
+from tests.benchmarks.kit import verdict as _verdict
+from tests.benchmarks.record import machine_info, markdown_table, median, update_section, write_json
 
-COMMAND_LINE = "deskfleet bench npu"
+COMMAND_LINE = "python -m tests.benchmarks npu"
 SLOTS = (1, 4, 8, 16)
 PREFILL_CHUNK = 16
 QUESTIONS = (
@@ -139,8 +140,8 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
-    from engine.static.packed_stage import StaticChain
     from engine.generation.tokenizer import ChatTokenizer
+    from engine.static.packed_stage import StaticChain
 
     load_start = [round(x, 2) for x in os.getloadavg()]
     source, paths, stats = ensure_npu_exports(args.context)
@@ -245,8 +246,3 @@ def run(args: argparse.Namespace) -> int:
 
 COMMAND = Command(name="npu", help="packed multi-slot serving on static NPU-target shards (on the CPU)",
                   configure=configure, run=run)
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog=COMMAND_LINE, description=COMMAND.help)
-    configure(parser)
-    sys.exit(run(parser.parse_args()))

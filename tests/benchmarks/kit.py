@@ -11,7 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.tools.bench_record import write_json
+from tests.benchmarks.record import write_json
+
+REPO = Path(__file__).resolve().parents[2]  # the clone's root: children run `python -m tests...` there
 
 
 @dataclass(frozen=True)
@@ -26,8 +28,8 @@ Runner = Callable[[list[int], int], Run]
 
 def _export_job(job: dict[str, Any]) -> dict[str, Any]:
     """Runs in a spawned process: export one variant and report its own peak RSS."""
-    from export.bench_export_child import peak_rss_bytes, reset_peak_rss
     from export.exporter import ExportOptions, export_model
+    from tests.benchmarks.export_child import peak_rss_bytes, reset_peak_rss
 
     baseline = reset_peak_rss()
     report = export_model(job["checkpoint"], job["out"], stages=job["stages"],
@@ -79,8 +81,8 @@ REFERENCE_PROPERTIES = {"KV_CACHE_PRECISION": "f16"}
 
 def reference_runner(model_dir: Path, *, backend: str | None = None, num_threads: int | None = None) -> Runner:
     """``openvino_genai.LLMPipeline`` on ``model_dir`` (all cores unless ``num_threads``);
-    ``backend`` "sdpa" or "pa" as :func:`export.reference.pipeline_properties` says."""
-    from export.reference import ReferencePipeline
+    ``backend`` "sdpa" or "pa" as :func:`tests.benchmarks.reference.pipeline_properties` says."""
+    from tests.benchmarks.reference import ReferencePipeline
 
     props: dict[str, Any] = dict(REFERENCE_PROPERTIES)
     if num_threads:
@@ -102,7 +104,7 @@ def verdict(value: float, target: float, higher: bool = True) -> str:
 
 def add_common_arguments(p: Any, json_name: str, runs: int, warmups: int) -> None:
     """--runs, --warmups, --tokens, --json and --doc, as every benchmark takes them."""
-    from engine.tools.bench_record import DEFAULT_DOC, DEFAULT_JSON_DIR
+    from tests.benchmarks.record import DEFAULT_DOC, DEFAULT_JSON_DIR
 
     p.add_argument("--runs", type=int, default=runs, help=f"timed rounds (default {runs})")
     p.add_argument("--warmups", type=int, default=warmups, help=f"untimed rounds first (default {warmups})")
@@ -124,7 +126,7 @@ def default_model_exports(*variants: tuple[str, int, bool]) -> tuple[Any, list[P
 
 # -- an export measured from outside ----------------------------------------------------------
 
-EXPORT_CHILD = "export.bench_export_child"  # `deskfleet export` with its peak RSS printed
+EXPORT_CHILD = "tests.benchmarks.export_child"  # `deskfleet export` with its peak RSS printed
 _SAMPLE_S = 0.05  # the kernel keeps no peak for RssAnon/RssFile: sample them this often
 _STATUS_FIELDS = ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem")
 
@@ -175,7 +177,7 @@ def measured_export(model: str | None, out: Path, weights: str, stages: int, *,
     import time
 
     from engine.shards.manifest import load_manifest
-    from export.bench_export_child import IMPORTED, PEAK_LINE
+    from tests.benchmarks.export_child import IMPORTED, PEAK_LINE
 
     argv = [sys.executable, "-m", EXPORT_CHILD, "--wait", "export", *([model] if model else []),
             "--stages", str(stages), "--weights", weights, "--group-size", str(group_size), "--out", str(out), "--force"]

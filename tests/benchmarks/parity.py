@@ -1,4 +1,5 @@
-"""``deskfleet bench parity``: do our shards run as fast as the monolithic reference, like for like?
+"""``python -m tests.benchmarks parity``: do our shards run as fast as the monolithic reference,
+like for like?
 
 Variants, per weight format and thread count, 128 greedy tokens, EOS ignored:
 
@@ -10,7 +11,7 @@ Variants, per weight format and thread count, 128 greedy tokens, EOS ignored:
 
 The reference's weights: ``--reference optimum`` (default) is an optimum-intel export of the same
 checkpoint with the same compression (INT4 sym g64 decoder, INT8 embedding/head; fp16), in its own
-venv (export/reference.py); ``--reference ours-ir`` makes ``sdpa``/``pa`` run our 1-stage IR
+venv (tests/benchmarks/reference.py); ``--reference ours-ir`` makes ``sdpa``/``pa`` run our 1-stage IR
 instead (bit-identical weights, no optimum needed; the test uses it).
 
 Like for like: every variant gets the same prompt in a round (a chat prompt with a fixed-length
@@ -33,9 +34,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from engine.tools.bench_record import machine_info, markdown_table, median, update_section, write_json
 from engine.cli.main import Command
-from export.benchkit import (
+from tests.benchmarks.kit import (
     Run,
     Runner,
     add_common_arguments,
@@ -43,10 +43,11 @@ from export.benchkit import (
     reference_runner,
     shard_runner,
 )
-from export.benchkit import verdict as _verdict
+from tests.benchmarks.kit import verdict as _verdict
+from tests.benchmarks.record import machine_info, markdown_table, median, update_section, write_json
 
 PROMPT = "What is the capital of France? Answer in one long paragraph about its history."
-COMMAND_LINE = "deskfleet bench parity"
+COMMAND_LINE = "python -m tests.benchmarks parity"
 # Against the SDPA-backend reference (issue 13, item 7).
 DECODE_TARGETS = {1: 1.05, 2: 0.97, 3: 0.95}
 TTFT_TARGET = 1.0
@@ -87,8 +88,10 @@ def _ints(text: str) -> list[int]:
 
 def _builder_digest() -> str:
     """The exporter code the cached exports were made with: a changed builder re-exports."""
+    import export
+
     h = hashlib.sha256()
-    root = Path(__file__).parent
+    root = Path(export.__file__).parent
     for path in sorted([*root.glob("builder/*.py"), *root.glob("weights/*.py"), root / "exporter.py"]):
         h.update(path.read_bytes())
     return h.hexdigest()[:12]
@@ -214,8 +217,12 @@ def memory_rows(memory: dict[str, dict]) -> dict[str, dict[str, float]]:
 
 def run(args: argparse.Namespace) -> int:
     from engine.generation.tokenizer import ChatTokenizer
-    from export.reference import ReferenceToolError, export_reference, pipeline_dir_from_export
     from export.sources import default_cache_root, resolve_model
+    from tests.benchmarks.reference import (
+        ReferenceToolError,
+        export_reference,
+        pipeline_dir_from_export,
+    )
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)

@@ -1,4 +1,5 @@
-"""``deskfleet bench failover``: how long a user waits when a PC of the ring is lost mid-answer.
+"""``python -m tests.benchmarks failover``: how long a user waits when a PC of the ring is lost
+mid-answer.
 
 The default model as 2 INT4 stages on two real agents (desk-a stage 0, desk-b stage 1), a third
 agent as standby, the console's Distributor with its failover, mutual TLS on loopback. One
@@ -29,10 +30,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from engine.tools.bench_record import machine_info, markdown_table, median, update_section, write_json
 from engine.cli.main import Command
+from tests.benchmarks.record import machine_info, markdown_table, median, update_section, write_json
 
-COMMAND_LINE = "deskfleet bench failover"
+COMMAND_LINE = "python -m tests.benchmarks failover"
 TARGET_S = 10.0
 TOTAL_TOKENS = 512
 MODES = ("restart", "standby")
@@ -58,7 +59,7 @@ _TURNS = (
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    from engine.tools.bench_record import DEFAULT_DOC, DEFAULT_JSON_DIR
+    from tests.benchmarks.record import DEFAULT_DOC, DEFAULT_JSON_DIR
 
     p.add_argument("--rounds", type=int, default=3, help="rounds of each recovery, interleaved (default 3)")
     p.add_argument("--prompt-tokens", type=int, default=400, help="most prompt tokens: whole turns that fit (default 400)")
@@ -131,10 +132,10 @@ async def _async_bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from console.service.distribution import Distributor
     from console.service.failover import FailoverSettings
     from console.service.ring_layout import AgentEndpoint, AgentTarget, RingLayout
-    from engine.control.messages import WorkerSettings
     from engine.control.fleet_services import fleet_host
+    from engine.control.messages import WorkerSettings
     from engine.generation.tokenizer import ChatTokenizer
-    from export.benchkit import default_model_exports
+    from tests.benchmarks.kit import default_model_exports
 
     _, (export,), _ = default_model_exports(("int4", 2, True))
     prompt = conversation(ChatTokenizer(export / "tokenizer"), args.prompt_tokens)
@@ -244,11 +245,3 @@ def run(args: argparse.Namespace) -> int:
 
 COMMAND = Command(name="failover", help="added delay when a ring's PC is lost mid-answer: restart vs standby",
                   configure=configure, run=run)
-
-
-if __name__ == "__main__":  # until the entry point is installed: python -m console.bench_failover
-    import sys
-
-    parser = argparse.ArgumentParser(prog=COMMAND_LINE, description=COMMAND.help)
-    configure(parser)
-    sys.exit(run(parser.parse_args()))

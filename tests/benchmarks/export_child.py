@@ -6,7 +6,7 @@ point. It imports what an export imports, resets the kernel's peak-RSS mark (VmH
 parent's size), runs ``deskfleet <argv>``, and on success prints the one line the benchmarks
 parse (:data:`PEAK_LINE`)::
 
-    python -m export.bench_export_child [--wait] export MODEL --stages 2 --out DIR ...
+    python -m tests.benchmarks.export_child [--wait] export MODEL --stages 2 --out DIR ...
 
 With ``--wait`` it prints :data:`IMPORTED` once its imports are done and waits for a line on
 stdin, so that the parent can read the child's RSS at that point first.

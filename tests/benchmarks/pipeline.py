@@ -1,4 +1,4 @@
-"""``deskfleet bench pipeline``: the ring against one PC, single user and micro-batched.
+"""``python -m tests.benchmarks pipeline``: the ring against one PC, single user and micro-batched.
 
 The default model as 2 INT4 stages, each in its own worker process limited to one inference
 thread so that the two behave like two PCs. Variants, interleaved round-robin, medians:
@@ -25,25 +25,25 @@ from typing import Any
 
 import numpy as np
 
-from engine.tools.bench_record import (
-    machine_info,
-    markdown_table,
-    median,
-    update_section,
-    write_json,
-)
 from engine.cli.main import Command
-from export.benchkit import (
+from tests.benchmarks.kit import (
     Run,
     add_common_arguments,
     default_model_exports,
     reference_runner,
     shard_runner,
 )
-from export.benchkit import verdict as _verdict
+from tests.benchmarks.kit import verdict as _verdict
+from tests.benchmarks.record import (
+    machine_info,
+    markdown_table,
+    median,
+    update_section,
+    write_json,
+)
 
 PROMPT = "What is the capital of France? Answer in one long paragraph about its history."
-COMMAND_LINE = "deskfleet bench pipeline"
+COMMAND_LINE = "python -m tests.benchmarks pipeline"
 
 
 async def ring_run(coordinator, ids: list[int], n: int, streams: int) -> dict[str, Any]:
@@ -98,9 +98,9 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 async def _async_bench(args: argparse.Namespace) -> dict[str, Any]:
-    from engine.tools.local_fleet import local_fleet
     from engine.generation.tokenizer import ChatTokenizer
-    from export.reference import export_reference
+    from engine.tools.local_fleet import local_fleet
+    from tests.benchmarks.reference import export_reference
 
     source, (one, two), _ = default_model_exports(("int4", 1, True), ("int4", 2, True))
     ids = ChatTokenizer(source.checkpoint_dir).encode_chat([{"role": "user", "content": PROMPT}])

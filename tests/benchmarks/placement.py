@@ -1,4 +1,5 @@
-"""``deskfleet bench placement``: does the placement solver's prediction hold on a real ring?
+"""``python -m tests.benchmarks placement``: does the placement solver's prediction hold on a real
+ring?
 
 The model is placed over groups of 1, 2 and 3 local headless agents (in-process `AgentService`s
 on loopback, joined to one fleet host; each group approved by its own console state, so each
@@ -36,14 +37,14 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from console.bench_placement_report import fit_stage_cpu, render
-from engine.tools.bench_record import machine_info, median, update_section, write_json
 from engine.cli.main import Command
+from tests.benchmarks.placement_report import fit_stage_cpu, render
+from tests.benchmarks.record import machine_info, median, update_section, write_json
 
 if TYPE_CHECKING:
     from engine.placement.planner import Plan
 
-COMMAND_LINE = "deskfleet bench placement"
+COMMAND_LINE = "python -m tests.benchmarks placement"
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
@@ -212,8 +213,8 @@ async def async_run_bench(work: Path, bench: PlacementBench) -> dict[str, Any]:
     from console.service.export_catalog import ExportSpec
     from console.service.models import ModelLibrary
     from console.service.ring_layout import AgentEndpoint, RingLayout
-    from engine.control.messages import WorkerSettings
     from engine.control.fleet_services import fleet_host
+    from engine.control.messages import WorkerSettings
     from engine.generation.tokenizer import ChatTokenizer
     from export.exporter import ExportOptions
     from export.sources import resolve_model
@@ -288,7 +289,7 @@ def _summary(g: dict[str, Any], one_thread: tuple[float, float], head_ratio: flo
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    from export.benchkit import add_common_arguments
+    from tests.benchmarks.kit import add_common_arguments
 
     p.add_argument("--agents", default="1,2,3", help="agent group sizes, one ring each (default 1,2,3)")
     p.add_argument("--weights", default="int4", help="weight format of every export (default int4)")
@@ -317,9 +318,3 @@ def run(args: argparse.Namespace) -> int:
 
 COMMAND = Command(name="placement", help="placement's predicted tok/s vs what the distributed ring measures",
                   configure=configure, run=run)
-
-
-if __name__ == "__main__":  # until the entry point is in pyproject: python -m console.bench_placement
-    parser = argparse.ArgumentParser(prog=COMMAND_LINE)
-    configure(parser)
-    sys.exit(run(parser.parse_args()))
