@@ -114,6 +114,7 @@ async def _generate_disturbed(dist: Distributor, disturb, *, after: int = 8):
     return got, errors, at_disturbance, time.monotonic() - when[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how, stage, grace", [("pause", 1, 30.0), ("pause", 0, 30.0), ("kill", 1, 30.0),
                                                ("kill", 0, 0.0), ("unplug", 1, 30.0)])
 def test_a_lost_stage_comes_back_or_moves_to_the_standby_and_answers_are_identical(
@@ -173,6 +174,7 @@ def test_a_lost_stage_comes_back_or_moves_to_the_standby_and_answers_are_identic
         assert "paused" in moves[0].why
 
 
+@pytest.mark.slow
 def test_without_a_standby_streams_wait_for_a_resume_then_fail_clearly_after_the_hold(tmp_path, tiny_export, unsplit):
     export = tiny_export("llama", 2)
     settings = FailoverSettings(step_timeout_s=10.0, hold_s=60.0, restart_grace_s=30.0, move_s=60.0)
