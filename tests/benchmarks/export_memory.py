@@ -52,20 +52,20 @@ _CHUNK_VALUES = 1 << 22  # 8 MB written at a time
 
 
 def _bf16_pool(seed: int, values: int = POOL_VALUES) -> np.ndarray:
-    """N(0, 0.05) values encoded to bf16 once, by export.weights.synthetic's own rounding: encoding
+    """N(0, 0.05) values encoded to bf16 once, by tests.support.synthetic_checkpoint's own rounding: encoding
     16 GB value by value costs ~30 min of a shared core, copying slices of a pool ~1."""
-    from export.weights.synthetic import _encode
+    from tests.support.synthetic_checkpoint import _encode
 
     rng = np.random.default_rng([seed, 7])
     return _encode(np.float32(0.05) * rng.standard_normal(values, dtype=np.float32), "BF16")
 
 
 def _write_bf16_shard(path: Path, tensors: list[tuple[str, tuple[int, ...]]], pool, seed: int) -> int:
-    """One safetensors file in the layout of export.weights.synthetic.write_safetensors, written
+    """One safetensors file in the layout of tests.support.synthetic_checkpoint.write_safetensors, written
     in 8 MB chunks: matrices are pool slices at seeded offsets, norm gammas 1 + N(0, 0.1)."""
     import struct
 
-    from export.weights.synthetic import _encode
+    from tests.support.synthetic_checkpoint import _encode
 
     header: dict = {}
     offset = 0
@@ -96,7 +96,7 @@ def write_sharded_llama(directory: Path, shape, seed: int = 0, shard_bytes: int 
     """A random-weight bf16 Llama checkpoint as HF shards (model-0000i-of-0000n.safetensors +
     index), streamed (never whole in memory). An existing complete checkpoint of the same
     config is reused; an interrupted one is rewritten."""
-    from export.weights.synthetic import llama_config, llama_tensors
+    from tests.support.synthetic_checkpoint import llama_config, llama_tensors
 
     directory = Path(directory)
     config = llama_config(shape)
@@ -364,7 +364,7 @@ def _record(args: argparse.Namespace, result: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from export.weights.synthetic import LLAMA31_8B
+    from tests.support.synthetic_checkpoint import LLAMA31_8B
 
     if args.render_only:  # the table again from the JSON (after a change to render or the bound)
         from tests.benchmarks.record import update_section, write_json
@@ -427,7 +427,7 @@ def run(args: argparse.Namespace) -> int:
 
 def stage_params(shape, stages: int) -> list[int]:
     """Weights per stage (layers split evenly as the exporter does; embedding first, head last)."""
-    from export.weights.synthetic import llama_tensors
+    from tests.support.synthetic_checkpoint import llama_tensors
 
     per_layer: dict[int, int] = {}
     edge = {"first": 0, "last": 0}
@@ -453,7 +453,7 @@ def extrapolate_old(cut: dict) -> dict | None:
     """The torch path's net peak on the full 8B shape, assuming (as the issue describes it) that
     it scales with the fp32 size of the stage it materialises: the cut's net peak per fp32 byte of
     its largest stage, times the fp32 size of the 8B shape's largest stage."""
-    from export.weights.synthetic import LLAMA31_8B
+    from tests.support.synthetic_checkpoint import LLAMA31_8B
 
     old = cut.get("old") or {}
     if not old.get("ok"):
@@ -466,7 +466,7 @@ def extrapolate_old(cut: dict) -> dict | None:
 
 def cut_phase(args: argparse.Namespace, work: Path) -> dict:
     """Old torch path (worktree, capped cgroup) and the builder on a 4-layer cut of the 8B shape."""
-    from export.weights.synthetic import LLAMA31_8B
+    from tests.support.synthetic_checkpoint import LLAMA31_8B
 
     cut = work / f"llama31-8b-shape-{CUT_LAYERS}l"
     write_sharded_llama(cut, replace(LLAMA31_8B, layers=CUT_LAYERS), seed=args.seed)

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from export.weights.checkpoint import open_checkpoint
-from export.weights.synthetic import LlamaShape, llama_tensors
 from tests.benchmarks.export_memory import (
     BOUND_SLACK,
     COMPLETE,
@@ -23,6 +22,7 @@ from tests.benchmarks.export_memory import (
     render,
     write_sharded_llama,
 )
+from tests.support.synthetic_checkpoint import LlamaShape, llama_tensors
 
 SHAPE = LlamaShape(layers=4, hidden=1024, intermediate=4096, heads=16, kv_heads=4, vocab=32000)
 

@@ -1,6 +1,7 @@
 """The benchmarks are harness, not product: the wheel and the .deb carry none of them (nor the
-optimum-intel reference, the soak's users or the tiny test models), the installed command has no
-``bench``, and every benchmark answers ``--help`` from a clone as ``python -m tests.benchmarks``.
+optimum-intel reference, the soak's users, the tiny and synthetic test models), the installed
+command has no ``bench``, and every benchmark answers ``--help`` from a clone as
+``python -m tests.benchmarks``.
 
 The wheel is built for real (installer.packaging.build_wheel, ~10 s) and the core .deb is laid
 out and packed by the installer's own code around it, without its dependencies' wheels.
@@ -22,7 +23,7 @@ from installer.packaging import REPO, build_wheel, project_version
 from tests.benchmarks.__main__ import BENCHMARKS, PROG, main
 
 # Module names that are harness wherever they would sit in the product's packages.
-HARNESS = re.compile(r"(^|/)(bench\w*|kit|record|reference|soak\w*|tiny\w*|export_child)\.py$")
+HARNESS = re.compile(r"(^|/)(bench\w*|kit|record|reference|soak\w*|synthetic\w*|tiny\w*|export_child)\.py$")
 HERE = Path(__file__).parent
 
 

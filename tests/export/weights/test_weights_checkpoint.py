@@ -104,7 +104,7 @@ def test_streamed_synthetic_checkpoint_reads_back_in_torch_and_here(tmp_path):
     import torch
     from safetensors import safe_open
 
-    from export.weights.synthetic import LlamaShape, llama_tensors, write_synthetic_llama
+    from tests.support.synthetic_checkpoint import LlamaShape, llama_tensors, write_synthetic_llama
 
     shape = LlamaShape(layers=2, hidden=64, intermediate=96, heads=4, kv_heads=2, vocab=300)
     directory = write_synthetic_llama(tmp_path / "ckpt", shape, dtype="BF16", seed=3)
@@ -149,7 +149,7 @@ def test_raw_bytes_fingerprint_equals_the_torch_one_and_sees_every_byte(mixed_ch
 TORCH_FREE_PROBE = """
 import sys
 from pathlib import Path
-from export.weights.synthetic import LlamaShape, write_synthetic_llama
+from tests.support.synthetic_checkpoint import LlamaShape, write_synthetic_llama
 from export.weights.checkpoint import open_checkpoint
 from export.weights.stage_weights import StageWeights, WeightMode
 from export.weights.fingerprint import model_fingerprint

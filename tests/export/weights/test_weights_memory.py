@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from export.weights.synthetic import LlamaShape, write_synthetic_llama
+from tests.support.synthetic_checkpoint import LlamaShape, write_synthetic_llama
 
 pytestmark = pytest.mark.slow
 

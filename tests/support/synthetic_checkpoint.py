@@ -1,8 +1,9 @@
 """Random-weight HF checkpoints of a given shape, written as a stream (never whole in memory).
 
-For memory tests and the export-memory benchmark: a Llama-shaped safetensors checkpoint (bf16,
-f16 or f32) whose header is written first and whose tensors follow in row blocks of seeded
-random values, so an 8B-shaped checkpoint (~16 GB) is produced with a few MB of RSS.
+For the memory tests and the export-memory benchmark (tests/benchmarks/export_memory.py): a
+Llama-shaped safetensors checkpoint (bf16, f16 or f32) whose header is written first and whose
+tensors follow in row blocks of seeded random values, so an 8B-shaped checkpoint (~16 GB) is
+produced with a few MB of RSS.
 """
 
 from __future__ import annotations
