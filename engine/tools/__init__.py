@@ -1,1 +1,1 @@
-"""Whole fleets on one machine and test tools: local worker fleets, the WAN emulator, benchmark records."""
+"""Whole fleets on one machine and test tools: local worker fleets, the WAN emulator."""
