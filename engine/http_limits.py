@@ -18,7 +18,7 @@ import collections
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from aiohttp import web
 
@@ -84,7 +84,7 @@ class _Counted(asyncio.Protocol):
                 log.warning("%s: connection from %s refused (cap %d per address, %d in all; %d refused so far)",
                             self._what, ip, self._counter.limits.per_ip, self._counter.limits.total,
                             self._counter.refused)
-            transport.abort()
+            cast(asyncio.Transport, transport).abort()  # a listening socket's transports are Transports
             return
         self._ip = ip
         self._inner.connection_made(transport)
@@ -121,8 +121,10 @@ class LimitedAppRunner(web.AppRunner):
         self.connections = ConnectionCounter(limits)
         self._what = what
 
+    # aiohttp annotates ``server`` as its Server, but TCPSite only hands it to create_server as a
+    # protocol factory, which is what this returns.
     @property
-    def server(self) -> Callable[[], asyncio.Protocol] | None:  # what TCPSite hands to create_server
+    def server(self) -> Callable[[], asyncio.Protocol] | None:  # type: ignore[override]
         inner = super().server
         if inner is None:
             return None

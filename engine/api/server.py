@@ -28,7 +28,7 @@ import math
 import re
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -181,7 +181,8 @@ def render_prometheus(generator_metrics: Mapping[str, float], api: ApiMetrics) -
     lines: list[str] = []
     grouped: dict[str, list[tuple[str, float]]] = {}
     for key, v in sorted(generator_metrics.items()):
-        base, labels = _METRIC_KEY.match(key).groups()  # type: ignore[union-attr]
+        m = _METRIC_KEY.match(key)  # no match: an unbalanced "{", kept in the (sanitised) name
+        base, labels = m.groups() if m else (key, None)
         grouped.setdefault(re.sub(r"[^a-zA-Z0-9_:]", "_", base), []).append((labels or "", float(v)))
     for name, samples in grouped.items():
         _family(lines, name, "counter" if name.endswith("_total") else "gauge", "reported by the generator", samples)
@@ -209,7 +210,7 @@ class _Outcome:
 
 
 _GONE = web.RequestKey("client_gone", bool)
-API_STATE = web.AppKey("deskfleet_api", object)  # the app's _Api (RunningApi.set_api_key reaches it)
+API_STATE: web.AppKey[_Api] = web.AppKey("deskfleet_api")  # RunningApi.set_api_key reaches it
 
 
 async def _off_loop(fn: Callable[..., Any], *args: Any) -> Any:
@@ -357,7 +358,7 @@ class _Api:
                                                      outcome.usage(gen_request)))
 
     async def _deltas(self, gen_request: GenerationRequest, stop: Sequence[str], outcome: _Outcome,
-                      started: float) -> AsyncIterator[str]:
+                      started: float) -> AsyncGenerator[str, None]:
         """Yield one text delta (maybe empty) per generated token, then the held-back tail."""
         text = TextStream(self.tokenizer.decode, stop)
         first_at = 0.0

@@ -202,10 +202,10 @@ async def _open_generator(args: argparse.Namespace):
             yield generator
         return
 
-    options = {}
+    speculation = None
     if args.speculation != "off":
         config = SpeculationConfig(args.speculation, k=args.spec_k, draft_export=args.draft)
-        options["speculation"] = Speculator(config, device=args.device, exact=args.exact)
+        speculation = Speculator(config, device=args.device, exact=args.exact)
 
     if args.first_stage is not None:
         from engine.coordinator.ring import RingPath, return_frame_bound
@@ -215,16 +215,17 @@ async def _open_generator(args: argparse.Namespace):
         path = RingPath(manifest.model.fingerprint, len(manifest.stages), args.first_stage, args.return_listen,
                         local_stage0=local0, max_frame_bytes=return_frame_bound(
                             manifest.model.vocab_size, manifest.model.max_position_embeddings), **args.ring)
-        async with Coordinator(path, model_card(manifest), slots=args.slots, **options) as coordinator:
+        async with Coordinator(path, model_card(manifest), slots=args.slots, speculation=speculation) as coordinator:
             yield coordinator
     elif args.workers:
         from engine.tools.local_fleet import local_fleet
 
-        async with local_fleet(args.shards, slots=args.slots, exact=args.exact, **options) as coordinator:
+        async with local_fleet(args.shards, slots=args.slots, exact=args.exact,
+                               speculation=speculation) as coordinator:
             yield coordinator
     else:
         async with Coordinator.local(args.shards, slots=args.slots, exact=args.exact, device=args.device,
-                                     **options) as coordinator:
+                                     speculation=speculation) as coordinator:
             yield coordinator
 
 

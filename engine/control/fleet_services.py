@@ -80,7 +80,7 @@ def write_token_file(path: Path, token: str) -> Path:
 
 
 def _lock(fd: int) -> None:
-    if os.name == "nt":
+    if sys.platform == "win32":  # the form type checkers narrow on
         import msvcrt
 
         msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
@@ -139,12 +139,12 @@ def load_or_create_authority(state_dir: Path, name: str = "Deskfleet fleet", *,
             wrap = store.get_or_create(WRAP_SECRET, _new_wrapping_key)
             write_private(key, authority.encrypted_key_pem(wrap.encode()))
             return authority
-        wrap = store.get(WRAP_SECRET)
-        if wrap is None:
+        kept = store.get(WRAP_SECRET)
+        if kept is None:
             raise CredentialsError(f"the fleet CA key in {key} is encrypted, and the key it is encrypted under "
                                    f"is not in the keyring ({store.backend}); restore that keyring (or its "
                                    "keyring.json), or start a new fleet in an empty --state-dir")
-        return FleetAuthority.from_pem(cert.read_bytes(), key_pem, password=wrap.encode())
+        return FleetAuthority.from_pem(cert.read_bytes(), key_pem, password=kept.encode())
     authority = FleetAuthority.create(name)
     wrap = _new_wrapping_key()
     store.put(WRAP_SECRET, wrap)  # first: a key file whose wrapping key was never kept is useless

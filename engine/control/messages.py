@@ -188,9 +188,11 @@ class Assignment:
     def same_stage(self, other: Assignment) -> bool:
         """Whether ``other`` differs from this at most in the peers and the URLs shown to the tray:
         a running worker then takes it as a policy update instead of a restart."""
-        peers = {"expect_upstream": (), "expect_next": None, "deny": (), "api_url": None, "events_url": None,
-                 "api_key": None}
-        return replace(self, **peers) == replace(other, **peers)
+        return self._stage_only() == other._stage_only()
+
+    def _stage_only(self) -> Assignment:
+        return replace(self, expect_upstream=(), expect_next=None, deny=(), api_url=None, events_url=None,
+                       api_key=None)
 
     def peer_policy_json(self) -> dict[str, Any]:
         """The worker's peer policy (the ``--tls-stdin`` keys of engine.trust.peer_policy)."""

@@ -16,7 +16,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from pathlib import Path
 
 from engine.errors import DeskfleetError, GenerationError
@@ -82,7 +82,7 @@ class Coordinator:
         self._stopping = False
         self._idle = asyncio.Event()
         self._idle.set()
-        self._counters = collections.Counter()
+        self._counters: collections.Counter[str] = collections.Counter()
         self._token_times: collections.deque[float] = collections.deque()
         self._ttft_sum = 0.0
         self._overhead_s = 0.0  # reply received -> next step submitted (policy, sampling, send)
@@ -132,7 +132,7 @@ class Coordinator:
 
     # -- the Generator protocol -----------------------------------------------------------------
 
-    async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+    async def stream(self, request: GenerationRequest) -> AsyncGenerator[TokenEvent, None]:
         if self._stopping or self._task is None or (self._task.done() and not self._recovering):
             raise UnavailableError("the coordinator is not running")
         if len(self._active) >= self.slots and len(self._waiting) >= self.max_waiting:

@@ -188,7 +188,7 @@ class RingPath:
             self._roundtrips.append(time.perf_counter() - sent)
         self.results.put_nowait(result)
 
-    async def _cache_step(self, step: CacheStep) -> None:
+    async def _cache_step(self, step: CacheStep, out: Connection) -> None:
         loop = asyncio.get_running_loop()
         if step.is_capture:
             assert step.keep is not None
@@ -199,7 +199,7 @@ class RingPath:
                     return
                 await loop.run_in_executor(self._executor, self._captures.capture, stream, step.capture_id,
                                            step.keep)
-            await self._out.async_send(Capture(step.stream_id, step.seq, step.capture_id, step.keep))
+            await out.async_send(Capture(step.stream_id, step.seq, step.capture_id, step.keep))
             return
         if self.local_stage0 is not None:
             stream = await loop.run_in_executor(self._executor, self._captures.restore, self.local_stage0,
@@ -208,13 +208,13 @@ class RingPath:
                 self._deliver(StepResult(step.stream_id, step.seq, error=f"capture {step.capture_id} is gone"))
                 return
             self._local_streams[step.stream_id] = stream
-        await self._out.async_send(Restore(step.stream_id, step.seq, step.capture_id, step.length))
+        await out.async_send(Restore(step.stream_id, step.seq, step.capture_id, step.length))
 
     async def async_submit(self, step: StepRequest | CacheStep) -> None:
         if self._out is None:
             raise DeskfleetError("the ring is not connected; start the path first")
         if isinstance(step, CacheStep):
-            await self._cache_step(step)
+            await self._cache_step(step, self._out)
             return
         x = step.inputs.x
         self._sent_at[(step.stream_id, step.seq)] = time.perf_counter()

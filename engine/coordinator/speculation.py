@@ -59,8 +59,9 @@ class Speculator:
 
     def __init__(self, config: SpeculationConfig, *, device: str = "CPU", exact: bool = False):
         self.config = config
-        self._draft_chain = (LocalChain.load(config.draft_export, device=device, exact=exact)
-                             if config.mode == "draft" else None)
+        draft_export = config.draft_export if config.mode == "draft" else None  # set in "draft" mode
+        self._draft_chain = (LocalChain.load(draft_export, device=device, exact=exact)
+                             if draft_export is not None else None)
         self._executor = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="deskfleet-draft")
                           if self._draft_chain is not None else None)
         self._streams: dict[StreamId, _StreamSpec] = {}
@@ -89,6 +90,8 @@ class Speculator:
         spec.chosen.append(k)
         started = time.perf_counter()
         context = state.request.prompt_ids + tuple(state.generated)
+        draft: tuple[int, ...]
+        q: np.ndarray | None
         if k <= 0:
             draft, q = (), None
         elif self._executor is not None:

@@ -32,7 +32,7 @@ class Verdict:
 # ----------------------------------------------------------------------------- verification
 
 
-def verify_greedy(draft: Sequence[int], target_top1: Sequence[int]) -> Verdict:
+def verify_greedy(draft: Sequence[int], target_top1: Sequence[int] | np.ndarray) -> Verdict:
     """Greedy verification: bit-exact with decoding the target alone.
 
     ``target_top1[i]`` is the target's argmax after the context and ``draft[:i]``; it has

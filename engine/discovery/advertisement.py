@@ -94,7 +94,7 @@ def _check_instance(instance: object) -> str:
 
 def _check_ipv4(name: str, value: object) -> str:
     try:
-        address = ipaddress.IPv4Address(value)  # type: ignore[arg-type]
+        address = ipaddress.IPv4Address(value)
     except (ipaddress.AddressValueError, ValueError, TypeError):
         raise _fail(name, f"{value!r} is not an IPv4 address") from None
     if address.is_unspecified or address.is_multicast:

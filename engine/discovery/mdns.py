@@ -54,7 +54,7 @@ def _zeroconf_on(interface: str) -> AsyncZeroconf:
 
 def _check_interface(interface: object) -> str:
     try:
-        address = ipaddress.IPv4Address(interface)  # type: ignore[arg-type]
+        address = ipaddress.IPv4Address(interface)
     except (ipaddress.AddressValueError, ValueError, TypeError):
         raise DiscoveryError(f"{interface!r} is not an IPv4 interface address; discovery binds "
                              "to one explicit interface, e.g. 192.168.1.20 or 127.0.0.1") from None

@@ -6,7 +6,7 @@ workers; the API layer depends only on this protocol.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -37,7 +37,7 @@ class Generator(Protocol):
     @property
     def model(self) -> ModelCard: ...
 
-    def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+    def stream(self, request: GenerationRequest) -> AsyncGenerator[TokenEvent, None]:
         """Yield the request's tokens as they come; the last event carries ``finish``.
 
         Raises :class:`OverloadedError` or :class:`UnavailableError` before the first token.

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import psutil
 
@@ -136,7 +136,7 @@ class _Fields:
             raise InventoryError(f"{where} is {type(data).__name__}, expected an object")
         self.data, self.where = data, where
 
-    def get(self, key: str, kind: type, optional: bool = False) -> Any:
+    def get(self, key: str, kind: type | tuple[type, ...], optional: bool = False) -> Any:
         if key not in self.data:
             raise InventoryError(f"{self.where} lacks the field {key!r}")
         value = self.data[key]
@@ -149,11 +149,21 @@ class _Fields:
                                  + (" or null" if optional else ""))
         return value
 
+    @overload
+    def size(self, key: str, optional: Literal[False] = False) -> int: ...
+    @overload
+    def size(self, key: str, optional: bool) -> int | None: ...
+
     def size(self, key: str, optional: bool = False) -> int | None:
         value = self.get(key, int, optional)
         if value is not None and not 0 <= value < 2**63:
             raise InventoryError(f"{self.where}.{key} is {value}, expected a size in bytes")
         return value
+
+    @overload
+    def count(self, key: str, optional: Literal[False] = False) -> int: ...
+    @overload
+    def count(self, key: str, optional: bool) -> int | None: ...
 
     def count(self, key: str, optional: bool = False) -> int | None:
         value = self.get(key, int, optional)
@@ -169,7 +179,7 @@ class _Fields:
         return value
 
     def percent(self, key: str) -> float | None:
-        value = self.get(key, (int, float), optional=True)  # type: ignore[arg-type]
+        value = self.get(key, (int, float), optional=True)
         if value is not None and not 0.0 <= value <= 100.0:  # also refuses NaN
             raise InventoryError(f"{self.where}.{key} is {value}, expected 0..100 or null")
         return None if value is None else float(value)

@@ -252,7 +252,7 @@ def build_milp(f: Fleet, max_stages: int | None, *, min_stages: int = 1, slack: 
         cuts = np.arange(L - 1)
         alone = np.bincount(f.dev_pc, minlength=P) == 1
         same_pc = (p_idx == q_idx) & alone[p_idx]  # one device cannot hand over to itself
-        for d in np.flatnonzero(~alone[f.dev_pc]):
+        for d in map(int, np.flatnonzero(~alone[f.dev_pc])):
             # A same-PC hand-over needs another device e of that PC to end or start there...
             p = f.dev_pc[d]
             h_pp = K + (cuts * P + p) * P + p
@@ -422,8 +422,8 @@ def best_cycle(f: Fleet, s: Search, top: Timing) -> Timing:
                 settle(k, plan)
         if hi > 0 and not any(a <= hi - 1 <= b for a, b, _ in found):
             # Lmin(τ_{k-1}) / N is the other candidate; only a plan beating the best counts.
-            best = min(p.cycle_ms for _, _, p in found)
-            plan = probe(hi - 1, n * best)
+            best_ms = min(p.cycle_ms for _, _, p in found)
+            plan = probe(hi - 1, n * best_ms)
             if plan is not None:
                 found.append((hi - 1, hi - 1, plan))
     except PlacementTimeout:

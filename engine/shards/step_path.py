@@ -3,7 +3,8 @@
 The coordinator decides *what* each stream computes next; a path carries the step through the
 stages and hands back the last stage's reply. :class:`LocalPath` runs every stage in this
 process (one PC); :class:`engine.coordinator.ring.RingPath` sends steps around a ring of stage workers.
-Both reply the same way (:func:`last_stage_reply`), so the coordinator cannot tell them apart.
+Both reply the same way (:func:`last_stage_top1` or :func:`last_stage_logits`), so the
+coordinator cannot tell them apart.
 """
 
 from __future__ import annotations
@@ -61,14 +62,19 @@ class StepResult:
     ack: bool = False  # a CacheStep completed on every stage
 
 
-def last_stage_reply(logits: np.ndarray, reply_last: int, want_logits: bool) -> tuple[np.ndarray, np.ndarray | None]:
-    """Reduce logits [1, S, V] to the reply: top-1 ids + probabilities, or the logits themselves.
+def _reply_rows(logits: np.ndarray, reply_last: int) -> np.ndarray:
+    """The rows [n, V] of logits [1, S, V] a reply answers for: the last ``reply_last`` (0 = all)."""
+    return logits[0] if reply_last == 0 else logits[0, -reply_last:]
 
-    Returns (ids [n] int64, probs [n] float32) for top-1, or (logits [n, V] float32, None).
-    """
-    rows = logits[0] if reply_last == 0 else logits[0, -reply_last:]  # [n, V]
-    if want_logits:
-        return np.ascontiguousarray(rows, dtype=np.float32), None
+
+def last_stage_logits(logits: np.ndarray, reply_last: int) -> np.ndarray:
+    """The reply that wants logits: the answered rows of logits [1, S, V] as float32 [n, V]."""
+    return np.ascontiguousarray(_reply_rows(logits, reply_last), dtype=np.float32)
+
+
+def last_stage_top1(logits: np.ndarray, reply_last: int) -> tuple[np.ndarray, np.ndarray]:
+    """The top-1 reply: (ids [n] int64, probs [n] float32) of the answered rows of logits [1, S, V]."""
+    rows = _reply_rows(logits, reply_last)  # [n, V]
     ids = rows.argmax(axis=-1)
     top = rows[np.arange(rows.shape[0]), ids]
     # p(top) = 1 / sum(exp(l - l_top)); computed in float64 to stay finite for any logits.
@@ -111,7 +117,7 @@ class LocalPath:
         return None
 
     def _cache(self, step: CacheStep) -> StepResult:
-        if step.is_capture:
+        if step.keep is not None:  # a capture
             streams = self._streams.get(step.stream_id)
             if streams is None:
                 return StepResult(step.stream_id, step.seq, error="capture of an unknown stream")
@@ -136,10 +142,10 @@ class LocalPath:
             x = stream.forward(StepInputs(x, step.inputs.attention_mask, step.inputs.position_ids, step.reply_last))
             self._compute_s[i] += time.perf_counter() - started
         self._steps += 1
-        first, second = last_stage_reply(x, step.reply_last, step.want_logits)
         if step.want_logits:
-            return StepResult(step.stream_id, step.seq, logits=first)
-        return StepResult(step.stream_id, step.seq, ids=first, probs=second)
+            return StepResult(step.stream_id, step.seq, logits=last_stage_logits(x, step.reply_last))
+        ids, probs = last_stage_top1(x, step.reply_last)
+        return StepResult(step.stream_id, step.seq, ids=ids, probs=probs)
 
     async def async_submit(self, step: StepRequest | CacheStep) -> None:
         loop = asyncio.get_running_loop()

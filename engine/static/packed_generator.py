@@ -16,7 +16,7 @@ import concurrent.futures
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -192,7 +192,7 @@ class PackedGenerator:
         admit(empty_slots(self.geometry), slot_request, self.geometry)  # a prompt no slot can hold: refused now
         return slot_request, stops
 
-    async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+    async def stream(self, request: GenerationRequest) -> AsyncGenerator[TokenEvent, None]:
         if len(self.queue) >= self.max_queue:
             raise OverloadedError(f"{len(self.queue)} requests are waiting for a slot; retry later")
         slot_request, stops = self._slot_request(request)

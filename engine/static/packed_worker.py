@@ -23,7 +23,7 @@ import numpy as np
 from engine.wire.address import Address
 from engine.wire.messages import Error, Forward, Message, Packed, Release, Tokens
 from engine.static.packed_stage import StaticStage
-from engine.shards.step_path import last_stage_reply
+from engine.shards.step_path import last_stage_top1
 from engine.trust.peer_policy import PeerPolicy
 from engine.wire.stage_server import StageServer, stage_frame_bound
 from engine.wire.transport import Connection
@@ -101,7 +101,7 @@ class PackedStageWorker(StageServer):
                                                    msg.stream_id, msg.seq))
             return
         if self.stage.is_last:
-            ids, probs = last_stage_reply(out, 0, False)
+            ids, probs = last_stage_top1(out, 0)
             reply: Message = Tokens(msg.stream_id, msg.seq, ids, probs)
         else:
             reply = Packed(msg.stream_id, msg.seq, msg.plan, out)

@@ -156,8 +156,8 @@ def plan(slots: Sequence[Slot], row_options: Sequence[int]) -> Schedule | None:
     holds every wanted row is used, else the largest.
     """
     decoding = [k for k, s in enumerate(slots) if s.request and s.pending == 1]
-    prefilling = sorted((k for k, s in enumerate(slots) if s.request and s.pending > 1),
-                        key=lambda k: slots[k].request.request_id)  # type: ignore[union-attr]
+    prefilling = [k for _, k in sorted((s.request.request_id, k) for k, s in enumerate(slots)
+                                       if s.request and s.pending > 1)]  # oldest request first
     wanted = len(decoding) + sum(slots[k].pending for k in prefilling)
     if wanted == 0:
         return None

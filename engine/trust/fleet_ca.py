@@ -71,7 +71,7 @@ def peer_role(der: bytes) -> Role | None:
     """The fleet role recorded in a peer's certificate (DER); None if it records none we know."""
     cert = x509.load_der_x509_certificate(der)
     for attr in cert.subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME):
-        if attr.value in Role._value2member_map_:
+        if isinstance(attr.value, str) and attr.value in Role._value2member_map_:
             return Role(attr.value)
     return None
 
@@ -115,6 +115,13 @@ def _load_key(pem: bytes, password: bytes | None = None) -> ec.EllipticCurvePriv
     if not isinstance(key, ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey):
         raise CredentialsError(f"the private key is a {type(key).__name__}; Deskfleet uses EC or RSA keys")
     return key
+
+
+def _owns(key: ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey, cert: x509.Certificate) -> bool:
+    """Whether ``key`` is the private half of the certificate's public key (compared as DER
+    SubjectPublicKeyInfo, which is defined for every key type a certificate can carry)."""
+    spki = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    return key.public_key().public_bytes(*spki) == cert.public_key().public_bytes(*spki)
 
 
 def _pkcs8(key: ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey,
@@ -183,7 +190,7 @@ class Credentials:
         ca = _load_cert(self.ca_pem, "fleet CA certificate")
         cert = _load_cert(self.cert_pem, "certificate")
         key = _load_key(self.key_pem)
-        if key.public_key().public_numbers() != cert.public_key().public_numbers():
+        if not _owns(key, cert):
             raise CredentialsError("the private key does not belong to the certificate; "
                                    "the stored credentials are mixed up: leave the fleet and join again")
         try:
@@ -333,7 +340,7 @@ class FleetAuthority:
         CredentialsError if the key does not decrypt, they do not belong together, or the
         certificate is not a CA."""
         cert, key = _load_cert(cert_pem, "fleet CA certificate"), _load_key(key_pem, password)
-        if key.public_key().public_numbers() != cert.public_key().public_numbers():
+        if not _owns(key, cert):
             raise CredentialsError("the fleet CA key does not belong to the fleet CA certificate")
         try:
             is_ca = cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca

@@ -219,7 +219,7 @@ class KeyStore:
             raise KeyStoreError(f"the keyring holds only part of the fleet credentials for {self.account} "
                                 f"(missing: {', '.join(missing)}); leave the fleet and join again")
         try:
-            pems = {p: _decode(p, t) for p, t in texts.items()}
+            pems = {p: _decode(p, t) for p, t in texts.items() if t is not None}  # none missing here
         except (ValueError, TypeError, binascii.Error) as exc:
             raise CredentialsError(f"the fleet credentials stored for {self.account} are damaged ({exc}); "
                                    "leave the fleet and join again") from exc

@@ -439,7 +439,7 @@ def encode_parts(
     else:
         dtype = DTYPE_CODE[tensor.dtype]
         shape = tensor.shape
-        payload = memoryview(np.ascontiguousarray(tensor)).cast("B")
+        payload = np.ascontiguousarray(tensor).data.cast("B")  # the array's own buffer, as bytes
     _check_frame_size(kind, HEADER_SIZE + len(meta) + len(payload), max_frame_bytes)
     dims = list(shape) + [0] * (MAX_DIMS - len(shape))
     header = HEADER_STRUCT.pack(

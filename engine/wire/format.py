@@ -98,7 +98,7 @@ class DType(enum.IntEnum):
     FLOAT16 = 3
 
 
-NUMPY_DTYPE = {
+NUMPY_DTYPE: dict[DType, np.dtype] = {
     DType.INT64: np.dtype("<i8"),
     DType.FLOAT32: np.dtype("<f4"),
     DType.FLOAT16: np.dtype("<f2"),

@@ -168,7 +168,7 @@ class FrameServer:
                 writer.transport.abort()
                 return
             configure_socket(writer.get_extra_info("socket"))
-            if self._ssl is not None and not await self._async_start_tls(writer, ip):
+            if self._ssl is not None and not await self._async_start_tls(writer, ip, self._ssl):
                 return
             conn = Connection(
                 reader, writer, max_frame_bytes=self._max_frame_bytes, frame_timeout=self._frame_timeout
@@ -206,9 +206,9 @@ class FrameServer:
                 self._per_node[node] -= 1
             self._tasks.discard(task)
 
-    async def _async_start_tls(self, writer: asyncio.StreamWriter, ip: str) -> bool:
+    async def _async_start_tls(self, writer: asyncio.StreamWriter, ip: str, ctx: SSLContext) -> bool:
         try:
-            await writer.start_tls(self._ssl, ssl_handshake_timeout=self._handshake_timeout)
+            await writer.start_tls(ctx, ssl_handshake_timeout=self._handshake_timeout)
         except (OSError, TimeoutError) as exc:  # ssl.SSLError is an OSError; the trust module logged why
             self._count("tls_refused", f"TLS with {ip} failed: {exc}")
             return False

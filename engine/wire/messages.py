@@ -8,7 +8,7 @@ building messages from what it read. docs/PROTOCOL.md states the rules.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import TypeAlias
+from typing import TYPE_CHECKING, TypeAlias
 
 import numpy as np
 
@@ -31,15 +31,18 @@ from engine.wire.format import (
     WireError,
 )
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
 _INT64 = np.dtype("<i8")
 _FLOAT32 = np.dtype("<f4")
 _FLOAT16 = np.dtype("<f2")
 
 
-def _shape_repr(msg: object) -> str:
+def _shape_repr(msg: DataclassInstance) -> str:
     """repr of a tensor message that shows dtypes and shapes, not megabytes of numbers."""
     parts = []
-    for f in fields(msg):  # type: ignore[arg-type]
+    for f in fields(msg):
         v = getattr(msg, f.name)
         shown = f"{v.dtype}{list(v.shape)}" if isinstance(v, np.ndarray) else repr(v)
         parts.append(f"{f.name}={shown}")
@@ -289,7 +292,7 @@ Message: TypeAlias = (
 )
 
 
-def error_frame(exc: Exception, stream_id: int = 0, seq: int = 0) -> Error:
+def error_frame(exc: BaseException, stream_id: int = 0, seq: int = 0) -> Error:
     """The Error frame that reports ``exc`` to the peer (message clipped to the wire limit).
 
     A WireError keeps its code; anything else is reported as INTERNAL.

@@ -40,7 +40,7 @@ from engine.wire.messages import (
     Tokens,
 )
 from engine.static.packed_worker import PackedStageWorker
-from engine.shards.step_path import last_stage_reply
+from engine.shards.step_path import last_stage_logits, last_stage_top1
 from engine.trust.peer_policy import PeerPolicy, PeerPolicyError, parse_policy_update
 from engine.shards.prefix_cache import CaptureStore
 from engine.shards.stage import Stage, StageStream, StepInputs
@@ -158,10 +158,13 @@ class StageWorker(StageServer):
             await self._send(Error(ErrorCode.STREAM_FAILED, f"stage {self.stage.index}: {exc}",
                                    msg.stream_id, msg.seq))
             return
+        reply: Message
         if self.stage.is_last:
-            first, probs = last_stage_reply(out, msg.reply_last, msg.want_logits)
-            reply: Message = (Logits(msg.stream_id, msg.seq, first) if msg.want_logits
-                              else Tokens(msg.stream_id, msg.seq, first, probs))
+            if msg.want_logits:
+                reply = Logits(msg.stream_id, msg.seq, last_stage_logits(out, msg.reply_last))
+            else:
+                ids, probs = last_stage_top1(out, msg.reply_last)
+                reply = Tokens(msg.stream_id, msg.seq, ids, probs)
         else:
             reply = Forward(msg.stream_id, msg.seq, out, msg.attention_mask, msg.position_ids,
                             msg.want_logits, msg.reply_last)
