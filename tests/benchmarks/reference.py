@@ -36,6 +36,7 @@ from typing import Any, Literal, NamedTuple
 
 from engine.errors import DeskfleetError, GenerationError
 from export.sources import default_cache_root, model_fingerprint
+from tests.support.pins import pinned
 
 log = logging.getLogger(__name__)
 
@@ -45,16 +46,17 @@ ENV_RECORD = "deskfleet-env.json"
 EXPORT_RECORD = "deskfleet-reference.json"
 EXPORT_LOG = "optimum-export.log"
 
-# Installed first, alone, so that nothing later can pull a CUDA build of torch.
-TORCH_PIN = "torch==2.13.0"
+# Installed first, alone, so that nothing later can pull a CUDA build of torch. The product's own
+# pins (torch, openvino) come from pyproject.toml, the one place they are written.
+TORCH_PIN = pinned("torch")
 # optimum-intel's real dependencies, resolved together. Found by trying on Python 3.11.
 REFERENCE_PINS: tuple[str, ...] = (
     "optimum==2.3.0",
     "transformers==5.5.4",
     "huggingface-hub==1.21.0",
-    "nncf==3.4.0",
-    "openvino==2026.4.1",
-    "openvino-tokenizers==2026.4.1",
+    pinned("nncf"),
+    pinned("openvino"),
+    pinned("openvino-tokenizers"),
     "requests>=2.33,<3",
     "setuptools",
 )
