@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random checkpoints and their exports, built once per test session."""
+"""Shared fixtures: tiny random checkpoints and their exports (built once per test session), the
+unsplit greedy reference, a private keyring and private XDG folders, and the hygiene guards."""
 
 from __future__ import annotations
 
@@ -75,6 +76,43 @@ def hf_greedy(tiny_checkpoint):
         return cache[(family, n)]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def unsplit_greedy(tiny_export):
+    """``unsplit_greedy(prompt=PROMPT_IDS, n=12)`` -> the exact greedy tokens of the tiny llama as
+    one in-process stage: what every ring, fleet and failover must reproduce (cached)."""
+    from engine.generation.in_process import greedy_generate
+    from engine.shards.stage import LocalChain
+
+    chain = None
+    cache: dict[tuple, tuple[int, ...]] = {}
+
+    def get(prompt=PROMPT_IDS, n: int = 12) -> tuple[int, ...]:
+        nonlocal chain
+        key = (tuple(prompt), n)
+        if key not in cache:
+            chain = chain or LocalChain.load(tiny_export("llama", 1), exact=True)
+            cache[key] = greedy_generate(chain, prompt, n, ignore_eos=True).tokens
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture
+def private_keyring(tmp_path, monkeypatch):
+    """The keyring (``DESKFLEET_KEYRING_DIR``) in the test's own directory, never the user's."""
+    from engine.envvars import KEYRING_DIR
+
+    monkeypatch.setenv(KEYRING_DIR, str(tmp_path / "keyring"))
+
+
+@pytest.fixture
+def private_dirs(private_keyring, tmp_path, monkeypatch):
+    """The keyring, ``XDG_CONFIG_HOME`` (autostart entries) and ``XDG_DATA_HOME`` (agent and
+    console state) in the test's own directory: for the shells, which use all three."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
 
 
 def _qt_event_loops_run() -> bool:

@@ -16,10 +16,7 @@ from engine.trust.fleet_ca import Role
 from tests.support.agent_helpers import FakeIdle, console
 from tests.support.asyncutil import run
 
-
-@pytest.fixture(autouse=True)
-def private_keyring(tmp_path, monkeypatch):
-    monkeypatch.setenv("DESKFLEET_KEYRING_DIR", str(tmp_path / "keyring"))
+pytestmark = pytest.mark.usefixtures("private_keyring")
 
 
 @pytest.fixture(scope="module")

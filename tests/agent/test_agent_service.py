@@ -22,28 +22,21 @@ from engine.control.messages import Assignment, WorkerSettings
 from engine.coordinator.coordinator import Coordinator, model_card
 from engine.coordinator.ring import RingPath
 from engine.errors import DeskfleetError
-from engine.generation.in_process import greedy_generate
 from engine.generation.request import GenerationRequest
 from engine.shards.manifest import load_manifest
-from engine.shards.stage import LocalChain, Stage
+from engine.shards.stage import Stage
 from engine.trust.fleet_ca import FleetAuthority, Role
 from engine.trust.peer_policy import PeerPolicy
 from engine.wire.address import Address
 from tests.conftest import PROMPT_IDS
-from tests.support.agent_helpers import FakeIdle, console, free_port
+from tests.support.agent_helpers import FakeIdle, console
 from tests.support.asyncutil import collect, run
+from tests.support.loopback import free_port
 
 N = 12
 
 
-@pytest.fixture(autouse=True)
-def private_keyring(tmp_path, monkeypatch):
-    monkeypatch.setenv("DESKFLEET_KEYRING_DIR", str(tmp_path / "keyring"))
-
-
-@pytest.fixture(scope="module")
-def unsplit(tiny_export):
-    return greedy_generate(LocalChain.load(tiny_export("llama", 1), exact=True), PROMPT_IDS, N, ignore_eos=True).tokens
+pytestmark = pytest.mark.usefixtures("private_keyring")
 
 
 def _settings(**over) -> AgentSettings:
@@ -81,7 +74,7 @@ async def _ring_tokens(con, export: Path, agent_data: Address, return_port: int,
         return await collect(c, GenerationRequest(PROMPT_IDS, N, ignore_eos=True))
 
 
-def test_join_assign_fetch_and_serve_a_stage_in_a_real_ring(tmp_path, tiny_export, unsplit):
+def test_join_assign_fetch_and_serve_a_stage_in_a_real_ring(tmp_path, tiny_export, unsplit_greedy):
     export = tiny_export("llama", 2)
 
     async def main():
@@ -138,7 +131,7 @@ def test_join_assign_fetch_and_serve_a_stage_in_a_real_ring(tmp_path, tiny_expor
             finally:
                 await agent.async_close()
 
-    assert tuple(run(main())) == unsplit
+    assert tuple(run(main())) == unsplit_greedy(PROMPT_IDS, N)
 
 
 def _bare_context() -> ssl.SSLContext:

@@ -25,10 +25,7 @@ from tests.support.agent_helpers import console
 FP = "ab" * 32
 
 
-@pytest.fixture(autouse=True)
-def private_dirs(tmp_path, monkeypatch):
-    monkeypatch.setenv("DESKFLEET_KEYRING_DIR", str(tmp_path / "keyring"))
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+pytestmark = pytest.mark.usefixtures("private_dirs")
 
 
 def _status(**over) -> AgentStatus:

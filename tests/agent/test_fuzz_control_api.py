@@ -30,7 +30,7 @@ from engine.control.messages import (
     parse_node_ids,
 )
 from engine.trust.fleet_ca import Role
-from tests.support.agent_helpers import FakeIdle, console, free_port
+from tests.support.agent_helpers import FakeIdle, console
 from tests.support.fuzz_helpers import (
     CONTENT_TYPES,
     METHODS,
@@ -45,6 +45,7 @@ from tests.support.fuzz_helpers import (
     no_server_errors,  # noqa: F401  (autouse)
     paths,
 )
+from tests.support.loopback import free_port
 
 # The agent's zeroconf and aiohttp threads draw from `random` while hypothesis generates examples.
 pytestmark = [

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from PySide6.QtGui import QImage
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("private_dirs")]
 
 EXPECTED = ("tray-icons.png", "tray-menu-not-joined.png", "join-dialog.png", "tray-menu-paused.png",
             "chat-window.png")
@@ -26,12 +26,6 @@ def _xvfb_works(env: dict[str, str]) -> bool:
     probe = subprocess.run([*XVFB, sys.executable, "-c", "from PySide6.QtWidgets import QApplication; "
                             "QApplication([])"], env=env, capture_output=True, timeout=60)
     return probe.returncode == 0
-
-
-@pytest.fixture(autouse=True)
-def private_dirs(tmp_path, monkeypatch):
-    monkeypatch.setenv("DESKFLEET_KEYRING_DIR", str(tmp_path / "keyring"))
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
 
 
 def test_screenshots_of_the_tray_menu_and_the_chat(tiny_export, tmp_path, qtbot):

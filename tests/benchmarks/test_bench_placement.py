@@ -13,10 +13,7 @@ from tests.benchmarks.placement_report import fit_stage_cpu, render
 from tests.conftest import PROMPT_IDS
 from tests.support.asyncutil import run
 
-
-@pytest.fixture(autouse=True)
-def private_keyring(tmp_path, monkeypatch):
-    monkeypatch.setenv("DESKFLEET_KEYRING_DIR", str(tmp_path / "keyring"))
+pytestmark = pytest.mark.usefixtures("private_keyring")
 
 
 @pytest.fixture(scope="module")

@@ -35,13 +35,7 @@ from tests.console.console_app_helpers import (
 )
 from tests.console.console_screenshots import PAGES, copy_caches, take_console_screenshots
 
-
-@pytest.fixture(autouse=True)
-def private_dirs(tmp_path, monkeypatch):
-    """Never the real keyring, config or data directories."""
-    monkeypatch.setenv("DESKFLEET_KEYRING_DIR", str(tmp_path / "keyring"))
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
-    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+pytestmark = pytest.mark.usefixtures("private_dirs")
 
 
 @pytest.fixture(scope="module")

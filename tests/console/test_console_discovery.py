@@ -75,9 +75,7 @@ def _agent(tmp_path, name="desk-1") -> AgentService:
 
 
 @pytest.mark.slow
-def test_an_agent_finds_the_console_by_the_tokens_pin_and_joins_with_the_token_alone(tmp_path, monkeypatch):
-    monkeypatch.setenv("DESKFLEET_KEYRING_DIR", str(tmp_path / "keyring"))
-
+def test_an_agent_finds_the_console_by_the_tokens_pin_and_joins_with_the_token_alone(tmp_path, private_keyring):
     async def main():
         async with console(tmp_path / "console", advertise_on="127.0.0.1", name="Admin PC") as con:
             found = await async_find_consoles("127.0.0.1", pin=con.authority.fingerprint[:32], timeout=10)

@@ -21,28 +21,20 @@ from console.service.errors import AgentsFailedError, LayoutError
 from console.service.ring_layout import AgentEndpoint, AgentTarget, RingLayout
 from engine.api.server import ApiSettings, async_run_api
 from engine.control.messages import WorkerSettings
-from engine.generation.in_process import greedy_generate
 from engine.generation.request import GenerationRequest
 from engine.generation.tokenizer import ChatTokenizer
 from engine.placement.planner import Plan, PlannedStage
 from engine.shards.manifest import load_manifest
-from engine.shards.stage import LocalChain
 from tests.conftest import PROMPT_IDS
-from tests.support.agent_helpers import FakeIdle, console, free_port
+from tests.support.agent_helpers import FakeIdle, console
 from tests.support.asyncutil import collect, run
+from tests.support.loopback import free_port
 
 N = 12
 WORKER = WorkerSettings(threads=1, exact=True)
 
 
-@pytest.fixture(autouse=True)
-def private_keyring(tmp_path, monkeypatch):
-    monkeypatch.setenv("DESKFLEET_KEYRING_DIR", str(tmp_path / "keyring"))
-
-
-@pytest.fixture(scope="module")
-def unsplit(tiny_export):
-    return greedy_generate(LocalChain.load(tiny_export("llama", 1), exact=True), PROMPT_IDS, N, ignore_eos=True).tokens
+pytestmark = pytest.mark.usefixtures("private_keyring")
 
 
 def _plan(*stages: tuple[str, int, int]) -> Plan:
@@ -80,7 +72,7 @@ def _fetch_complete(progress, agent: str) -> bool:
 
 @pytest.mark.slow
 def test_three_stages_with_stage0_in_the_console_resume_after_a_failed_fetch_and_serve_the_api(
-        tmp_path, tiny_export, unsplit):
+        tmp_path, tiny_export, unsplit_greedy):
     export = tiny_export("llama", 3)
     tokenizer = ChatTokenizer(export / "tokenizer")
 
@@ -133,15 +125,16 @@ def test_three_stages_with_stage0_in_the_console_resume_after_a_failed_fetch_and
             return tokens, models, completion
 
     tokens, models, completion = run(main())
-    assert tuple(tokens) == unsplit
+    assert tuple(tokens) == unsplit_greedy(PROMPT_IDS, N)
     assert models == [load_manifest(export).model.name]
     eos = set(load_manifest(export).model.eos_token_ids)
+    unsplit = unsplit_greedy(PROMPT_IDS, N)
     expected = list(unsplit[:next((i for i, t in enumerate(unsplit) if t in eos), N)])
     assert expected and completion.choices[0].text == tokenizer.decode(expected)
     assert completion.choices[0].finish_reason == ("length" if len(expected) == N else "stop")
 
 
-def test_two_stages_on_two_agents_match_the_unsplit_model(tmp_path, tiny_export, unsplit):
+def test_two_stages_on_two_agents_match_the_unsplit_model(tmp_path, tiny_export, unsplit_greedy):
     export = tiny_export("llama", 2)
 
     async def main():
@@ -165,7 +158,7 @@ def test_two_stages_on_two_agents_match_the_unsplit_model(tmp_path, tiny_export,
             assert all(a.status().worker.state == "stopped" for a in agents)
             return tokens
 
-    assert tuple(run(main())) == unsplit
+    assert tuple(run(main())) == unsplit_greedy(PROMPT_IDS, N)
 
 
 def test_layouts_that_cannot_make_a_ring_are_refused_with_the_reason():

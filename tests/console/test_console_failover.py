@@ -39,27 +39,18 @@ from console.service.failover_plan import (
 from console.service.ring_layout import AgentEndpoint, AgentTarget, RingLayout
 from engine.control.messages import WorkerSettings
 from engine.generation.generator import UnavailableError
-from engine.generation.in_process import greedy_generate
 from engine.generation.request import GenerationRequest
-from engine.shards.stage import LocalChain
 from tests.conftest import PROMPT_IDS
-from tests.support.agent_helpers import FakeIdle, console, free_port
+from tests.support.agent_helpers import FakeIdle, console
 from tests.support.asyncutil import run
+from tests.support.loopback import free_port
 
 N = 48
 PROMPTS = (PROMPT_IDS, PROMPT_IDS[:7], PROMPT_IDS[4:], PROMPT_IDS[:12])
 WORKER = WorkerSettings(threads=1, exact=True)
 
 
-@pytest.fixture(autouse=True)
-def private_keyring(tmp_path, monkeypatch):
-    monkeypatch.setenv("DESKFLEET_KEYRING_DIR", str(tmp_path / "keyring"))
-
-
-@pytest.fixture(scope="module")
-def unsplit(tiny_export):
-    chain = LocalChain.load(tiny_export("llama", 1), exact=True)
-    return {p: greedy_generate(chain, p, N, ignore_eos=True).tokens for p in PROMPTS}
+pytestmark = pytest.mark.usefixtures("private_keyring")
 
 
 @contextlib.asynccontextmanager
@@ -118,7 +109,7 @@ async def _generate_disturbed(dist: Distributor, disturb, *, after: int = 8):
 @pytest.mark.parametrize("how, stage, grace", [("pause", 1, 30.0), ("pause", 0, 30.0), ("kill", 1, 30.0),
                                                ("kill", 0, 0.0), ("unplug", 1, 30.0)])
 def test_a_lost_stage_comes_back_or_moves_to_the_standby_and_answers_are_identical(
-        tmp_path, tiny_export, unsplit, how, stage, grace):
+        tmp_path, tiny_export, unsplit_greedy, how, stage, grace):
     export = tiny_export("llama", 2)
     # a pause is heard from the hub, a dead or restarted worker seen by the ring watch: both long
     # before this step timeout
@@ -151,7 +142,7 @@ def test_a_lost_stage_comes_back_or_moves_to_the_standby_and_answers_are_identic
     assert not errors
     assert all(n < N for n in at_disturbance.values())  # every stream was mid-answer
     for prompt in PROMPTS:
-        assert tuple(got[prompt]) == unsplit[prompt]
+        assert tuple(got[prompt]) == unsplit_greedy(prompt, N)
     assert metrics["failovers_total"] >= 1 and metrics["requests_failed_total"] == 0
     assert metrics["requests_finished_total"] == len(PROMPTS) + 2  # + two one-token health checks
     assert health.ok
@@ -175,7 +166,8 @@ def test_a_lost_stage_comes_back_or_moves_to_the_standby_and_answers_are_identic
 
 
 @pytest.mark.slow
-def test_without_a_standby_streams_wait_for_a_resume_then_fail_clearly_after_the_hold(tmp_path, tiny_export, unsplit):
+def test_without_a_standby_streams_wait_for_a_resume_then_fail_clearly_after_the_hold(tmp_path, tiny_export,
+                                                                                     unsplit_greedy):
     export = tiny_export("llama", 2)
     settings = FailoverSettings(step_timeout_s=10.0, hold_s=60.0, restart_grace_s=30.0, move_s=60.0)
 
@@ -203,7 +195,7 @@ def test_without_a_standby_streams_wait_for_a_resume_then_fail_clearly_after_the
     got, errors, at_disturbance, _ = resumed
     assert not errors and all(n < N for n in at_disturbance.values())
     for prompt in PROMPTS:
-        assert tuple(got[prompt]) == unsplit[prompt]
+        assert tuple(got[prompt]) == unsplit_greedy(prompt, N)
 
     _, errors, _, _ = failed
     assert set(errors) == set(PROMPTS)  # every held stream fails, none hangs

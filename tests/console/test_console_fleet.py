@@ -30,14 +30,12 @@ from engine.control.client import ControlClient
 from engine.control.messages import Assignment
 from engine.discovery.mdns import Browser
 from engine.trust.fleet_ca import FleetAuthority, Role
-from tests.support.agent_helpers import console, free_port
-from tests.support.asyncutil import run
-from tests.support.console_fleet_helpers import agent, joined_fleet, until
+from tests.support.agent_helpers import console
+from tests.support.asyncutil import run, until
+from tests.support.console_fleet_helpers import agent, joined_fleet
+from tests.support.loopback import free_port
 
-
-@pytest.fixture(autouse=True)
-def private_keyring(tmp_path, monkeypatch):
-    monkeypatch.setenv("DESKFLEET_KEYRING_DIR", str(tmp_path / "keyring"))
+pytestmark = pytest.mark.usefixtures("private_keyring")
 
 
 # -- pure: merging what the sources said -----------------------------------------------------------

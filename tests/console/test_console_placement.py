@@ -33,10 +33,7 @@ from engine.placement.planner import Plan
 from tests.support.asyncutil import run
 from tests.support.console_fleet_helpers import joined_fleet
 
-
-@pytest.fixture(autouse=True)
-def private_keyring(tmp_path, monkeypatch):
-    monkeypatch.setenv("DESKFLEET_KEYRING_DIR", str(tmp_path / "keyring"))
+pytestmark = pytest.mark.usefixtures("private_keyring")
 
 
 @pytest.fixture(scope="module")

@@ -15,21 +15,13 @@ import pytest
 
 from engine.coordinator.scheduler import StreamState, apply_reply, plan_step, reset_for_replay
 from engine.generation.generator import UnavailableError
-from engine.generation.in_process import greedy_generate
 from engine.generation.request import GenerationRequest
-from engine.shards.stage import LocalChain
 from engine.shards.step_path import StepResult
 from engine.tools.local_fleet import local_fleet
 from tests.conftest import PROMPT_IDS
 from tests.support.asyncutil import run
 
 N = 40
-
-
-@pytest.fixture(scope="module")
-def unsplit(tiny_export):
-    chain = LocalChain.load(tiny_export("llama", 1), exact=True)
-    return {p: greedy_generate(chain, p, N, ignore_eos=True).tokens for p in (PROMPT_IDS, PROMPT_IDS[:7])}
 
 
 def _kill_worker(stage: int) -> None:
@@ -59,7 +51,8 @@ async def _collect_with_kill(coordinator, prompts, *, kill_stage: int, after_tok
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kill_stage, host_stage0", [(1, False), (0, False), (1, True)])
-def test_a_killed_stage_is_replaced_and_answers_are_identical(tiny_export, unsplit, kill_stage, host_stage0):
+def test_a_killed_stage_is_replaced_and_answers_are_identical(tiny_export, unsplit_greedy, kill_stage,
+                                                              host_stage0):
     export = tiny_export("llama", 3 if host_stage0 else 2)
     prompts = (PROMPT_IDS, PROMPT_IDS[:7])
 
@@ -71,13 +64,13 @@ def test_a_killed_stage_is_replaced_and_answers_are_identical(tiny_export, unspl
 
     got, metrics = run(main())
     for prompt in prompts:
-        assert tuple(got[prompt]) == unsplit[prompt]
+        assert tuple(got[prompt]) == unsplit_greedy(prompt, N)
     assert metrics["failovers_total"] >= 1
     assert metrics["requests_failed_total"] == 0
 
 
 @pytest.mark.slow
-def test_without_a_replacement_streams_fail_clearly_after_the_hold_time(tiny_export, unsplit):
+def test_without_a_replacement_streams_fail_clearly_after_the_hold_time(tiny_export, unsplit_greedy):
     export = tiny_export("llama", 2)
 
     async def main():
@@ -96,7 +89,7 @@ def test_without_a_replacement_streams_fail_clearly_after_the_hold_time(tiny_exp
     tokens, metrics = run(main())
     # a step already past the killed stage may still deliver its token: what arrived is a true
     # prefix of the answer (nothing lost or repeated), then the request fails once, clearly
-    assert 5 <= len(tokens) < N and tuple(tokens) == unsplit[PROMPT_IDS][: len(tokens)]
+    assert 5 <= len(tokens) < N and tuple(tokens) == unsplit_greedy(PROMPT_IDS, N)[: len(tokens)]
     assert metrics["requests_failed_total"] == 1
 
 

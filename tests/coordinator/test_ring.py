@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 import subprocess
 import sys
 
@@ -23,29 +22,25 @@ from engine.wire.messages import Error, Forward, Hello
 from engine.wire.transport import async_connect
 from tests.conftest import PROMPT_IDS
 from tests.support.asyncutil import collect, run
+from tests.support.loopback import free_port
 
 N = 20
 
 
 
 
-@pytest.fixture(scope="module")
-def unsplit_tokens(tiny_export):
-    return greedy_generate(LocalChain.load(tiny_export("llama", 1), exact=True), PROMPT_IDS, N, ignore_eos=True).tokens
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("stages", [1, 2, 3, 4])
-def test_ring_greedy_equals_the_unsplit_run(stages, tiny_export, unsplit_tokens):
+def test_ring_greedy_equals_the_unsplit_run(stages, tiny_export, unsplit_greedy):
     async def main():
         async with local_fleet(tiny_export("llama", stages), exact=True, prefill_chunk=7) as c:
             return await collect(c, GenerationRequest(PROMPT_IDS, N, ignore_eos=True))
 
-    assert tuple(run(main())) == unsplit_tokens
+    assert tuple(run(main())) == unsplit_greedy(PROMPT_IDS, N)
 
 
 @pytest.mark.slow
-def test_coordinator_hosting_stage0_and_micro_batched_streams(tiny_export, unsplit_tokens):
+def test_coordinator_hosting_stage0_and_micro_batched_streams(tiny_export, unsplit_greedy):
     prompts = [PROMPT_IDS, PROMPT_IDS[2:], PROMPT_IDS[::-1]]
 
     async def main():
@@ -56,7 +51,7 @@ def test_coordinator_hosting_stage0_and_micro_batched_streams(tiny_export, unspl
             return solo, together, c.metrics()
 
     solo, together, metrics = run(main())
-    assert tuple(solo[0]) == unsplit_tokens
+    assert tuple(solo[0]) == unsplit_greedy(PROMPT_IDS, N)
     assert together == solo
     assert metrics["active_streams"] == 0 and metrics["ring_step_ms_avg"] > 0
 
@@ -72,17 +67,11 @@ def test_seeded_sampling_over_the_ring_is_reproducible(tiny_export):
     assert a == b and len(set(a)) > 1
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_start_order_does_not_matter_and_sigterm_drains(tiny_export, unsplit_tokens):
+def test_start_order_does_not_matter_and_sigterm_drains(tiny_export, unsplit_greedy):
     """Start stage 0 first (its successor does not exist yet), then stage 1; SIGTERM exits 0."""
     export = tiny_export("llama", 2)
     fingerprint = load_manifest(export).model.fingerprint
-    p0, p1, ret = _free_port(), _free_port(), _free_port()
+    p0, p1, ret = free_port(), free_port(), free_port()
 
     def worker(stage, listen, nxt):
         return subprocess.Popen([sys.executable, "-m", "engine.cli.main", "worker", "--shard", str(export), "--stage",
@@ -106,12 +95,12 @@ def test_start_order_does_not_matter_and_sigterm_drains(tiny_export, unsplit_tok
         for p in procs:
             p.send_signal(signal.SIGTERM)
         codes = [p.wait(timeout=60) for p in procs]
-    assert tuple(tokens) == unsplit_tokens
+    assert tuple(tokens) == unsplit_greedy(PROMPT_IDS, N)
     assert codes == [0, 0]
 
 
 @pytest.mark.slow
-def test_malformed_frames_against_a_live_worker_spare_other_streams(tiny_export, unsplit_tokens):
+def test_malformed_frames_against_a_live_worker_spare_other_streams(tiny_export, unsplit_greedy):
     """1,000 generated bad frames on their own connections while a real stream keeps decoding."""
     export = tiny_export("llama", 2)
     fingerprint = load_manifest(export).model.fingerprint
@@ -159,7 +148,7 @@ def test_malformed_frames_against_a_live_worker_spare_other_streams(tiny_export,
             return tokens, after, outcomes
 
     tokens, after, outcomes = run(main(), timeout=900)
-    assert tuple(tokens) == unsplit_tokens and tuple(after) == unsplit_tokens
+    assert tuple(tokens) == unsplit_greedy(PROMPT_IDS, N) and tuple(after) == unsplit_greedy(PROMPT_IDS, N)
     assert len(outcomes) == 1000
     assert outcomes.count("Error") > 500, {o: outcomes.count(o) for o in set(outcomes)}
 

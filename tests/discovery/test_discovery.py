@@ -30,6 +30,7 @@ from engine.discovery.mdns import (
     new_instance_name,
 )
 from engine.errors import DiscoveryError
+from tests.support.asyncutil import until
 
 
 def make_ad(instance: str | None = None, **changes) -> Advertisement:
@@ -200,14 +201,6 @@ def browser(loop):
     run(loop, b.async_start())
     yield b
     run(loop, b.async_close())
-
-
-async def until(predicate, what: str, timeout: float = 10.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 def test_advertiser_is_found_updated_and_withdrawn(loop, browser):

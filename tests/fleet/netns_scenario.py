@@ -30,6 +30,7 @@ from engine.generation.request import GenerationRequest
 from engine.shards.stage import LocalChain
 from engine.tools.wan_emulator import WanProxy
 from engine.wire.address import Address
+from tests.support.asyncutil import until
 
 N = 24
 LINK_DELAY_MS = 5.0  # each way, on the console's hops into and out of the ring (user-space emulation)
@@ -37,15 +38,6 @@ LINK_DELAY_MS = 5.0  # each way, on the console's hops into and out of the ring 
 
 def say(text: str) -> None:
     print(f"[console] {text}", file=sys.stderr, flush=True)
-
-
-async def until(predicate, what: str, timeout: float):
-    deadline = time.monotonic() + timeout
-    while not (value := predicate()):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
-        await asyncio.sleep(0.2)
-    return value
 
 
 async def main(cfg: dict) -> dict:

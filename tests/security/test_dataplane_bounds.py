@@ -16,7 +16,6 @@ from engine.coordinator.coordinator import Coordinator, model_card
 from engine.coordinator.ring import RingPath, return_frame_bound
 from engine.generation.request import GenerationRequest
 from engine.shards.manifest import load_manifest
-from engine.shards.stage import Stage
 from engine.trust.peer_policy import PeerPolicy
 from engine.wire.address import Address
 from engine.wire.codec import encode
@@ -35,26 +34,11 @@ from engine.wire.stage_server import stage_frame_bound
 from engine.wire.transport import ConnectionClosedError, async_connect, async_read_frame
 from engine.worker.stage_worker import StageWorker
 from tests.conftest import PROMPT_IDS
-from tests.security.dataplane_helpers import LOOP, N, fp_of, make_fleet
+from tests.security.dataplane_helpers import LOOP, N, fp_of
 from tests.support.asyncutil import collect, run
 
 IDLE = 1000  # idle connections thrown at a live stage; each is answered (accepted or refused)
 CASES = {"idle connections against a live stage": IDLE}  # what tests/architecture/test_fuzz_budget.py may count
-
-
-@pytest.fixture(scope="module")
-def fleet():
-    return make_fleet()
-
-
-@pytest.fixture(scope="module")
-def export(tiny_export):
-    return tiny_export("llama", 1)
-
-
-@pytest.fixture(scope="module")
-def stage(export):
-    return Stage(export, 0, exact=True)
 
 
 # -- bounded resources ---------------------------------------------------------------------------------

@@ -9,10 +9,8 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
-import pytest
 
 from engine.coordinator.ring import RingPath
-from engine.shards.stage import Stage
 from engine.trust.peer_policy import PeerPolicy
 from engine.wire.codec import encode
 from engine.wire.format import Role
@@ -60,11 +58,6 @@ def test_a_next_hop_that_answers_with_a_tensor_frame_is_dropped_unread():
             await server.wait_closed()
 
     assert run(main(), 60) is True
-
-
-@pytest.fixture(scope="module")
-def stage(tiny_export):
-    return Stage(tiny_export("llama", 1), 0, exact=True)
 
 
 def test_the_rings_open_link_to_a_revoked_first_stage_is_cut_at_the_policy_update(stage, tiny_export):

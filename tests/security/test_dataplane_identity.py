@@ -19,7 +19,6 @@ from engine.coordinator.coordinator import Coordinator, model_card
 from engine.coordinator.ring import RingPath
 from engine.generation.request import GenerationRequest
 from engine.shards.manifest import load_manifest
-from engine.shards.stage import Stage
 from engine.trust.peer_policy import PeerPolicy, short
 from engine.wire.address import Address
 from engine.wire.codec import encode
@@ -36,23 +35,8 @@ from engine.wire.transport import ConnectionClosedError, async_connect, async_re
 from engine.worker.stage_worker import StageWorker
 from engine.worker.status_lines import PEERS_PREFIX
 from tests.conftest import PROMPT_IDS
-from tests.security.dataplane_helpers import LOOP, N, fp_of, make_fleet
+from tests.security.dataplane_helpers import LOOP, N, fp_of
 from tests.support.asyncutil import collect, run
-
-
-@pytest.fixture(scope="module")
-def fleet():
-    return make_fleet()
-
-
-@pytest.fixture(scope="module")
-def export(tiny_export):
-    return tiny_export("llama", 1)
-
-
-@pytest.fixture(scope="module")
-def stage(export):
-    return Stage(export, 0, exact=True)
 
 
 def _refusals(caplog, node_id: str) -> list[str]:

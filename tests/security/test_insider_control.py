@@ -32,13 +32,10 @@ from engine.trust.fleet_ca import Credentials, Role
 from engine.trust.keystore import ConsoleSecrets
 from tests.security.test_api_security import SETTINGS
 from tests.support.agent_helpers import console
-from tests.support.asyncutil import run
-from tests.support.console_fleet_helpers import agent, joined_fleet, until
+from tests.support.asyncutil import run, until
+from tests.support.console_fleet_helpers import agent, joined_fleet
 
-
-@pytest.fixture(autouse=True)
-def private_keyring(tmp_path, monkeypatch):
-    monkeypatch.setenv("DESKFLEET_KEYRING_DIR", str(tmp_path / "keyring"))
+pytestmark = pytest.mark.usefixtures("private_keyring")
 
 
 @contextlib.asynccontextmanager

@@ -32,9 +32,7 @@ from tests.support.asyncutil import run
 posix_only = pytest.mark.skipif(os.name != "posix", reason="POSIX file modes")
 
 
-@pytest.fixture(autouse=True)
-def private_keyring(tmp_path, monkeypatch):
-    monkeypatch.setenv("DESKFLEET_KEYRING_DIR", str(tmp_path / "keyring"))
+pytestmark = pytest.mark.usefixtures("private_keyring")
 
 
 def _mode(path: Path) -> int:

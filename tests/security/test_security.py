@@ -51,13 +51,11 @@ from engine.wire.format import Role as WireRole
 from engine.wire.messages import Hello
 from engine.wire.transport import async_connect
 from engine.worker.stage_worker import StageWorker, async_serve_worker
-from tests.support.agent_helpers import FakeIdle, console, free_port
+from tests.support.agent_helpers import FakeIdle, console
 from tests.support.asyncutil import run
+from tests.support.loopback import free_port
 
-
-@pytest.fixture(autouse=True)
-def private_keyring(tmp_path, monkeypatch):
-    monkeypatch.setenv("DESKFLEET_KEYRING_DIR", str(tmp_path / "keyring"))
+pytestmark = pytest.mark.usefixtures("private_keyring")
 
 
 def _agent(root: Path, name: str = "desk-1") -> AgentService:

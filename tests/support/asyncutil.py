@@ -1,8 +1,13 @@
-"""Small helpers for tests that drive the coordinator from synchronous test functions."""
+"""Small helpers for tests that drive asyncio code from synchronous test functions."""
 
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 def run(coro, timeout: float = 600):
@@ -18,3 +23,14 @@ async def collect(coordinator, request) -> list[int]:
 async def collect_events(coordinator, request) -> list:
     """Every TokenEvent of one request."""
     return [e async for e in coordinator.stream(request)]
+
+
+async def until(predicate: Callable[[], T], what: str, timeout: float = 20.0, interval: float = 0.05) -> T:
+    """Poll ``predicate`` until it returns something true, and return that; after ``timeout``
+    seconds fail with an AssertionError naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        await asyncio.sleep(interval)
+    return value

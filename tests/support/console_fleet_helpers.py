@@ -3,10 +3,8 @@ joined to it, all in-process on loopback, and a bounded wait."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,10 +52,3 @@ async def joined_fleet(root: Path, names: tuple[str, ...] = ("alpha", "beta"), *
             for a in started:
                 await a.async_close()
 
-
-async def until(predicate: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        await asyncio.sleep(0.05)
