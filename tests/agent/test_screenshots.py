@@ -5,7 +5,6 @@ installed and Qt's xcb plugin loads, else offscreen in this process (the test sa
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,26 +12,19 @@ from pathlib import Path
 import pytest
 from PySide6.QtGui import QImage
 
+from tests.support.xvfb import XVFB, xvfb_works
+
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("private_dirs")]
 
 EXPECTED = ("tray-icons.png", "tray-menu-not-joined.png", "join-dialog.png", "tray-menu-paused.png",
             "chat-window.png")
-XVFB = ["xvfb-run", "-a", "-s", "-screen 0 1280x800x24"]
-
-
-def _xvfb_works(env: dict[str, str]) -> bool:
-    if shutil.which("xvfb-run") is None or shutil.which("Xvfb") is None:
-        return False
-    probe = subprocess.run([*XVFB, sys.executable, "-c", "from PySide6.QtWidgets import QApplication; "
-                            "QApplication([])"], env=env, capture_output=True, timeout=60)
-    return probe.returncode == 0
 
 
 def test_screenshots_of_the_tray_menu_and_the_chat(tiny_export, tmp_path, qtbot):
     out = Path(os.environ.get("DESKFLEET_SCREENSHOTS") or tmp_path / "screenshots")
     export = tiny_export("llama", 2)
     env = {**os.environ, "QT_QPA_PLATFORM": "xcb"}
-    if _xvfb_works(env):
+    if xvfb_works(env):
         run = subprocess.run([*XVFB, sys.executable, "-m", "tests.agent.screenshots", "--out", str(out),
                               "--export", str(export), "--work", str(tmp_path / "work")],
                              env=env, capture_output=True, text=True, timeout=600)

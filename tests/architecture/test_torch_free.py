@@ -25,9 +25,9 @@ HEAVY = ("torch", "transformers", "nncf", "optimum")
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory) -> Path:
-    from tests.export.test_sources import write_tiny_gguf
+    from tests.support.chat_gguf import write_chat_gguf
 
-    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+    return write_chat_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
 
 
 @pytest.fixture(scope="module")

@@ -285,13 +285,13 @@ def test_screenshots_of_every_page(tmp_path, tiny_checkpoint, console_cache, qtb
     when it is installed and Qt's xcb plugin loads, else offscreen in this process."""
     from PySide6.QtGui import QImage
 
-    from tests.agent.test_screenshots import XVFB, _xvfb_works
+    from tests.support.xvfb import XVFB, xvfb_works
 
     out = Path(os.environ.get("DESKFLEET_SCREENSHOTS") or tmp_path / "screenshots")
     checkpoint = tiny_checkpoint("llama")
     env = {**os.environ, "QT_QPA_PLATFORM": "xcb"}
     expected = [f"console-{p.lower()}.png" for p in PAGES] + ["console-first-run.png"]
-    if _xvfb_works(env):
+    if xvfb_works(env):
         run = subprocess.run([*XVFB, sys.executable, "-m", "tests.console.console_screenshots", "--out", str(out),
                               "--checkpoint", str(checkpoint), "--work", str(tmp_path / "work"),
                               "--cache", str(console_cache)], env=env, capture_output=True, text=True, timeout=900)
