@@ -1,7 +1,7 @@
 """The console's headless services on one asyncio loop, seen from the GUI thread as a QObject.
 
 The fleet host (CA, join tokens, enrollment, hub), the mDNS browser and the `FleetModel` live
-on a :class:`~console.loop_thread.LoopThread`: they are asyncio objects and not thread-safe.
+on a :class:`~console.shared.loop_thread.LoopThread`: they are asyncio objects and not thread-safe.
 Their news reaches the GUI thread only through queued signals (``records_changed``,
 ``hub_event``); every action of a page is a coroutine run on the loop with a timeout, its outcome
 delivered back on the GUI thread. The model library is file I/O and stays on the GUI thread, as
@@ -20,8 +20,6 @@ from typing import Any
 
 from PySide6.QtCore import QObject, QTimer, Signal
 
-from console.loop_thread import LoopThread
-from console.qt_async import QtAsync
 from console.service.agent_record import AgentRecord
 from console.service.console_session import ConsoleSession
 from console.service.console_settings import ConsoleSettings
@@ -29,9 +27,11 @@ from console.service.fleet import FleetModel
 from console.service.links import LinkReport, async_measure_links
 from console.service.models import ModelEntry, ModelLibrary
 from console.service.placement_inputs import PlacementInputs, async_placement_inputs, solve_inputs
-from engine.discovery.mdns import Browser
+from console.shared.loop_thread import LoopThread
+from console.shared.qt_async import QtAsync
 from engine.control.fleet_services import FleetHost, fleet_host, is_first_run
 from engine.control.hub import AgentEvent
+from engine.discovery.mdns import Browser
 from engine.placement.planner import PlacementRequest, Plan
 
 log = logging.getLogger("deskfleet.console")

@@ -12,9 +12,9 @@ from typing import Any
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
 
-from console.chat_view import QtChatWindow
-from console.loop_thread import LoopThread
 from console.serving import FleetServing
+from console.shared.chat_view import QtChatWindow
+from console.shared.loop_thread import LoopThread
 
 WAITING = ("No model is served yet. Place a model (Placement page) and distribute it (Distribution page); "
            "the chat then talks to the fleet through the console's OpenAI-compatible API, which other "

@@ -14,14 +14,14 @@ Two packages, so that a stage PC can never get torch by accident:
 
 Layout: ``/usr/bin/deskfleet`` (a wrapper into the venv), desktop entries and hicolor icons for
 the tray agent and the console, an XDG autostart entry for the tray (same file name as the
-per-user one :mod:`installer.autostart` writes, so the tray's "Start at login" can override it),
+per-user one :mod:`agent.tray.autostart` writes, so the tray's "Start at login" can override it),
 and a systemd *user* unit for the headless agent (``systemctl --user enable --now
 deskfleet-agent``).
 """
 
 from __future__ import annotations
 
-from installer.autostart import DESKTOP_FILE, desktop_entry
+from agent.tray.autostart import DESKTOP_FILE, desktop_entry
 
 PREFIX = "/opt/deskfleet"
 BIN = "/usr/bin/deskfleet"

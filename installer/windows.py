@@ -2,7 +2,7 @@
 PowerShell step it runs. Pure functions, tested on any platform; compiling the installer needs
 Windows with Inno Setup 6 (see :mod:`installer.build_windows`).
 
-The installer is per-user (no administrator rights, like :mod:`installer.autostart`): it copies
+The installer is per-user (no administrator rights, like :mod:`agent.tray.autostart`): it copies
 Deskfleet's wheels and every dependency's (``win_amd64``, fetched at build time) into
 ``%LOCALAPPDATA%\\Programs\\Deskfleet``, builds a venv there from them with the Python it finds
 (``py -3.11``, else ``py -3``, else ``python``; offline first, the package index as a fallback),
@@ -12,7 +12,7 @@ value the tray's "Start at login" writes, so the tray shows it as on and can tur
 
 from __future__ import annotations
 
-from installer.autostart import RUN_KEY, RUN_VALUE_NAME
+from agent.tray.autostart import RUN_KEY, RUN_VALUE_NAME
 from installer.packaging import STAGE_EXTRAS, requirement
 
 APP_ID = "{{8C7D8B1E-5E0F-4F43-9F3B-4A3C0F1D2E71}"  # Inno's AppId; "{{" is a literal brace there
@@ -25,7 +25,7 @@ def _iss_quote(text: str) -> str:
 
 
 def run_value() -> str:
-    """The Run key's command line, as :func:`installer.autostart.windows_run_value` would write it
+    """The Run key's command line, as :func:`agent.tray.autostart.windows_run_value` would write it
     for ``[pythonw, -m, engine.cli.main, agent]``: the program quoted (``{app}`` may hold spaces)."""
     return f'"{PYTHONW}" -m engine.cli.main agent'
 

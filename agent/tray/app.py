@@ -16,7 +16,7 @@ import sys
 from PySide6.QtCore import QTimer
 from PySide6.QtWidgets import QApplication, QSystemTrayIcon
 
-from console.qt_async import drop_pending_quit
+from console.shared.qt_async import drop_pending_quit
 
 log = logging.getLogger("deskfleet.agent")
 

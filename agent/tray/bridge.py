@@ -1,8 +1,8 @@
 """The agent service on its own asyncio loop, seen from the GUI thread as a QObject with signals.
 
 :class:`AgentService` is asyncio-only and knows nothing of Qt; the tray is Qt-only and must not
-block. The bridge runs the service on a :class:`console.loop_thread.LoopThread`, forwards every
-status the service reports to the GUI thread (``status_changed``), derives the desktop
+block. The bridge runs the service on a :class:`console.shared.loop_thread.LoopThread`, forwards
+every status the service reports to the GUI thread (``status_changed``), derives the desktop
 notifications from consecutive statuses (``notice``), and turns each menu action into a
 coroutine on the loop with a timeout, its outcome delivered back on the GUI thread. ``close()``
 stops the service and joins the loop's thread, so quitting leaves no thread behind.
@@ -21,8 +21,8 @@ from PySide6.QtCore import QObject, QTimer, Signal
 from agent.service.service import AgentService
 from agent.service.settings import AgentSettings
 from agent.tray.tray_model import Notice, notices_between
-from console.loop_thread import LoopThread
-from console.qt_async import QtAsync
+from console.shared.loop_thread import LoopThread
+from console.shared.qt_async import QtAsync
 from engine.control.messages import AgentStatus
 from engine.trust.fleet_ca import Credentials
 

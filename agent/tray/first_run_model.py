@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.discovery.join_service import ConsoleAdvertisement
 from engine.control.messages import AgentStatus
+from engine.discovery.join_service import ConsoleAdvertisement
 
 WHAT_IT_DOES = (
     "Deskfleet lends this PC's spare computing power to your organisation's own AI assistant, which "

@@ -17,12 +17,12 @@ from PySide6.QtCore import QObject, Signal
 from PySide6.QtGui import QAction
 from PySide6.QtWidgets import QMenu, QMessageBox, QSystemTrayIcon
 
+from agent.tray import autostart
 from agent.tray.bridge import AgentBridge
 from agent.tray.icons import state_icon
 from agent.tray.join_dialog import JoinDialog
 from agent.tray.tray_model import NO_CHAT_ADDRESS, STARTING, MenuState, Notice, menu_state
 from engine.control.messages import AgentStatus
-from installer import autostart
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class QtAgentTray(QObject):
         self.confirm_leave = confirm_leave
         self.notices: list[Notice] = []
         self.join_dialog: JoinDialog | None = None
-        self.chat_window = None  # console.chat_view.QtChatWindow, imported when first opened
+        self.chat_window = None  # console.shared.chat_view.QtChatWindow, imported when first opened
         self.state = STARTING
 
         self.menu = QMenu()
@@ -187,7 +187,7 @@ class QtAgentTray(QObject):
             self.chat_window.close()
             self.chat_window = None
         if self.chat_window is None:
-            from console.chat_view import QtChatWindow
+            from console.shared.chat_view import QtChatWindow
 
             self.chat_window = QtChatWindow(url, api_key=key, loop=self.bridge.loop)
         self.chat_window.show()

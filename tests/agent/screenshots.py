@@ -83,7 +83,7 @@ def take_screenshots(out: Path, export: Path, work: Path) -> list[Path]:
     from agent.tray.bridge import AgentBridge
     from agent.tray.icons import STATE_STYLES, state_pixmap
     from agent.tray.tray import QtAgentTray
-    from console.loop_thread import LoopThread
+    from console.shared.loop_thread import LoopThread
     from tests.support.agent_helpers import FakeIdle, console
 
     out.mkdir(parents=True, exist_ok=True)

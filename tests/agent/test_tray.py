@@ -37,7 +37,7 @@ from agent.tray.tray_model import (
     notices_between,
     status_line,
 )
-from console.loop_thread import LoopThread
+from console.shared.loop_thread import LoopThread
 from engine.control.messages import AgentStatus, FetchProgress, WorkerStatus
 from engine.trust.join_token import JoinToken
 from tests.support.agent_helpers import FakeIdle, console

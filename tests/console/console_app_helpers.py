@@ -18,10 +18,10 @@ from PySide6.QtCore import Qt
 from agent.service.service import AgentService
 from agent.service.settings import AgentSettings
 from console.bridge import ConsoleBridge
-from console.loop_thread import LoopThread
 from console.main_window import QtConsoleWindow
 from console.service.calibration_export import KV_BYTES
 from console.service.console_settings import ConsoleSettings
+from console.shared.loop_thread import LoopThread
 from engine.control.messages import WorkerSettings
 from tests.support.agent_helpers import FakeIdle
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import aiohttp
 import pytest
 
-from console.chat_model import (
+from console.shared.chat_model import (
     DONE,
     STOPPED,
     ChatClient,
@@ -22,7 +22,7 @@ from console.chat_model import (
     Throughput,
     async_stream_reply,
 )
-from console.loop_thread import LoopThread
+from console.shared.loop_thread import LoopThread
 from engine.api.server import ApiSettings, async_run_api
 
 KEY = "sk-chat-test"
@@ -174,7 +174,7 @@ def test_errors_say_what_happened(api):
 # -- the window -------------------------------------------------------------------------------------
 
 def _open_window(qtbot, api: Api, options: dict):
-    from console.chat_view import QtChatWindow
+    from console.shared.chat_view import QtChatWindow
 
     window = QtChatWindow(api.url, api_key=KEY, options=options)
     qtbot.addWidget(window)
@@ -234,7 +234,7 @@ def test_window_stop_button_ends_the_reply(qtbot, api):
 
 
 def test_window_without_a_fleet_says_so(qtbot):
-    from console.chat_view import QtChatWindow
+    from console.shared.chat_view import QtChatWindow
 
     window = QtChatWindow("http://127.0.0.1:9/v1")
     qtbot.addWidget(window)

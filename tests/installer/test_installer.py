@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from installer import autostart, deb, windows
+from agent.tray import autostart
+from installer import deb, windows
 from installer.build_deb import build, dpkg_build, stage_export_package
 from installer.build_windows import stage as stage_windows
 from installer.packaging import FORBIDDEN_ON_STAGE_PCS, REPO, project_version, requirement

@@ -19,7 +19,7 @@ import aiohttp
 import openai
 import pytest
 
-from console.chat_model import ChatClient, ChatError
+from console.shared.chat_model import ChatClient, ChatError
 from engine.api.guard import CHARS_PER_TOKEN, HostPolicy, host_name
 from engine.api.server import ApiSettings, async_run_api
 from engine.control.messages import Assignment, ControlRequestError

@@ -5,7 +5,7 @@ do all their networking on one asyncio loop beside it. This module is the Qt-fre
 arrangement: it starts the loop, runs coroutines on it from any thread, and stops it cleanly —
 pending tasks cancelled, the default executor's threads joined — so no thread outlives the
 window that needed it (the test suite fails a test that leaks one). The Qt half, which hands
-results back to the GUI thread, is :mod:`console.qt_async`.
+results back to the GUI thread, is :mod:`console.shared.qt_async`.
 """
 
 from __future__ import annotations

@@ -7,6 +7,10 @@ delete or look for it. Per-user locations only: no administrator rights are need
 employee can always turn it off again. The Linux package installs a system-wide XDG entry of
 the same name (``/etc/xdg/autostart``); a person turns that one off with a per-user entry marked
 ``Hidden=true``, as the XDG autostart spec prescribes.
+
+The tray's "Start at login" calls it at run time; the packages (:mod:`installer.deb`,
+:mod:`installer.windows`) take its names and entry text when they are built, so both write the
+same entry.
 """
 
 from __future__ import annotations

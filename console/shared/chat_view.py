@@ -1,10 +1,11 @@
 """The chat window, shared by the console and the tray agent: a thin Qt view over
-:class:`console.chat_model.ChatModel`.
+:class:`console.shared.chat_model.ChatModel`.
 
 The model is only touched on the GUI thread. Answers stream on an asyncio loop
-(:class:`console.loop_thread.LoopThread`: the tray passes its agent's loop, the console may let
-the window own one); each delta is posted back through :class:`console.qt_async.QtAsync`, so
-tokens appear as they arrive without a widget ever being touched from the loop's thread.
+(:class:`console.shared.loop_thread.LoopThread`: the tray passes its agent's loop, the console
+may let the window own one); each delta is posted back through
+:class:`console.shared.qt_async.QtAsync`, so tokens appear as they arrive without a widget ever
+being touched from the loop's thread.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from console.chat_model import (
+from console.shared.chat_model import (
     DONE,
     FAILED,
     MODELS_TIMEOUT_S,
@@ -45,8 +46,8 @@ from console.chat_model import (
     ReplyResult,
     async_stream_reply,
 )
-from console.loop_thread import LoopThread
-from console.qt_async import QtAsync
+from console.shared.loop_thread import LoopThread
+from console.shared.qt_async import QtAsync
 
 ROLE_LABELS = {"user": "You", "assistant": "Fleet", "system": "System"}
 ENDINGS = {STOPPED: "stopped", FAILED: "failed"}

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from installer.autostart import (
+from agent.tray.autostart import (
     LAUNCH_AGENT_LABEL,
     RUN_KEY,
     RUN_VALUE_NAME,

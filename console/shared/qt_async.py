@@ -19,7 +19,7 @@ from typing import Any
 
 from PySide6.QtCore import QCoreApplication, QEvent, QObject, Qt, Signal, Slot
 
-from console.loop_thread import LoopThread, LoopTimeout
+from console.shared.loop_thread import LoopThread, LoopTimeout
 
 log = logging.getLogger(__name__)
 
