@@ -35,9 +35,6 @@ from typing import Any
 from aiohttp import web
 
 from engine.api.guard import HostPolicy, check_json_type, check_prompt_chars
-from engine.errors import DeskfleetError, GenerationError, TokenizerError
-from engine.generation.generator import Generator, OverloadedError, UnavailableError
-from engine.http_limits import LimitedAppRunner
 from engine.api.openai_schema import (
     FINISH_REASONS,
     ApiError,
@@ -51,8 +48,11 @@ from engine.api.openai_schema import (
     to_generation_request,
     token_usage,
 )
+from engine.errors import DeskfleetError, GenerationError, TokenizerError
+from engine.generation.generator import Generator, OverloadedError, UnavailableError
 from engine.generation.request import GenerationRequest
 from engine.generation.tokenizer import ChatTokenizer
+from engine.http_limits import LimitedAppRunner
 
 log = logging.getLogger("deskfleet.api")
 

@@ -12,9 +12,9 @@ from pathlib import Path
 from engine.cli.main import Command
 from engine.errors import TokenizerError
 from engine.generation.in_process import greedy_generate
+from engine.generation.tokenizer import ChatTokenizer
 from engine.shards.manifest import load_manifest
 from engine.shards.stage import LocalChain
-from engine.generation.tokenizer import ChatTokenizer
 
 
 def configure(p: argparse.ArgumentParser) -> None:

@@ -103,8 +103,8 @@ def _is_loopback(host: str) -> bool:
 def ring_options(args: argparse.Namespace, stdin=None) -> dict:
     """RingPath's TLS options (server_ssl, client_ssl, peers) for ``--first-stage``; empty without
     TLS, which only a loopback ring may do. Raises DeskfleetError naming the flag to add."""
-    from engine.trust.peer_policy import PeerPolicy, PeerPolicyError
     from engine.cli.worker import read_tls_credentials, refuse_plaintext_exposure
+    from engine.trust.peer_policy import PeerPolicy, PeerPolicyError
 
     tls = args.tls_stdin or args.tls_credentials is not None
     if args.first_stage is None:
@@ -179,8 +179,8 @@ async def _open_generator(args: argparse.Namespace):
     """The coordinator the command line asks for: stages in-process, local workers, or a remote ring."""
     # Imported here, so `--help` does not load OpenVINO.
     from engine.coordinator.coordinator import Coordinator, model_card
-    from engine.shards.manifest import load_manifest
     from engine.coordinator.speculation import SpeculationConfig, Speculator
+    from engine.shards.manifest import load_manifest
 
     manifest = load_manifest(args.shards)
     if manifest.target == "npu":  # a static export: packed greedy serving over its slots
@@ -211,7 +211,8 @@ async def _open_generator(args: argparse.Namespace):
         from engine.coordinator.ring import RingPath, return_frame_bound
         from engine.shards.stage import Stage
 
-        local0 = Stage(args.shards, 0, manifest=manifest, device=args.device, exact=args.exact) if args.host_stage0 else None
+        local0 = (Stage(args.shards, 0, manifest=manifest, device=args.device, exact=args.exact)
+                  if args.host_stage0 else None)
         path = RingPath(manifest.model.fingerprint, len(manifest.stages), args.first_stage, args.return_listen,
                         local_stage0=local0, max_frame_bytes=return_frame_bound(
                             manifest.model.vocab_size, manifest.model.max_position_embeddings), **args.ring)

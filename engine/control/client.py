@@ -19,13 +19,13 @@ import aiohttp
 
 from engine.control.messages import AgentStatus, Assignment
 from engine.errors import DeskfleetError
+from engine.trust.fleet_ca import Credentials, Role
 from engine.trust.tls_peer import (
     PeerCheckingConnector,
     PeerIdentityError,
     async_read_limited,
     expect_peer,
 )
-from engine.trust.fleet_ca import Credentials, Role
 
 MAX_ANSWER_BYTES = 1 << 20  # a status with a full inventory is a few kB; calibration timings less
 

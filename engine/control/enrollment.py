@@ -44,13 +44,6 @@ from engine.errors import (
     WrongFleetError,
 )
 from engine.http_limits import LimitedAppRunner
-from engine.trust.join_token import TokenBook, parse_token
-from engine.trust.tls_peer import (
-    PeerCheckingConnector,
-    PeerIdentityError,
-    async_read_limited,
-    expect_peer,
-)
 from engine.trust.fleet_ca import (
     LEAF_DAYS,
     Credentials,
@@ -62,6 +55,13 @@ from engine.trust.fleet_ca import (
     make_key_and_csr,
     peer_node_id,
     sanitize_name,
+)
+from engine.trust.join_token import TokenBook, parse_token
+from engine.trust.tls_peer import (
+    PeerCheckingConnector,
+    PeerIdentityError,
+    async_read_limited,
+    expect_peer,
 )
 
 log = logging.getLogger("deskfleet.enrollment")
@@ -306,7 +306,8 @@ async def async_join(console: str, token: str, name: str, *, info: Mapping[str, 
             # before the request (and so the token) is written to it.
             checked = PeerCheckingConnector(expect_peer(Role.CONSOLE, what=f"the server at {console}"),
                                             force_close=True)
-            async with aiohttp.ClientSession(connector=checked, timeout=aiohttp.ClientTimeout(total=timeout)) as joining:
+            join_timeout = aiohttp.ClientTimeout(total=timeout)
+            async with aiohttp.ClientSession(connector=checked, timeout=join_timeout) as joining:
                 async with joining.post(f"{base}/v1/join", json=request, ssl=_pinned_context(ca_pem)) as resp:
                     answer = await _async_read_limited(resp, MAX_CA_BYTES * 4)
                     status = resp.status

@@ -26,13 +26,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine import __version__
-from engine.discovery.join_service import ConsoleAdvertiser, console_advertisement
 from engine.control.enrollment import EnrollmentServer, load_or_create_console_credentials
-from engine.errors import CredentialsError, DeskfleetError
 from engine.control.hub import FleetHub
+from engine.discovery.join_service import ConsoleAdvertiser, console_advertisement
+from engine.errors import CredentialsError, DeskfleetError
+from engine.trust.fleet_ca import Credentials, FleetAuthority
 from engine.trust.join_token import TokenBook
 from engine.trust.keystore import ConsoleSecrets
-from engine.trust.fleet_ca import Credentials, FleetAuthority
 
 CA_CERT = "fleet-ca.crt"
 CA_KEY = "fleet-ca.key"

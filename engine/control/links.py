@@ -18,13 +18,13 @@ from ssl import SSLContext
 import aiohttp
 
 from engine.errors import DeskfleetError
+from engine.trust.fleet_ca import Role
 from engine.trust.tls_peer import (
     PeerCheckingConnector,
     PeerIdentityError,
     async_read_limited,
     expect_peer,
 )
-from engine.trust.fleet_ca import Role
 
 MAX_ECHO_BYTES = 64 << 20
 

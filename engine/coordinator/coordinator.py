@@ -19,11 +19,6 @@ import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from pathlib import Path
 
-from engine.errors import DeskfleetError, GenerationError
-from engine.generation.generator import ModelCard, OverloadedError, UnavailableError
-from engine.shards.step_path import LocalPath, StepPath, StepResult
-from engine.shards.prefix_cache import PrefixIndex
-from engine.generation.request import FinishReason, GenerationRequest, TokenEvent
 from engine.coordinator.scheduler import (
     StreamState,
     apply_reply,
@@ -34,8 +29,13 @@ from engine.coordinator.scheduler import (
     plan_step,
     reset_for_replay,
 )
-from engine.shards.stage import LocalChain
 from engine.coordinator.speculation import Speculator
+from engine.errors import DeskfleetError, GenerationError
+from engine.generation.generator import ModelCard, OverloadedError, UnavailableError
+from engine.generation.request import FinishReason, GenerationRequest, TokenEvent
+from engine.shards.prefix_cache import PrefixIndex
+from engine.shards.stage import LocalChain
+from engine.shards.step_path import LocalPath, StepPath, StepResult
 from engine.wire.format import StreamId
 
 log = logging.getLogger(__name__)
@@ -394,7 +394,8 @@ class Coordinator:
             self._deliver(state, event)
         if state.cancelled:
             await self._retire(state, "cancelled")
-        elif state.finish is not None and self.prefix is not None and state.layout.logical_len >= self.prefix.min_length:
+        elif (state.finish is not None and self.prefix is not None
+              and state.layout.logical_len >= self.prefix.min_length):
             await self._send(state, plan_capture(state, self.prefix.new_id()))
         elif state.finish is not None:
             await self._retire(state, "finished")

@@ -15,9 +15,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from engine.errors import GenerationError
-from engine.shards.kv_layout import KVLayout
 from engine.generation.request import SamplingParams
 from engine.generation.sampling import probabilities
+from engine.shards.kv_layout import KVLayout
 from engine.shards.stage import LocalChain, StepInputs
 
 

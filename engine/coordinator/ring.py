@@ -22,6 +22,21 @@ from ssl import SSLContext
 import numpy as np
 
 from engine.errors import DeskfleetError
+from engine.shards.prefix_cache import CaptureStore
+from engine.shards.stage import Stage, StageStream
+from engine.shards.step_path import CacheStep, StepRequest, StepResult
+from engine.trust.peer_policy import PeerPolicy, PeerPolicyError
+from engine.wire.address import Address
+from engine.wire.format import (
+    COORDINATOR_STAGE,
+    FORWARD_META,
+    HEADER_SIZE,
+    MAX_FRAME_BYTES,
+    MIN_FRAME_BOUND,
+    PACKED_META,
+    Role,
+    StreamId,
+)
 from engine.wire.frame_server import FrameServer
 from engine.wire.handshake import LocalIdentity
 from engine.wire.messages import (
@@ -37,22 +52,7 @@ from engine.wire.messages import (
     Tokens,
 )
 from engine.wire.plan_frame import PlanFrame
-from engine.shards.step_path import CacheStep, StepRequest, StepResult
-from engine.trust.peer_policy import PeerPolicy, PeerPolicyError
-from engine.shards.prefix_cache import CaptureStore
-from engine.shards.stage import Stage, StageStream
 from engine.wire.transport import IDLE_TIMEOUT, PING_INTERVAL, Connection, async_connect, async_hold
-from engine.wire.format import (
-    COORDINATOR_STAGE,
-    FORWARD_META,
-    HEADER_SIZE,
-    MAX_FRAME_BYTES,
-    MIN_FRAME_BOUND,
-    PACKED_META,
-    Role,
-    StreamId,
-)
-from engine.wire.address import Address
 
 log = logging.getLogger(__name__)
 

@@ -13,14 +13,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from engine.coordinator.speculation_policy import Verdict, verify_greedy, verify_sampling
 from engine.errors import GenerationError
-from engine.shards.kv_layout import KVLayout
-from engine.shards.step_path import CacheStep, StepRequest, StepResult
-from engine.shards.prefix_cache import PrefixHit
 from engine.generation.request import FinishReason, GenerationRequest, TokenEvent
 from engine.generation.sampling import choose, make_rng, probabilities
+from engine.shards.kv_layout import KVLayout
+from engine.shards.prefix_cache import PrefixHit
 from engine.shards.stage import StepInputs
-from engine.coordinator.speculation_policy import Verdict, verify_greedy, verify_sampling
+from engine.shards.step_path import CacheStep, StepRequest, StepResult
 from engine.wire.format import StreamId
 
 

@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 
 from engine.coordinator.draft_model import DraftModelDrafter
-from engine.errors import DeskfleetError
 from engine.coordinator.scheduler import StreamState
-from engine.shards.stage import LocalChain
 from engine.coordinator.speculation_policy import AdaptiveK, AdaptiveKConfig, Drafter, PromptLookupDrafter
+from engine.errors import DeskfleetError
+from engine.shards.stage import LocalChain
 from engine.wire.format import StreamId
 
 MODES = ("lookup", "draft")

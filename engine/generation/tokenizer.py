@@ -43,7 +43,8 @@ class ChatTokenizer:
             raise TokenizerError(f"{root} has no tokenizer.json; re-export the model with its tokenizer")
         try:
             self._tok = Tokenizer.from_file(str(tok_file))
-            config = json.loads((root / "tokenizer_config.json").read_text()) if (root / "tokenizer_config.json").is_file() else {}
+            config_file = root / "tokenizer_config.json"
+            config = json.loads(config_file.read_text()) if config_file.is_file() else {}
         except (OSError, ValueError, Exception) as exc:  # tokenizers raises its own Exception type
             raise TokenizerError(f"cannot load the tokenizer in {root}: {exc}") from exc
         template = config.get("chat_template")

@@ -41,7 +41,8 @@ from engine.placement.milp import (
 )
 
 __all__ = [
-    "Calibration", "DeviceProfile", "Exclusion", "device_candidates", "Links", "ModelProfile", "PcInfo", "Plan", "PlacementInfeasible",
+    "Calibration", "DeviceProfile", "Exclusion", "device_candidates", "Links", "ModelProfile", "PcInfo", "Plan",
+    "PlacementInfeasible",
     "PlacementInputError", "PlacementRequest", "PlacementTimeout", "PlannedStage", "format_plan",
     "solve",
 ]

@@ -381,7 +381,8 @@ def load_manifest(export_dir: Path | str) -> Manifest:
         raise ManifestError(f"shard directory {root} does not exist; run `deskfleet export` first")
     path = root / MANIFEST_NAME
     if not path.is_file():
-        raise ManifestError(f"{root} has no {MANIFEST_NAME}: it is not a Deskfleet export (or the export did not finish)")
+        raise ManifestError(f"{root} has no {MANIFEST_NAME}: it is not a Deskfleet export "
+                            "(or the export did not finish)")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -411,7 +412,8 @@ def verify_files(root: Path | str, files: tuple[FileEntry, ...]) -> None:
     for entry in files:
         path = safe_join(root, entry.path)
         if not path.is_file():
-            raise ShardIntegrityError(f"shard file {entry.path} is missing from {root}; re-fetch or re-export the shard")
+            raise ShardIntegrityError(f"shard file {entry.path} is missing from {root}; "
+                                      "re-fetch or re-export the shard")
         size = path.stat().st_size
         check_entry(entry, size, sha256_file(path) if size == entry.size else "")
 

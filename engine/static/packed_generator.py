@@ -24,10 +24,9 @@ import numpy as np
 
 from engine.errors import GenerationError
 from engine.generation.generator import ModelCard, OverloadedError, UnavailableError
-from engine.static.packed_stage import StaticChain
-from engine.wire.plan_frame import PlanFrame
-from engine.static.packing import SlotGeometry
 from engine.generation.request import FinishReason, GenerationRequest, TokenEvent
+from engine.static.packed_stage import StaticChain
+from engine.static.packing import SlotGeometry
 from engine.static.slot_scheduler import (
     SlotRequest,
     admit,
@@ -38,6 +37,7 @@ from engine.static.slot_scheduler import (
     update,
 )
 from engine.wire.format import StreamId
+from engine.wire.plan_frame import PlanFrame
 
 log = logging.getLogger(__name__)
 

@@ -22,11 +22,10 @@ import numpy as np
 import openvino as ov
 
 from engine.errors import GenerationError, ManifestError, ShardCompileError
-from engine.static.kv_ring import DEFAULT_SINKS, KVRing, SlotRing
 from engine.shards.manifest import GraphEntry, Manifest, ir_paths, load_manifest, verify_stage
-from engine.wire.plan_frame import PlanFrame
-from engine.static.packing import SlotGeometry, additive_bias, layout_step, shared_mask
 from engine.shards.stage import read_verified_model
+from engine.static.kv_ring import DEFAULT_SINKS, KVRing, SlotRing
+from engine.static.packing import SlotGeometry, additive_bias, layout_step, shared_mask
 from engine.static.slot_scheduler import (
     Slot,
     SlotRequest,
@@ -37,6 +36,7 @@ from engine.static.slot_scheduler import (
     plan,
     update,
 )
+from engine.wire.plan_frame import PlanFrame
 
 # Bit-exact settings (see NOTES-openvino-cpu.md); the KV precision is the host ring's (f32).
 EXACT_PROPERTIES: Mapping[str, str] = {

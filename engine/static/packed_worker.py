@@ -9,8 +9,9 @@ with its hidden states; the last stage answers the coordinator with each row's t
 
 One stream id is one packed session: a Packed frame for a new stream id, or a Release of the
 current one, empties every slot. The session belongs to the upstream connection that started it:
-while that connection is open, no other one may step, start or release a session here. A plan that does not follow from the stage's ring (a lost
-frame, a restarted stage) is refused with a stream-level Error that travels to the coordinator.
+while that connection is open, no other one may step, start or release a session here. A plan
+that does not follow from the stage's ring (a lost frame, a restarted stage) is refused with a
+stream-level Error that travels to the coordinator.
 """
 
 from __future__ import annotations
@@ -20,14 +21,14 @@ from ssl import SSLContext
 
 import numpy as np
 
-from engine.wire.address import Address
-from engine.wire.messages import Error, Forward, Message, Packed, Release, Tokens
-from engine.static.packed_stage import StaticStage
 from engine.shards.step_path import last_stage_top1
+from engine.static.packed_stage import StaticStage
 from engine.trust.peer_policy import PeerPolicy
+from engine.wire.address import Address
+from engine.wire.format import ErrorCode, StreamId
+from engine.wire.messages import Error, Forward, Message, Packed, Release, Tokens
 from engine.wire.stage_server import StageServer, stage_frame_bound
 from engine.wire.transport import Connection
-from engine.wire.format import ErrorCode, StreamId
 
 log = logging.getLogger(__name__)
 

@@ -26,9 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.errors import GenerationError
-from engine.wire.plan_frame import IDLE, PlanFrame
 from engine.static.kv_ring import DEFAULT_SINKS, SlotRing
-
+from engine.wire.plan_frame import IDLE, PlanFrame
 
 
 class LockstepError(GenerationError):

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from engine.errors import GenerationError
-from engine.wire.plan_frame import PlanFrame
 from engine.static.packing import SlotGeometry
+from engine.wire.plan_frame import PlanFrame
 
 
 class PromptTooLong(GenerationError):

@@ -17,9 +17,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 
 from engine.coordinator.coordinator import Coordinator, model_card
+from engine.coordinator.ring import RingPath
 from engine.errors import DeskfleetError
 from engine.shards.manifest import load_manifest
-from engine.coordinator.ring import RingPath
 from engine.shards.stage import Stage
 from engine.wire.address import Address
 
@@ -57,8 +57,8 @@ class LocalFleet:
         self.next_hops: dict[int, Address] = {}
 
     def _argv(self, stage: int, next_address: Address) -> list[str]:
-        argv = [sys.executable, "-m", "engine.cli.main", "worker", "--shard", str(self.export_dir), "--stage", str(stage),
-                "--listen", f"{self.host}:0", "--next", str(next_address)]
+        argv = [sys.executable, "-m", "engine.cli.main", "worker", "--shard", str(self.export_dir),
+                "--stage", str(stage), "--listen", f"{self.host}:0", "--next", str(next_address)]
         if self.exact:
             argv.append("--exact")
         if self.threads:
@@ -96,7 +96,8 @@ class LocalFleet:
                 if text.startswith("deskfleet worker:") and " on " in text:
                     return Address.parse(text.split(" on ", 1)[1].split(",", 1)[0].strip())
         except TimeoutError:
-            raise WorkerStartError(f"worker for stage {stage} did not report ready within {READY_TIMEOUT_S:.0f} s") from None
+            raise WorkerStartError(f"worker for stage {stage} did not report ready within "
+                                   f"{READY_TIMEOUT_S:.0f} s") from None
 
     async def async_restart_dead(self) -> list[int]:
         """Start again, on the same address and next hop, every worker whose process has exited

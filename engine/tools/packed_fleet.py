@@ -8,14 +8,14 @@ import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from engine.wire.address import Address
 from engine.coordinator.coordinator import model_card
+from engine.coordinator.ring import RingPath
 from engine.errors import DeskfleetError
-from engine.tools.local_fleet import Hop, LocalFleet
 from engine.shards.manifest import Manifest, load_manifest
 from engine.static.packed_generator import LocalStatic, PackedGenerator, RingStatic
 from engine.static.packed_stage import StaticChain, geometry_of, static_manifest
-from engine.coordinator.ring import RingPath
+from engine.tools.local_fleet import Hop, LocalFleet
+from engine.wire.address import Address
 
 
 def export_row_options(manifest: Manifest) -> tuple[int, ...]:
@@ -40,7 +40,8 @@ async def ring_static_generator(manifest: Manifest, first_stage: Address, return
     """Through packed stage workers: stage 0 listens at ``first_stage``, the last dials ``return_listen``."""
     path = RingPath(static_manifest(manifest).model.fingerprint, len(manifest.stages), first_stage, return_listen,
                     **path_options)
-    generator = PackedGenerator(RingStatic(path), model_card(manifest), geometry_of(manifest), export_row_options(manifest))
+    generator = PackedGenerator(RingStatic(path), model_card(manifest), geometry_of(manifest),
+                                export_row_options(manifest))
     async with generator:
         yield generator
 

@@ -30,8 +30,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from engine.errors import DeskfleetError
-from engine.wire.transport import configure_socket
 from engine.wire.address import Address
+from engine.wire.transport import configure_socket
 
 log = logging.getLogger(__name__)
 

@@ -244,8 +244,9 @@ class Credentials:
         endpoint only, whose callers have no certificate yet and prove themselves with a token."""
         ctx = self._context(ssl.PROTOCOL_TLS_SERVER)
         ctx.verify_mode = ssl.CERT_REQUIRED if verify_clients else ssl.CERT_NONE
+        server = f"{self.name or 'this node'} ({self.role or 'member'})"
         ctx.sslobject_class = type("FleetServerSSLObject", (_RefusalLoggingSSLObject,),
-                                   {"_warned": set(), "_server": f"{self.name or 'this node'} ({self.role or 'member'})"})
+                                   {"_warned": set(), "_server": server})
         return ctx
 
     def client_context(self) -> ssl.SSLContext:

@@ -16,22 +16,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.errors import GenerationError
-from engine.wire.messages import (
-    Capture,
-    Error,
-    Forward,
-    Hello,
-    HelloAck,
-    Logits,
-    Message,
-    Packed,
-    Ping,
-    Pong,
-    Release,
-    Restore,
-    Tokens,
-)
-from engine.wire.plan_frame import PlanFrame
 from engine.wire.format import (
     CAPTURE_META,
     DTYPE_CODE,
@@ -65,6 +49,22 @@ from engine.wire.format import (
     StreamId,
     TruncatedFrameError,
 )
+from engine.wire.messages import (
+    Capture,
+    Error,
+    Forward,
+    Hello,
+    HelloAck,
+    Logits,
+    Message,
+    Packed,
+    Ping,
+    Pong,
+    Release,
+    Restore,
+    Tokens,
+)
+from engine.wire.plan_frame import PlanFrame
 
 # --- header -----------------------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ import logging
 from ssl import SSLContext
 
 from engine.wire.address import Address
+from engine.wire.format import COORDINATOR_STAGE, Role
 from engine.wire.messages import Hello, Message
 from engine.wire.transport import (
     PING_INTERVAL,
@@ -24,7 +25,6 @@ from engine.wire.transport import (
     async_connect,
     async_hold,
 )
-from engine.wire.format import COORDINATOR_STAGE, Role
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,10 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from ssl import SSLContext
 
+from engine.trust.peer_policy import short
+from engine.wire.format import MAX_FRAME_BYTES, ErrorCode, FrameError, UnexpectedFrameError
 from engine.wire.handshake import LocalIdentity
 from engine.wire.messages import Error, Hello, HelloAck, Message, Ping, Pong, error_frame
-from engine.trust.peer_policy import short
 from engine.wire.transport import (
     FRAME_TIMEOUT,
     HANDSHAKE_TIMEOUT,
@@ -31,7 +32,6 @@ from engine.wire.transport import (
     async_await_hello,
     configure_socket,
 )
-from engine.wire.format import MAX_FRAME_BYTES, ErrorCode, FrameError, UnexpectedFrameError
 
 log = logging.getLogger("engine.wire.transport")  # one logger for the whole data plane
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.wire.messages import Error, Hello, HelloAck
 from engine.wire.format import PROTOCOL_VERSION, ErrorCode, Role, WireError
+from engine.wire.messages import Error, Hello, HelloAck
 
 
 class HandshakeError(WireError):

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, TypeAlias
 
 import numpy as np
 
-from engine.wire.plan_frame import PlanFrame
 from engine.wire.format import (
     MAX_DIMS,
     MAX_ERROR_MESSAGE_BYTES,
@@ -30,6 +29,7 @@ from engine.wire.format import (
     StreamId,
     WireError,
 )
+from engine.wire.plan_frame import PlanFrame
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance

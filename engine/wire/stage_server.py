@@ -13,13 +13,9 @@ from collections.abc import Callable
 from ssl import SSLContext
 from typing import Any
 
+from engine.trust.peer_policy import PeerPolicy
 from engine.wire.address import Address
 from engine.wire.downstream import Downstream
-from engine.wire.frame_server import FrameServer
-from engine.wire.handshake import LocalIdentity
-from engine.wire.messages import Message
-from engine.trust.peer_policy import PeerPolicy
-from engine.wire.transport import PING_INTERVAL, Connection
 from engine.wire.format import (
     FORWARD_META,
     HEADER_SIZE,
@@ -28,6 +24,10 @@ from engine.wire.format import (
     PACKED_META,
     Role,
 )
+from engine.wire.frame_server import FrameServer
+from engine.wire.handshake import LocalIdentity
+from engine.wire.messages import Message
+from engine.wire.transport import PING_INTERVAL, Connection
 
 log = logging.getLogger(__name__)
 

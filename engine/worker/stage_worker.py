@@ -1,9 +1,10 @@
 """A stage worker: one verified, compiled shard serving its place in the ring.
 
 It listens for its upstream neighbour (the coordinator for stage 0), keeps one KV state per
-stream (each bound to the upstream connection that opened it, at most ``max_streams``), and forwards each step's output to its successor, which it dials with retry so that the
-order in which a ring is brought up does not matter. The last stage sends its reply (top-1 ids,
-or logits on request) straight back to the coordinator, not hop by hop.
+stream (each bound to the upstream connection that opened it, at most ``max_streams``), and
+forwards each step's output to its successor, which it dials with retry so that the order in
+which a ring is brought up does not matter. The last stage sends its reply (top-1 ids, or logits
+on request) straight back to the coordinator, not hop by hop.
 
 On SIGTERM it drains: the frame in hand finishes, frames for new streams are refused, and the
 process exits 0.
@@ -24,10 +25,15 @@ from typing import TextIO
 
 import numpy as np
 
-from engine.wire.address import Address
-from engine.worker.status_lines import PEERS_PREFIX, READY_PREFIX, STATS_PREFIX
 from engine.errors import DeskfleetError
 from engine.shards.manifest import load_manifest
+from engine.shards.prefix_cache import CaptureStore
+from engine.shards.stage import Stage, StageStream, StepInputs
+from engine.shards.step_path import last_stage_logits, last_stage_top1
+from engine.static.packed_worker import PackedStageWorker
+from engine.trust.peer_policy import PeerPolicy, PeerPolicyError, parse_policy_update
+from engine.wire.address import Address
+from engine.wire.format import ErrorCode, StreamId
 from engine.wire.messages import (
     Capture,
     Error,
@@ -39,14 +45,9 @@ from engine.wire.messages import (
     Restore,
     Tokens,
 )
-from engine.static.packed_worker import PackedStageWorker
-from engine.shards.step_path import last_stage_logits, last_stage_top1
-from engine.trust.peer_policy import PeerPolicy, PeerPolicyError, parse_policy_update
-from engine.shards.prefix_cache import CaptureStore
-from engine.shards.stage import Stage, StageStream, StepInputs
 from engine.wire.stage_server import MAX_STREAMS, StageServer, stage_frame_bound
 from engine.wire.transport import Connection
-from engine.wire.format import ErrorCode, StreamId
+from engine.worker.status_lines import PEERS_PREFIX, READY_PREFIX, STATS_PREFIX
 
 log = logging.getLogger(__name__)
 

@@ -120,7 +120,8 @@ def model_shape(config: dict[str, Any]) -> ModelShape:
             eps=float(config.get("rms_norm_eps", 1e-6)),
         )
     except (KeyError, TypeError, ValueError) as exc:
-        raise UnsupportedModelError(f"the {model_type} config.json lacks or garbles {exc}; is the checkpoint complete?") from exc
+        raise UnsupportedModelError(f"the {model_type} config.json lacks or garbles {exc}; "
+                                    "is the checkpoint complete?") from exc
     if heads % kv_heads:
         raise UnsupportedModelError(f"{heads} attention heads are not a multiple of {kv_heads} KV heads")
     act = config.get("hidden_act", "silu")

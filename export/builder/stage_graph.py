@@ -166,7 +166,8 @@ def build_stage_model(shape: ModelShape, stage: StagePlan, weights: WeightSource
     for i in stage.layers:
         n = _Layer(shape, i)
         x = blocks.rms_norm(h, weights.vector(n(f.input_norm)), shape.eps)
-        h = ops.add(h, _attention(shape, weights, n, x, cos, sin, bias, beam.output(0) if beam else None, sinks)).output(0)
+        attended = _attention(shape, weights, n, x, cos, sin, bias, beam.output(0) if beam else None, sinks)
+        h = ops.add(h, attended).output(0)
         x = blocks.rms_norm(h, weights.vector(n(f.post_attn_norm)), shape.eps)
         h = ops.add(h, _mlp(shape, weights, n, x)).output(0)
 
