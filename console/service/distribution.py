@@ -229,7 +229,8 @@ class Distributor:
         for endpoint in released:
             self._forget_assignment(endpoint.control)
         releasing = asyncio.gather(*(self._async_release(e.control) for e in released))
-        changed = tuple(t for t in layout.targets if self._sent.get(t.control) != self._assignment(t, self._return_port))
+        changed = tuple(t for t in layout.targets
+                        if self._sent.get(t.control) != self._assignment(t, self._return_port))
         failures = await self._async_bring_up(changed)
         await releasing
         return failures

@@ -16,16 +16,8 @@ from collections.abc import Callable
 from contextlib import suppress
 from ssl import SSLContext, SSLError
 
-from engine.wire.codec import decode_body, decode_header, encode_parts
-from engine.wire.handshake import (
-    HandshakeError,
-    LocalIdentity,
-    check_hello,
-    check_hello_ack,
-    handshake_error_from,
-)
-from engine.wire.messages import Error, Hello, HelloAck, Message, Ping, error_frame
 from engine.trust.fleet_ca import peer_node_id
+from engine.wire.codec import decode_body, decode_header, encode_parts
 from engine.wire.format import (
     HANDSHAKE_REPLY_BYTES,
     HEADER_SIZE,
@@ -38,6 +30,14 @@ from engine.wire.format import (
     UnexpectedFrameError,
     WireError,
 )
+from engine.wire.handshake import (
+    HandshakeError,
+    LocalIdentity,
+    check_hello,
+    check_hello_ack,
+    handshake_error_from,
+)
+from engine.wire.messages import Error, Hello, HelloAck, Message, Ping, error_frame
 
 log = logging.getLogger(__name__)
 
@@ -518,13 +518,3 @@ async def async_hold(conn: Connection, name: str, interval: float = PING_INTERVA
     except Exception:  # closed, reset, or garbage: in every case this connection is done
         with suppress(Exception):
             await conn.async_close()
-
-
-def __getattr__(name: str) -> object:
-    # FrameServer (the listener) lives in engine.wire.frame_server, which builds on this module; it is
-    # still importable from here, where callers have always found it.
-    if name in ("FrameServer", "FrameHandler"):
-        from engine.wire import frame_server
-
-        return getattr(frame_server, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

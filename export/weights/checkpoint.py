@@ -20,12 +20,7 @@ from typing import BinaryIO, Protocol, runtime_checkable
 
 import numpy as np
 
-from engine.errors import DeskfleetError
-
-
-class CheckpointError(DeskfleetError):
-    """A checkpoint cannot be read: missing or malformed files, an unknown tensor name or dtype,
-    or a tensor name that appears in two files."""
+from export.weights.errors import CheckpointError
 
 
 @runtime_checkable

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from export.weights.checkpoint import CheckpointError
+from export.weights.errors import CheckpointError
 
 # GGUF key (after "<arch>.") -> HF config key, as transformers maps them.
 _CONFIG_KEYS = {

@@ -23,12 +23,12 @@ from engine.wire.format import (
     TruncatedFrameError,
     WireError,
 )
+from engine.wire.frame_server import FrameServer
 from engine.wire.handshake import HandshakeError, LocalIdentity
 from engine.wire.messages import Error, Forward, Hello, HelloAck, Ping, Pong
 from engine.wire.transport import (
     ConnectionClosedError,
     DialError,
-    FrameServer,
     FrameTimeoutError,
     async_connect,
     async_dial_with_retry,

@@ -22,9 +22,10 @@ from engine.cli.wan import COMMAND, async_serve_wan
 from engine.tools.wan_emulator import CHUNK_BYTES, LinkSchedule, WanProxy, WanProxyError
 from engine.wire.address import Address
 from engine.wire.format import Role
+from engine.wire.frame_server import FrameServer
 from engine.wire.handshake import LocalIdentity
 from engine.wire.messages import Forward, Hello
-from engine.wire.transport import FrameServer, async_connect
+from engine.wire.transport import async_connect
 from tests.wire.tlsutil import make_pki
 from tests.wire.wire_helpers import FP, assert_same, forward
 
