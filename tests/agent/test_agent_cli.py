@@ -42,14 +42,16 @@ def test_headless_agent_joins_is_discovered_registers_and_withdraws(tmp_path):
                 sys.executable, "-m", "engine.cli.main", "agent", "--headless", "--state-dir", str(tmp_path / "a"),
                 "--interface", "127.0.0.1", "--control-port", "0", "--data-port", "0",
                 "--seed", f"127.0.0.1:{con.hub.port}", "--join", "-", "--console", con.enrollment,
-                env=env, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+                env=env, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT)
             token = con.token()
             proc.stdin.write(token.encode() + b"\n")
             proc.stdin.close()
             try:
                 def joined_peer():
                     return next((p.advertisement for p in browser.peers().values()  # ours, not another test's
-                                 if p.advertisement.state == "idle" and p.advertisement.fleet_id == con.authority.fleet_id),
+                                 if p.advertisement.state == "idle"
+                                 and p.advertisement.fleet_id == con.authority.fleet_id),
                                 None)
 
                 ad = await _until(joined_peer, 60, "the joined agent's advertisement")

@@ -215,7 +215,8 @@ def test_corrupt_shards_are_refused_and_interrupted_fetches_resume(tmp_path, tin
             try:
                 await agent.async_join(con.enrollment, con.token())
                 client = ControlClient(con.credentials, "127.0.0.1", agent.control_port)
-                await _assign(con, client, _assignment(con, bad, "bad", listen_port=free_port(), next_hop="127.0.0.1:9"))
+                await _assign(con, client,
+                              _assignment(con, bad, "bad", listen_port=free_port(), next_hop="127.0.0.1:9"))
                 await client.async_fetch()
                 status = await client.async_wait_for(lambda s: s.state == "error", 60, "the corrupt fetch to fail")
                 assert "sha256" in status.worker.last_error
@@ -226,7 +227,8 @@ def test_corrupt_shards_are_refused_and_interrupted_fetches_resume(tmp_path, tin
 
                 # a slow download interrupted half-way resumes from where it stopped
                 total = sum(e.size for e in load_manifest(good).stages[1].files)
-                await _assign(con, client, _assignment(con, good, "good", listen_port=free_port(), next_hop="127.0.0.1:9"))
+                await _assign(con, client,
+                              _assignment(con, good, "good", listen_port=free_port(), next_hop="127.0.0.1:9"))
                 served_before = con.hub.bytes_served
                 await client.async_fetch(bandwidth_cap_bytes_s=max(total // 2, 1))
                 await client.async_wait_for(lambda s: s.fetch.done_bytes > total // 4, 30, "part of the fetch")

@@ -258,7 +258,8 @@ def check_served(reply: Reply, body: dict, kind: str, what: str) -> bool:
 
 def check_refused(reply: Reply, expected: ApiError, what: str) -> None:
     text = reply.body.decode("utf-8", "replace")
-    assert reply.status == expected.status, f"{what}: expected {expected.status} ({expected}), got {reply.status}: {text[:300]}"
+    assert reply.status == expected.status, (f"{what}: expected {expected.status} ({expected}), "
+                                             f"got {reply.status}: {text[:300]}")
     assert reply.content_type == "application/json" and _is_openai_error(reply.json()), f"{what}: {text[:300]}"
     assert "Traceback" not in text
     if expected.param is not None:

@@ -12,7 +12,8 @@ import inspect
 import re
 
 TARGETS = {  # target -> modules holding its fuzz tests
-    "wire protocol": ("tests.wire.test_wire_fuzz", "tests.wire.test_transport_live", "tests.security.test_dataplane_bounds"),
+    "wire protocol": ("tests.wire.test_wire_fuzz", "tests.wire.test_transport_live",
+                      "tests.security.test_dataplane_bounds"),
     "control API": ("tests.agent.test_fuzz_control_api",),
     "OpenAI API": ("tests.api.test_fuzz_openai_api",),
     "enrollment + hub": ("tests.control.test_fuzz_console",),

@@ -23,7 +23,8 @@ def test_help_lists_every_command():
 
 def test_export_then_generate_on_a_tiny_model(tiny_checkpoint, tmp_path):
     out = tmp_path / "shards"
-    result = deskfleet("export", str(tiny_checkpoint("qwen2")), "--split", "1,3", "--weights", "int8", "--out", str(out))
+    result = deskfleet("export", str(tiny_checkpoint("qwen2")), "--split", "1,3", "--weights", "int8",
+                       "--out", str(out))
     assert result.returncode == 0, result.stderr
     assert "exported" in result.stdout and "3 int8 stage(s)" in result.stdout
     assert "stage 2" in result.stderr  # one progress bar per stage

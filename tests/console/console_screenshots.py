@@ -5,7 +5,8 @@ metrics counting. The same driver as tests/console/test_console_app.py, with a p
 Run by tests/console/test_console_app.py under Xvfb in a subprocess when it can (real X11 rendering, and
 a grab of the whole screen), else in-process offscreen. Standalone::
 
-    xvfb-run -a env QT_QPA_PLATFORM=xcb python -m tests.console.console_screenshots --out DIR --checkpoint CKPT --work TMP
+    xvfb-run -a env QT_QPA_PLATFORM=xcb \
+        python -m tests.console.console_screenshots --out DIR --checkpoint CKPT --work TMP
 """
 
 from __future__ import annotations

@@ -87,7 +87,8 @@ def test_from_an_empty_network_to_a_chat_answered_by_two_agents(tmp_path, tiny_c
         # moving the split re-times the plan at once, and says that three layers do not fit one agent
         page.split_boxes[0].setValue(3)
         moved = session.plan
-        assert stage_firsts(moved) == (3,) and not moved.optimal and moved.stages[0].compute_ms > plan.stages[0].compute_ms
+        assert stage_firsts(moved) == (3,) and not moved.optimal
+        assert moved.stages[0].compute_ms > plan.stages[0].compute_ms
         assert page.table.item(0, 3).text() == "0-2 (3)" and "does not fit" in page.explanation.text()
         page.split_boxes[0].setValue(2)
         assert session.plan.per_token_ms == pytest.approx(plan.per_token_ms) and not page.explanation.text()
@@ -107,7 +108,8 @@ def test_from_an_empty_network_to_a_chat_answered_by_two_agents(tmp_path, tiny_c
         dist, serving = window.distribution_page, window.serving
         dist.distribute_button.click()
         wait(lambda: serving.phase == "failed", 600, "the distribution to fail on the paused agent")
-        assert f"{names[1]} (stage" in dist.error_label.text() and "run the distribution again" in dist.error_label.text()
+        assert f"{names[1]} (stage" in dist.error_label.text()
+        assert "run the distribution again" in dist.error_label.text()
         assert "it is paused" in dist.error_label.text()  # the reason, not just "worker stopped"
         assert dist.rerun_button.isEnabled() and dist.distribute_button.isEnabled()
         served = window.bridge.host.hub.bytes_served

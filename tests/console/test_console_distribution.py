@@ -82,7 +82,8 @@ def test_three_stages_with_stage0_in_the_console_resume_after_a_failed_fetch_and
                          for i, agent in enumerate(agents)}
             plan = _plan(("console-pc", 0, 1), ("pc-0", 2, 2), ("pc-1", 3, 3))
             layout = RingLayout.from_plan(plan, endpoints, console_pc_id="console-pc")
-            assert layout.local_stage0 and [(t.label, t.stage) for t in layout.targets] == [("desk-a", 1), ("desk-b", 2)]
+            assert layout.local_stage0
+            assert [(t.label, t.stage) for t in layout.targets] == [("desk-a", 1), ("desk-b", 2)]
 
             # desk-b cannot write its stage directory (a file is in the way): its fetch fails
             blocker = tmp_path / "desk-b" / "shards" / "tiny-3" / "stage_2"
@@ -153,7 +154,8 @@ def test_two_stages_on_two_agents_match_the_unsplit_model(tmp_path, tiny_export,
                 pids = [a.worker_pid for a in agents]
                 again = await dist.async_run()  # already up: only checked
                 assert again.ok and con.hub.bytes_served == served and [a.worker_pid for a in agents] == pids
-                first_fetching = next(p for p in progress if p.agent == "desk-a" and p.phase in ("fetching", "verified"))
+                first_fetching = next(p for p in progress
+                                      if p.agent == "desk-a" and p.phase in ("fetching", "verified"))
                 assert first_fetching.total_bytes == _stage_bytes(export, 0)
             assert all(a.status().worker.state == "stopped" for a in agents)
             return tokens
@@ -168,7 +170,8 @@ def test_layouts_that_cannot_make_a_ring_are_refused_with_the_reason():
     with pytest.raises(LayoutError, match="only stage 0"):
         RingLayout.from_plan(_plan(("pc-a", 0, 1), ("console", 2, 3)), endpoints, console_pc_id="console")
     on_agents = RingLayout.from_plan(_plan(("pc-a", 0, 1), ("pc-b", 2, 3)), endpoints, console_pc_id="console")
-    assert not on_agents.local_stage0 and [t.data_address for t in on_agents.targets] == ["10.0.0.5:7211", "10.0.0.6:7211"]
+    assert not on_agents.local_stage0
+    assert [t.data_address for t in on_agents.targets] == ["10.0.0.5:7211", "10.0.0.6:7211"]
     on_agents.check(2)
     with pytest.raises(LayoutError, match="3 stages"):
         on_agents.check(3)

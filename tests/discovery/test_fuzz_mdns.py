@@ -80,8 +80,9 @@ def records(draw):
         properties = props
     port = draw(st.integers(1, 65535) if honest else st.sampled_from([8443, 1, 65535, 0]) | st.integers(0, 65535))
     server = draw(st.sampled_from([f"{instance}.local.", f"host-{instance}.local."]))
-    listed = draw(st.lists(st.sampled_from(["127.0.0.1", "10.0.0.7", "192.168.1.20"]), min_size=1, max_size=3,
-                           unique=True) if honest else addresses.filter(bool) if draw(st.integers(0, 19)) else addresses)
+    honest_addresses = st.lists(st.sampled_from(["127.0.0.1", "10.0.0.7", "192.168.1.20"]), min_size=1, max_size=3,
+                                unique=True)
+    listed = draw(honest_addresses if honest else addresses.filter(bool) if draw(st.integers(0, 19)) else addresses)
     try:
         info = ServiceInfo(SERVICE_TYPE, name, port=port, properties=properties, server=server,
                            parsed_addresses=listed, host_ttl=120, other_ttl=120)

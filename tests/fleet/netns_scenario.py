@@ -56,7 +56,8 @@ async def main(cfg: dict) -> dict:
             for a in agents_cfg:
                 argv = ["ip", "netns", "exec", a["ns"], sys.executable, "-m", "engine.cli.main", "agent", "--headless",
                         "--state-dir", str(state / a["ns"]), "--interface", a["address"], "--control-port", "7210",
-                        "--data-port", "7211", "--join-file", str(write_token_file(state / f"{a['ns']}.token", host.token())),
+                        "--data-port", "7211",
+                        "--join-file", str(write_token_file(state / f"{a['ns']}.token", host.token())),
                         "--console", host.enrollment]
                 procs[a["address"]] = subprocess.Popen(argv, env=env,
                                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -33,8 +33,8 @@ def test_console_and_three_agents_in_their_own_namespaces(tmp_path, tiny_export)
                   "agents": [{"ns": h.name, "address": h.address} for h in agents],
                   "export": str(export), "reference": str(tiny_export("llama", 1)), "prompt": list(PROMPT_IDS)}
         (tmp_path / "config.json").write_text(json.dumps(config))
-        done = subprocess.run(console.argv([sys.executable, "-m", "tests.fleet.netns_scenario", str(tmp_path / "config.json")]),
-                              cwd=ROOT, capture_output=True, text=True, timeout=600)
+        scenario = [sys.executable, "-m", "tests.fleet.netns_scenario", str(tmp_path / "config.json")]
+        done = subprocess.run(console.argv(scenario), cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["steps"][:4] == ["discovered", "approved", "distributed", "answered"], result

@@ -47,7 +47,8 @@ async def fake_server(creds: Credentials, routes, *, port: int = 0, verify_clien
         app.router.add_route(method, path, handler)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port, ssl_context=creds.server_context(verify_clients=verify_clients)).start()
+    context = creds.server_context(verify_clients=verify_clients)
+    await web.TCPSite(runner, "127.0.0.1", port, ssl_context=context).start()
     try:
         yield runner.addresses[0][1]
     finally:

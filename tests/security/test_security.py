@@ -144,7 +144,8 @@ def test_strangers_are_refused_and_logged_on_every_mutual_tls_port(tmp_path, tin
                     for who, (ctx, meaning) in strangers.items():
                         since = len(caplog.records)
                         turned_away = await _knock(kind, port, ctx, fingerprint)
-                        logged = await _logged(caplog, since, "engine.trust.fleet_ca", "refused a TLS connection", meaning)
+                        logged = await _logged(caplog, since, "engine.trust.fleet_ca", "refused a TLS connection",
+                                               meaning)
                         outcomes[(port_name, who)] = (turned_away, logged)
                 member = worker_creds.client_context()
                 let_in = {name: await _knock(kind, port, member, fingerprint) for name, (kind, port) in ports.items()}

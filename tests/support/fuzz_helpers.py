@@ -232,7 +232,8 @@ def segments() -> st.SearchStrategy[str]:
 def paths(prefixes: tuple[str, ...]) -> st.SearchStrategy[str]:
     """A path under one of ``prefixes`` (known routes), or anywhere, with random segments appended."""
     return st.builds(lambda base, rest, query: base + "/".join(rest) + query,
-                     st.sampled_from(prefixes + ("/", "/v1/", "/v2/", "")).map(lambda p: p if p.startswith("/") else "/" + p),
+                     st.sampled_from(prefixes + ("/", "/v1/", "/v2/", ""))
+                     .map(lambda p: p if p.startswith("/") else "/" + p),
                      st.lists(segments(), max_size=4),
                      st.sampled_from(("", "?", "?a=1", "?bytes=-1", "?bytes=99999999999999999999", "?%zz")))
 

@@ -92,7 +92,8 @@ def test_ca_is_a_path_length_zero_ca_and_round_trips_through_pem(fleet, other_fl
 
 
 def test_credentials_refuse_a_foreign_key_or_a_foreign_ca(fleet, other_fleet):
-    mine, theirs = fleet.issue_credentials("a", role=Role.CONSOLE), other_fleet.issue_credentials("b", role=Role.CONSOLE)
+    mine = fleet.issue_credentials("a", role=Role.CONSOLE)
+    theirs = other_fleet.issue_credentials("b", role=Role.CONSOLE)
     with pytest.raises(CredentialsError, match="does not belong"):
         Credentials(mine.ca_pem, mine.cert_pem, theirs.key_pem)
     with pytest.raises(CredentialsError, match="not issued by the stored fleet CA"):

@@ -103,7 +103,8 @@ CONTROL_SAMPLES: list[Message] = [  # no tensor payload
     Error(ErrorCode.UNKNOWN_STREAM, "stream 5 is unknown here — résumé", StreamId(5), 3),
     Error(ErrorCode.INTERNAL, ""),
     HELLO,
-    Hello(FP, 65535, Role.COORDINATOR, max_frame_bytes=MIN_FRAME_BOUND, protocol_version=1),  # a peer's older version: encodable
+    # a peer's older version: encodable
+    Hello(FP, 65535, Role.COORDINATOR, max_frame_bytes=MIN_FRAME_BOUND, protocol_version=1),
     HelloAck(FP, 0, max_frame_bytes=1 << 30),
 ]
 SAMPLES = TENSOR_SAMPLES + CONTROL_SAMPLES  # every frame kind, some twice

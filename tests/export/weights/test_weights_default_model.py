@@ -19,7 +19,8 @@ TEXTS = [
     "Hello", "Hello, world!", "What is the capital of France?", " leading space", "trailing space ",
     "In 2024, 1234567 people paid $3.50 each (15% off).", "x=12+34*5; y = 0.001e-9", "call 555-0199 or +1 (800) 123",
     "version 3.11.7 of python3.11", "  spaces   and\ttabs\n\nnewlines\r\n", "Ünïcödé naïve café", "日本語のテキスト",
-    "emoji 🎉🚀 and 👩‍💻", "<|im_start|>user\nHi<|im_end|>\n", "<|endoftext|> and <repo_name> inline", "don't I'll we've they're",
+    "emoji 🎉🚀 and 👩‍💻", "<|im_start|>user\nHi<|im_end|>\n", "<|endoftext|> and <repo_name> inline",
+    "don't I'll we've they're",
     "def f(a, b):\n    return a ** 2 + b  # comment", "https://example.com/path?q=1&r=2", "ALL CAPS SHOUTING", "", " ",
     "\n", "a" * 300, "1" * 40, "mixed123abc456", "Ελληνικά и русский текст", "tab\tseparated\tvalues\t",
 ]
@@ -58,7 +59,8 @@ def our_tokenizer_dir(default_source, tmp_path_factory):
 def test_the_default_model_reads_as_a_llama(default_source):
     config = default_source.config
     assert (config["model_type"], config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"],
-            config["num_key_value_heads"], config["head_dim"], config["vocab_size"]) == ("llama", 30, 576, 9, 3, 64, 49152)
+            config["num_key_value_heads"], config["head_dim"],
+            config["vocab_size"]) == ("llama", 30, 576, 9, 3, 64, 49152)
     assert config["tie_word_embeddings"] is True
     assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": 100000.0}
     assert default_source.type_name("model.embed_tokens.weight") == "Q8_0"

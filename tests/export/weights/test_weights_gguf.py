@@ -32,9 +32,12 @@ def write_tiny_gguf(path, types: dict[str, str], tie: bool = False, seed: int = 
         p = f"model.layers.{i}."
         hf[p + "input_layernorm.weight"] = rng.standard_normal(HIDDEN).astype(np.float32)
         hf[p + "post_attention_layernorm.weight"] = rng.standard_normal(HIDDEN).astype(np.float32)
-        for proj, rows, cols in (("self_attn.q_proj", HEADS * HEAD_DIM, HIDDEN), ("self_attn.k_proj", KV_HEADS * HEAD_DIM, HIDDEN),
-                                 ("self_attn.v_proj", KV_HEADS * HEAD_DIM, HIDDEN), ("self_attn.o_proj", HIDDEN, HIDDEN),
-                                 ("mlp.gate_proj", FFN, HIDDEN), ("mlp.up_proj", FFN, HIDDEN), ("mlp.down_proj", HIDDEN, FFN)):
+        for proj, rows, cols in (("self_attn.q_proj", HEADS * HEAD_DIM, HIDDEN),
+                                 ("self_attn.k_proj", KV_HEADS * HEAD_DIM, HIDDEN),
+                                 ("self_attn.v_proj", KV_HEADS * HEAD_DIM, HIDDEN),
+                                 ("self_attn.o_proj", HIDDEN, HIDDEN),
+                                 ("mlp.gate_proj", FFN, HIDDEN), ("mlp.up_proj", FFN, HIDDEN),
+                                 ("mlp.down_proj", HIDDEN, FFN)):
             hf[p + proj + ".weight"] = rng.standard_normal((rows, cols)).astype(np.float32)
     hf["model.norm.weight"] = rng.standard_normal(HIDDEN).astype(np.float32)
     if not tie:
