@@ -43,6 +43,10 @@ class Family:
     fused_gate_up: str | None = None  # one [2 I, hidden] projection, gate rows first (Phi-3)
     qkv_bias: bool | None = None  # None: the config's ``attention_bias`` decides
 
+    def __post_init__(self) -> None:
+        if (self.q_norm is None) != (self.k_norm is None):
+            raise ValueError(f"{self.model_type}: q_norm and k_norm come together")
+
 
 FAMILIES: dict[str, Family] = {
     "llama": Family("llama", "Llama (Llama 2/3/3.x, SmolLM2, TinyLlama)"),
@@ -113,7 +117,7 @@ def model_shape(config: dict[str, Any]) -> ModelShape:
         hidden = int(config["hidden_size"])
         heads = int(config["num_attention_heads"])
         kv_heads = int(config.get("num_key_value_heads") or heads)
-        shape_args = dict(
+        shape_args: dict[str, Any] = dict(  # ints, and eps a float
             num_layers=int(config["num_hidden_layers"]), hidden=hidden,
             intermediate=int(config["intermediate_size"]), heads=heads, kv_heads=kv_heads,
             head_dim=int(config.get("head_dim") or hidden // heads), vocab=int(config["vocab_size"]),

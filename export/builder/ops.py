@@ -19,6 +19,8 @@ KV key/value heads, D head_dim.
 
 from __future__ import annotations
 
+from typing import TypeAlias
+
 import numpy as np
 import openvino as ov
 import openvino.opset13 as ops
@@ -26,7 +28,7 @@ from openvino.op import assign as Assign
 from openvino.op import read_value as ReadValue
 from openvino.op.util import Variable, VariableInfo
 
-Out = ov.Output
+Out: TypeAlias = ov.Output
 
 
 def const(value, dtype=np.float32) -> Out:

@@ -22,6 +22,10 @@ class RotaryTables:
     long_inv_freq: np.ndarray | None = None  # longrope only
     switch_at: int | None = None  # longrope: the long table applies when max(position) + 1 exceeds this
 
+    def __post_init__(self) -> None:
+        if (self.long_inv_freq is None) != (self.switch_at is None):
+            raise ValueError("a long table and its switch position come together")
+
 
 def _base_exponents(dim: int) -> np.ndarray:
     return np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
@@ -96,9 +100,9 @@ def inverse_frequencies(rope: dict[str, Any], head_dim: int, max_positions: int)
     if kind == "longrope":
         original = int(rope["original_max_position_embeddings"])
         factor = rope.get("factor") or max_positions / original
-        attention = rope.get("attention_factor")
-        if attention is None:
-            attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        given = rope.get("attention_factor")
+        attention = (float(given) if given is not None
+                     else 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original)))
         shape = np.float32(base) ** _base_exponents(dim)
 
         def table(factors: list[float]) -> np.ndarray:

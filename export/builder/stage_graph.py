@@ -64,7 +64,7 @@ def _parameter(name: str, shape: list[int], dtype: ov.Type) -> ov.Node:
 def _rotary(shape: ModelShape, position_ids: ov.Output) -> tuple[ov.Output, ov.Output]:
     tables = inverse_frequencies(shape.rope, shape.head_dim, shape.max_positions)
     inv = blocks.const(tables.inv_freq)
-    if tables.long_inv_freq is not None:
+    if tables.long_inv_freq is not None and tables.switch_at is not None:  # both or neither
         # longrope: the long factors once the sequence (max position + 1) outgrows the original window
         longest = ops.reduce_max(position_ids, blocks.i64([0, 1]), keep_dims=False)
         is_long = ops.greater(longest, blocks.i64(tables.switch_at - 1))
@@ -101,7 +101,7 @@ def _attention(shape: ModelShape, w: WeightSource, n: _Layer, x: ov.Output, cos:
     q = blocks.split_heads(q, shape.heads, d)  # [B, S, H, D]
     k = blocks.split_heads(k, shape.kv_heads, d)
     v = blocks.split_heads(v, shape.kv_heads, d)
-    if f.q_norm is not None:
+    if f.q_norm is not None and f.k_norm is not None:  # both or neither
         q = blocks.rms_norm(q, w.vector(n(f.q_norm)), shape.eps)
         k = blocks.rms_norm(k, w.vector(n(f.k_norm)), shape.eps)
     q = blocks.rotary(blocks.to_bhsd(q), cos, sin, d)  # [B, H, S, D]
@@ -171,7 +171,7 @@ def build_stage_model(shape: ModelShape, stage: StagePlan, weights: WeightSource
         x = blocks.rms_norm(h, weights.vector(n(f.post_attn_norm)), shape.eps)
         h = ops.add(h, _mlp(shape, weights, n, x)).output(0)
 
-    if stage.has_head:
+    if logits_last is not None:  # the stage has the head
         h = blocks.trailing_rows(h, logits_last.output(0))
         h = blocks.rms_norm(h, weights.vector(f.final_norm), shape.eps)
         out, out_name = blocks.linear(h, weights.linear(head)), "logits"
@@ -198,7 +198,7 @@ def stage_tensor_names(shape: ModelShape, stage: StagePlan, available: frozenset
         else:
             names += [n(p + ".weight") for p in (f.q, f.k, f.v)]
             names += [n(p + ".bias") for p in (f.q, f.k, f.v)] if shape.qkv_bias else []
-        if f.q_norm is not None:
+        if f.q_norm is not None and f.k_norm is not None:
             names += [n(f.q_norm), n(f.k_norm)]
         names += [n(f.o + ".bias")] if shape.o_bias else []
         if f.fused_gate_up is not None:
