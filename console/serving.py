@@ -27,8 +27,8 @@ from console.service.export_catalog import ExportInfo
 from console.service.export_job import ExportEvent, ExportFailed, ExportFinished, ExportJob
 from console.service.ring_layout import AgentEndpoint, AgentProgress, RingHealth, RingLayout
 from engine.api.server import RunningApi, async_run_api
-from engine.placement.planner import Plan
 from engine.generation.tokenizer import ChatTokenizer
+from engine.placement.planner import Plan
 
 log = logging.getLogger("deskfleet.console")
 

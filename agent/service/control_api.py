@@ -261,7 +261,8 @@ def build_app(service: ControlledAgent) -> web.Application:
 
     @route("POST", "/v1/deny", console_only=True)
     async def deny(request, body):
-        await service.async_set_deny(parse_node_ids(body.get("deny"), "deny"), api_key=parse_api_key(body.get("api_key")))
+        await service.async_set_deny(parse_node_ids(body.get("deny"), "deny"),
+                                     api_key=parse_api_key(body.get("api_key")))
         return None
 
     @route("POST", "/v1/calibrate", console_only=True)

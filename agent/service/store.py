@@ -27,8 +27,8 @@ from engine.atomic_file import write_json_atomic
 from engine.control.messages import Assignment, ControlRequestError, FetchProgress
 from engine.errors import DeskfleetError, ShardIntegrityError
 from engine.shards.manifest import MANIFEST_NAME, FileEntry, safe_join, sha256_file
-from engine.trust.tls_peer import PeerCheckingConnector, async_read_limited, expect_peer
 from engine.trust.fleet_ca import Role
+from engine.trust.tls_peer import PeerCheckingConnector, async_read_limited, expect_peer
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +172,8 @@ async def async_fetch(store: ShardStore, assignment: Assignment, *, ssl: SSLCont
                         part.unlink(missing_ok=True)
                     elif resp.status not in (200, 206):
                         what = f"fetching {entry.path} from {assignment.source}: HTTP {resp.status}"
-                        body = await async_read_limited(resp, MAX_ERROR_BYTES, lambda m, w=what: FetchError(f"{w} ({m})"))
+                        body = await async_read_limited(resp, MAX_ERROR_BYTES,
+                                                        lambda m, w=what: FetchError(f"{w} ({m})"))
                         raise FetchError(f"{what} {body[:200].decode('utf-8', 'replace')}")
                     with open(part, "ab") as f:
                         async for chunk in resp.content.iter_chunked(_CHUNK):

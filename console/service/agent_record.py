@@ -151,7 +151,8 @@ def merge_record(key: str, sightings: Mapping[AgentSource, Sighting], *, own_fle
     # hardware facts (shown until a poll reports the inventory): a proven source's, else those of
     # an mDNS record from the proven address (the same agent's own advertisement)
     facts = next((s for s in reversed(believed) if s.devices), None) or next(
-        (s for s in reversed(ordered) if s.devices and (s.address, s.control_port) == (where.address, where.control_port)),
+        (s for s in reversed(ordered)
+         if s.devices and (s.address, s.control_port) == (where.address, where.control_port)),
         where)
     name, devices, memory, version = named.name, facts.devices, facts.memory_bytes, where.version or facts.version
     fleet_id = where.fleet_id

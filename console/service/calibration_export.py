@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 
 from console.service.errors import CalibrationError
 from engine.errors import ManifestError
-from engine.shards.manifest import Manifest, StageManifest, load_manifest
 from engine.placement.planner import ModelProfile
+from engine.shards.manifest import Manifest, StageManifest, load_manifest
 
 if TYPE_CHECKING:
     from export.options import ExportOptions

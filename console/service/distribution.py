@@ -366,8 +366,8 @@ class Distributor:
                                       "starts when the pause ends. Run the distribution again then, or re-plan "
                                       "without this PC", status)
                 if worker.state in ("failed", "stopped"):
-                    return self._fail(target, f"its stage worker {worker.state}: {worker.last_error or 'no reason given'}; "
-                                      "see the agent's log", status)
+                    return self._fail(target, f"its stage worker {worker.state}: "
+                                      f"{worker.last_error or 'no reason given'}; see the agent's log", status)
                 if time.monotonic() > deadline:
                     return self._fail(target, f"its stage worker was not running within {self.timeouts.start_s:.0f} s "
                                       f"(state {worker.state}: {worker.last_error or 'no error yet'})", status)

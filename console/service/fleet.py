@@ -44,8 +44,8 @@ from console.service.errors import (
 )
 from console.service.revocations import RevocationBook
 from engine.control.client import ControlClient, ControlError, WrongAgentError
-from engine.discovery.mdns import Peer
 from engine.control.hub import AgentEvent, FleetHub
+from engine.discovery.mdns import Peer
 from engine.trust.fleet_ca import Credentials
 
 __all__ = ["AgentRecord", "AgentSource", "FleetModel", "Membership"]

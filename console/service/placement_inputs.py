@@ -31,8 +31,8 @@ from console.service.profiling import (
     device_profiles,
     pc_infos,
 )
-from engine.errors import Exclusion, PlacementInputError
 from engine.control.hub import FleetHub
+from engine.errors import Exclusion, PlacementInputError
 from engine.placement.planner import (
     DeviceProfile,
     ModelProfile,

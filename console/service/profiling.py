@@ -29,10 +29,10 @@ from console.service.calibration_export import CalibrationSet
 from console.service.errors import ConsoleStateError
 from console.service.fleet import FleetModel
 from console.service.state_file import read_json, write_json
-from engine.shards.calibration import StageTiming, fit_layer_time
 from engine.control.client import ControlClient, ControlError
 from engine.control.hub import FleetHub
 from engine.placement.planner import DeviceProfile, ModelProfile, PcInfo
+from engine.shards.calibration import StageTiming, fit_layer_time
 
 log = logging.getLogger(__name__)
 
