@@ -12,11 +12,13 @@ float32, whatever the file holds. Two sources exist:
 
 from __future__ import annotations
 
+import io
 import json
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -44,7 +46,7 @@ def _bf16_to_f32(raw: np.ndarray) -> np.ndarray:
     return (raw.astype(np.uint32) << 16).view(np.float32)
 
 
-_DTYPES: dict[str, tuple[np.dtype, object]] = {
+_DTYPES: dict[str, tuple[np.dtype, Callable[[np.ndarray], np.ndarray] | None]] = {
     "F32": (np.dtype("<f4"), None),
     "F16": (np.dtype("<f2"), None),
     "BF16": (np.dtype("<u2"), _bf16_to_f32),
@@ -86,7 +88,8 @@ class SafetensorsSource:
         try:
             self.config: dict = json.loads(config_path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
-            raise CheckpointError(f"{config_path} is missing or not JSON ({exc}); pass an HF checkpoint directory") from exc
+            raise CheckpointError(f"{config_path} is missing or not JSON ({exc}); "
+                                  "pass an HF checkpoint directory") from exc
         files = sorted(directory.glob("*.safetensors"))
         if not files:
             raise CheckpointError(f"{directory} has no *.safetensors files; is it an HF checkpoint directory?")
@@ -105,7 +108,7 @@ class SafetensorsSource:
                 if end > file_size:
                     raise CheckpointError(f"{file} is truncated (tensor {name!r} ends past the file); copy it again")
                 self._entries[name] = _Entry(file, str(info["dtype"]), tuple(int(d) for d in info["shape"]), begin, end)
-        self._handles: dict[Path, BinaryIO] = {}
+        self._handles: dict[Path, io.BufferedReader] = {}
 
     def names(self) -> frozenset[str]:
         return frozenset(self._entries)
@@ -148,7 +151,7 @@ class SafetensorsSource:
         if handle is None:
             handle = self._handles[entry.file] = entry.file.open("rb")
         handle.seek(entry.begin + start * row_values * storage.itemsize)
-        if handle.readinto(memoryview(out).cast("B")) != out.nbytes:
+        if handle.readinto(out.data.cast("B")) != out.nbytes:
             raise CheckpointError(f"{entry.file} ended early while reading {name!r}; copy it again")
         return out.reshape((stop - start, *entry.shape[1:]) if entry.shape else ())
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import BinaryIO
 
 from export.weights.checkpoint import CheckpointError, read_safetensors_header
 
@@ -49,7 +50,7 @@ def checkpoint_fingerprint(directory: Path) -> str:
                 raise CheckpointError(f"tensor {name!r} is in both {where[name][0].name} and {file.name}; "
                                       "remove the stray file")
             where[name] = (file, info, data_start)
-    handles = {}
+    handles: dict[Path, BinaryIO] = {}
     try:
         for name in sorted(where):
             file, info, data_start = where[name]

@@ -78,9 +78,10 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-_PLAIN = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
+_PLAIN: dict[str, np.dtype] = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_0-9]+)\.(weight|bias)$")
-_PERMUTED = {"llama": {"self_attn.q_proj.weight": "num_attention_heads", "self_attn.k_proj.weight": "num_key_value_heads"}}
+_PERMUTED = {"llama": {"self_attn.q_proj.weight": "num_attention_heads",
+                       "self_attn.k_proj.weight": "num_key_value_heads"}}
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -119,7 +120,8 @@ class GGUFSource:
         try:
             self._file = GGUFFile(self.path)
         except (GGUFFormatError, OSError, UnicodeDecodeError) as exc:
-            raise CheckpointError(f"{self.path} is not a readable GGUF file ({exc}); download or copy it again") from exc
+            raise CheckpointError(f"{self.path} is not a readable GGUF file ({exc}); "
+                                  "download or copy it again") from exc
         self.architecture = str(self.field("general.architecture") or "")
         self._tensors = {}
         unmapped = []
@@ -272,7 +274,7 @@ class GGUFSource:
         """Drop the file pages of ``view`` (a slice of :meth:`blocks` data) from this process's
         RSS once read; they stay in the page cache, so reading them again costs no disk I/O."""
         mapped = getattr(self._map, "_mmap", None)
-        if mapped is None or view.size == 0:
+        if self._map is None or mapped is None or view.size == 0:
             return
         base = self._map.ctypes.data
         begin = view.ctypes.data - base

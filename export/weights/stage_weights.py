@@ -27,6 +27,7 @@ import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import openvino as ov
@@ -35,6 +36,7 @@ import openvino.opset13 as ops
 from engine.errors import DeskfleetError
 from export.weights.checkpoint import TensorSource
 from export.weights.gguf_blocks import KEPT_TYPES, decode
+from export.weights.gguf_source import RawBlocks
 from export.weights.rtn import Scheme, grouped_shape, quantize, row_block, scheme_for
 from export.weights.weight_file import ConstantSpec, MemoryConstants, WeightFile, pack_nibbles
 
@@ -44,6 +46,17 @@ _DECODER = re.compile(r"(^|\.)layers\.\d+\.")
 
 class WeightModeError(DeskfleetError):
     """A weight mode is unknown, or its group size does not divide a weight's input dimension."""
+
+
+@runtime_checkable
+class KeptSource(Protocol):
+    """What ``gguf_keep`` needs beyond a :class:`TensorSource`: the stored blocks (a GGUF's)."""
+
+    def type_name(self, name: str) -> str: ...
+
+    def blocks(self, name: str) -> RawBlocks: ...
+
+    def row_order(self, name: str) -> np.ndarray | None: ...
 
 
 @dataclass(frozen=True)
@@ -184,16 +197,16 @@ class StageWeights:
         return self._lower_integer(name, shape, scheme_for(kind, self.mode.group_size))
 
     def _lower_kept(self, name: str, shape: tuple[int, int]) -> ov.Output:
-        type_of = getattr(self.source, "type_name", None)
-        if type_of is None:
+        source = self.source
+        if not isinstance(source, KeptSource):
             raise WeightModeError("gguf_keep keeps a GGUF's own quantisation, but this checkpoint is not a GGUF; "
                                   "choose int4_sym, int4_asym, int8_asym, fp16 or fp32")
-        type_name = type_of(name)
+        type_name = source.type_name(name)
         if type_name not in KEPT_TYPES:
             return self._lower(name, shape, _KEEP_FALLBACK.get(type_name, "fp16"))
         rows, cols = shape
-        raw = self.source.blocks(name).data  # uint8 [rows, bytes per row], GGUF row order
-        order = self.source.row_order(name)
+        raw = source.blocks(name).data  # uint8 [rows, bytes per row], GGUF row order
+        order = source.row_order(name)
         step = row_block(rows, cols)
         scales: list[np.ndarray] = []
         zeros: list[np.ndarray] = []

@@ -62,7 +62,7 @@ class ConstantSpec:
 
 
 def _as_bytes(chunk: np.ndarray) -> memoryview:
-    return memoryview(np.ascontiguousarray(chunk)).cast("B")
+    return np.ascontiguousarray(chunk).data.cast("B")
 
 
 class WeightFile:
