@@ -19,8 +19,8 @@ from engine.control.fleet_services import is_first_run, load_or_create_authority
 from engine.control.messages import AgentStatus, FetchProgress, WorkerStatus
 from engine.discovery.join_service import console_advertisement
 from engine.trust.join_token import TokenBook, parse_token
-from tests.agent.test_tray import held, start_tray  # noqa: F401  (fixture)
 from tests.support.agent_helpers import console
+from tests.support.asyncutil import held
 
 FP = "ab" * 32
 
@@ -56,7 +56,7 @@ def test_first_run_texts():
 
 
 @pytest.mark.slow
-def test_agent_first_run_needs_only_the_token(qtbot, start_tray, tmp_path):  # noqa: F811
+def test_agent_first_run_needs_only_the_token(qtbot, start_tray, tmp_path):
     with held(lambda: console(tmp_path / "console", advertise_on="127.0.0.1")) as con:
         tray = start_tray()
         dialog = tray.open_join_dialog()
@@ -90,7 +90,7 @@ def test_agent_first_run_needs_only_the_token(qtbot, start_tray, tmp_path):  # n
 
 
 @pytest.mark.slow
-def test_agent_first_run_without_a_console_on_the_network_asks_for_its_address(qtbot, start_tray, tmp_path):  # noqa: F811
+def test_agent_first_run_without_a_console_on_the_network_asks_for_its_address(qtbot, start_tray, tmp_path):
     with held(lambda: console(tmp_path / "console")) as con:  # not advertised: another network
         tray = start_tray()
         dialog = tray.open_join_dialog()

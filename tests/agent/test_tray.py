@@ -7,9 +7,6 @@ Quit stops everything without leaking a thread. Only the idle clock is fake."""
 from __future__ import annotations
 
 import argparse
-import asyncio
-import concurrent.futures
-import contextlib
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -19,15 +16,12 @@ from PySide6.QtCore import QObject, QTimer
 from PySide6.QtWidgets import QApplication
 
 from agent.service import pause
-from agent.service.service import AgentService
 from agent.service.settings import (
     AgentSettings,
     AgentState,
     load_settings,
-    save_settings,
     save_state,
 )
-from agent.tray.bridge import START_TIMEOUT_S, AgentBridge
 from agent.tray.icons import STATE_STYLES, state_pixmap
 from agent.tray.tray import QtAgentTray
 from agent.tray.tray_model import (
@@ -37,100 +31,19 @@ from agent.tray.tray_model import (
     notices_between,
     status_line,
 )
-from console.shared.loop_thread import LoopThread
 from engine.control.messages import AgentStatus, FetchProgress, WorkerStatus
 from engine.trust.join_token import JoinToken
 from tests.support.agent_helpers import FakeIdle, console
+from tests.support.asyncutil import held
 
-LOGIN = ["/usr/bin/deskfleet", "agent", "--state-dir", "/tmp/a dir"]
+pytestmark = pytest.mark.usefixtures("private_dirs")
 
-
-@pytest.fixture(autouse=True)
-def private_dirs(tmp_path, monkeypatch):
-    """Never the real keyring or the real ~/.config/autostart."""
-    monkeypatch.setenv("DESKFLEET_KEYRING_DIR", str(tmp_path / "keyring"))
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
-
-
-@contextlib.contextmanager
-def held(factory, timeout: float = 60.0):
-    """Enter the async context manager ``factory()`` on a loop thread of its own; yield its value."""
-    ready: concurrent.futures.Future = concurrent.futures.Future()
-
-    async def main():
-        stop = asyncio.Event()
-        try:
-            async with factory() as value:
-                ready.set_result((value, stop))
-                await stop.wait()
-        except BaseException as exc:
-            if not ready.done():
-                ready.set_exception(exc)
-            raise
-
-    with LoopThread("test-console") as loop:
-        done = loop.submit(main())
-        value, stop = ready.result(timeout)
-        try:
-            yield value
-        finally:
-            loop.call_soon(stop.set)
-            done.result(timeout)
 
 
 @pytest.fixture
 def fleet_console(tmp_path):
     with held(lambda: console(tmp_path / "console")) as con:
         yield con
-
-
-def _settings(**over) -> AgentSettings:
-    return replace(AgentSettings(name="desk-1", interface="127.0.0.1", control_port=0, data_port=0,
-                                 pause_on_battery=False, resume_after_idle_s=0.5), **over)
-
-
-def _loop_tasks(bridge: AgentBridge) -> str:
-    """Every task on the bridge's loop with where it waits: what a hung start is stuck on."""
-    import io
-
-    async def dump() -> str:
-        out = io.StringIO()
-        for task in asyncio.all_tasks():
-            task.print_stack(limit=8, file=out)
-        return out.getvalue()
-
-    try:
-        return bridge.loop.run(dump(), 10, what="listing the loop's tasks")
-    except Exception as exc:
-        return f"(could not list them: {exc!r})"
-
-
-@pytest.fixture
-def start_tray(qtbot, tmp_path):
-    """``start_tray(idle=FakeIdle())`` -> a started QtAgentTray over a real AgentService."""
-    trays = []
-
-    def start(idle: FakeIdle | None = None, state_dir: Path | None = None) -> QtAgentTray:
-        state_dir = state_dir or tmp_path / "agent"
-        save_settings(state_dir, _settings())  # as the app's load_settings does on a first run
-        service = AgentService(state_dir, _settings(), idle_source=idle or FakeIdle(), power=lambda: None)
-        bridge = AgentBridge(service, poll_interval_ms=200)
-        tray = QtAgentTray(bridge, LOGIN, confirm_leave=lambda: True)
-        trays.append(tray)
-        bridge.start()
-        try:
-            qtbot.waitUntil(lambda: (bridge.running and bridge.status is not None) or bridge.start_error is not None,
-                            timeout=int((START_TIMEOUT_S + 10) * 1000))
-        except Exception:
-            pytest.fail(f"the tray did not start: running={bridge.running}, status={bridge.status}, "
-                        f"start future={bridge._start_future}; the agent loop's tasks:\n{_loop_tasks(bridge)}")
-        assert bridge.start_error is None, f"the agent service did not start: {bridge.start_error!r}"
-        return tray
-
-    yield start
-    for tray in trays:
-        tray.shutdown()
-        assert not tray.bridge.loop.running
 
 
 def _status(state: str, **over) -> AgentStatus:
@@ -241,6 +154,7 @@ def test_menu_follows_join_pause_resume_and_leave(qtbot, start_tray, fleet_conso
     assert _icon_image(tray) == icons["not-joined"]
 
 
+@pytest.mark.slow
 def test_a_bad_token_is_explained_in_the_dialog_and_changes_nothing(qtbot, start_tray, fleet_console, tmp_path):
     tray = start_tray()
     settings_before = (tmp_path / "agent" / "settings.json").read_text()
@@ -274,6 +188,7 @@ def bridge_state(tray: QtAgentTray) -> str:
     return tray.bridge.status.state
 
 
+@pytest.mark.slow
 def test_pause_while_in_use_is_saved_and_applied(qtbot, start_tray, tmp_path):
     idle = FakeIdle(0.0)  # someone is typing
     tray = start_tray(idle)
@@ -293,6 +208,7 @@ def test_pause_while_in_use_is_saved_and_applied(qtbot, start_tray, tmp_path):
     assert load_settings(tmp_path / "agent").pause_while_in_use is True
 
 
+@pytest.mark.slow
 def test_start_at_login_writes_and_removes_the_xdg_entry(qtbot, start_tray, tmp_path):
     tray = start_tray()
     entry = tmp_path / "config" / "autostart" / "deskfleet-agent.desktop"
@@ -308,6 +224,7 @@ def test_start_at_login_writes_and_removes_the_xdg_entry(qtbot, start_tray, tmp_
     qtbot.waitUntil(lambda: not load_settings(tmp_path / "agent").start_at_login, timeout=5000)
 
 
+@pytest.mark.slow
 def test_open_chat_needs_the_fleets_address(qtbot, start_tray, tmp_path):
     tray = start_tray()
     assert tray.open_chat() is None
@@ -327,6 +244,7 @@ def test_open_chat_needs_the_fleets_address(qtbot, start_tray, tmp_path):
     qtbot.waitUntil(lambda: "cannot reach the fleet's API" in window.error_label.text(), timeout=15000)
 
 
+@pytest.mark.slow
 def test_the_trays_chat_sends_the_api_key_its_assignment_brought(qtbot, start_tray, tmp_path, tiny_export):
     from engine.control.messages import Assignment
 
@@ -345,6 +263,7 @@ def test_the_trays_chat_sends_the_api_key_its_assignment_brought(qtbot, start_tr
     assert "sk-deskfleet-tray" not in repr(tray.bridge.status)  # the status other members may read has no key
 
 
+@pytest.mark.slow
 def test_run_tray_quits_cleanly_and_warns_without_a_system_tray(qtbot, tmp_path, capsys):
     from agent.cli import configure
     from agent.tray.app import NO_TRAY_WARNING, run_tray

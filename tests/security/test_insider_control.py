@@ -30,7 +30,7 @@ from engine.discovery.join_service import ConsoleAdvertiser, console_advertiseme
 from engine.discovery.mdns import Advertisement, Advertiser, Browser
 from engine.trust.fleet_ca import Credentials, Role
 from engine.trust.keystore import ConsoleSecrets
-from tests.security.test_api_security import SETTINGS
+from tests.security.served_api import SETTINGS, served
 from tests.support.agent_helpers import console
 from tests.support.asyncutil import run, until
 from tests.support.console_fleet_helpers import agent, joined_fleet
@@ -285,8 +285,6 @@ def test_removing_a_member_rotates_the_api_key_and_only_the_remaining_members_ge
     it rotates the key: the running API refuses the old key at once and takes the new one, the
     keyring holds the new one, and the remaining member's stored assignment (its tray's chat)
     gets it with the deny list; the removed PC gets nothing."""
-    from tests.security.test_api_security import served  # the API over the tiny 2-stage export
-
     export = tiny_export("llama", 2)
 
     async def status(api, key):

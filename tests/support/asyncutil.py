@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import time
 from collections.abc import Callable
 from typing import TypeVar
+
+from console.shared.loop_thread import LoopThread
 
 T = TypeVar("T")
 
@@ -34,3 +38,29 @@ async def until(predicate: Callable[[], T], what: str, timeout: float = 20.0, in
             raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
         await asyncio.sleep(interval)
     return value
+
+
+@contextlib.contextmanager
+def held(factory, timeout: float = 60.0):
+    """Enter the async context manager ``factory()`` on a loop thread of its own; yield its value."""
+    ready: concurrent.futures.Future = concurrent.futures.Future()
+
+    async def main():
+        stop = asyncio.Event()
+        try:
+            async with factory() as value:
+                ready.set_result((value, stop))
+                await stop.wait()
+        except BaseException as exc:
+            if not ready.done():
+                ready.set_exception(exc)
+            raise
+
+    with LoopThread("test-console") as loop:
+        done = loop.submit(main())
+        value, stop = ready.result(timeout)
+        try:
+            yield value
+        finally:
+            loop.call_soon(stop.set)
+            done.result(timeout)

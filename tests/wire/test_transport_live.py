@@ -164,6 +164,7 @@ async def fuzz_one(host, port, client_ctx, data, after_handshake, truncated) -> 
             await writer.wait_closed()
 
 
+@pytest.mark.slow
 def test_live_fuzzing_never_disturbs_a_well_behaved_stream(security):
     server_ctx, client_ctx = security
     cases = fuzz_cases(1000)
