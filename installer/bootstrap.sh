@@ -13,8 +13,8 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 py="${PYTHON:-python3}"
 pip() { "$py" -m pip --disable-pip-version-check -q "$@"; }
 
-# The requirement pyproject.toml pins for one distribution ("torch" -> "torch==2.x"), wherever it
-# is declared (the dependencies or an extra); fails unless it is pinned with == exactly once.
+# The requirement pyproject.toml pins for one distribution ("torch" -> "torch==<version>"),
+# wherever it is declared (the dependencies or an extra); fails unless pinned with == exactly once.
 pinned() {
   "$py" - "$here/pyproject.toml" "$1" <<'EOF'
 import re, sys, tomllib

@@ -30,6 +30,17 @@ def run_value() -> str:
     return f'"{PYTHONW}" -m engine.cli.main agent'
 
 
+def _entry(**fields: str) -> str:
+    """One Inno Setup section entry (one line): ``Key: value; Key: value`` in the order given."""
+    return "; ".join(f"{key}: {value}" for key, value in fields.items())
+
+
+def _shortcut(which: str, comment: str) -> str:
+    return _entry(Name=rf'"{{userprograms}}\Deskfleet\Deskfleet {which}"', Filename=f'"{PYTHONW}"',
+                  Parameters=f'"-m engine.cli.main {which}"', IconFilename=rf'"{{app}}\deskfleet-{which}.ico"',
+                  Comment=f'"{comment}"')
+
+
 def inno_script(version: str) -> str:
     """``deskfleet.iss``: compile with ``iscc deskfleet.iss`` next to ``wheels\\``, ``install-venv.ps1``
     and the icons."""
@@ -64,14 +75,16 @@ Source: "deskfleet-agent.ico"; DestDir: "{{app}}"; Flags: ignoreversion
 Source: "deskfleet-console.ico"; DestDir: "{{app}}"; Flags: ignoreversion
 
 [Icons]
-Name: "{{userprograms}}\\Deskfleet\\Deskfleet agent"; Filename: "{PYTHONW}"; Parameters: "-m engine.cli.main agent"; IconFilename: "{{app}}\\deskfleet-agent.ico"; Comment: "Lend this PC to the office LLM fleet while it is idle"
-Name: "{{userprograms}}\\Deskfleet\\Deskfleet console"; Filename: "{PYTHONW}"; Parameters: "-m engine.cli.main console"; IconFilename: "{{app}}\\deskfleet-console.ico"; Comment: "Run the office LLM fleet"
+{_shortcut("agent", "Lend this PC to the office LLM fleet while it is idle")}
+{_shortcut("console", "Run the office LLM fleet")}
 
 [Registry]
-Root: HKCU; Subkey: "{RUN_KEY}"; ValueType: string; ValueName: "{RUN_VALUE_NAME}"; ValueData: {_iss_quote(run_value())}; Flags: uninsdeletevalue; Tasks: startatlogin
+{_entry(Root="HKCU", Subkey=f'"{RUN_KEY}"', ValueType="string", ValueName=f'"{RUN_VALUE_NAME}"',
+        ValueData=_iss_quote(run_value()), Flags="uninsdeletevalue", Tasks="startatlogin")}
 
 [Run]
-Filename: "{PYTHONW}"; Parameters: "-m engine.cli.main agent"; Description: "Start the Deskfleet agent now"; Flags: nowait postinstall skipifsilent
+{_entry(Filename=f'"{PYTHONW}"', Parameters='"-m engine.cli.main agent"', Description='"Start the Deskfleet agent now"',
+        Flags="nowait postinstall skipifsilent")}
 
 [UninstallDelete]
 Type: filesandordirs; Name: "{{app}}\\venv"

@@ -25,7 +25,7 @@ def declared() -> tuple[str, ...]:
 
 
 def pinned(name: str) -> str:
-    """The ``name==version`` requirement pyproject.toml pins ``name`` at ("torch" -> "torch==2.x");
+    """The ``name==version`` requirement pyproject.toml pins ``name`` at ("torch" -> "torch==<version>");
     LookupError unless it is pinned with ``==`` exactly once."""
     pins = {r.split(";")[0].strip() for r in declared()
             if re.match(rf"{re.escape(name)}\s*==", r, re.IGNORECASE)}
