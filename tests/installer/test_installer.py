@@ -131,7 +131,8 @@ def test_windows_installer_files(tmp_path):
     app = r"C:\Users\Ana Lopez\AppData\Local\Programs\Deskfleet"
     written = value[1:-1].replace('""', '"').replace("{app}", app)
     # exactly what the tray's own "Start at login" writes, so the tray sees the installer's choice
-    assert written == autostart.windows_run_value([app + r"\venv\Scripts\pythonw.exe", "-m", "engine.cli.main", "agent"])
+    pythonw = app + r"\venv\Scripts\pythonw.exe"
+    assert written == autostart.windows_run_value([pythonw, "-m", "engine.cli.main", "agent"])
     for shortcut, args in (("Deskfleet agent", "agent"), ("Deskfleet console", "console")):
         line = next(x for x in iss.splitlines() if f"\\{shortcut}\"" in x)
         assert windows.PYTHONW in line and f'Parameters: "-m engine.cli.main {args}"' in line
