@@ -16,20 +16,11 @@ import concurrent.futures
 import contextlib
 import os
 import sys
-import time
 from pathlib import Path
 
+from tests.support.xvfb import qt_wait
+
 QUESTION = "Tell me a long story."
-
-
-def _wait(app, condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
-        app.processEvents()
-        time.sleep(0.02)
-    app.processEvents()
 
 
 @contextlib.contextmanager
@@ -115,11 +106,11 @@ def take_screenshots(out: Path, export: Path, work: Path) -> list[Path]:
         tray = QtAgentTray(bridge, [sys.executable, "-m", "engine.cli.main", "agent"], confirm_leave=lambda: True)
         try:
             bridge.start()
-            _wait(app, lambda: bridge.running and bridge.status is not None, 120, "the agent to start")
+            qt_wait(app, lambda: bridge.running and bridge.status is not None, 120, "the agent to start")
 
             def grab_menu(name: str) -> None:
                 tray.menu.popup(QPoint(24, 24))
-                _wait(app, tray.menu.isVisible, 10, "the menu")
+                qt_wait(app, tray.menu.isVisible, 10, "the menu")
                 save(tray.menu.grab(), name)
                 tray.menu.hide()
 
@@ -127,29 +118,29 @@ def take_screenshots(out: Path, export: Path, work: Path) -> list[Path]:
             dialog = tray.open_join_dialog()
             dialog.token_edit.setText(con.token())
             dialog.console_edit.setText(con.enrollment)
-            _wait(app, dialog.isVisible, 10, "the join dialog")
+            qt_wait(app, dialog.isVisible, 10, "the join dialog")
             save(dialog.grab(), "join-dialog.png")
             dialog.join_button.click()
-            _wait(app, lambda: bridge.status.state == "idle", 60, "the join")
+            qt_wait(app, lambda: bridge.status.state == "idle", 60, "the join")
             bridge.set_manual_pause(True)
-            _wait(app, lambda: bridge.status.state == "paused", 30, "the pause")
+            qt_wait(app, lambda: bridge.status.state == "paused", 30, "the pause")
             grab_menu("tray-menu-paused.png")
             bridge.set_manual_pause(False)
-            _wait(app, lambda: bridge.status.state == "idle", 30, "the resume")
+            qt_wait(app, lambda: bridge.status.state == "idle", 30, "the resume")
 
             window = tray.open_chat()
             window.options = {"temperature": 0, "max_tokens": 48}
             window.move(120, 60)
-            _wait(app, lambda: window.model_choice.count() > 0, 30, "the model list")
+            qt_wait(app, lambda: window.model_choice.count() > 0, 30, "the model list")
             window.input.setText(QUESTION)
             window.send()
-            _wait(app, lambda: not window.streaming, 60, "the answer")
+            qt_wait(app, lambda: not window.streaming, 60, "the answer")
             if window.model.current.messages[-1].state != "done":
                 raise RuntimeError(f"the chat answer failed: {window.error_label.text()}")
             save(window.grab(), "chat-window.png")
             if app.platformName() == "xcb":  # the real screen: the window as the X server shows it
                 tray.menu.popup(QPoint(window.x() + window.width() + 20, 60))
-                _wait(app, tray.menu.isVisible, 10, "the menu")
+                qt_wait(app, tray.menu.isVisible, 10, "the menu")
                 screen = QGuiApplication.primaryScreen()
                 save(screen.grabWindow(0).copy(QRect(0, 0, screen.size().width(), screen.size().height())),
                      "screen.png")

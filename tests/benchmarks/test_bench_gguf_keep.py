@@ -8,7 +8,7 @@ import json
 import pytest
 
 from tests.benchmarks import gguf_keep as bench
-from tests.export.weights import test_weights_gguf
+from tests.support import llama_gguf
 
 pytest.importorskip("gguf")
 
@@ -20,8 +20,8 @@ def result(tmp_path_factory):
     root = tmp_path_factory.mktemp("gguf-keep")
     # FFN 128 so that both INT4 group sizes (32, 64) divide every input dimension.
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(test_weights_gguf, "FFN", 128)
-        test_weights_gguf.write_tiny_gguf(root / "tiny.gguf", test_weights_gguf.MIXED, seed=4)
+        mp.setattr(llama_gguf, "FFN", 128)
+        llama_gguf.write_llama_gguf(root / "tiny.gguf", llama_gguf.MIXED, seed=4)
     prompts = [[5, 17, 40, 3], [9, 9, 100, 250, 7], [300, 1]]
     out = bench.measure(root / "tiny.gguf", "tiny", root / "exports", prompts, tokens=TOKENS, runs=2, warmups=1,
                         threads=1, exact_threads=1, log=lambda _m: None)
@@ -32,7 +32,8 @@ def test_agreement_comes_from_the_runs(result):
     r, prompts, root = result
     gen = r["agreement"]["tokens"]
     assert set(gen) == {v.name for v in bench.VARIANTS}
-    assert all(len(t) == TOKENS for runs in gen.values() for t in runs) and all(len(v) == len(prompts) for v in gen.values())
+    assert all(len(t) == TOKENS for runs in gen.values() for t in runs)
+    assert all(len(v) == len(prompts) for v in gen.values())
     for name, v in r["agreement"]["variants"].items():
         assert v["first_divergence"] == [bench.first_divergence(t, ref) for t, ref in
                                          zip(gen[name], gen[bench.REFERENCE], strict=True)]
@@ -54,7 +55,8 @@ def test_speed_rounds_are_paired_and_rotated(result):
 
 def test_exports_differ_as_their_modes_say(result):
     r, _, root = result
-    manifests = {n: json.loads((root / "exports" / e["dir"] / "manifest.json").read_text()) for n, e in r["exports"].items()}
+    manifests = {n: json.loads((root / "exports" / e["dir"] / "manifest.json").read_text())
+                 for n, e in r["exports"].items()}
     assert len({json.dumps(m["stages"]) for m in manifests.values()}) == 4  # four distinct weight files
     assert r["exports"]["keep"]["mb"] < r["exports"]["fp32"]["mb"]
 

@@ -41,15 +41,15 @@ def take_console_screenshots(out: Path, checkpoint: Path, work: Path, cache: Pat
     """Write one PNG per page into ``out`` (and the whole screen under X11); return their paths."""
     from PySide6.QtWidgets import QApplication
 
-    from tests.agent.screenshots import _wait
     from tests.console.console_app_helpers import ConsoleDriver, local_agents, running_console
+    from tests.support.xvfb import qt_wait
 
     out.mkdir(parents=True, exist_ok=True)
     app = QApplication.instance() or QApplication(sys.argv[:1])
     written: list[Path] = []
 
     def wait(condition, timeout: float, what: str) -> None:
-        _wait(app, condition, timeout, what)
+        qt_wait(app, condition, timeout, what)
 
     def save(window, name: str) -> None:
         path = out / name

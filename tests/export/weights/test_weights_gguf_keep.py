@@ -12,13 +12,13 @@ import pytest
 from export.weights.gguf_blocks import decode
 from export.weights.gguf_source import GGUFSource
 from export.weights.stage_weights import StageWeights, WeightMode, WeightModeError
-from tests.export.weights.test_weights_gguf import MIXED, write_tiny_gguf
-from tests.export.weights.test_weights_stage import (
+from tests.export.weights.lowering_helpers import (
     ArraySource,
     matmul_model,
     run,
     runtime_weight_precisions,
 )
+from tests.support.llama_gguf import MIXED, write_llama_gguf
 
 
 def gguf_blocks_of(values: np.ndarray, type_name: str) -> np.ndarray:
@@ -68,7 +68,7 @@ def test_q4_1_decompresses_within_the_f16_rounding_of_its_zero_point():
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
     path = tmp_path_factory.mktemp("keep") / "tiny.gguf"
-    write_tiny_gguf(path, MIXED, seed=4)
+    write_llama_gguf(path, MIXED, seed=4)
     return GGUFSource(path)
 
 
