@@ -59,7 +59,8 @@ def test_the_core_places_distributes_and_measures_two_agents(tmp_path, tiny_chec
 
 
 def test_predict_reproduces_the_solvers_stage_times():
-    stages = (PlannedStage("a/CPU", "a", 0, 9, 10 * 0.5 + 1.0, 1), PlannedStage("b/CPU", "b", 10, 29, 20 * 0.6 + 2.0 + 3 * 0.6, 1))
+    stages = (PlannedStage("a/CPU", "a", 0, 9, 10 * 0.5 + 1.0, 1),
+              PlannedStage("b/CPU", "b", 10, 29, 20 * 0.6 + 2.0 + 3 * 0.6, 1))
     plan = Plan(stages=stages, hop_ms=(0.1, 0.2, 0.3), per_token_ms=0.0, tok_s=1.0, bottleneck_ms=0.0, n_streams=1,
                 cycle_ms=0.0, aggregate_tok_s=0.0, objective="latency", optimal=True)
     per_stage, per_token = predict(plan, [(0.5, 1.0), (0.6, 2.0)], head_ratio=3.0)
