@@ -3,6 +3,7 @@ unsplit greedy reference, a private keyring and private XDG folders, and the hyg
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from pathlib import Path
@@ -113,6 +114,18 @@ def private_dirs(private_keyring, tmp_path, monkeypatch):
     console state) in the test's own directory: for the shells, which use all three."""
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+
+
+@pytest.fixture
+def no_server_errors(caplog):
+    """Fail a live fuzz test whose servers logged an error: aiohttp logs an unhandled handler
+    exception at ERROR before it answers 500 (the fuzz modules use it through LIVE_FUZZ)."""
+    from tests.support.fuzz_helpers import unexpected_errors
+
+    caplog.set_level(logging.WARNING)
+    yield
+    errors = unexpected_errors(caplog.records, ("aiohttp", "agent", "deskfleet", "engine"))
+    assert not errors, errors[:5]
 
 
 def _qt_event_loops_run() -> bool:

@@ -11,41 +11,15 @@ plus a grab of the whole screen), else in-process offscreen. Standalone::
 from __future__ import annotations
 
 import argparse
-import asyncio
-import concurrent.futures
 import contextlib
 import os
 import sys
 from pathlib import Path
 
+from tests.support.asyncutil import held_on
 from tests.support.xvfb import qt_wait
 
 QUESTION = "Tell me a long story."
-
-
-@contextlib.contextmanager
-def _held(loop, factory, timeout: float = 300.0):
-    """Enter ``factory()`` (an async context manager) as one task on ``loop``; yield its value."""
-    ready: concurrent.futures.Future = concurrent.futures.Future()
-
-    async def main():
-        stop = asyncio.Event()
-        try:
-            async with factory() as value:
-                ready.set_result((value, stop))
-                await stop.wait()
-        except BaseException as exc:
-            if not ready.done():
-                ready.set_exception(exc)
-            raise
-
-    done = loop.submit(main())
-    value, stop = ready.result(timeout)
-    try:
-        yield value
-    finally:
-        loop.call_soon(stop.set)
-        done.result(timeout)
 
 
 @contextlib.asynccontextmanager
@@ -96,7 +70,8 @@ def take_screenshots(out: Path, export: Path, work: Path) -> list[Path]:
     save(strip, "tray-icons.png")
 
     with LoopThread("screenshots-servers") as servers, \
-            _held(servers, lambda: console(work / "console")) as con, _held(servers, lambda: _api(export)) as url:
+            held_on(servers, lambda: console(work / "console"), 300) as con, \
+            held_on(servers, lambda: _api(export), 300) as url:
         state_dir = work / "agent"
         settings = AgentSettings(name="desk-7", interface="127.0.0.1", control_port=0, data_port=0)
         save_settings(state_dir, settings)

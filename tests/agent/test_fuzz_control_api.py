@@ -33,6 +33,7 @@ from engine.trust.fleet_ca import Role
 from tests.support.agent_helpers import FakeIdle, console
 from tests.support.fuzz_helpers import (
     CONTENT_TYPES,
+    LIVE_FUZZ,
     METHODS,
     RAW_BODIES,
     HttpClient,
@@ -42,16 +43,12 @@ from tests.support.fuzz_helpers import (
     fuzz_settings,
     json_values,
     loop_thread,
-    no_server_errors,  # noqa: F401  (autouse)
     paths,
 )
 from tests.support.loopback import free_port
 
 # The agent's zeroconf and aiohttp threads draw from `random` while hypothesis generates examples.
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.filterwarnings("ignore::hypothesis.errors.HypothesisDeprecationWarning"),
-]
+pytestmark = LIVE_FUZZ
 
 CASES = {"control API: mutated assignments": 900, "control API: random requests": 800,
          "control API: oversized bodies": 12, "control API: deny lists and measure targets": 200}

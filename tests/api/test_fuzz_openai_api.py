@@ -31,6 +31,7 @@ from engine.generation.request import GenerationRequest
 from tests.support.fuzz_helpers import (
     CONTENT_TYPES,
     HUGE_NUMBERS,
+    LIVE_FUZZ,
     METHODS,
     RAW_BODIES,
     Blob,
@@ -41,14 +42,10 @@ from tests.support.fuzz_helpers import (
     fuzz_settings,
     json_values,
     loop_thread,
-    no_server_errors,  # noqa: F401  (autouse)
     paths,
 )
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.filterwarnings("ignore::hypothesis.errors.HypothesisDeprecationWarning"),
-]
+pytestmark = LIVE_FUZZ
 
 CASES = {"OpenAI API: chat bodies": 900, "OpenAI API: completion bodies": 600, "OpenAI API: raw requests": 2000}
 KEY = "sk-fuzz-key"

@@ -35,6 +35,7 @@ from engine.trust.join_token import JoinToken, parse_token
 from tests.support.agent_helpers import console
 from tests.support.fuzz_helpers import (
     CONTENT_TYPES,
+    LIVE_FUZZ,
     METHODS,
     RAW_BODIES,
     TRAVERSALS,
@@ -46,14 +47,10 @@ from tests.support.fuzz_helpers import (
     fuzz_settings,
     json_values,
     loop_thread,
-    no_server_errors,  # noqa: F401  (autouse)
     paths,
 )
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.filterwarnings("ignore::hypothesis.errors.HypothesisDeprecationWarning"),
-]
+pytestmark = LIVE_FUZZ
 
 CASES = {"enrollment: join bodies": 1000, "enrollment: raw requests": 400, "hub: shard paths and ranges": 1200,
          "hub: registrations and events": 300}

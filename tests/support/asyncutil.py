@@ -41,8 +41,9 @@ async def until(predicate: Callable[[], T], what: str, timeout: float = 20.0, in
 
 
 @contextlib.contextmanager
-def held(factory, timeout: float = 60.0):
-    """Enter the async context manager ``factory()`` on a loop thread of its own; yield its value."""
+def held_on(loop: LoopThread, factory, timeout: float = 60.0):
+    """Enter the async context manager ``factory()`` as one task on ``loop``; yield its value, and
+    leave it (on that loop) when the with-block ends."""
     ready: concurrent.futures.Future = concurrent.futures.Future()
 
     async def main():
@@ -56,11 +57,17 @@ def held(factory, timeout: float = 60.0):
                 ready.set_exception(exc)
             raise
 
-    with LoopThread("test-console") as loop:
-        done = loop.submit(main())
-        value, stop = ready.result(timeout)
-        try:
-            yield value
-        finally:
-            loop.call_soon(stop.set)
-            done.result(timeout)
+    done = loop.submit(main())
+    value, stop = ready.result(timeout)
+    try:
+        yield value
+    finally:
+        loop.call_soon(stop.set)
+        done.result(timeout)
+
+
+@contextlib.contextmanager
+def held(factory, timeout: float = 60.0):
+    """Enter the async context manager ``factory()`` on a loop thread of its own; yield its value."""
+    with LoopThread("test-console") as loop, held_on(loop, factory, timeout) as value:
+        yield value

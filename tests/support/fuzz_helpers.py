@@ -238,11 +238,10 @@ def paths(prefixes: tuple[str, ...]) -> st.SearchStrategy[str]:
                      st.sampled_from(("", "?", "?a=1", "?bytes=-1", "?bytes=99999999999999999999", "?%zz")))
 
 
-@pytest.fixture(autouse=True)
-def no_server_errors(caplog):
-    """Fail a fuzz test whose servers logged an error: aiohttp logs an unhandled handler exception
-    at ERROR before it answers 500. (Modules use it by importing it.)"""
-    caplog.set_level(logging.WARNING)
-    yield
-    errors = unexpected_errors(caplog.records, ("aiohttp", "agent", "deskfleet", "engine"))
-    assert not errors, errors[:5]
+# The marks of every live fuzz module: the slow lane, hypothesis's warning about the servers'
+# threads drawing from `random` silenced, and no_server_errors (tests/conftest.py) on each test.
+LIVE_FUZZ = [
+    pytest.mark.slow,
+    pytest.mark.filterwarnings("ignore::hypothesis.errors.HypothesisDeprecationWarning"),
+    pytest.mark.usefixtures("no_server_errors"),
+]
