@@ -27,6 +27,7 @@ import psutil
 
 from engine.cli.main import Command
 from tests.benchmarks.record import machine_info, markdown_table, median, update_section, write_json
+from tests.support.loopback import free_port
 
 COMMAND_LINE = "python -m tests.benchmarks agent"
 CPU_TARGET_PCT = 0.5
@@ -183,14 +184,6 @@ async def _async_pause_rounds(rounds: int, work: Path) -> dict[str, Any]:
         finally:
             await agent.async_close()
     return {"pause_s": pauses, "resume_s": resumes}
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _machine(m: dict[str, Any]) -> str:

@@ -32,6 +32,7 @@ from typing import Any
 
 from engine.cli.main import Command
 from tests.benchmarks.record import machine_info, markdown_table, median, update_section, write_json
+from tests.support.loopback import free_port
 
 COMMAND_LINE = "python -m tests.benchmarks failover"
 TARGET_S = 10.0
@@ -120,14 +121,6 @@ async def _agents(work: Path, con, names: tuple[str, ...]):
             await agent.async_close()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def _async_bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from console.service.distribution import Distributor
     from console.service.failover import FailoverSettings
@@ -144,9 +137,9 @@ async def _async_bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     runs: list[dict[str, Any]] = []
     async with fleet_host(work / "console") as con, _agents(work, con, ("desk-a", "desk-b", "desk-c")) as agents:
         control = {name: f"127.0.0.1:{a.control_port}" for name, a in agents.items()}
-        layout = RingLayout.of([AgentTarget(control["desk-a"], 0, _free_port(), "desk-a"),
-                                AgentTarget(control["desk-b"], 1, _free_port(), "desk-b")])
-        standby = [AgentEndpoint(control["desk-c"], _free_port(), "desk-c")]
+        layout = RingLayout.of([AgentTarget(control["desk-a"], 0, free_port(), "desk-a"),
+                                AgentTarget(control["desk-b"], 1, free_port(), "desk-b")])
+        standby = [AgentEndpoint(control["desk-c"], free_port(), "desk-c")]
         worker = WorkerSettings(threads=1, exact=args.exact)
         async with Distributor(con, export, layout, worker=worker, standby=standby, failover=settings) as dist:
             await dist.async_run()

@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import contextlib
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -40,6 +39,7 @@ import psutil
 from engine.cli.main import Command
 from tests.benchmarks.placement_report import fit_stage_cpu, render
 from tests.benchmarks.record import machine_info, median, update_section, write_json
+from tests.support.loopback import free_port
 
 if TYPE_CHECKING:
     from engine.placement.planner import Plan
@@ -92,12 +92,6 @@ def _plan_dict(plan: Plan) -> dict[str, Any]:
 
 
 # -- the edges: agents, placement, rings ------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _cpu_s(pid: int) -> float:
     """CPU seconds of a process and its children."""
