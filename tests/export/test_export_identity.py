@@ -13,7 +13,8 @@ N_TOKENS = 32
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("stages", [1, 2, 3])
+# Three stages export and compile a third graph per family: the slow lane (the ring tests split in 3 too).
+@pytest.mark.parametrize("stages", [1, 2, pytest.param(3, marks=pytest.mark.slow)])
 def test_chained_greedy_equals_hf_torch(family, stages, tiny_export, hf_greedy):
     chain = LocalChain.load(tiny_export(family, stages), exact=True)
     result = greedy_generate(chain, PROMPT_IDS, N_TOKENS, ignore_eos=True)
