@@ -13,7 +13,7 @@ N_TOKENS = 32
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-# Three stages export and compile a third graph per family: the slow lane (the ring tests split in 3 too).
+# Three stages (a third graph to export and compile per family) run in the slow lane.
 @pytest.mark.parametrize("stages", [1, 2, pytest.param(3, marks=pytest.mark.slow)])
 def test_chained_greedy_equals_hf_torch(family, stages, tiny_export, hf_greedy):
     chain = LocalChain.load(tiny_export(family, stages), exact=True)
