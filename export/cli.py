@@ -52,7 +52,8 @@ def _split(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--split takes comma-separated layer numbers, e.g. 10,20 (got {text!r})") from None
+        raise argparse.ArgumentTypeError(f"--split takes comma-separated layer numbers, e.g. 10,20 "
+                                         f"(got {text!r})") from None
 
 
 def configure_export(p: argparse.ArgumentParser) -> None:

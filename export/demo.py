@@ -1,7 +1,8 @@
 """``deskfleet demo``: a local fleet on this machine, from nothing.
 
-Exports the embedded default model once (cached; straight from its GGUF, no torch), starts one worker process per stage on
-loopback plus the coordinator, answers the prompt and prints the answer and tok/s. With
+Exports the embedded default model once (cached; straight from its GGUF, no torch), starts one
+worker process per stage on loopback plus the coordinator, answers the prompt and prints the
+answer and tok/s. With
 ``--serve`` it then keeps the OpenAI-compatible API up until interrupted, and every process
 shuts down cleanly on Ctrl-C.
 """
@@ -54,9 +55,9 @@ def ensure_default_export(weights: str, stages: int):
 async def _async_demo(args: argparse.Namespace, source, out) -> int:
     import time
 
-    from engine.tools.local_fleet import local_fleet
     from engine.generation.request import GenerationRequest
     from engine.generation.tokenizer import ChatTokenizer
+    from engine.tools.local_fleet import local_fleet
 
     tokenizer = ChatTokenizer(out / "tokenizer")
     print(f"starting a {args.stages}-node fleet on loopback ...", file=sys.stderr)

@@ -81,7 +81,8 @@ def plan_stages(num_layers: int, stages: int | None = None, split: Sequence[int]
         raise ExportError("give exactly one of --stages N or --split A,B,...")
     if stages is not None:
         if not 1 <= stages <= num_layers:
-            raise ExportError(f"--stages {stages} is out of range: this model has {num_layers} layers (1..{num_layers} stages)")
+            raise ExportError(f"--stages {stages} is out of range: this model has {num_layers} layers "
+                              f"(1..{num_layers} stages)")
         base, extra = divmod(num_layers, stages)
         cuts, at = [], 0
         for i in range(stages - 1):
@@ -138,7 +139,8 @@ def _validate_options(config: Any, options: ExportOptions, gguf: Path | None) ->
         raise ExportError("--weights keep keeps a GGUF's own quantisation: it needs a .gguf model and the "
                           "stateful (CPU/GPU) target; for a safetensors checkpoint choose int4, int8, fp16 or fp32")
     if options.kv_cache_precision not in KV_PRECISIONS:
-        raise ExportError(f"unknown KV cache precision {options.kv_cache_precision!r}; choose one of {', '.join(KV_PRECISIONS)}")
+        raise ExportError(f"unknown KV cache precision {options.kv_cache_precision!r}; "
+                          f"choose one of {', '.join(KV_PRECISIONS)}")
     if options.weights == "int4":
         check_group_size(options.group_size, {
             "hidden size": int(config_value(config, "hidden_size")),

@@ -23,8 +23,8 @@ from typing import Any
 
 from engine.errors import DeskfleetError
 
-_CONTROL, _USER_DEFINED = 3, 4
-_ID_KEYS = {"bos": "bos_token_id", "eos": "eos_token_id", "pad": "padding_token_id", "unk": "unknown_token_id"}  # llama.cpp token types that are special / added tokens
+_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types that are special / added tokens
+_ID_KEYS = {"bos": "bos_token_id", "eos": "eos_token_id", "pad": "padding_token_id", "unk": "unknown_token_id"}
 _BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
 
 # llama.cpp pre-tokenizer name -> the `tokenizers` pre-tokenizer that splits text the same way.
@@ -84,7 +84,8 @@ def tokenizer_files(metadata: Mapping[str, Any]) -> dict[str, str]:
     if adds_bos and bos is not None:
         bos_id = token_id("bos")
         single = [{"SpecialToken": {"id": bos, "type_id": 0}}, *single]
-        pair = [{"SpecialToken": {"id": bos, "type_id": 0}}, pair[0], {"SpecialToken": {"id": bos, "type_id": 1}}, pair[1]]
+        pair = [{"SpecialToken": {"id": bos, "type_id": 0}}, pair[0],
+                {"SpecialToken": {"id": bos, "type_id": 1}}, pair[1]]
         special_tokens = {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}}
     tokenizer = {
         "version": "1.0",
@@ -93,7 +94,8 @@ def tokenizer_files(metadata: Mapping[str, Any]) -> dict[str, str]:
         "added_tokens": added,
         "normalizer": None,
         "pre_tokenizer": PRE_TOKENIZERS[pre],
-        "post_processor": {"type": "TemplateProcessing", "single": single, "pair": pair, "special_tokens": special_tokens},
+        "post_processor": {"type": "TemplateProcessing", "single": single, "pair": pair,
+                           "special_tokens": special_tokens},
         "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
         "model": {
             "type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
@@ -103,7 +105,8 @@ def tokenizer_files(metadata: Mapping[str, Any]) -> dict[str, str]:
         },
     }
     template = meta.get("tokenizer.chat_template")
-    config: dict[str, Any] = {"add_bos_token": adds_bos, "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+    config: dict[str, Any] = {"add_bos_token": adds_bos,
+                              "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
                               "clean_up_tokenization_spaces": False, "model_max_length": 1 << 60,
                               "tokenizer_class": "PreTrainedTokenizerFast"}
     for key in ("bos", "eos", "pad", "unk"):
