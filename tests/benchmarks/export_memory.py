@@ -398,7 +398,8 @@ def run(args: argparse.Namespace) -> int:
         result["8b"] = []
         for stages in (2, 4):
             keep = stages == 4 and "serve" in only
-            result["8b"].append(measure_export(big, work / f"8b-int4-{stages}", stages, "int4", args.group_size, keep=keep))
+            result["8b"].append(measure_export(big, work / f"8b-int4-{stages}", stages, "int4", args.group_size,
+                                               keep=keep))
             _record(args, result)
     if "serve" in only:
         from tests.benchmarks.export_memory_serve import serve_phase
@@ -544,8 +545,8 @@ def render(result: dict, json_path: Path) -> str:
         if ex:
             lines += [f"Extrapolated to 32 layers by the fp32 size of the stage it materialises "
                       f"({ex['net_per_fp32_stage_byte']} bytes of net peak per fp32 byte on the cut): "
-                      f"~{ex['stages_2_net_bytes'] / GIB:.0f} GiB at 2 stages, ~{ex['stages_4_net_bytes'] / GIB:.0f} GiB "
-                      "at 4 (this machine has 24 GiB and no swap)."]
+                      f"~{ex['stages_2_net_bytes'] / GIB:.0f} GiB at 2 stages, "
+                      f"~{ex['stages_4_net_bytes'] / GIB:.0f} GiB at 4 (this machine has 24 GiB and no swap)."]
     serve = result.get("serve")
     if serve and "error" in serve:
         lines += ["", f"Serving the 4 stages failed: {serve['error'][:300]}"]
@@ -558,8 +559,10 @@ def render(result: dict, json_path: Path) -> str:
                   f"weights per token = {serve['bound_tok_per_s']:.2f} tok/s, so "
                   f"{serve['served_fraction_of_bound']:.2f} of the bound. Tokens over {serve['tokens']} "
                   f"steps equal to the in-process chained run: {'yes' if serve['tokens_equal'] else '**no**'}.",
-                  "Decode rounds (tok/s): " + ", ".join(f"{r['decode_tok_per_s']:.2f}" for r in serve["served"]["rounds"])
-                  + f" (the best is quoted); the chained run in one process: {serve['chained']['decode_tok_per_s']:.2f}."]
+                  "Decode rounds (tok/s): "
+                  + ", ".join(f"{r['decode_tok_per_s']:.2f}" for r in serve["served"]["rounds"])
+                  + " (the best is quoted); the chained run in one process: "
+                  + f"{serve['chained']['decode_tok_per_s']:.2f}."]
     return "\n".join(lines)
 
 

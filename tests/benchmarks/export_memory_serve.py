@@ -64,7 +64,8 @@ async def served_tokens(export_dir: Path, prompt: list[int], n: int, threads: in
 def _child(kind: str, payload: dict) -> dict:
     """Run one of the measurements above in a fresh interpreter (its memory is its own and ends)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "tests.benchmarks.export_memory_serve", "--child", kind, json.dumps(payload)],
+    child = [sys.executable, "-m", "tests.benchmarks.export_memory_serve", "--child", kind, json.dumps(payload)]
+    done = subprocess.run(child,
                           cwd=REPO, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise BenchError(f"the {kind} step failed (exit {done.returncode}): {done.stderr[-1500:]}")

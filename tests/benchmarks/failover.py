@@ -63,7 +63,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     from tests.benchmarks.record import DEFAULT_DOC, DEFAULT_JSON_DIR
 
     p.add_argument("--rounds", type=int, default=3, help="rounds of each recovery, interleaved (default 3)")
-    p.add_argument("--prompt-tokens", type=int, default=400, help="most prompt tokens: whole turns that fit (default 400)")
+    p.add_argument("--prompt-tokens", type=int, default=400,
+                   help="most prompt tokens: whole turns that fit (default 400)")
     p.add_argument("--step-timeout", type=float, default=10.0, help="the coordinator's step timeout (default 10)")
     p.add_argument("--exact", action="store_true", help="workers in exact (f32) mode instead of the shard's own")
     p.add_argument("--json", type=Path, default=DEFAULT_JSON_DIR / "failover.json", help="where the raw results go")

@@ -177,8 +177,9 @@ def render(result: dict[str, Any], json_path: Path) -> str:
         f"(f32 compute, f32 KV cache, no dynamic quantisation); the first diverging token index per prompt "
         f"({n} = none differs).\n",
         markdown_table(["variant", "first divergence per prompt", "prompts equal", "min", "export MB"],
-                       [[k, " ".join(str(x) for x in v["first_divergence"]), f"{v['prompts_equal']}/{result['prompts']}",
-                         v["min_first_divergence"], result["exports"][k]["mb"]] for k, v in a.items()]),
+                       [[k, " ".join(str(x) for x in v["first_divergence"]),
+                         f"{v['prompts_equal']}/{result['prompts']}", v["min_first_divergence"],
+                         result["exports"][k]["mb"]] for k, v in a.items()]),
         "",
         f"**Speed** at the default settings (f16 KV cache, the plugin's default precision), "
         f"{result['threads']} inference thread, {result['warmups']} untimed + {result['runs']} timed rounds over the "

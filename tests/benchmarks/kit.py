@@ -39,7 +39,8 @@ def _export_job(job: dict[str, Any]) -> dict[str, Any]:
             "baseline_rss_bytes": baseline, "stage_file_bytes": list(report.stage_file_bytes)}
 
 
-def ensure_export(root: Path, source: Any, fingerprint: str, weights: str, stages: int, beam_idx: bool) -> tuple[Path, dict]:
+def ensure_export(root: Path, source: Any, fingerprint: str, weights: str, stages: int,
+                  beam_idx: bool) -> tuple[Path, dict]:
     """Export (or reuse) one variant under ``root``; returns its directory and export stats."""
     from engine.errors import ManifestError
     from engine.shards.manifest import load_manifest
@@ -180,7 +181,8 @@ def measured_export(model: str | None, out: Path, weights: str, stages: int, *,
     from tests.benchmarks.export_child import IMPORTED, PEAK_LINE
 
     argv = [sys.executable, "-m", EXPORT_CHILD, "--wait", "export", *([model] if model else []),
-            "--stages", str(stages), "--weights", weights, "--group-size", str(group_size), "--out", str(out), "--force"]
+            "--stages", str(stages), "--weights", weights, "--group-size", str(group_size),
+            "--out", str(out), "--force"]
     started = time.perf_counter()
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, bufsize=1)

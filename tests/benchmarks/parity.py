@@ -137,8 +137,8 @@ def runtime_node_types(xml: Path, threads: int) -> dict[str, int]:
     core = ov.Core()
     compiled = core.compile_model(core.read_model(str(xml)), "CPU",
                                   {"KV_CACHE_PRECISION": "f16", "INFERENCE_NUM_THREADS": threads})
-    return dict(sorted(Counter(op.get_rt_info()["layerType"].astype(str) for op in compiled.get_runtime_model().get_ops())
-                       .items()))
+    nodes = compiled.get_runtime_model().get_ops()
+    return dict(sorted(Counter(op.get_rt_info()["layerType"].astype(str) for op in nodes).items()))
 
 
 def build_runners(formats: list[str], stage_counts: list[int], dirs: dict[tuple[str, int], Path],
@@ -266,11 +266,12 @@ def run(args: argparse.Namespace) -> int:
                 prompts.append(p)
         runs, orders = interleave(runners, prompts, args.tokens, log)
         timed = {k: v[args.warmups:] for k, v in runs.items()}
-        result = summarise_threads(timed, formats, stage_counts, has_ir=args.reference == "optimum" and 1 in stage_counts)
+        has_ir = args.reference == "optimum" and 1 in stage_counts
+        result = summarise_threads(timed, formats, stage_counts, has_ir=has_ir)
         result["round_orders"] = orders
         if 1 in stage_counts:
-            result["runtime_nodes"] = {w: {"ours_1_stage": runtime_node_types(dirs[(w, 1)] / "stage_0" / "openvino_model.xml",
-                                                                              threads),
+            result["runtime_nodes"] = {w: {"ours_1_stage": runtime_node_types(
+                                               dirs[(w, 1)] / "stage_0" / "openvino_model.xml", threads),
                                            "reference": runtime_node_types(refs[w] / "openvino_model.xml", threads)}
                                        for w in formats}
         per_threads[str(threads)] = result

@@ -69,7 +69,8 @@ def render(result: dict[str, Any], json_path: Path) -> str:
                      g["measured_ms_per_token"]])
     lines += ["", "Per stage, ms per token (measured: the worker process's CPU time per decode token; "
               "hops + coordinator: the rest of a token's wall time):", "",
-              markdown_table(["agents", "stage", "layers", "predicted", "predicted, 1-thread calib.", "measured"], rows)]
+              markdown_table(["agents", "stage", "layers", "predicted", "predicted, 1-thread calib.", "measured"],
+                             rows)]
     t1, o1 = result["one_thread_profile"]
     calib = "; ".join(f"{n}: " + ", ".join(f"{t:.3f} + {o:.2f}" for t, o in g["stage_profiles"])
                       for n, g in ((g["agents"], g) for g in groups))

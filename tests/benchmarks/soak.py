@@ -68,7 +68,8 @@ class FleetProcess:
         while time.monotonic() < deadline:
             line = self.proc.stdout.readline()
             if not line and self.proc.poll() is not None:
-                raise DeskfleetError(f"the fleet exited with {self.proc.returncode} before serving; see {self.log_path}")
+                raise DeskfleetError(f"the fleet exited with {self.proc.returncode} before serving; "
+                                     f"see {self.log_path}")
             if found := re.search(r"http://\S+/v1", line):
                 self.url = found.group(0)
                 return self.url
@@ -270,8 +271,8 @@ def section(command: str, info: dict[str, Any], s: dict[str, Any], minutes: floa
             f"captured KV states for the prefix cache up to {CAPTURE_MB} MiB (least recently used evicted; the "
             "coordinator's index remembers 64 of them), so worker RSS rises until that store is full; it also rises "
             "as OpenVINO caches kernels for every new input shape (prompt and KV lengths): see *Shape caches* "
-            "(`python -m tests.benchmarks shape-caches`), flat when shapes repeat. The RSS of every process, sampled every "
-            "10 s, is in the JSON." + failures)
+            "(`python -m tests.benchmarks shape-caches`), flat when shapes repeat. The RSS of every process, "
+            "sampled every 10 s, is in the JSON." + failures)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -300,5 +301,6 @@ def run(args: argparse.Namespace) -> int:
     return 0 if summary["failed"] == 0 else 1
 
 
-COMMAND = Command(name="soak", help="stability: 4 chat users against a local fleet for N minutes, failures and RSS tracked",
+COMMAND = Command(name="soak",
+                  help="stability: 4 chat users against a local fleet for N minutes, failures and RSS tracked",
                   configure=configure, run=run)

@@ -253,7 +253,8 @@ def render(result: dict[str, Any], json_path: Path) -> str:
     t = result["ttft"]
     rw = result["rewind"]
     lines += ["", markdown_table(["measure", "value", "target", "verdict"], [
-        [f"full stack / naive at {float(max(result['delays'], key=float)):g} ms per hop", full, "≥ 5", _verdict(full, 5.0)],
+        [f"full stack / naive at {float(max(result['delays'], key=float)):g} ms per hop", full, "≥ 5",
+         _verdict(full, 5.0)],
         ["top-1 / full logits at 100 ms + 10 Mbit/s", ratio, "≥ 3", _verdict(ratio, 3.0)],
         [f"mask rewind share of a decode step ({rw['cached_tokens']} cached)", rw["mask_share_of_step"], "≤ 0.01",
          _verdict(rw["mask_share_of_step"], 0.01, higher=False)],
