@@ -174,7 +174,7 @@ def test_fuzz_from_dict_raises_only_inventory_error(edits):
     for path, value in edits:
         try:
             data = _edit(data, path, value)
-        except (KeyError, IndexError, TypeError):   # an earlier edit removed the parent
+        except (KeyError, IndexError, TypeError, AttributeError):  # an earlier edit removed or replaced the parent
             continue
     try:
         Inventory.from_dict(data)
