@@ -99,7 +99,12 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(_requested(argv))
-    args = parser.parse_args(argv)
+    return run_parsed(parser, parser.parse_args(argv), prog="deskfleet")
+
+
+def run_parsed(parser: argparse.ArgumentParser, args: argparse.Namespace, *, prog: str) -> int:
+    """Run the subcommand ``args`` chose (help and exit 2 when none): 1 with the message on a
+    :class:`DeskfleetError`, 130 on Ctrl-C. Shared with the benchmarks' command line."""
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(levelname)s %(name)s: %(message)s",
@@ -111,10 +116,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(run(args) or 0)
     except DeskfleetError as exc:
-        print(f"deskfleet: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("deskfleet: interrupted", file=sys.stderr)
+        print(f"{prog}: interrupted", file=sys.stderr)
         return 130
 
 

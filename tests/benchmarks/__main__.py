@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 import sys
 from collections.abc import Sequence
 
-from engine.errors import DeskfleetError
+from engine.cli.main import run_parsed
 
 PROG = "python -m tests.benchmarks"
 
@@ -57,21 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     words = [a for a in argv if not a.startswith("-")]
     parser = build_parser(words[0] if words and words[0] in BENCHMARKS else None)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(levelname)s %(name)s: %(message)s")
-    run = getattr(args, "_run", None)
-    if run is None:
-        parser.print_help(sys.stderr)
-        return 2
-    try:
-        return int(run(args) or 0)
-    except DeskfleetError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
-        return 130
+    return run_parsed(parser, parser.parse_args(argv), prog=PROG)
 
 
 if __name__ == "__main__":
