@@ -8,6 +8,11 @@ a valid record must show up among the peers with that advertisement, an invalid 
 show up and must be logged. Nothing may crash the browser (no ERROR log, no failed resolution
 task), and a genuine agent is still found afterwards. ``tests/discovery/test_discovery.py`` fuzzes the pure
 parser; this is the same rules through the network.
+
+Every name carries ``RUN``, a token fresh in each process: multicast on 127.0.0.1 is shared by every
+process on the machine, and another run of this module (the same derandomized examples, or another
+version of this file with other ones) publishes its own records under the same serials. Without the
+token the browser rightly shows that run's honest ``fz577-`` where this run sent a hostile one.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import secrets
 import time
 from dataclasses import replace
 
@@ -45,6 +51,7 @@ EXAMPLES = 24
 CASES = {"mDNS: TXT records from a fake peer through zeroconf": BATCH * EXAMPLES}
 SETTLE_S = 15.0
 _serial = itertools.count()
+RUN = secrets.token_hex(4)  # names unique across processes, not only within this one
 
 VALID = Advertisement(instance="template", node_id="ab:cd", fleet_id="fleet-1", version="0.1.0",
                       devices=("CPU", "GPU.0"), memory_bytes=16 << 30, state=AgentState.IDLE, control_port=8443)
@@ -61,8 +68,9 @@ addresses = st.lists(st.sampled_from(["127.0.0.1", "10.0.0.7", "0.0.0.0", "224.0
 
 @st.composite
 def records(draw):
-    """(instance, ServiceInfo) of one hostile record; instance names are unique per record."""
-    instance = f"fz{next(_serial)}-" + draw(st.text(st.characters(codec="ascii", categories=("L", "N")), max_size=8))
+    """(instance, ServiceInfo) of one hostile record; instance names are unique per record and per run."""
+    suffix = draw(st.text(st.characters(codec="ascii", categories=("L", "N")), max_size=8))
+    instance = f"fz{RUN}-{next(_serial)}-{suffix}"
     name = f"{instance}.{SERVICE_TYPE}"
     honest = draw(st.integers(0, 9)) < 3  # a valid record, perhaps with keys a newer agent might add
     if honest:
@@ -212,7 +220,7 @@ def test_fuzz_hostile_records_through_real_zeroconf(live):
 
     # A genuine agent is still found, and the hostile ones are gone.
     real = Advertiser("127.0.0.1")
-    genuine = replace(VALID, instance=f"genuine-{next(_serial)}", addresses=())
+    genuine = replace(VALID, instance=f"genuine-{RUN}-{next(_serial)}", addresses=())
 
     async def genuine_is_found():
         published = await real.async_start(genuine)
