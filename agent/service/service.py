@@ -26,6 +26,7 @@ import psutil
 from aiohttp import web
 
 from agent.service import pause
+from agent.service.calibration import async_time_stages, parse_calibration_request
 from agent.service.control_api import build_app
 from agent.service.settings import AgentSettings, AgentState, load_state, save_settings, save_state
 from agent.service.store import ShardStore, async_fetch
@@ -323,41 +324,14 @@ class AgentService:
 
     async def async_calibrate(self, body: dict) -> list[dict]:
         """Fetch the named stages of a calibration export and time a decode step of each on the
-        requested device, in a subprocess (see :mod:`engine.shards.calibration`)."""
+        requested device, in a subprocess (see :mod:`agent.service.calibration`)."""
         if self._pause.paused:
             raise ControlRequestError(f"paused ({', '.join(self._pause.reasons)}): not calibrating now", 409)
-        stages = body.get("stages")
-        if not (isinstance(stages, list) and 1 <= len(stages) <= 8
-                and all(isinstance(i, int) and not isinstance(i, bool) for i in stages)):
-            raise ControlRequestError("stages must be a list of 1-8 stage indices")
-        steps = body.get("steps", 16)
-        if not (isinstance(steps, int) and 1 <= steps <= 256):
-            raise ControlRequestError("steps must be 1..256")
-        threads = body.get("threads")  # the worker's thread count, so the timing is what will serve
-        if threads is not None and not (isinstance(threads, int) and not isinstance(threads, bool)
-                                        and 1 <= threads <= 1024):
-            raise ControlRequestError("threads must be 1..1024 (or absent: OpenVINO's default)")
-        base = {k: body.get(k) for k in ("export_id", "manifest_json", "manifest_sha256", "source")}
-        parts = [Assignment.from_dict({**base, "stage": i, "listen_port": 0, "next_hop": "127.0.0.1:1",
-                                       "worker": {"device": body.get("device", "CPU")}}) for i in stages]
+        request = parse_calibration_request(body)
         ssl = self._creds.client_context() if self._creds else None
-        for part in parts:
+        for part in request.parts:
             await async_fetch(self.store, part, ssl=ssl, console_node_id=self._state.console_node_id)
-        device = parts[0].worker.device
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "engine.shards.calibration", "--shard", str(self.store.directory(parts[0].export_id)),
-            "--stages", ",".join(map(str, stages)), "--device", device, "--steps", str(steps),
-            *(["--threads", str(threads)] if threads is not None else []),
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-        try:
-            out, err = await asyncio.wait_for(proc.communicate(), 600)
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
-            raise ControlRequestError("calibration took longer than 600 s", 504) from None
-        if proc.returncode != 0:
-            raise ControlRequestError(f"calibration failed on {device}: {err.decode(errors='replace')[-400:]}", 500)
-        return json.loads(out)
+        return await async_time_stages(self.store.directory(request.parts[0].export_id), request)
 
     async def async_update_settings(self, **changes) -> AgentSettings:
         """Change settings (validated, saved atomically) and re-decide the pause at once."""
