@@ -58,6 +58,9 @@ FAMILIES: dict[str, Family] = {
 }
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+# ``rope_parameters["freq_factors"]``: per-frequency divisors from a GGUF's rope_freqs tensor
+# (export.weights.gguf_source), on top of one of these types (as llama.cpp applies them).
+ROPE_TYPES_WITH_FACTORS = ("default", "linear", "yarn")
 
 
 def supported_summary() -> str:
@@ -135,6 +138,14 @@ def model_shape(config: dict[str, Any]) -> ModelShape:
     if rope.get("rope_type", "default") not in ROPE_TYPES:
         raise UnsupportedModelError(f"rope type {rope.get('rope_type')!r} of this {model_type} checkpoint is not "
                                     f"supported; supported rope types: {', '.join(ROPE_TYPES)}")
+    factors = rope.get("freq_factors")
+    if factors is not None:
+        if rope.get("rope_type", "default") not in ROPE_TYPES_WITH_FACTORS:
+            raise UnsupportedModelError(f"rope frequency factors combine with {', '.join(ROPE_TYPES_WITH_FACTORS)} "
+                                        f"rope only, not {rope.get('rope_type')!r}")
+        if len(factors) != shape_args["head_dim"] // 2:
+            raise UnsupportedModelError(f"{len(factors)} rope frequency factors for heads of {shape_args['head_dim']}; "
+                                        f"expected {shape_args['head_dim'] // 2}")
     if float(rope.get("partial_rotary_factor", 1.0) or 1.0) != 1.0:
         raise UnsupportedModelError(f"partial rotary (factor {rope['partial_rotary_factor']}) is not supported yet; "
                                     "the builder rotates the whole head (Phi-3/3.5 mini, not Phi-4-mini)")

@@ -4,6 +4,10 @@ Every type returns ``inv_freq`` [D / 2] float32 and the attention factor that sc
 ``longrope`` has two tables: HF switches from the short to the long factors per call when the
 sequence (max position + 1) outgrows ``original_max_position_embeddings``; the graph does the
 same switch, so :func:`inverse_frequencies` returns both.
+
+``freq_factors`` (a GGUF's ``rope_freqs`` tensor, see :mod:`export.weights.gguf_source`) divide
+the type's inverse frequencies, one factor per frequency: ggml's rope computes each angle as
+``position * theta_i / factor_i`` before its linear/YaRN scaling, which is the same division.
 """
 
 from __future__ import annotations
@@ -85,6 +89,18 @@ def _yarn(p: dict[str, Any], dim: int, max_positions: int) -> tuple[np.ndarray, 
 
 def inverse_frequencies(rope: dict[str, Any], head_dim: int, max_positions: int) -> RotaryTables:
     """The rotary tables of ``rope`` (the config's rope parameters) for heads of ``head_dim``."""
+    tables = _tables(rope, head_dim, max_positions)
+    factors = rope.get("freq_factors")
+    if factors is None:
+        return tables
+    divisors = np.asarray(factors, dtype=np.float32)
+    if divisors.shape != tables.inv_freq.shape or tables.long_inv_freq is not None:
+        raise ValueError(f"{divisors.size} frequency factors do not fit {rope.get('rope_type')!r} rope of "
+                         f"{tables.inv_freq.size} frequencies")
+    return RotaryTables((tables.inv_freq / divisors).astype(np.float32), tables.scaling)
+
+
+def _tables(rope: dict[str, Any], head_dim: int, max_positions: int) -> RotaryTables:
     kind = rope.get("rope_type", "default")
     base = float(rope.get("rope_theta", 10000.0))
     dim = head_dim

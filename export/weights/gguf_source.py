@@ -15,6 +15,13 @@ transformers' GGUF loader applies, so both read the same numbers):
 
 :meth:`GGUFSource.blocks` hands out a tensor's raw blocks for the keep-the-quantisation route
 (:mod:`export.weights.gguf_blocks`).
+
+Rope frequency factors: llama.cpp's converter writes a Llama 3.1/3.2/3.3 (``rope_type: llama3``)
+rope scaling as a tensor, ``rope_freqs.weight`` ([rotary dims / 2] f32, one factor per frequency),
+and no ``rope.scaling.type``; ggml's rope divides each dimension's angle by its factor. The factors
+go into the config as ``rope_parameters["freq_factors"]`` (a Deskfleet key, not an HF one), and
+:mod:`export.builder.rope` divides the inverse frequencies by them. Every other tensor this module
+does not map is refused by name: skipping it would export a model that computes something else.
 """
 
 from __future__ import annotations
@@ -83,6 +90,19 @@ _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_0-9]+)\.(weight|bias)$")
 _PERMUTED = {"llama": {"self_attn.q_proj.weight": "num_attention_heads",
                        "self_attn.k_proj.weight": "num_key_value_heads"}}
 
+ROPE_FREQS = "rope_freqs.weight"
+# Rope scaling types a rope_freqs tensor combines with. llama.cpp passes the factors to every rope
+# (llama_model::get_rope_factors returns rope_freqs first) together with the scaling type's own
+# frequency scale and YaRN ramp: ggml's rope_yarn takes theta / factor as its extrapolated angle and
+# freq_scale * theta / factor as its interpolated one, so linear and YaRN apply on top of the
+# factors. A "llama3" type would scale twice (the factors are the llama3 scaling), and longrope
+# has factor tables of its own: both are refused with rope_freqs present.
+_ROPE_TYPES_WITH_FACTORS = ("default", "linear", "yarn")
+# GGUF tensors that may be present and are ignored on purpose, with the reason. None so far:
+# llama.cpp's loader itself refuses a file holding a tensor it does not claim ("done_getting_tensors:
+# wrong number of tensors"), so a GGUF of these architectures that llama.cpp runs has no spare tensor.
+IGNORED_TENSORS: dict[str, str] = {}
+
 
 def hf_name(gguf_name: str) -> str | None:
     """The HF tensor name of a GGUF tensor, or ``None`` for tensors HF checkpoints do not have."""
@@ -124,14 +144,22 @@ class GGUFSource:
                                   "download or copy it again") from exc
         self.architecture = str(self.field("general.architecture") or "")
         self._tensors = {}
-        unmapped = []
+        self._rope_freqs = None
+        unknown = []
         for tensor in self._file.tensors:
             name = hf_name(tensor.name)
-            if name is None:
-                unmapped.append(tensor.name)
-            else:
+            if name is not None:
                 self._tensors[name] = tensor
-        self.unmapped: tuple[str, ...] = tuple(unmapped)
+            elif tensor.name == ROPE_FREQS:
+                self._rope_freqs = tensor
+            elif tensor.name not in IGNORED_TENSORS:
+                unknown.append(tensor.name)
+        if unknown:
+            shown = ", ".join(unknown[:6]) + (f" and {len(unknown) - 6} more" if len(unknown) > 6 else "")
+            raise CheckpointError(
+                f"{self.path.name} ({self.architecture or 'no architecture'}) holds tensors the exporter does not "
+                f"read: {shown}. Ignoring them would change the model's math; supported are the decoder tensors "
+                f"of llama (Llama, Mistral), qwen2 and qwen3 GGUFs, and {ROPE_FREQS}")
         self._map: np.memmap | None = None
         self.config = self._config()
 
@@ -172,6 +200,8 @@ class GGUFSource:
                 config["vocab_size"] = self.shape("model.embed_tokens.weight")[0]
         config["tie_word_embeddings"] = "lm_head.weight" not in self._tensors
         config.update({k: v for k, v in _FAMILY_DEFAULTS.get(model_type, {}).items() if k not in config})
+        if config.get("head_dim") is None and "hidden_size" in config and "num_attention_heads" in config:
+            config["head_dim"] = int(config["hidden_size"]) // int(config["num_attention_heads"])
         rope: dict = {"rope_type": "default", "rope_theta": float(config.get("rope_theta", 10000.0))}
         scaling = self.field(f"{arch}.rope.scaling.type")
         if scaling not in (None, "none"):
@@ -182,12 +212,38 @@ class GGUFSource:
                 rope["factor"] = float(factor)
             if original is not None:
                 rope["original_max_position_embeddings"] = int(original)
+        if self._rope_freqs is not None:
+            if rope["rope_type"] not in _ROPE_TYPES_WITH_FACTORS:
+                raise CheckpointError(
+                    f"{self.path.name} has both {ROPE_FREQS} and rope scaling type {rope['rope_type']!r}; the "
+                    f"factors combine with {', '.join(_ROPE_TYPES_WITH_FACTORS)} scaling only (see llama.cpp)")
+            rope["freq_factors"] = [float(f) for f in self._read_rope_freqs(config.get("head_dim"))]
         config["rope_parameters"] = rope
-        if config.get("head_dim") is None and "hidden_size" in config and "num_attention_heads" in config:
-            config["head_dim"] = int(config["hidden_size"]) // int(config["num_attention_heads"])
         if arch in ("qwen2",):
             config["attention_bias"] = "model.layers.0.self_attn.q_proj.bias" in self._tensors
         return config
+
+    def _read_rope_freqs(self, head_dim: object) -> np.ndarray:
+        """The rope frequency factors, f32 [head_dim / 2], checked (read here: no HF name)."""
+        tensor = self._rope_freqs
+        assert tensor is not None
+        if not isinstance(head_dim, int) or head_dim <= 0:
+            raise CheckpointError(f"{self.path.name} has {ROPE_FREQS} but no head size to check it against")
+        from gguf import GGMLQuantizationType
+
+        kind = GGMLQuantizationType(tensor.type_id).name
+        if kind not in ("F32", "F16") or tensor.dims != (head_dim // 2,):
+            raise CheckpointError(
+                f"{ROPE_FREQS} of {self.path.name} is {kind} of shape {list(tensor.dims)}; expected F32 (or F16) of "
+                f"shape [{head_dim // 2}] (one factor per rotary frequency of the {head_dim}-wide heads)")
+        with self.path.open("rb") as f:
+            f.seek(tensor.offset)
+            raw = f.read(tensor.nbytes)
+        factors = np.frombuffer(raw, dtype=_PLAIN[kind]).astype(np.float32)
+        if not (np.isfinite(factors).all() and (factors > 0).all()):
+            raise CheckpointError(f"{ROPE_FREQS} of {self.path.name} holds zero, negative or non-finite factors; "
+                                  "the file is damaged")
+        return factors
 
     # -- tensors -------------------------------------------------------------------------
 

@@ -17,8 +17,10 @@ def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_llama_gguf(path, types: dict[str, str], tie: bool = False, seed: int = 0):
-    """HF-named f32 tensors and the GGUF written from them (``types``: GGUF name suffix -> type)."""
+def write_llama_gguf(path, types: dict[str, str], tie: bool = False, seed: int = 0,
+                     extra: dict[str, np.ndarray] | None = None):
+    """HF-named f32 tensors and the GGUF written from them (``types``: GGUF name suffix -> type;
+    ``extra``: more GGUF-named tensors written as they are, e.g. ``rope_freqs.weight``)."""
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -78,6 +80,8 @@ def write_llama_gguf(path, types: dict[str, str], tie: bool = False, seed: int =
             writer.add_tensor(gname, value.astype(np.float16))
         else:
             writer.add_tensor(gname, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
+    for gname, value in (extra or {}).items():
+        writer.add_tensor(gname, value)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
