@@ -218,6 +218,12 @@ class GGUFSource:
                     f"{self.path.name} has both {ROPE_FREQS} and rope scaling type {rope['rope_type']!r}; the "
                     f"factors combine with {', '.join(_ROPE_TYPES_WITH_FACTORS)} scaling only (see llama.cpp)")
             rope["freq_factors"] = [float(f) for f in self._read_rope_freqs(config.get("head_dim"))]
+        elif rope["rope_type"] == "llama3":
+            # llama.cpp's converter writes llama3 scaling as rope_freqs, never as a scaling type: a
+            # bare type carries none of the low/high frequency factors it needs.
+            raise CheckpointError(
+                f"{self.path.name} names rope scaling type {rope['rope_type']!r} but carries no {ROPE_FREQS} "
+                "frequency factors; convert the checkpoint again with a current llama.cpp convert_hf_to_gguf.py")
         config["rope_parameters"] = rope
         if arch in ("qwen2",):
             config["attention_bias"] = "model.layers.0.self_attn.q_proj.bias" in self._tensors

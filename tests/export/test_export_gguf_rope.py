@@ -108,3 +108,11 @@ def test_rope_freqs_of_the_wrong_length_is_refused(tmp_path):
     llama_gguf.write_llama_gguf(path, {}, extra={ROPE_FREQS: FACTORS[:-1]})
     with pytest.raises(CheckpointError, match=r"rope_freqs\.weight .*shape \[7\]; expected .*shape \[8\]"):
         GGUFSource(path)
+
+
+def test_a_bare_llama3_scaling_type_is_refused(tmp_path):
+    """llama3 scaling without its factors: the file lacks the numbers, so say so (not a KeyError)."""
+    path = tmp_path / "bare-llama3.gguf"
+    llama_gguf.write_llama_gguf(path, {}, strings={"llama.rope.scaling.type": "llama3"})
+    with pytest.raises(CheckpointError, match=r"rope scaling type 'llama3' but carries no rope_freqs\.weight"):
+        GGUFSource(path)

@@ -18,9 +18,10 @@ def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_llama_gguf(path, types: dict[str, str], tie: bool = False, seed: int = 0,
-                     extra: dict[str, np.ndarray] | None = None):
+                     extra: dict[str, np.ndarray] | None = None, strings: dict[str, str] | None = None):
     """HF-named f32 tensors and the GGUF written from them (``types``: GGUF name suffix -> type;
-    ``extra``: more GGUF-named tensors written as they are, e.g. ``rope_freqs.weight``)."""
+    ``extra``: more GGUF-named tensors written as they are, e.g. ``rope_freqs.weight``;
+    ``strings``: more string metadata fields, e.g. ``llama.rope.scaling.type``)."""
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -60,6 +61,8 @@ def write_llama_gguf(path, types: dict[str, str], tie: bool = False, seed: int =
     writer.add_token_merges(["t o", "to k"])
     writer.add_array("test.floats", [0.5, -1.25])
     writer.add_bool("test.flag", True)
+    for key, value in (strings or {}).items():
+        writer.add_string(key, value)
     gguf_names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                   "lm_head.weight": "output.weight"}
     for name, value in hf.items():
