@@ -62,9 +62,19 @@ from engine.wire.messages import (
     Pong,
     Release,
     Restore,
+    Step,
+    StepReply,
     Tokens,
 )
 from engine.wire.plan_frame import PlanFrame
+from engine.wire.step_codec import (
+    MAX_STEP_META,
+    MAX_STEP_REPLY_META,
+    decode_step,
+    decode_step_reply,
+    encode_step,
+    encode_step_reply,
+)
 
 # --- header -----------------------------------------------------------------------------------
 
@@ -119,6 +129,10 @@ _KIND_RULES: dict[FrameKind, _KindRule] = {
     ),
     FrameKind.PACKED: _KindRule(
         _FLOATS | {DType.INT64}, frozenset({2, 3}), 0, "required", PACKED_META.size + 3 * 8 * U16_MAX
+    ),
+    FrameKind.STEP: _KindRule(_FLOATS | {DType.INT64}, frozenset({1, 2}), 0, "required", MAX_STEP_META),
+    FrameKind.STEP_REPLY: _KindRule(
+        frozenset({DType.NONE, DType.FLOAT32}), frozenset({0, 2}), 0, "required", MAX_STEP_REPLY_META
     ),
     FrameKind.TOKENS: _KindRule(frozenset({DType.INT64}), frozenset({1, 2}), 0, "required", None),
     FrameKind.LOGITS: _KindRule(_FLOATS, frozenset({2, 3}), 0, "required"),
@@ -197,6 +211,8 @@ def decode_header(
         raise FrameError(f"{kind.name} frame cannot carry dtype {dtype.name}")
     if ndim not in rule.ndims:
         raise FrameError(f"{kind.name} frame cannot carry a {ndim}-dim tensor")
+    if (dtype is DType.NONE) != (ndim == 0):
+        raise FrameError(f"{kind.name} frame: dtype {dtype.name} with a {ndim}-dim tensor (none means ndim 0)")
     shape = tuple(dims[:ndim])
     if any(d == 0 for d in shape) or any(dims[ndim:]):
         raise FrameError(f"bad dims {dims} for ndim {ndim}: used dims >= 1, unused dims 0")
@@ -360,6 +376,8 @@ _DECODERS: dict[FrameKind, _BodyDecoder] = {
     FrameKind.RESTORE: _decode_restore,
     FrameKind.FORWARD: _decode_forward,
     FrameKind.PACKED: _decode_packed,
+    FrameKind.STEP: lambda header, meta, tensor: decode_step(header.stream_id, header.seq, meta, tensor),
+    FrameKind.STEP_REPLY: lambda header, meta, tensor: decode_step_reply(header.stream_id, header.seq, meta, tensor),
     FrameKind.TOKENS: _decode_tokens,
     FrameKind.LOGITS: _decode_logits,
     FrameKind.RELEASE: lambda header, meta, tensor: Release(header.stream_id, header.seq),
@@ -380,6 +398,10 @@ def _encode_body(msg: Message) -> tuple[FrameKind, int, int, int, bytes, np.ndar
             return FrameKind.FORWARD, flags, msg.stream_id, msg.seq, meta, msg.tensor
         case Packed():
             return FrameKind.PACKED, 0, msg.stream_id, msg.seq, _encode_packed(msg), msg.tensor
+        case Step():
+            return FrameKind.STEP, 0, msg.session, msg.seq, encode_step(msg), msg.tensor
+        case StepReply():
+            return FrameKind.STEP_REPLY, 0, msg.session, msg.seq, encode_step_reply(msg), msg.logits
         case Tokens():
             meta = np.ascontiguousarray(msg.probs).tobytes()
             return FrameKind.TOKENS, 0, msg.stream_id, msg.seq, meta, msg.ids

@@ -21,7 +21,7 @@ import numpy as np
 
 from engine.errors import DeskfleetError
 
-PROTOCOL_VERSION = 2  # 1: Forward/Tokens/Logits/Release; 2 adds Capture/Restore and Packed
+PROTOCOL_VERSION = 3  # 1: Forward/Tokens/Logits/Release; 2 adds Capture/Restore and Packed; 3 adds Step/StepReply
 MAGIC = b"DKFL"
 MAX_FRAME_BYTES = 256 * 1024 * 1024  # default bound, header included; configurable per call
 MIN_FRAME_BOUND = 64 * 1024  # a node refusing frames this small could not even send a prefill
@@ -56,6 +56,19 @@ HELLO_META = struct.Struct("<HHQBB")
 HELLO_ACK_META = struct.Struct("<HHQB")
 PACKED_META = struct.Struct("<HH")  # rows S, reserved zero; the int64 plan [3, S] follows
 ERROR_META = struct.Struct("<H")  # error code; the UTF-8 message fills the rest of meta
+# Step (paged step): block_size u16, rows S u16, copies C u16, stage times n u16, pool_blocks u32,
+# real tokens T u32, padded tokens Tb u32, token_budget u32, flags u32 (0 in v3), reserved u32 (0);
+# then the row table u64 [S, STEP_ROW_COLUMNS], block ids int32, copies int32 [C, 2], stage times f32 [n]
+STEP_META = struct.Struct("<4H6I")
+STEP_ROW_COLUMNS = 8  # stream_id, past_len, new_tokens, block_count, sample, row flags, top_k, reserved
+STEP_ROW_WANT_LOGITS = 0x1  # row flag: the reply carries this stream's answered rows' full logits
+STEP_ROW_MASK = 0x2  # row flag, reserved (refused in v3): an allowed-token mask per row follows
+# StepReply: answered rows R u32, logit rows L u32, vocabulary V u32, stage times n u16, top_k u16 (0 in
+# v3); then ids int64 [R], probs float32 [R], stage times float32 [n]; the payload is logits f32 [L, V]
+STEP_REPLY_META = struct.Struct("<3IHH")
+MAX_STEP_STAGES = 256  # stage times one step frame carries (one per stage passed)
+MAX_STEP_COPIES = U16_MAX  # block copies in one step (a u16 count)
+MAX_STEP_BLOCK_IDS = 1 << 22  # block ids in one step's row table: 16 MiB of int32
 MASK_PACKED_BITS = 0  # the only mask encoding of version 1; the byte leaves room for run lengths
 # What a listener reads before the handshake: one Hello at most (a bigger first frame is refused
 # after its header), and what a dialer reads for the answer: a HelloAck or a refusal's Error.
@@ -76,6 +89,8 @@ class FrameKind(enum.IntEnum):
     LOGITS = 18
     RELEASE = 19
     PACKED = 20  # one inference of a static (NPU-target) ring: stage 0's plan frame + the rows' inputs
+    STEP = 21  # one paged step: the coordinator's plan (rows, block tables, copies) + the rows' inputs
+    STEP_REPLY = 22  # the last stage's answer to a Step: top-1 per answered row, logits when wanted
     CAPTURE = 32  # prefix cache: keep a compacted copy of a stream's KV state under a capture id
     RESTORE = 33  # prefix cache: start a stream from the first positions of a capture
 

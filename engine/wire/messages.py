@@ -7,17 +7,21 @@ building messages from what it read. docs/PROTOCOL.md states the rules.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, TypeAlias
 
 import numpy as np
 
+from engine.errors import GenerationError
 from engine.wire.format import (
     MAX_DIMS,
     MAX_ERROR_MESSAGE_BYTES,
     MAX_FINGERPRINT_BYTES,
     MAX_FRAME_BYTES,
     MAX_MASK_ELEMENTS,
+    MAX_STEP_BLOCK_IDS,
+    MAX_STEP_COPIES,
+    MAX_STEP_STAGES,
     MIN_FRAME_BOUND,
     PROTOCOL_VERSION,
     U16_MAX,
@@ -30,6 +34,7 @@ from engine.wire.format import (
     WireError,
 )
 from engine.wire.plan_frame import PlanFrame
+from engine.wire.step_plan import MAX_STEP_TOKENS, PlanRow, StepPlan
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -37,6 +42,7 @@ if TYPE_CHECKING:
 _INT64 = np.dtype("<i8")
 _FLOAT32 = np.dtype("<f4")
 _FLOAT16 = np.dtype("<f2")
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def _shape_repr(msg: DataclassInstance) -> str:
@@ -170,6 +176,83 @@ class Packed:
             raise FrameError("Packed token ids must be >= 0")
 
 
+@dataclass(frozen=True, eq=False, repr=False)
+class Step:
+    """One paged step of session ``session``: the coordinator's plan and the receiving stage's input.
+
+    ``tensor`` is int64 token ids [Tb] (into stage 0) or float32/float16 hidden states [Tb, H],
+    Tb = ``plan.padded_tokens`` (rows T..Tb-1 are the padding subsequence). ``stage_ms`` holds the
+    compute time in ms of every stage already passed, in ring order: each stage passes on
+    :meth:`passed_on` its output with its own time appended. The last stage answers with a
+    :class:`StepReply` of the same session and seq. Arrays are shared: treat them as immutable.
+    """
+
+    session: StreamId
+    seq: int
+    plan: StepPlan
+    tensor: np.ndarray
+    stage_ms: tuple[float, ...] = ()
+    __repr__ = _shape_repr
+
+    def __post_init__(self) -> None:
+        _check_stream(self.session, self.seq, "Step")
+        _check_step_plan(self.plan)
+        t = self.tensor
+        _check_array(t, "Step.tensor", (_INT64, _FLOAT32, _FLOAT16))
+        ids = t.dtype == np.int64
+        if t.ndim != (1 if ids else 2) or t.shape[0] != self.plan.padded_tokens:
+            want = "token ids [Tb]" if ids else "hidden states [Tb, H]"
+            raise FrameError(f"Step {want} must have Tb = {self.plan.padded_tokens} (the plan's padded "
+                             f"tokens) rows, got shape {t.shape}")
+        if ids and t.min() < 0:
+            raise FrameError("Step token ids must be >= 0")
+        object.__setattr__(self, "stage_ms", _check_stage_ms(self.stage_ms, "Step.stage_ms"))
+
+    def passed_on(self, tensor: np.ndarray, compute_ms: float) -> Step:
+        """The Step this stage sends on: its output ``tensor`` [Tb, H], its compute time appended."""
+        return Step(self.session, self.seq, self.plan, tensor, (*self.stage_ms, compute_ms))
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class StepReply:
+    """The last stage's answer to a Step (same ``session`` and ``seq``).
+
+    ``ids`` int64 [R] and ``probs`` float32 [R] in [0, 1]: the top-1 of every answered row,
+    R = ``plan.sampled`` in plan order (0 for a step of prefill chunks only); ``logits`` float32
+    [L, V] for the answered rows of ``want_logits`` streams (L = ``plan.logit_rows`` <= R), or None
+    when no stream wanted them; ``stage_ms`` every stage's compute time in ms, in ring order.
+    """
+
+    session: StreamId
+    seq: int
+    ids: np.ndarray
+    probs: np.ndarray
+    logits: np.ndarray | None = None
+    stage_ms: tuple[float, ...] = ()
+    __repr__ = _shape_repr
+
+    def __post_init__(self) -> None:
+        _check_stream(self.session, self.seq, "StepReply")
+        for name, dtype in (("ids", _INT64), ("probs", _FLOAT32)):
+            a = getattr(self, name)
+            if not isinstance(a, np.ndarray) or a.dtype != dtype or a.ndim != 1:
+                raise FrameError(f"StepReply.{name} must be a 1-dim {dtype} numpy array, got "
+                                 f"{getattr(a, 'dtype', type(a).__name__)}{list(getattr(a, 'shape', ()))}")
+        r = self.ids.shape[0]
+        if self.probs.shape != (r,) or r > MAX_STEP_TOKENS:
+            raise FrameError(f"StepReply.probs {self.probs.shape} must match ids ({r},), at most {MAX_STEP_TOKENS}")
+        if r and self.ids.min() < 0:
+            raise FrameError("StepReply.ids must be >= 0")
+        if not ((self.probs >= 0) & (self.probs <= 1)).all():  # NaN fails both comparisons
+            raise FrameError("StepReply.probs must be probabilities in [0, 1]")
+        if self.logits is not None:
+            _check_array(self.logits, "StepReply.logits", (_FLOAT32,), ndims=(2,))
+            if self.logits.shape[0] > r:
+                raise FrameError(f"StepReply.logits has {self.logits.shape[0]} rows, more than the {r} "
+                                 "answered rows")
+        object.__setattr__(self, "stage_ms", _check_stage_ms(self.stage_ms, "StepReply.stage_ms"))
+
+
 @dataclass(frozen=True)
 class Release:
     """The stream is finished: free its KV state on every stage that holds one."""
@@ -288,7 +371,8 @@ class HelloAck:
 
 
 Message: TypeAlias = (
-    Forward | Packed | Tokens | Logits | Release | Capture | Restore | Ping | Pong | Error | Hello | HelloAck
+    Forward | Packed | Step | StepReply | Tokens | Logits | Release | Capture | Restore | Ping | Pong | Error
+    | Hello | HelloAck
 )
 
 
@@ -330,6 +414,51 @@ def _check_array(
         raise FrameError(f"{name} must have {' or '.join(map(str, ndims))} dims, got {a.shape}")
     if not 1 <= a.ndim <= MAX_DIMS or not all(1 <= d <= U32_MAX for d in a.shape):
         raise FrameError(f"{name} has shape {a.shape}; every dim must be in 1..2**32-1")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_)
+
+
+def _check_step_plan(plan: object) -> None:
+    """The plan's types and wire widths, then StepPlan's own rules again (GenerationError becomes
+    FrameError: a plan that breaks them is a malformed frame, however it was built)."""
+    if not isinstance(plan, StepPlan):
+        raise FrameError(f"Step.plan must be a StepPlan, got {type(plan).__name__}")
+    scalars = (plan.block_size, plan.pool_blocks, plan.token_budget, plan.padded_tokens)
+    if not all(_is_int(v) for v in scalars):
+        raise FrameError(f"Step plan fields must be integers, got {scalars}")
+    if not 0 <= plan.token_budget <= U32_MAX:
+        raise FrameError(f"Step plan token_budget {plan.token_budget} must be in 0..{U32_MAX}")
+    if not isinstance(plan.rows, tuple) or not all(isinstance(r, PlanRow) for r in plan.rows):
+        raise FrameError("Step plan rows must be a tuple of PlanRow")
+    block_ids = 0
+    for row in plan.rows:
+        numbers = (row.stream_id, row.past_len, row.new_tokens, row.sample, row.top_k)
+        if not all(_is_int(v) for v in numbers) or not isinstance(row.want_logits, bool) \
+                or not isinstance(row.mask, bool) or not isinstance(row.blocks, tuple) \
+                or not all(_is_int(b) for b in row.blocks):
+            raise FrameError(f"Step plan row {row!r:.200} must hold integers, a tuple of block ids and bools")
+        block_ids += len(row.blocks)
+    if block_ids > MAX_STEP_BLOCK_IDS:
+        raise FrameError(f"Step plan lists {block_ids} block ids; one step carries at most {MAX_STEP_BLOCK_IDS}")
+    if not isinstance(plan.copies, tuple) or len(plan.copies) > MAX_STEP_COPIES or not all(
+            isinstance(c, tuple) and len(c) == 2 and all(_is_int(b) for b in c) for c in plan.copies):
+        raise FrameError(f"Step plan copies must be at most {MAX_STEP_COPIES} (source, destination) integer pairs")
+    try:
+        replace(plan)  # re-runs StepPlan's checks (and every row's)
+    except GenerationError as exc:
+        raise FrameError(f"Step plan: {exc}") from None
+
+
+def _check_stage_ms(times: object, name: str) -> tuple[float, ...]:
+    """``times`` as the float32 values the wire carries (finite, >= 0), so a message round trips."""
+    if not isinstance(times, tuple | list) or len(times) > MAX_STEP_STAGES or not all(
+            isinstance(v, float | int | np.floating | np.integer) and not isinstance(v, bool) for v in times):
+        raise FrameError(f"{name} must be a tuple of at most {MAX_STEP_STAGES} times in ms, got {times!r:.80}")
+    if not all(0 <= v <= _FLOAT32_MAX for v in times):  # NaN fails the comparison
+        raise FrameError(f"{name} must be finite, non-negative ms (as float32), got {times!r:.80}")
+    return tuple(np.array(times, np.float32).tolist())
 
 
 def _check_identity(msg: Hello | HelloAck, kind: str) -> None:

@@ -154,7 +154,8 @@ class StepPlan:
 
     def sampled_indices(self) -> list[int]:
         """Row indices (into the T real rows) of every answered row, in plan order."""
-        out, begin = [], 0
+        out: list[int] = []
+        begin = 0
         for row in self.rows:
             end = begin + row.new_tokens
             out.extend(range(end - row.sample, end))

@@ -238,7 +238,7 @@ def test_handshake_mismatches_are_named(security):
         host, port = await server.async_start()
         fields_named = []
         for hello in (
-            Hello(FP, 1, Role.STAGE, protocol_version=3),
+            Hello(FP, 1, Role.STAGE, protocol_version=4),
             Hello("sha256-other", 1, Role.STAGE),
             Hello(FP, 3, Role.STAGE),
             Hello(FP, 1, Role.COORDINATOR),
@@ -248,7 +248,7 @@ def test_handshake_mismatches_are_named(security):
             fields_named.append((refused.value.field, str(refused.value)))
         # A peer whose frame header carries another version is refused before any field is read.
         reader, writer = await asyncio.open_connection(host, port, ssl=client_ctx)
-        writer.write(patch_header(encode(Hello(FP, 1, Role.STAGE)), version=3))
+        writer.write(patch_header(encode(Hello(FP, 1, Role.STAGE)), version=4))
         reply = await async_read_frame(reader, timeout=5)
         writer.close()
         good = await async_connect(host, port, Hello(FP, 1, Role.STAGE), ssl=client_ctx)
@@ -263,7 +263,7 @@ def test_handshake_mismatches_are_named(security):
     assert names == ["protocol_version", "model_fingerprint", "stage_index", "role"]
     for name, text in fields_named:
         assert f"{name} mismatch" in text
-    assert reply.code is ErrorCode.PROTOCOL_VERSION_MISMATCH and "version 3" in reply.message
+    assert reply.code is ErrorCode.PROTOCOL_VERSION_MISMATCH and "version 4" in reply.message
     assert pong == Pong(99)
     assert stats["handshake_refused"] == 4
 

@@ -31,9 +31,12 @@ from engine.wire.messages import (
     Pong,
     Release,
     Restore,
+    Step,
+    StepReply,
     Tokens,
 )
 from engine.wire.plan_frame import PlanFrame
+from engine.wire.step_plan import PlanRow, StepPlan
 
 FP = "sha256-0f3a9c"  # a model fingerprint
 
@@ -83,6 +86,30 @@ def packed(stream=8, seq=5, hidden=True, rng=None) -> Packed:
     return Packed(StreamId(stream), seq, PLAN, tensor)
 
 
+# A step of three streams: a prefill chunk of 24 over 12 cached positions (answered: its last chunk), a
+# decode row wanting logits, a verify of 1+3 drafts; a copy-on-write of a shared partial block. T=29, Tb=32.
+STEP_PLAN = StepPlan(32, 64, (PlanRow(11, 12, 24, (4, 5), 1), PlanRow(12, 40, 1, (6, 7), 1, want_logits=True),
+                              PlanRow(2**64 - 1, 31, 4, (9, 8), 4)), copies=((6, 10),), token_budget=256)
+
+
+def step(session=8, seq=5, hidden=True, dtype=np.float32, stage_ms=(1.25,), plan=STEP_PLAN, rng=None) -> Step:
+    """A valid Step of ``plan``: hidden states [Tb, 8] (``hidden``) or token ids [Tb] into stage 0."""
+    rng = rng or np.random.default_rng(2)
+    tb = plan.padded_tokens
+    tensor = (rng.standard_normal((tb, 8)).astype(dtype) if hidden
+              else rng.integers(0, 49152, tb, dtype=np.int64))
+    return Step(StreamId(session), seq, plan, tensor, stage_ms)
+
+
+def step_reply(session=8, seq=5, logits=True, rng=None) -> StepReply:
+    """A valid StepReply to STEP_PLAN: 6 answered rows, one row of logits over a vocabulary of 11."""
+    rng = rng or np.random.default_rng(3)
+    r = STEP_PLAN.sampled
+    return StepReply(StreamId(session), seq, rng.integers(0, 49152, r, dtype=np.int64), rng.random(r, np.float32),
+                     rng.standard_normal((STEP_PLAN.logit_rows, 11)).astype(np.float32) if logits else None,
+                     (2.5, 0.0, 3.75))
+
+
 TENSOR_SAMPLES: list[Message] = [
     forward(),
     forward(b=2, s=3, t=13, dtype=np.float16, want_logits=True),
@@ -94,6 +121,12 @@ TENSOR_SAMPLES: list[Message] = [
     Capture(StreamId(6), 4, 77, np.array([0, 1, 2, 5, 6], np.int64)),
     packed(),
     packed(stream=U64_MAX, hidden=False),
+    step(),
+    step(session=U64_MAX, seq=U64_MAX, hidden=False, stage_ms=()),
+    step(dtype=np.float16, stage_ms=(0.5, 7.0)),
+    step_reply(),
+    step_reply(logits=False),
+    StepReply(StreamId(1), 0, np.zeros(0, np.int64), np.zeros(0, np.float32)),  # a step of prefill chunks only
 ]
 CONTROL_SAMPLES: list[Message] = [  # no tensor payload
     Release(StreamId(5), 12),
