@@ -1,0 +1,351 @@
+"""Paged stages: one PagedAttention infer per step for every stream's new tokens.
+
+A :class:`PagedStage` is one verified stage of a CPU (or GPU) export, converted at load by
+OpenVINO's ``paged_attention_transformation`` (a converted IR cannot be read back, so the
+stateful IR is what ships). Its KV lives in a block pool (``key_cache.L``/``value_cache.L``,
+``[pool_blocks, ...]`` as the compiled model asks) that the stage allocates once and never grows;
+the coordinator owns the block tables and sends them with every step (:class:`StepPlan`), so the
+stage holds no policy: :func:`paged_inputs` turns a plan into the PagedAttention inputs.
+
+:class:`LocalPagedPath` runs the stages of one export back to back in this process, the paged
+twin of :class:`engine.shards.step_path.LocalPath`. The plan itself is described in
+:mod:`engine.wire.step_plan` and docs/PROTOCOL.md ("Step").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import openvino as ov
+import openvino.opset13 as ops
+
+from engine.errors import GenerationError, ShardCompileError
+from engine.shards.manifest import Manifest, ir_paths, load_manifest, verify_stage
+from engine.shards.paged_step import PagedOutcome, PagedStep
+from engine.shards.stage import _core, read_verified_model, stage_properties
+from engine.shards.step_path import last_stage_top1
+from engine.wire.step_plan import CPU_BLOCK_SIZE, GPU_BLOCK_SIZE, StepPlan, blocks_needed
+
+SAMPLED = "sampled_tokens_indices"
+# The block size each device's PagedAttention kernel is built for (openvino.genai's cache manager).
+DEVICE_BLOCK_SIZE: Mapping[str, int] = {"CPU": CPU_BLOCK_SIZE, "GPU": GPU_BLOCK_SIZE}
+# Cache element types a pool can hold as numpy arrays (u4/bf16 caches have no numpy dtype).
+CACHE_DTYPES: Mapping[str, np.dtype] = {
+    "f32": np.dtype(np.float32), "f16": np.dtype(np.float16), "u8": np.dtype(np.uint8), "i8": np.dtype(np.int8),
+}
+# Ops that may sit between the LM head's MatMul and the logits output (a cast, a soft cap, a reshape).
+_HEAD_PASS_THROUGH = frozenset({"Convert", "Multiply", "Divide", "Tanh", "Reshape", "Squeeze", "Unsqueeze"})
+_METADATA_INPUTS = ("position_ids", "past_lens", "subsequence_begins", "block_indices", "block_indices_begins",
+                    "max_context_len")
+
+
+class PagedStageError(GenerationError):
+    """Base of the paged stage's errors."""
+
+
+class PoolBudgetError(PagedStageError):
+    """A block pool larger than the stage's memory budget was asked for (the message says both)."""
+
+
+class PoolNotAllocatedError(PagedStageError):
+    """A step reached a stage whose block pool is not allocated, or is smaller than the plan's."""
+
+
+class LMHeadNotFoundError(ShardCompileError):
+    """The last stage's graph has no MatMul feeding its logits, so answered rows cannot be selected."""
+
+
+def paged_inputs(plan: StepPlan, *, sampled: bool = False) -> dict[str, np.ndarray]:
+    """The PagedAttention metadata of one step (every stage gets the same).
+
+    Rows are the plan's streams in order, then (when ``plan.padded_tokens`` > T) one padding
+    subsequence of ``pad`` rows: past 0, positions 0..pad-1, on scratch blocks 0..ceil(pad/bs)-1,
+    never sampled. ``sampled``: add ``sampled_tokens_indices`` i64 [max(R, 1)], the answered rows
+    in plan order (R = 0: the last real row, whose answer the caller drops).
+    Shapes: position_ids i64 [Tb]; past_lens i32 [S']; subsequence_begins and block_indices_begins
+    i32 [S'+1]; block_indices i32 [sum of blocks]; max_context_len i32 [] (S' = S + 1 with padding).
+    """
+    pad = plan.padded_tokens - plan.tokens
+    past = [row.past_len for row in plan.rows]
+    counts = [row.new_tokens for row in plan.rows]
+    tables = [row.blocks for row in plan.rows]
+    if pad:
+        past.append(0)
+        counts.append(pad)
+        tables.append(tuple(range(blocks_needed(pad, plan.block_size))))
+    positions = np.concatenate([np.arange(p, p + n, dtype=np.int64) for p, n in zip(past, counts, strict=True)])
+    out = {
+        "position_ids": positions,
+        "past_lens": np.asarray(past, dtype=np.int32),
+        "subsequence_begins": np.concatenate([[0], np.cumsum(counts)]).astype(np.int32),
+        "block_indices": np.asarray([b for table in tables for b in table], dtype=np.int32),
+        "block_indices_begins": np.concatenate([[0], np.cumsum([len(t) for t in tables])]).astype(np.int32),
+        "max_context_len": np.array(max(p + n for p, n in zip(past, counts, strict=True)), dtype=np.int32),
+    }
+    if sampled:
+        rows = plan.sampled_indices() or [plan.tokens - 1]
+        out[SAMPLED] = np.asarray(rows, dtype=np.int64)
+    return out
+
+
+def top1_reply(logits: np.ndarray, plan: StepPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """The last stage's answer from logits [R, V] of the answered rows (plan order): top-1 ids
+    int64 [R], probabilities float32 [R] (as :func:`last_stage_top1`), and the logits float32
+    [L, V] of the rows of ``want_logits`` streams (None when no stream wants them)."""
+    ids, probs = last_stage_top1(logits[None], 0)
+    if not plan.logit_rows:
+        return ids, probs, None
+    keep = np.concatenate([np.full(row.sample, row.want_logits, dtype=bool) for row in plan.rows])
+    return ids, probs, np.ascontiguousarray(logits[keep], dtype=np.float32)
+
+
+def _name_first_input(model: ov.Model, name: str) -> None:
+    """The conversion finds the token input by tensor name and flattens it by friendly name:
+    set both (older torch exports call it ``x`` or ``hidden_states``)."""
+    first = model.get_parameters()[0]
+    first.set_friendly_name(name)
+    first.output(0).get_tensor().set_names({name})
+
+
+def _logits_head(model: ov.Model) -> ov.Node:
+    """The MatMul whose output becomes the logits (through casts, soft caps or reshapes only)."""
+    results = [r for r in model.get_results() if "logits" in r.input_value(0).get_names()] or model.get_results()
+    node = results[0].input_value(0).get_node()
+    for _ in range(8):
+        if node.get_type_name() == "MatMul":
+            return node
+        if node.get_type_name() not in _HEAD_PASS_THROUGH:
+            break
+        inputs = [v.get_node() for v in node.input_values() if v.get_node().get_type_name() != "Constant"]
+        if len(inputs) != 1:
+            break
+        node = inputs[0]
+    raise LMHeadNotFoundError(f"the last stage of model {model.get_friendly_name()!r} has no MatMul feeding its "
+                              "logits output; re-export the model with a current exporter")
+
+
+def convert_to_paged(model: ov.Model, *, has_embedding: bool, has_head: bool) -> ov.Model:
+    """``model`` (a stateful stage) converted in place to PagedAttention; on the last stage a
+    Gather over a new ``sampled_tokens_indices`` input picks the rows that reach the LM head."""
+    from openvino._offline_transformations import paged_attention_transformation
+
+    _name_first_input(model, "input_ids" if has_embedding else "inputs_embeds")
+    paged_attention_transformation(model, False, False, False)
+    if has_head:
+        head = _logits_head(model)
+        indices = ops.parameter([-1], ov.Type.i64, name=SAMPLED)
+        indices.output(0).get_tensor().set_names({SAMPLED})
+        picked = ops.gather(head.input_value(0), indices, ops.constant(np.int64(0)))  # [K, 1, H]
+        head.input(0).replace_source_output(picked.output(0))
+        model.add_parameters([indices])
+        model.validate_nodes_and_infer_types()
+    return model
+
+
+class PagedStage:
+    """One verified stage converted to PagedAttention, with its block pool."""
+
+    def __init__(self, export_dir: Path | str, index: int, *, device: str = "CPU",
+                 properties: Mapping[str, str] | None = None, exact: bool = False,
+                 num_threads: int | None = None, manifest: Manifest | None = None,
+                 verify: bool = True, core: ov.Core | None = None, cache_dir: Path | str | None = None):
+        root = Path(export_dir)
+        self.manifest = manifest or load_manifest(root)
+        if self.manifest.target == "npu":
+            raise PagedStageError(f"{root} is a static (NPU-target) export; paged stages serve CPU and GPU exports")
+        if not 0 <= index < len(self.manifest.stages):
+            raise GenerationError(f"{root} has stages 0..{len(self.manifest.stages) - 1}, not {index}")
+        spec = self.manifest.stages[index]
+        self.spec = verify_stage(root, self.manifest, index, skip=frozenset(ir_paths(spec.xml))) if verify else spec
+        self.device = device
+        self.block_size = DEVICE_BLOCK_SIZE.get(device.split(".")[0], CPU_BLOCK_SIZE)
+        self.properties = stage_properties(self.spec, exact, num_threads, properties)
+        if cache_dir is not None:
+            self.properties = {**self.properties, "CACHE_DIR": str(cache_dir)}
+        core = core or _core()
+        model, self._weights = read_verified_model(core, root, self.spec, self.spec.xml, verify=verify)
+        try:
+            convert_to_paged(model, has_embedding=self.spec.has_embedding, has_head=self.spec.has_head)
+            self.compiled = core.compile_model(model, device, self.properties)
+        except RuntimeError as exc:
+            raise ShardCompileError(f"OpenVINO could not convert stage {index} of {root} to PagedAttention or "
+                                    f"compile it on {device}: {exc}") from exc
+        self._first = self.compiled.inputs[0].get_any_name()
+        names = {i.get_any_name() for i in self.compiled.inputs}
+        self._logits_last = "logits_last" in names
+        self._cache_inputs = [i for i in self.compiled.inputs if i.get_any_name().startswith(("key_cache.",
+                                                                                                "value_cache."))]
+        self.request = self.compiled.create_infer_request()
+        self.caches: list[np.ndarray] = []
+        self.pool_blocks = 0
+
+    @property
+    def index(self) -> int:
+        return self.spec.index
+
+    @property
+    def is_last(self) -> bool:
+        return self.spec.has_head
+
+    def _cache_dtype(self, element_type: ov.Type) -> np.dtype:
+        dtype = CACHE_DTYPES.get(element_type.get_type_name())
+        if dtype is None:
+            raise PagedStageError(f"stage {self.index} compiled a {element_type.get_type_name()} KV cache, which a "
+                                  f"paged pool cannot hold; use KV_CACHE_PRECISION f16, f32 or u8")
+        return dtype
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block over every cache tensor of this stage (K and V of each layer)."""
+        total = 0
+        for cache in self._cache_inputs:
+            dims = [d.get_length() for d in cache.get_partial_shape()[1:]]
+            total += int(np.prod(dims)) * self._cache_dtype(cache.get_element_type()).itemsize
+        return total
+
+    def allocate(self, pool_blocks: int, budget_bytes: int) -> None:
+        """Allocate (or reallocate, emptied) the pool of ``pool_blocks`` blocks on every cache
+        tensor and bind it to the infer request; PoolBudgetError when it exceeds ``budget_bytes``."""
+        need = pool_blocks * self.block_bytes
+        if need > budget_bytes:
+            raise PoolBudgetError(f"stage {self.index}: a pool of {pool_blocks} blocks needs {need} bytes "
+                                  f"({self.block_bytes} per block), over its KV budget of {budget_bytes} bytes; "
+                                  f"plan at most {budget_bytes // max(self.block_bytes, 1)} blocks or raise "
+                                  "kv_pool_bytes")
+        self.caches = []
+        for cache in self._cache_inputs:
+            dims = [d.get_length() for d in cache.get_partial_shape()[1:]]
+            arr = np.zeros((pool_blocks, *dims), dtype=self._cache_dtype(cache.get_element_type()))
+            self.request.set_tensor(cache.get_any_name(), ov.Tensor(arr, shared_memory=True))
+            self.caches.append(arr)
+        self.pool_blocks = pool_blocks
+
+    def _check(self, plan: StepPlan) -> None:
+        if not self.caches:
+            raise PoolNotAllocatedError(f"stage {self.index} has no block pool yet; allocate one before the first step")
+        if plan.pool_blocks > self.pool_blocks:
+            raise PoolNotAllocatedError(f"the plan assumes a pool of {plan.pool_blocks} blocks; stage {self.index} "
+                                        f"holds {self.pool_blocks}")
+        if plan.block_size != self.block_size:
+            raise PagedStageError(f"the plan's block size {plan.block_size} is not stage {self.index}'s "
+                                  f"{self.block_size} ({self.device})")
+
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Copy block ``src`` onto ``dst`` in every cache tensor, in order (copy-on-write)."""
+        for src, dst in copies:
+            for arr in self.caches:
+                arr[dst] = arr[src]
+
+    def export_blocks(self, blocks: Sequence[int]) -> list[np.ndarray]:
+        """Copies of ``blocks`` from every cache tensor [len(blocks), ...] (moving a stream)."""
+        return [arr[list(blocks)].copy() for arr in self.caches]
+
+    def import_blocks(self, blocks: Sequence[int], data: Sequence[np.ndarray]) -> None:
+        """Write :meth:`export_blocks`'s output into ``blocks`` of this pool (same layout only)."""
+        if len(data) != len(self.caches) or any(d.shape != (len(blocks), *a.shape[1:]) or d.dtype != a.dtype
+                                                for d, a in zip(data, self.caches, strict=False)):
+            raise PagedStageError(f"the blocks do not match stage {self.index}'s cache layout")
+        for arr, d in zip(self.caches, data, strict=True):
+            arr[list(blocks)] = d
+
+    def run(self, plan: StepPlan, x: np.ndarray) -> np.ndarray:
+        """One infer for every row of ``plan``: ``x`` is token ids int64 [Tb] (stage 0) or hidden
+        states [Tb, H]. Returns hidden states float32 [Tb, H], or on the last stage the logits
+        float32 [R, V] of the answered rows in plan order (a private copy either way)."""
+        self._check(plan)
+        if x.shape[0] != plan.padded_tokens:
+            raise PagedStageError(f"stage {self.index} got {x.shape[0]} rows for a step of {plan.padded_tokens}")
+        self.copy_blocks(plan.copies)
+        inputs = paged_inputs(plan, sampled=self.is_last)
+        if self.spec.has_embedding:
+            inputs[self._first] = np.ascontiguousarray(x, dtype=np.int64)
+        else:
+            inputs[self._first] = np.ascontiguousarray(x.reshape(x.shape[0], -1), dtype=np.float32)
+        if self._logits_last:
+            inputs["logits_last"] = np.array(1, dtype=np.int64)
+        self.request.infer(inputs, share_inputs=True, share_outputs=True)
+        out = self.request.get_output_tensor(0).data  # [Tb, 1, H] or [max(R, 1), 1, V]
+        if self.is_last:
+            return np.array(out.reshape(out.shape[0], -1)[:plan.sampled], dtype=np.float32)
+        return np.array(out.reshape(out.shape[0], -1), dtype=np.float32)
+
+
+class LocalPagedPath:
+    """Every paged stage in this process; steps run one at a time on a worker thread (OpenVINO
+    releases the GIL in ``infer``). Implements :class:`engine.shards.paged_step.PagedPath`."""
+
+    def __init__(self, stages: Sequence[PagedStage], pool_blocks: int, budget_bytes: int):
+        if not stages:
+            raise GenerationError("a paged path needs at least one stage")
+        for i, stage in enumerate(stages):
+            if stage.index != i:
+                raise GenerationError(f"stage {stage.index} is in position {i}; stages must be given in order")
+        if not stages[-1].is_last:
+            raise GenerationError("the last stage does not hold the LM head; load every stage")
+        if len({s.manifest.model.fingerprint for s in stages}) != 1:
+            raise GenerationError("stages come from different models (fingerprints differ); re-export together")
+        self.stages = list(stages)
+        self.manifest = stages[0].manifest
+        self.num_stages = len(stages)
+        self.block_size = stages[0].block_size
+        for stage in self.stages:
+            stage.allocate(pool_blocks, budget_bytes)
+        self.pool_blocks = pool_blocks
+        self.results: asyncio.Queue[PagedOutcome] = asyncio.Queue()
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="deskfleet-paged-path")
+        self._compute_s = [0.0] * self.num_stages
+        self._steps = 0
+
+    @classmethod
+    def load(cls, export_dir: Path | str, pool_blocks: int, budget_bytes: int, **kwargs) -> LocalPagedPath:
+        """Verify, convert and compile every stage of an export (``kwargs`` as :class:`PagedStage`)."""
+        manifest = kwargs.pop("manifest", None) or load_manifest(export_dir)
+        core = kwargs.pop("core", None) or _core()
+        stages = [PagedStage(export_dir, i, manifest=manifest, core=core, **kwargs)
+                  for i in range(len(manifest.stages))]
+        return cls(stages, pool_blocks, budget_bytes)
+
+    async def async_start(self) -> None:
+        return None
+
+    def run(self, step: PagedStep) -> PagedOutcome:
+        """One step through every stage, on the calling thread."""
+        plan = step.plan
+        ids = np.asarray(step.token_ids, dtype=np.int64)
+        if ids.shape != (plan.tokens,):
+            raise GenerationError(f"step {step.seq} carries {ids.shape} token ids for {plan.tokens} rows")
+        x = np.zeros(plan.padded_tokens, dtype=np.int64)
+        x[:plan.tokens] = ids
+        stage_ms = []
+        for i, stage in enumerate(self.stages):
+            started = time.perf_counter()
+            x = stage.run(plan, x)
+            spent = time.perf_counter() - started
+            self._compute_s[i] += spent
+            stage_ms.append(1000 * spent)
+        self._steps += 1
+        top, probs, logits = top1_reply(x, plan)
+        return PagedOutcome(step.seq, top, probs, logits, tuple(stage_ms))
+
+    async def async_submit(self, step: PagedStep) -> None:
+        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(self._executor, self.run, step)
+
+        def deliver(f: asyncio.Future) -> None:
+            exc = f.exception()
+            self.results.put_nowait(f.result() if exc is None else
+                                    PagedOutcome.failed(step.seq, f"{type(exc).__name__}: {exc}"))
+
+        future.add_done_callback(deliver)
+
+    async def async_close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+    def stage_metrics(self) -> dict[str, float]:
+        steps = max(self._steps, 1)
+        return {f"stage_compute_ms_per_step{{stage=\"{i}\"}}": 1000 * s / steps for i, s in enumerate(self._compute_s)}

@@ -1,0 +1,350 @@
+"""Paged stages against today's stateful stages: the same greedy tokens for every stream whatever
+shares its steps (joins at different steps, prefill chunks beside decode, speculative verify and
+rewind, copy-on-write of a partial block, blocks moved), padding that changes no real row, the
+pool budget, and the pure PagedAttention inputs of a plan."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import numpy as np
+import openvino as ov
+import openvino.opset13 as ops
+import pytest
+
+from engine.generation.in_process import greedy_generate
+from engine.shards.paged_stage import (
+    SAMPLED,
+    LMHeadNotFoundError,
+    LocalPagedPath,
+    PagedStage,
+    PoolBudgetError,
+    PoolNotAllocatedError,
+    _logits_head,
+    paged_inputs,
+    top1_reply,
+)
+from engine.shards.paged_step import PagedStep
+from engine.shards.stage import LocalChain
+from engine.shards.step_path import last_stage_top1
+from engine.wire.step_plan import SCRATCH_BLOCKS, PlanRow, StepPlan, blocks_needed, plan
+from tests.conftest import PROMPT_IDS
+
+BS = 32
+POOL = 48
+BUDGET = 1 << 30
+N = 10  # generated tokens per stream
+
+
+@pytest.fixture(scope="module")
+def paged(tiny_export):
+    """``paged(stages)`` -> the compiled PagedStages of the tiny llama split that way (exact settings)."""
+    built: dict[int, list[PagedStage]] = {}
+
+    def get(stages: int) -> list[PagedStage]:
+        if stages not in built:
+            built[stages] = LocalPagedPath.load(tiny_export("llama", stages), SCRATCH_BLOCKS + 1, BUDGET,
+                                                exact=True).stages
+        return built[stages]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_export):
+    """``reference(stages, prompt, n)`` -> greedy tokens of the stateful chain, the stream alone."""
+    chains: dict[int, LocalChain] = {}
+
+    def get(stages: int, prompt, n: int = N) -> tuple[int, ...]:
+        if stages not in chains:
+            chains[stages] = LocalChain.load(tiny_export("llama", stages), exact=True)
+        return greedy_generate(chains[stages], list(prompt), n, ignore_eos=True).tokens
+
+    return get
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    rng = np.random.default_rng(14)
+    return [list(PROMPT_IDS), rng.integers(3, vocab, 40).tolist(), rng.integers(3, vocab, 5).tolist(),
+            rng.integers(3, vocab, 23).tolist()]
+
+
+class Blocks:
+    """A free list handing out stream blocks in a scrambled order (tables are never contiguous)."""
+
+    def __init__(self, pool: int = POOL):
+        self.free = list(np.random.default_rng(3).permutation(np.arange(SCRATCH_BLOCKS, pool)))
+        self.returned = 0
+
+    def take(self) -> int:
+        return int(self.free.pop())
+
+
+@dataclasses.dataclass
+class Stream:
+    sid: int
+    seq: list[int]  # prompt + generated
+    prompt_len: int
+    join: int = 0
+    chunk: int | None = None
+    past: int = 0
+    blocks: list[int] = dataclasses.field(default_factory=list)
+    drafts: list[int] = dataclasses.field(default_factory=list)  # proposed for this step
+
+    def __post_init__(self) -> None:
+        self.seq = list(self.seq)  # never the caller's prompt list
+
+    @property
+    def generated(self) -> list[int]:
+        return self.seq[self.prompt_len:]
+
+    def feed(self) -> list[int]:
+        todo = self.seq[self.past:]
+        if self.past < self.prompt_len and self.chunk:
+            todo = todo[:self.chunk]
+        return todo + self.drafts
+
+
+def step(path: LocalPagedPath, streams: list[Stream], pool: Blocks, seq: int = 0, copies=()):
+    """One paged step over ``streams``: allocate blocks, run, then advance each stream by what the
+    last stage answered (greedy; drafts accepted while they match, past_len lowered past the rest)."""
+    rows, ids = [], []
+    for s in streams:
+        feed = s.feed()
+        while len(s.blocks) < blocks_needed(s.past + len(feed), BS):
+            s.blocks.append(pool.take())
+        answers = len(s.seq) == s.past + len(feed) - len(s.drafts)
+        rows.append(PlanRow(s.sid, s.past, len(feed), tuple(s.blocks), sample=(1 + len(s.drafts)) if answers else 0))
+        ids += feed
+    p = plan(BS, POOL, rows, copies=tuple(copies))
+    out = path.run(PagedStep(seq, p, np.asarray(ids, dtype=np.int64)))
+    at = 0
+    for s, row in zip(streams, rows, strict=True):
+        got = out.ids[at:at + row.sample].tolist()
+        at += row.sample
+        if not row.sample:
+            s.past += row.new_tokens
+            continue
+        accepted = 0
+        while accepted < len(s.drafts) and s.drafts[accepted] == got[accepted]:
+            accepted += 1
+        s.seq += s.drafts[:accepted] + [got[accepted]]
+        s.past += row.new_tokens - len(s.drafts) + accepted  # rewind: rejected drafts leave the cache
+        keep = blocks_needed(s.past, BS)
+        pool.free += s.blocks[keep:]  # surplus blocks go back: the next block taken is one of them
+        pool.returned += len(s.blocks[keep:])
+        del s.blocks[keep:]
+        s.drafts = []
+    assert at == len(out.ids)
+    return out
+
+
+def drive(path: LocalPagedPath, streams: list[Stream], n: int = N, spec=None,
+          pool: Blocks | None = None) -> dict[int, list[int]]:
+    """Steps until every stream has ``n`` tokens; ``spec(stream, step) -> drafts`` proposes drafts."""
+    pool, done, t = pool or Blocks(), {}, 0
+    while len(done) < len(streams):
+        live = [s for s in streams if s.join <= t and s.sid not in done]
+        for s in live:
+            if spec is not None and s.past == len(s.seq) - 1 and s.generated:
+                s.drafts = spec(s, t)
+        if live:
+            step(path, live, pool, t)
+        for s in live:
+            if len(s.generated) >= n:
+                done[s.sid] = s.generated[:n]
+        t += 1
+    return done
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_batched_streams_give_each_streams_tokens_alone(stages, paged, reference):
+    path = LocalPagedPath(paged(stages), POOL, BUDGET)
+    ps = prompts(path.manifest.model.vocab_size)
+    streams = [Stream(1, ps[0], len(ps[0])), Stream(2, ps[1], len(ps[1]), join=0, chunk=5),
+               Stream(3, ps[2], len(ps[2]), join=2), Stream(4, ps[3], len(ps[3]), join=5, chunk=5)]
+    got = drive(path, streams)
+    for s, prompt in zip(streams, ps, strict=True):
+        assert tuple(got[s.sid]) == reference(stages, prompt), f"stream {s.sid}"
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_speculative_verify_and_rewind_keep_greedy_tokens(stages, paged, reference):
+    path = LocalPagedPath(paged(stages), POOL, BUDGET)
+    ps = prompts(path.manifest.model.vocab_size)
+    refs = {i + 1: reference(stages, p, N + 8) for i, p in enumerate(ps)}
+    vocab = path.manifest.model.vocab_size
+    proposals = []
+
+    def spec(s: Stream, t: int) -> list[int]:
+        if s.sid not in (1, 4) or t % 2:
+            return []
+        k = len(s.generated)
+        right = len(proposals) % 4  # 0..3 correct drafts, then wrong ones: a verify row of 1 + 3
+        truth = list(refs[s.sid][k:k + 3])
+        drafts = truth[:right] + [(x + 1) % vocab for x in truth[right:]]
+        proposals.append(right)
+        return drafts
+
+    streams = [Stream(i + 1, p, len(p), join=i, chunk=5 if i % 2 else None) for i, p in enumerate(ps)]
+    pool = Blocks()
+    got = drive(path, streams, spec=spec, pool=pool)
+    assert len(pool.free) + sum(len(s.blocks) for s in streams) == POOL - SCRATCH_BLOCKS
+    assert pool.returned  # a rejected verify crossed a block boundary and gave the new block back
+    assert 0 in proposals and 1 in proposals  # all-wrong and partly right verifies both ran
+    for s in streams:
+        assert tuple(got[s.sid]) == refs[s.sid][:N], f"stream {s.sid}"
+
+
+def test_copy_on_write_fork_continues_like_the_original(paged, reference):
+    path = LocalPagedPath(paged(2), POOL, BUDGET)
+    prompt = prompts(path.manifest.model.vocab_size)[1]  # 40 tokens: one full block, one partial
+    pool = Blocks()
+    a = Stream(1, list(prompt), len(prompt))
+    for t in range(4):
+        step(path, [a], pool, t)
+    assert a.past % BS and len(a.blocks) == 2
+    b = Stream(2, list(a.seq), len(prompt), past=a.past, blocks=[a.blocks[0], pool.take()])  # shares block 0
+    copies = [(a.blocks[1], b.blocks[1])]
+    for t in range(4, 4 + N - 4):
+        step(path, [a, b], pool, t, copies)
+        copies = []
+    assert a.generated == b.generated == list(reference(2, prompt))
+
+
+def test_blocks_moved_to_other_ids_continue_the_stream(paged, reference):
+    path = LocalPagedPath(paged(2), POOL, BUDGET)
+    prompt = prompts(path.manifest.model.vocab_size)[3]
+    pool = Blocks()
+    s = Stream(1, list(prompt), len(prompt))
+    for t in range(3):
+        step(path, [s], pool, t)
+    moved = [pool.take() for _ in s.blocks]
+    for stage in path.stages:
+        stage.import_blocks(moved, stage.export_blocks(s.blocks))
+        for arr in stage.caches:
+            arr[s.blocks] = 0  # the old copies are gone
+    s.blocks = moved
+    for t in range(3, N):
+        step(path, [s], pool, t)
+    assert s.generated == list(reference(2, prompt))
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_padding_rows_change_no_real_row(stages, paged):
+    path = LocalPagedPath(paged(stages), POOL, BUDGET)
+    ps = prompts(path.manifest.model.vocab_size)
+    rows = [PlanRow(1, 0, 5, (7,), sample=5, want_logits=True), PlanRow(2, 0, 4, (9,), sample=2, want_logits=True)]
+    ids = np.asarray(ps[3][:5] + ps[0][:4], dtype=np.int64)
+    outs, hidden = [], []
+    for padded in (9, 16, 9 + 3 * BS):  # no padding, the bucket, padding over three scratch blocks
+        p = plan(BS, POOL, rows, padded_tokens=padded)
+        outs.append(path.run(PagedStep(0, p, ids)))
+        if stages > 1:
+            hidden.append(path.stages[0].run(p, np.concatenate([ids, np.zeros(padded - 9, np.int64)])))
+            assert hidden[-1].shape == (padded, path.manifest.model.hidden_size)
+    for out in outs[1:]:
+        assert out.ids.tolist() == outs[0].ids.tolist()
+        np.testing.assert_allclose(out.logits, outs[0].logits, rtol=0, atol=1e-4)
+    for h in hidden[1:]:
+        np.testing.assert_allclose(h[:9], hidden[0], rtol=0, atol=1e-5)
+
+
+def test_a_step_answering_no_row(paged):
+    path = LocalPagedPath(paged(2), POOL, BUDGET)
+    chunk = plan(BS, POOL, [PlanRow(1, 0, 5, (5,), sample=0)])
+    out = path.run(PagedStep(0, chunk, np.arange(3, 8, dtype=np.int64)))
+    assert out.ids.shape == (0,) and out.probs.shape == (0,) and out.logits is None
+    assert path.stages[-1].run(chunk, np.zeros((8, path.manifest.model.hidden_size), np.float32)).shape == (
+        0, path.manifest.model.vocab_size)
+
+
+def test_logits_only_for_the_streams_that_want_them(paged):
+    path = LocalPagedPath(paged(1), POOL, BUDGET)
+    rows = [PlanRow(1, 0, 3, (5,), sample=2, want_logits=True), PlanRow(2, 0, 2, (6,)),
+            PlanRow(3, 0, 1, (8,), want_logits=True)]
+    p = plan(BS, POOL, rows)
+    out = path.run(PagedStep(0, p, np.asarray([5, 6, 7, 8, 9, 10])))
+    assert out.ids.shape == (4,) and out.logits is not None and out.logits.shape == (3, path.manifest.model.vocab_size)
+    assert out.logits.argmax(axis=-1).tolist() == [out.ids[0], out.ids[1], out.ids[3]]
+
+
+def test_pool_over_budget_is_refused(paged):
+    stage = paged(2)[0]
+    need = 40 * stage.block_bytes
+    with pytest.raises(PoolBudgetError, match=f"{need} bytes.*{need - 1} bytes"):
+        stage.allocate(40, need - 1)
+    stage.allocate(40, need)
+    assert [arr.shape[0] for arr in stage.caches] == [40] * len(stage.caches)
+    assert sum(arr.nbytes for arr in stage.caches) == need
+    with pytest.raises(PoolNotAllocatedError, match="48 blocks"):
+        stage.run(plan(BS, 48, [PlanRow(1, 0, 1, (5,))]), np.zeros(1, np.int64))
+
+
+def test_paged_inputs_of_a_plan():
+    p = plan(BS, POOL, [PlanRow(1, 0, 3, (4,), sample=1), PlanRow(2, 33, 1, (5, 6))], padded_tokens=8)
+    got = paged_inputs(p, sampled=True)
+    assert got["position_ids"].tolist() == [0, 1, 2, 33, 0, 1, 2, 3]
+    assert got["past_lens"].tolist() == [0, 33, 0]
+    assert got["subsequence_begins"].tolist() == [0, 3, 4, 8]
+    assert got["block_indices"].tolist() == [4, 5, 6, 0]
+    assert got["block_indices_begins"].tolist() == [0, 1, 3, 4]
+    assert got["max_context_len"].shape == () and int(got["max_context_len"]) == 34
+    assert got[SAMPLED].tolist() == [2, 3]
+    assert {k: v.dtype for k, v in got.items()} == {
+        "position_ids": np.int64, "past_lens": np.int32, "subsequence_begins": np.int32, "block_indices": np.int32,
+        "block_indices_begins": np.int32, "max_context_len": np.int32, SAMPLED: np.int64}
+    # no padding: no extra subsequence; a long padding spans several scratch blocks
+    exact = paged_inputs(plan(BS, POOL, [PlanRow(1, 0, 3, (4,), sample=3)], padded_tokens=3), sampled=True)
+    assert exact["past_lens"].tolist() == [0] and exact["subsequence_begins"].tolist() == [0, 3]
+    assert exact[SAMPLED].tolist() == [0, 1, 2]
+    long = paged_inputs(plan(BS, POOL, [PlanRow(1, 40, 2, (4, 7))], padded_tokens=2 + 70))
+    assert long["block_indices"].tolist() == [4, 7, 0, 1, 2] and SAMPLED not in long
+    assert int(long["max_context_len"]) == 70
+    none = paged_inputs(plan(BS, POOL, [PlanRow(1, 0, 3, (4,), sample=0), PlanRow(2, 0, 2, (5,), sample=0)]),
+                        sampled=True)
+    assert none[SAMPLED].tolist() == [4]  # the last real row, answered and dropped
+
+
+def test_top1_reply_matches_the_stateful_formula():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(4, 11)).astype(np.float32) * 30
+    p = plan(BS, POOL, [PlanRow(1, 0, 3, (4,), sample=2), PlanRow(2, 0, 2, (5,), sample=2, want_logits=True)])
+    ids, probs, rows = top1_reply(logits, p)
+    want_ids, want_probs = last_stage_top1(logits[None], 0)
+    assert ids.dtype == np.int64 and probs.dtype == np.float32
+    assert ids.tolist() == want_ids.tolist() and probs.tolist() == want_probs.tolist()
+    assert rows is not None and np.array_equal(rows, logits[2:])
+    assert top1_reply(logits, dataclasses.replace(p, rows=(p.rows[0], dataclasses.replace(
+        p.rows[1], want_logits=False))))[2] is None
+
+
+def test_a_graph_without_a_head_matmul_is_refused_by_name():
+    x = ops.parameter([-1, 4], ov.Type.f32, name="x")
+    out = ops.relu(x)
+    out.output(0).get_tensor().set_names({"logits"})
+    with pytest.raises(LMHeadNotFoundError, match="no MatMul"):
+        _logits_head(ov.Model([ops.result(out)], [x], "headless"))
+
+
+def test_local_paged_path_delivers_outcomes_in_order_and_failures_as_data(paged):
+    async def main():
+        path = LocalPagedPath(paged(2), POOL, BUDGET)
+        await path.async_start()
+        good = plan(BS, POOL, [PlanRow(1, 0, 3, (5,))])
+        too_big = StepPlan(BS, POOL + 1, (PlanRow(1, 0, 3, (5,)),))
+        await path.async_submit(PagedStep(1, good, np.asarray([3, 4, 5])))
+        await path.async_submit(PagedStep(2, too_big, np.asarray([3, 4, 5])))
+        await path.async_submit(PagedStep(3, good, np.asarray([3, 4, 5])))
+        outs = [await asyncio.wait_for(path.results.get(), 30) for _ in range(3)]
+        await path.async_close()
+        return path, outs
+
+    path, outs = asyncio.run(main())
+    assert [o.seq for o in outs] == [1, 2, 3]
+    assert outs[0].error is None and len(outs[0].stage_ms) == 2 and all(ms > 0 for ms in outs[0].stage_ms)
+    assert outs[1].error is not None and "PoolNotAllocatedError" in outs[1].error and str(POOL + 1) in outs[1].error
+    assert outs[2].ids.tolist() == outs[0].ids.tolist()
+    assert path.num_stages == 2 and path.block_size == BS
+    assert set(path.stage_metrics()) == {'stage_compute_ms_per_step{stage="0"}', 'stage_compute_ms_per_step{stage="1"}'}
