@@ -8,6 +8,7 @@ same examples on every run (its .hypothesis/ scratch directory is git-ignored).
 from __future__ import annotations
 
 import struct
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -39,6 +40,8 @@ from tests.wire.wire_helpers import (
     assert_same,
     decode_or_wire_error,
     patch_header,
+    random_step,
+    random_step_reply,
 )
 
 pytestmark = pytest.mark.slow
@@ -63,9 +66,13 @@ def messages(draw):
         raw = rng.integers(0, 256, (*shape, np.dtype(dtype).itemsize), np.uint8)
         return raw.view(dtype)[..., 0]
 
-    which = draw(st.sampled_from(["ids", "f32", "f16", "tokens", "logits", "packed", "other"]))
+    which = draw(st.sampled_from(["ids", "f32", "f16", "tokens", "logits", "packed", "step", "reply", "other"]))
     if which == "other":
         return draw(st.sampled_from(CONTROL_SAMPLES))
+    if which == "step":  # a random plan of 1..8 rows; token ids or hidden states of any bit pattern
+        return random_step(rng)
+    if which == "reply":
+        return random_step_reply(rng)
     if which == "packed":  # a valid plan: per slot consecutive positions in row order, one reuse length
         rows, nxt, reuse = [], {}, {}
         for _ in range(s):
@@ -151,6 +158,60 @@ def test_fuzz_byte_flips_raise_only_wire_errors_or_decode_cleanly(msg, flips):
     result = decode_or_wire_error(bytes(frame))
     if not isinstance(result, WireError):
         assert encode(result) == frame  # an accepted frame is canonical: no ignored bits
+
+
+# -- the step frame: its meta is long and count-driven, so it is mangled anywhere, not only up front --
+
+_EXTREMES = (0, 1, 2**15, 2**16 - 1, 2**31, 2**32 - 1, 2**63, 2**64 - 1)
+
+
+@st.composite
+def step_frames(draw):
+    """An encoded Step or StepReply and its meta length."""
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    msg = random_step(rng) if draw(st.booleans()) else random_step_reply(rng)
+    frame = encode(msg)
+    return frame, decode_header(frame[:HEADER_SIZE]).meta_len
+
+
+def _decode_within_memory(frame: bytes) -> object:
+    """Decode ``frame`` and check that no more than a small multiple of it was allocated meanwhile
+    (block ids become Python ints: ~11x; a claimed count must never be allocated for)."""
+    tracemalloc.start()
+    try:
+        result = decode_or_wire_error(frame)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak <= 16 * len(frame) + (1 << 16), f"decoding a {len(frame)}-byte frame allocated {peak} bytes"
+    return result
+
+
+@FUZZ
+@given(step_frames(), st.lists(st.tuples(st.integers(0, 10**9), st.integers(0, 255)), min_size=1, max_size=6))
+def test_fuzz_step_frames_with_bytes_flipped_anywhere_in_header_or_meta(frame_meta, flips):
+    frame, meta_len = frame_meta
+    mutated = bytearray(frame)
+    for pos, value in flips:
+        mutated[pos % (HEADER_SIZE + meta_len)] = value
+    result = _decode_within_memory(bytes(mutated))
+    if not isinstance(result, WireError):
+        assert encode(result) == mutated  # an accepted frame is canonical: no ignored bits
+
+
+@FUZZ
+@given(step_frames(), st.data())
+def test_fuzz_step_meta_counts_and_cells_set_to_extremes_are_refused_or_canonical(frame_meta, data):
+    """Any aligned u16/u32/u64 of the meta (a count, a row-table cell, a block id, a time) set to an
+    extreme value: refused with a WireError, without over-reading or allocating for it, or canonical."""
+    frame, meta_len = frame_meta
+    width = data.draw(st.sampled_from([2, 4, 8]))
+    at = HEADER_SIZE + width * data.draw(st.integers(0, meta_len // width - 1))
+    value = data.draw(st.sampled_from([v for v in _EXTREMES if v < 2 ** (8 * width)]))
+    mutated = frame[:at] + value.to_bytes(width, "little") + frame[at + width :]
+    result = _decode_within_memory(mutated)
+    if not isinstance(result, WireError):
+        assert encode(result) == mutated
 
 
 # -- before the handshake, and the peer policy it leads to ------------------------------------------

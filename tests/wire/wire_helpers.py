@@ -36,7 +36,7 @@ from engine.wire.messages import (
     Tokens,
 )
 from engine.wire.plan_frame import PlanFrame
-from engine.wire.step_plan import PlanRow, StepPlan
+from engine.wire.step_plan import MAX_STEP_TOKENS, SCRATCH_BLOCKS, PlanRow, StepPlan, blocks_needed
 
 FP = "sha256-0f3a9c"  # a model fingerprint
 
@@ -108,6 +108,60 @@ def step_reply(session=8, seq=5, logits=True, rng=None) -> StepReply:
     return StepReply(StreamId(session), seq, rng.integers(0, 49152, r, dtype=np.int64), rng.random(r, np.float32),
                      rng.standard_normal((STEP_PLAN.logit_rows, 11)).astype(np.float32) if logits else None,
                      (2.5, 0.0, 3.75))
+
+
+def random_plan(rng: np.random.Generator, rows: int | None = None) -> StepPlan:
+    """A valid plan of 1..8 rows (``rows``): prefill chunks (answered or not), decodes (some wanting
+    logits) and verifies of 1+K drafts, over distinct streams; some rows share a prefix block, some
+    steps copy blocks or are padded beyond their bucket."""
+    block_size = int(rng.choice([32, 16]))
+    pool = int(rng.integers(256, 4096))
+    free = [int(b) for b in rng.permutation(np.arange(SCRATCH_BLOCKS, pool))]
+    streams = [8 * int(v) + k + 1 for k, v in enumerate(rng.integers(0, 2**59, 8))]  # distinct: k = id mod 8
+    plan_rows: list[PlanRow] = []
+    for i in range(int(rng.integers(1, 9)) if rows is None else rows):
+        kind = rng.choice(["prefill", "decode", "verify"])
+        past = int(rng.integers(0, 400))
+        new = {"prefill": int(rng.integers(2, 65)), "decode": 1, "verify": int(rng.integers(2, 6))}[kind]
+        sample = {"prefill": int(rng.integers(0, 2)), "decode": 1, "verify": new}[kind]
+        count = blocks_needed(past + new, block_size)
+        blocks = free[:count]
+        del free[:count]
+        if plan_rows and past >= block_size and rng.random() < 0.3:  # a shared full prefix block
+            blocks[0] = plan_rows[-1].blocks[0]
+        if rng.random() < 0.05:
+            streams[i] = 2**64 - 1 - i  # the top of the stream-id range
+        plan_rows.append(PlanRow(streams[i], past, new, tuple(blocks), sample,
+                                 want_logits=bool(sample and rng.random() < 0.3)))
+    copies = tuple((free.pop(), free.pop()) for _ in range(int(rng.integers(0, 4))))
+    tokens = sum(r.new_tokens for r in plan_rows)
+    padded = 0 if rng.random() < 0.7 else min(MAX_STEP_TOKENS, tokens + int(rng.integers(0, 4 * block_size + 1)))
+    return StepPlan(block_size, pool, tuple(plan_rows), copies, int(rng.integers(0, 2**32)), padded)
+
+
+def random_step(rng: np.random.Generator, plan: StepPlan | None = None) -> Step:
+    """A valid Step of ``plan`` (default: a random one): token ids, or float32/float16 hidden states with
+    every bit pattern (NaN and inf included: they must survive exactly), and 0..3 stage times."""
+    plan = plan or random_plan(rng)
+    tb = plan.padded_tokens
+    kind = rng.choice(["ids", "f32", "f16"])
+    if kind == "ids":
+        tensor = rng.integers(0, 2**40, tb, np.int64)
+    else:
+        dtype = np.dtype("<f4" if kind == "f32" else "<f2")
+        tensor = rng.integers(0, 256, (tb, int(rng.integers(1, 7)), dtype.itemsize), np.uint8).view(dtype)[..., 0]
+    stage_ms = tuple(float(v) for v in rng.random(int(rng.integers(0, 4))) * 100)
+    return Step(StreamId(int(rng.integers(1, 2**63))), int(rng.integers(0, 2**63)), plan, tensor, stage_ms)
+
+
+def random_step_reply(rng: np.random.Generator, plan: StepPlan | None = None) -> StepReply:
+    """A valid StepReply to ``plan`` (default: a random one): R = plan.sampled, L = plan.logit_rows."""
+    plan = plan or random_plan(rng)
+    r, rows = plan.sampled, plan.logit_rows
+    logits = rng.standard_normal((rows, int(rng.integers(1, 40)))).astype(np.float32) if rows else None
+    stage_ms = tuple(float(v) for v in rng.random(int(rng.integers(0, 4))) * 100)
+    return StepReply(StreamId(int(rng.integers(1, 2**63))), int(rng.integers(0, 2**63)),
+                     rng.integers(0, 2**40, r, np.int64), rng.random(r, np.float32), logits, stage_ms)
 
 
 TENSOR_SAMPLES: list[Message] = [
