@@ -27,6 +27,7 @@ BENCHMARKS = {
     "parity": "tests.benchmarks.parity",
     "pipeline": "tests.benchmarks.pipeline",
     "placement": "tests.benchmarks.placement",
+    "ring-model": "tests.benchmarks.ring_model",
     "shape-caches": "tests.benchmarks.shape_caches",
     "soak": "tests.benchmarks.soak",
     "speedups": "tests.benchmarks.speedups",
