@@ -46,18 +46,23 @@ def step_frame_bound(hidden_size: int, max_tokens: int, max_rows: int, max_block
     """The largest Step frame a paged stage's upstream can legitimately send it: ``max_tokens``
     padded rows of float32 hidden states [Tb, H] (or int64 ids), ``max_rows`` streams holding
     ``max_blocks`` block ids in all, ``max_copies`` block copies (default: one per row) and a
-    stage time for every stage. Clipped to [MIN_FRAME_BOUND, MAX_FRAME_BYTES]."""
-    copies = max_rows if max_copies is None else max_copies
-    meta = STEP_META.size + _ROW_BYTES * max_rows + 4 * max_blocks + 8 * copies + 4 * MAX_STEP_STAGES
-    payload = max_tokens * max(4 * hidden_size, 8)
+    stage time for every stage. Each count is first clipped to what one frame may carry (a larger
+    one could never be legal), the result to [MIN_FRAME_BOUND, MAX_FRAME_BYTES]."""
+    rows = min(max_rows, MAX_STEP_ROWS)
+    copies = min(rows if max_copies is None else max_copies, MAX_STEP_COPIES)
+    meta = STEP_META.size + _ROW_BYTES * rows + 4 * min(max_blocks, MAX_STEP_BLOCK_IDS) + 8 * copies \
+        + 4 * MAX_STEP_STAGES
+    payload = min(max_tokens, MAX_STEP_TOKENS) * max(4 * hidden_size, 8)
     return min(MAX_FRAME_BYTES, max(MIN_FRAME_BOUND, HEADER_SIZE + meta + payload))
 
 
 def step_reply_bound(vocab_size: int, max_answered: int, max_logit_rows: int) -> int:
     """The largest StepReply a last stage sends: ``max_answered`` top-1 rows, ``max_logit_rows``
     rows of float32 logits [L, V], a stage time for every stage. Clipped like step_frame_bound."""
-    meta = STEP_REPLY_META.size + 12 * max_answered + 4 * MAX_STEP_STAGES
-    return min(MAX_FRAME_BYTES, max(MIN_FRAME_BOUND, HEADER_SIZE + meta + 4 * max_logit_rows * vocab_size))
+    answered = min(max_answered, MAX_STEP_TOKENS)
+    meta = STEP_REPLY_META.size + 12 * answered + 4 * MAX_STEP_STAGES
+    logits = 4 * min(max_logit_rows, answered) * vocab_size
+    return min(MAX_FRAME_BYTES, max(MIN_FRAME_BOUND, HEADER_SIZE + meta + logits))
 
 
 # --- Step -------------------------------------------------------------------------------------

@@ -92,6 +92,11 @@ def test_frame_bounds_are_the_largest_legitimate_frames():
                       np.zeros((8, 5000), np.float32), (1.0,) * 256)
     assert len(encode(reply)) == step_reply_bound(5000, 8, 8)
     assert step_frame_bound(16, 1, 1, 1) == 64 * 1024  # never below the smallest bound a node may announce
+    # counts beyond what one frame may carry are clipped: 4096 rows, 4 Mi block ids, 65536 tokens
+    assert step_frame_bound(64, 10**6, 10**6, 10**9) == step_frame_bound(64, 65536, 4096, 1 << 22)
+    assert step_frame_bound(64, 65536, 4096, (1 << 22) - 1) == step_frame_bound(64, 65536, 4096, 1 << 22) - 4
+    assert step_reply_bound(10, 10**6, 10**6) == step_reply_bound(10, 65536, 65536)
+    assert step_reply_bound(10, 100, 10**6) == step_reply_bound(10, 100, 100)  # logit rows are answered rows
 
 
 # --- field rules, from the constructor -----------------------------------------------------------
