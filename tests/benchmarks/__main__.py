@@ -20,6 +20,7 @@ PROG = "python -m tests.benchmarks"
 # The name on the command line -> the module whose COMMAND runs it.
 BENCHMARKS = {
     "agent": "tests.benchmarks.agent",
+    "batching": "tests.benchmarks.batching",
     "export-memory": "tests.benchmarks.export_memory",
     "failover": "tests.benchmarks.failover",
     "gguf-keep": "tests.benchmarks.gguf_keep",
