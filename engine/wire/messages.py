@@ -7,7 +7,11 @@ building messages from what it read. docs/PROTOCOL.md states the rules.
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass, fields, replace
+from itertools import chain
+from operator import attrgetter
 from typing import TYPE_CHECKING, TypeAlias
 
 import numpy as np
@@ -43,6 +47,7 @@ _INT64 = np.dtype("<i8")
 _FLOAT32 = np.dtype("<f4")
 _FLOAT16 = np.dtype("<f2")
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
+_ROW_NUMBERS = ("stream_id", "past_len", "new_tokens", "sample", "top_k")
 
 
 def _shape_repr(msg: DataclassInstance) -> str:
@@ -416,8 +421,20 @@ def _check_array(
         raise FrameError(f"{name} has shape {a.shape}; every dim must be in 1..2**32-1")
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_)
+def _all_integers(values: Iterable[object]) -> bool:
+    """Every value a Python or numpy integer, none a bool (checked over the set of their types: fast)."""
+    return all(issubclass(t, int | np.integer) and not issubclass(t, bool | np.bool_) for t in set(map(type, values)))
+
+
+# Plans already checked, by identity (plans are frozen): a Step passed on from stage to stage, or many
+# Steps of one plan, check it once. The decoder enters the plans it builds (see remember_checked_plan).
+_CHECKED_PLANS: weakref.WeakValueDictionary[int, StepPlan] = weakref.WeakValueDictionary()
+
+
+def remember_checked_plan(plan: StepPlan) -> None:
+    """For engine.wire.step_codec only: ``plan`` was just built by StepPlan from decoded integers
+    whose widths the frame bounds, so a Step of it need not check it again."""
+    _CHECKED_PLANS[id(plan)] = plan
 
 
 def _check_step_plan(plan: object) -> None:
@@ -425,30 +442,34 @@ def _check_step_plan(plan: object) -> None:
     FrameError: a plan that breaks them is a malformed frame, however it was built)."""
     if not isinstance(plan, StepPlan):
         raise FrameError(f"Step.plan must be a StepPlan, got {type(plan).__name__}")
+    if _CHECKED_PLANS.get(id(plan)) is plan:
+        return
     scalars = (plan.block_size, plan.pool_blocks, plan.token_budget, plan.padded_tokens)
-    if not all(_is_int(v) for v in scalars):
+    if not _all_integers(scalars):
         raise FrameError(f"Step plan fields must be integers, got {scalars}")
     if not 0 <= plan.token_budget <= U32_MAX:
         raise FrameError(f"Step plan token_budget {plan.token_budget} must be in 0..{U32_MAX}")
-    if not isinstance(plan.rows, tuple) or not all(isinstance(r, PlanRow) for r in plan.rows):
+    rows = plan.rows
+    if not isinstance(rows, tuple) or set(map(type, rows)) - {PlanRow}:
         raise FrameError("Step plan rows must be a tuple of PlanRow")
-    block_ids = 0
-    for row in plan.rows:
-        numbers = (row.stream_id, row.past_len, row.new_tokens, row.sample, row.top_k)
-        if not all(_is_int(v) for v in numbers) or not isinstance(row.want_logits, bool) \
-                or not isinstance(row.mask, bool) or not isinstance(row.blocks, tuple) \
-                or not all(_is_int(b) for b in row.blocks):
-            raise FrameError(f"Step plan row {row!r:.200} must hold integers, a tuple of block ids and bools")
-        block_ids += len(row.blocks)
+    blocks = tuple(map(attrgetter("blocks"), rows))
+    flag_types = set(map(type, chain.from_iterable(map(attrgetter("want_logits", "mask"), rows))))
+    if not _all_integers(chain.from_iterable(map(attrgetter(*_ROW_NUMBERS), rows))) or flag_types - {bool} \
+            or set(map(type, blocks)) - {tuple} or not _all_integers(chain.from_iterable(blocks)):
+        raise FrameError(f"Step plan rows must hold integers ({', '.join(_ROW_NUMBERS)}), a tuple of integer "
+                         "block ids and bools (want_logits, mask)")
+    block_ids = sum(map(len, blocks))
     if block_ids > MAX_STEP_BLOCK_IDS:
         raise FrameError(f"Step plan lists {block_ids} block ids; one step carries at most {MAX_STEP_BLOCK_IDS}")
-    if not isinstance(plan.copies, tuple) or len(plan.copies) > MAX_STEP_COPIES or not all(
-            isinstance(c, tuple) and len(c) == 2 and all(_is_int(b) for b in c) for c in plan.copies):
+    copies = plan.copies
+    if not isinstance(copies, tuple) or len(copies) > MAX_STEP_COPIES or set(map(type, copies)) - {tuple} \
+            or set(map(len, copies)) - {2} or not _all_integers(chain.from_iterable(copies)):
         raise FrameError(f"Step plan copies must be at most {MAX_STEP_COPIES} (source, destination) integer pairs")
     try:
         replace(plan)  # re-runs StepPlan's checks (and every row's)
     except GenerationError as exc:
         raise FrameError(f"Step plan: {exc}") from None
+    _CHECKED_PLANS[id(plan)] = plan
 
 
 def _check_stage_ms(times: object, name: str) -> tuple[float, ...]:

@@ -30,7 +30,7 @@ from engine.wire.format import (
     FrameError,
     StreamId,
 )
-from engine.wire.messages import Step, StepReply
+from engine.wire.messages import Step, StepReply, remember_checked_plan
 from engine.wire.step_plan import MAX_POOL_BLOCKS, MAX_STEP_ROWS, MAX_STEP_TOKENS, PlanRow, StepPlan
 
 _ROW_BYTES = 8 * STEP_ROW_COLUMNS
@@ -127,6 +127,7 @@ def decode_step(session: StreamId, seq: int, meta: memoryview, tensor: np.ndarra
         raise FrameError(f"Step plan: {exc}") from None
     if plan.tokens != tokens:
         raise FrameError(f"Step meta says T={tokens} real tokens; its rows bring {plan.tokens}")
+    remember_checked_plan(plan)
     times = np.frombuffer(meta[copies_end:], "<f4").tolist()
     return Step(session, seq, plan, tensor, tuple(times))
 
