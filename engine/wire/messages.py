@@ -257,6 +257,15 @@ class StepReply:
                                  "answered rows")
         object.__setattr__(self, "stage_ms", _check_stage_ms(self.stage_ms, "StepReply.stage_ms"))
 
+    def mismatch(self, plan: StepPlan) -> str | None:
+        """Why this reply cannot be the answer to a Step of ``plan`` (its rows are not the plan's
+        answered rows, or its logits not the wanted ones), or None when it can."""
+        rows = self.logits.shape[0] if self.logits is not None else 0
+        if (self.ids.shape[0], rows) == (plan.sampled, plan.logit_rows):
+            return None
+        return (f"step {self.seq} was answered with {self.ids.shape[0]} rows and {rows} rows of logits; its plan "
+                f"asks for {plan.sampled} and {plan.logit_rows}: the last stage is out of step with the coordinator")
+
 
 @dataclass(frozen=True)
 class Release:

@@ -81,6 +81,13 @@ def test_a_reply_without_logits_has_no_payload():
     assert isinstance(empty, StepReply) and empty.ids.shape == (0,) and empty.logits is None
 
 
+def test_a_reply_says_whether_it_answers_a_plan():
+    assert step_reply().mismatch(STEP_PLAN) is None
+    assert "with 6 rows and 0 rows of logits; its plan asks for 6 and 1" in step_reply(logits=False).mismatch(STEP_PLAN)
+    fewer = StepReply(StreamId(1), 0, np.zeros(5, np.int64), np.zeros(5, np.float32), np.zeros((1, 3), np.float32))
+    assert "asks for 6 and 1" in fewer.mismatch(STEP_PLAN)
+
+
 def test_frame_bounds_are_the_largest_legitimate_frames():
     rows, blocks_per_row, hidden = 8, 16, 64
     the_plan = StepPlan(16, 4096, tuple(PlanRow(i + 1, 16 * blocks_per_row - 64, 64, tuple(
