@@ -1,0 +1,489 @@
+"""The paged path's scheduler, pure: the one owner of every stream's state and block table.
+
+The coordinator only carries out what this decides (vLLM's ``EngineCore.step()``: schedule,
+execute, update from the output)::
+
+    sched = BatchScheduler(SchedulerConfig(...), fingerprint=model.fingerprint)
+    sid = sched.add(request, eos_ids, now)          # OverloadedError / GenerationError at once
+    step, actions = sched.next_step(drafts)         # a PagedStep over streams not in flight, or None
+    actions = sched.on_outcome(outcome, now)        # Emit / Finished / Failed / FailOver
+    actions = sched.cancel(sid)
+    actions = sched.reset_for_replay()              # the ring was lost: the pool is empty again
+
+Every stream that was added ends with exactly one :class:`Finished` or :class:`Failed` action.
+
+**One rule for every row.** A stream's token sequence is ``prompt + generated``; ``cached`` of its
+positions have KV in its blocks. A step feeds ``tokens[cached : cached + n]``; when that reaches
+the end of the sequence the last row predicts the next token (``sample`` 1, or 1 + K when K
+drafts are appended to a decode row), otherwise the row is a prefill chunk and nothing is
+answered. Prefill, chunked prefill, decode, speculative verify, re-prefill after preemption and
+failover replay are all this one rule. (The stateful path replays ``prompt + generated[:-1]``,
+drops the prediction of the replay's last position and then decodes ``generated[-1]``; here the
+last row of the replay is ``generated[-1]`` itself, which predicts the next new token: the same
+positions, the same KV, no prediction of an emitted token, one step fewer.)
+
+``cached`` advances only in :meth:`on_outcome`, by the rows the last stage accepted; blocks the
+step brought beyond that (rejected drafts, a failed step) are released then (rewind). Several
+steps may be in flight (micro-batches); a stream in flight is in no other step.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.coordinator.batch_state import (
+    Action,
+    Drafts,
+    DraftSubject,
+    Emit,
+    Failed,
+    FailOver,
+    Finished,
+    SchedulerConfig,
+    StreamState,
+)
+from engine.coordinator.block_pool import BlockPool, PoolExhausted
+from engine.coordinator.prefix_blocks import PrefixBlocks, PrefixMatch, chain_hash
+from engine.coordinator.speculation_policy import Verdict, verify_greedy, verify_sampling
+from engine.errors import GenerationError
+from engine.generation.generator import OverloadedError, UnavailableError
+from engine.generation.request import FinishReason, GenerationRequest, TokenEvent
+from engine.generation.sampling import choose, make_rng, probabilities
+from engine.shards.paged_step import PagedOutcome, PagedStep
+from engine.wire.format import StreamId
+from engine.wire.step_plan import PlanRow, StepPlan, blocks_needed
+
+__all__ = [
+    "Action", "BatchScheduler", "DraftSubject", "Drafts", "Emit", "FailOver", "Failed", "Finished",
+    "PoolExhausted", "SchedulerConfig", "StreamState",
+]
+
+
+@dataclass
+class _Row:
+    stream: StreamState
+    n: int
+    drafts: tuple[int, ...]
+    q: np.ndarray | None
+    sample: int
+    want_logits: bool
+
+
+# ----------------------------------------------------------------------------- the scheduler
+
+
+class BatchScheduler:
+    """Admission, step composition, block tables, replies to events, for every stream."""
+
+    def __init__(self, config: SchedulerConfig, fingerprint: str = ""):
+        self.config = config
+        self.pool = BlockPool(config.pool_blocks)
+        self.prefix = PrefixBlocks(self.pool, config.block_size, fingerprint) if config.prefix_cache else None
+        self._ids = itertools.count(1)
+        self._seqs = itertools.count(1)
+        self._orders = itertools.count(1)
+        self._streams: dict[StreamId, StreamState] = {}
+        self._running: list[StreamState] = []  # admitted, oldest first
+        self._waiting: collections.deque[StreamState] = collections.deque()
+        self._flights: dict[int, list[_Row]] = {}
+        self.counters: collections.Counter[str] = collections.Counter()
+
+    # -- requests in and out ---------------------------------------------------------------------
+
+    def add(self, request: GenerationRequest, eos_ids: Iterable[int], now: float) -> StreamId:
+        """Queue a request; it joins the next step that has room. GenerationError when it can never
+        run (prompt too long for the context or the pool), OverloadedError when the queue is full."""
+        cfg, n = self.config, len(request.prompt_ids)
+        if n >= cfg.context_length:
+            raise GenerationError(f"the prompt has {n} tokens but the model's context is {cfg.context_length}; "
+                                  "shorten the conversation")
+        need = blocks_needed(n, cfg.block_size)
+        if need > self.pool.capacity:
+            raise GenerationError(f"the prompt's {n} tokens need {need} KV blocks of {cfg.block_size} but the pool "
+                                  f"holds {self.pool.capacity}; shorten the prompt or give the stages more KV memory")
+        if len(self._running) + len(self._waiting) >= cfg.max_streams + cfg.max_waiting:
+            self.counters["rejected_overloaded"] += 1
+            raise OverloadedError(f"{len(self._running)} streams are running and {len(self._waiting)} requests are "
+                                  "waiting; retry shortly")
+        sid = StreamId(next(self._ids))
+        state = StreamState(sid, request, frozenset(eos_ids), now, make_rng(request.sampling), list(request.prompt_ids))
+        self._streams[sid] = state
+        self._waiting.append(state)
+        self.counters["requests"] += 1
+        return sid
+
+    def cancel(self, stream_id: int) -> list[Action]:
+        """Stop a stream: its blocks are freed now, or when the step it is in returns (then
+        :meth:`on_outcome` reports it). Unknown or already cancelled streams: nothing."""
+        state = self._streams.get(StreamId(stream_id))
+        if state is None or state.cancelled:
+            return []
+        state.cancelled = True
+        if state.in_flight is not None:
+            return []
+        return self._end(state, Finished(state.stream_id, FinishReason.CANCELLED))
+
+    def stream(self, stream_id: int) -> StreamState | None:
+        return self._streams.get(StreamId(stream_id))
+
+    def wants_drafts(self) -> list[StreamState]:
+        """Decoding streams not in flight that may bring drafts to the next step (for the Speculator)."""
+        return [s for s in self._running
+                if s.in_flight is None and s.pending == 1 and s.generated and not s.cancelled]
+
+    @property
+    def idle(self) -> bool:
+        """No stream running or waiting."""
+        return not self._streams
+
+    @property
+    def in_flight(self) -> int:
+        """Steps handed out whose outcome has not come back."""
+        return len(self._flights)
+
+    def block_tables(self) -> dict[StreamId, tuple[int, ...]]:
+        return {s.stream_id: tuple(s.blocks) for s in self._running if s.blocks}
+
+    # -- composing a step ------------------------------------------------------------------------
+
+    def next_step(self, drafts: Drafts | None = None, max_rows: int | None = None
+                  ) -> tuple[PagedStep | None, list[Action]]:
+        """The next step over streams not in flight, within the token budget: decode rows (with
+        their drafts, cut to the room left) first, oldest stream first, then prefill chunks of
+        running streams, then newly admitted ones. ``max_rows`` caps the streams in it (to spread
+        them over micro-batches). The actions are streams that failed while planning."""
+        cfg = self.config
+        drafts = drafts or {}
+        limit = max_rows if max_rows is not None else len(self._streams)
+        budget = cfg.token_budget
+        seq = next(self._seqs)
+        rows: list[_Row] = []
+        copies: list[tuple[int, int]] = []
+        actions: list[Action] = []
+        preempted: set[StreamId] = set()
+
+        def ready(s: StreamState) -> bool:
+            return s in self._running and s.in_flight is None and not s.cancelled
+
+        for s in list(self._running):  # decode rows
+            if budget < 1 or len(rows) >= limit:
+                break
+            if not ready(s) or s.pending != 1:
+                continue
+            tokens, q = drafts.get(s.stream_id, ((), None)) if s.generated else ((), None)
+            k = max(0, min(len(tokens), budget - 1, self._room(s)))
+            # drafts only where blocks are free; a plain decode row may preempt a newer stream
+            while k and blocks_needed(s.cached + 1 + k, cfg.block_size) - len(s.blocks) > self.pool.free:
+                k -= 1
+            if not self._reserve(s, 1 + k, preempted, actions):
+                continue
+            draft = tuple(int(t) for t in tokens[:k])
+            rows.append(self._row(s, seq, 1 + k, draft, q[:k] if q is not None and k else None))
+            budget -= 1 + k
+
+        for s in list(self._running):  # prefill chunks of admitted streams
+            if budget < 1 or len(rows) >= limit:
+                break
+            if not ready(s) or s.pending == 1:
+                continue
+            n = min(cfg.prefill_chunk, budget, s.pending)
+            room = (len(s.blocks) + self.pool.free) * cfg.block_size - s.cached
+            if room >= 1:  # a smaller chunk rather than preempting anyone
+                n = min(n, room)
+            if self._reserve(s, n, preempted, actions):
+                rows.append(self._row(s, seq, n))
+                budget -= n
+
+        pins: list[int] = []
+        while (self._waiting and budget >= 1 and len(rows) < limit and len(self._running) < cfg.max_streams
+               and self._waiting[0].stream_id not in preempted):
+            s = self._waiting[0]
+            n = self._admit(s, budget, copies, pins)
+            if not n:
+                break
+            self._waiting.popleft()
+            s.order = next(self._orders)
+            self._running.append(s)
+            rows.append(self._row(s, seq, n))
+            budget -= n
+        for block in pins:  # copy sources were held only while blocks were allocated around them
+            self.pool.release(block)
+
+        if not rows:
+            return None, actions
+        plan = StepPlan(cfg.block_size, cfg.pool_blocks,
+                        tuple(PlanRow(r.stream.stream_id, r.stream.cached, r.n, tuple(r.stream.blocks), r.sample,
+                                      r.want_logits) for r in rows),
+                        copies=tuple(copies), token_budget=cfg.token_budget)
+        ids = np.fromiter(itertools.chain.from_iterable(self._feed(r) for r in rows), dtype=np.int64,
+                          count=plan.tokens)
+        self._flights[seq] = rows
+        self.counters["steps"] += 1
+        self.counters["step_tokens"] += plan.tokens
+        return PagedStep(seq, plan, ids), actions
+
+    def _room(self, s: StreamState) -> int:
+        """Drafts a decode row may carry: positions left in the context and tokens left to generate."""
+        return max(0, min(self.config.context_length - len(s.tokens) - 1,
+                          s.request.max_new_tokens - len(s.generated) - 1))
+
+    def _row(self, s: StreamState, seq: int, n: int, drafts: tuple[int, ...] = (),
+             q: np.ndarray | None = None) -> _Row:
+        s.in_flight = seq
+        sample = (1 + len(drafts)) if s.cached + n - len(drafts) == len(s.tokens) else 0
+        want = bool(sample) and (s.request.want_logits or not s.request.sampling.greedy)
+        return _Row(s, n, drafts, q, sample, want)
+
+    @staticmethod
+    def _feed(r: _Row) -> list[int]:
+        s = r.stream
+        return s.tokens[s.cached:s.cached + r.n - len(r.drafts)] + list(r.drafts)
+
+    def _reserve(self, s: StreamState, n: int, preempted: set[StreamId], actions: list[Action]) -> bool:
+        """Give ``s`` the blocks for ``n`` more rows; if the pool is short, preempt running streams
+        admitted after ``s`` and not in flight, most recent first. False: ``s`` waits (or failed)."""
+        bs = self.config.block_size
+        total = blocks_needed(s.cached + n, bs)
+        if total > self.pool.capacity:
+            actions.extend(self._end(s, Failed(s.stream_id, GenerationError(
+                f"stream {s.stream_id} holds {s.cached} positions and needs {total} KV blocks of {bs}, more than the "
+                f"whole pool of {self.pool.capacity}; give the stages more KV memory or ask for fewer tokens"))))
+            return False
+        need = total - len(s.blocks)
+        while need > self.pool.free:
+            victims = [v for v in self._running if v.in_flight is None and v is not s]
+            victim = max(victims, key=lambda v: v.order, default=None)
+            if victim is None or victim.order < s.order:
+                return False  # only newer streams make way; the oldest always progresses
+            self._preempt(victim)
+            preempted.add(victim.stream_id)
+        s.blocks.extend(self.pool.allocate(need))
+        return True
+
+    def _admit(self, s: StreamState, budget: int, copies: list[tuple[int, int]], pins: list[int]) -> int:
+        """Attach the longest reusable prefix to a waiting stream and the blocks of its first chunk;
+        the chunk's size, or 0 (nothing changed) when the pool cannot take it without preempting."""
+        cfg, bs = self.config, self.config.block_size
+        hit = self.prefix.match(s.tokens, len(s.tokens) - 1) if self.prefix is not None else PrefixMatch()
+        revived = sum(1 for b in hit.blocks if self.pool.refcount(b) == 0)
+        if hit.copy_src is not None and self.pool.refcount(hit.copy_src) == 0:
+            revived += 1
+        room = (len(hit.blocks) + self.pool.free - revived) * bs - hit.tokens  # positions it can take now
+        n = min(cfg.prefill_chunk, budget, len(s.tokens) - hit.tokens, room)
+        if n < 1:
+            return 0
+        for b in hit.blocks:
+            self.pool.share(b)
+        s.blocks, s.hashes, s.cached = list(hit.blocks), list(hit.hashes), hit.tokens
+        if hit.copy_src is not None:
+            self.pool.share(hit.copy_src)
+            pins.append(hit.copy_src)
+            dst = self.pool.allocate(1)[0]
+            copies.append((hit.copy_src, dst))
+            self.counters["prefix_copies"] += 1
+            s.blocks.append(dst)
+        s.blocks.extend(self.pool.allocate(blocks_needed(s.cached + n, bs) - len(s.blocks)))
+        if hit.tokens:
+            self.counters["prefix_hits"] += 1
+            self.counters["prefix_tokens_reused"] += hit.tokens
+        return n
+
+    def _preempt(self, s: StreamState) -> None:
+        """Free a running stream's blocks; it waits at the front and later re-prefills its tokens
+        (its own blocks, kept in the prefix cache, make that cheap while they last)."""
+        self._release_blocks(s)
+        self._running.remove(s)
+        self._waiting.appendleft(s)
+        s.preemptions += 1
+        self.counters["preemptions"] += 1
+
+    # -- outcomes --------------------------------------------------------------------------------
+
+    def on_outcome(self, outcome: PagedOutcome, now: float) -> list[Action]:
+        """Account for the last stage's answer to a step: advance, rewind, emit, finish. An outcome
+        of a step this scheduler no longer knows (before a replay) is ignored."""
+        rows = self._flights.pop(outcome.seq, None)
+        if rows is None:
+            return []
+        problem = outcome.error or self._malformed(outcome, rows)
+        if problem is not None:
+            actions: list[Action] = [FailOver(f"step {outcome.seq} failed: {problem}")]
+            for r in rows:
+                r.stream.in_flight = None
+                self._trim(r.stream)
+                if r.stream.cancelled:
+                    actions.extend(self._end(r.stream, Finished(r.stream.stream_id, FinishReason.CANCELLED)))
+            return actions
+        actions = []
+        at = logit_at = 0
+        for r in rows:
+            s = r.stream
+            ids, probs = outcome.ids[at:at + r.sample], outcome.probs[at:at + r.sample]
+            at += r.sample
+            logits = None
+            if r.want_logits:
+                assert outcome.logits is not None
+                logits = outcome.logits[logit_at:logit_at + r.sample]
+                logit_at += r.sample
+            s.in_flight = None
+            if s.cancelled:
+                actions.extend(self._end(s, Finished(s.stream_id, FinishReason.CANCELLED)))
+            elif not r.sample:
+                self._advance(s, s.cached + r.n)
+            else:
+                actions.extend(self._answer(s, r, ids, probs, logits, now))
+        return actions
+
+    @staticmethod
+    def _malformed(outcome: PagedOutcome, rows: list[_Row]) -> str | None:
+        sampled = sum(r.sample for r in rows)
+        logit_rows = sum(r.sample for r in rows if r.want_logits)
+        if len(outcome.ids) != sampled or len(outcome.probs) != sampled:
+            return f"the reply has {len(outcome.ids)} ids and {len(outcome.probs)} probabilities for {sampled} rows"
+        got = 0 if outcome.logits is None else outcome.logits.shape[0]
+        if got != logit_rows:
+            return f"the reply has logits for {got} rows, the step asked for {logit_rows}"
+        return None
+
+    def _answer(self, s: StreamState, r: _Row, ids: np.ndarray, probs: np.ndarray,
+                logits: np.ndarray | None, now: float) -> list[Action]:
+        verdict, token_probs = self._decide(s, r, ids, probs, logits)
+        s.last_drafted, s.last_accepted = len(r.drafts), verdict.accepted
+        s.proposed_total += len(r.drafts)
+        s.accepted_total += verdict.accepted
+        self.counters["drafts_proposed"] += len(r.drafts)
+        self.counters["drafts_accepted"] += verdict.accepted
+        req, cfg = s.request, self.config
+        actions: list[Action] = []
+        finish = None
+        for token, prob in zip(verdict.tokens, token_probs, strict=True):
+            s.generated.append(token)
+            s.tokens.append(token)
+            self.counters["tokens"] += 1
+            if s.first_token_at is None:
+                s.first_token_at = now
+            if not req.ignore_eos and (token in s.eos_ids or token in req.stop_token_ids):
+                finish = FinishReason.STOP
+            elif len(s.generated) >= req.max_new_tokens or len(s.tokens) >= cfg.context_length:
+                finish = FinishReason.LENGTH
+            actions.append(Emit(s.stream_id, TokenEvent(token, len(s.generated) - 1, prob, finish)))
+            if finish is not None:
+                break
+        # Everything but the last emitted token is now cached: the row's fed tokens up to the last
+        # accepted draft (rejected ones are rewound; accepted ones after a stop are dropped).
+        self._advance(s, len(s.tokens) - 1)
+        if finish is not None:
+            actions.extend(self._end(s, Finished(s.stream_id, finish)))
+        return actions
+
+    @staticmethod
+    def _decide(s: StreamState, r: _Row, ids: np.ndarray, probs: np.ndarray,
+                logits: np.ndarray | None) -> tuple[Verdict, list[float]]:
+        """Accepted drafts + one token of the target's own, with each emitted token's probability."""
+        params = s.request.sampling
+        if logits is not None and not params.greedy:
+            if not r.drafts:
+                token, prob = choose(logits[-1], params, s.rng)
+                return Verdict(0, (token,)), [prob]
+            target = np.stack([probabilities(row, params) for row in logits])  # [K+1, V]
+            verdict = verify_sampling(r.drafts, r.q, target, s.rng)
+            return verdict, [float(target[i, t]) for i, t in enumerate(verdict.tokens)]
+        if logits is not None:  # logits wanted for another reason: greedy still decides
+            verdict = verify_greedy(r.drafts, logits.argmax(axis=-1))
+            return verdict, [1.0] * len(verdict.tokens)
+        verdict = verify_greedy(r.drafts, ids)
+        return verdict, [float(probs[i]) for i in range(len(verdict.tokens))]
+
+    def _advance(self, s: StreamState, cached: int) -> None:
+        """The last stage answered: ``cached`` positions now hold KV. Newly full blocks join the
+        prefix index; blocks beyond ``cached`` (rejected drafts) go back to the pool."""
+        s.cached = cached
+        if self.prefix is not None:
+            bs = self.config.block_size
+            while len(s.hashes) < cached // bs:
+                i = len(s.hashes)
+                digest = chain_hash(s.hashes[-1] if s.hashes else self.prefix.root, s.tokens[i * bs:(i + 1) * bs])
+                s.hashes.append(digest)
+                self.prefix.register_full(s.blocks[i], digest)
+        self._trim(s)
+
+    def _trim(self, s: StreamState) -> None:
+        keep = blocks_needed(s.cached, self.config.block_size)
+        while len(s.blocks) > keep:
+            self.pool.release(s.blocks.pop())
+
+    # -- ending and replaying --------------------------------------------------------------------
+
+    def _release_blocks(self, s: StreamState) -> None:
+        """Give back every block of ``s`` (not in flight); its partial last block stays reusable."""
+        bs = self.config.block_size
+        self._trim(s)
+        if self.prefix is not None and s.cached % bs and s.blocks:
+            full = s.cached // bs
+            parent = s.hashes[full - 1] if full else self.prefix.root
+            self.prefix.register_partial(s.blocks[-1], parent, s.tokens[full * bs:s.cached])
+        for block in s.blocks:
+            self.pool.release(block)
+        s.blocks, s.hashes, s.cached = [], [], 0
+
+    def _end(self, s: StreamState, action: Finished | Failed) -> list[Action]:
+        self._release_blocks(s)
+        if s in self._running:
+            self._running.remove(s)
+        elif s in self._waiting:
+            self._waiting.remove(s)
+        self._streams.pop(s.stream_id, None)
+        self.counters["finished" if isinstance(action, Finished) else "failed"] += 1
+        if isinstance(action, Finished) and action.reason is FinishReason.CANCELLED:
+            self.counters["cancelled"] += 1
+        return [action]
+
+    def reset_for_replay(self) -> list[Action]:
+        """The ring was lost: the new ring's pools are empty. Every stream drops its blocks (and
+        the prefix index empties); running streams re-prefill ``prompt + generated`` from the next
+        step on, in their order. Steps in flight are forgotten (their outcomes, if any, ignored).
+        Streams past ``max_replays`` fail; cancelled streams finish."""
+        self._flights.clear()
+        self.pool.reset()
+        if self.prefix is not None:
+            self.prefix.reset()
+        actions: list[Action] = []
+        for s in list(self._running) + list(self._waiting):
+            was_running = s in self._running
+            s.blocks, s.hashes, s.cached, s.in_flight = [], [], 0, None
+            if s.cancelled:
+                actions.extend(self._end(s, Finished(s.stream_id, FinishReason.CANCELLED)))
+            elif was_running:
+                s.replays += 1
+                self.counters["replays"] += 1
+                if s.replays > self.config.max_replays:
+                    actions.extend(self._end(s, Failed(s.stream_id, UnavailableError(
+                        f"stream {s.stream_id} lost its stages {s.replays} times; giving up"))))
+        return actions
+
+    def metrics(self) -> dict[str, float]:
+        c = self.counters
+        return {
+            "sched_running": float(len(self._running)),
+            "sched_waiting": float(len(self._waiting)),
+            "sched_steps_in_flight": float(len(self._flights)),
+            "sched_steps_total": float(c["steps"]),
+            "sched_step_tokens_total": float(c["step_tokens"]),
+            "sched_tokens_generated_total": float(c["tokens"]),
+            "sched_preemptions_total": float(c["preemptions"]),
+            "sched_replays_total": float(c["replays"]),
+            "sched_rejected_total": float(c["rejected_overloaded"]),
+            "prefix_hits_total": float(c["prefix_hits"]),
+            "prefix_tokens_reused_total": float(c["prefix_tokens_reused"]),
+            "prefix_block_copies_total": float(c["prefix_copies"]),
+            "kv_blocks_total": float(self.pool.capacity),
+            "kv_blocks_free": float(self.pool.free),
+            "kv_blocks_used": float(self.pool.used),
+            "kv_blocks_cached": float(self.pool.cached),
+            "kv_blocks_evicted_total": float(self.pool.evictions),
+        }
