@@ -258,14 +258,18 @@ class PagedStage:
         states [Tb, H]. Returns hidden states float32 [Tb, H], or on the last stage the logits
         float32 [R, V] of the answered rows in plan order (a private copy either way)."""
         self._check(plan)
-        if x.shape[0] != plan.padded_tokens:
-            raise PagedStageError(f"stage {self.index} got {x.shape[0]} rows for a step of {plan.padded_tokens}")
+        ids = self.spec.has_embedding
+        if x.ndim != (1 if ids else 2) or x.shape[0] != plan.padded_tokens or (
+                ids != np.issubdtype(x.dtype, np.integer)):
+            want = "token ids [Tb]" if ids else "hidden states [Tb, H]"
+            raise PagedStageError(f"stage {self.index} takes {want} with Tb = {plan.padded_tokens}, got "
+                                  f"{x.dtype}{list(x.shape)}")
         self.copy_blocks(plan.copies)
         inputs = paged_inputs(plan, sampled=self.is_last)
         if self.spec.has_embedding:
             inputs[self._first] = np.ascontiguousarray(x, dtype=np.int64)
         else:
-            inputs[self._first] = np.ascontiguousarray(x.reshape(x.shape[0], -1), dtype=np.float32)
+            inputs[self._first] = np.ascontiguousarray(x, dtype=np.float32)
         if self._logits_last:
             inputs["logits_last"] = np.array(1, dtype=np.int64)
         self.request.infer(inputs, share_inputs=True, share_outputs=True)

@@ -27,6 +27,7 @@ import numpy as np
 
 from engine.errors import DeskfleetError
 from engine.shards.manifest import load_manifest
+from engine.shards.paged_stage import PagedStage
 from engine.shards.prefix_cache import CaptureStore
 from engine.shards.stage import Stage, StageStream, StepInputs
 from engine.shards.step_path import last_stage_logits, last_stage_top1
@@ -47,6 +48,7 @@ from engine.wire.messages import (
 )
 from engine.wire.stage_server import MAX_STREAMS, StageServer, stage_frame_bound
 from engine.wire.transport import Connection
+from engine.worker.paged_worker import DEFAULT_KV_POOL_BYTES, PagedStageWorker
 from engine.worker.status_lines import PEERS_PREFIX, READY_PREFIX, STATS_PREFIX
 
 log = logging.getLogger(__name__)
@@ -205,14 +207,17 @@ class StageWorker(StageServer):
         self._owners.clear()
 
 
-def stats_line(worker: StageWorker | PackedStageWorker) -> str:
+AnyWorker = StageWorker | PackedStageWorker | PagedStageWorker
+
+
+def stats_line(worker: AnyWorker) -> str:
     """One machine-readable line for the supervising agent (see ``agent.service.supervisor``)."""
     stats = {"steps": worker.steps, "compute_s": round(worker.compute_s, 6), "streams": worker.stream_count,
              "draining": worker.draining}
     return STATS_PREFIX + json.dumps(stats, separators=(",", ":"))
 
 
-async def _async_report(worker: StageWorker | PackedStageWorker, interval: float) -> None:
+async def _async_report(worker: AnyWorker, interval: float) -> None:
     while True:
         print(stats_line(worker), flush=True)
         await asyncio.sleep(interval)
@@ -230,8 +235,10 @@ async def _async_watch_parent(stop: asyncio.Event, parent: int, interval: float 
 def _open_worker(shard_dir: Path, stage_index: int, listen: Address, next_address: Address, *, device: str,
                  exact: bool, num_threads: int | None, server_ssl: SSLContext | None,
                  client_ssl: SSLContext | None, cache_dir: Path | None,
-                 peers: PeerPolicy | None) -> StageWorker | PackedStageWorker:
-    """The worker the export calls for: stateful (KV per stream) or static (a packed host KV ring)."""
+                 peers: PeerPolicy | None, paged: bool = False,
+                 kv_pool_bytes: int = DEFAULT_KV_POOL_BYTES) -> AnyWorker:
+    """The worker the export calls for: stateful (KV per stream), static (a packed host KV ring),
+    or with ``paged`` for a CPU/GPU export, paged (a block pool of at most ``kv_pool_bytes``)."""
     manifest = load_manifest(shard_dir)
     if manifest.target == "npu":
         from engine.static.packed_stage import StaticStage
@@ -241,12 +248,17 @@ def _open_worker(shard_dir: Path, stage_index: int, listen: Address, next_addres
                              properties=properties, manifest=manifest)
         return PackedStageWorker(static, listen, next_address, server_ssl=server_ssl, client_ssl=client_ssl,
                                  peers=peers)
+    if paged:
+        paged_stage = PagedStage(shard_dir, stage_index, manifest=manifest, device=device, exact=exact,
+                                 num_threads=num_threads, cache_dir=cache_dir)
+        return PagedStageWorker(paged_stage, listen, next_address, kv_pool_bytes=kv_pool_bytes,
+                                server_ssl=server_ssl, client_ssl=client_ssl, peers=peers)
     stage = Stage(shard_dir, stage_index, manifest=manifest, device=device, exact=exact, num_threads=num_threads,
                   cache_dir=cache_dir)
     return StageWorker(stage, listen, next_address, server_ssl=server_ssl, client_ssl=client_ssl, peers=peers)
 
 
-def _read_policy_updates(lines: TextIO, worker: StageWorker | PackedStageWorker,
+def _read_policy_updates(lines: TextIO, worker: AnyWorker,
                          loop: asyncio.AbstractEventLoop) -> None:
     """Apply each JSON line of ``lines`` as the worker's new peer policy (runs on its own daemon
     thread: a blocking read of stdin must not hold the loop, nor the exit). A bad line is logged

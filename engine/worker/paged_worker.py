@@ -1,0 +1,156 @@
+"""A stage worker for a paged stage: one PagedAttention infer per Step for every stream in it.
+
+The coordinator owns the block tables; every **Step** frame carries the plan (which streams,
+their past lengths, new tokens and blocks) and the rows' input, so the stage holds no stream
+state at all, only its block pool. The pool is allocated on the first plan of a session, within
+the worker's KV budget (``kv_pool_bytes``; a plan asking for more is refused with both numbers),
+and never grows. Each stage appends its compute time to the Step it passes on; the last one
+answers the coordinator's return port with a **StepReply** (top-1 of the answered rows, logits
+for the streams that asked).
+
+One session at a time, as a packed (static) worker: it belongs to the upstream connection that
+opened it, and a Step from another connection is refused while that one is open. A Step of a new
+session starts it on a pool the coordinator considers empty; Release(session) ends the session
+and frees nothing else. A step that fails answers Error(STREAM_FAILED, session, seq); the session
+and the pool stay (the coordinator re-plans the step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from ssl import SSLContext
+
+import numpy as np
+
+from engine.errors import DeskfleetError
+from engine.shards.paged_stage import PagedStage, top1_reply
+from engine.trust.peer_policy import PeerPolicy
+from engine.wire.address import Address
+from engine.wire.format import ErrorCode, StreamId
+from engine.wire.messages import Error, Forward, Message, Packed, Release, Step, StepReply
+from engine.wire.stage_server import StageServer
+from engine.wire.step_codec import step_frame_bound
+from engine.wire.step_plan import GPU_BLOCK_SIZE, MAX_STEP_ROWS, MAX_STEP_TOKENS, StepPlan, blocks_needed
+from engine.wire.transport import Connection
+
+log = logging.getLogger(__name__)
+
+DEFAULT_STEP_TOKENS = 4096  # padded rows of the largest Step a worker accepts unless told otherwise
+DEFAULT_KV_POOL_BYTES = 1 << 30  # a stage's block pool budget unless the agent's settings say otherwise
+
+
+def paged_frame_bound(hidden_size: int, context: int, max_step_tokens: int = DEFAULT_STEP_TOKENS) -> int:
+    """The largest Step a paged stage's upstream may send it: ``max_step_tokens`` rows of float32
+    hidden states, as many streams as a step holds, each with a block table over ``context``."""
+    return step_frame_bound(hidden_size, min(max_step_tokens, MAX_STEP_TOKENS), MAX_STEP_ROWS,
+                            MAX_STEP_ROWS * blocks_needed(context, GPU_BLOCK_SIZE))
+
+
+class PagedStageWorker(StageServer):
+    """Serves one paged stage; ``next_address`` is the next stage, or the coordinator's return port."""
+
+    def __init__(self, stage: PagedStage, listen: Address, next_address: Address, *, kv_pool_bytes: int,
+                 server_ssl: SSLContext | None = None, client_ssl: SSLContext | None = None,
+                 dial_deadline: float = 120.0, peers: PeerPolicy | None = None,
+                 max_step_tokens: int = DEFAULT_STEP_TOKENS, **listener_options):
+        self.stage = stage
+        self.kv_pool_bytes = kv_pool_bytes
+        model = stage.manifest.model
+        super().__init__(stage.index, stage.is_last, model.fingerprint, listen, next_address,
+                         server_ssl=server_ssl, client_ssl=client_ssl, dial_deadline=dial_deadline,
+                         thread_name=f"deskfleet-paged{stage.index}", peers=peers,
+                         max_frame_bytes=paged_frame_bound(model.hidden_size, model.max_position_embeddings,
+                                                           max_step_tokens),
+                         **listener_options)
+        self.session: StreamId | None = None
+        self._owner: Connection | None = None  # the upstream connection whose session this is
+
+    @property
+    def stream_count(self) -> int:
+        """Sessions held (0 or 1): what a draining worker waits to reach 0."""
+        return int(self.session is not None)
+
+    async def _handle(self, conn: Connection, msg: Message) -> None:
+        if isinstance(msg, Step | Release) and self._owner is not None and self._owner is not conn:
+            if not self._owner.closed:
+                log.warning("paged stage %d: refused %s from %s: another connection owns the session",
+                            self.index, type(msg).__name__, conn.peername)
+                await conn.async_send(Error(ErrorCode.UNKNOWN_STREAM, "this connection holds no session here",
+                                            _session_of(msg), msg.seq))
+                return
+            self._owner = conn  # the owner's connection ended: the session goes to whoever carries it on
+        match msg:
+            case Step():
+                self._owner = conn
+                await self._step(msg)
+            case Release():
+                if msg.stream_id == self.session:
+                    self.session = None
+                if not self.stage.is_last:
+                    await self._send(msg)
+            case Forward() | Packed():
+                await self._send(Error(ErrorCode.STREAM_FAILED, f"stage {self.index} serves a paged stage: it takes "
+                                       f"Step frames, not {type(msg).__name__}", msg.stream_id, msg.seq))
+            case Error() if msg.stream_id:
+                await self._send(msg)  # a step failed upstream: on toward the coordinator
+            case _:
+                log.debug("paged stage %d ignoring %r", self.index, msg)
+
+    async def _on_close(self, conn: Connection) -> None:
+        """The session of a vanished upstream ends here and on the later stages."""
+        if conn is not self._owner:
+            return
+        session, self.session, self._owner = self.session, None, None
+        if session is not None and not self.stage.is_last:
+            with contextlib.suppress(DeskfleetError):
+                await self.downstream.async_send_if_connected(Release(session))
+
+    def _open_pool(self, plan: StepPlan) -> None:
+        """A new session's pool: the plan's size, allocated (empty) unless the stage holds it already."""
+        if self.stage.pool_blocks != plan.pool_blocks:
+            self.stage.allocate(plan.pool_blocks, self.kv_pool_bytes)
+
+    def _timed_run(self, plan: StepPlan, x: np.ndarray) -> tuple[np.ndarray, float]:
+        started = time.perf_counter()
+        out = self.stage.run(plan, x)
+        return out, 1000 * (time.perf_counter() - started)
+
+    async def _fail(self, msg: Step, exc: Exception) -> None:
+        log.error("paged stage %d failed on step %d of session %s: %s", self.index, msg.seq, msg.session, exc)
+        await self._send(Error(ErrorCode.STREAM_FAILED, f"stage {self.index}: {exc}", msg.session, msg.seq))
+
+    async def _step(self, msg: Step) -> None:
+        if msg.session != self.session:
+            if self.draining:
+                await self._send(Error(ErrorCode.SHUTTING_DOWN, f"stage {self.index} is shutting down",
+                                       msg.session, msg.seq))
+                return
+            try:
+                await self._run(self._open_pool, msg.plan)
+            except Exception as exc:  # over budget, or no memory: no session starts
+                await self._fail(msg, exc)
+                return
+            self.session = msg.session
+        try:
+            out, ms = await self._compute(self._timed_run, msg.plan, msg.tensor)
+        except Exception as exc:  # a bad plan or an OpenVINO failure must not take the worker down
+            await self._fail(msg, exc)
+            return
+        reply: Message
+        if self.stage.is_last:
+            ids, probs, logits = top1_reply(out, msg.plan)
+            reply = StepReply(msg.session, msg.seq, ids, probs, logits, (*msg.stage_ms, ms))
+        else:
+            reply = msg.passed_on(out, ms)
+        await self._send(reply)
+
+    async def async_close(self) -> None:
+        await super().async_close()
+        self.session = None
+        self._owner = None
+
+
+def _session_of(msg: Step | Release) -> StreamId:
+    return msg.session if isinstance(msg, Step) else msg.stream_id
