@@ -50,7 +50,7 @@ from engine.coordinator.batch_state import (
 from engine.coordinator.block_pool import BlockPool, PoolExhausted
 from engine.coordinator.prefix_blocks import PrefixBlocks, PrefixMatch, chain_hash
 from engine.coordinator.speculation_policy import Verdict, verify_greedy, verify_sampling
-from engine.errors import GenerationError
+from engine.errors import DeskfleetError, GenerationError
 from engine.generation.generator import OverloadedError, UnavailableError
 from engine.generation.request import FinishReason, GenerationRequest, TokenEvent
 from engine.generation.sampling import choose, make_rng, probabilities
@@ -135,6 +135,16 @@ class BatchScheduler:
         """Decoding streams not in flight that may bring drafts to the next step (for the Speculator)."""
         return [s for s in self._running
                 if s.in_flight is None and s.pending == 1 and s.generated and not s.cancelled]
+
+    @property
+    def streams(self) -> int:
+        """Streams added and not ended (running and waiting)."""
+        return len(self._streams)
+
+    @property
+    def running(self) -> int:
+        """Streams admitted (holding or about to hold blocks)."""
+        return len(self._running)
 
     @property
     def idle(self) -> bool:
@@ -464,6 +474,17 @@ class BatchScheduler:
                 if s.replays > self.config.max_replays:
                     actions.extend(self._end(s, Failed(s.stream_id, UnavailableError(
                         f"stream {s.stream_id} lost its stages {s.replays} times; giving up"))))
+        return actions
+
+    def fail_all(self, error: DeskfleetError) -> list[Action]:
+        """End every stream with ``error`` (the ring is gone and no other comes): their blocks are
+        freed and steps in flight forgotten."""
+        self._flights.clear()
+        actions: list[Action] = []
+        for s in list(self._running) + list(self._waiting):
+            s.in_flight = None
+            self._trim(s)
+            actions.extend(self._end(s, Failed(s.stream_id, error)))
         return actions
 
     def metrics(self) -> dict[str, float]:

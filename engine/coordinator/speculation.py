@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.coordinator.batch_state import DraftSubject
 from engine.coordinator.draft_model import DraftModelDrafter
-from engine.coordinator.scheduler import StreamState
 from engine.coordinator.speculation_policy import AdaptiveK, AdaptiveKConfig, Drafter, PromptLookupDrafter
 from engine.errors import DeskfleetError
 from engine.shards.stage import LocalChain
@@ -70,7 +70,7 @@ class Speculator:
         self.steps = 0
         self.k_history: list[int] = []  # K chosen at every verify step of finished streams
 
-    def _spec(self, state: StreamState) -> _StreamSpec:
+    def _spec(self, state: DraftSubject) -> _StreamSpec:
         spec = self._streams.get(state.stream_id)
         if spec is None:
             if self._draft_chain is not None:
@@ -83,7 +83,7 @@ class Speculator:
             spec = self._streams[state.stream_id] = _StreamSpec(drafter, adaptive)
         return spec
 
-    async def async_propose(self, state: StreamState) -> tuple[tuple[int, ...], np.ndarray | None]:
+    async def async_propose(self, state: DraftSubject) -> tuple[tuple[int, ...], np.ndarray | None]:
         """Drafts for the stream's next verify step (possibly none)."""
         spec = self._spec(state)
         k = spec.k.choose() if spec.k is not None else int(self.config.k or 0)
@@ -103,7 +103,7 @@ class Speculator:
         spec.draft_seconds, spec.sent_at = now - started, now
         return draft, q
 
-    def observe(self, state: StreamState, drafted: int, replied_at: float) -> None:
+    def observe(self, state: DraftSubject, drafted: int, replied_at: float) -> None:
         """Feed the verify step's outcome and timing to the stream's K controller."""
         spec = self._streams.get(state.stream_id)
         if spec is None or not spec.sent_at:

@@ -630,3 +630,16 @@ def test_replay_rebuilds_every_stream_on_an_empty_pool_and_gives_up_after_max_re
     (failed,) = sched.reset_for_replay()
     assert isinstance(failed, Failed) and failed.stream_id == sid and "3 times" in str(failed.error)
     assert sched.idle
+
+
+def test_fail_all_ends_every_stream_and_frees_the_pool() -> None:
+    sched, model, run = BatchScheduler(config(max_streams=2)), SimPagedModel(256, 16), Run()
+    sids = [sched.add(GenerationRequest((1 + i, 2, 3), 9), {EOS}, 0.0) for i in range(3)]
+    step_once(sched, model, run)
+    step, _ = sched.next_step()
+    assert step is not None and sched.streams == 3 and sched.running == 2
+    error = UnavailableError("no stage answers")
+    actions = sched.fail_all(error)
+    assert actions == [Failed(sid, error) for sid in sids]
+    assert sched.idle and sched.pool.used == 0 and sched.in_flight == 0
+    assert sched.on_outcome(model.run(step), 0.0) == []
