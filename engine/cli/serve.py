@@ -37,8 +37,18 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "localhost (repeatable); requests naming any other host are refused (DNS rebinding)")
     p.add_argument("--max-concurrent", type=int, default=_DEFAULTS.max_concurrent,
                    help=f"requests in flight before answering 429 (default {_DEFAULTS.max_concurrent})")
-    p.add_argument("--slots", type=int, default=4,
-                   help="streams generated at once (default 4; a static NPU-target export has its own, from export)")
+    p.add_argument("--slots", type=int, default=None,
+                   help="streams generated at once (default 16 paged, 4 stateful; a static NPU-target export has "
+                        "its own, from export)")
+    p.add_argument("--runtime", choices=("paged", "stateful"), default="paged",
+                   help="paged (default): continuous batching on PagedAttention, every stream's tokens in one "
+                        "infer per stage per step; stateful: one KV state per stream per stage (the identity "
+                        "reference, and for a device without PagedAttention)")
+    p.add_argument("--kv-pool-mb", type=float, default=None, metavar="MIB",
+                   help="paged: KV block pool per stage (default 1024 MiB; the only memory that grows with users)")
+    p.add_argument("--token-budget", type=int, default=256, metavar="N",
+                   help="paged: new tokens per step over all streams, so a long prompt is prefilled in chunks "
+                        "beside the others' decoding (default 256)")
     p.add_argument("--max-prompt-tokens", type=int, default=_DEFAULTS.max_prompt_tokens,
                    help=f"longest prompt accepted (default {_DEFAULTS.max_prompt_tokens})")
     p.add_argument("--model-name", default=None, help="model id the API serves (default: the export's name)")
@@ -207,6 +217,11 @@ async def _open_generator(args: argparse.Namespace):
         config = SpeculationConfig(args.speculation, k=args.spec_k, draft_export=args.draft)
         speculation = Speculator(config, device=args.device, exact=args.exact)
 
+    if args.runtime == "paged":
+        async with _open_paged(args, manifest, speculation) as coordinator:
+            yield coordinator
+        return
+    slots = args.slots or 4
     if args.first_stage is not None:
         from engine.coordinator.ring import RingPath, return_frame_bound
         from engine.shards.stage import Stage
@@ -216,17 +231,54 @@ async def _open_generator(args: argparse.Namespace):
         path = RingPath(manifest.model.fingerprint, len(manifest.stages), args.first_stage, args.return_listen,
                         local_stage0=local0, max_frame_bytes=return_frame_bound(
                             manifest.model.vocab_size, manifest.model.max_position_embeddings), **args.ring)
-        async with Coordinator(path, model_card(manifest), slots=args.slots, speculation=speculation) as coordinator:
+        async with Coordinator(path, model_card(manifest), slots=slots, speculation=speculation) as coordinator:
             yield coordinator
     elif args.workers:
         from engine.tools.local_fleet import local_fleet
 
-        async with local_fleet(args.shards, slots=args.slots, exact=args.exact,
+        async with local_fleet(args.shards, slots=slots, exact=args.exact,
                                speculation=speculation) as coordinator:
             yield coordinator
     else:
-        async with Coordinator.local(args.shards, slots=args.slots, exact=args.exact, device=args.device,
+        async with Coordinator.local(args.shards, slots=slots, exact=args.exact, device=args.device,
                                      speculation=speculation) as coordinator:
+            yield coordinator
+
+
+@contextlib.asynccontextmanager
+async def _open_paged(args: argparse.Namespace, manifest, speculation):
+    """The paged coordinator: stages in-process, paged local workers, or a remote paged ring."""
+    from engine.coordinator.batch_coordinator import BatchCoordinator, block_size_for, paged_scheduler
+    from engine.coordinator.coordinator import model_card
+    from engine.shards.kv_pool import DEFAULT_KV_POOL_BYTES, pool_blocks_for
+
+    if args.host_stage0:
+        raise DeskfleetError("--host-stage0 is for the stateful runtime: a paged ring runs every stage as a "
+                             "worker (add --runtime stateful, or drop --host-stage0)")
+    pool_bytes = int(args.kv_pool_mb * 2**20) if args.kv_pool_mb is not None else DEFAULT_KV_POOL_BYTES
+    settings = {"slots": args.slots or 16, "token_budget": args.token_budget,
+                "prefill_chunk": args.token_budget}
+    if args.first_stage is not None:
+        from engine.coordinator.paged_ring import PagedRingPath
+        from engine.wire.step_codec import step_reply_bound
+
+        block_size = block_size_for(args.device)
+        pool = pool_blocks_for(manifest, pool_bytes, block_size, precision="f32" if args.exact else None)
+        bound = step_reply_bound(manifest.model.vocab_size, args.token_budget, args.token_budget)
+        path = PagedRingPath(manifest.model.fingerprint, len(manifest.stages), args.first_stage, args.return_listen,
+                             block_size=block_size, max_frame_bytes=bound, **args.ring)
+        scheduler = paged_scheduler(manifest, pool, block_size, **settings)
+        async with BatchCoordinator(path, model_card(manifest), scheduler, speculation=speculation) as coordinator:
+            yield coordinator
+    elif args.workers:
+        from engine.tools.local_fleet import paged_local_fleet
+
+        async with paged_local_fleet(args.shards, exact=args.exact, kv_pool_bytes=pool_bytes,
+                                     speculation=speculation, **settings) as coordinator:
+            yield coordinator
+    else:
+        async with BatchCoordinator.local(args.shards, exact=args.exact, device=args.device, kv_pool_bytes=pool_bytes,
+                                          speculation=speculation, **settings) as coordinator:
             yield coordinator
 
 

@@ -18,6 +18,7 @@ from typing import TextIO
 
 from engine.cli.main import Command
 from engine.errors import DeskfleetError
+from engine.shards.kv_pool import DEFAULT_KV_POOL_BYTES
 from engine.trust.peer_policy import PeerPolicy, PeerPolicyError, parse_policy_update
 from engine.wire.address import Address
 from engine.worker.stage_worker import async_serve_worker
@@ -69,6 +70,12 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="keep compiled shards here so a restarted worker is ready sooner (OpenVINO CACHE_DIR)")
     p.add_argument("--exit-with-parent", action="store_true",
                    help="drain and exit when the parent process dies")
+    p.add_argument("--paged", action="store_true",
+                   help="serve the stage paged (continuous batching on PagedAttention: one infer per step for "
+                        "every stream; the coordinator must be a paged one). CPU/GPU exports only")
+    p.add_argument("--kv-pool-mb", type=float, default=None, metavar="MIB",
+                   help="with --paged: the most memory this stage's KV block pool may take (default 1024 MiB); "
+                        "it is allocated once, when the ring's first step says the pool size")
 
 
 def read_tls_credentials(stream: TextIO) -> tuple:
@@ -110,6 +117,10 @@ def policy_from_args(args: argparse.Namespace, from_stdin: PeerPolicy | None) ->
 def run(args: argparse.Namespace) -> int:
     server_ssl = client_ssl = stdin_peers = None
     tls = bool(args.tls_stdin)
+    if args.kv_pool_mb is not None and not args.paged:
+        raise DeskfleetError("--kv-pool-mb sizes the block pool of a paged stage: add --paged")
+    if args.kv_pool_mb is not None and args.kv_pool_mb <= 0:
+        raise DeskfleetError(f"--kv-pool-mb must be positive, got {args.kv_pool_mb}")
     if not tls and (args.expect_upstream or args.expect_next):
         raise DeskfleetError("--expect-upstream/--expect-next need --tls-stdin: without certificates there is "
                              "no node id to check")
@@ -117,12 +128,14 @@ def run(args: argparse.Namespace) -> int:
     refuse_plaintext_exposure(args.next, tls=tls, flag="--next", tls_flag="--tls-stdin")
     if tls:
         server_ssl, client_ssl, stdin_peers = read_tls_credentials(sys.stdin)
+    pool_bytes = int(args.kv_pool_mb * 2**20) if args.kv_pool_mb is not None else DEFAULT_KV_POOL_BYTES
     return asyncio.run(async_serve_worker(args.shard, args.stage, args.listen, args.next, device=args.device,
                                           exact=args.exact, num_threads=args.threads, server_ssl=server_ssl,
                                           client_ssl=client_ssl, report_interval=args.report_interval,
                                           exit_with_parent=args.exit_with_parent, cache_dir=args.cache_dir,
                                           peers=policy_from_args(args, stdin_peers),
-                                          policy_updates=sys.stdin if tls else None))
+                                          policy_updates=sys.stdin if tls else None, paged=args.paged,
+                                          kv_pool_bytes=pool_bytes))
 
 
 COMMAND = Command(name="worker", help="serve one stage of an export in a ring of workers",

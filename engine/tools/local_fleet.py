@@ -16,12 +16,19 @@ import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 
+from engine.coordinator.batch_coordinator import BatchCoordinator, paged_scheduler
 from engine.coordinator.coordinator import Coordinator, model_card
+from engine.coordinator.paged_ring import PagedRingPath
 from engine.coordinator.ring import RingPath
+from engine.coordinator.speculation import Speculator
 from engine.errors import DeskfleetError
+from engine.shards.kv_pool import DEFAULT_KV_POOL_BYTES, pool_blocks_for
 from engine.shards.manifest import load_manifest
+from engine.shards.paged_step import PagedPath
 from engine.shards.stage import Stage
 from engine.wire.address import Address
+from engine.wire.step_codec import step_reply_bound
+from engine.wire.step_plan import CPU_BLOCK_SIZE
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +139,48 @@ class LocalFleet:
                     proc.kill()
                 codes[stage] = await proc.wait()
         return codes
+
+
+@contextlib.asynccontextmanager
+async def paged_local_fleet(export_dir: Path | str, *, exact: bool = False, threads: int | None = None,
+                            hop: Hop | None = None, failover: bool = False, kv_pool_bytes: int = DEFAULT_KV_POOL_BYTES,
+                            lanes: int | None = None, speculation: Speculator | None = None,
+                            step_timeout_s: float | None = None, hold_timeout_s: float = 60.0,
+                            **settings) -> AsyncIterator[BatchCoordinator]:
+    """A running paged coordinator over a paged worker process for every stage (continuous
+    batching in every stage, one micro-batch per stage in flight by default).
+
+    ``settings`` go to the scheduler (slots, max_waiting, token_budget, prefill_chunk,
+    prefix_cache). With ``failover`` a worker that dies is restarted on its address and the
+    coordinator replays its streams there (pass ``step_timeout_s`` so a silent stage is noticed)."""
+    manifest = load_manifest(export_dir)
+    block_size = CPU_BLOCK_SIZE
+    pool = pool_blocks_for(manifest, kv_pool_bytes, block_size, precision="f32" if exact else None)
+    fleet = LocalFleet(export_dir, exact=exact, threads=threads,
+                       extra_args=("--paged", "--kv-pool-mb", f"{kv_pool_bytes / 2**20:.6g}"))
+    budget = settings.get("token_budget", 256)  # no step answers more rows than it has tokens
+    path = PagedRingPath(manifest.model.fingerprint, len(manifest.stages), Address("127.0.0.1", 0),
+                         Address("127.0.0.1", 0), block_size=block_size,
+                         max_frame_bytes=step_reply_bound(manifest.model.vocab_size, budget, budget))
+    try:
+        return_address = await path.async_listen()
+        path.first_remote = await fleet.async_start(return_address, hop)
+        recover = None
+        if failover:
+            async def recover(broken: PagedPath, reason: str) -> PagedPath:
+                restarted = await fleet.async_restart_dead()
+                log.warning("local fleet: restarted stage(s) %s after: %s", restarted, reason)
+                await path.async_reconnect()
+                return path
+
+        scheduler = paged_scheduler(manifest, pool, block_size, **settings)
+        coordinator = BatchCoordinator(path, model_card(manifest), scheduler, lanes=lanes, speculation=speculation,
+                                       recover=recover, step_timeout_s=step_timeout_s, hold_timeout_s=hold_timeout_s)
+        async with coordinator:
+            yield coordinator
+    finally:
+        await path.async_close()
+        await fleet.async_stop()
 
 
 @contextlib.asynccontextmanager

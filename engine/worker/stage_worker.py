@@ -287,7 +287,8 @@ async def async_serve_worker(shard_dir: Path, stage_index: int, listen: Address,
                              server_ssl: SSLContext | None = None, client_ssl: SSLContext | None = None,
                              ready: asyncio.Event | None = None, report_interval: float | None = None,
                              exit_with_parent: bool = False, cache_dir: Path | None = None,
-                             peers: PeerPolicy | None = None, policy_updates: TextIO | None = None) -> int:
+                             peers: PeerPolicy | None = None, policy_updates: TextIO | None = None,
+                             paged: bool = False, kv_pool_bytes: int = DEFAULT_KV_POOL_BYTES) -> int:
     """Run a worker until SIGTERM/SIGINT (finish the frame in hand, then exit 0) or SIGUSR1
     (refuse new streams, let those in flight finish, then exit 0).
 
@@ -299,7 +300,7 @@ async def async_serve_worker(shard_dir: Path, stage_index: int, listen: Address,
     try:
         worker = _open_worker(shard_dir, stage_index, listen, next_address, device=device, exact=exact,
                               num_threads=num_threads, server_ssl=server_ssl, client_ssl=client_ssl,
-                              cache_dir=cache_dir, peers=peers)
+                              cache_dir=cache_dir, peers=peers, paged=paged, kv_pool_bytes=kv_pool_bytes)
     except DeskfleetError as exc:  # a shard that fails its checks is never served: say so in the worker's log
         log.error("refusing to serve stage %d of %s: %s", stage_index, shard_dir, exc)
         raise

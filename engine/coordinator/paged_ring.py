@@ -1,0 +1,98 @@
+"""The coordinator's side of a paged ring: a :class:`~engine.shards.paged_step.PagedPath` over the network.
+
+Each step goes to stage 0 as one Step frame (the plan and every row's token id); each stage runs
+it on its own block pool and passes its hidden states on in a Step of its own; the last stage
+answers on this path's return port with a StepReply. All steps of one connection form a
+*session*: the workers bind it to that connection, and a reconnect (failover) starts a new one,
+so a late frame of the old ring can never be taken for an answer of the new one.
+
+The ends of the ring (return port, the first hop, TLS and the peer policy, pings) are
+:class:`~engine.coordinator.ring.RingPath`'s; only the frames differ.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import itertools
+import logging
+import time
+
+import numpy as np
+
+from engine.coordinator.ring import RingPath
+from engine.errors import DeskfleetError
+from engine.shards.paged_step import PagedOutcome, PagedStep
+from engine.wire.format import StreamId
+from engine.wire.messages import Error, Message, Release, Step, StepReply
+
+log = logging.getLogger(__name__)
+
+_sessions = itertools.count(1)
+
+
+class PagedRingPath(RingPath):
+    """Paged steps through remote stage workers (every stage a worker: no local stage 0)."""
+
+    def __init__(self, *args, block_size: int, **kwargs):
+        if kwargs.get("local_stage0") is not None:
+            raise DeskfleetError("a paged ring does not host stage 0 in the coordinator; start every stage as "
+                                 "a worker")
+        super().__init__(*args, **kwargs)
+        self.block_size = block_size
+        self.results: asyncio.Queue[PagedOutcome] = asyncio.Queue()  # type: ignore[assignment]
+        self.session = StreamId(next(_sessions))
+        self._step_sent: dict[int, float] = {}
+        self._stage_ms: collections.deque[tuple[float, ...]] = collections.deque(maxlen=256)
+
+    async def _on_return(self, conn, msg: Message) -> None:
+        match msg:
+            case StepReply() if msg.session == self.session:
+                self._answer(PagedOutcome(msg.seq, msg.ids, msg.probs, msg.logits, tuple(msg.stage_ms)))
+            case Error() if msg.stream_id == self.session:
+                self._answer(PagedOutcome.failed(msg.seq, msg.message))
+            case StepReply() | Error():
+                log.debug("paged ring: dropping %r of an old session", msg)
+            case _:
+                log.debug("paged ring: ignoring %r on the return port", msg)
+
+    def _answer(self, outcome: PagedOutcome) -> None:
+        sent = self._step_sent.pop(outcome.seq, None)
+        if sent is not None:
+            self._roundtrips.append(time.perf_counter() - sent)
+        if outcome.stage_ms:
+            self._stage_ms.append(outcome.stage_ms)
+        self.results.put_nowait(outcome)
+
+    async def async_submit(self, step: PagedStep) -> None:  # type: ignore[override]
+        if self._out is None:
+            raise DeskfleetError("the ring is not connected; start the path first")
+        padded = np.zeros(step.plan.padded_tokens, dtype=np.int64)
+        padded[: step.token_ids.shape[0]] = step.token_ids
+        self._step_sent[step.seq] = time.perf_counter()
+        await self._out.async_send(Step(self.session, step.seq, step.plan, padded))
+
+    async def async_reconnect(self, first_remote=None, peers=None) -> None:
+        """Dial the first stage again (after a failover) under a new session; the old session's
+        pools are the workers' to drop when its connection closes."""
+        self.session = StreamId(next(_sessions))
+        self._step_sent.clear()
+        await super().async_reconnect(first_remote, peers)
+
+    async def async_release(self, stream_id: StreamId) -> None:
+        """Streams hold no state on a paged worker (their blocks are the coordinator's): nothing to free."""
+        return None
+
+    async def async_close(self) -> None:
+        if self._out is not None and not self._out.closed:
+            with contextlib.suppress(DeskfleetError, OSError):
+                await self._out.async_send(Release(self.session))
+        await super().async_close()
+
+    def stage_metrics(self) -> dict[str, float]:
+        out = super().stage_metrics()
+        if self._stage_ms:
+            for i, column in enumerate(zip(*self._stage_ms, strict=False)):
+                out[f'stage_compute_ms_per_step{{stage="{i}"}}'] = sum(column) / len(column)
+        return out
