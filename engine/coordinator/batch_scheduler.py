@@ -295,6 +295,7 @@ class BatchScheduler:
             pins.append(hit.copy_src)
             dst = self.pool.allocate(1)[0]
             copies.append((hit.copy_src, dst))
+            s.copying = True
             self.counters["prefix_copies"] += 1
             s.blocks.append(dst)
         s.blocks.extend(self.pool.allocate(blocks_needed(s.cached + n, bs) - len(s.blocks)))
@@ -324,8 +325,7 @@ class BatchScheduler:
         if problem is not None:
             actions: list[Action] = [FailOver(f"step {outcome.seq} failed: {problem}")]
             for r in rows:
-                r.stream.in_flight = None
-                self._trim(r.stream)
+                self._abandon(r.stream)
                 if r.stream.cancelled:
                     actions.extend(self._end(r.stream, Finished(r.stream.stream_id, FinishReason.CANCELLED)))
             return actions
@@ -340,7 +340,7 @@ class BatchScheduler:
                 assert outcome.logits is not None
                 logits = outcome.logits[logit_at:logit_at + r.sample]
                 logit_at += r.sample
-            s.in_flight = None
+            s.in_flight, s.copying = None, False
             if s.cancelled:
                 actions.extend(self._end(s, Finished(s.stream_id, FinishReason.CANCELLED)))
             elif not r.sample:
@@ -422,6 +422,15 @@ class BatchScheduler:
                 self.prefix.register_full(s.blocks[i], digest)
         self._trim(s)
 
+    def _abandon(self, s: StreamState) -> None:
+        """The step ``s`` is in will not be answered: keep what completed steps put in its blocks.
+        A prefix copy made by that step may be missing on some stage: only the shared full blocks count."""
+        s.in_flight = None
+        if s.copying:
+            s.cached -= s.cached % self.config.block_size
+            s.copying = False
+        self._trim(s)
+
     def _trim(self, s: StreamState) -> None:
         keep = blocks_needed(s.cached, self.config.block_size)
         while len(s.blocks) > keep:
@@ -465,7 +474,7 @@ class BatchScheduler:
         actions: list[Action] = []
         for s in list(self._running) + list(self._waiting):
             was_running = s in self._running
-            s.blocks, s.hashes, s.cached, s.in_flight = [], [], 0, None
+            s.blocks, s.hashes, s.cached, s.in_flight, s.copying = [], [], 0, None, False
             if s.cancelled:
                 actions.extend(self._end(s, Finished(s.stream_id, FinishReason.CANCELLED)))
             elif was_running:
@@ -482,8 +491,7 @@ class BatchScheduler:
         self._flights.clear()
         actions: list[Action] = []
         for s in list(self._running) + list(self._waiting):
-            s.in_flight = None
-            self._trim(s)
+            self._abandon(s)
             actions.extend(self._end(s, Failed(s.stream_id, error)))
         return actions
 

@@ -134,6 +134,7 @@ class StreamState:
     hashes: list[bytes] = field(default_factory=list)  # chain hash of each full block (prefix cache)
     order: int = 0  # admission order: the largest is the most recently admitted
     in_flight: int | None = None  # seq of the step it is in
+    copying: bool = False  # that step copies a prefix block into its last block (undone if the step fails)
     cancelled: bool = False
     first_token_at: float | None = None
     last_drafted: int = 0

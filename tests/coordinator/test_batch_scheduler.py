@@ -199,9 +199,12 @@ def drive(sched: BatchScheduler, arrivals: dict[int, list[GenerationRequest]], *
             if step is None:
                 break
             check_step(sched, step)
-            outcome = model.run(step)
-            if fail_p and rnd.random() < fail_p:
+            if fail_p and rnd.random() < fail_p:  # the step ran on every stage but the reply was lost, or on none
+                if rnd.random() < 0.5:
+                    model.run(step)
                 outcome = PagedOutcome.failed(step.seq, "a stage dropped the step")
+            else:
+                outcome = model.run(step)
             out.append((step, outcome))
             check_accounting(sched)
         if not out:
@@ -643,3 +646,22 @@ def test_fail_all_ends_every_stream_and_frees_the_pool() -> None:
     assert actions == [Failed(sid, error) for sid in sids]
     assert sched.idle and sched.pool.used == 0 and sched.in_flight == 0
     assert sched.on_outcome(model.run(step), 0.0) == []
+
+
+def test_a_failed_step_that_carried_a_prefix_copy_recomputes_the_copied_part() -> None:
+    cfg = config(prefill_chunk=64)
+    sched, model, run = BatchScheduler(cfg, fingerprint="m"), SimPagedModel(256, 16), Run()
+    turn1 = GenerationRequest(tuple(range(1, 21)), max_new_tokens=4, ignore_eos=True)
+    sched.add(turn1, {EOS}, 0.0)
+    finish_all(sched, model, run)
+    turn2 = GenerationRequest(turn1.prompt_ids + tuple(run.tokens[1]) + (8,), max_new_tokens=5)
+    sid = sched.add(turn2, {EOS}, 0.0)
+    step, _ = sched.next_step()
+    assert step is not None and step.plan.copies and step.plan.rows[0].past_len == 23
+    (action,) = sched.on_outcome(PagedOutcome.failed(step.seq, "lost before any stage ran it"), 0.0)
+    assert isinstance(action, FailOver)
+    again, _ = sched.next_step()
+    assert again is not None and again.plan.rows[0].past_len == 16 and again.plan.copies == ()
+    run.take(sched.on_outcome(model.run(again), 0.0))
+    finish_all(sched, model, run)
+    assert run.tokens[sid] == reference(turn2, cfg.context_length)
