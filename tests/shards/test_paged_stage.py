@@ -19,6 +19,7 @@ from engine.shards.paged_stage import (
     LMHeadNotFoundError,
     LocalPagedPath,
     PagedStage,
+    PagedStageError,
     PoolBudgetError,
     PoolNotAllocatedError,
     _logits_head,
@@ -39,27 +40,27 @@ N = 10  # generated tokens per stream
 
 @pytest.fixture(scope="module")
 def paged(tiny_export):
-    """``paged(stages)`` -> the compiled PagedStages of the tiny llama split that way (exact settings)."""
-    built: dict[int, list[PagedStage]] = {}
+    """``paged(stages, family)`` -> the compiled PagedStages of a tiny model split that way (exact settings)."""
+    built: dict[tuple[int, str], list[PagedStage]] = {}
 
-    def get(stages: int) -> list[PagedStage]:
-        if stages not in built:
-            built[stages] = LocalPagedPath.load(tiny_export("llama", stages), SCRATCH_BLOCKS + 1, BUDGET,
-                                                exact=True).stages
-        return built[stages]
+    def get(stages: int, family: str = "llama") -> list[PagedStage]:
+        if (stages, family) not in built:
+            built[stages, family] = LocalPagedPath.load(tiny_export(family, stages), SCRATCH_BLOCKS + 1, BUDGET,
+                                                        exact=True).stages
+        return built[stages, family]
 
     return get
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_export):
-    """``reference(stages, prompt, n)`` -> greedy tokens of the stateful chain, the stream alone."""
-    chains: dict[int, LocalChain] = {}
+    """``reference(stages, prompt, n, family)`` -> greedy tokens of the stateful chain, the stream alone."""
+    chains: dict[tuple[int, str], LocalChain] = {}
 
-    def get(stages: int, prompt, n: int = N) -> tuple[int, ...]:
-        if stages not in chains:
-            chains[stages] = LocalChain.load(tiny_export("llama", stages), exact=True)
-        return greedy_generate(chains[stages], list(prompt), n, ignore_eos=True).tokens
+    def get(stages: int, prompt, n: int = N, family: str = "llama") -> tuple[int, ...]:
+        if (stages, family) not in chains:
+            chains[stages, family] = LocalChain.load(tiny_export(family, stages), exact=True)
+        return greedy_generate(chains[stages, family], list(prompt), n, ignore_eos=True).tokens
 
     return get
 
@@ -158,15 +159,15 @@ def drive(path: LocalPagedPath, streams: list[Stream], n: int = N, spec=None,
     return done
 
 
-@pytest.mark.parametrize("stages", [1, 2])
-def test_batched_streams_give_each_streams_tokens_alone(stages, paged, reference):
-    path = LocalPagedPath(paged(stages), POOL, BUDGET)
+@pytest.mark.parametrize(("family", "stages"), [("llama", 1), ("llama", 2), ("qwen2", 2)])
+def test_batched_streams_give_each_streams_tokens_alone(family, stages, paged, reference):
+    path = LocalPagedPath(paged(stages, family), POOL, BUDGET)
     ps = prompts(path.manifest.model.vocab_size)
     streams = [Stream(1, ps[0], len(ps[0])), Stream(2, ps[1], len(ps[1]), join=0, chunk=5),
                Stream(3, ps[2], len(ps[2]), join=2), Stream(4, ps[3], len(ps[3]), join=5, chunk=5)]
     got = drive(path, streams)
     for s, prompt in zip(streams, ps, strict=True):
-        assert tuple(got[s.sid]) == reference(stages, prompt), f"stream {s.sid}"
+        assert tuple(got[s.sid]) == reference(stages, prompt, family=family), f"stream {s.sid}"
 
 
 @pytest.mark.parametrize("stages", [1, 2])
@@ -280,6 +281,21 @@ def test_pool_over_budget_is_refused(paged):
     assert sum(arr.nbytes for arr in stage.caches) == need
     with pytest.raises(PoolNotAllocatedError, match="48 blocks"):
         stage.run(plan(BS, 48, [PlanRow(1, 0, 1, (5,))]), np.zeros(1, np.int64))
+
+
+def test_the_pool_takes_the_cache_layout_the_plugin_compiled(tiny_export):
+    """u8 caches carry scale and zero-point rows (keys) and columns (values): shapes and types come
+    from the compiled model, never from the block size; a u4 cache has no numpy pool and is refused."""
+    export = tiny_export("llama", 1)
+    stage = PagedStage(export, 0, properties={"KV_CACHE_PRECISION": "u8"})
+    path = LocalPagedPath([stage], 8, BUDGET)
+    key, value = stage.caches[:2]
+    assert key.dtype == value.dtype == np.uint8 and key.shape[2] > BS and value.shape[2] == BS
+    assert stage.block_bytes == sum(arr[0].nbytes for arr in stage.caches)
+    out = path.run(PagedStep(0, plan(BS, 8, [PlanRow(1, 0, 3, (5,))]), np.asarray([4, 5, 6])))
+    assert out.ids.shape == (1,) and 0 < out.probs[0] <= 1
+    with pytest.raises(PagedStageError, match="u4 KV cache"):
+        PagedStage(export, 0, properties={"KV_CACHE_PRECISION": "u4"}).allocate(8, BUDGET)
 
 
 def test_paged_inputs_of_a_plan():
