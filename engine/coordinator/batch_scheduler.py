@@ -186,7 +186,7 @@ class BatchScheduler:
             if not ready(s) or s.pending != 1:
                 continue
             tokens, q = drafts.get(s.stream_id, ((), None)) if s.generated else ((), None)
-            k = max(0, min(len(tokens), budget - 1, self._room(s)))
+            k = max(0, min(len(tokens), len(q) if q is not None else len(tokens), budget - 1, self._room(s)))
             # drafts only where blocks are free; a plain decode row may preempt a newer stream
             while k and blocks_needed(s.cached + 1 + k, cfg.block_size) - len(s.blocks) > self.pool.free:
                 k -= 1
@@ -457,9 +457,10 @@ class BatchScheduler:
         elif s in self._waiting:
             self._waiting.remove(s)
         self._streams.pop(s.stream_id, None)
-        self.counters["finished" if isinstance(action, Finished) else "failed"] += 1
-        if isinstance(action, Finished) and action.reason is FinishReason.CANCELLED:
-            self.counters["cancelled"] += 1
+        if isinstance(action, Failed):
+            self.counters["failed"] += 1
+        else:
+            self.counters["cancelled" if action.reason is FinishReason.CANCELLED else "finished"] += 1
         return [action]
 
     def reset_for_replay(self) -> list[Action]:

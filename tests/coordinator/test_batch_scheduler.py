@@ -506,6 +506,7 @@ def test_cancel_frees_blocks_at_once_or_when_the_step_returns() -> None:
     actions = sched.on_outcome(model.run(step), 0.0)
     assert actions == [Finished(flying, FinishReason.CANCELLED)] and sched.pool.used == 0 and sched.idle
     assert sched.metrics()["kv_blocks_used"] == 0
+    assert (sched.counters["cancelled"], sched.counters["finished"]) == (3, 0)
 
 
 def test_streams_in_flight_are_in_no_other_step() -> None:
