@@ -22,7 +22,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stages", type=int, default=2, help="number of stages (default 2)")
     p.add_argument("--weights", choices=("int4", "int8", "fp16", "fp32"), default="int4")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--slots", type=int, default=4, help="concurrent streams the fleet serves (default 4)")
+    p.add_argument("--slots", type=int, default=16,
+                   help="streams the fleet serves at once, batched into one infer per stage per step (default 16)")
     p.add_argument("--serve", action="store_true", help="then keep the OpenAI-compatible API up until Ctrl-C")
     p.add_argument("--port", type=int, default=8000, help="API port with --serve (default 8000; 0 = any free)")
 
@@ -57,11 +58,11 @@ async def _async_demo(args: argparse.Namespace, source, out) -> int:
 
     from engine.generation.request import GenerationRequest
     from engine.generation.tokenizer import ChatTokenizer
-    from engine.tools.local_fleet import local_fleet
+    from engine.tools.local_fleet import paged_local_fleet
 
     tokenizer = ChatTokenizer(out / "tokenizer")
     print(f"starting a {args.stages}-node fleet on loopback ...", file=sys.stderr)
-    async with local_fleet(out, slots=args.slots) as coordinator:
+    async with paged_local_fleet(out, slots=args.slots) as coordinator:
         ids = tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
         request = GenerationRequest(tuple(ids), args.max_new_tokens, stop_token_ids=coordinator.model.eos_token_ids)
         started = time.perf_counter()
