@@ -38,7 +38,6 @@ from engine.wire.transport import Connection
 log = logging.getLogger(__name__)
 
 DEFAULT_STEP_TOKENS = 4096  # padded rows of the largest Step a worker accepts unless told otherwise
-DEFAULT_KV_POOL_BYTES = 1 << 30  # a stage's block pool budget unless the agent's settings say otherwise
 
 
 def paged_frame_bound(hidden_size: int, context: int, max_step_tokens: int = DEFAULT_STEP_TOKENS) -> int:

@@ -26,6 +26,7 @@ from typing import TextIO
 import numpy as np
 
 from engine.errors import DeskfleetError
+from engine.shards.kv_pool import DEFAULT_KV_POOL_BYTES
 from engine.shards.manifest import load_manifest
 from engine.shards.paged_stage import PagedStage
 from engine.shards.prefix_cache import CaptureStore
@@ -48,7 +49,7 @@ from engine.wire.messages import (
 )
 from engine.wire.stage_server import MAX_STREAMS, StageServer, stage_frame_bound
 from engine.wire.transport import Connection
-from engine.worker.paged_worker import DEFAULT_KV_POOL_BYTES, PagedStageWorker
+from engine.worker.paged_worker import PagedStageWorker
 from engine.worker.status_lines import PEERS_PREFIX, READY_PREFIX, STATS_PREFIX
 
 log = logging.getLogger(__name__)
