@@ -199,13 +199,20 @@ class PagedStage:
                                   f"paged pool cannot hold; use KV_CACHE_PRECISION f16, f32 or u8")
         return dtype
 
+    def _block_dims(self, cache: ov.ConstOutput) -> list[int]:
+        """Dims 1-3 of a cache input (heads, rows, columns, in the plugin's layout); dim 0 is the pool."""
+        shape = cache.get_partial_shape()
+        if shape.rank.is_dynamic or len(shape) != 4 or any(d.is_dynamic for d in shape[1:]):
+            raise PagedStageError(f"stage {self.index} compiled {cache.get_any_name()} as {shape}; a paged pool "
+                                  f"needs static dims 1-3 (this device's PagedAttention is not supported)")
+        return [d.get_length() for d in shape[1:]]
+
     @property
     def block_bytes(self) -> int:
         """Bytes of one block over every cache tensor of this stage (K and V of each layer)."""
         total = 0
         for cache in self._cache_inputs:
-            dims = [d.get_length() for d in cache.get_partial_shape()[1:]]
-            total += int(np.prod(dims)) * self._cache_dtype(cache.get_element_type()).itemsize
+            total += int(np.prod(self._block_dims(cache))) * self._cache_dtype(cache.get_element_type()).itemsize
         return total
 
     def allocate(self, pool_blocks: int, budget_bytes: int) -> None:
@@ -219,8 +226,7 @@ class PagedStage:
                                   "kv_pool_bytes")
         self.caches = []
         for cache in self._cache_inputs:
-            dims = [d.get_length() for d in cache.get_partial_shape()[1:]]
-            arr = np.zeros((pool_blocks, *dims), dtype=self._cache_dtype(cache.get_element_type()))
+            arr = np.zeros((pool_blocks, *self._block_dims(cache)), dtype=self._cache_dtype(cache.get_element_type()))
             self.request.set_tensor(cache.get_any_name(), ov.Tensor(arr, shared_memory=True))
             self.caches.append(arr)
         self.pool_blocks = pool_blocks
