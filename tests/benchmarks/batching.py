@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from engine.cli.main import Command
+from engine.errors import DeskfleetError
 from tests.benchmarks.batching_variants import (
     GENERATORS,
     STAGES,
@@ -82,6 +83,19 @@ LONG_PARAGRAPH = (
     "to be reinstalled after a power cut, and the help desk handled twice the usual number of tickets "
     "in the first week. ")
 ROUND_TIMEOUT_S = 1800.0
+PROMPT_SLACK = 128  # the nonce, the chat template and a question around the long paragraph
+
+
+class BatchingSettingsError(DeskfleetError):
+    """The options ask for something the model cannot serve (a long prompt past its context)."""
+
+
+def check_fits(long_tokens: int, new_tokens: int, context: int, has_long_rows: bool) -> None:
+    need = (long_tokens if has_long_rows else 0) + PROMPT_SLACK + new_tokens
+    if need > context:
+        raise BatchingSettingsError(f"a prompt of about {need - new_tokens} tokens plus {new_tokens} new ones does "
+                                    f"not fit the model's context of {context}: lower --long-tokens or "
+                                    "--new-tokens, or pass --long-users ''")
 
 
 # -- what runs ----------------------------------------------------------------------------------
@@ -266,6 +280,7 @@ async def _async_rounds(args: argparse.Namespace, runners: dict, tokenizer: Any)
 def prepare(args: argparse.Namespace) -> tuple[Setup, Any, dict[str, Any]]:
     """The exports (made or reused), the tokenizer and the reference IR."""
     from engine.generation.tokenizer import ChatTokenizer
+    from engine.shards.manifest import load_manifest
     from export.sources import default_cache_root, model_fingerprint, resolve_model
     from tests.benchmarks.kit import ensure_export
     from tests.benchmarks.parity import _builder_digest
@@ -280,6 +295,8 @@ def prepare(args: argparse.Namespace) -> tuple[Setup, Any, dict[str, Any]]:
         one, _ = ensure_export(root, source, fingerprint, args.weights, 1, True)
         two, _ = ensure_export(root, source, fingerprint, args.weights, 2, True)
     tokenizer = ChatTokenizer(one / "tokenizer")
+    long_rows = any(kind == "long" for _, kind in cells(_ints(args.users), _ints(args.long_users)))
+    check_fits(args.long_tokens, args.new_tokens, load_manifest(one).model.max_position_embeddings, long_rows)
     reference_dir = _reference_dir(args, one, source)
     users = _ints(args.users)
     threads = args.threads
@@ -393,6 +410,10 @@ def _cell(value: Any, spec: str = ".1f") -> str:
     return NOT_MEASURED if value is None else format(value, spec)
 
 
+def _ratio(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2f}"  # the row it compares with was not in this run
+
+
 def render(result: dict[str, Any] | None, command: str, args: argparse.Namespace) -> str:
     """The section of docs/BENCHMARKS.md; ``result`` None gives the template (nothing measured)."""
     summary = result["summary"] if result else {}
@@ -426,7 +447,7 @@ def render(result: dict[str, Any] | None, command: str, args: argparse.Namespace
             rows.append([users, kind, name, total, _cell(s["aggregate_tok_s"]), _cell(s["decode_tok_s"]),
                          f"{_cell(s['per_user_tok_s'])} / {_cell(s['slowest_user_tok_s'])}",
                          f"{_cell(s['ttft_p50_ms'], '.0f')} / {_cell(s['ttft_p95_ms'], '.0f')}",
-                         _cell(s["aggregate_vs_reference"], ".2f"), _cell(s["aggregate_vs_1_user"], ".2f"),
+                         _ratio(s["aggregate_vs_reference"]), _ratio(s["aggregate_vs_1_user"]),
                          s["same_tokens_as_stateful_local"] or "–"])
     lines.append(markdown_table(["users", "prompts", "variant", "threads", "aggregate tok/s", "decode tok/s",
                                  "per-user tok/s (median / slowest)", "TTFT ms p50 / p95", "× reference",

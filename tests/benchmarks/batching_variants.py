@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
-import inspect
 import itertools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -137,44 +136,37 @@ def _import_paged(module: str) -> Any:
                                  f"{exc})") from None
 
 
+def _paged_settings(setup: Setup) -> dict[str, Any]:
+    """The paged scheduler's settings (``engine.coordinator.batch_coordinator.paged_scheduler``)."""
+    return {"slots": setup.max_users, "prefix_cache": False, "token_budget": TOKEN_BUDGET,
+            "prefill_chunk": TOKEN_BUDGET}
+
+
 @contextlib.asynccontextmanager
 async def paged_local(setup: Setup) -> AsyncIterator[Generator]:
-    """The paged coordinator (issue 14), its one stage in this process.
-
-    Hook: ``BatchCoordinator.local(export_dir, *, num_threads, max_streams, prefix_cache)`` returns a
-    coordinator not yet started (as ``Coordinator.local`` does)."""
+    """The paged coordinator (issue 14), its one stage in this process (``BatchCoordinator.local``)."""
     module = _import_paged("engine.coordinator.batch_coordinator")
     local = getattr(module.BatchCoordinator, "local", None)
     if local is None:
         raise VariantUnavailable("the paged coordinator cannot be built here yet: engine.coordinator."
-                                 "batch_coordinator.BatchCoordinator has no local(export_dir, num_threads=, "
-                                 "max_streams=, prefix_cache=)")
-    coordinator = local(setup.one_stage, num_threads=setup.threads, max_streams=setup.max_users, prefix_cache=False)
+                                 "batch_coordinator.BatchCoordinator has no local()")
+    coordinator = local(setup.one_stage, num_threads=setup.threads, **_paged_settings(setup))
     async with coordinator:
         yield coordinator
 
 
 @contextlib.asynccontextmanager
 async def paged_ring(setup: Setup) -> AsyncIterator[Generator]:
-    """The paged coordinator over a paged worker process per stage on loopback.
-
-    Hook: ``engine.tools.local_fleet.paged_local_fleet(export_dir, *, threads, max_streams,
-    prefix_cache)``, or ``local_fleet`` with a ``paged`` parameter; either an async context manager
-    yielding a started coordinator."""
+    """The paged coordinator over a paged worker process per stage on loopback
+    (``engine.tools.local_fleet.paged_local_fleet``)."""
     _import_paged("engine.coordinator.batch_coordinator")
     _import_paged("engine.coordinator.paged_ring")
-    fleet = importlib.import_module("engine.tools.local_fleet")
-    options = {"threads": setup.threads, "max_streams": setup.max_users, "prefix_cache": False}
-    if hasattr(fleet, "paged_local_fleet"):
-        manager = fleet.paged_local_fleet(setup.two_stage, **options)
-    elif "paged" in inspect.signature(fleet.local_fleet).parameters:
-        manager = fleet.local_fleet(setup.two_stage, paged=True, **options)
-    else:
+    fleet = _import_paged("engine.tools.local_fleet")
+    if not hasattr(fleet, "paged_local_fleet"):
         raise VariantUnavailable("the paged ring cannot be started here yet: engine.tools.local_fleet has no "
-                                 "paged_local_fleet(export_dir, threads=, max_streams=, prefix_cache=) nor "
-                                 "local_fleet(..., paged=True)")
-    async with manager as coordinator:
-        yield coordinator
+                                 "paged_local_fleet()")
+    async with fleet.paged_local_fleet(setup.two_stage, threads=setup.threads, **_paged_settings(setup)) as c:
+        yield c
 
 
 GENERATORS: dict[str, GeneratorFactory] = {

@@ -90,6 +90,13 @@ def test_prompts_are_distinct_and_the_long_one_is_about_its_length(tiny_export):
     assert 900 < len(long[0]) < 1150 and max(map(len, long[1:])) < 64
 
 
+def test_a_long_row_past_the_context_is_refused_before_anything_loads():
+    bench.check_fits(1024, 64, 8192, True)
+    bench.check_fits(1024, 64, 512, False)  # no long row: only the short prompts must fit
+    with pytest.raises(bench.BatchingSettingsError, match="context of 512: lower --long-tokens"):
+        bench.check_fits(1024, 64, 512, True)
+
+
 def test_the_template_names_the_command_and_measures_nothing(tmp_path):
     doc = tmp_path / "BENCH.md"
     doc.write_text("# Benchmarks\n\n<!-- other:start -->\nkept\n<!-- other:end -->\n")
