@@ -6,6 +6,8 @@ stateful IR is what ships). Its KV lives in a block pool (``key_cache.L``/``valu
 ``[pool_blocks, ...]`` as the compiled model asks) that the stage allocates once and never grows;
 the coordinator owns the block tables and sends them with every step (:class:`StepPlan`), so the
 stage holds no policy: :func:`paged_inputs` turns a plan into the PagedAttention inputs.
+GPU: implemented (block size 16, cache layout read from the compiled inputs), untested: no
+Intel GPU was available.
 
 :class:`LocalPagedPath` runs the stages of one export back to back in this process, the paged
 twin of :class:`engine.shards.step_path.LocalPath`. The plan itself is described in
@@ -27,7 +29,7 @@ import openvino.opset13 as ops
 from engine.errors import GenerationError, ShardCompileError
 from engine.shards.manifest import Manifest, ir_paths, load_manifest, verify_stage
 from engine.shards.paged_step import PagedOutcome, PagedStep
-from engine.shards.stage import _core, read_verified_model, stage_properties
+from engine.shards.stage import read_verified_model, stage_properties
 from engine.shards.step_path import last_stage_top1
 from engine.wire.step_plan import CPU_BLOCK_SIZE, GPU_BLOCK_SIZE, StepPlan, blocks_needed
 
@@ -167,7 +169,7 @@ class PagedStage:
         self.properties = stage_properties(self.spec, exact, num_threads, properties)
         if cache_dir is not None:
             self.properties = {**self.properties, "CACHE_DIR": str(cache_dir)}
-        core = core or _core()
+        core = core or ov.Core()
         model, self._weights = read_verified_model(core, root, self.spec, self.spec.xml, verify=verify)
         try:
             convert_to_paged(model, has_embedding=self.spec.has_embedding, has_head=self.spec.has_head)
@@ -315,7 +317,7 @@ class LocalPagedPath:
     def load(cls, export_dir: Path | str, pool_blocks: int, budget_bytes: int, **kwargs) -> LocalPagedPath:
         """Verify, convert and compile every stage of an export (``kwargs`` as :class:`PagedStage`)."""
         manifest = kwargs.pop("manifest", None) or load_manifest(export_dir)
-        core = kwargs.pop("core", None) or _core()
+        core = kwargs.pop("core", None) or ov.Core()
         stages = [PagedStage(export_dir, i, manifest=manifest, core=core, **kwargs)
                   for i in range(len(manifest.stages))]
         return cls(stages, pool_blocks, budget_bytes)
