@@ -213,6 +213,9 @@ class BatchScheduler:
         while (self._waiting and budget >= 1 and len(rows) < limit and len(self._running) < cfg.max_streams
                and self._waiting[0].stream_id not in preempted):
             s = self._waiting[0]
+            if blocks_needed(len(s.tokens), cfg.block_size) > self.pool.capacity:  # preempted at the pool's end
+                actions.extend(self._end(s, Failed(s.stream_id, self._too_big(s, len(s.tokens)))))
+                continue
             n = self._admit(s, budget, copies, pins)
             if not n:
                 break
@@ -260,9 +263,7 @@ class BatchScheduler:
         bs = self.config.block_size
         total = blocks_needed(s.cached + n, bs)
         if total > self.pool.capacity:
-            actions.extend(self._end(s, Failed(s.stream_id, GenerationError(
-                f"stream {s.stream_id} holds {s.cached} positions and needs {total} KV blocks of {bs}, more than the "
-                f"whole pool of {self.pool.capacity}; give the stages more KV memory or ask for fewer tokens"))))
+            actions.extend(self._end(s, Failed(s.stream_id, self._too_big(s, s.cached + n))))
             return False
         need = total - len(s.blocks)
         while need > self.pool.free:
@@ -275,16 +276,24 @@ class BatchScheduler:
         s.blocks.extend(self.pool.allocate(need))
         return True
 
+    def _too_big(self, s: StreamState, positions: int) -> GenerationError:
+        bs = self.config.block_size
+        return GenerationError(f"stream {s.stream_id} needs {positions} cached positions, "
+                               f"{blocks_needed(positions, bs)} KV blocks of {bs}, more than the whole pool of "
+                               f"{self.pool.capacity}; give the stages more KV memory or ask for fewer tokens")
+
     def _admit(self, s: StreamState, budget: int, copies: list[tuple[int, int]], pins: list[int]) -> int:
         """Attach the longest reusable prefix to a waiting stream and the blocks of its first chunk;
         the chunk's size, or 0 (nothing changed) when the pool cannot take it without preempting."""
-        cfg, bs = self.config, self.config.block_size
+        bs = self.config.block_size
         hit = self.prefix.match(s.tokens, len(s.tokens) - 1) if self.prefix is not None else PrefixMatch()
-        revived = sum(1 for b in hit.blocks if self.pool.refcount(b) == 0)
-        if hit.copy_src is not None and self.pool.refcount(hit.copy_src) == 0:
-            revived += 1
-        room = (len(hit.blocks) + self.pool.free - revived) * bs - hit.tokens  # positions it can take now
-        n = min(cfg.prefill_chunk, budget, len(s.tokens) - hit.tokens, room)
+        n = self._first_chunk(s, hit, budget)
+        if n < 1 and hit.copy_src is not None:  # the copy's source and destination do not both fit: share only
+            hit = PrefixMatch(hit.blocks, hit.hashes, tokens=len(hit.blocks) * bs)
+            n = self._first_chunk(s, hit, budget)
+        if n < 1 and hit.tokens:  # the cached blocks it would revive crowd out its own rows: start cold
+            hit = PrefixMatch()
+            n = self._first_chunk(s, hit, budget)
         if n < 1:
             return 0
         for b in hit.blocks:
@@ -303,6 +312,15 @@ class BatchScheduler:
             self.counters["prefix_hits"] += 1
             self.counters["prefix_tokens_reused"] += hit.tokens
         return n
+
+    def _first_chunk(self, s: StreamState, hit: PrefixMatch, budget: int) -> int:
+        """Rows a stream reusing ``hit`` can bring now: the pool's free blocks, less the cached ones
+        the hit takes back into use, must cover them."""
+        revived = sum(1 for b in hit.blocks if self.pool.refcount(b) == 0)
+        if hit.copy_src is not None and self.pool.refcount(hit.copy_src) == 0:
+            revived += 1  # held while the destination is allocated
+        room = (len(hit.blocks) + self.pool.free - revived) * self.config.block_size - hit.tokens
+        return min(self.config.prefill_chunk, budget, len(s.tokens) - hit.tokens, room)
 
     def _preempt(self, s: StreamState) -> None:
         """Free a running stream's blocks; it waits at the front and later re-prefills its tokens

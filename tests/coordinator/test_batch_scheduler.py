@@ -166,11 +166,11 @@ DraftPolicy = Callable[[object], tuple[tuple[int, ...], np.ndarray | None]]
 
 def drive(sched: BatchScheduler, arrivals: dict[int, list[GenerationRequest]], *, in_flight: int = 1,
           rnd: random.Random | None = None, draft: DraftPolicy | None = None, cancel_p: float = 0.0,
-          fail_p: float = 0.0, replay_p: float = 0.0, max_rows: int | None = None,
+          fail_p: float = 0.0, replay_p: float = 0.0, max_rows: int | None = None, follow_p: float = 0.0,
           max_ticks: int = 5000) -> tuple[Run, dict[int, GenerationRequest]]:
     """A coordinator in miniature: requests join at their tick, up to ``in_flight`` steps are out,
-    outcomes come back in order; optionally cancels, failed steps (re-planned) and lost rings
-    (replayed)."""
+    outcomes come back in order; optionally cancels, failed steps (re-planned), lost rings
+    (replayed) and next turns of finished chats (prompt + answer + more)."""
     model = SimPagedModel(sched.config.pool_blocks, sched.config.block_size)
     rnd = rnd or random.Random(0)
     run, requests = Run(), {}
@@ -212,8 +212,15 @@ def drive(sched: BatchScheduler, arrivals: dict[int, list[GenerationRequest]], *
                 break
             continue
         _, outcome = out.popleft()
-        run.take(sched.on_outcome(outcome, float(tick)))
+        actions = sched.on_outcome(outcome, float(tick))
+        run.take(actions)
         check_accounting(sched)
+        for a in actions:
+            if follow_p and isinstance(a, Finished) and a.reason is not FinishReason.CANCELLED \
+                    and rnd.random() < follow_p:
+                prompt = requests[a.stream_id].prompt_ids + tuple(run.tokens[a.stream_id]) + (1, 2)
+                if len(prompt) < sched.config.context_length - 1:
+                    arrivals.setdefault(tick + 1, []).append(GenerationRequest(prompt, rnd.randrange(1, 20)))
     assert sched.pool.used == 0 and sched.in_flight == 0
     assert set(run.ends) == set(requests)
     return run, requests
@@ -288,21 +295,21 @@ def test_a_long_prefill_does_not_stall_decoding_streams() -> None:
 
 def _random_case(seed: int):
     rnd = random.Random(seed)
-    small_pool = rnd.random() < 0.4
+    small_pool = rnd.random() < 0.5
     bs, context = rnd.choice([16, 32]), rnd.randrange(96, 161)
     # a small pool still holds any one stream (a stream alone too big fails, tested apart)
-    pool = SCRATCH_BLOCKS + blocks_needed(context, bs) + rnd.randrange(0, 5) if small_pool else 256
+    pool = SCRATCH_BLOCKS + blocks_needed(context, bs) + rnd.randrange(0, 3) if small_pool else 256
     cfg = config(block_size=bs, pool_blocks=pool, context_length=context,
                  max_streams=rnd.randrange(1, 9), token_budget=rnd.choice([8, 16, 40, 96]),
                  prefill_chunk=rnd.choice([1, 5, 16, 64]), prefix_cache=rnd.random() < 0.8)
     system = tuple(rnd.randrange(1, VOCAB) for _ in range(rnd.choice([0, 20, 40])))
     arrivals: dict[int, list[GenerationRequest]] = collections.defaultdict(list)
-    for _ in range(rnd.randrange(1, 9)):
+    for _ in range(rnd.randrange(4 if small_pool else 1, 9)):
         sampling = SamplingParams(temperature=0.9, top_k=rnd.choice([0, 8]), seed=rnd.randrange(1000)) \
             if rnd.random() < 0.3 else SamplingParams()
         prompt = prompts(rnd, 1, system if rnd.random() < 0.6 else ())[0]
-        arrivals[rnd.randrange(0, 25)].append(GenerationRequest(prompt, max_new_tokens=rnd.randrange(1, 40),
-                                                               sampling=sampling))
+        tick = rnd.randrange(0, 25 if rnd.random() < 0.5 else 4)
+        arrivals[tick].append(GenerationRequest(prompt, max_new_tokens=rnd.randrange(1, 40), sampling=sampling))
     return rnd, cfg, arrivals
 
 
@@ -322,15 +329,15 @@ def _drafter(rnd: random.Random, cfg: SchedulerConfig) -> DraftPolicy:
 @pytest.mark.parametrize("block", range(8))
 def test_random_schedules_equal_solo_runs(block: int) -> None:
     """200 seeded schedules (25 per case): joins, micro-batches, cancellations, small pools
-    (preemption), drafts right and wrong, shared system prompts (prefix hits), failed steps and
-    lost rings (replays)."""
+    (preemption), drafts right and wrong, shared system prompts and next chat turns (prefix hits),
+    failed steps and lost rings (replays)."""
     for seed in range(block * 25, block * 25 + 25):
         rnd, cfg, arrivals = _random_case(seed)
         sched = BatchScheduler(cfg, fingerprint="sim")
         run, requests = drive(sched, arrivals, in_flight=rnd.choice([1, 2, 3]), rnd=rnd,
                               draft=_drafter(rnd, cfg) if rnd.random() < 0.5 else None,
                               cancel_p=rnd.choice([0.0, 0.0, 0.05]), fail_p=rnd.choice([0.0, 0.0, 0.05]),
-                              replay_p=rnd.choice([0.0, 0.0, 0.03]),
+                              replay_p=rnd.choice([0.0, 0.0, 0.03]), follow_p=rnd.choice([0.0, 0.5]),
                               max_rows=rnd.choice([None, None, 2]))
         replays_failed = {sid for sid, e in run.ends.items() if isinstance(e, Failed)}
         for sid in replays_failed:  # only a stream that lost its ring too often may fail
@@ -465,7 +472,7 @@ def test_a_stream_that_outgrows_the_whole_pool_fails_clearly() -> None:
     finish_all(sched, model, run)
     end = run.ends[sid]
     assert isinstance(end, Failed) and isinstance(end.error, GenerationError)
-    assert "more than the whole pool of 2" in str(end.error)
+    assert "needs 33 cached positions, 3 KV blocks of 16, more than the whole pool of 2" in str(end.error)
     assert len(run.tokens[sid]) == 32 - 29 + 1  # up to the pool's last position, then the failure
     assert sched.pool.used == 0
 
