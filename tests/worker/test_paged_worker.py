@@ -136,12 +136,18 @@ def test_a_ring_of_paged_workers_answers_like_the_local_path(stages):
                 await conn.async_send(step_frame(7, step))
                 got.append(await next_reply(replies))
             sessions = [w.session for w in workers]
-            await conn.async_send(Release(StreamId(7)))
+            for step, _ in recorded:  # a new session on the same pool, every step in flight at once
+                await conn.async_send(step_frame(8, step))
+            pipelined = [await next_reply(replies) for _ in recorded]
+            await conn.async_send(Release(StreamId(8)))
             await asyncio.sleep(0.2)
-            return got, sessions, [w.session for w in workers], [w.steps for w in workers]
+            return got, pipelined, sessions, [w.session for w in workers], [w.steps for w in workers]
 
-    got, during, after, steps = run(main(), 120)
-    assert during == [7, 7] and after == [None, None] and steps == [len(recorded)] * 2
+    got, pipelined, during, after, steps = run(main(), 120)
+    assert during == [7, 7] and after == [None, None] and steps == [2 * len(recorded)] * 2
+    for again, reply in zip(pipelined, got, strict=True):
+        assert isinstance(again, StepReply) and (again.session, again.seq) == (8, reply.seq)
+        assert again.ids.tolist() == reply.ids.tolist()
     for (step, want), reply in zip(recorded, got, strict=True):
         assert isinstance(reply, StepReply), reply
         assert (reply.session, reply.seq) == (7, step.seq)
