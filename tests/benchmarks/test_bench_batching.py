@@ -77,10 +77,10 @@ def test_targets_judge_the_paged_ring_at_eight_users():
     assert (t["scaling"]["verdict"], t["vs_reference"]["verdict"]) == ("met", "**missed**")
 
 
-def test_prompts_are_distinct_and_the_long_one_is_about_its_length(tiny_export):
+def test_prompts_are_distinct_and_the_long_one_is_about_its_length(tiny_checkpoint):
     from engine.generation.tokenizer import ChatTokenizer
 
-    tokenizer = ChatTokenizer(tiny_export("llama", 1) / "tokenizer")
+    tokenizer = ChatTokenizer(tiny_checkpoint("llama"))  # SmolLM2's tokenizer and chat template
     rng = random.Random(3)
     short = bench.make_prompts(tokenizer, 16, "short", rng, 8, 0)
     assert len({tuple(p) for p in short}) == 16 and max(map(len, short)) < 64
