@@ -66,7 +66,10 @@ def verify_sampling(
     target_probs: [K + 1, V] p_i, the target's sampling distribution at each position
     (``engine.generation.sampling.probabilities``), row K being the bonus position.
     A draft token with q(x) = 0 cannot have been sampled from q; it is treated as rejected.
-    Consumes one uniform per draft token with p(x) < q(x) and one per drawn token from ``rng``.
+    Consumes one uniform per draft token examined (whether or not p(x) < q(x)) and one per drawn
+    token from ``rng``: how many are drawn then never depends on last-bit differences of p and q
+    (a draft model equal to the target has p(x)/q(x) = 1 +- rounding), so a seeded stream stays
+    reproducible when its logits come from differently shaped batches.
     """
     k = len(draft)
     p_all = np.asarray(target_probs, dtype=np.float64)
@@ -95,7 +98,8 @@ def verify_sampling(
         # Accept x ~ q with probability min(1, p(x) / q(x)).
         # On the first rejection draw from norm(max(0, p - q)), the mass q under-covers, and stop.
         # If all K are accepted, draw a bonus token from p_K.
-        if q_x > 0.0 and (p_x >= q_x or rng.random() * q_x < p_x):
+        u = rng.random()
+        if q_x > 0.0 and (p_x >= q_x or u * q_x < p_x):
             continue
         if q_all is None:
             residual = p.copy()

@@ -35,7 +35,7 @@ def stateful_greedy(export, prompts, n) -> list[list[int]]:
     return run(main())
 
 
-@pytest.mark.parametrize("stages", [1, 2, 3])
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
 def test_batched_streams_match_their_solo_stateful_runs(tiny_export, stages):
     """Eight streams joining at once, then in a staggered order with small prefill chunks (so
     prefill chunks share steps with other streams' decode): every one gives its solo tokens."""
@@ -117,6 +117,36 @@ def test_prompt_lookup_speculation_keeps_greedy_tokens(tiny_export, k):
     assert [ids(g) for g in got] == expected
     assert metrics["speculation_proposed_total"] > 0
     assert metrics["kv_blocks_used"] == 0
+
+
+def test_a_draft_model_equal_to_the_target_is_always_accepted_and_changes_nothing(tiny_export):
+    """The 1-stage export as its own draft: every draft accepted (the verify rows' positions and
+    blocks line up with the draft's), and the greedy output unchanged."""
+    export = tiny_export("llama", 3)
+    expected = stateful_greedy(export, [PROMPT_IDS], 24)[0]
+
+    async def main():
+        spec = Speculator(SpeculationConfig("draft", k=4, draft_export=tiny_export("llama", 1)), exact=True)
+        async with BatchCoordinator.local(export, exact=True, speculation=spec) as c:
+            out = await collect(c, GenerationRequest(PROMPT_IDS, 24, ignore_eos=True))
+            await c.async_wait_idle()
+            return out, c.metrics()
+
+    out, metrics = run(main())
+    assert ids(out) == expected
+    assert metrics["speculation_acceptance_rate"] == 1.0 and metrics["speculation_steps_total"] < 24 / 3
+
+
+def test_speculative_sampling_is_seed_reproducible(tiny_export):
+    req = GenerationRequest(PROMPT_IDS * 2, 24, SamplingParams(temperature=0.8, seed=5), ignore_eos=True)
+
+    async def main():
+        spec = Speculator(SpeculationConfig("draft", k=3, draft_export=tiny_export("llama", 1)), exact=True)
+        async with BatchCoordinator.local(tiny_export("llama", 2), exact=True, speculation=spec) as c:
+            return await collect(c, req), await collect(c, req)
+
+    a, b = run(main())
+    assert ids(a) == ids(b) and len(a) == 24
 
 
 def test_a_follow_up_turn_reuses_the_conversation_blocks(tiny_export):
