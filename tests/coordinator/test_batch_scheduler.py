@@ -12,6 +12,7 @@ checked after every step.
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import random
 from collections.abc import Callable, Sequence
@@ -55,6 +56,11 @@ def top1(logits: np.ndarray) -> tuple[int, float]:
 
 def reference(request: GenerationRequest, context_length: int, eos: frozenset[int] = frozenset({EOS})) -> list[int]:
     """The stream decoded alone, one token per step, by the rules the scheduler keeps."""
+    return list(_reference(request, context_length, eos))
+
+
+@functools.lru_cache(maxsize=4096)
+def _reference(request: GenerationRequest, context_length: int, eos: frozenset[int]) -> tuple[int, ...]:
     seq, out = list(request.prompt_ids), []
     rng = make_rng(request.sampling)
     while True:
@@ -62,9 +68,9 @@ def reference(request: GenerationRequest, context_length: int, eos: frozenset[in
         out.append(token)
         seq.append(token)
         if not request.ignore_eos and (token in eos or token in request.stop_token_ids):
-            return out
+            return tuple(out)
         if len(out) >= request.max_new_tokens or len(seq) >= context_length:
-            return out
+            return tuple(out)
 
 
 class SimPagedModel:
@@ -121,8 +127,9 @@ def check_accounting(sched: BatchScheduler) -> None:
         assert state is not None
         if state.in_flight is None:
             assert len(blocks) == blocks_needed(state.cached, sched.config.block_size)
-    for b in range(SCRATCH_BLOCKS, pool.num_blocks):
-        assert pool.refcount(b) == holders[b], f"block {b}: refcount {pool.refcount(b)}, held by {holders[b]}"
+    for b, n in holders.items():
+        assert pool.refcount(b) == n, f"block {b}: refcount {pool.refcount(b)}, held by {n}"
+    assert pool.used == len(holders), "a block is held by no stream"  # audit(): held + free + cached = pool
 
 
 def check_step(sched: BatchScheduler, step: PagedStep) -> None:
