@@ -4,11 +4,13 @@ The coordinator only carries out what this decides (vLLM's ``EngineCore.step()``
 execute, update from the output)::
 
     sched = BatchScheduler(SchedulerConfig(...), fingerprint=model.fingerprint)
-    sid = sched.add(request, eos_ids, now)          # OverloadedError / GenerationError at once
-    step, actions = sched.next_step(drafts)         # a PagedStep over streams not in flight, or None
-    actions = sched.on_outcome(outcome, now)        # Emit / Finished / Failed / FailOver
+    sid = sched.add(request, eos_ids, now)           # OverloadedError / GenerationError at once
+    subjects = sched.wants_drafts()                  # decoding streams not in flight (DraftSubject)
+    step, actions = sched.next_step(drafts, max_rows)  # a PagedStep over streams not in flight, or None
+    actions = sched.on_outcome(outcome, now)         # Emit / Finished / Failed / FailOver
     actions = sched.cancel(sid)
-    actions = sched.reset_for_replay()              # the ring was lost: the pool is empty again
+    actions = sched.reset_for_replay()               # the ring was lost: the pool is empty again
+    actions = sched.fail_all(error)                  # no ring will come back
 
 Every stream that was added ends with exactly one :class:`Finished` or :class:`Failed` action.
 
@@ -20,13 +22,19 @@ answered. Prefill, chunked prefill, decode, speculative verify, re-prefill after
 failover replay are all this one rule. (The stateful path replays ``prompt + generated[:-1]``,
 drops the prediction of the replay's last position and then decodes ``generated[-1]``; here the
 last row of the replay is ``generated[-1]`` itself, which predicts the next new token: the same
-positions, the same KV, no prediction of an emitted token, one step fewer.)
+positions, no prediction of an emitted token, one step fewer.)
 
 ``cached`` advances only in :meth:`on_outcome`, by the rows the last stage accepted; blocks the
 step brought beyond that (rejected drafts, a failed step) are released then (rewind). Several
 steps may be in flight (micro-batches); a stream in flight is in no other step.
-"""
 
+**Blocks.** A step allocates the blocks of the rows it brings. When the pool is short, running
+streams admitted after the one asking and not in flight are preempted, the most recent first:
+their blocks are freed (kept in the prefix cache while the pool allows) and they wait at the
+front of the queue to re-prefill ``prompt + generated``. A waiting request is admitted only if
+its first chunk fits without preempting anyone. Admission reuses the longest indexed prefix
+(:mod:`engine.coordinator.prefix_blocks`): full blocks by reference, part of a block by copy.
+"""
 from __future__ import annotations
 
 import collections
