@@ -255,7 +255,7 @@ def assert_solo(run: Run, requests: dict[int, GenerationRequest], context_length
             continue
         assert isinstance(end, Finished), f"stream {sid} failed: {getattr(end, 'error', None)}"
         assert got == want, f"stream {sid}: {got} != solo {want}"
-        expected = FinishReason.STOP if want[-1] == EOS else FinishReason.LENGTH
+        expected = FinishReason.STOP if want[-1] in (EOS, *request.stop_token_ids) else FinishReason.LENGTH
         assert end.reason is expected
 
 
@@ -316,7 +316,9 @@ def _random_case(seed: int):
             if rnd.random() < 0.3 else SamplingParams()
         prompt = prompts(rnd, 1, system if rnd.random() < 0.6 else ())[0]
         tick = rnd.randrange(0, 25 if rnd.random() < 0.5 else 4)
-        arrivals[tick].append(GenerationRequest(prompt, max_new_tokens=rnd.randrange(1, 40), sampling=sampling))
+        stop = (rnd.randrange(1, VOCAB),) if rnd.random() < 0.2 else ()
+        arrivals[tick].append(GenerationRequest(prompt, max_new_tokens=rnd.randrange(1, 40), sampling=sampling,
+                                                stop_token_ids=stop, want_logits=rnd.random() < 0.2))
     return rnd, cfg, arrivals
 
 
