@@ -219,7 +219,9 @@ class PagedStage:
 
     def allocate(self, pool_blocks: int, budget_bytes: int) -> None:
         """Allocate (or reallocate, emptied) the pool of ``pool_blocks`` blocks on every cache
-        tensor and bind it to the infer request; PoolBudgetError when it exceeds ``budget_bytes``."""
+        tensor and bind it to the infer request; PoolBudgetError when it exceeds ``budget_bytes``.
+        Every page is written here (``np.zeros`` would map it lazily): the pool is committed once,
+        at load, and the stage's memory does not creep up as new blocks are first used."""
         need = pool_blocks * self.block_bytes
         if need > budget_bytes:
             raise PoolBudgetError(f"stage {self.index}: a pool of {pool_blocks} blocks needs {need} bytes "
@@ -228,7 +230,8 @@ class PagedStage:
                                   "kv_pool_bytes")
         self.caches = []
         for cache in self._cache_inputs:
-            arr = np.zeros((pool_blocks, *self._block_dims(cache)), dtype=self._cache_dtype(cache.get_element_type()))
+            arr = np.empty((pool_blocks, *self._block_dims(cache)), dtype=self._cache_dtype(cache.get_element_type()))
+            arr.fill(0)
             self.request.set_tensor(cache.get_any_name(), ov.Tensor(arr, shared_memory=True))
             self.caches.append(arr)
         self.pool_blocks = pool_blocks

@@ -17,6 +17,7 @@ from tests.conftest import PROMPT_IDS
 from tests.support.asyncutil import collect_events as collect
 from tests.support.asyncutil import run
 
+POOL = 16 << 20  # the tiny model's blocks are small: a few hundred fit
 PROMPTS = [PROMPT_IDS, PROMPT_IDS[3:], (7, 8, 9, 10, 11, 12), PROMPT_IDS[::-1], PROMPT_IDS * 3, (5,),
            tuple(range(40, 90)), PROMPT_IDS[5:12]]
 
@@ -44,7 +45,8 @@ def test_batched_streams_match_their_solo_stateful_runs(tiny_export, stages):
     expected = stateful_greedy(export, PROMPTS, n)
 
     async def main():
-        async with BatchCoordinator.local(export, exact=True, slots=8, prefill_chunk=5, token_budget=24) as c:
+        async with BatchCoordinator.local(export, exact=True, kv_pool_bytes=POOL, slots=8, prefill_chunk=5,
+                                          token_budget=24) as c:
             together = await asyncio.gather(*(collect(c, GenerationRequest(p, n, ignore_eos=True))
                                               for p in PROMPTS))
 
@@ -70,7 +72,7 @@ def test_finish_reasons_and_stop_tokens(tiny_export):
     stop = reference[4]
 
     async def main():
-        async with BatchCoordinator.local(export, exact=True) as c:
+        async with BatchCoordinator.local(export, exact=True, kv_pool_bytes=POOL) as c:
             stopped = await collect(c, GenerationRequest(PROMPT_IDS, 10, stop_token_ids=(stop,)))
             full = await collect(c, GenerationRequest(PROMPT_IDS, 10, ignore_eos=True))
         return stopped, full
@@ -89,7 +91,7 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent(tiny_export):
                                  ignore_eos=True)
 
     async def main():
-        async with BatchCoordinator.local(export, exact=True) as c:
+        async with BatchCoordinator.local(export, exact=True, kv_pool_bytes=POOL) as c:
             a, b, other = await asyncio.gather(collect(c, req(7)), collect(c, req(7)), collect(c, req(8)))
             again = await collect(c, req(7))
         return a, b, other, again
@@ -108,7 +110,7 @@ def test_prompt_lookup_speculation_keeps_greedy_tokens(tiny_export, k):
 
     async def main():
         spec = Speculator(SpeculationConfig("lookup", k=k), exact=True)
-        async with BatchCoordinator.local(export, exact=True, speculation=spec) as c:
+        async with BatchCoordinator.local(export, exact=True, kv_pool_bytes=POOL, speculation=spec) as c:
             got = await asyncio.gather(*(collect(c, GenerationRequest(p, 24, ignore_eos=True)) for p in prompts))
             await c.async_wait_idle()
             return got, c.metrics()
@@ -127,7 +129,7 @@ def test_a_draft_model_equal_to_the_target_is_always_accepted_and_changes_nothin
 
     async def main():
         spec = Speculator(SpeculationConfig("draft", k=4, draft_export=tiny_export("llama", 1)), exact=True)
-        async with BatchCoordinator.local(export, exact=True, speculation=spec) as c:
+        async with BatchCoordinator.local(export, exact=True, kv_pool_bytes=POOL, speculation=spec) as c:
             out = await collect(c, GenerationRequest(PROMPT_IDS, 24, ignore_eos=True))
             await c.async_wait_idle()
             return out, c.metrics()
@@ -142,7 +144,8 @@ def test_speculative_sampling_is_seed_reproducible(tiny_export):
 
     async def main():
         spec = Speculator(SpeculationConfig("draft", k=3, draft_export=tiny_export("llama", 1)), exact=True)
-        async with BatchCoordinator.local(tiny_export("llama", 2), exact=True, speculation=spec) as c:
+        async with BatchCoordinator.local(tiny_export("llama", 2), exact=True, kv_pool_bytes=POOL,
+                                          speculation=spec) as c:
             return await collect(c, req), await collect(c, req)
 
     a, b = run(main())
@@ -156,7 +159,7 @@ def test_a_follow_up_turn_reuses_the_conversation_blocks(tiny_export):
     first = tuple(range(40, 120))  # 80 tokens: two full blocks and a partial one
 
     async def main():
-        async with BatchCoordinator.local(export, exact=True) as c:
+        async with BatchCoordinator.local(export, exact=True, kv_pool_bytes=POOL) as c:
             answer = ids(await collect(c, GenerationRequest(first, 8, ignore_eos=True)))
             follow = first + tuple(answer) + (7, 8, 9)
             warm = ids(await collect(c, GenerationRequest(follow, 8, ignore_eos=True)))
@@ -172,7 +175,7 @@ def test_cancelling_frees_the_blocks_and_a_full_queue_is_refused(tiny_export):
     export = tiny_export("llama", 2)
 
     async def main():
-        async with BatchCoordinator.local(export, exact=True, slots=1, max_waiting=0) as c:
+        async with BatchCoordinator.local(export, exact=True, kv_pool_bytes=POOL, slots=1, max_waiting=0) as c:
             stream = c.stream(GenerationRequest(PROMPT_IDS, 200, ignore_eos=True))
             await stream.__anext__()
             with pytest.raises(OverloadedError):
