@@ -12,7 +12,7 @@ from engine.coordinator.speculation import SpeculationConfig, Speculator
 from engine.generation.in_process import greedy_generate
 from engine.generation.request import GenerationRequest, SamplingParams
 from engine.shards.stage import LocalChain
-from engine.tools.local_fleet import local_fleet
+from engine.tools.local_fleet import local_fleet, paged_local_fleet
 from tests.conftest import PROMPT_IDS
 from tests.support.asyncutil import collect, run
 
@@ -80,11 +80,16 @@ def test_a_weaker_draft_is_rejected_often_yet_output_is_identical(tiny_checkpoin
     assert 0 < metrics["speculation_acceptance_rate"] <= 1.0
 
 
+FLEETS = {"stateful": local_fleet,
+          "paged": lambda export, **kw: paged_local_fleet(export, kv_pool_bytes=16 << 20, **kw)}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("stages", [1, 2, 3, 4])
-def test_speculation_over_the_ring_is_identical(stages, tiny_export, expected):
+@pytest.mark.parametrize("stages, runtime", [(1, "stateful"), (2, "stateful"), (3, "stateful"), (4, "stateful"),
+                                             (2, "paged"), (4, "paged")])
+def test_speculation_over_the_ring_is_identical(stages, runtime, tiny_export, expected):
     async def main():
-        async with local_fleet(tiny_export("llama", stages), exact=True, slots=2) as c:
+        async with FLEETS[runtime](tiny_export("llama", stages), exact=True, slots=2) as c:
             c.speculation = Speculator(SpeculationConfig("lookup", k=5))
             # two micro-batched streams, each speculating independently
             return await asyncio.gather(collect(c, GenerationRequest(PROMPT_IDS, N, ignore_eos=True)),
@@ -107,7 +112,8 @@ def test_speculative_sampling_is_seed_reproducible(tiny_export):
 
 
 @pytest.mark.slow
-def test_ring_behind_wan_emulators_on_every_hop(tiny_export, expected):
+@pytest.mark.parametrize("runtime", ["stateful", "paged"])
+def test_ring_behind_wan_emulators_on_every_hop(tiny_export, expected, runtime):
     """The hop hook puts a delaying proxy on each of the 3 hops; output must not change."""
     from engine.tools.wan_emulator import WanProxy
     from engine.wire.address import Address
@@ -120,8 +126,8 @@ def test_ring_behind_wan_emulators_on_every_hop(tiny_export, expected):
 
     async def main():
         try:
-            async with local_fleet(tiny_export("llama", 2), exact=True, hop=hop,
-                                   speculation=Speculator(SpeculationConfig("lookup"))) as c:
+            async with FLEETS[runtime](tiny_export("llama", 2), exact=True, hop=hop,
+                                       speculation=Speculator(SpeculationConfig("lookup"))) as c:
                 return await collect(c, GenerationRequest(LOOPY, N, ignore_eos=True))
         finally:
             for p in proxies:
