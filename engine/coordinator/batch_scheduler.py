@@ -40,7 +40,7 @@ from __future__ import annotations
 import collections
 import itertools
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -80,6 +80,7 @@ class _Row:
     q: np.ndarray | None
     sample: int
     want_logits: bool
+    computing: list[bytes] = field(default_factory=list)  # full blocks this prefill chunk completes
 
 
 # ----------------------------------------------------------------------------- the scheduler
@@ -99,6 +100,7 @@ class BatchScheduler:
         self._running: list[StreamState] = []  # admitted, oldest first
         self._waiting: collections.deque[StreamState] = collections.deque()
         self._flights: dict[int, list[_Row]] = {}
+        self._computing: dict[bytes, int] = {}  # chain hash of a full block a prefill row in flight completes -> seq
         self.counters: collections.Counter[str] = collections.Counter()
 
     # -- requests in and out ---------------------------------------------------------------------
@@ -209,6 +211,8 @@ class BatchScheduler:
                 break
             if not ready(s) or s.pending == 1:
                 continue
+            if not self._catch_up(s):
+                continue
             n = min(cfg.prefill_chunk, budget, s.pending)
             room = (len(s.blocks) + self.pool.free) * cfg.block_size - s.cached
             if room >= 1:  # a smaller chunk rather than preempting anyone
@@ -224,14 +228,15 @@ class BatchScheduler:
             if blocks_needed(len(s.tokens), cfg.block_size) > self.pool.capacity:  # preempted at the pool's end
                 actions.extend(self._end(s, Failed(s.stream_id, self._too_big(s, len(s.tokens)))))
                 continue
-            n = self._admit(s, budget, copies, pins)
-            if not n:
+            first = self._admit(s, budget, copies, pins)
+            if first is None:
                 break
             self._waiting.popleft()
             s.order = next(self._orders)
             self._running.append(s)
-            rows.append(self._row(s, seq, n))
-            budget -= n
+            if first:  # else it waits for a block another stream is computing, and shares it next step
+                rows.append(self._row(s, seq, first))
+                budget -= first
         for block in pins:  # copy sources were held only while blocks were allocated around them
             self.pool.release(block)
 
@@ -258,7 +263,11 @@ class BatchScheduler:
         s.in_flight = seq
         sample = (1 + len(drafts)) if s.cached + n - len(drafts) == len(s.tokens) else 0
         want = bool(sample) and (s.request.want_logits or not s.request.sampling.greedy)
-        return _Row(s, n, drafts, q, sample, want)
+        row = _Row(s, n, drafts, q, sample, want)
+        if not sample:  # streams after this one in the step (or later steps) wait for these blocks
+            row.computing = self._computing_blocks(s, n)
+            self._computing.update(dict.fromkeys(row.computing, seq))
+        return row
 
     @staticmethod
     def _feed(r: _Row) -> list[int]:
@@ -284,17 +293,64 @@ class BatchScheduler:
         s.blocks.extend(self.pool.allocate(need))
         return True
 
+    def _catch_up(self, s: StreamState) -> bool:
+        """Share the full blocks another stream computed since ``s`` was admitted (users with one
+        system prompt), replacing ``s``'s own partial copy of such a block and leaving it at least
+        one token to compute. False when the next block ``s`` would compute is being computed by
+        a step in flight or planned: ``s`` sits this step out and shares it next time."""
+        if self.prefix is None:
+            return True
+        bs = self.config.block_size
+        j = s.cached // bs
+        while (j + 1) * bs < len(s.tokens):
+            digest = chain_hash(s.hashes[-1] if s.hashes else self.prefix.root, s.tokens[j * bs:(j + 1) * bs])
+            block = self.pool.find(("full", digest))
+            if block is None:
+                return digest not in self._computing
+            self.pool.share(block)
+            if len(s.blocks) > j:  # its own partial block: the shared one holds the same KV and more
+                self.pool.release(s.blocks[j])
+                s.blocks[j] = block
+            else:
+                s.blocks.append(block)
+            s.hashes.append(digest)
+            self.counters["prefix_tokens_reused"] += (j + 1) * bs - s.cached
+            s.cached = (j + 1) * bs
+            j += 1
+        return True
+
+    def _computing_blocks(self, s: StreamState, n: int) -> list[bytes]:
+        """Chain hashes of the blocks a chunk of ``n`` rows of ``s`` completes."""
+        if self.prefix is None:
+            return []
+        bs, out = self.config.block_size, []
+        parent = s.hashes[-1] if s.hashes else self.prefix.root
+        for j in range(len(s.hashes), (s.cached + n) // bs):
+            parent = chain_hash(parent, s.tokens[j * bs:(j + 1) * bs])
+            out.append(parent)
+        return out
+
     def _too_big(self, s: StreamState, positions: int) -> GenerationError:
         bs = self.config.block_size
         return GenerationError(f"stream {s.stream_id} needs {positions} cached positions, "
                                f"{blocks_needed(positions, bs)} KV blocks of {bs}, more than the whole pool of "
                                f"{self.pool.capacity}; give the stages more KV memory or ask for fewer tokens")
 
-    def _admit(self, s: StreamState, budget: int, copies: list[tuple[int, int]], pins: list[int]) -> int:
+    def _admit(self, s: StreamState, budget: int, copies: list[tuple[int, int]], pins: list[int]) -> int | None:
         """Attach the longest reusable prefix to a waiting stream and the blocks of its first chunk;
-        the chunk's size, or 0 (nothing changed) when the pool cannot take it without preempting."""
+        the chunk's size, 0 when the block after the prefix is being computed by another stream
+        (it is admitted and shares that block next step), or None (nothing changed) when the pool
+        cannot take it without preempting."""
         bs = self.config.block_size
         hit = self.prefix.match(s.tokens, len(s.tokens) - 1) if self.prefix is not None else PrefixMatch()
+        if self.prefix is not None and hit.copy_src is None and hit.tokens + bs < len(s.tokens):
+            parent = hit.hashes[-1] if hit.hashes else self.prefix.root
+            if chain_hash(parent, s.tokens[hit.tokens:hit.tokens + bs]) in self._computing:
+                for b in hit.blocks:
+                    self.pool.share(b)
+                s.blocks, s.hashes, s.cached = list(hit.blocks), list(hit.hashes), hit.tokens
+                self._count_hit(hit)
+                return 0
         n = self._first_chunk(s, hit, budget)
         if n < 1 and hit.copy_src is not None:  # the copy's source and destination do not both fit: share only
             hit = PrefixMatch(hit.blocks, hit.hashes, tokens=len(hit.blocks) * bs)
@@ -303,7 +359,7 @@ class BatchScheduler:
             hit = PrefixMatch()
             n = self._first_chunk(s, hit, budget)
         if n < 1:
-            return 0
+            return None
         for b in hit.blocks:
             self.pool.share(b)
         s.blocks, s.hashes, s.cached = list(hit.blocks), list(hit.hashes), hit.tokens
@@ -316,10 +372,13 @@ class BatchScheduler:
             self.counters["prefix_copies"] += 1
             s.blocks.append(dst)
         s.blocks.extend(self.pool.allocate(blocks_needed(s.cached + n, bs) - len(s.blocks)))
+        self._count_hit(hit)
+        return n
+
+    def _count_hit(self, hit: PrefixMatch) -> None:
         if hit.tokens:
             self.counters["prefix_hits"] += 1
             self.counters["prefix_tokens_reused"] += hit.tokens
-        return n
 
     def _first_chunk(self, s: StreamState, hit: PrefixMatch, budget: int) -> int:
         """Rows a stream reusing ``hit`` can bring now: the pool's free blocks, less the cached ones
@@ -347,6 +406,9 @@ class BatchScheduler:
         rows = self._flights.pop(outcome.seq, None)
         if rows is None:
             return []
+        for r in rows:
+            for digest in r.computing:
+                self._computing.pop(digest, None)
         problem = outcome.error or self._malformed(outcome, rows)
         if problem is not None:
             actions: list[Action] = [FailOver(f"step {outcome.seq} failed: {problem}")]
@@ -495,6 +557,7 @@ class BatchScheduler:
         step on, in their order. Steps in flight are forgotten (their outcomes, if any, ignored).
         Streams past ``max_replays`` fail; cancelled streams finish."""
         self._flights.clear()
+        self._computing.clear()
         self.pool.reset()
         if self.prefix is not None:
             self.prefix.reset()
@@ -516,6 +579,7 @@ class BatchScheduler:
         """End every stream with ``error`` (the ring is gone and no other comes): their blocks are
         freed and steps in flight forgotten."""
         self._flights.clear()
+        self._computing.clear()
         actions: list[Action] = []
         for s in list(self._running) + list(self._waiting):
             self._abandon(s)

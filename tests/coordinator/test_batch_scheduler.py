@@ -682,3 +682,28 @@ def test_a_failed_step_that_carried_a_prefix_copy_recomputes_the_copied_part() -
     run.take(sched.on_outcome(model.run(again), 0.0))
     finish_all(sched, model, run)
     assert run.tokens[sid] == reference(turn2, cfg.context_length)
+
+
+def test_a_stream_a_chunk_behind_another_with_the_same_prefix_shares_its_blocks_as_they_fill() -> None:
+    cfg = config(prefill_chunk=16, token_budget=64)
+    sched, model, run = BatchScheduler(cfg, fingerprint="m"), SimPagedModel(256, 16), Run()
+    system = tuple(range(1, 81))  # 5 blocks
+    ahead = GenerationRequest(system + (1, 2), 6, ignore_eos=True)
+    behind = GenerationRequest(system + (3,), 6, ignore_eos=True)
+    arrivals = {0: [ahead], 1: [behind]}
+    computed: collections.Counter[int] = collections.Counter()
+    ids = {}
+    for tick in range(200):
+        for r in arrivals.get(tick, ()):
+            ids[sched.add(r, {EOS}, 0.0)] = r
+        step = step_once(sched, model, run)
+        if step is not None:
+            computed.update({row.stream_id: row.new_tokens for row in step.plan.rows if not row.sample})
+        if sched.idle and tick > 1:
+            break
+    first, second = sorted(ids)
+    assert computed[first] == 80  # everything but the last prompt token (the first token's row)
+    assert computed[second] < 16  # it rode on the other's blocks as they filled
+    assert sched.metrics()["prefix_tokens_reused_total"] == 80
+    for sid, r in ids.items():
+        assert run.tokens[sid] == reference(r, cfg.context_length)
