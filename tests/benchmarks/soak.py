@@ -1,11 +1,22 @@
-"""``python -m tests.benchmarks soak``: four chat users against a local fleet for N minutes.
+"""``python -m tests.benchmarks soak``: four chat users against a local fleet, the paged runtime
+against the stateful one in the same run.
 
-The fleet is ``deskfleet serve --workers`` in its own process (the coordinator and the OpenAI API;
-each stage in a worker process it starts on loopback), so every process's memory is its own. Four
-users (:mod:`tests.benchmarks.soak_users`) hold multi-turn conversations with the real ``openai`` client.
-Recorded: requests served and failed, TTFT and per-request decode speed (p50/p95), aggregate
-tokens/s, prefix-cache hits, and the RSS of every process at startup, after the warm-up and at the
-end, sampled throughout. Targets: no failed request, RSS growth (after warm-up to end) under 5 %.
+Two fleets, ``deskfleet serve --workers --runtime paged`` and ``--runtime stateful`` (each in its
+own process, the coordinator and the OpenAI API, each stage in a worker process on loopback), are
+started once and driven in turn: segments of ``--minutes / --segments`` each, in the order
+A B B A A B ... (so a drift of the machine's load over the run falls on both alike), the idle
+fleet waiting. The stateful runtime of this tree is the code ``serve`` ran before issue 14,
+unchanged: the like-for-like reference for "the commit before it". Four users
+(:mod:`tests.benchmarks.soak_users`) hold multi-turn conversations with the real ``openai``
+client; segment *i* of either runtime starts from the same conversation seed.
+
+Recorded per runtime: requests served and failed, TTFT and per-request decode speed (p50/p95),
+aggregate tokens/s, prefix-cache hits, and the RSS of every process at startup, after the warm-up
+and at the end (split into file-backed pages, the KV block pool and other anonymous memory),
+sampled throughout. Speed figures count the requests started after the runtime's warm-up (the
+first ``--warmup-s`` of its first segment); failures count every request. Targets: the paged
+runtime's TTFT p95 <= 1 s and aggregate >= 4x the stateful one's; no failed request; RSS growth
+after warm-up under 5 %.
 """
 
 from __future__ import annotations
@@ -14,10 +25,6 @@ import argparse
 import asyncio
 import contextlib
 import inspect
-import os
-import re
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,192 +32,206 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import psutil
 
 from engine.cli.main import Command
-from engine.errors import DeskfleetError
 from engine.worker.stage_worker import StageWorker
 from tests.benchmarks.kit import verdict
-from tests.benchmarks.record import (
-    DEFAULT_DOC,
-    DEFAULT_JSON_DIR,
-    machine_info,
-    markdown_table,
-    update_section,
-    write_json,
-)
+from tests.benchmarks.record import DEFAULT_DOC, DEFAULT_JSON_DIR, machine_info, update_section, write_json
+from tests.benchmarks.soak_fleet import RUNTIMES, FleetProcess, FleetSettings, pool_tensor_bytes
+from tests.benchmarks.soak_report import section
 from tests.benchmarks.soak_users import Outcome, async_user
 
 USERS = 4
-SLOTS = 4
 RSS_TARGET = 0.05
+TTFT_TARGET_MS = 1000.0
+SPEEDUP_TARGET = 4.0
 SAMPLE_EVERY_S = 10.0
 CAPTURE_MB = inspect.signature(StageWorker).parameters["capture_bytes"].default >> 20
-START_TIMEOUT_S = 600.0
+METRICS_KEPT = ("prefix_hits_total", "prefix_tokens_reused_total", "requests_failed_total",
+                "requests_rejected_total", "sched_preemptions_total", "kv_blocks_total", "kv_blocks_cached",
+                "kv_blocks_evicted_total", "prefix_captures_total", "step_answered_rows_avg")
 
 
-class FleetProcess:
-    """``deskfleet serve --workers`` on a free loopback port; stderr goes to a log file."""
-
-    def __init__(self, export_dir: Path, log_path: Path) -> None:
-        self.export_dir, self.log_path = export_dir, log_path
-        self.proc: subprocess.Popen | None = None
-        self.url = ""
-
-    def start(self) -> str:
-        argv = [sys.executable, "-m", "engine.cli.main", "serve", "--shards", str(self.export_dir), "--workers",
-                "--port", "0", "--slots", str(SLOTS), "--max-concurrent", "16"]
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - kept open for the server's life
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self._log, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        deadline = time.monotonic() + START_TIMEOUT_S
-        assert self.proc.stdout is not None
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line and self.proc.poll() is not None:
-                raise DeskfleetError(f"the fleet exited with {self.proc.returncode} before serving; "
-                                     f"see {self.log_path}")
-            if found := re.search(r"http://\S+/v1", line):
-                self.url = found.group(0)
-                return self.url
-        raise DeskfleetError(f"the fleet did not start within {START_TIMEOUT_S:.0f} s; see {self.log_path}")
-
-    def processes(self) -> dict[str, psutil.Process]:
-        """'coordinator + API' and 'worker stage N' -> process, for every process of the fleet."""
-        assert self.proc is not None
-        root = psutil.Process(self.proc.pid)
-        found = {"coordinator + API": root}
-        for child in root.children(recursive=True):
-            with contextlib.suppress(psutil.Error):
-                cmd = child.cmdline()
-                name = f"worker stage {cmd[cmd.index('--stage') + 1]}" if "--stage" in cmd else f"child {child.pid}"
-                found[name] = child
-        return found
-
-    def rss(self) -> dict[str, int]:
-        out = {}
-        for name, proc in self.processes().items():
-            with contextlib.suppress(psutil.Error):
-                out[name] = proc.memory_info().rss
-        return out
-
-    def stop(self) -> int | None:
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(30)
-        self._log.close()
-        return self.proc.returncode
-
-
-def _get_json(url: str) -> Any:
-    import json
-    import urllib.request
-
-    with urllib.request.urlopen(url, timeout=30) as r:  # loopback only
-        text = r.read().decode()
-    return json.loads(text) if text.lstrip().startswith(("{", "[")) else text
-
-
-def _prefix_hits(metrics_text: str) -> int:
-    found = re.search(r"^deskfleet_prefix_hits_total (\S+)$", metrics_text, re.M)
-    return int(float(found.group(1))) if found else 0
+def segment_order(runtimes: tuple[str, ...], segments: int) -> list[str]:
+    """A B, B A, A B, ... for ``segments`` rounds (one runtime: just it, ``segments`` times)."""
+    order: list[str] = []
+    for i in range(segments):
+        order += list(runtimes if i % 2 == 0 else reversed(runtimes))
+    return order
 
 
 def _pct(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
-async def _async_drive(fleet: FleetProcess, minutes: float, warmup_s: float, seed: int,
-                       sample_every_s: float = SAMPLE_EVERY_S) -> dict[str, Any]:
-    models = _get_json(fleet.url + "/models")["data"][0]
-    budget = min(int(models["context_length"]), 4096) * 3 // 4
-    idle_rss = fleet.rss()
-    outcomes: list[Outcome] = []
-    timeline: list[dict[str, Any]] = []
+async def _drive_segment(fleet: FleetProcess, model: str, budget: int, seconds: float, seed: int,
+                         outcomes: list[Outcome]) -> tuple[float, float]:
+    """Four users until ``seconds`` have passed (in-flight requests finish); (start, end) monotonic."""
     started = time.monotonic()
-    deadline = started + minutes * 60
+    await asyncio.gather(*(async_user(i, fleet.url, model, deadline=started + seconds, budget_tokens=budget,
+                                      seed=seed, outcomes=outcomes) for i in range(USERS)))
+    return started, time.monotonic()
+
+
+async def _async_soak(fleets: dict[str, FleetProcess], order: list[str], seconds: float, warmup_s: float,
+                      seed: int, sample_every_s: float, pool_bytes: dict[str, int | None]) -> dict[str, Any]:
+    first = next(iter(fleets.values()))
+    card = await asyncio.to_thread(_models, first.url)
+    budget = min(int(card["context_length"]), 4096) * 3 // 4
+    t0 = time.monotonic()
+    raw: dict[str, dict[str, Any]] = {
+        r: {"outcomes": [], "segments": [], "timeline": [], "idle": f.memory(pool_bytes[r]), "warm": None,
+            "end": None, "warm_t": None} for r, f in fleets.items()}
 
     async def sample() -> None:
         while True:
-            timeline.append({"t_s": round(time.monotonic() - started, 1), "rss": fleet.rss()})
+            for r, f in fleets.items():
+                with contextlib.suppress(Exception):
+                    raw[r]["timeline"].append({"t_s": round(time.monotonic() - t0, 1), "rss": f.rss()})
             await asyncio.sleep(sample_every_s)
 
+    async def mark_warm(runtime: str) -> None:
+        await asyncio.sleep(warmup_s)
+        raw[runtime]["warm"] = await asyncio.to_thread(fleets[runtime].memory, pool_bytes[runtime])
+        raw[runtime]["warm_t"] = time.monotonic()
+
     sampler = asyncio.create_task(sample())
+    seen: dict[str, int] = {}
     try:
-        await asyncio.gather(*(async_user(i, fleet.url, models["id"], deadline=deadline, budget_tokens=budget,
-                                          seed=seed, outcomes=outcomes) for i in range(USERS)))
+        for runtime in order:
+            index = seen[runtime] = seen.get(runtime, -1) + 1
+            warm = asyncio.create_task(mark_warm(runtime)) if index == 0 else None
+            start, end = await _drive_segment(fleets[runtime], card["id"], budget, seconds, seed + index,
+                                              raw[runtime]["outcomes"])
+            if warm is not None and not warm.done():  # a segment shorter than the warm-up
+                warm.cancel()
+                raw[runtime]["warm"] = fleets[runtime].memory(pool_bytes[runtime])
+                raw[runtime]["warm_t"] = time.monotonic()
+            raw[runtime]["segments"].append({"index": index, "start_s": round(start - t0, 1),
+                                             "end_s": round(end - t0, 1), "start": start, "end": end})
+            if index == order.count(runtime) - 1:
+                raw[runtime]["end"] = fleets[runtime].memory(pool_bytes[runtime])
     finally:
         sampler.cancel()
-    elapsed = time.monotonic() - started
-    end_rss = fleet.rss()
-    warm = next((s for s in timeline if s["t_s"] >= warmup_s), timeline[-1])
-    metrics = _get_json(fleet.url.removesuffix("/v1") + "/metrics")
-    return {"model": models["id"], "context_length": models["context_length"], "elapsed_s": round(elapsed, 1),
-            "warmup_s": warm["t_s"], "outcomes": outcomes, "timeline": timeline, "idle_rss": idle_rss,
-            "warm_rss": warm["rss"], "end_rss": end_rss, "prefix_hits": _prefix_hits(metrics)}
+    for r, f in fleets.items():
+        raw[r]["metrics"] = {k: v for k, v in f.metrics().items() if k in METRICS_KEPT}
+    return {"model": card["id"], "context_length": card["context_length"], "budget_tokens": budget,
+            "runtimes": raw}
 
 
-def summarise(run: dict[str, Any]) -> dict[str, Any]:
-    """The figures the section reports, from one drive's raw results."""
-    outcomes: list[Outcome] = run["outcomes"]
-    served = [o for o in outcomes if o.ok]
+def _models(url: str) -> dict[str, Any]:
+    from tests.benchmarks.soak_fleet import get_json
+
+    return get_json(url + "/models")["data"][0]
+
+
+def _memory_rows(idle: dict, warm: dict, end: dict) -> dict[str, dict[str, Any]]:
+    rows = {}
+    for name in sorted(set(warm) | set(end)):
+        w, e, i = warm.get(name, {}), end.get(name, {}), idle.get(name, {})
+        rows[name] = {f"{when}_{k}_mb": d.get(k, 0) / 2**20 for when, d in (("idle", i), ("warm", w), ("end", e))
+                      for k in ("rss", "file", "kv_pool", "other_anon")}
+        rows[name]["kv_pool_mappings"] = e.get("kv_pool_mappings", 0)
+        rows[name]["growth"] = e["rss"] / w["rss"] - 1 if w.get("rss") and e.get("rss") else None
+    return rows
+
+
+def summarise_runtime(raw: dict[str, Any]) -> dict[str, Any]:
+    """One runtime's figures from its raw drive: speeds after its warm-up, failures over all."""
+    outcomes: list[Outcome] = raw["outcomes"]
+    warm_t = raw["warm_t"] if raw["warm_t"] is not None else float("-inf")
     failed = [o for o in outcomes if not o.ok]
-    ttft = [o.ttft_s * 1000 for o in served if o.ttft_s is not None]
-    rates = [r for o in served if (r := o.decode_tok_s) is not None]
-    warm, end = run["warm_rss"], run["end_rss"]
-    per_process = {name: {"idle_mb": run["idle_rss"].get(name, 0) / 2**20, "warm_mb": warm.get(name, 0) / 2**20,
-                          "end_mb": end.get(name, 0) / 2**20,
-                          "growth": end.get(name, 0) / warm[name] - 1 if warm.get(name) else None}
-                   for name in sorted(set(warm) | set(end))}
-    total_growth = sum(end.values()) / sum(warm.values()) - 1 if warm else None
-    half = next((x for x in run["timeline"] if x["t_s"] >= run["elapsed_s"] / 2), run["timeline"][-1])["rss"]
-    t0 = min((o.started for o in outcomes), default=0.0)
-    minutes = []
-    for m in range(int(run["elapsed_s"] // 60) + 1):
-        bucket = [o for o in outcomes if m * 60 <= o.started - t0 < (m + 1) * 60]
-        done = [o for o in bucket if o.ok]
-        minutes.append({"minute": m + 1, "served": len(done), "failed": len(bucket) - len(done),
-                        "completion_tokens": sum(o.completion_tokens for o in done),
-                        "ttft_ms_p50": _pct([o.ttft_s * 1000 for o in done if o.ttft_s is not None], 50)})
-    return {"requests": len(outcomes), "served": len(served), "failed": len(failed),
-            "failures": sorted({o.error for o in failed if o.error})[:10],
-            "streamed": sum(o.stream for o in served), "turns_max": max((o.turn for o in served), default=0) + 1,
+    timed = [o for o in outcomes if o.ok and o.started >= warm_t]
+    ttft = [o.ttft_s * 1000 for o in timed if o.ttft_s is not None]
+    rates = [r for o in timed if (r := o.decode_tok_s) is not None]
+    timed_s = sum(max(0.0, s["end"] - max(s["start"], warm_t)) for s in raw["segments"])
+    memory = _memory_rows(raw["idle"], raw["warm"] or {}, raw["end"] or {})
+    warm_sum = sum(m["warm_rss_mb"] for m in memory.values())
+    end_sum = sum(m["end_rss_mb"] for m in memory.values())
+    pool_growth = sum(m["end_kv_pool_mb"] - m["warm_kv_pool_mb"] for m in memory.values())
+    segments = []
+    for s in raw["segments"]:
+        inside = [o for o in outcomes if s["start"] <= o.started <= s["end"]]
+        done = [o for o in inside if o.ok]
+        span = s["end"] - s["start"]
+        segments.append({"index": s["index"], "start_s": s["start_s"], "end_s": s["end_s"], "served": len(done),
+                         "failed": len(inside) - len(done),
+                         "aggregate_tok_s": sum(o.completion_tokens for o in done) / span if span > 0 else None,
+                         "ttft_ms_p50": _pct([o.ttft_s * 1000 for o in done if o.ttft_s is not None], 50)})
+    growth = end_sum / warm_sum - 1 if warm_sum else None
+    return {"requests": len(outcomes), "served": len(outcomes) - len(failed), "failed": len(failed),
+            "failures": sorted({o.error for o in failed if o.error})[:10], "timed_requests": len(timed),
+            "streamed": sum(o.stream for o in outcomes if o.ok),
+            "turns_max": max((o.turn for o in outcomes if o.ok), default=-1) + 1,
             "ttft_ms_p50": _pct(ttft, 50), "ttft_ms_p95": _pct(ttft, 95),
             "decode_tok_s_p50": _pct(rates, 50), "decode_tok_s_p95": _pct(rates, 95),
-            "aggregate_tok_s": sum(o.completion_tokens for o in served) / run["elapsed_s"],
-            "prompt_tokens": sum(o.prompt_tokens for o in served),
-            "completion_tokens": sum(o.completion_tokens for o in served), "prefix_hits": run["prefix_hits"],
-            "rss": per_process, "rss_growth": total_growth,
-            "rss_growth_second_half": sum(end.values()) / sum(half.values()) - 1 if half else None,
-            "per_minute": minutes, "warmup_s": run["warmup_s"], "elapsed_s": run["elapsed_s"],
-            "no_failures": verdict(len(failed), 0, higher=False),
-            "rss_verdict": verdict(total_growth, RSS_TARGET, higher=False) if total_growth is not None else "n/a"}
+            "aggregate_tok_s": sum(o.completion_tokens for o in timed) / timed_s if timed_s > 0 else None,
+            "timed_s": round(timed_s, 1), "driven_s": round(sum(s["end"] - s["start"] for s in raw["segments"]), 1),
+            "prompt_tokens": sum(o.prompt_tokens for o in outcomes if o.ok),
+            "completion_tokens": sum(o.completion_tokens for o in outcomes if o.ok),
+            "prefix_hits": int(raw["metrics"].get("prefix_hits_total", 0)),
+            "prefix_tokens_reused": int(raw["metrics"].get("prefix_tokens_reused_total", 0)),
+            "metrics": raw["metrics"], "memory": memory, "rss_growth": growth,
+            "rss_growth_without_pool": (end_sum - pool_growth) / warm_sum - 1 if warm_sum else None,
+            "segments": segments, "no_failures": verdict(len(failed), 0, higher=False),
+            "rss_verdict": verdict(growth, RSS_TARGET, higher=False) if growth is not None else "n/a"}
 
 
-def run_soak(export_dir: Path, minutes: float, *, warmup_s: float | None = None, seed: int = 7,
-             sample_every_s: float = SAMPLE_EVERY_S) -> dict[str, Any]:
-    """Serve ``export_dir`` as a local fleet, drive it for ``minutes``, and return raw results + summary."""
-    warmup_s = min(180.0, minutes * 6) if warmup_s is None else warmup_s  # 10 % of the run, at most 3 min
+def compare(summaries: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The paged runtime against the stateful one: the issue's two speed targets."""
+    paged, old = summaries.get("paged"), summaries.get("stateful")
+    out: dict[str, Any] = {"ttft_p95_target_ms": TTFT_TARGET_MS, "speedup_target": SPEEDUP_TARGET}
+    if paged and paged["ttft_ms_p95"] is not None:
+        out["paged_ttft_ms_p95"] = paged["ttft_ms_p95"]
+        out["ttft_verdict"] = verdict(paged["ttft_ms_p95"], TTFT_TARGET_MS, higher=False)
+    if paged and old and paged["aggregate_tok_s"] and old["aggregate_tok_s"]:
+        out["aggregate_ratio"] = paged["aggregate_tok_s"] / old["aggregate_tok_s"]
+        out["speedup_verdict"] = verdict(out["aggregate_ratio"], SPEEDUP_TARGET)
+    return out
+
+
+def run_soak(export_dir: Path, minutes: float, *, runtimes: tuple[str, ...] = RUNTIMES, segments: int = 2,
+             warmup_s: float | None = None, seed: int = 7, sample_every_s: float = SAMPLE_EVERY_S,
+             settings: FleetSettings | None = None) -> dict[str, Any]:
+    """Serve ``export_dir`` as one local fleet per runtime, drive each for ``minutes`` in
+    ``segments`` interleaved pieces, and return the raw results, a summary per runtime and the
+    comparison."""
+    settings = settings or FleetSettings()
+    warmup_s = min(180.0, minutes * 9) if warmup_s is None else warmup_s  # 15 % of a runtime's minutes
+    order = segment_order(runtimes, segments)
     with tempfile.TemporaryDirectory(prefix="deskfleet-soak-") as tmp:
-        fleet = FleetProcess(export_dir, Path(tmp) / "fleet.log")
+        fleets = {r: FleetProcess(export_dir, Path(tmp) / f"fleet-{r}.log", r, settings) for r in runtimes}
+        codes: dict[str, int | None] = {}
         try:
-            fleet.start()
-            run = asyncio.run(_async_drive(fleet, minutes, warmup_s, seed, sample_every_s))
+            pool_bytes: dict[str, int | None] = {}
+            for r, fleet in fleets.items():  # one after the other: their loads do not overlap
+                fleet.start()
+                blocks = fleet.metrics().get("kv_blocks_total") if r == "paged" else None
+                pool_bytes[r] = pool_tensor_bytes(export_dir, int(blocks)) if blocks else None
+            raw = asyncio.run(_async_soak(fleets, order, minutes * 60 / segments, warmup_s, seed, sample_every_s,
+                                          pool_bytes))
         except BaseException:
-            log_tail = (Path(tmp) / "fleet.log").read_text(errors="replace")[-3000:]
-            print(f"fleet log (last lines):\n{log_tail}", file=sys.stderr)
+            for r in runtimes:
+                log = Path(tmp) / f"fleet-{r}.log"
+                if log.is_file():
+                    print(f"{r} fleet log (last lines):\n{log.read_text(errors='replace')[-3000:]}", file=sys.stderr)
             raise
         finally:
-            code = fleet.stop()
-    summary = summarise(run)
-    summary["fleet_exit_code"] = code
-    return {"run": run, "summary": summary}
+            for r, fleet in fleets.items():
+                codes[r] = fleet.stop()
+    summaries = {}
+    for r in runtimes:
+        summaries[r] = summarise_runtime(raw["runtimes"][r])
+        summaries[r]["fleet_exit_code"] = codes[r]
+        summaries[r]["serve_options"] = settings.describe(r)
+        summaries[r]["warmup_s"] = warmup_s
+        summaries[r]["pool_tensor_bytes"] = pool_bytes[r]
+    for r in runtimes:  # monotonic seconds mean nothing outside this run
+        for s in raw["runtimes"][r]["segments"]:
+            s.pop("start"), s.pop("end")
+    return {"run": raw, "order": order, "summaries": summaries, "comparison": compare(summaries),
+            "minutes": minutes, "segments": segments, "warmup_s": warmup_s,
+            "mmap_threshold_mb": settings.mmap_threshold_mb}
 
 
 def tiny_export(root: Path) -> Path:
@@ -230,54 +251,55 @@ def tiny_export(root: Path) -> Path:
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--minutes", type=float, default=30.0, help="how long the users keep talking (default 30)")
+    d = FleetSettings()
+    p.add_argument("--minutes", type=float, default=8.0,
+                   help="minutes each runtime is driven, over all its segments (default 8: 16 min of users)")
+    p.add_argument("--segments", type=int, default=2,
+                   help="segments per runtime, driven in the order A B B A ... (default 2; 1 = two halves)")
+    p.add_argument("--runtimes", default=",".join(RUNTIMES),
+                   help="comma-separated runtimes compared, the first driven first (default paged,stateful)")
+    p.add_argument("--warmup-s", type=float, default=None,
+                   help="seconds at the start of a runtime's first segment left out of its speed figures and "
+                        "before its RSS baseline (default 15 %% of --minutes, at most 180)")
+    p.add_argument("--slots", type=int, default=d.slots, help=f"serve --slots for both fleets (default {d.slots}: "
+                   "4 users never have more than 4 requests in flight)")
+    p.add_argument("--kv-pool-mb", type=float, default=d.kv_pool_mb,
+                   help=f"paged: serve --kv-pool-mb, the block pool per stage (default {d.kv_pool_mb:g})")
+    p.add_argument("--token-budget", type=int, default=d.token_budget,
+                   help=f"paged: serve --token-budget (default {d.token_budget})")
+    p.add_argument("--mmap-threshold-mb", type=float, default=d.mmap_threshold_mb,
+                   help="glibc's mmap threshold fixed in both fleets (MALLOC_MMAP_THRESHOLD_), so the paged KV "
+                        f"pool's tensors are mappings of their own in smaps (default {d.mmap_threshold_mb:g}; 0 = "
+                        "glibc's own, and the pool is not told apart)")
     p.add_argument("--tiny", action="store_true", help="a random-weight tiny model instead of the default (CI)")
     p.add_argument("--seed", type=int, default=7, help="the users' conversation seed (default 7)")
     p.add_argument("--json", type=Path, default=DEFAULT_JSON_DIR / "soak.json", help="where the raw results go")
     p.add_argument("--doc", type=Path, default=DEFAULT_DOC, help="the Markdown file whose section is rewritten")
 
 
-def _fmt(value: float | None, spec: str = ".1f") -> str:
-    return "n/a" if value is None else format(value, spec)
-
-
-def section(command: str, info: dict[str, Any], s: dict[str, Any], minutes: float, what: str) -> str:
-    rows = [["requests served", s["served"], "", ""],
-            ["failed requests", s["failed"], "0", s["no_failures"]],
-            ["TTFT ms p50 / p95 (streamed)", f"{_fmt(s['ttft_ms_p50'])} / {_fmt(s['ttft_ms_p95'])}", "", ""],
-            ["decode tok/s per request p50 / p95", f"{_fmt(s['decode_tok_s_p50'])} / {_fmt(s['decode_tok_s_p95'])}",
-             "", ""],
-            ["aggregate tok/s (4 users)", _fmt(s["aggregate_tok_s"], ".2f"), "", ""],
-            ["prefix-cache hits", s["prefix_hits"], "", ""],
-            ["RSS growth, all processes (after warm-up to end)", f"{_fmt(100 * s['rss_growth'], '+.2f')} %",
-             "< 5 %", s["rss_verdict"]],
-            ["RSS growth over the second half of the run", f"{_fmt(100 * s['rss_growth_second_half'], '+.2f')} %",
-             "", ""]]
-    procs = [[name, _fmt(p["idle_mb"]), _fmt(p["warm_mb"]), _fmt(p["end_mb"]),
-              f"{_fmt(100 * p['growth'], '+.2f')} %" if p["growth"] is not None else "n/a"]
-             for name, p in s["rss"].items()]
-    failures = "".join(f"\n- failure: `{f}`" for f in s["failures"])
-    return (f"## Soak: {USERS} chat users against a local fleet for {minutes:g} min\n\n"
-            f"`{command}` → `docs/bench/soak.json` ({info['date']}, {info['cores']} cores, OpenVINO "
-            f"{info['openvino']}, load average at start {info['load_average']}). {what} behind the OpenAI API "
-            f"(`deskfleet serve --workers`, {SLOTS} slots, each stage in its own worker process); {USERS} users "
-            "with the `openai` client holding multi-turn conversations (up to 6 turns, each resending the "
-            "history, so the prefix cache is exercised), short/medium/long prompts, 16-128 new tokens, greedy, "
-            f"about half streamed. {s['served']} requests, {s['prompt_tokens']} prompt and "
-            f"{s['completion_tokens']} completion tokens.\n\n"
-            + markdown_table(["measure", "value", "target", "verdict"], rows) + "\n\n"
-            + markdown_table(["process", "RSS MB at startup", "after warm-up", "at end", "growth"], procs)
-            + f"\n\nWarm-up: the first {s['warmup_s']:g} s; RSS growth is measured from its end. Each worker keeps "
-            f"captured KV states for the prefix cache up to {CAPTURE_MB} MiB (least recently used evicted; the "
-            "coordinator's index remembers 64 of them), so worker RSS rises until that store is full; it also rises "
-            "as OpenVINO caches kernels for every new input shape (prompt and KV lengths): see *Shape caches* "
-            "(`python -m tests.benchmarks shape-caches`), flat when shapes repeat. The RSS of every process, "
-            "sampled every 10 s, is in the JSON." + failures)
+def _command_line(args: argparse.Namespace) -> str:
+    d = FleetSettings()
+    parts = ["python -m tests.benchmarks soak", f"--minutes {args.minutes:g}", f"--segments {args.segments}"]
+    if args.runtimes != ",".join(RUNTIMES):
+        parts.append(f"--runtimes {args.runtimes}")
+    if args.warmup_s is not None:
+        parts.append(f"--warmup-s {args.warmup_s:g}")
+    for flag, value, default in (("--slots", args.slots, d.slots), ("--kv-pool-mb", args.kv_pool_mb, d.kv_pool_mb),
+                                 ("--token-budget", args.token_budget, d.token_budget),
+                                 ("--mmap-threshold-mb", args.mmap_threshold_mb, d.mmap_threshold_mb)):
+        if value != default:
+            parts.append(f"{flag} {value:g}")
+    if args.seed != 7:
+        parts.append(f"--seed {args.seed}")
+    return " ".join(parts + (["--tiny"] if args.tiny else []))
 
 
 def run(args: argparse.Namespace) -> int:
     from engine.shards.manifest import load_manifest
 
+    runtimes = tuple(r.strip() for r in args.runtimes.split(",") if r.strip())
+    if not runtimes or set(runtimes) - set(RUNTIMES) or len(set(runtimes)) != len(runtimes):
+        raise SystemExit(f"--runtimes takes distinct names from {', '.join(RUNTIMES)}; got {args.runtimes!r}")
     if args.tiny:
         from export.sources import default_cache_root
 
@@ -288,19 +310,29 @@ def run(args: argparse.Namespace) -> int:
         _, exports, _ = default_model_exports(("int4", 2, True))
         export, what = exports[0], "The default model (SmolLM2-135M-Instruct) as 2 INT4 stages"
     info = machine_info()
-    print(f"soak: {args.minutes:g} min over {load_manifest(export).model.name} ({export})", file=sys.stderr)
-    result = run_soak(export, args.minutes, seed=args.seed)
-    summary = result["summary"]
-    command = f"python -m tests.benchmarks soak --minutes {args.minutes:g}" + (" --tiny" if args.tiny else "")
-    raw = {**result["run"], "outcomes": None,  # per minute in the summary; failed requests in full here
-           "failed_requests": [vars(o) for o in result["run"]["outcomes"] if not o.ok]}
-    write_json(args.json, {"command": command, "what": what, "machine": info, "summary": summary, "run": raw})
-    update_section(args.doc, "soak", section(command, info, summary, args.minutes, what))
-    print(f"soak: {summary['served']} served, {summary['failed']} failed, RSS growth "
-          f"{_fmt(100 * summary['rss_growth'], '+.2f')} %; wrote {args.json} and {args.doc}", file=sys.stderr)
-    return 0 if summary["failed"] == 0 else 1
+    settings = FleetSettings(slots=args.slots, kv_pool_mb=args.kv_pool_mb, token_budget=args.token_budget,
+                             mmap_threshold_mb=args.mmap_threshold_mb)
+    print(f"soak: {'/'.join(runtimes)}, {args.minutes:g} min each in {args.segments} segment(s), over "
+          f"{load_manifest(export).model.name} ({export})", file=sys.stderr)
+    result = run_soak(export, args.minutes, runtimes=runtimes, segments=args.segments, warmup_s=args.warmup_s,
+                      seed=args.seed, settings=settings)
+    command = _command_line(args)
+    raw = {r: {**x, "outcomes": None,  # per segment in the summary; failed requests in full here
+               "failed_requests": [vars(o) for o in x["outcomes"] if not o.ok]}
+           for r, x in result["run"]["runtimes"].items()}
+    write_json(args.json, {"command": command, "what": what, "machine": info, "order": result["order"],
+                           "minutes_per_runtime": args.minutes, "segments": args.segments,
+                           "warmup_s": result["warmup_s"], "summaries": result["summaries"],
+                           "comparison": result["comparison"], "run": {**result["run"], "runtimes": raw}})
+    update_section(args.doc, "soak", section(command, info, result, what, capture_mb=CAPTURE_MB))
+    failed = sum(s["failed"] for s in result["summaries"].values())
+    for r, s in result["summaries"].items():
+        print(f"soak {r}: {s['served']} served, {s['failed']} failed, TTFT p95 {s['ttft_ms_p95']} ms, "
+              f"{s['aggregate_tok_s']} tok/s, RSS growth {s['rss_growth']}", file=sys.stderr)
+    print(f"soak: wrote {args.json} and {args.doc}", file=sys.stderr)
+    return 0 if failed == 0 else 1
 
 
 COMMAND = Command(name="soak",
-                  help="stability: 4 chat users against a local fleet for N minutes, failures and RSS tracked",
+                  help="stability and speed: 4 chat users against a paged and a stateful local fleet, interleaved",
                   configure=configure, run=run)
