@@ -26,7 +26,7 @@ from engine.static.packed_stage import StaticStage
 from engine.trust.peer_policy import PeerPolicy
 from engine.wire.address import Address
 from engine.wire.format import ErrorCode, StreamId
-from engine.wire.messages import Error, Forward, Message, Packed, Release, Tokens
+from engine.wire.messages import Error, Forward, Message, Packed, Release, Step, Tokens
 from engine.wire.stage_server import StageServer, stage_frame_bound
 from engine.wire.transport import Connection
 
@@ -75,6 +75,10 @@ class PackedStageWorker(StageServer):
                 await self._send(Error(
                     ErrorCode.STREAM_FAILED, f"stage {self.index} serves a static (NPU-target) export: it takes "
                     "Packed frames, not Forward", msg.stream_id, msg.seq))
+            case Step():
+                await self._send(Error(
+                    ErrorCode.STREAM_FAILED, f"stage {self.index} serves a static (NPU-target) export: it takes "
+                    "Packed frames, not Step (a paged ring needs a CPU or GPU export)", msg.session, msg.seq))
             case Error() if msg.stream_id:
                 await self._send(msg)  # a step failed upstream: on toward the coordinator
             case _:

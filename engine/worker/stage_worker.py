@@ -45,6 +45,7 @@ from engine.wire.messages import (
     Packed,
     Release,
     Restore,
+    Step,
     Tokens,
 )
 from engine.wire.stage_server import MAX_STREAMS, StageServer, stage_frame_bound
@@ -96,6 +97,9 @@ class StageWorker(StageServer):
             case Packed():
                 await self._send(Error(ErrorCode.STREAM_FAILED, f"stage {self.stage.index} serves a stateful export: "
                                        "Packed frames need a static (NPU-target) export", msg.stream_id, msg.seq))
+            case Step():
+                await self._send(Error(ErrorCode.STREAM_FAILED, f"stage {self.stage.index} runs stateful: Step frames "
+                                       "need a paged worker (`deskfleet worker --paged`)", msg.session, msg.seq))
             case Error() if msg.stream_id:
                 await self._send(msg)  # a stream failed upstream: pass it on toward the coordinator
             case _:

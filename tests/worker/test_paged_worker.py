@@ -204,3 +204,37 @@ def test_open_worker_serves_a_cpu_export_paged_when_asked(export):
                           paged=True, kv_pool_bytes=12345)
     assert isinstance(worker, PagedStageWorker) and worker.kv_pool_bytes == 12345 and worker.stage.is_last
     assert load_manifest(export).stages[1].has_head
+
+
+def test_a_stateful_worker_refuses_a_step_by_name(tiny_export):
+    """A paged coordinator pointed at a stateful worker gets a clear error at once, not a timeout."""
+    from engine.shards.stage import Stage
+    from engine.worker.stage_worker import StageWorker
+
+    export_dir = tiny_export("llama", 1)
+    stage = Stage(export_dir, 0, exact=True)
+    fingerprint = stage.manifest.model.fingerprint
+    one = plan(BS, POOL, [PlanRow(1, 0, 3, (SCRATCH_BLOCKS,))])
+
+    async def main():
+        replies: asyncio.Queue[Message] = asyncio.Queue()
+
+        async def on_return(conn: Connection, msg: Message) -> None:
+            await replies.put(msg)
+
+        returns = FrameServer(on_return, LocalIdentity(fingerprint, COORDINATOR_STAGE, frozenset({Role.STAGE})))
+        host, port = await returns.async_start("127.0.0.1", 0)
+        worker = StageWorker(stage, Address("127.0.0.1", 0), Address(host, port), dial_deadline=TIMEOUT)
+        listen = await worker.async_start()
+        conn = await async_connect(listen.host, listen.port, Hello(fingerprint, 0, Role.COORDINATOR))
+        try:
+            await conn.async_send(Step(StreamId(9), 4, one, np.zeros(one.padded_tokens, np.int64)))
+            return await next_reply(replies)
+        finally:
+            await conn.async_close()
+            await worker.async_close()
+            await returns.async_close()
+
+    refused = run(main(), 60)
+    assert isinstance(refused, Error) and refused.code == ErrorCode.STREAM_FAILED
+    assert (refused.stream_id, refused.seq) == (9, 4) and "--paged" in refused.message
