@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from engine.coordinator.batch_reply import decide, reply_problem
 from engine.coordinator.batch_state import (
     Action,
     Drafts,
@@ -57,11 +58,10 @@ from engine.coordinator.batch_state import (
 )
 from engine.coordinator.block_pool import BlockPool, PoolExhausted
 from engine.coordinator.prefix_blocks import PrefixBlocks, PrefixMatch, chain_hash
-from engine.coordinator.speculation_policy import Verdict, verify_greedy, verify_sampling
 from engine.errors import DeskfleetError, GenerationError
 from engine.generation.generator import OverloadedError, UnavailableError
 from engine.generation.request import FinishReason, GenerationRequest, TokenEvent
-from engine.generation.sampling import choose, make_rng, probabilities
+from engine.generation.sampling import make_rng
 from engine.shards.paged_step import PagedOutcome, PagedStep
 from engine.wire.format import StreamId
 from engine.wire.step_plan import PlanRow, StepPlan, blocks_needed
@@ -409,7 +409,8 @@ class BatchScheduler:
         for r in rows:
             for digest in r.computing:
                 self._computing.pop(digest, None)
-        problem = outcome.error or self._malformed(outcome, rows)
+        problem = outcome.error or reply_problem(outcome, sum(r.sample for r in rows),
+                                                   sum(r.sample for r in rows if r.want_logits))
         if problem is not None:
             actions: list[Action] = [FailOver(f"step {outcome.seq} failed: {problem}")]
             for r in rows:
@@ -437,20 +438,9 @@ class BatchScheduler:
                 actions.extend(self._answer(s, r, ids, probs, logits, now))
         return actions
 
-    @staticmethod
-    def _malformed(outcome: PagedOutcome, rows: list[_Row]) -> str | None:
-        sampled = sum(r.sample for r in rows)
-        logit_rows = sum(r.sample for r in rows if r.want_logits)
-        if len(outcome.ids) != sampled or len(outcome.probs) != sampled:
-            return f"the reply has {len(outcome.ids)} ids and {len(outcome.probs)} probabilities for {sampled} rows"
-        got = 0 if outcome.logits is None else outcome.logits.shape[0]
-        if got != logit_rows:
-            return f"the reply has logits for {got} rows, the step asked for {logit_rows}"
-        return None
-
     def _answer(self, s: StreamState, r: _Row, ids: np.ndarray, probs: np.ndarray,
                 logits: np.ndarray | None, now: float) -> list[Action]:
-        verdict, token_probs = self._decide(s, r, ids, probs, logits)
+        verdict, token_probs = decide(s.request.sampling, s.rng, r.drafts, r.q, ids, probs, logits)
         s.last_drafted, s.last_accepted = len(r.drafts), verdict.accepted
         s.proposed_total += len(r.drafts)
         s.accepted_total += verdict.accepted
@@ -478,24 +468,6 @@ class BatchScheduler:
         if finish is not None:
             actions.extend(self._end(s, Finished(s.stream_id, finish)))
         return actions
-
-    @staticmethod
-    def _decide(s: StreamState, r: _Row, ids: np.ndarray, probs: np.ndarray,
-                logits: np.ndarray | None) -> tuple[Verdict, list[float]]:
-        """Accepted drafts + one token of the target's own, with each emitted token's probability."""
-        params = s.request.sampling
-        if logits is not None and not params.greedy:
-            if not r.drafts:
-                token, prob = choose(logits[-1], params, s.rng)
-                return Verdict(0, (token,)), [prob]
-            target = np.stack([probabilities(row, params) for row in logits])  # [K+1, V]
-            verdict = verify_sampling(r.drafts, r.q, target, s.rng)
-            return verdict, [float(target[i, t]) for i, t in enumerate(verdict.tokens)]
-        if logits is not None:  # logits wanted for another reason: greedy still decides
-            verdict = verify_greedy(r.drafts, logits.argmax(axis=-1))
-            return verdict, [1.0] * len(verdict.tokens)
-        verdict = verify_greedy(r.drafts, ids)
-        return verdict, [float(probs[i]) for i in range(len(verdict.tokens))]
 
     def _advance(self, s: StreamState, cached: int) -> None:
         """The last stage answered: ``cached`` positions now hold KV. Newly full blocks join the
