@@ -7,7 +7,13 @@ Variants, per weight format and thread count, 128 greedy tokens, EOS ignored:
             the one our shards use): the reference the targets are measured against
 - ``pa``    ``LLMPipeline``'s default on x86, PagedAttention, with prefix caching off
 - ``ir``    our own 1-stage IR loaded by ``LLMPipeline`` (SDPA): same graph, genai's loop
-- ``1``, ``2``, ``3``  our exports (made here by ``deskfleet export``) chained in one process
+- ``1``, ``2``, ``3``  our exports (made here by ``deskfleet export``) chained in one process on the
+            stateful runtime (``serve --runtime stateful``; what ``serve`` ran before issue 14)
+- ``paged-1``, ``paged-2``, ``paged-3``  the same exports on the path that serves by default
+            (``serve --runtime paged``): ``BatchCoordinator.local``, every stage converted to
+            PagedAttention in this process, one user, prefix caching off, its own block pool
+            (``--paged-pool-mb``); the request goes through the scheduler and the coordinator
+            exactly as a served one does
 
 The reference's weights: ``--reference optimum`` (default) is an optimum-intel export of the same
 checkpoint with the same compression (INT4 sym g64 decoder, INT8 embedding/head; fp16), in its own
@@ -24,11 +30,13 @@ is the median over rounds of (variant / reference) measured in the same round.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import hashlib
 import os
 import random
 import sys
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -48,8 +56,10 @@ from tests.benchmarks.record import machine_info, markdown_table, median, update
 
 PROMPT = "What is the capital of France? Answer in one long paragraph about its history."
 COMMAND_LINE = "python -m tests.benchmarks parity"
-# Against the SDPA-backend reference (issue 13, item 7).
+# Against the SDPA-backend reference (issue 13, item 7), by stage count, for either runtime.
 DECODE_TARGETS = {1: 1.05, 2: 0.97, 3: 0.95}
+RUNTIMES = ("stateful", "paged")
+PAGED = "paged-"  # a paged variant's name: f"{w} paged-{n}"
 TTFT_TARGET = 1.0
 # Issue 13, item 3: (export peak - RSS after imports) <= 1.3 x the largest stage's files + 64 MB.
 MEMORY_FACTOR, MEMORY_SLACK = 1.3, 64e6
@@ -79,6 +89,13 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nonce-tokens", type=int, default=8, help="digit tokens opening every prompt (default 8)")
     p.add_argument("--export-root", type=Path, default=None,
                    help="where our exports go (default <cache>/bench-exports/parity)")
+    p.add_argument("--runtimes", default=",".join(RUNTIMES),
+                   help="our runtimes, each on every --stages export: stateful (variants 1, 2, 3) and paged "
+                        "(paged-1, paged-2, paged-3: BatchCoordinator on PagedAttention stages, the default of "
+                        "serve) (default stateful,paged)")
+    p.add_argument("--paged-pool-mb", type=float, default=64.0,
+                   help="the paged variants' KV block pool per stage, MiB (default 64: one user's prompt and "
+                        "new tokens need well under 1 MiB)")
     add_common_arguments(p, "parity.json", runs=5, warmups=1)
 
 
@@ -142,7 +159,8 @@ def runtime_node_types(xml: Path, threads: int) -> dict[str, int]:
 
 
 def build_runners(formats: list[str], stage_counts: list[int], dirs: dict[tuple[str, int], Path],
-                  refs: dict[str, Path], irs: dict[str, Path | None], threads: int) -> dict[str, Runner]:
+                  refs: dict[str, Path], irs: dict[str, Path | None], threads: int,
+                  runtimes: tuple[str, ...] = RUNTIMES, paged_pool_mb: float = 64.0) -> dict[str, Runner]:
     runners: dict[str, Runner] = {}
     for w in formats:
         runners[f"{w} sdpa"] = reference_runner(refs[w], backend="sdpa", num_threads=threads)
@@ -150,8 +168,51 @@ def build_runners(formats: list[str], stage_counts: list[int], dirs: dict[tuple[
         if irs[w] is not None:
             runners[f"{w} ir"] = reference_runner(irs[w], backend="sdpa", num_threads=threads)  # type: ignore[arg-type]
         for n in stage_counts:
-            runners[f"{w} {n}"] = shard_runner(dirs[(w, n)], num_threads=threads)
+            if "stateful" in runtimes:
+                runners[f"{w} {n}"] = shard_runner(dirs[(w, n)], num_threads=threads)
+            if "paged" in runtimes:
+                runners[f"{w} {PAGED}{n}"] = paged_runner(dirs[(w, n)], num_threads=threads, pool_mb=paged_pool_mb)
     return runners
+
+
+def paged_runner(export_dir: Path, *, num_threads: int | None, pool_mb: float) -> Runner:
+    """One user's greedy request through the paged coordinator (``BatchCoordinator.local``), its
+    stages in this process, on an event loop of its own kept for the runner's life; TTFT and the
+    decode window as :func:`engine.generation.in_process.greedy_generate` times them."""
+    from engine.coordinator.batch_coordinator import BatchCoordinator
+    from engine.generation.request import GenerationRequest
+
+    loop = asyncio.new_event_loop()
+    coordinator = BatchCoordinator.local(export_dir, num_threads=num_threads, kv_pool_bytes=int(pool_mb * 2**20),
+                                         slots=1, prefix_cache=False)
+    loop.run_until_complete(coordinator.__aenter__())
+
+    async def generate(ids: list[int], n: int) -> Run:
+        started = time.perf_counter()
+        first, tokens = 0.0, []
+        async for event in coordinator.stream(GenerationRequest(tuple(ids), n, ignore_eos=True)):
+            if not tokens:
+                first = time.perf_counter() - started
+            tokens.append(event.token_id)
+        total = time.perf_counter() - started
+        rate = (len(tokens) - 1) / (total - first) if len(tokens) > 1 and total > first else 0.0
+        return Run(tuple(tokens), first, rate)
+
+    def run(ids: list[int], n: int) -> Run:
+        return loop.run_until_complete(generate(ids, n))
+
+    def close() -> None:
+        loop.run_until_complete(coordinator.__aexit__(None, None, None))
+        loop.close()
+
+    weakref.finalize(run, close)
+    return run
+
+
+def _stages_of(variant: str) -> int | None:
+    """The stage count of one of our variants' names ("2", "paged-2"), None for the references."""
+    tail = variant.removeprefix(PAGED)
+    return int(tail) if tail.isdigit() else None
 
 
 def interleave(runners: dict[str, Runner], prompts: list[list[int]], tokens: int,
@@ -183,15 +244,22 @@ def summarise_threads(runs: dict[str, list[Run]], formats: list[str], stage_coun
                        "median_ttft_ms": median([r.ttft_s * 1e3 for r in rs])} for name, rs in runs.items()}
     ratios: dict[str, Any] = {}
     for w in formats:
-        ours = [f"{w} {n}" for n in stage_counts] + ([f"{w} ir"] if has_ir else [])
-        first = f"{w} {stage_counts[0]}"
+        ours = [f"{w} {p}{n}" for p in ("", PAGED) for n in stage_counts if f"{w} {p}{n}" in runs] + (
+            [f"{w} ir"] if has_ir else [])
+        first = ours[0]
+        both = [n for n in stage_counts if f"{w} {n}" in runs and f"{w} {PAGED}{n}" in runs]
         ratios[w] = {
+            "first": first.split(" ", 1)[1],
+            # the paged runtime against the stateful one on the same export, per round
+            "paged_vs_stateful_decode": {str(n): paired(runs, f"{w} {PAGED}{n}", f"{w} {n}", "decode_tok_per_s")
+                                         for n in both},
+            "paged_vs_stateful_ttft": {str(n): paired(runs, f"{w} {PAGED}{n}", f"{w} {n}", "ttft_s") for n in both},
             "decode_vs_sdpa": {v.split()[1]: paired(runs, v, f"{w} sdpa", "decode_tok_per_s") for v in ours},
             "ttft_vs_sdpa": {v.split()[1]: paired(runs, v, f"{w} sdpa", "ttft_s") for v in ours},
             "decode_vs_pa": {v.split()[1]: paired(runs, v, f"{w} pa", "decode_tok_per_s") for v in ours},
             "ttft_vs_pa": {v.split()[1]: paired(runs, v, f"{w} pa", "ttft_s") for v in ours},
             "pa_vs_sdpa_decode": paired(runs, f"{w} pa", f"{w} sdpa", "decode_tok_per_s"),
-            # rounds in which a variant's greedy tokens equal our first export's (same prompt)
+            # rounds in which a variant's greedy tokens equal our first variant's (same prompt)
             "rounds_tokens_equal": {v.split(" ", 1)[1]: sum(a.tokens == b.tokens for a, b in zip(runs[v], runs[first],
                                                                                                strict=True))
                                     for v in runs if v.startswith(f"{w} ")},
@@ -233,6 +301,9 @@ def run(args: argparse.Namespace) -> int:
         _ints(args.stages), _ints(args.threads)
     if 1 not in stage_counts and args.reference == "ours-ir":
         raise SystemExit("--reference ours-ir needs the 1-stage export: include 1 in --stages")
+    runtimes = tuple(r.strip() for r in args.runtimes.split(",") if r.strip())
+    if not runtimes or set(runtimes) - set(RUNTIMES):
+        raise SystemExit(f"--runtimes takes names from {', '.join(RUNTIMES)}; got {args.runtimes!r}")
     source = resolve_model(args.model)
     root = args.export_root or default_cache_root() / "bench-exports" / "parity"
     log("exporting with deskfleet export (memory sampled every 50 ms)")
@@ -258,7 +329,7 @@ def run(args: argparse.Namespace) -> int:
     per_threads: dict[str, Any] = {}
     for threads in thread_counts:
         log(f"loading every variant with {threads} inference thread(s)")
-        runners = build_runners(formats, stage_counts, dirs, refs, irs, threads)
+        runners = build_runners(formats, stage_counts, dirs, refs, irs, threads, runtimes, args.paged_pool_mb)
         prompts: list[list[int]] = []
         while len(prompts) < args.warmups + args.runs:
             p = nonce_prompt(tokenizer, chat, rng, args.nonce_tokens)
@@ -280,7 +351,8 @@ def run(args: argparse.Namespace) -> int:
         final = {"benchmark": "parity", "command": _command_line(args), "machine": machine_info(),
                  "load_before": load_before, "load_after": [round(x, 2) for x in os.getloadavg()],
                  "uptime_before": _uptime(load_before), "seconds": round(time.time() - started, 1),
-                 "model": source.name, "reference": args.reference,
+                 "model": source.name, "reference": args.reference, "runtimes": list(runtimes),
+                 "paged_pool_mb": args.paged_pool_mb if "paged" in runtimes else None,
                  "reference_dirs": {w: str(p) for w, p in refs.items()},
                  "reference_checkpoint": str(ref_checkpoint) if args.reference == "optimum" else None,
                  "prompt_tokens": len(chat) + args.nonce_tokens, "nonce_tokens": args.nonce_tokens,
@@ -311,6 +383,10 @@ def _command_line(args: argparse.Namespace) -> str:
         parts.append(f"--reference-checkpoint {args.reference_checkpoint}")
     if args.reference_dirs:
         parts.append(f"--reference-dirs {args.reference_dirs}")
+    if args.runtimes != ",".join(RUNTIMES):
+        parts.append(f"--runtimes {args.runtimes}")
+    if args.paged_pool_mb != 64.0:
+        parts.append(f"--paged-pool-mb {args.paged_pool_mb:g}")
     return " ".join(parts)
 
 
@@ -324,7 +400,9 @@ def render(result: dict[str, Any], json_path: Path) -> str:
     m = result["machine"]
     ref = ("an optimum-intel export of the same checkpoint (same compression)" if result["reference"] == "optimum"
            else "our own 1-stage IR")
-    lines = ["## Parity: shards vs monolithic LLMPipeline, like for like\n",
+    paged = "paged" in result.get("runtimes", ["stateful"])
+    lines = ["## Parity: shards vs monolithic LLMPipeline, like for like"
+             + (", on the paged and the stateful runtime\n" if paged else "\n"),
              f"`{result['command']}` → `{json_path}` ({m['date']}, {m['cores']} cores, OpenVINO {m['openvino']}; "
              f"load before {result['load_before']}, after {result['load_after']}; {result['seconds']:.0f} s). "
              f"{result['model']}, {result['prompt_tokens']}-token prompt ({result['nonce_tokens']}-digit nonce "
@@ -334,7 +412,12 @@ def render(result: dict[str, Any], json_path: Path) -> str:
              f"per-round ratios. Reference (`sdpa`, `pa`): LLMPipeline on {ref}; `sdpa` is "
              "`ATTENTION_BACKEND=\"SDPA\"` (stateful), `pa` the default PagedAttention with "
              "`SchedulerConfig(enable_prefix_caching=False)`; `ir` is our 1-stage IR in LLMPipeline (SDPA); "
-             "`1`-`3` are our exports chained in one process. Same thread count for every variant.\n",
+             "`1`-`3` are our exports chained in one process on the stateful runtime (`serve --runtime "
+             "stateful`, the code `serve` ran before issue 14)"
+             + ("; `paged-1`-`paged-3` the same exports on the runtime `serve` runs by default (`--runtime "
+                "paged`): `BatchCoordinator.local`, every stage converted to PagedAttention at load, one user "
+                f"through the scheduler, prefix caching off, a {result.get('paged_pool_mb')} MiB block pool per "
+                "stage" if paged else "") + ". Same thread count for every variant.\n",
              f"Reference cache hits: {result['reference_cache_hits']}.\n", CHANGED + "\n"]
     for threads, t in result["threads"].items():
         lines.append(f"### {threads} inference thread(s)\n")
@@ -346,15 +429,25 @@ def render(result: dict[str, Any], json_path: Path) -> str:
         ratio_rows = []
         for w, r in t["ratios"].items():
             for vs in ("sdpa", "pa"):
-                dec = [_ratio_cell(v, DECODE_TARGETS.get(int(k)) if vs == "sdpa" and k.isdigit() else None)
+                dec = [_ratio_cell(v, DECODE_TARGETS.get(_stages_of(k) or 0) if vs == "sdpa" else None)
                        for k, v in r[f"decode_vs_{vs}"].items()]
-                ttft = [_ratio_cell(v, TTFT_TARGET if vs == "sdpa" and k.isdigit() else None, higher=False)
+                ttft = [_ratio_cell(v, TTFT_TARGET if vs == "sdpa" and _stages_of(k) else None, higher=False)
                         for k, v in r[f"ttft_vs_{vs}"].items()]
                 ratio_rows.append([w, vs, *dec, *ttft])
         lines.append(markdown_table(header, ratio_rows))
         lines.append("")
-        lines.append("Targets against `sdpa`: decode 1 stage ≥ 1.05, 2 ≥ 0.97, 3 ≥ 0.95; TTFT ≤ 1.0. "
-                     "Greedy tokens equal to our first export's, rounds out of "
+        versus = [[w, *(f"{r['paged_vs_stateful_decode'][n]:.3f}" for n in r["paged_vs_stateful_decode"]),
+                   *(f"{r['paged_vs_stateful_ttft'][n]:.3f}" for n in r["paged_vs_stateful_ttft"])]
+                  for w, r in t["ratios"].items() if r.get("paged_vs_stateful_decode")]
+        if versus:
+            ns = list(next(r for r in t["ratios"].values() if r.get("paged_vs_stateful_decode"))
+                      ["paged_vs_stateful_decode"])
+            lines.append("Paged against stateful on the same export (median of per-round `paged-N` / `N`):\n")
+            lines.append(markdown_table(["weights", *[f"decode {n}" for n in ns], *[f"TTFT {n}" for n in ns]],
+                                        versus))
+            lines.append("")
+        lines.append("Targets against `sdpa`, for either runtime: decode 1 stage ≥ 1.05, 2 ≥ 0.97, 3 ≥ 0.95; "
+                     "TTFT ≤ 1.0. Greedy tokens equal to our first variant's, rounds out of "
                      f"{result['runs']}: " + "; ".join(
                          f"{w}: " + ", ".join(f"{k} {v}" for k, v in r["rounds_tokens_equal"].items())
                          for w, r in t["ratios"].items()) + ".")
