@@ -3,12 +3,14 @@ micro-batches, speculative verify and rewind, seeded sampling, failed steps, rep
 
 from __future__ import annotations
 
+import asyncio
 import collections
 
 import numpy as np
 import pytest
 
 from engine.coordinator.batch_scheduler import BatchScheduler, Failed, FailOver, Finished
+from engine.coordinator.speculation import SpeculationConfig, Speculator
 from engine.errors import DeskfleetError, GenerationError
 from engine.generation.generator import OverloadedError, UnavailableError
 from engine.generation.request import FinishReason, GenerationRequest, SamplingParams
@@ -355,3 +357,31 @@ def test_a_stream_a_chunk_behind_another_with_the_same_prefix_shares_its_blocks_
     assert sched.metrics()["prefix_tokens_reused_total"] == 80
     for sid, r in ids.items():
         assert run.tokens[sid] == reference(r, cfg.context_length)
+
+
+def test_the_speculator_drafts_for_the_streams_the_scheduler_offers() -> None:
+    """The real prompt-lookup Speculator reads the scheduler's streams (DraftSubject) and its
+    drafts go through verify rows; greedy tokens stay the solo run's."""
+    speculator = Speculator(SpeculationConfig(mode="lookup", k=4))
+    cfg = config(prefill_chunk=64)
+    sched, model, run = BatchScheduler(cfg), SimPagedModel(256, 16), Run()
+    reqs = {sched.add(r, {EOS}, 0.0): r for r in
+            [GenerationRequest((5, 6, 7, 8) * 6, 30, ignore_eos=True), GenerationRequest((9, 3) * 9, 30)]}
+
+    async def play() -> None:
+        while not sched.idle:
+            drafts = {}
+            for subject in sched.wants_drafts():
+                drafts[subject.stream_id] = await speculator.async_propose(subject)
+            step = step_once(sched, model, run, drafts)
+            assert step is not None
+            for row in step.plan.rows:
+                subject = sched.stream(row.stream_id)
+                if subject is not None and row.sample:
+                    speculator.observe(subject, row.sample - 1, 0.0)
+
+    asyncio.run(play())
+    for sid, r in reqs.items():
+        assert run.tokens[sid] == reference(r, cfg.context_length)
+    assert speculator.proposed > 0 and sched.counters["drafts_accepted"] > 0
+    speculator.close()
