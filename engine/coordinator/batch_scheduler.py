@@ -506,7 +506,7 @@ class BatchScheduler:
             full = s.cached // bs
             parent = s.hashes[full - 1] if full else self.prefix.root
             self.prefix.register_partial(s.blocks[-1], parent, s.tokens[full * bs:s.cached])
-        for block in s.blocks:
+        for block in reversed(s.blocks):  # the tail is evicted first: a prefix is only useful from its start
             self.pool.release(block)
         s.blocks, s.hashes, s.cached = [], [], 0
 

@@ -385,3 +385,19 @@ def test_the_speculator_drafts_for_the_streams_the_scheduler_offers() -> None:
         assert run.tokens[sid] == reference(r, cfg.context_length)
     assert speculator.proposed > 0 and sched.counters["drafts_accepted"] > 0
     speculator.close()
+
+
+def test_eviction_takes_a_finished_prefix_from_its_tail() -> None:
+    cfg = config(pool_blocks=SCRATCH_BLOCKS + 4, prefill_chunk=64)
+    sched, model, run = BatchScheduler(cfg, fingerprint="m"), SimPagedModel(cfg.pool_blocks, 16), Run()
+    prompt = tuple(range(1, 50))  # 3 full blocks and one token
+    sched.add(GenerationRequest(prompt, 1), {EOS}, 0.0)
+    finish_all(sched, model, run)
+    assert sched.pool.cached == 4  # 3 full blocks + the partial one, all reusable
+    sched.add(GenerationRequest((40, 41, 42) * 5, 1), {EOS}, 0.0)  # another prompt takes one block
+    finish_all(sched, model, run)
+    again = sched.add(GenerationRequest(prompt[:40] + (9,), 1), {EOS}, 0.0)
+    step, _ = sched.next_step()
+    assert step is not None and step.plan.rows[0].past_len == 32  # the first two blocks survived
+    run.take(sched.on_outcome(model.run(step), 0.0))
+    assert run.tokens[again] == reference(GenerationRequest(prompt[:40] + (9,), 1), cfg.context_length)
