@@ -120,7 +120,9 @@ class DraftSubject(Protocol):
 
 @dataclass(eq=False)
 class StreamState:
-    """One request, written only by :class:`BatchScheduler`; others read it."""
+    """One request, written only by :class:`~engine.coordinator.batch_scheduler.BatchScheduler`;
+    the coordinator and the drafter only read it (the stateful path's ``scheduler.StreamState``
+    stays the identity reference)."""
 
     stream_id: StreamId
     request: GenerationRequest
@@ -137,8 +139,8 @@ class StreamState:
     copying: bool = False  # that step copies a prefix block into its last block (undone if the step fails)
     cancelled: bool = False
     first_token_at: float | None = None
-    last_drafted: int = 0
-    last_accepted: int = 0
+    last_drafted: int = 0  # drafts its last answered row carried (what Speculator.observe wants)
+    last_accepted: int = 0  # of which the target accepted
     proposed_total: int = 0
     accepted_total: int = 0
     preemptions: int = 0
