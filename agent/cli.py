@@ -26,6 +26,9 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="IP address to bind the control and data ports and mDNS to (default: all interfaces)")
     p.add_argument("--control-port", type=int, default=None, help="control API port (default 7210; 0: any free)")
     p.add_argument("--data-port", type=int, default=None, help="stage worker port (default 7211; 0: any free)")
+    p.add_argument("--kv-pool-mb", type=int, default=None, metavar="MIB",
+                   help="memory this PC gives its stage's KV block pool when the ring serves paged (default "
+                        "1024; capped at a quarter of the RAM; more lets more people chat at once; saved)")
     p.add_argument("--seed", action="append", default=None, metavar="HOST:PORT",
                    help="a console to register with by address, for networks that drop multicast (repeatable; saved)")
     join = p.add_mutually_exclusive_group()
@@ -75,7 +78,7 @@ async def async_run_headless(args: argparse.Namespace) -> int:
     from agent.service.settings import resolve_settings
 
     state_dir, settings = resolve_settings(args.state_dir, interface=args.interface, control_port=args.control_port,
-                                           data_port=args.data_port, seeds=args.seed)
+                                           data_port=args.data_port, seeds=args.seed, kv_pool_mb=args.kv_pool_mb)
     service = AgentService(state_dir, settings, idle_source=default_idle_source())
     if args.leave:
         await service.async_leave()

@@ -376,7 +376,12 @@ class AgentService:
             paused_reasons=self._pause.reasons, inventory=self._fresh_inventory(),
             export_id=assignment.export_id if assignment else None, stage=assignment.stage if assignment else None,
             fetch=self._fetch, worker=worker if not fetch_error else replace(worker, last_error=fetch_error),
-            api_url=self._state.api_url)
+            api_url=self._state.api_url, kv_pool_mb=self.kv_pool_mb)
+
+    @property
+    def kv_pool_mb(self) -> int:
+        """The MiB this PC gives a paged stage's KV block pool (its setting, capped by its RAM)."""
+        return self.settings.kv_pool_budget_mb(psutil.virtual_memory().total)
 
     def probe(self) -> dict:
         creds = self._creds
@@ -476,7 +481,9 @@ class AgentService:
         port = assignment.listen_port or self.settings.data_port
         args = worker_args(str(self.store.directory(assignment.export_id)), assignment.stage, f"{host}:{port}",
                            assignment.next_hop, device=assignment.worker.device, threads=assignment.worker.threads,
-                           exact=assignment.worker.exact, tls=True, cache_dir=str(self.state_dir / "compiled"))
+                           exact=assignment.worker.exact, tls=True, cache_dir=str(self.state_dir / "compiled"),
+                           paged=assignment.runtime == "paged",
+                           kv_pool_mb=self.kv_pool_mb if assignment.runtime == "paged" else None)
         secrets = json.dumps({"ca_pem": creds.ca_pem.decode(), "cert_pem": creds.cert_pem.decode(),
                               "key_pem": creds.key_pem.decode(), **assignment.peer_policy_json()}).encode() + b"\n"
         await self._supervisor.async_start(WorkerLaunch(args, secrets, keep_stdin=WORKER_READS_POLICY_UPDATES))

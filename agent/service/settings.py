@@ -27,6 +27,9 @@ SETTINGS_FILE = "settings.json"
 STATE_FILE = "state.json"
 _DAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
 _HHMM = re.compile(r"^([01]\d|2[0-3]):([0-5]\d)$")
+DEFAULT_KV_POOL_MB = 1024
+KV_POOL_RAM_SHARE = 0.25  # a stage's KV block pool never takes more of the PC's RAM than this
+_KV_POOL_MB_RANGE = (16, 1 << 20)
 
 
 class SettingsError(DeskfleetError):
@@ -74,6 +77,11 @@ class AgentSettings:
     office_hours: OfficeHours | None = None
     bandwidth_cap_bytes_s: int | None = None
     start_at_login: bool = False
+    # MiB this PC gives its stage's KV block pool when the ring serves paged: the one memory that
+    # grows with the number of users. More lets more people chat at once (and keeps longer chats
+    # cached); it is capped at KV_POOL_RAM_SHARE of the PC's RAM (kv_pool_budget_mb), and the
+    # console sizes the ring's pool by the smallest budget among its PCs.
+    kv_pool_mb: int = DEFAULT_KV_POOL_MB
 
     def __post_init__(self) -> None:
         for port_name in ("control_port", "data_port"):
@@ -86,6 +94,18 @@ class AgentSettings:
             raise SettingsError("bandwidth_cap_bytes_s must be positive (or null for no cap)")
         if not self.name or len(self.name) > 63:
             raise SettingsError("name must be 1..63 characters")
+        low, high = _KV_POOL_MB_RANGE
+        if not isinstance(self.kv_pool_mb, int) or isinstance(self.kv_pool_mb, bool) or \
+                not low <= self.kv_pool_mb <= high:
+            raise SettingsError(f"kv_pool_mb must be a whole number of MiB in {low}..{high} (the memory this PC gives "
+                                f"its stage's KV block pool; default {DEFAULT_KV_POOL_MB}), got {self.kv_pool_mb!r}")
+
+    def kv_pool_budget_mb(self, ram_bytes: int | None) -> int:
+        """The KV pool MiB this PC may use: ``kv_pool_mb``, capped at KV_POOL_RAM_SHARE of
+        ``ram_bytes`` (unknown RAM: uncapped), never below the smallest setting."""
+        if not ram_bytes:
+            return self.kv_pool_mb
+        return max(_KV_POOL_MB_RANGE[0], min(self.kv_pool_mb, int(ram_bytes * KV_POOL_RAM_SHARE) >> 20))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> AgentSettings:
@@ -171,7 +191,8 @@ def save_settings(state_dir: Path, settings: AgentSettings) -> None:
 
 
 def resolve_settings(state_dir: Path | None, *, interface: str | None = None, control_port: int | None = None,
-                     data_port: int | None = None, seeds: Sequence[str] | None = None) -> tuple[Path, AgentSettings]:
+                     data_port: int | None = None, seeds: Sequence[str] | None = None,
+                     kv_pool_mb: int | None = None) -> tuple[Path, AgentSettings]:
     """The state dir and settings one run of the agent uses (headless or tray): ``state_dir``
     (None: :func:`default_state_dir`) and its saved settings with the command line's choices laid
     over them. A choice given (not None; ``seeds`` non-empty) is saved, so the next run keeps it;
@@ -179,13 +200,14 @@ def resolve_settings(state_dir: Path | None, *, interface: str | None = None, co
     state_dir = state_dir or default_state_dir()
     settings = load_settings(state_dir)
     overrides: dict[str, Any] = {k: v for k, v in (("interface", interface), ("control_port", control_port),
-                                                   ("data_port", data_port)) if v is not None}
+                                                   ("data_port", data_port), ("kv_pool_mb", kv_pool_mb))
+                                 if v is not None}
     if seeds:
         for seed in seeds:
             parse_hostport(seed, "--seed")
         overrides["seeds"] = tuple(seeds)
     if overrides:
-        settings = dataclasses.replace(settings, **overrides)
+        settings = dataclasses.replace(settings, **overrides)  # validated before it is saved
         save_settings(state_dir, settings)
     return state_dir, settings
 

@@ -250,9 +250,18 @@ class WorkerSupervisor:
 
 
 def worker_args(shard_dir: str, stage: int, listen: str, next_hop: str, *, device: str, threads: int | None,
-                exact: bool, tls: bool, cache_dir: str | None = None) -> tuple[str, ...]:
+                exact: bool, tls: bool, cache_dir: str | None = None, paged: bool = False,
+                kv_pool_mb: int | None = None) -> tuple[str, ...]:
+    """The ``deskfleet worker`` arguments of one stage; ``paged`` serves it on PagedAttention with a
+    KV block pool of at most ``kv_pool_mb`` MiB (the agent's budget; None: the worker's default)."""
+    if kv_pool_mb is not None and not paged:
+        raise ValueError("kv_pool_mb sizes a paged stage's block pool; pass paged=True")
     args: list[str] = ["--shard", shard_dir, "--stage", str(stage), "--listen", listen, "--next", next_hop,
                        "--device", device]
+    if paged:
+        args.append("--paged")
+        if kv_pool_mb is not None:
+            args += ["--kv-pool-mb", str(kv_pool_mb)]
     if cache_dir:
         args += ["--cache-dir", cache_dir]
     if threads:

@@ -39,7 +39,7 @@ def run_tray(args: argparse.Namespace) -> int:
     app.setApplicationName("Deskfleet")
 
     state_dir, settings = resolve_settings(args.state_dir, interface=args.interface, control_port=args.control_port,
-                                           data_port=args.data_port, seeds=args.seed)
+                                           data_port=args.data_port, seeds=args.seed, kv_pool_mb=args.kv_pool_mb)
     service = AgentService(state_dir, settings, idle_source=default_idle_source())
     bridge = AgentBridge(service)
     tray = QtAgentTray(bridge, login_command(state_dir, default_state_dir()), parent=app)

@@ -26,6 +26,10 @@ AGENT_STATES = ("not-joined", "idle", "fetching", "serving", "paused", "error")
 WORKER_STATES = ("stopped", "starting", "running", "backoff", "failed")
 _HOSTPORT = re.compile(r"^[A-Za-z0-9.\-:\[\]]{1,255}:\d{1,5}$")
 _EXPORT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,127}$")
+# How a ring's workers serve their stage: "paged" (continuous batching on PagedAttention, block
+# pools sized by the console) or "stateful" (a KV state per stream; what a console that sends no
+# runtime meant).
+RUNTIMES = ("paged", "stateful")
 
 
 class ControlRequestError(DeskfleetError):
@@ -111,6 +115,9 @@ class Assignment:
     agent, or the console for stage 0; two during a failover move), ``expect_next`` must answer
     at ``next_hop`` (the next stage's agent, or the console's return port for the last stage).
     ``deny`` is the console's revocation list, refused by the worker and the control API alike.
+
+    ``runtime`` is how the worker serves (:data:`RUNTIMES`): ``paged`` starts it with ``--paged``
+    and a KV block pool of the agent's ``kv_pool_mb``; absent means ``stateful`` (older consoles).
     """
 
     export_id: str
@@ -127,6 +134,7 @@ class Assignment:
     expect_next: str | None = None
     deny: tuple[str, ...] = ()
     api_key: str | None = field(default=None, repr=False)  # the fleet API's key, for the tray's chat
+    runtime: str = "stateful"
 
     @property
     def manifest(self) -> Manifest:
@@ -182,8 +190,14 @@ class Assignment:
             urls[name] = url
         peers = parse_peers(data)
         api_key = parse_api_key(data.get("api_key"))
+        runtime = _field(data, "runtime", str, optional=True) or "stateful"
+        if runtime not in RUNTIMES:
+            raise ControlRequestError(f"runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r:.40}")
+        if runtime == "paged" and (manifest.target != "stateful" or worker.device == "NPU"):
+            raise ControlRequestError(f"a {manifest.target}-target export on {worker.device} cannot serve paged "
+                                      "(PagedAttention runs on CPU and GPU); assign it with runtime 'stateful'")
         return cls(export_id, stage, manifest_json, digest.lower(), source, listen_port, next_hop, worker, **urls,
-                   **peers, api_key=api_key)
+                   **peers, api_key=api_key, runtime=runtime)
 
     def same_stage(self, other: Assignment) -> bool:
         """Whether ``other`` differs from this at most in the peers and the URLs shown to the tray:
@@ -275,7 +289,12 @@ class WorkerStatus:
 
 @dataclass(frozen=True)
 class AgentStatus:
-    """What ``GET /v1/status`` answers (also the source of the tray's status line)."""
+    """What ``GET /v1/status`` answers (also the source of the tray's status line).
+
+    ``kv_pool_mb``: the MiB this PC gives its stage's KV block pool when it serves paged (the
+    agent's setting, capped by its RAM); the console sizes a paged ring's pool by the smallest.
+    None from an agent too old to serve paged.
+    """
 
     node_id: str
     fleet_id: str
@@ -289,6 +308,7 @@ class AgentStatus:
     fetch: FetchProgress
     worker: WorkerStatus
     api_url: str | None
+    kv_pool_mb: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -300,4 +320,10 @@ class AgentStatus:
             state=data["state"], paused_reasons=tuple(data["paused_reasons"]), inventory=data["inventory"],
             export_id=data.get("export_id"), stage=data.get("stage"), fetch=FetchProgress(**data["fetch"]),
             worker=WorkerStatus(**data["worker"]), api_url=data.get("api_url"),
+            kv_pool_mb=_pool_mb(data.get("kv_pool_mb")),
         )
+
+
+def _pool_mb(value: Any) -> int | None:
+    """An agent's reported ``kv_pool_mb`` (absent or not a positive integer: None, as from an old agent)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -19,7 +20,16 @@ from agent.service.settings import (
     save_settings,
     save_state,
 )
-from engine.control.messages import Assignment, ControlRequestError, decode_body, parse_hostport
+from agent.service.supervisor import worker_args
+from engine.control.messages import (
+    AgentStatus,
+    Assignment,
+    ControlRequestError,
+    FetchProgress,
+    WorkerStatus,
+    decode_body,
+    parse_hostport,
+)
 
 MONDAY_NOON = dt.datetime(2026, 11, 30, 12, 0)
 SUNDAY_NOON = dt.datetime(2026, 11, 29, 12, 0)
@@ -114,6 +124,47 @@ def test_assignment_round_trips(tiny_export):
     assert {e.path.split("/")[0] for e in a.files()} == {"stage_1"}
 
 
+def test_runtime_defaults_to_what_old_consoles_meant_and_paged_reaches_the_worker_with_the_pool_budget(tiny_export):
+    mj = _manifest_json(tiny_export)
+    assert Assignment.from_dict(_assignment_dict(mj)).runtime == "stateful"  # an old console sends none
+    paged = Assignment.from_dict(_assignment_dict(mj, runtime="paged"))
+    assert paged.runtime == "paged" and Assignment.from_dict(paged.to_dict()) == paged
+    assert not paged.same_stage(replace(paged, runtime="stateful"))  # a runtime change restarts the worker
+    args = worker_args("/s", 1, "127.0.0.1:7211", "127.0.0.1:7100", device="CPU", threads=1, exact=False, tls=True,
+                       paged=True, kv_pool_mb=384)
+    assert args[args.index("--kv-pool-mb") + 1] == "384" and "--paged" in args
+    stateful = worker_args("/s", 1, "127.0.0.1:7211", "127.0.0.1:7100", device="CPU", threads=1, exact=False,
+                           tls=True)
+    assert "--paged" not in stateful and "--kv-pool-mb" not in stateful
+    with pytest.raises(ValueError, match="paged"):
+        worker_args("/s", 1, "a:1", "b:2", device="CPU", threads=None, exact=False, tls=False, kv_pool_mb=64)
+
+
+def test_kv_pool_budget_is_validated_saved_and_capped_by_the_ram(tmp_path):
+    assert AgentSettings(name="pc").kv_pool_mb == 1024
+    assert AgentSettings.from_dict({"name": "pc"}).kv_pool_mb == 1024  # a settings file from before the setting
+    small = AgentSettings(name="pc", kv_pool_mb=256)
+    save_settings(tmp_path, small)
+    assert load_settings(tmp_path).kv_pool_mb == 256
+    gib = 1 << 30
+    assert AgentSettings(name="pc").kv_pool_budget_mb(16 * gib) == 1024
+    assert AgentSettings(name="pc").kv_pool_budget_mb(2 * gib) == 512  # a quarter of the RAM at most
+    assert AgentSettings(name="pc").kv_pool_budget_mb(None) == 1024  # RAM unknown: the setting
+    assert small.kv_pool_budget_mb(32 << 20) == 16  # never below the smallest setting
+    for bad in (0, 8, True, 1.5, "512", 1 << 21):
+        with pytest.raises(SettingsError, match="kv_pool_mb"):
+            AgentSettings(name="pc", kv_pool_mb=bad)
+
+
+def test_an_agent_status_without_a_pool_budget_reads_as_an_old_agent():
+    status = AgentStatus("n" * 64, "f", "pc", "0", "idle", (), {}, None, None, FetchProgress(), WorkerStatus(), None,
+                         kv_pool_mb=512)
+    assert AgentStatus.from_dict(json.loads(json.dumps(status.to_dict()))) == status
+    old = {k: v for k, v in status.to_dict().items() if k != "kv_pool_mb"}
+    assert AgentStatus.from_dict(old).kv_pool_mb is None
+    assert AgentStatus.from_dict({**old, "kv_pool_mb": "512"}).kv_pool_mb is None
+
+
 def _escaping_manifest(manifest_json: str) -> str:
     data = json.loads(manifest_json)
     # An extra entry: the graph and weights stay listed (parsing requires them), so only the
@@ -134,6 +185,8 @@ def _escaping_manifest(manifest_json: str) -> str:
     ({"worker": {"device": "TPU"}}, "device"),
     ({"worker": {"threads": 0}}, "threads"),
     ({"api_url": "ftp://x"}, "api_url"),
+    ({"runtime": "batched"}, "runtime must be one of paged, stateful"),
+    ({"runtime": "paged", "worker": {"device": "NPU"}}, "cannot serve paged"),
 ])
 def test_bad_assignments_are_refused_with_a_reason(tiny_export, change, message):
     data = _assignment_dict(_manifest_json(tiny_export), **change)

@@ -26,6 +26,8 @@ def test_choices_given_are_laid_over_the_saved_settings_and_saved(tmp_path):
     assert (later.control_port, later.seeds, later.interface) == (0, ("10.0.0.5:7212",), "127.0.0.1")  # ... keeps them
     assert later.instance == first.instance
     assert json.loads((tmp_path / SETTINGS_FILE).read_text())["interface"] == "127.0.0.1"
+    _, pooled = resolve_settings(tmp_path, kv_pool_mb=256)  # --kv-pool-mb, kept for the next run
+    assert resolve_settings(tmp_path)[1].kv_pool_mb == pooled.kv_pool_mb == 256
 
 
 def test_a_bad_seed_or_port_is_refused_before_anything_is_written(tmp_path):
@@ -35,6 +37,8 @@ def test_a_bad_seed_or_port_is_refused_before_anything_is_written(tmp_path):
         resolve_settings(tmp_path, data_port=7300, seeds=["not-an-address"])
     with pytest.raises(SettingsError, match="control_port must be 0..65535"):
         resolve_settings(tmp_path, control_port=70000)
+    with pytest.raises(SettingsError, match="kv_pool_mb must be a whole number of MiB"):
+        resolve_settings(tmp_path, kv_pool_mb=4)
     assert (tmp_path / SETTINGS_FILE).read_bytes() == saved
 
 
