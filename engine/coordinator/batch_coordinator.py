@@ -51,7 +51,7 @@ PagedRecover = Callable[[PagedPath, str], Awaitable[PagedPath]]
 @dataclass
 class _InFlight:
     sent_at: float
-    drafted: dict[StreamId, int] = field(default_factory=dict)
+    drafted: dict[StreamId, int] = field(default_factory=dict)  # streams of the step that were offered drafts
 
 
 def block_size_for(device: str) -> int:
@@ -223,7 +223,9 @@ class BatchCoordinator:
             self._carry_out(actions)
             if step is None:
                 return
-            self._in_flight[step.seq] = _InFlight(time.monotonic(), drafted)
+            carried = {row.stream_id for row in step.plan.rows}
+            self._in_flight[step.seq] = _InFlight(time.monotonic(), {StreamId(sid): n for sid, n in drafted.items()
+                                                                     if sid in carried})
             try:
                 await self.path.async_submit(step)
             except DeskfleetError as exc:
@@ -251,10 +253,10 @@ class BatchCoordinator:
         self._step_rows.append(len(outcome.ids))
         self._carry_out(self.scheduler.on_outcome(outcome, now))
         if self.speculation is not None:
-            for sid, drafted in sent.drafted.items():
+            for sid in sent.drafted:  # the drafts the step carried (budget or blocks may have cut them)
                 subject = self.scheduler.stream(sid)
                 if subject is not None:
-                    self.speculation.observe(subject, drafted, now)
+                    self.speculation.observe(subject, subject.last_drafted, now)
 
     def _carry_out(self, actions: list[Action]) -> None:
         """Do what the scheduler decided: tokens to their consumers, ends, failovers."""
