@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from engine.cli.main import Command
+from engine.wire.step_plan import SCRATCH_BLOCKS
 from engine.worker.stage_worker import StageWorker
 from tests.benchmarks.kit import verdict
 from tests.benchmarks.record import DEFAULT_DOC, DEFAULT_JSON_DIR, machine_info, update_section, write_json
@@ -206,8 +207,8 @@ def run_soak(export_dir: Path, minutes: float, *, runtimes: tuple[str, ...] = RU
             pool_bytes: dict[str, int | None] = {}
             for r, fleet in fleets.items():  # one after the other: their loads do not overlap
                 fleet.start()
-                blocks = fleet.metrics().get("kv_blocks_total") if r == "paged" else None
-                pool_bytes[r] = pool_tensor_bytes(export_dir, int(blocks)) if blocks else None
+                blocks = fleet.metrics().get("kv_blocks_total") if r == "paged" else None  # scratch blocks apart
+                pool_bytes[r] = pool_tensor_bytes(export_dir, int(blocks) + SCRATCH_BLOCKS) if blocks else None
             raw = asyncio.run(_async_soak(fleets, order, minutes * 60 / segments, warmup_s, seed, sample_every_s,
                                           pool_bytes))
         except BaseException:

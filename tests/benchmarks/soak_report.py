@@ -67,7 +67,8 @@ def _pool_note(s: dict[str, Any]) -> str:
         cells.append(f"{name} {fmt(m['warm_kv_pool_mb'])} of {fmt(full)} MiB after the warm-up, "
                      f"{fmt(m['end_kv_pool_mb'])} at the end")
     grew = any(m["end_kv_pool_mb"] - m["warm_kv_pool_mb"] > 1 for m in workers.values())
-    return (f"The paged workers' block pool ({fmt(blocks, '.0f')} blocks per stage, allocated at the first step) "
+    return (f"The paged workers' block pool ({fmt(blocks, '.0f')} blocks per stage besides the scratch blocks, "
+            "allocated at the first step) "
             f"was resident: {'; '.join(cells)}. "
             + ("Its pages became resident as blocks were first written, so part of the growth is the pool "
                "filling; the row *without the KV pool's newly touched pages* leaves that out." if grew else
