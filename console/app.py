@@ -34,7 +34,8 @@ def settings_from_args(args: argparse.Namespace):
     return ConsoleSettings(state_dir=getattr(args, "state_dir", None) or default_state_dir(), interface=interface,
                            api_port=_port(args, "api_port", API_PORT),
                            enrollment_port=_port(args, "enrollment_port", ENROLLMENT_PORT),
-                           hub_port=_port(args, "hub_port", HUB_PORT))
+                           hub_port=_port(args, "hub_port", HUB_PORT),
+                           runtime=getattr(args, "runtime", None) or "paged")
 
 
 def _port(args: argparse.Namespace, name: str, default: int) -> int:

@@ -24,6 +24,10 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help=f"port where PCs redeem join tokens (default {ENROLLMENT_PORT}; 0: any free)")
     p.add_argument("--hub-port", type=int, default=HUB_PORT,
                    help=f"port of the shard hub and unicast registration (default {HUB_PORT}; 0: any free)")
+    p.add_argument("--runtime", choices=("paged", "stateful"), default="paged",
+                   help="how the ring serves a CPU/GPU export: paged (default; every user's tokens batched into one "
+                        "step per PC, each PC's KV pool its agent's kv_pool_mb) or stateful (a KV state per user, "
+                        "the identity reference)")
 
 
 def run(args: argparse.Namespace) -> int:

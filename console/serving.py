@@ -181,7 +181,7 @@ class FleetServing(QObject):
             self._dist = Distributor(
                 self.bridge.host, export.path, layout, export_id=export.export_id, console_host=settings.interface,
                 worker=settings.worker, api_url=f"http://{settings.interface}:{self._api_port}/v1",
-                on_progress=self._progress_from_loop, standby=self._standby)
+                on_progress=self._progress_from_loop, standby=self._standby, runtime=settings.runtime)
         if self._api is not None:  # the coordinator may be rebuilt: the API follows it
             await self._api.async_stop()
             self._api = None

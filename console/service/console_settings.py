@@ -51,6 +51,7 @@ class ConsoleSettings:
     refresh_s: float = 5.0  # how often member agents are polled for their status
     metrics_s: float = 1.0  # how often the coordinator's metrics are sampled
     calibration_steps: int = 16
+    runtime: str = "paged"  # how a ring serves a CPU/GPU export: "paged" or "stateful" (console.service.ring_runtime)
 
     @property
     def api_url(self) -> str:

@@ -4,10 +4,15 @@
 :class:`~engine.control.messages.Assignment` (listen port, next hop = the next agent's data address, and
 for the last stage the coordinator's return port), starts the fetches and polls the agents'
 status, reporting each agent's bytes as :class:`~console.service.ring_layout.AgentProgress`.
-Once every agent holds verified files it starts the workers, connects the ring (a
-:class:`~engine.coordinator.ring.RingPath` with stage 0 in this process when the layout says so, mutual TLS
-with the console's fleet certificate) under a :class:`~engine.coordinator.coordinator.Coordinator`, and checks
-it with a one-token generation.
+Once every agent holds verified files it starts the workers, connects the ring (stage 0 in this
+process when the layout says so, mutual TLS with the console's fleet certificate) and checks it
+with a one-token generation.
+
+A CPU/GPU export serves **paged** by default (:mod:`console.service.ring_runtime`): a
+:class:`~engine.coordinator.paged_ring.PagedRingPath` under a
+:class:`~engine.coordinator.batch_coordinator.BatchCoordinator`, over a block pool that the
+tightest member's ``kv_pool_mb`` (reported in its status) holds. ``runtime="stateful"`` keeps a
+:class:`~engine.coordinator.ring.RingPath` under a :class:`~engine.coordinator.coordinator.Coordinator`.
 
 Every agent is known by its certificate: the first contact learns its node id from the TLS
 peer (or the layout names it), and every later call is pinned to it. The assignments carry
@@ -51,18 +56,29 @@ from console.service.ring_layout import (
     RingHealth,
     RingLayout,
 )
+from console.service.ring_runtime import (
+    PoolBudgetRefusedError,
+    RingRuntime,
+    pool_refusal,
+    ring_pool_blocks,
+    serves_paged,
+)
 from engine.control.client import ControlClient, ControlError
 from engine.control.fleet_services import FleetHost
 from engine.control.hub import AgentEvent
 from engine.control.messages import AgentStatus, Assignment, ControlRequestError, WorkerSettings
+from engine.coordinator.batch_coordinator import BatchCoordinator, block_size_for, paged_scheduler
 from engine.coordinator.coordinator import Coordinator, model_card
+from engine.coordinator.paged_ring import PagedRingPath
 from engine.coordinator.ring import RingPath, return_frame_bound
 from engine.errors import DeskfleetError
 from engine.generation.request import GenerationRequest
 from engine.shards.manifest import MANIFEST_NAME, load_manifest
+from engine.shards.paged_stage import PagedStage
 from engine.shards.stage import Stage
 from engine.trust.peer_policy import PeerPolicy
 from engine.wire.address import Address
+from engine.wire.step_codec import step_reply_bound
 
 log = logging.getLogger(__name__)
 
@@ -83,11 +99,11 @@ class Distributor:
 
     def __init__(self, host: FleetHost, export_dir: Path, layout: RingLayout, *, export_id: str | None = None,
                  console_host: str = "127.0.0.1", worker: WorkerSettings | None = None,
-                 api_url: str | None = None, slots: int = 4,
+                 api_url: str | None = None, slots: int | None = None,
                  on_progress: Callable[[AgentProgress], None] | None = None,
                  timeouts: DistributionTimeouts | None = None, standby: Sequence[AgentEndpoint] = (),
                  data_hop: Callable[[Address], Awaitable[Address]] | None = None,
-                 failover: FailoverSettings | None = None) -> None:
+                 failover: FailoverSettings | None = None, runtime: RingRuntime | str = "paged") -> None:
         self.host = host
         self.export_dir = Path(export_dir)
         self.manifest = load_manifest(self.export_dir)
@@ -97,7 +113,11 @@ class Distributor:
         self.console_host = console_host
         self.worker = worker or WorkerSettings()
         self.api_url = api_url
-        self.slots = slots
+        self.runtime = runtime if isinstance(runtime, RingRuntime) else RingRuntime(runtime, slots=slots)
+        self.paged = serves_paged(self.runtime, self.manifest, self.worker)
+        self.slots = self.runtime.slots_for(self.paged)
+        self._pool_mb: dict[str, int] = {}  # control address -> the MiB its agent gives a paged pool
+        self.pool_blocks = 0  # a paged ring's pool, fixed when its path opens
         self.timeouts = timeouts or DistributionTimeouts()
         self._on_progress = on_progress or (lambda progress: None)
         self._manifest_json = (self.export_dir / MANIFEST_NAME).read_text(encoding="utf-8")
@@ -112,14 +132,14 @@ class Distributor:
         self._unsubscribe: Callable[[], None] | None = None
         self._watch: asyncio.Task | None = None
         self._progress: dict[AgentTarget, AgentProgress] = {}
-        self._stage0: Stage | None = None
+        self._stage0: Stage | PagedStage | None = None
         self._path: RingPath | None = None
         self._return_port = 0  # fixed by the first listen, so a re-run sends the same assignments
         # data_hop(address) -> the address to dial instead (e.g. a WAN emulator in front of it);
         # applied to the console's own hops: to the first agent, and the last agent's way back.
         self._data_hop = data_hop
         self._return_dial: Address | None = None
-        self._coordinator: Coordinator | None = None
+        self._coordinator: Coordinator | BatchCoordinator | None = None
         self._background: set[asyncio.Task] = set()
         for target in layout.targets:  # refuse here what an agent would refuse with a 400
             try:
@@ -130,7 +150,7 @@ class Distributor:
     # -- what the caller sees ----------------------------------------------------------------------
 
     @property
-    def coordinator(self) -> Coordinator:
+    def coordinator(self) -> Coordinator | BatchCoordinator:
         """The running coordinator, to put the OpenAI API on (:func:`engine.api.server.async_run_api`)."""
         if self._coordinator is None:
             raise DistributionError("the ring is not up; run the distribution first")
@@ -151,6 +171,10 @@ class Distributor:
             return await self._async_checked()
         self.host.hub.publish(self.export_id, self.export_dir)
         await self._each(self._async_identify)
+        if self.paged:
+            if self._path is None:
+                self.pool_blocks = 0  # a new ring: sized afresh from what every member gives now
+            await self._each(self._async_learn_pool)
         path = await self._async_open_path()
         return_port = path.return_address.port
         await self._each(lambda t: self._async_fetch(t, self._assignment(t, return_port)))
@@ -256,6 +280,10 @@ class Distributor:
         identified = await asyncio.gather(*(self._async_identify(t) for t in targets))
         if any(identified):
             return tuple(f for f in identified if f is not None)
+        if self.paged:  # a new member's budget must hold the running ring's pool
+            learned = await asyncio.gather(*(self._async_learn_pool(t) for t in targets))
+            if any(learned):
+                return tuple(f for f in learned if f is not None)
         if self._path is not None:
             await self._path.async_set_peers(self._ring_peers())
         results = await asyncio.gather(*(one(t) for t in targets))
@@ -287,6 +315,24 @@ class Distributor:
         self._node_ids[target.control] = node_id
         return None
 
+    async def _async_learn_pool(self, target: AgentTarget) -> AgentFailure | None:
+        """Learn the MiB the agent gives a paged stage's pool (and, once the ring's pool is fixed,
+        check that it holds it)."""
+        try:
+            status = await self.client(target.control).async_status()
+        except ControlError as exc:
+            return self._fail(target, str(exc))
+        if status.kv_pool_mb is None:
+            return self._fail(target, "its agent reports no KV pool budget: it is too old to serve a paged ring; "
+                              "update Deskfleet on that PC, or serve with the stateful runtime", status)
+        self._pool_mb[target.control] = status.kv_pool_mb
+        if self.pool_blocks:
+            why = pool_refusal(self.manifest, self.worker, target.stage, target.label, status.kv_pool_mb,
+                               self.pool_blocks)
+            if why is not None:
+                return self._fail(target, why, status)
+        return None
+
     def _assignment(self, target: AgentTarget, return_port: int) -> Assignment:
         targets = self.layout.targets
         index = targets.index(target)
@@ -300,7 +346,8 @@ class Distributor:
                                  next_hop=next_hop, worker=self.worker, api_url=self.api_url,
                                  api_key=self.host.api_key or None, events_url=self.host.hub.events_url,
                                  expect_upstream=(upstream,) if upstream else (), expect_next=expect_next,
-                                 deny=tuple(sorted(self.host.hub.deny)))
+                                 deny=tuple(sorted(self.host.hub.deny)),
+                                 runtime="paged" if self.paged else "stateful")
 
     async def _each(self, phase: Callable[[AgentTarget], object]) -> None:
         """Run ``phase`` on every agent at once; AgentsFailedError naming all that failed."""
@@ -393,27 +440,58 @@ class Distributor:
     async def _async_open_path(self) -> RingPath:
         """The coordinator's path, listening on its return port (the last stage's next hop)."""
         if self._path is None:
-            if self.layout.local_stage0 and self._stage0 is None:
-                self._stage0 = await asyncio.to_thread(
-                    Stage, self.export_dir, 0, device=self.worker.device, exact=self.worker.exact,
-                    num_threads=self.worker.threads, manifest=self.manifest)
             first = self.layout.targets[0]
             creds = self.host.credentials
             first_remote = Address(first.host, first.data_port)
             if self._data_hop is not None:
                 first_remote = await self._data_hop(first_remote)
-            self._path = RingPath(self.manifest.model.fingerprint, len(self.manifest.stages),
-                                  first_remote, Address(self.console_host, self._return_port),
-                                  local_stage0=self._stage0, server_ssl=creds.server_context(),
-                                  client_ssl=creds.client_context(), dial_deadline=self.timeouts.dial_s,
-                                  peers=self._ring_peers(),
-                                  max_frame_bytes=return_frame_bound(self.manifest.model.vocab_size,
-                                                                     self.manifest.model.max_position_embeddings))
+            ends = {"server_ssl": creds.server_context(), "client_ssl": creds.client_context(),
+                    "dial_deadline": self.timeouts.dial_s, "peers": self._ring_peers()}
+            model = self.manifest.model
+            if self.paged:
+                stage0 = await self._async_paged_stage0()
+                budget = self.runtime.token_budget
+                self._path = PagedRingPath(model.fingerprint, len(self.manifest.stages), first_remote,
+                                           Address(self.console_host, self._return_port),
+                                           block_size=block_size_for(self.worker.device), local_stage0=stage0,
+                                           max_frame_bytes=step_reply_bound(model.vocab_size, budget, budget), **ends)
+            else:
+                if self.layout.local_stage0 and not isinstance(self._stage0, Stage):
+                    self._stage0 = await asyncio.to_thread(
+                        Stage, self.export_dir, 0, device=self.worker.device, exact=self.worker.exact,
+                        num_threads=self.worker.threads, manifest=self.manifest)
+                self._path = RingPath(model.fingerprint, len(self.manifest.stages), first_remote,
+                                      Address(self.console_host, self._return_port),
+                                      local_stage0=self._stage0 if self.layout.local_stage0 else None,
+                                      max_frame_bytes=return_frame_bound(model.vocab_size,
+                                                                         model.max_position_embeddings), **ends)
             await self._path.async_listen()
             self._return_port = self._path.return_address.port
             if self._data_hop is not None:
                 self._return_dial = await self._data_hop(Address(self.console_host, self._return_port))
         return self._path
+
+    async def _async_paged_stage0(self) -> PagedStage | None:
+        """Fix the paged ring's pool (the fewest blocks any member's budget holds) and, when the
+        console hosts stage 0, load it paged with that pool."""
+        budgets = [(t.stage, t.label, self._pool_mb[t.control]) for t in self.layout.targets]
+        local_mb = self.runtime.stage0_kv_pool_mb
+        if self.layout.local_stage0:
+            budgets.append((0, "the console", local_mb))
+        try:
+            self.pool_blocks = ring_pool_blocks(self.manifest, self.worker, budgets)
+        except PoolBudgetRefusedError as exc:
+            raise LayoutError(str(exc)) from exc
+        if not self.layout.local_stage0:
+            return None
+        stage0 = self._stage0
+        if not isinstance(stage0, PagedStage):
+            stage0 = self._stage0 = await asyncio.to_thread(
+                PagedStage, self.export_dir, 0, device=self.worker.device, exact=self.worker.exact,
+                num_threads=self.worker.threads, manifest=self.manifest)
+        if stage0.pool_blocks != self.pool_blocks:
+            await asyncio.to_thread(stage0.allocate, self.pool_blocks, local_mb << 20)
+        return stage0
 
     def _ring_peers(self) -> PeerPolicy:
         """The coordinator's ends of the ring: replies only from the last stage's agent, steps only
@@ -424,9 +502,19 @@ class Distributor:
 
     async def _async_connect(self, path: RingPath) -> None:
         settings = self.failover
-        coordinator = Coordinator(path, model_card(self.manifest), slots=self.slots,
-                                  recover=self.recovery.async_recover, step_timeout_s=settings.step_timeout_s,
-                                  hold_timeout_s=settings.coordinator_hold_s)
+        coordinator: Coordinator | BatchCoordinator
+        if isinstance(path, PagedRingPath):
+            budget = self.runtime.token_budget
+            scheduler = paged_scheduler(self.manifest, self.pool_blocks, path.block_size, slots=self.slots,
+                                        token_budget=budget, prefill_chunk=budget)
+            coordinator = BatchCoordinator(path, model_card(self.manifest), scheduler,
+                                           recover=self.recovery.async_recover,  # type: ignore[arg-type]
+                                           step_timeout_s=settings.step_timeout_s,
+                                           hold_timeout_s=settings.coordinator_hold_s)
+        else:
+            coordinator = Coordinator(path, model_card(self.manifest), slots=self.slots,
+                                      recover=self.recovery.async_recover, step_timeout_s=settings.step_timeout_s,
+                                      hold_timeout_s=settings.coordinator_hold_s)
         try:
             await asyncio.wait_for(coordinator.async_start(), self.timeouts.dial_s + 5)
         except (DeskfleetError, OSError, TimeoutError) as exc:
@@ -474,7 +562,7 @@ class Distributor:
             self._background.add(task)
             task.add_done_callback(self._background.discard)
 
-    async def _async_drop(self, coordinator: Coordinator) -> None:
+    async def _async_drop(self, coordinator: Coordinator | BatchCoordinator) -> None:
         """Forget a broken ring (its path is closed); the next run opens a new one on the same port."""
         self._coordinator, self._path = None, None
         await self._async_stop_watch()

@@ -45,6 +45,7 @@ from console.service.failover_plan import (
 )
 from console.service.ring_layout import AgentEndpoint, RingLayout
 from engine.control.messages import AgentStatus
+from engine.coordinator.batch_coordinator import BatchCoordinator
 from engine.coordinator.coordinator import Coordinator
 from engine.coordinator.ring import RingPath
 from engine.errors import DeskfleetError
@@ -136,7 +137,7 @@ class RingRecovery:
         usable = [e for e, s in zip(pool, statuses[len(targets):], strict=True) if standby_usable(s)]
         return reports, usable
 
-    async def async_watch(self, coordinator: Coordinator) -> None:
+    async def async_watch(self, coordinator: Coordinator | BatchCoordinator) -> None:
         """Runs beside a healthy ring: every ``watch_s`` ask its agents, and fail over at once
         when :func:`ring_alarm` says so. Baselines start afresh after every failover."""
         pids: dict[int, int | None] = {}
@@ -167,7 +168,9 @@ class RingRecovery:
             pids = {r.stage: r.pid for r in reports}
 
     async def async_recover(self, path: RingPath, reason: str) -> RingPath:
-        """Bring the ring back (see the module docstring); NoReplacementError after ``hold_s``."""
+        """Bring the ring back (see the module docstring); NoReplacementError after ``hold_s``.
+        The same for either coordinator: a paged ring's path redials under a new session (the
+        workers drop the old session's pool state with its connection) and the scheduler replays."""
         settings = self._ring.failover
         deadline = time.monotonic() + settings.hold_s
         lost_since: dict[int, float] = {}

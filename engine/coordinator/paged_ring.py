@@ -8,16 +8,23 @@ so a late frame of the old ring can never be taken for an answer of the new one.
 
 The ends of the ring (return port, the first hop, TLS and the peer policy, pings) are
 :class:`~engine.coordinator.ring.RingPath`'s; only the frames differ.
+
+With ``local_stage0`` (a :class:`~engine.shards.paged_stage.PagedStage` whose pool holds the
+plans' ``pool_blocks``) stage 0 runs in this process, one step at a time on a thread of its own,
+and its hidden states go to stage 1 in a Step carrying its compute time; its pool needs nothing
+on a reconnect (a new session starts with the pool considered empty, and the scheduler replays).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import itertools
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -27,19 +34,27 @@ from engine.shards.paged_step import PagedOutcome, PagedStep
 from engine.wire.format import StreamId
 from engine.wire.messages import Error, Message, Release, Step, StepReply
 
+if TYPE_CHECKING:
+    from engine.shards.paged_stage import PagedStage
+
 log = logging.getLogger(__name__)
 
 _sessions = itertools.count(1)
 
 
 class PagedRingPath(RingPath):
-    """Paged steps through remote stage workers (every stage a worker: no local stage 0)."""
+    """Paged steps through remote stage workers, stage 0 optionally in this process."""
 
-    def __init__(self, *args, block_size: int, **kwargs):
-        if kwargs.get("local_stage0") is not None:
-            raise DeskfleetError("a paged ring does not host stage 0 in the coordinator; start every stage as "
-                                 "a worker")
+    def __init__(self, *args, block_size: int, local_stage0: PagedStage | None = None, **kwargs):
         super().__init__(*args, **kwargs)
+        if local_stage0 is not None:
+            if local_stage0.index != 0 or local_stage0.is_last:
+                raise DeskfleetError("a paged ring's local stage must be stage 0 of a ring of two or more stages")
+            if local_stage0.block_size != block_size or not local_stage0.pool_blocks:
+                raise DeskfleetError(f"the local stage 0 must hold an allocated pool of {block_size}-token blocks")
+        self.stage0 = local_stage0
+        self._stage0_thread = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="deskfleet-paged-stage0")
+                               if local_stage0 is not None else None)
         self.block_size = block_size
         self.results: asyncio.Queue[PagedOutcome] = asyncio.Queue()  # type: ignore[assignment]
         self.session = StreamId(next(_sessions))
@@ -65,13 +80,39 @@ class PagedRingPath(RingPath):
             self._stage_ms.append(outcome.stage_ms)
         self.results.put_nowait(outcome)
 
+    @property
+    def hosts_stage0(self) -> bool:
+        return self.stage0 is not None
+
     async def async_submit(self, step: PagedStep) -> None:  # type: ignore[override]
         if self._out is None:
             raise DeskfleetError("the ring is not connected; start the path first")
         padded = np.zeros(step.plan.padded_tokens, dtype=np.int64)
         padded[: step.token_ids.shape[0]] = step.token_ids
         self._step_sent[step.seq] = time.perf_counter()
-        await self._out.async_send(Step(self.session, step.seq, step.plan, padded))
+        frame = Step(self.session, step.seq, step.plan, padded)
+        if self.stage0 is not None:
+            try:
+                hidden, ms = await asyncio.get_running_loop().run_in_executor(self._stage0_thread, self._run_stage0,
+                                                                              step, padded)
+            except Exception as exc:  # a bad plan or an OpenVINO failure: the step failed, the path lives
+                self._answer(PagedOutcome.failed(step.seq, f"stage 0 (in the coordinator): {exc}"))
+                return
+            frame = frame.passed_on(hidden, ms)
+        out = self._out  # a failover may have replaced it while stage 0 computed
+        if out is None or out.closed:
+            raise DeskfleetError("the connection to the first remote stage is closed")
+        try:
+            await out.async_send(frame)
+        except OSError as exc:
+            raise DeskfleetError(f"sending step {step.seq} to the first remote stage failed: {exc}") from exc
+
+    def _run_stage0(self, step: PagedStep, padded: np.ndarray) -> tuple[np.ndarray, float]:
+        """Stage 0's infer for ``step`` (on its thread): hidden states float32 [Tb, H] and its ms."""
+        assert self.stage0 is not None
+        started = time.perf_counter()
+        hidden = self.stage0.run(step.plan, padded)
+        return hidden, 1000 * (time.perf_counter() - started)
 
     async def async_reconnect(self, first_remote=None, peers=None) -> None:
         """Dial the first stage again (after a failover) under a new session; the old session's
@@ -89,6 +130,8 @@ class PagedRingPath(RingPath):
             with contextlib.suppress(DeskfleetError, OSError):
                 await self._out.async_send(Release(self.session))
         await super().async_close()
+        if self._stage0_thread is not None:
+            self._stage0_thread.shutdown(wait=True)
 
     def stage_metrics(self) -> dict[str, float]:
         out = super().stage_metrics()

@@ -152,10 +152,15 @@ class RingPath:
             self._listening = True
         return self.return_address
 
+    @property
+    def hosts_stage0(self) -> bool:
+        """Stage 0 runs in this process: the first remote stage is stage 1, greeted as a stage."""
+        return self.local_stage0 is not None
+
     async def async_start(self) -> None:
         await self.async_listen()
-        first_index = 1 if self.local_stage0 is not None else 0
-        role = Role.STAGE if self.local_stage0 is not None else Role.COORDINATOR
+        first_index = 1 if self.hosts_stage0 else 0
+        role = Role.STAGE if self.hosts_stage0 else Role.COORDINATOR
         hello = Hello(self.fingerprint, first_index, role)
         self._out = await async_connect(self.first_remote.host, self.first_remote.port, hello,
                                         ssl=self._client_ssl, deadline=self._dial_deadline,

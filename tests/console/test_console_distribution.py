@@ -1,12 +1,15 @@
 """Distribution end to end on loopback: a real fleet host, two real in-process agents joined with
 join tokens, real stage-worker processes, mutual TLS everywhere. A 3-stage export with stage 0 in
-the console (decided by the plan) and a 2-stage export entirely on agents both generate exactly
-what the unsplit model generates; a failed fetch is reported by agent name and a re-run resumes
-without sending verified files again; the OpenAI API on the resulting coordinator answers the
-real `openai` client; closing stops every worker."""
+the console (decided by the plan; paged, stage 0 in the console's process) and a 2-stage export
+entirely on agents both generate exactly what the unsplit model generates — paged, three chats at
+once and a follow-up turn reusing its conversation's blocks, with the ring's pool sized by the
+smaller agent's KV budget; and stateful (the identity reference). A failed fetch is reported by
+agent name and a re-run resumes without sending verified files again; the OpenAI API on the
+resulting coordinator answers the real `openai` client; closing stops every worker."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from dataclasses import replace
 from pathlib import Path
@@ -19,8 +22,11 @@ from agent.service.settings import AgentSettings
 from console.service.distribution import Distributor
 from console.service.errors import AgentsFailedError, LayoutError
 from console.service.ring_layout import AgentEndpoint, AgentTarget, RingLayout
+from console.service.ring_runtime import stage_pool_blocks
 from engine.api.server import ApiSettings, async_run_api
 from engine.control.messages import WorkerSettings
+from engine.coordinator.batch_coordinator import BatchCoordinator
+from engine.coordinator.coordinator import Coordinator
 from engine.generation.request import GenerationRequest
 from engine.generation.tokenizer import ChatTokenizer
 from engine.placement.planner import Plan, PlannedStage
@@ -45,12 +51,13 @@ def _plan(*stages: tuple[str, int, int]) -> Plan:
 
 
 @contextlib.asynccontextmanager
-async def _agents(tmp_path: Path, con, names: tuple[str, ...]):
-    """Started, joined agents on loopback with OS-chosen control ports."""
+async def _agents(tmp_path: Path, con, names: tuple[str, ...], pool_mb: tuple[int, ...] = ()):
+    """Started, joined agents on loopback with OS-chosen control ports (``pool_mb``: their KV budgets)."""
     agents = []
     try:
-        for name in names:
-            settings = AgentSettings(name=name, interface="127.0.0.1", control_port=0, data_port=0)
+        for i, name in enumerate(names):
+            settings = AgentSettings(name=name, interface="127.0.0.1", control_port=0, data_port=0,
+                                     kv_pool_mb=pool_mb[i] if i < len(pool_mb) else 64)
             agent = AgentService(tmp_path / name, settings, idle_source=FakeIdle(1e6), power=lambda: None)
             agents.append(agent)
             await agent.async_start()
@@ -112,6 +119,8 @@ def test_three_stages_with_stage0_in_the_console_resume_after_a_failed_fetch_and
                 assert con.api_key and all(a.assignment.api_key == con.api_key for a in agents)  # for the tray's chat
 
                 tokens = await collect(dist.coordinator, GenerationRequest(PROMPT_IDS, N, ignore_eos=True))
+                assert isinstance(dist.coordinator, BatchCoordinator)  # paged, stage 0 in this process
+                assert dist.coordinator.metrics()['stage_compute_ms_per_step{stage="0"}'] > 0
 
                 api = await async_run_api(dist.coordinator, ChatTokenizer(dist.tokenizer_dir), ApiSettings())
                 try:
@@ -135,32 +144,61 @@ def test_three_stages_with_stage0_in_the_console_resume_after_a_failed_fetch_and
     assert completion.choices[0].finish_reason == ("length" if len(expected) == N else "stop")
 
 
-def test_two_stages_on_two_agents_match_the_unsplit_model(tmp_path, tiny_export, unsplit_greedy):
+CHATS = (PROMPT_IDS, tuple(range(40, 90)), PROMPT_IDS[:7])  # the second fills a whole KV block
+
+
+@pytest.mark.parametrize("runtime", ["paged", pytest.param("stateful", marks=pytest.mark.slow)])
+def test_two_stages_on_two_agents_serve_concurrent_chats_as_the_unsplit_model(tmp_path, tiny_export, unsplit_greedy,
+                                                                               runtime):
     export = tiny_export("llama", 2)
+    manifest = load_manifest(export)
+    budgets = (48, 24)  # MiB: desk-b's budget sizes the ring's pool
 
     async def main():
-        async with console(tmp_path / "console") as con, _agents(tmp_path, con, ("desk-a", "desk-b")) as agents:
+        async with console(tmp_path / "console") as con, \
+                _agents(tmp_path, con, ("desk-a", "desk-b"), budgets) as agents:
             layout = RingLayout.of([AgentTarget(f"127.0.0.1:{a.control_port}", stage, free_port(), a.settings.name)
                                     for stage, a in enumerate(agents)])
             assert not layout.local_stage0
             progress = []
-            async with Distributor(con, export, layout, worker=WORKER, on_progress=progress.append) as dist:
+            async with Distributor(con, export, layout, worker=WORKER, on_progress=progress.append,
+                                   runtime=runtime) as dist:
                 health = await dist.async_run()
                 assert health.ok and not health.local_stage0
                 assert _fetch_complete(progress, "desk-a") and _fetch_complete(progress, "desk-b")
                 served = con.hub.bytes_served
                 assert served == _stage_bytes(export, 0) + _stage_bytes(export, 1)
-                tokens = await collect(dist.coordinator, GenerationRequest(PROMPT_IDS, N, ignore_eos=True))
+                assert [a.assignment.runtime for a in agents] == [runtime, runtime]
+                assert [a.status().kv_pool_mb for a in agents] == list(budgets)
+                # three chats at once, then a follow-up turn of the second one
+                answers = await asyncio.gather(*(collect(dist.coordinator, GenerationRequest(p, N, ignore_eos=True))
+                                                 for p in CHATS))
+                follow_up = (*CHATS[1], *answers[1], 5, 6)
+                answers.append(await collect(dist.coordinator, GenerationRequest(follow_up, N, ignore_eos=True)))
+                metrics = dist.coordinator.metrics()
+                coordinator = dist.coordinator
                 pids = [a.worker_pid for a in agents]
                 again = await dist.async_run()  # already up: only checked
                 assert again.ok and con.hub.bytes_served == served and [a.worker_pid for a in agents] == pids
                 first_fetching = next(p for p in progress
                                       if p.agent == "desk-a" and p.phase in ("fetching", "verified"))
                 assert first_fetching.total_bytes == _stage_bytes(export, 0)
+                pool = dist.pool_blocks
             assert all(a.status().worker.state == "stopped" for a in agents)
-            return tokens
+            return answers, follow_up, metrics, coordinator, pool
 
-    assert tuple(run(main())) == unsplit_greedy(PROMPT_IDS, N)
+    answers, follow_up, metrics, coordinator, pool = run(main())
+    for prompt, tokens in zip((*CHATS, follow_up), answers, strict=True):
+        assert tuple(tokens) == unsplit_greedy(prompt, N)
+    if runtime == "paged":
+        assert isinstance(coordinator, BatchCoordinator)
+        assert pool == stage_pool_blocks(manifest, WORKER, 1, "desk-b", budgets[1]) < \
+            stage_pool_blocks(manifest, WORKER, 0, "desk-a", budgets[0])
+        assert metrics["kv_blocks_total"] == pool - 4  # the scratch blocks apart
+        assert metrics["prefix_hits_total"] >= 1  # the follow-up reused its conversation's full blocks
+        assert metrics["requests_failed_total"] == 0
+    else:
+        assert isinstance(coordinator, Coordinator)
 
 
 def test_layouts_that_cannot_make_a_ring_are_refused_with_the_reason():

@@ -1,16 +1,18 @@
 """Failover of the console's ring under load, end to end on loopback: a real fleet host, real
 in-process agents joined with tokens, real stage-worker processes, mutual TLS everywhere. Four
-greedy streams decode through a 2-stage ring on two agents while one agent is paused, its
-worker SIGKILLed, or the agent gone altogether (unplugged); its stage comes back in place or moves
-to a standby agent, and every answer is identical to the undisturbed unsplit run, with no request
-lost. Without a standby the streams wait
-for the hold time (a resume within it saves them) and then fail with an error that says why."""
+greedy streams decode through a 2-stage ring on two agents (paged: batched in one step per
+stage; one case on the stateful runtime too) while one agent is paused, its worker SIGKILLed, or
+the agent gone altogether (unplugged); its stage comes back in place or moves to a standby agent,
+and every answer is identical to the undisturbed unsplit run, with no request lost. Without a
+standby the streams wait for the hold time (a resume within it saves them) and then fail with an
+error that says why. A standby whose KV budget cannot hold the paged ring's pool is refused by name."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import time
 from dataclasses import replace
@@ -38,9 +40,11 @@ from console.service.failover_plan import (
     ring_alarm,
 )
 from console.service.ring_layout import AgentEndpoint, AgentTarget, RingLayout
+from console.service.ring_runtime import PoolBudgetRefusedError, pool_refusal, ring_pool_blocks, stage_pool_blocks
 from engine.control.messages import WorkerSettings
 from engine.generation.generator import UnavailableError
 from engine.generation.request import GenerationRequest
+from engine.shards.manifest import load_manifest
 from tests.conftest import PROMPT_IDS
 from tests.support.agent_helpers import FakeIdle, console
 from tests.support.asyncutil import run
@@ -55,7 +59,7 @@ pytestmark = pytest.mark.usefixtures("private_keyring")
 
 
 @contextlib.asynccontextmanager
-async def _ring(tmp_path: Path, export: Path, settings: FailoverSettings, *, standby: bool):
+async def _ring(tmp_path: Path, export: Path, settings: FailoverSettings, *, standby: bool, runtime: str = "paged"):
     """desk-a serves stage 0, desk-b stage 1, desk-c (if ``standby``) waits; yields the running
     distributor and the agents by name."""
     async with console(tmp_path / "console") as con:
@@ -63,7 +67,7 @@ async def _ring(tmp_path: Path, export: Path, settings: FailoverSettings, *, sta
         try:
             for name in ("desk-a", "desk-b", "desk-c") if standby else ("desk-a", "desk-b"):
                 agent = AgentService(tmp_path / name, AgentSettings(name=name, interface="127.0.0.1", control_port=0,
-                                                                    data_port=0),
+                                                                    data_port=0, kv_pool_mb=32),
                                      idle_source=FakeIdle(1e6), power=lambda: None)
                 agents[name] = agent
                 await agent.async_start()
@@ -72,7 +76,8 @@ async def _ring(tmp_path: Path, export: Path, settings: FailoverSettings, *, sta
             layout = RingLayout.of([AgentTarget(control["desk-a"], 0, free_port(), "desk-a"),
                                     AgentTarget(control["desk-b"], 1, free_port(), "desk-b")])
             spare = [AgentEndpoint(control["desk-c"], free_port(), "desk-c")] if standby else []
-            async with Distributor(con, export, layout, worker=WORKER, standby=spare, failover=settings) as dist:
+            async with Distributor(con, export, layout, worker=WORKER, standby=spare, failover=settings,
+                                   runtime=runtime) as dist:
                 assert (await dist.async_run()).ok
                 yield dist, agents
         finally:
@@ -107,10 +112,11 @@ async def _generate_disturbed(dist: Distributor, disturb, *, after: int = 8):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how, stage, grace", [("pause", 1, 30.0), ("pause", 0, 30.0), ("kill", 1, 30.0),
-                                               ("kill", 0, 0.0), ("unplug", 1, 30.0)])
+@pytest.mark.parametrize("how, stage, grace, runtime", [
+    ("pause", 1, 30.0, "paged"), ("pause", 0, 30.0, "paged"), ("kill", 1, 30.0, "paged"), ("kill", 0, 0.0, "paged"),
+    ("unplug", 1, 30.0, "paged"), ("kill", 0, 0.0, "stateful")])
 def test_a_lost_stage_comes_back_or_moves_to_the_standby_and_answers_are_identical(
-        tmp_path, tiny_export, unsplit_greedy, how, stage, grace):
+        tmp_path, tiny_export, unsplit_greedy, how, stage, grace, runtime):
     export = tiny_export("llama", 2)
     # a pause is heard from the hub, a dead or restarted worker seen by the ring watch: both long
     # before this step timeout
@@ -119,7 +125,7 @@ def test_a_lost_stage_comes_back_or_moves_to_the_standby_and_answers_are_identic
     victim_name = ("desk-a", "desk-b")[stage]
 
     async def main():
-        async with _ring(tmp_path, export, settings, standby=True) as (dist, agents):
+        async with _ring(tmp_path, export, settings, standby=True, runtime=runtime) as (dist, agents):
             victim = agents[victim_name]
             pid = victim.worker_pid
 
@@ -136,10 +142,15 @@ def test_a_lost_stage_comes_back_or_moves_to_the_standby_and_answers_are_identic
             labels = [t.label for t in dist.layout.targets]
             states = {name: a.status() for name, a in agents.items()}
             spares = [e.name for e in dist.recovery.standby]
+            assert [a.assignment.runtime for a in agents.values() if a.assignment] == \
+                [runtime] * len([a for a in agents.values() if a.assignment])
             return got, errors, at_disturbance, tail_s, dist.coordinator.metrics(), list(dist.recovery.moves), \
                 health, labels, states, pid, spares
 
     got, errors, at_disturbance, tail_s, metrics, moves, health, labels, states, pid, spares = run(main())
+    assert ("kv_blocks_total" in metrics) == (runtime == "paged")
+    if runtime == "paged":
+        assert metrics["sched_replays_total"] >= 1 and metrics["kv_blocks_used"] == 0
     assert not errors
     assert all(n < N for n in at_disturbance.values())  # every stream was mid-answer
     for prompt in PROMPTS:
@@ -208,6 +219,19 @@ def test_without_a_standby_streams_wait_for_a_resume_then_fail_clearly_after_the
 
 
 # -- the decisions, without sockets ------------------------------------------------------------------
+
+def test_the_paged_pool_is_the_tightest_budget_and_a_smaller_standby_is_refused_by_name(tiny_export):
+    manifest = load_manifest(tiny_export("llama", 2))
+    blocks = {mb: stage_pool_blocks(manifest, WORKER, 1, "desk-b", mb) for mb in (16, 32)}
+    assert blocks[16] < blocks[32]
+    assert ring_pool_blocks(manifest, WORKER, [(0, "desk-a", 32), (1, "desk-b", 16)]) == blocks[16]
+    assert pool_refusal(manifest, WORKER, 1, "desk-c", 32, blocks[16]) is None
+    why = pool_refusal(manifest, WORKER, 1, "desk-c", 16, blocks[32])
+    assert why is not None and f"fewer than the ring's {blocks[32]}" in why
+    assert re.search(r"kv_pool_mb to at least \d+ MiB", why)
+    with pytest.raises(PoolBudgetRefusedError, match="desk-b .stage 1. gives its KV pool 0 MiB"):
+        ring_pool_blocks(manifest, WORKER, [(0, "desk-a", 32), (1, "desk-b", 0)])
+
 
 C = AgentEndpoint("10.0.0.9:7210", 7211, "desk-c")
 D = AgentEndpoint("10.0.0.10:7210", 7211, "desk-d")
