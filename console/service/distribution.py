@@ -139,6 +139,7 @@ class Distributor:
         # applied to the console's own hops: to the first agent, and the last agent's way back.
         self._data_hop = data_hop
         self._return_dial: Address | None = None
+        self._first_address: Address | None = None  # the first remote stage's own address (before data_hop)
         self._coordinator: Coordinator | BatchCoordinator | None = None
         self._background: set[asyncio.Task] = set()
         for target in layout.targets:  # refuse here what an agent would refuse with a 400
@@ -237,10 +238,15 @@ class Distributor:
             return str(exc)
 
     async def async_redial(self, path: RingPath) -> None:
-        """Every stage serves again: redial the first stage (in this process: nothing to dial)."""
-        first = None if self.layout.local_stage0 else Address(self.layout.targets[0].host,
-                                                               self.layout.targets[0].data_port)
-        await asyncio.wait_for(path.async_reconnect(first), self.timeouts.dial_s + 5)
+        """Every stage serves again: redial the first remote stage (the first agent's, stage 1 when
+        the console hosts stage 0), through ``data_hop`` when it moved; the same hop otherwise."""
+        first = self.layout.targets[0]
+        address = Address(first.host, first.data_port)
+        dial = None
+        if address != self._first_address:
+            dial = await self._data_hop(address) if self._data_hop is not None else address
+            self._first_address = address
+        await asyncio.wait_for(path.async_reconnect(dial), self.timeouts.dial_s + 5)
 
     async def async_move(self, layout: RingLayout, released: Sequence[AgentEndpoint]) -> tuple[AgentFailure, ...]:
         """Serve the same stages on ``layout`` (a failover moved some; LayoutError if it cannot).
@@ -442,7 +448,7 @@ class Distributor:
         if self._path is None:
             first = self.layout.targets[0]
             creds = self.host.credentials
-            first_remote = Address(first.host, first.data_port)
+            first_remote = self._first_address = Address(first.host, first.data_port)
             if self._data_hop is not None:
                 first_remote = await self._data_hop(first_remote)
             ends = {"server_ssl": creds.server_context(), "client_ssl": creds.client_context(),

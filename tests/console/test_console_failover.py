@@ -1,7 +1,8 @@
 """Failover of the console's ring under load, end to end on loopback: a real fleet host, real
 in-process agents joined with tokens, real stage-worker processes, mutual TLS everywhere. Four
 greedy streams decode through a 2-stage ring on two agents (paged: batched in one step per
-stage; one case on the stateful runtime too) while one agent is paused, its worker SIGKILLed, or
+stage; one case on the stateful runtime, one on a 3-stage paged ring whose stage 0 runs in the
+console) while one agent is paused, its worker SIGKILLed, or
 the agent gone altogether (unplugged); its stage comes back in place or moves to a standby agent,
 and every answer is identical to the undisturbed unsplit run, with no request lost. Without a
 standby the streams wait for the hold time (a resume within it saves them) and then fail with an
@@ -59,9 +60,10 @@ pytestmark = pytest.mark.usefixtures("private_keyring")
 
 
 @contextlib.asynccontextmanager
-async def _ring(tmp_path: Path, export: Path, settings: FailoverSettings, *, standby: bool, runtime: str = "paged"):
-    """desk-a serves stage 0, desk-b stage 1, desk-c (if ``standby``) waits; yields the running
-    distributor and the agents by name."""
+async def _ring(tmp_path: Path, export: Path, settings: FailoverSettings, *, standby: bool, runtime: str = "paged",
+                first: int = 0):
+    """desk-a serves stage ``first`` (1: the console hosts stage 0), desk-b the next, desk-c (if
+    ``standby``) waits; yields the running distributor and the agents by name."""
     async with console(tmp_path / "console") as con:
         agents: dict[str, AgentService] = {}
         try:
@@ -73,8 +75,8 @@ async def _ring(tmp_path: Path, export: Path, settings: FailoverSettings, *, sta
                 await agent.async_start()
                 await agent.async_join(con.enrollment, con.token())
             control = {name: f"127.0.0.1:{a.control_port}" for name, a in agents.items()}
-            layout = RingLayout.of([AgentTarget(control["desk-a"], 0, free_port(), "desk-a"),
-                                    AgentTarget(control["desk-b"], 1, free_port(), "desk-b")])
+            layout = RingLayout.of([AgentTarget(control["desk-a"], first, free_port(), "desk-a"),
+                                    AgentTarget(control["desk-b"], first + 1, free_port(), "desk-b")])
             spare = [AgentEndpoint(control["desk-c"], free_port(), "desk-c")] if standby else []
             async with Distributor(con, export, layout, worker=WORKER, standby=spare, failover=settings,
                                    runtime=runtime) as dist:
@@ -112,20 +114,23 @@ async def _generate_disturbed(dist: Distributor, disturb, *, after: int = 8):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how, stage, grace, runtime", [
+@pytest.mark.parametrize("how, agent, grace, runtime", [
     ("pause", 1, 30.0, "paged"), ("pause", 0, 30.0, "paged"), ("kill", 1, 30.0, "paged"), ("kill", 0, 0.0, "paged"),
-    ("unplug", 1, 30.0, "paged"), ("kill", 0, 0.0, "stateful")])
+    ("unplug", 1, 30.0, "paged"), ("kill", 0, 0.0, "stateful"), ("kill", 0, 0.0, "paged-stage0-in-console")])
 def test_a_lost_stage_comes_back_or_moves_to_the_standby_and_answers_are_identical(
-        tmp_path, tiny_export, unsplit_greedy, how, stage, grace, runtime):
-    export = tiny_export("llama", 2)
+        tmp_path, tiny_export, unsplit_greedy, how, agent, grace, runtime):
+    first = 1 if runtime == "paged-stage0-in-console" else 0  # the console hosts stage 0: a 3-stage export
+    runtime = runtime.split("-")[0]
+    export = tiny_export("llama", 2 + first)
+    stage = agent + first
     # a pause is heard from the hub, a dead or restarted worker seen by the ring watch: both long
     # before this step timeout
     step_timeout = 30.0
     settings = FailoverSettings(step_timeout_s=step_timeout, hold_s=60.0, restart_grace_s=grace, move_s=120.0)
-    victim_name = ("desk-a", "desk-b")[stage]
+    victim_name = ("desk-a", "desk-b")[agent]
 
     async def main():
-        async with _ring(tmp_path, export, settings, standby=True, runtime=runtime) as (dist, agents):
+        async with _ring(tmp_path, export, settings, standby=True, runtime=runtime, first=first) as (dist, agents):
             victim = agents[victim_name]
             pid = victim.worker_pid
 
@@ -151,6 +156,8 @@ def test_a_lost_stage_comes_back_or_moves_to_the_standby_and_answers_are_identic
     assert ("kv_blocks_total" in metrics) == (runtime == "paged")
     if runtime == "paged":
         assert metrics["sched_replays_total"] >= 1 and metrics["kv_blocks_used"] == 0
+    if first:  # stage 0 ran in the console before and after the move of stage 1
+        assert metrics['stage_compute_ms_per_step{stage="0"}'] > 0 and metrics["stages"] == 3
     assert not errors
     assert all(n < N for n in at_disturbance.values())  # every stream was mid-answer
     for prompt in PROMPTS:
@@ -162,7 +169,7 @@ def test_a_lost_stage_comes_back_or_moves_to_the_standby_and_answers_are_identic
     if moved:
         assert [(m.stage, m.from_agent, m.to_agent) for m in moves] == [(stage, victim_name, "desk-c")]
         expected = ["desk-a", "desk-b"]
-        expected[stage] = "desk-c"
+        expected[agent] = "desk-c"
         assert labels == expected
         assert states["desk-c"].worker.state == "running" and states["desk-c"].stage == stage
         assert states[victim_name].worker.state == "stopped"  # it does not serve beside its replacement
