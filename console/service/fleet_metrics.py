@@ -64,7 +64,8 @@ def stage_breakdown(plan: Plan | None, metrics: Mapping[str, float], names: Mapp
     hop_names = ["console", *(names.get(s.pc_id, s.pc_id[:12]) for s in plan.stages), "console"]
     for k, stage in enumerate(plan.stages):
         rows.append(StageTime(f"hop {hop_names[k]} → {hop_names[k + 1]}", "network", plan.hop_ms[k]))
-        measured = local if k == 0 and local_stage0 else None
+        # measured where the coordinator hears it: stage 0 in this process, every stage of a paged ring
+        measured = metrics.get(f'stage_compute_ms_per_step{{stage="{k}"}}')
         rows.append(StageTime(f"stage {k} on {hop_names[k + 1]} (layers {stage.first_layer}-{stage.last_layer})",
                               "compute", stage.compute_ms, measured))
     rows.append(StageTime(f"hop {hop_names[-2]} → console", "network", plan.hop_ms[-1]))
