@@ -4,7 +4,8 @@ the console (decided by the plan; paged, stage 0 in the console's process) and a
 entirely on agents both generate exactly what the unsplit model generates — paged, three chats at
 once and a follow-up turn reusing its conversation's blocks, with the ring's pool sized by the
 smaller agent's KV budget; and stateful (the identity reference). A failed fetch is reported by
-agent name and a re-run resumes without sending verified files again; the OpenAI API on the
+agent name and a re-run resumes without sending verified files again, and so is an agent too old
+to serve paged, before anything is fetched; the OpenAI API on the
 resulting coordinator answers the real `openai` client; closing stops every worker."""
 
 from __future__ import annotations
@@ -199,6 +200,40 @@ def test_two_stages_on_two_agents_serve_concurrent_chats_as_the_unsplit_model(tm
         assert metrics["requests_failed_total"] == 0
     else:
         assert isinstance(coordinator, Coordinator)
+
+
+class _OldAgent(AgentService):
+    """An agent from before paged rings: its status carries no KV pool budget."""
+
+    def status(self):
+        return replace(super().status(), kv_pool_mb=None)
+
+
+@pytest.mark.slow
+def test_an_agent_too_old_for_a_paged_ring_is_named_before_anything_is_fetched(tmp_path, tiny_export):
+    export = tiny_export("llama", 2)
+
+    async def main():
+        async with console(tmp_path / "console") as con, _agents(tmp_path, con, ("desk-a",)) as agents:
+            old = _OldAgent(tmp_path / "desk-old", AgentSettings(name="desk-old", interface="127.0.0.1", control_port=0,
+                                                                  data_port=0), idle_source=FakeIdle(1e6),
+                            power=lambda: None)
+            await old.async_start()
+            try:
+                await old.async_join(con.enrollment, con.token())
+                layout = RingLayout.of([AgentTarget(f"127.0.0.1:{a.control_port}", stage, free_port(), a.settings.name)
+                                        for stage, a in enumerate((agents[0], old))])
+                async with Distributor(con, export, layout, worker=WORKER) as dist:
+                    with pytest.raises(AgentsFailedError) as failed:
+                        await dist.async_run()
+                return failed.value, con.hub.bytes_served
+            finally:
+                await old.async_close()
+
+    failed, served = run(main())
+    assert [(f.agent, f.stage) for f in failed.failures] == [("desk-old", 1)]
+    assert "too old to serve a paged ring" in str(failed) and "stateful runtime" in str(failed)
+    assert served == 0
 
 
 def test_layouts_that_cannot_make_a_ring_are_refused_with_the_reason():
