@@ -330,10 +330,12 @@ class BatchCoordinator:
             error = UnavailableError(f"a stage stopped answering ({reason}) and {detail}; retry when the fleet "
                                      "is back")
             self._carry_out(self.scheduler.fail_all(error))
+            log.warning("failover failed: %s", detail)
+        else:
+            log.info("ring recovered; replaying the held streams")
         finally:
             self._recovering = False
             self._wake.set()
-        log.info("ring recovered; replaying the held streams")
 
     # -- metrics --------------------------------------------------------------------------------
 
