@@ -26,7 +26,8 @@ def test_batched_streams_through_worker_processes_match_solo_greedy(tiny_export,
     prompts = [PROMPT_IDS, PROMPT_IDS[:7], tuple(range(40, 90)), PROMPT_IDS[::-1], (5, 6)]
 
     async def main():
-        async with paged_local_fleet(export, exact=True, kv_pool_bytes=POOL, prefill_chunk=5, token_budget=16) as c:
+        async with paged_local_fleet(export, exact=True, kv_pool_bytes=POOL, prefill_chunk=5, token_budget=16,
+                                     lanes=2) as c:  # two micro-batches in flight, as on separate PCs
             got = await asyncio.gather(*(collect(c, GenerationRequest(p, 16, ignore_eos=True)) for p in prompts))
             await c.async_wait_idle()
             return got, c.metrics()
