@@ -25,15 +25,15 @@ from engine.shards.step_path import last_stage_top1
 from engine.static.packed_stage import StaticStage
 from engine.trust.peer_policy import PeerPolicy
 from engine.wire.address import Address
-from engine.wire.format import ErrorCode, StreamId
+from engine.wire.format import ErrorCode
 from engine.wire.messages import Error, Forward, Message, Packed, Release, Step, Tokens
-from engine.wire.stage_server import StageServer, stage_frame_bound
+from engine.wire.stage_server import SessionServer, stage_frame_bound
 from engine.wire.transport import Connection
 
 log = logging.getLogger(__name__)
 
 
-class PackedStageWorker(StageServer):
+class PackedStageWorker(SessionServer):
     """Serves one static stage; ``next_address`` is the next stage, or the coordinator's return port."""
 
     def __init__(self, stage: StaticStage, listen: Address, next_address: Address, *,
@@ -46,22 +46,10 @@ class PackedStageWorker(StageServer):
                          thread_name=f"deskfleet-static{stage.spec.index}", peers=peers,
                          max_frame_bytes=stage_frame_bound(model.hidden_size, model.max_position_embeddings),
                          **listener_options)
-        self.session: StreamId | None = None
-        self._owner: Connection | None = None  # the upstream connection whose session this is
-
-    @property
-    def stream_count(self) -> int:
-        return int(self.session is not None)
 
     async def _handle(self, conn: Connection, msg: Message) -> None:
-        if isinstance(msg, Packed | Release) and self._owner is not None and self._owner is not conn:
-            if not self._owner.closed:
-                log.warning("static stage %d: refused %s from %s: another connection owns the session",
-                            self.index, type(msg).__name__, conn.peername)
-                await conn.async_send(Error(ErrorCode.UNKNOWN_STREAM, "this connection holds no session here",
-                                            msg.stream_id, msg.seq))
-                return
-            self._owner = conn  # the owner's connection ended: the session goes to whoever carries it on
+        if isinstance(msg, Packed | Release) and not await self._carried_by(conn, msg, msg.stream_id):
+            return
         match msg:
             case Packed():
                 self._owner = conn

@@ -22,11 +22,13 @@ from engine.wire.format import (
     MAX_FRAME_BYTES,
     MIN_FRAME_BOUND,
     PACKED_META,
+    ErrorCode,
     Role,
+    StreamId,
 )
 from engine.wire.frame_server import FrameServer
 from engine.wire.handshake import LocalIdentity
-from engine.wire.messages import Message
+from engine.wire.messages import Error, Message
 from engine.wire.transport import PING_INTERVAL, Connection
 
 log = logging.getLogger(__name__)
@@ -136,3 +138,36 @@ class StageServer:
         await self._server.async_close()
         await self.downstream.async_close()
         self._executor.shutdown(wait=True)
+
+
+class SessionServer(StageServer):
+    """A stage whose state is one *session* at a time (the static and the paged workers): the
+    session belongs to the upstream connection that opened it; another connection's frames are
+    refused while that one is open, and once it has ended the next connection to carry frames
+    takes the session over."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.session: StreamId | None = None
+        self._owner: Connection | None = None  # the upstream connection whose session this is
+
+    @property
+    def stream_count(self) -> int:
+        """Sessions held (0 or 1): what a draining worker waits to reach 0."""
+        return int(self.session is not None)
+
+    async def _carried_by(self, conn: Connection, msg: Message, session: StreamId) -> bool:
+        """True when ``conn`` may carry ``msg`` (a frame of ``session``): it owns the session, nobody
+        does, or the owner's connection has ended (``conn`` takes over). Otherwise the frame is
+        refused to ``conn`` (never passed on, so it cannot reach the coordinator) and False."""
+        owner = self._owner
+        if owner is None or owner is conn:
+            return True
+        if owner.closed:
+            self._owner = conn
+            return True
+        log.warning("stage %d: refused %s from %s: another connection owns the session", self.index,
+                    type(msg).__name__, conn.peername)
+        await conn.async_send(Error(ErrorCode.UNKNOWN_STREAM, "this connection holds no session here", session,
+                                    getattr(msg, "seq", 0)))
+        return False

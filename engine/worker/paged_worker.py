@@ -30,7 +30,7 @@ from engine.trust.peer_policy import PeerPolicy
 from engine.wire.address import Address
 from engine.wire.format import ErrorCode, StreamId
 from engine.wire.messages import Error, Forward, Message, Packed, Release, Step, StepReply
-from engine.wire.stage_server import StageServer
+from engine.wire.stage_server import SessionServer
 from engine.wire.step_codec import step_frame_bound
 from engine.wire.step_plan import GPU_BLOCK_SIZE, MAX_STEP_ROWS, MAX_STEP_TOKENS, StepPlan, blocks_needed
 from engine.wire.transport import Connection
@@ -47,7 +47,7 @@ def paged_frame_bound(hidden_size: int, context: int, max_step_tokens: int = DEF
                             MAX_STEP_ROWS * blocks_needed(context, GPU_BLOCK_SIZE))
 
 
-class PagedStageWorker(StageServer):
+class PagedStageWorker(SessionServer):
     """Serves one paged stage; ``next_address`` is the next stage, or the coordinator's return port."""
 
     def __init__(self, stage: PagedStage, listen: Address, next_address: Address, *, kv_pool_bytes: int,
@@ -63,23 +63,10 @@ class PagedStageWorker(StageServer):
                          max_frame_bytes=paged_frame_bound(model.hidden_size, model.max_position_embeddings,
                                                            max_step_tokens),
                          **listener_options)
-        self.session: StreamId | None = None
-        self._owner: Connection | None = None  # the upstream connection whose session this is
-
-    @property
-    def stream_count(self) -> int:
-        """Sessions held (0 or 1): what a draining worker waits to reach 0."""
-        return int(self.session is not None)
 
     async def _handle(self, conn: Connection, msg: Message) -> None:
-        if isinstance(msg, Step | Release) and self._owner is not None and self._owner is not conn:
-            if not self._owner.closed:
-                log.warning("paged stage %d: refused %s from %s: another connection owns the session",
-                            self.index, type(msg).__name__, conn.peername)
-                await conn.async_send(Error(ErrorCode.UNKNOWN_STREAM, "this connection holds no session here",
-                                            _session_of(msg), msg.seq))
-                return
-            self._owner = conn  # the owner's connection ended: the session goes to whoever carries it on
+        if isinstance(msg, Step | Release) and not await self._carried_by(conn, msg, _session_of(msg)):
+            return
         match msg:
             case Step():
                 self._owner = conn
