@@ -27,9 +27,9 @@ import openvino as ov
 import openvino.opset13 as ops
 
 from engine.errors import GenerationError, ShardCompileError
-from engine.shards.manifest import Manifest, ir_paths, load_manifest, verify_stage
+from engine.shards.manifest import Manifest, load_manifest
 from engine.shards.paged_step import PagedOutcome, PagedStep
-from engine.shards.stage import read_verified_model, stage_properties
+from engine.shards.stage import open_stage_model
 from engine.shards.step_path import last_stage_top1
 from engine.wire.step_plan import CPU_BLOCK_SIZE, GPU_BLOCK_SIZE, StepPlan, blocks_needed
 
@@ -162,15 +162,12 @@ class PagedStage:
             raise PagedStageError(f"{root} is a static (NPU-target) export; paged stages serve CPU and GPU exports")
         if not 0 <= index < len(self.manifest.stages):
             raise GenerationError(f"{root} has stages 0..{len(self.manifest.stages) - 1}, not {index}")
-        spec = self.manifest.stages[index]
-        self.spec = verify_stage(root, self.manifest, index, skip=frozenset(ir_paths(spec.xml))) if verify else spec
         self.device = device
         self.block_size = DEVICE_BLOCK_SIZE.get(device.split(".")[0], CPU_BLOCK_SIZE)
-        self.properties = stage_properties(self.spec, exact, num_threads, properties)
-        if cache_dir is not None:
-            self.properties = {**self.properties, "CACHE_DIR": str(cache_dir)}
         core = core or ov.Core()
-        model, self._weights = read_verified_model(core, root, self.spec, self.spec.xml, verify=verify)
+        self.spec, self.properties, model, self._weights = open_stage_model(
+            root, self.manifest, index, verify=verify, exact=exact, num_threads=num_threads, properties=properties,
+            cache_dir=cache_dir, core=core)
         try:
             convert_to_paged(model, has_embedding=self.spec.has_embedding, has_head=self.spec.has_head)
             self.compiled = core.compile_model(model, device, self.properties)

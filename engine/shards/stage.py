@@ -113,6 +113,28 @@ def read_verified_model(core: ov.Core, root: Path, stage: StageManifest, xml: st
     return core.read_model(model=graph, weights=tensor), weights
 
 
+def open_stage_model(root: Path, manifest: Manifest, index: int, *, verify: bool, exact: bool,
+                     num_threads: int | None, properties: Mapping[str, str] | None,
+                     cache_dir: Path | str | None, core: ov.Core
+                     ) -> tuple[StageManifest, dict[str, str], ov.Model, mmap.mmap | None]:
+    """Stage ``index`` of ``manifest`` ready to compile: its spec (its files checked unless
+    ``verify`` is off; the IR itself is checked on the bytes read), its compile properties (the
+    shard's KV precision or the exact set, threads, and CACHE_DIR for compiled blobs, so a
+    restarted worker is ready in a fraction of the time) and its model read from the very bytes
+    hashed, with the weights mapping that must outlive every model compiled from it."""
+    spec = manifest.stages[index] if 0 <= index < len(manifest.stages) else None
+    if verify:
+        skip = frozenset(ir_paths(spec.xml)) if spec is not None else frozenset()
+        spec = verify_stage(root, manifest, index, skip=skip)
+    else:
+        spec = manifest.stages[index]
+    props = stage_properties(spec, exact, num_threads, properties)
+    if cache_dir is not None:
+        props = {**props, "CACHE_DIR": str(cache_dir)}
+    model, weights = read_verified_model(core, root, spec, spec.xml, verify=verify)
+    return spec, props, model, weights
+
+
 class Stage:
     """One compiled, verified shard."""
 
@@ -122,18 +144,11 @@ class Stage:
                  verify: bool = True, core: ov.Core | None = None, cache_dir: Path | str | None = None):
         root = Path(export_dir)
         self.manifest = manifest or load_manifest(root)
-        spec = self.manifest.stages[index] if 0 <= index < len(self.manifest.stages) else None
-        if verify:  # the IR itself is verified below, on the bytes compiled
-            skip = frozenset(ir_paths(spec.xml)) if spec is not None else frozenset()
-            self.spec = verify_stage(root, self.manifest, index, skip=skip)
-        else:
-            self.spec = self.manifest.stages[index]
-        self.properties = stage_properties(self.spec, exact, num_threads, properties)
-        if cache_dir is not None:  # compiled blobs: a restarted worker is ready in a fraction of the time
-            self.properties = {**self.properties, "CACHE_DIR": str(cache_dir)}
         self.device = device
         core = core or _core()
-        model, self._weights = read_verified_model(core, root, self.spec, self.spec.xml, verify=verify)
+        self.spec, self.properties, model, self._weights = open_stage_model(
+            root, self.manifest, index, verify=verify, exact=exact, num_threads=num_threads, properties=properties,
+            cache_dir=cache_dir, core=core)
         try:
             self.compiled = core.compile_model(model, device, self.properties)
         except RuntimeError as exc:
