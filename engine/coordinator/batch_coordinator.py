@@ -343,14 +343,7 @@ class BatchCoordinator:
         now = time.perf_counter()
         while self._token_times and now - self._token_times[0] > _RATE_WINDOW_S:
             self._token_times.popleft()
-        counted = self.scheduler.counters
         out = {
-            "requests_total": float(counted["requests"]),
-            "requests_finished_total": float(counted["finished"]),
-            "requests_cancelled_total": float(counted["cancelled"]),
-            "requests_failed_total": float(counted["failed"]),
-            "requests_rejected_total": float(counted["rejected_overloaded"]),
-            "tokens_generated_total": float(counted["tokens"]),
             "tokens_per_second": len(self._token_times) / _RATE_WINDOW_S,
             "ttft_seconds_avg": sum(self._ttft) / len(self._ttft) if self._ttft else 0.0,
             "stages": float(self.path.num_stages),
@@ -360,9 +353,6 @@ class BatchCoordinator:
             "step_answered_rows_avg": sum(self._step_rows) / len(self._step_rows) if self._step_rows else 0.0,
         }
         out.update(self.scheduler.metrics())
-        out["active_streams"] = out.get("sched_running", 0.0)
-        out["waiting_requests"] = out.get("sched_waiting", 0.0)
-        out["slots"] = float(self.scheduler.config.max_streams)
         out.update(self.path.stage_metrics())
         if self.speculation is not None:
             out.update(self.speculation.metrics())

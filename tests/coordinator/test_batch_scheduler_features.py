@@ -146,7 +146,7 @@ def test_requests_that_can_never_run_or_do_not_fit_the_queue_are_refused() -> No
     sched.add(GenerationRequest((2,), 1), {EOS}, 0.0)
     with pytest.raises(OverloadedError, match="retry shortly"):
         sched.add(GenerationRequest((3,), 1), {EOS}, 0.0)
-    assert sched.metrics()["sched_rejected_total"] == 1
+    assert sched.metrics()["requests_rejected_total"] == 1
 
 
 @pytest.mark.parametrize("bad", [dict(block_size=8), dict(pool_blocks=SCRATCH_BLOCKS), dict(max_streams=0),
