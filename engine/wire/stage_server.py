@@ -34,6 +34,10 @@ from engine.wire.transport import PING_INTERVAL, Connection
 log = logging.getLogger(__name__)
 
 MAX_STREAMS = 256  # streams one stateful worker holds at once; a new one past it gets STREAM_LIMIT
+# How long a session's owner connection may take to be seen closed when another connection
+# carries the session's frames: a coordinator that redials closes its old connection first, but
+# the EOF can reach us after the new connection's first frame.
+OWNER_CLOSE_GRACE_S = 2.0
 
 
 def stage_frame_bound(hidden_size: int, context: int) -> int:
@@ -159,11 +163,12 @@ class SessionServer(StageServer):
     async def _carried_by(self, conn: Connection, msg: Message, session: StreamId) -> bool:
         """True when ``conn`` may carry ``msg`` (a frame of ``session``): it owns the session, nobody
         does, or the owner's connection has ended (``conn`` takes over). Otherwise the frame is
-        refused to ``conn`` (never passed on, so it cannot reach the coordinator) and False."""
+        refused to ``conn`` (never passed on, so it cannot reach the coordinator) and False.
+        An open owner is given :data:`OWNER_CLOSE_GRACE_S` to be seen closed first (a redial)."""
         owner = self._owner
         if owner is None or owner is conn:
             return True
-        if owner.closed:
+        if owner.closed or await owner.async_wait_closed(OWNER_CLOSE_GRACE_S):
             self._owner = conn
             return True
         log.warning("stage %d: refused %s from %s: another connection owns the session", self.index,

@@ -198,10 +198,18 @@ class Connection:
         self._send_lock = asyncio.Lock()
         self._recv_lock = asyncio.Lock()
         self._closed = False
+        self._closed_event = asyncio.Event()
 
     @property
     def closed(self) -> bool:
         """True once async_close started; no frame is sent after that."""
+        return self._closed
+
+    async def async_wait_closed(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for this connection to close (from any task); True if it has."""
+        with suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await self._closed_event.wait()
         return self._closed
 
     def get_extra_info(self, name: str) -> object:
@@ -262,6 +270,7 @@ class Connection:
         if self._closed:
             return
         self._closed = True
+        self._closed_event.set()
         try:
             if error is not None:
                 with suppress(WireError):

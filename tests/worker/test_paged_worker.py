@@ -161,6 +161,8 @@ def test_a_ring_of_paged_workers_answers_like_the_local_path(stages):
 
 
 def test_sessions_belong_to_their_connection_and_refusals_reach_the_return_port(stages):
+    """Another open connection's frames are refused; once the owner closes (even just after the
+    new connection's first frame, as on a coordinator's redial) the session is taken over."""
     one = plan(BS, POOL, [PlanRow(1, 0, 3, (SCRATCH_BLOCKS,))])
     step = PagedStep(1, one, np.asarray([5, 6, 7], dtype=np.int64))
     huge = StepPlan(BS, 4096, one.rows)
@@ -180,9 +182,10 @@ def test_sessions_belong_to_their_connection_and_refusals_reach_the_return_port(
             await first.async_send(Forward(StreamId(3), 3, np.array([[5]], np.int64), np.ones((1, 1), np.int64),
                                            np.zeros((1, 1), np.int64)))
             wrong_frame = await next_reply(replies)
-            await first.async_close()
-            await asyncio.sleep(0.2)  # stage 0 drops the closed connection's session
+            # A redial: the new connection's first frame reaches stage 0 before the old one's close.
             await second.async_send(step_frame(4, step))
+            await asyncio.sleep(0.3)
+            await first.async_close()
             taken_over = await next_reply(replies)
             return ok, refused, grown, over, wrong_frame, taken_over, workers[0].session
 
