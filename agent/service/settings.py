@@ -82,8 +82,14 @@ class AgentSettings:
     # cached); it is capped at KV_POOL_RAM_SHARE of the PC's RAM (kv_pool_budget_mb), and the
     # console sizes the ring's pool by the smallest budget among its PCs.
     kv_pool_mb: int = DEFAULT_KV_POOL_MB
+    # A warm spare (agent.service.spare_policy): a second worker process holding the stage's shard
+    # compiled, so a crashed worker is replaced in milliseconds. It doubles the stage's weights in
+    # memory: "auto" keeps one when the PC's free memory allows, "on" always, "off" never.
+    warm_spare: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.warm_spare not in ("auto", "on", "off"):
+            raise SettingsError(f"warm_spare must be auto, on or off, got {self.warm_spare!r}")
         for port_name in ("control_port", "data_port"):
             port = getattr(self, port_name)
             if not isinstance(port, int) or not 0 <= port < 65536:
