@@ -103,7 +103,8 @@ class Distributor:
                  on_progress: Callable[[AgentProgress], None] | None = None,
                  timeouts: DistributionTimeouts | None = None, standby: Sequence[AgentEndpoint] = (),
                  data_hop: Callable[[Address], Awaitable[Address]] | None = None,
-                 failover: FailoverSettings | None = None, runtime: RingRuntime | str = "paged") -> None:
+                 failover: FailoverSettings | None = None, runtime: RingRuntime | str = "paged",
+                 return_port: int = 0) -> None:
         self.host = host
         self.export_dir = Path(export_dir)
         self.manifest = load_manifest(self.export_dir)
@@ -134,7 +135,9 @@ class Distributor:
         self._progress: dict[AgentTarget, AgentProgress] = {}
         self._stage0: Stage | PagedStage | None = None
         self._path: RingPath | None = None
-        self._return_port = 0  # fixed by the first listen, so a re-run sends the same assignments
+        # fixed by the first listen (or given: the fleet service's ring after a restart), so a re-run
+        # sends the same assignments
+        self._return_port = return_port
         # data_hop(address) -> the address to dial instead (e.g. a WAN emulator in front of it);
         # applied to the console's own hops: to the first agent, and the last agent's way back.
         self._data_hop = data_hop
@@ -204,8 +207,14 @@ class Distributor:
                               f"a one-token test generation failed: {exc or 'timed out'}")
         return RingHealth(tuple(agents), self.layout.local_stage0, token, 1000 * (time.perf_counter() - started))
 
-    async def async_close(self) -> None:
-        """Close the ring, then stop every agent's worker (an unreachable agent is logged)."""
+    @property
+    def return_port(self) -> int:
+        """The coordinator's return port (0 until the ring's path first listened)."""
+        return self._return_port
+
+    async def async_close(self, *, stop_workers: bool = True) -> None:
+        """Close the ring, then stop every agent's worker (an unreachable agent is logged).
+        ``stop_workers=False`` leaves them running (the fleet service stopping to restart)."""
         coordinator, self._coordinator = self._coordinator, None
         path, self._path = self._path, None
         await self._async_stop_watch()
@@ -213,7 +222,8 @@ class Distributor:
             await coordinator.async_stop()  # closes its path
         elif path is not None:
             await path.async_close()
-        await asyncio.gather(*(self._async_stop_worker(t) for t in self.layout.targets))
+        if stop_workers:
+            await asyncio.gather(*(self._async_stop_worker(t) for t in self.layout.targets))
 
     async def __aenter__(self) -> Distributor:
         return self
