@@ -14,7 +14,7 @@ import json
 import math
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -53,6 +53,13 @@ class ApiError(DeskfleetError):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def model_not_found(model: str, served: Sequence[str]) -> ApiError:
+    """The 404 for a request naming a model this server does not serve."""
+    listed = ", ".join(repr(m) for m in served) or "none right now"
+    return ApiError(404, f"model {model!r} is not served here; served models: {listed} (see /v1/models)",
+                    "model_not_found", param="model")
+
+
 class TokenLimits(Protocol):
     """The server's token limits that :func:`to_generation_request` enforces (``engine.api.server.ApiSettings``)."""
 
@@ -73,6 +80,7 @@ class CompletionParams:
     """A validated chat or completions request; ``prompt`` is text or token ids for "text"."""
 
     kind: str  # "chat" or "text"
+    model: str | None = None  # the requested model; None: the server's first (the router resolves it)
     messages: tuple[dict[str, str], ...] = ()
     prompt: str | tuple[int, ...] = ""
     max_tokens: int | None = None  # None: the server default, clipped to the context
@@ -174,15 +182,17 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def parse_completion(body: Mapping[str, Any], kind: str, served_model: str) -> CompletionParams:
+def parse_completion(body: Mapping[str, Any], kind: str,
+                     served: str | Collection[str] | None = None) -> CompletionParams:
     """Validate a decoded /v1/chat/completions (``kind`` "chat") or /v1/completions ("text") body.
 
-    Raises :class:`ApiError` 400 for an invalid field and 404 for a model this server does not serve.
+    Raises :class:`ApiError` 400 for an invalid field, and 404 for a model not among ``served``
+    (a name or several; None: the caller resolves the model, as the server does through its router).
     """
-    model = body.get("model")
-    if model is not None and model != served_model:
-        raise ApiError(404, f"model {model!r} is not served here; use {served_model!r} (see /v1/models)",
-                       "model_not_found", param="model")
+    model = _get(body, "model", (str,), "a model name (see /v1/models)")
+    names = (served,) if isinstance(served, str) else tuple(served) if served is not None else None
+    if model is not None and names is not None and model not in names:
+        raise model_not_found(model, names)
     for name in UNSUPPORTED:
         if body.get(name):
             raise _bad(f"'{name}' is not supported by this server; leave it out", name)
@@ -208,6 +218,7 @@ def parse_completion(body: Mapping[str, Any], kind: str, served_model: str) -> C
     options = _get(body, "stream_options", (dict,), "an object") or {}
     return CompletionParams(
         kind=kind,
+        model=model,
         messages=_messages(body.get("messages")) if kind == "chat" else (),
         prompt=_prompt(body.get("prompt")) if kind == "text" else "",
         max_tokens=max_tokens,

@@ -1,7 +1,11 @@
 """The coordinator's OpenAI-compatible HTTP API (aiohttp, one asyncio loop).
 
 Routes: ``/v1/chat/completions`` and ``/v1/completions`` (JSON or SSE streaming),
-``/v1/models``, ``/health`` and ``/metrics`` (Prometheus text). Text is this layer's business:
+``/v1/models``, ``/health`` and ``/metrics`` (Prometheus text). Every request goes through a
+:class:`~engine.generation.router.Router`: the one passed in (many rings, many models, each with
+its tokenizer), or one made around a lone generator; the request's ``model`` picks the model,
+the router the ring. ``/health`` is the rings' own reports (200 while any can serve, 503 when
+none can). Text is this layer's business:
 requests are parsed and tokenized here into a :class:`GenerationRequest` of ids, and the
 :class:`Generator`'s token ids are turned back into text deltas here, stop strings included.
 
@@ -42,6 +46,7 @@ from engine.api.openai_schema import (
     CompletionParams,
     TextStream,
     completion_response,
+    model_not_found,
     parse_completion,
     parse_json_body,
     sse_event,
@@ -49,8 +54,10 @@ from engine.api.openai_schema import (
     token_usage,
 )
 from engine.errors import DeskfleetError, GenerationError, TokenizerError
-from engine.generation.generator import Generator, OverloadedError, UnavailableError
+from engine.generation.generator import Generator, ModelCard, OverloadedError, UnavailableError
 from engine.generation.request import GenerationRequest
+from engine.generation.ring_report import RingStatus, overall_status
+from engine.generation.router import Router, UnknownModelError
 from engine.generation.tokenizer import ChatTokenizer
 from engine.http_limits import LimitedAppRunner
 
@@ -69,7 +76,7 @@ class ApiSettings:
     ``allowed_hosts``: host names clients may address the server by, besides the address it is
     bound to and the loopback names (see :mod:`engine.api.guard`)."""
 
-    model_name: str | None = None  # None: the generator's model name
+    model_name: str | None = None  # a lone generator's served name; None: its card's (a Router names its own)
     api_key: str | None = field(default=None, repr=False)
     allowed_hosts: tuple[str, ...] = ()
     max_body_bytes: int = 1 << 20
@@ -92,6 +99,7 @@ class ApiSettings:
 
 # Engine exceptions -> (status, code); the first matching class wins.
 EXCEPTION_STATUS: tuple[tuple[type[Exception], int, str], ...] = (
+    (UnknownModelError, 404, "model_not_found"),
     (OverloadedError, 429, "overloaded"),
     (UnavailableError, 503, "unavailable"),
     (GenerationError, 400, "invalid_request"),
@@ -210,6 +218,8 @@ class _Outcome:
 
 
 _GONE = web.RequestKey("client_gone", bool)
+# (model, ring) once a ring has answered the request: what the audit records
+SERVED_BY: web.RequestKey[tuple[str, str]] = web.RequestKey("deskfleet_served_by", tuple)
 API_STATE: web.AppKey[_Api] = web.AppKey("deskfleet_api")  # RunningApi.set_api_key reaches it
 
 
@@ -236,17 +246,38 @@ async def _off_loop(fn: Callable[..., Any], *args: Any) -> Any:
     return await done
 
 
+Tokenizers = ChatTokenizer | Mapping[str, ChatTokenizer]  # one for every model, or one per served model name
+
+
+def as_router(generator: Generator, model_name: str | None = None) -> Router:
+    """``generator`` itself when it is a Router, else a Router serving it as its one ring "default"."""
+    if isinstance(generator, Router):
+        return generator
+    router = Router()
+    router.add_ring("default", generator, model_name=model_name)
+    return router
+
+
 class _Api:
-    def __init__(self, generator: Generator, tokenizer: ChatTokenizer, settings: ApiSettings, hosts: HostPolicy):
-        self.generator = generator
-        self.tokenizer = tokenizer
+    def __init__(self, generator: Generator, tokenizer: Tokenizers, settings: ApiSettings, hosts: HostPolicy):
+        self.router = as_router(generator, settings.model_name)
+        self.generator: Generator = self.router
+        self.tokenizers = tokenizer
         self.settings = settings
         self.hosts = hosts
         self.metrics = ApiMetrics()
-        self.served_model = settings.model_name or generator.model.name
         self._key = settings.api_key.encode() if settings.api_key else None
-        # one tokenizer use at a time: a tokenizer object is not meant to be shared between threads
-        self._tokenizer_lock = threading.Lock()
+        # one use of a tokenizer at a time: a tokenizer object is not meant to be shared between threads
+        self._tokenizer_locks: dict[int, threading.Lock] = {}
+
+    def tokenizer_for(self, model: str) -> ChatTokenizer:
+        """The tokenizer of served model ``model``."""
+        if isinstance(self.tokenizers, Mapping):
+            if model not in self.tokenizers:
+                raise UnavailableError(f"model {model!r} is served but this API has no tokenizer for it; "
+                                       "the service that started the API must pass one")
+            return self.tokenizers[model]
+        return self.tokenizers
 
     @web.middleware
     async def errors(self, request: web.Request, handler: Callable) -> web.StreamResponse:
@@ -283,30 +314,50 @@ class _Api:
                            "the server was started with", "invalid_api_key",
                            headers={"WWW-Authenticate": "Bearer"})
 
+    def _card(self, request: web.Request) -> ModelCard | None:
+        """The model a request was answered by, else the first served model (None: none served)."""
+        model = request.get(SERVED_BY, (None, ""))[0]
+        with contextlib.suppress(UnknownModelError, UnavailableError):
+            return self.router.card_for(model)
+        return None
+
     async def add_headers(self, request: web.Request, response: web.StreamResponse) -> None:
-        response.headers[STAGES_HEADER] = str(self.generator.model.stages)
+        card = self._card(request)
+        if card is not None:
+            response.headers[STAGES_HEADER] = str(card.stages)
 
     async def health(self, request: web.Request) -> web.Response:
-        card = self.generator.model
-        return web.json_response({"status": "ok", "model": self.served_model, "stages": card.stages,
-                                  "active_requests": self.metrics.active})
+        """Every ring's report; 200 while the service can serve (ok or recovering), 503 when it cannot.
+
+        ``model`` and ``stages`` (the first model's) and ``active_requests`` are kept for one-ring clients."""
+        reports = self.router.ring_reports()
+        status = overall_status(reports)
+        card = self._card(request)
+        body: dict[str, Any] = {"status": status.value, "rings": [r.to_json() for r in reports],
+                                "active_requests": self.metrics.active}
+        if card is not None:
+            body |= {"model": card.name, "stages": card.stages}
+        return web.json_response(body, status=503 if status is RingStatus.DOWN else 200,
+                                 headers={"Cache-Control": "no-store"})
 
     async def prometheus(self, request: web.Request) -> web.Response:
         text = render_prometheus(self.generator.metrics(), self.metrics)
         return web.Response(text=text, content_type="text/plain", headers={"Cache-Control": "no-store"})
 
-    def _model_entry(self) -> dict[str, Any]:
-        return {"id": self.served_model, "object": "model", "created": 0, "owned_by": "deskfleet",
-                "context_length": self.generator.model.context_length}
+    @staticmethod
+    def _model_entry(card: ModelCard) -> dict[str, Any]:
+        return {"id": card.name, "object": "model", "created": 0, "owned_by": "deskfleet",
+                "context_length": card.context_length}
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [self._model_entry()]})
+        return web.json_response({"object": "list", "data": [self._model_entry(c) for c in self.router.models()]})
 
     async def model(self, request: web.Request) -> web.Response:
-        if request.match_info["model"] != self.served_model:
-            raise ApiError(404, f"model {request.match_info['model']!r} is not served here; "
-                           f"use {self.served_model!r}", "model_not_found")
-        return web.json_response(self._model_entry())
+        cards = {c.name: c for c in self.router.models()}
+        name = request.match_info["model"]
+        if name not in cards:
+            raise model_not_found(name, tuple(cards))
+        return web.json_response(self._model_entry(cards[name]))
 
     async def _read_json(self, request: web.Request) -> Mapping[str, Any]:
         too_large = ApiError(413, f"the request body exceeds {self.settings.max_body_bytes} bytes; "
@@ -319,16 +370,17 @@ class _Api:
             raise too_large from None
         return parse_json_body(raw)
 
-    def _encode_locked(self, params: CompletionParams) -> list[int]:
-        with self._tokenizer_lock:
-            return self._encode(params)
+    def _encode_locked(self, tokenizer: ChatTokenizer, params: CompletionParams) -> list[int]:
+        with self._tokenizer_locks.setdefault(id(tokenizer), threading.Lock()):
+            return self._encode(tokenizer, params)
 
-    def _encode(self, params: CompletionParams) -> list[int]:
+    @staticmethod
+    def _encode(tokenizer: ChatTokenizer, params: CompletionParams) -> list[int]:
         if params.kind == "chat":
-            return self.tokenizer.encode_chat(params.messages)
+            return tokenizer.encode_chat(params.messages)
         if isinstance(params.prompt, tuple):
             return list(params.prompt)
-        return self.tokenizer.encode(params.prompt)
+        return tokenizer.encode(params.prompt)
 
     async def complete(self, kind: str, request: web.Request) -> web.StreamResponse:
         """Answer /v1/chat/completions (``kind`` "chat") or /v1/completions ("text").
@@ -341,30 +393,37 @@ class _Api:
                            f"in {self.settings.retry_after_s} s", "too_many_requests")
         self.metrics.active += 1  # admitted: counts from here, so tokenising requests hold a slot
         try:
-            params = parse_completion(await self._read_json(request), kind, self.served_model)
+            params = parse_completion(await self._read_json(request), kind, [c.name for c in self.router.models()])
+            card = self.router.card_for(params.model)
+            tokenizer = self.tokenizer_for(card.name)
             check_prompt_chars(params, self.settings.max_prompt_tokens)
-            prompt_ids = await _off_loop(self._encode_locked, params)
-            gen_request = to_generation_request(prompt_ids, params, self.settings, self.generator.model)
+            prompt_ids = await _off_loop(self._encode_locked, tokenizer, params)
+            gen_request = to_generation_request(prompt_ids, params, self.settings, card)
             self.metrics.prompt_tokens += len(gen_request.prompt_ids)
             outcome = _Outcome()
-            deltas = self._deltas(gen_request, params.stop, outcome, started)
+            deltas = self._deltas(request, card, tokenizer, gen_request, params.stop, outcome, started)
             async with contextlib.aclosing(deltas):
                 if params.stream:
-                    return await self._send_stream(request, params, gen_request, deltas, outcome)
+                    return await self._send_stream(request, params, card, gen_request, deltas, outcome)
                 text = "".join([piece async for piece in deltas])
         finally:
             self.metrics.active -= 1
-        return web.json_response(completion_response(kind, self.served_model, text, outcome.finish_reason,
+        return web.json_response(completion_response(kind, card.name, text, outcome.finish_reason,
                                                      outcome.usage(gen_request)))
 
-    async def _deltas(self, gen_request: GenerationRequest, stop: Sequence[str], outcome: _Outcome,
+    async def _deltas(self, request: web.Request, card: ModelCard, tokenizer: ChatTokenizer,
+                      gen_request: GenerationRequest, stop: Sequence[str], outcome: _Outcome,
                       started: float) -> AsyncGenerator[str, None]:
         """Yield one text delta (maybe empty) per generated token, then the held-back tail."""
-        text = TextStream(self.tokenizer.decode, stop)
+        text = TextStream(tokenizer.decode, stop)
         first_at = 0.0
+
+        def placed(ring: str) -> None:
+            request[SERVED_BY] = (card.name, ring)
+
         try:
             # aclosing: leaving this block early (stop string, disconnect, error) cancels the request.
-            async with contextlib.aclosing(self.generator.stream(gen_request)) as tokens:
+            async with contextlib.aclosing(self.router.stream_for(card.name, gen_request, placed=placed)) as tokens:
                 async for event in tokens:
                     if not outcome.completion_tokens:
                         first_at = time.perf_counter()
@@ -388,11 +447,12 @@ class _Api:
             if outcome.completion_tokens:
                 self.metrics.observe_generation(outcome.completion_tokens, time.perf_counter() - first_at)
 
-    async def _send_stream(self, request: web.Request, params: CompletionParams, gen_request: GenerationRequest,
-                           deltas: AsyncIterator[str], outcome: _Outcome) -> web.StreamResponse:
+    async def _send_stream(self, request: web.Request, params: CompletionParams, card: ModelCard,
+                           gen_request: GenerationRequest, deltas: AsyncIterator[str],
+                           outcome: _Outcome) -> web.StreamResponse:
         # Wait for the first token before sending headers so refusals (429/503) keep their status.
         piece = await anext(deltas, None)
-        chunks = CompletionChunks(params.kind, self.served_model, params.include_usage)
+        chunks = CompletionChunks(params.kind, card.name, params.include_usage)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                "X-Accel-Buffering": "no"})
         await response.prepare(request)
@@ -419,9 +479,12 @@ class _Api:
         return response
 
 
-def build_app(generator: Generator, tokenizer: ChatTokenizer, settings: ApiSettings,
+def build_app(generator: Generator, tokenizer: Tokenizers, settings: ApiSettings,
               host: str = "127.0.0.1") -> web.Application:
     """The aiohttp application serving ``generator`` under the OpenAI API, within ``settings``' limits.
+
+    ``generator``: a :class:`Router` (its models, each with ``tokenizer[name]`` when ``tokenizer``
+    is a mapping) or a lone generator (served as a one-ring router named ``settings.model_name``).
 
     ``host`` is the address it will be bound to: with ``settings.allowed_hosts`` and the loopback
     names, what a request's ``Host`` header may name."""
@@ -463,7 +526,7 @@ class RunningApi:
         self.runner.app[API_STATE].set_api_key(key)
 
 
-async def async_run_api(generator: Generator, tokenizer: ChatTokenizer, settings: ApiSettings,
+async def async_run_api(generator: Generator, tokenizer: Tokenizers, settings: ApiSettings,
                         host: str = "127.0.0.1", port: int = 0, *, shutdown_timeout: float = 5.0) -> RunningApi:
     """Serve the API on ``host:port`` (0 picks a free port) in the running loop; return the bound port.
 

@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass, field
 
 from engine.errors import DeskfleetError
@@ -172,12 +172,14 @@ class Router:
     def stream(self, request: GenerationRequest) -> AsyncGenerator[TokenEvent, None]:
         return self.stream_for(None, request)
 
-    async def stream_for(self, model: str | None, request: GenerationRequest) -> AsyncGenerator[TokenEvent, None]:
+    async def stream_for(self, model: str | None, request: GenerationRequest, *,
+                         placed: Callable[[str], None] | None = None) -> AsyncGenerator[TokenEvent, None]:
         """Stream ``request`` on a ring of ``model`` (None: the first model).
 
         Raises :class:`UnknownModelError` for a model nobody serves, and the last ring's
         :class:`OverloadedError` / :class:`UnavailableError` when no ring of the model admits the
-        request. Closing the iterator cancels the request on its ring."""
+        request. Closing the iterator cancels the request on its ring. ``placed(ring_id)`` is
+        called once the ring that serves it has produced its first token (the audit's "ring")."""
         name = self.card_for(model).name
         hashes = block_hashes(request.prompt_ids, self.block_size)
         candidates = [r for r in self._rings.values() if r.model == name and not r.draining]
@@ -201,6 +203,8 @@ class Router:
                         last_error = exc
                         continue
                     ring.memory.remember(hashes)
+                    if placed is not None:
+                        placed(ring_id)
                     emitted.append(first.token_id)
                     yield first
                     async for event in tokens:

@@ -175,7 +175,8 @@ def test_auth_size_and_path_errors_are_openai_json():
     assert results["no key"][1]["WWW-Authenticate"] == "Bearer"
     assert json.loads(results["too large"][2])["error"]["code"] == "request_too_large"
     assert all(r[1]["X-Deskfleet-Stages"] == "3" for r in results.values() if isinstance(r, tuple))
-    assert health == (200, {"status": "ok", "model": "fake", "stages": 3, "active_requests": 0})
+    assert health == (200, {"status": "ok", "model": "fake", "stages": 3, "active_requests": 0, "rings": [
+        {"ring": "default", "model": "fake", "status": "ok", "active": 0, "waiting": 0}]})
 
 
 @pytest.mark.parametrize("generator, status", [
