@@ -1,0 +1,140 @@
+"""Who is asking, and whether they may ask now: the API's key check and per-key rate limits.
+
+:class:`KeyCheck` turns a request's bearer token into a :class:`Caller` (the key's name and
+limits), from one fixed key (``deskfleet serve --api-key-env``: the caller is named
+``default``) or from the fleet's :class:`~engine.trust.key_book.KeyBook` (named keys, re-read
+when the book changes, so a revoked key is refused on its next request).
+
+:class:`RateLimiter` is pure (the clock is passed in): a sliding one-minute window per key name
+of the requests it started and the tokens (prompt + completion) they used. A request is refused
+while the window holds ``rpm`` requests, or ``tpm`` tokens or more; the answer says when the
+oldest entry that blocks it leaves the window (``Retry-After``). Tokens are charged as they are
+known (the prompt once tokenised, the answer when it ends), so a request already admitted is
+never cut short by its own key's limit.
+"""
+
+from __future__ import annotations
+
+import hmac
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.trust.key_book import KeyBook
+
+DEFAULT_CALLER = "default"
+WINDOW_S = 60.0
+
+
+@dataclass(frozen=True)
+class Caller:
+    """The holder of the key a request carried: its name (for the audit) and its limits."""
+
+    name: str
+    rpm: int | None = None
+    tpm: int | None = None
+
+
+ANONYMOUS = Caller("-")  # a server without keys (loopback only): every request is this caller
+
+
+class KeyCheck:
+    """A request's bearer token -> its :class:`Caller`, or None for a missing, wrong or revoked key.
+
+    ``book`` wins over ``static``; with neither, :meth:`required` is False and every request is
+    :data:`ANONYMOUS`. :meth:`set_static` replaces the fixed key (the console rotated it)."""
+
+    def __init__(self, static: str | None = None, book: KeyBook | None = None) -> None:
+        self._static = static.encode() if static else None
+        self.book = book
+
+    @property
+    def required(self) -> bool:
+        return self.book is not None or self._static is not None
+
+    def set_static(self, key: str) -> None:
+        if not key:
+            raise ValueError("an empty API key would turn auth off; pass a key")
+        self._static = key.encode()
+
+    def identify(self, token: str) -> Caller | None:
+        """Raises KeyBookError when the book cannot be read (the API refuses the request)."""
+        if self.book is not None:
+            key = self.book.identify(token)
+            if key is not None:
+                return Caller(key.name, key.rpm, key.tpm)
+        if self._static is not None and hmac.compare_digest(token.encode(), self._static):
+            return Caller(DEFAULT_CALLER)
+        return None
+
+
+@dataclass
+class _Window:
+    started: deque[float]  # when each request in the window started
+    tokens: deque[tuple[float, int]]  # (when, how many) charged in the window
+    token_sum: int = 0
+
+
+class RateLimiter:
+    """Per-name sliding windows of requests and tokens (see the module docstring)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, window_s: float = WINDOW_S) -> None:
+        self._clock = clock
+        self._window_s = window_s
+        self._windows: dict[str, _Window] = {}
+
+    def _window(self, name: str, now: float) -> _Window:
+        w = self._windows.get(name)
+        if w is None:
+            w = self._windows[name] = _Window(deque(), deque())
+        horizon = now - self._window_s
+        while w.started and w.started[0] <= horizon:
+            w.started.popleft()
+        while w.tokens and w.tokens[0][0] <= horizon:
+            w.token_sum -= w.tokens.popleft()[1]
+        return w
+
+    def admit(self, caller: Caller) -> float | None:
+        """Start a request for ``caller``: None if admitted (and counted), else the seconds until it
+        would be (> 0)."""
+        if caller.rpm is None and caller.tpm is None:
+            return None
+        now = self._clock()
+        w = self._window(caller.name, now)
+        waits = []
+        if caller.rpm is not None and len(w.started) >= caller.rpm:
+            waits.append(w.started[len(w.started) - caller.rpm] + self._window_s - now)
+        if caller.tpm is not None and w.token_sum >= caller.tpm:
+            excess, i = w.token_sum - caller.tpm, 0
+            while excess >= 0:  # drop entries from the oldest until the sum is under the limit
+                excess -= w.tokens[i][1]
+                i += 1
+            waits.append(w.tokens[i - 1][0] + self._window_s - now)
+        if waits:
+            return max(max(waits), 1e-3)
+        w.started.append(now)
+        return None
+
+    def charge(self, caller: Caller, tokens: int) -> None:
+        """Count ``tokens`` used by ``caller`` now (only for a caller with a token limit)."""
+        if caller.tpm is None or tokens <= 0:
+            return
+        now = self._clock()
+        w = self._window(caller.name, now)
+        w.tokens.append((now, tokens))
+        w.token_sum += tokens
+
+    def forget_idle(self) -> None:
+        """Drop the windows of names with nothing left in them (bounds memory to active keys)."""
+        now = self._clock()
+        for name in list(self._windows):
+            w = self._window(name, now)
+            if not w.started and not w.tokens:
+                del self._windows[name]
+
+
+def retry_after_header(seconds: float) -> str:
+    """Whole seconds, rounded up, at least 1 (``Retry-After`` takes no fraction)."""
+    return str(max(1, math.ceil(seconds)))
