@@ -118,6 +118,9 @@ def _admit(service: ControlledAgent, request: web.Request, *, console_only: bool
     member anywhere; anyone but the pinned console (or, unpinned, a console-role certificate)
     on a console route."""
     node, role = _peer(request)
+    if role is Role.ADMIN:  # the TLS layer refuses it first (fleet_ca.MEMBER_ROLES); never rely on one check
+        raise ControlRequestError("an admin certificate is for the fleet service's admin API; agents take "
+                                  "orders only from the service", 403)
     if node in service.deny:
         raise ControlRequestError(f"member {node[:16]}… is revoked by the console", 403)
     if console_only and not is_console(service, node, role):

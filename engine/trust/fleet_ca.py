@@ -51,10 +51,44 @@ TLS_REFUSALS = {
 
 
 class Role(StrEnum):
-    """What a certificate's holder is in the fleet; recorded as the certificate's OU."""
+    """What a certificate's holder is in the fleet; recorded as the certificate's OU.
+
+    ``AGENT``: a PC that serves a stage. ``CONSOLE``: the fleet service (or a console that runs
+    the fleet in its own process): the one member agents take orders from and pin at the join
+    (docs may call it the service certificate). ``ADMIN``: a person's console attached to the
+    service's admin API; it gives the service orders and is admitted nowhere else, so a stolen
+    admin certificate never reaches an agent's control API or a stage's data port.
+    """
 
     AGENT = "agent"
     CONSOLE = "console"
+    ADMIN = "admin"
+
+
+# Who a server context admits: every fleet port takes members (agents and the service); only the
+# service's admin API takes admins, and only admins.
+MEMBER_ROLES = frozenset({Role.AGENT, Role.CONSOLE})
+ADMIN_ROLES = frozenset({Role.ADMIN})
+ADMIN_DAYS = 365
+
+
+class PeerRoleRefused(ssl.SSLError):
+    """A TLS client presented a valid certificate of this fleet whose role the port does not
+    admit (an admin certificate on an agent's or a stage's port, a member's on the admin API).
+    Raised from the server's handshake, so the client is disconnected before it sends a byte."""
+
+
+def refuse_role(role: Role | None, admit: frozenset[Role]) -> str | None:
+    """Why a peer whose certificate records ``role`` may not use a port that admits ``admit``, or
+    None to let it in (pure: the TLS layer acts on the answer)."""
+    if role in admit:
+        return None
+    wanted = " or ".join(sorted(r.value for r in admit)) or "no"
+    if role is Role.ADMIN:
+        return (f"it presented an admin certificate, which only the fleet service's admin API accepts; "
+                f"this port takes {wanted} certificates")
+    held = f"of the {role} role" if role else "without a fleet role"
+    return f"it presented a certificate {held}; this port takes {wanted} certificates"
 
 
 def sha256_hex(data: bytes) -> str:
@@ -155,6 +189,7 @@ class _RefusalLoggingSSLObject(ssl.SSLObject):
 
     _warned: set[str]
     _server: str
+    _admit: frozenset[Role]
 
     def do_handshake(self) -> None:
         try:
@@ -166,11 +201,22 @@ class _RefusalLoggingSSLObject(ssl.SSLObject):
             if isinstance(exc, ssl.SSLEOFError | ssl.SSLZeroReturnError):
                 log.debug("%s: a client left during the TLS handshake (%s)", self._server, exc)
             else:
-                level = logging.DEBUG if reason in self._warned else logging.WARNING
-                self._warned.add(reason)
-                log.log(level, "%s refused a TLS connection: %s (%s); only members of this fleet may connect",
-                        self._server, TLS_REFUSALS.get(reason, "the TLS handshake failed"), reason)
+                self._log_once(reason, f"{TLS_REFUSALS.get(reason, 'the TLS handshake failed')} ({reason}); "
+                                       "only members of this fleet may connect")
             raise
+        der = self.getpeercert(binary_form=True)
+        if not der:
+            return  # no certificate asked for (enrollment): nothing to refuse by role
+        role = peer_role(der)
+        refusal = refuse_role(role, self._admit)
+        if refusal is not None:
+            self._log_once(f"role:{role}", refusal)
+            raise PeerRoleRefused(refusal)
+
+    def _log_once(self, key: str, why: str) -> None:
+        level = logging.DEBUG if key in self._warned else logging.WARNING
+        self._warned.add(key)
+        log.log(level, "%s refused a TLS connection: %s", self._server, why)
 
 
 @dataclass(frozen=True)
@@ -238,15 +284,18 @@ class Credentials:
         _load_chain(ctx, self.cert_pem, _load_key(self.key_pem))
         return ctx
 
-    def server_context(self, *, verify_clients: bool = True) -> ssl.SSLContext:
+    def server_context(self, *, verify_clients: bool = True, admit: frozenset[Role] = MEMBER_ROLES) -> ssl.SSLContext:
         """A TLS server context presenting this certificate that admits only clients with a
-        certificate from this fleet's CA. ``verify_clients=False`` is for the enrollment
-        endpoint only, whose callers have no certificate yet and prove themselves with a token."""
+        certificate from this fleet's CA whose role is in ``admit``: members (agents and the
+        service) by default, never an admin; the service's admin API passes ``ADMIN_ROLES``.
+        A refused role ends the handshake (:class:`PeerRoleRefused`, logged once). ``verify_clients=False``
+        is for the enrollment endpoint only, whose callers have no certificate yet and prove
+        themselves with a token."""
         ctx = self._context(ssl.PROTOCOL_TLS_SERVER)
         ctx.verify_mode = ssl.CERT_REQUIRED if verify_clients else ssl.CERT_NONE
         server = f"{self.name or 'this node'} ({self.role or 'member'})"
         ctx.sslobject_class = type("FleetServerSSLObject", (_RefusalLoggingSSLObject,),
-                                   {"_warned": set(), "_server": server})
+                                   {"_warned": set(), "_server": server, "_admit": frozenset(admit)})
         return ctx
 
     def client_context(self) -> ssl.SSLContext:
@@ -420,3 +469,9 @@ class FleetAuthority:
         has no default: a forgotten one must not quietly mint a console."""
         key_pem, csr_pem = make_key_and_csr(name)
         return Credentials(self.ca_pem, self.sign_request(csr_pem, role=role, days=days), key_pem)
+
+    def issue_admin(self, name: str, *, days: int = ADMIN_DAYS) -> Credentials:
+        """Credentials for a person who administers the fleet from a console on another PC: an
+        ``ADMIN`` certificate that the service's admin API accepts and no agent or stage does.
+        ``deskfleet fleet admin-cert`` writes them with :mod:`engine.trust.admin_bundle`."""
+        return self.issue_credentials(name, role=Role.ADMIN, days=days)
