@@ -1,0 +1,335 @@
+"""The fleet service's admin API (aiohttp): the routes of docs/ADMIN_API.md over the
+:class:`~console.service.fleet_service.FleetService`, on two listeners of one application:
+
+- ``<state_dir>/admin.sock``, a unix socket made 0600 in the service's 0700 state dir: whoever
+  can open it is the local admin;
+- HTTPS with mutual TLS on ``admin_host:admin_port``: the handshake takes only a certificate of
+  the fleet CA with role ``admin`` (``Credentials.server_context(admit=ADMIN_ROLES)``), and the
+  request handler checks the role again, so an agent's or the service's own certificate is
+  refused with 403 even by a TLS stack that let it through.
+
+Handlers are thin: parse the body (:mod:`console.service.admin_shapes`), call the service, answer
+JSON. Each action is logged with who asked (the admin certificate's name, or "local").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import ssl
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from console.service.admin_shapes import (
+    ShapeError,
+    field,
+    plan_from_json,
+    plan_json,
+    request_from_json,
+    spec_from_json,
+    strings,
+)
+from console.service.errors import (
+    AgentRefusedError,
+    AgentUnreachableError,
+    ConsoleError,
+    ExportNotFoundError,
+    ForeignAgentError,
+    ModelPathError,
+    UnknownAgentError,
+)
+from console.service.served_rings import RingIdError
+from console.service.service_events import JobNotFoundError
+from console.service.service_ring import RingStateError
+from engine.errors import DeskfleetError
+from engine.trust.fleet_ca import ADMIN_ROLES, Role, peer_role
+
+if TYPE_CHECKING:
+    from console.service.fleet_service import FleetService
+
+log = logging.getLogger("deskfleet.fleet.admin")
+
+PREFIX = "/admin/v1"
+MAX_BODY = 4 << 20  # a plan with its inputs is a few KiB; a body of MiBs is not one
+WHO: web.RequestKey[str] = web.RequestKey("deskfleet_admin", str)
+
+_NOT_FOUND = ("ExportNotFoundError", "UnknownAgentError", "RingNotFoundError", "PlacementNotFoundError",
+              "ModelNotFoundError", "JobNotFoundError")
+# (error class, HTTP status, code); the first match wins; another DeskfleetError is a 409 conflict
+ERRORS: tuple[tuple[type[BaseException], int, str], ...] = (
+    (ShapeError, 400, "bad_request"), (RingIdError, 400, "bad_request"), (ModelPathError, 400, "bad_request"),
+    (UnknownAgentError, 404, "not_found"), (ExportNotFoundError, 404, "not_found"),
+    (JobNotFoundError, 404, "not_found"),
+    (RingStateError, 409, "conflict"), (ForeignAgentError, 409, "conflict"),
+    (AgentUnreachableError, 502, "agent_unreachable"), (AgentRefusedError, 502, "agent_refused"),
+)
+
+
+class AdminError(web.HTTPException):
+    def __init__(self, status: int, code: str, message: str) -> None:
+        self.status_code = status
+        super().__init__(text=json.dumps({"error": {"code": code, "message": message}}),
+                         content_type="application/json")
+
+
+def _error_for(exc: BaseException) -> AdminError:
+    for kind, status, code in ERRORS:
+        if isinstance(exc, kind):
+            return AdminError(status, code, str(exc))
+    if type(exc).__name__ in _NOT_FOUND:
+        return AdminError(404, "not_found", str(exc))
+    if isinstance(exc, DeskfleetError):
+        return AdminError(409, "conflict", str(exc))
+    return AdminError(500, "internal", f"the service failed: {type(exc).__name__}: {exc}")
+
+
+def caller(request: web.Request) -> str:
+    """Who is asking: "local" on the unix socket, ``admin:<name>`` for an admin certificate.
+    Raises 403 for a TLS peer whose certificate is not an admin's."""
+    transport = request.transport
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is not None and sock.family == getattr(socket, "AF_UNIX", None):
+        return "local"
+    ssl_object = transport.get_extra_info("ssl_object") if transport is not None else None
+    der = ssl_object.getpeercert(binary_form=True) if ssl_object is not None else None
+    if not der:
+        raise AdminError(403, "forbidden", "the admin API takes an admin certificate of this fleet (or the "
+                                           "service's local socket)")
+    role = peer_role(der)
+    if role not in ADMIN_ROLES:
+        raise AdminError(403, "forbidden", f"a {role or 'role-less'} certificate may not use the admin API; "
+                                           "issue an admin certificate with `deskfleet fleet admin-cert`")
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    names = x509.load_der_x509_certificate(der).subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    return f"admin:{names[0].value if names else '?'}"
+
+
+class AdminApi:
+    def __init__(self, service: FleetService) -> None:
+        self.service = service
+
+    @web.middleware
+    async def guard(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+        try:
+            request[WHO] = caller(request)
+            if request.method in ("POST", "DELETE") and request.path != f"{PREFIX}/events":
+                log.info("%s: %s %s", request[WHO], request.method, request.path)
+            return await handler(request)
+        except web.HTTPException as exc:
+            if isinstance(exc, AdminError) or exc.status < 400:
+                raise
+            raise AdminError(exc.status, "not_found" if exc.status == 404 else "bad_request", exc.reason) from exc
+        except Exception as exc:
+            error = _error_for(exc)
+            if error.status_code >= 500:
+                log.exception("%s %s failed", request.method, request.path)
+            raise error from exc
+
+    @staticmethod
+    async def body(request: web.Request) -> dict[str, Any]:
+        if not request.can_read_body:
+            return {}
+        try:
+            data = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ShapeError(f"the body is not JSON ({exc})") from exc
+        if not isinstance(data, dict):
+            raise ShapeError("the body must be a JSON object")
+        return data
+
+    # ---- routes ----------------------------------------------------------------------------------
+
+    def routes(self, app: web.Application) -> None:
+        s, r, j = self.service, app.router, web.json_response
+        key = lambda q: q.match_info["key"]  # noqa: E731
+        ring = lambda q: q.match_info["ring"]  # noqa: E731
+
+        async def service(q):
+            return j(s.service_json())
+
+        async def tokens(q):
+            body = await self.body(q)
+            return j(s.new_token(field(body, "ttl_s", float, default=24 * 3600.0)))
+
+        async def agents(q):
+            return j({"agents": s.agents()})
+
+        async def add_agent(q):
+            body = await self.body(q)
+            port = field(body, "port", int, default=7210)
+            return j({"agent": await s.async_add_address(field(body, "host", str), port)})
+
+        async def approve(q):
+            return j({"agent": s.approve(key(q))})
+
+        async def remove(q):
+            s.remove(key(q))
+            return j({"removed": key(q)})
+
+        async def pause(q):
+            return j({"agent": await s.async_pause(key(q))})
+
+        async def resume(q):
+            return j({"agent": await s.async_resume(key(q))})
+
+        async def refresh(q):
+            return j({"agents": await s.async_refresh()})
+
+        async def links(q):
+            body = await self.body(q)
+            return j({"job": s.measure_links(strings(body, "node_ids")).to_json()}, status=202)
+
+        async def models(q):
+            return j({"models": s.models()})
+
+        async def add_model(q):
+            return j({"model": s.add_model(field(await self.body(q), "path", str))})
+
+        async def exports(q):
+            return j({"exports": s.exports()})
+
+        async def place(q):
+            body = await self.body(q)
+            job = s.place(field(body, "model", str), request_from_json(field(body, "request", dict, default={})),
+                          context=field(body, "context", int, default=4096),
+                          spec=spec_from_json(field(body, "spec", dict, default={})),
+                          leave_out=strings(body, "leave_out"))
+            return j({"job": job.to_json()}, status=202)
+
+        async def placement(q):
+            return j({"placement": s.placement(q.match_info["id"]).to_json()})
+
+        async def solve(q):
+            body = await self.body(q)
+            plan = await s.async_solve(q.match_info["id"], request_from_json(field(body, "request", dict, default={})),
+                                       strings(body, "leave_out"))
+            return j({"plan": plan_json(plan)})
+
+        async def rings(q):
+            return j({"rings": [x.to_json() for x in s.rings.values()]})
+
+        async def create_ring(q):
+            body = await self.body(q)
+            standby = strings(body, "standby") if body.get("standby") is not None else None
+            made, job = s.create_ring(plan_from_json(field(body, "plan", dict)),
+                                      model=field(body, "model", str, optional=True),
+                                      export_id=field(body, "export_id", str, optional=True),
+                                      spec=spec_from_json(field(body, "spec", dict, default={})),
+                                      ring_id=field(body, "ring", str, optional=True), standby=standby)
+            return j({"ring": made.to_json(), "job": job.to_json()}, status=202)
+
+        async def get_ring(q):
+            return j({"ring": s.ring(ring(q)).to_json()})
+
+        async def rerun(q):
+            job = s.rerun(ring(q))
+            return j({"ring": s.ring(ring(q)).to_json(), "job": job.to_json()}, status=202)
+
+        async def cancel(q):
+            return j({"ring": s.cancel_export(ring(q)).to_json()})
+
+        async def stop_ring(q):
+            await s.async_stop_ring(ring(q))
+            return j({"stopped": ring(q)})
+
+        async def health(q):
+            return j(s.health_json())
+
+        async def metrics(q):
+            return j(s.metrics_json())
+
+        async def job(q):
+            return j({"job": s.jobs.get(q.match_info["id"]).to_json()})
+
+        async def cancel_job(q):
+            return j({"job": s.jobs.cancel(q.match_info["id"]).to_json()})
+
+        async def events(q):
+            try:
+                after = int(q.query.get("after", "0"))
+                timeout = float(q.query.get("timeout", "25"))
+            except ValueError as exc:
+                raise ShapeError("'after' must be an integer and 'timeout' a number of seconds") from exc
+            return j((await s.feed.poll(after, timeout)).to_json())
+
+        p = PREFIX
+        r.add_get(f"{p}/service", service)
+        r.add_post(f"{p}/tokens", tokens)
+        r.add_get(f"{p}/agents", agents)
+        r.add_post(f"{p}/agents", add_agent)
+        r.add_post(f"{p}/agents/refresh", refresh)
+        r.add_post(f"{p}/agents/{{key}}/approve", approve)
+        r.add_post(f"{p}/agents/{{key}}/pause", pause)
+        r.add_post(f"{p}/agents/{{key}}/resume", resume)
+        r.add_delete(f"{p}/agents/{{key}}", remove)
+        r.add_post(f"{p}/links", links)
+        r.add_get(f"{p}/models", models)
+        r.add_post(f"{p}/models", add_model)
+        r.add_get(f"{p}/exports", exports)
+        r.add_post(f"{p}/placements", place)
+        r.add_get(f"{p}/placements/{{id}}", placement)
+        r.add_post(f"{p}/placements/{{id}}/solve", solve)
+        r.add_get(f"{p}/rings", rings)
+        r.add_post(f"{p}/rings", create_ring)
+        r.add_get(f"{p}/rings/{{ring}}", get_ring)
+        r.add_post(f"{p}/rings/{{ring}}/rerun", rerun)
+        r.add_post(f"{p}/rings/{{ring}}/cancel", cancel)
+        r.add_delete(f"{p}/rings/{{ring}}", stop_ring)
+        r.add_get(f"{p}/health", health)
+        r.add_get(f"{p}/metrics", metrics)
+        r.add_get(f"{p}/jobs/{{id}}", job)
+        r.add_delete(f"{p}/jobs/{{id}}", cancel_job)
+        r.add_get(f"{p}/events", events)
+        self.extra_routes(app)
+
+    def extra_routes(self, app: web.Application) -> None:
+        """Routes over parts other engineers own (keys, multi-ring placement): added when present."""
+        from console.service.admin_keys import add_key_routes
+
+        add_key_routes(app, self)
+
+
+def build_admin_app(service: FleetService) -> web.Application:
+    api = AdminApi(service)
+    app = web.Application(middlewares=[api.guard], client_max_size=MAX_BODY)
+    api.routes(app)
+    return app
+
+
+async def async_run_admin(service: FleetService, stack: contextlib.AsyncExitStack) -> str | None:
+    """Serve the admin API on the state dir's socket and, unless ``admin_port`` is None, over
+    mutual TLS; closed by ``stack``. Returns the HTTPS URL (None: socket only)."""
+    from console.service.fleet_service import ADMIN_SOCKET
+
+    settings = service.settings
+    runner = web.AppRunner(build_admin_app(service), handler_cancellation=True, shutdown_timeout=2.0)
+    await runner.setup()
+    stack.push_async_callback(runner.cleanup)
+    path = Path(settings.state_dir) / ADMIN_SOCKET
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()  # a socket left by a service that was killed (the state dir lock says we own it)
+    await web.UnixSite(runner, str(path)).start()
+    os.chmod(path, 0o600)
+    if settings.admin_port is None:
+        return None
+    ctx: ssl.SSLContext = service.host.credentials.server_context(admit=ADMIN_ROLES)
+    site = web.TCPSite(runner, settings.admin_host, settings.admin_port, ssl_context=ctx)
+    try:
+        await site.start()
+    except OSError as exc:
+        raise ConsoleError(f"the admin API cannot listen on {settings.admin_host}:{settings.admin_port} ({exc}); "
+                           "pick another --admin-port (or -1 for the local socket only)") from exc
+    port = runner.addresses[-1][1]
+    host = f"[{settings.admin_host}]" if ":" in settings.admin_host else settings.admin_host
+    return f"https://{host}:{port}"
+
+
+__all__ = ["AdminApi", "Role", "build_admin_app", "async_run_admin", "caller"]

@@ -1,0 +1,181 @@
+"""The fleet service's news for its admin clients: a numbered event feed read by long-poll, and
+the jobs long actions run as (docs/ADMIN_API.md, "Jobs" and "Event feed").
+
+Both live on the service's loop. The feed keeps the last ``keep`` events; a client asks for those
+after the last ``seq`` it saw and waits (bounded) when there are none. A client starting out
+(``after`` 0) or one that fell behind the kept window gets a snapshot first — events the service
+makes from its current state — so any number of clients converge on the same picture.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from console.service.errors import ConsoleError
+
+log = logging.getLogger("deskfleet.fleet")
+
+KEEP_EVENTS = 1000
+MAX_WAIT_S = 60.0
+KEEP_JOBS_S = 600.0
+
+
+@dataclass(frozen=True)
+class Event:
+    seq: int
+    at: float
+    kind: str
+    data: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"seq": self.seq, "at": self.at, "kind": self.kind, "data": self.data}
+
+
+@dataclass(frozen=True)
+class Poll:
+    """One answer of the feed: ``events`` in order, ``next`` to ask after, ``reset`` when the
+    client's ``after`` had fallen out of the kept window (its state is stale: re-read it)."""
+
+    events: tuple[Event, ...]
+    next: int
+    reset: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {"events": [e.to_json() for e in self.events], "next": self.next, "reset": self.reset}
+
+
+class EventFeed:
+    """``publish(kind, data)`` from the loop; ``await poll(after, timeout)`` from a request handler.
+    ``snapshot()`` gives (kind, data) pairs for the current state, sent to a client starting out."""
+
+    def __init__(self, snapshot: Callable[[], Sequence[tuple[str, dict[str, Any]]]] = tuple,
+                 keep: int = KEEP_EVENTS) -> None:
+        self._snapshot = snapshot
+        self._events: collections.deque[Event] = collections.deque(maxlen=keep)
+        self._seq = 1  # a snapshot answers next >= 1, so "after=0" only ever means a client starting out
+        self._changed = asyncio.Event()
+
+    @property
+    def last_seq(self) -> int:
+        return self._seq
+
+    def publish(self, kind: str, data: dict[str, Any]) -> Event:
+        self._seq += 1
+        event = Event(self._seq, time.time(), kind, data)
+        self._events.append(event)
+        self._changed.set()
+        self._changed = asyncio.Event()  # the next waiters wait for the next event
+        return event
+
+    def since(self, after: int) -> Poll:
+        """What a client that saw ``after`` gets now (without waiting)."""
+        oldest = self._events[0].seq if self._events else self._seq + 1
+        if after <= 0 or after > self._seq or after < oldest - 1:
+            reset = after > 0
+            snap = tuple(Event(self._seq, time.time(), kind, data) for kind, data in self._snapshot())
+            return Poll(snap, self._seq, reset)
+        return Poll(tuple(e for e in self._events if e.seq > after), self._seq)
+
+    async def poll(self, after: int, timeout: float) -> Poll:
+        """Events after ``after``; waits up to ``timeout`` s (at most MAX_WAIT_S) for one when there are none."""
+        answer = self.since(after)
+        if answer.events or answer.reset or after <= 0:
+            return answer
+        changed = self._changed
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(changed.wait(), max(0.0, min(timeout, MAX_WAIT_S)))
+        return self.since(after)
+
+
+class JobNotFoundError(ConsoleError):
+    """No job of that id (never started, or finished more than KEEP_JOBS_S ago)."""
+
+
+@dataclass
+class Job:
+    id: str
+    kind: str
+    ring: str | None
+    started: float
+    state: str = "running"  # running, done, failed, cancelled
+    ended: float | None = None
+    result: Any = None
+    error: str | None = None
+    task: asyncio.Task | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "kind": self.kind, "ring": self.ring, "state": self.state, "started": self.started,
+                "ended": self.ended, "result": self.result, "error": self.error}
+
+
+class Jobs:
+    """Long actions as tasks with an id; each start and end is published on the feed (``job``)."""
+
+    def __init__(self, feed: EventFeed) -> None:
+        self.feed = feed
+        self._jobs: dict[str, Job] = {}
+        self._ids = itertools.count(1)
+
+    def start(self, kind: str, work: Coroutine[Any, Any, Any], *, ring: str | None = None,
+              to_json: Callable[[Any], Any] = lambda r: r) -> Job:
+        """Run ``work`` as a job; its result (through ``to_json``) or its error becomes the job's."""
+        self._forget_old()
+        job = Job(f"j{next(self._ids)}", kind, ring, time.time())
+        self._jobs[job.id] = job
+
+        async def run() -> None:
+            try:
+                job.result = to_json(await work)
+                job.state = "done"
+            except asyncio.CancelledError:
+                job.state, job.error = "cancelled", "cancelled by an admin"
+            except Exception as exc:
+                job.state, job.error = "failed", str(exc) or type(exc).__name__
+                if not isinstance(exc, ConsoleError | OSError) and not _named(exc):
+                    log.exception("job %s (%s) failed", job.id, kind)
+            finally:
+                job.ended = time.time()
+                self.feed.publish("job", {"job": job.to_json()})
+
+        job.task = asyncio.get_running_loop().create_task(run(), name=f"deskfleet-job-{job.id}")
+        self.feed.publish("job", {"job": job.to_json()})
+        return job
+
+    def get(self, job_id: str) -> Job:
+        job = self._jobs.get(job_id)
+        if job is None:
+            raise JobNotFoundError(f"there is no job {job_id!r} (finished jobs are kept {KEEP_JOBS_S:.0f} s)")
+        return job
+
+    def cancel(self, job_id: str) -> Job:
+        job = self.get(job_id)
+        if job.task is not None and not job.task.done():
+            job.task.cancel()
+        return job
+
+    async def async_close(self) -> None:
+        tasks = [j.task for j in self._jobs.values() if j.task is not None and not j.task.done()]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    def _forget_old(self) -> None:
+        now = time.time()
+        for job_id in [j.id for j in self._jobs.values() if j.ended is not None and now - j.ended > KEEP_JOBS_S]:
+            del self._jobs[job_id]
+
+
+def _named(exc: BaseException) -> bool:
+    from engine.errors import DeskfleetError
+
+    return isinstance(exc, DeskfleetError)

@@ -1,0 +1,137 @@
+"""The fleet service's admin API on loopback: a real service (fleet host, hub, API) and a real
+agent in this process. Two admin clients on the local socket see the same state — an agent one of
+them adds and approves reaches the other through the event feed; over mutual TLS the API takes an
+admin certificate and refuses an agent's, the service's own and none at all; errors name what is
+wrong."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import ssl
+import stat
+
+import aiohttp
+import pytest
+
+from engine.trust.fleet_ca import Role
+from tests.fleet_service.admin import Admin
+from tests.fleet_service.conftest import service_in_process
+from tests.support.asyncutil import run
+from tests.support.console_fleet_helpers import agent
+
+pytestmark = pytest.mark.usefixtures("private_keyring")
+
+
+async def _records_until(admin: Admin, after: int, predicate, timeout: float = 20.0):
+    """Follow the event feed until a ``records`` event satisfies ``predicate``; its agents."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline:
+        poll = await admin.ok("GET", f"/events?after={after}&timeout=2")
+        after = poll["next"]
+        for event in poll["events"]:
+            if event["kind"] == "records" and predicate(event["data"]["agents"]):
+                return event["data"]["agents"]
+    raise AssertionError("no records event showed the change")
+
+
+def test_two_admin_clients_see_the_same_fleet(tmp_path):
+    async def main():
+        async with service_in_process(tmp_path / "fleet") as service:
+            sock = tmp_path / "fleet" / "admin.sock"
+            assert stat.S_IMODE(os.stat(sock).st_mode) == 0o600
+            async with Admin.unix(sock) as a, Admin.unix(sock) as b:
+                start_b = await b.ok("GET", "/events?after=0")
+                kinds = {e["kind"] for e in start_b["events"]}
+                assert {"records", "token", "health"} <= kinds  # a client starting out gets a snapshot
+                token = (await a.ok("POST", "/tokens", {}))["token"]
+                pc = agent(tmp_path, "desk-a")
+                await pc.async_start()
+                try:
+                    await pc.async_join(service.host.enrollment, token)
+                    added = (await a.ok("POST", "/agents", {"host": "127.0.0.1", "port": pc.control_port}))["agent"]
+                    assert added["name"] == "desk-a" and added["verified"] and not added["approved"]
+                    approved = (await a.ok("POST", f"/agents/{added['key']}/approve"))["agent"]
+                    assert approved["approved"]
+
+                    seen = await _records_until(b, start_b["next"],
+                                                lambda agents: any(x["approved"] for x in agents))
+                    assert [(x["name"], x["approved"]) for x in seen] == [("desk-a", True)]
+                    assert (await b.ok("GET", "/agents"))["agents"][0]["approved"]
+                    status, err = await b.call("POST", f"/agents/{added['key']}/approve")
+                    assert status == 200  # approving twice is harmless
+                    service_a, service_b = await a.ok("GET", "/service"), await b.ok("GET", "/service")
+                    assert service_a == service_b and service_a["fleet_id"] == service.fleet.fleet_id
+                finally:
+                    await pc.async_close()
+
+    run(main(), 120)
+
+
+def test_only_an_admin_certificate_is_let_in_over_tls(tmp_path):
+    async def main():
+        async with service_in_process(tmp_path / "fleet") as service:
+            url = service.admin_url
+            assert url is not None and url.startswith("https://127.0.0.1:")
+            authority = service.host.authority
+            admin = authority.issue_admin("alice")
+            async with Admin.tls(url, admin.client_context()) as alice:
+                assert (await alice.ok("GET", "/service"))["fleet_id"] == service.fleet.fleet_id
+                assert (await alice.ok("GET", "/health"))["status"] == "down"  # no ring yet
+
+            for who, creds in (("an agent", authority.issue_credentials("desk-x", role=Role.AGENT)),
+                               ("the service itself", service.host.credentials)):
+                async with Admin.tls(url, creds.client_context()) as intruder:
+                    with pytest.raises((aiohttp.ClientError, ssl.SSLError)):
+                        status, body = await intruder.call("GET", "/agents", timeout=10)
+                        pytest.fail(f"{who}'s certificate was let in: {status} {body}")
+
+            bare = ssl.create_default_context(cadata=service.host.credentials.ca_pem.decode())
+            bare.check_hostname = False
+            async with Admin.tls(url, bare) as stranger:  # no certificate at all
+                with pytest.raises((aiohttp.ClientError, ssl.SSLError)):
+                    await stranger.call("GET", "/agents", timeout=10)
+
+    run(main(), 120)
+
+
+def test_errors_name_what_is_wrong(tmp_path):
+    async def main():
+        async with service_in_process(tmp_path / "fleet") as service, \
+                Admin.unix(service.settings.state_dir / "admin.sock") as a:
+            status, body = await a.call("GET", "/rings/r9")
+            assert status == 404 and body["error"]["code"] == "not_found" and "r9" in body["error"]["message"]
+            status, body = await a.call("POST", "/rings", {"model": "x"})
+            assert status == 400 and "'plan'" in body["error"]["message"]
+            plan = {"stages": [{"device_id": "pc/CPU", "pc_id": "pc", "first_layer": 0, "last_layer": 3}]}
+            status, body = await a.call("POST", "/rings", {"plan": plan, "model": "no-such-model"})
+            assert status == 404 and "no-such-model" in body["error"]["message"]
+            status, body = await a.call("POST", "/rings", {"plan": plan, "model": "m", "ring": "bad id"})
+            assert status == 400 and "ring id" in body["error"]["message"]
+            status, body = await a.call("POST", "/agents", {"host": 7})
+            assert status == 400 and "'host'" in body["error"]["message"]
+            status, body = await a.call("POST", "/agents/nobody/approve")
+            assert status == 404
+            status, body = await a.call("GET", "/jobs/j77")
+            assert status == 404
+            status, body = await a.call("GET", "/events?after=x")
+            assert status == 400
+            status, body = await a.call("GET", "/nothing-here")
+            assert status == 404 and body["error"]["code"] == "not_found"
+            assert (await a.ok("GET", "/rings")) == {"rings": []}
+
+            issued = await a.ok("POST", "/keys", {"name": "wiki-bot", "rpm": 30})
+            assert issued["secret"].startswith("sk-deskfleet-") and issued["rpm"] == 30
+            listed = (await a.ok("GET", "/keys"))["keys"]
+            assert {k["name"] for k in listed} >= {"wiki-bot"} and all("secret" not in k for k in listed)
+            status, body = await a.call("POST", "/keys", {"name": "wiki-bot"})
+            assert status == 409
+            assert (await a.ok("DELETE", "/keys/wiki-bot")) == {"revoked": "wiki-bot"}
+            status, body = await a.call("DELETE", "/keys/wiki-bot")
+            assert status == 404
+            status, body = await a.call("POST", "/keys/wiki-bot/secret")
+            assert status == 403
+            assert (await a.ok("POST", "/keys/console/secret"))["secret"] == service.host.api_key
+
+    run(main(), 120)
