@@ -32,6 +32,7 @@ from engine.coordinator.speculation import Speculator
 from engine.errors import DeskfleetError
 from engine.generation.generator import ModelCard, UnavailableError
 from engine.generation.request import GenerationRequest, TokenEvent
+from engine.generation.ring_report import RingReport, RingStatus
 from engine.shards.kv_pool import DEFAULT_KV_POOL_BYTES, pool_blocks_for
 from engine.shards.manifest import Manifest, load_manifest
 from engine.shards.paged_step import PagedOutcome, PagedPath
@@ -73,8 +74,9 @@ class BatchCoordinator:
 
     def __init__(self, path: PagedPath, model: ModelCard, scheduler: BatchScheduler, *, lanes: int | None = None,
                  speculation: Speculator | None = None, recover: PagedRecover | None = None,
-                 step_timeout_s: float | None = None, hold_timeout_s: float = 60.0):
+                 step_timeout_s: float | None = None, hold_timeout_s: float = 60.0, ring_id: str = "default"):
         self.path = path
+        self.ring_id = ring_id
         self._model = model
         self.scheduler = scheduler
         self.lanes = max(1, lanes if lanes is not None else path.num_stages)
@@ -91,6 +93,10 @@ class BatchCoordinator:
         self._task: asyncio.Task | None = None
         self._stopping = False
         self._recovering = False
+        # why the ring is recovering or down (detail, stage or None); None while it serves
+        self._trouble: tuple[str, int | None] | None = None
+        self._cause = ""  # what the failed failover was about: a request's repair attempt retells it
+        self._down = False  # the last failover failed (or there was nothing to fail over to)
         self._counters: collections.Counter[str] = collections.Counter()
         self._token_times: collections.deque[float] = collections.deque()
         self._step_ms: collections.deque[float] = collections.deque(maxlen=256)
@@ -163,6 +169,8 @@ class BatchCoordinator:
         self._queues[stream_id] = queue
         self._idle.clear()
         self._wake.set()
+        if self._down and self.recover is not None and self._trouble is not None:
+            self._fail_over(self._cause, self._trouble[1])  # repair first: the request is held meanwhile
         finished = False
         try:
             while True:
@@ -248,6 +256,8 @@ class BatchCoordinator:
         if sent is None:
             log.debug("dropping the outcome of step %d (not in flight: a failover forgot it)", outcome.seq)
             return
+        if outcome.error is None and self._down and not self._recovering:
+            self._down, self._trouble = False, None  # a step went round: the ring serves again
         now = time.perf_counter()
         self._step_ms.append(1000 * (time.monotonic() - sent.sent_at))
         self._step_rows.append(len(outcome.ids))
@@ -299,14 +309,17 @@ class BatchCoordinator:
         reason = f"a step got no reply within {self.step_timeout_s:.1f} s"
         self._fail_over(reason)
 
-    def request_failover(self, reason: str) -> None:
-        """Fail over now, without waiting for a step timeout (e.g. the console heard that an agent paused)."""
-        self._fail_over(reason)
+    def request_failover(self, reason: str, stage: int | None = None) -> None:
+        """Fail over now, without waiting for a step timeout (e.g. the console heard that an agent
+        paused, a supervisor saw ``stage``'s worker exit): ``reason`` is what /health says meanwhile."""
+        self._fail_over(reason, stage)
 
-    def _fail_over(self, reason: str) -> None:
+    def _fail_over(self, reason: str, stage: int | None = None) -> None:
         if self._recovering or self._stopping:
             return
+        self._trouble = (reason, stage)
         if self.recover is None:  # nothing to fail over to: every stream fails now
+            self._down = True
             self._in_flight.clear()
             self._carry_out(self.scheduler.fail_all(UnavailableError(f"a stage stopped answering: {reason}")))
             return
@@ -329,13 +342,41 @@ class BatchCoordinator:
                       f"no replacement was ready within {self.hold_timeout_s:.0f} s ({exc!r})")
             error = UnavailableError(f"a stage stopped answering ({reason}) and {detail}; retry when the fleet "
                                      "is back")
+            stage = getattr(exc, "stage", None)
+            stage = stage if stage is not None else self._stage()
+            self._down, self._cause, self._trouble = True, reason, (f"{reason}; {detail}", stage)
             self._carry_out(self.scheduler.fail_all(error))
             log.warning("failover failed: %s", detail)
         else:
+            self._down, self._trouble = False, None
             log.info("ring recovered; replaying the held streams")
         finally:
             self._recovering = False
             self._wake.set()
+
+    def _stage(self) -> int | None:
+        return self._trouble[1] if self._trouble is not None else None
+
+    # -- health ---------------------------------------------------------------------------------
+
+    def ring_reports(self) -> tuple[RingReport, ...]:
+        """This ring's state for /health and a router: recovering while streams are held, down
+        when it cannot serve (not running, its last failover failed, its first hop is closed)."""
+        running = self.scheduler.running
+        waiting = self.scheduler.streams - running
+
+        def report(status: RingStatus, detail: str = "", stage: int | None = None) -> tuple[RingReport, ...]:
+            return (RingReport(self.ring_id, self._model.name, status, detail, stage, running, waiting),)
+
+        if self._stopping or self._task is None or self._task.done():
+            return report(RingStatus.DOWN, "the coordinator is not running")
+        if self._recovering or self._down:
+            detail, stage = self._trouble or ("a stage stopped answering", None)
+            return report(RingStatus.RECOVERING if self._recovering else RingStatus.DOWN, detail, stage)
+        if not getattr(self.path, "connected", True):
+            first = 1 if getattr(self.path, "hosts_stage0", False) else 0
+            return report(RingStatus.DOWN, f"the connection to stage {first} is closed", first)
+        return report(RingStatus.OK)
 
     # -- metrics --------------------------------------------------------------------------------
 

@@ -33,6 +33,7 @@ from engine.coordinator.speculation import Speculator
 from engine.errors import DeskfleetError, GenerationError
 from engine.generation.generator import ModelCard, OverloadedError, UnavailableError
 from engine.generation.request import FinishReason, GenerationRequest, TokenEvent
+from engine.generation.ring_report import RingReport, RingStatus
 from engine.shards.prefix_cache import PrefixIndex
 from engine.shards.stage import LocalChain
 from engine.shards.step_path import LocalPath, StepPath, StepResult
@@ -55,7 +56,7 @@ class Coordinator:
                  prefill_chunk: int = 256, prefix_cache: bool = True, prefix_min_tokens: int = 16,
                  speculation: Speculator | None = None, restore_timeout_s: float = 10.0,
                  recover: Recover | None = None, step_timeout_s: float | None = None,
-                 hold_timeout_s: float = 60.0):
+                 hold_timeout_s: float = 60.0, ring_id: str = "default"):
         if slots < 1:
             raise DeskfleetError("a coordinator needs at least one slot")
         self.path = path
@@ -71,6 +72,11 @@ class Coordinator:
         self.step_timeout_s = step_timeout_s
         self.hold_timeout_s = hold_timeout_s
         self._recovering = False
+        self.ring_id = ring_id
+        # why the ring is recovering or down (detail, stage or None); None while it serves
+        self._trouble: tuple[str, int | None] | None = None
+        self._cause = ""  # what the failed failover was about: a request's repair attempt retells it
+        self._down = False  # the last failover failed (or a stage stopped answering with no hook)
         self._sent_at: dict[StreamId, float] = {}
         self._watchdog: asyncio.Task | None = None
         self._ids = itertools.count(1)
@@ -146,6 +152,8 @@ class Coordinator:
         self._queues[state.stream_id] = queue
         self._waiting.append(state)
         self._counters["requests"] += 1
+        if self._down and self.recover is not None and self._trouble is not None:
+            self._start_failover(self._cause, self._trouble[1])  # repair first: the request waits meanwhile
         await self._admit()
         try:
             while True:
@@ -193,6 +201,24 @@ class Coordinator:
         if self.speculation is not None:
             out.update(self.speculation.metrics())
         return out
+
+    def ring_reports(self) -> tuple[RingReport, ...]:
+        """This ring's state for /health and a router: recovering while streams are held, down
+        when it cannot serve (not running, its last failover failed, its first hop is closed)."""
+        active, waiting = len(self._active), len(self._waiting)
+
+        def report(status: RingStatus, detail: str = "", stage: int | None = None) -> tuple[RingReport, ...]:
+            return (RingReport(self.ring_id, self._model.name, status, detail, stage, active, waiting),)
+
+        if self._stopping or self._task is None or (self._task.done() and not self._recovering):
+            return report(RingStatus.DOWN, "the coordinator is not running")
+        if self._recovering or self._down:
+            detail, stage = self._trouble or ("a stage stopped answering", None)
+            return report(RingStatus.RECOVERING if self._recovering else RingStatus.DOWN, detail, stage)
+        if not getattr(self.path, "connected", True):
+            first = 1 if getattr(self.path, "hosts_stage0", False) else 0
+            return report(RingStatus.DOWN, f"the connection to stage {first} is closed", first)
+        return report(RingStatus.OK)
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -253,6 +279,7 @@ class Coordinator:
                 if self.recover is not None:
                     self._start_failover(reason)
                 else:
+                    self._down, self._trouble = True, (reason, None)
                     for state in late:
                         await self._fail(state, UnavailableError(f"a stage stopped answering: {reason}"))
 
@@ -261,16 +288,18 @@ class Coordinator:
         """True while streams are held for a failover."""
         return self._recovering
 
-    def request_failover(self, reason: str) -> None:
+    def request_failover(self, reason: str, stage: int | None = None) -> None:
         """Fail over now, without waiting for a step timeout (e.g. the console heard that an
-        agent paused). Ignored without a ``recover`` hook or while a failover is under way."""
+        agent paused, a supervisor saw ``stage``'s worker exit). Ignored without a ``recover`` hook
+        or while a failover is under way."""
         if self.recover is not None and self._task is not None:
-            self._start_failover(reason)
+            self._start_failover(reason, stage)
 
-    def _start_failover(self, reason: str) -> None:
+    def _start_failover(self, reason: str, stage: int | None = None) -> None:
         if self._recovering or self._stopping:
             return
         self._recovering = True
+        self._trouble = (reason, stage)
         task = asyncio.get_running_loop().create_task(self._async_failover(reason), name="deskfleet-failover")
         self._background.add(task)
         task.add_done_callback(self._background.discard)
@@ -305,11 +334,18 @@ class Coordinator:
                       f"no replacement was ready within {self.hold_timeout_s:.0f} s ({exc!r})")
             error = UnavailableError(f"a stage stopped answering ({reason}) and {detail}; retry when the fleet "
                                      "is back")
-            for state in list(self._active.values()):
+            stage = getattr(exc, "stage", None)
+            held_stage = self._trouble[1] if self._trouble is not None else None
+            stage = stage if stage is not None else held_stage
+            self._down, self._cause, self._trouble = True, reason, (f"{reason}; {detail}", stage)
+            held = list(self._active.values()) + list(self._waiting)  # every held request, not only the running
+            self._waiting.clear()
+            for state in held:
                 await self._fail(state, error)
             return
         self._task = asyncio.create_task(self._run(), name="deskfleet-coordinator")
         self._recovering = False
+        self._down, self._trouble = False, None
         log.info("ring recovered; replaying %d stream(s)", len(self._active))
         for stream_id in stale:  # again on the new ring, in case the old connection was already gone
             with contextlib.suppress(DeskfleetError, OSError):
@@ -374,6 +410,8 @@ class Coordinator:
             return
         started = time.perf_counter()
         drafted = len(state.draft)
+        if result.error is None and self._down and not self._recovering:
+            self._down, self._trouble = False, None  # a step went round: the ring serves again
         if result.error is not None and self.recover is not None:
             state.in_flight = False
             self._start_failover(f"stage error on stream {state.stream_id}: {result.error}")

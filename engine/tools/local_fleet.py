@@ -1,20 +1,26 @@
 """A whole fleet on this machine: one worker process per stage on loopback plus the coordinator.
 
-Used by ``deskfleet demo``, the benchmarks and the multi-process tests. Workers start from the
-last stage backwards, each on a free port it reports on stdout, so every worker knows its next
-hop when it starts (the ring also copes with any start order; that is tested separately).
+Used by ``deskfleet serve --workers``, ``deskfleet demo``, the benchmarks and the multi-process
+tests. Workers start from the last stage backwards, each on a free port it reports on stdout, so
+every worker knows its next hop when it starts (the ring also copes with any start order; that is
+tested separately). Each worker's error output is passed through to ours and its last lines kept,
+so that a worker that cannot start is named with its own reason. With ``failover`` a
+:class:`~engine.tools.local_supervisor.LocalSupervisor` restarts a worker that dies, in place.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+import tempfile
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine.coordinator.batch_coordinator import BatchCoordinator, paged_scheduler
 from engine.coordinator.coordinator import Coordinator, model_card
@@ -30,10 +36,15 @@ from engine.wire.address import Address
 from engine.wire.step_codec import step_reply_bound
 from engine.wire.step_plan import CPU_BLOCK_SIZE
 
+if TYPE_CHECKING:
+    from engine.tools.local_supervisor import LocalSupervisor, Restart
+    from engine.tools.restart_policy import RestartPolicy
+
 log = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 30.0
+STDERR_TAIL_LINES = 20
 
 
 Hop = Callable[[Address], Awaitable[Address]]
@@ -48,10 +59,14 @@ class WorkerStartError(DeskfleetError):
 
 
 class LocalFleet:
-    """Worker subprocesses for stages ``first_stage..N-1`` of one export."""
+    """Worker subprocesses for stages ``first_stage..N-1`` of one export.
+
+    ``cache_dir``: every worker's OpenVINO CACHE_DIR, so a restarted worker's compile is a cache hit.
+    """
 
     def __init__(self, export_dir: Path | str, *, first_stage: int = 0, host: str = "127.0.0.1",
-                 exact: bool = False, threads: int | None = None, extra_args: Sequence[str] = ()):
+                 exact: bool = False, threads: int | None = None, extra_args: Sequence[str] = (),
+                 cache_dir: Path | str | None = None):
         self.export_dir = Path(export_dir)
         self.manifest = load_manifest(self.export_dir)
         self.first_stage = first_stage
@@ -59,18 +74,48 @@ class LocalFleet:
         self.exact = exact
         self.threads = threads
         self.extra_args = tuple(extra_args)
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         self.processes: dict[int, asyncio.subprocess.Process] = {}
         self.addresses: dict[int, Address] = {}
         self.next_hops: dict[int, Address] = {}
+        self.stderr_tails: dict[int, collections.deque[str]] = {}
+        self._pipes: set[asyncio.Task] = set()
 
-    def _argv(self, stage: int, next_address: Address) -> list[str]:
+    def _argv(self, stage: int, next_address: Address, listen: Address | None = None) -> list[str]:
         argv = [sys.executable, "-m", "engine.cli.main", "worker", "--shard", str(self.export_dir),
-                "--stage", str(stage), "--listen", f"{self.host}:0", "--next", str(next_address)]
+                "--stage", str(stage), "--listen", str(listen) if listen else f"{self.host}:0",
+                "--next", str(next_address), "--exit-with-parent"]
         if self.exact:
             argv.append("--exact")
         if self.threads:
             argv += ["--threads", str(self.threads)]
+        if self.cache_dir is not None:
+            argv += ["--cache-dir", str(self.cache_dir)]
         return argv + list(self.extra_args)
+
+    async def _spawn(self, stage: int, next_address: Address, listen: Address | None = None) -> Address:
+        """Start stage ``stage``'s worker and wait for it to report its address."""
+        proc = await asyncio.create_subprocess_exec(
+            *self._argv(stage, next_address, listen), stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.processes[stage] = proc
+        self.next_hops[stage] = next_address
+        tail = self.stderr_tails[stage] = collections.deque(maxlen=STDERR_TAIL_LINES)
+        assert proc.stderr is not None
+        task = asyncio.create_task(_pass_through(proc.stderr, tail), name=f"deskfleet-worker{stage}-stderr")
+        self._pipes.add(task)
+        task.add_done_callback(self._pipes.discard)
+        try:
+            return await self._await_ready(stage, proc, task)
+        except BaseException:  # not ready (or cancelled while starting): never leave it half-started
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            raise
+
+    def last_error_line(self, stage: int) -> str:
+        """The last line stage ``stage``'s worker wrote to its error output ("" if none)."""
+        lines = [line for line in self.stderr_tails.get(stage, ()) if line.strip()]
+        return lines[-1].strip() if lines else ""
 
     async def async_start(self, return_address: Address, hop: Hop | None = None) -> Address:
         """Start every worker (last stage first); returns the address to dial the first one on.
@@ -81,46 +126,45 @@ class LocalFleet:
         hop = hop or _direct
         next_address = await hop(return_address)
         for stage in reversed(range(self.first_stage, len(self.manifest.stages))):
-            proc = await asyncio.create_subprocess_exec(
-                *self._argv(stage, next_address), stdout=asyncio.subprocess.PIPE, start_new_session=True,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-            self.processes[stage] = proc
-            self.next_hops[stage] = next_address
-            self.addresses[stage] = await self._await_ready(stage, proc)
+            self.addresses[stage] = await self._spawn(stage, next_address)
             next_address = await hop(self.addresses[stage])
         return next_address
 
-    async def _await_ready(self, stage: int, proc: asyncio.subprocess.Process) -> Address:
+    async def _await_ready(self, stage: int, proc: asyncio.subprocess.Process, stderr: asyncio.Task) -> Address:
         assert proc.stdout is not None
         try:
             while True:
                 line = await asyncio.wait_for(proc.stdout.readline(), READY_TIMEOUT_S)
                 if not line:
                     code = await proc.wait()
-                    raise WorkerStartError(f"worker for stage {stage} exited with code {code} before it was ready; "
-                                           "see its error output above")
+                    with contextlib.suppress(TimeoutError):  # its last words, for the error
+                        await asyncio.wait_for(asyncio.shield(stderr), 2.0)
+                    why = self.last_error_line(stage)
+                    raise WorkerStartError(f"the worker for stage {stage} exited with code {code} before it was "
+                                           f"ready" + (f": {why}" if why else "; see its error output above"))
                 text = line.decode(errors="replace")
                 if text.startswith("deskfleet worker:") and " on " in text:
                     return Address.parse(text.split(" on ", 1)[1].split(",", 1)[0].strip())
         except TimeoutError:
-            raise WorkerStartError(f"worker for stage {stage} did not report ready within "
+            raise WorkerStartError(f"the worker for stage {stage} did not report ready within "
                                    f"{READY_TIMEOUT_S:.0f} s") from None
 
+    async def async_restart(self, stage: int) -> None:
+        """Start stage ``stage``'s worker again on its address and next hop (its process must have
+        exited); WorkerStartError, with the worker's own reason, if it does not come up."""
+        proc = self.processes[stage]
+        if proc.returncode is None:
+            raise WorkerStartError(f"the worker for stage {stage} (pid {proc.pid}) is still running")
+        await self._spawn(stage, self.next_hops[stage], listen=self.addresses[stage])
+
     async def async_restart_dead(self) -> list[int]:
-        """Start again, on the same address and next hop, every worker whose process has exited
-        (the coordinator's failover hook for a local fleet); returns the restarted stages."""
+        """Start again, on the same address and next hop, every worker whose process has exited;
+        returns the restarted stages."""
         restarted = []
         for stage, proc in sorted(self.processes.items()):
-            if proc.returncode is None:
-                continue
-            address = self.addresses[stage]
-            argv = self._argv(stage, self.next_hops[stage])
-            argv[argv.index("--listen") + 1] = str(address)
-            new = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE, start_new_session=True,
-                                                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
-            self.processes[stage] = new
-            await self._await_ready(stage, new)
-            restarted.append(stage)
+            if proc.returncode is not None:
+                await self.async_restart(stage)
+                restarted.append(stage)
         return restarted
 
     async def async_stop(self) -> dict[int, int]:
@@ -138,7 +182,40 @@ class LocalFleet:
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
                 codes[stage] = await proc.wait()
+        for task in list(self._pipes):
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(task, 2.0)
         return codes
+
+
+async def _pass_through(stream: asyncio.StreamReader, tail: collections.deque[str]) -> None:
+    """Copy a worker's error output to ours line by line, keeping its last lines in ``tail``."""
+    while line := await stream.readline():
+        text = line.decode(errors="replace")
+        tail.append(text)
+        with contextlib.suppress(OSError, ValueError):
+            sys.stderr.write(text)
+            sys.stderr.flush()
+
+
+@contextlib.contextmanager
+def _compile_cache(cache_dir: Path | str | None, wanted: bool) -> Iterator[Path | None]:
+    """The workers' shared OpenVINO CACHE_DIR: ``cache_dir``, else (when ``wanted``) a temporary
+    one for the fleet's lifetime (a restart's compile is then a cache hit), else none."""
+    if cache_dir is not None or not wanted:
+        yield Path(cache_dir) if cache_dir is not None else None
+        return
+    with tempfile.TemporaryDirectory(prefix="deskfleet-compiled-") as tmp:
+        yield Path(tmp)
+
+
+def _supervise(fleet: LocalFleet, failover: bool, policy: RestartPolicy | None,
+               on_restart: Callable[[Restart], None] | None) -> LocalSupervisor | None:
+    if not failover:
+        return None
+    from engine.tools.local_supervisor import LocalSupervisor  # it builds on LocalFleet
+
+    return LocalSupervisor(fleet, policy, on_restart)
 
 
 @contextlib.asynccontextmanager
@@ -146,6 +223,8 @@ async def paged_local_fleet(export_dir: Path | str, *, exact: bool = False, thre
                             hop: Hop | None = None, failover: bool = False, kv_pool_bytes: int = DEFAULT_KV_POOL_BYTES,
                             lanes: int | None = 1, speculation: Speculator | None = None,
                             step_timeout_s: float | None = None, hold_timeout_s: float = 60.0,
+                            cache_dir: Path | str | None = None, restart_policy: RestartPolicy | None = None,
+                            on_restart: Callable[[Restart], None] | None = None,
                             **settings) -> AsyncIterator[BatchCoordinator]:
     """A running paged coordinator over a paged worker process for every stage (continuous
     batching in every stage).
@@ -156,13 +235,28 @@ async def paged_local_fleet(export_dir: Path | str, *, exact: bool = False, thre
     separate PCs keeps one per stage (BatchCoordinator's default).
 
     ``settings`` go to the scheduler (slots, max_waiting, token_budget, prefill_chunk,
-    prefix_cache). With ``failover`` a worker that dies is restarted on its address and the
-    coordinator replays its streams there (pass ``step_timeout_s`` so a silent stage is noticed)."""
+    prefix_cache). With ``failover`` the workers are supervised (:mod:`engine.tools.local_supervisor`):
+    one that dies is restarted on its address as ``restart_policy`` allows (``on_restart`` hears
+    each, with its times) and the coordinator replays its streams there; the workers then share a
+    compile cache (``cache_dir``, else a temporary one). Pass ``step_timeout_s`` so that a stage
+    that is alive but silent is noticed too."""
+    with _compile_cache(cache_dir, failover) as cache:
+        async with _paged_local_fleet(export_dir, exact, threads, hop, failover, kv_pool_bytes, lanes, speculation,
+                                      step_timeout_s, hold_timeout_s, cache, restart_policy, on_restart,
+                                      settings) as coordinator:
+            yield coordinator
+
+
+@contextlib.asynccontextmanager
+async def _paged_local_fleet(export_dir, exact, threads, hop, failover, kv_pool_bytes, lanes, speculation,
+                             step_timeout_s, hold_timeout_s, cache, restart_policy, on_restart,
+                             settings) -> AsyncIterator[BatchCoordinator]:
     manifest = load_manifest(export_dir)
     block_size = CPU_BLOCK_SIZE
     pool = pool_blocks_for(manifest, kv_pool_bytes, block_size, precision="f32" if exact else None)
-    fleet = LocalFleet(export_dir, exact=exact, threads=threads,
+    fleet = LocalFleet(export_dir, exact=exact, threads=threads, cache_dir=cache,
                        extra_args=("--paged", "--kv-pool-mb", f"{kv_pool_bytes / 2**20:.6g}"))
+    supervisor = _supervise(fleet, failover, restart_policy, on_restart)
     budget = settings.get("token_budget", 256)  # no step answers more rows than it has tokens
     path = PagedRingPath(manifest.model.fingerprint, len(manifest.stages), Address("127.0.0.1", 0),
                          Address("127.0.0.1", 0), block_size=block_size,
@@ -171,19 +265,20 @@ async def paged_local_fleet(export_dir: Path | str, *, exact: bool = False, thre
         return_address = await path.async_listen()
         path.first_remote = await fleet.async_start(return_address, hop)
         recover = None
-        if failover:
+        if supervisor is not None:
             async def recover(broken: PagedPath, reason: str) -> PagedPath:
-                restarted = await fleet.async_restart_dead()
-                log.warning("local fleet: restarted stage(s) %s after: %s", restarted, reason)
-                await path.async_reconnect()
-                return path
+                return await supervisor.async_recover(path, reason)
 
         scheduler = paged_scheduler(manifest, pool, block_size, **settings)
         coordinator = BatchCoordinator(path, model_card(manifest), scheduler, lanes=lanes, speculation=speculation,
                                        recover=recover, step_timeout_s=step_timeout_s, hold_timeout_s=hold_timeout_s)
         async with coordinator:
+            if supervisor is not None:
+                supervisor.attach(coordinator)
             yield coordinator
     finally:
+        if supervisor is not None:
+            supervisor.close()
         await path.async_close()
         await fleet.async_stop()
 
@@ -191,32 +286,45 @@ async def paged_local_fleet(export_dir: Path | str, *, exact: bool = False, thre
 @contextlib.asynccontextmanager
 async def local_fleet(export_dir: Path | str, *, slots: int = 4, exact: bool = False, threads: int | None = None,
                       host_stage0: bool = False, hop: Hop | None = None, failover: bool = False,
+                      cache_dir: Path | str | None = None, restart_policy: RestartPolicy | None = None,
+                      on_restart: Callable[[Restart], None] | None = None,
                       **coordinator_options) -> AsyncIterator[Coordinator]:
     """A running coordinator over worker processes for every stage (stage 0 in-process if asked).
 
-    With ``failover`` a worker that dies is restarted on its address and the coordinator replays
-    its streams there (pass ``step_timeout_s`` so a silent stage is noticed)."""
+    ``failover``, ``cache_dir``, ``restart_policy`` and ``on_restart`` as :func:`paged_local_fleet`."""
+    with _compile_cache(cache_dir, failover) as cache:
+        async with _local_fleet(export_dir, slots, exact, threads, host_stage0, hop, failover, cache, restart_policy,
+                                on_restart, coordinator_options) as coordinator:
+            yield coordinator
+
+
+@contextlib.asynccontextmanager
+async def _local_fleet(export_dir, slots, exact, threads, host_stage0, hop, failover, cache, restart_policy,
+                       on_restart, coordinator_options) -> AsyncIterator[Coordinator]:
     manifest = load_manifest(export_dir)
     local0 = Stage(export_dir, 0, manifest=manifest, exact=exact, num_threads=threads) if host_stage0 else None
     if host_stage0 and len(manifest.stages) < 2:
         raise DeskfleetError("hosting stage 0 in the coordinator needs an export with at least 2 stages")
-    fleet = LocalFleet(export_dir, first_stage=1 if host_stage0 else 0, exact=exact, threads=threads)
+    fleet = LocalFleet(export_dir, first_stage=1 if host_stage0 else 0, exact=exact, threads=threads,
+                       cache_dir=cache)
+    supervisor = _supervise(fleet, failover, restart_policy, on_restart)
     path = RingPath(manifest.model.fingerprint, len(manifest.stages), Address("127.0.0.1", 0),
                     Address("127.0.0.1", 0), local_stage0=local0)
     try:
         return_address = await path.async_listen()
         path.first_remote = await fleet.async_start(return_address, hop)
-        if failover:
+        if supervisor is not None:
             async def recover(broken: RingPath, reason: str) -> RingPath:
-                restarted = await fleet.async_restart_dead()
-                log.warning("local fleet: restarted stage(s) %s after: %s", restarted, reason)
-                await broken.async_reconnect()
-                return broken
+                return await supervisor.async_recover(path, reason)
 
             coordinator_options["recover"] = recover
         coordinator = Coordinator(path, model_card(manifest), slots=slots, **coordinator_options)
         async with coordinator:
+            if supervisor is not None:
+                supervisor.attach(coordinator)
             yield coordinator
     finally:
+        if supervisor is not None:
+            supervisor.close()
         await path.async_close()
         await fleet.async_stop()

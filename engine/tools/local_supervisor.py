@@ -1,0 +1,196 @@
+"""Supervision of a local fleet's worker processes (``serve --workers``, ``demo --serve``): the
+recovery the console gives its agents' rings, for workers that are this process's children.
+
+A worker that exits is noticed at once (its process is awaited: no step timeout needed) and the
+coordinator is told to fail over, naming the stage, so that ``/health`` says *recovering* while
+its streams are held. The coordinator's recover hook is :meth:`LocalSupervisor.async_recover`:
+it starts every dead worker again on its address and next hop (at once after a first crash,
+after a back-off when it keeps crashing: :class:`~engine.tools.restart_policy.RestartPolicy`),
+re-dials the ring under a new session, and the coordinator replays every held stream. A stage
+the policy gives up raises :class:`StageDownError` naming it, so its held requests fail at once
+(HTTP 503) with the reason instead of waiting out the hold time, and the ring reports *down*.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+from engine.errors import DeskfleetError
+from engine.tools.local_fleet import LocalFleet, WorkerStartError
+from engine.tools.restart_policy import RestartPolicy
+
+log = logging.getLogger(__name__)
+
+# an exit seen and the coordinator's failover not yet asking: wait this long for it to reap
+_REAP_GRACE_S = 0.5
+
+
+class StageDownError(DeskfleetError):
+    """A local worker could not be brought back (it crash-loops, or cannot start: a missing or
+    corrupt shard file, its port taken); ``stage`` says which."""
+
+    def __init__(self, stage: int, message: str):
+        super().__init__(message)
+        self.stage = stage
+
+
+class FailsOver(Protocol):
+    """A coordinator (paged or stateful) a supervisor can tell that a stage is gone."""
+
+    def request_failover(self, reason: str, stage: int | None = None) -> None: ...
+
+
+class Redialling(Protocol):
+    async def async_reconnect(self) -> None: ...
+
+
+P = TypeVar("P", bound=Redialling)
+
+
+@dataclass(frozen=True)
+class Restart:
+    """One worker brought back, in ``time.monotonic()`` seconds: its exit seen, the process that
+    came up spawned, it reported ready (imports, shard checks, conversion and compile), the ring
+    re-dialled. ``attempts``: starts it took (more than one after a failed start)."""
+
+    stage: int
+    exit_code: int | None
+    noticed_at: float
+    spawned_at: float
+    ready_at: float
+    reconnected_at: float
+    attempts: int = 1
+
+    def breakdown(self) -> dict[str, float]:
+        """Seconds spent waiting (back-off), starting (spawn to ready) and re-dialling."""
+        return {"backoff_s": self.spawned_at - self.noticed_at, "start_s": self.ready_at - self.spawned_at,
+                "redial_s": self.reconnected_at - self.ready_at}
+
+
+def describe_exit(code: int | None) -> str:
+    """``-9`` -> "was killed by SIGKILL"; ``1`` -> "exited with code 1"."""
+    if code is None:
+        return "stopped answering"
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
+
+
+class LocalSupervisor:
+    """Watches every worker of ``fleet``; its :meth:`async_recover` is the coordinator's recover hook."""
+
+    def __init__(self, fleet: LocalFleet, policy: RestartPolicy | None = None,
+                 on_restart: Callable[[Restart], None] | None = None):
+        self.fleet = fleet
+        self.policy = policy or RestartPolicy()
+        self.on_restart = on_restart
+        self.restarts: list[Restart] = []
+        self._crashes: dict[int, list[float]] = collections.defaultdict(list)
+        self._exits: dict[int, tuple[float, int | None]] = {}  # stage -> (seen at, exit code) of its last death
+        self._last_error: dict[int, str] = {}
+        self._noted: set[int] = set()  # pids whose exit is counted
+        self._watches: dict[int, asyncio.Task] = {}
+        self._target: FailsOver | None = None
+        self._closing = False
+
+    def attach(self, target: FailsOver) -> None:
+        """Start watching every worker; a death is reported to ``target``."""
+        self._target = target
+        for stage, proc in self.fleet.processes.items():
+            self._watch(stage, proc)
+
+    def close(self) -> None:
+        """Stop watching (before the fleet is stopped, so that its workers' exits are not crashes)."""
+        self._closing = True
+        for task in self._watches.values():
+            task.cancel()
+        self._watches.clear()
+
+    def dead_stages(self) -> list[int]:
+        return sorted(s for s, p in self.fleet.processes.items() if p.returncode is not None)
+
+    def _watch(self, stage: int, proc: asyncio.subprocess.Process) -> None:
+        old = self._watches.pop(stage, None)
+        if old is not None:
+            old.cancel()
+        self._watches[stage] = asyncio.create_task(self._async_watch(stage, proc), name=f"deskfleet-watch{stage}")
+
+    async def _async_watch(self, stage: int, proc: asyncio.subprocess.Process) -> None:
+        code = await proc.wait()
+        if self._closing or self.fleet.processes.get(stage) is not proc:
+            return
+        self._note_exit(stage, proc)
+        reason = f"stage {stage}'s worker (pid {proc.pid}) {describe_exit(code)}"
+        log.warning("local fleet: %s", reason)
+        if self._target is not None:
+            self._target.request_failover(reason, stage)
+
+    def _note_exit(self, stage: int, proc: asyncio.subprocess.Process) -> None:
+        if proc.pid in self._noted:
+            return
+        self._noted.add(proc.pid)
+        now = time.monotonic()
+        self._crashes[stage].append(now)
+        self._exits[stage] = (now, proc.returncode)
+        self._last_error[stage] = f"its worker {describe_exit(proc.returncode)}"
+
+    async def async_recover(self, path: P, reason: str) -> P:
+        """Bring every dead worker back and re-dial ``path``; StageDownError for one given up."""
+        if not self.dead_stages():  # a stage's error can come before its worker's exit is reaped
+            waits = [asyncio.ensure_future(p.wait()) for p in self.fleet.processes.values()]
+            _, pending = await asyncio.wait(waits, timeout=_REAP_GRACE_S, return_when=asyncio.FIRST_COMPLETED)
+            for w in pending:
+                w.cancel()
+        back = []
+        for stage in self.dead_stages():
+            self._note_exit(stage, self.fleet.processes[stage])
+            back.append(await self._async_bring_back(stage))
+        await path.async_reconnect()
+        reconnected = time.monotonic()
+        for stage, spawned, ready, attempts in back:
+            noticed, code = self._exits[stage]
+            restart = Restart(stage, code, noticed, spawned, ready, reconnected, attempts)
+            self.restarts.append(restart)
+            log.warning("local fleet: stage %d is back in %.2f s (%s)", stage, reconnected - noticed,
+                        ", ".join(f"{k} {v:.2f}" for k, v in restart.breakdown().items()))
+            if self.on_restart is not None:
+                self.on_restart(restart)
+        return path
+
+    async def _async_bring_back(self, stage: int) -> tuple[int, float, float, int]:
+        """Start ``stage``'s worker again as the policy allows: (stage, spawned at, ready at, attempts)."""
+        attempts = 0
+        while True:
+            crashes = self._crashes[stage]
+            delay = self.policy.delay(crashes, time.monotonic())
+            if delay is None:
+                n = self.policy.recent(crashes, time.monotonic())
+                raise StageDownError(stage, f"stage {stage} cannot be brought back: {n} crashes within "
+                                     f"{self.policy.window_s:.0f} s, the last: {self._last_error[stage]}. It is "
+                                     f"not restarted again until those are {self.policy.window_s:.0f} s old; "
+                                     "see the worker's error output, fix the cause and retry")
+            if delay:
+                log.warning("local fleet: stage %d crashed %d times within %.0f s; restarting it in %.1f s",
+                            stage, self.policy.recent(crashes, time.monotonic()), self.policy.window_s, delay)
+                await asyncio.sleep(delay)
+            attempts += 1
+            spawned = time.monotonic()
+            try:
+                await self.fleet.async_restart(stage)
+            except WorkerStartError as exc:
+                self._noted.add(self.fleet.processes[stage].pid)  # counted here, with its reason
+                crashes.append(time.monotonic())
+                self._last_error[stage] = str(exc)
+                log.warning("local fleet: %s", exc)
+                continue
+            self._watch(stage, self.fleet.processes[stage])
+            return stage, spawned, time.monotonic(), attempts

@@ -1,0 +1,129 @@
+"""Supervision of a local fleet (what ``serve --workers`` and ``demo --serve`` run on): a worker
+SIGKILLed mid-answer is noticed from its exit (no step timeout), restarted in place at once, the
+ring re-dialled and every held stream replayed, so the answers equal an undisturbed greedy run;
+``ring_reports()`` says *recovering* meanwhile, naming the stage. A stage that cannot come back
+(its shard file gone) is given up after the policy's crashes, and its held request fails within
+the hold time with an error naming it; the ring then reports *down*, and the next request fails
+at once instead of hanging."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+
+import pytest
+
+from engine.generation.generator import UnavailableError
+from engine.generation.request import GenerationRequest
+from engine.generation.ring_report import RingStatus
+from engine.shards.manifest import load_manifest
+from engine.tools.local_fleet import paged_local_fleet
+from engine.tools.local_supervisor import describe_exit
+from engine.tools.restart_policy import RestartPolicy
+from tests.conftest import PROMPT_IDS
+from tests.coordinator.test_failover import _kill_worker
+from tests.support.asyncutil import run
+
+N = 40
+POOL = 16 << 20
+
+
+def test_a_first_crash_restarts_at_once_and_a_crash_loop_backs_off_then_gives_up():
+    policy = RestartPolicy(window_s=60.0, first_backoff_s=1.0, max_backoff_s=3.0, max_crashes=4)
+    assert policy.delay([100.0], 100.0) == 0.0
+    assert policy.delay([100.0, 110.0], 110.0) == 1.0
+    assert policy.delay([100.0, 110.0, 111.0], 112.0) == 2.0
+    assert policy.delay([100.0, 110.0, 111.0, 112.0], 113.0) == 3.0  # capped
+    assert policy.delay([100.0, 110.0, 111.0, 112.0, 113.0], 114.0) is None
+    # crashes older than the window no longer count: a stage given up is tried again later
+    assert policy.delay([100.0, 110.0, 111.0, 112.0, 113.0], 113.0 + 61.0) == 0.0
+    assert policy.delay([0.0, 100.0], 100.0) == 0.0
+    with pytest.raises(ValueError):
+        RestartPolicy(max_crashes=0)
+
+
+def test_an_exit_is_described_by_its_signal_or_code():
+    assert describe_exit(-9) == "was killed by SIGKILL"
+    assert describe_exit(1) == "exited with code 1"
+    assert describe_exit(None) == "stopped answering"
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_answer_is_restarted_in_place_and_answers_are_identical(tiny_export, unsplit_greedy):
+    export = tiny_export("llama", 2)
+    prompts = (PROMPT_IDS, PROMPT_IDS[:7], tuple(range(40, 60)))
+    restarts = []
+
+    async def main():
+        # no step timeout: the supervisor notices the exit itself
+        async with paged_local_fleet(export, exact=True, kv_pool_bytes=POOL, failover=True, prefill_chunk=5,
+                                     on_restart=restarts.append) as c:
+            assert c.ring_reports()[0].status is RingStatus.OK
+            got = {p: [] for p in prompts}
+            seen = []
+            killed = asyncio.Event()
+
+            async def consume(prompt):
+                async for event in c.stream(GenerationRequest(prompt, N, ignore_eos=True)):
+                    got[prompt].append(event.token_id)
+                    if len(got[prompt]) == N // 2 and not killed.is_set():
+                        killed.set()
+                        _kill_worker(1)
+
+            async def watch():
+                await killed.wait()
+                while not restarts:
+                    seen.append(c.ring_reports()[0])
+                    await asyncio.sleep(0.01)
+
+            await asyncio.gather(watch(), *(consume(p) for p in prompts))
+            return got, seen, c.ring_reports()[0], c.metrics()
+
+    got, seen, after, metrics = run(main(), timeout=240)
+    for prompt in prompts:
+        assert tuple(got[prompt]) == unsplit_greedy(prompt, N)
+    assert metrics["requests_failed_total"] == 0 and metrics["failovers_total"] == 1
+    recovering = [r for r in seen if r.status is RingStatus.RECOVERING]
+    assert recovering and recovering[-1].stage == 1 and "SIGKILL" in recovering[-1].detail
+    assert all(r.status is not RingStatus.OK for r in seen[len(seen) - len(recovering):])
+    assert after.status is RingStatus.OK
+    (restart,) = restarts
+    assert restart.stage == 1 and restart.exit_code == -9 and restart.attempts == 1
+    assert restart.breakdown()["backoff_s"] < 0.5  # a first crash is restarted at once
+
+
+@pytest.mark.slow
+def test_a_stage_that_cannot_come_back_fails_its_request_within_the_hold_time_naming_it(tiny_export, tmp_path):
+    export = tmp_path / "export"
+    shutil.copytree(tiny_export("llama", 2), export)
+    stage1 = load_manifest(export).stages[1]
+    policy = RestartPolicy(first_backoff_s=0.2, max_backoff_s=0.2, max_crashes=2)
+    hold = 45.0
+
+    async def main():
+        async with paged_local_fleet(export, exact=True, kv_pool_bytes=POOL, failover=True, restart_policy=policy,
+                                     hold_timeout_s=hold) as c:
+            tokens = []
+            with pytest.raises(UnavailableError) as failed:
+                async for event in c.stream(GenerationRequest(PROMPT_IDS, N, ignore_eos=True)):
+                    tokens.append(event.token_id)
+                    if len(tokens) == 3:
+                        for f in stage1.files:  # the stage cannot start again
+                            (export / f.path).unlink()
+                        killed_at = time.monotonic()
+                        _kill_worker(1)
+            took = time.monotonic() - killed_at
+            down = c.ring_reports()[0]
+            started = time.monotonic()
+            with pytest.raises(UnavailableError) as again:
+                async for _ in c.stream(GenerationRequest(PROMPT_IDS, 4, ignore_eos=True)):
+                    pass
+            return tokens, failed.value, took, down, again.value, time.monotonic() - started
+
+    tokens, failed, took, down, again, again_took = run(main(), timeout=240)
+    assert 3 <= len(tokens) < N
+    assert "stage 1" in str(failed) and "cannot be brought back" in str(failed), failed
+    assert took < hold
+    assert down.status is RingStatus.DOWN and down.stage == 1 and "stage 1" in down.detail
+    assert "stage 1" in str(again) and again_took < 2.0  # no waiting out the hold time again
