@@ -1,4 +1,5 @@
-"""Request hygiene for the OpenAI API, as pure policy: who may address it, what it accepts.
+"""Request hygiene for the OpenAI API, as pure policy: who may address it, what it accepts,
+and where it may be served without TLS (loopback only: :func:`check_exposure`).
 
 Three checks run before a request costs anything (:mod:`engine.api.server` applies them):
 
@@ -20,9 +21,11 @@ Three checks run before a request costs anything (:mod:`engine.api.server` appli
 from __future__ import annotations
 
 import ipaddress
+import ssl
 from collections.abc import Iterable
 
 from engine.api.openai_schema import ApiError, CompletionParams
+from engine.errors import DeskfleetError
 
 CHARS_PER_TOKEN = 8
 LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "127.0.0.1", "::1"})
@@ -77,6 +80,36 @@ class HostPolicy:
             raise ApiError(421, f"this server does not answer to the host name {header!r}; address it by "
                            f"one of {', '.join(sorted(self.names))} (a page on another site cannot use "
                            "this API)", "wrong_host")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` reaches this machine only (127.0.0.0/8, ::1, ``localhost``); a
+    wildcard (``0.0.0.0``, ``::``, empty) or any other address is not."""
+    if host.strip().lower().rstrip(".") in ("localhost", "localhost.localdomain"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(host: str, *, tls: bool) -> None:
+    """Refuse (DeskfleetError) to serve plain HTTP on ``host`` unless it is a loopback address:
+    anyone on the network could read the keys and the conversations."""
+    if not tls and not is_loopback(host):
+        raise DeskfleetError(f"refusing to serve the API over plain HTTP on {host}: keys and conversations would "
+                             "cross the network in clear. Serve it over TLS with the fleet's service certificate "
+                             "(the fleet service does), or bind it to 127.0.0.1")
+
+
+def api_client_context(ca_pem: bytes) -> ssl.SSLContext:
+    """A client context for the API over TLS: trusts only the fleet CA (``ca_pem``); host names are
+    not checked (the service is reached by IP, as every fleet member is; the CA is the identity)."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.check_hostname = False
+    ctx.load_verify_locations(cadata=ca_pem.decode("ascii"))
+    return ctx
 
 
 def check_json_type(content_type: str) -> None:

@@ -17,8 +17,15 @@ stream cancels the generation.
 
 Before a request costs anything (:mod:`engine.api.guard`): its ``Host`` must name this server
 (DNS rebinding), then the key, then a POST must be ``application/json`` (cross-site forms);
-then admission (``max_concurrent``), the body's size, and the prompt's length in characters;
-only then is it rendered and tokenised, on a thread, so the loop keeps stepping the ring.
+then the key's rate limit (:mod:`engine.api.keys`), admission (``max_concurrent``), the body's
+size, and the prompt's length in characters; only then is it rendered and tokenised, on a
+thread, so the loop keeps stepping the ring. Keys are the fleet's key book (named, limited,
+revocable: a revoked key is refused on its next request) or one fixed key. Every request but
+``/health`` leaves one line in the audit log when one is given (:mod:`engine.api.audit`: key
+name, model, ring, status, token counts, duration; never the text).
+
+Off loopback the API is served only over TLS (the fleet CA's service certificate): plain HTTP
+on any other address is refused at start (:func:`engine.api.guard.check_exposure`).
 """
 
 from __future__ import annotations
@@ -26,10 +33,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import hmac
 import logging
 import math
 import re
+import ssl
 import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
@@ -38,7 +45,9 @@ from typing import Any
 
 from aiohttp import web
 
-from engine.api.guard import HostPolicy, check_json_type, check_prompt_chars
+from engine.api.audit import AuditLog, AuditRecord, utc_stamp
+from engine.api.guard import HostPolicy, check_exposure, check_json_type, check_prompt_chars
+from engine.api.keys import ANONYMOUS, Caller, KeyCheck, RateLimiter, retry_after_header
 from engine.api.openai_schema import (
     FINISH_REASONS,
     ApiError,
@@ -60,6 +69,7 @@ from engine.generation.ring_report import RingStatus, overall_status
 from engine.generation.router import Router, UnknownModelError
 from engine.generation.tokenizer import ChatTokenizer
 from engine.http_limits import LimitedAppRunner
+from engine.trust.key_book import KeyBook, KeyBookError
 
 log = logging.getLogger("deskfleet.api")
 
@@ -71,7 +81,8 @@ TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 @dataclass(frozen=True)
 class ApiSettings:
-    """Limits and identity of the API, parsed once (``api_key`` None means no auth).
+    """Limits and identity of the API, parsed once (``api_key``: one fixed key; None, with no key
+    book given to :func:`build_app`, means no auth, which only loopback allows).
 
     ``allowed_hosts``: host names clients may address the server by, besides the address it is
     bound to and the loopback names (see :mod:`engine.api.guard`)."""
@@ -218,8 +229,11 @@ class _Outcome:
 
 
 _GONE = web.RequestKey("client_gone", bool)
+_ASKED_FOR: web.RequestKey[str] = web.RequestKey("deskfleet_asked_for", str)  # the model the request named
+_USAGE: web.RequestKey[tuple[int, int]] = web.RequestKey("deskfleet_usage", tuple)  # (prompt, completion) tokens
 # (model, ring) once a ring has answered the request: what the audit records
 SERVED_BY: web.RequestKey[tuple[str, str]] = web.RequestKey("deskfleet_served_by", tuple)
+CALLER: web.RequestKey[Caller] = web.RequestKey("deskfleet_caller", Caller)  # who sent it (a valid key)
 API_STATE: web.AppKey[_Api] = web.AppKey("deskfleet_api")  # RunningApi.set_api_key reaches it
 
 
@@ -259,14 +273,17 @@ def as_router(generator: Generator, model_name: str | None = None) -> Router:
 
 
 class _Api:
-    def __init__(self, generator: Generator, tokenizer: Tokenizers, settings: ApiSettings, hosts: HostPolicy):
+    def __init__(self, generator: Generator, tokenizer: Tokenizers, settings: ApiSettings, hosts: HostPolicy,
+                 keys: KeyBook | None = None, audit: AuditLog | None = None):
         self.router = as_router(generator, settings.model_name)
         self.generator: Generator = self.router
         self.tokenizers = tokenizer
         self.settings = settings
         self.hosts = hosts
         self.metrics = ApiMetrics()
-        self._key = settings.api_key.encode() if settings.api_key else None
+        self.keys = KeyCheck(settings.api_key, keys)
+        self.limiter = RateLimiter()
+        self.audit = audit
         # one use of a tokenizer at a time: a tokenizer object is not meant to be shared between threads
         self._tokenizer_locks: dict[int, threading.Lock] = {}
 
@@ -281,38 +298,77 @@ class _Api:
 
     @web.middleware
     async def errors(self, request: web.Request, handler: Callable) -> web.StreamResponse:
+        started, status = time.time(), CLIENT_CLOSED
         try:
-            # cheapest first: a page on another site (Host), a stranger (key), a form (type)
-            self.hosts.check(request.headers.get("Host"))
-            self._authorize(request)
-            if request.method == "POST":
-                check_json_type(request.content_type)
-            response = await handler(request)
-        except asyncio.CancelledError:
-            self.metrics.count(CLIENT_CLOSED)
-            raise
-        except Exception as exc:
-            error = api_error_from(exc)
-            if error.status == 500:
-                log.exception("unhandled error on %s %s", request.method, request.path)
-            headers = error.headers
-            if error.status in (429, 503):
-                headers = {"Retry-After": str(self.settings.retry_after_s), **headers}
-            response = web.json_response(error.body(), status=error.status, headers=headers)
-        self.metrics.count(CLIENT_CLOSED if request.get(_GONE) else response.status)
-        return response
+            try:
+                # cheapest first: a page on another site (Host), a stranger (key), a form (type)
+                self.hosts.check(request.headers.get("Host"))
+                request[CALLER] = self._authorize(request)
+                if request.method == "POST":
+                    check_json_type(request.content_type)
+                response = await handler(request)
+            except asyncio.CancelledError:
+                self.metrics.count(CLIENT_CLOSED)
+                raise
+            except Exception as exc:
+                error = api_error_from(exc)
+                if error.status == 500:
+                    log.exception("unhandled error on %s %s", request.method, request.path)
+                headers = error.headers
+                if error.status in (429, 503):
+                    headers = {"Retry-After": str(self.settings.retry_after_s), **headers}
+                response = web.json_response(error.body(), status=error.status, headers=headers)
+            status = CLIENT_CLOSED if request.get(_GONE) else response.status
+            self.metrics.count(status)
+            return response
+        finally:
+            self._audit(request, status, started)
+
+    def _audit(self, request: web.Request, status: int, started: float) -> None:
+        """The request's audit line: its key's name, model and ring, status, token counts, duration."""
+        if self.audit is None or request.path in PUBLIC_PATHS:
+            return
+        caller = request.get(CALLER)
+        model, ring = request.get(SERVED_BY, (request.get(_ASKED_FOR), None))
+        usage = request.get(_USAGE, (0, 0))
+        self.audit.write(AuditRecord(
+            time=utc_stamp(started), key=caller.name if caller else None, method=request.method,
+            path=request.path[:200], model=model, ring=ring, status=status, prompt_tokens=usage[0],
+            completion_tokens=usage[1], duration_ms=round((time.time() - started) * 1000, 1), remote=request.remote))
 
     def set_api_key(self, key: str) -> None:
-        self._key = key.encode()
+        self.keys.set_static(key)
 
-    def _authorize(self, request: web.Request) -> None:
-        if self._key is None or request.path in PUBLIC_PATHS:
-            return
+    def _authorize(self, request: web.Request) -> Caller:
+        """The caller a request's bearer key names; ApiError 401 for none, a wrong or a revoked one
+        (``/health`` needs none)."""
+        if not self.keys.required:
+            return ANONYMOUS
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._key):
-            raise ApiError(401, "missing or wrong API key; send 'Authorization: Bearer <key>' with the key "
-                           "the server was started with", "invalid_api_key",
+        caller = None
+        if scheme.lower() == "bearer" and token.strip():
+            try:
+                caller = self.keys.identify(token.strip())
+            except KeyBookError as exc:
+                log.error("refusing every key: %s", exc)
+                raise ApiError(503, "the server cannot read its API key book; the admin must repair it "
+                               "(the server log says how)", "key_book_unreadable") from None
+        if caller is None:
+            if request.path in PUBLIC_PATHS:
+                return ANONYMOUS
+            raise ApiError(401, "missing, wrong or revoked API key; send 'Authorization: Bearer <key>' with a "
+                           "key the fleet's admin issued you", "invalid_api_key",
                            headers={"WWW-Authenticate": "Bearer"})
+        return caller
+
+    def _rate_limit(self, caller: Caller) -> None:
+        wait = self.limiter.admit(caller)
+        if wait is not None:
+            limits = ", ".join(f"{n} {what}/min" for n, what in ((caller.rpm, "requests"), (caller.tpm, "tokens"))
+                               if n is not None)
+            raise ApiError(429, f"the key {caller.name!r} is over its rate limit ({limits}); retry in "
+                           f"{retry_after_header(wait)} s", "rate_limit_exceeded",
+                           headers={"Retry-After": retry_after_header(wait)})
 
     def _card(self, request: web.Request) -> ModelCard | None:
         """The model a request was answered by, else the first served model (None: none served)."""
@@ -388,19 +444,26 @@ class _Api:
         Limits in order of cost: admission (a slot), the body's bytes, its validity, the
         prompt's characters; only then is it rendered and tokenised, off the loop."""
         started = time.perf_counter()
+        caller = request.get(CALLER, ANONYMOUS)
+        self._rate_limit(caller)
         if self.metrics.active >= self.settings.max_concurrent:
             raise ApiError(429, f"the server is handling {self.metrics.active} requests, its limit; retry "
                            f"in {self.settings.retry_after_s} s", "too_many_requests")
         self.metrics.active += 1  # admitted: counts from here, so tokenising requests hold a slot
+        outcome, prompt_tokens = _Outcome(), 0
         try:
-            params = parse_completion(await self._read_json(request), kind, [c.name for c in self.router.models()])
+            body = await self._read_json(request)
+            if isinstance(body.get("model"), str):  # for the audit, even when it is not served
+                request[_ASKED_FOR] = body["model"][:100]
+            params = parse_completion(body, kind, [c.name for c in self.router.models()])
             card = self.router.card_for(params.model)
             tokenizer = self.tokenizer_for(card.name)
             check_prompt_chars(params, self.settings.max_prompt_tokens)
             prompt_ids = await _off_loop(self._encode_locked, tokenizer, params)
             gen_request = to_generation_request(prompt_ids, params, self.settings, card)
             self.metrics.prompt_tokens += len(gen_request.prompt_ids)
-            outcome = _Outcome()
+            prompt_tokens = len(gen_request.prompt_ids)
+            self.limiter.charge(caller, prompt_tokens)
             deltas = self._deltas(request, card, tokenizer, gen_request, params.stop, outcome, started)
             async with contextlib.aclosing(deltas):
                 if params.stream:
@@ -408,6 +471,8 @@ class _Api:
                 text = "".join([piece async for piece in deltas])
         finally:
             self.metrics.active -= 1
+            request[_USAGE] = (prompt_tokens, outcome.completion_tokens)
+            self.limiter.charge(caller, outcome.completion_tokens)
         return web.json_response(completion_response(kind, card.name, text, outcome.finish_reason,
                                                      outcome.usage(gen_request)))
 
@@ -480,15 +545,18 @@ class _Api:
 
 
 def build_app(generator: Generator, tokenizer: Tokenizers, settings: ApiSettings,
-              host: str = "127.0.0.1") -> web.Application:
+              host: str = "127.0.0.1", *, keys: KeyBook | None = None,
+              audit: AuditLog | None = None) -> web.Application:
     """The aiohttp application serving ``generator`` under the OpenAI API, within ``settings``' limits.
 
     ``generator``: a :class:`Router` (its models, each with ``tokenizer[name]`` when ``tokenizer``
     is a mapping) or a lone generator (served as a one-ring router named ``settings.model_name``).
 
     ``host`` is the address it will be bound to: with ``settings.allowed_hosts`` and the loopback
-    names, what a request's ``Host`` header may name."""
-    api = _Api(generator, tokenizer, settings, HostPolicy(host, settings.allowed_hosts))
+    names, what a request's ``Host`` header may name. ``keys``: the fleet's key book (every
+    request but ``/health`` must carry a live key of it, or ``settings.api_key``); ``audit``:
+    where each request's audit line goes (None: not audited)."""
+    api = _Api(generator, tokenizer, settings, HostPolicy(host, settings.allowed_hosts), keys, audit)
     app = web.Application(middlewares=[api.errors], client_max_size=settings.max_body_bytes)
     app.on_response_prepare.append(api.add_headers)
     app[API_STATE] = api
@@ -508,11 +576,12 @@ class RunningApi:
     runner: web.AppRunner
     host: str
     port: int
+    tls: bool = False
 
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}/v1"
+        return f"{'https' if self.tls else 'http'}://{host}:{self.port}/v1"
 
     async def async_stop(self) -> None:
         """Stop listening, give in-flight requests the runner's grace period, then cancel them."""
@@ -527,19 +596,26 @@ class RunningApi:
 
 
 async def async_run_api(generator: Generator, tokenizer: Tokenizers, settings: ApiSettings,
-                        host: str = "127.0.0.1", port: int = 0, *, shutdown_timeout: float = 5.0) -> RunningApi:
+                        host: str = "127.0.0.1", port: int = 0, *, shutdown_timeout: float = 5.0,
+                        ssl_context: ssl.SSLContext | None = None, keys: KeyBook | None = None,
+                        audit: AuditLog | None = None) -> RunningApi:
     """Serve the API on ``host:port`` (0 picks a free port) in the running loop; return the bound port.
 
-    A client that disconnects cancels its handler, which closes its token stream.
+    ``ssl_context``: serve HTTPS (the fleet service passes its certificate's server context,
+    clients need none); without it only a loopback ``host`` is allowed
+    (:func:`~engine.api.guard.check_exposure`).
+    ``keys``, ``audit``: see :func:`build_app`. A client that disconnects cancels its handler,
+    which closes its token stream.
     """
-    runner = LimitedAppRunner(build_app(generator, tokenizer, settings, host), handler_cancellation=True,
-                              shutdown_timeout=shutdown_timeout, what="OpenAI API")
+    check_exposure(host, tls=ssl_context is not None)
+    app = build_app(generator, tokenizer, settings, host, keys=keys, audit=audit)
+    runner = LimitedAppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout, what="OpenAI API")
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port)
+        site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
         await site.start()
     except OSError as exc:
         await runner.cleanup()
         raise DeskfleetError(f"cannot listen on {host}:{port} ({exc}); pick another --port or stop "
                                "the program using it") from exc
-    return RunningApi(runner, host, runner.addresses[0][1])
+    return RunningApi(runner, host, runner.addresses[0][1], tls=ssl_context is not None)

@@ -6,7 +6,9 @@ trusts nothing the console says until the CA it serves matches the pin inside th
 
 1. ``GET /v1/ca`` over unverified TLS -> the CA PEM; the agent compares its sha256 to the pin.
 2. ``POST /v1/join`` ``{token, csr_pem, name, info?}`` over TLS verified against that CA ->
-   ``{cert_pem, ca_pem, fleet_id, node_id}``. The agent's key never leaves it, only its CSR.
+   ``{cert_pem, ca_pem, fleet_id, node_id, api_key?}``; ``api_key`` is the API key of the PC's tray
+   chat, issued to it by name (``tray-<name>-<node id prefix>``) in the fleet's key book, shown
+   only in this answer, revoked when the PC is removed. The agent's key never leaves it, only its CSR.
    Before the token is written, the server's certificate must carry the console role: every
    member's certificate chains to the same CA (and may serve TLS), so the CA alone does not
    tell the console from an enrolled PC posing as it. The console's node id (the sha256 of that
@@ -25,7 +27,7 @@ import logging
 import os
 import ssl
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,7 @@ from cryptography.hazmat.primitives.serialization import Encoding
 from engine.errors import (
     CertificateRequestError,
     CredentialsError,
+    DeskfleetError,
     EnrollmentError,
     EnrollmentTimeout,
     JoinRefused,
@@ -84,10 +87,13 @@ class Joined:
 
     credentials: Credentials
     console_node_id: str
+    api_key: str | None = field(default=None, repr=False)  # the tray chat's own API key (None: an older console)
 
 
 # on_join(node_id, name, info): told of every admitted PC, after its certificate is signed.
 JoinCallback = Callable[[str, str, Mapping[str, Any]], Awaitable[None] | None]
+# issue_chat_key(node_id, name) -> the secret of a new API key for that PC's tray chat.
+ChatKeyIssuer = Callable[[str, str], str]
 
 
 def _error(status: int, message: str, reason: str) -> web.Response:
@@ -98,12 +104,13 @@ class EnrollmentServer:
     """The console's join endpoint: trades a valid join token and a CSR for a fleet certificate."""
 
     def __init__(self, authority: FleetAuthority, token_book: TokenBook, console_credentials: Credentials, *,
-                 on_join: JoinCallback | None = None, cert_days: int = LEAF_DAYS,
-                 max_body_bytes: int = MAX_JOIN_BYTES) -> None:
+                 on_join: JoinCallback | None = None, issue_chat_key: ChatKeyIssuer | None = None,
+                 cert_days: int = LEAF_DAYS, max_body_bytes: int = MAX_JOIN_BYTES) -> None:
         self._authority = authority
         self._tokens = token_book
         self._credentials = console_credentials
         self._on_join = on_join
+        self._issue_chat_key = issue_chat_key
         self._cert_days = cert_days
         self._max_body_bytes = max_body_bytes
         self._runner: web.AppRunner | None = None
@@ -171,9 +178,16 @@ class EnrollmentServer:
                 log.exception("the join callback failed for node %s (%s)", node_id[:16], name)
                 return _error(500, "the console signed the certificate but could not record the PC; "
                                    "ask the admin to look at the console's log", "internal")
-        return web.json_response({"cert_pem": cert_pem.decode("ascii"),
-                                  "ca_pem": self._authority.ca_pem.decode("ascii"),
-                                  "fleet_id": self._authority.fleet_id, "node_id": node_id})
+        answer = {"cert_pem": cert_pem.decode("ascii"), "ca_pem": self._authority.ca_pem.decode("ascii"),
+                  "fleet_id": self._authority.fleet_id, "node_id": node_id}
+        if self._issue_chat_key is not None:
+            try:
+                answer["api_key"] = self._issue_chat_key(node_id, name)
+            except DeskfleetError as exc:
+                log.error("cannot issue the chat key of node %s (%s): %s", node_id[:16], name, exc)
+                return _error(500, "the console signed the certificate but could not issue the PC's chat key; "
+                                   "ask the admin to look at the console's log", "internal")
+        return web.json_response(answer)
 
     def _refuse(self, peer: str, status: int, message: str, reason: str, name: str = "?") -> web.Response:
         log.warning("join refused for %s from %s: %s (%s)", name, peer, reason, message)
@@ -329,11 +343,13 @@ async def async_join(console: str, token: str, name: str, *, info: Mapping[str, 
     except aiohttp.ClientError as exc:
         raise EnrollmentError(f"the connection to the console at {console} failed while {step} ({exc})") from exc
     assert console_node_id is not None  # the connector checked (and so saw) the console's certificate
-    return Joined(_credentials_from(console, status, answer, ca_pem, key_pem), console_node_id)
+    creds, api_key = _credentials_from(console, status, answer, ca_pem, key_pem)
+    return Joined(creds, console_node_id, api_key)
 
 
-def _credentials_from(console: str, status: int, answer: bytes, ca_pem: bytes, key_pem: bytes) -> Credentials:
-    """The credentials in the console's join answer, or the error it reports."""
+def _credentials_from(console: str, status: int, answer: bytes, ca_pem: bytes,
+                      key_pem: bytes) -> tuple[Credentials, str | None]:
+    """The credentials (and the tray's API key, if sent) in the console's join answer, or the error it reports."""
     try:
         doc = json.loads(answer)
         if not isinstance(doc, dict):
@@ -353,5 +369,10 @@ def _credentials_from(console: str, status: int, answer: bytes, ca_pem: bytes, k
     except CredentialsError as exc:
         raise EnrollmentError(f"the console at {console} answered with a certificate that does not fit this "
                               f"PC's key or fleet ({exc})") from exc
+    api_key = doc.get("api_key")
+    if api_key is not None and (not isinstance(api_key, str) or not 0 < len(api_key) <= 256
+                                or not api_key.isascii() or not api_key.isprintable()):
+        raise EnrollmentError(f"the console at {console} answered with a malformed API key; join again, and "
+                              "tell the admin if it repeats")
     log.info("joined fleet %s as node %s", creds.fleet_id, creds.node_id[:16])
-    return creds
+    return creds, api_key

@@ -10,9 +10,17 @@ At rest: the state directory is 0700 (tightened if it was not); the CA key file 
 encrypted PKCS#8 under a random wrapping key kept in the keyring (:class:`ConsoleSecrets`: the
 OS keyring, or without one a 0600 ``keyring.json`` in ``$DESKFLEET_KEYRING_DIR`` or else in the
 state directory itself; then the key file alone, as a backup might copy it, is useless, but a
-copy of the whole directory is not). The API key is generated on the first run and kept the
-same way. For the console's lifetime an exclusive lock on ``console.lock`` keeps a second
-console off the same state (two would lose each other's token book updates).
+copy of the whole directory is not).
+
+API keys are the fleet's key book (:class:`~engine.trust.key_book.KeyBook`, ``api-keys.json``:
+names and hashes only). The console's own chat key is the key named ``console``: generated on the
+first run, its secret kept in the keyring beside the wrapping key (the console's chat needs it
+back), its hash in the book. Each joining PC is issued a key for its tray's chat
+(``tray-<name>-<node id prefix>``, :meth:`FleetHost.issue_member_key`) with its certificate;
+removing the PC revokes it (:meth:`FleetHost.revoke_member_keys`).
+
+For the console's lifetime an exclusive lock on ``console.lock`` keeps a second console off the
+same state (two would lose each other's token book updates).
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import ssl
 import sys
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
@@ -32,14 +41,15 @@ from engine.discovery.join_service import ConsoleAdvertiser, console_advertiseme
 from engine.errors import CredentialsError, DeskfleetError
 from engine.trust.fleet_ca import Credentials, FleetAuthority
 from engine.trust.join_token import TokenBook
+from engine.trust.key_book import CONSOLE_KEY_NAME, KEY_PREFIX, KeyBook, new_secret, sanitize_key_name
 from engine.trust.keystore import ConsoleSecrets
 
 CA_CERT = "fleet-ca.crt"
 CA_KEY = "fleet-ca.key"
 LOCK_FILE = "console.lock"
 WRAP_SECRET = "ca-key-wrap"  # ConsoleSecrets name of the CA key's wrapping key
-API_KEY_SECRET = "api-key"
-API_KEY_PREFIX = "sk-deskfleet-"
+API_KEY_SECRET = "api-key"  # ConsoleSecrets name of the console key's secret
+API_KEY_PREFIX = KEY_PREFIX
 HOLDER_OFFSET = 16  # the lock holder's description starts past the (Windows) locked byte
 
 
@@ -153,15 +163,25 @@ def load_or_create_authority(state_dir: Path, name: str = "Deskfleet fleet", *,
     return authority
 
 
-def load_or_create_api_key(state_dir: Path, *, secrets_: ConsoleSecrets | None = None) -> str:
-    """The key clients send to the console's OpenAI API (``Authorization: Bearer``), generated
-    the first time (192 bits) and kept in the keyring beside the CA's wrapping key."""
+def load_or_create_api_key(state_dir: Path, *, secrets_: ConsoleSecrets | None = None,
+                           book: KeyBook | None = None) -> str:
+    """The console's own API key (its chat sends it as ``Authorization: Bearer``), generated the
+    first time (192 bits) and kept in the keyring beside the CA's wrapping key; recorded in the
+    fleet's key book (``book``, default the state dir's) as the key named ``console``."""
     store = secrets_ or ConsoleSecrets(state_dir)
-    return store.get_or_create(API_KEY_SECRET, _new_api_key)
+    key = store.get_or_create(API_KEY_SECRET, new_secret)
+    (book or KeyBook(state_dir)).adopt(CONSOLE_KEY_NAME, key)
+    return key
 
 
-def _new_api_key() -> str:
-    return API_KEY_PREFIX + secrets.token_urlsafe(24)
+def member_key_name(node_id: str, name: str) -> str:
+    """The key name of member ``node_id``'s tray chat: ``tray-<its name, made a key name>-<8 hex>``."""
+    return f"tray-{sanitize_key_name(name)[:40]}-{node_id[:8]}"
+
+
+def issue_member_key(keys: KeyBook, node_id: str, name: str) -> str:
+    """Issue (or re-issue: a PC joining again) member ``node_id``'s tray key; its secret."""
+    return keys.issue(member_key_name(node_id, name), node_id=node_id, replace_live=True).secret
 
 
 @dataclass
@@ -171,8 +191,9 @@ class FleetHost:
     tokens: TokenBook
     enrollment: str  # HOST:PORT where PCs redeem join tokens
     hub: FleetHub
-    api_key: str = field(default="", repr=False)  # the OpenAI API's key; the tray's chat gets it with an assignment
+    api_key: str = field(default="", repr=False)  # the console's own API key (the key named "console")
     secrets_store: ConsoleSecrets | None = field(default=None, repr=False)  # where api_key is kept
+    keys: KeyBook | None = field(default=None, repr=False)  # the fleet's API keys; the API checks requests in it
     key_rotated: bool = False  # a removal replaced the key this run: it wins over one given on the command line
     _key_listeners: list[Callable[[str], None]] = field(default_factory=list, repr=False)
 
@@ -180,16 +201,35 @@ class FleetHost:
         return self.tokens.issue(ttl_s)
 
     def rotate_api_key(self) -> str:
-        """A new API key, kept in the keyring before anyone uses it, then given to every
-        subscriber (the running API, the console's chat). Removing a member calls this: the one
-        fleet key was in its assignments, so the old key must stop working."""
-        key = _new_api_key()
+        """A new console key, kept in the keyring before anyone uses it, recorded in the key book
+        (the old one is refused at once), then given to every subscriber (the running API, the
+        console's chat). Removing a member calls this while assignments still carry the console's
+        key to older agents' trays."""
+        key = new_secret()
         if self.secrets_store is not None:
             self.secrets_store.put(API_KEY_SECRET, key)
+        if self.keys is not None:
+            self.keys.adopt(CONSOLE_KEY_NAME, key)
         self.api_key, self.key_rotated = key, True
         for listener in list(self._key_listeners):
             listener(key)
         return key
+
+    def issue_member_key(self, node_id: str, name: str) -> str:
+        """A new API key for the tray chat of member ``node_id`` (named ``tray-<name>-<id prefix>``,
+        replacing one it held); the secret goes to the member once, with its certificate."""
+        if self.keys is None:
+            raise DeskfleetError("this fleet host keeps no key book; it cannot issue a member's chat key")
+        return issue_member_key(self.keys, node_id, name)
+
+    def revoke_member_keys(self, node_id: str) -> tuple[str, ...]:
+        """Revoke every key issued to member ``node_id`` (it was removed); their names."""
+        return tuple(k.name for k in self.keys.revoke_member(node_id)) if self.keys is not None else ()
+
+    def api_tls_context(self) -> ssl.SSLContext:
+        """The server context the API is served over off loopback: the service certificate (role
+        console) under the fleet CA; clients need no certificate, they pin the fleet CA and send a key."""
+        return self.credentials.server_context(verify_clients=False)
 
     def subscribe_api_key(self, listener: Callable[[str], None]) -> Callable[[], None]:
         """Call ``listener(new key)`` on each rotation; returns a function that unsubscribes."""
@@ -210,9 +250,10 @@ async def fleet_host(state_dir: Path, exports: dict[str, Path] | None = None, *,
     with state_dir_lock(state_dir):
         store = ConsoleSecrets(state_dir)
         authority = load_or_create_authority(state_dir, secrets_=store)
-        api_key = load_or_create_api_key(state_dir, secrets_=store)
+        book = KeyBook(state_dir)
+        api_key = load_or_create_api_key(state_dir, secrets_=store, book=book)
         async with _fleet_services(state_dir, authority, api_key, exports, host=host, enrollment_port=enrollment_port,
-                                   hub_port=hub_port, advertise_on=advertise_on, name=name) as fleet:
+                                   hub_port=hub_port, advertise_on=advertise_on, name=name, book=book) as fleet:
             fleet.secrets_store = store
             yield fleet
 
@@ -220,10 +261,13 @@ async def fleet_host(state_dir: Path, exports: dict[str, Path] | None = None, *,
 @contextlib.asynccontextmanager
 async def _fleet_services(state_dir: Path, authority: FleetAuthority, api_key: str, exports: dict[str, Path] | None,
                           *, host: str, enrollment_port: int, hub_port: int, advertise_on: str | None,
-                          name: str) -> AsyncIterator[FleetHost]:
+                          name: str, book: KeyBook | None = None) -> AsyncIterator[FleetHost]:
     creds = load_or_create_console_credentials(state_dir, authority)  # agents pin its node id
-    book = TokenBook(state_dir / "join-tokens.json", authority.fingerprint)
-    enrollment = EnrollmentServer(authority, book, creds)
+    tokens = TokenBook(state_dir / "join-tokens.json", authority.fingerprint)
+    keys = book or KeyBook(state_dir)
+
+    enrollment = EnrollmentServer(authority, tokens, creds,
+                                  issue_chat_key=lambda node_id, member: issue_member_key(keys, node_id, member))
     enroll_host, enroll_port = await enrollment.async_start(host, enrollment_port)
     hub = FleetHub(creds)
     advertiser = ConsoleAdvertiser(advertise_on) if advertise_on else None
@@ -234,7 +278,7 @@ async def _fleet_services(state_dir: Path, authority: FleetAuthority, api_key: s
         if advertiser is not None:
             await advertiser.async_start(console_advertisement(name, authority.fingerprint, enroll_port,
                                                                advertiser.interface, __version__))
-        yield FleetHost(authority, creds, book, f"{enroll_host}:{enroll_port}", hub, api_key)
+        yield FleetHost(authority, creds, tokens, f"{enroll_host}:{enroll_port}", hub, api_key, keys=keys)
     finally:
         if advertiser is not None:
             await advertiser.async_close()

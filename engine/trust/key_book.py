@@ -68,6 +68,12 @@ def check_name(name: str) -> str:
     return name
 
 
+def sanitize_key_name(text: str) -> str:
+    """``text`` (a PC's name) made a valid key name: runs of other characters become ``-``."""
+    name = re.sub(r"[^A-Za-z0-9._@:-]+", "-", text).strip("-._@:")[:64]
+    return name or "member"
+
+
 def _check_limit(what: str, value: int | None) -> int | None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_LIMIT):
         raise ValueError(f"{what} must be a whole number from 1 to {MAX_LIMIT}, or unset for no limit; got {value!r}")
