@@ -4,7 +4,9 @@ Exports the embedded default model once (cached; straight from its GGUF, no torc
 worker process per stage on loopback plus the coordinator, answers the prompt and prints the
 answer and tok/s. With
 ``--serve`` it then keeps the OpenAI-compatible API up until interrupted, and every process
-shuts down cleanly on Ctrl-C.
+shuts down cleanly on Ctrl-C. The workers are supervised as under ``serve --workers``: one that
+dies is restarted in place (compiling from the cache root's compile cache) and its held requests
+replayed.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import sys
 from engine.cli.main import Command
 
 DEFAULT_PROMPT = "What is the capital of France?"
+SERVE_STEP_TIMEOUT_S = 30.0  # a stuck (alive but silent) worker is failed over after this; a dead one at once
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -59,10 +62,12 @@ async def _async_demo(args: argparse.Namespace, source, out) -> int:
     from engine.generation.request import GenerationRequest
     from engine.generation.tokenizer import ChatTokenizer
     from engine.tools.local_fleet import paged_local_fleet
+    from export.sources import default_cache_root
 
     tokenizer = ChatTokenizer(out / "tokenizer")
     print(f"starting a {args.stages}-node fleet on loopback ...", file=sys.stderr)
-    async with paged_local_fleet(out, slots=args.slots) as coordinator:
+    async with paged_local_fleet(out, slots=args.slots, failover=True, step_timeout_s=SERVE_STEP_TIMEOUT_S,
+                                 cache_dir=default_cache_root() / "compiled") as coordinator:
         ids = tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
         request = GenerationRequest(tuple(ids), args.max_new_tokens, stop_token_ids=coordinator.model.eos_token_ids)
         started = time.perf_counter()

@@ -56,9 +56,19 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exact", action="store_true", help="f32 compute and KV cache (bit-exact settings; slower)")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--workers", action="store_true",
-                       help="run every stage in its own worker process on loopback (a local fleet)")
+                       help="run every stage in its own worker process on loopback (a local fleet), supervised: a "
+                            "worker that dies is restarted in place and its held requests replayed")
     where.add_argument("--first-stage", type=Address.parse, default=None, metavar="HOST:PORT",
                        help="serve through a ring of `deskfleet worker`s whose first stage listens here")
+    p.add_argument("--hold-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="with --workers: how long requests are held while a lost worker is brought back before "
+                        "they fail with 503 naming the stage (default 60)")
+    p.add_argument("--step-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="with --workers: a step unanswered this long means a stage is alive but stuck, and is "
+                        "failed over like a dead one (default 30; a dead worker is noticed at once)")
+    p.add_argument("--cache-dir", type=Path, default=None, metavar="DIR",
+                   help="with --workers: the workers' OpenVINO compile cache, so that a restart (and the next "
+                        "start) compiles from cache (default: a temporary directory for this run)")
     p.add_argument("--return-listen", type=Address.parse, default=Address("127.0.0.1", 7100), metavar="HOST:PORT",
                    help="with --first-stage: where the last stage sends replies (default 127.0.0.1:7100; a "
                         "non-loopback address needs TLS)")
@@ -145,6 +155,15 @@ def ring_options(args: argparse.Namespace, stdin=None) -> dict:
         raise DeskfleetError("a TLS ring needs the node ids of its ends: pass --expect-first NODE_ID (the first "
                              "remote stage) and --expect-last NODE_ID (the last stage), as the console lists them")
     return {"server_ssl": server_ssl, "client_ssl": client_ssl, "peers": peers}
+
+
+def supervision(args: argparse.Namespace) -> dict:
+    """The local fleet's supervision options for ``--workers``: restart in place, hold and step timeouts."""
+    for flag, value in (("--hold-timeout", args.hold_timeout), ("--step-timeout", args.step_timeout)):
+        if value <= 0:
+            raise DeskfleetError(f"{flag} must be positive, got {value}")
+    return {"failover": True, "hold_timeout_s": args.hold_timeout, "step_timeout_s": args.step_timeout,
+            "cache_dir": args.cache_dir}
 
 
 @contextlib.contextmanager
@@ -236,8 +255,8 @@ async def _open_generator(args: argparse.Namespace):
     elif args.workers:
         from engine.tools.local_fleet import local_fleet
 
-        async with local_fleet(args.shards, slots=slots, exact=args.exact,
-                               speculation=speculation) as coordinator:
+        async with local_fleet(args.shards, slots=slots, exact=args.exact, speculation=speculation,
+                               **supervision(args)) as coordinator:
             yield coordinator
     else:
         async with Coordinator.local(args.shards, slots=slots, exact=args.exact, device=args.device,
@@ -274,7 +293,7 @@ async def _open_paged(args: argparse.Namespace, manifest, speculation):
         from engine.tools.local_fleet import paged_local_fleet
 
         async with paged_local_fleet(args.shards, exact=args.exact, kv_pool_bytes=pool_bytes,
-                                     speculation=speculation, **settings) as coordinator:
+                                     speculation=speculation, **supervision(args), **settings) as coordinator:
             yield coordinator
     else:
         async with BatchCoordinator.local(args.shards, exact=args.exact, device=args.device, kv_pool_bytes=pool_bytes,
@@ -297,6 +316,8 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = ChatTokenizer(tok_dir)
     # Checked (and the credentials read) before any model is loaded: a refusal costs nothing.
     args.ring = ring_options(args)
+    if args.workers:
+        supervision(args)
     if settings.api_key is None and not _is_loopback(args.host):  # loopback: key-less, Host-checked
         raise DeskfleetError(f"refusing to serve on {args.host} without an API key: anyone on the network "
                              "could use it. Pass --api-key-env VAR (export VAR=<key> first), or serve on "
