@@ -169,7 +169,7 @@ class AgentService:
         self.keystore.save(creds)
         self._creds = creds
         # the one place the pinned console is (re)written: a fresh join through a console-role peer
-        self._save(replace(self._state, console_node_id=joined.console_node_id))
+        self._save(replace(self._state, console_node_id=joined.console_node_id, chat_key=joined.api_key))
         await self._async_close_control()
         await self._async_open_control()
         log.info("joined fleet %s as node %s", creds.fleet_id, creds.node_id[:16])
@@ -246,6 +246,11 @@ class AgentService:
     def console_node_id(self) -> str | None:
         """The console this agent takes orders from (pinned at the join)."""
         return self._state.console_node_id
+
+    @property
+    def chat_key(self) -> str | None:
+        """This PC's own API key for its tray's chat, received at the join (None: an older console's)."""
+        return self._state.chat_key
 
     @property
     def deny(self) -> frozenset[str]:

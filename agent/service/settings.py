@@ -152,6 +152,10 @@ class AgentState:
     # Node ids the console revoked (sent with every assignment and by POST /v1/deny): refused by
     # the control API and by the stage worker.
     deny: tuple[str, ...] = ()
+    # This PC's own key for the fleet API (its tray's chat), issued by the console at the join and
+    # revoked when the PC is removed; None for an agent that joined an older console (the chat then
+    # uses the key its assignment carries). The state file is 0600 (write_json_atomic).
+    chat_key: str | None = field(default=None, repr=False)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> AgentState:

@@ -123,6 +123,8 @@ class AgentBridge(QObject):
             self.qt_async.post(self._apply_status, status, self._api_key_on_loop())
 
     def _api_key_on_loop(self) -> str | None:
+        if self.service.chat_key:  # this PC's own key, from its join; else the one its assignment carries
+            return self.service.chat_key
         try:
             assignment = self.service.assignment
         except Exception as exc:  # a damaged stored assignment: the service reports it; the chat goes key-less

@@ -308,3 +308,26 @@ def test_a_joining_pc_gets_its_own_chat_key_and_loses_it_when_removed(tmp_path):
     assert book.identify(again.api_key).name == f"tray-Front-Desk-PC-{again.credentials.node_id[:8]}"
     assert book.identify(host.api_key).name == "console" and book.identify(console_before) is None
     assert "api_key" not in repr(joined) and joined.api_key not in repr(joined)
+
+
+def test_an_agent_keeps_its_chat_key_in_its_state(tmp_path):
+    from agent.service.service import AgentService
+    from agent.service.settings import AgentSettings, load_state
+    from engine.control.fleet_services import fleet_host
+    from tests.support.agent_helpers import FakeIdle
+
+    async def scenario():
+        async with fleet_host(tmp_path / "service") as host:
+            settings = AgentSettings(name="desk-1", interface="127.0.0.1", control_port=0, data_port=0)
+            agent = AgentService(tmp_path / "agent", settings, idle_source=FakeIdle(1e6), power=lambda: None)
+            await agent.async_start()
+            try:
+                await agent.async_join(host.enrollment, host.token())
+                return agent.chat_key, agent.status().node_id
+            finally:
+                await agent.async_close()
+
+    chat_key, node_id = asyncio.run(scenario())
+    assert KeyBook(tmp_path / "service").identify(chat_key).node_id == node_id
+    state_file = tmp_path / "agent" / "state.json"
+    assert load_state(tmp_path / "agent").chat_key == chat_key and stat.S_IMODE(state_file.stat().st_mode) == 0o600
