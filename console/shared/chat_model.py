@@ -204,16 +204,22 @@ class ChatClient:
     """The fleet's OpenAI-compatible API at ``base_url`` (".../v1"); a session per call keeps it
     independent of which loop runs it."""
 
-    def __init__(self, base_url: str, api_key: str | None = None) -> None:
+    def __init__(self, base_url: str, api_key: str | None = None, *, ca_pem: bytes | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
+        self.ca_pem = ca_pem  # the fleet CA: an https API (the service off loopback) must chain to it
 
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def _session(self, total: float | None) -> aiohttp.ClientSession:
         timeout = aiohttp.ClientTimeout(total=total, connect=CONNECT_TIMEOUT_S, sock_read=READ_TIMEOUT_S)
-        return aiohttp.ClientSession(timeout=timeout, headers=self._headers())
+        connector = None
+        if self.ca_pem is not None and self.base_url.startswith("https://"):
+            from engine.api.guard import api_client_context
+
+            connector = aiohttp.TCPConnector(ssl=api_client_context(self.ca_pem))
+        return aiohttp.ClientSession(timeout=timeout, headers=self._headers(), connector=connector)
 
     async def async_models(self) -> list[str]:
         """The model ids ``/v1/models`` lists."""

@@ -59,11 +59,11 @@ class QtChatWindow(QWidget):
 
     def __init__(self, api_url: str, *, api_key: str | None = None, loop: LoopThread | None = None,
                  model: ChatModel | None = None, options: Mapping[str, Any] | None = None,
-                 parent: QWidget | None = None) -> None:
+                 parent: QWidget | None = None, ca_pem: bytes | None = None) -> None:
         super().__init__(parent)
         self.setWindowTitle(f"Deskfleet chat — {api_url}")
         self.resize(820, 560)
-        self.client = ChatClient(api_url, api_key)
+        self.client = ChatClient(api_url, api_key, ca_pem=ca_pem)  # ca_pem: the fleet CA, for an https API
         self._own_loop = loop is None
         self.loop = loop if loop is not None else LoopThread("deskfleet-chat").start()
         self.qt_async = QtAsync(self.loop, self)

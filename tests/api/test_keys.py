@@ -243,6 +243,11 @@ def test_plain_http_is_refused_off_loopback_and_tls_uses_the_fleet_ca(tmp_path):
         with openai.OpenAI(base_url=url, api_key=alice.secret, max_retries=0, timeout=TIMEOUT,
                            http_client=http) as client:
             assert client.chat.completions.create(model="fake", messages=CHAT, max_tokens=4).choices
+        from console.shared.chat_model import ChatClient, ChatError  # the tray's and the console's chat
+
+        assert asyncio.run(ChatClient(url, alice.secret, ca_pem=authority.ca_pem).async_models()) == ["fake"]
+        with pytest.raises(ChatError):
+            asyncio.run(ChatClient(url, "sk-deskfleet-wrong", ca_pem=authority.ca_pem).async_models())
         other = FleetAuthority.create("another fleet")
         http = openai.DefaultHttpxClient(verify=api_client_context(other.ca_pem))
         with openai.OpenAI(base_url=url, api_key=alice.secret, max_retries=0, timeout=TIMEOUT,
