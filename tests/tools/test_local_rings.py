@@ -1,0 +1,65 @@
+"""Two local fleets (worker processes on loopback) of the tiny llama behind one router and the real
+API: 8 users at once through the `openai` client, both rings used, every answer the solo greedy
+run; /health lists both rings; the ring count is checked."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+
+import openai
+import pytest
+
+from engine.api.server import ApiSettings, async_run_api
+from engine.errors import DeskfleetError
+from engine.tools.local_rings import local_rings, ring_ids
+from tests.api.test_api import parse_prometheus, serve_in_thread
+from tests.api.test_router import KEY, PROMPTS, greedy, scrape
+from tests.support.asyncutil import run
+
+N = 10
+
+
+@pytest.mark.slow
+def test_two_local_rings_serve_eight_users_identically(tiny_export, unsplit_greedy):
+    from engine.generation.tokenizer import ChatTokenizer
+
+    export = tiny_export("llama", 2)
+    tokenizer = ChatTokenizer(export / "tokenizer")
+
+    @contextlib.asynccontextmanager
+    async def setup():
+        async with local_rings(export, 2, exact=True, kv_pool_bytes=16 << 20, slots=8) as router:
+            api = await async_run_api(router, tokenizer, ApiSettings(api_key=KEY, max_prompt_tokens=200))
+            try:
+                yield api.url, router
+            finally:
+                await api.async_stop()
+
+    with serve_in_thread(setup, timeout=300) as (url, router):
+        model = router.model.name
+        eos = router.model.eos_token_ids
+        with openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=120) as client:
+            def ask(prompt):
+                answer = client.completions.create(model=model, prompt=list(prompt), max_tokens=N, temperature=0)
+                return answer.choices[0].text
+
+            with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+                texts = list(pool.map(ask, PROMPTS))
+        metrics = parse_prometheus(scrape(url, "/metrics")[1])
+        status, health = scrape(url, "/health")
+
+    assert texts == [tokenizer.decode(greedy(unsplit_greedy, p, N, eos)) for p in PROMPTS]
+    per_ring = {r: metrics[f'deskfleet_router_requests_total{{ring="{r}",model="{model}"}}'] for r in ring_ids(2)}
+    assert sum(per_ring.values()) == len(PROMPTS) and min(per_ring.values()) >= 2, per_ring
+    assert status == 200 and [r["ring"] for r in health["rings"]] == list(ring_ids(2))
+    assert {r["status"] for r in health["rings"]} == {"ok"} and health["status"] == "ok"
+
+
+def test_the_ring_count_is_checked(tiny_export):
+    async def main():
+        async with local_rings(tiny_export("llama", 1), 0):
+            pass
+
+    with pytest.raises(DeskfleetError, match="--rings must be between 1 and"):
+        run(main())
