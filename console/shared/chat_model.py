@@ -21,6 +21,7 @@ from typing import Any
 import aiohttp
 
 from engine.errors import DeskfleetError
+from engine.trust.tls_peer import PeerIdentityError
 
 CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 120.0  # no byte for this long mid-answer: the fleet is gone
@@ -217,8 +218,12 @@ class ChatClient:
         connector = None
         if self.ca_pem is not None and self.base_url.startswith("https://"):
             from engine.api.guard import api_client_context
+            from engine.trust.fleet_ca import Role
+            from engine.trust.tls_peer import PeerCheckingConnector, expect_peer
 
-            connector = aiohttp.TCPConnector(ssl=api_client_context(self.ca_pem))
+            # the CA alone admits every member: the API must hold the service's (console-role) certificate
+            connector = PeerCheckingConnector(expect_peer(Role.CONSOLE, what=f"the fleet's API at {self.base_url}"),
+                                              ssl=api_client_context(self.ca_pem))
         return aiohttp.ClientSession(timeout=timeout, headers=self._headers(), connector=connector)
 
     async def async_models(self) -> list[str]:
@@ -261,7 +266,7 @@ class ChatClient:
                         if "error" in chunk:
                             raise ChatError(f"the fleet stopped the answer: {chunk['error'].get('message', chunk)}")
                         yield chunk
-            except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError) as exc:
+            except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError, PeerIdentityError) as exc:
                 raise self._unreachable(exc) from exc
 
     async def _json(self, session: aiohttp.ClientSession, method: str, path: str,
@@ -271,7 +276,7 @@ class ChatClient:
                 if resp.status != 200:
                     raise ChatError(await self._refusal(resp))
                 return await resp.json()
-        except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError) as exc:
+        except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError, PeerIdentityError) as exc:
             raise self._unreachable(exc) from exc
 
     async def _refusal(self, resp: aiohttp.ClientResponse) -> str:

@@ -248,6 +248,12 @@ def test_plain_http_is_refused_off_loopback_and_tls_uses_the_fleet_ca(tmp_path):
         assert asyncio.run(ChatClient(url, alice.secret, ca_pem=authority.ca_pem).async_models()) == ["fake"]
         with pytest.raises(ChatError):
             asyncio.run(ChatClient(url, "sk-deskfleet-wrong", ca_pem=authority.ca_pem).async_models())
+    member = authority.issue_credentials("a member posing as the service", role=Role.AGENT)
+    posing = member.server_context(verify_clients=False)
+    with serving(ScriptedGenerator(), SETTINGS, keys=book, ssl_context=posing) as url:
+        with pytest.raises(ChatError, match="another fleet member is posing as it"):  # the key is never sent
+            asyncio.run(ChatClient(url, alice.secret, ca_pem=authority.ca_pem).async_models())
+    with serving(ScriptedGenerator(), SETTINGS, keys=book, ssl_context=tls) as url:
         other = FleetAuthority.create("another fleet")
         http = openai.DefaultHttpxClient(verify=api_client_context(other.ca_pem))
         with openai.OpenAI(base_url=url, api_key=alice.secret, max_retries=0, timeout=TIMEOUT,
