@@ -78,7 +78,8 @@ class _Window:
 
 
 class RateLimiter:
-    """Per-name sliding windows of requests and tokens (see the module docstring)."""
+    """Per-name sliding windows of requests and tokens (see the module docstring). Only names with
+    a limit get a window, and names come from the key book, so the windows are bounded by it."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic, window_s: float = WINDOW_S) -> None:
         self._clock = clock
@@ -125,14 +126,6 @@ class RateLimiter:
         w = self._window(caller.name, now)
         w.tokens.append((now, tokens))
         w.token_sum += tokens
-
-    def forget_idle(self) -> None:
-        """Drop the windows of names with nothing left in them (bounds memory to active keys)."""
-        now = self._clock()
-        for name in list(self._windows):
-            w = self._window(name, now)
-            if not w.started and not w.tokens:
-                del self._windows[name]
 
 
 def retry_after_header(seconds: float) -> str:
