@@ -13,11 +13,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import json
 import logging
 import os
 import signal
 import sys
 import tempfile
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -45,6 +47,9 @@ log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 30.0
 STDERR_TAIL_LINES = 20
+# a worker's wall-clock times (entered its serve loop after imports, shard opened and compiled,
+# listening), printed once before its ready line (engine/worker's timing line)
+TIMING_PREFIX = "deskfleet-timing "
 
 
 Hop = Callable[[Address], Awaitable[Address]]
@@ -79,6 +84,7 @@ class LocalFleet:
         self.addresses: dict[int, Address] = {}
         self.next_hops: dict[int, Address] = {}
         self.stderr_tails: dict[int, collections.deque[str]] = {}
+        self.timings: dict[int, dict[str, float]] = {}  # stage -> its last start's wall-clock times
         self._pipes: set[asyncio.Task] = set()
 
     def _argv(self, stage: int, next_address: Address, listen: Address | None = None) -> list[str]:
@@ -95,6 +101,7 @@ class LocalFleet:
 
     async def _spawn(self, stage: int, next_address: Address, listen: Address | None = None) -> Address:
         """Start stage ``stage``'s worker and wait for it to report its address."""
+        self.timings[stage] = {"spawned": time.time()}
         proc = await asyncio.create_subprocess_exec(
             *self._argv(stage, next_address, listen), stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -116,6 +123,14 @@ class LocalFleet:
         """The last line stage ``stage``'s worker wrote to its error output ("" if none)."""
         lines = [line for line in self.stderr_tails.get(stage, ()) if line.strip()]
         return lines[-1].strip() if lines else ""
+
+    def start_breakdown(self, stage: int) -> dict[str, float]:
+        """Where stage ``stage``'s last start went, in seconds, as far as its worker said: spawn and
+        imports, opening (checks, conversion) and compiling the shard, then opening its listener."""
+        t = self.timings.get(stage, {})
+        spans = (("spawn_imports_s", "spawned", "entered"), ("open_compile_s", "entered", "opened"),
+                 ("listen_s", "opened", "listening"))
+        return {name: t[b] - t[a] for name, a, b in spans if a in t and b in t}
 
     async def async_start(self, return_address: Address, hop: Hop | None = None) -> Address:
         """Start every worker (last stage first); returns the address to dial the first one on.
@@ -143,6 +158,10 @@ class LocalFleet:
                     raise WorkerStartError(f"the worker for stage {stage} exited with code {code} before it was "
                                            f"ready" + (f": {why}" if why else "; see its error output above"))
                 text = line.decode(errors="replace")
+                if text.startswith(TIMING_PREFIX):
+                    with contextlib.suppress(ValueError, TypeError):
+                        self.timings[stage].update({k: float(v) for k, v in json.loads(text[len(TIMING_PREFIX):])
+                                                    .items()})
                 if text.startswith("deskfleet worker:") and " on " in text:
                     return Address.parse(text.split(" on ", 1)[1].split(",", 1)[0].strip())
         except TimeoutError:

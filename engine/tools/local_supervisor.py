@@ -59,7 +59,8 @@ P = TypeVar("P", bound=Redialling)
 class Restart:
     """One worker brought back, in ``time.monotonic()`` seconds: its exit seen, the process that
     came up spawned, it reported ready (imports, shard checks, conversion and compile), the ring
-    re-dialled. ``attempts``: starts it took (more than one after a failed start)."""
+    re-dialled. ``attempts``: starts it took (more than one after a failed start); ``start``: the
+    worker's own account of its start (:meth:`LocalFleet.start_breakdown`, empty if it gave none)."""
 
     stage: int
     exit_code: int | None
@@ -68,11 +69,12 @@ class Restart:
     ready_at: float
     reconnected_at: float
     attempts: int = 1
+    start: tuple[tuple[str, float], ...] = ()
 
     def breakdown(self) -> dict[str, float]:
-        """Seconds spent waiting (back-off), starting (spawn to ready) and re-dialling."""
+        """Seconds spent waiting (back-off), starting (spawn to ready, and its parts if known) and re-dialling."""
         return {"backoff_s": self.spawned_at - self.noticed_at, "start_s": self.ready_at - self.spawned_at,
-                "redial_s": self.reconnected_at - self.ready_at}
+                **dict(self.start), "redial_s": self.reconnected_at - self.ready_at}
 
 
 def describe_exit(code: int | None) -> str:
@@ -158,7 +160,8 @@ class LocalSupervisor:
         reconnected = time.monotonic()
         for stage, spawned, ready, attempts in back:
             noticed, code = self._exits[stage]
-            restart = Restart(stage, code, noticed, spawned, ready, reconnected, attempts)
+            restart = Restart(stage, code, noticed, spawned, ready, reconnected, attempts,
+                              tuple(self.fleet.start_breakdown(stage).items()))
             self.restarts.append(restart)
             log.warning("local fleet: stage %d is back in %.2f s (%s)", stage, reconnected - noticed,
                         ", ".join(f"{k} {v:.2f}" for k, v in restart.breakdown().items()))

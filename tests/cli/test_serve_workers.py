@@ -55,10 +55,10 @@ def test_a_worker_killed_under_serve_workers_is_restarted_and_the_answer_is_iden
 
     log_path = tmp_path / "serve.log"
     argv = [sys.executable, "-m", "engine.cli.main", "serve", "--shards", str(tiny_export("llama", 2)), "--workers",
-            "--exact", "--port", "0", "--hold-timeout", "60", "--kv-pool-mb", "16"]
+            "--exact", "--port", "0", "--hold-timeout", "60", "--kv-pool-mb", "16", "--api-key-env", "DF_TEST_KEY"]
     with log_path.open("wb") as log:
         server = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True,
-                                  env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                  env={**os.environ, "PYTHONUNBUFFERED": "1", "DF_TEST_KEY": "k-1"})
     try:
         assert server.stdout is not None
         line = server.stdout.readline()
@@ -67,7 +67,7 @@ def test_a_worker_killed_under_serve_workers_is_restarted_and_the_answer_is_iden
         url = found.group(0)
         base = url.removesuffix("/v1")
         assert _health(base)[1]["status"] == "ok"
-        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=TIMEOUT)
+        client = openai.OpenAI(base_url=url, api_key="k-1", max_retries=0, timeout=TIMEOUT)
         model = client.models.list().data[0].id
         undisturbed = _stream(client, model)
 

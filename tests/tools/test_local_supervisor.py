@@ -9,12 +9,12 @@ at once instead of hanging."""
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import time
 
 import pytest
 
-from engine.generation.generator import UnavailableError
 from engine.generation.request import GenerationRequest
 from engine.generation.ring_report import RingStatus
 from engine.shards.manifest import load_manifest
@@ -94,36 +94,56 @@ def test_a_worker_killed_mid_answer_is_restarted_in_place_and_answers_are_identi
 
 
 @pytest.mark.slow
-def test_a_stage_that_cannot_come_back_fails_its_request_within_the_hold_time_naming_it(tiny_export, tmp_path):
+def test_a_stage_that_cannot_come_back_fails_within_the_hold_time_naming_it_503_from_the_api(tiny_export, tmp_path):
+    import aiohttp
+
+    from engine.api.server import ApiSettings, async_run_api
+    from engine.generation.tokenizer import ChatTokenizer
+
     export = tmp_path / "export"
     shutil.copytree(tiny_export("llama", 2), export)
     stage1 = load_manifest(export).stages[1]
     policy = RestartPolicy(first_backoff_s=0.2, max_backoff_s=0.2, max_crashes=2)
     hold = 45.0
+    auth = {"Authorization": "Bearer k-1"}
 
     async def main():
         async with paged_local_fleet(export, exact=True, kv_pool_bytes=POOL, failover=True, restart_policy=policy,
                                      hold_timeout_s=hold) as c:
-            tokens = []
-            with pytest.raises(UnavailableError) as failed:
-                async for event in c.stream(GenerationRequest(PROMPT_IDS, N, ignore_eos=True)):
-                    tokens.append(event.token_id)
-                    if len(tokens) == 3:
-                        for f in stage1.files:  # the stage cannot start again
-                            (export / f.path).unlink()
-                        killed_at = time.monotonic()
-                        _kill_worker(1)
-            took = time.monotonic() - killed_at
-            down = c.ring_reports()[0]
-            started = time.monotonic()
-            with pytest.raises(UnavailableError) as again:
-                async for _ in c.stream(GenerationRequest(PROMPT_IDS, 4, ignore_eos=True)):
-                    pass
-            return tokens, failed.value, took, down, again.value, time.monotonic() - started
+            api = await async_run_api(c, ChatTokenizer(export / "tokenizer"), ApiSettings(api_key="k-1"))
+            base = api.url.removesuffix("/v1")
+            try:
+                async with aiohttp.ClientSession(headers=auth) as http:
+                    # a streamed answer in flight when the stage dies for good: it ends in band, naming it
+                    chunks, killed_at = [], None
+                    body = {"prompt": "Hello", "max_tokens": N, "stream": True}
+                    async with http.post(f"{base}/v1/completions", json=body) as r:
+                        assert r.status == 200
+                        async for line in r.content:
+                            if line.startswith(b"data: "):
+                                chunks.append(line[6:].decode().strip())
+                            if len(chunks) == 3 and killed_at is None:
+                                for f in stage1.files:  # the stage cannot start again
+                                    (export / f.path).unlink()
+                                killed_at = time.monotonic()
+                                _kill_worker(1)
+                    took = time.monotonic() - killed_at
+                    async with http.get(f"{base}/health") as r:
+                        health = r.status, await r.json()
+                    started = time.monotonic()  # a request now: 503 at once, naming the stage
+                    async with http.post(f"{base}/v1/completions", json={"prompt": "Hello", "max_tokens": 4}) as r:
+                        refused = r.status, await r.json(), time.monotonic() - started
+            finally:
+                await api.async_stop()
+            return chunks, took, health, refused, c.ring_reports()[0]
 
-    tokens, failed, took, down, again, again_took = run(main(), timeout=240)
-    assert 3 <= len(tokens) < N
-    assert "stage 1" in str(failed) and "cannot be brought back" in str(failed), failed
+    chunks, took, (health_status, health), (status, error, refused_in), report = run(main(), timeout=240)
+    last = json.loads(chunks[-1])
+    assert "error" in last and "stage 1" in last["error"]["message"]
+    assert "cannot be brought back" in last["error"]["message"] and "missing" in last["error"]["message"]
     assert took < hold
-    assert down.status is RingStatus.DOWN and down.stage == 1 and "stage 1" in down.detail
-    assert "stage 1" in str(again) and again_took < 2.0  # no waiting out the hold time again
+    assert health_status == 503 and health["status"] == "down"
+    (ring,) = health["rings"]
+    assert ring["status"] == "down" and ring["stage"] == 1 and "stage 1" in ring["detail"]
+    assert status == 503 and "stage 1" in error["error"]["message"] and refused_in < 2.0
+    assert report.status is RingStatus.DOWN and report.stage == 1
