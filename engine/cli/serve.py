@@ -69,6 +69,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", type=Path, default=None, metavar="DIR",
                    help="with --workers: the workers' OpenVINO compile cache, so that a restart (and the next "
                         "start) compiles from cache (default: a temporary directory for this run)")
+    p.add_argument("--rings", type=int, default=1, metavar="N",
+                   help="with --workers (paged): N local fleets of the export behind one router, each request to "
+                        "the least loaded (a conversation to the ring holding its prefix); they share this PC's cores")
     p.add_argument("--return-listen", type=Address.parse, default=Address("127.0.0.1", 7100), metavar="HOST:PORT",
                    help="with --first-stage: where the last stage sends replies (default 127.0.0.1:7100; a "
                         "non-loopback address needs TLS)")
@@ -289,6 +292,14 @@ async def _open_paged(args: argparse.Namespace, manifest, speculation):
         scheduler = paged_scheduler(manifest, pool, block_size, **settings)
         async with BatchCoordinator(path, model_card(manifest), scheduler, speculation=speculation) as coordinator:
             yield coordinator
+    elif getattr(args, "rings", 1) > 1:  # several local fleets behind one router
+        from engine.tools.local_rings import local_rings
+
+        if not args.workers or speculation is not None:
+            raise DeskfleetError("--rings N serves N local fleets: add --workers (and drop --speculation)")
+        async with local_rings(args.shards, args.rings, model_name=args.model_name, exact=args.exact,
+                               kv_pool_bytes=pool_bytes, **supervision(args), **settings) as router:
+            yield router
     elif args.workers:
         from engine.tools.local_fleet import paged_local_fleet
 

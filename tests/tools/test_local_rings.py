@@ -1,45 +1,39 @@
 """Two local fleets (worker processes on loopback) of the tiny llama behind one router and the real
-API: 8 users at once through the `openai` client, both rings used, every answer the solo greedy
-run; /health lists both rings; the ring count is checked."""
+API (``deskfleet serve --workers --rings 2``): 8 users at once through the `openai` client, both
+rings used, every answer the solo greedy run; /health lists both rings; the ring count is checked."""
 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 
 import openai
 import pytest
 
-from engine.api.server import ApiSettings, async_run_api
 from engine.errors import DeskfleetError
+from engine.shards.manifest import load_manifest
 from engine.tools.local_rings import local_rings, ring_ids
-from tests.api.test_api import parse_prometheus, serve_in_thread
+from tests.api.test_api import parse_prometheus
 from tests.api.test_router import KEY, PROMPTS, greedy, scrape
+from tests.support.api_helpers import serve_process
 from tests.support.asyncutil import run
 
 N = 10
 
 
 @pytest.mark.slow
-def test_two_local_rings_serve_eight_users_identically(tiny_export, unsplit_greedy):
+def test_serve_two_local_rings_to_eight_users_identically(tiny_export, unsplit_greedy):
+    """``deskfleet serve --workers --rings 2``: two fleets of worker processes behind one API."""
     from engine.generation.tokenizer import ChatTokenizer
 
     export = tiny_export("llama", 2)
     tokenizer = ChatTokenizer(export / "tokenizer")
-
-    @contextlib.asynccontextmanager
-    async def setup():
-        async with local_rings(export, 2, exact=True, kv_pool_bytes=16 << 20, slots=8) as router:
-            api = await async_run_api(router, tokenizer, ApiSettings(api_key=KEY, max_prompt_tokens=200))
-            try:
-                yield api.url, router
-            finally:
-                await api.async_stop()
-
-    with serve_in_thread(setup, timeout=300) as (url, router):
-        model = router.model.name
-        eos = router.model.eos_token_ids
+    eos = load_manifest(export).model.eos_token_ids
+    args = ("--shards", str(export), "--workers", "--rings", "2", "--exact", "--kv-pool-mb", "16", "--slots", "8",
+            "--api-key-env", "DESKFLEET_TEST_KEY")
+    with serve_process(*args, env={"DESKFLEET_TEST_KEY": KEY}) as url:
         with openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=120) as client:
+            model = client.models.list().data[0].id
+
             def ask(prompt):
                 answer = client.completions.create(model=model, prompt=list(prompt), max_tokens=N, temperature=0)
                 return answer.choices[0].text
