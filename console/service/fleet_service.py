@@ -201,7 +201,14 @@ class FleetService:
             port = self.served.state.api_port or free_port(s.interface)
         api_settings = dataclasses.replace(s.api, api_key=s.api.api_key or self.host.api_key,
                                            allowed_hosts=(*s.api.allowed_hosts, socket.gethostname()))
-        self.api = await async_run_api(self.router, self.tokenizers, api_settings, s.interface, port)
+        from engine.api.audit import AuditLog
+        from engine.api.guard import is_loopback
+
+        # keys from the fleet's book (tray keys, named keys, "console"), one audit line per request,
+        # TLS with the service certificate off loopback (plain HTTP is refused there)
+        self.api = await async_run_api(self.router, self.tokenizers, api_settings, s.interface, port,
+                                       keys=self.host.keys, audit=AuditLog.in_dir(self.settings.state_dir),
+                                       ssl_context=None if is_loopback(s.interface) else self.host.api_tls_context())
         self.served.set_api_port(self.api.port)
 
     def _on_api_key(self, key: str) -> None:
