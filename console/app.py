@@ -1,7 +1,9 @@
 """``deskfleet console``: the QApplication, the console bridge and the main window.
 
-The console runs until its window is closed (or SIGINT/SIGTERM); then it stops serving (the
-API, the ring and every agent's worker), discovery and the fleet host, and joins its loop thread.
+The console is a client of the fleet service (`deskfleet fleet`): the one ``--service`` names, or
+the local one over the state dir, started detached when none runs. Closing the window (or
+SIGINT/SIGTERM) only detaches: the service keeps serving. With ``--in-process`` the console runs
+the fleet in its own process as before (closing it then stops serving).
 """
 
 from __future__ import annotations
@@ -31,11 +33,34 @@ def settings_from_args(args: argparse.Namespace):
     from engine.machine.this_pc import primary_ipv4
 
     interface = getattr(args, "interface", None) or primary_ipv4()
+    service_url = getattr(args, "service", None)
+    admin_cert = getattr(args, "admin_cert", None)
+    if admin_cert is not None and service_url is None:
+        from engine.errors import DeskfleetError
+
+        raise DeskfleetError("--admin-cert is for a service elsewhere: give its admin API with --service https://HOST:PORT")
     return ConsoleSettings(state_dir=getattr(args, "state_dir", None) or default_state_dir(), interface=interface,
                            api_port=_port(args, "api_port", API_PORT),
                            enrollment_port=_port(args, "enrollment_port", ENROLLMENT_PORT),
                            hub_port=_port(args, "hub_port", HUB_PORT),
-                           runtime=getattr(args, "runtime", None) or "paged")
+                           runtime=getattr(args, "runtime", None) or "paged",
+                           service_url=service_url, admin_cert=admin_cert,
+                           service_node_id=getattr(args, "service_node_id", None),
+                           admin_port=_admin_port(args), **_data_port(args))
+
+
+def _admin_port(args: argparse.Namespace) -> int | None:
+    port = getattr(args, "admin_port", 7222)
+    if port is not None and not -1 <= port < 65536:
+        from engine.errors import DeskfleetError
+
+        raise DeskfleetError(f"--admin-port must be a TCP port (0-65535) or -1 for none, not {port}")
+    return None if port == -1 else port
+
+
+def _data_port(args: argparse.Namespace) -> dict[str, int]:
+    port = getattr(args, "data_port", None)
+    return {} if port is None else {"data_port": _port(args, "data_port", port)}
 
 
 def _port(args: argparse.Namespace, name: str, default: int) -> int:
@@ -51,13 +76,19 @@ def _port(args: argparse.Namespace, name: str, default: int) -> int:
 def run_console(args: argparse.Namespace, *, until=None) -> int:
     """Run the console until its window closes; returns the exit code. ``until(window)`` (tests)
     is called once the console has started and quits the app when it returns."""
-    from console.bridge import ConsoleBridge
     from console.main_window import QtConsoleWindow
 
     settings = settings_from_args(args)
     app = QApplication.instance() or QApplication(sys.argv[:1])
     app.setApplicationName("Deskfleet console")
-    bridge = ConsoleBridge(settings)
+    if getattr(args, "in_process", False):
+        from console.bridge import ConsoleBridge
+
+        bridge = ConsoleBridge(settings)
+    else:
+        from console.service_bridge import ServiceBridge
+
+        bridge = ServiceBridge(settings)
     window = QtConsoleWindow(bridge)
     code = {"exit": 0}
 
@@ -67,8 +98,14 @@ def run_console(args: argparse.Namespace, *, until=None) -> int:
         app.quit()
 
     def started() -> None:
-        print(f"deskfleet console: fleet {bridge.fleet_id}; PCs join at {bridge.enrollment}; state in "
-              f"{settings.state_dir}", flush=True)
+        if settings.service_url:
+            where = f"attached to {settings.service_url}"
+        elif hasattr(bridge, "started_service"):
+            where = (f"{'started' if bridge.started_service else 'attached to'} the fleet service over "
+                     f"{settings.state_dir}")
+        else:
+            where = f"state in {settings.state_dir}"
+        print(f"deskfleet console: fleet {bridge.fleet_id}; PCs join at {bridge.enrollment}; {where}", flush=True)
         if until is not None:
             until(window)
             app.quit()

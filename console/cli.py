@@ -24,6 +24,21 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help=f"port where PCs redeem join tokens (default {ENROLLMENT_PORT}; 0: any free)")
     p.add_argument("--hub-port", type=int, default=HUB_PORT,
                    help=f"port of the shard hub and unicast registration (default {HUB_PORT}; 0: any free)")
+    p.add_argument("--service", default=None, metavar="https://HOST:PORT",
+                   help="the admin API of a fleet service on another PC (with --admin-cert); default: the local "
+                        "service over --state-dir, started in the background when none runs (it keeps serving after "
+                        "the console closes)")
+    p.add_argument("--admin-cert", type=Path, default=None, metavar="DIR",
+                   help="the admin credentials folder `deskfleet fleet admin-cert NAME --out DIR` wrote")
+    p.add_argument("--service-node-id", default=None, metavar="HEX",
+                   help="pin the service's certificate (its node id) on top of the fleet CA and its role")
+    p.add_argument("--admin-port", type=int, default=7222,
+                   help="a local service this console starts: its admin API's mutual-TLS port, for admins on other "
+                        "PCs (default 7222; 0: any free; -1: none, the local socket only)")
+    p.add_argument("--data-port", type=int, default=None,
+                   help="port agents' stage workers listen on (default 7211; 0: free ports, agents on this PC only)")
+    p.add_argument("--in-process", action="store_true",
+                   help="run the fleet inside the console, as before the service existed (closing it stops serving)")
     p.add_argument("--runtime", choices=("paged", "stateful"), default="paged",
                    help="how the ring serves a CPU/GPU export: paged (default; every user's tokens batched into one "
                         "step per PC, each PC's KV pool its agent's kv_pool_mb) or stateful (a KV state per user, "

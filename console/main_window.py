@@ -22,11 +22,23 @@ from console.placement_page import QtPlacementPage
 from console.serving import FleetServing
 
 
+def serving_for(bridge: ConsoleBridge, parent: QMainWindow):
+    """The serving controller for ``bridge``: the service's rings when the console is its client,
+    the console's own ring when it runs the fleet in process."""
+    from console.service_bridge import ServiceBridge
+
+    if isinstance(bridge, ServiceBridge):
+        from console.service_serving import ServiceServing
+
+        return ServiceServing(bridge, parent)
+    return FleetServing(bridge, parent)
+
+
 class QtConsoleWindow(QMainWindow):
     def __init__(self, bridge: ConsoleBridge, *, chat_options: Mapping[str, Any] | None = None) -> None:
         super().__init__()
         self.bridge = bridge
-        self.serving = FleetServing(bridge, self)
+        self.serving = serving_for(bridge, self)
         self.setWindowTitle(f"Deskfleet console — {bridge.settings.interface}")
         self.resize(1100, 720)
         self.tabs = QTabWidget()

@@ -217,10 +217,16 @@ class AdminClient:
     async def async_rings(self) -> list[dict[str, Any]]:
         return list((await self.async_call("GET", "/rings"))["rings"])
 
-    async def async_create_ring(self, model: str, plan: Plan, *, spec: ExportSpec | None = None,
-                                ring: str | None = None, standby: Collection[str] | None = None) -> dict[str, Any]:
-        """``{"ring": RING, "job": JOB}`` at once; the export and distribution go on in the service."""
-        body: dict[str, Any] = {"model": model, "plan": plan_json(plan)}
+    async def async_create_ring(self, model: str | None, plan: Plan, *, spec: ExportSpec | None = None,
+                                ring: str | None = None, standby: Collection[str] | None = None,
+                                export_id: str | None = None) -> dict[str, Any]:
+        """``{"ring": RING, "job": JOB}`` at once; the export (or ``export_id``, one the service
+        already holds) and the distribution go on in the service."""
+        body: dict[str, Any] = {"plan": plan_json(plan)}
+        if model is not None:
+            body["model"] = model
+        if export_id is not None:
+            body["export_id"] = export_id
         if spec is not None:
             body["spec"] = spec_json(spec)
         if ring is not None:

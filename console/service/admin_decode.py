@@ -19,12 +19,14 @@ from typing import Any
 from console.service.admin_shapes import ShapeError
 from console.service.agent_record import AgentRecord, AgentSource, Membership
 from console.service.export_catalog import ExportInfo, ExportKey
-from console.service.links import LinkReport
+from console.service.links import CONSOLE, LinkReport
 from console.service.models import ModelEntry
 from console.service.placement_inputs import PlacementInputs
 from engine.control.links import LinkMeasurement
 from engine.control.messages import AgentStatus
 from engine.placement.planner import DeviceProfile, Links, ModelProfile, PcInfo
+
+SERVICE_END = "service"  # how docs/ADMIN_API.md names the service's end of a link; the pages call it CONSOLE
 
 
 def _get(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...], where: str, default: Any = ...) -> Any:
@@ -74,9 +76,13 @@ def agents_from_json(body: Mapping[str, Any]) -> tuple[AgentRecord, ...]:
 def links_from_json(body: Mapping[str, Any]) -> LinkReport:
     """A LinkReport from LINKS (``"service"`` or ``"console"`` stand for the service's end)."""
     w = "links"
-    measured = {(m["a"], m["b"]): LinkMeasurement(float(m["rtt_ms"]), float(m["mbit_s"]))
+
+    def end(x: object) -> str:
+        return CONSOLE if x == SERVICE_END else str(x)
+
+    measured = {(end(m["a"]), end(m["b"])): LinkMeasurement(float(m["rtt_ms"]), float(m["mbit_s"]))
                 for m in _get(body, "measured", list, w, [])}
-    failures = {(f["a"], f["b"]): str(f["error"]) for f in _get(body, "failures", list, w, [])}
+    failures = {(end(f["a"]), end(f["b"])): str(f["error"]) for f in _get(body, "failures", list, w, [])}
     pc_ms = {(p["a"], p["b"]): float(p["ms"]) for p in _get(body, "pc_ms", list, w, [])}
     coordinator = {k: float(v) for k, v in _get(body, "coordinator_ms", dict, w, {}).items()}
     return LinkReport(Links(pc_ms=pc_ms, coordinator_ms=coordinator), measured, failures)

@@ -52,6 +52,13 @@ class ConsoleSettings:
     metrics_s: float = 1.0  # how often the coordinator's metrics are sampled
     calibration_steps: int = 16
     runtime: str = "paged"  # how a ring serves a CPU/GPU export: "paged" or "stateful" (console.service.ring_runtime)
+    # The fleet service the console attaches to: None is the local one over <state_dir>/admin.sock
+    # (started detached when none runs); an https:// URL is a service elsewhere, reached with the
+    # admin credentials folder ``admin_cert`` and, if given, pinned to ``service_node_id``.
+    service_url: str | None = None
+    admin_cert: Path | None = None
+    service_node_id: str | None = None
+    admin_port: int | None = 7222  # the admin API's TLS port of a local service this console starts (None: socket only)
 
     @property
     def api_url(self) -> str:

@@ -113,7 +113,7 @@ def test_the_console_exports_and_calibrates_without_torch(tiny_llama, tiny_gguf,
     COMMAND.configure(parser)
     state = Path({str(tmp_path / "state")!r})
     args = parser.parse_args(["--state-dir", str(state), "--interface", "127.0.0.1", "--api-port", "0",
-                              "--enrollment-port", "0", "--hub-port", "0"])
+                              "--enrollment-port", "0", "--hub-port", "0", "--in-process"])
     seen = {{}}
 
     def exercise(window):

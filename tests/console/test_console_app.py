@@ -15,8 +15,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -169,28 +171,65 @@ def test_an_export_cancelled_from_the_models_page_leaves_nothing(tmp_path, tiny_
         assert page.export_button.isEnabled() and page.exports_table.rowCount() == 0
 
 
-def test_the_console_command_starts_and_stops(tmp_path, qtbot):
-    """`deskfleet console` creates the fleet CA on its first run and keeps it on the next."""
+def test_the_console_command_starts_a_service_and_attaches_to_it_again(tmp_path, qtbot):
+    """`deskfleet console` with no service running starts one (detached: it creates the fleet CA and
+    outlives the console); the next `deskfleet console` attaches to that same service."""
+    from console.app import run_console
+    from console.cli import COMMAND
+    from console.service.service_locator import pid_alive, read_service_file
+
+    parser = argparse.ArgumentParser()
+    COMMAND.configure(parser)
+    state = tmp_path / "state"
+    args = parser.parse_args(["--state-dir", str(state), "--interface", "127.0.0.1", "--api-port", "0",
+                              "--enrollment-port", "0", "--hub-port", "0", "--data-port", "0", "--admin-port", "-1"])
+    seen = []
+
+    def look(window) -> None:
+        dialog = window.first_run_dialog  # the first start says the fleet is ready, with the token
+        seen.append((window.bridge.fleet_id, window.bridge.token, dialog and dialog.view.token,
+                     window.bridge.started_service))
+        assert window.fleet_page.token_edit.text() == window.bridge.token
+
+    try:
+        assert run_console(args, until=look) == 0
+        first = read_service_file(state)
+        assert first is not None and pid_alive(first.pid), "closing the console stopped the service"
+        assert run_console(args, until=look) == 0
+        assert read_service_file(state).pid == first.pid
+    finally:
+        info = read_service_file(state)
+        if info is not None and pid_alive(info.pid):
+            os.kill(info.pid, signal.SIGTERM)
+            deadline = time.monotonic() + 30
+            while pid_alive(info.pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+    (fleet_a, token_a, welcome_a, started_a), (fleet_b, token_b, welcome_b, started_b) = seen
+    assert fleet_a == fleet_b and token_a and token_b and token_a != token_b
+    assert welcome_a == token_a and welcome_b is None
+    assert (started_a, started_b) == (True, False)
+    assert (state / "fleet-ca.key").stat().st_mode & 0o777 == 0o600
+    assert not pid_alive(info.pid), "the service did not stop on SIGTERM"
+
+
+def test_the_console_in_process_starts_and_stops(tmp_path, qtbot):
+    """`deskfleet console --in-process` runs the fleet in the console, as before the service."""
     from console.app import run_console
     from console.cli import COMMAND
 
     parser = argparse.ArgumentParser()
     COMMAND.configure(parser)
-    args = parser.parse_args(["--state-dir", str(tmp_path / "state"), "--interface", "127.0.0.1",
+    args = parser.parse_args(["--state-dir", str(tmp_path / "state"), "--interface", "127.0.0.1", "--in-process",
                               "--api-port", "0", "--enrollment-port", "0", "--hub-port", "0"])
     seen = []
 
     def look(window) -> None:
-        dialog = window.first_run_dialog  # the first start says the fleet is ready, with the token
-        seen.append((window.bridge.fleet_id, window.bridge.token, dialog and dialog.view.token))
-        assert window.fleet_page.token_edit.text() == window.bridge.token
+        seen.append((window.bridge.fleet_id, window.bridge.token, window.first_run_dialog is not None))
 
     assert run_console(args, until=look) == 0
     assert run_console(args, until=look) == 0
     (fleet_a, token_a, welcome_a), (fleet_b, token_b, welcome_b) = seen
-    assert fleet_a == fleet_b and token_a and token_b and token_a != token_b
-    assert welcome_a == token_a and welcome_b is None
-    assert (tmp_path / "state" / "fleet-ca.key").stat().st_mode & 0o777 == 0o600
+    assert fleet_a == fleet_b and token_a != token_b and welcome_a and not welcome_b
 
 
 # -- the Qt-free decisions behind the pages ----------------------------------------------------------
