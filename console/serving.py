@@ -188,8 +188,8 @@ class FleetServing(QObject):
         health = await self._dist.async_run()
         tokenizer = await asyncio.to_thread(ChatTokenizer, self._dist.tokenizer_dir)
         settings = self.api_settings()
-        self._api = await async_run_api(self._dist.coordinator, tokenizer, settings,
-                                        self.bridge.settings.interface, self._api_port)
+        self._api = await async_run_api(self._dist.coordinator, tokenizer, settings,  # tray keys: the host's book
+                                        self.bridge.settings.interface, self._api_port, keys=self.bridge.host.keys)
         if self._unsubscribe_key is None:
             self._unsubscribe_key = self.bridge.host.subscribe_api_key(self._api_key_rotated)
         return health, self._api.url
