@@ -29,6 +29,7 @@ BENCHMARKS = {
     "pipeline": "tests.benchmarks.pipeline",
     "placement": "tests.benchmarks.placement",
     "ring-model": "tests.benchmarks.ring_model",
+    "rings": "tests.benchmarks.rings",
     "shape-caches": "tests.benchmarks.shape_caches",
     "soak": "tests.benchmarks.soak",
     "speedups": "tests.benchmarks.speedups",
