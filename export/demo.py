@@ -5,8 +5,8 @@ worker process per stage on loopback plus the coordinator, answers the prompt an
 answer and tok/s. With
 ``--serve`` it then keeps the OpenAI-compatible API up until interrupted, and every process
 shuts down cleanly on Ctrl-C. The workers are supervised as under ``serve --workers``: one that
-dies is restarted in place (compiling from the cache root's compile cache) and its held requests
-replayed.
+dies is replaced by its warm spare when the free memory holds one (``--serve`` only), else
+restarted in place (compiling from the cache root's compile cache), and its held requests replayed.
 """
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ async def _async_demo(args: argparse.Namespace, source, out) -> int:
     tokenizer = ChatTokenizer(out / "tokenizer")
     print(f"starting a {args.stages}-node fleet on loopback ...", file=sys.stderr)
     async with paged_local_fleet(out, slots=args.slots, failover=True, step_timeout_s=SERVE_STEP_TIMEOUT_S,
-                                 cache_dir=default_cache_root() / "compiled") as coordinator:
+                                 cache_dir=default_cache_root() / "compiled",
+                                 spares=None if args.serve else False) as coordinator:
         ids = tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
         request = GenerationRequest(tuple(ids), args.max_new_tokens, stop_token_ids=coordinator.model.eos_token_ids)
         started = time.perf_counter()

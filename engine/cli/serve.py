@@ -64,8 +64,13 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="with --workers: how long requests are held while a lost worker is brought back before "
                         "they fail with 503 naming the stage (default 60)")
     p.add_argument("--step-timeout", type=float, default=30.0, metavar="SECONDS",
-                   help="with --workers: a step unanswered this long means a stage is alive but stuck, and is "
-                        "failed over like a dead one (default 30; a dead worker is noticed at once)")
+                   help="a step unanswered this long means a stage stopped answering: with --workers it is "
+                        "failed over like a dead worker (which is noticed at once); with --first-stage (nothing "
+                        "to restart) the requests fail with 503 naming the wait instead of hanging (default 30)")
+    p.add_argument("--spares", choices=("auto", "on", "off"), default="auto",
+                   help="with --workers: keep a warm spare per stage (its shard compiled, not listening) that takes "
+                        "a dead worker's place without a restart; it holds another copy of the weights. auto "
+                        "(default): when the free memory holds the weights twice over with the KV pools")
     p.add_argument("--cache-dir", type=Path, default=None, metavar="DIR",
                    help="with --workers: the workers' OpenVINO compile cache, so that a restart (and the next "
                         "start) compiles from cache (default: a temporary directory for this run)")
@@ -161,12 +166,14 @@ def ring_options(args: argparse.Namespace, stdin=None) -> dict:
 
 
 def supervision(args: argparse.Namespace) -> dict:
-    """The local fleet's supervision options for ``--workers``: restart in place, hold and step timeouts."""
+    """The local fleet's supervision options for ``--workers``: restart in place (or a warm spare),
+    hold and step timeouts, the compile cache."""
     for flag, value in (("--hold-timeout", args.hold_timeout), ("--step-timeout", args.step_timeout)):
         if value <= 0:
             raise DeskfleetError(f"{flag} must be positive, got {value}")
+    spares = {"auto": None, "on": True, "off": False}[getattr(args, "spares", "auto")]
     return {"failover": True, "hold_timeout_s": args.hold_timeout, "step_timeout_s": args.step_timeout,
-            "cache_dir": args.cache_dir}
+            "cache_dir": args.cache_dir, "spares": spares}
 
 
 @contextlib.contextmanager
@@ -253,7 +260,8 @@ async def _open_generator(args: argparse.Namespace):
         path = RingPath(manifest.model.fingerprint, len(manifest.stages), args.first_stage, args.return_listen,
                         local_stage0=local0, max_frame_bytes=return_frame_bound(
                             manifest.model.vocab_size, manifest.model.max_position_embeddings), **args.ring)
-        async with Coordinator(path, model_card(manifest), slots=slots, speculation=speculation) as coordinator:
+        async with Coordinator(path, model_card(manifest), slots=slots, speculation=speculation,
+                               step_timeout_s=args.step_timeout) as coordinator:
             yield coordinator
     elif args.workers:
         from engine.tools.local_fleet import local_fleet
@@ -290,7 +298,8 @@ async def _open_paged(args: argparse.Namespace, manifest, speculation):
         path = PagedRingPath(manifest.model.fingerprint, len(manifest.stages), args.first_stage, args.return_listen,
                              block_size=block_size, max_frame_bytes=bound, **args.ring)
         scheduler = paged_scheduler(manifest, pool, block_size, **settings)
-        async with BatchCoordinator(path, model_card(manifest), scheduler, speculation=speculation) as coordinator:
+        async with BatchCoordinator(path, model_card(manifest), scheduler, speculation=speculation,
+                                    step_timeout_s=args.step_timeout) as coordinator:
             yield coordinator
     elif getattr(args, "rings", 1) > 1:  # several local fleets behind one router
         from engine.tools.local_rings import local_rings
@@ -327,8 +336,7 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = ChatTokenizer(tok_dir)
     # Checked (and the credentials read) before any model is loaded: a refusal costs nothing.
     args.ring = ring_options(args)
-    if args.workers:
-        supervision(args)
+    supervision(args)
     if settings.api_key is None and not _is_loopback(args.host):  # loopback: key-less, Host-checked
         raise DeskfleetError(f"refusing to serve on {args.host} without an API key: anyone on the network "
                              "could use it. Pass --api-key-env VAR (export VAR=<key> first), or serve on "

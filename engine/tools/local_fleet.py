@@ -50,6 +50,7 @@ STDERR_TAIL_LINES = 20
 # a worker's wall-clock times (entered its serve loop after imports, shard opened and compiled,
 # listening), printed once before its ready line (engine/worker's timing line)
 TIMING_PREFIX = "deskfleet-timing "
+SPARE_PREFIX = "deskfleet-spare "  # a ``worker --spare`` compiled its shard and waits for its activation line
 
 
 Hop = Callable[[Address], Awaitable[Address]]
@@ -85,6 +86,9 @@ class LocalFleet:
         self.next_hops: dict[int, Address] = {}
         self.stderr_tails: dict[int, collections.deque[str]] = {}
         self.timings: dict[int, dict[str, float]] = {}  # stage -> its last start's wall-clock times
+        self.spares: dict[int, asyncio.subprocess.Process] = {}  # stage -> a warm spare, compiled, not listening
+        self._spare_times: dict[int, dict[str, float]] = {}
+        self._spare_pipes: dict[int, tuple[collections.deque[str], asyncio.Task]] = {}
         self._pipes: set[asyncio.Task] = set()
 
     def _argv(self, stage: int, next_address: Address, listen: Address | None = None) -> list[str]:
@@ -99,25 +103,84 @@ class LocalFleet:
             argv += ["--cache-dir", str(self.cache_dir)]
         return argv + list(self.extra_args)
 
+    async def _exec(self, argv: list[str], tail: collections.deque[str], name: str,
+                    stdin: int | None = None) -> tuple[asyncio.subprocess.Process, asyncio.Task]:
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdin=stdin, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        assert proc.stderr is not None
+        task = asyncio.create_task(_pass_through(proc.stderr, tail), name=f"deskfleet-{name}-stderr")
+        self._pipes.add(task)
+        task.add_done_callback(self._pipes.discard)
+        return proc, task
+
     async def _spawn(self, stage: int, next_address: Address, listen: Address | None = None) -> Address:
         """Start stage ``stage``'s worker and wait for it to report its address."""
         self.timings[stage] = {"spawned": time.time()}
-        proc = await asyncio.create_subprocess_exec(
-            *self._argv(stage, next_address, listen), stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        tail = self.stderr_tails[stage] = collections.deque(maxlen=STDERR_TAIL_LINES)
+        proc, task = await self._exec(self._argv(stage, next_address, listen), tail, f"worker{stage}")
         self.processes[stage] = proc
         self.next_hops[stage] = next_address
-        tail = self.stderr_tails[stage] = collections.deque(maxlen=STDERR_TAIL_LINES)
-        assert proc.stderr is not None
-        task = asyncio.create_task(_pass_through(proc.stderr, tail), name=f"deskfleet-worker{stage}-stderr")
-        self._pipes.add(task)
-        task.add_done_callback(self._pipes.discard)
         try:
             return await self._await_ready(stage, proc, task)
         except BaseException:  # not ready (or cancelled while starting): never leave it half-started
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             raise
+
+    async def async_start_spare(self, stage: int) -> None:
+        """Start a warm spare for ``stage`` (``worker --spare``: Python started, OpenVINO imported,
+        the shard checked, converted and compiled, not listening) and wait until it is compiled;
+        WorkerStartError if it does not get there."""
+        times = {"spawned": time.time()}
+        tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
+        argv = self._argv(stage, self.next_hops[stage]) + ["--spare"]
+        proc, task = await self._exec(argv, tail, f"spare{stage}", stdin=asyncio.subprocess.PIPE)
+        assert proc.stdout is not None
+        try:
+            while True:
+                line = await asyncio.wait_for(proc.stdout.readline(), READY_TIMEOUT_S)
+                if not line:
+                    code = await proc.wait()
+                    why = next((t.strip() for t in reversed(tail) if t.strip()), "")
+                    raise WorkerStartError(f"the spare for stage {stage} exited with code {code} before it was "
+                                           f"compiled" + (f": {why}" if why else ""))
+                if line.decode(errors="replace").startswith(SPARE_PREFIX):
+                    break
+        except BaseException as exc:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            if isinstance(exc, TimeoutError):
+                raise WorkerStartError(f"the spare for stage {stage} was not compiled within "
+                                       f"{READY_TIMEOUT_S:.0f} s") from None
+            raise
+        times["compiled"] = time.time()
+        self.spares[stage] = proc
+        self._spare_times[stage] = times
+        self._spare_pipes[stage] = (tail, task)
+
+    async def async_activate_spare(self, stage: int) -> bool:
+        """Put ``stage``'s warm spare in the place of its dead worker (its address and next hop):
+        True once it listens there, False if there was no live spare or it failed to take over."""
+        proc = self.spares.pop(stage, None)
+        if proc is None or proc.returncode is not None or proc.stdin is None:
+            return False
+        self.timings[stage] = {**self._spare_times.pop(stage, {}), "activation_sent": time.time()}
+        tail, task = self._spare_pipes.pop(stage)
+        self.stderr_tails[stage] = tail
+        line = {"activate": {"listen": str(self.addresses[stage]), "next": str(self.next_hops[stage])}}
+        try:
+            proc.stdin.write(json.dumps(line).encode() + b"\n")
+            await proc.stdin.drain()
+            self.processes[stage] = proc
+            await self._await_ready(stage, proc, task)
+        except (OSError, WorkerStartError) as exc:
+            log.warning("the spare for stage %d could not take over (%s); starting a new worker instead", stage, exc)
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+            return False
+        return True
 
     def last_error_line(self, stage: int) -> str:
         """The last line stage ``stage``'s worker wrote to its error output ("" if none)."""
@@ -128,8 +191,11 @@ class LocalFleet:
         """Where stage ``stage``'s last start went, in seconds, as far as its worker said: spawn and
         imports, opening (checks, conversion) and compiling the shard, then opening its listener."""
         t = self.timings.get(stage, {})
-        spans = (("spawn_imports_s", "spawned", "entered"), ("open_compile_s", "entered", "opened"),
-                 ("listen_s", "opened", "listening"))
+        if "activation_sent" in t:  # a spare: its imports and compile happened before, off the clock
+            spans: tuple[tuple[str, str, str], ...] = (("activate_s", "activation_sent", "listening"),)
+        else:
+            spans = (("spawn_imports_s", "spawned", "entered"), ("open_compile_s", "entered", "opened"),
+                     ("listen_s", "opened", "listening"))
         return {name: t[b] - t[a] for name, a, b in spans if a in t and b in t}
 
     async def async_start(self, return_address: Address, hop: Hop | None = None) -> Address:
@@ -187,9 +253,10 @@ class LocalFleet:
         return restarted
 
     async def async_stop(self) -> dict[int, int]:
-        """SIGTERM every worker (they drain and exit 0); kill any that outstays the timeout."""
+        """SIGTERM every worker (they drain and exit 0) and spare; kill any that outstays the timeout."""
         codes: dict[int, int] = {}
-        for proc in self.processes.values():
+        spares, self.spares = list(self.spares.values()), {}
+        for proc in [*self.processes.values(), *spares]:
             if proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
                     proc.send_signal(signal.SIGTERM)
@@ -201,6 +268,13 @@ class LocalFleet:
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
                 codes[stage] = await proc.wait()
+        for proc in spares:
+            try:
+                await asyncio.wait_for(proc.wait(), STOP_TIMEOUT_S)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
         for task in list(self._pipes):
             with contextlib.suppress(TimeoutError, asyncio.CancelledError):
                 await asyncio.wait_for(task, 2.0)
@@ -228,13 +302,29 @@ def _compile_cache(cache_dir: Path | str | None, wanted: bool) -> Iterator[Path 
         yield Path(tmp)
 
 
+def want_spares(spares: bool | None, manifest, pool_bytes_per_stage: int) -> bool:
+    """``spares`` None (auto): warm spares when this PC's free memory holds them (see spares_fit)."""
+    if spares is not None:
+        return spares
+    import psutil
+
+    from engine.tools.restart_policy import spares_fit
+
+    weights = sum(f.size for stage in manifest.stages for f in stage.files)
+    fits = spares_fit(weights, pool_bytes_per_stage * len(manifest.stages), psutil.virtual_memory().available)
+    log.info("local fleet: warm spares %s (the weights are %.0f MiB; free memory %s them twice over)",
+             "on" if fits else "off", weights / 2**20, "holds" if fits else "does not hold")
+    return fits
+
+
 def _supervise(fleet: LocalFleet, failover: bool, policy: RestartPolicy | None,
-               on_restart: Callable[[Restart], None] | None) -> LocalSupervisor | None:
+               on_restart: Callable[[Restart], None] | None, spares: bool = False,
+               on_spare: Callable[[int], None] | None = None) -> LocalSupervisor | None:
     if not failover:
         return None
     from engine.tools.local_supervisor import LocalSupervisor  # it builds on LocalFleet
 
-    return LocalSupervisor(fleet, policy, on_restart)
+    return LocalSupervisor(fleet, policy, on_restart, spares=spares, on_spare=on_spare)
 
 
 @contextlib.asynccontextmanager
@@ -243,7 +333,8 @@ async def paged_local_fleet(export_dir: Path | str, *, exact: bool = False, thre
                             lanes: int | None = 1, speculation: Speculator | None = None,
                             step_timeout_s: float | None = None, hold_timeout_s: float = 60.0,
                             cache_dir: Path | str | None = None, restart_policy: RestartPolicy | None = None,
-                            on_restart: Callable[[Restart], None] | None = None,
+                            on_restart: Callable[[Restart], None] | None = None, spares: bool | None = False,
+                            on_spare: Callable[[int], None] | None = None,
                             **settings) -> AsyncIterator[BatchCoordinator]:
     """A running paged coordinator over a paged worker process for every stage (continuous
     batching in every stage).
@@ -257,25 +348,28 @@ async def paged_local_fleet(export_dir: Path | str, *, exact: bool = False, thre
     prefix_cache). With ``failover`` the workers are supervised (:mod:`engine.tools.local_supervisor`):
     one that dies is restarted on its address as ``restart_policy`` allows (``on_restart`` hears
     each, with its times) and the coordinator replays its streams there; the workers then share a
-    compile cache (``cache_dir``, else a temporary one). Pass ``step_timeout_s`` so that a stage
-    that is alive but silent is noticed too."""
+    compile cache (``cache_dir``, else a temporary one). ``spares``: keep a warm spare per stage
+    (compiled, not listening) that takes a dead worker's place without a start; None: when the
+    free memory holds them (``on_spare`` hears each stage whose spare is ready). Pass
+    ``step_timeout_s`` so that a stage that is alive but silent is noticed too."""
     with _compile_cache(cache_dir, failover) as cache:
         async with _paged_local_fleet(export_dir, exact, threads, hop, failover, kv_pool_bytes, lanes, speculation,
                                       step_timeout_s, hold_timeout_s, cache, restart_policy, on_restart,
-                                      settings) as coordinator:
+                                      spares, on_spare, settings) as coordinator:
             yield coordinator
 
 
 @contextlib.asynccontextmanager
 async def _paged_local_fleet(export_dir, exact, threads, hop, failover, kv_pool_bytes, lanes, speculation,
                              step_timeout_s, hold_timeout_s, cache, restart_policy, on_restart,
-                             settings) -> AsyncIterator[BatchCoordinator]:
+                             spares, on_spare, settings) -> AsyncIterator[BatchCoordinator]:
     manifest = load_manifest(export_dir)
     block_size = CPU_BLOCK_SIZE
     pool = pool_blocks_for(manifest, kv_pool_bytes, block_size, precision="f32" if exact else None)
     fleet = LocalFleet(export_dir, exact=exact, threads=threads, cache_dir=cache,
                        extra_args=("--paged", "--kv-pool-mb", f"{kv_pool_bytes / 2**20:.6g}"))
-    supervisor = _supervise(fleet, failover, restart_policy, on_restart)
+    supervisor = _supervise(fleet, failover, restart_policy, on_restart,
+                            failover and want_spares(spares, manifest, kv_pool_bytes), on_spare)
     budget = settings.get("token_budget", 256)  # no step answers more rows than it has tokens
     path = PagedRingPath(manifest.model.fingerprint, len(manifest.stages), Address("127.0.0.1", 0),
                          Address("127.0.0.1", 0), block_size=block_size,
@@ -306,27 +400,27 @@ async def _paged_local_fleet(export_dir, exact, threads, hop, failover, kv_pool_
 async def local_fleet(export_dir: Path | str, *, slots: int = 4, exact: bool = False, threads: int | None = None,
                       host_stage0: bool = False, hop: Hop | None = None, failover: bool = False,
                       cache_dir: Path | str | None = None, restart_policy: RestartPolicy | None = None,
-                      on_restart: Callable[[Restart], None] | None = None,
+                      on_restart: Callable[[Restart], None] | None = None, spares: bool | None = False,
                       **coordinator_options) -> AsyncIterator[Coordinator]:
     """A running coordinator over worker processes for every stage (stage 0 in-process if asked).
 
-    ``failover``, ``cache_dir``, ``restart_policy`` and ``on_restart`` as :func:`paged_local_fleet`."""
+    ``failover``, ``cache_dir``, ``restart_policy``, ``on_restart`` and ``spares`` as :func:`paged_local_fleet`."""
     with _compile_cache(cache_dir, failover) as cache:
         async with _local_fleet(export_dir, slots, exact, threads, host_stage0, hop, failover, cache, restart_policy,
-                                on_restart, coordinator_options) as coordinator:
+                                on_restart, spares, coordinator_options) as coordinator:
             yield coordinator
 
 
 @contextlib.asynccontextmanager
 async def _local_fleet(export_dir, slots, exact, threads, host_stage0, hop, failover, cache, restart_policy,
-                       on_restart, coordinator_options) -> AsyncIterator[Coordinator]:
+                       on_restart, spares, coordinator_options) -> AsyncIterator[Coordinator]:
     manifest = load_manifest(export_dir)
     local0 = Stage(export_dir, 0, manifest=manifest, exact=exact, num_threads=threads) if host_stage0 else None
     if host_stage0 and len(manifest.stages) < 2:
         raise DeskfleetError("hosting stage 0 in the coordinator needs an export with at least 2 stages")
     fleet = LocalFleet(export_dir, first_stage=1 if host_stage0 else 0, exact=exact, threads=threads,
                        cache_dir=cache)
-    supervisor = _supervise(fleet, failover, restart_policy, on_restart)
+    supervisor = _supervise(fleet, failover, restart_policy, on_restart, failover and want_spares(spares, manifest, 0))
     path = RingPath(manifest.model.fingerprint, len(manifest.stages), Address("127.0.0.1", 0),
                     Address("127.0.0.1", 0), local_stage0=local0)
     try:

@@ -6,7 +6,10 @@ coordinator is told to fail over, naming the stage, so that ``/health`` says *re
 its streams are held. The coordinator's recover hook is :meth:`LocalSupervisor.async_recover`:
 it starts every dead worker again on its address and next hop (at once after a first crash,
 after a back-off when it keeps crashing: :class:`~engine.tools.restart_policy.RestartPolicy`),
-re-dials the ring under a new session, and the coordinator replays every held stream. A stage
+re-dials the ring under a new session, and the coordinator replays every held stream. With
+``spares`` each stage also has a warm spare (``worker --spare``: imported, its shard compiled, not
+listening), so "start again" is "tell the spare to listen where the dead worker did": no
+spawn, imports or compile on the clock; a new spare is started a little later. A stage
 the policy gives up raises :class:`StageDownError` naming it, so its held requests fail at once
 (HTTP 503) with the reason instead of waiting out the hold time, and the ring reports *down*.
 """
@@ -31,6 +34,9 @@ log = logging.getLogger(__name__)
 
 # an exit seen and the coordinator's failover not yet asking: wait this long for it to reap
 _REAP_GRACE_S = 0.5
+# a used spare is replaced this long after the ring is back, so that its compile does not compete
+# with the replay for this machine's cores
+SPARE_REFILL_DELAY_S = 5.0
 
 
 class StageDownError(DeskfleetError):
@@ -59,8 +65,9 @@ P = TypeVar("P", bound=Redialling)
 class Restart:
     """One worker brought back, in ``time.monotonic()`` seconds: its exit seen, the process that
     came up spawned, it reported ready (imports, shard checks, conversion and compile), the ring
-    re-dialled. ``attempts``: starts it took (more than one after a failed start); ``start``: the
-    worker's own account of its start (:meth:`LocalFleet.start_breakdown`, empty if it gave none)."""
+    re-dialled (with a spare, "spawned" is when it was told to take over). ``attempts``: starts it
+    took (more than one after a failed start); ``start``: the worker's own account of its start
+    (:meth:`LocalFleet.start_breakdown`, empty if it gave none)."""
 
     stage: int
     exit_code: int | None
@@ -70,6 +77,7 @@ class Restart:
     reconnected_at: float
     attempts: int = 1
     start: tuple[tuple[str, float], ...] = ()
+    spare: bool = False  # a warm spare took the dead worker's place
 
     def breakdown(self) -> dict[str, float]:
         """Seconds spent waiting (back-off), starting (spawn to ready, and its parts if known) and re-dialling."""
@@ -91,8 +99,12 @@ class LocalSupervisor:
     """Watches every worker of ``fleet``; its :meth:`async_recover` is the coordinator's recover hook."""
 
     def __init__(self, fleet: LocalFleet, policy: RestartPolicy | None = None,
-                 on_restart: Callable[[Restart], None] | None = None):
+                 on_restart: Callable[[Restart], None] | None = None, spares: bool = False,
+                 on_spare: Callable[[int], None] | None = None):
         self.fleet = fleet
+        self.spares = spares
+        self.on_spare = on_spare  # hears each stage whose warm spare is compiled and waiting
+        self._refill: asyncio.Task | None = None
         self.policy = policy or RestartPolicy()
         self.on_restart = on_restart
         self.restarts: list[Restart] = []
@@ -109,10 +121,35 @@ class LocalSupervisor:
         self._target = target
         for stage, proc in self.fleet.processes.items():
             self._watch(stage, proc)
+        if self.spares:
+            self._refill_spares(0.0)
+
+    def _refill_spares(self, delay: float) -> None:
+        if self._closing or (self._refill is not None and not self._refill.done()):
+            return
+        self._refill = asyncio.create_task(self._async_keep_spares(delay), name="deskfleet-spares")
+
+    async def _async_keep_spares(self, delay: float) -> None:
+        """Start a warm spare for every stage that has none (one at a time: they share the cores)."""
+        await asyncio.sleep(delay)
+        for stage in sorted(self.fleet.processes):
+            spare = self.fleet.spares.get(stage)
+            if spare is not None and spare.returncode is None:
+                continue
+            try:
+                await self.fleet.async_start_spare(stage)
+            except WorkerStartError as exc:
+                log.warning("local fleet: no warm spare for stage %d (%s); a lost worker is started anew", stage, exc)
+                continue
+            log.info("local fleet: a warm spare for stage %d is compiled and waiting", stage)
+            if self.on_spare is not None:
+                self.on_spare(stage)
 
     def close(self) -> None:
         """Stop watching (before the fleet is stopped, so that its workers' exits are not crashes)."""
         self._closing = True
+        if self._refill is not None:
+            self._refill.cancel()
         for task in self._watches.values():
             task.cancel()
         self._watches.clear()
@@ -158,19 +195,22 @@ class LocalSupervisor:
             back.append(await self._async_bring_back(stage))
         await path.async_reconnect()
         reconnected = time.monotonic()
-        for stage, spawned, ready, attempts in back:
+        for stage, spawned, ready, attempts, spare in back:
             noticed, code = self._exits[stage]
             restart = Restart(stage, code, noticed, spawned, ready, reconnected, attempts,
-                              tuple(self.fleet.start_breakdown(stage).items()))
+                              tuple(self.fleet.start_breakdown(stage).items()), spare)
             self.restarts.append(restart)
             log.warning("local fleet: stage %d is back in %.2f s (%s)", stage, reconnected - noticed,
                         ", ".join(f"{k} {v:.2f}" for k, v in restart.breakdown().items()))
             if self.on_restart is not None:
                 self.on_restart(restart)
+        if back and self.spares:
+            self._refill_spares(SPARE_REFILL_DELAY_S)
         return path
 
-    async def _async_bring_back(self, stage: int) -> tuple[int, float, float, int]:
-        """Start ``stage``'s worker again as the policy allows: (stage, spawned at, ready at, attempts)."""
+    async def _async_bring_back(self, stage: int) -> tuple[int, float, float, int, bool]:
+        """Start ``stage``'s worker again as the policy allows (its warm spare first, if it has one):
+        (stage, spawned at, ready at, attempts, whether the spare took over)."""
         attempts = 0
         while True:
             crashes = self._crashes[stage]
@@ -187,6 +227,9 @@ class LocalSupervisor:
                 await asyncio.sleep(delay)
             attempts += 1
             spawned = time.monotonic()
+            if self.spares and await self.fleet.async_activate_spare(stage):
+                self._watch(stage, self.fleet.processes[stage])
+                return stage, spawned, time.monotonic(), attempts, True
             try:
                 await self.fleet.async_restart(stage)
             except WorkerStartError as exc:
@@ -196,4 +239,4 @@ class LocalSupervisor:
                 log.warning("local fleet: %s", exc)
                 continue
             self._watch(stage, self.fleet.processes[stage])
-            return stage, spawned, time.monotonic(), attempts
+            return stage, spawned, time.monotonic(), attempts, False

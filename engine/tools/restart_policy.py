@@ -41,3 +41,13 @@ class RestartPolicy:
         if n <= 1:
             return 0.0
         return min(self.max_backoff_s, self.first_backoff_s * 2 ** (n - 2))
+
+
+SPARE_MARGIN_BYTES = 1 << 30  # left free for everything else on the PC
+
+
+def spares_fit(weights_bytes: int, pools_bytes: int, available_bytes: int, margin: int = SPARE_MARGIN_BYTES) -> bool:
+    """Whether warm spares fit beside the workers: a spare holds another copy of its stage's weights
+    (its KV pool is allocated only once it takes over), so what is free before the fleet starts
+    must hold the workers (weights and pools), the spares (weights) and ``margin``."""
+    return available_bytes >= 2 * weights_bytes + pools_bytes + margin

@@ -18,8 +18,6 @@ from pathlib import Path
 import psutil
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(sys.platform == "win32", reason="sends SIGKILL/SIGTERM")]
-
 TIMEOUT = 120
 MAX_TOKENS = 32
 
@@ -50,12 +48,15 @@ def _stream(client, model: str, on_chunk=None) -> str:
     return "".join(pieces)
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform == "win32", reason="sends SIGKILL/SIGTERM")
 def test_a_worker_killed_under_serve_workers_is_restarted_and_the_answer_is_identical(tiny_export, tmp_path: Path):
     import openai
 
     log_path = tmp_path / "serve.log"
     argv = [sys.executable, "-m", "engine.cli.main", "serve", "--shards", str(tiny_export("llama", 2)), "--workers",
-            "--exact", "--port", "0", "--hold-timeout", "60", "--kv-pool-mb", "16", "--api-key-env", "DF_TEST_KEY"]
+            "--exact", "--port", "0", "--hold-timeout", "60", "--kv-pool-mb", "16", "--api-key-env", "DF_TEST_KEY",
+            "--spares", "off"]  # a restart in place (a spare taking over: tests/tools/test_local_supervisor.py)
     with log_path.open("wb") as log:
         server = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True,
                                   env={**os.environ, "PYTHONUNBUFFERED": "1", "DF_TEST_KEY": "k-1"})
@@ -100,3 +101,29 @@ def test_a_worker_killed_under_serve_workers_is_restarted_and_the_answer_is_iden
             server.kill()
             server.wait(timeout=TIMEOUT)
         server.stdout.close()
+
+
+@pytest.mark.parametrize("flags, spares", [([], None), (["--spares", "on"], True), (["--spares", "off"], False)])
+def test_serve_flags_become_the_supervision_options(flags, spares):
+    import argparse
+
+    from engine.cli.serve import configure, supervision
+
+    p = argparse.ArgumentParser()
+    configure(p)
+    options = supervision(p.parse_args(["--shards", "x", "--workers", "--hold-timeout", "9", *flags]))
+    assert options == {"failover": True, "hold_timeout_s": 9.0, "step_timeout_s": 30.0, "cache_dir": None,
+                       "spares": spares}
+
+
+def test_a_non_positive_hold_or_step_timeout_is_refused_by_name():
+    import argparse
+
+    from engine.cli.serve import configure, supervision
+    from engine.errors import DeskfleetError
+
+    p = argparse.ArgumentParser()
+    configure(p)
+    for flag in ("--hold-timeout", "--step-timeout"):
+        with pytest.raises(DeskfleetError, match=flag):
+            supervision(p.parse_args(["--shards", "x", "--workers", flag, "0"]))

@@ -3,9 +3,10 @@ time went (notice, back-off, spawn and imports, open and compile, re-dial, repla
 
     python -m tests.tools.restart_smoke [--export DIR] [--users 3] [--tokens 48] [--kill-at 16]
 
-Default export: the demo's (the embedded default model, 2 stages, int4). Two rounds: with the
-workers' shared compile cache (what ``serve --workers`` does) and with the cache emptied just
-before the kill (a cold compile). This shows the pieces work and roughly where time goes; it is
+Default export: the demo's (the embedded default model, 2 stages, int4). Three rounds: a warm
+spare takes over (``serve --workers`` when the memory holds spares), a restart in place with the
+workers' shared compile cache (``--spares off``), and one with the cache emptied just before the
+kill (a cold compile). This shows the pieces work and roughly where time goes; it is
 not a benchmark: run it on a quiet machine for numbers (this one's 2 cores are shared).
 """
 
@@ -38,18 +39,20 @@ def _worker_pid(stage: int) -> int:
     raise RuntimeError(f"no worker process for stage {stage}")
 
 
-async def one_round(export: Path, *, users: int, tokens: int, kill_at: int, stage: int, cold: bool) -> dict:
+async def one_round(export: Path, *, users: int, tokens: int, kill_at: int, stage: int, mode: str) -> dict:
     from engine.generation.tokenizer import ChatTokenizer
 
     tokenizer = ChatTokenizer(export / "tokenizer")
     restarts = []
+    spares: set[int] = set()
+    cold = mode == "cold"
     times: dict[int, list[float]] = {u: [] for u in range(users)}
     answers: dict[int, list[int]] = {u: [] for u in range(users)}
     killed: dict[str, float] = {}
     prompt_tokens: dict[int, int] = {}
     with tempfile.TemporaryDirectory(prefix="deskfleet-smoke-cache-") as cache:
         async with paged_local_fleet(export, failover=True, cache_dir=cache, kv_pool_bytes=128 << 20,
-                                     on_restart=restarts.append) as c:
+                                     on_restart=restarts.append, spares=mode == "spare", on_spare=spares.add) as c:
             async def user(u: int, kill: bool) -> None:
                 text = " ".join(f"word{(u * 7 + i) % 97}" for i in range(PROMPT_WORDS))
                 ids = tokenizer.encode_chat([{"role": "user", "content": f"Summarise: {text}"}])
@@ -65,6 +68,8 @@ async def one_round(export: Path, *, users: int, tokens: int, kill_at: int, stag
                         os.kill(_worker_pid(stage), signal.SIGKILL)
 
             await asyncio.gather(*(user(u, False) for u in range(users)))  # undisturbed, for identity
+            while mode == "spare" and stage not in spares:
+                await asyncio.sleep(0.1)
             reference = {u: list(a) for u, a in answers.items()}
             for u in range(users):
                 answers[u].clear()
@@ -77,7 +82,8 @@ async def one_round(export: Path, *, users: int, tokens: int, kill_at: int, stag
     normal = statistics.median(gaps[:kill_at - 1] + gaps[kill_at:])
     after = min(t for ts in times.values() for t in ts if t > restart.reconnected_at)
     return {
-        "cache": "emptied before the kill" if cold else "shared (serve --workers)",
+        "round": {"spare": "a warm spare takes over", "cache": "restart in place, shared compile cache",
+                  "cold": "restart in place, compile cache emptied before the kill"}[mode],
         "identical": answers == reference,
         "users": users, "prompt_tokens": prompt_tokens[0],
         "added_s": round(gap - normal, 3),
@@ -101,9 +107,9 @@ def main() -> None:
         from export.demo import ensure_default_export
 
         export = ensure_default_export("int4", 2)[1]
-    for cold in (False, True):
+    for mode in ("spare", "cache", "cold"):
         result = asyncio.run(one_round(export, users=args.users, tokens=args.tokens, kill_at=args.kill_at,
-                                       stage=args.stage, cold=cold))
+                                       stage=args.stage, mode=mode))
         print(json.dumps(result), flush=True)
 
 

@@ -1,18 +1,23 @@
 """Supervision of a local fleet (what ``serve --workers`` and ``demo --serve`` run on): a worker
-SIGKILLed mid-answer is noticed from its exit (no step timeout), restarted in place at once, the
-ring re-dialled and every held stream replayed, so the answers equal an undisturbed greedy run;
-``ring_reports()`` says *recovering* meanwhile, naming the stage. A stage that cannot come back
-(its shard file gone) is given up after the policy's crashes, and its held request fails within
-the hold time with an error naming it; the ring then reports *down*, and the next request fails
-at once instead of hanging."""
+SIGKILLed mid-answer is noticed from its exit (no step timeout), replaced at once by its warm
+spare (compiled, waiting) on its address, the ring re-dialled and every held stream replayed, so
+the answers equal an undisturbed greedy run; ``ring_reports()`` says *recovering* meanwhile,
+naming the stage (the cold restart in place is tests/cli/test_serve_workers.py's). A stage that
+cannot come back (its shard file gone) is given up after the policy's crashes, and its held
+request fails within the hold time with an error naming it; the ring then reports *down*, and
+the next request fails at once instead of hanging."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import importlib.util
 import json
+import os
 import shutil
 import time
 
+import psutil
 import pytest
 
 from engine.generation.request import GenerationRequest
@@ -20,13 +25,14 @@ from engine.generation.ring_report import RingStatus
 from engine.shards.manifest import load_manifest
 from engine.tools.local_fleet import paged_local_fleet
 from engine.tools.local_supervisor import describe_exit
-from engine.tools.restart_policy import RestartPolicy
+from engine.tools.restart_policy import RestartPolicy, spares_fit
 from tests.conftest import PROMPT_IDS
 from tests.coordinator.test_failover import _kill_worker
 from tests.support.asyncutil import run
 
 N = 40
 POOL = 16 << 20
+SPARES = importlib.util.find_spec("engine.worker.spare") is not None  # the worker's --spare mode
 
 
 def test_a_first_crash_restarts_at_once_and_a_crash_loop_backs_off_then_gives_up():
@@ -43,6 +49,36 @@ def test_a_first_crash_restarts_at_once_and_a_crash_loop_backs_off_then_gives_up
         RestartPolicy(max_crashes=0)
 
 
+def _children(stage: int, spare: bool) -> list[int]:
+    found = []
+    for child in psutil.Process(os.getpid()).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            argv = child.cmdline()
+            if ("worker" in argv and "--stage" in argv and argv[argv.index("--stage") + 1] == str(stage)
+                    and ("--spare" in argv) == spare):
+                found.append(child.pid)
+    return found
+
+
+def _spare_pid(stage: int) -> int:
+    (pid,) = _children(stage, spare=True)
+    return pid
+
+
+def _serving_pid(stage: int) -> int:
+    """The pid serving ``stage``: a worker started as such, or a spare that took over (then a
+    second spare, started later, may be waiting: the older of the spares is the one serving)."""
+    plain = [p for p in _children(stage, spare=False) if psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    spares = sorted(_children(stage, spare=True), key=lambda p: psutil.Process(p).create_time())
+    return (plain or spares)[0]
+
+
+def test_warm_spares_are_kept_only_when_the_free_memory_holds_them_twice():
+    gib = 1 << 30
+    assert spares_fit(2 * gib, gib, 6 * gib)
+    assert not spares_fit(2 * gib, gib, 5 * gib)
+
+
 def test_an_exit_is_described_by_its_signal_or_code():
     assert describe_exit(-9) == "was killed by SIGKILL"
     assert describe_exit(1) == "exited with code 1"
@@ -50,16 +86,24 @@ def test_an_exit_is_described_by_its_signal_or_code():
 
 
 @pytest.mark.slow
-def test_a_worker_killed_mid_answer_is_restarted_in_place_and_answers_are_identical(tiny_export, unsplit_greedy):
+@pytest.mark.skipif(not SPARES, reason="needs the worker's --spare mode (engine.worker.spare)")
+def test_a_worker_killed_mid_answer_is_replaced_by_its_warm_spare_and_answers_are_identical(tiny_export,
+                                                                                            unsplit_greedy):
     export = tiny_export("llama", 2)
     prompts = (PROMPT_IDS, PROMPT_IDS[:7], tuple(range(40, 60)))
     restarts = []
+    spares: set[int] = set()
 
     async def main():
         # no step timeout: the supervisor notices the exit itself
         async with paged_local_fleet(export, exact=True, kv_pool_bytes=POOL, failover=True, prefill_chunk=5,
-                                     on_restart=restarts.append) as c:
+                                     on_restart=restarts.append, spares=True, on_spare=spares.add) as c:
             assert c.ring_reports()[0].status is RingStatus.OK
+            for _ in range(600):
+                if spares == {0, 1}:
+                    break
+                await asyncio.sleep(0.1)
+            spare_pid = _spare_pid(1)
             got = {p: [] for p in prompts}
             seen = []
             killed = asyncio.Event()
@@ -78,9 +122,9 @@ def test_a_worker_killed_mid_answer_is_restarted_in_place_and_answers_are_identi
                     await asyncio.sleep(0.01)
 
             await asyncio.gather(watch(), *(consume(p) for p in prompts))
-            return got, seen, c.ring_reports()[0], c.metrics()
+            return got, seen, c.ring_reports()[0], c.metrics(), spare_pid, _serving_pid(1)
 
-    got, seen, after, metrics = run(main(), timeout=240)
+    got, seen, after, metrics, spare_pid, serving_pid = run(main(), timeout=240)
     for prompt in prompts:
         assert tuple(got[prompt]) == unsplit_greedy(prompt, N)
     assert metrics["requests_failed_total"] == 0 and metrics["failovers_total"] == 1
@@ -89,8 +133,11 @@ def test_a_worker_killed_mid_answer_is_restarted_in_place_and_answers_are_identi
     assert all(r.status is not RingStatus.OK for r in seen[len(seen) - len(recovering):])
     assert after.status is RingStatus.OK
     (restart,) = restarts
-    assert restart.stage == 1 and restart.exit_code == -9 and restart.attempts == 1
-    assert restart.breakdown()["backoff_s"] < 0.5  # a first crash is restarted at once
+    assert restart.stage == 1 and restart.exit_code == -9 and restart.attempts == 1 and restart.spare
+    assert serving_pid == spare_pid  # the spare serves stage 1 now
+    breakdown = restart.breakdown()
+    assert breakdown["backoff_s"] < 0.5  # a first crash is restarted at once
+    assert "activate_s" in breakdown and "open_compile_s" not in breakdown  # no start on the clock
 
 
 @pytest.mark.slow
