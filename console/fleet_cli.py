@@ -56,6 +56,9 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="how a ring serves a CPU/GPU export: paged (default) or stateful (the identity reference)")
     p.add_argument("--threads", type=int, default=None, help="inference threads per stage worker (default: the "
                    "worker's own default)")
+    p.add_argument("--exact", action="store_true",
+                   help="workers use exact (f32, no fast-math) kernels: every ring answers the unsplit model's greedy "
+                        "tokens (tests, identity checks; slower)")
     p.add_argument("--out", type=Path, default=None, help="admin-cert: the directory to write the certificate to")
     p.add_argument("--days", type=int, default=365, help="admin-cert: days the certificate is valid (default 365)")
 
@@ -82,8 +85,8 @@ def service_settings(args: argparse.Namespace):
                               runtime=args.runtime)
     if args.data_port is not None:
         console = replace(console, data_port=args.data_port)
-    if args.threads is not None:
-        console = replace(console, worker=replace(WorkerSettings(), threads=args.threads))
+    if args.threads is not None or args.exact:
+        console = replace(console, worker=WorkerSettings(threads=args.threads, exact=args.exact))
     admin_port = None if args.admin_port == -1 else args.admin_port
     return FleetServiceSettings(console=console, admin_host=args.admin_host or interface, admin_port=admin_port)
 

@@ -310,7 +310,8 @@ async def async_run_admin(service: FleetService, stack: contextlib.AsyncExitStac
     from console.service.fleet_service import ADMIN_SOCKET
 
     settings = service.settings
-    runner = web.AppRunner(build_admin_app(service), handler_cancellation=True, shutdown_timeout=2.0)
+    runner = web.AppRunner(build_admin_app(service), handler_cancellation=True, shutdown_timeout=2.0,
+                           access_log=None)  # long-polls and job polls: the actions are logged by the guard
     await runner.setup()
     stack.push_async_callback(runner.cleanup)
     path = Path(settings.state_dir) / ADMIN_SOCKET
