@@ -2,7 +2,8 @@
 loopback: `deskfleet fleet` serves a 2-stage ring of the tiny model on two real agents; a
 `deskfleet console` process attaches to it and is SIGKILLed while a chat streams through the
 API: the chat completes with the unsplit model's greedy answer; then two consoles (Qt offscreen,
-in this process) attach and show the same fleet, the same ring serving, and each other's news."""
+in this process; one over the local socket, one with an admin certificate over mutual TLS) attach
+and show the same fleet, the same ring serving, and each other's news."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from console.main_window import QtConsoleWindow
 from console.service.admin_client import AdminClient
 from console.service.admin_shapes import plan_from_json
 from console.service.console_settings import ConsoleSettings
-from console.service.service_locator import async_wait_for_service
+from console.service.service_locator import async_wait_for_service, read_service_file
 from console.service_bridge import ServiceBridge
 from console.shared.loop_thread import LoopThread
 from engine.generation.tokenizer import ChatTokenizer
@@ -38,7 +39,7 @@ pytestmark = [pytest.mark.usefixtures("private_keyring"), pytest.mark.slow,
 
 def _service(state: Path, log: Path) -> subprocess.Popen:
     args = [sys.executable, "-m", "engine.cli.main", "fleet", "--state-dir", str(state), "--interface", "127.0.0.1",
-            "--admin-port", "-1", "--threads", "1", "--exact"]
+            "--admin-port", str(free_port()), "--threads", "1", "--exact"]
     for flag in ("--api-port", "--enrollment-port", "--hub-port", "--data-port"):
         args += [flag, str(free_port())]
     with log.open("ab") as out:
@@ -93,6 +94,11 @@ def test_killing_the_console_mid_chat_stops_nothing_and_a_new_console_shows_the_
         admin, _ = loop.run(async_wait_for_service(state, timeout=90, process=service), 100, "the service")
         pcs, api_url, key = loop.run(_ring(admin, tmp_path), 240, "the ring")
         fleet_id = loop.run(admin.async_service(), 30, "the service")["fleet_id"]
+        # an admin on another PC: credentials from the fleet CA, issued on the service's PC
+        issued = subprocess.run([sys.executable, "-m", "engine.cli.main", "fleet", "admin-cert", "alice", "--out",
+                                 str(tmp_path / "alice"), "--state-dir", str(state)], timeout=60, capture_output=True,
+                                text=True)
+        assert issued.returncode == 0, issued.stderr
 
         console = _console_process(state, tmp_path / "console.log")
         line = console.stdout.readline()  # "deskfleet console: fleet …; …; attached to the fleet service …"
@@ -117,9 +123,13 @@ def test_killing_the_console_mid_chat_stops_nothing_and_a_new_console_shows_the_
         assert text == ChatTokenizer(export / "tokenizer").decode(expected)
         assert service.poll() is None, "the service stopped with the console"
 
-        # Two new consoles attach and see the same fleet; one's news reaches the other.
-        settings = ConsoleSettings(state_dir=state, interface="127.0.0.1", refresh_s=1.0)
-        windows = [QtConsoleWindow(ServiceBridge(settings)) for _ in range(2)]
+        # Two new consoles attach (the local one over the socket, alice's over mutual TLS) and see the
+        # same fleet; one's news reaches the other.
+        admin_url = read_service_file(state).admin_url
+        local = ConsoleSettings(state_dir=state, interface="127.0.0.1", refresh_s=1.0)
+        remote = ConsoleSettings(state_dir=tmp_path / "alice-console", interface="127.0.0.1", refresh_s=1.0,
+                                 service_url=admin_url, admin_cert=tmp_path / "alice")
+        windows = [QtConsoleWindow(ServiceBridge(settings)) for settings in (local, remote)]
         try:
             for w in windows:
                 w.bridge.start()
