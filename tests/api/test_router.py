@@ -47,6 +47,7 @@ def greedy(unsplit_greedy, prompt, n: int, eos: tuple[int, ...]) -> list[int]:
 
 # -- the router alone -----------------------------------------------------------------------------
 
+@pytest.mark.slow  # two rings of streams run while rings come and go: ~15 s here
 def test_adding_and_removing_rings_interrupts_no_stream(tiny_export, unsplit_greedy):
     """Streams on ring a; ring b added mid-stream takes the next ones (least loaded); ring a removed
     while its streams run: they finish whole, removal waits for them, and new requests go to b."""
