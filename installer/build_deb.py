@@ -33,6 +33,7 @@ from installer.packaging import (  # noqa: E402
 
 ASSETS = REPO / "assets"
 PNG_SIZES = (16, 32, 48, 64, 128, 256)
+FLEET_UNIT = "deskfleet-fleet.service"
 
 
 def _write(root: Path, path: str, content: str, mode: int) -> None:
@@ -77,6 +78,8 @@ def stage_package(root: Path, version: str, wheels: list[Path], arch: str, asset
             (icons / f"{size}x{size}/apps").mkdir(parents=True, exist_ok=True)
             shutil.copy2(assets / f"{name}-{size}.png", icons / f"{size}x{size}/apps" / f"{name}.png")
     shutil.copy2(REPO / "README.md", root / "usr/share/doc/deskfleet/README.md")
+    # the fleet service as a system unit (sudo systemctl enable --now deskfleet-fleet): off until enabled
+    _write(root, f"/usr/lib/systemd/system/{FLEET_UNIT}", (REPO / "installer" / FLEET_UNIT).read_text(), 0o644)
     _control_dir(root, {"postinst": deb.postinst(), "prerm": deb.prerm()},
                  deb.control(version, arch, _installed_kb(root)), deb.CONFFILES)
 
