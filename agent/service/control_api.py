@@ -26,6 +26,9 @@ Routes (docs/CONTROL_API.md)::
     POST /v1/deny            {deny: [node ids], api_key?} -> the console's revocation list (control API +
                              worker) and, after a removal, the API's new key (the tray's chat)
     POST /v1/calibrate       {export..., stages, device, threads?} -> decode-step times per stage
+    POST /v1/spare           Assignment -> 202: hold a warm spare of that stage (a standby's; from the
+                             pause's end when paused; 409 when serving another stage or short of memory)
+    POST /v1/spare/drop      hold none
 """
 
 from __future__ import annotations
@@ -95,6 +98,10 @@ class ControlledAgent(Protocol):
     async def async_set_deny(self, deny: tuple[str, ...], *, api_key: str | None = None) -> None: ...
 
     async def async_calibrate(self, body: dict[str, Any]) -> list[dict[str, Any]]: ...
+
+    async def async_hold_spare(self, assignment: Assignment) -> None: ...
+
+    async def async_drop_spare(self) -> None: ...
 
 
 def _peer(request: web.Request) -> tuple[str, Role | None]:
@@ -266,6 +273,16 @@ def build_app(service: ControlledAgent) -> web.Application:
     async def deny(request, body):
         await service.async_set_deny(parse_node_ids(body.get("deny"), "deny"),
                                      api_key=parse_api_key(body.get("api_key")))
+        return None
+
+    @route("POST", "/v1/spare", console_only=True)
+    async def hold_spare(request, body):
+        await service.async_hold_spare(Assignment.from_dict(body))
+        return ({"accepted": True},)
+
+    @route("POST", "/v1/spare/drop", console_only=True)
+    async def drop_spare(request, body):
+        await service.async_drop_spare()
         return None
 
     @route("POST", "/v1/calibrate", console_only=True)

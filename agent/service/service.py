@@ -29,6 +29,8 @@ from agent.service import pause
 from agent.service.calibration import async_time_stages, parse_calibration_request
 from agent.service.control_api import build_app
 from agent.service.settings import AgentSettings, AgentState, load_state, save_settings, save_state
+from agent.service.spare_policy import SpareDecision, spare_decision
+from agent.service.standby_spare import StandbySpare
 from agent.service.store import ShardStore, async_fetch
 from agent.service.supervisor import WorkerLaunch, WorkerSupervisor, worker_args
 from engine import __version__
@@ -97,6 +99,8 @@ class AgentService:
         self._registrar: asyncio.Task | None = None
         self.interface = settings.interface or primary_ipv4()
         self._listeners: list[Callable[[AgentStatus], None]] = []
+        self._standby_spare = StandbySpare(self._supervisor, launch=self._worker_launch, fetch=self._async_fetch_spare)
+        self.spare = SpareDecision(False, "no worker yet")  # whether the serving worker has a spare, and why
         self._last_state: str | None = None
         self._background: set[asyncio.Task] = set()
         self.last_pause_change: float | None = None  # monotonic time the pause state last flipped
@@ -207,6 +211,7 @@ class AgentService:
 
     async def async_leave(self) -> None:
         """Forget the fleet: stop serving, delete the credentials and the assignment."""
+        await self.async_drop_spare()
         await self._supervisor.async_stop()
         await self._async_close_control()
         self.keystore.delete()
@@ -234,7 +239,7 @@ class AgentService:
             self._changed()
             return
         if current is not None and current != assignment:
-            await self._supervisor.async_stop()
+            await self._supervisor.async_stop(keep_spare=True)  # the next start may promote it
             if self._fetch_task is not None:
                 self._fetch_task.cancel()
         self._fetch = FetchProgress(total_bytes=sum(e.size for e in assignment.files()))
@@ -300,12 +305,69 @@ class AgentService:
         await self._async_launch_worker()
 
     async def async_stop_worker(self, *, drain: bool = False) -> None:
+        """Stop serving; the warm spare stays only when the console asked this agent to hold one
+        (it lost its stage in a failover and waits as a standby for it)."""
         self._save(replace(self._state, serving=False))
         if drain:
             await self._supervisor.async_drain(DRAIN_TIMEOUT_S)
         else:
-            await self._supervisor.async_stop()
+            await self._supervisor.async_stop(keep_spare=self._standby_spare.wanted is not None)
+        if self._standby_spare.wanted is None:
+            await self._supervisor.async_stop_spare()
         self._changed()
+
+    # ---- warm spare (a standby's, POST /v1/spare) ------------------------------------------------
+
+    async def async_hold_spare(self, assignment: Assignment) -> None:
+        """Keep a warm spare for the stage ``assignment`` describes (a standby's: the stage the
+        console would move here): fetch its files if missing, then compile it in a worker that
+        does not listen (a paused PC starts it when the pause ends). The assignment itself is
+        not taken; a later assignment of that stage promotes the spare. 409 while serving another
+        stage or when the memory does not allow it."""
+        if self._creds is None:
+            raise ControlRequestError("join a fleet first", 409)
+        current = self.assignment
+        if self._supervisor.running and current is not None and not (
+                current.export_id == assignment.export_id and current.stage == assignment.stage):
+            raise ControlRequestError(f"this agent serves {current.export_id} stage {current.stage}; a spare for "
+                                      f"another stage would only take its memory", 409)
+        decision = self._spare_decision(assignment, worker_running=False)
+        if not decision.keep:
+            raise ControlRequestError(f"holding no spare: {decision.why}", 409)
+        self.store.check_space(assignment)
+        await self._standby_spare.async_hold(assignment, paused=self._pause.paused)
+
+    async def async_drop_spare(self) -> None:
+        """Hold no standby spare (the serving worker's own spare, if any, stays)."""
+        await self._standby_spare.async_drop()
+
+    @property
+    def spare_pid(self) -> int | None:
+        """The warm spare's process id (None: none)."""
+        return self._supervisor.spare_pid
+
+    @property
+    def spare_ready(self) -> bool:
+        """A warm spare is compiled and waiting."""
+        return self._supervisor.spare_ready
+
+    @property
+    def worker_starts(self) -> tuple[dict, ...]:
+        """How the last workers came up (wall-clock times; see WorkerSupervisor.starts)."""
+        return tuple(self._supervisor.starts)
+
+    async def _async_fetch_spare(self, assignment: Assignment) -> None:
+        if self.store.missing(assignment):
+            await async_fetch(self.store, assignment, ssl=self._creds.client_context() if self._creds else None,
+                              console_node_id=self._state.console_node_id)
+
+    def _spare_decision(self, assignment: Assignment, *, worker_running: bool) -> SpareDecision:
+        available = None
+        with contextlib.suppress(Exception):
+            available = psutil.virtual_memory().available
+        pool = self.kv_pool_mb << 20 if assignment.runtime == "paged" else 0
+        return spare_decision(self.settings.warm_spare, stage_bytes=sum(e.size for e in assignment.files()),
+                              available_bytes=available, kv_pool_bytes=pool, worker_running=worker_running)
 
     async def async_wait_worker_ready(self, timeout: float = WORKER_READY_TIMEOUT_S) -> None:
         await self._supervisor.async_wait_ready(timeout)
@@ -479,6 +541,13 @@ class AgentService:
 
     async def _async_launch_worker(self) -> None:
         assignment = self._require_assignment()
+        launch = self._worker_launch(assignment)
+        self._standby_spare.taken(assignment)  # a standby taking its spared stage: the spare is promoted
+        self.spare = self._spare_decision(assignment, worker_running=self._supervisor.running)
+        self._supervisor.want_spare = self.spare.keep
+        await self._supervisor.async_start(launch)
+
+    def _worker_launch(self, assignment: Assignment) -> WorkerLaunch:
         creds = self._creds
         if creds is None:
             raise ControlRequestError("join a fleet before serving", 409)
@@ -491,7 +560,7 @@ class AgentService:
                            kv_pool_mb=self.kv_pool_mb if assignment.runtime == "paged" else None)
         secrets = json.dumps({"ca_pem": creds.ca_pem.decode(), "cert_pem": creds.cert_pem.decode(),
                               "key_pem": creds.key_pem.decode(), **assignment.peer_policy_json()}).encode() + b"\n"
-        await self._supervisor.async_start(WorkerLaunch(args, secrets, keep_stdin=WORKER_READS_POLICY_UPDATES))
+        return WorkerLaunch(args, secrets, keep_stdin=WORKER_READS_POLICY_UPDATES)
 
     def _on_worker(self, status: WorkerStatus) -> None:
         self._changed()
@@ -517,6 +586,8 @@ class AgentService:
             log.info("resuming")
             if self._state.serving and self.assignment is not None:
                 await self._async_launch_worker()
+            else:
+                await self._standby_spare.async_resume()
             await self._async_notify("resumed")
         self._changed()
 

@@ -4,9 +4,19 @@ agent (or the tray) down.
 The worker is ``deskfleet worker ... --tls-stdin --report-interval 1 --exit-with-parent``: the
 fleet credentials go in on stdin (never on disk or the command line), it prints a ready line
 once its shard is verified, compiled and listening, then a stats line every second, from which
-the agent reports steps/s. A worker that exits without being asked is restarted with
-exponential backoff; after ``max_failures`` crashes within ``failure_window_s`` the supervisor
-gives up and reports ``failed`` with the worker's last words.
+the agent reports steps/s. A worker that exits without being asked is restarted at once the
+first time; a second crash within ``failure_window_s`` backs off (exponentially); after
+``max_failures`` crashes within the window the supervisor gives up and reports ``failed`` with
+the worker's last words.
+
+**Warm spare.** With ``want_spare`` (the agent decides: its ``warm_spare`` setting and the PC's
+free memory), ``spare_delay_s`` after the worker is ready a second worker process is started
+with ``--spare``: the same shard opened, converted and compiled, not listening
+(engine.worker.spare). When the worker dies, the spare is promoted at once — one activation line
+on its stdin makes it bind the address the dead one left and dial the same next hop — and a new
+spare is started behind it. A start whose launch differs from the spare's only in the addresses
+and the peer policy (a failover re-pointed this stage, or moved a stage to this standby) is a
+promotion too. A standby agent holds a spare with no worker (:meth:`async_start_spare`).
 
 The credentials JSON carries the worker's peer policy too (``expect_upstream``, ``expect_next``,
 ``deny``: engine.trust.peer_policy). stdin stays open while the worker runs, so a new policy — a
@@ -14,7 +24,8 @@ failover moved a neighbour, the console revoked a member — is one more JSON li
 (:meth:`WorkerSupervisor.async_update_policy`) instead of a restart that would recompile the shard.
 
 Stopping sends SIGTERM: the worker finishes the frame in hand, refuses new streams and exits,
-releasing its cores; a worker that does not exit in time is killed.
+releasing its cores; a worker that does not exit in time is killed. The spare stops with it
+unless told to stay (``keep_spare``).
 """
 
 from __future__ import annotations
@@ -25,41 +36,29 @@ import contextlib
 import json
 import logging
 import signal
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import psutil
 
+from agent.service.worker_process import WorkerLaunch, WorkerProcess
 from engine.control.messages import WorkerStatus
 from engine.worker.status_lines import PEERS_PREFIX, READY_PREFIX, STATS_PREFIX
 
 log = logging.getLogger(__name__)
 
+__all__ = ["Backoff", "WorkerLaunch", "WorkerSupervisor", "worker_args"]
 
-@dataclass(frozen=True)
-class WorkerLaunch:
-    """What to run: the ``deskfleet worker`` arguments and the credentials JSON for stdin (one
-    line). ``keep_stdin``: leave stdin open for policy updates (a worker that reads them)."""
-
-    args: tuple[str, ...]
-    stdin: bytes = b""
-    keep_stdin: bool = False
-
-    def with_policy(self, policy: dict) -> WorkerLaunch:
-        """The same launch with ``policy``'s keys replacing those in the stdin JSON."""
-        blob = json.loads(self.stdin or b"{}")
-        blob.update(policy)
-        return replace(self, stdin=json.dumps(blob).encode() + b"\n")
-
-    def command(self) -> list[str]:
-        return [sys.executable, "-m", "engine.cli.main", "worker", *self.args, "--report-interval", "1",
-                "--exit-with-parent"]
+SPARE_DELAY_S = 3.0  # after a worker is ready: its spare's compile must not slow the ring's replay
 
 
 @dataclass(frozen=True)
 class Backoff:
+    """Restart delays: none for the first crash within ``failure_window_s``, then ``first_s``
+    growing by ``factor`` up to ``max_s``; ``max_failures`` crashes in the window is final."""
+
     first_s: float = 1.0
     factor: float = 2.0
     max_s: float = 30.0
@@ -67,36 +66,58 @@ class Backoff:
     failure_window_s: float = 300.0
 
     def delay(self, failures: int) -> float:
-        return min(self.max_s, self.first_s * self.factor ** max(0, failures - 1))
+        """The wait before restarting after the ``failures``-th crash within the window."""
+        if failures <= 1:
+            return 0.0
+        return min(self.max_s, self.first_s * self.factor ** (failures - 2))
 
 
 class WorkerSupervisor:
-    """Runs one worker at a time; ``on_change`` is called with every new :class:`WorkerStatus`."""
+    """Runs one worker at a time (and maybe its spare); ``on_change`` is called with every new
+    :class:`WorkerStatus`."""
 
     def __init__(self, *, backoff: Backoff = Backoff(), stop_timeout_s: float = 10.0,
-                 on_change: Callable[[WorkerStatus], None] = lambda s: None) -> None:
+                 on_change: Callable[[WorkerStatus], None] = lambda s: None,
+                 spare_delay_s: float = SPARE_DELAY_S) -> None:
         self.backoff = backoff
         self.stop_timeout_s = stop_timeout_s
+        self.spare_delay_s = spare_delay_s
+        self.want_spare = False  # keep a warm spare beside the worker (the agent sets it before each start)
         self._on_change = on_change
         self._status = WorkerStatus()
         self._launch: WorkerLaunch | None = None
         self._task: asyncio.Task | None = None
-        self._proc: asyncio.subprocess.Process | None = None
+        self._proc: WorkerProcess | None = None
+        self._spare: WorkerProcess | None = None
+        self._spare_task: asyncio.Task | None = None
         self._ready = asyncio.Event()
-        self._tail: collections.deque[str] = collections.deque(maxlen=20)
         self._draining = False
         self._stop_timeout = stop_timeout_s
+        self._last_exit: float | None = None  # wall time the last worker was seen gone unasked
+        # how each worker came up (wall-clock times; the failover benchmark's breakdown)
+        self.starts: collections.deque[dict[str, Any]] = collections.deque(maxlen=16)
 
     @property
     def status(self) -> WorkerStatus:
-        if self._proc is not None and self._proc.returncode is None:
+        pid = self.pid
+        if pid is not None:
             with contextlib.suppress(psutil.Error):
-                return replace(self._status, rss_bytes=psutil.Process(self._proc.pid).memory_info().rss)
+                return replace(self._status, rss_bytes=psutil.Process(pid).memory_info().rss)
         return self._status
 
     @property
     def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None and self._proc.returncode is None else None
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def spare_pid(self) -> int | None:
+        """The warm spare's process id (None: no spare)."""
+        return self._spare.pid if self._spare is not None else None
+
+    @property
+    def spare_ready(self) -> bool:
+        """A spare is compiled and waiting."""
+        return self._spare is not None and self._spare.alive and self._spare.spare_ready.is_set()
 
     @property
     def running(self) -> bool:
@@ -107,12 +128,32 @@ class WorkerSupervisor:
         self._on_change(self._status)
 
     async def async_start(self, launch: WorkerLaunch) -> None:
-        """Start (or restart with new arguments) the worker; returns once it is spawned."""
-        await self.async_stop()
+        """Start (or restart with new arguments) the worker; returns once it is spawned (or a
+        spare of the same shard promoted)."""
+        await self.async_stop(keep_spare=True)
         self._launch = launch
         self._ready.clear()
         self._set(state="starting", restarts=0, last_error=None, steps_per_s=0.0, streams=0, policy_updates=0)
-        self._task = asyncio.create_task(self._async_supervise(launch), name="deskfleet-worker-supervisor")
+        self._task = asyncio.create_task(self._async_supervise(), name="deskfleet-worker-supervisor")
+
+    async def async_start_spare(self, launch: WorkerLaunch) -> None:
+        """Hold a warm spare of ``launch`` with no worker (a standby agent); a spare of another
+        shard is replaced, one of the same is kept."""
+        if self._spare is not None and self._spare.alive and self._spare.launch.spare_key() == launch.spare_key():
+            return
+        await self.async_stop_spare()
+        await self._async_spawn_spare(launch)
+
+    async def async_stop_spare(self) -> None:
+        task, self._spare_task = self._spare_task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        spare, self._spare = self._spare, None
+        if spare is not None:
+            await spare.async_terminate(self._stop_timeout)
+            log.info("warm spare %s stopped", spare.proc.pid if spare.proc else "-")
 
     async def async_update_policy(self, policy: dict) -> bool:
         """Give the running worker a new peer policy (one JSON line on its stdin) and keep it for
@@ -121,14 +162,10 @@ class WorkerSupervisor:
             return False
         self._launch = self._launch.with_policy(policy)
         proc = self._proc
-        if (not self._launch.keep_stdin or proc is None or proc.returncode is not None or proc.stdin is None
-                or proc.stdin.is_closing() or self._task is None):
+        if not self._launch.keep_stdin or proc is None or self._task is None:
             return False
-        try:
-            proc.stdin.write(json.dumps(policy).encode() + b"\n")
-            await asyncio.wait_for(proc.stdin.drain(), 5.0)
-        except (OSError, TimeoutError) as exc:
-            log.warning("could not send the worker its new peer policy (%s); restarting it", exc)
+        if not await proc.async_send(json.dumps(policy).encode() + b"\n"):
+            log.warning("could not send the worker its new peer policy; restarting it")
             return False
         log.info("sent the worker a new peer policy")
         return True
@@ -141,12 +178,14 @@ class WorkerSupervisor:
             raise TimeoutError(f"the stage worker was not ready within {timeout:.0f} s "
                                f"(state {self._status.state}: {self._status.last_error or 'no error yet'})") from None
 
-    async def async_stop(self, timeout: float | None = None) -> None:
+    async def async_stop(self, timeout: float | None = None, *, keep_spare: bool = False) -> None:
         """SIGTERM (drain the frame in hand), then SIGKILL after ``timeout`` (default
-        ``stop_timeout_s``); no restart."""
+        ``stop_timeout_s``); no restart. The spare stops too unless ``keep_spare``."""
         self._stop_timeout = self.stop_timeout_s if timeout is None else timeout
         task, self._task = self._task, None
         self._ready.clear()
+        if not keep_spare:
+            await self.async_stop_spare()
         if task is None:
             return
         task.cancel()
@@ -157,11 +196,12 @@ class WorkerSupervisor:
     async def async_drain(self, timeout: float) -> None:
         """SIGUSR1: the worker refuses new streams, lets those in flight finish, and exits; it is
         stopped outright if that takes longer than ``timeout``."""
-        if self._proc is None or self._proc.returncode is not None or self._task is None:
+        proc = self._proc
+        if proc is None or not proc.alive or self._task is None:
             await self.async_stop()
             return
         self._draining = True
-        self._proc.send_signal(signal.SIGUSR1)
+        proc.send_signal(signal.SIGUSR1)
         task = self._task
         try:
             await asyncio.wait_for(asyncio.shield(task), timeout)
@@ -171,82 +211,106 @@ class WorkerSupervisor:
             self._draining = False
         await self.async_stop()
 
-    async def _async_supervise(self, launch: WorkerLaunch) -> None:
+    async def _async_supervise(self) -> None:
         failures: list[float] = []
         while True:
-            code = await self._async_run_once(self._launch or launch)  # the latest policy on a restart
+            assert self._launch is not None
+            code = await self._async_run_once(self._launch)  # the latest policy on a restart
             if self._draining:
                 self._draining = False
                 self._set(state="stopped", pid=None, steps_per_s=0.0, streams=0)
                 return
+            self._last_exit = time.time()
             now = time.monotonic()
             failures = [t for t in failures if now - t < self.backoff.failure_window_s] + [now]
-            tail = " | ".join(list(self._tail)[-3:])
+            tail = " | ".join(list(self._proc.tail)[-3:]) if self._proc is not None else ""
             error = f"worker exited with code {code}: {tail}" if tail else f"worker exited with code {code}"
             log.warning("stage worker stopped unexpectedly (%s)", error)
             if len(failures) >= self.backoff.max_failures:
                 self._set(state="failed", pid=None, last_error=error)
                 return
             delay = self.backoff.delay(len(failures))
-            self._set(state="backoff", pid=None, last_error=error, restarts=self._status.restarts + 1)
-            await asyncio.sleep(delay)
-            self._set(state="starting")
+            self._set(state="backoff" if delay else "starting", pid=None, last_error=error,
+                      restarts=self._status.restarts + 1)
+            if delay:
+                await asyncio.sleep(delay)
+                self._set(state="starting")
+
+    async def _async_bring_up(self, launch: WorkerLaunch) -> WorkerProcess:
+        """The worker for ``launch``: its spare promoted when it has one, else a new process."""
+        spare, self._spare = self._spare, None
+        if spare is not None and spare.alive and spare.launch.spare_key() == launch.spare_key():
+            spare.launch = launch  # the addresses and peer policy it is activated with
+            self._proc = spare
+            if await spare.async_promote():
+                log.info("promoted warm spare %s to serve", spare.pid)
+                return spare
+            await spare.async_terminate(1.0)
+        elif spare is not None:
+            await spare.async_terminate(self._stop_timeout)  # another shard or settings: of no use now
+        proc = WorkerProcess(launch, self._on_line)
+        self._proc = proc
+        await proc.async_spawn()
+        return proc
 
     async def _async_run_once(self, launch: WorkerLaunch) -> int:
-        self._tail.clear()
-        proc = await asyncio.create_subprocess_exec(
-            *launch.command(), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT)
-        self._proc = proc
+        proc = await self._async_bring_up(launch)
         self._set(pid=proc.pid)
         try:
-            proc.stdin.write(launch.stdin)
-            await proc.stdin.drain()
-            if not launch.keep_stdin:
-                proc.stdin.close()
-            await self._async_read(proc)
-            return await proc.wait()
+            return await proc.async_wait()
         except asyncio.CancelledError:
-            await self._async_terminate(proc)
+            await proc.async_terminate(self._stop_timeout)
             raise
 
-    async def _async_read(self, proc: asyncio.subprocess.Process) -> None:
-        last: tuple[float, int] | None = None
-        while line := await proc.stdout.readline():
-            text = line.decode(errors="replace").rstrip()
-            if text.startswith(STATS_PREFIX):
-                with contextlib.suppress(ValueError, KeyError, TypeError):
-                    stats = json.loads(text[len(STATS_PREFIX):])
-                    now, steps = time.monotonic(), int(stats["steps"])
-                    rate = self._status.steps_per_s
-                    if last is not None and now > last[0]:
-                        rate = (steps - last[1]) / (now - last[0])
-                    last = (now, steps)
-                    self._status = replace(self._status, steps_per_s=round(rate, 2), streams=int(stats["streams"]))
-                continue
-            if text.startswith(PEERS_PREFIX):
-                log.info("worker: %s", text)
-                self._set(policy_updates=self._status.policy_updates + 1)
-                continue
-            self._tail.append(text[:300])
-            log.debug("worker: %s", text)
-            if text.startswith(READY_PREFIX):
-                self._ready.set()
-                self._set(state="running", last_error=None)
+    async def _async_spawn_spare(self, launch: WorkerLaunch, delay: float = 0.0) -> None:
+        if delay:
+            await asyncio.sleep(delay)
+        spare = WorkerProcess(launch.as_spare(), self._on_spare_line)
+        self._spare = spare
+        await spare.async_spawn()
+        log.info("warm spare %s starting (stage shard compiled beside the worker)", spare.pid)
 
-    async def _async_terminate(self, proc: asyncio.subprocess.Process) -> None:
-        if proc.returncode is not None:
+    def _schedule_spare(self) -> None:
+        if not self.want_spare or self._launch is None or (self._spare is not None and self._spare.alive):
             return
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGTERM)
-        timeout = self._stop_timeout
-        try:
-            await asyncio.wait_for(proc.wait(), timeout)
-        except TimeoutError:
-            log.warning("stage worker did not stop within %.1f s of SIGTERM: killing it", timeout)
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await proc.wait()
+        if self._spare_task is not None and not self._spare_task.done():
+            return
+        self._spare_task = asyncio.get_running_loop().create_task(
+            self._async_spawn_spare(self._launch, self.spare_delay_s), name="deskfleet-warm-spare")
+
+    def _on_spare_line(self, proc: WorkerProcess, text: str) -> None:
+        if proc is self._proc:  # promoted: it speaks as the worker now
+            self._on_line(proc, text)
+            return
+        proc.tail.append(text[:300])
+        log.debug("spare: %s", text)
+
+    def _on_line(self, proc: WorkerProcess, text: str) -> None:
+        if proc is not self._proc:
+            return
+        if text.startswith(STATS_PREFIX):
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                stats = json.loads(text[len(STATS_PREFIX):])
+                now, steps = time.monotonic(), int(stats["steps"])
+                rate = self._status.steps_per_s
+                last = proc.last_stats
+                if last is not None and now > last[0]:
+                    rate = (steps - last[1]) / (now - last[0])
+                proc.last_stats = (now, steps)
+                self._status = replace(self._status, steps_per_s=round(rate, 2), streams=int(stats["streams"]))
+            return
+        if text.startswith(PEERS_PREFIX):
+            log.info("worker: %s", text)
+            self._set(policy_updates=self._status.policy_updates + 1)
+            return
+        proc.tail.append(text[:300])
+        log.debug("worker: %s", text)
+        if text.startswith(READY_PREFIX):
+            self.starts.append({"pid": proc.pid, "promoted": proc.promoted, "spawned": proc.spawned_at,
+                                "previous_exit": self._last_exit, "ready": time.time(), **proc.timing})
+            self._ready.set()
+            self._set(state="running", last_error=None)
+            self._schedule_spare()
 
 
 def worker_args(shard_dir: str, stage: int, listen: str, next_hop: str, *, device: str, threads: int | None,

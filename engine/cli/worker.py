@@ -2,7 +2,9 @@
 
 With ``--tls-stdin`` the first stdin line is the credentials JSON (plus, optionally, the peer
 policy: docs/PROTOCOL.md "Peer identity"); stdin then stays open and every further line is a
-policy update applied without a restart. Without TLS the worker serves loopback only.
+policy update applied without a restart. Without TLS the worker serves loopback only. A
+``--spare`` worker compiles its shard and waits for an activation line on stdin before it
+listens (engine.worker.spare).
 """
 
 from __future__ import annotations
@@ -76,6 +78,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-pool-mb", type=float, default=None, metavar="MIB",
                    help="with --paged: the most memory this stage's KV block pool may take (default 1024 MiB); "
                         "it is allocated once, when the ring's first step says the pool size")
+    p.add_argument("--spare", action="store_true",
+                   help="a warm spare: open and compile the shard, print 'deskfleet-spare', then wait for an "
+                        'activation line on stdin ({"activate": {"listen": ..., "next": ...}, ...peer policy}) '
+                        "before listening (the agent keeps one beside its worker: engine.worker.spare)")
 
 
 def read_tls_credentials(stream: TextIO) -> tuple:
@@ -134,8 +140,8 @@ def run(args: argparse.Namespace) -> int:
                                           client_ssl=client_ssl, report_interval=args.report_interval,
                                           exit_with_parent=args.exit_with_parent, cache_dir=args.cache_dir,
                                           peers=policy_from_args(args, stdin_peers),
-                                          policy_updates=sys.stdin if tls else None, paged=args.paged,
-                                          kv_pool_bytes=pool_bytes))
+                                          policy_updates=sys.stdin if tls or args.spare else None,
+                                          paged=args.paged, kv_pool_bytes=pool_bytes, spare=args.spare))
 
 
 COMMAND = Command(name="worker", help="serve one stage of an export in a ring of workers",

@@ -104,6 +104,13 @@ class ControlClient:
     async def async_stop_worker(self) -> None:
         await self._call("POST", "/v1/worker/stop", {})
 
+    async def async_hold_spare(self, assignment: Assignment) -> None:
+        """Ask a standby to keep a warm spare of the stage ``assignment`` describes (202)."""
+        await self._call("POST", "/v1/spare", assignment.to_dict())
+
+    async def async_drop_spare(self) -> None:
+        await self._call("POST", "/v1/spare/drop", {})
+
     async def async_drain(self) -> None:
         await self._call("POST", "/v1/drain", {})
 

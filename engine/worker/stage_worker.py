@@ -19,9 +19,10 @@ import logging
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 from ssl import SSLContext
-from typing import TextIO
+from typing import Any, TextIO
 
 import numpy as np
 
@@ -51,6 +52,7 @@ from engine.wire.messages import (
 from engine.wire.stage_server import MAX_STREAMS, StageServer, stage_frame_bound
 from engine.wire.transport import Connection
 from engine.worker.paged_worker import PagedStageWorker
+from engine.worker.spare import SPARE_PREFIX, Activation, ActivationError, is_activation, parse_activation, timing_line
 from engine.worker.status_lines import PEERS_PREFIX, READY_PREFIX, STATS_PREFIX
 
 log = logging.getLogger(__name__)
@@ -263,19 +265,29 @@ def _open_worker(shard_dir: Path, stage_index: int, listen: Address, next_addres
     return StageWorker(stage, listen, next_address, server_ssl=server_ssl, client_ssl=client_ssl, peers=peers)
 
 
-def _read_policy_updates(lines: TextIO, worker: AnyWorker,
-                         loop: asyncio.AbstractEventLoop) -> None:
+def _read_policy_updates(lines: TextIO, worker: AnyWorker, loop: asyncio.AbstractEventLoop,
+                         activation: asyncio.Future[Activation] | None = None) -> None:
     """Apply each JSON line of ``lines`` as the worker's new peer policy (runs on its own daemon
     thread: a blocking read of stdin must not hold the loop, nor the exit). A bad line is logged
-    and ignored; the policy in force stays."""
+    and ignored; the policy in force stays. A spare's ``activation`` is resolved by the first
+    good activation line (engine.worker.spare)."""
     for line in lines:
         if not line.strip():
             continue
         try:
-            peers = parse_policy_update(json.loads(line))
-        except (ValueError, PeerPolicyError) as exc:  # json.JSONDecodeError is a ValueError
-            log.warning("ignoring a peer-policy update on stdin (the policy in force stays): %s", exc)
+            blob = json.loads(line)
+            if is_activation(blob):
+                if activation is None:
+                    log.warning("ignoring an activation on stdin: this worker is not a spare")
+                    continue
+                loop.call_soon_threadsafe(_resolve, activation, parse_activation(blob))
+                continue
+            peers = parse_policy_update(blob)
+        except (ValueError, PeerPolicyError, ActivationError) as exc:  # json.JSONDecodeError is a ValueError
+            log.warning("ignoring a line on stdin (the policy in force stays): %s", exc)
             continue
+        except RuntimeError:  # the loop has closed
+            return
         try:
             asyncio.run_coroutine_threadsafe(worker.async_set_peers(peers), loop).result(30)
         except RuntimeError:  # the loop has closed: the worker is gone, the update moot
@@ -287,21 +299,50 @@ def _read_policy_updates(lines: TextIO, worker: AnyWorker,
                   f"{len(peers.deny)} denied", flush=True)
 
 
+def _resolve(activation: asyncio.Future[Activation], where: Activation) -> None:
+    if not activation.done():
+        activation.set_result(where)
+
+
+def _point(worker: AnyWorker, activation: Activation) -> None:
+    """Aim a spare at its place in the ring before it listens (nothing is connected yet)."""
+    worker.listen = activation.listen
+    worker.next_address = activation.next_hop
+    worker.downstream.address = activation.next_hop
+    if activation.peers is not None:
+        worker.peers = activation.peers
+
+
+async def _async_wait_activation(activation: asyncio.Future[Activation], stop: asyncio.Event) -> Activation | None:
+    """The spare's activation, or None if it was told to stop first."""
+    stopping: asyncio.Future[Any] = asyncio.ensure_future(stop.wait())
+    waits: set[asyncio.Future[Any]] = {activation, stopping}
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+    return activation.result() if activation.done() else None
+
+
 async def async_serve_worker(shard_dir: Path, stage_index: int, listen: Address, next_address: Address, *,
                              device: str = "CPU", exact: bool = False, num_threads: int | None = None,
                              server_ssl: SSLContext | None = None, client_ssl: SSLContext | None = None,
                              ready: asyncio.Event | None = None, report_interval: float | None = None,
                              exit_with_parent: bool = False, cache_dir: Path | None = None,
                              peers: PeerPolicy | None = None, policy_updates: TextIO | None = None,
-                             paged: bool = False, kv_pool_bytes: int = DEFAULT_KV_POOL_BYTES) -> int:
+                             paged: bool = False, kv_pool_bytes: int = DEFAULT_KV_POOL_BYTES,
+                             spare: bool = False) -> int:
     """Run a worker until SIGTERM/SIGINT (finish the frame in hand, then exit 0) or SIGUSR1
     (refuse new streams, let those in flight finish, then exit 0).
 
     ``report_interval`` prints a stats line that often; ``exit_with_parent`` stops the worker
     (drained, like SIGTERM) when its parent process dies. With TLS, ``peers`` says who may be
     on either end (None: nobody yet) and each JSON line read from ``policy_updates`` replaces it.
+    A ``spare`` opens and compiles its shard, then waits for an activation line on
+    ``policy_updates`` (engine.worker.spare) before it listens.
     """
     parent = os.getppid()
+    times = {"entered": time.time()}
     try:
         worker = _open_worker(shard_dir, stage_index, listen, next_address, device=device, exact=exact,
                               num_threads=num_threads, server_ssl=server_ssl, client_ssl=client_ssl,
@@ -309,15 +350,37 @@ async def async_serve_worker(shard_dir: Path, stage_index: int, listen: Address,
     except DeskfleetError as exc:  # a shard that fails its checks is never served: say so in the worker's log
         log.error("refusing to serve stage %d of %s: %s", stage_index, shard_dir, exc)
         raise
-    address = await worker.async_start()
-    print(f"{READY_PREFIX} {stage_index} ({worker.stage.spec.num_layers} layers) on {address}, "
-          f"next hop {next_address}", flush=True)
+    times["opened"] = time.time()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
     helpers = []
+    if exit_with_parent:
+        helpers.append(asyncio.create_task(_async_watch_parent(stop, parent)))
+    activation: asyncio.Future[Activation] | None = loop.create_future() if spare else None
+    if policy_updates is not None:
+        threading.Thread(target=_read_policy_updates, args=(policy_updates, worker, loop, activation), daemon=True,
+                         name="deskfleet-peer-policy").start()
+    if activation is not None:
+        if policy_updates is None:
+            raise DeskfleetError("a spare worker needs its stdin: it is activated by a line there")
+        opened_s = round(times["opened"] - times["entered"], 3)
+        print(SPARE_PREFIX + json.dumps({"stage": stage_index, "opened_s": opened_s}), flush=True)
+        where = await _async_wait_activation(activation, stop)
+        if where is None:
+            for task in helpers:
+                task.cancel()
+            await worker.async_close()
+            return 0
+        times["activated"] = time.time()
+        _point(worker, where)
+    address = await worker.async_start()
+    times["listening"] = time.time()
+    print(timing_line(times), flush=True)
+    print(f"{READY_PREFIX} {stage_index} ({worker.stage.spec.num_layers} layers) on {address}, "
+          f"next hop {worker.next_address}", flush=True)
 
     async def drain_streams() -> None:  # SIGUSR1: let the streams in flight finish, take no new ones
         worker.draining = True
@@ -329,11 +392,6 @@ async def async_serve_worker(shard_dir: Path, stage_index: int, listen: Address,
         loop.add_signal_handler(signal.SIGUSR1, lambda: helpers.append(asyncio.create_task(drain_streams())))
     if report_interval:
         helpers.append(asyncio.create_task(_async_report(worker, report_interval)))
-    if exit_with_parent:
-        helpers.append(asyncio.create_task(_async_watch_parent(stop, parent)))
-    if policy_updates is not None:
-        threading.Thread(target=_read_policy_updates, args=(policy_updates, worker, loop), daemon=True,
-                         name="deskfleet-peer-policy").start()
     if ready is not None:
         ready.set()
     try:

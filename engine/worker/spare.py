@@ -1,0 +1,76 @@
+"""A warm spare: a stage worker with its shard opened, converted and compiled, not yet in the ring.
+
+``deskfleet worker --spare`` does everything a worker does before it listens, prints
+:data:`SPARE_PREFIX` and waits. One :class:`Activation` line on stdin puts it in the ring: it
+binds the listen address (the one a crashed worker just left, or a standby's own), dials the
+next hop, takes the peer policy the line carries, then prints the usual ready line. So recovery
+from a lost worker is "point the ring at the spare" (tens of milliseconds), not "start Python,
+import OpenVINO, read and compile the shard" (seconds).
+
+Every worker also prints one :data:`TIMING_PREFIX` line before its ready line: wall-clock times
+of entering the serve loop (after Python started and OpenVINO was imported), of the shard being
+open and compiled, of activation (a spare) and of listening. The supervising agent keeps them so
+a failover's breakdown can say where the time went.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from engine.errors import DeskfleetError
+from engine.trust.peer_policy import PeerPolicy, PeerPolicyError, parse_policy_update
+from engine.wire.address import Address
+
+SPARE_PREFIX = "deskfleet-spare "  # once, when a spare's shard is compiled: {"stage": N, "opened_s": ...}
+TIMING_PREFIX = "deskfleet-timing "  # once, just before the ready line: wall-clock times (see module doc)
+ACTIVATE_KEY = "activate"
+
+
+class ActivationError(DeskfleetError):
+    """An activation line on a spare's stdin is malformed (the spare keeps waiting for a good one)."""
+
+
+@dataclass(frozen=True)
+class Activation:
+    """Where a spare serves once activated, and (optionally) the peer policy it serves under."""
+
+    listen: Address
+    next_hop: Address
+    peers: PeerPolicy | None = None
+
+    def to_line(self, policy: Mapping[str, Any] | None = None) -> bytes:
+        """The stdin line (``policy``: the peer-policy JSON keys, sent with it)."""
+        blob: dict[str, Any] = {ACTIVATE_KEY: {"listen": str(self.listen), "next": str(self.next_hop)}}
+        blob.update(policy or {})
+        return json.dumps(blob).encode() + b"\n"
+
+
+def is_activation(blob: object) -> bool:
+    return isinstance(blob, dict) and ACTIVATE_KEY in blob
+
+
+def parse_activation(blob: Mapping[str, Any]) -> Activation:
+    """The :class:`Activation` of one decoded stdin line; ActivationError saying what is wrong."""
+    where = blob.get(ACTIVATE_KEY)
+    if not isinstance(where, Mapping) or set(where) != {"listen", "next"}:
+        raise ActivationError('an activation must be {"activate": {"listen": "HOST:PORT", "next": "HOST:PORT"}, '
+                              f"...peer policy}}; got {where!r}")
+    try:
+        listen, next_hop = Address.parse(str(where["listen"])), Address.parse(str(where["next"]))
+    except DeskfleetError as exc:
+        raise ActivationError(f"an activation's address is not HOST:PORT: {exc}") from exc
+    rest = {k: v for k, v in blob.items() if k != ACTIVATE_KEY}
+    peers = None
+    if rest:
+        try:
+            peers = parse_policy_update(rest)
+        except PeerPolicyError as exc:
+            raise ActivationError(f"an activation's peer policy is invalid: {exc}") from exc
+    return Activation(listen, next_hop, peers)
+
+
+def timing_line(times: Mapping[str, float]) -> str:
+    return TIMING_PREFIX + json.dumps({k: round(v, 4) for k, v in times.items()}, separators=(",", ":"))
