@@ -49,7 +49,8 @@ def test_demo_answers_then_serves_the_openai_api_and_stops_cleanly_on_sigint(tmp
         drain.start()
         assert "A: " in output and "Paris" in output, output
         assert re.search(r"\d+\.\d tok/s decode", output)
-        workers = [p for p in psutil.Process(proc.pid).children(recursive=True) if "worker" in " ".join(p.cmdline())]
+        fleet = [p for p in psutil.Process(proc.pid).children(recursive=True) if "worker" in " ".join(p.cmdline())]
+        workers = [p for p in fleet if "--spare" not in p.cmdline()]  # warm spares, when memory allows, wait aside
         assert len(workers) == 2, "one worker process per stage"
 
         client = openai.OpenAI(base_url=url, api_key="unused", timeout=120)
@@ -64,4 +65,4 @@ def test_demo_answers_then_serves_the_openai_api_and_stops_cleanly_on_sigint(tmp
     heavy = [line.strip() for line in lines if HEAVY_IMPORT.match(line)]
     assert heavy == [], f"the demo imported {heavy[:3]}"
     assert any(line.startswith("import time:") and "openvino" in line for line in lines), "imports are reported"
-    assert all(not w.is_running() or w.status() == psutil.STATUS_ZOMBIE for w in workers)
+    assert all(not w.is_running() or w.status() == psutil.STATUS_ZOMBIE for w in fleet)

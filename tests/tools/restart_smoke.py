@@ -67,7 +67,9 @@ async def one_round(export: Path, *, users: int, tokens: int, kill_at: int, stag
                         killed["at"] = time.monotonic()
                         os.kill(_worker_pid(stage), signal.SIGKILL)
 
+            began = time.monotonic()
             await asyncio.gather(*(user(u, False) for u in range(users)))  # undisturbed, for identity
+            prefill = min(ts[0] for ts in times.values()) - began  # the same prompts' batched prefill
             while mode == "spare" and stage not in spares:
                 await asyncio.sleep(0.1)
             reference = {u: list(a) for u, a in answers.items()}
@@ -90,6 +92,7 @@ async def one_round(export: Path, *, users: int, tokens: int, kill_at: int, stag
         "notice_s": round(restart.noticed_at - killed["at"], 3),
         **{k: round(v, 3) for k, v in restart.breakdown().items()},
         "replay_to_first_token_s": round(after - restart.reconnected_at, 3),
+        "undisturbed_first_token_s": round(prefill, 3),
         "token_interval_s": round(normal, 4),
     }
 
@@ -101,13 +104,14 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--kill-at", type=int, default=16)
     p.add_argument("--stage", type=int, default=1)
+    p.add_argument("--modes", default="spare,cache,cold", help="rounds to run (default spare,cache,cold)")
     args = p.parse_args()
     export = args.export
     if export is None:
         from export.demo import ensure_default_export
 
         export = ensure_default_export("int4", 2)[1]
-    for mode in ("spare", "cache", "cold"):
+    for mode in args.modes.split(","):
         result = asyncio.run(one_round(export, users=args.users, tokens=args.tokens, kill_at=args.kill_at,
                                        stage=args.stage, mode=mode))
         print(json.dumps(result), flush=True)
