@@ -213,6 +213,13 @@ class AdminApi:
                                        strings(body, "leave_out"))
             return j({"plan": plan_json(plan)})
 
+        async def propose_rings(q):
+            body = await self.body(q)
+            return j(await s.async_propose_rings(
+                q.match_info["id"], request_from_json(field(body, "request", dict, default={})),
+                standbys=field(body, "standbys", int, default=1), rings=field(body, "max_rings", int, optional=True),
+                leave_out=strings(body, "leave_out")))
+
         async def rings(q):
             return j({"rings": [x.to_json() for x in s.rings.values()]})
 
@@ -277,6 +284,7 @@ class AdminApi:
         r.add_post(f"{p}/placements", place)
         r.add_get(f"{p}/placements/{{id}}", placement)
         r.add_post(f"{p}/placements/{{id}}/solve", solve)
+        r.add_post(f"{p}/placements/{{id}}/rings", propose_rings)
         r.add_get(f"{p}/rings", rings)
         r.add_post(f"{p}/rings", create_ring)
         r.add_get(f"{p}/rings/{{ring}}", get_ring)

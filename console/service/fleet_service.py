@@ -373,6 +373,27 @@ class FleetService:
         placement.plan = plan
         return plan
 
+    async def async_propose_rings(self, placement_id: str, request: PlacementRequest, *, standbys: int = 1,
+                                  rings: int | None = None, leave_out: Collection[str] = ()) -> dict[str, Any]:
+        """How many rings of the placement's model the agents allow, with ``standbys`` kept aside;
+        the rings already served stay as they are (a new ring never moves one)."""
+        from engine.placement.rings import RingsRequest, plan_rings
+
+        placement = self.placement(placement_id)
+        inputs = placement.inputs
+        pcs = [dataclasses.replace(pc, approved=False) if pc.pc_id in leave_out else pc for pc in inputs.pcs]
+        known = {pc.pc_id for pc in pcs}
+        existing = tuple(r.served.plan for r in self.rings.values()
+                         if all(st.pc_id in known for st in r.served.plan.stages))
+        ask = RingsRequest(rings=rings, standbys=standbys, placement=request, existing=existing)
+        proposal = await asyncio.wait_for(asyncio.to_thread(
+            plan_rings, ask, model=inputs.model, pcs=pcs, devices=inputs.devices, links=inputs.links.links),
+            request.time_limit_s * (rings or 8) + 30)
+        return {"rings": [plan_json(p) for p in proposal.rings], "standby": list(proposal.standbys),
+                "unused": list(proposal.unused), "limit": proposal.limit, "standby_gaps": list(proposal.standby_gaps),
+                "excluded": [{"pc_id": e.pc_id, "reason": e.reason} for e in proposal.excluded],
+                "aggregate_tok_s": proposal.aggregate_tok_s}
+
     # ---- rings -----------------------------------------------------------------------------------
 
     def _context(self) -> RingContext:

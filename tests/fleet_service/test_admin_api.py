@@ -135,3 +135,44 @@ def test_errors_name_what_is_wrong(tmp_path):
             assert (await a.ok("POST", "/keys/console/secret"))["secret"] == service.host.api_key
 
     run(main(), 120)
+
+
+def _placement(service):
+    """A placement over synthetic measured inputs (three PCs, one CPU each), as a finished
+    POST /placements would leave it: the solve and rings routes work from the kept inputs."""
+    from console.service.export_catalog import ExportSpec
+    from console.service.fleet_service import Placement
+    from console.service.links import LinkReport
+    from console.service.placement_inputs import PlacementInputs, solve_inputs
+    from engine.placement.planner import DeviceProfile, Links, ModelProfile, PcInfo, PlacementRequest
+
+    pcs = tuple(PcInfo(f"pc-{c}", (4 + i) << 30, True) for i, c in enumerate("abc"))
+    devices = tuple(DeviceProfile(f"{pc.pc_id}/CPU", pc.pc_id, "CPU", 2.0, 1.0, pc.memory_bytes) for pc in pcs)
+    inputs = PlacementInputs(ModelProfile((256 << 20,) * 8), pcs, devices, LinkReport(Links(default_ms=0.3), {}, {}),
+                             (), {pc.pc_id: pc.pc_id.upper() for pc in pcs}, {})
+    placement = Placement("p1", "tiny", 4096, ExportSpec(), inputs, solve_inputs(inputs, PlacementRequest()))
+    service.placements["p1"] = placement
+    return placement
+
+
+def test_solve_and_propose_rings_over_a_placements_inputs(tmp_path):
+    async def main():
+        async with service_in_process(tmp_path / "fleet") as service, \
+                Admin.unix(service.settings.state_dir / "admin.sock") as a:
+            _placement(service)
+            got = (await a.ok("GET", "/placements/p1"))["placement"]
+            assert got["inputs"]["names"]["pc-a"] == "PC-A" and len(got["inputs"]["devices"]) == 3
+            plan = (await a.ok("POST", "/placements/p1/solve", {"leave_out": ["pc-c"]}))["plan"]
+            assert plan["stages"] and all(st["pc_id"] != "pc-c" for st in plan["stages"])
+            assert {"pc_id": "pc-c", "reason": "left out by the admin"} in plan["excluded"]
+
+            proposal = await a.ok("POST", "/placements/p1/rings", {"standbys": 1})
+            assert proposal["standby"] == ["pc-c"]  # the most memory is kept aside
+            used = [st["pc_id"] for ring in proposal["rings"] for st in ring["stages"]]
+            assert proposal["rings"] and "pc-c" not in used and len(used) == len(set(used))  # no PC in two rings
+            status, body = await a.call("POST", "/placements/p1/rings", {"standbys": 3})
+            assert status == 409 and "no new ring fits" in body["error"]["message"]
+            status, body = await a.call("POST", "/placements/p7/solve", {})
+            assert status == 404 and "p7" in body["error"]["message"]
+
+    run(main(), 120)
