@@ -29,6 +29,7 @@ from console.shared.loop_thread import LoopThread
 from engine.generation.tokenizer import ChatTokenizer
 from engine.shards.manifest import load_manifest
 from tests.conftest import PROMPT_IDS
+from tests.console.console_app_helpers import ConsoleDriver
 from tests.support.console_fleet_helpers import agent
 from tests.support.loopback import free_port
 
@@ -142,6 +143,10 @@ def test_killing_the_console_mid_chat_stops_nothing_and_a_new_console_shows_the_
                 assert w.serving.ring == "r1" and w.serving.api_url == api_url
                 assert w.fleet_page.token_edit.text() == w.bridge.token
             first, second = windows
+            # the console's own chat goes through the service's API with the console's key
+            answer = ConsoleDriver(second, lambda c, t, what: _wait(qtbot, c, t, what)).chat("Hello")
+            assert second.chat_page.chat.model.current.messages[-1].role == "assistant" and isinstance(answer, str)
+            assert second.serving.api_key == key
             first.fleet_page.new_token_button.click()
             _wait(qtbot, lambda: second.bridge.token == first.bridge.token, 20, "the other console's token")
             # the ring stopped from one console is gone from the other's pages; a pause likewise
