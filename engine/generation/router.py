@@ -190,7 +190,6 @@ class Router:
                 continue
             emitted: list[int] = []
             ring.inflight += 1
-            ring.served += 1
             ring.idle.clear()
             try:
                 async with contextlib.aclosing(ring.generator.stream(request)) as tokens:
@@ -202,6 +201,7 @@ class Router:
                         log.info("ring %s refused a request (%s); trying the next ring of %s", ring_id, exc, name)
                         last_error = exc
                         continue
+                    ring.served += 1  # admitted: a ring that refused it does not count it
                     ring.memory.remember(hashes)
                     if placed is not None:
                         placed(ring_id)

@@ -82,6 +82,33 @@ def test_adding_and_removing_rings_interrupts_no_stream(tiny_export, unsplit_gre
     assert on_a["requests_finished_total"] == 2 and on_b["requests_finished_total"] == 4
 
 
+@pytest.mark.slow  # one ring of one slot decodes a long answer first: ~7 s here
+def test_a_full_ring_hands_the_request_to_the_next(tiny_export, unsplit_greedy, caplog):
+    """Ring a (one slot, no queue) holds a conversation's prefix but is busy with it: the next turn
+    is refused there before any token and served by ring b, identical; only admitted requests count."""
+    export = tiny_export("llama", 1)
+    prompt = PROMPTS[0]
+
+    async def main():
+        async with BatchCoordinator.local(export, exact=True, kv_pool_bytes=POOL, slots=1, max_waiting=0) as a, \
+                paged(export) as b:
+            router = Router()
+            router.add_ring("a", a)
+            router.add_ring("b", b)
+            first = asyncio.create_task(collect(router, GenerationRequest(prompt, 24, ignore_eos=True)))
+            await until(lambda: a.metrics()["tokens_generated_total"] >= 2, "ring a generating")
+            second = await collect(router, GenerationRequest(prompt, N, ignore_eos=True))
+            return await first, second, router.metrics()
+
+    with caplog.at_level("INFO", logger="deskfleet.router"):
+        first, second, metrics = run(main())
+    assert "ring a refused a request" in caplog.text  # it held the prefix, so it was asked first
+    assert first == list(unsplit_greedy(prompt, 24)) and second == list(unsplit_greedy(prompt, N))
+    model = 'model="' + next(k for k in metrics if k.startswith("router_requests_total")).split('model="')[1]
+    assert metrics[f'router_requests_total{{ring="a",{model}'] == 1
+    assert metrics[f'router_requests_total{{ring="b",{model}'] == 1
+
+
 def test_rings_and_models_are_checked(tiny_export):
     export = tiny_export("llama", 1)
 
