@@ -157,6 +157,15 @@ def test_killing_the_console_mid_chat_stops_nothing_and_a_new_console_shows_the_
             first.bridge.pause(desk_b.key)
             _wait(qtbot, lambda: any(r.name == "desk-b" and r.state == "paused" for r in second.bridge.records), 30,
                   "the other console's pause")
+            # the service restarts under an attached console: its feed comes back, with the fleet
+            links: list[bool] = []
+            first.bridge.attached.connect(links.append)
+            service.send_signal(signal.SIGKILL)
+            service.wait(10)
+            _wait(qtbot, lambda: links == [False], 30, "the console to notice the service is gone")
+            service = _service(state, tmp_path / "service.log")
+            _wait(qtbot, lambda: links == [False, True], 90, "the console to follow the restarted service")
+            assert sorted(r.name for r in first.bridge.records if r.approved) == ["desk-a", "desk-b"]
         finally:
             for w in windows:
                 w.shutdown()
