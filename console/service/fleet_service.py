@@ -69,7 +69,8 @@ RETRY_S = (2.0, 5.0, 10.0, 30.0)  # re-forming a ring after a restart or a failo
 @dataclass(frozen=True)
 class FleetServiceSettings:
     """``admin_port`` None: the admin API on the local socket only. ``browse`` False: no mDNS
-    browser (agents are then found through the hub and by address only)."""
+    browser (agents are then found through the hub and by address only); ``advertise_api``
+    False: the OpenAI API is not advertised over mDNS (``_deskfleet-api._tcp``)."""
 
     console: ConsoleSettings
     admin_host: str = "127.0.0.1"
@@ -78,6 +79,7 @@ class FleetServiceSettings:
     watch_s: float = 1.0
     retry_s: tuple[float, ...] = RETRY_S
     browse: bool = True
+    advertise_api: bool = True
     timeouts: DistributionTimeouts | None = None
     failover: FailoverSettings | None = None
 
@@ -160,6 +162,8 @@ class FleetService:
                 await browser.async_start()
                 self._stack.push_async_callback(browser.async_close)
             await self._async_start_api()
+            if self.settings.advertise_api:
+                await self._async_advertise_api()
             self.token = host.token()
             self.admin_url = await async_run_admin(self, self._stack)
             self.started_at = time.time()
@@ -210,6 +214,20 @@ class FleetService:
                                        keys=self.host.keys, audit=AuditLog.in_dir(self.settings.state_dir),
                                        ssl_context=None if is_loopback(s.interface) else self.host.api_tls_context())
         self.served.set_api_port(self.api.port)
+
+    async def _async_advertise_api(self) -> None:
+        """Publish the API over mDNS; a network without multicast only loses the record (logged)."""
+        from console.service.api_advert import ApiAdvertError, ApiAdvertisement, ApiAdvertiser
+
+        advertiser = ApiAdvertiser()
+        ad = ApiAdvertisement(self.fleet.fleet_id, self.api.port, self.settings.console.interface)
+        try:
+            await advertiser.async_start(ad)
+        except (ApiAdvertError, OSError, TimeoutError) as exc:
+            log.warning("the OpenAI API is not advertised over mDNS (%s); agents still get its address with "
+                        "their assignment", exc)
+            return
+        self._stack.push_async_callback(advertiser.async_close)
 
     def _on_api_key(self, key: str) -> None:
         if self.api is not None:
