@@ -26,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
+import psutil
+
 from engine.errors import DeskfleetError
 from engine.tools.local_fleet import LocalFleet, WorkerStartError
 from engine.tools.restart_policy import RestartPolicy
@@ -41,9 +43,10 @@ SPARE_REFILL_DELAY_S = 5.0
 
 class StageDownError(DeskfleetError):
     """A local worker could not be brought back (it crash-loops, or cannot start: a missing or
-    corrupt shard file, its port taken); ``stage`` says which."""
+    corrupt shard file, its port taken); ``stage`` says which (None: the ring keeps stopping with
+    every worker alive, so which stage is stuck is not known)."""
 
-    def __init__(self, stage: int, message: str):
+    def __init__(self, stage: int | None, message: str):
         super().__init__(message)
         self.stage = stage
 
@@ -52,6 +55,8 @@ class FailsOver(Protocol):
     """A coordinator (paged or stateful) a supervisor can tell that a stage is gone."""
 
     def request_failover(self, reason: str, stage: int | None = None) -> None: ...
+
+    def metrics(self) -> dict[str, float]: ...
 
 
 class Redialling(Protocol):
@@ -115,6 +120,8 @@ class LocalSupervisor:
         self._watches: dict[int, asyncio.Task] = {}
         self._target: FailsOver | None = None
         self._closing = False
+        # (tokens generated, when) at the last recovery that found every worker alive
+        self._alive_recovery: tuple[float, float] | None = None
 
     def attach(self, target: FailsOver) -> None:
         """Start watching every worker; a death is reported to ``target``."""
@@ -189,6 +196,10 @@ class LocalSupervisor:
             _, pending = await asyncio.wait(waits, timeout=_REAP_GRACE_S, return_when=asyncio.FIRST_COMPLETED)
             for w in pending:
                 w.cancel()
+        if not self.dead_stages():
+            await self._async_end_the_stuck(reason)
+        else:
+            self._alive_recovery = None
         back = []
         for stage in self.dead_stages():
             self._note_exit(stage, self.fleet.processes[stage])
@@ -207,6 +218,29 @@ class LocalSupervisor:
         if back and self.spares:
             self._refill_spares(SPARE_REFILL_DELAY_S)
         return path
+
+    async def _async_end_the_stuck(self, reason: str) -> None:
+        """Every worker is alive yet the ring stopped answering: a stopped worker (SIGSTOP, a
+        debugger) is killed so that it is restarted like a dead one; otherwise the ring is only
+        re-dialled, and if it stops again with no token generated in between, it is given up
+        (a stage is stuck; re-dialling again would hold every request forever)."""
+        for stage, proc in sorted(self.fleet.processes.items()):
+            with contextlib.suppress(psutil.Error):
+                if psutil.Process(proc.pid).status() == psutil.STATUS_STOPPED:
+                    log.warning("local fleet: stage %d's worker (pid %d) is stopped; killing it to restart it",
+                                stage, proc.pid)
+                    proc.kill()
+                    await proc.wait()
+        if self.dead_stages():
+            return
+        tokens = self._target.metrics().get("tokens_generated_total", 0.0) if self._target is not None else 0.0
+        now = time.monotonic()
+        last = self._alive_recovery
+        if last is not None and last[0] == tokens and now - last[1] <= self.policy.window_s:
+            raise StageDownError(None, f"the ring stopped answering again ({reason}) with every worker alive and "
+                                 "no token generated since the last time: a stage is stuck, not dead; restart "
+                                 "`deskfleet serve` (its workers' error output may say which)")
+        self._alive_recovery = (tokens, now)
 
     async def _async_bring_back(self, stage: int) -> tuple[int, float, float, int, bool]:
         """Start ``stage``'s worker again as the policy allows (its warm spare first, if it has one):

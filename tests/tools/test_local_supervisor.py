@@ -15,6 +15,7 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import time
 
 import psutil
@@ -194,3 +195,23 @@ def test_a_stage_that_cannot_come_back_fails_within_the_hold_time_naming_it_503_
     assert ring["status"] == "down" and ring["stage"] == 1 and "stage 1" in ring["detail"]
     assert status == 503 and "stage 1" in error["error"]["message"] and refused_in < 2.0
     assert report.status is RingStatus.DOWN and report.stage == 1
+
+
+@pytest.mark.slow
+def test_a_stopped_worker_is_noticed_by_the_step_timeout_killed_and_restarted(tiny_export, unsplit_greedy):
+    export = tiny_export("llama", 2)
+    restarts = []
+
+    async def main():
+        async with paged_local_fleet(export, exact=True, kv_pool_bytes=POOL, failover=True, step_timeout_s=2.0,
+                                     on_restart=restarts.append) as c:
+            tokens = []
+            async for event in c.stream(GenerationRequest(PROMPT_IDS, N, ignore_eos=True)):
+                tokens.append(event.token_id)
+                if len(tokens) == 5:
+                    os.kill(_serving_pid(1), signal.SIGSTOP)  # alive, silent: no exit to notice
+            return tokens
+
+    assert tuple(run(main(), timeout=240)) == unsplit_greedy(PROMPT_IDS, N)
+    (restart,) = restarts
+    assert restart.stage == 1 and restart.exit_code == -9
