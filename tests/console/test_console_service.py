@@ -149,6 +149,12 @@ def test_killing_the_console_mid_chat_stops_nothing_and_a_new_console_shows_the_
             assert second.serving.api_key == key
             first.fleet_page.new_token_button.click()
             _wait(qtbot, lambda: second.bridge.token == first.bridge.token, 20, "the other console's token")
+            # links measured by the service for a console's Fleet page
+            first.fleet_page.measure_links()
+            _wait(qtbot, lambda: first.fleet_page.links is not None, 90, "the links measured by the service")
+            nodes = {r.node_id for r in first.bridge.records if r.approved}
+            measured = first.fleet_page.links.measured
+            assert {b for (a, b) in measured if a == "console"} == nodes, dict(measured)
             # the ring stopped from one console is gone from the other's pages; a pause likewise
             first.distribution_page.stop_button.click()
             _wait(qtbot, lambda: second.serving.phase == "idle" and second.serving.ring is None, 60,
