@@ -176,3 +176,40 @@ def test_solve_and_propose_rings_over_a_placements_inputs(tmp_path):
             assert status == 404 and "p7" in body["error"]["message"]
 
     run(main(), 120)
+
+
+def test_a_listed_ring_that_cannot_form_is_retried_until_stopped(tmp_path):
+    """A ring in served-rings.json whose agents are gone: at start the service tries to re-form it,
+    says why it failed, keeps trying with its back-off, and forgets it once an admin stops it."""
+    from console.service.served_rings import ServedRing, ServedRings
+    from engine.placement.planner import Plan, PlannedStage
+
+    state = tmp_path / "fleet"
+    plan = Plan((PlannedStage("pc-gone/CPU", "pc-gone", 0, 3, 1.0, 1 << 20),), (0.0, 0.0), 1.0, 1000.0, 1.0, 1,
+                1.0, 1000.0, "latency", True)
+    ServedRings(state).put(ServedRing("r1", "gone-model", plan, export_id="gone-export"))
+
+    async def main():
+        async with service_in_process(state, retry_s=(0.2,), watch_s=0.1) as service, \
+                Admin.unix(state / "admin.sock") as a:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 30
+            while sum(1 for e in service.feed.since(1).events
+                      if e.kind == "job" and e.data["job"]["kind"] == "restore"
+                      and e.data["job"]["state"] == "failed") < 2:
+                assert loop.time() < deadline, "the ring was not retried"
+                await asyncio.sleep(0.1)
+            ring = (await a.ok("GET", "/rings/r1"))["ring"]
+            assert ring["phase"] in ("failed", "pending")
+            failed = [e.data["job"] for e in service.feed.since(1).events if e.kind == "job"
+                      and e.data["job"]["state"] == "failed"]
+            assert "gone-model" in failed[0]["error"] and failed[0]["ring"] == "r1"
+            health = await a.ok("GET", "/health")
+            assert health["status"] == "down" and health["rings"][0]["ring"] == "r1"
+            status, body = await a.call("POST", "/rings/r1/rerun")
+            assert status in (202, 409)  # a retry may be under way
+            assert (await a.ok("DELETE", "/rings/r1")) == {"stopped": "r1"}
+            assert ServedRings(state).state.rings == ()
+            assert (await a.ok("GET", "/rings")) == {"rings": []}
+
+    run(main(), 120)
