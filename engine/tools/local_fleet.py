@@ -37,6 +37,8 @@ from engine.shards.stage import Stage
 from engine.wire.address import Address
 from engine.wire.step_codec import step_reply_bound
 from engine.wire.step_plan import CPU_BLOCK_SIZE
+from engine.worker.spare import SPARE_PREFIX, TIMING_PREFIX, Activation
+from engine.worker.status_lines import READY_PREFIX
 
 if TYPE_CHECKING:
     from engine.tools.local_supervisor import LocalSupervisor, Restart
@@ -47,10 +49,6 @@ log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 30.0
 STDERR_TAIL_LINES = 20
-# a worker's wall-clock times (entered its serve loop after imports, shard opened and compiled,
-# listening), printed once before its ready line (engine/worker's timing line)
-TIMING_PREFIX = "deskfleet-timing "
-SPARE_PREFIX = "deskfleet-spare "  # a ``worker --spare`` compiled its shard and waits for its activation line
 
 
 Hop = Callable[[Address], Awaitable[Address]]
@@ -168,9 +166,8 @@ class LocalFleet:
         self.timings[stage] = {**self._spare_times.pop(stage, {}), "activation_sent": time.time()}
         tail, task = self._spare_pipes.pop(stage)
         self.stderr_tails[stage] = tail
-        line = {"activate": {"listen": str(self.addresses[stage]), "next": str(self.next_hops[stage])}}
         try:
-            proc.stdin.write(json.dumps(line).encode() + b"\n")
+            proc.stdin.write(Activation(self.addresses[stage], self.next_hops[stage]).to_line())
             await proc.stdin.drain()
             self.processes[stage] = proc
             await self._await_ready(stage, proc, task)
@@ -228,7 +225,7 @@ class LocalFleet:
                     with contextlib.suppress(ValueError, TypeError):
                         self.timings[stage].update({k: float(v) for k, v in json.loads(text[len(TIMING_PREFIX):])
                                                     .items()})
-                if text.startswith("deskfleet worker:") and " on " in text:
+                if text.startswith(READY_PREFIX) and " on " in text:
                     return Address.parse(text.split(" on ", 1)[1].split(",", 1)[0].strip())
         except TimeoutError:
             raise WorkerStartError(f"the worker for stage {stage} did not report ready within "

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import json
 import os
 import shutil
@@ -33,7 +32,6 @@ from tests.support.asyncutil import run
 
 N = 40
 POOL = 16 << 20
-SPARES = importlib.util.find_spec("engine.worker.spare") is not None  # the worker's --spare mode
 
 
 def test_a_first_crash_restarts_at_once_and_a_crash_loop_backs_off_then_gives_up():
@@ -87,7 +85,6 @@ def test_an_exit_is_described_by_its_signal_or_code():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not SPARES, reason="needs the worker's --spare mode (engine.worker.spare)")
 def test_a_worker_killed_mid_answer_is_replaced_by_its_warm_spare_and_answers_are_identical(tiny_export,
                                                                                             unsplit_greedy):
     export = tiny_export("llama", 2)
