@@ -100,7 +100,8 @@ class AgentService:
         self.interface = settings.interface or primary_ipv4()
         self._listeners: list[Callable[[AgentStatus], None]] = []
         self._standby_spare = StandbySpare(self._supervisor, launch=self._worker_launch, fetch=self._async_fetch_spare)
-        self.spare = SpareDecision(False, "no worker yet")  # whether the serving worker has a spare, and why
+        self.spare = SpareDecision(False, "no worker yet")
+        self._worker_restarts = 0  # whether the serving worker has a spare, and why
         self._last_state: str | None = None
         self._background: set[asyncio.Task] = set()
         self.last_pause_change: float | None = None  # monotonic time the pause state last flipped
@@ -563,6 +564,11 @@ class AgentService:
         return WorkerLaunch(args, secrets, keep_stdin=WORKER_READS_POLICY_UPDATES)
 
     def _on_worker(self, status: WorkerStatus) -> None:
+        if status.restarts > self._worker_restarts:  # it died under load: the console fails over now
+            task = asyncio.get_running_loop().create_task(self._async_notify("worker-lost", status.last_error))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        self._worker_restarts = status.restarts
         self._changed()
 
     def _decide(self) -> pause.PauseState:
@@ -602,13 +608,13 @@ class AgentService:
             except Exception:  # a broken idle source must not stop the pause loop for good
                 log.exception("pause monitor step failed")
 
-    async def _async_notify(self, event: str) -> None:
+    async def _async_notify(self, event: str, detail: str | None = None) -> None:
         """Tell the console (best effort) so it can hold or move the streams this stage served."""
         assignment, creds = self.assignment, self._creds
         if assignment is None or assignment.events_url is None or creds is None:
             return
         body = {"node_id": creds.node_id, "event": event, "reasons": list(self._pause.reasons),
-                "export_id": assignment.export_id, "stage": assignment.stage}
+                "export_id": assignment.export_id, "stage": assignment.stage, "detail": detail}
         try:
             timeout = aiohttp.ClientTimeout(total=3)
             async with aiohttp.ClientSession(timeout=timeout, connector=self._console_connector()) as session:

@@ -52,6 +52,8 @@ log = logging.getLogger(__name__)
 __all__ = ["Backoff", "WorkerLaunch", "WorkerSupervisor", "worker_args"]
 
 SPARE_DELAY_S = 3.0  # after a worker is ready: its spare's compile must not slow the ring's replay
+SPARE_IDLE_S = 2.0  # ... and the worker has computed nothing for this long (a compile takes every core)
+SPARE_MAX_WAIT_S = 120.0  # a worker busy for longer gets its spare anyway
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,7 @@ class WorkerSupervisor:
         self._draining = False
         self._stop_timeout = stop_timeout_s
         self._last_exit: float | None = None  # wall time the last worker was seen gone unasked
+        self._last_busy = 0.0  # monotonic time the worker's step count last grew
         # how each worker came up (wall-clock times; the failover benchmark's breakdown)
         self.starts: collections.deque[dict[str, Any]] = collections.deque(maxlen=16)
 
@@ -263,8 +266,15 @@ class WorkerSupervisor:
             raise
 
     async def _async_spawn_spare(self, launch: WorkerLaunch, delay: float = 0.0) -> None:
+        """Start a spare of ``launch`` after ``delay``; one beside a worker waits until that
+        worker has been idle for SPARE_IDLE_S (at most SPARE_MAX_WAIT_S): the compile takes the
+        PC's cores, and a spare must never slow the answers it is there to protect."""
         if delay:
             await asyncio.sleep(delay)
+            waited = 0.0
+            while self.running and time.monotonic() - self._last_busy < SPARE_IDLE_S and waited < SPARE_MAX_WAIT_S:
+                await asyncio.sleep(0.5)
+                waited += 0.5
         spare = WorkerProcess(launch.as_spare(), self._on_spare_line)
         self._spare = spare
         await spare.async_spawn()
@@ -296,6 +306,8 @@ class WorkerSupervisor:
                 last = proc.last_stats
                 if last is not None and now > last[0]:
                     rate = (steps - last[1]) / (now - last[0])
+                if last is None or steps != last[1]:
+                    self._last_busy = now
                 proc.last_stats = (now, steps)
                 self._status = replace(self._status, steps_per_s=round(rate, 2), streams=int(stats["streams"]))
             return

@@ -49,6 +49,7 @@ from console.service.errors import (
     RingUnhealthyError,
 )
 from console.service.failover import FailoverSettings, RingRecovery
+from console.service.failover_plan import moved_layout, spare_stages
 from console.service.ring_layout import (
     AgentEndpoint,
     AgentProgress,
@@ -184,7 +185,9 @@ class Distributor:
         await self._each(lambda t: self._async_fetch(t, self._assignment(t, return_port)))
         await self._each(self._async_start_worker)
         await self._async_connect(path)
-        return await self._async_checked()
+        health = await self._async_checked()
+        await self._async_hold_spares()  # once the ring answers: a spare's compile must not slow its first check
+        return health
 
     async def async_health(self) -> RingHealth:
         """Every agent's worker state, and a one-token generation through the ring."""
@@ -265,10 +268,11 @@ class Distributor:
         bring-up so an unreachable one holds nothing up. Every agent whose assignment changed is
         assigned, fetched and started; the failures (empty when all serve)."""
         layout.check(len(self.manifest.stages))
+        lost = {t.control: t.stage for t in self.layout.targets}
         self.layout = layout
         for endpoint in released:
             self._forget_assignment(endpoint.control)
-        releasing = asyncio.gather(*(self._async_release(e.control) for e in released))
+        releasing = asyncio.gather(*(self._async_release(e, lost[e.control]) for e in released))
         changed = tuple(t for t in layout.targets
                         if self._sent.get(t.control) != self._assignment(t, self._return_port))
         failures = await self._async_bring_up(changed)
@@ -283,9 +287,37 @@ class Distributor:
         if node_id is not None:
             self.host.hub.grant(node_id, self.export_id, ())
 
-    async def _async_release(self, control: str) -> None:
+    async def _async_release(self, endpoint: AgentEndpoint, stage: int) -> None:
+        """Stop the agent serving ``stage``; it waits as a standby for it, keeping its warm spare
+        (asked first, so that the stop leaves the spare running)."""
+        await self._async_hold_spare(endpoint, stage)
         with contextlib.suppress(ControlError):
-            await self.client(control).async_stop_worker()
+            await self.client(endpoint.control).async_stop_worker()
+
+    # -- warm spares on the standbys ------------------------------------------------------------------
+
+    async def _async_hold_spares(self) -> None:
+        """Ask each standby to keep a warm spare of the stage it would most likely take
+        (failover_plan.spare_stages); one that cannot (paused, short of memory, unreachable) is
+        logged and stays a cold standby."""
+        wanted = spare_stages(self.layout, self.recovery.standby)
+        await asyncio.gather(*(self._async_hold_spare(e, wanted[e.control]) for e in self.recovery.standby))
+
+    async def _async_hold_spare(self, endpoint: AgentEndpoint, stage: int) -> None:
+        self.recovery.spares.pop(endpoint.control, None)
+        layout, _ = moved_layout(self.layout, [(stage, endpoint)])
+        target = next(t for t in layout.targets if t.stage == stage)
+        if await self._async_identify(target) is not None:
+            log.warning("standby %s: no warm spare (it did not answer as itself)", target.label)
+            return
+        client = self.client(endpoint.control)
+        self.host.hub.grant(client.node_id or "", self.export_id, [stage])  # the spare may need to fetch
+        try:
+            await client.async_hold_spare(self._assignment(target, self._return_port, layout))
+        except ControlError as exc:
+            log.warning("standby %s holds no warm spare of stage %d: %s", target.label, stage, exc)
+            return
+        self.recovery.spares[endpoint.control] = stage
 
     async def _async_bring_up(self, targets: Sequence[AgentTarget]) -> tuple[AgentFailure, ...]:
         """Assign, fetch and start ``targets`` at once; the failures (empty when all serve)."""
@@ -349,8 +381,8 @@ class Distributor:
                 return self._fail(target, why, status)
         return None
 
-    def _assignment(self, target: AgentTarget, return_port: int) -> Assignment:
-        targets = self.layout.targets
+    def _assignment(self, target: AgentTarget, return_port: int, layout: RingLayout | None = None) -> Assignment:
+        targets = (layout or self.layout).targets
         index = targets.index(target)
         next_hop = targets[index + 1].data_address if index + 1 < len(targets) else \
             str(self._return_dial or Address(self.console_host, return_port))
@@ -561,14 +593,19 @@ class Distributor:
                 await watch
 
     def _on_hub_event(self, event: AgentEvent) -> None:
-        """An agent of the ring paused: fail over now rather than at the next step timeout."""
+        """An agent of the ring paused, or its worker died: fail over now rather than at the ring
+        watch's next look or the next step timeout."""
         coordinator = self._coordinator
-        if event.event != "paused" or coordinator is None:
+        if event.event not in ("paused", "worker-lost") or coordinator is None:
             return
         for target in self.layout.targets:
             if self._node_ids.get(target.control) == event.node_id:
-                reasons = ", ".join(event.body.get("reasons") or ()) or "no reason given"
-                coordinator.request_failover(f"{target.label} (stage {target.stage}) paused: {reasons}")
+                if event.event == "worker-lost":
+                    why = f"{target.label} (stage {target.stage}) lost its worker: {event.body.get('detail')}"
+                else:
+                    reasons = ", ".join(event.body.get("reasons") or ()) or "no reason given"
+                    why = f"{target.label} (stage {target.stage}) paused: {reasons}"
+                coordinator.request_failover(why)
                 return
 
     def _on_deny(self, deny: frozenset[str]) -> None:

@@ -123,6 +123,11 @@ class RingRecovery:
         self._ring = ring
         self.standby: list[AgentEndpoint] = list(standby)
         self.moves: list[StageMove] = []
+        # control address -> the stage whose warm spare that standby holds (the ring keeps it)
+        self.spares: dict[str, int] = {}
+        # one entry per recovery, monotonic times: started (the coordinator held its streams),
+        # serving (every stage reported serving again), redialled (the path is up: replay begins)
+        self.timeline: list[dict[str, float | str]] = []
 
     async def _async_survey(self, *, with_standby: bool = True) -> tuple[list[StageReport], list[AgentEndpoint]]:
         """Every ring stage's report and the standbys usable now, asked all at once."""
@@ -172,6 +177,9 @@ class RingRecovery:
         The same for either coordinator: a paged ring's path redials under a new session (the
         workers drop the old session's pool state with its connection) and the scheduler replays."""
         settings = self._ring.failover
+        record: dict[str, float | str] = {"reason": reason, "started": time.monotonic()}
+        self.timeline.append(record)
+        del self.timeline[:-32]
         deadline = time.monotonic() + settings.hold_s
         lost_since: dict[int, float] = {}
         last_why = ""
@@ -184,10 +192,12 @@ class RingRecovery:
                 else:
                     lost_since.setdefault(report.stage, now)
             decision = plan_recovery(reports, {s: now - t for s, t in lost_since.items()}, usable,
-                                     settings.restart_grace_s)
+                                     settings.restart_grace_s, self.spares)
             if isinstance(decision, Reconnect):
+                record["serving"] = now
                 try:
                     await self._ring.async_redial(path)
+                    record["redialled"] = time.monotonic()
                     return path
                 except (DeskfleetError, OSError, TimeoutError) as exc:
                     decision = Wait(f"every agent reports its stage running, but the console cannot reach the "
@@ -212,6 +222,7 @@ class RingRecovery:
         layout, released = moved_layout(self._ring.layout, move.moves)
         for _, endpoint in move.moves:
             self.standby.remove(endpoint)
+            self.spares.pop(endpoint.control, None)  # its spare serves the stage now
         log.warning("failover: moving %s", ", ".join(f"stage {s} from {old[s].label} to {e.name or e.control}"
                                                      for s, e in move.moves))
         failures = await self._ring.async_move(layout, released)

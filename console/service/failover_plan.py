@@ -6,7 +6,8 @@ turns what they said into the next step. Each agent's status becomes a :class:`S
 :func:`plan_recovery` picks the next step of a recovery — :class:`Reconnect` (every stage serves
 again), :class:`Move` (these stages to these standbys) or :class:`Wait` (and why);
 :func:`moved_layout` is the layout after a move and :func:`check_standby` refuses a standby pool
-that clashes with the ring.
+that clashes with the ring. :func:`spare_stages` says which stage each standby keeps a warm spare
+of, and :func:`pair_standbys` gives a lost stage the standby holding its spare first.
 """
 
 from __future__ import annotations
@@ -111,21 +112,49 @@ def standby_usable(status: AgentStatus | str) -> bool:
 
 
 def plan_recovery(reports: Sequence[StageReport], lost_for: Mapping[int, float],
-                  usable: Sequence[AgentEndpoint], restart_grace_s: float) -> Reconnect | Wait | Move:
+                  usable: Sequence[AgentEndpoint], restart_grace_s: float,
+                  spares: Mapping[str, int] | None = None) -> Reconnect | Wait | Move:
     """The next step of a recovery. ``lost_for`` is how long each stage has not been serving;
-    ``usable`` the free standbys in order of preference."""
+    ``usable`` the free standbys in order of preference; ``spares``: control address -> the
+    stage whose warm spare that standby holds (it takes that stage first: promoting a spare is
+    milliseconds, loading a shard seconds)."""
     lost = [r for r in reports if r.condition != SERVING]
     if not lost:
         return Reconnect()
     movable = [r for r in lost if r.condition != RESTARTING or lost_for.get(r.stage, 0.0) >= restart_grace_s]
-    moves = tuple((r.stage, endpoint) for r, endpoint in zip(movable, usable, strict=False))
+    moves = pair_standbys([r.stage for r in movable], usable, spares or {})
     if moves:
-        return Move(moves, "; ".join(r.describe() for r in movable[:len(moves)]))
+        moved = {stage for stage, _ in moves}
+        return Move(moves, "; ".join(r.describe() for r in movable if r.stage in moved))
     waiting = "; ".join(r.describe() for r in lost)
     if movable:
         return Wait(f"{waiting}, and no standby agent is free to take it (none configured, or all paused "
                     "or unreachable)")
     return Wait(f"{waiting}; waiting for its worker to come back")
+
+
+def pair_standbys(stages: Sequence[int], usable: Sequence[AgentEndpoint],
+                  spares: Mapping[str, int]) -> tuple[tuple[int, AgentEndpoint], ...]:
+    """Each lost stage (in order) with a standby: one holding that stage's spare if free, else
+    the first free one; as many pairs as there are standbys."""
+    free = list(usable)
+    chosen: dict[int, AgentEndpoint] = {}
+    for stage in stages:
+        warm = next((e for e in free if spares.get(e.control) == stage), None)
+        if warm is not None:
+            chosen[stage] = warm
+            free.remove(warm)
+    for stage in stages:
+        if stage not in chosen and free:
+            chosen[stage] = free.pop(0)
+    return tuple((stage, chosen[stage]) for stage in stages if stage in chosen)
+
+
+def spare_stages(layout: RingLayout, standby: Sequence[AgentEndpoint]) -> dict[str, int]:
+    """Which stage each standby holds a warm spare of: round-robin from the last stage back (the
+    last stage is always on an agent, stage 0 may be in the console)."""
+    stages = [t.stage for t in reversed(layout.targets)]
+    return {e.control: stages[i % len(stages)] for i, e in enumerate(standby)} if stages else {}
 
 
 def check_standby(layout: RingLayout, standby: Sequence[AgentEndpoint]) -> None:

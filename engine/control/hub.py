@@ -218,8 +218,9 @@ class FleetHub:
         except ControlRequestError as exc:
             return web.json_response({"error": {"message": str(exc)}}, status=exc.status)
         event = body.get("event")
-        if event not in ("paused", "resumed"):
-            return web.json_response({"error": {"message": "event must be 'paused' or 'resumed'"}}, status=400)
+        if event not in ("paused", "resumed", "worker-lost"):  # worker-lost: its stage worker died (a failover now)
+            return web.json_response({"error": {"message": "event must be 'paused', 'resumed' or 'worker-lost'"}},
+                                     status=400)
         self._record(AgentEvent(node, event, body, time.monotonic()))
         return web.json_response({"ok": True})
 

@@ -69,7 +69,8 @@ async def _ring(tmp_path: Path, export: Path, settings: FailoverSettings, *, sta
         try:
             for name in ("desk-a", "desk-b", "desk-c") if standby else ("desk-a", "desk-b"):
                 agent = AgentService(tmp_path / name, AgentSettings(name=name, interface="127.0.0.1", control_port=0,
-                                                                    data_port=0, kv_pool_mb=32),
+                                                                    data_port=0, kv_pool_mb=32,
+                                                                    warm_spare="off"),  # the cold path
                                      idle_source=FakeIdle(1e6), power=lambda: None)
                 agents[name] = agent
                 await agent.async_start()

@@ -60,7 +60,7 @@ class MemoryRing:
         return self.failures
 
 
-def agent(n: int) -> str:
+def agent(n: int | str) -> str:
     return f"10.0.0.{n}:7210"
 
 
@@ -118,3 +118,30 @@ def test_a_paused_standby_is_not_used():
     with pytest.raises(NoReplacementError, match="stage 1 on b is paused"):
         run(recovery.async_recover(object(), "paused"))
     assert ring.moves == []
+
+
+def test_a_lost_stage_goes_to_the_standby_holding_its_warm_spare_first():
+    cold, warm = AgentEndpoint(agent(3), name="c"), AgentEndpoint(agent(4), name="d")
+    ring = two_stages({2: status(1, state="paused"), 3: status(None, state="idle", worker="stopped"),
+                       4: status(None, state="idle", worker="stopped")})
+    recovery = RingRecovery(ring, [cold, warm])
+    recovery.spares = {agent(3): 0, agent(4): 1}  # d holds stage 1's spare
+    run(recovery.async_recover(object(), "paused"))
+    (move,) = recovery.moves
+    assert (move.stage, move.to_agent) == (1, "d")
+    assert agent(4) not in recovery.spares  # its spare serves the stage now
+    (record,) = recovery.timeline
+    assert record["reason"] == "paused" and record["started"] <= record["serving"] <= record["redialled"]
+
+
+def test_pairing_prefers_warm_standbys_then_takes_the_rest_in_order():
+    from console.service.failover_plan import pair_standbys, spare_stages
+
+    a, b, c = (AgentEndpoint(agent(n), name=n) for n in ("a", "b", "c"))
+    assert pair_standbys([0, 1], [a, b, c], {agent("b"): 1}) == ((0, a), (1, b))
+    assert pair_standbys([0, 1], [a, b], {agent("a"): 1, agent("b"): 0}) == ((0, b), (1, a))
+    assert pair_standbys([0, 1, 2], [a], {}) == ((0, a),)  # as many moves as standbys
+    layout = RingLayout((AgentTarget(agent(1), 0), AgentTarget(agent(2), 1), AgentTarget(agent(5), 2)),
+                        local_stage0=False)
+    assert spare_stages(layout, [a, b, c]) == {agent("a"): 2, agent("b"): 1, agent("c"): 0}
+    assert spare_stages(layout, []) == {}
