@@ -96,7 +96,8 @@ def test_the_service_killed_and_restarted_re_forms_its_ring_and_answers(tmp_path
     service = ServiceProcess(state, tmp_path / "service.log")
 
     async def main():
-        pcs = [agent(tmp_path, name) for name in ("desk-a", "desk-b")]
+        # no warm spares: they are not what is tested here, and each would compile its stage again
+        pcs = [agent(tmp_path, name, warm_spare="off") for name in ("desk-a", "desk-b")]
         admin = None
         t = time.monotonic()
 
