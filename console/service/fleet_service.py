@@ -318,7 +318,13 @@ class FleetService:
         return agent_json(self.fleet.approve(key))
 
     def remove(self, key: str) -> None:
+        """Revoke the agent (deny list, pushed to every member; the console key rotated) and every
+        API key issued to it (its tray's): the running API refuses them from the next request."""
+        node_id = self.fleet.get(key).node_id
         self.fleet.remove(key)
+        if node_id and (revoked := self.host.revoke_member_keys(node_id)):
+            log.warning("removed agent %s: its API keys %s are revoked", node_id[:16], ", ".join(revoked))
+            self.feed.publish("keys", {"keys": [k.to_json() for k in self.host.keys.keys() if k.live]})
 
     async def async_pause(self, key: str) -> dict[str, Any]:
         return agent_json(await self.fleet.async_pause(key))

@@ -63,6 +63,15 @@ def test_two_admin_clients_see_the_same_fleet(tmp_path):
                     assert status == 200  # approving twice is harmless
                     service_a, service_b = await a.ok("GET", "/service"), await b.ok("GET", "/service")
                     assert service_a == service_b and service_a["fleet_id"] == service.fleet.fleet_id
+
+                    node = added["node_id"]
+                    trays = [k for k in (await b.ok("GET", "/keys"))["keys"] if k["node_id"] == node]
+                    assert trays, "the joined agent's tray has a key of its own"
+                    assert (await a.ok("DELETE", f"/agents/{added['key']}")) == {"removed": added["key"]}
+                    assert not [k for k in (await b.ok("GET", "/keys"))["keys"] if k["node_id"] == node]
+                    assert (await b.ok("GET", "/agents"))["agents"] == []
+                    status, _ = await b.call("POST", "/agents", {"host": "127.0.0.1", "port": pc.control_port})
+                    assert status == 409  # revoked: it comes back only by joining again
                 finally:
                     await pc.async_close()
 
