@@ -1,6 +1,7 @@
 """A warm spare: a stage worker with its shard opened, converted and compiled, not yet in the ring.
 
-``deskfleet worker --spare`` does everything a worker does before it listens, prints
+``deskfleet worker --spare`` does everything a worker does before it listens (a paged one also
+runs a throw-away prefill chunk and decode step: :func:`warm_up`), prints
 :data:`SPARE_PREFIX` and waits. One :class:`Activation` line on stdin puts it in the ring: it
 binds the listen address (the one a crashed worker just left, or a standby's own), dials the
 next hop, takes the peer policy the line carries, then prints the usual ready line. So recovery
@@ -20,13 +21,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from engine.errors import DeskfleetError
+from engine.shards.paged_stage import PagedStage
 from engine.trust.peer_policy import PeerPolicy, PeerPolicyError, parse_policy_update
 from engine.wire.address import Address
+from engine.wire.step_plan import SCRATCH_BLOCKS, PlanRow, StepPlan, blocks_needed
 
 SPARE_PREFIX = "deskfleet-spare "  # once, when a spare's shard is compiled: {"stage": N, "opened_s": ...}
 TIMING_PREFIX = "deskfleet-timing "  # once, just before the ready line: wall-clock times (see module doc)
 ACTIVATE_KEY = "activate"
+WARM_UP_TOKENS = 256  # a paged spare's warm-up prefill: the console's token budget (a replay's chunk)
 
 
 class ActivationError(DeskfleetError):
@@ -70,6 +76,27 @@ def parse_activation(blob: Mapping[str, Any]) -> Activation:
         except PeerPolicyError as exc:
             raise ActivationError(f"an activation's peer policy is invalid: {exc}") from exc
     return Activation(listen, next_hop, peers)
+
+
+def warm_up(stage: PagedStage, chunk: int = WARM_UP_TOKENS) -> None:
+    """Run one prefill chunk of ``chunk`` tokens and one decode step on a throw-away pool, so the
+    first real step after activation finds the plugin's kernels for those shapes made (a replay is
+    chunks of the token budget, then decodes); the pool is dropped again (the ring's first step
+    allocates its own)."""
+    size = stage.block_size
+    held = blocks_needed(chunk + 1, size)
+    pool = SCRATCH_BLOCKS + held
+    stage.allocate(pool, pool * stage.block_bytes)
+    blocks = tuple(range(SCRATCH_BLOCKS, pool))
+    hidden = stage.manifest.model.hidden_size
+    try:
+        for past, new in ((0, chunk), (chunk, 1)):
+            plan = StepPlan(size, pool, (PlanRow(1, past, new, blocks[:blocks_needed(past + new, size)]),))
+            rows = plan.padded_tokens
+            x = np.zeros(rows, np.int64) if stage.spec.has_embedding else np.zeros((rows, hidden), np.float32)
+            stage.run(plan, x)
+    finally:
+        stage.caches, stage.pool_blocks = [], 0
 
 
 def timing_line(times: Mapping[str, float]) -> str:

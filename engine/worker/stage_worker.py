@@ -52,7 +52,15 @@ from engine.wire.messages import (
 from engine.wire.stage_server import MAX_STREAMS, StageServer, stage_frame_bound
 from engine.wire.transport import Connection
 from engine.worker.paged_worker import PagedStageWorker
-from engine.worker.spare import SPARE_PREFIX, Activation, ActivationError, is_activation, parse_activation, timing_line
+from engine.worker.spare import (
+    SPARE_PREFIX,
+    Activation,
+    ActivationError,
+    is_activation,
+    parse_activation,
+    timing_line,
+    warm_up,
+)
 from engine.worker.status_lines import PEERS_PREFIX, READY_PREFIX, STATS_PREFIX
 
 log = logging.getLogger(__name__)
@@ -366,6 +374,9 @@ async def async_serve_worker(shard_dir: Path, stage_index: int, listen: Address,
     if activation is not None:
         if policy_updates is None:
             raise DeskfleetError("a spare worker needs its stdin: it is activated by a line there")
+        if isinstance(worker.stage, PagedStage):
+            await asyncio.to_thread(warm_up, worker.stage)
+            times["warmed"] = time.time()
         opened_s = round(times["opened"] - times["entered"], 3)
         print(SPARE_PREFIX + json.dumps({"stage": stage_index, "opened_s": opened_s}), flush=True)
         where = await _async_wait_activation(activation, stop)

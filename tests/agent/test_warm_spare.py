@@ -126,6 +126,7 @@ def test_a_killed_worker_is_replaced_by_its_spare_on_the_same_port_and_a_new_spa
             await _wait(lambda: supervisor.spare_pid not in (None, spare), 10, "no new spare was started")
             promoted = [s for s in supervisor.starts if s["promoted"]]
             assert [s["pid"] for s in promoted] == [spare]
+            assert promoted[0]["opened"] <= promoted[0]["warmed"] <= promoted[0]["activated"]  # a paged spare warms up
             assert promoted[0]["activated"] <= promoted[0]["listening"] <= promoted[0]["ready"]
             return took_over
         finally:
