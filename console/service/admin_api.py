@@ -22,7 +22,7 @@ import socket
 import ssl
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
@@ -50,12 +50,13 @@ from console.service.service_ring import RingStateError
 from engine.errors import DeskfleetError
 from engine.trust.fleet_ca import ADMIN_ROLES, Role, peer_role
 
-if TYPE_CHECKING:
-    from console.service.fleet_service import FleetService
+FleetService = Any  # console.service.fleet_service.FleetService: it imports this module, never the reverse
 
 log = logging.getLogger("deskfleet.fleet.admin")
 
 PREFIX = "/admin/v1"
+ADMIN_SOCKET = "admin.sock"  # in the service's state dir
+CONSOLE_KEY = "console"
 MAX_BODY = 4 << 20  # a plan with its inputs is a few KiB; a body of MiBs is not one
 WHO: web.RequestKey[str] = web.RequestKey("deskfleet_admin", str)
 
@@ -299,10 +300,53 @@ class AdminApi:
         self.extra_routes(app)
 
     def extra_routes(self, app: web.Application) -> None:
-        """Routes over parts other engineers own (keys, multi-ring placement): added when present."""
-        from console.service.admin_keys import add_key_routes
+        """The OpenAI API's keys (docs/ADMIN_API.md, "Keys"), kept by the fleet's KeyBook: the running
+        API re-reads the book when it changes, so a revocation is refused on its next request; a
+        secret is answered once, when issued, and never listed."""
+        from engine.trust.key_book import KeyBookError, KeyNameError
 
-        add_key_routes(app, self)
+        s, j = self.service, web.json_response
+
+        def live() -> list[dict[str, Any]]:
+            return [k.to_json() for k in s.host.keys.keys() if k.live]
+
+        def refused(exc: Exception) -> AdminError:
+            if isinstance(exc, KeyNameError) and "no live key" in str(exc):
+                return AdminError(404, "not_found", str(exc))
+            return AdminError(409, "conflict", str(exc))
+
+        async def keys(q):
+            return j({"keys": live()})
+
+        async def issue(q):
+            body = await self.body(q)
+            try:
+                issued = s.host.keys.issue(field(body, "name", str), rpm=field(body, "rpm", int, optional=True),
+                                           tpm=field(body, "tpm", int, optional=True))
+            except (KeyNameError, KeyBookError) as exc:
+                raise refused(exc) from exc
+            s.feed.publish("keys", {"keys": live()})
+            return j({**issued.key.to_json(), "secret": issued.secret})
+
+        async def revoke(q):
+            name = q.match_info["name"]
+            try:
+                s.host.keys.revoke(name)
+            except (KeyNameError, KeyBookError) as exc:
+                raise refused(exc) from exc
+            s.feed.publish("keys", {"keys": live()})
+            return j({"revoked": name})
+
+        async def console_secret(q):
+            if q.match_info["name"] != CONSOLE_KEY:
+                raise AdminError(403, "forbidden", "only the console's own key is handed out again; another key's "
+                                                   "secret was shown once, when it was issued")
+            return j({"secret": s.host.api_key})
+
+        app.router.add_get(f"{PREFIX}/keys", keys)
+        app.router.add_post(f"{PREFIX}/keys", issue)
+        app.router.add_post(f"{PREFIX}/keys/{{name}}/secret", console_secret)
+        app.router.add_delete(f"{PREFIX}/keys/{{name}}", revoke)
 
 
 def build_admin_app(service: FleetService) -> web.Application:
@@ -315,8 +359,6 @@ def build_admin_app(service: FleetService) -> web.Application:
 async def async_run_admin(service: FleetService, stack: contextlib.AsyncExitStack) -> str | None:
     """Serve the admin API on the state dir's socket and, unless ``admin_port`` is None, over
     mutual TLS; closed by ``stack``. Returns the HTTPS URL (None: socket only)."""
-    from console.service.fleet_service import ADMIN_SOCKET
-
     settings = service.settings
     runner = web.AppRunner(build_admin_app(service), handler_cancellation=True, shutdown_timeout=2.0,
                            access_log=None)  # long-polls and job polls: the actions are logged by the guard

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from console.service.admin_api import ADMIN_SOCKET, async_run_admin
 from console.service.admin_shapes import agent_json, export_json, inputs_json, model_json, plan_json, spec_json
 from console.service.agent_record import AgentRecord
 from console.service.console_settings import ConsoleSettings, free_port
@@ -59,7 +60,6 @@ from engine.placement.planner import PlacementRequest, Plan
 
 log = logging.getLogger("deskfleet.fleet")
 
-ADMIN_SOCKET = "admin.sock"
 SERVICE_FILE = "fleet-service.json"
 PLACE_TIMEOUT_S = 1800.0
 DEFAULT_SPEC = ExportSpec()
@@ -142,8 +142,6 @@ class FleetService:
     # ---- lifecycle -------------------------------------------------------------------------------
 
     async def async_start(self) -> None:
-        from console.service.admin_api import async_run_admin
-
         s = self.settings.console
         s.state_dir.mkdir(parents=True, exist_ok=True)
         try:
