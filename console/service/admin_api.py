@@ -367,7 +367,11 @@ async def async_run_admin(service: FleetService, stack: contextlib.AsyncExitStac
     path = Path(settings.state_dir) / ADMIN_SOCKET
     with contextlib.suppress(FileNotFoundError):
         path.unlink()  # a socket left by a service that was killed (the state dir lock says we own it)
-    await web.UnixSite(runner, str(path)).start()
+    try:
+        await web.UnixSite(runner, str(path)).start()
+    except OSError as exc:  # e.g. a path over the 107 bytes a unix socket address holds
+        raise ConsoleError(f"the admin API cannot listen on {path} ({exc}); use a --state-dir with a shorter "
+                           "path") from exc
     os.chmod(path, 0o600)
     if settings.admin_port is None:
         return None

@@ -222,3 +222,16 @@ def test_a_listed_ring_that_cannot_form_is_retried_until_stopped(tmp_path):
             assert (await a.ok("GET", "/rings")) == {"rings": []}
 
     run(main(), 120)
+
+
+def test_a_state_dir_too_deep_for_the_socket_is_a_clear_error(tmp_path):
+    from console.service.errors import ConsoleError
+
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+
+    async def main():
+        with pytest.raises(ConsoleError, match="shorter"):
+            async with service_in_process(deep):
+                pass
+
+    run(main(), 60)
