@@ -1,6 +1,7 @@
 """`python -m tests.benchmarks rings` (issue 15, Deliver 8): its figures, medians and section, and a
-toy run on the 1-stage tiny model (2 users, 4 tokens, 1 and 2 rings, the service process restarted and
-sampled idle) whose JSON must have its shape and sane numbers. No speed is asserted."""
+toy run on the 1-stage tiny model (2 users, 4 tokens, 1 and 2 rings, the serve process restarted
+and sampled idle; the fleet-service phase is left to the fleet service's own restart test) whose
+JSON must have its shape and sane numbers. No speed is asserted."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ def _args(tmp_path, **over) -> argparse.Namespace:
     bench.configure(p)
     argv = ["--json", str(tmp_path / "rings.json"), "--doc", str(tmp_path / "BENCH.md")]
     for k, v in over.items():
-        argv += [f"--{k.replace('_', '-')}", str(v)]
+        argv += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
     return p.parse_args(argv)
 
 
@@ -44,15 +45,17 @@ def test_section_names_the_shared_cores_and_the_restart_target(tmp_path):
                "rss_mb_workers": 400.0}
     result = {"machine": {"date": "d", "cpu": "c", "cores": 2, "load_average": [0.1]}, "export": "e", "stages": 2,
               "settings": {"users": 8, "threads": 1}, "rounds": rounds, "summary": bench.summarise(rounds),
-              "service": service}
+              "service": service, "fleet": {"restart_to_first_answer_s": 12.0, "restart_to_admin_s": 2.0,
+                                             "idle_seconds": 10.0, "idle_cpu_pct": 1.0, "rss_mb": 150.0}}
     text = bench.render(result, bench.command_line(_args(tmp_path)))
     assert "this machine's cores" in text and "| 2 | 16.0 | 2.00 |" in text and "4/4" in text
     assert "31.0 s" in text and "**missed**" in text
+    assert "`deskfleet fleet`" in text and "12.0 s | <= 30 s: met" in text
 
 
 def test_a_toy_run_records_json_and_section(tmp_path, tiny_export):
     args = _args(tmp_path, export=tiny_export("llama", 1), users=2, new_tokens=4, repeats=1, warmups=0, idle_seconds=1,
-                 kv_pool_mb=16)
+                 kv_pool_mb=16, no_fleet=True)
     assert bench.run(args) == 0
     result = json.loads((tmp_path / "rings.json").read_text())
     assert set(result["summary"]) == {"1", "2"}
