@@ -385,7 +385,11 @@ async def _paged_local_fleet(export_dir, exact, threads, hop, failover, kv_pool_
         async with coordinator:
             if supervisor is not None:
                 supervisor.attach(coordinator)
-            yield coordinator
+            try:
+                yield coordinator
+            finally:  # no restart from here on: the coordinator and the fleet are being stopped
+                if supervisor is not None:
+                    supervisor.close()
     finally:
         if supervisor is not None:
             supervisor.close()
@@ -432,7 +436,11 @@ async def _local_fleet(export_dir, slots, exact, threads, host_stage0, hop, fail
         async with coordinator:
             if supervisor is not None:
                 supervisor.attach(coordinator)
-            yield coordinator
+            try:
+                yield coordinator
+            finally:  # no restart from here on: the coordinator and the fleet are being stopped
+                if supervisor is not None:
+                    supervisor.close()
     finally:
         if supervisor is not None:
             supervisor.close()

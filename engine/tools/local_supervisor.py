@@ -247,6 +247,8 @@ class LocalSupervisor:
         (stage, spawned at, ready at, attempts, whether the spare took over)."""
         attempts = 0
         while True:
+            if self._closing:  # the fleet is being stopped: start nothing it would not stop
+                raise StageDownError(stage, f"the local fleet is stopping; stage {stage} is not restarted")
             crashes = self._crashes[stage]
             delay = self.policy.delay(crashes, time.monotonic())
             if delay is None:
