@@ -272,28 +272,35 @@ class FleetService:
         return out
 
     async def _async_watch(self) -> None:
-        """Health changes to the feed; metrics while serving; rings to re-form, when due."""
+        """Health changes to the feed; metrics while serving; rings to re-form, when due. One
+        failed round is logged and the next goes on: the watch must outlive any one ring's fault."""
         last_metrics = 0.0
         while True:
             await asyncio.sleep(self.settings.watch_s)
-            health = self.health_json()
-            if health != self._last_health:
-                self._last_health = health
-                self.feed.publish("health", health)
-            now = time.monotonic()
-            if now - last_metrics >= max(self.settings.console.metrics_s, 2.0) and any(
-                    r.in_router for r in self.rings.values()):
-                last_metrics = now
-                self.feed.publish("metrics", self.metrics_json())
-            for ring_id, ring in list(self.rings.items()):
-                if elapsed_down(ring, now) > self.settings.down_grace_s:
-                    log.warning("ring %s has been down %.0f s (%s); rebuilding it", ring_id,
-                                self.settings.down_grace_s, ring.report().detail)
-                    ring.phase = "failed"
-                    self._auto.setdefault(ring_id, (0, now))
-                due = self._auto.get(ring_id)
-                if due is not None and ring.phase == "failed" and now >= due[1]:
-                    self._rerun(ring, auto=True)
+            try:
+                last_metrics = self._watch_once(time.monotonic(), last_metrics)
+            except Exception:
+                log.exception("a round of the fleet watch failed")
+
+    def _watch_once(self, now: float, last_metrics: float) -> float:
+        health = self.health_json()
+        if health != self._last_health:
+            self._last_health = health
+            self.feed.publish("health", health)
+        if now - last_metrics >= max(self.settings.console.metrics_s, 2.0) and any(
+                r.in_router for r in self.rings.values()):
+            last_metrics = now
+            self.feed.publish("metrics", self.metrics_json())
+        for ring_id, ring in list(self.rings.items()):
+            if elapsed_down(ring, now) > self.settings.down_grace_s:
+                log.warning("ring %s has been down %.0f s (%s); rebuilding it", ring_id,
+                            self.settings.down_grace_s, ring.report().detail)
+                ring.phase = "failed"
+                self._auto.setdefault(ring_id, (0, now))
+            due = self._auto.get(ring_id)
+            if due is not None and ring.phase == "failed" and now >= due[1]:
+                self._rerun(ring, auto=True)
+        return last_metrics
 
     async def _async_refresh_loop(self) -> None:
         while True:

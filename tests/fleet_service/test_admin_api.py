@@ -235,3 +235,58 @@ def test_a_state_dir_too_deep_for_the_socket_is_a_clear_error(tmp_path):
                 pass
 
     run(main(), 60)
+
+
+class _DeadRing:
+    """A ring whose stage died for good: what a coordinator reports once its failover gave up."""
+
+    from engine.generation.generator import ModelCard as _Card
+
+    model = _Card("gone-model", 2048, (2,), 2)
+
+    def ring_reports(self):
+        from engine.generation.ring_report import RingReport, RingStatus
+
+        return (RingReport("default", "gone-model", RingStatus.DOWN, "stage 1 (desk-b): worker exited 137", 1),)
+
+    def metrics(self):
+        return {}
+
+    async def stream(self, request):  # pragma: no cover - never routed to: it is down
+        raise AssertionError("a down ring was given a request")
+        yield
+
+
+def test_a_serving_ring_that_stays_down_is_rebuilt(tmp_path):
+    """The watch sees a serving ring report down beyond the grace time and rebuilds it (a restore
+    job), its stage named in /health meanwhile."""
+    from console.service.served_rings import ServedRing
+    from console.service.service_ring import ServiceRing
+    from engine.placement.planner import Plan, PlannedStage
+
+    plan = Plan((PlannedStage("pc/CPU", "pc", 0, 3, 1.0, 1 << 20),), (0.0, 0.0), 1.0, 1000.0, 1.0, 1, 1.0, 1000.0,
+                "latency", True)
+
+    async def main():
+        async with service_in_process(tmp_path / "fleet", down_grace_s=0.5, watch_s=0.1,
+                                      retry_s=(30.0,)) as service, \
+                Admin.unix(tmp_path / "fleet" / "admin.sock") as a:
+            ring = ServiceRing(service._context(), ServedRing("r1", "gone-model", plan))
+            service.router.add_ring("r1", _DeadRing(), model_name="gone-model")
+            ring.phase, ring.in_router = "serving", True
+            service.rings["r1"] = ring
+            health = await a.ok("GET", "/health")
+            assert health["status"] == "down" and "worker exited 137" in health["rings"][0]["detail"]
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 20
+            while not [e for e in service.feed.since(1).events if e.kind == "job"
+                       and e.data["job"]["kind"] == "restore"]:
+                assert loop.time() < deadline, "the down ring was not rebuilt"
+                await asyncio.sleep(0.1)
+            restores = [e for e in service.feed.since(1).events if e.kind == "job"]
+            assert restores[0].data["job"]["ring"] == "r1"
+            await asyncio.sleep(0.5)
+            jobs = {e.data["job"]["id"] for e in service.feed.since(1).events if e.kind == "job"}
+            assert len(jobs) == 1  # the back-off (30 s here) holds the next try
+
+    run(main(), 60)
