@@ -275,6 +275,10 @@ class WorkerSupervisor:
             while self.running and time.monotonic() - self._last_busy < SPARE_IDLE_S and waited < SPARE_MAX_WAIT_S:
                 await asyncio.sleep(0.5)
                 waited += 0.5
+            current = self._launch
+            if (self._spare is not None and self._spare.alive) or current is None or \
+                    current.spare_key() != launch.spare_key():
+                return  # a spare came meanwhile, or the worker now serves something else
         spare = WorkerProcess(launch.as_spare(), self._on_spare_line)
         self._spare = spare
         await spare.async_spawn()
