@@ -29,8 +29,8 @@ from typing import Protocol, TypeVar
 import psutil
 
 from engine.errors import DeskfleetError
-from engine.tools.local_fleet import LocalFleet, WorkerStartError
 from engine.tools.restart_policy import RestartPolicy
+from engine.tools.worker_processes import LocalFleet, WorkerStartError
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from engine.errors import DeskfleetError
 from engine.shards.manifest import Manifest, load_manifest
 from engine.static.packed_generator import LocalStatic, PackedGenerator, RingStatic
 from engine.static.packed_stage import StaticChain, geometry_of, static_manifest
-from engine.tools.local_fleet import Hop, LocalFleet
+from engine.tools.worker_processes import Hop, LocalFleet
 from engine.wire.address import Address
 
 
