@@ -21,13 +21,8 @@ import openai
 import pytest
 from aiohttp import web
 
-from engine.api.server import (
-    ApiMetrics,
-    ApiSettings,
-    api_error_from,
-    async_run_api,
-    render_prometheus,
-)
+from engine.api.api_metrics import ApiMetrics, render_prometheus
+from engine.api.server import ApiSettings, api_error_from, async_run_api
 from engine.errors import DeskfleetError, GenerationError, TokenizerError
 from engine.generation.generator import ModelCard, OverloadedError, UnavailableError
 from engine.generation.request import FinishReason, GenerationRequest, TokenEvent
