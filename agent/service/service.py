@@ -137,6 +137,7 @@ class AgentService:
         advertiser, self._advertiser = self._advertiser, None  # no re-announcements from here on
         for task in list(self._background):
             task.cancel()
+        await self._standby_spare.async_drop()  # a standby spare still on its way must not start now
         await self._supervisor.async_stop()
         if advertiser is not None:
             await advertiser.async_close()
