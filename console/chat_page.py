@@ -48,7 +48,9 @@ class QtChatPage(QWidget):
             self.chat.refresh_models()
             return
         self._drop_chat()
-        self.chat = QtChatWindow(url, api_key=key, loop=self.loop, options=self.options, parent=self)
+        # an https API (the service off loopback) is trusted only if it chains to the fleet CA
+        self.chat = QtChatWindow(url, api_key=key, loop=self.loop, options=self.options, parent=self,
+                                 ca_pem=getattr(self.serving, "ca_pem", None))
         self.placeholder.hide()
         self.box.addWidget(self.chat, 1)
 

@@ -57,6 +57,12 @@ class ServiceServing(QObject):
         bridge.service_event.connect(self._on_event)
 
     @property
+    def ca_pem(self) -> bytes | None:
+        """The fleet CA (from the admin client): what the Chat page trusts an https API by."""
+        client = self.bridge.client
+        return client.ca_pem if client is not None else None
+
+    @property
     def can_rerun(self) -> bool:
         return self.phase == "failed" and self.ring is not None
 

@@ -153,6 +153,11 @@ class AgentService:
     def joined(self) -> bool:
         return self._creds is not None
 
+    @property
+    def fleet_ca_pem(self) -> bytes | None:
+        """The fleet CA this PC joined (what its chat trusts for the fleet's https API); None before a join."""
+        return self._creds.ca_pem if self._creds is not None else None
+
     async def async_find_consoles(self, *, pin: str | None = None, timeout: float = 4.0):
         """The consoles advertising their enrollment address on this agent's interface (mDNS)."""
         from engine.discovery.join_service import async_find_consoles

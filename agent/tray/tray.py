@@ -189,7 +189,9 @@ class QtAgentTray(QObject):
         if self.chat_window is None:
             from console.shared.chat_view import QtChatWindow
 
-            self.chat_window = QtChatWindow(url, api_key=key, loop=self.bridge.loop)
+            # an https API (the service off loopback) is trusted only if it chains to the fleet CA
+            self.chat_window = QtChatWindow(url, api_key=key, loop=self.bridge.loop,
+                                            ca_pem=self.bridge.service.fleet_ca_pem)
         self.chat_window.show()
         self.chat_window.raise_()
         self.chat_window.activateWindow()

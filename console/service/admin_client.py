@@ -24,6 +24,7 @@ import aiohttp
 from console.service.admin_shapes import plan_from_json, plan_json, request_json, spec_json
 from console.service.errors import ConsoleError
 from console.service.export_catalog import ExportSpec
+from engine.control.fleet_services import CA_CERT
 from engine.placement.planner import PlacementRequest, Plan
 from engine.trust.fleet_ca import Credentials, Role
 from engine.trust.tls_peer import PeerCheckingConnector, PeerIdentityError, expect_peer
@@ -79,17 +80,19 @@ class EventBatch:
 class AdminClient:
     """``async with AdminClient.over_socket(path) as c:`` or ``AdminClient.over_tls(url, creds)``."""
 
-    def __init__(self, base: str, connector_factory, where: str) -> None:
+    def __init__(self, base: str, connector_factory, where: str, *, ca_pem: bytes | None = None) -> None:
         self._base = base.rstrip("/")
         self._connector_factory = connector_factory
         self._session: aiohttp.ClientSession | None = None
         self.where = where  # for messages: "the local fleet service (…/admin.sock)" or the URL
+        self.ca_pem = ca_pem  # the fleet CA: what the console's chat trusts an https API by
 
     @classmethod
     def over_socket(cls, path: Path) -> AdminClient:
         """The local admin: ``<state_dir>/admin.sock`` (the file's 0600 mode is the permission)."""
+        ca = path.parent / CA_CERT  # the service's state dir holds the fleet CA's certificate
         return cls("http://fleet-service", lambda: aiohttp.UnixConnector(path=str(path)),
-                   f"the local fleet service ({path})")
+                   f"the local fleet service ({path})", ca_pem=ca.read_bytes() if ca.is_file() else None)
 
     @classmethod
     def over_tls(cls, url: str, credentials: Credentials, *, service_node_id: str | None = None) -> AdminClient:
@@ -104,7 +107,8 @@ class AdminClient:
                                 "takes admin certificates (`deskfleet fleet admin-cert NAME --out DIR`)")
         ctx = credentials.client_context()
         check = expect_peer(Role.CONSOLE, service_node_id, what=f"the fleet service at {url}")
-        return cls(url, lambda: PeerCheckingConnector(check, ssl=ctx), f"the fleet service at {url}")
+        return cls(url, lambda: PeerCheckingConnector(check, ssl=ctx), f"the fleet service at {url}",
+                   ca_pem=credentials.ca_pem)
 
     async def __aenter__(self) -> AdminClient:
         return self

@@ -292,7 +292,7 @@ def _read_policy_updates(lines: TextIO, worker: AnyWorker, loop: asyncio.Abstrac
                 continue
             peers = parse_policy_update(blob)
         except (ValueError, PeerPolicyError, ActivationError) as exc:  # json.JSONDecodeError is a ValueError
-            log.warning("ignoring a line on stdin (the policy in force stays): %s", exc)
+            log.warning("ignoring a peer-policy update or activation on stdin (the policy in force stays): %s", exc)
             continue
         except RuntimeError:  # the loop has closed
             return

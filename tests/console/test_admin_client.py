@@ -94,6 +94,9 @@ def test_the_socket_transport_answers_errors_with_the_services_words_and_follows
 
     with pytest.raises(ServiceUnreachableError, match="is `deskfleet fleet` running"):
         run(gone(), 10)
+    assert AdminClient.over_socket(sock).ca_pem is None  # no fleet CA in that folder
+    (tmp_path / "fleet-ca.crt").write_bytes(b"the CA's PEM")
+    assert AdminClient.over_socket(sock).ca_pem == b"the CA's PEM"  # the local service's state dir holds it
 
 
 def test_mutual_tls_takes_an_admin_and_talks_only_to_the_fleets_service():
@@ -125,6 +128,8 @@ def test_mutual_tls_takes_an_admin_and_talks_only_to_the_fleets_service():
     answered, posing = run(main(), 30)
     assert answered["fleet_id"] == "abc" and calls == ["service"]  # the impostor heard nothing
     assert "agent" in posing
+    # the console's chat trusts the fleet's https API by the CA the admin credentials carry
+    assert AdminClient.over_tls("https://127.0.0.1:1", admin).ca_pem == fleet.ca_pem
     with pytest.raises(AdminApiError, match="takes admin certificates"):
         AdminClient.over_tls("https://127.0.0.1:1", agent)
     with pytest.raises(AdminApiError, match="not an https:// address"):
