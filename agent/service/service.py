@@ -21,12 +21,16 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-import aiohttp
 import psutil
 from aiohttp import web
 
 from agent.service import pause
 from agent.service.calibration import async_time_stages, parse_calibration_request
+from agent.service.console_link import (
+    async_join_found_console,
+    async_register_with_seeds,
+    async_tell_console,
+)
 from agent.service.control_api import build_app
 from agent.service.settings import AgentSettings, AgentState, load_state, save_settings, save_state
 from agent.service.spare_policy import SpareDecision, spare_decision
@@ -42,13 +46,13 @@ from engine.control.messages import (
     FetchProgress,
     WorkerStatus,
 )
+from engine.discovery.join_service import async_find_consoles
 from engine.discovery.mdns import Advertisement, Advertiser, instance_name
 from engine.errors import DeskfleetError
 from engine.http_limits import LimitedAppRunner
 from engine.machine.this_pc import primary_ipv4
-from engine.trust.fleet_ca import Credentials, Role
+from engine.trust.fleet_ca import Credentials
 from engine.trust.keystore import KeyStore
-from engine.trust.tls_peer import PeerCheckingConnector, PeerIdentityError, expect_peer
 
 log = logging.getLogger(__name__)
 
@@ -160,8 +164,6 @@ class AgentService:
 
     async def async_find_consoles(self, *, pin: str | None = None, timeout: float = 4.0):
         """The consoles advertising their enrollment address on this agent's interface (mDNS)."""
-        from engine.discovery.join_service import async_find_consoles
-
         return await async_find_consoles(self.interface, pin=pin, timeout=timeout)
 
     async def async_join(self, console: str | None, token: str, *, timeout: float = 15.0) -> Credentials:
@@ -175,7 +177,8 @@ class AgentService:
         if console:
             joined = await async_join(console, token, self.settings.name, info=self._inventory, timeout=timeout)
         else:
-            joined = await self._async_join_found_console(token, timeout)
+            joined = await async_join_found_console(self.interface, token, self.settings.name, self._inventory,
+                                                    timeout)
         creds = joined.credentials
         self.keystore.save(creds)
         self._creds = creds
@@ -188,33 +191,6 @@ class AgentService:
         if self.settings.seeds:
             await self.async_register()
         return creds
-
-    async def _async_join_found_console(self, token: str, timeout: float):
-        from engine.control.enrollment import async_join
-        from engine.errors import EnrollmentError, JoinRefused, TrustError
-        from engine.trust.join_token import parse_token
-
-        pin = parse_token(token).ca_pin  # a mistyped token is reported before any search
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        consoles = await self.async_find_consoles(pin=pin, timeout=min(timeout / 2, 6.0))
-        candidates = [c for c in consoles if c.ca_pin == pin]
-        if not candidates:
-            raise EnrollmentError(
-                f"no console of fleet {pin[:16]} answered on the network ({self.interface}); check that the "
-                "console is running on this network, or enter its address (host:port, shown next to the token)")
-        error: TrustError | None = None
-        for found in candidates:
-            try:
-                return await async_join(found.enrollment, token, self.settings.name, info=self._inventory,
-                                        timeout=max(deadline - loop.time(), 1.0))
-            except JoinRefused:
-                raise  # the fleet's own console (CA matched the pin, console-role certificate) said no: final
-            except TrustError as exc:  # a spoofed or stale record, or a member posing as the console: next
-                log.warning("joining at %s failed: %s", found.enrollment, exc)
-                error = exc
-        assert error is not None
-        raise error
 
     async def async_leave(self) -> None:
         """Forget the fleet: stop serving, delete the credentials and the assignment."""
@@ -617,43 +593,18 @@ class AgentService:
     async def _async_notify(self, event: str, detail: str | None = None) -> None:
         """Tell the console (best effort) so it can hold or move the streams this stage served."""
         assignment, creds = self.assignment, self._creds
-        if assignment is None or assignment.events_url is None or creds is None:
-            return
-        body = {"node_id": creds.node_id, "event": event, "reasons": list(self._pause.reasons),
-                "export_id": assignment.export_id, "stage": assignment.stage, "detail": detail}
-        try:
-            timeout = aiohttp.ClientTimeout(total=3)
-            async with aiohttp.ClientSession(timeout=timeout, connector=self._console_connector()) as session:
-                async with session.post(assignment.events_url, json=body, ssl=creds.client_context()) as resp:
-                    resp.release()
-        except (aiohttp.ClientError, TimeoutError, OSError, PeerIdentityError) as exc:
-            log.debug("could not tell the console about %s: %s", event, exc)
+        if assignment is not None and assignment.events_url is not None and creds is not None:
+            await async_tell_console(assignment, creds, self._state.console_node_id, event,
+                                     self._pause.reasons, detail)
 
     async def async_register(self) -> int:
         """Register with every seed console by address (networks that drop multicast); returns how
         many accepted. Needs the fleet certificate: the seed's hub is mutual TLS like the rest."""
-        creds = self._creds
-        if creds is None:
+        if self._creds is None:
             return 0
         body = {"advertisement": self.advertisement().to_properties(), "control_port": self._control_port,
                 "address": self.interface}
-        accepted = 0
-        timeout = aiohttp.ClientTimeout(total=5)
-        async with aiohttp.ClientSession(timeout=timeout, connector=self._console_connector()) as session:
-            for seed in self.settings.seeds:
-                try:
-                    async with session.post(f"https://{seed}/v1/register", json=body,
-                                            ssl=creds.client_context()) as resp:
-                        accepted += resp.status == 200
-                except (aiohttp.ClientError, TimeoutError, OSError, PeerIdentityError) as exc:
-                    log.debug("seed console %s unreachable: %s", seed, exc)
-        return accepted
-
-    def _console_connector(self) -> PeerCheckingConnector:
-        """Connections to the console's hub: a console certificate, the pinned one if any (what
-        the agent tells it — pauses, its address — is for the console alone)."""
-        return PeerCheckingConnector(expect_peer(Role.CONSOLE, self._state.console_node_id,
-                                                 what="the console's hub"))
+        return await async_register_with_seeds(self._creds, self._state.console_node_id, self.settings.seeds, body)
 
     async def _async_register_loop(self) -> None:
         while True:

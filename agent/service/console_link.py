@@ -1,0 +1,93 @@
+"""How the agent reaches its console: finding consoles over mDNS and joining through one (a token
+redeemed at each found console of the token's fleet in turn), registering by address with the seed
+consoles (networks that drop multicast), and telling the console's hub about events (a pause, a
+lost worker). Every connection to the hub pins a console-role certificate, and the one pinned at
+the join when there is one: what the agent says is for the console alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import aiohttp
+
+from engine.control.enrollment import Joined, async_join
+from engine.control.messages import Assignment
+from engine.discovery.join_service import async_find_consoles
+from engine.errors import EnrollmentError, JoinRefused, TrustError
+from engine.trust.fleet_ca import Credentials, Role
+from engine.trust.join_token import parse_token
+from engine.trust.tls_peer import PeerCheckingConnector, PeerIdentityError, expect_peer
+
+log = logging.getLogger(__name__)
+
+NOTIFY_TIMEOUT_S = 3.0
+REGISTER_TIMEOUT_S = 5.0
+
+
+def console_connector(console_node_id: str | None) -> PeerCheckingConnector:
+    """Connections to the console's hub: a console certificate, the pinned one if any."""
+    return PeerCheckingConnector(expect_peer(Role.CONSOLE, console_node_id, what="the console's hub"))
+
+
+async def async_join_found_console(interface: str, token: str, name: str, info: Mapping[str, Any] | None,
+                                   timeout: float) -> Joined:
+    """Join through a console found over mDNS: those whose record names the token's fleet, tried
+    in turn (the join itself checks the CA against the token's pin)."""
+    pin = parse_token(token).ca_pin  # a mistyped token is reported before any search
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    consoles = await async_find_consoles(interface, pin=pin, timeout=min(timeout / 2, 6.0))
+    candidates = [c for c in consoles if c.ca_pin == pin]
+    if not candidates:
+        raise EnrollmentError(
+            f"no console of fleet {pin[:16]} answered on the network ({interface}); check that the "
+            "console is running on this network, or enter its address (host:port, shown next to the token)")
+    error: TrustError | None = None
+    for found in candidates:
+        try:
+            return await async_join(found.enrollment, token, name, info=info,
+                                    timeout=max(deadline - loop.time(), 1.0))
+        except JoinRefused:
+            raise  # the fleet's own console (CA matched the pin, console-role certificate) said no: final
+        except TrustError as exc:  # a spoofed or stale record, or a member posing as the console: next
+            log.warning("joining at %s failed: %s", found.enrollment, exc)
+            error = exc
+    assert error is not None
+    raise error
+
+
+async def async_tell_console(assignment: Assignment, creds: Credentials, console_node_id: str | None, event: str,
+                             reasons: Sequence[str], detail: str | None = None) -> None:
+    """Post one event to the hub the assignment names (best effort: a console that is away learns
+    it from its next poll)."""
+    if assignment.events_url is None:
+        return
+    body = {"node_id": creds.node_id, "event": event, "reasons": list(reasons),
+            "export_id": assignment.export_id, "stage": assignment.stage, "detail": detail}
+    try:
+        timeout = aiohttp.ClientTimeout(total=NOTIFY_TIMEOUT_S)
+        async with aiohttp.ClientSession(timeout=timeout, connector=console_connector(console_node_id)) as session:
+            async with session.post(assignment.events_url, json=body, ssl=creds.client_context()) as resp:
+                resp.release()
+    except (aiohttp.ClientError, TimeoutError, OSError, PeerIdentityError) as exc:
+        log.debug("could not tell the console about %s: %s", event, exc)
+
+
+async def async_register_with_seeds(creds: Credentials, console_node_id: str | None, seeds: Sequence[str],
+                                    body: Mapping[str, Any]) -> int:
+    """Register with every seed console by address; how many accepted."""
+    accepted = 0
+    timeout = aiohttp.ClientTimeout(total=REGISTER_TIMEOUT_S)
+    async with aiohttp.ClientSession(timeout=timeout, connector=console_connector(console_node_id)) as session:
+        for seed in seeds:
+            try:
+                async with session.post(f"https://{seed}/v1/register", json=dict(body),
+                                        ssl=creds.client_context()) as resp:
+                    accepted += resp.status == 200
+            except (aiohttp.ClientError, TimeoutError, OSError, PeerIdentityError) as exc:
+                log.debug("seed console %s unreachable: %s", seed, exc)
+    return accepted
