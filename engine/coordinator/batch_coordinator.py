@@ -32,7 +32,7 @@ from engine.coordinator.speculation import Speculator
 from engine.errors import DeskfleetError
 from engine.generation.generator import ModelCard, UnavailableError
 from engine.generation.request import GenerationRequest, TokenEvent
-from engine.generation.ring_report import RingReport, RingStatus
+from engine.generation.ring_report import RingReport, coordinator_report
 from engine.shards.kv_pool import DEFAULT_KV_POOL_BYTES, pool_blocks_for
 from engine.shards.manifest import Manifest, load_manifest
 from engine.shards.paged_step import PagedOutcome, PagedPath
@@ -363,20 +363,10 @@ class BatchCoordinator:
         """This ring's state for /health and a router: recovering while streams are held, down
         when it cannot serve (not running, its last failover failed, its first hop is closed)."""
         running = self.scheduler.running
-        waiting = self.scheduler.streams - running
-
-        def report(status: RingStatus, detail: str = "", stage: int | None = None) -> tuple[RingReport, ...]:
-            return (RingReport(self.ring_id, self._model.name, status, detail, stage, running, waiting),)
-
-        if self._stopping or self._task is None or self._task.done():
-            return report(RingStatus.DOWN, "the coordinator is not running")
-        if self._recovering or self._down:
-            detail, stage = self._trouble or ("a stage stopped answering", None)
-            return report(RingStatus.RECOVERING if self._recovering else RingStatus.DOWN, detail, stage)
-        if not getattr(self.path, "connected", True):
-            first = 1 if getattr(self.path, "hosts_stage0", False) else 0
-            return report(RingStatus.DOWN, f"the connection to stage {first} is closed", first)
-        return report(RingStatus.OK)
+        alive = not (self._stopping or self._task is None or self._task.done())
+        return (coordinator_report(self.ring_id, self._model.name, running=alive, recovering=self._recovering,
+                                   down=self._down, trouble=self._trouble, path=self.path, active=running,
+                                   waiting=self.scheduler.streams - running),)
 
     # -- metrics --------------------------------------------------------------------------------
 

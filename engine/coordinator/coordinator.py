@@ -33,7 +33,7 @@ from engine.coordinator.speculation import Speculator
 from engine.errors import DeskfleetError, GenerationError
 from engine.generation.generator import ModelCard, OverloadedError, UnavailableError
 from engine.generation.request import FinishReason, GenerationRequest, TokenEvent
-from engine.generation.ring_report import RingReport, RingStatus
+from engine.generation.ring_report import RingReport, coordinator_report
 from engine.shards.prefix_cache import PrefixIndex
 from engine.shards.stage import LocalChain
 from engine.shards.step_path import LocalPath, StepPath, StepResult
@@ -205,20 +205,10 @@ class Coordinator:
     def ring_reports(self) -> tuple[RingReport, ...]:
         """This ring's state for /health and a router: recovering while streams are held, down
         when it cannot serve (not running, its last failover failed, its first hop is closed)."""
-        active, waiting = len(self._active), len(self._waiting)
-
-        def report(status: RingStatus, detail: str = "", stage: int | None = None) -> tuple[RingReport, ...]:
-            return (RingReport(self.ring_id, self._model.name, status, detail, stage, active, waiting),)
-
-        if self._stopping or self._task is None or (self._task.done() and not self._recovering):
-            return report(RingStatus.DOWN, "the coordinator is not running")
-        if self._recovering or self._down:
-            detail, stage = self._trouble or ("a stage stopped answering", None)
-            return report(RingStatus.RECOVERING if self._recovering else RingStatus.DOWN, detail, stage)
-        if not getattr(self.path, "connected", True):
-            first = 1 if getattr(self.path, "hosts_stage0", False) else 0
-            return report(RingStatus.DOWN, f"the connection to stage {first} is closed", first)
-        return report(RingStatus.OK)
+        alive = not (self._stopping or self._task is None or (self._task.done() and not self._recovering))
+        return (coordinator_report(self.ring_id, self._model.name, running=alive, recovering=self._recovering,
+                                   down=self._down, trouble=self._trouble, path=self.path,
+                                   active=len(self._active), waiting=len(self._waiting)),)
 
     # -- the loop -------------------------------------------------------------------------------
 

@@ -50,6 +50,27 @@ def overall_status(reports: Sequence[RingReport]) -> RingStatus:
     return RingStatus.RECOVERING
 
 
+def coordinator_report(ring: str, model: str, *, running: bool, recovering: bool, down: bool,
+                       trouble: tuple[str, int | None] | None, path: object, active: int,
+                       waiting: int) -> RingReport:
+    """What a coordinator of one ring reports: down when it is not ``running``, recovering while
+    its streams are held, down when its last failover failed (``trouble`` names the stage and
+    why) or its first hop's connection is closed (``path.connected``; stage 1 when the
+    coordinator hosts stage 0 itself, ``path.hosts_stage0``), else ok."""
+    def report(status: RingStatus, detail: str = "", stage: int | None = None) -> RingReport:
+        return RingReport(ring, model, status, detail, stage, active, waiting)
+
+    if not running:
+        return report(RingStatus.DOWN, "the coordinator is not running")
+    if recovering or down:
+        detail, stage = trouble or ("a stage stopped answering", None)
+        return report(RingStatus.RECOVERING if recovering else RingStatus.DOWN, detail, stage)
+    if not getattr(path, "connected", True):
+        first = 1 if getattr(path, "hosts_stage0", False) else 0
+        return report(RingStatus.DOWN, f"the connection to stage {first} is closed", first)
+    return report(RingStatus.OK)
+
+
 @runtime_checkable
 class Reporting(Protocol):
     """A generator that is (or fronts) serving rings and can say how they are."""
