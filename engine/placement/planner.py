@@ -300,7 +300,8 @@ def format_plan(plan: Plan) -> str:
 
 # --- fleet preparation ---------------------------------------------------------------------
 
-def _exclusion_reason(pc: PcInfo, allow_battery: bool) -> str | None:
+def exclusion_reason(pc: PcInfo, allow_battery: bool) -> str | None:
+    """Why ``pc`` takes no stage (not approved, paused, on battery unless allowed); None if it may."""
     if not pc.approved:
         return "not approved"
     if pc.paused:
@@ -336,7 +337,7 @@ def _prepare(request: PlacementRequest, model: ModelProfile, pcs: Sequence[PcInf
                                       "must be > 0, overhead and memory >= 0); recalibrate it")
 
     excluded = [Exclusion(pc.pc_id, r) for pc in pcs
-                if (r := _exclusion_reason(pc, request.allow_battery))]
+                if (r := exclusion_reason(pc, request.allow_battery))]
     out = {e.pc_id for e in excluded}
     with_devices = {d.pc_id for d in devices}
     excluded += [Exclusion(pc.pc_id, "no device profile") for pc in pcs

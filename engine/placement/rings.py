@@ -26,6 +26,7 @@ from engine.placement.planner import (
     PcInfo,
     PlacementRequest,
     Plan,
+    exclusion_reason,
     solve,
 )
 
@@ -71,16 +72,6 @@ class RingsPlan:
         return sum(p.aggregate_tok_s for p in self.rings)
 
 
-def _reason(pc: PcInfo, allow_battery: bool) -> str | None:
-    if not pc.approved:
-        return "not approved"
-    if pc.paused:
-        return "paused"
-    if pc.on_battery and not allow_battery:
-        return "on battery"
-    return None
-
-
 def plan_rings(request: RingsRequest, *, model: ModelProfile, pcs: Sequence[PcInfo],
                devices: Sequence[DeviceProfile], links: Links) -> RingsPlan:
     """Propose rings of ``model`` on the agents' PCs, each solved by :func:`solve` on the PCs left.
@@ -88,7 +79,7 @@ def plan_rings(request: RingsRequest, *, model: ModelProfile, pcs: Sequence[PcIn
     Raises :class:`PlacementInfeasible` when not even one new ring fits (with the solver's reason,
     the standbys named), and :class:`PlacementInputError` for inconsistent inputs."""
     excluded = tuple(Exclusion(pc.pc_id, why) for pc in pcs
-                     if (why := _reason(pc, request.placement.allow_battery)))
+                     if (why := exclusion_reason(pc, request.placement.allow_battery)))
     with_devices = {d.pc_id for d in devices}
     excluded += tuple(Exclusion(pc.pc_id, "no device profile") for pc in pcs
                       if pc.pc_id not in with_devices and pc.pc_id not in {e.pc_id for e in excluded})
