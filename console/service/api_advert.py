@@ -19,6 +19,8 @@ from zeroconf import IPVersion, ServiceInfo
 from zeroconf.asyncio import AsyncZeroconf
 
 from console.service.errors import ConsoleError
+from engine.discovery.mdns import RecordPublisher
+from engine.errors import DiscoveryError
 
 API_SERVICE_TYPE = "_deskfleet-api._tcp.local."
 RECORD_TTL_S = 120
@@ -68,8 +70,7 @@ class ApiAdvertiser:
     """Publishes one ApiAdvertisement on its address until closed (goodbye packets on close)."""
 
     def __init__(self) -> None:
-        self._zc: AsyncZeroconf | None = None
-        self._info: ServiceInfo | None = None
+        self._record: RecordPublisher | None = None
 
     async def async_start(self, ad: ApiAdvertisement) -> None:
         service = f"{ad.instance}.{API_SERVICE_TYPE}"
@@ -77,28 +78,16 @@ class ApiAdvertiser:
                            parsed_addresses=[ad.address], server=service, host_ttl=RECORD_TTL_S,
                            other_ttl=RECORD_TTL_S)
         try:
-            zc = AsyncZeroconf(interfaces=[ad.address], ip_version=IPVersion.V4Only)
-        except OSError as exc:
-            raise ApiAdvertError(f"cannot use mDNS on {ad.address} ({exc}); the API is not advertised") from exc
-        try:
-            announced = await asyncio.wait_for(zc.async_register_service(info, allow_name_change=True),
-                                               ADVERTISE_TIMEOUT_S)
-            await asyncio.wait_for(announced, ADVERTISE_TIMEOUT_S)
-        except BaseException:
-            await zc.async_close()
-            raise
-        self._zc, self._info = zc, info
+            record = RecordPublisher(ad.address, timeout=ADVERTISE_TIMEOUT_S)
+            await record.async_publish(info, f"the API {ad.instance!r}")
+        except DiscoveryError as exc:
+            raise ApiAdvertError(f"{exc}; the API is not advertised") from exc
+        self._record = record
 
     async def async_close(self) -> None:
-        zc, info, self._zc, self._info = self._zc, self._info, None, None
-        if zc is None:
-            return
-        try:
-            if info is not None:
-                goodbyes = await zc.async_unregister_service(info)
-                await asyncio.wait_for(goodbyes, ADVERTISE_TIMEOUT_S)
-        finally:
-            await zc.async_close()
+        record, self._record = self._record, None
+        if record is not None:
+            await record.async_close()
 
 
 async def async_find_api(address: str, fleet_id: str, timeout: float = 5.0) -> ApiAdvertisement | None:

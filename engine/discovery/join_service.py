@@ -23,9 +23,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from zeroconf import IPVersion, ServiceInfo, ServiceStateChange
-from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
+from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo
 
-from engine.discovery.mdns import RECORD_TTL_S, _bounded, _check_interface, _zeroconf_on
+from engine.discovery.mdns import RECORD_TTL_S, RecordPublisher, _bounded, _check_interface, _zeroconf_on
 from engine.errors import DiscoveryError
 
 log = logging.getLogger(__name__)
@@ -131,37 +131,17 @@ class ConsoleAdvertiser:
     """Publishes the console's enrollment address on one interface until closed."""
 
     def __init__(self, interface: str, *, timeout: float = 10.0) -> None:
-        self.interface = _check_interface(interface)
-        self.timeout = timeout
-        self._zc: AsyncZeroconf | None = None
-        self._info: ServiceInfo | None = None
+        self._record = RecordPublisher(interface, timeout=timeout)
+        self.interface = self._record.interface
 
     async def async_start(self, ad: ConsoleAdvertisement) -> None:
-        if self._zc is not None:
-            raise RuntimeError("ConsoleAdvertiser already started")
         info = ServiceInfo(CONSOLE_SERVICE_TYPE, ad.service_name, port=ad.enrollment_port,
                            properties=ad.to_properties(), parsed_addresses=list(ad.addresses),
                            server=ad.service_name, host_ttl=RECORD_TTL_S, other_ttl=RECORD_TTL_S)
-        zc = _zeroconf_on(self.interface)
-        try:
-            # allow_name_change: two consoles of one fleet (a restart racing its own goodbye) both get a name
-            announced = await _bounded(zc.async_register_service(info, allow_name_change=True), self.timeout,
-                                       f"probing for {ad.instance!r} on {self.interface}")
-            await _bounded(announced, self.timeout, f"announcing the console on {self.interface}")
-        except BaseException:
-            await zc.async_close()
-            raise
-        self._zc, self._info = zc, info
+        await self._record.async_publish(info, f"the console {ad.instance!r}")
 
     async def async_close(self) -> None:
-        zc, info, self._zc, self._info = self._zc, self._info, None, None
-        if zc is None:
-            return
-        try:
-            if info is not None:
-                await _bounded(await zc.async_unregister_service(info), self.timeout, "sending goodbye packets")
-        finally:
-            await zc.async_close()
+        await self._record.async_close()
 
 
 MAX_CONSOLES = 16  # console records kept (and looked up at once) in one search

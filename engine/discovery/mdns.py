@@ -72,6 +72,45 @@ async def _bounded(awaitable, timeout: float, what: str):
                              "and multicast allowed on it?") from None
 
 
+class RecordPublisher:
+    """One mDNS record published on one interface until closed (goodbye packets on close); every
+    wait bounded by ``timeout``. ``allow_name_change``: two publishers of one name (a restart
+    racing its own goodbye) both get one."""
+
+    def __init__(self, interface: str, *, timeout: float = 10.0) -> None:
+        self.interface = _check_interface(interface)
+        self.timeout = timeout
+        self._zc: AsyncZeroconf | None = None
+        self._info: ServiceInfo | None = None
+
+    @property
+    def published(self) -> bool:
+        return self._zc is not None
+
+    async def async_publish(self, info: ServiceInfo, what: str) -> None:
+        if self._zc is not None:
+            raise RuntimeError(f"{what} is already published")
+        zc = _zeroconf_on(self.interface)
+        try:
+            announced = await _bounded(zc.async_register_service(info, allow_name_change=True), self.timeout,
+                                       f"probing for {what} on {self.interface}")
+            await _bounded(announced, self.timeout, f"announcing {what} on {self.interface}")
+        except BaseException:
+            await zc.async_close()
+            raise
+        self._zc, self._info = zc, info
+
+    async def async_close(self) -> None:
+        zc, info, self._zc, self._info = self._zc, self._info, None, None
+        if zc is None:
+            return
+        try:
+            if info is not None:
+                await _bounded(await zc.async_unregister_service(info), self.timeout, "sending goodbye packets")
+        finally:
+            await zc.async_close()
+
+
 class Advertiser:
     """Publishes one agent's `Advertisement` on one interface, re-announces it on change and
     withdraws it (goodbye packets) on close."""
