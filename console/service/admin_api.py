@@ -28,6 +28,7 @@ from aiohttp import web
 
 from console.service.admin_shapes import (
     ShapeError,
+    export_plan_from_json,
     field,
     plan_from_json,
     plan_json,
@@ -205,6 +206,12 @@ class AdminApi:
                           leave_out=strings(body, "leave_out"))
             return j({"job": job.to_json()}, status=202)
 
+        async def start_export(q):
+            body = await self.body(q)
+            job = s.start_export(field(body, "model", str), export_plan_from_json(body),
+                                 spec=spec_from_json(field(body, "spec", dict, default={})))
+            return j({"job": job.to_json()}, status=202)
+
         async def placement(q):
             return j({"placement": s.placement(q.match_info["id"]).to_json()})
 
@@ -282,6 +289,7 @@ class AdminApi:
         r.add_get(f"{p}/models", models)
         r.add_post(f"{p}/models", add_model)
         r.add_get(f"{p}/exports", exports)
+        r.add_post(f"{p}/exports", start_export)
         r.add_post(f"{p}/placements", place)
         r.add_get(f"{p}/placements/{{id}}", placement)
         r.add_post(f"{p}/placements/{{id}}/solve", solve)

@@ -210,6 +210,15 @@ class AdminClient:
         job = (await self.async_call("POST", "/placements", body))["job"]
         return dict((await self.async_wait_job(job["id"], timeout=timeout))["placement"])
 
+    async def async_start_export(self, model: str, plan: Plan, *, spec: ExportSpec | None = None) -> dict[str, Any]:
+        """Start exporting ``model`` with ``plan``'s split (an identical export is reused): the JOB
+        at once; its progress arrives as ``export`` events with the job's id, and
+        ``async_wait_job(job["id"], ...)`` gives ``{"export": EXPORT, "reused": bool}``."""
+        body: dict[str, Any] = {"model": model, "plan": plan_json(plan)}
+        if spec is not None:
+            body["spec"] = spec_json(spec)
+        return dict((await self.async_call("POST", "/exports", body))["job"])
+
     async def async_solve(self, placement_id: str, request: PlacementRequest, leave_out: Collection[str]) -> Plan:
         answer = await self.async_call("POST", f"/placements/{placement_id}/solve",
                                        {"request": request_json(request), "leave_out": sorted(leave_out)},

@@ -5,8 +5,8 @@ are decoded by that module's own ``*_from_json``).
 
 What the service does not send is rebuilt conservatively and said so here: a record's
 ``last_seen`` is "now minus last_seen_s" on this PC's monotonic clock; placement inputs carry the
-model as ``n_layers`` and ``total_bytes``, so the layer bytes are spread evenly (the console only
-uses them to re-time a hand-moved split and to warn about memory: the service re-solves for real).
+model's layer bytes, embedding and head (the service persists placements in this form), and from
+a service that sent only ``n_layers`` and ``total_bytes`` the layer bytes are spread evenly.
 """
 
 from __future__ import annotations
@@ -85,7 +85,9 @@ def links_from_json(body: Mapping[str, Any]) -> LinkReport:
     failures = {(end(f["a"]), end(f["b"])): str(f["error"]) for f in _get(body, "failures", list, w, [])}
     pc_ms = {(p["a"], p["b"]): float(p["ms"]) for p in _get(body, "pc_ms", list, w, [])}
     coordinator = {k: float(v) for k, v in _get(body, "coordinator_ms", dict, w, {}).items()}
-    return LinkReport(Links(pc_ms=pc_ms, coordinator_ms=coordinator), measured, failures)
+    default = _get(body, "default_ms", (int, float), w, None)
+    return LinkReport(Links(pc_ms=pc_ms, coordinator_ms=coordinator,
+                            default_ms=None if default is None else float(default)), measured, failures)
 
 
 def inputs_from_json(body: Mapping[str, Any]) -> PlacementInputs:
@@ -105,7 +107,15 @@ def inputs_from_json(body: Mapping[str, Any]) -> PlacementInputs:
         failures = {(f["node_id"], f["device_id"]): str(f["error"]) for f in _get(body, "failures", list, w, [])}
     except (KeyError, TypeError, ValueError) as exc:
         raise ShapeError(f"the service's placement inputs do not read: {exc!r}") from exc
-    return PlacementInputs(model=ModelProfile(layer_bytes=(total // n_layers,) * n_layers), pcs=pcs, devices=devices,
+    even = [total // n_layers] * n_layers  # an older service sent only the total
+    layer_bytes = tuple(int(b) for b in _get(model, "layer_bytes", list, "inputs.model", even))
+    if len(layer_bytes) != n_layers:
+        raise ShapeError(f"the placement inputs' model has {n_layers} layers but {len(layer_bytes)} layer sizes")
+    profile = ModelProfile(layer_bytes=layer_bytes, embed_bytes=_get(model, "embed_bytes", int, "inputs.model", 0),
+                           embed_ms=float(_get(model, "embed_ms", (int, float), "inputs.model", 0.0)),
+                           head_bytes=_get(model, "head_bytes", int, "inputs.model", 0),
+                           head_ms=float(_get(model, "head_ms", (int, float), "inputs.model", 0.0)))
+    return PlacementInputs(model=profile, pcs=pcs, devices=devices,
                            links=links_from_json(_get(body, "links", dict, w, {})),
                            unreachable=tuple(_get(body, "unreachable", list, w, [])),
                            names=dict(_get(body, "names", dict, w, {})), failures=failures)

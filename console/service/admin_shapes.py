@@ -128,6 +128,18 @@ def plan_from_json(body: Mapping[str, Any]) -> Plan:
                 optimal=field(body, "optimal", bool, where=w, default=False), excluded=excluded)
 
 
+def export_plan_from_json(body: Mapping[str, Any]) -> Plan:
+    """The split of ``POST /exports``: a whole ``plan`` (as a placement or ring holds it) or only
+    its ``stages``; exactly one of the two."""
+    has_plan, has_stages = body.get("plan") is not None, body.get("stages") is not None
+    if has_plan == has_stages:
+        raise ShapeError("give exactly one of 'plan' (a plan, as a placement holds it) or 'stages' "
+                         "(its stages: device_id, pc_id, first_layer, last_layer each)")
+    if has_plan:
+        return plan_from_json(field(body, "plan", dict))
+    return plan_from_json({"stages": field(body, "stages", list)})
+
+
 def spec_json(spec: ExportSpec) -> dict[str, Any]:
     return {"weights": spec.weights, "group_size": spec.group_size, "symmetric": spec.symmetric,
             "kv_cache_precision": spec.kv_cache_precision}
@@ -147,17 +159,20 @@ def links_json(report: LinkReport) -> dict[str, Any]:
                          for (a, b), m in report.measured.items()],
             "failures": [{"a": a, "b": b, "error": e} for (a, b), e in report.failures.items()],
             "pc_ms": [{"a": a, "b": b, "ms": ms} for (a, b), ms in report.links.pc_ms.items()],
-            "coordinator_ms": dict(report.links.coordinator_ms)}
+            "coordinator_ms": dict(report.links.coordinator_ms), "default_ms": report.links.default_ms}
 
 
 def inputs_json(inputs: PlacementInputs) -> dict[str, Any]:
+    m = inputs.model
     return {"names": dict(inputs.names), "unreachable": list(inputs.unreachable),
             "failures": [{"node_id": n, "device_id": d, "error": e} for (n, d), e in inputs.failures.items()],
             "pcs": [{"pc_id": p.pc_id, "memory_bytes": p.memory_bytes, "approved": p.approved, "paused": p.paused,
                      "on_battery": p.on_battery} for p in inputs.pcs],
             "devices": [{"device_id": d.device_id, "pc_id": d.pc_id, "kind": str(d.kind), "layer_ms": d.layer_ms,
                          "overhead_ms": d.overhead_ms, "memory_bytes": d.memory_bytes} for d in inputs.devices],
-            "model": {"n_layers": inputs.model.n_layers, "total_bytes": inputs.model.total_bytes},
+            "model": {"n_layers": inputs.model.n_layers, "total_bytes": inputs.model.total_bytes,
+                      "layer_bytes": list(m.layer_bytes), "embed_bytes": m.embed_bytes, "embed_ms": m.embed_ms,
+                      "head_bytes": m.head_bytes, "head_ms": m.head_ms},
             "links": links_json(inputs.links)}
 
 

@@ -11,7 +11,8 @@ Everything lives on one asyncio loop (the process's). What it serves is persiste
 (agents keep verified shards; the same return port and API address give each agent the
 assignment it already holds, so a worker that kept running keeps running), retrying with a
 back-off while agents are not back yet. A serving ring that reports down for ``down_grace_s`` (its
-failover gave up) is rebuilt the same way.
+failover gave up) is rebuilt the same way. Placements persist too
+(:mod:`console.service.placement_store`): a placement id answers after a restart.
 
 The CA key: its file is encrypted under a wrapping key kept by :class:`engine.trust.keystore.ConsoleSecrets`
 — the OS keyring of the user the service runs as, or, where that user has none (a system service),
@@ -35,20 +36,33 @@ from pathlib import Path
 from typing import Any
 
 from console.service.admin_api import ADMIN_SOCKET, async_run_admin
-from console.service.admin_shapes import agent_json, export_json, inputs_json, model_json, plan_json, spec_json
+from console.service.admin_shapes import agent_json, export_json, model_json, plan_json
 from console.service.agent_record import AgentRecord
 from console.service.console_settings import ConsoleSettings, free_port
 from console.service.distribution import DistributionTimeouts
 from console.service.errors import ConsoleError
 from console.service.export_catalog import ExportSpec
+from console.service.export_job import ExportEvent, ExportFailed, ExportFinished, ExportProgress
 from console.service.failover import FailoverSettings
 from console.service.fleet import FleetModel
 from console.service.links import async_measure_links
 from console.service.models import ModelEntry, ModelLibrary
-from console.service.placement_inputs import PlacementInputs, async_placement_inputs, solve_inputs
+from console.service.placement_inputs import async_placement_inputs, solve_inputs
+from console.service.placement_store import (
+    Placement,
+    PlacementNotFoundError,  # noqa: F401 (named here before)
+    PlacementStore,
+)
 from console.service.served_rings import ServedRing, ServedRings, check_ring_id, next_ring_id
 from console.service.service_events import EventFeed, Jobs
-from console.service.service_ring import RingContext, RingStateError, ServiceRing, elapsed_down
+from console.service.service_ring import (
+    EXPORT_POLL_S,
+    EXPORT_TIMEOUT_S,
+    RingContext,
+    RingStateError,
+    ServiceRing,
+    elapsed_down,
+)
 from engine.api.server import RunningApi, async_run_api
 from engine.control.fleet_services import FleetHost, fleet_host, write_private
 from engine.control.hub import AgentEvent
@@ -88,30 +102,12 @@ class FleetServiceSettings:
         return self.console.state_dir
 
 
-class PlacementNotFoundError(ConsoleError):
-    """A placement id names no placement this run of the service made (they are not persisted)."""
-
-
 class RingNotFoundError(ConsoleError):
     """A ring id names no ring the service serves."""
 
 
 class ModelNotFoundError(ConsoleError):
     """A model name is not in the service's library."""
-
-
-@dataclass
-class Placement:
-    id: str
-    model: str
-    context: int
-    spec: ExportSpec
-    inputs: PlacementInputs
-    plan: Plan
-
-    def to_json(self) -> dict[str, Any]:
-        return {"id": self.id, "model": self.model, "context": self.context, "spec": spec_json(self.spec),
-                "inputs": inputs_json(self.inputs), "plan": plan_json(self.plan)}
 
 
 class FleetService:
@@ -125,7 +121,7 @@ class FleetService:
         self.feed = EventFeed(self._snapshot)
         self.jobs = Jobs(self.feed)
         self.rings: dict[str, ServiceRing] = {}
-        self.placements: dict[str, Placement] = {}
+        self.placements: PlacementStore | None = None
         self.host: FleetHost | None = None
         self.fleet: FleetModel | None = None
         self.served: ServedRings | None = None
@@ -137,7 +133,6 @@ class FleetService:
         self._tasks: list[asyncio.Task] = []
         self._auto: dict[str, tuple[int, float]] = {}  # ring -> (attempts, next monotonic time) to re-form it
         self._last_health: Any = None
-        self._ids = 0
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -146,6 +141,7 @@ class FleetService:
         s.state_dir.mkdir(parents=True, exist_ok=True)
         try:
             self.served = ServedRings(s.state_dir)
+            self.placements = PlacementStore(s.state_dir)  # a damaged file stops the start, named
             host = self.host = await self._stack.enter_async_context(
                 fleet_host(s.state_dir, host=s.interface, enrollment_port=s.enrollment_port, hub_port=s.hub_port,
                            advertise_on=s.interface, name="Deskfleet fleet"))
@@ -380,26 +376,20 @@ class FleetService:
                 context=context, streams=request.n_streams, allow_battery=request.allow_battery,
                 steps=self.settings.console.calibration_steps, threads=self.settings.console.worker.threads)
             plan = await asyncio.to_thread(solve_inputs, inputs, request, frozenset(leave_out))
-            self._ids += 1
-            placement = Placement(f"p{self._ids}", model, context, spec, inputs, plan)
-            self.placements[placement.id] = placement
-            return placement
+            return self.placements.put(Placement(self.placements.new_id(), model, context, spec, inputs, plan))
 
         return self.jobs.start("place", asyncio.wait_for(place(), PLACE_TIMEOUT_S),
                                to_json=lambda p: {"placement": p.to_json()})
 
     def placement(self, placement_id: str) -> Placement:
-        placement = self.placements.get(placement_id)
-        if placement is None:
-            raise PlacementNotFoundError(f"there is no placement {placement_id!r} (placements last until the "
-                                         "service restarts); place the model again")
-        return placement
+        return self.placements.get(placement_id)
 
     async def async_solve(self, placement_id: str, request: PlacementRequest, leave_out: Collection[str]) -> Plan:
         placement = self.placement(placement_id)
         plan = await asyncio.wait_for(asyncio.to_thread(solve_inputs, placement.inputs, request, frozenset(leave_out)),
                                       request.time_limit_s + 30)
         placement.plan = plan
+        self.placements.put(placement)
         return plan
 
     async def async_propose_rings(self, placement_id: str, request: PlacementRequest, *, standbys: int = 1,
@@ -422,6 +412,29 @@ class FleetService:
                 "unused": list(proposal.unused), "limit": proposal.limit, "standby_gaps": list(proposal.standby_gaps),
                 "excluded": [{"pc_id": e.pc_id, "reason": e.reason} for e in proposal.excluded],
                 "aggregate_tok_s": proposal.aggregate_tok_s}
+
+    def start_export(self, model: str, plan: Plan, *, spec: ExportSpec = DEFAULT_SPEC):
+        """Export ``model`` with ``plan``'s split (an identical export is reused), as a job: its
+        progress goes on the feed as ``export`` events carrying the job's id, its result is the
+        export; cancelling the job stops the export process and leaves nothing behind."""
+        entry = self.model_entry(model)
+        job_id: list[str] = []
+
+        def on_event(event: ExportEvent) -> None:
+            self.feed.publish("export", {"job": job_id[0] if job_id else None, **export_event_json(event)})
+
+        async def run() -> dict[str, Any]:
+            export_job = self.library.start_export(entry, plan=plan, spec=spec, on_event=on_event)
+            try:
+                info = await export_job.async_wait(EXPORT_TIMEOUT_S, EXPORT_POLL_S)
+            except asyncio.CancelledError:
+                await asyncio.to_thread(export_job.cancel)
+                raise
+            return {"export": export_json(info), "reused": export_job.reused}
+
+        job = self.jobs.start("export", run())
+        job_id.append(job.id)
+        return job
 
     # ---- rings -----------------------------------------------------------------------------------
 
@@ -516,6 +529,17 @@ class FleetService:
                 "admin": {"socket": True, "https": self.admin_url},
                 "settings": {"interface": s.interface, "runtime": s.runtime, "api_port": self.api.port if self.api
                              else s.api_port}}
+
+
+def export_event_json(event: ExportEvent) -> dict[str, Any]:
+    """An export job's event as the feed's ``export`` data (without whose export it is)."""
+    if isinstance(event, ExportProgress):
+        return {"state": "progress", "stage": event.stage, "step": event.step, "fraction": event.fraction}
+    if isinstance(event, ExportFinished):
+        return {"state": "finished", "export_id": event.export.export_id, "reused": event.reused, "fraction": 1.0}
+    if isinstance(event, ExportFailed):
+        return {"state": "failed", "message": event.message}
+    return {"state": "cancelled"}
 
 
 def _checkpoint_of(model: ModelEntry) -> Path:
