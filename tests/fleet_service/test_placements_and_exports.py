@@ -141,3 +141,33 @@ def test_an_export_with_a_plans_split_runs_as_a_job_over_the_admin_socket(tmp_pa
             assert len(service.library.exports()) == 1
 
     run(main(), 400)
+
+
+def test_cancelling_an_export_job_stops_it_and_leaves_nothing(tmp_path, tiny_checkpoint):
+    state = tmp_path / "fleet"
+    checkpoint = tiny_checkpoint("llama")
+
+    async def main():
+        async with service_in_process(state) as service, Admin.unix(state / "admin.sock") as a:
+            model = (await a.ok("POST", "/models", {"path": str(checkpoint)}))["model"]["name"]
+            after = (await a.ok("GET", "/events?after=0&timeout=0"))["next"]
+            plan = {"stages": [{"device_id": f"pc-{i}/CPU", "pc_id": f"pc-{i}", "first_layer": i, "last_layer": i}
+                               for i in range(4)]}
+            job = (await a.ok("POST", "/exports", {"model": model, "plan": plan,
+                                                   "spec": {"weights": "fp32", "kv_cache_precision": "f32"}}))["job"]
+            started = False
+            while not started:  # the process is exporting a stage: a partial directory exists
+                poll = await a.ok("GET", f"/events?after={after}&timeout=5")
+                assert poll["events"], "no export progress reached the feed"
+                after = poll["next"]
+                started = any(e["kind"] == "export" and e["data"].get("job") == job["id"]
+                              and e["data"].get("stage") is not None for e in poll["events"])
+            cancelled = (await a.ok("DELETE", f"/jobs/{job['id']}"))["job"]
+            assert cancelled["state"] in ("running", "cancelled")
+            done = await a.job(job["id"], 60)
+            assert done["state"] == "cancelled"
+            assert service.library.exports() == []
+            left = list(service.library.exports_dir.iterdir()) if service.library.exports_dir.exists() else []
+            assert left == [], f"the cancelled export left {left}"
+
+    run(main(), 300)
