@@ -171,3 +171,23 @@ def test_cancelling_an_export_job_stops_it_and_leaves_nothing(tmp_path, tiny_che
             assert left == [], f"the cancelled export left {left}"
 
     run(main(), 300)
+
+
+def test_placement_inputs_round_trip_through_json_unchanged():
+    """What placements.json keeps is what was measured: layer sizes, embedding and head, links'
+    default (an older service's JSON without them still reads, spread evenly)."""
+    import dataclasses
+
+    from console.service.admin_decode import inputs_from_json
+    from console.service.admin_shapes import inputs_json
+
+    inputs = _inputs()
+    model = dataclasses.replace(inputs.model, layer_bytes=(1 << 20, 3 << 20, 2 << 20), embed_bytes=7, embed_ms=0.5,
+                                head_bytes=9, head_ms=1.5)
+    inputs = dataclasses.replace(inputs, model=model)
+    back = inputs_from_json(inputs_json(inputs))
+    assert back.model == inputs.model and back.links.links.default_ms == 0.3
+    assert back.pcs == inputs.pcs and back.devices == inputs.devices
+    old = inputs_json(inputs)
+    old["model"] = {"n_layers": 3, "total_bytes": 6 << 20}
+    assert inputs_from_json(old).model.layer_bytes == (2 << 20,) * 3
