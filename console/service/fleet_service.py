@@ -42,7 +42,7 @@ from console.service.console_settings import ConsoleSettings, free_port
 from console.service.distribution import DistributionTimeouts
 from console.service.errors import ConsoleError
 from console.service.export_catalog import ExportSpec
-from console.service.export_job import ExportEvent, ExportFailed, ExportFinished, ExportProgress
+from console.service.export_job import ExportEvent
 from console.service.failover import FailoverSettings
 from console.service.fleet import FleetModel
 from console.service.links import async_measure_links
@@ -56,12 +56,12 @@ from console.service.placement_store import (
 from console.service.served_rings import ServedRing, ServedRings, check_ring_id, next_ring_id
 from console.service.service_events import EventFeed, Jobs
 from console.service.service_ring import (
-    EXPORT_POLL_S,
-    EXPORT_TIMEOUT_S,
     RingContext,
     RingStateError,
     ServiceRing,
+    async_finish_export,
     elapsed_down,
+    export_event_json,
 )
 from engine.api.server import RunningApi, async_run_api
 from engine.control.fleet_services import FleetHost, fleet_host, write_private
@@ -425,11 +425,7 @@ class FleetService:
 
         async def run() -> dict[str, Any]:
             export_job = self.library.start_export(entry, plan=plan, spec=spec, on_event=on_event)
-            try:
-                info = await export_job.async_wait(EXPORT_TIMEOUT_S, EXPORT_POLL_S)
-            except asyncio.CancelledError:
-                await asyncio.to_thread(export_job.cancel)
-                raise
+            info = await async_finish_export(export_job)
             return {"export": export_json(info), "reused": export_job.reused}
 
         job = self.jobs.start("export", run())
@@ -529,17 +525,6 @@ class FleetService:
                 "admin": {"socket": True, "https": self.admin_url},
                 "settings": {"interface": s.interface, "runtime": s.runtime, "api_port": self.api.port if self.api
                              else s.api_port}}
-
-
-def export_event_json(event: ExportEvent) -> dict[str, Any]:
-    """An export job's event as the feed's ``export`` data (without whose export it is)."""
-    if isinstance(event, ExportProgress):
-        return {"state": "progress", "stage": event.stage, "step": event.step, "fraction": event.fraction}
-    if isinstance(event, ExportFinished):
-        return {"state": "finished", "export_id": event.export.export_id, "reused": event.reused, "fraction": 1.0}
-    if isinstance(event, ExportFailed):
-        return {"state": "failed", "message": event.message}
-    return {"state": "cancelled"}
 
 
 def _checkpoint_of(model: ModelEntry) -> Path:

@@ -152,28 +152,18 @@ class ServiceRing:
         self.export_state = {"stage": None, "step": "starting", "fraction": 0.0}
         self.job = self.ctx.library.start_export(entry, plan=served.plan, spec=served.spec,
                                                  on_event=self._on_export_event)
-        try:
-            export = await self.job.async_wait(EXPORT_TIMEOUT_S, EXPORT_POLL_S)
-        except asyncio.CancelledError:
-            await asyncio.to_thread(self.job.cancel)
-            raise
+        export = await async_finish_export(self.job)
         self.served = replace(served, export_id=export.export_id)
         self.ctx.persist(self.served)
         return export
 
     def _on_export_event(self, event: ExportEvent) -> None:
-        data: dict[str, Any] = {"ring": self.ring_id}
-        if isinstance(event, ExportProgress):
-            self.export_state = {"stage": event.stage, "step": event.step, "fraction": event.fraction}
-            data |= {"state": "progress"} | self.export_state
-        elif isinstance(event, ExportFinished):
+        data = export_event_json(event)
+        if data["state"] == "progress":
+            self.export_state = {k: data[k] for k in ("stage", "step", "fraction")}
+        elif data["state"] == "finished":
             self.export_state = {"stage": None, "step": "finished", "fraction": 1.0}
-            data |= {"state": "finished", "export_id": event.export.export_id, "reused": event.reused,
-                     "fraction": 1.0}
-        elif isinstance(event, ExportFailed):
-            data |= {"state": "failed", "message": event.message}
-        else:
-            data |= {"state": "cancelled"}
+        data = {"ring": self.ring_id, **data}
         self.ctx.publish("export", data)
 
     async def _async_distribute(self, export: ExportInfo) -> None:
@@ -268,3 +258,24 @@ def elapsed_down(ring: ServiceRing, now: float | None = None) -> float:
     if ring.down_since is None:
         ring.down_since = now
     return now - ring.down_since
+
+
+def export_event_json(event: ExportEvent) -> dict[str, Any]:
+    """An export job's event as the feed's ``export`` data (without whose export it is: the
+    caller adds its ring or job)."""
+    if isinstance(event, ExportProgress):
+        return {"state": "progress", "stage": event.stage, "step": event.step, "fraction": event.fraction}
+    if isinstance(event, ExportFinished):
+        return {"state": "finished", "export_id": event.export.export_id, "reused": event.reused, "fraction": 1.0}
+    if isinstance(event, ExportFailed):
+        return {"state": "failed", "message": event.message}
+    return {"state": "cancelled"}
+
+
+async def async_finish_export(job: ExportJob) -> ExportInfo:
+    """Wait for ``job``'s export; a cancelled wait stops the export process (nothing left behind)."""
+    try:
+        return await job.async_wait(EXPORT_TIMEOUT_S, EXPORT_POLL_S)
+    except asyncio.CancelledError:
+        await asyncio.to_thread(job.cancel)
+        raise
