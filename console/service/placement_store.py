@@ -11,7 +11,7 @@ names it and leaves it in place, never an empty list.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -110,9 +110,3 @@ class PlacementStore:
 
     def __contains__(self, placement_id: object) -> bool:
         return placement_id in self._items
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._items)
-
-    def __len__(self) -> int:
-        return len(self._items)
