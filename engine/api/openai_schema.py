@@ -1,33 +1,64 @@
-"""The OpenAI wire schema, as pure code: request bodies in, response bodies and SSE chunks out.
+"""The OpenAI request schema, as pure code: request bodies in, id-level requests out.
 
 :func:`parse_completion` validates a decoded /v1/chat/completions or /v1/completions body into
-:class:`CompletionParams`; :func:`to_generation_request` turns it and the tokenized prompt into
-an id-level :class:`GenerationRequest` within the server's limits; :class:`TextStream` turns the
-generated ids back into text deltas, stop strings included; :func:`completion_response` and
-:class:`CompletionChunks` give the answer its OpenAI shape. Invalid input raises
+:class:`CompletionParams` (``tools``/``tool_choice``, ``response_format``, ``logprobs``/
+``top_logprobs`` and ``n`` included); :func:`to_generation_requests` turns it and the tokenized
+prompt into one id-level :class:`GenerationRequest` per choice within the server's limits;
+:class:`TextStream` turns the generated ids back into text deltas, stop strings included.
+:mod:`engine.api.openai_answer` gives the answer its OpenAI shape. Invalid input raises
 :class:`ApiError`. No sockets and no aiohttp here: :mod:`engine.api.server` moves the bytes.
+
+A feature the parser knows but the generators behind the server do not honour yet is refused
+with a 400 naming its field (``pending``, :data:`NOT_YET_SERVED`) rather than ignored.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import time
-import uuid
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from engine.errors import DeskfleetError, GenerationError
 from engine.generation.generator import ModelCard
-from engine.generation.request import FinishReason, GenerationRequest, SamplingParams
+from engine.generation.request import (
+    MAX_TOP_LOGPROBS,
+    Constraint,
+    FinishReason,
+    GenerationRequest,
+    JsonConstraint,
+    SamplingParams,
+)
+from engine.generation.tool_calls import (
+    EMPTY_PARAMETERS,
+    FunctionTool,
+    ToolCall,
+    ToolChoice,
+    ToolMode,
+    compact_json,
+    tool_constraint,
+)
 
 MAX_STOP_STRINGS = 4
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+MAX_CHOICES = 8  # n: each choice is a stream of its own on the ring
+MAX_TOOLS = 128
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
 # Fields a client may send that this server cannot honour: refuse them rather than ignore them.
-UNSUPPORTED = ("tools", "functions", "logprobs", "top_logprobs", "logit_bias", "echo", "suffix",
-               "presence_penalty", "frequency_penalty")
+UNSUPPORTED = ("functions", "function_call", "logit_bias", "echo", "suffix", "presence_penalty",
+               "frequency_penalty")
+# Features parsed and carried on the request but not yet honoured by the generators (the grammar
+# mask and the top-k log-probabilities are not wired into the schedulers yet): refused with a 400
+# naming the field until they are. feature -> (field, why)
+NOT_YET_SERVED: Mapping[str, tuple[str, str]] = {
+    "logprobs": ("logprobs", "log-probabilities are not returned by this server's generators yet"),
+    "response_format": ("response_format", "constrained JSON output is not enforced by this server's "
+                                           "generators yet; ask for JSON in the prompt instead"),
+    "forced_tool_call": ("tool_choice", "a required or named tool_choice needs constrained decoding, which this "
+                                        "server's generators do not do yet; use 'auto'"),
+}
+NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
 ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}
 
 
@@ -81,13 +112,35 @@ class CompletionParams:
 
     kind: str  # "chat" or "text"
     model: str | None = None  # the requested model; None: the server's first (the router resolves it)
-    messages: tuple[dict[str, str], ...] = ()
+    # role, content (always text); an assistant's earlier "tool_calls" (ToolCall), a tool's "tool_call_id"
+    messages: tuple[dict[str, Any], ...] = ()
     prompt: str | tuple[int, ...] = ""
     max_tokens: int | None = None  # None: the server default, clipped to the context
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False
+    n: int = 1  # choices, each generated on its own (seed + i when seeded)
+    logprobs: int | None = None  # None: none; k: the chosen token's and the k most likely tokens' (0..20)
+    response_format: JsonConstraint | None = None  # None: free text
+    tools: tuple[FunctionTool, ...] = ()
+    tool_choice: ToolChoice = field(default_factory=ToolChoice)
+
+    @property
+    def parses_tools(self) -> bool:
+        """Whether the answer's text is parsed for tool calls (tools given, and not ``none``)."""
+        return bool(self.tools) and self.tool_choice.mode is not ToolMode.NONE
+
+    @property
+    def constraint(self) -> Constraint | None:
+        """What the generators must constrain the output to: a forced tool call, else the response format."""
+        return tool_constraint(self.tools, self.tool_choice) or self.response_format
+
+    def features(self) -> frozenset[str]:
+        """The request's features that not every generator honours (keys of :data:`NOT_YET_SERVED`)."""
+        used = {"logprobs": self.logprobs is not None, "response_format": self.response_format is not None,
+                "forced_tool_call": self.tool_choice.forced}
+        return frozenset(k for k, on in used.items() if on)
 
 
 def _bad(message: str, param: str | None = None) -> ApiError:
@@ -141,16 +194,143 @@ def _message_text(content: Any, index: int) -> str:
     raise _bad(f"messages[{index}].content must be a string or a list of text parts", "messages")
 
 
-def _messages(raw: Any) -> tuple[dict[str, str], ...]:
+def _earlier_calls(raw: Any, index: int) -> tuple[ToolCall, ...]:
+    """An assistant message's ``tool_calls``, sent back in the history."""
+    where = f"messages[{index}].tool_calls"
+    if not isinstance(raw, list) or not raw:
+        raise _bad(f"{where} must be a non-empty list of {{id, type: 'function', function: {{name, arguments}}}}",
+                   "messages")
+    calls = []
+    for j, call in enumerate(raw):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(function, dict) and call.get("type", "function") == "function"
+                and isinstance(call.get("id"), str) and isinstance(function.get("name"), str)
+                and isinstance(function.get("arguments"), str)):
+            raise _bad(f"{where}[{j}] must be {{id: str, type: 'function', function: {{name: str, arguments: "
+                       "str (JSON)}}}}", "messages")
+        calls.append(ToolCall(_unicode(call["id"], where, "messages"), _unicode(function["name"], where, "messages"),
+                              _unicode(function["arguments"], where, "messages")))
+    return tuple(calls)
+
+
+def _message(message: Any, i: int) -> dict[str, Any]:
+    role = message.get("role") if isinstance(message, dict) else None
+    if role not in ROLES:
+        raise _bad(f"messages[{i}].role must be one of {sorted(ROLES)}, got {role!r}", "messages")
+    if role == "assistant" and message.get("tool_calls") is not None:
+        content = message.get("content")
+        return {"role": "assistant", "content": "" if content is None else _message_text(content, i),
+                "tool_calls": _earlier_calls(message["tool_calls"], i)}
+    out = {"role": ROLES[role], "content": _message_text(message.get("content"), i)}
+    if role == "tool":
+        call_id = message.get("tool_call_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise _bad(f"messages[{i}]: a 'tool' message needs the 'tool_call_id' of the call it answers",
+                       "messages")
+        out["tool_call_id"] = _unicode(call_id, f"messages[{i}].tool_call_id", "messages")
+    return out
+
+
+def _messages(raw: Any) -> tuple[dict[str, Any], ...]:
     if not isinstance(raw, list) or not raw:
         raise _bad("'messages' must be a non-empty list of {role, content} objects", "messages")
-    out = []
-    for i, message in enumerate(raw):
-        role = message.get("role") if isinstance(message, dict) else None
-        if role not in ROLES:
-            raise _bad(f"messages[{i}].role must be one of {sorted(ROLES)}, got {role!r}", "messages")
-        out.append({"role": ROLES[role], "content": _message_text(message.get("content"), i)})
-    return tuple(out)
+    return tuple(_message(message, i) for i, message in enumerate(raw))
+
+
+def _name(value: Any, where: str, param: str) -> str:
+    if not (isinstance(value, str) and 0 < len(value) <= 64 and set(value) <= NAME_CHARS):
+        raise _bad(f"{where} must be 1 to 64 letters, digits, '_' or '-', got {json.dumps(value)[:60]}", param)
+    return value
+
+
+def _schema(value: Any, where: str, param: str) -> str:
+    """A JSON Schema object as compact JSON text (whether the grammar can compile it is checked there)."""
+    if not isinstance(value, dict):
+        raise _bad(f"{where} must be a JSON Schema object, got {json.dumps(value)[:60]}", param)
+    try:
+        return compact_json(value)
+    except (ValueError, TypeError, RecursionError) as exc:
+        raise _bad(f"{where} cannot be read as JSON ({exc})", param) from None
+
+
+def _tools(raw: Any) -> tuple[FunctionTool, ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or len(raw) > MAX_TOOLS:
+        raise _bad(f"'tools' must be a list of at most {MAX_TOOLS} {{type: 'function', function: {{name, "
+                   "description?, parameters?}}}} objects", "tools")
+    tools = []
+    for i, tool in enumerate(raw):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or tool.get("type") != "function":
+            raise _bad(f"tools[{i}] must be {{type: 'function', function: {{name, description?, parameters?}}}}",
+                       "tools")
+        description = _get(function, "description", (str,), "a string") or ""
+        parameters = function.get("parameters")
+        tools.append(FunctionTool(
+            name=_name(function.get("name"), f"tools[{i}].function.name", "tools"),
+            description=_unicode(description, f"tools[{i}].function.description", "tools"),
+            parameters=(_schema(parameters, f"tools[{i}].function.parameters", "tools") if parameters is not None
+                        else EMPTY_PARAMETERS),
+            strict=bool(_get(function, "strict", (bool,), "true or false"))))
+    names = [t.name for t in tools]
+    if len(set(names)) < len(names):
+        raise _bad(f"'tools' names a function twice: {sorted({n for n in names if names.count(n) > 1})}", "tools")
+    return tuple(tools)
+
+
+def _tool_choice(raw: Any, tools: Sequence[FunctionTool]) -> ToolChoice:
+    if raw is None:
+        return ToolChoice()
+    if isinstance(raw, str) and raw in ("auto", "none", "required"):
+        choice = ToolChoice(ToolMode(raw))
+    elif isinstance(raw, dict) and raw.get("type") == "function" and isinstance(raw.get("function"), dict):
+        name = _name(raw["function"].get("name"), "tool_choice.function.name", "tool_choice")
+        if name not in {t.name for t in tools}:
+            raise _bad(f"tool_choice names the function {name!r}, which is not in 'tools'", "tool_choice")
+        choice = ToolChoice(ToolMode.FUNCTION, name)
+    else:
+        raise _bad("'tool_choice' must be 'auto', 'none', 'required' or {type: 'function', function: {name}}",
+                   "tool_choice")
+    if choice.forced and not tools:
+        raise _bad(f"tool_choice {raw if isinstance(raw, str) else 'function'!r} needs 'tools'", "tool_choice")
+    return choice
+
+
+def _response_format(raw: Any) -> JsonConstraint | None:
+    if raw is None:
+        return None
+    kind = raw.get("type") if isinstance(raw, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return JsonConstraint()
+    if kind == "json_schema":
+        spec = raw.get("json_schema")
+        if not isinstance(spec, dict):
+            raise _bad("response_format.json_schema must be {name, schema, strict?, description?}", "response_format")
+        schema = spec.get("schema")
+        return JsonConstraint(
+            schema=_schema(schema, "response_format.json_schema.schema", "response_format") if schema is not None
+            else None,
+            name=_name(spec.get("name"), "response_format.json_schema.name", "response_format"),
+            strict=bool(_get(spec, "strict", (bool,), "true or false")))
+    raise _bad("'response_format' must be {type: 'text'}, {type: 'json_object'} or {type: 'json_schema', "
+               "json_schema: {name, schema}}", "response_format")
+
+
+def _logprobs(body: Mapping[str, Any], kind: str) -> int | None:
+    """chat: ``logprobs`` true (+ ``top_logprobs`` k); completions: ``logprobs`` k. None: not asked."""
+    if kind == "text":
+        if body.get("top_logprobs") is not None:
+            raise _bad("'top_logprobs' is a chat field; /v1/completions takes 'logprobs': <count>", "top_logprobs")
+        return _integer(body, "logprobs", 0, MAX_TOP_LOGPROBS)
+    top = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if not _get(body, "logprobs", (bool,), "true or false"):
+        if top is not None:
+            raise _bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        return None
+    return top or 0
 
 
 def _prompt(raw: Any) -> str | tuple[int, ...]:
@@ -182,11 +362,12 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def parse_completion(body: Mapping[str, Any], kind: str,
-                     served: str | Collection[str] | None = None) -> CompletionParams:
+def parse_completion(body: Mapping[str, Any], kind: str, served: str | Collection[str] | None = None, *,
+                     pending: Collection[str] = frozenset(NOT_YET_SERVED)) -> CompletionParams:
     """Validate a decoded /v1/chat/completions (``kind`` "chat") or /v1/completions ("text") body.
 
-    Raises :class:`ApiError` 400 for an invalid field, and 404 for a model not among ``served``
+    Raises :class:`ApiError` 400 for an invalid field or a feature in ``pending`` (the generators
+    do not honour it yet; see :data:`NOT_YET_SERVED`), and 404 for a model not among ``served``
     (a name or several; None: the caller resolves the model, as the server does through its router).
     """
     model = _get(body, "model", (str,), "a model name (see /v1/models)")
@@ -196,8 +377,7 @@ def parse_completion(body: Mapping[str, Any], kind: str,
     for name in UNSUPPORTED:
         if body.get(name):
             raise _bad(f"'{name}' is not supported by this server; leave it out", name)
-    if _integer(body, "n", 1, 1 << 30) not in (None, 1):
-        raise _bad("'n' must be 1: this server returns one choice per request", "n")
+    n = _integer(body, "n", 1, MAX_CHOICES) or 1
     if _integer(body, "best_of", 1, 1 << 30) not in (None, 1):
         raise _bad("'best_of' must be 1 on this server", "best_of")
     max_tokens = _integer(body, "max_completion_tokens", 1, 1 << 30)
@@ -216,7 +396,12 @@ def parse_completion(body: Mapping[str, Any], kind: str,
         raise _bad(str(exc)) from exc
     stream = bool(_get(body, "stream", (bool,), "true or false"))
     options = _get(body, "stream_options", (dict,), "an object") or {}
-    return CompletionParams(
+    tools = _tools(body.get("tools")) if kind == "chat" else ()
+    if kind == "text":
+        for name in ("tools", "tool_choice", "response_format"):
+            if body.get(name) is not None:
+                raise _bad(f"'{name}' is a chat field; send it to /v1/chat/completions", name)
+    params = CompletionParams(
         kind=kind,
         model=model,
         messages=_messages(body.get("messages")) if kind == "chat" else (),
@@ -226,12 +411,36 @@ def parse_completion(body: Mapping[str, Any], kind: str,
         stop=_stop(body.get("stop")),
         stream=stream,
         include_usage=stream and bool(_get(options, "include_usage", (bool,), "true or false")),
+        n=n,
+        logprobs=_logprobs(body, kind),
+        response_format=_response_format(body.get("response_format")) if kind == "chat" else None,
+        tools=tools,
+        tool_choice=_tool_choice(body.get("tool_choice"), tools) if kind == "chat" else ToolChoice(),
     )
+    for feature in sorted(params.features() & set(pending)):
+        param, why = NOT_YET_SERVED[feature]
+        raise _bad(f"'{param}': {why}", param)
+    return params
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """Choice ``index``'s seed: ``seed + index`` (wrapping within 63 bits), so seeded choices differ
+    from each other and repeat across identical requests."""
+    return None if seed is None else (seed + index) % (1 << 63)
+
+
+def to_generation_requests(prompt_ids: Sequence[int], params: CompletionParams, limits: TokenLimits,
+                           card: ModelCard) -> tuple[GenerationRequest, ...]:
+    """One id-level request per choice (``params.n``), each seeded ``seed + i``."""
+    first = to_generation_request(prompt_ids, params, limits, card)
+    return (first, *(replace(first, sampling=replace(first.sampling, seed=choice_seed(first.sampling.seed, i)))
+                     for i in range(1, params.n)))
 
 
 def to_generation_request(prompt_ids: Sequence[int], params: CompletionParams, limits: TokenLimits,
                           card: ModelCard) -> GenerationRequest:
-    """The id-level request for a tokenized prompt, within the server's limits and the model's context."""
+    """The id-level request for a tokenized prompt (its first choice), within the server's limits
+    and the model's context."""
     n = len(prompt_ids)
     if n > limits.max_prompt_tokens or n >= card.context_length:
         limit = min(limits.max_prompt_tokens, card.context_length - 1)
@@ -250,7 +459,8 @@ def to_generation_request(prompt_ids: Sequence[int], params: CompletionParams, l
     else:
         max_new = params.max_tokens
     return GenerationRequest(prompt_ids=tuple(prompt_ids), max_new_tokens=max_new, sampling=params.sampling,
-                             stop_token_ids=card.eos_token_ids)
+                             stop_token_ids=card.eos_token_ids, logprobs=params.logprobs,
+                             constraint=params.constraint)
 
 
 # -- incremental detokenization ----------------------------------------------------------------
@@ -267,11 +477,14 @@ class TextStream:
         self._decode = decode
         self._stop = tuple(s for s in stop if s)
         self._ids: list[int] = []
+        self._decoded = 0  # characters the ids so far decode to, less a cut character at the end
         self.text = ""  # everything emitted so far
         self.stopped = False  # a stop string was found; the caller should close the token stream
+        self.offsets: list[int] = []  # where each pushed token's text starts in the decoded text
 
     def push(self, token_id: int) -> str:
         """Add one generated id; return the text that is now safe to send (may be empty)."""
+        self.offsets.append(self._decoded)
         self._ids.append(token_id)
         return self._advance(final=False)
 
@@ -283,6 +496,7 @@ class TextStream:
         if self.stopped:
             return ""
         full = self._decode(self._ids)
+        self._decoded = len(full.rstrip("\ufffd"))
         start = len(self.text)
         hits = [i for i in (full.find(s, start) for s in self._stop) if i >= 0]
         if hits:
@@ -303,73 +517,3 @@ class TextStream:
             if any(s.startswith(pending[-k:]) for s in self._stop):
                 return k
         return 0
-
-
-# -- response shapes ---------------------------------------------------------------------------
-
-def _chat_choice(text: str, finish: str | None, chunk: bool) -> dict[str, Any]:
-    body = {"delta": {"content": text} if text else {}} if chunk else {
-        "message": {"role": "assistant", "content": text}}
-    return {"index": 0, **body, "finish_reason": finish, "logprobs": None}
-
-
-def _text_choice(text: str, finish: str | None, chunk: bool) -> dict[str, Any]:
-    return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
-
-
-# kind -> (id prefix, object, chunk object, choice shape)
-SHAPES = {
-    "chat": ("chatcmpl-", "chat.completion", "chat.completion.chunk", _chat_choice),
-    "text": ("cmpl-", "text_completion", "text_completion", _text_choice),
-}
-
-
-def _head(prefix: str, obj: str, model: str) -> dict[str, Any]:
-    return {"id": prefix + uuid.uuid4().hex, "object": obj, "created": int(time.time()), "model": model}
-
-
-def token_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    """The ``usage`` object of an answer."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-def completion_response(kind: str, model: str, text: str, finish_reason: str,
-                        usage: Mapping[str, int]) -> dict[str, Any]:
-    """The whole (non-streamed) answer to a ``kind`` "chat" or "text" request."""
-    prefix, obj, _, choice = SHAPES[kind]
-    return {**_head(prefix, obj, model), "choices": [choice(text, finish_reason, False)], "usage": dict(usage)}
-
-
-class CompletionChunks:
-    """The chunks of one streamed answer; each repeats the same id, object, created and model.
-
-    With ``include_usage`` every chunk carries ``"usage": null`` and :meth:`usage` gives the last one.
-    """
-
-    def __init__(self, kind: str, model: str, include_usage: bool = False):
-        prefix, _, obj, self._choice = SHAPES[kind]
-        self._kind = kind
-        self._head = _head(prefix, obj, model)
-        self._extra = {"usage": None} if include_usage else {}
-
-    def opening(self) -> list[dict[str, Any]]:
-        """The chunks sent before any text: a chat answer first announces the assistant role."""
-        if self._kind != "chat":
-            return []
-        role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-        return [{**self._head, "choices": [role], **self._extra}]
-
-    def delta(self, text: str, finish_reason: str | None = None) -> dict[str, Any]:
-        """A chunk of generated text; the last one has empty text and the ``finish_reason``."""
-        return {**self._head, "choices": [self._choice(text, finish_reason, True)], **self._extra}
-
-    def usage(self, usage: Mapping[str, int]) -> dict[str, Any]:
-        """The closing chunk of an ``include_usage`` stream: no choices, the token counts."""
-        return {**self._head, "choices": [], "usage": dict(usage)}
-
-
-def sse_event(payload: Mapping[str, Any] | str) -> bytes:
-    """One server-sent event: ``data: <compact JSON or the literal string>`` and a blank line."""
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
-    return f"data: {data}\n\n".encode()

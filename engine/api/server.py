@@ -47,19 +47,23 @@ from engine.api.api_metrics import ApiMetrics, render_prometheus
 from engine.api.audit import AuditLog, AuditRecord, utc_stamp
 from engine.api.guard import HostPolicy, check_exposure, check_json_type, check_prompt_chars
 from engine.api.keys import ANONYMOUS, Caller, KeyCheck, RateLimiter, retry_after_header
+from engine.api.openai_answer import (
+    ChoiceBuilder,
+    CompletionChunks,
+    completion_response,
+    sse_event,
+    token_bytes_of,
+    token_usage,
+)
 from engine.api.openai_schema import (
     FINISH_REASONS,
+    NOT_YET_SERVED,
     ApiError,
-    CompletionChunks,
     CompletionParams,
-    TextStream,
-    completion_response,
     model_not_found,
     parse_completion,
     parse_json_body,
-    sse_event,
-    to_generation_request,
-    token_usage,
+    to_generation_requests,
 )
 from engine.errors import DeskfleetError, GenerationError, TokenizerError
 from engine.generation.generator import Generator, ModelCard, OverloadedError, UnavailableError
@@ -67,6 +71,7 @@ from engine.generation.request import GenerationRequest
 from engine.generation.ring_report import RingStatus, overall_status
 from engine.generation.router import Router, UnknownModelError
 from engine.generation.tokenizer import ChatTokenizer
+from engine.generation.tool_calls import conversation
 from engine.http_limits import LimitedAppRunner
 from engine.trust.key_book import KeyBook, KeyBookError
 
@@ -83,7 +88,11 @@ class ApiSettings:
     book given to :func:`build_app`, means no auth, which only loopback allows).
 
     ``allowed_hosts``: host names clients may address the server by, besides the address it is
-    bound to and the loopback names (see :mod:`engine.api.guard`)."""
+    bound to and the loopback names (see :mod:`engine.api.guard`).
+
+    ``pending``: request features refused with a 400 naming their field because the generators
+    behind this API do not honour them yet (:data:`~engine.api.openai_schema.NOT_YET_SERVED`); a
+    generator that does (the tests' fake, which fills log-probabilities) is served with fewer."""
 
     model_name: str | None = None  # a lone generator's served name; None: its card's (a Router names its own)
     api_key: str | None = field(default=None, repr=False)
@@ -94,6 +103,7 @@ class ApiSettings:
     max_tokens_limit: int = 2048
     max_concurrent: int = 16
     retry_after_s: int = 1
+    pending: frozenset[str] = frozenset(NOT_YET_SERVED)
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_prompt_tokens", "default_max_tokens", "max_tokens_limit",
@@ -138,11 +148,51 @@ def api_error_from(exc: BaseException) -> ApiError:
 
 @dataclass
 class _Outcome:
-    finish_reason: str = "stop"
+    """A request's token counts so far: its prompt (once) and every choice's generated tokens."""
+
+    prompt_tokens: int = 0
     completion_tokens: int = 0
 
-    def usage(self, gen_request: GenerationRequest) -> dict[str, int]:
-        return token_usage(len(gen_request.prompt_ids), self.completion_tokens)
+    def usage(self) -> dict[str, int]:
+        return token_usage(self.prompt_tokens, self.completion_tokens)
+
+
+async def _merged(streams: Sequence[AsyncGenerator[Any, None]]) -> AsyncGenerator[Any, None]:
+    """The items of several async generators as they come (one: itself, no task). The first error
+    of any ends all of them; closing this one closes every stream (which cancels its generation)."""
+    if len(streams) == 1:
+        async with contextlib.aclosing(streams[0]) as only:
+            async for item in only:
+                yield item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(stream: AsyncGenerator[Any, None]) -> None:
+        try:
+            async with contextlib.aclosing(stream):
+                async for item in stream:
+                    queue.put_nowait((item, None))
+        except Exception as exc:  # handed to the consumer, which raises it
+            queue.put_nowait((done, exc))
+        else:
+            queue.put_nowait((done, None))
+
+    tasks = [asyncio.create_task(pump(s)) for s in streams]
+    try:
+        left = len(tasks)
+        while left:
+            item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is done:
+                left -= 1
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 _GONE = web.RequestKey("client_gone", bool)
@@ -350,7 +400,10 @@ class _Api:
     @staticmethod
     def _encode(tokenizer: ChatTokenizer, params: CompletionParams) -> list[int]:
         if params.kind == "chat":
-            return tokenizer.encode_chat(params.messages)
+            # tools go to a template that takes them, else into the conversation in the generic format
+            messages, tools = conversation(params.messages, params.tools, params.tool_choice,
+                                           native=bool(getattr(tokenizer, "takes_tools", False)))
+            return tokenizer.encode_chat(messages, tools=tools) if tools else tokenizer.encode_chat(messages)
         if isinstance(params.prompt, tuple):
             return list(params.prompt)
         return tokenizer.encode(params.prompt)
@@ -359,7 +412,8 @@ class _Api:
         """Answer /v1/chat/completions (``kind`` "chat") or /v1/completions ("text").
 
         Limits in order of cost: admission (a slot), the body's bytes, its validity, the
-        prompt's characters; only then is it rendered and tokenised, off the loop."""
+        prompt's characters; only then is it rendered and tokenised, off the loop. Each of the
+        ``n`` choices is a generation of its own (the ring's prefix cache shares the prompt)."""
         started = time.perf_counter()
         caller = request.get(CALLER, ANONYMOUS)
         self._rate_limit(caller)
@@ -367,38 +421,44 @@ class _Api:
             raise ApiError(429, f"the server is handling {self.metrics.active} requests, its limit; retry "
                            f"in {self.settings.retry_after_s} s", "too_many_requests")
         self.metrics.active += 1  # admitted: counts from here, so tokenising requests hold a slot
-        outcome, prompt_tokens = _Outcome(), 0
+        outcome = _Outcome()
         try:
             body = await self._read_json(request)
             if isinstance(body.get("model"), str):  # for the audit, even when it is not served
                 request[_ASKED_FOR] = body["model"][:100]
-            params = parse_completion(body, kind, [c.name for c in self.router.models()])
+            params = parse_completion(body, kind, [c.name for c in self.router.models()],
+                                      pending=self.settings.pending)
             card = self.router.card_for(params.model)
             tokenizer = self.tokenizer_for(card.name)
             check_prompt_chars(params, self.settings.max_prompt_tokens)
             prompt_ids = await _off_loop(self._encode_locked, tokenizer, params)
-            gen_request = to_generation_request(prompt_ids, params, self.settings, card)
-            self.metrics.prompt_tokens += len(gen_request.prompt_ids)
-            prompt_tokens = len(gen_request.prompt_ids)
-            self.limiter.charge(caller, prompt_tokens)
-            deltas = self._deltas(request, card, tokenizer, gen_request, params.stop, outcome, started)
+            gen_requests = to_generation_requests(prompt_ids, params, self.settings, card)
+            outcome.prompt_tokens = len(gen_requests[0].prompt_ids)
+            self.metrics.prompt_tokens += outcome.prompt_tokens
+            self.limiter.charge(caller, outcome.prompt_tokens)
+            builders = [ChoiceBuilder(i, kind, tokenizer.decode, params.stop, tools=params.parses_tools,
+                                      logprobs=params.logprobs, token_bytes=token_bytes_of(tokenizer),
+                                      skip_ids=card.eos_token_ids) for i in range(params.n)]
+            deltas = _merged([self._choice_deltas(request, card, r, b, outcome, started)
+                              for r, b in zip(gen_requests, builders, strict=True)])
             async with contextlib.aclosing(deltas):
                 if params.stream:
-                    return await self._send_stream(request, params, card, gen_request, deltas, outcome)
-                text = "".join([piece async for piece in deltas])
+                    return await self._send_stream(request, params, card, deltas, outcome)
+                async for _ in deltas:
+                    pass
         finally:
             self.metrics.active -= 1
-            request[_USAGE] = (prompt_tokens, outcome.completion_tokens)
+            request[_USAGE] = (outcome.prompt_tokens, outcome.completion_tokens)
             self.limiter.charge(caller, outcome.completion_tokens)
-        return web.json_response(completion_response(kind, card.name, text, outcome.finish_reason,
-                                                     outcome.usage(gen_request)))
+        return web.json_response(completion_response(kind, card.name, [b.choice() for b in builders],
+                                                     outcome.usage()))
 
-    async def _deltas(self, request: web.Request, card: ModelCard, tokenizer: ChatTokenizer,
-                      gen_request: GenerationRequest, stop: Sequence[str], outcome: _Outcome,
-                      started: float) -> AsyncGenerator[str, None]:
-        """Yield one text delta (maybe empty) per generated token, then the held-back tail."""
-        text = TextStream(tokenizer.decode, stop)
-        first_at = 0.0
+    async def _choice_deltas(self, request: web.Request, card: ModelCard, gen_request: GenerationRequest,
+                             builder: ChoiceBuilder, outcome: _Outcome,
+                             started: float) -> AsyncGenerator[list[dict[str, Any]], None]:
+        """Yield one list of the choice's streamed deltas (maybe empty) per generated token, then
+        the held-back tail and the closing delta."""
+        first_at, produced, finish = 0.0, 0, "stop"
 
         def placed(ring: str) -> None:
             request[SERVED_BY] = (card.name, ring)
@@ -407,47 +467,46 @@ class _Api:
             # aclosing: leaving this block early (stop string, disconnect, error) cancels the request.
             async with contextlib.aclosing(self.router.stream_for(card.name, gen_request, placed=placed)) as tokens:
                 async for event in tokens:
-                    if not outcome.completion_tokens:
+                    if not produced:
                         first_at = time.perf_counter()
-                        self.metrics.observe_ttft(first_at - started)
+                        if not outcome.completion_tokens:
+                            self.metrics.observe_ttft(first_at - started)
+                    produced += 1
                     outcome.completion_tokens += 1
-                    delta = text.push(event.token_id)
-                    if text.stopped:
-                        outcome.finish_reason = "stop"
-                        yield delta
-                        return
+                    deltas = builder.push(event)
+                    if builder.stopped:
+                        yield deltas
+                        break
                     if event.finish is not None:
                         if event.finish not in FINISH_REASONS:
                             raise UnavailableError("the coordinator cancelled this request (it is stopping or "
                                                    "a stage failed); retry it")
-                        outcome.finish_reason = FINISH_REASONS[event.finish]
-                        yield delta
+                        finish = FINISH_REASONS[event.finish]
+                        yield deltas
                         break
-                    yield delta
-            yield text.finish()
+                    yield deltas
+            yield builder.close(finish)
         finally:
-            if outcome.completion_tokens:
-                self.metrics.observe_generation(outcome.completion_tokens, time.perf_counter() - first_at)
+            if produced:
+                self.metrics.observe_generation(produced, time.perf_counter() - first_at)
 
     async def _send_stream(self, request: web.Request, params: CompletionParams, card: ModelCard,
-                           gen_request: GenerationRequest, deltas: AsyncIterator[str],
-                           outcome: _Outcome) -> web.StreamResponse:
+                           deltas: AsyncIterator[list[dict[str, Any]]], outcome: _Outcome) -> web.StreamResponse:
         # Wait for the first token before sending headers so refusals (429/503) keep their status.
-        piece = await anext(deltas, None)
-        chunks = CompletionChunks(params.kind, card.name, params.include_usage)
+        ready = await anext(deltas, None)
+        chunks = CompletionChunks(params.kind, card.name, params.include_usage, params.n)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                "X-Accel-Buffering": "no"})
         await response.prepare(request)
         try:
             for chunk in chunks.opening():
                 await response.write(sse_event(chunk))
-            while piece is not None:
-                if piece:
-                    await response.write(sse_event(chunks.delta(piece)))
-                piece = await anext(deltas, None)
-            await response.write(sse_event(chunks.delta("", outcome.finish_reason)))
+            while ready is not None:
+                for choice in ready:
+                    await response.write(sse_event(chunks.chunk(choice)))
+                ready = await anext(deltas, None)
             if params.include_usage:
-                await response.write(sse_event(chunks.usage(outcome.usage(gen_request))))
+                await response.write(sse_event(chunks.usage(outcome.usage())))
             await response.write(sse_event("[DONE]"))
         except ConnectionResetError:
             request[_GONE] = True

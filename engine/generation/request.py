@@ -1,7 +1,11 @@
 """What a client asks the coordinator for, and what comes back: token ids only.
 
-Text (chat templates, detokenisation, stop strings) is the API layer's business; the
-coordinator and the ring see ids, masks and positions.
+Text (chat templates, detokenisation, stop strings, tool-call parsing) is the API layer's
+business; the coordinator and the ring see ids, masks and positions. Two things a request
+may add for the generators (issue 17): ``logprobs`` (log-probabilities of the chosen token and
+the k most likely ones, carried back on each :class:`TokenEvent`) and ``constraint`` (the
+output must match a grammar: :class:`JsonConstraint` or :class:`ToolCallConstraint`, compiled
+by :mod:`engine.generation.grammar` into a per-stream token mask).
 """
 
 from __future__ import annotations
@@ -37,20 +41,68 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
 
+MAX_TOP_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's limit; the step frame's top_k)
+
+
+@dataclass(frozen=True)
+class JsonConstraint:
+    """The output must be one JSON value: any JSON object (``schema`` None, OpenAI's
+    ``{"type": "json_object"}``) or one valid for ``schema`` (JSON Schema as compact JSON text,
+    OpenAI's ``{"type": "json_schema"}``; ``name`` is the schema's name there)."""
+
+    schema: str | None = None
+    name: str = ""
+    strict: bool = False
+
+
+@dataclass(frozen=True)
+class FunctionSchema:
+    """A function a constrained tool call may name, with its arguments' JSON Schema (compact JSON text)."""
+
+    name: str
+    parameters: str
+
+
+@dataclass(frozen=True)
+class ToolCallConstraint:
+    """The output must be exactly one tool call: ``opening`` + ``{"name": N, "arguments": A}`` +
+    ``closing``, N one of ``functions`` (one for a named ``tool_choice``, all of them for
+    ``required``) and A valid for that function's ``parameters``."""
+
+    functions: tuple[FunctionSchema, ...]
+    opening: str = "<tool_call>\n"
+    closing: str = "\n</tool_call>"
+
+    def __post_init__(self) -> None:
+        if not self.functions:
+            raise GenerationError("a tool-call constraint needs at least one function")
+
+
+Constraint = JsonConstraint | ToolCallConstraint
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
+    """``logprobs``: None for none, else k (0..20): each token event carries the chosen token's
+    log-probability and the k most likely tokens' (log-softmax of the raw logits at temperature 1,
+    after the constraint's mask). ``constraint``: the grammar the output must match (None: free)."""
+
     prompt_ids: tuple[int, ...]
     max_new_tokens: int
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     want_logits: bool = False
+    logprobs: int | None = None
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
             raise GenerationError("the prompt is empty")
         if self.max_new_tokens < 1:
             raise GenerationError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise GenerationError(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {self.logprobs}")
 
 
 class FinishReason(enum.Enum):
@@ -61,9 +113,14 @@ class FinishReason(enum.Enum):
 
 @dataclass(frozen=True)
 class TokenEvent:
-    """One generated token; ``finish`` is set on the last event of a request."""
+    """One generated token; ``finish`` is set on the last event of a request.
+
+    ``logprob`` and ``top_logprobs`` ((id, logprob) pairs, most likely first) are filled when the
+    request asked for ``logprobs`` (see :class:`GenerationRequest`); None and () otherwise."""
 
     token_id: int
     index: int
     probability: float | None = None
     finish: FinishReason | None = None
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()

@@ -2,7 +2,9 @@
 
 Uses the ``tokenizers`` library on the export's ``tokenizer.json`` and renders the model's
 Jinja chat template in a sandbox, the way HF's ``apply_chat_template`` does (the rendered text
-already holds the special tokens, so it is encoded without adding more).
+already holds the special tokens, so it is encoded without adding more). A template that takes
+``tools`` (:attr:`ChatTokenizer.takes_tools`) gets them; for one that does not, the API describes
+them in the conversation itself (:mod:`engine.generation.tool_calls`).
 """
 
 from __future__ import annotations
@@ -13,14 +15,31 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from jinja2 import TemplateError
+from jinja2 import TemplateError, meta
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from engine.errors import TokenizerError
 
-Message = dict[str, str]
+Message = dict[str, Any]  # role, content; tool_calls, tool_call_id and name where a template takes tools
+
+
+def _byte_decoder() -> dict[str, int]:
+    """The byte-level BPE alphabet (GPT-2's): the printable character standing for each byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+BYTE_DECODER = _byte_decoder()
 
 
 def _token_text(value: Any) -> str | None:
@@ -63,6 +82,10 @@ class ChatTokenizer:
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         self._compiled = env.from_string(template) if template else None
+        # Whether the template reads a ``tools`` variable (HF's convention for tool-calling templates).
+        self.takes_tools = bool(template) and "tools" in meta.find_undeclared_variables(env.parse(template))
+        decoder = json.loads(tok_file.read_text(encoding="utf-8")).get("decoder") or {}
+        self._byte_level = decoder.get("type") == "ByteLevel"
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
@@ -70,19 +93,39 @@ class ChatTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a piece of a UTF-8 character for some byte-level tokens);
+        empty for a special token."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is None or piece in self._special.values():
+            return b""
+        if self._byte_level and all(c in BYTE_DECODER for c in piece):
+            return bytes(BYTE_DECODER[c] for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # SentencePiece byte fallback
+            return bytes([int(piece[3:5], 16)])
+        return self._tok.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
+    def render_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+                    tools: Sequence[dict[str, Any]] | None = None) -> str:
+        """The conversation as the model's template writes it; ``tools`` (OpenAI function entries)
+        only for a template that :attr:`takes_tools`."""
         if self._compiled is None:
             raise TokenizerError("this model has no chat template; send a plain completion prompt instead")
+        if tools and not self.takes_tools:
+            raise TokenizerError("this model's chat template does not take tools; describe them in the "
+                                 "conversation (engine.generation.tool_calls.conversation)")
+        extra = {"tools": list(tools)} if tools else {}
         try:
             return self._compiled.render(
-                messages=list(messages), add_generation_prompt=add_generation_prompt, **self._special
+                messages=list(messages), add_generation_prompt=add_generation_prompt, **extra, **self._special
             )
         except TemplateError as exc:
             raise TokenizerError(f"the chat template failed to render: {exc}") from exc
 
-    def encode_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+                    tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of a conversation, ready for prefill."""
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False)
 
     def token_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)

@@ -12,21 +12,23 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.api.openai_schema import (
-    ApiError,
-    CompletionChunks,
-    TextStream,
-    completion_response,
-    parse_completion,
-    sse_event,
-    to_generation_request,
-    token_usage,
-)
+from engine.api.openai_answer import ChoiceBuilder, CompletionChunks, completion_response, sse_event, token_usage
+from engine.api.openai_schema import ApiError, TextStream, parse_completion, to_generation_request
+from engine.generation.request import TokenEvent
 from tests.support.api_helpers import CARD, EOS, SETTINGS, ByteTokenizer
 
 
 def push_all(stream: TextStream, ids) -> list[str]:
     return [stream.push(i) for i in ids] + [stream.finish()]
+
+
+def answered(kind: str, text: str, finish: str, **kw) -> ChoiceBuilder:
+    """A choice built from ``text``'s bytes as token events (ByteTokenizer ids), closed with ``finish``."""
+    builder = ChoiceBuilder(0, kind, ByteTokenizer().decode, **kw)
+    for i, token in enumerate(text.encode()):
+        builder.push(TokenEvent(token, i))
+    builder.close(finish)
+    return builder
 
 
 # -- incremental detokenizer ---------------------------------------------------------------------
@@ -110,7 +112,7 @@ def test_completion_prompt_forms_and_defaults():
 
 @pytest.mark.parametrize("patch, param", [
     ({"temperature": 3}, "temperature"), ({"temperature": "hot"}, "temperature"), ({"top_p": -0.1}, "top_p"),
-    ({"n": 2}, "n"), ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": True}, "max_tokens"),
+    ({"n": 9}, "n"), ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": True}, "max_tokens"),
     ({"seed": -1}, "seed"), ({"stop": ["a", "b", "c", "d", "e"]}, "stop"), ({"stop": [""]}, "stop"),
     ({"messages": []}, "messages"), ({"messages": [{"role": "tool", "content": "x"}]}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
@@ -153,21 +155,26 @@ def test_limits_are_400(n_prompt, max_tokens, code):
 def test_answer_and_chunk_shapes():
     usage = token_usage(5, 2)
     assert usage == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
-    chat = completion_response("chat", "fake", "hi", "stop", usage)
+    chat_choice = answered("chat", "hi", "stop")
+    chat = completion_response("chat", "fake", [chat_choice.choice()], usage)
     assert chat["id"].startswith("chatcmpl-") and chat["object"] == "chat.completion" and chat["usage"] == usage
     assert chat["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "hi"},
                                 "finish_reason": "stop", "logprobs": None}]
-    assert completion_response("text", "fake", "hi", "length", usage)["choices"][0]["text"] == "hi"
+    text_choice = answered("text", "hi", "length").choice()
+    assert completion_response("text", "fake", [text_choice], usage)["choices"][0]["text"] == "hi"
 
     chunks = CompletionChunks("chat", "fake", include_usage=True)
-    sent = [*chunks.opening(), chunks.delta("hé"), chunks.delta("", "stop"), chunks.usage(usage)]
+    builder = ChoiceBuilder(0, "chat", ByteTokenizer().decode)
+    deltas = [*(d for t in "hé".encode() for d in builder.push(TokenEvent(t, 0))), *builder.close("stop")]
+    sent = [*chunks.opening(), *map(chunks.chunk, deltas), chunks.usage(usage)]
     assert len({(c["id"], c["object"], c["created"], c["model"]) for c in sent}) == 1
     assert sent[0]["object"] == "chat.completion.chunk" and sent[0]["usage"] is None
-    assert [c["choices"][0]["delta"] for c in sent[:3]] == [{"role": "assistant", "content": ""},
-                                                             {"content": "hé"}, {}]
-    assert sent[3]["choices"] == [] and sent[3]["usage"] == usage
+    assert [c["choices"][0]["delta"] for c in sent[:-1]] == [{"role": "assistant", "content": ""},
+                                                              {"content": "h"}, {"content": "é"}, {}]
+    assert sent[-2]["choices"][0]["finish_reason"] == "stop"
+    assert sent[-1]["choices"] == [] and sent[-1]["usage"] == usage
     text = CompletionChunks("text", "fake")
-    assert text.opening() == [] and "usage" not in text.delta("a")
+    assert text.opening() == [] and "usage" not in text.chunk({"index": 0, "text": "a"})
     assert sse_event({"a": "é"}) == 'data: {"a":"é"}\n\n'.encode() and sse_event("[DONE]") == b"data: [DONE]\n\n"
 
 

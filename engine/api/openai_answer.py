@@ -1,0 +1,212 @@
+"""The OpenAI answer, as pure code: generated token events in, choices, chunks and SSE bytes out.
+
+A :class:`ChoiceBuilder` follows one choice's token events: it turns ids into text deltas (stop
+strings included, :class:`~engine.api.openai_schema.TextStream`), splits tool calls out of the
+text when the request gave tools (:class:`~engine.generation.tool_calls.ToolCallStream`), and
+collects the tokens' log-probabilities when asked; it answers with the choice's streamed deltas
+(:meth:`ChoiceBuilder.push`) or its whole body (:meth:`ChoiceBuilder.choice`).
+:func:`completion_response` and :class:`CompletionChunks` put the choices into OpenAI's shapes.
+
+Log-probabilities come as the generators give them on each token event (chat: ``logprobs.content``
+of ``{token, logprob, bytes, top_logprobs}``; completions: ``tokens``, ``token_logprobs``,
+``top_logprobs``, ``text_offset``). A token's text is the text of its bytes (a piece of a
+multi-byte character shows as U+FFFD there; its ``bytes`` are exact). End-of-sequence tokens are
+not listed.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any
+
+from engine.api.openai_schema import TextStream
+from engine.generation.request import TokenEvent
+from engine.generation.tool_calls import ArgumentsDelta, CallStart, ContentDelta, Piece, ToolCallStream
+
+TokenBytes = Callable[[int], bytes]
+
+
+def token_bytes_of(tokenizer: Any) -> TokenBytes:
+    """A tokenizer's ``token_bytes`` (:class:`~engine.generation.tokenizer.ChatTokenizer`), else the
+    UTF-8 of the token decoded alone."""
+    exact = getattr(tokenizer, "token_bytes", None)
+    if exact is not None:
+        return exact
+    return lambda token_id: tokenizer.decode([token_id]).encode("utf-8")
+
+
+class ChoiceBuilder:
+    """One choice of an answer, built from its token events (chat: ``kind`` "chat"; else "text")."""
+
+    def __init__(self, index: int, kind: str, decode: Callable[[Sequence[int]], str], stop: Sequence[str] = (), *,
+                 tools: bool = False, logprobs: int | None = None, token_bytes: TokenBytes | None = None,
+                 skip_ids: Collection[int] = ()):
+        self.index, self.kind = index, kind
+        self.text = TextStream(decode, stop)
+        self._tools = ToolCallStream() if tools else None
+        self._logprobs = logprobs
+        self._token_bytes = token_bytes or (lambda token_id: decode([token_id]).encode("utf-8"))
+        self._skip = frozenset(skip_ids)
+        self._entries: list[dict[str, Any]] = []  # every listed token's entry, in order
+        self._sent_entries = 0  # entries already attached to a streamed chunk
+        self._content: list[str] = []
+        self.finish_reason: str | None = None
+
+    @property
+    def stopped(self) -> bool:
+        """A stop string ended the text: the caller should close the choice's token stream."""
+        return self.text.stopped
+
+    @property
+    def tool_calls(self) -> tuple:
+        return tuple(self._tools.calls) if self._tools is not None else ()
+
+    def push(self, event: TokenEvent) -> list[dict[str, Any]]:
+        """Add one token event; the streamed choice deltas it makes ready (maybe none)."""
+        delta = self.text.push(event.token_id)
+        offset = self.text.offsets[-1]
+        if self._logprobs is not None and event.token_id not in self._skip:
+            self._entries.append(self._entry(event, offset))
+        return self._deltas(self._pieces(delta))
+
+    def close(self, finish_reason: str) -> list[dict[str, Any]]:
+        """Generation ended with ``finish_reason``: the held text, then the closing delta."""
+        tail = self._pieces(self.text.finish())
+        if self._tools is not None:
+            tail += self._tools.finish()
+        if self._tools is not None and self._tools.calls and finish_reason == "stop":
+            finish_reason = "tool_calls"
+        self.finish_reason = finish_reason
+        out = self._deltas(tail)
+        out.append(self._delta({}, "", finish_reason))
+        return out
+
+    # -- pieces and deltas ---------------------------------------------------------------------
+
+    def _pieces(self, text: str) -> list[Piece]:
+        if self._tools is None:
+            return [ContentDelta(text)] if text else []
+        return self._tools.push(text) if text else []
+
+    def _deltas(self, pieces: list[Piece]) -> list[dict[str, Any]]:
+        out = []
+        for piece in pieces:
+            if isinstance(piece, ContentDelta):
+                self._content.append(piece.text)
+                out.append(self._delta({"content": piece.text}, piece.text, None))
+            elif isinstance(piece, CallStart):
+                call = {"index": piece.index, "id": piece.id, "type": "function",
+                        "function": {"name": piece.name, "arguments": ""}}
+                out.append(self._delta({"tool_calls": [call]}, "", None))
+            elif isinstance(piece, ArgumentsDelta):
+                call = {"index": piece.index, "function": {"arguments": piece.fragment}}
+                out.append(self._delta({"tool_calls": [call]}, "", None))
+        return out
+
+    def _delta(self, chat_delta: dict[str, Any], text: str, finish: str | None) -> dict[str, Any]:
+        """A streamed choice carrying the log-probabilities of the tokens not yet sent."""
+        entries = self._entries[self._sent_entries:]
+        self._sent_entries = len(self._entries)
+        logprobs = self._logprob_body(entries) if self._logprobs is not None and (entries or finish) else None
+        if self.kind == "chat":
+            return {"index": self.index, "delta": chat_delta, "finish_reason": finish, "logprobs": logprobs}
+        return {"index": self.index, "text": text, "finish_reason": finish, "logprobs": logprobs}
+
+    # -- log-probabilities ---------------------------------------------------------------------
+
+    def _token(self, token_id: int) -> tuple[str, list[int]]:
+        raw = self._token_bytes(token_id)
+        return raw.decode("utf-8", errors="replace"), list(raw)
+
+    def _entry(self, event: TokenEvent, offset: int) -> dict[str, Any]:
+        text, raw = self._token(event.token_id)
+        top = []
+        for token_id, logprob in event.top_logprobs[:self._logprobs]:
+            alt, alt_raw = self._token(token_id)
+            top.append({"token": alt, "logprob": logprob, "bytes": alt_raw})
+        return {"token": text, "logprob": event.logprob, "bytes": raw, "top_logprobs": top, "offset": offset}
+
+    def _logprob_body(self, entries: list[dict[str, Any]]) -> dict[str, Any]:
+        if self.kind == "chat":
+            return {"content": [{k: v for k, v in e.items() if k != "offset"} for e in entries], "refusal": None}
+        return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+                "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+                "text_offset": [e["offset"] for e in entries]}
+
+    # -- the whole choice ----------------------------------------------------------------------
+
+    def choice(self) -> dict[str, Any]:
+        """The choice of a non-streamed answer (after :meth:`close`)."""
+        logprobs = self._logprob_body(self._entries) if self._logprobs is not None else None
+        text = "".join(self._content)
+        if self.kind != "chat":
+            return {"index": self.index, "text": text, "finish_reason": self.finish_reason, "logprobs": logprobs}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if self.tool_calls:
+            message = {"role": "assistant", "content": text.strip() or None,
+                       "tool_calls": [c.to_json() for c in self.tool_calls]}
+        return {"index": self.index, "message": message, "finish_reason": self.finish_reason, "logprobs": logprobs}
+
+
+# -- answers and chunks --------------------------------------------------------------------------
+
+# kind -> (id prefix, object, chunk object)
+SHAPES = {
+    "chat": ("chatcmpl-", "chat.completion", "chat.completion.chunk"),
+    "text": ("cmpl-", "text_completion", "text_completion"),
+}
+
+
+def _head(prefix: str, obj: str, model: str) -> dict[str, Any]:
+    return {"id": prefix + uuid.uuid4().hex, "object": obj, "created": int(time.time()), "model": model}
+
+
+def token_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """The ``usage`` object of an answer (``completion_tokens``: every choice's)."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_response(kind: str, model: str, choices: Sequence[Mapping[str, Any]],
+                        usage: Mapping[str, int]) -> dict[str, Any]:
+    """The whole (non-streamed) answer to a ``kind`` "chat" or "text" request."""
+    prefix, obj, _ = SHAPES[kind]
+    return {**_head(prefix, obj, model), "choices": [dict(c) for c in choices], "usage": dict(usage)}
+
+
+class CompletionChunks:
+    """The chunks of one streamed answer; each repeats the same id, object, created and model.
+
+    With ``include_usage`` every chunk carries ``"usage": null`` and :meth:`usage` gives the last one.
+    """
+
+    def __init__(self, kind: str, model: str, include_usage: bool = False, n: int = 1):
+        prefix, _, obj = SHAPES[kind]
+        self._kind, self._n = kind, n
+        self._head = _head(prefix, obj, model)
+        self._extra = {"usage": None} if include_usage else {}
+
+    def opening(self) -> list[dict[str, Any]]:
+        """The chunks sent before any text: a chat answer first announces the assistant role of each choice."""
+        if self._kind != "chat":
+            return []
+        return [{**self._head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                            "finish_reason": None, "logprobs": None}], **self._extra}
+                for i in range(self._n)]
+
+    def chunk(self, choice: Mapping[str, Any]) -> dict[str, Any]:
+        """A chunk carrying one streamed choice delta (:meth:`ChoiceBuilder.push`)."""
+        return {**self._head, "choices": [dict(choice)], **self._extra}
+
+    def usage(self, usage: Mapping[str, int]) -> dict[str, Any]:
+        """The closing chunk of an ``include_usage`` stream: no choices, the token counts."""
+        return {**self._head, "choices": [], "usage": dict(usage)}
+
+
+def sse_event(payload: Mapping[str, Any] | str) -> bytes:
+    """One server-sent event: ``data: <compact JSON or the literal string>`` and a blank line."""
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
