@@ -30,7 +30,7 @@ from engine.errors import GenerationError, ShardCompileError
 from engine.shards.manifest import Manifest, load_manifest
 from engine.shards.paged_step import PagedOutcome, PagedStep
 from engine.shards.stage import open_stage_model
-from engine.shards.step_path import last_stage_top1
+from engine.shards.step_answer import answer_step, check_masks
 from engine.wire.step_plan import CPU_BLOCK_SIZE, GPU_BLOCK_SIZE, StepPlan, blocks_needed
 
 SAMPLED = "sampled_tokens_indices"
@@ -96,14 +96,13 @@ def paged_inputs(plan: StepPlan, *, sampled: bool = False) -> dict[str, np.ndarr
 
 
 def top1_reply(logits: np.ndarray, plan: StepPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """The last stage's answer from logits [R, V] of the answered rows (plan order): top-1 ids
-    int64 [R], probabilities float32 [R] (as :func:`last_stage_top1`), and the logits float32
-    [L, V] of the rows of ``want_logits`` streams (None when no stream wants them)."""
-    ids, probs = last_stage_top1(logits[None], 0)
-    if not plan.logit_rows:
-        return ids, probs, None
-    keep = np.concatenate([np.full(row.sample, row.want_logits, dtype=bool) for row in plan.rows])
-    return ids, probs, np.ascontiguousarray(logits[keep], dtype=np.float32)
+    """The last stage's answer from logits [R, V] of the answered rows (plan order), without its
+    top-k section: top-1 ids int64 [R], probabilities float32 [R] and the logits float32 [L, V] of
+    the rows of ``want_logits`` streams (None when no stream wants them), masked rows' pick and
+    logits taken over their allowed tokens. :func:`engine.shards.step_answer.answer_step` is the
+    whole answer (top-k included)."""
+    answer = answer_step(logits, plan)
+    return answer.ids, answer.probs, answer.logits
 
 
 def _name_first_input(model: ov.Model, name: str) -> None:
@@ -264,7 +263,8 @@ class PagedStage:
     def run(self, plan: StepPlan, x: np.ndarray) -> np.ndarray:
         """One infer for every row of ``plan``: ``x`` is token ids int64 [Tb] (stage 0) or hidden
         states [Tb, H]. Returns hidden states float32 [Tb, H], or on the last stage the logits
-        float32 [R, V] of the answered rows in plan order (a private copy either way)."""
+        float32 [R, V] of the answered rows in plan order (a private copy either way). The last
+        stage refuses (TokenMaskError) a plan whose token masks do not fit its vocabulary V."""
         self._check(plan)
         ids = self.spec.has_embedding
         if x.ndim != (1 if ids else 2) or x.shape[0] != plan.padded_tokens or (
@@ -283,7 +283,9 @@ class PagedStage:
         self.request.infer(inputs, share_inputs=True, share_outputs=True)
         out = self.request.get_output_tensor(0).data  # [Tb, 1, H] or [max(R, 1), 1, V]
         if self.is_last:
-            return np.array(out.reshape(out.shape[0], -1)[:plan.sampled], dtype=np.float32)
+            logits = np.array(out.reshape(out.shape[0], -1)[:plan.sampled], dtype=np.float32)
+            check_masks(plan, logits.shape[1])  # the width of the masks is the one thing only this stage knows
+            return logits
         return np.array(out.reshape(out.shape[0], -1), dtype=np.float32)
 
 

@@ -19,6 +19,7 @@ import numpy as np
 
 from engine.shards.prefix_cache import CaptureStore
 from engine.shards.stage import LocalChain, StageStream, StepInputs
+from engine.shards.step_answer import top1
 from engine.wire.format import StreamId
 
 
@@ -74,12 +75,7 @@ def last_stage_logits(logits: np.ndarray, reply_last: int) -> np.ndarray:
 
 def last_stage_top1(logits: np.ndarray, reply_last: int) -> tuple[np.ndarray, np.ndarray]:
     """The top-1 reply: (ids [n] int64, probs [n] float32) of the answered rows of logits [1, S, V]."""
-    rows = _reply_rows(logits, reply_last)  # [n, V]
-    ids = rows.argmax(axis=-1)
-    top = rows[np.arange(rows.shape[0]), ids]
-    # p(top) = 1 / sum(exp(l - l_top)); computed in float64 to stay finite for any logits.
-    probs = 1.0 / np.exp(rows.astype(np.float64) - top[:, None]).sum(axis=-1)
-    return ids.astype(np.int64), probs.astype(np.float32)
+    return top1(_reply_rows(logits, reply_last))
 
 
 class StepPath(Protocol):

@@ -21,7 +21,9 @@ import numpy as np
 
 from engine.errors import DeskfleetError
 
-PROTOCOL_VERSION = 3  # 1: Forward/Tokens/Logits/Release; 2 adds Capture/Restore and Packed; 3 adds Step/StepReply
+# 1: Forward/Tokens/Logits/Release; 2 adds Capture/Restore and Packed; 3 adds Step/StepReply; 4 adds the
+# Step's allowed-token masks and top-k requests and the StepReply's top-k ids and log-probabilities
+PROTOCOL_VERSION = 4
 MAGIC = b"DKFL"
 MAX_FRAME_BYTES = 256 * 1024 * 1024  # default bound, header included; configurable per call
 MIN_FRAME_BOUND = 64 * 1024  # a node refusing frames this small could not even send a prefill
@@ -57,14 +59,21 @@ HELLO_ACK_META = struct.Struct("<HHQB")
 PACKED_META = struct.Struct("<HH")  # rows S, reserved zero; the int64 plan [3, S] follows
 ERROR_META = struct.Struct("<H")  # error code; the UTF-8 message fills the rest of meta
 # Step (paged step): block_size u16, rows S u16, copies C u16, stage times n u16, pool_blocks u32,
-# real tokens T u32, padded tokens Tb u32, token_budget u32, flags u32 (0 in v3), reserved u32 (0);
-# then the row table u64 [S, STEP_ROW_COLUMNS], block ids int32, copies int32 [C, 2], stage times f32 [n]
+# real tokens T u32, padded tokens Tb u32, token_budget u32, flags u32 (0), mask words W u32 (0: no mask);
+# then the row table u64 [S, STEP_ROW_COLUMNS], block ids int32, copies int32 [C, 2], stage times f32 [n],
+# masks u32 [M, W] (M = the answered rows of the MASK rows, plan order)
 STEP_META = struct.Struct("<4H6I")
 STEP_ROW_COLUMNS = 8  # stream_id, past_len, new_tokens, block_count, sample, row flags, top_k, reserved
 STEP_ROW_WANT_LOGITS = 0x1  # row flag: the reply carries this stream's answered rows' full logits
-STEP_ROW_MASK = 0x2  # row flag, reserved (refused in v3): an allowed-token mask per row follows
-# StepReply: answered rows R u32, logit rows L u32, vocabulary V u32, stage times n u16, top_k u16 (0 in
-# v3); then ids int64 [R], probs float32 [R], stage times float32 [n]; the payload is logits f32 [L, V]
+STEP_ROW_MASK = 0x2  # row flag: an allowed-token mask per answered row of this stream follows the stage times
+MAX_TOP_K = 20  # top-k ids and log-probabilities one answered row may ask for (OpenAI's top_logprobs cap)
+# Mask words W per row (ceil(V/32)): 2**15 words is a vocabulary of 1 Mi tokens, 4x the largest in use;
+# the mask words of one step together at most 4 Mi (16 MiB: 2730 rows at V = 49152), so no count announces more.
+MAX_MASK_WORDS = 1 << 15
+MAX_STEP_MASK_WORDS = 1 << 22
+# StepReply: answered rows R u32, logit rows L u32, vocabulary V u32, stage times n u16, top_k k u16; then
+# ids int64 [R], probs float32 [R], stage times float32 [n], top ids int64 [R, k], top logprobs f32 [R, k];
+# the payload is logits f32 [L, V]
 STEP_REPLY_META = struct.Struct("<3IHH")
 MAX_STEP_STAGES = 256  # stage times one step frame carries (one per stage passed)
 MAX_STEP_COPIES = U16_MAX  # block copies in one step (a u16 count)

@@ -26,6 +26,7 @@ from engine.wire.format import (
     MAX_STEP_BLOCK_IDS,
     MAX_STEP_COPIES,
     MAX_STEP_STAGES,
+    MAX_TOP_K,
     MIN_FRAME_BOUND,
     PROTOCOL_VERSION,
     U16_MAX,
@@ -222,10 +223,15 @@ class Step:
 class StepReply:
     """The last stage's answer to a Step (same ``session`` and ``seq``).
 
-    ``ids`` int64 [R] and ``probs`` float32 [R] in [0, 1]: the top-1 of every answered row,
-    R = ``plan.sampled`` in plan order (0 for a step of prefill chunks only); ``logits`` float32
-    [L, V] for the answered rows of ``want_logits`` streams (L = ``plan.logit_rows`` <= R), or None
-    when no stream wanted them; ``stage_ms`` every stage's compute time in ms, in ring order.
+    ``ids`` int64 [R] and ``probs`` float32 [R] in [0, 1]: the top-1 of every answered row and its
+    probability (over the row's allowed tokens when the row carries a mask), R = ``plan.sampled``
+    in plan order (0 for a step of prefill chunks only); ``logits`` float32 [L, V] for the answered
+    rows of ``want_logits`` streams (masked rows: -inf where not allowed; L = ``plan.logit_rows``
+    <= R), or None when no stream wanted them; ``stage_ms`` every stage's compute time in ms, in
+    ring order. ``top_ids`` int64 [R, k] and ``top_logprobs`` float32 [R, k], k = ``plan.top_k``
+    (both None when k = 0): per answered row its k likeliest tokens, best first, with their
+    log-softmax of the raw logits after the mask; an entry past the row's own ``top_k`` (or past
+    its allowed tokens) is id -1 with log-probability -inf.
     """
 
     session: StreamId
@@ -234,6 +240,8 @@ class StepReply:
     probs: np.ndarray
     logits: np.ndarray | None = None
     stage_ms: tuple[float, ...] = ()
+    top_ids: np.ndarray | None = None
+    top_logprobs: np.ndarray | None = None
     __repr__ = _shape_repr
 
     def __post_init__(self) -> None:
@@ -256,15 +264,38 @@ class StepReply:
                 raise FrameError(f"StepReply.logits has {self.logits.shape[0]} rows, more than the {r} "
                                  "answered rows")
         object.__setattr__(self, "stage_ms", _check_stage_ms(self.stage_ms, "StepReply.stage_ms"))
+        if self.top_ids is not None or self.top_logprobs is not None:
+            self._check_top(r)
+
+    def _check_top(self, r: int) -> None:
+        top, logp = self.top_ids, self.top_logprobs
+        if top is None or logp is None:
+            raise FrameError("StepReply.top_ids and top_logprobs come together (both arrays or both None)")
+        _check_array(top, "StepReply.top_ids", (_INT64,), ndims=(2,))
+        _check_array(logp, "StepReply.top_logprobs", (_FLOAT32,), ndims=(2,))
+        if top.shape != logp.shape or top.shape[0] != r or top.shape[1] > MAX_TOP_K:
+            raise FrameError(f"StepReply.top_ids {list(top.shape)} and top_logprobs {list(logp.shape)} must both be "
+                             f"[R={r}, k] with k in 1..{MAX_TOP_K}")
+        if top.min() < -1:
+            raise FrameError("StepReply.top_ids must be token ids >= 0, or -1 for an entry the row did not ask for")
+        if not (logp <= 0).all() or (np.isneginf(logp) != (top == -1)).any():  # NaN fails the comparison
+            raise FrameError("StepReply.top_logprobs must be log-probabilities <= 0, -inf exactly where top_ids "
+                             "is -1")
+
+    @property
+    def top_k(self) -> int:
+        """k of the top-k section (0: none)."""
+        return 0 if self.top_ids is None else int(self.top_ids.shape[1])
 
     def mismatch(self, plan: StepPlan) -> str | None:
         """Why this reply cannot be the answer to a Step of ``plan`` (its rows are not the plan's
-        answered rows, or its logits not the wanted ones), or None when it can."""
+        answered rows, its logits not the wanted ones, or its top-k not the plan's k), or None."""
         rows = self.logits.shape[0] if self.logits is not None else 0
-        if (self.ids.shape[0], rows) == (plan.sampled, plan.logit_rows):
+        if (self.ids.shape[0], rows, self.top_k) == (plan.sampled, plan.logit_rows, plan.top_k):
             return None
-        return (f"step {self.seq} was answered with {self.ids.shape[0]} rows and {rows} rows of logits; its plan "
-                f"asks for {plan.sampled} and {plan.logit_rows}: the last stage is out of step with the coordinator")
+        return (f"step {self.seq} was answered with {self.ids.shape[0]} rows, {rows} rows of logits and top-"
+                f"{self.top_k}; its plan asks for {plan.sampled}, {plan.logit_rows} and top-{plan.top_k}: the last "
+                "stage is out of step with the coordinator")
 
 
 @dataclass(frozen=True)
@@ -462,11 +493,13 @@ def _check_step_plan(plan: object) -> None:
     if not isinstance(rows, tuple) or set(map(type, rows)) - {PlanRow}:
         raise FrameError("Step plan rows must be a tuple of PlanRow")
     blocks = tuple(map(attrgetter("blocks"), rows))
-    flag_types = set(map(type, chain.from_iterable(map(attrgetter("want_logits", "mask"), rows))))
+    flag_types = set(map(type, map(attrgetter("want_logits"), rows)))
+    mask_types = set(map(type, map(attrgetter("mask"), rows)))
     if not _all_integers(chain.from_iterable(map(attrgetter(*_ROW_NUMBERS), rows))) or flag_types - {bool} \
+            or mask_types - {type(None), np.ndarray} \
             or set(map(type, blocks)) - {tuple} or not _all_integers(chain.from_iterable(blocks)):
         raise FrameError(f"Step plan rows must hold integers ({', '.join(_ROW_NUMBERS)}), a tuple of integer "
-                         "block ids and bools (want_logits, mask)")
+                         "block ids, a bool want_logits and a numpy mask or None")
     block_ids = sum(map(len, blocks))
     if block_ids > MAX_STEP_BLOCK_IDS:
         raise FrameError(f"Step plan lists {block_ids} block ids; one step carries at most {MAX_STEP_BLOCK_IDS}")

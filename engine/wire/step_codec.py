@@ -18,9 +18,12 @@ from engine.errors import GenerationError
 from engine.wire.format import (
     HEADER_SIZE,
     MAX_FRAME_BYTES,
+    MAX_MASK_WORDS,
     MAX_STEP_BLOCK_IDS,
     MAX_STEP_COPIES,
+    MAX_STEP_MASK_WORDS,
     MAX_STEP_STAGES,
+    MAX_TOP_K,
     MIN_FRAME_BOUND,
     STEP_META,
     STEP_REPLY_META,
@@ -37,30 +40,35 @@ _ROW_BYTES = 8 * STEP_ROW_COLUMNS
 _ROW_FLAGS = STEP_ROW_WANT_LOGITS | STEP_ROW_MASK
 # The largest meta sections, for the header check (a frame announcing more is refused unread).
 MAX_STEP_META = (STEP_META.size + _ROW_BYTES * MAX_STEP_ROWS + 4 * MAX_STEP_BLOCK_IDS + 8 * MAX_STEP_COPIES
-                 + 4 * MAX_STEP_STAGES)
-MAX_STEP_REPLY_META = STEP_REPLY_META.size + 12 * MAX_STEP_TOKENS + 4 * MAX_STEP_STAGES
+                 + 4 * MAX_STEP_STAGES + 4 * MAX_STEP_MASK_WORDS)
+MAX_STEP_REPLY_META = STEP_REPLY_META.size + 12 * (1 + MAX_TOP_K) * MAX_STEP_TOKENS + 4 * MAX_STEP_STAGES
 
 
 def step_frame_bound(hidden_size: int, max_tokens: int, max_rows: int, max_blocks: int,
-                     max_copies: int | None = None) -> int:
+                     max_copies: int | None = None, vocab_size: int = 0) -> int:
     """The largest Step frame a paged stage's upstream can legitimately send it: ``max_tokens``
     padded rows of float32 hidden states [Tb, H] (or int64 ids), ``max_rows`` streams holding
-    ``max_blocks`` block ids in all, ``max_copies`` block copies (default: one per row) and a
-    stage time for every stage. Each count is first clipped to what one frame may carry (a larger
-    one could never be legal), the result to [MIN_FRAME_BOUND, MAX_FRAME_BYTES]."""
+    ``max_blocks`` block ids in all, ``max_copies`` block copies (default: one per row), a stage
+    time for every stage and, when ``vocab_size`` V is given, an allowed-token mask of ceil(V/32)
+    words on every token (a step of masked verifies). Each count is first clipped to what one frame
+    may carry (a larger one could never be legal), the result to [MIN_FRAME_BOUND, MAX_FRAME_BYTES]."""
     rows = min(max_rows, MAX_STEP_ROWS)
     copies = min(rows if max_copies is None else max_copies, MAX_STEP_COPIES)
+    tokens = min(max_tokens, MAX_STEP_TOKENS)
+    masks = min(tokens * min(-(-vocab_size // 32), MAX_MASK_WORDS), MAX_STEP_MASK_WORDS)
     meta = STEP_META.size + _ROW_BYTES * rows + 4 * min(max_blocks, MAX_STEP_BLOCK_IDS) + 8 * copies \
-        + 4 * MAX_STEP_STAGES
-    payload = min(max_tokens, MAX_STEP_TOKENS) * max(4 * hidden_size, 8)
+        + 4 * MAX_STEP_STAGES + 4 * masks
+    payload = tokens * max(4 * hidden_size, 8)
     return min(MAX_FRAME_BYTES, max(MIN_FRAME_BOUND, HEADER_SIZE + meta + payload))
 
 
-def step_reply_bound(vocab_size: int, max_answered: int, max_logit_rows: int) -> int:
+def step_reply_bound(vocab_size: int, max_answered: int, max_logit_rows: int, top_k: int = MAX_TOP_K) -> int:
     """The largest StepReply a last stage sends: ``max_answered`` top-1 rows, ``max_logit_rows``
-    rows of float32 logits [L, V], a stage time for every stage. Clipped like step_frame_bound."""
+    rows of float32 logits [L, V], a stage time for every stage, and the top-``top_k`` ids and
+    log-probabilities of every answered row (default: the most a row may ask for). Clipped like
+    step_frame_bound."""
     answered = min(max_answered, MAX_STEP_TOKENS)
-    meta = STEP_REPLY_META.size + 12 * answered + 4 * MAX_STEP_STAGES
+    meta = STEP_REPLY_META.size + 12 * (1 + min(top_k, MAX_TOP_K)) * answered + 4 * MAX_STEP_STAGES
     logits = 4 * min(max_logit_rows, answered) * vocab_size
     return min(MAX_FRAME_BYTES, max(MIN_FRAME_BOUND, HEADER_SIZE + meta + logits))
 
@@ -73,14 +81,15 @@ def encode_step(msg: Step) -> bytes:
     plan = msg.plan
     table = np.array(
         [(r.stream_id, r.past_len, r.new_tokens, len(r.blocks), r.sample,
-          (STEP_ROW_WANT_LOGITS if r.want_logits else 0) | (STEP_ROW_MASK if r.mask else 0), r.top_k, 0)
+          (STEP_ROW_WANT_LOGITS if r.want_logits else 0) | (STEP_ROW_MASK if r.mask is not None else 0), r.top_k, 0)
          for r in plan.rows], "<u8")  # [S, 8]
     blocks = np.fromiter(chain.from_iterable(r.blocks for r in plan.rows), "<i4")
     copies = np.array(plan.copies, "<i4").reshape(len(plan.copies), 2)
     times = np.array(msg.stage_ms, "<f4")
+    masks = [np.ascontiguousarray(r.mask, "<u4").tobytes() for r in plan.rows if r.mask is not None]
     fixed = STEP_META.pack(plan.block_size, len(plan.rows), len(plan.copies), len(times), plan.pool_blocks,
-                           plan.tokens, plan.padded_tokens, plan.token_budget, 0, 0)
-    return b"".join((fixed, table.tobytes(), blocks.tobytes(), copies.tobytes(), times.tobytes()))
+                           plan.tokens, plan.padded_tokens, plan.token_budget, 0, plan.mask_words)
+    return b"".join((fixed, table.tobytes(), blocks.tobytes(), copies.tobytes(), times.tobytes(), *masks))
 
 
 def decode_step(session: StreamId, seq: int, meta: memoryview, tensor: np.ndarray | None) -> Step:
@@ -89,12 +98,12 @@ def decode_step(session: StreamId, seq: int, meta: memoryview, tensor: np.ndarra
         raise FrameError("a Step frame carries the rows' input tensor")
     if len(meta) < STEP_META.size:
         raise FrameError(f"Step meta section is shorter than its {STEP_META.size}-byte descriptor")
-    block_size, rows, copies, stages, pool, tokens, padded, budget, flags, reserved = STEP_META.unpack_from(meta)
-    if flags or reserved:
-        raise FrameError(f"Step flags {flags:#x} and reserved field {reserved:#x} must be 0 in this protocol version")
-    if not 1 <= rows <= MAX_STEP_ROWS or stages > MAX_STEP_STAGES:
-        raise FrameError(f"a Step has 1..{MAX_STEP_ROWS} rows and at most {MAX_STEP_STAGES} stage times; this one "
-                         f"says {rows} and {stages}")
+    block_size, rows, copies, stages, pool, tokens, padded, budget, flags, words = STEP_META.unpack_from(meta)
+    if flags:
+        raise FrameError(f"Step flags {flags:#x} must be 0 in this protocol version")
+    if not 1 <= rows <= MAX_STEP_ROWS or stages > MAX_STEP_STAGES or words > MAX_MASK_WORDS:
+        raise FrameError(f"a Step has 1..{MAX_STEP_ROWS} rows, at most {MAX_STEP_STAGES} stage times and token masks "
+                         f"of at most {MAX_MASK_WORDS} words; this one says {rows}, {stages} and {words}")
     if padded != tensor.shape[0]:
         raise FrameError(f"Step meta says Tb={padded} padded tokens, its payload has {tensor.shape[0]} rows")
     table_end = STEP_META.size + _ROW_BYTES * rows
@@ -106,19 +115,31 @@ def decode_step(session: StreamId, seq: int, meta: memoryview, tensor: np.ndarra
     block_ids = int(table[:, 3].sum())
     if block_ids > MAX_STEP_BLOCK_IDS:
         raise FrameError(f"Step rows claim {block_ids} block ids; one step carries at most {MAX_STEP_BLOCK_IDS}")
-    blocks_end = table_end + 4 * block_ids
-    copies_end = blocks_end + 8 * copies
-    want = copies_end + 4 * stages
-    if len(meta) != want:
-        raise FrameError(f"Step meta is {len(meta)} bytes; {rows} rows with {block_ids} block ids, {copies} "
-                         f"copies and {stages} stage times need {want}")
     if (table[:, 5] & ~np.uint64(_ROW_FLAGS)).any() or table[:, 7].any():
         raise FrameError("Step row flags have unknown bits set, or a row's reserved column is not 0")
+    masked = (table[:, 5] & np.uint64(STEP_ROW_MASK)) != 0
+    if (table[:, 4] > MAX_STEP_TOKENS).any():  # checked before summing, as block counts are
+        raise FrameError(f"a Step row answers more than {MAX_STEP_TOKENS} rows")
+    mask_rows = int(table[masked, 4].sum())
+    if bool(masked.any()) != bool(words) or mask_rows * words > MAX_STEP_MASK_WORDS:
+        raise FrameError(f"Step mask width W={words} does not fit its rows: W is 0 exactly when no row has the MASK "
+                         f"flag, and the {mask_rows} masked rows may hold at most {MAX_STEP_MASK_WORDS} words")
+    blocks_end = table_end + 4 * block_ids
+    copies_end = blocks_end + 8 * copies
+    times_end = copies_end + 4 * stages
+    want = times_end + 4 * words * mask_rows
+    if len(meta) != want:
+        raise FrameError(f"Step meta is {len(meta)} bytes; {rows} rows with {block_ids} block ids, {copies} "
+                         f"copies, {stages} stage times and {mask_rows} token masks of {words} words need {want}")
     ids = np.frombuffer(meta[table_end:blocks_end], "<i4").tolist()
-    plan_rows, begin = [], 0
+    masks = np.frombuffer(meta[times_end:], "<u4").reshape(mask_rows, words)
+    plan_rows, begin, at = [], 0, 0
     for stream_id, past_len, new_tokens, count, sample, row_flags, top_k, _ in table.tolist():
+        mask = None
+        if row_flags & STEP_ROW_MASK:
+            mask, at = masks[at : at + sample], at + sample
         plan_rows.append(PlanRow(stream_id, past_len, new_tokens, tuple(ids[begin : begin + count]), sample,
-                                 bool(row_flags & STEP_ROW_WANT_LOGITS), top_k, bool(row_flags & STEP_ROW_MASK)))
+                                 bool(row_flags & STEP_ROW_WANT_LOGITS), top_k, mask))
         begin += count
     pairs = np.frombuffer(meta[blocks_end:copies_end], "<i4").reshape(copies, 2).tolist()
     try:
@@ -128,7 +149,7 @@ def decode_step(session: StreamId, seq: int, meta: memoryview, tensor: np.ndarra
     if plan.tokens != tokens:
         raise FrameError(f"Step meta says T={tokens} real tokens; its rows bring {plan.tokens}")
     remember_checked_plan(plan)
-    times = np.frombuffer(meta[copies_end:], "<f4").tolist()
+    times = np.frombuffer(meta[copies_end:times_end], "<f4").tolist()
     return Step(session, seq, plan, tensor, tuple(times))
 
 
@@ -138,10 +159,13 @@ def decode_step(session: StreamId, seq: int, meta: memoryview, tensor: np.ndarra
 def encode_step_reply(msg: StepReply) -> bytes:
     """The StepReply meta section; the payload is ``msg.logits`` (none when no stream wanted them)."""
     rows, vocab = msg.logits.shape if msg.logits is not None else (0, 0)
-    fixed = STEP_REPLY_META.pack(msg.ids.shape[0], rows, vocab, len(msg.stage_ms), 0)
-    ids = np.ascontiguousarray(msg.ids, "<i8")
-    probs = np.ascontiguousarray(msg.probs, "<f4")
-    return b"".join((fixed, ids.tobytes(), probs.tobytes(), np.array(msg.stage_ms, "<f4").tobytes()))
+    fixed = STEP_REPLY_META.pack(msg.ids.shape[0], rows, vocab, len(msg.stage_ms), msg.top_k)
+    parts = [fixed, np.ascontiguousarray(msg.ids, "<i8").tobytes(), np.ascontiguousarray(msg.probs, "<f4").tobytes(),
+             np.array(msg.stage_ms, "<f4").tobytes()]
+    if msg.top_k:
+        parts += [np.ascontiguousarray(msg.top_ids, "<i8").tobytes(),
+                  np.ascontiguousarray(msg.top_logprobs, "<f4").tobytes()]
+    return b"".join(parts)
 
 
 def decode_step_reply(session: StreamId, seq: int, meta: memoryview, tensor: np.ndarray | None) -> StepReply:
@@ -149,21 +173,27 @@ def decode_step_reply(session: StreamId, seq: int, meta: memoryview, tensor: np.
     if len(meta) < STEP_REPLY_META.size:
         raise FrameError(f"StepReply meta section is shorter than its {STEP_REPLY_META.size}-byte descriptor")
     answered, logit_rows, vocab, stages, top_k = STEP_REPLY_META.unpack_from(meta)
-    if top_k:
-        raise FrameError("StepReply top-k returns are not part of this protocol version (top_k must be 0)")
-    if answered > MAX_STEP_TOKENS or stages > MAX_STEP_STAGES:
+    if answered > MAX_STEP_TOKENS or stages > MAX_STEP_STAGES or top_k > MAX_TOP_K:
         raise FrameError(f"a StepReply answers at most {MAX_STEP_TOKENS} rows with {MAX_STEP_STAGES} stage "
-                         f"times; this one says {answered} and {stages}")
+                         f"times and top-{MAX_TOP_K}; this one says {answered}, {stages} and top-{top_k}")
+    if top_k and not answered:
+        raise FrameError(f"a StepReply of no answered row has no top-k section (it says top-{top_k})")
     shape = tensor.shape if tensor is not None else (0, 0)
     if (logit_rows, vocab) != shape:
         raise FrameError(f"StepReply meta says logits [{logit_rows}, {vocab}], its payload is {list(shape)}")
     probs_at = STEP_REPLY_META.size + 8 * answered
     times_at = probs_at + 4 * answered
-    want = times_at + 4 * stages
+    top_at = times_at + 4 * stages
+    logp_at = top_at + 8 * answered * top_k
+    want = logp_at + 4 * answered * top_k
     if len(meta) != want:
-        raise FrameError(f"StepReply meta is {len(meta)} bytes; {answered} answered rows and {stages} stage "
-                         f"times need {want}")
+        raise FrameError(f"StepReply meta is {len(meta)} bytes; {answered} answered rows, {stages} stage "
+                         f"times and top-{top_k} need {want}")
     ids = np.frombuffer(meta[STEP_REPLY_META.size : probs_at], "<i8")
     probs = np.frombuffer(meta[probs_at:times_at], "<f4")
-    times = np.frombuffer(meta[times_at:], "<f4").tolist()
-    return StepReply(session, seq, ids, probs, tensor, tuple(times))
+    times = np.frombuffer(meta[times_at:top_at], "<f4").tolist()
+    top_ids = top_logprobs = None
+    if top_k:
+        top_ids = np.frombuffer(meta[top_at:logp_at], "<i8").reshape(answered, top_k)
+        top_logprobs = np.frombuffer(meta[logp_at:want], "<f4").reshape(answered, top_k)
+    return StepReply(session, seq, ids, probs, tensor, tuple(times), top_ids, top_logprobs)

@@ -9,6 +9,11 @@ Rows are the new tokens of the step, stream after stream in plan order (T real r
 is padded to :func:`bucket_tokens` (T) rows so OpenVINO sees few distinct shapes; the padding rows
 form one extra subsequence that writes into the scratch blocks ``0 .. SCRATCH_BLOCKS-1``, which
 the coordinator never gives to a stream. docs/PROTOCOL.md ("Step") is the normative description.
+
+A row may also carry what the last stage needs to answer a constrained or a logprobs request: an
+allowed-token mask per answered row (structured output: the top-1 is then picked among the allowed
+tokens, and any logits returned are masked) and a top-k count (the ids and log-probabilities of the
+k likeliest tokens of every answered row).
 """
 
 from __future__ import annotations
@@ -16,7 +21,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from engine.errors import GenerationError
+from engine.wire.format import MAX_MASK_WORDS, MAX_STEP_MASK_WORDS, MAX_TOP_K
 
 # The CPU plugin's PagedAttention block (openvino.genai: cpu_block_size = 32); the GPU's is 16.
 CPU_BLOCK_SIZE = 32
@@ -46,7 +54,10 @@ def blocks_needed(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
 
-@dataclass(frozen=True)
+_MASK_DTYPE = np.dtype("<u4")
+
+
+@dataclass(frozen=True, eq=False)
 class PlanRow:
     """One stream's part of a step.
 
@@ -55,9 +66,10 @@ class PlanRow:
     ``blocks`` are the physical block ids covering ``past_len + new_tokens`` positions in logical
     order. The last stage answers for the trailing ``sample`` rows (0: a prefill chunk that is not
     the last; its reply carries nothing) with top-1, plus full logits when ``want_logits``.
-    ``top_k`` (top-k ids and log-probabilities per answered row) and ``mask`` (an allowed-token
-    mask per row, for structured output) have their place in the frame but must be 0/False in
-    protocol version 3.
+    ``top_k`` (0..MAX_TOP_K) asks for the ids and log-probabilities of the k likeliest tokens of
+    every answered row. ``mask`` uint32 [sample, W] is an allowed-token bitmask per answered row
+    (token t allowed iff bit t % 32 of word t // 32 is set; W = ceil(V / 32) of the last stage's
+    logits width V): the top-1, the top-k and any logits returned are taken over allowed tokens only.
     """
 
     stream_id: int
@@ -67,7 +79,28 @@ class PlanRow:
     sample: int = 1
     want_logits: bool = False
     top_k: int = 0
-    mask: bool = False
+    mask: np.ndarray | None = None
+
+    def _key(self) -> tuple:
+        return (self.stream_id, self.past_len, self.new_tokens, self.blocks, self.sample, self.want_logits,
+                self.top_k)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, PlanRow):
+            return NotImplemented
+        if self._key() != other._key():
+            return False
+        if self.mask is None or other.mask is None:
+            return self.mask is other.mask
+        return self.mask.shape == other.mask.shape and bool(np.array_equal(self.mask, other.mask))
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    @property
+    def mask_words(self) -> int:
+        """W, the u32 words of this row's mask per answered row (0 without a mask)."""
+        return 0 if self.mask is None else int(self.mask.shape[1])
 
     def check(self, block_size: int, pool_blocks: int) -> None:
         """GenerationError unless the row is one a stage can run."""
@@ -81,9 +114,14 @@ class PlanRow:
                                   f"its {self.new_tokens} new tokens")
         if self.want_logits and not self.sample:
             raise GenerationError(f"stream {self.stream_id} wants logits for no row")
-        if self.top_k or self.mask:
-            raise GenerationError(f"stream {self.stream_id}: top-k returns and token masks are not part of "
-                                  "protocol version 3")
+        if not 0 <= self.top_k <= MAX_TOP_K:
+            raise GenerationError(f"stream {self.stream_id} asks for the top {self.top_k} tokens; top_k is "
+                                  f"0..{MAX_TOP_K}")
+        if self.top_k and not self.sample:
+            raise GenerationError(f"stream {self.stream_id} asks for the top {self.top_k} tokens of no row "
+                                  "(sample 0)")
+        if self.mask is not None:
+            self._check_mask()
         want = blocks_needed(self.past_len + self.new_tokens, block_size)
         if len(self.blocks) != want:
             raise GenerationError(f"stream {self.stream_id} holds {self.past_len + self.new_tokens} positions, "
@@ -94,6 +132,20 @@ class PlanRow:
                                       f"{SCRATCH_BLOCKS}..{pool_blocks - 1}")
         if len(set(self.blocks)) != len(self.blocks):
             raise GenerationError(f"stream {self.stream_id} lists a block twice")
+
+    def _check_mask(self) -> None:
+        m = self.mask
+        if not isinstance(m, np.ndarray) or m.dtype != _MASK_DTYPE or m.ndim != 2:
+            raise GenerationError(f"stream {self.stream_id}: a token mask is a 2-dim little-endian uint32 numpy "
+                                  f"array [sample, ceil(V/32)], got {getattr(m, 'dtype', type(m).__name__)}"
+                                  f"{list(getattr(m, 'shape', ()))}")
+        if not self.sample:
+            raise GenerationError(f"stream {self.stream_id} carries a token mask for no row (sample 0)")
+        if m.shape[0] != self.sample or not 1 <= m.shape[1] <= MAX_MASK_WORDS:
+            raise GenerationError(f"stream {self.stream_id}: its token mask is {list(m.shape)}; it must be "
+                                  f"[sample={self.sample}, W] with W = ceil(V/32) in 1..{MAX_MASK_WORDS}")
+        if not m.any(axis=1).all():
+            raise GenerationError(f"stream {self.stream_id}: a row of its token mask allows no token")
 
 
 @dataclass(frozen=True)
@@ -127,6 +179,13 @@ class StepPlan:
             row.check(self.block_size, self.pool_blocks)
         if len({row.stream_id for row in self.rows}) != len(self.rows):
             raise GenerationError("a step names one stream twice")
+        widths = {row.mask_words for row in self.rows if row.mask is not None}
+        if len(widths) > 1:
+            raise GenerationError(f"the token masks of one step must have one width (one vocabulary); this step's "
+                                  f"have {sorted(widths)} words")
+        if self.mask_rows * self.mask_words > MAX_STEP_MASK_WORDS:
+            raise GenerationError(f"a step's token masks hold {self.mask_rows} x {self.mask_words} words; at most "
+                                  f"{MAX_STEP_MASK_WORDS}")
         real = self.tokens
         padded = self.padded_tokens or bucket_tokens(real)
         if not real <= padded <= MAX_STEP_TOKENS or padded - real > SCRATCH_BLOCKS * self.block_size:
@@ -151,6 +210,21 @@ class StepPlan:
     def logit_rows(self) -> int:
         """Rows whose full logits the reply carries, in plan order."""
         return sum(row.sample for row in self.rows if row.want_logits)
+
+    @property
+    def top_k(self) -> int:
+        """k of the reply's top-k section: the largest ``top_k`` a row asks for (0: no section)."""
+        return max(row.top_k for row in self.rows)
+
+    @property
+    def mask_words(self) -> int:
+        """W, the u32 words per masked row (one vocabulary per step; 0 when no row carries a mask)."""
+        return max(row.mask_words for row in self.rows)
+
+    @property
+    def mask_rows(self) -> int:
+        """M, the answered rows that carry a mask (the frame's mask section is u32 [M, W])."""
+        return sum(row.sample for row in self.rows if row.mask is not None)
 
     def sampled_indices(self) -> list[int]:
         """Row indices (into the T real rows) of every answered row, in plan order."""

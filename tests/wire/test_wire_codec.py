@@ -82,7 +82,7 @@ def test_forward_mask_is_bit_packed_and_compact():
 TOKENS_FRAME, HELLO_FRAME, PING_FRAME = encode(TOKENS_1D), encode(HELLO), encode(Ping(1))
 HEADER_CASES = [
     (FORWARD_FRAME, {"magic": b"GET "}, FrameError, "magic"),
-    (FORWARD_FRAME, {"version": 4}, ProtocolVersionError, "version 4"),
+    (FORWARD_FRAME, {"version": PROTOCOL_VERSION + 1}, ProtocolVersionError, f"version {PROTOCOL_VERSION + 1}"),
     (FORWARD_FRAME, {"kind": 99}, FrameError, "unknown frame kind 99"),
     (FORWARD_FRAME, {"kind": int(FrameKind.CAPTURE)}, FrameError, "CAPTURE frame cannot carry dtype FLOAT32"),
     (FORWARD_FRAME, {"flags": 0x02}, FrameError, "flag"),

@@ -11,6 +11,7 @@ from engine.wire.format import (
     HEADER_FIELDS,
     HEADER_SIZE,
     HEADER_STRUCT,
+    MAX_TOP_K,
     MIN_FRAME_BOUND,
     U64_MAX,
     ErrorCode,
@@ -92,6 +93,15 @@ STEP_PLAN = StepPlan(32, 64, (PlanRow(11, 12, 24, (4, 5), 1), PlanRow(12, 40, 1,
                               PlanRow(2**64 - 1, 31, 4, (9, 8), 4)), copies=((6, 10),), token_budget=256)
 
 
+# Structured output and logprobs: a decode under a 3-word (V <= 96) mask asking the top 5, a verify of 1+2
+# drafts with a mask on each answered row and the top 2, a plain decode wanting logits. T=5, Tb=8.
+CONSTRAINED_MASK = np.array([[0b1011, 0, 1 << 31]], "<u4")
+CONSTRAINED_PLAN = StepPlan(32, 64, (PlanRow(21, 7, 1, (4,), 1, top_k=5, mask=CONSTRAINED_MASK),
+                                     PlanRow(22, 40, 3, (5, 6), 3, top_k=2,
+                                             mask=np.array([[1, 0, 0], [0, 2, 0], [7, 7, 7]], "<u4")),
+                                     PlanRow(23, 3, 1, (7,), 1, want_logits=True)))
+
+
 def step(session=8, seq=5, hidden=True, dtype=np.float32, stage_ms=(1.25,), plan=STEP_PLAN, rng=None) -> Step:
     """A valid Step of ``plan``: hidden states [Tb, 8] (``hidden``) or token ids [Tb] into stage 0."""
     rng = rng or np.random.default_rng(2)
@@ -117,6 +127,7 @@ def random_plan(rng: np.random.Generator, rows: int | None = None) -> StepPlan:
     block_size = int(rng.choice([32, 16]))
     pool = int(rng.integers(256, 4096))
     free = [int(b) for b in rng.permutation(np.arange(SCRATCH_BLOCKS, pool))]
+    words = int(rng.integers(1, 9))  # one vocabulary (mask width) per step
     streams = [8 * int(v) + k + 1 for k, v in enumerate(rng.integers(0, 2**59, 8))]  # distinct: k = id mod 8
     plan_rows: list[PlanRow] = []
     for i in range(int(rng.integers(1, 9)) if rows is None else rows):
@@ -132,11 +143,35 @@ def random_plan(rng: np.random.Generator, rows: int | None = None) -> StepPlan:
         if rng.random() < 0.05:
             streams[i] = 2**64 - 1 - i  # the top of the stream-id range
         plan_rows.append(PlanRow(streams[i], past, new, tuple(blocks), sample,
-                                 want_logits=bool(sample and rng.random() < 0.3)))
+                                 want_logits=bool(sample and rng.random() < 0.3),
+                                 top_k=int(rng.integers(1, MAX_TOP_K + 1)) if sample and rng.random() < 0.3 else 0,
+                                 mask=random_mask(rng, sample, words) if sample and rng.random() < 0.3 else None))
     copies = tuple((free.pop(), free.pop()) for _ in range(int(rng.integers(0, 4))))
     tokens = sum(r.new_tokens for r in plan_rows)
     padded = 0 if rng.random() < 0.7 else min(MAX_STEP_TOKENS, tokens + int(rng.integers(0, 4 * block_size + 1)))
     return StepPlan(block_size, pool, tuple(plan_rows), copies, int(rng.integers(0, 2**32)), padded)
+
+
+def random_mask(rng: np.random.Generator, rows: int, words: int) -> np.ndarray:
+    """A packed allowed-token mask uint32 [rows, words] of random bits, every row allowing a token."""
+    mask = rng.integers(0, 2**32, (rows, words), dtype=np.uint32) & rng.integers(0, 2**32, (rows, words),
+                                                                                   dtype=np.uint32)
+    mask[:, 0] |= np.uint32(1) << rng.integers(0, 32, rows).astype(np.uint32)
+    return mask.astype("<u4")
+
+
+def random_top(rng: np.random.Generator, plan: StepPlan) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """A valid top-k section for ``plan``: k = plan.top_k, ids -1 / logprobs -inf past each row's k."""
+    k, r = plan.top_k, plan.sampled
+    if not k:
+        return None, None
+    ids = rng.integers(0, 2**40, (r, k), np.int64)
+    logp = np.sort(-rng.exponential(3.0, (r, k)).astype(np.float32), axis=1)[:, ::-1].copy()
+    asks = np.concatenate([np.full(row.sample, row.top_k) for row in plan.rows])
+    past = np.arange(k)[None, :] >= asks[:, None]
+    ids[past] = -1
+    logp[past] = -np.inf
+    return ids, logp
 
 
 def random_step(rng: np.random.Generator, plan: StepPlan | None = None) -> Step:
@@ -155,13 +190,15 @@ def random_step(rng: np.random.Generator, plan: StepPlan | None = None) -> Step:
 
 
 def random_step_reply(rng: np.random.Generator, plan: StepPlan | None = None) -> StepReply:
-    """A valid StepReply to ``plan`` (default: a random one): R = plan.sampled, L = plan.logit_rows."""
+    """A valid StepReply to ``plan`` (default: a random one): R = plan.sampled, L = plan.logit_rows,
+    top-k = plan.top_k."""
     plan = plan or random_plan(rng)
     r, rows = plan.sampled, plan.logit_rows
     logits = rng.standard_normal((rows, int(rng.integers(1, 40)))).astype(np.float32) if rows else None
     stage_ms = tuple(float(v) for v in rng.random(int(rng.integers(0, 4))) * 100)
     return StepReply(StreamId(int(rng.integers(1, 2**63))), int(rng.integers(0, 2**63)),
-                     rng.integers(0, 2**40, r, np.int64), rng.random(r, np.float32), logits, stage_ms)
+                     rng.integers(0, 2**40, r, np.int64), rng.random(r, np.float32), logits, stage_ms,
+                     *random_top(rng, plan))
 
 
 TENSOR_SAMPLES: list[Message] = [
@@ -178,7 +215,14 @@ TENSOR_SAMPLES: list[Message] = [
     step(),
     step(session=U64_MAX, seq=U64_MAX, hidden=False, stage_ms=()),
     step(dtype=np.float16, stage_ms=(0.5, 7.0)),
+    step(plan=CONSTRAINED_PLAN, hidden=False),
     step_reply(),
+    StepReply(StreamId(2), 1, np.array([3, 33, 1, 2], np.int64), np.array([0.5, 0.25, 1.0, 0.125], np.float32),
+              np.zeros((1, 96), np.float32), (1.0, 2.0),
+              np.array([[3, 1, 0, 95, -1], [33, -1, -1, -1, -1], [1, 2, -1, -1, -1], [-1, -1, -1, -1, -1]], np.int64),
+              np.array([[-0.7, -1.5, -2.0, -3.0, -np.inf], [0.0, -np.inf, -np.inf, -np.inf, -np.inf],
+                        [-0.1, -3.0, -np.inf, -np.inf, -np.inf], [-np.inf] * 5],
+                       np.float32)),
     step_reply(logits=False),
     StepReply(StreamId(1), 0, np.zeros(0, np.int64), np.zeros(0, np.float32)),  # a step of prefill chunks only
 ]

@@ -1,0 +1,141 @@
+"""What the last paged stage answers: top-1, logits, top-k log-probabilities, under the rows' masks.
+
+Pure numpy over the logits [R, V] of a step's answered rows (plan order) and the step's plan: the
+packed allowed-token masks (:class:`engine.wire.step_plan.PlanRow.mask`) set the disallowed logits
+to -inf first, so the top-1 is the constrained greedy pick, a returned logits row is the masked
+distribution the coordinator samples from, and the log-probabilities are those of the masked
+distribution. Log-probabilities are the log-softmax of the raw logits (temperature 1): the API
+reports them as OpenAI does, whatever temperature the stream samples at. docs/PROTOCOL.md
+("Step", "StepReply") is the normative description.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.errors import GenerationError
+from engine.wire.format import StreamId
+from engine.wire.messages import StepReply
+from engine.wire.step_plan import StepPlan
+
+
+class TokenMaskError(GenerationError):
+    """A step's token mask does not fit the last stage's vocabulary (its width is not ceil(V/32),
+    or it allows a token id >= V): coordinator and last stage disagree on the model."""
+
+
+def mask_words(vocab: int) -> int:
+    """W, the u32 words of a packed mask over a vocabulary of ``vocab`` tokens."""
+    return -(-vocab // 32)
+
+
+def unpack_mask(mask: np.ndarray, vocab: int) -> np.ndarray:
+    """bool [n, V] from packed uint32 [n, ceil(V/32)]: token t is allowed iff bit t % 32 of word t // 32."""
+    bits = np.unpackbits(np.ascontiguousarray(mask, "<u4").view(np.uint8), axis=-1, bitorder="little")
+    return bits[:, :vocab].view(bool)
+
+
+def check_mask(mask: np.ndarray, vocab: int, stream_id: int = 0) -> None:
+    """TokenMaskError unless ``mask`` [n, W] is ceil(V/32) words wide with no bit set at or past V."""
+    want = mask_words(vocab)
+    if mask.shape[1] != want:
+        raise TokenMaskError(f"stream {stream_id}: its token mask has {mask.shape[1]} words per row; the last "
+                             f"stage's vocabulary of {vocab} needs {want} (ceil(V/32)): the mask was built for "
+                             "another model or tokenizer width")
+    spare = vocab % 32
+    if spare and (mask[:, -1] >> np.uint32(spare)).any():
+        raise TokenMaskError(f"stream {stream_id}: its token mask allows a token id >= the vocabulary size {vocab}")
+
+
+def apply_mask(logits: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """logits float32 [n, V] with -inf where ``mask`` (uint32 [n, ceil(V/32)]) disallows, as a new array."""
+    return np.where(unpack_mask(mask, logits.shape[-1]), logits, np.float32(-np.inf)).astype(np.float32, copy=False)
+
+
+def top1(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(ids int64 [n], probs float32 [n]) of logits rows [n, V]; -inf entries have probability 0."""
+    ids = rows.argmax(axis=-1)
+    top = rows[np.arange(rows.shape[0]), ids]
+    # p(top) = 1 / sum(exp(l - l_top)); computed in float64 to stay finite for any logits.
+    probs = 1.0 / np.exp(rows.astype(np.float64) - top[:, None]).sum(axis=-1)
+    return ids.astype(np.int64), probs.astype(np.float32)
+
+
+def top_logprobs(rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The k likeliest tokens of logits rows [n, V], best first: ids int64 [n, k] and their
+    log-softmax float32 [n, k]; an entry past the row's finite logits (a mask allowing fewer than
+    k tokens) is id -1 with log-probability -inf. Ties keep no particular order."""
+    k = min(k, rows.shape[1])
+    part = np.argpartition(rows, -k, axis=-1)[:, -k:]  # [n, k], unordered
+    vals = np.take_along_axis(rows, part, axis=-1)
+    order = np.argsort(-vals, axis=-1, kind="stable")
+    ids = np.take_along_axis(part, order, axis=-1).astype(np.int64)
+    vals = np.take_along_axis(vals, order, axis=-1).astype(np.float64)
+    top = vals[:, :1]  # the row's max: finite, a mask allows at least one token
+    lse = top + np.log(np.exp(rows.astype(np.float64) - top).sum(axis=-1, keepdims=True))
+    logp = (vals - lse).astype(np.float32)
+    gone = np.isneginf(vals)
+    ids[gone] = -1
+    logp[gone] = -np.inf
+    return ids, logp
+
+
+@dataclass(frozen=True, eq=False)
+class StepAnswer:
+    """The last stage's answer to one step, in the StepReply's shapes (see :class:`StepReply`)."""
+
+    ids: np.ndarray  # int64 [R]
+    probs: np.ndarray  # float32 [R]
+    logits: np.ndarray | None  # float32 [L, V], masked
+    top_ids: np.ndarray | None  # int64 [R, k]
+    top_logprobs: np.ndarray | None  # float32 [R, k]
+
+    def reply(self, session: StreamId, seq: int, stage_ms: tuple[float, ...]) -> StepReply:
+        """The StepReply frame of this answer."""
+        return StepReply(session, seq, self.ids, self.probs, self.logits, stage_ms, self.top_ids, self.top_logprobs)
+
+
+def check_masks(plan: StepPlan, vocab: int) -> None:
+    """TokenMaskError unless every mask of ``plan`` fits a vocabulary of ``vocab`` (the last
+    stage checks before it answers: the codec cannot know V)."""
+    for row in plan.rows:
+        if row.mask is not None:
+            check_mask(row.mask, vocab, row.stream_id)
+
+
+def answer_step(logits: np.ndarray, plan: StepPlan) -> StepAnswer:
+    """The answer to ``plan`` from the logits float32 [R, V] of its answered rows (plan order).
+
+    Masked rows are set to -inf where disallowed (in place: ``logits`` is the stage's private
+    copy); then top-1 and probabilities of every row, the rows of ``want_logits`` streams, and
+    when any row asks for top-k, k = ``plan.top_k`` ids and log-probabilities per row (rows asking
+    fewer padded with -1 / -inf).
+    """
+    vocab = logits.shape[1]
+    check_masks(plan, vocab)
+    at = 0
+    for row in plan.rows:
+        if row.mask is not None:
+            np.copyto(logits[at:at + row.sample], np.float32(-np.inf), where=~unpack_mask(row.mask, vocab))
+        at += row.sample
+    ids, probs = top1(logits)
+    kept = None
+    if plan.logit_rows:
+        keep = np.concatenate([np.full(row.sample, row.want_logits, dtype=bool) for row in plan.rows])
+        kept = np.ascontiguousarray(logits[keep], dtype=np.float32)
+    k = plan.top_k
+    if not k:
+        return StepAnswer(ids, probs, kept, None, None)
+    asks = np.concatenate([np.full(row.sample, row.top_k, dtype=np.int64) for row in plan.rows])  # [R]
+    top_ids = np.full((logits.shape[0], k), -1, np.int64)
+    top_lp = np.full((logits.shape[0], k), -np.inf, np.float32)
+    chosen = asks > 0
+    got_ids, got_lp = top_logprobs(logits[chosen], k)  # one call for every asking row, then each cut to its k
+    past = np.arange(got_ids.shape[1])[None, :] >= asks[chosen][:, None]
+    got_ids[past] = -1
+    got_lp[past] = -np.inf
+    top_ids[chosen, :got_ids.shape[1]] = got_ids
+    top_lp[chosen, :got_lp.shape[1]] = got_lp
+    return StepAnswer(ids, probs, kept, top_ids, top_lp)
