@@ -161,6 +161,11 @@ class GrammarMatcher:
         self._consumed = 0
 
     @property
+    def llg(self) -> llguidance.LLMatcher:
+        """The llguidance matcher itself (for its batch calls: ``LLExecutor``)."""
+        return self._m
+
+    @property
     def consumed(self) -> int:
         """Tokens committed so far (what :meth:`rollback` can take back)."""
         return self._consumed
@@ -311,10 +316,17 @@ def apply_mask(logits: np.ndarray, mask: np.ndarray, *, out: np.ndarray | None =
     m = np.asarray(mask)
     if m.ndim > x.ndim or (m.ndim == 2 and x.ndim == 2 and m.shape[0] != x.shape[0]):
         raise GrammarStateError(f"a mask of shape {m.shape} does not fit logits of shape {x.shape}")
-    allowed = unpack_mask(m, x.shape[-1])
     if out is None:
         out = x.copy()
     elif out is not x:
         np.copyto(out, x)
-    np.copyto(out, -np.inf, where=~allowed)
+    # Bit operations, not np.where/copyto(where=): a mask inside a JSON string allows tokens in no
+    # pattern, and a branch per logit then mispredicts half the time (measured ~8x slower at 49k).
+    as_int = np.dtype(f"i{x.dtype.itemsize}")
+    keep = unpack_mask(m, x.shape[-1]).astype(as_int)  # 1 allowed, 0 refused
+    keep -= 1  # 0 allowed, -1 (all bits) refused
+    bits = out.view(as_int)
+    np.bitwise_and(bits, np.invert(keep), out=bits)  # refused -> 0
+    keep &= np.array(-np.inf, x.dtype).view(as_int)  # refused -> the bits of -inf
+    bits |= keep
     return out

@@ -62,9 +62,12 @@ def _format(name: str, schema: dict, strict: bool = True) -> dict:
     return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": strict}}
 
 
+TINY_LOGITS = 512  # the tiny models' vocab_size; their trained tokenizer has fewer tokens
+
+
 @pytest.fixture(scope="module")
 def tiny(tiny_tokenizer_dir) -> Vocab:
-    return vocab_of(tiny_tokenizer_dir)
+    return vocab_of(tiny_tokenizer_dir, TINY_LOGITS)
 
 
 @pytest.mark.parametrize("name", sorted(SCHEMAS))
@@ -182,7 +185,9 @@ def test_a_refused_token_is_not_consumed(tiny):
 
 
 def test_the_mask_covers_a_logits_width_wider_than_the_tokenizer(tiny_tokenizer_dir, tiny):
-    wide_width = tiny.grammar.logits_width + 45  # padded like a model's embedding, not a multiple of 32
+    words = tiny.text.get_vocab_size(with_added_tokens=True)
+    assert words < TINY_LOGITS  # the tiny model is itself the padded case
+    wide_width = TINY_LOGITS + 45  # and wider again, not a multiple of 32
     wide = vocab_of(tiny_tokenizer_dir, wide_width)
     assert wide.grammar.mask_width == mask_width(wide_width) == -(-wide_width // 32)
     grammar = response_format_grammar(_format("order", ORDER))
@@ -191,9 +196,9 @@ def test_the_mask_covers_a_logits_width_wider_than_the_tokenizer(tiny_tokenizer_
         mask = matcher.mask()
         assert mask.shape == (wide.grammar.mask_width,)
         bits = unpack_mask(mask, wide_width)
-        assert not bits[tiny.grammar.logits_width:].any()  # ids past the tokenizer are never allowed
+        assert not bits[words:].any()  # ids past the tokenizer are never allowed
         logits = np.zeros(wide_width, np.float32)
-        logits[tiny.grammar.logits_width:] = 1e6  # the padding would win unmasked
+        logits[words:] = 1e6  # the padding would win unmasked
         token = int(np.argmax(apply_mask(logits + bits, mask)))
         if token == wide.eos_id:
             break
@@ -203,6 +208,8 @@ def test_the_mask_covers_a_logits_width_wider_than_the_tokenizer(tiny_tokenizer_
 def test_a_logits_width_narrower_than_the_tokenizer_is_refused(tiny_tokenizer_dir, tiny):
     with pytest.raises(GrammarStateError, match="does not fit a model with 100 logits"):
         GrammarTokenizer((tiny_tokenizer_dir / "tokenizer.json").read_text(), logits_width=100, eos_ids=[2])
+    with pytest.raises(GrammarStateError, match="outside the logits width"):
+        GrammarTokenizer((tiny_tokenizer_dir / "tokenizer.json").read_text(), logits_width=600, eos_ids=[600])
     with pytest.raises(GrammarStateError, match="end-of-sequence"):
         GrammarTokenizer((tiny_tokenizer_dir / "tokenizer.json").read_text(), logits_width=600, eos_ids=[])
 

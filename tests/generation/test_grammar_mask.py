@@ -23,14 +23,16 @@ def test_unpack_reads_every_bit_in_place(vocab):
     np.testing.assert_array_equal(unpack_mask(_pack(allowed), vocab), allowed)
 
 
-def test_apply_mask_rows_and_broadcast():
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_apply_mask_rows_and_broadcast(dtype):
     rng = np.random.default_rng(0)
     vocab = 77
-    logits = rng.normal(size=(3, vocab)).astype(np.float32)
+    logits = rng.normal(size=(3, vocab)).astype(dtype)
+    logits[0, :3] = [np.inf, -np.inf, 0.0]
     allowed = rng.random((3, vocab)) < 0.5
     masks = np.stack([_pack(a) for a in allowed])
     out = apply_mask(logits, masks)
-    assert out.dtype == np.float32 and out is not logits
+    assert out.dtype == dtype and out is not logits
     np.testing.assert_array_equal(out, np.where(allowed, logits, -np.inf))
     one = apply_mask(logits, masks[1])  # one mask for every row
     np.testing.assert_array_equal(one, np.where(allowed[1], logits, -np.inf))
