@@ -3,6 +3,7 @@ stop strings, and the shapes of answers and stream chunks."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from dataclasses import replace
@@ -13,8 +14,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.api.openai_answer import ChoiceBuilder, CompletionChunks, completion_response, sse_event, token_usage
-from engine.api.openai_schema import ApiError, TextStream, parse_completion, to_generation_request
-from engine.generation.request import TokenEvent
+from engine.api.openai_schema import (
+    ApiError,
+    TextStream,
+    choice_seed,
+    parse_completion,
+    to_generation_request,
+    to_generation_requests,
+)
+from engine.generation.request import JsonConstraint, TokenEvent
 from tests.support.api_helpers import CARD, EOS, SETTINGS, ByteTokenizer
 
 
@@ -124,6 +132,78 @@ def test_invalid_fields_are_400_naming_the_field(patch, param):
     with pytest.raises(ApiError) as info:
         parse_completion(body, "chat", "fake")
     assert (info.value.status, info.value.param, info.value.type) == (400, param, "invalid_request_error")
+
+
+CHAT = {"model": "fake", "messages": [{"role": "user", "content": "hi"}]}
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+
+def test_response_format_logprobs_and_n_are_carried_to_the_generation_requests():
+    body = {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "place", "schema": SCHEMA,
+                                                                              "strict": True}},
+            "logprobs": True, "top_logprobs": 5, "n": 3, "seed": 10}
+    params = parse_completion(body, "chat", "fake", pending=())
+    assert params.response_format == JsonConstraint(json.dumps(SCHEMA, separators=(",", ":"), sort_keys=True),
+                                                    "place", True)
+    assert (params.logprobs, params.n, params.constraint) == (5, 3, params.response_format)
+    requests = to_generation_requests([1, 2], params, SETTINGS, CARD)
+    assert [r.sampling.seed for r in requests] == [10, 11, 12]
+    assert {(r.logprobs, r.constraint, r.prompt_ids) for r in requests} == {(5, params.response_format, (1, 2))}
+    assert choice_seed(None, 2) is None and choice_seed((1 << 63) - 1, 1) == 0
+    assert parse_completion({**CHAT, "response_format": {"type": "json_object"}}, "chat", pending=()
+                            ).constraint == JsonConstraint()
+    assert parse_completion({**CHAT, "response_format": {"type": "text"}}, "chat").response_format is None
+    assert parse_completion({**CHAT, "logprobs": False}, "chat").logprobs is None
+    assert parse_completion({**CHAT, "logprobs": True}, "chat", pending=()).logprobs == 0
+    assert parse_completion({"prompt": "x", "logprobs": 0}, "text", pending=()).logprobs == 0
+    assert parse_completion({"prompt": "x", "n": 8}, "text").n == 8
+
+
+@pytest.mark.parametrize("kind, patch, param", [
+    ("chat", {"response_format": {"type": "json"}}, "response_format"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}}, "response_format"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": []}}},
+     "response_format"),
+    ("chat", {"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+    ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("chat", {"logprobs": 3}, "logprobs"),  # chat takes a boolean
+    ("text", {"logprobs": True}, "logprobs"), ("text", {"logprobs": 21}, "logprobs"),
+    ("text", {"top_logprobs": 1}, "top_logprobs"), ("text", {"tools": []}, "tools"),
+    ("chat", {"n": 0}, "n"), ("chat", {"best_of": 2}, "best_of"), ("chat", {"functions": [{}]}, "functions"),
+])
+def test_bad_new_fields_are_400_naming_the_field(kind, patch, param):
+    body = {**(CHAT if kind == "chat" else {"prompt": "x"}), **patch}
+    with pytest.raises(ApiError) as info:
+        parse_completion(body, kind, pending=())
+    assert (info.value.status, info.value.param) == (400, param)
+
+
+@pytest.mark.parametrize("patch, param", [
+    ({"logprobs": True}, "logprobs"), ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, "tool_choice"),
+])
+def test_features_the_generators_do_not_honour_yet_are_400_by_default(patch, param):
+    with pytest.raises(ApiError) as info:
+        parse_completion({**CHAT, **patch}, "chat")
+    assert (info.value.status, info.value.param) == (400, param) and "yet" in info.value.message
+    assert parse_completion({**CHAT, **patch}, "chat", pending=()).features() == {
+        "logprobs": {"logprobs"}, "response_format": {"response_format"}, "tool_choice": {"forced_tool_call"}}[param]
+
+
+def test_choice_logprobs_and_tool_call_shapes():
+    text = answered("text", "aé", "stop", logprobs=1)
+    assert text.choice()["logprobs"] == {"tokens": ["a", "\ufffd", "\ufffd"], "token_logprobs": [None] * 3,
+                                         "top_logprobs": [{}, {}, {}], "text_offset": [0, 1, 1]}
+    chat = answered("chat", "a", "stop", logprobs=0).choice()
+    assert chat["logprobs"] == {"content": [{"token": "a", "logprob": None, "bytes": [97], "top_logprobs": []}],
+                                "refusal": None}
+    call = '<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
+    called = answered("chat", call, "stop", tools=True).choice()
+    assert called["finish_reason"] == "tool_calls" and called["message"]["content"] is None
+    (tool_call,) = called["message"]["tool_calls"]
+    assert tool_call["type"] == "function" and tool_call["function"] == {"name": "f", "arguments": '{"x": 1}'}
+    assert answered("chat", call, "length", tools=True).choice()["finish_reason"] == "length"
+    assert answered("chat", call, "stop").choice()["message"] == {"role": "assistant", "content": call}
 
 
 def test_top_p_zero_is_refused_by_sampling_params():
