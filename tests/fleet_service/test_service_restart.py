@@ -1,22 +1,37 @@
-"""The fleet service as a real process on loopback, with two real agents (in this process, their
-stage workers real processes): it serves a 2-stage ring of the tiny model through its OpenAI API,
-is SIGKILLed mid-life, and started again on the same state dir re-forms the ring with no admin
-action and answers the same greedy tokens. Every wait is bounded (a hang fails the test)."""
+"""The fleet service as a real process on loopback (`deskfleet fleet`), with two real agents (in this
+process, their stage workers real processes) serving a 2-stage ring of the tiny model through its
+OpenAI API (issue 15, Deliver 1, 2 and 7). Every wait is bounded (a hang fails the test).
+
+- SIGKILLed mid-life and started again on the same state dir, the service re-forms the ring with no
+  admin action and answers the same greedy tokens.
+- A `deskfleet console` process attached to it is SIGKILLed while a chat streams through the API:
+  the chat completes with the unsplit model's greedy answer; then two consoles (Qt offscreen, in
+  this process; one over the local socket, one with an admin certificate over mutual TLS) attach
+  and show the same fleet, the same ring serving, and each other's news.
+
+The service, its agents and the ring cost most of each test, so one set serves the whole module
+(``served_fleet``); ``serving`` gives each test the ring serving again whatever the one before left.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import openai
 import pytest
 
+from engine.envvars import KEYRING_DIR
+from engine.generation.tokenizer import ChatTokenizer
 from engine.shards.manifest import load_manifest
 from tests.conftest import PROMPT_IDS
 from tests.fleet_service.admin import Admin
@@ -24,21 +39,23 @@ from tests.support.console_fleet_helpers import agent
 from tests.support.loopback import free_port
 
 N = 12
-pytestmark = pytest.mark.usefixtures("private_keyring")
+EXPORT_ID = "tiny-2"
+pytestmark = pytest.mark.slow
 
 
 class ServiceProcess:
-    """``deskfleet fleet`` on a state dir with fixed loopback ports (as a real install has)."""
+    """``deskfleet fleet`` on a state dir with fixed loopback ports (as a real install has);
+    ``admin_port`` -1: no admin port over TLS, only the local socket."""
 
-    def __init__(self, state: Path, log: Path) -> None:
+    def __init__(self, state: Path, log: Path, *, admin_port: int = -1) -> None:
         self.state, self.log = state, log
         self.ports = {"--api-port": free_port(), "--enrollment-port": free_port(), "--hub-port": free_port(),
-                      "--data-port": free_port()}
+                      "--data-port": free_port(), "--admin-port": admin_port}
         self.proc: asyncio.subprocess.Process | None = None
 
     async def start(self, timeout: float = 60.0) -> Admin:
         args = [sys.executable, "-m", "engine.cli.main", "fleet", "--state-dir", str(self.state),
-                "--interface", "127.0.0.1", "--admin-port", "-1", "--threads", "1", "--exact"]
+                "--interface", "127.0.0.1", "--threads", "1", "--exact"]
         for flag, port in self.ports.items():
             args += [flag, str(port)]
         with self.log.open("ab") as out:
@@ -56,12 +73,16 @@ class ServiceProcess:
             assert time.monotonic() < deadline, f"the service did not start in {timeout:g} s:\n{self.log.read_text()}"
             await asyncio.sleep(0.2)
 
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
     async def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
         await asyncio.wait_for(self.proc.wait(), 10)
 
     async def stop(self) -> None:
-        if self.proc is not None and self.proc.returncode is None:
+        if self.running:
             self.proc.send_signal(signal.SIGTERM)
             try:
                 await asyncio.wait_for(self.proc.wait(), 30)
@@ -87,85 +108,297 @@ async def _ring_serving(admin: Admin, ring: str, timeout: float) -> dict:
         await asyncio.sleep(0.2)
 
 
-@pytest.mark.slow
-def test_the_service_killed_and_restarted_re_forms_its_ring_and_answers(tmp_path, tiny_export, unsplit_greedy):
-    export = tiny_export("llama", 2)
-    state = tmp_path / "fleet"
-    (state / "exports").mkdir(parents=True)
-    shutil.copytree(export, state / "exports" / "tiny-2")
-    service = ServiceProcess(state, tmp_path / "service.log")
+def _lap():
+    t = time.monotonic()
 
-    async def main():
-        # no warm spares: they are not what is tested here, and each would compile its stage again
-        pcs = [agent(tmp_path, name, warm_spare="off") for name in ("desk-a", "desk-b")]
-        admin = None
+    def lap(what: str) -> None:
+        nonlocal t
+        print(f"{what}: {time.monotonic() - t:.1f} s", flush=True)
         t = time.monotonic()
 
-        def lap(what: str) -> None:
-            nonlocal t
-            print(f"{what}: {time.monotonic() - t:.1f} s", flush=True)
-            t = time.monotonic()
+    return lap
 
-        try:
-            admin = await service.start()
-            lap("service started")
-            token = (await admin.ok("POST", "/tokens", {}))["token"]
-            enrollment = (await admin.ok("GET", "/service"))["enrollment"]
-            nodes = []
-            for pc in pcs:
-                await pc.async_start()
-                await pc.async_join(enrollment, token)
-                token = (await admin.ok("POST", "/tokens", {}))["token"]  # single use
-                added = (await admin.ok("POST", "/agents", {"host": "127.0.0.1", "port": pc.control_port}))["agent"]
-                await admin.ok("POST", f"/agents/{added['key']}/approve")
-                nodes.append(added["node_id"])
-            plan = {"stages": [{"device_id": f"{nodes[0]}/CPU", "pc_id": nodes[0], "first_layer": 0, "last_layer": 1},
-                               {"device_id": f"{nodes[1]}/CPU", "pc_id": nodes[1], "first_layer": 2, "last_layer": 3}]}
-            lap("agents joined and approved")
-            made = await admin.ok("POST", "/rings", {"plan": plan, "export_id": "tiny-2"})
-            assert made["ring"]["ring"] == "r1"
-            job = await admin.job(made["job"]["id"], 120)
-            assert job["state"] == "done", job
-            lap("ring distributed and serving")
-            api_url = (await admin.ok("GET", "/service"))["api_url"]
-            key = (await admin.ok("POST", "/keys/console/secret"))["secret"]
-            before = await _ask(api_url, key, "llama")
-            lap("first answer")
-            health = await admin.ok("GET", "/health")
-            assert health["status"] == "ok" and [r["ring"] for r in health["rings"]] == ["r1"]
-            pids = [pc.status().worker.pid for pc in pcs]
 
-            await admin.close()
-            admin = None
-            await service.kill()  # no goodbye: the rings are re-formed from served-rings.json
-            killed = time.monotonic()
-            admin = await service.start()
-            ring = await _ring_serving(admin, "r1", 90)
-            after = await _ask(api_url, key, "llama")
-            restart_s = time.monotonic() - killed
-            print(f"service restart to first answer: {restart_s:.1f} s")
-            assert ring["export_id"] == "tiny-2" and ring["report"]["status"] == "ok"
-            assert (await admin.ok("GET", "/service"))["api_url"] == api_url  # the same address for the agents
-            return before, after, pids, [pc.status().worker.pid for pc in pcs], restart_s
-        finally:
-            if admin is not None:
-                await admin.close()
-            t0 = time.monotonic()
-            await service.stop()
-            print(f"service stopped in {time.monotonic() - t0:.1f} s", flush=True)
-            for pc in pcs:
-                t0 = time.monotonic()
-                await asyncio.wait_for(pc.async_close(), 60)
-                print(f"agent closed in {time.monotonic() - t0:.1f} s", flush=True)
+@dataclass
+class ServedFleet:
+    """The module's service process, its two agents (on ``loop``) and its ring; ``admin`` talks
+    to the service running now (a test that restarts the service puts the new one here)."""
 
-    before, after, pids, pids_after, restart_s = asyncio.run(asyncio.wait_for(main(), 400))
+    root: Path
+    state: Path
+    export: Path
+    expected: str  # the unsplit model's greedy answer: every answer through the ring must be it
+    loop: object  # LoopThread: the agents and every admin call run on it
+    service: ServiceProcess
+    pcs: list = field(default_factory=list)
+    admin: Admin | None = None
+    nodes: list[str] = field(default_factory=list)
+    ring: str = ""
+    api_url: str = ""
+    key: str = ""
+
+    executor: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def run(self, coro, timeout: float, what: str):
+        return self.loop.run(coro, timeout, what)
+
+    def new_executor(self) -> None:
+        """A new default executor for the loop; the one before it shut down (its threads joined)."""
+        old, self.executor = self.executor, concurrent.futures.ThreadPoolExecutor(thread_name_prefix="served-fleet")
+
+        async def swap() -> None:
+            asyncio.get_running_loop().set_default_executor(self.executor)
+
+        self.run(swap(), 10, "setting the executor")
+        if old is not None:
+            old.shutdown(wait=True)
+
+    async def async_join_agents(self) -> None:
+        """desk-a and desk-b joined and approved (a fresh one-time token for each)."""
+        enrollment = (await self.admin.ok("GET", "/service"))["enrollment"]
+        for pc in self.pcs:
+            token = (await self.admin.ok("POST", "/tokens", {}))["token"]
+            await pc.async_start()
+            await pc.async_join(enrollment, token)
+            added = (await self.admin.ok("POST", "/agents", {"host": "127.0.0.1", "port": pc.control_port}))["agent"]
+            await self.admin.ok("POST", f"/agents/{added['key']}/approve")
+            self.nodes.append(added["node_id"])
+
+    async def async_form_ring(self) -> str:
+        """A ring of the copied export over desk-a (layers 0-1) and desk-b (2-3), once serving."""
+        a, b = self.nodes
+        plan = {"stages": [{"device_id": f"{a}/CPU", "pc_id": a, "first_layer": 0, "last_layer": 1},
+                           {"device_id": f"{b}/CPU", "pc_id": b, "first_layer": 2, "last_layer": 3}]}
+        made = await self.admin.ok("POST", "/rings", {"plan": plan, "export_id": EXPORT_ID})
+        job = await self.admin.job(made["job"]["id"], 120)
+        assert job["state"] == "done", job
+        return made["ring"]["ring"]
+
+    async def async_serving(self) -> None:
+        """The service up, both agents approved and running, ``ring`` serving: left as it is when it
+        already is (the common case), repaired otherwise (a test before stopped the ring, paused
+        an agent or left the service down)."""
+        if not self.service.running:
+            if self.admin is not None:
+                await self.admin.close()
+            self.admin = await self.service.start()
+        if self.ring:
+            status, body = await self.admin.call("GET", f"/rings/{self.ring}")
+            if status == 200 and body["ring"]["phase"] == "serving":
+                return
+        for a in (await self.admin.ok("GET", "/agents"))["agents"]:
+            if a["state"] == "paused":
+                await self.admin.ok("POST", f"/agents/{a['key']}/resume")
+        self.ring = await self.async_form_ring()
+
+
+@pytest.fixture(scope="module")
+def served_fleet(tmp_path_factory, tiny_export, unsplit_greedy):
+    from console.shared.loop_thread import LoopThread
+
+    root = tmp_path_factory.mktemp("served-fleet")
+    export = tiny_export("llama", 2)
+    state = root / "fleet"
+    (state / "exports").mkdir(parents=True)
+    shutil.copytree(export, state / "exports" / EXPORT_ID)
     tokens = unsplit_greedy(PROMPT_IDS, N)
-    manifest = load_manifest(export)
-    from engine.generation.tokenizer import ChatTokenizer
+    eos = set(load_manifest(export).model.eos_token_ids)
+    expected = ChatTokenizer(export / "tokenizer").decode(list(tokens[:next(
+        (i for i, t in enumerate(tokens) if t in eos), N)]))
+    lap = _lap()
+    # One keyring for the module: the service process, the agents in this process and the
+    # `deskfleet fleet admin-cert` and `deskfleet console` processes all read it.
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(KEYRING_DIR, str(root / "keyring"))
+        loop = LoopThread("test-served-fleet").start()  # the agents answer the service while Qt waits
+        fleet = ServedFleet(root, state, export, expected, loop,
+                            ServiceProcess(state, root / "service.log", admin_port=free_port()))
+        # no warm spares: they are not what is tested here, and each would compile its stage again
+        fleet.pcs = [agent(root, name, warm_spare="off") for name in ("desk-a", "desk-b")]
+        try:
+            fleet.new_executor()
+            fleet.admin = fleet.run(fleet.service.start(), 90, "the service's start")
+            lap("service started")
+            fleet.run(fleet.async_join_agents(), 120, "joining the agents")
+            lap("agents joined and approved")
+            fleet.ring = fleet.run(fleet.async_form_ring(), 180, "forming the ring")
+            assert fleet.ring == "r1"
+            lap("ring distributed and serving")
+            fleet.api_url = fleet.run(fleet.admin.ok("GET", "/service"), 30, "the service")["api_url"]
+            fleet.key = fleet.run(fleet.admin.ok("POST", "/keys/console/secret"), 30, "the console's key")["secret"]
+            yield fleet
+        finally:
+            if fleet.admin is not None:
+                fleet.run(fleet.admin.close(), 10, "closing the admin client")
+            lap("tests")
+            fleet.run(fleet.service.stop(), 60, "stopping the service")
+            lap("service stopped")
+            for pc in fleet.pcs:
+                with contextlib.suppress(Exception):
+                    fleet.run(pc.async_close(), 60, "closing an agent")
+            lap("agents closed")
+            loop.stop()
+            fleet.executor.shutdown(wait=True)
 
-    eos = set(manifest.model.eos_token_ids)
-    expected = list(tokens[:next((i for i, t in enumerate(tokens) if t in eos), N)])
-    assert before == after == ChatTokenizer(export / "tokenizer").decode(expected)
+
+@pytest.fixture
+def serving(served_fleet) -> ServedFleet:
+    """The module's fleet serving. The loop's default executor is this test's own: its threads
+    (started on demand) are joined after it, so none counts as leaked by the next test."""
+    served_fleet.new_executor()
+    served_fleet.run(served_fleet.async_serving(), 240, "the ring serving again")
+    yield served_fleet
+    served_fleet.new_executor()
+
+
+def test_the_service_killed_and_restarted_re_forms_its_ring_and_answers(serving):
+    fleet = serving
+
+    async def main():
+        before = await _ask(fleet.api_url, fleet.key, "llama")
+        health = await fleet.admin.ok("GET", "/health")
+        assert health["status"] == "ok" and [r["ring"] for r in health["rings"]] == [fleet.ring]
+        pids = [pc.status().worker.pid for pc in fleet.pcs]
+
+        await fleet.admin.close()
+        fleet.admin = None
+        await fleet.service.kill()  # no goodbye: the rings are re-formed from served-rings.json
+        killed = time.monotonic()
+        fleet.admin = await fleet.service.start()
+        ring = await _ring_serving(fleet.admin, fleet.ring, 90)
+        after = await _ask(fleet.api_url, fleet.key, "llama")
+        restart_s = time.monotonic() - killed
+        print(f"service restart to first answer: {restart_s:.1f} s")
+        assert ring["export_id"] == EXPORT_ID and ring["report"]["status"] == "ok"
+        assert (await fleet.admin.ok("GET", "/service"))["api_url"] == fleet.api_url  # the same address for the agents
+        return before, after, pids, [pc.status().worker.pid for pc in fleet.pcs], restart_s
+
+    before, after, pids, pids_after, restart_s = fleet.run(main(), 300, "the restart")
+    assert before == after == fleet.expected
     assert pids_after == pids  # the agents' workers kept running: their assignment did not change
     assert restart_s < 30
-    assert os.path.exists(Path(service.state) / "served-rings.json")
+    assert os.path.exists(fleet.state / "served-rings.json")
+
+
+def _console_process(state: Path, log: Path) -> subprocess.Popen:
+    """`deskfleet console` (offscreen) over the service's state dir: it attaches, it serves nothing."""
+    env = {**os.environ, "QT_QPA_PLATFORM": "offscreen"}
+    return subprocess.Popen([sys.executable, "-m", "engine.cli.main", "console", "--state-dir", str(state),
+                             "--interface", "127.0.0.1"], stdout=subprocess.PIPE, stderr=log.open("ab"),
+                            stdin=subprocess.DEVNULL, env=env, text=True)
+
+
+def _wait(qtbot, condition, timeout_s: float, what: str) -> None:
+    try:
+        qtbot.waitUntil(condition, timeout=int(timeout_s * 1000))
+    except AssertionError as exc:  # pytest-qt's timeout
+        raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}") from exc
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="the local admin socket")
+def test_killing_the_console_mid_chat_stops_nothing_and_a_new_console_shows_the_same_fleet(serving, qtbot):
+    from console.main_window import QtConsoleWindow
+    from console.service.console_settings import ConsoleSettings
+    from console.service.service_locator import read_service_file
+    from console.service_bridge import ServiceBridge
+    from tests.console.console_app_helpers import ConsoleDriver
+
+    fleet = serving
+    state, tmp_path, api_url, key = fleet.state, fleet.root, fleet.api_url, fleet.key
+    console = None
+    try:
+        fleet_id = fleet.run(fleet.admin.ok("GET", "/service"), 30, "the service")["fleet_id"]
+        # an admin on another PC: credentials from the fleet CA, issued on the service's PC
+        issued = subprocess.run([sys.executable, "-m", "engine.cli.main", "fleet", "admin-cert", "alice", "--out",
+                                 str(tmp_path / "alice"), "--state-dir", str(state)], timeout=60, capture_output=True,
+                                text=True)
+        assert issued.returncode == 0, issued.stderr
+
+        console = _console_process(state, tmp_path / "console.log")
+        line = console.stdout.readline()  # "deskfleet console: fleet …; …; attached to the fleet service …"
+        assert f"fleet {fleet_id}" in line and "attached to the fleet service" in line, line
+
+        async def chat_through_kill() -> tuple[str, int, int]:
+            async with openai.AsyncOpenAI(base_url=api_url, api_key=key, max_retries=0, timeout=60) as client:
+                stream = await client.completions.create(model="llama", prompt=list(PROMPT_IDS), max_tokens=N,
+                                                         temperature=0, stream=True)
+                chunks = [c.choices[0].text async for c in _first(stream)]
+                console.send_signal(signal.SIGKILL)  # mid-chat: the rest is not read yet
+                code = await asyncio.to_thread(console.wait, 10)
+                before = len(chunks)
+                chunks += [c.choices[0].text async for c in stream if c.choices]
+            return "".join(chunks), before, code
+
+        text, read_before_kill, code = fleet.run(chat_through_kill(), 120, "the chat")
+        assert code == -signal.SIGKILL and read_before_kill >= 1
+        assert text == fleet.expected
+        assert fleet.service.running, "the service stopped with the console"
+
+        # Two new consoles attach (the local one over the socket, alice's over mutual TLS) and see the
+        # same fleet; one's news reaches the other.
+        admin_url = read_service_file(state).admin_url
+        local = ConsoleSettings(state_dir=state, interface="127.0.0.1", refresh_s=1.0)
+        remote = ConsoleSettings(state_dir=tmp_path / "alice-console", interface="127.0.0.1", refresh_s=1.0,
+                                 service_url=admin_url, admin_cert=tmp_path / "alice")
+        windows = [QtConsoleWindow(ServiceBridge(settings)) for settings in (local, remote)]
+        try:
+            for w in windows:
+                w.bridge.start()
+            for w in windows:
+                _wait(qtbot, lambda w=w: w.bridge.running, 60, "a console to attach")
+                _wait(qtbot, lambda w=w: w.serving.phase == "serving", 30, "the ring to show as serving")
+                _wait(qtbot, lambda w=w: sorted(r.name for r in w.bridge.records if r.approved) == ["desk-a", "desk-b"],
+                      30, "the approved agents")
+                assert w.bridge.fleet_id == fleet_id and not w.bridge.started_service
+                assert w.serving.ring == fleet.ring and w.serving.api_url == api_url
+                assert w.fleet_page.token_edit.text() == w.bridge.token
+            first, second = windows
+            # the console's own chat goes through the service's API with the console's key
+            answer = ConsoleDriver(second, lambda c, t, what: _wait(qtbot, c, t, what)).chat("Hello")
+            assert second.chat_page.chat.model.current.messages[-1].role == "assistant" and isinstance(answer, str)
+            assert second.serving.api_key == key
+            first.fleet_page.new_token_button.click()
+            _wait(qtbot, lambda: second.bridge.token == first.bridge.token, 20, "the other console's token")
+            # links measured by the service for a console's Fleet page
+            first.fleet_page.measure_links()
+            _wait(qtbot, lambda: first.fleet_page.links is not None, 90, "the links measured by the service")
+            nodes = {r.node_id for r in first.bridge.records if r.approved}
+            measured = first.fleet_page.links.measured
+            assert {b for (a, b) in measured if a == "console"} == nodes, dict(measured)
+            # the ring stopped from one console is gone from the other's pages; a pause likewise
+            first.distribution_page.stop_button.click()
+            _wait(qtbot, lambda: second.serving.phase == "idle" and second.serving.ring is None, 60,
+                  "the stopped ring to leave the other console")
+            desk_b = next(r for r in first.bridge.records if r.name == "desk-b")
+            first.bridge.pause(desk_b.key)
+            _wait(qtbot, lambda: any(r.name == "desk-b" and r.state == "paused" for r in second.bridge.records), 30,
+                  "the other console's pause")
+            # the service restarts under an attached console: its feed comes back, with the fleet
+            links: list[bool] = []
+            first.bridge.attached.connect(links.append)
+            fleet.run(fleet.admin.close(), 10, "closing the admin client")
+            fleet.admin = None
+            fleet.run(fleet.service.kill(), 15, "killing the service")
+            _wait(qtbot, lambda: links == [False], 30, "the console to notice the service is gone")
+            restarted = fleet.loop.submit(fleet.service.start(90))
+            _wait(qtbot, lambda: links == [False, True], 90, "the console to follow the restarted service")
+            fleet.admin = restarted.result(90)
+            assert sorted(r.name for r in first.bridge.records if r.approved) == ["desk-a", "desk-b"]
+        finally:
+            for w in windows:
+                w.shutdown()
+                w.bridge.close()
+                w.close()
+                w.deleteLater()
+        assert fleet.service.running, "a console's close stopped the service"
+    finally:
+        if console is not None and console.poll() is None:
+            console.kill()
+
+
+async def _first(stream):
+    """The stream's first chunk with text (then the caller stops reading)."""
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            yield chunk
+            return
