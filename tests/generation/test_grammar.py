@@ -6,10 +6,13 @@ exactly when the JSON is complete."""
 from __future__ import annotations
 
 import json
+from typing import Literal
 
 import jsonschema
 import numpy as np
 import pytest
+from openai.lib._parsing._completions import type_to_response_format_param
+from pydantic import BaseModel, Field
 
 from engine.generation.grammar import (
     GrammarError,
@@ -231,6 +234,32 @@ def test_fill_masks_writes_one_row_per_stream(tiny):
         np.testing.assert_array_equal(row, matcher.mask())
     with pytest.raises(GrammarStateError, match="mask row"):
         matchers[0].fill_mask(np.zeros(tiny.grammar.mask_width, np.int64))
+
+
+class _Address(BaseModel):
+    city: str = Field(min_length=1, max_length=10)
+    zip: str | None = Field(max_length=5)
+
+
+class _Ticket(BaseModel):
+    """A model as a client hands it to ``client.chat.completions.parse``."""
+
+    title: str = Field(description="one line", max_length=12)
+    priority: Literal["low", "high"]
+    seats: int = Field(ge=1, le=9)
+    addresses: list[_Address] = Field(max_length=2)
+    urgent: bool | None
+
+
+def test_what_the_openai_client_sends_for_a_pydantic_model_decodes_into_that_model(tiny):
+    # The function parse() itself calls (a private module of the openai package): what is sent, strict.
+    response_format = type_to_response_format_param(_Ticket)
+    assert response_format["json_schema"]["strict"] is True
+    grammar = response_format_grammar(response_format)
+    for seed in range(10):
+        out = decode(tiny, tiny.grammar.matcher(grammar), seed, temperature=1.0)
+        assert out.stopped
+        _Ticket.model_validate_json(tiny.decode(out.ids))
 
 
 # -- tool calls --------------------------------------------------------------------------------
