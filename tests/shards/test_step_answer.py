@@ -2,7 +2,8 @@
 independent numpy (a Python bit loop, a float64 log-softmax), then a real tiny model's two paged
 stages with the step travelling between them as encoded frames: the masked top-1 lies in the mask
 and is the best allowed token of the unmasked logits; the top-k are a log-softmax of those logits
-after the mask; a mask of the wrong width is refused by the last stage."""
+after the mask; a mask of the wrong width is refused by the last stage; and the same over a ring of
+real paged workers on loopback."""
 
 from __future__ import annotations
 
@@ -21,9 +22,11 @@ from engine.shards.step_answer import (
 )
 from engine.shards.step_path import last_stage_top1
 from engine.wire.codec import decode, encode
-from engine.wire.format import StreamId
-from engine.wire.messages import Step, StepReply
+from engine.wire.format import ErrorCode, StreamId
+from engine.wire.messages import Error, Step, StepReply
 from engine.wire.step_plan import SCRATCH_BLOCKS, PlanRow, plan
+from tests.support.asyncutil import run
+from tests.worker.test_paged_worker import next_reply, paged_ring
 
 BS = 32
 POOL = 32
@@ -208,3 +211,34 @@ def test_the_last_stage_refuses_a_mask_built_for_another_vocabulary(two_stages):
     hidden = two_stages[0].run(the_plan, np.array([5, 6], np.int64))
     with pytest.raises(TokenMaskError, match=f"vocabulary of {vocab} needs {mask_words(vocab)}"):
         two_stages[1].run(the_plan, hidden)
+
+
+def test_masks_cross_a_ring_of_real_paged_workers_and_a_wrong_width_fails_the_step(two_stages):
+    """The Step's masks over loopback sockets to the last worker, whose reply picks inside them; a mask
+    built for another vocabulary is a STREAM_FAILED naming the widths, and the ring keeps serving."""
+    vocab = two_stages[1].manifest.model.vocab_size
+    rng = np.random.default_rng(23)
+    prompt = rng.integers(3, vocab, 6).tolist()
+    unmasked = [PlanRow(1, 0, 6, (SCRATCH_BLOCKS,), 2, want_logits=True)]
+    raw, _ = run_as_frames(two_stages, plan(BS, POOL, unmasked), prompt)
+    allowed = allowed_sets(rng, 2, vocab, 4)
+    masked = plan(BS, POOL, [PlanRow(1, 0, 6, (SCRATCH_BLOCKS,), 2, mask=pack(allowed))])
+    wrong = plan(BS, POOL, [PlanRow(1, 0, 6, (SCRATCH_BLOCKS,), 2, mask=np.ones((2, mask_words(vocab) - 1), "<u4"))])
+    ids = np.zeros(masked.padded_tokens, np.int64)
+    ids[:6] = prompt
+
+    async def main():
+        async with paged_ring(two_stages) as (dial, replies, _):
+            conn = await dial()
+            got = []
+            for seq, the_plan in enumerate((masked, wrong, masked)):
+                await conn.async_send(Step(StreamId(5), seq, the_plan, ids))
+                got.append(await next_reply(replies))
+            return got
+
+    first, refused, again = run(main(), 120)
+    assert isinstance(first, StepReply) and isinstance(again, StepReply), (first, again)
+    want = np.where(allowed, raw, -np.inf).argmax(axis=-1)
+    assert first.ids.tolist() == again.ids.tolist() == want.tolist() and allowed[[0, 1], first.ids].all()
+    assert isinstance(refused, Error) and (refused.code, refused.seq) == (ErrorCode.STREAM_FAILED, 1), refused
+    assert f"needs {mask_words(vocab)} (ceil(V/32))" in refused.message
