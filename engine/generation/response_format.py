@@ -5,6 +5,8 @@
   "description"?}}``.
 - A tool call whose arguments follow the function's JSON schema, inside the text the chat format
   puts around it (``tool_choice`` "required" or a named function): :func:`tool_call_grammar`.
+- What a :class:`~engine.generation.request.GenerationRequest` carries (its ``constraint``, as the
+  API parsed it): :func:`constraint_grammar`, the one call a generator makes.
 
 The JSON is written in one fixed layout, the one ``json.dumps`` uses (``", "`` and ``": "``,
 no newlines or indentation): a small model left free to choose whitespace can spend its whole
@@ -17,6 +19,7 @@ enforces the rest, the skipped ones listed in ``Grammar.warnings``.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -26,6 +29,7 @@ from typing import Any
 import llguidance
 
 from engine.generation.grammar import Grammar, GrammarError, check_grammar
+from engine.generation.request import Constraint, JsonConstraint, ToolCallConstraint
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for json_schema.name
@@ -119,8 +123,12 @@ class ToolCallTemplate:
     after: str
 
 
+def _json_text(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
 def _lark_text(text: str) -> str:
-    return json.dumps(text, ensure_ascii=False) if text else ""
+    return _json_text(text) if text else ""
 
 
 def tool_call_grammar(calls: Sequence[ToolCallTemplate], *, max_calls: int = 1, separator: str = "\n",
@@ -147,3 +155,33 @@ def tool_call_grammar(calls: Sequence[ToolCallTemplate], *, max_calls: int = 1, 
     names = ", ".join(repr(c.name) for c in calls)
     description = f"the tool call to {names}" if len(calls) == 1 else f"a tool call to one of {names}"
     return Grammar(source=source, description=description, warnings=check_grammar(source, description))
+
+
+def _loads(text: str, field: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise GrammarError(f"{field} is not JSON: {exc}") from exc
+
+
+@functools.lru_cache(maxsize=64)  # n choices, and clients repeating one schema, compile it once
+def constraint_grammar(constraint: Constraint) -> Grammar:
+    """The grammar of a request's ``constraint``. A tool call is ``opening`` +
+    ``{"name": N, "arguments": A}`` + ``closing`` for one of its functions, A valid for N's
+    parameters (the layout of the JSON around A as :mod:`engine.generation.tool_calls` writes it).
+
+    Raises :class:`GrammarError` naming the schema or function at fault (the API's 400).
+    """
+    if isinstance(constraint, JsonConstraint):
+        if constraint.schema is None:
+            return json_schema_grammar({"type": "object"}, description="response_format json_object")
+        field = "response_format.json_schema.schema"
+        grammar = json_schema_grammar(_loads(constraint.schema, field), strict=constraint.strict, description=field)
+        return Grammar(grammar.source, f"response_format json_schema {constraint.name!r}", grammar.warnings)
+    if isinstance(constraint, ToolCallConstraint):
+        calls = [ToolCallTemplate(f.name, _loads(f.parameters, f"the parameters of function {f.name!r}"),
+                                  f'{constraint.opening}{{"name": {_json_text(f.name)}, "arguments": ',
+                                  "}" + constraint.closing)
+                 for f in constraint.functions]
+        return tool_call_grammar(calls)
+    raise GrammarError(f"unknown constraint {type(constraint).__name__}")

@@ -24,12 +24,15 @@ from engine.generation.grammar import (
     mask_width,
     unpack_mask,
 )
+from engine.generation.request import FunctionSchema, JsonConstraint, ToolCallConstraint
 from engine.generation.response_format import (
     ToolCallTemplate,
+    constraint_grammar,
     json_schema_grammar,
     response_format_grammar,
     tool_call_grammar,
 )
+from engine.generation.tool_calls import FunctionTool, ToolChoice, ToolMode, parse_tool_calls, tool_constraint
 from tests.generation.grammar_helpers import Vocab, decode, vocab_of
 
 # Bounded schemas: every string, number and array has a length limit and objects take no extra
@@ -325,3 +328,35 @@ def test_default_model_vocabulary_gives_valid_json(default_tokenizer_dir):
             out = decode(vocab, vocab.grammar.matcher(grammar), seed)
             assert out.stopped, name
             jsonschema.validate(json.loads(vocab.decode(out.ids)), schema)
+
+
+# -- the request's constraint, as the API carries it -------------------------------------------------
+
+
+def test_a_forced_tool_choice_decodes_into_calls_the_api_parses(tiny):
+    tools = [FunctionTool("get_weather", "", json.dumps(WEATHER)), FunctionTool("get_time", "", json.dumps(TIME))]
+    for choice in (ToolChoice(ToolMode.REQUIRED), ToolChoice(ToolMode.FUNCTION, "get_time")):
+        constraint = tool_constraint(tools, choice)
+        grammar = constraint_grammar(constraint)
+        assert constraint_grammar(constraint) is grammar  # compiled once per constraint
+        for seed in range(6):
+            out = decode(tiny, tiny.grammar.matcher(grammar), seed, temperature=1.0)
+            assert out.stopped
+            content, calls = parse_tool_calls(tiny.decode(out.ids))
+            assert not content and len(calls) == 1
+            if choice.mode is ToolMode.FUNCTION:
+                assert calls[0].name == "get_time"
+            schema = {"get_weather": WEATHER, "get_time": TIME}[calls[0].name]
+            jsonschema.validate(json.loads(calls[0].arguments), schema)
+
+
+def test_a_json_constraint_compiles_as_its_response_format(tiny):
+    assert constraint_grammar(JsonConstraint()).description == "response_format json_object"
+    grammar = constraint_grammar(JsonConstraint(json.dumps(PERSON), "person", strict=True))
+    assert grammar.description == "response_format json_schema 'person'"
+    out = decode(tiny, tiny.grammar.matcher(grammar), 1)
+    jsonschema.validate(json.loads(tiny.decode(out.ids)), PERSON)
+    with pytest.raises(GrammarError, match="response_format.json_schema.schema cannot .*Invalid type: objekt"):
+        constraint_grammar(JsonConstraint('{"type": "objekt"}', "bad"))
+    with pytest.raises(GrammarError, match="parameters of function 'f' is not JSON"):
+        constraint_grammar(ToolCallConstraint((FunctionSchema("f", "{nope"),)))
