@@ -142,6 +142,8 @@ def answer_step(logits: np.ndarray, plan: StepPlan) -> StepAnswer:
     fewer padded with -1 / -inf).
     """
     logits = np.asarray(logits, dtype=np.float32)
+    if plan.mask_rows and not logits.flags.writeable:  # a view of a received frame: mask a copy
+        logits = logits.copy()
     vocab = logits.shape[1]
     check_masks(plan, vocab)
     at = 0
