@@ -1,6 +1,6 @@
-"""Checkpoint (safetensors directory or GGUF) -> per-stage stateful OpenVINO shards + manifest.
+"""Checkpoint (safetensors directory or GGUF) -> per-stage OpenVINO shards + manifest.
 
-The CPU/GPU path builds each stage's graph straight from the checkpoint's tensors (export/builder,
-export/weights) with openvino + numpy + safetensors + gguf: no torch. Only the static NPU target
-(export/npu_export.py, the export-npu extra) still traces with torch. Never Qt.
+Both targets build each stage's graph straight from the checkpoint's tensors (export/builder,
+export/weights) with openvino + numpy + safetensors + gguf: stateful graphs for CPU/GPU, static
+stateless ones for the NPU (export/static_export.py). No torch, no transformers, never Qt.
 """

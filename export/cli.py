@@ -2,8 +2,8 @@
 
 This module imports nothing heavy at load time: the CLI lists these commands even on a stage PC
 without the export extra, and running them there explains which extra to install. The CPU/GPU
-export needs openvino, numpy, safetensors and gguf only; ``--target npu`` also needs torch and
-transformers (the export-npu extra).
+export needs openvino, numpy, safetensors and gguf only, for either target (CPU/GPU or ``--target
+npu``).
 """
 
 from __future__ import annotations

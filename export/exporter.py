@@ -8,11 +8,10 @@ come from its metadata: :mod:`export.gguf_tokenizer`); ``--weights keep`` keeps 
 quantised blocks. A model directory that :mod:`export.sources` prepared from a GGUF (config and
 tokenizer files, no weights) exports from that GGUF.
 
-With ``target="npu"`` each stage is traced by :mod:`export.static_export` instead (static
-shapes, stateless graphs, one graph per use), which needs torch and transformers (the export-npu
-extra): that module is imported only on that branch. Everything is written into a temporary
-sibling directory and renamed into place at the end, so an error or a crash never leaves a
-half-written export behind.
+With ``target="npu"`` the same builder writes each stage as static, stateless graphs instead,
+one per use (:mod:`export.static_export`), from the same weights; no torch either. Everything is
+written into a temporary sibling directory and renamed into place at the end, so an error or a
+crash never leaves a half-written export behind.
 """
 
 from __future__ import annotations
@@ -24,13 +23,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from engine import __version__
 from engine.shards.manifest import (
     MANIFEST_NAME,
-    TARGETS,
     FileEntry,
     Manifest,
     ModelInfo,
@@ -39,17 +36,9 @@ from engine.shards.manifest import (
     file_entry,
     format_version_for,
 )
-from export.architectures import arch_for, config_value, head_dim
+from export.builder.families import ModelShape, model_shape
 from export.builder.stage_graph import BEAM_IDX, StagePlan
-from export.options import (
-    NPU_EXTRA_HINT,
-    WEIGHT_FORMATS,
-    ExportError,
-    ExportOptions,
-    NpuExtraMissingError,
-    Progress,
-    check_group_size,
-)
+from export.options import WEIGHT_FORMATS, ExportError, ExportOptions, Progress, check_group_size
 
 __all__ = ["ExportError", "ExportOptions", "ExportReport", "Progress", "export_model", "plan_stages",
            "read_config"]
@@ -103,13 +92,13 @@ def plan_stages(num_layers: int, stages: int | None = None, split: Sequence[int]
     ]
 
 
-def _eos_ids(tokenizer_dir: Path, config: Any) -> tuple[int, ...]:
+def _eos_ids(tokenizer_dir: Path, config: dict) -> tuple[int, ...]:
     eos: Any = None
     gen = tokenizer_dir / "generation_config.json"
     if gen.is_file():
         eos = json.loads(gen.read_text()).get("eos_token_id")
     if eos is None:
-        eos = config_value(config, "eos_token_id")
+        eos = config.get("eos_token_id")
     if eos is None:
         return ()
     return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
@@ -126,13 +115,10 @@ def _copy_tokenizer(checkpoint_dir: Path, out_dir: Path) -> tuple[FileEntry, ...
     return tuple(file_entry(out_dir, tok_dir / f.name) for f in present)
 
 
-def _validate_options(config: Any, options: ExportOptions, gguf: Path | None) -> None:
-    if options.target not in TARGETS:
-        raise ExportError(f"unknown --target {options.target!r}; choose one of {', '.join(TARGETS)}")
-    if options.target == "stateful" and (options.context is not None or options.slots != 1
-                                         or options.prefill_chunk is not None):
-        raise ExportError("--context, --slots and --prefill-chunk apply to --target npu only: "
-                          "stateful shards grow their cache as needed")
+def _validate_options(shape: ModelShape, options: ExportOptions, gguf: Path | None) -> None:
+    from export.static_export import validate_target
+
+    validate_target(shape.max_positions, options)
     if options.weights not in WEIGHT_FORMATS:
         raise ExportError(f"unknown --weights {options.weights!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
     if options.weights == "keep" and (gguf is None or options.target != "stateful"):
@@ -143,9 +129,9 @@ def _validate_options(config: Any, options: ExportOptions, gguf: Path | None) ->
                           f"choose one of {', '.join(KV_PRECISIONS)}")
     if options.weights == "int4":
         check_group_size(options.group_size, {
-            "hidden size": int(config_value(config, "hidden_size")),
-            "intermediate size": int(config_value(config, "intermediate_size")),
-            "attention width": int(config_value(config, "num_attention_heads")) * head_dim(config),
+            "hidden size": shape.hidden,
+            "intermediate size": shape.intermediate,
+            "attention width": shape.heads * shape.head_dim,
         })
 
 
@@ -227,29 +213,19 @@ def _open_source(model: Path, gguf: Path | None) -> Any:
         raise ExportError(str(exc)) from exc
 
 
-def _export_built(source: Any, plan: list[StagePlan], options: ExportOptions, out_dir: Path,
-                  progress: Progress) -> tuple[StageManifest, ...]:
-    """CPU/GPU shards from :mod:`export.builder`, one stage at a time."""
+def _export_stages(source: Any, shape: ModelShape, plan: list[StagePlan], options: ExportOptions, out_dir: Path,
+                   progress: Progress) -> tuple[StageManifest, ...]:
+    """The shards from :mod:`export.builder`, one stage at a time: stateful (CPU/GPU) or static (NPU)."""
     from export.builder.export import BuildError, check_tensors
     from export.builder.export import export_stage as build_stage
-    from export.builder.families import model_shape
+    from export.static_export import export_static_stage
 
+    export_one = export_static_stage if options.target == "npu" else build_stage
     try:
-        shape = model_shape(source.config)
         check_tensors(source, shape, plan)
-        return tuple(build_stage(source, shape, p, options, out_dir, progress) for p in plan)
+        return tuple(export_one(source, shape, p, options, out_dir, progress) for p in plan)
     except BuildError as exc:
         raise ExportError(str(exc)) from exc
-
-
-def _npu_tools() -> Any:
-    """The traced NPU path (:mod:`export.npu_export`), or a clear error when the export-npu extra
-    (torch, transformers) is missing. Imported here only: the CPU/GPU export never loads torch."""
-    try:
-        from export import npu_export
-    except ImportError as exc:
-        raise NpuExtraMissingError(f"{NPU_EXTRA_HINT} ({exc})") from exc
-    return npu_export
 
 
 def export_model(checkpoint_dir: Path | str, out_dir: Path | str, *, stages: int | None = None,
@@ -263,19 +239,12 @@ def export_model(checkpoint_dir: Path | str, out_dir: Path | str, *, stages: int
     gguf = _gguf_weights(ckpt)
     if gguf is None and not (ckpt / "config.json").is_file():
         raise ExportError(f"{ckpt} is not an HF checkpoint directory (no config.json) nor a .gguf file")
-    npu = options.target == "npu"
-    tools = _npu_tools() if npu else None
-    source = None if npu else _open_source(ckpt, gguf)
+    source = _open_source(ckpt, gguf)
     try:
-        config = source.config if source is not None else read_config(ckpt)
-        spec = arch_for(config)
-        if npu and not spec.traced:
-            raise ExportError(f"the NPU target does not support {spec.family} yet; export it for CPU/GPU "
-                              "(without --target npu) or choose a Llama, Mistral or Qwen2 checkpoint")
-        _validate_options(config, options, gguf)
-        if npu:
-            tools.validate_target(SimpleNamespace(**config), options)
-        plan = plan_stages(int(config["num_hidden_layers"]), stages, split)
+        config = dict(source.config)
+        shape = model_shape(config)
+        _validate_options(shape, options, gguf)
+        plan = plan_stages(shape.num_layers, stages, split)
         if fingerprint is None:
             from export.sources import model_fingerprint
 
@@ -283,29 +252,24 @@ def export_model(checkpoint_dir: Path | str, out_dir: Path | str, *, stages: int
         progress = progress or (lambda i, step: None)
         tmp = _prepare_out_dir(out, options.force)
         try:
-            if npu:
-                stage_manifests, hf_dir = tools.export_npu(ckpt, plan, options, tmp, progress)
-                tokenizer_files = _copy_tokenizer(hf_dir, tmp)
-            else:
-                stage_manifests = _export_built(source, plan, options, tmp, progress)
-                tokenizer_files = _copy_tokenizer(ckpt, tmp) if gguf is None else _gguf_tokenizer(gguf, source, tmp)
+            stage_manifests = _export_stages(source, shape, plan, options, tmp, progress)
+            tokenizer_files = _copy_tokenizer(ckpt, tmp) if gguf is None else _gguf_tokenizer(gguf, source, tmp)
             tokenizer_dir = tmp / "tokenizer" if tokenizer_files else ckpt
-            kv = int(config_value(config, "num_key_value_heads", config["num_attention_heads"]))
             weights_name = options.weights
             manifest = Manifest(
                 format_version=format_version_for(options.target),
                 model=ModelInfo(
                     name=name or (gguf.stem if gguf is not None and ckpt == gguf else ckpt.name),
                     fingerprint=fingerprint,
-                    architecture=spec.model_type,
-                    num_layers=int(config["num_hidden_layers"]),
-                    hidden_size=int(config["hidden_size"]),
-                    vocab_size=int(config["vocab_size"]),
-                    num_attention_heads=int(config["num_attention_heads"]),
-                    num_kv_heads=kv,
-                    head_dim=head_dim(config),
-                    max_position_embeddings=int(config_value(config, "max_position_embeddings", 4096)),
-                    bos_token_id=config_value(config, "bos_token_id"),
+                    architecture=shape.family.model_type,
+                    num_layers=shape.num_layers,
+                    hidden_size=shape.hidden,
+                    vocab_size=shape.vocab,
+                    num_attention_heads=shape.heads,
+                    num_kv_heads=shape.kv_heads,
+                    head_dim=shape.head_dim,
+                    max_position_embeddings=shape.max_positions,
+                    bos_token_id=config.get("bos_token_id"),
                     eos_token_ids=_eos_ids(tokenizer_dir, config),
                 ),
                 weights=WeightInfo(format=weights_name,

@@ -1,7 +1,7 @@
 """What every export path shares and none of them needs torch for: options, errors, progress.
 
-Kept apart from :mod:`export.stage_parts` (the traced NPU path's torch helpers) so that the
-CPU/GPU export, the CLI and the console import them without pulling in torch.
+Kept apart from the exporter so that the CLI and the console import them without loading
+OpenVINO's graph builder.
 """
 
 from __future__ import annotations
@@ -9,13 +9,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.errors import DeskfleetError, MissingExtraError
+from engine.errors import DeskfleetError
 from engine.shards.manifest import StaticInfo
 
 XML_NAME = "openvino_model.xml"
 # --weights: the NNCF-equivalent formats, plus "keep" (a GGUF's own blocks, re-packed, never re-rounded)
 WEIGHT_FORMATS = ("int4", "int8", "fp16", "fp32", "keep")
-NPU_EXTRA_HINT = "the NPU export needs the export-npu extra: pip install 'deskfleet[export-npu]'"
 
 
 class ExportError(DeskfleetError):
@@ -24,10 +23,6 @@ class ExportError(DeskfleetError):
 
 class CompressionError(DeskfleetError):
     """The requested weight format or group size cannot be applied to this model."""
-
-
-class NpuExtraMissingError(MissingExtraError):
-    """``--target npu`` was asked for but torch/transformers (the export-npu extra) are not installed."""
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,7 @@ The embedded default is SmolLM2-135M-Instruct, shipped as a GGUF inside the ``ll
 wheel. That package's ``__init__`` imports heavy dependencies we install without, so the file is
 located with ``importlib.util.find_spec`` and the package is never imported.
 
-Nothing here imports torch or transformers (the traced NPU path and the optimum reference convert
-a GGUF into safetensors through transformers: :mod:`export.hf_conversion`).
+Nothing here imports torch or transformers.
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
-"""The NPU export path: static shapes, stateless graphs, one graph per use.
+"""The NPU export path: static shapes, stateless graphs, one graph per use; no torch.
 
-An NPU stage is converted once, then pinned to fixed shapes per graph (decode, an optional
-prefill chunk, or the packed multi-slot graph) and left without ReadValue/Assign state; the
-graph edits live in :mod:`export.static_graph`. The settings are fixed into the IR shapes, so
-:func:`validate_target` refuses every inconsistency before anything is loaded.
+An NPU stage gets one graph per use (decode, an optional prefill chunk, or the packed multi-slot
+graph), each built op by op at its fixed shapes by :mod:`export.builder.static_stage` from the
+same lazily read, same way lowered weights as the CPU/GPU stages (:mod:`export.weights`). The
+graphs of a stage share their weight constants while they are built (each IR still has its
+own .bin). The settings are fixed into the IR shapes, so :func:`validate_target` refuses every
+inconsistency before anything is read.
 """
 
 from __future__ import annotations
@@ -13,47 +15,77 @@ from pathlib import Path
 from typing import Any
 
 import openvino as ov
-import torch
 
+from engine.errors import DeskfleetError
 from engine.shards.manifest import TARGETS, GraphEntry, StageManifest, StaticInfo, file_entry
-from export.architectures import ArchSpec, head_dim
-from export.compress import PRESETS, compress
-from export.graph import convert_torch, set_io_names
-from export.modeling import StageModel, StageSpec, stage_tensor_names
-from export.stage_parts import (
-    CheckpointReader,
-    ExportError,
-    ExportOptions,
-    Progress,
+from export.builder.export import (
+    WeightsFactory,
+    check_tensors,
+    default_weights,
     estimate_memory,
-    example_inputs,
-    io_names,
-    spec_of,
+    port_spec,
+    weight_mode,
 )
-from export.static_graph import (
-    check_stateless,
-    check_static,
-    make_static,
-    replace_mask_with_input,
-    static_shapes,
-)
+from export.builder.families import ModelShape
+from export.builder.stage_graph import StagePlan, head_tensor
+from export.builder.static_stage import MaskKind, build_static_stage_model
+from export.options import ExportError, ExportOptions, Progress
 
 MIN_SLOT_REGION = 2  # past positions per packed slot; below this a slot cannot hold a sequence
 
 
-def static_graph_plan(static: StaticInfo) -> list[tuple[str, int, str]]:
+class StaticShapeError(DeskfleetError):
+    """A graph meant for the NPU has a dynamic dimension or holds state (an exporter bug)."""
+
+
+def dynamic_outputs(model: ov.Model, limit: int = 5) -> list[str]:
+    """Up to ``limit`` descriptions of node outputs whose shape or rank is not fully static."""
+    found: list[str] = []
+    for op in model.get_ordered_ops():
+        for i in range(op.get_output_size()):
+            shape = op.get_output_partial_shape(i)
+            if not shape.is_static:
+                found.append(f"{op.get_type_name()} {op.get_friendly_name()!r} output {i} {shape}")
+                if len(found) >= limit:
+                    return found
+    return found
+
+
+def check_static(model: ov.Model, when: str) -> None:
+    """Raise :class:`StaticShapeError` naming the first dynamic outputs of ``model``.
+
+    Checked on every node, not only the ports: the paper found INT4 decompression subgraphs that
+    reintroduce a dynamic dimension which CPU and GPU tolerate and the NPU refuses at load time.
+    """
+    bad = dynamic_outputs(model)
+    if bad:
+        raise StaticShapeError(
+            f"the NPU graph has dynamic dimensions {when}: " + "; ".join(bad)
+            + ". The NPU compiles only fully static graphs; this is an exporter bug for this "
+            "architecture or weight format - please report it (try --weights fp16 meanwhile)"
+        )
+
+
+def check_stateless(model: ov.Model) -> None:
+    """An NPU graph must carry no ReadValue/Assign state: its KV lives on the host."""
+    if model.get_sinks() or any(op.get_type_name() == "ReadValue" for op in model.get_ops()):
+        raise StaticShapeError("the NPU graph holds state variables (ReadValue/Assign); the NPU "
+                               "cannot compile them - export with --target npu, not a stateful shard")
+
+
+def static_graph_plan(static: StaticInfo) -> list[tuple[str, int, MaskKind]]:
     """(name, rows, mask kind) of every graph an NPU stage gets."""
     if static.slots > 1:
         return [("packed", static.slots, "4d")]
-    plan = [("decode", 1, "2d")]
+    plan: list[tuple[str, int, MaskKind]] = [("decode", 1, "2d")]
     if static.prefill_chunk:
         plan.append(("prefill", static.prefill_chunk, "2d"))
     return plan
 
 
-def export_static_stage(config: Any, spec: ArchSpec, reader: CheckpointReader, stage: StageSpec,
-                        options: ExportOptions, out_dir: Path, progress: Progress) -> StageManifest:
-    """Build, convert once, pin to static shapes per graph, compress, re-check and save one NPU stage.
+def export_static_stage(source: Any, shape: ModelShape, stage: StagePlan, options: ExportOptions, out_dir: Path,
+                        progress: Progress, weights_factory: WeightsFactory = default_weights) -> StageManifest:
+    """Build, check and save every graph of one NPU stage into ``out_dir/stage_{index}``.
 
     Every graph of a stage reads the same host KV window W = context - slots (the prefill chunk
     included), so the host ring is shared byte for byte between them.
@@ -61,60 +93,46 @@ def export_static_stage(config: Any, spec: ArchSpec, reader: CheckpointReader, s
     static = options.static
     assert static is not None
     progress(stage.index, "load")
-    tensors = reader.load(stage_tensor_names(config, spec, stage, reader.names))
-    module = StageModel(config, spec, stage, tensors, stateless=True).eval()
-    del tensors
-    progress(stage.index, "convert")
-    with torch.no_grad():
-        base = convert_torch(module, example_inputs(config, stage, stateless=True))
-    del module
-    gc.collect()
-    inputs, outputs = io_names(stage, stateless=True)
-    set_io_names(base, inputs, outputs)
-    progress(stage.index, "static")
-    plan = static_graph_plan(static)
-    graphs = []
-    for k, (_name, rows, mask) in enumerate(plan):
-        model = base if k == len(plan) - 1 else base.clone()
-        make_static(model, static_shapes(inputs, rows=rows, window=static.window,
-                                         hidden=int(config.hidden_size),
-                                         kv_heads=int(config.num_key_value_heads),
-                                         head_dim=head_dim(config), has_embedding=stage.has_embedding))
-        if mask == "4d":
-            replace_mask_with_input(model)
-            check_static(model, "after the packed-mask edit")
-        check_stateless(model)
-        graphs.append(model)
-    del base
-    progress(stage.index, "compress")
-    for k, model in enumerate(graphs):
-        graphs[k] = compress(model, options.weights, options.group_size, options.symmetric)
-        check_static(graphs[k], "after weight compression")
-    progress(stage.index, "save")
+    check_tensors(source, shape, [stage])
+    head = head_tensor(shape, source.names())
     stage_dir = out_dir / f"stage_{stage.index}"
     stage_dir.mkdir(parents=True)
+    # The five steps progress consumers know (export.cli, the console's export job): the build
+    # is "convert", pinning shapes "static", lowering weights "compress" (both part of the build).
+    progress(stage.index, "convert")
     entries = []
-    for (name, rows, mask), model in zip(plan, graphs, strict=True):
-        ov.save_model(model, stage_dir / f"{name}.xml", compress_to_fp16=PRESETS[options.weights].fp16_ir)
-        entries.append(GraphEntry(name=name, xml=f"{stage_dir.name}/{name}.xml", rows=rows, mask=mask,
-                                  inputs=tuple(spec_of(p) for p in model.inputs),
-                                  outputs=tuple(spec_of(p) for p in model.outputs)))
-    del graphs, model
+    scratch = out_dir / f".stage_{stage.index}.weights"
+    with weights_factory(source, weight_mode(options), scratch) as weights:
+        for k, (name, rows, mask) in enumerate(static_graph_plan(static)):
+            model = build_static_stage_model(shape, stage, weights, head, rows=rows, window=static.window, mask=mask)
+            if k == 0:
+                progress(stage.index, "static")
+                progress(stage.index, "compress")
+            # The paper found decompression subgraphs that bring back a dynamic dimension, which
+            # CPU and GPU tolerate and the NPU refuses at load time: check the graph as saved.
+            check_static(model, "with its weights lowered")
+            check_stateless(model)
+            if k == 0:
+                progress(stage.index, "save")
+            ov.save_model(model, stage_dir / f"{name}.xml", compress_to_fp16=False)
+            entries.append(GraphEntry(name=name, xml=f"{stage_dir.name}/{name}.xml", rows=rows, mask=mask,
+                                      inputs=tuple(port_spec(p) for p in model.inputs),
+                                      outputs=tuple(port_spec(p) for p in model.outputs)))
+            del model
     gc.collect()
     files = tuple(file_entry(out_dir, f) for f in sorted(stage_dir.iterdir()))
-    size = sum(f.size for f in files)
     main = entries[0]
     return StageManifest(
         index=stage.index, first_layer=stage.first_layer, last_layer=stage.last_layer,
         has_embedding=stage.has_embedding, has_head=stage.has_head, directory=stage_dir.name,
         xml=main.xml, files=files, inputs=main.inputs, outputs=main.outputs, beam_idx=False,
         kv_cache_precision="f32",
-        estimated_memory_bytes=estimate_memory(config, stage, size, "f32", static.window),
+        estimated_memory_bytes=estimate_memory(shape, stage, sum(f.size for f in files), "f32", static.window),
         graphs=tuple(entries),
     )
 
 
-def validate_target(config: Any, options: ExportOptions) -> None:
+def validate_target(max_positions: int, options: ExportOptions) -> None:
     """The NPU settings are fixed into the IR shapes, so every inconsistency is refused up front."""
     if options.target not in TARGETS:
         raise ExportError(f"unknown --target {options.target!r}; choose one of {', '.join(TARGETS)}")
@@ -127,10 +145,9 @@ def validate_target(config: Any, options: ExportOptions) -> None:
     if context is None:
         raise ExportError("--target npu needs --context T: the attention window is fixed into the "
                           "graph at export (e.g. --context 1024)")
-    limit = int(config.max_position_embeddings)
-    if not 2 <= context <= limit:
+    if not 2 <= context <= max_positions:
         raise ExportError(f"--context {context} is out of range: it must be between 2 and the "
-                          f"model's {limit} positions")
+                          f"model's {max_positions} positions")
     if slots < 1:
         raise ExportError(f"--slots {slots} must be at least 1")
     if slots >= context or (context - slots) // slots < MIN_SLOT_REGION:

@@ -1,8 +1,8 @@
 """One stateful stage on disk, built by the graph builder (no torch).
 
 Per stage: open a :class:`StageWeights` for the stage's weight mode, build the graph op by op
-(:func:`build_stage_model`), save the IR and describe it as a :class:`StageManifest` with the
-traced export's meaning (same inputs and outputs, same per-layer state names).
+(:func:`build_stage_model`), save the IR and describe it as a :class:`StageManifest` (inputs, outputs, per-layer state
+names as the engine expects them). The NPU target's static stages: :mod:`export.static_export`.
 :func:`export.exporter.export_model` owns the rest: the plan, the temporary sibling directory
 renamed into place, the manifest, the tokenizer.
 """
@@ -10,6 +10,7 @@ renamed into place, the manifest, the tokenizer.
 from __future__ import annotations
 
 import gc
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,13 +41,13 @@ def weight_mode(options: Any):
     return WeightMode({"int8": "int8_asym", "fp16": "fp16", "fp32": "fp32", "keep": "gguf_keep"}[options.weights])
 
 
-def _default_weights(source: Any, mode: Any, bin_path: Path | None) -> Any:
+def default_weights(source: Any, mode: Any, bin_path: Path | None) -> Any:
     from export.weights.stage_weights import StageWeights
 
     return StageWeights(source, mode, bin_path)
 
 
-def _port(port: ov.Output) -> TensorSpec:
+def port_spec(port: ov.Output) -> TensorSpec:
     dims = tuple(-1 if d.is_dynamic else d.get_length() for d in port.get_partial_shape())
     return TensorSpec(name=port.get_any_name(), dtype=port.get_element_type().get_type_name(), shape=dims)
 
@@ -57,23 +58,60 @@ def estimate_memory(shape: ModelShape, stage: StagePlan, file_bytes: int, kv_pre
     return file_bytes + per_position * context + 64 * 1024 * 1024
 
 
+# Tensors a checkpoint may hold that no stage reads, on purpose: the rotary buffers older HF
+# checkpoints saved (the builder computes rotary from the config).
+_UNREAD_ON_PURPOSE = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+
+
+def unread_tensors(shape: ModelShape, plan: list[StagePlan], available: frozenset[str]) -> list[str]:
+    """The checkpoint's tensors that no stage of ``plan`` (the whole model) reads, sorted."""
+    read: set[str] = set()
+    for stage in plan:
+        read.update(stage_tensor_names(shape, stage, available))
+    if shape.tied:
+        read.add(shape.family.head)  # a tied model's head is its embedding, whatever else is saved
+    return sorted(n for n in available - read if not _UNREAD_ON_PURPOSE.search(n))
+
+
+def _whole_model(shape: ModelShape, plan: list[StagePlan]) -> bool:
+    layers = sorted(i for stage in plan for i in stage.layers)
+    return (layers == list(range(shape.num_layers)) and any(s.has_embedding for s in plan)
+            and any(s.has_head for s in plan))
+
+
 def check_tensors(source: Any, shape: ModelShape, plan: list[StagePlan]) -> None:
-    """Refuse a checkpoint that lacks a tensor any stage needs, before anything is built."""
+    """Refuse a checkpoint that lacks a tensor any stage needs, before anything is built; for a
+    plan of the whole model, also one holding a tensor no stage would read (a bias the config does
+    not announce, say), which would otherwise be dropped silently and change the model's math."""
     available = source.names()
     for stage in plan:
         missing = [n for n in stage_tensor_names(shape, stage, available) if n not in available]
         if missing:
             raise BuildError(f"checkpoint tensor {missing[0]!r} is missing (stage {stage.index} needs it); "
                              "the checkpoint is incomplete: download or convert it again")
+    if not _whole_model(shape, plan):
+        return
+    unread = unread_tensors(shape, plan, available)
+    if unread:
+        stored = getattr(source, "stored_name", lambda n: n)  # a GGUF's own names, for its reader
+
+        def named(n: str) -> str:
+            return repr(n) if stored(n) == n else f"{stored(n)!r} ({n})"
+
+        shown = ", ".join(named(n) for n in unread[:4]) + (f" and {len(unread) - 4} more" if len(unread) > 4 else "")
+        raise BuildError(
+            f"the checkpoint holds tensors that no stage of this {shape.family.title} model would read: {shown}. "
+            "Leaving them out would change the model's math. Either the config lacks the option that uses them "
+            "(attention_bias, mlp_bias, tie_word_embeddings) or this variant of the architecture is not supported")
 
 
 def export_stage(source: Any, shape: ModelShape, stage: StagePlan, options: Any, out_dir: Path,
-                 progress: Progress, weights_factory: WeightsFactory = _default_weights) -> StageManifest:
+                 progress: Progress, weights_factory: WeightsFactory = default_weights) -> StageManifest:
     """Build and save one stage into ``out_dir/stage_{index}``."""
-    # Progress consumers (export.cli.EXPORT_STEPS, the console's export job) know the traced
-    # path's five steps in order. Here "convert" is the whole build: the graph is written with its
-    # state ("stateful") and each weight is lowered ("compress") as the graph reaches it, so those
-    # two are reported as done when the build returns.
+    # Progress consumers (export.cli.EXPORT_STEPS, the console's export job) know five steps per
+    # stage, in order (the torch exporter's). Here "convert" is the whole build: the graph is
+    # written with its state ("stateful") and each weight is lowered ("compress") as the graph
+    # reaches it, so those two are reported as done when the build returns.
     progress(stage.index, "load")
     check_tensors(source, shape, [stage])
     available = source.names()
@@ -90,8 +128,8 @@ def export_stage(source: Any, shape: ModelShape, stage: StagePlan, options: Any,
         progress(stage.index, "compress")
         progress(stage.index, "save")
         ov.save_model(model, stage_dir / XML_NAME, compress_to_fp16=False)
-        inputs = tuple(_port(p) for p in model.inputs)
-        outputs = tuple(_port(p) for p in model.outputs)
+        inputs = tuple(port_spec(p) for p in model.inputs)
+        outputs = tuple(port_spec(p) for p in model.outputs)
         del model
     gc.collect()
     files = tuple(file_entry(out_dir, f) for f in sorted(stage_dir.iterdir()))

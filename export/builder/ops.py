@@ -118,7 +118,7 @@ def attention_bias(attention_mask: Out, position_ids: Out) -> Out:
 
     attention_mask [B, T] i64 covers every physical cache position plus the S new ones (1 =
     attend); the i-th new token sits at physical position T - S + i. Masked slots get the
-    lowest f32, not -inf, so that a fully masked row stays finite (the traced export did the same).
+    lowest f32, not -inf, so that a fully masked row stays finite (as the static NPU graphs do).
     """
     total = ops.gather(ops.shape_of(attention_mask), i64(1), i64(0))  # T
     new = ops.gather(ops.shape_of(position_ids), i64(1), i64(0))  # S

@@ -1,6 +1,6 @@
 """One pipeline stage's OpenVINO graph, built op by op from the checkpoint's tensors.
 
-The graph keeps the traced export's interface, so the engine runs it unchanged::
+The graph has the interface the engine's stateful stages expect::
 
     stage 0       input_ids        [B, S]      i64   (tensor and node name: the paged-attention
     later stages  inputs_embeds    [B, S, H]   f32    conversion finds the token input by them)
@@ -19,6 +19,7 @@ quantisation mode lives there, never here.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -55,13 +56,13 @@ class StagePlan:
         return range(self.first_layer, self.last_layer + 1)
 
 
-def _parameter(name: str, shape: list[int], dtype: ov.Type) -> ov.Node:
+def parameter(name: str, shape: list[int], dtype: ov.Type) -> ov.Node:
     param = ops.parameter(ov.PartialShape(shape), dtype, name=name)
     param.output(0).get_tensor().set_names({name})
     return param
 
 
-def _rotary(shape: ModelShape, position_ids: ov.Output) -> tuple[ov.Output, ov.Output]:
+def rotary_tables(shape: ModelShape, position_ids: ov.Output) -> tuple[ov.Output, ov.Output]:
     tables = inverse_frequencies(shape.rope, shape.head_dim, shape.max_positions)
     inv = blocks.const(tables.inv_freq)
     if tables.long_inv_freq is not None and tables.switch_at is not None:  # both or neither
@@ -72,7 +73,7 @@ def _rotary(shape: ModelShape, position_ids: ov.Output) -> tuple[ov.Output, ov.O
     return blocks.rotary_cos_sin(position_ids, inv, tables.scaling)
 
 
-class _Layer:
+class LayerNames:
     """Names of one decoder layer's tensors, resolved once."""
 
     def __init__(self, shape: ModelShape, index: int):
@@ -84,8 +85,9 @@ class _Layer:
         return self.prefix + name
 
 
-def _attention(shape: ModelShape, w: WeightSource, n: _Layer, x: ov.Output, cos: ov.Output, sin: ov.Output,
-               bias: ov.Output, beam_idx: ov.Output | None, sinks: list) -> ov.Output:
+def project_qkv(shape: ModelShape, w: WeightSource, n: LayerNames, x: ov.Output, cos: ov.Output,
+                sin: ov.Output) -> tuple[ov.Output, ov.Output, ov.Output]:
+    """q [B, H, S, D], k and v [B, KV, S, D] of one layer: projections, q/k norms, rotary."""
     f, d = shape.family, shape.head_dim
     q_width, kv_width = shape.heads * d, shape.kv_heads * d
     if f.fused_qkv is not None:
@@ -106,19 +108,30 @@ def _attention(shape: ModelShape, w: WeightSource, n: _Layer, x: ov.Output, cos:
         k = blocks.rms_norm(k, w.vector(n(f.k_norm)), shape.eps)
     q = blocks.rotary(blocks.to_bhsd(q), cos, sin, d)  # [B, H, S, D]
     k = blocks.rotary(blocks.to_bhsd(k), cos, sin, d)  # [B, KV, S, D]
-    v = blocks.to_bhsd(v)
-    k_all, k_sink = blocks.kv_state(f"past_key_{n.index}", k, shape.kv_heads, d, beam_idx)
-    v_all, v_sink = blocks.kv_state(f"past_value_{n.index}", v, shape.kv_heads, d, beam_idx)
-    sinks += [k_sink, v_sink]
-    k_all = blocks.expand_groups(k_all, shape.groups, shape.heads, d)  # [B, H, T, D]
-    v_all = blocks.expand_groups(v_all, shape.groups, shape.heads, d)
-    scale = blocks.const(1.0 / math.sqrt(d))
-    attn = ops.scaled_dot_product_attention(q, k_all, v_all, bias, scale, causal=False)  # [B, H, S, D]
-    o_bias = w.vector(n(f.o + ".bias")) if shape.o_bias else None
-    return blocks.linear(blocks.merge_heads(attn.output(0), q_width), w.linear(n(f.o + ".weight")), o_bias)
+    return q, k, blocks.to_bhsd(v)
 
 
-def _mlp(shape: ModelShape, w: WeightSource, n: _Layer, x: ov.Output) -> ov.Output:
+# (layer index, q [B, H, S, D], k, v [B, KV, S, D]) -> attention output [B, H, S, D]: how a
+# stage graph keeps its cache (device state here, host ports in export.builder.static_stage).
+Attend = Callable[[int, ov.Output, ov.Output, ov.Output], ov.Output]
+
+
+def _stateful_attend(shape: ModelShape, bias: ov.Output, beam_idx: ov.Output | None, sinks: list) -> Attend:
+    d = shape.head_dim
+
+    def attend(layer: int, q: ov.Output, k: ov.Output, v: ov.Output) -> ov.Output:
+        k_all, k_sink = blocks.kv_state(f"past_key_{layer}", k, shape.kv_heads, d, beam_idx)
+        v_all, v_sink = blocks.kv_state(f"past_value_{layer}", v, shape.kv_heads, d, beam_idx)
+        sinks.extend((k_sink, v_sink))
+        k_all = blocks.expand_groups(k_all, shape.groups, shape.heads, d)  # [B, H, T, D]
+        v_all = blocks.expand_groups(v_all, shape.groups, shape.heads, d)
+        scale = blocks.const(1.0 / math.sqrt(d))
+        return ops.scaled_dot_product_attention(q, k_all, v_all, bias, scale, causal=False).output(0)
+
+    return attend
+
+
+def mlp(shape: ModelShape, w: WeightSource, n: LayerNames, x: ov.Output) -> ov.Output:
     f = shape.family
 
     def b(name: str) -> ov.Output | None:
@@ -141,40 +154,57 @@ def head_tensor(shape: ModelShape, available: frozenset[str]) -> str:
     return f.head if f.head in available and not shape.tied else f.embed
 
 
+def decoder_layers(shape: ModelShape, stage: StagePlan, weights: WeightSource, h: ov.Output, cos: ov.Output,
+                   sin: ov.Output, attend: Attend) -> ov.Output:
+    """h [B, S, hidden] through the stage's decoder layers; ``attend`` keeps each layer's cache."""
+    f = shape.family
+    q_width = shape.heads * shape.head_dim
+    for i in stage.layers:
+        n = LayerNames(shape, i)
+        x = blocks.rms_norm(h, weights.vector(n(f.input_norm)), shape.eps)
+        q, k, v = project_qkv(shape, weights, n, x, cos, sin)
+        o_bias = weights.vector(n(f.o + ".bias")) if shape.o_bias else None
+        attended = blocks.linear(blocks.merge_heads(attend(i, q, k, v), q_width), weights.linear(n(f.o + ".weight")),
+                                 o_bias)
+        h = ops.add(h, attended).output(0)
+        x = blocks.rms_norm(h, weights.vector(n(f.post_attn_norm)), shape.eps)
+        h = ops.add(h, mlp(shape, weights, n, x)).output(0)
+    return h
+
+
+def final_logits(shape: ModelShape, weights: WeightSource, head: str, h: ov.Output) -> ov.Output:
+    """The final norm and the LM head: h [B, n, hidden] -> logits [B, n, V]."""
+    h = blocks.rms_norm(h, weights.vector(shape.family.final_norm), shape.eps)
+    return blocks.linear(h, weights.linear(head))
+
+
 def build_stage_model(shape: ModelShape, stage: StagePlan, weights: WeightSource, head: str,
                       beam_idx: bool = True) -> ov.Model:
     """The stage's stateful graph (see the module docstring); ``head`` from :func:`head_tensor`."""
     f = shape.family
     if stage.has_embedding:
-        first = _parameter("input_ids", [-1, -1], ov.Type.i64)
+        first = parameter("input_ids", [-1, -1], ov.Type.i64)
         h = ops.gather(weights.embedding(f.embed), first, blocks.i64(0)).output(0)  # [B, S, H]
     else:
-        first = _parameter("inputs_embeds", [-1, -1, shape.hidden], ov.Type.f32)
+        first = parameter("inputs_embeds", [-1, -1, shape.hidden], ov.Type.f32)
         h = first.output(0)
-    mask = _parameter("attention_mask", [-1, -1], ov.Type.i64)
-    positions = _parameter("position_ids", [-1, -1], ov.Type.i64)
+    mask = parameter("attention_mask", [-1, -1], ov.Type.i64)
+    positions = parameter("position_ids", [-1, -1], ov.Type.i64)
     params = [first, mask, positions]
     logits_last = None
     if stage.has_head:
-        logits_last = _parameter("logits_last", [], ov.Type.i64)
+        logits_last = parameter("logits_last", [], ov.Type.i64)
         params.append(logits_last)
-    beam = _parameter(BEAM_IDX, [-1], ov.Type.i32) if beam_idx else None
+    beam = parameter(BEAM_IDX, [-1], ov.Type.i32) if beam_idx else None
 
-    cos, sin = _rotary(shape, positions.output(0))
+    cos, sin = rotary_tables(shape, positions.output(0))
     bias = blocks.attention_bias(mask.output(0), positions.output(0))
     sinks: list = []
-    for i in stage.layers:
-        n = _Layer(shape, i)
-        x = blocks.rms_norm(h, weights.vector(n(f.input_norm)), shape.eps)
-        attended = _attention(shape, weights, n, x, cos, sin, bias, beam.output(0) if beam else None, sinks)
-        h = ops.add(h, attended).output(0)
-        x = blocks.rms_norm(h, weights.vector(n(f.post_attn_norm)), shape.eps)
-        h = ops.add(h, _mlp(shape, weights, n, x)).output(0)
-
+    h = decoder_layers(shape, stage, weights, h, cos, sin,
+                       _stateful_attend(shape, bias, beam.output(0) if beam else None, sinks))
     if logits_last is not None:  # the stage has the head
         h = blocks.trailing_rows(h, logits_last.output(0))
-        h = blocks.rms_norm(h, weights.vector(f.final_norm), shape.eps)
-        out, out_name = blocks.linear(h, weights.linear(head)), "logits"
+        out, out_name = final_logits(shape, weights, head, h), "logits"
     else:
         out, out_name = h, "hidden_states_out"
     result = ops.result(out)
@@ -191,7 +221,7 @@ def stage_tensor_names(shape: ModelShape, stage: StagePlan, available: frozenset
     f = shape.family
     names: list[str] = [f.embed] if stage.has_embedding else []
     for i in stage.layers:
-        n = _Layer(shape, i)
+        n = LayerNames(shape, i)
         names += [n(f.input_norm), n(f.post_attn_norm), n(f.o + ".weight"), n(f.down + ".weight")]
         if f.fused_qkv is not None:
             names.append(n(f.fused_qkv + ".weight"))

@@ -256,6 +256,10 @@ class GGUFSource:
     def names(self) -> frozenset[str]:
         return frozenset(self._tensors)
 
+    def stored_name(self, name: str) -> str:
+        """The GGUF's own name of HF tensor ``name`` (``blk.0.attn_output.bias``), for messages."""
+        return self._tensor(name).name
+
     def _tensor(self, name: str):
         try:
             return self._tensors[name]

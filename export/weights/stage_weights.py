@@ -1,7 +1,7 @@
 """One stage's weights as OpenVINO subgraphs: read → quantise → constant → release.
 
 Every weight is lowered by a rule that depends only on what the weight is, never on the stage it
-sits in (the two-pass rule of :mod:`export.compress`): in an INT4 export the decoder layers'
+sits in (the rule the torch exporter's two NNCF passes followed): in an INT4 export the decoder layers'
 matrices are INT4 and everything outside them (embedding, LM head) INT8 asymmetric per channel,
 so an N-stage INT4 export holds exactly the values of the 1-stage one.
 
@@ -126,8 +126,8 @@ class StageWeights:
     memory-mapped back (:class:`~export.weights.weight_file.WeightFile`); closing deletes the
     file, and the constants stay valid until the graph is gone. Without it constants are
     ordinary memory. ``linear`` / ``embedding`` return the same node when asked twice for one
-    tensor (a tied head and its embedding share one compressed constant, as in the traced graph
-    NNCF saw).
+    tensor (a tied head and its embedding share one compressed constant), and the graphs of an
+    NPU stage (built one after the other over one StageWeights) share every matrix constant.
     """
 
     def __init__(self, source: TensorSource, mode: WeightMode, bin_path: Path | None = None):

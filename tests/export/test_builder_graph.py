@@ -145,17 +145,6 @@ def test_longrope_takes_the_long_factors_past_the_original_window_like_hf(built,
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-3)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "phi3"])
-def test_the_npu_target_refuses_builder_only_families(family, tiny_checkpoint, tmp_path):
-    from export.exporter import ExportError, ExportOptions, export_model
-
-    out = tmp_path / "out"
-    with pytest.raises(ExportError, match="NPU target does not support.*without --target npu"):
-        export_model(tiny_checkpoint(family), out, stages=1, fingerprint="x",
-                     options=ExportOptions(target="npu", context=64))
-    assert not out.exists()
-
-
 def test_a_missing_tensor_is_named_and_nothing_is_written(tiny_checkpoint, tmp_path):
     import shutil
 

@@ -5,14 +5,15 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
 import pytest
 
 from engine.errors import DeskfleetError, ManifestError, ShardIntegrityError
 from engine.shards.manifest import load_manifest
 from engine.shards.stage import LocalChain, Stage
-from export.architectures import UnsupportedArchitectureError
-from export.compress import CompressionError
+from export.builder.families import UnsupportedModelError
 from export.exporter import ExportError, ExportOptions, export_model, plan_stages
+from export.options import CompressionError
 
 
 def _leftovers(parent, name):
@@ -112,7 +113,7 @@ def test_unsupported_architecture_names_what_is_supported(tmp_path):
     ckpt = tmp_path / "gpt2"
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).save_pretrained(ckpt)
     out = tmp_path / "out"
-    with pytest.raises(UnsupportedArchitectureError, match="'gpt2' is not supported.*llama.*mistral.*qwen2"):
+    with pytest.raises(UnsupportedModelError, match="'gpt2' is not supported.*llama.*mistral.*qwen2"):
         export_model(ckpt, out, stages=1, fingerprint="x")
     assert not out.exists()
 
@@ -148,3 +149,25 @@ def test_failure_mid_export_leaves_no_partial_directory(tiny_checkpoint, tmp_pat
 def test_not_a_checkpoint_directory(tmp_path):
     with pytest.raises(DeskfleetError, match="config.json"):
         export_model(tmp_path, tmp_path / "out", stages=1, fingerprint="x")
+
+
+def test_a_tensor_no_stage_reads_is_refused_by_name(tiny_checkpoint, tmp_path):
+    """A qwen2 checkpoint with an o_proj bias (qwen2 has none): the builder would never read it,
+    so the export refuses it by name instead of dropping it (the rotary buffers older HF
+    checkpoints carry are dropped on purpose)."""
+    from safetensors.numpy import load_file, save_file
+
+    ckpt = tmp_path / "qwen2-extra"
+    shutil.copytree(tiny_checkpoint("qwen2"), ckpt)
+    weights = ckpt / "model.safetensors"
+    tensors = load_file(weights)
+    hidden = tensors["model.norm.weight"].shape[0]
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones(8, np.float32)
+    save_file(tensors, weights)
+    export_model(ckpt, tmp_path / "fine", stages=1, options=ExportOptions(weights="fp32"), fingerprint="x")
+    tensors["model.layers.0.self_attn.o_proj.bias"] = np.ones(hidden, np.float32)
+    save_file(tensors, weights)
+    out = tmp_path / "out"
+    with pytest.raises(ExportError, match=r"no stage of this Qwen2.*'model\.layers\.0\.self_attn\.o_proj\.bias'"):
+        export_model(ckpt, out, stages=2, options=ExportOptions(weights="fp32"), fingerprint="x")
+    assert not out.exists()

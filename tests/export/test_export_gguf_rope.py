@@ -116,3 +116,31 @@ def test_a_bare_llama3_scaling_type_is_refused(tmp_path):
     llama_gguf.write_llama_gguf(path, {}, strings={"llama.rope.scaling.type": "llama3"})
     with pytest.raises(CheckpointError, match=r"rope scaling type 'llama3' but carries no rope_freqs\.weight"):
         GGUFSource(path)
+
+
+def test_npu_target_rotates_as_hf_llama3(llama31_gguf, tmp_path):
+    """The static NPU graphs read the GGUF through the same reader as the stateful ones: the
+    rope_freqs factors reach them too (no transformers conversion in between)."""
+    from engine.static.packed_stage import StaticChain, static_generate
+    from export.exporter import ExportOptions, export_model
+
+    path, hf = llama31_gguf
+    out = tmp_path / "npu"
+    export_model(path, out, stages=2, options=ExportOptions(weights="fp32", target="npu", context=64, prefill_chunk=8))
+    chain = StaticChain.load(out, exact=True)
+    assert static_generate(chain, PROMPT, N_TOKENS, ignore_eos=True) == list(hf_greedy(hf, LLAMA3))
+
+
+def test_a_recognised_tensor_no_stage_reads_is_refused_by_name(tmp_path):
+    """An attention-output bias in a llama GGUF is a tensor the reader knows, but the llama config
+    has no o_proj bias: dropping it silently would change the math, so the export names it."""
+    from export.exporter import ExportError, ExportOptions, export_model
+
+    path = tmp_path / "o-bias.gguf"
+    llama_gguf.write_llama_gguf(path, {}, extra={"blk.1.attn_output.bias": np.ones(llama_gguf.HIDDEN, np.float32)})
+    for target in ({}, {"target": "npu", "context": 32}):
+        out = tmp_path / "out"
+        with pytest.raises(ExportError, match=r"'blk\.1\.attn_output\.bias' \(model\.layers\.1\.self_attn\.o_proj"
+                                              r"\.bias\).*would change the model's math"):
+            export_model(path, out, stages=2, options=ExportOptions(weights="fp32", **target), fingerprint="x")
+        assert not out.exists()

@@ -1,4 +1,5 @@
-"""`deskfleet export --target npu`: static, stateless graphs, the mask edit, the manifest, errors."""
+"""`deskfleet export --target npu`: static, stateless graphs built without torch, the 4-D bias,
+the manifest, errors."""
 
 from __future__ import annotations
 
@@ -15,13 +16,7 @@ from engine.errors import ManifestError
 from engine.shards.manifest import SUPPORTED_VERSIONS, load_manifest, parse_manifest
 from engine.static.packed_stage import StaticChain
 from export.exporter import ExportError, ExportOptions, export_model
-from export.static_graph import (
-    MaskEditError,
-    StaticShapeError,
-    check_static,
-    dynamic_outputs,
-    replace_mask_with_input,
-)
+from export.static_export import StaticShapeError, check_static, dynamic_outputs
 from tests.support.npu_helpers import npu_export
 
 
@@ -82,55 +77,66 @@ def test_static_check_names_a_dynamic_dimension():
 
 
 @pytest.mark.slow
-def test_static_check_is_rerun_after_weight_compression(monkeypatch, tiny_checkpoint, tmp_path):
-    """A compression step that brings back a dynamic dimension fails the export, and leaves nothing."""
+def test_static_check_runs_on_the_graph_as_built(monkeypatch, tiny_checkpoint, tmp_path):
+    """A built graph with a dynamic dimension (as a weight subgraph could bring) fails the export,
+    and leaves nothing."""
     import export.static_export as static_export
 
-    real = static_export.compress
+    real = static_export.build_static_stage_model
 
-    def compress_that_goes_dynamic(model, *args):
-        model = real(model, *args)
+    def build_that_goes_dynamic(*args, **kwargs):
+        model = real(*args, **kwargs)
         extra = ops.parameter(ov.PartialShape([-1]), ov.Type.f32, name="decompression_scale")
         model.add_results([ops.result(ops.relu(extra))])
         model.add_parameters([extra])
         return model
 
-    monkeypatch.setattr(static_export, "compress", compress_that_goes_dynamic)
+    monkeypatch.setattr(static_export, "build_static_stage_model", build_that_goes_dynamic)
     out = tmp_path / "npu"
-    with pytest.raises(StaticShapeError, match="after weight compression.*decompression_scale"):
+    with pytest.raises(StaticShapeError, match="with its weights lowered.*decompression_scale"):
         export_model(tiny_checkpoint("llama"), out, stages=1,
                      options=ExportOptions(weights="fp32", target="npu", context=32))
     assert not out.exists() and not [p for p in tmp_path.iterdir() if "partial" in p.name]
 
 
-@pytest.mark.slow
-def test_mask_edit_runs_on_a_saved_ir_and_keeps_the_numbers(unpacked):
-    """Packing is a graph edit on exported IR (no re-trace): the prefill graph with its 2-D mask
-    replaced by a 4-D input gives the same outputs when the 4-D mask says the same thing."""
-    core = ov.Core()
-    stage = load_manifest(unpacked).stages[0]
-    g = stage.graph("prefill")
-    plain = core.read_model(unpacked / g.xml)
-    edited = replace_mask_with_input(core.read_model(unpacked / g.xml))
-    with pytest.raises(MaskEditError, match="no ScaledDotProductAttention"):
-        x = ops.parameter([1, 2], ov.Type.f32)
-        replace_mask_with_input(ov.Model([ops.relu(x)], [x]))
-    props = {"INFERENCE_PRECISION_HINT": "f32"}
-    a, b = core.compile_model(plain, "CPU", props), core.compile_model(edited, "CPU", props)
-    rng = np.random.default_rng(0)
+def test_the_4d_bias_gives_the_numbers_of_the_2d_mask(tiny_checkpoint):
+    """The packed graph takes one additive mask row per query row instead of one shared 0/1 row:
+    built both ways over the same weights, a bias that says what the mask says gives the same
+    outputs, bit for bit, new K/V included."""
+    from export.builder.families import model_shape
+    from export.builder.stage_graph import StagePlan, head_tensor
+    from export.builder.static_stage import build_static_stage_model
+    from export.weights.checkpoint import open_checkpoint
+    from export.weights.stage_weights import StageWeights, WeightMode
+
     s, w = 8, 63
+    with open_checkpoint(tiny_checkpoint("qwen2")) as source:  # qwen2: grouped-query rows folded
+        shape = model_shape(source.config)
+        stage = StagePlan(0, 0, shape.num_layers - 1, True, True)
+        with StageWeights(source, WeightMode("fp32")) as weights:
+            head = head_tensor(shape, source.names())
+            graphs = {m: build_static_stage_model(shape, stage, weights, head, rows=s, window=w, mask=m)
+                      for m in ("2d", "4d")}
+            assert shape.groups > 1
+            core, props = ov.Core(), {"INFERENCE_PRECISION_HINT": "f32"}
+            plain, packed = (core.compile_model(graphs[m], "CPU", props) for m in ("2d", "4d"))
+    rng = np.random.default_rng(0)
     feed = {"input_ids": rng.integers(0, 500, (1, s)), "position_ids": np.arange(20, 28)[None]}
-    for t in g.inputs:
-        if t.name.startswith("past_"):
-            feed[t.name] = rng.standard_normal(t.shape).astype(np.float32)
+    for port in plain.inputs:
+        if port.get_any_name().startswith("past_"):
+            feed[port.get_any_name()] = rng.standard_normal(tuple(port.get_shape())).astype(np.float32)
     mask = (rng.random((1, w + s)) < 0.5).astype(np.int64)
     mask[0, w:] = 1
     allowed = np.concatenate([np.broadcast_to(mask[0, :w] > 0, (s, w)), np.tril(np.ones((s, s), bool))], 1)
     bias = np.where(allowed, 0, np.finfo(np.float32).min).astype(np.float32)[None, None]
-    out_a = a({**feed, "attention_mask": mask})
-    out_b = b({**feed, "attention_bias": bias})
-    for i in range(len(a.outputs)):
+    out_a = plain({**feed, "attention_mask": mask})
+    out_b = packed({**feed, "attention_bias": bias})
+    assert [p.get_any_name() for p in plain.outputs] == [p.get_any_name() for p in packed.outputs]
+    for i in range(len(plain.outputs)):
         np.testing.assert_array_equal(out_a[i], out_b[i])
+    shuffled = np.array(bias)
+    shuffled[0, 0, 3, :w] = np.where(bias[0, 0, 3, :w] == 0, np.finfo(np.float32).min, 0)
+    assert not np.array_equal(packed({**feed, "attention_bias": shuffled})[0][0, 3], out_a[0][0, 3])
 
 
 @pytest.mark.slow
@@ -200,12 +206,26 @@ def _deskfleet(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "engine.cli.main", *args], capture_output=True, text=True, timeout=600)
 
 
+# `deskfleet export --target npu` with torch, transformers and NNCF made unimportable, as on a
+# product install: the static graphs are built op by op, nothing is traced.
+_WITHOUT_TORCH = """
+import sys
+sys.modules.update(torch=None, transformers=None, nncf=None, optimum=None)
+from engine.cli.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _deskfleet_without_torch(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _WITHOUT_TORCH, *args], capture_output=True, text=True, timeout=600)
+
+
 @pytest.mark.slow
 def test_cli_exports_npu_shards_and_explains_bad_options(tiny_checkpoint, tmp_path):
     ckpt = str(tiny_checkpoint("mistral"))
     out = tmp_path / "npu"
-    ok = _deskfleet("export", ckpt, "--stages", "2", "--target", "npu", "--context", "40", "--slots", "2",
-                    "--weights", "fp16", "--out", str(out))
+    ok = _deskfleet_without_torch("export", ckpt, "--stages", "2", "--target", "npu", "--context", "40",
+                                  "--slots", "2", "--weights", "fp16", "--out", str(out))
     assert ok.returncode == 0, ok.stderr
     assert "static NPU (context 40, 2 slot(s))" in ok.stdout and "graphs packed" in ok.stdout
     assert load_manifest(out).static.slots == 2
