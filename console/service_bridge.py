@@ -1,8 +1,8 @@
-"""The console as a client of the fleet service: the same face to the pages as
-:class:`console.bridge.ConsoleBridge` (signals on the GUI thread, one method per page action),
-but every action is a call of the service's admin API (:mod:`console.service.admin_client`) and
-every piece of news comes from its event feed. Nothing here serves: closing the console closes
-its client and its loop thread, never the service, so chats through the API go on.
+"""The console as a client of the fleet service, as the pages see it: signals on the GUI thread
+and one method per page action. Every action is a call of the service's admin API
+(:mod:`console.service.admin_client`) and every piece of news comes from its event feed. Nothing
+here serves: closing the console closes its client and its loop thread, never the service, so
+chats through the API go on.
 
 Which service: ``settings.service_url`` with the admin credentials folder ``settings.admin_cert``
 (mutual TLS), else the local one over ``<state_dir>/admin.sock``, started detached when none runs
@@ -34,11 +34,13 @@ from console.service.agent_record import AgentRecord
 from console.service.console_session import ConsoleSession
 from console.service.console_settings import ConsoleSettings
 from console.service.errors import ConsoleError
-from console.service.export_catalog import ExportInfo
+from console.service.export_catalog import ExportInfo, ExportSpec
+from console.service.export_job import ExportEvent
 from console.service.links import LinkReport
 from console.service.models import ModelEntry
 from console.service.placement_inputs import PlacementInputs
 from console.service.service_locator import async_attach_local
+from console.service_export import ServiceExportJob, even_plan, layer_count
 from console.shared.loop_thread import LoopThread
 from console.shared.qt_async import QtAsync
 from engine.control.fleet_services import is_first_run
@@ -360,9 +362,18 @@ class ServiceLibrary:
         return [export_from_json(e) for e in self._bridge.call_now(self._bridge.client.async_exports(),
                                                                     "listing exports")]
 
-    def start_export(self, *args: Any, **kwargs: Any):
-        raise ConsoleError("the fleet service exports a model when a ring is created from a plan (Distribution "
-                           "page); a stand-alone export runs with `deskfleet export` on the service's PC")
+    def start_export(self, model: ModelEntry, *, plan: Plan | None = None, stages: int | None = None,
+                     spec: ExportSpec | None = None,
+                     on_event: Callable[[ExportEvent], None] | None = None) -> ServiceExportJob:
+        """Have the service export ``model`` (an identical export is reused) with ``plan``'s split or
+        ``stages`` as even as the exporter makes them; the running job, its events on the GUI thread."""
+        if (plan is None) == (stages is None):
+            raise ValueError("give exactly one of plan or stages")
+        if not self._bridge.running:
+            raise ConsoleError(f"exporting {model.name}: the console is not attached to a fleet service")
+        if plan is None:
+            plan = even_plan(layer_count(model), stages)
+        return ServiceExportJob(self._bridge, model.name, plan, spec, on_event).start()
 
 
 def local_service_args(settings: ConsoleSettings) -> list[str]:
