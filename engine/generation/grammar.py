@@ -98,9 +98,11 @@ class GrammarTokenizer:
             raise GrammarStateError(f"end-of-sequence ids {eos} lie outside the logits width {logits_width}")
         try:
             self._tok = llguidance.LLTokenizer(tokenizer_json, n_vocab=logits_width, eos_token=list(eos))
-        except ValueError as exc:  # "vocab size too small; <V> vs <tokenizer's>"
-            raise GrammarStateError(
-                f"the tokenizer does not fit a model with {logits_width} logits: {exc}") from exc
+        except ValueError as exc:
+            if "vocab size too small" in str(exc):  # "...; <logits_width> vs <the tokenizer's>"
+                raise GrammarStateError(
+                    f"the tokenizer does not fit a model with {logits_width} logits: {exc}") from exc
+            raise GrammarStateError(f"llguidance cannot read this tokenizer.json: {exc}") from exc
         self.logits_width = logits_width
         self.mask_width = mask_width(logits_width)
         self.eos_ids = eos

@@ -216,6 +216,8 @@ def test_a_logits_width_narrower_than_the_tokenizer_is_refused(tiny_tokenizer_di
         GrammarTokenizer((tiny_tokenizer_dir / "tokenizer.json").read_text(), logits_width=100, eos_ids=[2])
     with pytest.raises(GrammarStateError, match="outside the logits width"):
         GrammarTokenizer((tiny_tokenizer_dir / "tokenizer.json").read_text(), logits_width=600, eos_ids=[600])
+    with pytest.raises(GrammarStateError, match="cannot read this tokenizer.json"):
+        GrammarTokenizer('{"model": {"type": "Nothing"}}', logits_width=600, eos_ids=[2])
     with pytest.raises(GrammarStateError, match="end-of-sequence"):
         GrammarTokenizer((tiny_tokenizer_dir / "tokenizer.json").read_text(), logits_width=600, eos_ids=[])
 
