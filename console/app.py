@@ -2,8 +2,7 @@
 
 The console is a client of the fleet service (`deskfleet fleet`): the one ``--service`` names, or
 the local one over the state dir, started detached when none runs. Closing the window (or
-SIGINT/SIGTERM) only detaches: the service keeps serving. With ``--in-process`` the console runs
-the fleet in its own process as before (closing it then stops serving).
+SIGINT/SIGTERM) only detaches: the service keeps serving.
 """
 
 from __future__ import annotations
@@ -81,14 +80,9 @@ def run_console(args: argparse.Namespace, *, until=None) -> int:
     settings = settings_from_args(args)
     app = QApplication.instance() or QApplication(sys.argv[:1])
     app.setApplicationName("Deskfleet console")
-    if getattr(args, "in_process", False):
-        from console.bridge import ConsoleBridge
+    from console.service_bridge import ServiceBridge
 
-        bridge = ConsoleBridge(settings)
-    else:
-        from console.service_bridge import ServiceBridge
-
-        bridge = ServiceBridge(settings)
+    bridge = ServiceBridge(settings)
     window = QtConsoleWindow(bridge)
     code = {"exit": 0}
 
@@ -100,11 +94,9 @@ def run_console(args: argparse.Namespace, *, until=None) -> int:
     def started() -> None:
         if settings.service_url:
             where = f"attached to {settings.service_url}"
-        elif hasattr(bridge, "started_service"):
+        else:
             where = (f"{'started' if bridge.started_service else 'attached to'} the fleet service over "
                      f"{settings.state_dir}")
-        else:
-            where = f"state in {settings.state_dir}"
         print(f"deskfleet console: fleet {bridge.fleet_id}; PCs join at {bridge.enrollment}; {where}", flush=True)
         if until is not None:
             until(window)

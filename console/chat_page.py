@@ -12,7 +12,7 @@ from typing import Any
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
 
-from console.serving import FleetServing
+from console.service_serving import ServiceServing
 from console.shared.chat_view import QtChatWindow
 from console.shared.loop_thread import LoopThread
 
@@ -22,7 +22,7 @@ WAITING = ("No model is served yet. Place a model (Placement page) and distribut
 
 
 class QtChatPage(QWidget):
-    def __init__(self, serving: FleetServing, loop: LoopThread, *, options: Mapping[str, Any] | None = None,
+    def __init__(self, serving: ServiceServing, loop: LoopThread, *, options: Mapping[str, Any] | None = None,
                  parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.loop = loop

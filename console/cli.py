@@ -37,8 +37,6 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "PCs (default 7222; 0: any free; -1: none, the local socket only)")
     p.add_argument("--data-port", type=int, default=None,
                    help="port agents' stage workers listen on (default 7211; 0: free ports, agents on this PC only)")
-    p.add_argument("--in-process", action="store_true",
-                   help="run the fleet inside the console, as before the service existed (closing it stops serving)")
     p.add_argument("--runtime", choices=("paged", "stateful"), default="paged",
                    help="how the ring serves a CPU/GPU export: paged (default; every user's tokens batched into one "
                         "step per PC, each PC's KV pool its agent's kv_pool_mb) or stateful (a KV state per user, "

@@ -3,7 +3,7 @@ the model with the plan's split, sends every agent its stage with a progress bar
 the ring and shows its health; after a failure, Re-run resumes (verified shards are not sent
 again); Stop takes the ring down.
 
-A thin view over :class:`console.serving.FleetServing`'s signals.
+A thin view over :class:`console.service_serving.ServiceServing`'s signals.
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ from PySide6.QtWidgets import (
 from console.service.console_session import PLAN, ConsoleSession
 from console.service.export_job import ExportEvent, ExportFinished, ExportProgress
 from console.service.ring_layout import AgentProgress, RingHealth
-from console.serving import FleetServing
+from console.service_serving import ServiceServing
 
 COLUMNS = ("Agent", "Stage", "Phase", "Progress", "Error")
 
 
 class QtDistributionPage(QWidget):
-    def __init__(self, serving: FleetServing, session: ConsoleSession, parent: QWidget | None = None) -> None:
+    def __init__(self, serving: ServiceServing, session: ConsoleSession, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.serving = serving
         self.session = session

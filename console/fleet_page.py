@@ -25,9 +25,9 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from console.bridge import ConsoleBridge
 from console.service.agent_record import AgentRecord, Membership
 from console.service.links import CONSOLE, LinkReport
+from console.service_bridge import ServiceBridge
 from engine.control.messages import parse_hostport
 from engine.errors import DeskfleetError
 
@@ -52,7 +52,7 @@ def _state(record: AgentRecord) -> str:
 
 
 class QtFleetPage(QWidget):
-    def __init__(self, bridge: ConsoleBridge, parent: QWidget | None = None) -> None:
+    def __init__(self, bridge: ServiceBridge, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.bridge = bridge
         self.links: LinkReport | None = None

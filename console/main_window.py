@@ -1,5 +1,6 @@
 """The console's one window: a page per step from an empty network to a served model (Fleet,
-Models, Placement, Distribution, Chat, Metrics), over one bridge and one serving controller.
+Models, Placement, Distribution, Chat, Metrics), over the bridge to the fleet service and the
+controller of the ring it shows.
 Closing the window shuts the pages down; the bridge itself is closed by whoever created it
 (`console.app.run_console`, or a test)."""
 
@@ -11,7 +12,6 @@ from typing import Any
 from PySide6.QtGui import QCloseEvent
 from PySide6.QtWidgets import QDialog, QMainWindow, QTabWidget, QVBoxLayout
 
-from console.bridge import ConsoleBridge
 from console.chat_page import QtChatPage
 from console.distribution_page import QtDistributionPage
 from console.first_run_view import QtFirstRunView
@@ -19,26 +19,15 @@ from console.fleet_page import QtFleetPage
 from console.metrics_page import QtMetricsPage
 from console.models_page import QtModelsPage
 from console.placement_page import QtPlacementPage
-from console.serving import FleetServing
-
-
-def serving_for(bridge: ConsoleBridge, parent: QMainWindow):
-    """The serving controller for ``bridge``: the service's rings when the console is its client,
-    the console's own ring when it runs the fleet in process."""
-    from console.service_bridge import ServiceBridge
-
-    if isinstance(bridge, ServiceBridge):
-        from console.service_serving import ServiceServing
-
-        return ServiceServing(bridge, parent)
-    return FleetServing(bridge, parent)
+from console.service_bridge import ServiceBridge
+from console.service_serving import ServiceServing
 
 
 class QtConsoleWindow(QMainWindow):
-    def __init__(self, bridge: ConsoleBridge, *, chat_options: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, bridge: ServiceBridge, *, chat_options: Mapping[str, Any] | None = None) -> None:
         super().__init__()
         self.bridge = bridge
-        self.serving = serving_for(bridge, self)
+        self.serving = ServiceServing(bridge, self)
         self.setWindowTitle(f"Deskfleet console — {bridge.settings.interface}")
         self.resize(1100, 720)
         self.tabs = QTabWidget()

@@ -2,7 +2,7 @@
 counters that say whether it is healthy (tokens, active streams, failovers, speculation), where a
 token's time goes per stage (compute vs network, predicted vs measured), and who paused and why.
 
-Thin: the numbers come from `FleetServing.metrics` samples and the bridge's hub events; what to
+Thin: the numbers come from `ServiceServing.metrics` samples and the bridge's hub events; what to
 show is decided in :mod:`console.service.fleet_metrics`.
 """
 
@@ -24,14 +24,14 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from console.bridge import ConsoleBridge
 from console.service.fleet_metrics import (
     MetricsHistory,
     PauseLog,
     speculation_text,
     stage_breakdown,
 )
-from console.serving import FleetServing
+from console.service_bridge import ServiceBridge
+from console.service_serving import ServiceServing
 from engine.control.hub import AgentEvent
 
 BREAKDOWN_COLUMNS = ("Stage / hop", "Kind", "Predicted ms", "Measured ms")
@@ -77,7 +77,7 @@ class QtSparkline(QWidget):
 
 
 class QtMetricsPage(QWidget):
-    def __init__(self, bridge: ConsoleBridge, serving: FleetServing, parent: QWidget | None = None) -> None:
+    def __init__(self, bridge: ServiceBridge, serving: ServiceServing, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.bridge = bridge
         self.session = bridge.session

@@ -2,9 +2,10 @@
 directories and GGUF files), the export format, the exports already made with their manifests,
 and an export of the chosen model with a progress bar and Cancel.
 
-The model library is file I/O on the GUI thread; an export runs in its own process and is
-polled by a timer here. The chosen model and format go into the console session, which the
-Placement and Distribution pages follow.
+The model library and its exports live in the fleet service (read through the bridge); an export
+runs there as a job whose progress arrives through the service's event feed
+(:class:`console.service_export.ServiceExportJob`). The chosen model and format go into the
+console session, which the Placement and Distribution pages follow.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from console.bridge import ConsoleBridge
 from console.service.errors import ConsoleError
 from console.service.export_catalog import ExportInfo, ExportSpec
 from console.service.export_job import (
@@ -41,10 +41,11 @@ from console.service.export_job import (
     ExportEvent,
     ExportFailed,
     ExportFinished,
-    ExportJob,
     ExportProgress,
 )
 from console.service.models import ModelEntry
+from console.service_bridge import ServiceBridge
+from console.service_export import ServiceExportJob
 from engine.shards.manifest import MANIFEST_NAME
 
 ROLE = Qt.ItemDataRole.UserRole
@@ -53,11 +54,11 @@ EXPORT_COLUMNS = ("Export", "Model", "Weights", "Stages", "Layers", "Size", "Cre
 
 
 class QtModelsPage(QWidget):
-    def __init__(self, bridge: ConsoleBridge, parent: QWidget | None = None) -> None:
+    def __init__(self, bridge: ServiceBridge, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.bridge = bridge
         self.library = bridge.library
-        self.job: ExportJob | None = None
+        self.job: ServiceExportJob | None = None
         self._timer = QTimer(self)
         self._timer.setInterval(100)
         self._timer.timeout.connect(self._poll)

@@ -26,9 +26,9 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from console.bridge import ConsoleBridge
 from console.service.console_session import MODEL, PLAN
 from console.service.placement_inputs import memory_warnings, retime, stage_firsts
+from console.service_bridge import ServiceBridge
 from engine.errors import DeskfleetError
 from engine.placement.planner import PlacementRequest, Plan
 
@@ -36,7 +36,7 @@ COLUMNS = ("Stage", "Agent", "Device", "Layers", "Predicted ms", "Memory", "Hop 
 
 
 class QtPlacementPage(QWidget):
-    def __init__(self, bridge: ConsoleBridge, parent: QWidget | None = None) -> None:
+    def __init__(self, bridge: ServiceBridge, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.bridge = bridge
         self.session = bridge.session

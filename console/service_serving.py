@@ -1,8 +1,7 @@
-"""The Distribution, Chat and Metrics pages' controller when the console is a client of the fleet
-service: the face of :class:`console.serving.FleetServing` (``distribute``, ``rerun``, ``stop``,
-``cancel_export`` and the same signals), but the export, the distribution, the coordinator and
-the API all run in the service, as one of its rings. This object follows that ring through the
-service's event feed; closing the console leaves it serving.
+"""The Distribution, Chat and Metrics pages' controller: ``distribute``, ``rerun``, ``stop``,
+``cancel_export`` and the signals the pages follow. The export, the distribution, the
+coordinator and the API all run in the fleet service, as one of its rings; this object follows
+that ring through the service's event feed, and closing the console leaves it serving.
 
 A console that attaches shows the ring the service already serves (several consoles see the
 same one); distributing a new plan replaces the ring this page shows, as the console always did
@@ -47,7 +46,6 @@ class ServiceServing(QObject):
         super().__init__(parent)
         self.bridge = bridge
         self.phase = "idle"
-        self.job = None  # the export runs in the service; kept for FleetServing's face
         self.ring: str | None = None
         self.api_url: str | None = None
         self.api_key: str | None = None

@@ -1,13 +1,17 @@
 """Drive the admin console the way an admin does, through its pages' widgets, against a real
-local fleet: the console (bridge + window) and headless `AgentService`s on 127.0.0.1, each with
-its own state dir. Shared by tests/console/test_console_app.py (pytest-qt, offscreen) and
+local fleet: a `FleetService` on a loop thread of its own (the service's PC), the console (its
+`ServiceBridge` over the service's admin socket + the window) and headless `AgentService`s on
+127.0.0.1, each with its own state dir. Shared by tests/console/test_console_app.py (pytest-qt, offscreen) and
 tests/console/console_screenshots.py (under Xvfb): ``wait(condition, timeout_s, what)`` is the only
 thing they supply differently.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -17,10 +21,11 @@ from PySide6.QtCore import Qt
 
 from agent.service.service import AgentService
 from agent.service.settings import AgentSettings
-from console.bridge import ConsoleBridge
 from console.main_window import QtConsoleWindow
 from console.service.calibration_export import KV_BYTES
 from console.service.console_settings import ConsoleSettings
+from console.service.fleet_service import FleetService, FleetServiceSettings
+from console.service_bridge import ServiceBridge
 from console.shared.loop_thread import LoopThread
 from engine.control.messages import WorkerSettings
 from tests.support.agent_helpers import FakeIdle
@@ -39,19 +44,68 @@ def console_settings(state_dir: Path) -> ConsoleSettings:
                            calibration_steps=4)
 
 
+@dataclass
+class RunningService:
+    """A started fleet service and the loop thread it runs on (read its loop objects through ``loop``)."""
+
+    loop: LoopThread
+    service: FleetService
+    state_dir: Path
+
+
 @contextlib.contextmanager
-def running_console(state_dir: Path, wait: Wait) -> Iterator[QtConsoleWindow]:
-    bridge = ConsoleBridge(console_settings(state_dir))
-    window = QtConsoleWindow(bridge, chat_options=CHAT_OPTIONS)
+def fleet_service(state_dir: Path) -> Iterator[RunningService]:
+    """A started fleet service over ``state_dir`` (mDNS browsing on loopback, the admin API on its
+    local socket only) on a loop thread of its own, as if on the service's PC; closed after with
+    its workers stopped."""
+    settings = FleetServiceSettings(console_settings(state_dir), admin_port=None, advertise_api=False)
+    with LoopThread("test-fleet-service") as loop, _warm_executor(loop):
+        service = FleetService(settings)
+        loop.run(service.async_start(), 120, "starting the fleet service")
+        try:
+            yield RunningService(loop, service, state_dir)
+        finally:
+            loop.run(service.async_close(stop_workers=True), 120, "stopping the fleet service")
+
+
+@contextlib.contextmanager
+def _warm_executor(loop: LoopThread, workers: int = 8) -> Iterator[concurrent.futures.ThreadPoolExecutor]:
+    """The loop's default executor with every thread started now: a service shared by a module's
+    tests then starts no thread during a test (which the leaked-thread check would count)."""
+    executor = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="test-fleet-service-executor")
+    barrier = threading.Barrier(workers)
+    for future in [executor.submit(barrier.wait, 30) for _ in range(workers)]:
+        future.result(60)
+
+    async def install() -> None:
+        asyncio.get_running_loop().set_default_executor(executor)
+
+    loop.run(install(), 10, "installing the executor")
     try:
-        bridge.start()
-        wait(lambda: bridge.running, 60, "the console to start")
-        yield window
+        yield executor
     finally:
-        window.shutdown()
-        bridge.close()
-        window.close()
-        window.deleteLater()
+        executor.shutdown(wait=True, cancel_futures=True)
+
+
+@contextlib.contextmanager
+def running_console(state_dir: Path, wait: Wait, service: RunningService | None = None) -> Iterator[QtConsoleWindow]:
+    """A console attached over the local socket to ``service`` (None: one started over
+    ``state_dir`` for this console alone); detached after, which stops nothing."""
+    with contextlib.ExitStack() as stack:
+        bridge = ServiceBridge(console_settings(state_dir if service is None else service.state_dir))
+        window = QtConsoleWindow(bridge, chat_options=CHAT_OPTIONS)
+        try:
+            if service is None:  # after the bridge: it tells a first start (no fleet CA yet) as the real one does
+                service = stack.enter_context(fleet_service(state_dir))
+            bridge.start()
+            wait(lambda: bridge.running, 60, "the console to attach to the fleet service")
+            assert not bridge.started_service, "the console started a fleet service of its own"
+            yield window
+        finally:
+            window.shutdown()
+            bridge.close()
+            window.close()
+            window.deleteLater()
 
 
 @contextlib.contextmanager
@@ -76,7 +130,7 @@ class ConsoleDriver:
     wait: Wait
 
     @property
-    def bridge(self) -> ConsoleBridge:
+    def bridge(self) -> ServiceBridge:
         return self.window.bridge
 
     # -- Fleet page ----------------------------------------------------------------------------------

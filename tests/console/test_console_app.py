@@ -1,13 +1,17 @@
-"""The admin console end to end (pytest-qt, offscreen), against a real local fleet: the console's
-bridge and window, two headless `AgentService`s on 127.0.0.1 with their own state dirs, real
-mDNS, TLS, calibration, export process, stage workers and OpenAI API. Only the idle clock is fake.
+"""The admin console end to end (pytest-qt, offscreen), against a real local fleet: a real
+`FleetService` (one for the module, on a loop thread of its own), the console's `ServiceBridge`
+over its admin socket and the window, two headless `AgentService`s on 127.0.0.1 with their own
+state dirs, real mDNS, TLS, calibration, export process, stage workers and OpenAI API. Only the
+idle clock is fake.
 
 From an empty network to a chat answered by a 2-agent fleet through the pages' widgets: agents
 discovered on the Fleet page, joined with the token shown there, approved, links measured; the
 tiny model added on the Models page and placed (a plan over both agents, a split moved by hand
 and re-timed, an impossible context explained); distributed with per-agent progress; the Chat
-page answers; the Metrics page counts the tokens and logs an agent's pause. Also: an export
-cancelled from the Models page leaves nothing behind; the Qt-free pieces without a QApplication.
+page answers; the Metrics page counts the tokens and logs an agent's pause; closing the console
+stops nothing, and the next console shows the ring and stops it. Also: an export from the Models
+page runs in the service with its progress shown, and one cancelled there leaves nothing behind;
+the Qt-free pieces without a QApplication.
 """
 
 from __future__ import annotations
@@ -24,20 +28,42 @@ from pathlib import Path
 import pytest
 
 from console.service.console_settings import ring_endpoints
-from console.service.export_job import ExportProgress
 from console.service.fleet_metrics import PauseLog, stage_breakdown
 from console.service.placement_inputs import retime, stage_firsts
 from engine.control.hub import AgentEvent
 from engine.placement.planner import Plan, PlannedStage
 from tests.console.console_app_helpers import (
     ConsoleDriver,
+    fleet_service,
     item_texts,
     local_agents,
     running_console,
 )
 from tests.console.console_screenshots import PAGES, copy_caches, take_console_screenshots
 
-pytestmark = pytest.mark.usefixtures("private_dirs")
+pytestmark = pytest.mark.usefixtures("module_dirs")
+
+
+@pytest.fixture(scope="module")
+def module_dirs(tmp_path_factory):
+    """``private_dirs`` for the whole module: the keyring and XDG dirs the module's one fleet
+    service (and every console and agent beside it) uses, never the user's."""
+    from engine.envvars import KEYRING_DIR
+
+    root = tmp_path_factory.mktemp("dirs")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(KEYRING_DIR, str(root / "keyring"))
+        patch.setenv("XDG_CONFIG_HOME", str(root / "config"))
+        patch.setenv("XDG_DATA_HOME", str(root / "data"))
+        yield
+
+
+@pytest.fixture(scope="module")
+def service(module_dirs, tmp_path_factory):
+    """The module's one fleet service: every console test attaches to it (its start, the CA and
+    the listeners, is paid once)."""
+    with fleet_service(tmp_path_factory.mktemp("fleet")) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +84,27 @@ def wait(qtbot):
 
 
 @pytest.mark.slow
-def test_from_an_empty_network_to_a_chat_answered_by_two_agents(tmp_path, tiny_checkpoint, wait, console_cache):
-    with local_agents(tmp_path) as (agent_loop, agents), \
-            running_console(tmp_path / "console", wait) as window:
+def test_from_an_empty_network_to_a_chat_answered_by_two_agents(tmp_path, tiny_checkpoint, wait, console_cache,
+                                                                service):
+    hub = service.service.host.hub
+    with local_agents(tmp_path) as (agent_loop, agents):
+        _from_an_empty_network_to_a_chat(tmp_path, tiny_checkpoint, wait, console_cache, service, agent_loop, agents)
+        # closing the console stopped nothing: the service still serves the ring on both agents (the
+        # one paused last comes back once resumed)
+        wait(lambda: all(a.status().worker.state == "running" for a in agents.values()), 60,
+             "both workers to run with no console attached")
+        with running_console(tmp_path / "console-2", wait, service) as window:
+            serving = window.serving
+            wait(lambda: serving.phase == "serving", 30, "the next console to show the ring serving")
+            assert hub.bytes_served > 0 and window.bridge.session.serving is not None
+            window.distribution_page.stop_button.click()
+            wait(lambda: serving.phase == "idle" and serving.ring is None, 120, "the ring to stop")
+        assert all(a.status().worker.state == "stopped" for a in agents.values())  # stopping it stopped them
+
+
+def _from_an_empty_network_to_a_chat(tmp_path, tiny_checkpoint, wait, console_cache, service, agent_loop, agents):
+    hub = service.service.host.hub
+    with running_console(tmp_path / "console", wait, service) as window:
         drive = ConsoleDriver(window, wait)
         names = tuple(agents)
         # Fleet: both agents are found over mDNS before they join, then join with the page's token
@@ -114,7 +158,7 @@ def test_from_an_empty_network_to_a_chat_answered_by_two_agents(tmp_path, tiny_c
         assert "run the distribution again" in dist.error_label.text()
         assert "it is paused" in dist.error_label.text()  # the reason, not just "worker stopped"
         assert dist.rerun_button.isEnabled() and dist.distribute_button.isEnabled()
-        served = window.bridge.host.hub.bytes_served
+        served = hub.bytes_served
         window.show_page("Fleet")
         window.fleet_page.resume_button.click()
         drive.wait_rows(names[1:], lambda row: not row["State"].startswith("paused"), "the resume")
@@ -122,7 +166,7 @@ def test_from_an_empty_network_to_a_chat_answered_by_two_agents(tmp_path, tiny_c
         dist.rerun_button.click()
         wait(lambda: serving.phase in ("serving", "failed"), 300, "the re-run")
         assert serving.phase == "serving", dist.error_label.text()
-        assert window.bridge.host.hub.bytes_served == served  # resumed: nothing fetched twice
+        assert hub.bytes_served == served  # resumed: nothing fetched twice
         assert sorted(stage for _, stage in dist.rows) == [0, 1] and {a for a, _ in dist.rows} == set(names)
         bars = [dist.table.cellWidget(r, 3) for r in dist.rows.values()]
         assert all(b.value() == 1000 for b in bars) and "Ring: healthy" in dist.health_label.text()
@@ -130,7 +174,7 @@ def test_from_an_empty_network_to_a_chat_answered_by_two_agents(tmp_path, tiny_c
         assert all(a.status().worker.state == "running" for a in agents.values())
         exported = window.bridge.library.exports()
         assert [e.split for e in exported] == [(2,)] and exported[0].weights == "fp32"
-        copy_caches(tmp_path / "console", console_cache)
+        copy_caches(service.state_dir, console_cache)
 
         # Chat answers through the console's API; Metrics count the tokens (1 of them the health check)
         answer = drive.chat("What is the capital of France?")
@@ -149,26 +193,56 @@ def test_from_an_empty_network_to_a_chat_answered_by_two_agents(tmp_path, tiny_c
         drive.select(names[:1])
         window.fleet_page.pause_button.click()
         wait(lambda: any(f"{names[0]} paused" in t for t in item_texts(metrics.pause_list)), 20, "the pause event")
+        window.fleet_page.resume_button.click()
+        drive.wait_rows(names[:1], lambda row: not row["State"].startswith("paused"), "the resume")
 
-    assert all(a.status().worker.state == "stopped" for a in agents.values())  # closing stopped the ring
 
-
-def test_an_export_cancelled_from_the_models_page_leaves_nothing(tmp_path, tiny_checkpoint, wait):
-    with running_console(tmp_path / "console", wait) as window:
+def test_an_export_from_the_models_page_runs_in_the_service_and_a_cancelled_one_leaves_nothing(
+        tmp_path, tiny_checkpoint, wait, service):
+    exports_dir = service.state_dir / "exports"
+    with running_console(tmp_path / "console", wait, service) as window:
         drive = ConsoleDriver(window, wait)
-        page = window.models_page
+        page, library = window.models_page, window.bridge.library
         drive.add_model(tiny_checkpoint("llama"))
-        progress = []
-        page.export()
-        page.job._on_event = lambda e, seen=page.job._on_event: (progress.append(e), seen(e))
-        wait(lambda: any(isinstance(e, ExportProgress) and e.stage is not None for e in progress), 120,
+        before = library.exports()
+        feed = []  # the service's export events, as the console's feed hears them
+        window.bridge.service_event.connect(lambda e: feed.append(e.data) if e.kind == "export" else None)
+        labels = []  # what the page showed after each event (connected after the job's own handler)
+
+        # a 2-stage export, to its end (or reused, when the module's other test made it first)
+        page.stages.setValue(2)
+        page.export_button.click()
+        job = page.job
+        window.bridge.service_event.connect(lambda _: labels.append((page.progress_label.text(),
+                                                                     page.progress.value())))
+        assert not page.export_button.isEnabled() and page.cancel_button.isEnabled()
+        wait(lambda: job.done, 300, "the export")
+        assert job.state == "finished", page.progress_label.text()
+        assert (job.result.split, job.result.weights) == ((2,), "fp32") and job.result in library.exports()
+        assert page.progress.value() == 1000 and f" {job.result.export_id} in " in page.progress_label.text()
+        steps = [(d["stage"], d["step"]) for d in feed if d.get("job") == job.job_id and d["state"] == "progress"]
+        if not job.reused:
+            assert steps[:2] == [(None, "resolve"), (None, "fingerprint")] and (1, "save") in steps
+            shown = [value for text, value in labels if text.startswith("Exporting: stage 1,")]
+            assert shown and shown == sorted(shown) and 0 < shown[0] < 1000  # the page showed it, rising
+        assert page.exports_table.rowCount() == len(library.exports()) and page.export_button.isEnabled()
+
+        # a 4-stage export, cancelled mid-stage from the page: the service stops it, nothing is left
+        kept = library.exports()
+        page.stages.setValue(4)
+        page.export_button.click()
+        job = page.job
+        wait(lambda: any(d.get("job") == job.job_id and d.get("stage") is not None for d in feed), 120,
              "the export to begin its first stage")
-        assert page.cancel_button.isEnabled()
+        wait(lambda: page.progress_label.text().startswith("Exporting: stage"), 10, "the page to show the stage")
+        assert page.cancel_button.isEnabled() and not job.done
         page.cancel_button.click()
-        assert page.job.state == "cancelled" and "cancelled" in page.progress_label.text()
-        exports_dir = window.bridge.library.exports_dir
-        assert window.bridge.library.exports() == [] and not any(exports_dir.iterdir())
-        assert page.export_button.isEnabled() and page.exports_table.rowCount() == 0
+        wait(lambda: job.done, 60, "the cancelled export to end")
+        assert job.state == "cancelled" and "cancelled" in page.progress_label.text()
+        assert page.progress.value() == 0 and page.export_button.isEnabled()
+        assert library.exports() == kept and kept[:len(before)] == before
+        assert not [p for p in exports_dir.iterdir() if p.name.startswith(".")]  # no partial directory
+        assert page.exports_table.rowCount() == len(kept)
 
 
 def test_the_console_command_starts_a_service_and_attaches_to_it_again(tmp_path, qtbot):
@@ -210,26 +284,6 @@ def test_the_console_command_starts_a_service_and_attaches_to_it_again(tmp_path,
     assert (started_a, started_b) == (True, False)
     assert (state / "fleet-ca.key").stat().st_mode & 0o777 == 0o600
     assert not pid_alive(info.pid), "the service did not stop on SIGTERM"
-
-
-def test_the_console_in_process_starts_and_stops(tmp_path, qtbot):
-    """`deskfleet console --in-process` runs the fleet in the console, as before the service."""
-    from console.app import run_console
-    from console.cli import COMMAND
-
-    parser = argparse.ArgumentParser()
-    COMMAND.configure(parser)
-    args = parser.parse_args(["--state-dir", str(tmp_path / "state"), "--interface", "127.0.0.1", "--in-process",
-                              "--api-port", "0", "--enrollment-port", "0", "--hub-port", "0"])
-    seen = []
-
-    def look(window) -> None:
-        seen.append((window.bridge.fleet_id, window.bridge.token, window.first_run_dialog is not None))
-
-    assert run_console(args, until=look) == 0
-    assert run_console(args, until=look) == 0
-    (fleet_a, token_a, welcome_a), (fleet_b, token_b, welcome_b) = seen
-    assert fleet_a == fleet_b and token_a != token_b and welcome_a and not welcome_b
 
 
 # -- the Qt-free decisions behind the pages ----------------------------------------------------------
