@@ -36,7 +36,9 @@ class PagedOutcome:
     ``ids`` int64 [R] and ``probs`` float32 [R]: the top-1 of every answered row (R =
     ``plan.sampled``, plan order); ``logits`` float32 [L, V] for the rows of the streams that
     wanted them (L = ``plan.logit_rows``, plan order) or None; ``stage_ms`` each stage's compute
-    time for this step. ``error`` set: the step did not complete (every field else is empty).
+    time for this step. ``top_ids`` int64 [R, k] and ``top_logprobs`` float32 [R, k] when the plan
+    asks for top-k (k = ``plan.top_k``; an entry a row did not ask for is id -1, log-probability
+    -inf), else None. ``error`` set: the step did not complete (every field else is empty).
     """
 
     seq: int
@@ -45,6 +47,8 @@ class PagedOutcome:
     logits: np.ndarray | None = None
     stage_ms: tuple[float, ...] = ()
     error: str | None = None
+    top_ids: np.ndarray | None = None
+    top_logprobs: np.ndarray | None = None
 
     @classmethod
     def failed(cls, seq: int, error: str) -> PagedOutcome:
