@@ -14,7 +14,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from PySide6.QtCore import QObject, Signal
+from PySide6.QtCore import QObject, QTimer, Signal
 
 from console.service.admin_client import Event
 from console.service.admin_shapes import plan_from_json
@@ -51,6 +51,10 @@ class ServiceServing(QObject):
         self.api_key: str | None = None
         self._plan: Plan | None = None
         self._error: str | None = None
+        self._sampling = False  # a metrics read is on its way
+        self._sampler = QTimer(self)  # the console's own cadence (the feed's is the service's, >= 2 s)
+        self._sampler.setInterval(max(50, int(bridge.settings.metrics_s * 1000)))
+        self._sampler.timeout.connect(self._sample)
         bridge.started.connect(self._attached)
         bridge.service_event.connect(self._on_event)
 
@@ -68,6 +72,29 @@ class ServiceServing(QObject):
         if phase != self.phase:
             self.phase = phase
             self.phase_changed.emit(phase)
+        if phase == "serving":
+            self._sampler.start()
+        else:
+            self._sampler.stop()
+
+    def _sample(self) -> None:
+        """Read the ring's metrics every ``settings.metrics_s`` (the Metrics page's samples)."""
+        if self._sampling or self.ring is None or not self.bridge.running:
+            return
+        self._sampling, ring = True, self.ring
+
+        def took(rings: Mapping[str, Any]) -> None:
+            self._sampling = False
+            sample = rings.get(ring)
+            if sample is not None and ring == self.ring and self.phase == "serving":
+                self.metrics.emit(dict(sample))
+
+        def missed(exc: BaseException) -> None:
+            self._sampling = False
+            log.debug("reading the ring's metrics: %s", exc)
+
+        self.bridge.call(self.bridge.client.async_metrics(), "reading the ring's metrics", on_result=took,
+                         on_error=missed)
 
     # ---- attaching -------------------------------------------------------------------------------
 
@@ -157,10 +184,6 @@ class ServiceServing(QObject):
             self._on_export(data)
         elif event.kind == "progress" and self._mine(data.get("ring")):
             self.progress.emit(_progress(data))
-        elif event.kind == "metrics" and self.ring is not None and self.phase == "serving":
-            sample = data.get("rings", {}).get(self.ring)
-            if sample is not None:
-                self.metrics.emit(dict(sample))
 
     def _mine(self, ring: object) -> bool:
         return ring is not None and ring == self.ring
