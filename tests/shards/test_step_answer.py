@@ -91,6 +91,27 @@ def test_top_k_log_probabilities_are_a_log_softmax_best_first():
     assert (np.diff(logp, axis=-1) <= 0).all()
 
 
+@pytest.mark.parametrize("vocab", [1, 20, 63, 64, 65, 1000, 49152])
+def test_top_k_finds_the_k_largest_whatever_the_ties_masks_and_widths(vocab):
+    rng = np.random.default_rng(vocab)
+    for trial in range(12):
+        k = int(rng.integers(1, 21))
+        rows = rng.integers(-3, 4, (3, vocab)).astype(np.float32) if trial % 2 else \
+            rng.standard_normal((3, vocab)).astype(np.float32)  # odd trials: many ties
+        allowed = rng.random((3, vocab)) < [[1.0], [0.3], [0.001]]  # none, some, nearly all refused
+        allowed[:, int(rng.integers(vocab))] = True
+        rows[~allowed] = -np.inf
+        ids, logp = top_logprobs(rows, k)
+        want = log_softmax(rows)
+        for r in range(3):
+            n = min(k, int(allowed[r].sum()))
+            assert (ids[r, n:] == -1).all() and np.isneginf(logp[r, n:]).all()
+            got = ids[r, :n]
+            assert len(set(got.tolist())) == n and allowed[r, got].all()
+            assert rows[r, got].tolist() == sorted(rows[r][allowed[r]].tolist(), reverse=True)[:n]
+            np.testing.assert_allclose(logp[r, :n], want[r, got], rtol=0, atol=2e-6)
+
+
 def test_a_row_allowing_fewer_tokens_than_asked_pads_with_minus_one():
     rows = np.full((1, 64), -np.inf, np.float32)
     rows[0, [3, 40]] = [1.0, 2.0]
