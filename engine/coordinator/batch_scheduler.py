@@ -26,7 +26,12 @@ positions, no prediction of an emitted token, one step fewer.)
 
 ``cached`` advances only in :meth:`on_outcome`, by the rows the last stage accepted; blocks the
 step brought beyond that (rejected drafts, a failed step) are released then (rewind). Several
-steps may be in flight (micro-batches); a stream in flight is in no other step.
+steps may be in flight (micro-batches); a stream in flight is in no other step, with one
+exception: a long prefill (a new prompt, a re-prefill, a failover's replay) may bring its next
+chunk while earlier ones are in flight, when a step has room after every other stream, so the
+first stage computes chunk 2 while the second computes chunk 1 (each stage runs the steps of its
+connection in order, so chunk 2 finds chunk 1's KV). A step that fails voids the later chunks of
+its streams (their answers are ignored, computed over KV that is missing).
 
 **Blocks.** A step allocates the blocks of the rows it brings. When the pool is short, running
 streams admitted after the one asking and not in flight are preempted, the most recent first:
@@ -75,12 +80,14 @@ __all__ = [
 @dataclass
 class _Row:
     stream: StreamState
+    past: int  # the position its first row feeds
     n: int
     drafts: tuple[int, ...]
     q: np.ndarray | None
     sample: int
     want_logits: bool
     computing: list[bytes] = field(default_factory=list)  # full blocks this prefill chunk completes
+    void: bool = False  # an earlier step of its stream failed: this row's KV and answer are not used
 
 
 # ----------------------------------------------------------------------------- the scheduler
@@ -240,10 +247,18 @@ class BatchScheduler:
         for block in pins:  # copy sources were held only while blocks were allocated around them
             self.pool.release(block)
 
+        for s in list(self._running):  # the next chunks of prefills in flight, in the room left
+            if budget < 1 or len(rows) >= limit:
+                break
+            n = self._follow_up(s, seq, budget)
+            if n:
+                rows.append(self._row(s, seq, n))
+                budget -= n
+
         if not rows:
             return None, actions
         plan = StepPlan(cfg.block_size, cfg.pool_blocks,
-                        tuple(PlanRow(r.stream.stream_id, r.stream.cached, r.n, tuple(r.stream.blocks), r.sample,
+                        tuple(PlanRow(r.stream.stream_id, r.past, r.n, tuple(r.stream.blocks), r.sample,
                                       r.want_logits) for r in rows),
                         copies=tuple(copies), token_budget=cfg.token_budget)
         ids = np.fromiter(itertools.chain.from_iterable(self._feed(r) for r in rows), dtype=np.int64,
@@ -260,19 +275,36 @@ class BatchScheduler:
 
     def _row(self, s: StreamState, seq: int, n: int, drafts: tuple[int, ...] = (),
              q: np.ndarray | None = None) -> _Row:
+        past, fed = s.fed, n - len(drafts)
         s.in_flight = seq
-        sample = (1 + len(drafts)) if s.cached + n - len(drafts) == len(s.tokens) else 0
+        s.ahead += fed
+        sample = (1 + len(drafts)) if past + fed == len(s.tokens) else 0
         want = bool(sample) and (s.request.want_logits or not s.request.sampling.greedy)
-        row = _Row(s, n, drafts, q, sample, want)
+        row = _Row(s, past, n, drafts, q, sample, want)
         if not sample:  # streams after this one in the step (or later steps) wait for these blocks
-            row.computing = self._computing_blocks(s, n)
+            row.computing = self._computing_blocks(s, past, n)
             self._computing.update(dict.fromkeys(row.computing, seq))
         return row
 
     @staticmethod
     def _feed(r: _Row) -> list[int]:
-        s = r.stream
-        return s.tokens[s.cached:s.cached + r.n - len(r.drafts)] + list(r.drafts)
+        return r.stream.tokens[r.past:r.past + r.n - len(r.drafts)] + list(r.drafts)
+
+    def _follow_up(self, s: StreamState, seq: int, budget: int) -> int:
+        """Rows of the next prefill chunk of ``s`` while its earlier ones are in flight, with blocks
+        allocated for them; 0 when it is not in flight (or in this step), has nothing left to feed
+        before its answer row, or would need more blocks than are free (nobody is preempted for it).
+        Its blocks are its own: a stream with the same prefix shares them once computed (catch-up)."""
+        if not self.config.pipeline_prefill or s.in_flight is None or s.in_flight == seq or s.cancelled \
+                or s.unfed < 1:
+            return 0
+        bs = self.config.block_size
+        n = min(self.config.prefill_chunk, budget, s.unfed, (len(s.blocks) + self.pool.free) * bs - s.fed)
+        if n < 1:
+            return 0
+        s.blocks.extend(self.pool.allocate(blocks_needed(s.fed + n, bs) - len(s.blocks)))
+        self.counters["pipelined"] += 1
+        return n
 
     def _reserve(self, s: StreamState, n: int, preempted: set[StreamId], actions: list[Action]) -> bool:
         """Give ``s`` the blocks for ``n`` more rows; if the pool is short, preempt running streams
@@ -319,15 +351,16 @@ class BatchScheduler:
             j += 1
         return True
 
-    def _computing_blocks(self, s: StreamState, n: int) -> list[bytes]:
-        """Chain hashes of the blocks a chunk of ``n`` rows of ``s`` completes."""
+    def _computing_blocks(self, s: StreamState, past: int, n: int) -> list[bytes]:
+        """Chain hashes of the blocks a chunk of ``n`` rows of ``s`` from position ``past`` completes."""
         if self.prefix is None:
             return []
         bs, out = self.config.block_size, []
         parent = s.hashes[-1] if s.hashes else self.prefix.root
-        for j in range(len(s.hashes), (s.cached + n) // bs):
+        for j in range(len(s.hashes), (past + n) // bs):
             parent = chain_hash(parent, s.tokens[j * bs:(j + 1) * bs])
-            out.append(parent)
+            if j >= past // bs:
+                out.append(parent)
         return out
 
     def _too_big(self, s: StreamState, positions: int) -> GenerationError:
@@ -408,12 +441,16 @@ class BatchScheduler:
             return []
         for r in rows:
             for digest in r.computing:
-                self._computing.pop(digest, None)
+                if self._computing.get(digest) == outcome.seq:
+                    del self._computing[digest]
         problem = outcome.error or reply_problem(outcome, sum(r.sample for r in rows),
                                                    sum(r.sample for r in rows if r.want_logits))
         if problem is not None:
             actions: list[Action] = [FailOver(f"step {outcome.seq} failed: {problem}")]
             for r in rows:
+                if r.void:
+                    continue
+                self._void_later(r.stream, outcome.seq)
                 self._abandon(r.stream)
                 if r.stream.cancelled:
                     actions.extend(self._end(r.stream, Finished(r.stream.stream_id, FinishReason.CANCELLED)))
@@ -429,12 +466,21 @@ class BatchScheduler:
                 assert outcome.logits is not None
                 logits = outcome.logits[logit_at:logit_at + r.sample]
                 logit_at += r.sample
-            s.in_flight, s.copying = None, False
-            if s.cancelled:
-                actions.extend(self._end(s, Finished(s.stream_id, FinishReason.CANCELLED)))
-            elif not r.sample:
-                self._advance(s, s.cached + r.n)
+            if r.void:
+                continue
+            last = s.in_flight == outcome.seq  # else a later chunk of its prefill is still in flight
+            s.copying = False
+            if last:
+                s.in_flight = None
+            if r.sample:
+                s.ahead = 0  # an answered row is its stream's last in flight
             else:
+                s.ahead -= r.n
+                self._advance(s, r.past + r.n)
+            if s.cancelled:
+                if last:
+                    actions.extend(self._end(s, Finished(s.stream_id, FinishReason.CANCELLED)))
+            elif r.sample:
                 actions.extend(self._answer(s, r, ids, probs, logits, now))
         return actions
 
@@ -482,17 +528,28 @@ class BatchScheduler:
                 self.prefix.register_full(s.blocks[i], digest)
         self._trim(s)
 
+    def _void_later(self, s: StreamState, seq: int) -> None:
+        """Step ``seq`` of ``s`` failed: the later chunks of ``s`` in flight ran over KV that may be
+        missing; their rows are void and the blocks they complete are no longer awaited."""
+        for later, rows in self._flights.items():
+            for r in rows:
+                if later > seq and r.stream is s and not r.void:
+                    r.void = True
+                    for digest in r.computing:
+                        if self._computing.get(digest) == later:
+                            del self._computing[digest]
+
     def _abandon(self, s: StreamState) -> None:
-        """The step ``s`` is in will not be answered: keep what completed steps put in its blocks.
+        """The steps ``s`` is in will not be answered: keep what completed steps put in its blocks.
         A prefix copy made by that step may be missing on some stage: only the shared full blocks count."""
-        s.in_flight = None
+        s.in_flight, s.ahead = None, 0
         if s.copying:
             s.cached -= s.cached % self.config.block_size
             s.copying = False
         self._trim(s)
 
     def _trim(self, s: StreamState) -> None:
-        keep = blocks_needed(s.cached, self.config.block_size)
+        keep = blocks_needed(s.fed, self.config.block_size)  # chunks in flight keep theirs
         while len(s.blocks) > keep:
             self.pool.release(s.blocks.pop())
 
@@ -536,7 +593,7 @@ class BatchScheduler:
         actions: list[Action] = []
         for s in list(self._running) + list(self._waiting):
             was_running = s in self._running
-            s.blocks, s.hashes, s.cached, s.in_flight, s.copying = [], [], 0, None, False
+            s.blocks, s.hashes, s.cached, s.in_flight, s.ahead, s.copying = [], [], 0, None, 0, False
             if s.cancelled:
                 actions.extend(self._end(s, Finished(s.stream_id, FinishReason.CANCELLED)))
             elif was_running:
@@ -575,6 +632,7 @@ class BatchScheduler:
             "sched_step_tokens_total": float(c["step_tokens"]),
             "sched_preemptions_total": float(c["preemptions"]),
             "sched_replays_total": float(c["replays"]),
+            "sched_pipelined_chunks_total": float(c["pipelined"]),
             "prefix_hits_total": float(c["prefix_hits"]),
             "prefix_tokens_reused_total": float(c["prefix_tokens_reused"]),
             "prefix_block_copies_total": float(c["prefix_copies"]),

@@ -28,7 +28,9 @@ class SchedulerConfig:
     ``pool_blocks``: blocks per stage pool, scratch blocks included. ``max_streams``: streams
     admitted at once; ``max_waiting``: requests queued beyond them (then OverloadedError).
     ``token_budget``: new tokens per step (decode rows first, then prefill chunks of at most
-    ``prefill_chunk``). ``max_replays``: failovers a stream survives.
+    ``prefill_chunk``). ``max_replays``: failovers a stream survives. ``pipeline_prefill``: a
+    long prefill's next chunk may join a step while its earlier chunks are in flight (so the
+    stages of a ring overlap on it: a failover's replay, a long prompt).
     """
 
     block_size: int = CPU_BLOCK_SIZE
@@ -40,6 +42,7 @@ class SchedulerConfig:
     context_length: int = 2048
     prefix_cache: bool = True
     max_replays: int = 3
+    pipeline_prefill: bool = True
 
     def __post_init__(self) -> None:
         problems = []
@@ -135,7 +138,8 @@ class StreamState:
     blocks: list[int] = field(default_factory=list)  # logical order; covers the rows in flight too
     hashes: list[bytes] = field(default_factory=list)  # chain hash of each full block (prefix cache)
     order: int = 0  # admission order: the largest is the most recently admitted
-    in_flight: int | None = None  # seq of the step it is in
+    in_flight: int | None = None  # seq of the latest step it is in
+    ahead: int = 0  # positions of ``tokens`` fed by steps in flight (beyond ``cached``); 0 when not in flight
     copying: bool = False  # that step copies a prefix block into its last block (undone if the step fails)
     cancelled: bool = False
     first_token_at: float | None = None
@@ -150,3 +154,14 @@ class StreamState:
     def pending(self) -> int:
         """Positions still to feed (1 when decoding)."""
         return len(self.tokens) - self.cached
+
+    @property
+    def fed(self) -> int:
+        """Positions whose KV is in its blocks or on its way there (a step in flight feeds them)."""
+        return self.cached + self.ahead
+
+    @property
+    def unfed(self) -> int:
+        """Positions no step has fed yet: > 0 while in flight only for a prefill whose later
+        chunks may follow the ones in flight (pipelined over the stages)."""
+        return len(self.tokens) - self.cached - self.ahead
