@@ -52,7 +52,22 @@ PagedRecover = Callable[[PagedPath, str], Awaitable[PagedPath]]
 @dataclass
 class _InFlight:
     sent_at: float
+    tokens: int = 0  # new tokens the step carries (its real rows)
     drafted: dict[StreamId, int] = field(default_factory=dict)  # streams of the step that were offered drafts
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """One answered (or failed) step as the coordinator saw it: monotonic send and answer times,
+    its new tokens, answered rows and each stage's compute ms (what a benchmark's breakdown reads)."""
+
+    seq: int
+    sent_at: float
+    answered_at: float
+    tokens: int
+    answered: int
+    stage_ms: tuple[float, ...]
+    failed: bool = False
 
 
 def block_size_for(device: str) -> int:
@@ -102,6 +117,7 @@ class BatchCoordinator:
         self._step_ms: collections.deque[float] = collections.deque(maxlen=256)
         self._step_rows: collections.deque[int] = collections.deque(maxlen=256)
         self._ttft: collections.deque[float] = collections.deque(maxlen=256)
+        self.step_log: collections.deque[StepTiming] = collections.deque(maxlen=256)  # the latest steps
 
     @classmethod
     def local(cls, export_dir: Path | str, *, exact: bool = False, device: str = "CPU", num_threads: int | None = None,
@@ -232,8 +248,8 @@ class BatchCoordinator:
             if step is None:
                 return
             carried = {row.stream_id for row in step.plan.rows}
-            self._in_flight[step.seq] = _InFlight(time.monotonic(), {StreamId(sid): n for sid, n in drafted.items()
-                                                                     if sid in carried})
+            self._in_flight[step.seq] = _InFlight(time.monotonic(), step.plan.tokens,
+                                                  {StreamId(sid): n for sid, n in drafted.items() if sid in carried})
             try:
                 await self.path.async_submit(step)
             except DeskfleetError as exc:
@@ -258,8 +274,10 @@ class BatchCoordinator:
             return
         if outcome.error is None and self._down and not self._recovering:
             self._down, self._trouble = False, None  # a step went round: the ring serves again
-        now = time.perf_counter()
-        self._step_ms.append(1000 * (time.monotonic() - sent.sent_at))
+        now, answered = time.perf_counter(), time.monotonic()
+        self._step_ms.append(1000 * (answered - sent.sent_at))
+        self.step_log.append(StepTiming(outcome.seq, sent.sent_at, answered, sent.tokens, len(outcome.ids),
+                                        outcome.stage_ms, outcome.error is not None))
         self._step_rows.append(len(outcome.ids))
         self._carry_out(self.scheduler.on_outcome(outcome, now))
         if self.speculation is not None:

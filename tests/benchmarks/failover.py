@@ -23,8 +23,13 @@ worker-lost event, else the ring watch), *bring-up* (to every stage reporting se
 new worker, spawn and imports, then conversion and compile, from the worker's own timing line;
 for a spare only its activation), *redial* (the console's path up again) and *replay* (to the
 next token: the held conversation re-prefilled through the paged scheduler's chunks of
-``token_budget`` tokens, then one decode step). Every disturbed answer must be identical to the
-undisturbed one.
+``token_budget`` tokens, whose last row predicts the next token). Every disturbed answer must be
+identical to the undisturbed one.
+
+Per step of the replay (the coordinator's step log): when it was sent and answered after the
+redial, its tokens and each stage's compute time. ``--pipeline both`` interleaves runs with the
+scheduler's prefill pipelining (a chunk may follow the one in flight, so the stages overlap) on
+and off, to measure what it changes in one sitting.
 """
 
 from __future__ import annotations
@@ -79,6 +84,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exact", action="store_true", help="workers in exact (f32) mode instead of the shard's own")
     p.add_argument("--warm-spare", choices=("on", "off"), default="on",
                    help="the agents keep a warm spare (default on; off measures the cold path)")
+    p.add_argument("--pipeline", choices=("on", "off", "both"), default="on",
+                   help="the scheduler's prefill pipelining (default on; both: interleaved on/off runs)")
     p.add_argument("--total-tokens", type=int, default=TOTAL_TOKENS,
                    help=f"prompt + generated tokens per answer (default {TOTAL_TOKENS}; smaller for a smoke run)")
     p.add_argument("--export", type=Path, default=None,
@@ -149,6 +156,21 @@ def breakdown(run: dict[str, Any], recovery: dict[str, Any] | None, start: dict[
     return out
 
 
+def replay_steps(steps, recovery: dict[str, Any] | None, run: dict[str, Any]) -> list[dict[str, Any]]:
+    """The steps of the replay: sent from the redial on and answered by the next token (times in s
+    from the redial); ``steps`` are the coordinator's StepTiming records."""
+    if recovery is None or "redialled" not in recovery:
+        return []
+    start = recovery["redialled"]
+    after = [t for t in run["times"] if t > start]
+    if not after:
+        return []
+    return [{"tokens": st.tokens, "answered_rows": st.answered, "sent_s": st.sent_at - start,
+             "answered_s": st.answered_at - start, "round_trip_ms": 1000 * (st.answered_at - st.sent_at),
+             "stage_ms": list(st.stage_ms), "failed": st.failed}
+            for st in steps if st.sent_at >= start and st.answered_at <= after[0]]
+
+
 async def _async_spares_ready(dist, agents: dict, timeout: float = 600.0) -> bool:
     """Wait until every ring member and every standby the ring counts on holds a compiled spare."""
     by_control = {f"127.0.0.1:{a.control_port}": a for a in agents.values()}
@@ -179,6 +201,45 @@ async def _agents(work: Path, con, names: tuple[str, ...], warm_spare: str):
     finally:
         for agent in agents.values():
             await agent.async_close()
+
+
+async def _async_one(dist, agents: dict, settings, prompt: list[int], n: int, reference: dict[str, Any], mode: str,
+                     pipelined: bool, spares: bool) -> dict[str, Any]:
+    """One disturbed answer: kill the last stage's worker half-way (standby: its spare too)."""
+    spares_ready = await _async_spares_ready(dist, agents) if spares else False
+    dist.failover = replace(settings, restart_grace_s=0.0 if mode == "standby" else 120.0)
+    scheduler = dist.coordinator.scheduler
+    scheduler.config = replace(scheduler.config, pipeline_prefill=pipelined)
+    last = dist.layout.targets[-1]
+    victim = agents[last.label]
+    pids = [victim.worker_pid] + ([victim.spare_pid] if mode == "standby" and victim.spare_pid else [])
+    moves_before = len(dist.recovery.moves)
+    recoveries_before = len(dist.recovery.timeline)
+
+    def kill() -> None:
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+
+    run = await _async_timed(dist, prompt, n, kill=kill)
+    delay, worst, typical = added_delay(run["times"], run["kill_index"])
+    moved = dist.recovery.moves[moves_before:]
+    serving = agents[dist.layout.targets[-1].label]
+    recovery = dist.recovery.timeline[recoveries_before] if len(dist.recovery.timeline) > recoveries_before else None
+    starts = [s for s in serving.worker_starts if s.get("ready", 0) >= run.get("kill_wall", 0)]
+    parts = breakdown(run, recovery, starts[0] if starts else None)
+    replayed = len(prompt) + run["kill_index"]  # the conversation so far, re-prefilled
+    parts["replay_tokens"] = replayed
+    parts["replay_tok_s"] = replayed / parts["replay_s"] if parts["replay_s"] else None
+    return {"mode": mode, "pipeline": pipelined, "killed": last.label, "killed_pids": pids,
+            "spares_ready": spares_ready, "serving_after": dist.layout.targets[-1].label,
+            "serving_pid": serving.worker_pid, "added_delay_s": delay, "largest_gap_s": worst, "median_gap_s": typical,
+            "move_s": moved[0].seconds if moved else None, **parts,
+            "replay_steps": replay_steps(dist.coordinator.step_log, recovery, run),
+            "failover_reason": recovery["reason"] if recovery else None,
+            "identical": run["tokens"] == reference["tokens"],
+            "first_difference": next((i for i, (a, b) in enumerate(zip(run["tokens"], reference["tokens"],
+                                                                        strict=False)) if a != b), None),
+            "failovers_total": dist.coordinator.metrics()["failovers_total"]}
 
 
 async def _async_bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -212,49 +273,22 @@ async def _async_bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             if spares:
                 await _async_spares_ready(dist, agents)
             reference = await _async_timed(dist, prompt, n)
+            variants = {"on": (True,), "off": (False,), "both": (True, False)}[args.pipeline]
             for round_index in range(args.rounds):
                 for mode in MODES:
-                    spares_ready = await _async_spares_ready(dist, agents) if spares else False
-                    dist.failover = replace(settings, restart_grace_s=0.0 if mode == "standby" else 120.0)
-                    last = dist.layout.targets[-1]
-                    victim = agents[last.label]
-                    pids = [victim.worker_pid] + ([victim.spare_pid] if mode == "standby" and victim.spare_pid else [])
-                    moves_before = len(dist.recovery.moves)
-                    recoveries_before = len(dist.recovery.timeline)
-
-                    def kill(pids=pids) -> None:
-                        for pid in pids:
-                            os.kill(pid, signal.SIGKILL)
-
-                    run = await _async_timed(dist, prompt, n, kill=kill)
-                    delay, worst, typical = added_delay(run["times"], run["kill_index"])
-                    moved = dist.recovery.moves[moves_before:]
-                    serving = agents[dist.layout.targets[-1].label]
-                    recovery = dist.recovery.timeline[recoveries_before] \
-                        if len(dist.recovery.timeline) > recoveries_before else None
-                    starts = [s for s in serving.worker_starts if s.get("ready", 0) >= run.get("kill_wall", 0)]
-                    parts = breakdown(run, recovery, starts[0] if starts else None)
-                    replayed = len(prompt) + run["kill_index"]  # the conversation so far, re-prefilled
-                    parts["replay_tokens"] = replayed
-                    parts["replay_tok_s"] = replayed / parts["replay_s"] if parts["replay_s"] else None
-                    runs.append({"round": round_index, "mode": mode, "killed": last.label, "killed_pids": pids,
-                                 "spares_ready": spares_ready, "serving_after": dist.layout.targets[-1].label,
-                                 "serving_pid": serving.worker_pid, "added_delay_s": delay,
-                                 "largest_gap_s": worst, "median_gap_s": typical,
-                                 "move_s": moved[0].seconds if moved else None, **parts,
-                                 "failover_reason": recovery["reason"] if recovery else None,
-                                 "identical": run["tokens"] == reference["tokens"],
-                                 "first_difference": next((i for i, (a, b) in enumerate(
-                                     zip(run["tokens"], reference["tokens"], strict=False)) if a != b), None),
-                                 "failovers_total": dist.coordinator.metrics()["failovers_total"]})
-                    print(f"  round {round_index + 1} {mode}: added {delay:.2f} s (gap {worst:.2f} s, median "
-                          f"{typical * 1000:.0f} ms; {_parts_text(runs[-1])}), identical={runs[-1]['identical']}",
-                          flush=True)
-                    await asyncio.sleep(1.0)
+                    for pipelined in variants:
+                        runs.append(await _async_one(dist, agents, settings, prompt, n, reference, mode, pipelined,
+                                                     spares))
+                        runs[-1]["round"] = round_index
+                        r = runs[-1]
+                        print(f"  round {round_index + 1} {_label(r)}: added {r['added_delay_s']:.2f} s (gap "
+                              f"{r['largest_gap_s']:.2f} s, median {r['median_gap_s'] * 1000:.0f} ms; "
+                              f"{_parts_text(r)}; steps {_steps_text(r)}), identical={r['identical']}", flush=True)
+                        await asyncio.sleep(1.0)
             health = await dist.async_health()
     _, ref_worst, ref_typical = added_delay(reference["times"], 1)
     return {"prompt_tokens": len(prompt), "new_tokens": n, "exact": args.exact, "step_timeout_s": args.step_timeout,
-            "watch_s": settings.watch_s, "warm_spare": args.warm_spare, "runtime": "paged",
+            "watch_s": settings.watch_s, "warm_spare": args.warm_spare, "runtime": "paged", "pipeline": args.pipeline,
             "token_budget": dist.runtime.token_budget, "export": export.name,
             "reference_median_gap_s": ref_typical, "reference_largest_gap_s": ref_worst,
             "first_request_ttft_s": reference["ttft_s"],  # the fresh ring's first request (cold kernels)
@@ -287,12 +321,32 @@ def _rate(runs: list[dict[str, Any]]) -> str:
     return f"{median(values):.0f}" if values else "-"
 
 
+def _label(r: dict[str, Any]) -> str:
+    return r["mode"] if r.get("pipeline", True) else f"{r['mode']}, no pipelining"
+
+
+def _steps_text(r: dict[str, Any]) -> str:
+    """``256+149 tok: 0.01-0.95 [470/455 ms], ...``: each replay step's tokens, send and answer
+    times after the redial and stage compute ms."""
+    steps = r.get("replay_steps") or []
+    if not steps:
+        return "-"
+    each = ", ".join(f"{st['tokens']} tok {st['sent_s']:.2f}-{st['answered_s']:.2f} s "
+                     f"[{'/'.join(f'{ms:.0f}' for ms in st['stage_ms'])} ms]" for st in steps)
+    return f"{'+'.join(str(st['tokens']) for st in steps)}: {each}"
+
+
+def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    timed = sorted((r for r in runs if r.get("replay_s") is not None), key=lambda r: r["replay_s"])
+    return timed[(len(timed) - 1) // 2] if timed else runs[0]
+
+
 def render(result: dict[str, Any], json_path: Path) -> str:
-    rows, parts, verdicts = [], [], []
-    for mode in MODES:
-        runs = [r for r in result["runs"] if r["mode"] == mode]
-        if not runs:
-            continue
+    rows, parts, verdicts, steps = [], [], [], []
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in sorted(result["runs"], key=lambda r: (MODES.index(r["mode"]), not r.get("pipeline", True))):
+        groups.setdefault(_label(r), []).append(r)
+    for mode, runs in groups.items():
         delays = [r["added_delay_s"] for r in runs]
         identical = sum(r["identical"] for r in runs)
         moves = [r["move_s"] for r in runs if r["move_s"] is not None]
@@ -306,6 +360,9 @@ def render(result: dict[str, Any], json_path: Path) -> str:
                       _median_of(runs, "spawn_imports_s"), _median_of(runs, "compile_s"),
                       _median_of(runs, "activate_s"), _median_of(runs, "redial_s"), _median_of(runs, "replay_s"),
                       _rate(runs), f"{promoted}/{len(runs)}"])
+        if any(r.get("replay_steps") for r in runs):
+            typical = _median_run(runs)
+            steps.append([mode, _seconds(typical.get("replay_s")), _steps_text(typical)])
         if identical < len(runs):
             verdicts.append(f"- {mode}: {len(runs) - identical} answer(s) differ from the undisturbed run: "
                             "**missed**")
@@ -332,6 +389,8 @@ def render(result: dict[str, Any], json_path: Path) -> str:
         "",
         markdown_table(["recovery", "notice", "bring-up", "spawn + imports", "conversion + compile",
                         "spare activation", "redial", "replay", "replay tok/s", "spare used"], parts),
+        *(["", "The replay's steps in the run of median replay (seconds after the redial, sent-answered; each "
+           "stage's compute ms):", "", markdown_table(["recovery", "replay", "steps"], steps)] if steps else []),
         "",
         "Reading these numbers: *added delay* is the longest wait between two tokens from the kill on, "
         "minus the run's median inter-token gap: what the person asking notices. *notice* is the kill to the "
@@ -342,7 +401,10 @@ def render(result: dict[str, Any], json_path: Path) -> str:
         "its address and dials its next hop), or in a move the standby taking the stage and the upstream agent "
         "re-pointed; *redial* the console's path up again; *replay* to the next token: the conversation so far "
         f"(~{result['prompt_tokens'] + result['new_tokens'] // 2} tokens) re-prefilled in the paged "
-        "scheduler's chunks, then one decode step. *move* is the console's time from deciding to move to every "
+        "scheduler's chunks, the last one's final row predicting the next token (*replay tok/s*: this ring's "
+        "prefill speed at one inference thread per stage; with pipelining a chunk follows the one in flight, so "
+        "the first stage computes chunk 2 while the second computes chunk 1). *move* is the console's time from "
+        "deciding to move to every "
         "worker running. An undisturbed run's "
         f"median gap is {result['reference_median_gap_s'] * 1000:.0f} ms; the ring was "
         f"{'healthy' if result['healthy_at_end'] else '**not healthy**'} after the last round. All agents "
