@@ -17,6 +17,7 @@ from engine.wire.codec import encode
 from engine.wire.format import (
     HEADER_SIZE,
     MIN_FRAME_BOUND,
+    PROTOCOL_VERSION,
     ErrorCode,
     FrameTooLargeError,
     Role,
@@ -230,6 +231,9 @@ def test_live_fuzzing_never_disturbs_a_well_behaved_stream(security):
     assert stats["frame_error"] + stats["timeout"] == len(cases)
 
 
+OTHER_VERSION = PROTOCOL_VERSION + 1  # a release ahead of this one
+
+
 def test_handshake_mismatches_are_named(security):
     server_ctx, client_ctx = security
 
@@ -238,7 +242,7 @@ def test_handshake_mismatches_are_named(security):
         host, port = await server.async_start()
         fields_named = []
         for hello in (
-            Hello(FP, 1, Role.STAGE, protocol_version=4),
+            Hello(FP, 1, Role.STAGE, protocol_version=OTHER_VERSION),
             Hello("sha256-other", 1, Role.STAGE),
             Hello(FP, 3, Role.STAGE),
             Hello(FP, 1, Role.COORDINATOR),
@@ -248,7 +252,7 @@ def test_handshake_mismatches_are_named(security):
             fields_named.append((refused.value.field, str(refused.value)))
         # A peer whose frame header carries another version is refused before any field is read.
         reader, writer = await asyncio.open_connection(host, port, ssl=client_ctx)
-        writer.write(patch_header(encode(Hello(FP, 1, Role.STAGE)), version=4))
+        writer.write(patch_header(encode(Hello(FP, 1, Role.STAGE)), version=OTHER_VERSION))
         reply = await async_read_frame(reader, timeout=5)
         writer.close()
         good = await async_connect(host, port, Hello(FP, 1, Role.STAGE), ssl=client_ctx)
@@ -263,7 +267,7 @@ def test_handshake_mismatches_are_named(security):
     assert names == ["protocol_version", "model_fingerprint", "stage_index", "role"]
     for name, text in fields_named:
         assert f"{name} mismatch" in text
-    assert reply.code is ErrorCode.PROTOCOL_VERSION_MISMATCH and "version 4" in reply.message
+    assert reply.code is ErrorCode.PROTOCOL_VERSION_MISMATCH and f"version {OTHER_VERSION}" in reply.message
     assert pong == Pong(99)
     assert stats["handshake_refused"] == 4
 
