@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Collection, Coroutine
@@ -34,7 +35,7 @@ from console.service.agent_record import AgentRecord
 from console.service.console_session import ConsoleSession
 from console.service.console_settings import ConsoleSettings
 from console.service.errors import ConsoleError
-from console.service.export_catalog import ExportInfo, ExportSpec
+from console.service.export_catalog import EXPORTS_SUBDIR, ExportInfo, ExportSpec
 from console.service.export_job import ExportEvent
 from console.service.links import LinkReport
 from console.service.models import ModelEntry
@@ -357,10 +358,18 @@ class ServiceLibrary:
             raise ConsoleError(f"adding {path}: {exc}") from exc
 
     def exports(self) -> list[ExportInfo]:
+        """The service's exports; ``path`` is the export's directory when the service is this PC's
+        (the Models page then shows its manifest), else only its id."""
         if not self._bridge.running:
             return []
-        return [export_from_json(e) for e in self._bridge.call_now(self._bridge.client.async_exports(),
-                                                                    "listing exports")]
+        exports = [export_from_json(e) for e in self._bridge.call_now(self._bridge.client.async_exports(),
+                                                                       "listing exports")]
+        return [self.localised(e) for e in exports]
+
+    def localised(self, info: ExportInfo) -> ExportInfo:
+        """``info`` with its directory on this PC as ``path``, when it is there (a local service)."""
+        here = self._bridge.settings.state_dir / EXPORTS_SUBDIR / info.export_id
+        return dataclasses.replace(info, path=here) if not self._bridge.remote and here.is_dir() else info
 
     def start_export(self, model: ModelEntry, *, plan: Plan | None = None, stages: int | None = None,
                      spec: ExportSpec | None = None,

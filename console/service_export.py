@@ -133,7 +133,8 @@ class ServiceExportJob:
         self._on_event(ExportProgress(data.get("stage"), str(data.get("step", "")), fraction))
 
     def _finished(self, result: dict[str, Any]) -> None:
-        self.result, self.reused = export_from_json(result["export"]), bool(result.get("reused", False))
+        self.result = self._bridge.library.localised(export_from_json(result["export"]))
+        self.reused = bool(result.get("reused", False))
         self.state, self.fraction = "finished", 1.0
         self._disconnect()
         self._on_event(ExportFinished(self.result, self.reused, time.monotonic() - self._started))

@@ -226,6 +226,10 @@ def test_an_export_from_the_models_page_runs_in_the_service_and_a_cancelled_one_
             shown = [value for text, value in labels if text.startswith("Exporting: stage 1,")]
             assert shown and shown == sorted(shown) and 0 < shown[0] < 1000  # the page showed it, rising
         assert page.exports_table.rowCount() == len(library.exports()) and page.export_button.isEnabled()
+        row = next(r for r in range(page.exports_table.rowCount())
+                   if page.exports_table.item(r, 0).text() == job.result.export_id)
+        page.exports_table.selectRow(row)  # the service is this PC's: its manifest is shown beside it
+        assert job.result.fingerprint in page.manifest_view.toPlainText()
 
         # a 4-stage export, cancelled mid-stage from the page: the service stops it, nothing is left
         kept = library.exports()
