@@ -4,9 +4,15 @@ The coordinator owns the block tables; every **Step** frame carries the plan (wh
 their past lengths, new tokens and blocks) and the rows' input, so the stage holds no stream
 state at all, only its block pool. The pool is allocated on the first plan of a session, within
 the worker's KV budget (``kv_pool_bytes``; a plan asking for more is refused with both numbers),
-and never grows. Each stage appends its compute time to the Step it passes on; the last one
-answers the coordinator's return port with a **StepReply** (top-1 of the answered rows, logits
-for the streams that asked).
+and never grows. A process's first pool (a new worker's, a promoted spare's: the step that opens
+it is a failover's replay) is only mapped then: writing every page of a GiB took 0.6-3 s on the
+2-core test box, so its pages are committed behind the first steps (:func:`commit_pages`, after
+:data:`POOL_COMMIT_DELAY_S`) instead of in them; a later session of another size allocates as
+:meth:`PagedStage.allocate` does, committed at once.
+
+Each stage appends its compute time to the Step it passes on; the last one answers the
+coordinator's return port with a **StepReply** (top-1 of the answered rows, logits for the
+streams that asked).
 
 One session at a time, as a packed (static) worker: it belongs to the upstream connection that
 opened it, and a Step from another connection is refused while that one is open. A Step of a new
@@ -18,11 +24,17 @@ and the pool stay (the coordinator re-plans the step).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
+import mmap
+import sys
+import threading
 import time
+from collections.abc import Sequence
 from ssl import SSLContext
 
 import numpy as np
+import openvino as ov
 
 from engine.errors import DeskfleetError
 from engine.shards.paged_stage import PagedStage, top1_reply
@@ -38,6 +50,41 @@ from engine.wire.transport import Connection
 log = logging.getLogger(__name__)
 
 DEFAULT_STEP_TOKENS = 4096  # padded rows of the largest Step a worker accepts unless told otherwise
+POOL_COMMIT_DELAY_S = 3.0  # a first pool's pages are committed this long after it opens (after a replay)
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in writable without touching their bytes
+
+
+def map_pool(stage: PagedStage, pool_blocks: int, budget_bytes: int) -> list[np.ndarray]:
+    """Give ``stage`` a pool of ``pool_blocks`` zeroed blocks whose pages are mapped, not yet
+    committed (each is by its first write, or by :func:`commit_pages`): what
+    :meth:`PagedStage.allocate` does but for writing every page. The pool's arrays."""
+    if pool_blocks * stage.block_bytes > budget_bytes:
+        stage.allocate(pool_blocks, budget_bytes)  # raises PoolBudgetError with both numbers
+    stage.caches = []
+    for cache in stage._cache_inputs:
+        arr = np.zeros((pool_blocks, *stage._block_dims(cache)), dtype=stage._cache_dtype(cache.get_element_type()))
+        stage.request.set_tensor(cache.get_any_name(), ov.Tensor(arr, shared_memory=True))
+        stage.caches.append(arr)
+    stage.pool_blocks = pool_blocks
+    return list(stage.caches)
+
+
+def commit_pages(arrays: Sequence[np.ndarray]) -> bool:
+    """Commit every whole page of ``arrays`` without changing a byte (safe while steps write into
+    them), so the pool's memory is taken now rather than creeping up as blocks are first used.
+    False where the kernel cannot (not Linux, or older than 5.14): pages then commit on first use."""
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = mmap.PAGESIZE
+    for arr in arrays:
+        start = arr.ctypes.data
+        lo, hi = -(-start // page) * page, (start + arr.nbytes) // page * page
+        if hi > lo and libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_POPULATE_WRITE) != 0:
+            log.debug("madvise(MADV_POPULATE_WRITE) failed (errno %d): the pool commits as it is used",
+                      ctypes.get_errno())
+            return False
+    return True
 
 
 def paged_frame_bound(hidden_size: int, context: int, max_step_tokens: int = DEFAULT_STEP_TOKENS) -> int:
@@ -56,6 +103,7 @@ class PagedStageWorker(SessionServer):
                  max_step_tokens: int = DEFAULT_STEP_TOKENS, **listener_options):
         self.stage = stage
         self.kv_pool_bytes = kv_pool_bytes
+        self._committer: threading.Timer | None = None
         model = stage.manifest.model
         super().__init__(stage.index, stage.is_last, model.fingerprint, listen, next_address,
                          server_ssl=server_ssl, client_ssl=client_ssl, dial_deadline=dial_deadline,
@@ -94,9 +142,17 @@ class PagedStageWorker(SessionServer):
                 await self.downstream.async_send_if_connected(Release(session))
 
     def _open_pool(self, plan: StepPlan) -> None:
-        """A new session's pool: the plan's size, allocated (empty) unless the stage holds it already."""
-        if self.stage.pool_blocks != plan.pool_blocks:
+        """A new session's pool: the plan's size, allocated (empty) unless the stage holds it already;
+        the process's first one mapped now and committed in the background a little later."""
+        if self.stage.pool_blocks == plan.pool_blocks:
+            return
+        if self.stage.caches:
             self.stage.allocate(plan.pool_blocks, self.kv_pool_bytes)
+            return
+        arrays = map_pool(self.stage, plan.pool_blocks, self.kv_pool_bytes)
+        self._committer = threading.Timer(POOL_COMMIT_DELAY_S, commit_pages, (arrays,))
+        self._committer.daemon = True
+        self._committer.start()
 
     def _timed_run(self, plan: StepPlan, x: np.ndarray) -> tuple[np.ndarray, float]:
         started = time.perf_counter()
@@ -133,6 +189,8 @@ class PagedStageWorker(SessionServer):
         await self._send(reply)
 
     async def async_close(self) -> None:
+        if self._committer is not None:
+            self._committer.cancel()
         await super().async_close()
         self.session = None
         self._owner = None
