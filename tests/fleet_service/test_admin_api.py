@@ -1,8 +1,8 @@
 """The fleet service's admin API on loopback: a real service (fleet host, hub, API) and a real
-agent in this process. Two admin clients on the local socket see the same state — an agent one of
-them adds and approves reaches the other through the event feed; over mutual TLS the API takes an
-admin certificate and refuses an agent's, the service's own and none at all; errors name what is
-wrong."""
+agent in this process (the tests that need no settings of their own share one service). Two admin
+clients on the local socket see the same state — an agent one of them adds and approves reaches
+the other through the event feed; over mutual TLS the API takes an admin certificate and refuses
+an agent's, the service's own and none at all; errors name what is wrong."""
 
 from __future__ import annotations
 
@@ -36,79 +36,79 @@ async def _records_until(admin: Admin, after: int, predicate, timeout: float = 2
     raise AssertionError("no records event showed the change")
 
 
-def test_two_admin_clients_see_the_same_fleet(tmp_path):
+def test_two_admin_clients_see_the_same_fleet(tmp_path, shared_service):
     async def main():
-        async with service_in_process(tmp_path / "fleet") as service:
-            sock = tmp_path / "fleet" / "admin.sock"
-            assert stat.S_IMODE(os.stat(sock).st_mode) == 0o600
-            async with Admin.unix(sock) as a, Admin.unix(sock) as b:
-                start_b = await b.ok("GET", "/events?after=0")
-                kinds = {e["kind"] for e in start_b["events"]}
-                assert {"records", "token", "health"} <= kinds  # a client starting out gets a snapshot
-                token = (await a.ok("POST", "/tokens", {}))["token"]
-                pc = agent(tmp_path, "desk-a")
-                await pc.async_start()
-                try:
-                    await pc.async_join(service.host.enrollment, token)
-                    added = (await a.ok("POST", "/agents", {"host": "127.0.0.1", "port": pc.control_port}))["agent"]
-                    assert added["name"] == "desk-a" and added["verified"] and not added["approved"]
-                    approved = (await a.ok("POST", f"/agents/{added['key']}/approve"))["agent"]
-                    assert approved["approved"]
+        service = shared_service.service
+        sock = service.settings.state_dir / "admin.sock"
+        assert stat.S_IMODE(os.stat(sock).st_mode) == 0o600
+        async with Admin.unix(sock) as a, Admin.unix(sock) as b:
+            start_b = await b.ok("GET", "/events?after=0")
+            kinds = {e["kind"] for e in start_b["events"]}
+            assert {"records", "token", "health"} <= kinds  # a client starting out gets a snapshot
+            token = (await a.ok("POST", "/tokens", {}))["token"]
+            pc = agent(tmp_path, "desk-a")
+            await pc.async_start()
+            try:
+                await pc.async_join(service.host.enrollment, token)
+                added = (await a.ok("POST", "/agents", {"host": "127.0.0.1", "port": pc.control_port}))["agent"]
+                assert added["name"] == "desk-a" and added["verified"] and not added["approved"]
+                approved = (await a.ok("POST", f"/agents/{added['key']}/approve"))["agent"]
+                assert approved["approved"]
 
-                    seen = await _records_until(b, start_b["next"],
-                                                lambda agents: any(x["approved"] for x in agents))
-                    assert [(x["name"], x["approved"]) for x in seen] == [("desk-a", True)]
-                    assert (await b.ok("GET", "/agents"))["agents"][0]["approved"]
-                    status, err = await b.call("POST", f"/agents/{added['key']}/approve")
-                    assert status == 200  # approving twice is harmless
-                    service_a, service_b = await a.ok("GET", "/service"), await b.ok("GET", "/service")
-                    assert service_a == service_b and service_a["fleet_id"] == service.fleet.fleet_id
+                seen = await _records_until(b, start_b["next"],
+                                            lambda agents: any(x["approved"] for x in agents))
+                assert [(x["name"], x["approved"]) for x in seen] == [("desk-a", True)]
+                assert (await b.ok("GET", "/agents"))["agents"][0]["approved"]
+                status, err = await b.call("POST", f"/agents/{added['key']}/approve")
+                assert status == 200  # approving twice is harmless
+                service_a, service_b = await a.ok("GET", "/service"), await b.ok("GET", "/service")
+                assert service_a == service_b and service_a["fleet_id"] == service.fleet.fleet_id
 
-                    node = added["node_id"]
-                    trays = [k for k in (await b.ok("GET", "/keys"))["keys"] if k["node_id"] == node]
-                    assert trays, "the joined agent's tray has a key of its own"
-                    assert (await a.ok("DELETE", f"/agents/{added['key']}")) == {"removed": added["key"]}
-                    assert not [k for k in (await b.ok("GET", "/keys"))["keys"] if k["node_id"] == node]
-                    assert (await b.ok("GET", "/agents"))["agents"] == []
-                    status, _ = await b.call("POST", "/agents", {"host": "127.0.0.1", "port": pc.control_port})
-                    assert status == 409  # revoked: it comes back only by joining again
-                finally:
-                    await pc.async_close()
+                node = added["node_id"]
+                trays = [k for k in (await b.ok("GET", "/keys"))["keys"] if k["node_id"] == node]
+                assert trays, "the joined agent's tray has a key of its own"
+                assert (await a.ok("DELETE", f"/agents/{added['key']}")) == {"removed": added["key"]}
+                assert not [k for k in (await b.ok("GET", "/keys"))["keys"] if k["node_id"] == node]
+                assert (await b.ok("GET", "/agents"))["agents"] == []
+                status, _ = await b.call("POST", "/agents", {"host": "127.0.0.1", "port": pc.control_port})
+                assert status == 409  # revoked: it comes back only by joining again
+            finally:
+                await pc.async_close()
 
-    run(main(), 120)
+    shared_service.run(main(), 120)
 
 
-def test_only_an_admin_certificate_is_let_in_over_tls(tmp_path):
+def test_only_an_admin_certificate_is_let_in_over_tls(shared_service):
     async def main():
-        async with service_in_process(tmp_path / "fleet") as service:
-            url = service.admin_url
-            assert url is not None and url.startswith("https://127.0.0.1:")
-            authority = service.host.authority
-            admin = authority.issue_admin("alice")
-            async with Admin.tls(url, admin.client_context()) as alice:
-                assert (await alice.ok("GET", "/service"))["fleet_id"] == service.fleet.fleet_id
-                assert (await alice.ok("GET", "/health"))["status"] == "down"  # no ring yet
+        service = shared_service.service
+        url = service.admin_url
+        assert url is not None and url.startswith("https://127.0.0.1:")
+        authority = service.host.authority
+        admin = authority.issue_admin("alice")
+        async with Admin.tls(url, admin.client_context()) as alice:
+            assert (await alice.ok("GET", "/service"))["fleet_id"] == service.fleet.fleet_id
+            assert (await alice.ok("GET", "/health"))["status"] == "down"  # no ring yet
 
-            for who, creds in (("an agent", authority.issue_credentials("desk-x", role=Role.AGENT)),
-                               ("the service itself", service.host.credentials)):
-                async with Admin.tls(url, creds.client_context()) as intruder:
-                    with pytest.raises((aiohttp.ClientError, ssl.SSLError)):
-                        status, body = await intruder.call("GET", "/agents", timeout=10)
-                        pytest.fail(f"{who}'s certificate was let in: {status} {body}")
-
-            bare = ssl.create_default_context(cadata=service.host.credentials.ca_pem.decode())
-            bare.check_hostname = False
-            async with Admin.tls(url, bare) as stranger:  # no certificate at all
+        for who, creds in (("an agent", authority.issue_credentials("desk-x", role=Role.AGENT)),
+                           ("the service itself", service.host.credentials)):
+            async with Admin.tls(url, creds.client_context()) as intruder:
                 with pytest.raises((aiohttp.ClientError, ssl.SSLError)):
-                    await stranger.call("GET", "/agents", timeout=10)
+                    status, body = await intruder.call("GET", "/agents", timeout=10)
+                    pytest.fail(f"{who}'s certificate was let in: {status} {body}")
 
-    run(main(), 120)
+        bare = ssl.create_default_context(cadata=service.host.credentials.ca_pem.decode())
+        bare.check_hostname = False
+        async with Admin.tls(url, bare) as stranger:  # no certificate at all
+            with pytest.raises((aiohttp.ClientError, ssl.SSLError)):
+                await stranger.call("GET", "/agents", timeout=10)
+
+    shared_service.run(main(), 120)
 
 
-def test_errors_name_what_is_wrong(tmp_path):
+def test_errors_name_what_is_wrong(shared_service):
     async def main():
-        async with service_in_process(tmp_path / "fleet") as service, \
-                Admin.unix(service.settings.state_dir / "admin.sock") as a:
+        service = shared_service.service
+        async with Admin.unix(service.settings.state_dir / "admin.sock") as a:
             status, body = await a.call("GET", "/rings/r9")
             assert status == 404 and body["error"]["code"] == "not_found" and "r9" in body["error"]["message"]
             status, body = await a.call("POST", "/rings", {"model": "x"})
@@ -143,7 +143,7 @@ def test_errors_name_what_is_wrong(tmp_path):
             assert status == 403
             assert (await a.ok("POST", "/keys/console/secret"))["secret"] == service.host.api_key
 
-    run(main(), 120)
+    shared_service.run(main(), 120)
 
 
 def _placement(service):
@@ -164,10 +164,10 @@ def _placement(service):
     return placement
 
 
-def test_solve_and_propose_rings_over_a_placements_inputs(tmp_path):
+def test_solve_and_propose_rings_over_a_placements_inputs(shared_service):
     async def main():
-        async with service_in_process(tmp_path / "fleet") as service, \
-                Admin.unix(service.settings.state_dir / "admin.sock") as a:
+        service = shared_service.service
+        async with Admin.unix(service.settings.state_dir / "admin.sock") as a:
             _placement(service)
             got = (await a.ok("GET", "/placements/p1"))["placement"]
             assert got["inputs"]["names"]["pc-a"] == "PC-A" and len(got["inputs"]["devices"]) == 3
@@ -184,7 +184,7 @@ def test_solve_and_propose_rings_over_a_placements_inputs(tmp_path):
             status, body = await a.call("POST", "/placements/p7/solve", {})
             assert status == 404 and "p7" in body["error"]["message"]
 
-    run(main(), 120)
+    shared_service.run(main(), 120)
 
 
 def test_a_listed_ring_that_cannot_form_is_retried_until_stopped(tmp_path):

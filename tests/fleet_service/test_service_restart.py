@@ -16,7 +16,6 @@ The service, its agents and the ring cost most of each test, so one set serves t
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import os
 import shutil
@@ -37,6 +36,7 @@ from tests.conftest import PROMPT_IDS
 from tests.fleet_service.admin import Admin
 from tests.support.console_fleet_helpers import agent
 from tests.support.loopback import free_port
+from tests.support.shared_loop import SharedLoop
 
 N = 12
 EXPORT_ID = "tiny-2"
@@ -128,7 +128,7 @@ class ServedFleet:
     state: Path
     export: Path
     expected: str  # the unsplit model's greedy answer: every answer through the ring must be it
-    loop: object  # LoopThread: the agents and every admin call run on it
+    loop: SharedLoop  # the agents and every admin call run on it
     service: ServiceProcess
     pcs: list = field(default_factory=list)
     admin: Admin | None = None
@@ -137,21 +137,8 @@ class ServedFleet:
     api_url: str = ""
     key: str = ""
 
-    executor: concurrent.futures.ThreadPoolExecutor | None = None
-
     def run(self, coro, timeout: float, what: str):
         return self.loop.run(coro, timeout, what)
-
-    def new_executor(self) -> None:
-        """A new default executor for the loop; the one before it shut down (its threads joined)."""
-        old, self.executor = self.executor, concurrent.futures.ThreadPoolExecutor(thread_name_prefix="served-fleet")
-
-        async def swap() -> None:
-            asyncio.get_running_loop().set_default_executor(self.executor)
-
-        self.run(swap(), 10, "setting the executor")
-        if old is not None:
-            old.shutdown(wait=True)
 
     async def async_join_agents(self) -> None:
         """desk-a and desk-b joined and approved (a fresh one-time token for each)."""
@@ -194,8 +181,6 @@ class ServedFleet:
 
 @pytest.fixture(scope="module")
 def served_fleet(tmp_path_factory, tiny_export, unsplit_greedy):
-    from console.shared.loop_thread import LoopThread
-
     root = tmp_path_factory.mktemp("served-fleet")
     export = tiny_export("llama", 2)
     state = root / "fleet"
@@ -210,13 +195,12 @@ def served_fleet(tmp_path_factory, tiny_export, unsplit_greedy):
     # `deskfleet fleet admin-cert` and `deskfleet console` processes all read it.
     with pytest.MonkeyPatch.context() as env:
         env.setenv(KEYRING_DIR, str(root / "keyring"))
-        loop = LoopThread("test-served-fleet").start()  # the agents answer the service while Qt waits
+        loop = SharedLoop("test-served-fleet").start()  # the agents answer the service while Qt waits
         fleet = ServedFleet(root, state, export, expected, loop,
                             ServiceProcess(state, root / "service.log", admin_port=free_port()))
         # no warm spares: they are not what is tested here, and each would compile its stage again
         fleet.pcs = [agent(root, name, warm_spare="off") for name in ("desk-a", "desk-b")]
         try:
-            fleet.new_executor()
             fleet.admin = fleet.run(fleet.service.start(), 90, "the service's start")
             lap("service started")
             fleet.run(fleet.async_join_agents(), 120, "joining the agents")
@@ -238,17 +222,15 @@ def served_fleet(tmp_path_factory, tiny_export, unsplit_greedy):
                     fleet.run(pc.async_close(), 60, "closing an agent")
             lap("agents closed")
             loop.stop()
-            fleet.executor.shutdown(wait=True)
 
 
 @pytest.fixture
 def serving(served_fleet) -> ServedFleet:
-    """The module's fleet serving. The loop's default executor is this test's own: its threads
-    (started on demand) are joined after it, so none counts as leaked by the next test."""
-    served_fleet.new_executor()
+    """The module's fleet serving, on a loop whose executor is this test's own (tests/support/shared_loop.py)."""
+    served_fleet.loop.new_executor()
     served_fleet.run(served_fleet.async_serving(), 240, "the ring serving again")
     yield served_fleet
-    served_fleet.new_executor()
+    served_fleet.loop.new_executor()
 
 
 def test_the_service_killed_and_restarted_re_forms_its_ring_and_answers(serving):
