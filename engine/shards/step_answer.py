@@ -99,18 +99,20 @@ def top1(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return ids.astype(np.int64), (1 / total).astype(np.float32)
 
 
-_TOP_K_BLOCK = 64  # logits per block whose maxima bound the k-th largest from below
+_TOP_K_GROUP = 64  # logits per group whose maxima bound the k-th largest from below
 
 
 def _row_top_k(row: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """(ids [<= k], values [<= k]) of one logits row's k largest finite values, best first.
 
-    The k-th largest of the row's block maxima is a lower bound of its k-th largest value (those k
-    maxima are k distinct logits at least that large), so only the logits reaching it are sorted:
-    tens instead of V. np.argpartition over the whole row costs ~10x more, and far more on a masked
-    row, whose many equal -inf slow its selection down."""
-    full = row.shape[0] - row.shape[0] % _TOP_K_BLOCK
-    maxima = row[:full].reshape(-1, _TOP_K_BLOCK).max(axis=1)
+    The k-th largest of the maxima of any partition of the row into groups is a lower bound of its
+    k-th largest value (those k maxima are k distinct logits at least that large), so only the
+    logits reaching it are sorted: tens instead of V. The groups are strided (logit j joins group
+    j mod V/64), so their maxima are one elementwise max over 64 contiguous slices. np.argpartition
+    over the whole row costs ~10x more, and far more on a masked row, whose many equal -inf slow
+    its selection down."""
+    full = row.shape[0] - row.shape[0] % _TOP_K_GROUP
+    maxima = row[:full].reshape(_TOP_K_GROUP, -1).max(axis=0)
     if full < row.shape[0]:
         maxima = np.append(maxima, row[full:].max())
     bound = np.partition(maxima, -k)[-k] if maxima.size > k else -np.inf
