@@ -287,18 +287,21 @@ def test_killing_the_console_mid_chat_stops_nothing_and_a_new_console_shows_the_
 
     fleet = serving
     state, tmp_path, api_url, key = fleet.state, fleet.root, fleet.api_url, fleet.key
+    lap = _lap()
     console = None
     try:
         fleet_id = fleet.run(fleet.admin.ok("GET", "/service"), 30, "the service")["fleet_id"]
-        # an admin on another PC: credentials from the fleet CA, issued on the service's PC
-        issued = subprocess.run([sys.executable, "-m", "engine.cli.main", "fleet", "admin-cert", "alice", "--out",
-                                 str(tmp_path / "alice"), "--state-dir", str(state)], timeout=60, capture_output=True,
-                                text=True)
-        assert issued.returncode == 0, issued.stderr
-
+        # an admin on another PC: credentials from the fleet CA, issued on the service's PC (while
+        # the console process starts)
+        issuing = subprocess.Popen([sys.executable, "-m", "engine.cli.main", "fleet", "admin-cert", "alice", "--out",
+                                    str(tmp_path / "alice"), "--state-dir", str(state)], stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
         console = _console_process(state, tmp_path / "console.log")
         line = console.stdout.readline()  # "deskfleet console: fleet …; …; attached to the fleet service …"
         assert f"fleet {fleet_id}" in line and "attached to the fleet service" in line, line
+        _, issue_errors = issuing.communicate(timeout=60)
+        assert issuing.returncode == 0, issue_errors
+        lap("console process attached, alice's certificate issued")
 
         async def chat_through_kill() -> tuple[str, int, int]:
             async with openai.AsyncOpenAI(base_url=api_url, api_key=key, max_retries=0, timeout=60) as client:
@@ -315,6 +318,7 @@ def test_killing_the_console_mid_chat_stops_nothing_and_a_new_console_shows_the_
         assert code == -signal.SIGKILL and read_before_kill >= 1
         assert text == fleet.expected
         assert fleet.service.running, "the service stopped with the console"
+        lap("chat through the console's kill")
 
         # Two new consoles attach (the local one over the socket, alice's over mutual TLS) and see the
         # same fleet; one's news reaches the other.
@@ -334,11 +338,13 @@ def test_killing_the_console_mid_chat_stops_nothing_and_a_new_console_shows_the_
                 assert w.bridge.fleet_id == fleet_id and not w.bridge.started_service
                 assert w.serving.ring == fleet.ring and w.serving.api_url == api_url
                 assert w.fleet_page.token_edit.text() == w.bridge.token
+            lap("two consoles attached")
             first, second = windows
             # the console's own chat goes through the service's API with the console's key
             answer = ConsoleDriver(second, lambda c, t, what: _wait(qtbot, c, t, what)).chat("Hello")
             assert second.chat_page.chat.model.current.messages[-1].role == "assistant" and isinstance(answer, str)
             assert second.serving.api_key == key
+            lap("a console's chat")
             first.fleet_page.new_token_button.click()
             _wait(qtbot, lambda: second.bridge.token == first.bridge.token, 20, "the other console's token")
             # links measured by the service for a console's Fleet page
@@ -347,6 +353,7 @@ def test_killing_the_console_mid_chat_stops_nothing_and_a_new_console_shows_the_
             nodes = {r.node_id for r in first.bridge.records if r.approved}
             measured = first.fleet_page.links.measured
             assert {b for (a, b) in measured if a == "console"} == nodes, dict(measured)
+            lap("token and links")
             # the ring stopped from one console is gone from the other's pages; a pause likewise
             first.distribution_page.stop_button.click()
             _wait(qtbot, lambda: second.serving.phase == "idle" and second.serving.ring is None, 60,
@@ -355,6 +362,7 @@ def test_killing_the_console_mid_chat_stops_nothing_and_a_new_console_shows_the_
             first.bridge.pause(desk_b.key)
             _wait(qtbot, lambda: any(r.name == "desk-b" and r.state == "paused" for r in second.bridge.records), 30,
                   "the other console's pause")
+            lap("ring stopped, agent paused")
             # the service restarts under an attached console: its feed comes back, with the fleet
             links: list[bool] = []
             first.bridge.attached.connect(links.append)
@@ -366,6 +374,7 @@ def test_killing_the_console_mid_chat_stops_nothing_and_a_new_console_shows_the_
             _wait(qtbot, lambda: links == [False, True], 90, "the console to follow the restarted service")
             fleet.admin = restarted.result(90)
             assert sorted(r.name for r in first.bridge.records if r.approved) == ["desk-a", "desk-b"]
+            lap("the service restarted under a console")
         finally:
             for w in windows:
                 w.shutdown()
