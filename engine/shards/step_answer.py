@@ -52,21 +52,25 @@ def check_mask(mask: np.ndarray, vocab: int, stream_id: int = 0) -> None:
         raise TokenMaskError(f"stream {stream_id}: its token mask allows a token id >= the vocabulary size {vocab}")
 
 
-def mask_in_place(rows: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """Set float32 logits ``rows`` [n, V] to -inf where ``mask`` uint32 [n, ceil(V/32)] disallows; returns rows.
+def _mask_row(row: np.ndarray, words: np.ndarray) -> None:
+    """-inf into the float32 logits ``row`` [V] where the packed ``words`` [ceil(V/32)] disallow.
 
     With bit operations on the floats' bits, not a boolean select: inside a JSON string a mask has
-    no pattern, and a branch per logit mispredicts half the time (several times slower at V=49152).
-    One row at a time, so the temporaries stay in cache.
+    no pattern, and a branch per logit mispredicts half the time (where/copyto/putmask: 2-3x slower
+    at V=49152).
     """
-    vocab = rows.shape[-1]
+    keep = unpack_mask(words[None], row.shape[0])[0].astype(np.int32)  # 1 allowed, 0 refused
+    keep -= 1  # 0 allowed, all bits refused
+    bits = row.view(np.int32)
+    np.bitwise_and(bits, ~keep, out=bits)  # refused -> 0
+    keep &= _NEG_INF_BITS
+    bits |= keep  # refused -> the bits of -inf
+
+
+def mask_in_place(rows: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Set float32 logits ``rows`` [n, V] to -inf where ``mask`` uint32 [n, ceil(V/32)] disallows; returns rows."""
     for row, words in zip(rows, mask, strict=True):
-        keep = unpack_mask(words[None], vocab)[0].astype(np.int32)  # 1 allowed, 0 refused
-        keep -= 1  # 0 allowed, all bits refused
-        bits = row.view(np.int32)
-        np.bitwise_and(bits, ~keep, out=bits)  # refused -> 0
-        keep &= _NEG_INF_BITS
-        bits |= keep  # refused -> the bits of -inf
+        _mask_row(row, words)
     return rows
 
 
@@ -75,21 +79,24 @@ def apply_mask(logits: np.ndarray, mask: np.ndarray) -> np.ndarray:
     return mask_in_place(np.array(logits, dtype=np.float32), mask)
 
 
+def _row_spread(row: np.ndarray, scratch: np.ndarray) -> tuple[int, float, float]:
+    """(argmax, max, sum exp(l - max)) of one logits row [V]: the exp in float32 (l - max <= 0, so
+    every term is in [0, 1]: finite for any logits, and numpy's pairwise sum keeps it within a few
+    ulp; float64 exp costs ~15x more here), through a scratch row that stays in cache."""
+    best = int(row.argmax())
+    top = row[best]
+    np.subtract(row, top, out=scratch)
+    np.exp(scratch, out=scratch)
+    return best, float(top), float(scratch.sum(dtype=np.float32))
+
+
 def _spread(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(argmax ids [n], max [n], sum exp(l - max) [n]) of logits rows [n, V]: one exp per logit, in
-    float32 (l - max <= 0, so every term is in [0, 1]: finite for any logits, and numpy's pairwise
-    sum keeps it within a few ulp; float64 exp costs ~15x more here). One row at a time through one
-    scratch row: for 8 rows of 49,152 that is half the time of the whole-array expression, whose
-    temporaries leave the cache."""
+    """(argmax ids int64 [n], max float32 [n], sum exp(l - max) float32 [n]) of logits rows [n, V]."""
     n = rows.shape[0]
-    ids = rows.argmax(axis=-1)
-    top = rows[np.arange(n), ids]
-    total = np.empty(n, np.float32)
+    ids, top, total = np.empty(n, np.int64), np.empty(n, np.float32), np.empty(n, np.float32)
     scratch = np.empty(rows.shape[-1], np.float32)
-    for i in range(n):
-        np.subtract(rows[i], top[i], out=scratch)
-        np.exp(scratch, out=scratch)
-        total[i] = scratch.sum(dtype=np.float32)
+    for i, row in enumerate(rows):
+        ids[i], top[i], total[i] = _row_spread(row, scratch)
     return ids, top, total
 
 
@@ -177,30 +184,28 @@ def answer_step(logits: np.ndarray, plan: StepPlan) -> StepAnswer:
     logits = np.asarray(logits, dtype=np.float32)
     if plan.mask_rows and not logits.flags.writeable:  # a view of a received frame: mask a copy
         logits = logits.copy()
-    vocab = logits.shape[1]
+    n, vocab = logits.shape
     check_masks(plan, vocab)
-    at = 0
-    for row in plan.rows:
-        if row.mask is not None:
-            mask_in_place(logits[at:at + row.sample], row.mask)
-        at += row.sample
-    ids, top, total = _spread(logits)
-    probs = (1 / total).astype(np.float32)
+    k = plan.top_k
+    ids, probs = np.empty(n, np.int64), np.empty(n, np.float32)
+    top_ids = np.full((n, k), -1, np.int64) if k else None
+    top_lp = np.full((n, k), -np.inf, np.float32) if k else None
+    scratch = np.empty(vocab, np.float32)
+    i = 0
+    for plan_row in plan.rows:  # row by row, each answered row masked, summed and ranked while in cache
+        for j in range(plan_row.sample):
+            row = logits[i]
+            if plan_row.mask is not None:
+                _mask_row(row, plan_row.mask[j])
+            ids[i], top, total = _row_spread(row, scratch)
+            probs[i] = 1 / total
+            if plan_row.top_k and top_ids is not None and top_lp is not None:
+                got, vals = _row_top_k(row, min(plan_row.top_k, vocab))
+                top_ids[i, :got.size] = got
+                top_lp[i, :got.size] = vals.astype(np.float64) - top - np.log(total)
+            i += 1
     kept = None
     if plan.logit_rows:
         keep = np.concatenate([np.full(row.sample, row.want_logits, dtype=bool) for row in plan.rows])
         kept = np.ascontiguousarray(logits[keep], dtype=np.float32)
-    k = plan.top_k
-    if not k:
-        return StepAnswer(ids.astype(np.int64), probs, kept, None, None)
-    asks = np.concatenate([np.full(row.sample, row.top_k, dtype=np.int64) for row in plan.rows])  # [R]
-    top_ids = np.full((logits.shape[0], k), -1, np.int64)
-    top_lp = np.full((logits.shape[0], k), -np.inf, np.float32)
-    chosen = asks > 0
-    got_ids, got_lp = _top_k(logits[chosen], k, top[chosen], total[chosen])  # every asking row, then cut to its k
-    past = np.arange(got_ids.shape[1])[None, :] >= asks[chosen][:, None]
-    got_ids[past] = -1
-    got_lp[past] = -np.inf
-    top_ids[chosen, :got_ids.shape[1]] = got_ids
-    top_lp[chosen, :got_lp.shape[1]] = got_lp
-    return StepAnswer(ids.astype(np.int64), probs, kept, top_ids, top_lp)
+    return StepAnswer(ids, probs, kept, top_ids, top_lp)
