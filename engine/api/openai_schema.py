@@ -37,6 +37,7 @@ from engine.generation.tool_calls import (
     ToolChoice,
     ToolMode,
     compact_json,
+    conversation,
     tool_constraint,
 )
 
@@ -421,6 +422,28 @@ def parse_completion(body: Mapping[str, Any], kind: str, served: str | Collectio
         param, why = NOT_YET_SERVED[feature]
         raise _bad(f"'{param}': {why}", param)
     return params
+
+
+class PromptTokenizer(Protocol):
+    """What :func:`prompt_ids` needs of a tokenizer (:class:`~engine.generation.tokenizer.ChatTokenizer`)."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def encode_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: Sequence[dict[str, Any]] | None = None) -> list[int]: ...
+
+
+def prompt_ids(tokenizer: PromptTokenizer, params: CompletionParams) -> list[int]:
+    """The prompt's token ids: a chat rendered by the model's template, with its tools given to a
+    template that takes them (``tokenizer.takes_tools``) or described in the conversation in the
+    generic format (:func:`engine.generation.tool_calls.conversation`); a completion prompt encoded."""
+    if params.kind == "chat":
+        messages, tools = conversation(params.messages, params.tools, params.tool_choice,
+                                       native=bool(getattr(tokenizer, "takes_tools", False)))
+        return tokenizer.encode_chat(messages, tools=tools) if tools else tokenizer.encode_chat(messages)
+    if isinstance(params.prompt, tuple):
+        return list(params.prompt)
+    return tokenizer.encode(params.prompt)
 
 
 def choice_seed(seed: int | None, index: int) -> int | None:

@@ -37,7 +37,7 @@ import logging
 import ssl
 import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +45,7 @@ from aiohttp import web
 
 from engine.api.api_metrics import ApiMetrics, render_prometheus
 from engine.api.audit import AuditLog, AuditRecord, utc_stamp
+from engine.api.fan_in import merged
 from engine.api.guard import HostPolicy, check_exposure, check_json_type, check_prompt_chars
 from engine.api.keys import ANONYMOUS, Caller, KeyCheck, RateLimiter, retry_after_header
 from engine.api.openai_answer import (
@@ -63,6 +64,7 @@ from engine.api.openai_schema import (
     model_not_found,
     parse_completion,
     parse_json_body,
+    prompt_ids,
     to_generation_requests,
 )
 from engine.errors import DeskfleetError, GenerationError, TokenizerError
@@ -71,7 +73,6 @@ from engine.generation.request import GenerationRequest
 from engine.generation.ring_report import RingStatus, overall_status
 from engine.generation.router import Router, UnknownModelError
 from engine.generation.tokenizer import ChatTokenizer
-from engine.generation.tool_calls import conversation
 from engine.http_limits import LimitedAppRunner
 from engine.trust.key_book import KeyBook, KeyBookError
 
@@ -155,44 +156,6 @@ class _Outcome:
 
     def usage(self) -> dict[str, int]:
         return token_usage(self.prompt_tokens, self.completion_tokens)
-
-
-async def _merged(streams: Sequence[AsyncGenerator[Any, None]]) -> AsyncGenerator[Any, None]:
-    """The items of several async generators as they come (one: itself, no task). The first error
-    of any ends all of them; closing this one closes every stream (which cancels its generation)."""
-    if len(streams) == 1:
-        async with contextlib.aclosing(streams[0]) as only:
-            async for item in only:
-                yield item
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(stream: AsyncGenerator[Any, None]) -> None:
-        try:
-            async with contextlib.aclosing(stream):
-                async for item in stream:
-                    queue.put_nowait((item, None))
-        except Exception as exc:  # handed to the consumer, which raises it
-            queue.put_nowait((done, exc))
-        else:
-            queue.put_nowait((done, None))
-
-    tasks = [asyncio.create_task(pump(s)) for s in streams]
-    try:
-        left = len(tasks)
-        while left:
-            item, error = await queue.get()
-            if error is not None:
-                raise error
-            if item is done:
-                left -= 1
-            else:
-                yield item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 _GONE = web.RequestKey("client_gone", bool)
@@ -399,14 +362,7 @@ class _Api:
 
     @staticmethod
     def _encode(tokenizer: ChatTokenizer, params: CompletionParams) -> list[int]:
-        if params.kind == "chat":
-            # tools go to a template that takes them, else into the conversation in the generic format
-            messages, tools = conversation(params.messages, params.tools, params.tool_choice,
-                                           native=bool(getattr(tokenizer, "takes_tools", False)))
-            return tokenizer.encode_chat(messages, tools=tools) if tools else tokenizer.encode_chat(messages)
-        if isinstance(params.prompt, tuple):
-            return list(params.prompt)
-        return tokenizer.encode(params.prompt)
+        return prompt_ids(tokenizer, params)
 
     async def complete(self, kind: str, request: web.Request) -> web.StreamResponse:
         """Answer /v1/chat/completions (``kind`` "chat") or /v1/completions ("text").
@@ -431,15 +387,15 @@ class _Api:
             card = self.router.card_for(params.model)
             tokenizer = self.tokenizer_for(card.name)
             check_prompt_chars(params, self.settings.max_prompt_tokens)
-            prompt_ids = await _off_loop(self._encode_locked, tokenizer, params)
-            gen_requests = to_generation_requests(prompt_ids, params, self.settings, card)
+            ids = await _off_loop(self._encode_locked, tokenizer, params)
+            gen_requests = to_generation_requests(ids, params, self.settings, card)
             outcome.prompt_tokens = len(gen_requests[0].prompt_ids)
             self.metrics.prompt_tokens += outcome.prompt_tokens
             self.limiter.charge(caller, outcome.prompt_tokens)
             builders = [ChoiceBuilder(i, kind, tokenizer.decode, params.stop, tools=params.parses_tools,
                                       logprobs=params.logprobs, token_bytes=token_bytes_of(tokenizer),
                                       skip_ids=card.eos_token_ids) for i in range(params.n)]
-            deltas = _merged([self._choice_deltas(request, card, r, b, outcome, started)
+            deltas = merged([self._deltas(request, card, r, b, outcome, started)
                               for r, b in zip(gen_requests, builders, strict=True)])
             async with contextlib.aclosing(deltas):
                 if params.stream:
@@ -453,7 +409,7 @@ class _Api:
         return web.json_response(completion_response(kind, card.name, [b.choice() for b in builders],
                                                      outcome.usage()))
 
-    async def _choice_deltas(self, request: web.Request, card: ModelCard, gen_request: GenerationRequest,
+    async def _deltas(self, request: web.Request, card: ModelCard, gen_request: GenerationRequest,
                              builder: ChoiceBuilder, outcome: _Outcome,
                              started: float) -> AsyncGenerator[list[dict[str, Any]], None]:
         """Yield one list of the choice's streamed deltas (maybe empty) per generated token, then

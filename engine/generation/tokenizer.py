@@ -83,7 +83,8 @@ class ChatTokenizer:
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         self._compiled = env.from_string(template) if template else None
         # Whether the template reads a ``tools`` variable (HF's convention for tool-calling templates).
-        self.takes_tools = bool(template) and "tools" in meta.find_undeclared_variables(env.parse(template))
+        self.takes_tools = isinstance(template, str) and "tools" in meta.find_undeclared_variables(
+            env.parse(template))
         decoder = json.loads(tok_file.read_text(encoding="utf-8")).get("decoder") or {}
         self._byte_level = decoder.get("type") == "ByteLevel"
 

@@ -16,6 +16,7 @@ from collections import defaultdict
 import openai
 import pytest
 
+from engine.api.fan_in import merged
 from engine.api.openai_schema import NOT_YET_SERVED
 from engine.api.server import ApiSettings, async_run_api
 from engine.generation.request import GenerationRequest
@@ -176,3 +177,35 @@ def test_logprobs_of_n_choices_are_per_choice():
         answer = asyncio.run(ask(url))
     assert [[e.token for e in c.logprobs.content] for c in answer.choices] == [["a", "b"], ["x", "y", "z"]]
     assert answer.usage.completion_tokens == 2 + 3 + 2  # both EOS tokens count
+
+
+# -- running the choices at once -------------------------------------------------------------------
+
+def test_merged_streams_interleave_fail_together_and_close_together():
+    closed: list[str] = []
+
+    async def numbers(name: str, n: int, fail_at: int | None = None):
+        try:
+            for i in range(n):
+                await asyncio.sleep(0)
+                if i == fail_at:
+                    raise RuntimeError(f"{name} failed")
+                yield name, i
+            await asyncio.Future() if name == "held" else None
+        finally:
+            closed.append(name)
+
+    async def scenario():
+        items = [x async for x in merged([numbers("a", 3), numbers("b", 2)])]
+        with pytest.raises(RuntimeError, match="b failed"):
+            _ = [x async for x in merged([numbers("held", 1), numbers("b", 2, fail_at=1)])]
+        stream = merged([numbers("held", 1), numbers("c", 1)])
+        first = await anext(stream)
+        await stream.aclose()  # what a client leaving does: every choice's generation ends
+        return items, first
+
+    items, first = asyncio.run(asyncio.wait_for(scenario(), 10))
+    assert sorted(items) == [("a", 0), ("a", 1), ("a", 2), ("b", 0), ("b", 1)]
+    assert [name for name, _ in items] != ["a", "a", "a", "b", "b"], "the streams did not interleave"
+    assert first in (("held", 0), ("c", 0))
+    assert sorted(closed) == ["a", "b", "b", "c", "held", "held"]

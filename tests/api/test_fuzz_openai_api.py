@@ -24,7 +24,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from engine.api.guard import check_prompt_chars
-from engine.api.openai_schema import ApiError, parse_completion, to_generation_request
+from engine.api.openai_schema import ApiError, parse_completion, prompt_ids, to_generation_request
 from engine.api.server import ApiSettings, async_run_api
 from engine.errors import GenerationError, TokenizerError
 from engine.generation.request import GenerationRequest
@@ -49,11 +49,15 @@ pytestmark = LIVE_FUZZ
 
 CASES = {"OpenAI API: chat bodies": 900, "OpenAI API: completion bodies": 600, "OpenAI API: raw requests": 2000}
 KEY = "sk-fuzz-key"
-SETTINGS = ApiSettings(api_key=KEY, max_body_bytes=64 << 10, max_prompt_tokens=160, default_max_tokens=3,
+SETTINGS = ApiSettings(api_key=KEY, max_body_bytes=64 << 10, max_prompt_tokens=480, default_max_tokens=3,
                        max_tokens_limit=16, max_concurrent=16)
 AUTH = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
 NEIGHBOUR = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three rivers."}]
 ABSENT = object()
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "description": "\u00e9 \U0001f600"}}
+CHAT_ONLY = ("tools", "tool_choice", "response_format", "top_logprobs")  # a completions body gets them hostile only
 
 
 class Neighbour:
@@ -161,12 +165,21 @@ bad_text = st.sampled_from(("\ud800", "\udfff x", "A" * 5000, "\u00e9" * 3000))
 role = st.sampled_from(["system", "developer", "user", "assistant"])
 message = st.fixed_dictionaries({"role": role, "content": text | st.lists(
     st.fixed_dictionaries({"type": st.just("text"), "text": text}), min_size=1, max_size=2)})
+EARLIER_CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "x"}'}}
+message = (message | st.fixed_dictionaries({"role": st.just("tool"), "tool_call_id": st.just("call_1"),
+                                            "content": text})
+           | st.fixed_dictionaries({"role": st.just("assistant"), "content": st.sampled_from([None, "", "ok"]),
+                                    "tool_calls": st.just([EARLIER_CALL])}))
 bad_message = st.one_of(
     st.fixed_dictionaries({"role": st.sampled_from(["tool", "function", "", "USER", None, 1]), "content": text}),
     st.fixed_dictionaries({"role": role, "content": bad_text}),
     st.fixed_dictionaries({"role": role, "content": st.sampled_from([None, 1, {}, [{"type": "image_url"}],
                                                                     [{"type": "text", "text": 5}], [1]])}),
-    st.fixed_dictionaries({"role": role}), st.sampled_from([None, "hi", 1, [], {}]))
+    st.fixed_dictionaries({"role": role}), st.sampled_from([None, "hi", 1, [], {}]),
+    st.fixed_dictionaries({"role": st.just("assistant"), "content": st.none(), "tool_calls": st.sampled_from(
+        [[], "x", [{"id": "c"}], [{"id": 1, "function": {"name": "f", "arguments": "{}"}}],
+         [{"id": "c", "function": {"name": "f", "arguments": {}}}]])}),
+    st.fixed_dictionaries({"role": st.just("tool"), "tool_call_id": st.sampled_from([None, "", 5]), "content": text}))
 HOSTILE = (None, True, False, "", "1", "NaN", [], {}, [1], {"a": 1}, float("nan"), float("inf"), -float("inf"),
            *HUGE_NUMBERS, -1, 0, 0.5, 1.5)
 hostile = st.sampled_from(HOSTILE)
@@ -185,10 +198,21 @@ FIELDS = {
     "stream": (st.sampled_from([ABSENT, True, True, False, None]), st.sampled_from(["true", 1, 0, [], {}, "false"])),
     "stream_options": (st.sampled_from([ABSENT, {"include_usage": True}, {"include_usage": False}, {}, None]),
                        st.sampled_from([{"include_usage": "yes"}, [], "x", {"include_usage": 1}, 5])),
-    "n": (st.sampled_from([ABSENT, 1, None]), st.integers(2, 2**70) | hostile),
+    "n": (st.sampled_from([ABSENT, ABSENT, 1, None, 2, 3]), st.integers(9, 2**70) | hostile),
     "best_of": (st.sampled_from([ABSENT, 1]), st.integers(2, 5) | hostile),
-    "tools": (st.sampled_from([ABSENT, [], None]), st.sampled_from([[{"type": "function"}], "x", 1])),
-    "logprobs": (st.sampled_from([ABSENT, False, None]), st.sampled_from([True, 5, "x"])),
+    "tools": (st.sampled_from([ABSENT, ABSENT, [], None, [WEATHER], [WEATHER, CLOCK]]),
+              st.sampled_from([[{"type": "function"}], "x", 1, [WEATHER, WEATHER], [{"type": "code"}],
+                               [{"type": "function", "function": {"name": "a b"}}],
+                               [{"type": "function", "function": {"name": "f", "parameters": []}}]])),
+    "tool_choice": (st.sampled_from([ABSENT, ABSENT, "auto", "none", None]),
+                    st.sampled_from(["required", {"type": "function", "function": {"name": "get_weather"}},
+                                     {"type": "function", "function": {"name": "nope"}}, "any", 1, {}, []])),
+    "response_format": (st.sampled_from([ABSENT, ABSENT, None, {"type": "text"}]),
+                        st.sampled_from([{"type": "json_object"}, {"type": "json_schema", "json_schema": {
+                            "name": "x", "schema": {"type": "object"}}}, {"type": "json_schema"}, {"type": "xml"},
+                            "json", 1, []])),
+    "logprobs": (st.sampled_from([ABSENT, False, None]), st.sampled_from([True, 5, "x", 21, -1])),
+    "top_logprobs": (st.sampled_from([ABSENT, None]), st.sampled_from([0, 2, 20, 21, -1, "x", True])),
     "presence_penalty": (st.sampled_from([ABSENT, 0, None]), st.sampled_from([0.5, "x", -2])),
     "messages": (st.lists(message, min_size=1, max_size=3),
                  st.lists(bad_message, min_size=1, max_size=2) | st.sampled_from([ABSENT, [], None, "hi", {}, 1])),
@@ -205,6 +229,8 @@ def bodies(draw, kind: str, model: str):
     names = [n for n in FIELDS if n != ("prompt" if kind == "chat" else "messages")]
     n_bad = draw(st.sampled_from([0, 0, 0, 1, 1, 2, 3]), label="hostile fields")
     bad = set(draw(st.lists(st.sampled_from(names), min_size=n_bad, max_size=n_bad, unique=True)))
+    if kind == "text":
+        names = [n for n in names if n not in CHAT_ONLY or n in bad]
     body = {name: draw(FIELDS[name][name in bad], label=name) for name in names}
     if draw(st.integers(0, 9)) == 0:
         body[draw(st.text(max_size=12), label="extra key")] = draw(hostile, label="extra value")
@@ -219,11 +245,7 @@ def predict(live: LiveApi, body: dict, kind: str) -> ApiError | None:
     try:
         params = parse_completion(body, kind, live.model)
         check_prompt_chars(params, SETTINGS.max_prompt_tokens)  # refused unread: too long to tokenise
-        if kind == "chat":
-            ids = live.tokenizer.encode_chat(params.messages)
-        else:
-            ids = list(params.prompt) if isinstance(params.prompt, tuple) else live.tokenizer.encode(params.prompt)
-        to_generation_request(ids, params, SETTINGS, live.card)
+        to_generation_request(prompt_ids(live.tokenizer, params), params, SETTINGS, live.card)
     except ApiError as exc:
         return exc
     except (TokenizerError, GenerationError) as exc:
@@ -247,9 +269,13 @@ def check_served(reply: Reply, body: dict, kind: str, what: str) -> bool:
         assert not any("error" in d for d in docs), f"{what}: error mid-stream: {docs[-1]}"
         return True
     doc = reply.json()
-    choice = doc["choices"][0]
-    assert isinstance(choice["message"]["content"] if kind == "chat" else choice["text"], str), what
-    assert choice["finish_reason"] in ("stop", "length"), what
+    assert [c["index"] for c in doc["choices"]] == list(range(body.get("n") or 1)), what
+    for choice in doc["choices"]:
+        if kind == "chat" and choice["message"].get("tool_calls"):
+            assert choice["finish_reason"] == "tool_calls" and body.get("tools"), what
+        else:
+            assert isinstance(choice["message"]["content"] if kind == "chat" else choice["text"], str), what
+            assert choice["finish_reason"] in ("stop", "length"), what
     return False
 
 
