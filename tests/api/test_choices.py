@@ -209,3 +209,32 @@ def test_merged_streams_interleave_fail_together_and_close_together():
     assert [name for name, _ in items] != ["a", "a", "a", "b", "b"], "the streams did not interleave"
     assert first in (("held", 0), ("c", 0))
     assert sorted(closed) == ["a", "b", "b", "c", "held", "held"]
+
+
+# -- log-probabilities from a logits row (what an in-process generator puts on its events) ----------
+
+def test_token_logprobs_equal_an_independent_log_softmax_after_the_mask():
+    import numpy as np
+    import torch
+
+    from engine.generation.logprobs import token_logprobs
+
+    rng = np.random.default_rng(3)
+    logits = rng.normal(0, 4, 1000).astype(np.float32)
+    allowed = rng.random(1000) < 0.3
+    chosen = int(np.flatnonzero(allowed)[5])
+    logprob, top = token_logprobs(logits, chosen, 20, allowed)
+    reference = torch.log_softmax(torch.tensor(np.where(allowed, logits, -np.inf), dtype=torch.float64), 0)
+    assert math.isclose(logprob, float(reference[chosen]), rel_tol=1e-12)
+    want = torch.topk(reference, 20)
+    assert [i for i, _ in top] == want.indices.tolist()
+    assert np.allclose([lp for _, lp in top], want.values.numpy())
+    assert all(allowed[i] for i, _ in top)
+    free, free_top = token_logprobs(logits, chosen, 0)
+    assert free_top == () and math.isclose(free, float(torch.log_softmax(torch.tensor(logits, dtype=torch.float64),
+                                                                          0)[chosen]), rel_tol=1e-12)
+    few = np.zeros(1000, bool)
+    few[[4, 9]] = True
+    assert [i for i, _ in token_logprobs(logits, 4, 5, few)[1]] == sorted([4, 9], key=lambda i: -logits[i])
+    with pytest.raises(ValueError, match="no token is allowed"):
+        token_logprobs(logits, 0, 1, np.zeros(1000, bool))
