@@ -238,3 +238,35 @@ def test_token_logprobs_equal_an_independent_log_softmax_after_the_mask():
     assert [i for i, _ in token_logprobs(logits, 4, 5, few)[1]] == sorted([4, 9], key=lambda i: -logits[i])
     with pytest.raises(ValueError, match="no token is allowed"):
         token_logprobs(logits, 0, 1, np.zeros(1000, bool))
+
+
+def test_a_client_leaving_a_streamed_n3_answer_cancels_every_choice():
+    class Held(CannedGenerator):
+        """Each choice gives one token, then waits until its consumer goes away."""
+
+        closed = 0
+
+        async def _stream(self, request, index):
+            try:
+                async for event in super()._stream(request, index):
+                    yield event
+                    await asyncio.Future()
+            finally:
+                Held.closed += 1
+
+    async def scenario(url):
+        async with openai.AsyncOpenAI(base_url=url, api_key="x", max_retries=0, timeout=30) as client:
+            stream = await client.chat.completions.create(model="fake", messages=ASK, n=3, stream=True)
+            first = await anext(aiter(stream))
+            await stream.close()
+            for _ in range(500):
+                if Held.closed == 3:
+                    break
+                await asyncio.sleep(0.02)
+            return first
+
+    generator = Held("abc")
+    with served(generator) as url:
+        first = asyncio.run(scenario(url))
+    assert first.choices[0].delta.role == "assistant"
+    assert len(generator.requests) == 3 and Held.closed == 3
