@@ -37,11 +37,12 @@ import numpy as np
 import openvino as ov
 
 from engine.errors import DeskfleetError
-from engine.shards.paged_stage import PagedStage, top1_reply
+from engine.shards.paged_stage import PagedStage
+from engine.shards.step_answer import answer_step
 from engine.trust.peer_policy import PeerPolicy
 from engine.wire.address import Address
 from engine.wire.format import ErrorCode, StreamId
-from engine.wire.messages import Error, Forward, Message, Packed, Release, Step, StepReply
+from engine.wire.messages import Error, Forward, Message, Packed, Release, Step
 from engine.wire.stage_server import SessionServer
 from engine.wire.step_codec import step_frame_bound
 from engine.wire.step_plan import GPU_BLOCK_SIZE, MAX_STEP_ROWS, MAX_STEP_TOKENS, StepPlan, blocks_needed
@@ -87,11 +88,13 @@ def commit_pages(arrays: Sequence[np.ndarray]) -> bool:
     return True
 
 
-def paged_frame_bound(hidden_size: int, context: int, max_step_tokens: int = DEFAULT_STEP_TOKENS) -> int:
+def paged_frame_bound(hidden_size: int, context: int, max_step_tokens: int = DEFAULT_STEP_TOKENS,
+                      vocab_size: int = 0) -> int:
     """The largest Step a paged stage's upstream may send it: ``max_step_tokens`` rows of float32
-    hidden states, as many streams as a step holds, each with a block table over ``context``."""
+    hidden states, as many streams as a step holds, each with a block table over ``context``, and
+    an allowed-token mask over ``vocab_size`` on every row (the plan, masks included, passes every stage)."""
     return step_frame_bound(hidden_size, min(max_step_tokens, MAX_STEP_TOKENS), MAX_STEP_ROWS,
-                            MAX_STEP_ROWS * blocks_needed(context, GPU_BLOCK_SIZE))
+                            MAX_STEP_ROWS * blocks_needed(context, GPU_BLOCK_SIZE), vocab_size=vocab_size)
 
 
 class PagedStageWorker(SessionServer):
@@ -109,7 +112,7 @@ class PagedStageWorker(SessionServer):
                          server_ssl=server_ssl, client_ssl=client_ssl, dial_deadline=dial_deadline,
                          thread_name=f"deskfleet-paged{stage.index}", peers=peers,
                          max_frame_bytes=paged_frame_bound(model.hidden_size, model.max_position_embeddings,
-                                                           max_step_tokens),
+                                                           max_step_tokens, model.vocab_size),
                          **listener_options)
 
     async def _handle(self, conn: Connection, msg: Message) -> None:
@@ -182,8 +185,7 @@ class PagedStageWorker(SessionServer):
             return
         reply: Message
         if self.stage.is_last:
-            ids, probs, logits = top1_reply(out, msg.plan)
-            reply = StepReply(msg.session, msg.seq, ids, probs, logits, (*msg.stage_ms, ms))
+            reply = answer_step(out, msg.plan).reply(msg.session, msg.seq, (*msg.stage_ms, ms))
         else:
             reply = msg.passed_on(out, ms)
         await self._send(reply)
