@@ -73,10 +73,10 @@ class QtConsoleWindow(QMainWindow):
         self.tabs.setCurrentWidget(self.page(title))
 
     def shutdown(self) -> None:
-        """Stop what the pages run on their own (a chat reply, an export process)."""
+        """Stop what the pages run in this process (a chat reply, following an export); what the
+        service runs (its exports, its rings) goes on."""
         self.chat_page.shutdown()
         self.models_page.shutdown()
-        self.serving.cancel_export()
 
     def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802 (Qt's name)
         self.shutdown()

@@ -262,7 +262,7 @@ class QtModelsPage(QWidget):
         self.cancel_button.setEnabled(busy)
 
     def shutdown(self) -> None:
-        """Cancel a running export (its process and partial files go with it)."""
+        """Stop following a running export (it goes on in the service: closing the console stops nothing)."""
         self._timer.stop()
         if self.job is not None:
             self.job.close()

@@ -96,10 +96,8 @@ class ServiceExportJob:
         return True
 
     def close(self) -> None:
-        """The console closes: a running export is cancelled (the service would otherwise finish it
-        for nobody); stop following the feed."""
-        if not self.done and self._bridge.running:
-            self.cancel()
+        """The console closes: stop following the job. The export itself goes on in the service
+        (closing a console stops nothing); its export joins the library when done."""
         self._disconnect()
 
     # ---- news (GUI thread) -----------------------------------------------------------------------
