@@ -86,6 +86,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="the agents keep a warm spare (default on; off measures the cold path)")
     p.add_argument("--pipeline", choices=("on", "off", "both"), default="on",
                    help="the scheduler's prefill pipelining (default on; both: interleaved on/off runs)")
+    p.add_argument("--modes", default=",".join(MODES), help=f"recoveries to run, comma-separated (default "
+                   f"{','.join(MODES)})")
     p.add_argument("--total-tokens", type=int, default=TOTAL_TOKENS,
                    help=f"prompt + generated tokens per answer (default {TOTAL_TOKENS}; smaller for a smoke run)")
     p.add_argument("--export", type=Path, default=None,
@@ -275,7 +277,7 @@ async def _async_bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             reference = await _async_timed(dist, prompt, n)
             variants = {"on": (True,), "off": (False,), "both": (True, False)}[args.pipeline]
             for round_index in range(args.rounds):
-                for mode in MODES:
+                for mode in [m for m in MODES if m in args.modes.split(",")]:
                     for pipelined in variants:
                         runs.append(await _async_one(dist, agents, settings, prompt, n, reference, mode, pipelined,
                                                      spares))
@@ -362,7 +364,7 @@ def render(result: dict[str, Any], json_path: Path) -> str:
                       _rate(runs), f"{promoted}/{len(runs)}"])
         if any(r.get("replay_steps") for r in runs):
             typical = _median_run(runs)
-            steps.append([mode, _seconds(typical.get("replay_s")), _steps_text(typical)])
+            steps.append([mode, f"{_seconds(typical.get('replay_s'))} s", _steps_text(typical)])
         if identical < len(runs):
             verdicts.append(f"- {mode}: {len(runs) - identical} answer(s) differ from the undisturbed run: "
                             "**missed**")
@@ -403,8 +405,9 @@ def render(result: dict[str, Any], json_path: Path) -> str:
         f"(~{result['prompt_tokens'] + result['new_tokens'] // 2} tokens) re-prefilled in the paged "
         "scheduler's chunks, the last one's final row predicting the next token (*replay tok/s*: this ring's "
         "prefill speed at one inference thread per stage; with pipelining a chunk follows the one in flight, so "
-        "the first stage computes chunk 2 while the second computes chunk 1). *move* is the console's time from "
-        "deciding to move to every "
+        "the first stage computes chunk 2 while the second computes chunk 1; a promoted spare's block pool is "
+        "mapped at its first step and its pages committed 3 s later, not written in that step). *move* is the "
+        "console's time from deciding to move to every "
         "worker running. An undisturbed run's "
         f"median gap is {result['reference_median_gap_s'] * 1000:.0f} ms; the ring was "
         f"{'healthy' if result['healthy_at_end'] else '**not healthy**'} after the last round. All agents "
