@@ -49,15 +49,17 @@ FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
 # Fields a client may send that this server cannot honour: refuse them rather than ignore them.
 UNSUPPORTED = ("functions", "function_call", "logit_bias", "echo", "suffix", "presence_penalty",
                "frequency_penalty")
-# Features parsed and carried on the request but not yet honoured by the generators (the grammar
-# mask and the top-k log-probabilities are not wired into the schedulers yet): refused with a 400
-# naming the field until they are. feature -> (field, why)
+# Features parsed and carried on the request that not every generator honours: the paged runtime
+# does (engine.coordinator.batch_coordinator.BatchCoordinator.features); the stateful and the
+# static (NPU) runtimes do not yet. Refused with a 400 naming the field where the serving runtime
+# does not honour them (engine.api.server.ApiSettings.pending). feature -> (field, why)
+_RUNTIMES = "the stateful and static (NPU) runtimes do not yet; the paged runtime (serve's default) does"
 NOT_YET_SERVED: Mapping[str, tuple[str, str]] = {
-    "logprobs": ("logprobs", "log-probabilities are not returned by this server's generators yet"),
-    "response_format": ("response_format", "constrained JSON output is not enforced by this server's "
-                                           "generators yet; ask for JSON in the prompt instead"),
-    "forced_tool_call": ("tool_choice", "a required or named tool_choice needs constrained decoding, which this "
-                                        "server's generators do not do yet; use 'auto'"),
+    "logprobs": ("logprobs", f"log-probabilities are not returned by the runtime serving this model ({_RUNTIMES})"),
+    "response_format": ("response_format", "constrained JSON output is not enforced by the runtime serving this "
+                                           f"model ({_RUNTIMES}); ask for JSON in the prompt instead"),
+    "forced_tool_call": ("tool_choice", "a required or named tool_choice needs constrained decoding, which the "
+                                        f"runtime serving this model does not do ({_RUNTIMES}); use 'auto'"),
 }
 NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
 ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}

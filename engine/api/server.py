@@ -91,9 +91,11 @@ class ApiSettings:
     ``allowed_hosts``: host names clients may address the server by, besides the address it is
     bound to and the loopback names (see :mod:`engine.api.guard`).
 
-    ``pending``: request features refused with a 400 naming their field because the generators
-    behind this API do not honour them yet (:data:`~engine.api.openai_schema.NOT_YET_SERVED`); a
-    generator that does (the tests' fake, which fills log-probabilities) is served with fewer."""
+    ``pending``: request features refused with a 400 naming their field unless the generators
+    behind this API honour them (:data:`~engine.api.openai_schema.NOT_YET_SERVED`). A generator
+    says which it honours in a ``features`` attribute (the paged coordinator: log-probabilities,
+    and constrained output when it knows its model's tokenizer); a feature is served when every
+    ring of the router honours it. Tests of a fake generator pass fewer."""
 
     model_name: str | None = None  # a lone generator's served name; None: its card's (a Router names its own)
     api_key: str | None = field(default=None, repr=False)
@@ -216,6 +218,15 @@ class _Api:
         self.audit = audit
         # one use of a tokenizer at a time: a tokenizer object is not meant to be shared between threads
         self._tokenizer_locks: dict[int, threading.Lock] = {}
+
+    def _pending(self) -> frozenset[str]:
+        """The features refused now: the settings' pending ones that some ring does not honour
+        (none while no ring serves: the request then gets the router's 503)."""
+        rings = self.router.rings().values()
+        if not rings:
+            return frozenset()
+        honoured = frozenset.intersection(*(frozenset(getattr(g, "features", ())) for g in rings))
+        return self.settings.pending - honoured
 
     def tokenizer_for(self, model: str) -> ChatTokenizer:
         """The tokenizer of served model ``model``."""
@@ -383,7 +394,7 @@ class _Api:
             if isinstance(body.get("model"), str):  # for the audit, even when it is not served
                 request[_ASKED_FOR] = body["model"][:100]
             params = parse_completion(body, kind, [c.name for c in self.router.models()],
-                                      pending=self.settings.pending)
+                                      pending=self._pending())
             card = self.router.card_for(params.model)
             tokenizer = self.tokenizer_for(card.name)
             check_prompt_chars(params, self.settings.max_prompt_tokens)
