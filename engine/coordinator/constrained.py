@@ -52,6 +52,7 @@ from engine.generation.grammar import (
     GrammarTokenizer,
     load_grammar_tokenizer,
 )
+from engine.generation.logprobs import log_softmax
 from engine.generation.request import (
     Constraint,
     FinishReason,
@@ -141,6 +142,7 @@ class GrammarVocabulary:
 class _Stream:
     request: GenerationRequest
     matcher: GrammarMatcher | None
+    broken: GenerationError | None = None  # its matcher failed building a mask: the stream fails at its reply
 
 
 @dataclass(frozen=True)
@@ -223,10 +225,12 @@ class StreamConstraints:
                 begin = end
                 continue
             mask = None
-            if entry.matcher is not None:
-                drafts = step.token_ids[end - row.sample + 1:end]
-                mask = entry.matcher.draft_masks([int(t) for t in drafts]) if len(drafts) else \
-                    entry.matcher.mask()[None, :]
+            if entry.matcher is not None and entry.broken is None:
+                drafts = [int(t) for t in step.token_ids[end - row.sample + 1:end]]
+                try:
+                    mask = entry.matcher.draft_masks(drafts) if drafts else entry.matcher.mask()[None, :]
+                except GrammarStateError as exc:  # the row goes unmasked; its reply fails the stream
+                    entry.broken = GenerationError(f"the output constraint failed: {exc}")
             rows.append(dataclasses.replace(row, mask=mask, top_k=_top_k(entry.request, row.want_logits)))
             changed = True
             begin = end
@@ -279,6 +283,8 @@ class StreamConstraints:
 
     def _event(self, entry: _Stream, action: Emit, outcome: PagedOutcome, row: int, logit_row: int | None):
         event = action.event
+        if entry.broken is not None:
+            raise entry.broken
         if entry.matcher is not None:
             try:
                 entry.matcher.consume([event.token_id])
@@ -313,7 +319,7 @@ def _logprobs(token: int, k: int, outcome: PagedOutcome, row: int, logit_row: in
         raise GenerationError("the last stage answered without the top-k log-probabilities the step asked for; "
                               "its workers may be older than this coordinator (protocol 4)")
     if logit_row is not None and outcome.logits is not None:
-        return log_softmax_at(outcome.logits[logit_row], token), top
+        return float(log_softmax(outcome.logits[logit_row])[token]), top
     assert ids is not None and lps is not None
     hit = np.flatnonzero(ids == token)
     if hit.size:
@@ -322,10 +328,3 @@ def _logprobs(token: int, k: int, outcome: PagedOutcome, row: int, logit_row: in
         return float(lps[0]), top
     raise GenerationError(f"token {token} is neither the top-1 nor among the top-k of its row, and its "
                           "logits were not returned")
-
-
-def log_softmax_at(logits: np.ndarray, token: int) -> float:
-    """log softmax(logits)[token] of one row (temperature 1; -inf entries are masked-out tokens)."""
-    x = np.asarray(logits, dtype=np.float64)
-    top = float(x.max())
-    return float(x[token] - top - np.log(np.exp(x - top).sum()))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from engine.coordinator.batch_state import Emit, Failed, Finished
-from engine.coordinator.constrained import GrammarVocabulary, StreamConstraints, grammar_for, log_softmax_at
+from engine.coordinator.constrained import GrammarVocabulary, StreamConstraints, grammar_for
 from engine.generation.grammar import GrammarError, unpack_mask
 from engine.generation.request import (
     FinishReason,
@@ -166,7 +166,6 @@ def test_a_sampling_streams_logprob_comes_from_its_masked_logits(vocabulary):
     x = logits[0].astype(np.float64)
     assert settled.actions[0].event.logprob == pytest.approx(x[17] - np.log(np.exp(x).sum()), abs=1e-9)
     assert settled.actions[0].event.top_logprobs == ()
-    assert log_softmax_at(np.array([0.0, -np.inf], np.float32), 0) == 0.0
 
 
 def test_a_reply_without_the_asked_top_k_fails_the_stream_by_name(vocabulary):
