@@ -64,7 +64,8 @@ class PagedRingPath(RingPath):
     async def _on_return(self, conn, msg: Message) -> None:
         match msg:
             case StepReply() if msg.session == self.session:
-                self._answer(PagedOutcome(msg.seq, msg.ids, msg.probs, msg.logits, tuple(msg.stage_ms)))
+                self._answer(PagedOutcome(msg.seq, msg.ids, msg.probs, msg.logits, tuple(msg.stage_ms),
+                                          top_ids=msg.top_ids, top_logprobs=msg.top_logprobs))
             case Error() if msg.stream_id == self.session:
                 self._answer(PagedOutcome.failed(msg.seq, msg.message))
             case StepReply() | Error():
