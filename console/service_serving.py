@@ -11,6 +11,7 @@ same one); distributing a new plan replaces the ring this page shows, as the con
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -52,6 +53,7 @@ class ServiceServing(QObject):
         self._plan: Plan | None = None
         self._error: str | None = None
         self._sampling = False  # a metrics read is on its way
+        self._last_sample = -1e9  # monotonic time of the last metrics sample shown
         self._sampler = QTimer(self)  # the console's own cadence (the feed's is the service's, >= 2 s)
         self._sampler.setInterval(max(50, int(bridge.settings.metrics_s * 1000)))
         self._sampler.timeout.connect(self._sample)
@@ -87,7 +89,7 @@ class ServiceServing(QObject):
             self._sampling = False
             sample = rings.get(ring)
             if sample is not None and ring == self.ring and self.phase == "serving":
-                self.metrics.emit(dict(sample))
+                self._emit_metrics(sample)
 
         def missed(exc: BaseException) -> None:
             self._sampling = False
@@ -95,6 +97,14 @@ class ServiceServing(QObject):
 
         self.bridge.call(self.bridge.client.async_metrics(), "reading the ring's metrics", on_result=took,
                          on_error=missed)
+
+    def _emit_metrics(self, sample: Mapping[str, Any]) -> None:
+        """One sample per ``metrics_s`` at most, whether read or from the feed (the service's own
+        cadence, for every client)."""
+        now = time.monotonic()
+        if now - self._last_sample >= 0.5 * self._sampler.interval() / 1000:
+            self._last_sample = now
+            self.metrics.emit(dict(sample))
 
     # ---- attaching -------------------------------------------------------------------------------
 
@@ -184,6 +194,10 @@ class ServiceServing(QObject):
             self._on_export(data)
         elif event.kind == "progress" and self._mine(data.get("ring")):
             self.progress.emit(_progress(data))
+        elif event.kind == "metrics" and self.ring is not None and self.phase == "serving":
+            sample = data.get("rings", {}).get(self.ring)
+            if sample is not None:
+                self._emit_metrics(sample)
 
     def _mine(self, ring: object) -> bool:
         return ring is not None and ring == self.ring
