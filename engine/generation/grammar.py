@@ -29,6 +29,7 @@ import llguidance
 import numpy as np
 
 from engine.errors import GenerationError
+from engine.shards import step_answer
 
 _WORD_BITS = 32
 # Errors without the parser state and grammar dump llguidance adds by default: they reach a
@@ -293,42 +294,38 @@ def fill_masks(matchers: Sequence[GrammarMatcher], out: np.ndarray) -> np.ndarra
 
 
 def unpack_mask(mask: np.ndarray, vocab_size: int) -> np.ndarray:
-    """bool [..., vocab_size] from packed uint32 [..., ceil(vocab_size/32)] (True = allowed)."""
+    """bool [..., vocab_size] from packed uint32 [..., ceil(vocab_size/32)] (True = allowed),
+    checked: :func:`engine.shards.step_answer.unpack_mask` with GrammarStateError for a bad mask."""
     words = np.asarray(mask)
+    _check_packed(words, vocab_size)
+    return step_answer.unpack_mask(words, vocab_size)
+
+
+def _check_packed(words: np.ndarray, vocab_size: int) -> None:
     if words.dtype != np.uint32:
         raise GrammarStateError(f"a packed mask is uint32, got {words.dtype}")
     if words.shape[-1] != mask_width(vocab_size):
         raise GrammarStateError(
             f"a mask of {words.shape[-1]} words does not fit {vocab_size} logits "
             f"(that takes {mask_width(vocab_size)} words)")
-    as_bytes = np.ascontiguousarray(words, dtype="<u4").view(np.uint8)  # [..., 4W], word order kept
-    bits = np.unpackbits(as_bytes, axis=-1, bitorder="little")  # bit j of byte b -> token 8b + j
-    return bits[..., :vocab_size].view(np.bool_)
 
 
 def apply_mask(logits: np.ndarray, mask: np.ndarray, *, out: np.ndarray | None = None) -> np.ndarray:
     """Logits with ``-inf`` where the mask disallows: logits [V] or [R, V] float, mask [W] or
     [R, W] uint32 (W = ceil(V/32); one mask row broadcasts over R logits rows).
 
-    Returns ``out`` (a new array by default; pass ``out=logits`` to mask in place).
+    Returns ``out`` (a new array by default; pass ``out=logits`` to mask in place). The masking is
+    the last stage's (:func:`engine.shards.step_answer.mask_in_place`), checked here first.
     """
     x = np.asarray(logits)
     if not np.issubdtype(x.dtype, np.floating):
         raise GrammarStateError(f"logits must be floating point, got {x.dtype}")
     m = np.asarray(mask)
-    if m.ndim > x.ndim or (m.ndim == 2 and x.ndim == 2 and m.shape[0] != x.shape[0]):
+    if x.ndim not in (1, 2) or m.ndim > x.ndim or m.ndim == 0 or (m.ndim == 2 and m.shape[0] != x.shape[0]):
         raise GrammarStateError(f"a mask of shape {m.shape} does not fit logits of shape {x.shape}")
+    _check_packed(m, x.shape[-1])
     if out is None:
         out = x.copy()
     elif out is not x:
         np.copyto(out, x)
-    # Bit operations, not np.where/copyto(where=): a mask inside a JSON string allows tokens in no
-    # pattern, and a branch per logit then mispredicts half the time (measured ~8x slower at 49k).
-    as_int = np.dtype(f"i{x.dtype.itemsize}")
-    keep = unpack_mask(m, x.shape[-1]).astype(as_int)  # 1 allowed, 0 refused
-    keep -= 1  # 0 allowed, -1 (all bits) refused
-    bits = out.view(as_int)
-    np.bitwise_and(bits, np.invert(keep), out=bits)  # refused -> 0
-    keep &= np.array(-np.inf, x.dtype).view(as_int)  # refused -> the bits of -inf
-    bits |= keep
-    return out
+    return step_answer.mask_in_place(out, m)

@@ -11,6 +11,7 @@ reports them as OpenAI does, whatever temperature the stream samples at. docs/PR
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,18 +27,22 @@ class TokenMaskError(GenerationError):
     or it allows a token id >= V): coordinator and last stage disagree on the model."""
 
 
-_NEG_INF_BITS = np.array(-np.inf, np.float32).view(np.int32)
-
-
 def mask_words(vocab: int) -> int:
     """W, the u32 words of a packed mask over a vocabulary of ``vocab`` tokens."""
     return -(-vocab // 32)
 
 
 def unpack_mask(mask: np.ndarray, vocab: int) -> np.ndarray:
-    """bool [n, V] from packed uint32 [n, ceil(V/32)]: token t is allowed iff bit t % 32 of word t // 32."""
+    """bool [..., V] from packed uint32 [..., ceil(V/32)]: token t is allowed iff bit t % 32 of word t // 32."""
     bits = np.unpackbits(np.ascontiguousarray(mask, "<u4").view(np.uint8), axis=-1, bitorder="little")
-    return bits[:, :vocab].view(bool)
+    return bits[..., :vocab].view(bool)
+
+
+@functools.cache
+def _float_bits(dtype: np.dtype) -> tuple[np.dtype, np.ndarray]:
+    """(the signed integer dtype as wide as the float ``dtype``, the bits of -inf in it)."""
+    as_int = np.dtype(f"i{dtype.itemsize}")
+    return as_int, np.array(-np.inf, dtype).view(as_int)
 
 
 def check_mask(mask: np.ndarray, vocab: int, stream_id: int = 0) -> None:
@@ -52,42 +57,70 @@ def check_mask(mask: np.ndarray, vocab: int, stream_id: int = 0) -> None:
         raise TokenMaskError(f"stream {stream_id}: its token mask allows a token id >= the vocabulary size {vocab}")
 
 
-def _mask_row(row: np.ndarray, words: np.ndarray) -> None:
-    """-inf into the float32 logits ``row`` [V] where the packed ``words`` [ceil(V/32)] disallow.
+def mask_row(row: np.ndarray, words: np.ndarray) -> None:
+    """-inf into the float logits ``row`` [V] (contiguous) where the packed ``words`` [ceil(V/32)] disallow.
 
     With bit operations on the floats' bits, not a boolean select: inside a JSON string a mask has
     no pattern, and a branch per logit mispredicts half the time (where/copyto/putmask: 2-3x slower
-    at V=49152).
+    at V=49152). Any float width (an integer of the same width holds its bits).
     """
-    keep = unpack_mask(words[None], row.shape[0])[0].astype(np.int32)  # 1 allowed, 0 refused
+    as_int, neg_inf = _float_bits(row.dtype)
+    keep = unpack_mask(words, row.shape[0]).astype(as_int)  # 1 allowed, 0 refused
     keep -= 1  # 0 allowed, all bits refused
-    bits = row.view(np.int32)
+    bits = row.view(as_int)
     np.bitwise_and(bits, ~keep, out=bits)  # refused -> 0
-    keep &= _NEG_INF_BITS
+    keep &= neg_inf
     bits |= keep  # refused -> the bits of -inf
 
 
 def mask_in_place(rows: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """Set float32 logits ``rows`` [n, V] to -inf where ``mask`` uint32 [n, ceil(V/32)] disallows; returns rows."""
-    for row, words in zip(rows, mask, strict=True):
-        _mask_row(row, words)
+    """Set float logits ``rows`` [V] or [n, V] to -inf where ``mask`` uint32 [ceil(V/32)] or
+    [n, ceil(V/32)] disallows (one mask row applies to every logits row); returns ``rows``.
+
+    Row by row, so each row is unpacked and masked while it is in cache.
+    """
+    if rows.ndim == 1:
+        mask_row(rows, mask)
+        return rows
+    for row, words in zip(rows, np.broadcast_to(mask, (rows.shape[0], mask.shape[-1])), strict=True):
+        mask_row(row, words)
     return rows
 
 
 def apply_mask(logits: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """logits float32 [n, V] with -inf where ``mask`` (uint32 [n, ceil(V/32)]) disallows, as a new array."""
-    return mask_in_place(np.array(logits, dtype=np.float32), mask)
+    """``logits`` [V] or [n, V] (float32 unless already floating) with -inf where ``mask`` (uint32
+    [ceil(V/32)] or [n, ceil(V/32)]) disallows, as a new array."""
+    x = np.asarray(logits)
+    return mask_in_place(np.array(x, dtype=x.dtype if np.issubdtype(x.dtype, np.floating) else np.float32), mask)
 
 
 def _row_spread(row: np.ndarray, scratch: np.ndarray) -> tuple[int, float, float]:
-    """(argmax, max, sum exp(l - max)) of one logits row [V]: the exp in float32 (l - max <= 0, so
-    every term is in [0, 1]: finite for any logits, and numpy's pairwise sum keeps it within a few
-    ulp; float64 exp costs ~15x more here), through a scratch row that stays in cache."""
+    """(argmax, max, sum exp(l - max)) of one logits row [V], through a scratch row of its dtype
+    that stays in cache. The last stage's float32 rows sum in float32 (l - max <= 0, so every term
+    is in [0, 1]: finite for any logits, and numpy's pairwise sum keeps it within a few ulp;
+    float64 exp costs ~15x more here); a float64 row sums in float64."""
     best = int(row.argmax())
     top = row[best]
     np.subtract(row, top, out=scratch)
     np.exp(scratch, out=scratch)
-    return best, float(top), float(scratch.sum(dtype=np.float32))
+    return best, float(top), float(scratch.sum(dtype=scratch.dtype))
+
+
+def log_softmax(rows: np.ndarray) -> np.ndarray:
+    """Log-softmax of float logits ``rows`` [V] or [n, V] along V, in their dtype (-inf stays -inf:
+    a masked token has log-probability -inf). ValueError when a row has no finite logit."""
+    x = np.asarray(rows)
+    x = x if np.issubdtype(x.dtype, np.floating) else x.astype(np.float32)
+    out = np.empty(x.shape, x.dtype)
+    scratch = np.empty(x.shape[-1], x.dtype)
+    for row, dest in zip(x.reshape(-1, x.shape[-1]), out.reshape(-1, x.shape[-1]), strict=True):
+        with np.errstate(invalid="ignore"):  # a row of -inf: -inf - -inf, refused just below
+            _, top, total = _row_spread(row, scratch)
+        if not np.isfinite(top):
+            raise ValueError("no token is allowed (every logit is masked or -inf)")
+        np.subtract(row, top, out=dest)
+        dest -= np.log(total)
+    return out
 
 
 def _spread(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -109,7 +142,7 @@ def top1(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 _TOP_K_GROUP = 64  # logits per group whose maxima bound the k-th largest from below
 
 
-def _row_top_k(row: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+def row_top_k(row: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """(ids [<= k], values [<= k]) of one logits row's k largest finite values, best first.
 
     The k-th largest of the maxima of any partition of the row into groups is a lower bound of its
@@ -136,7 +169,7 @@ def _top_k(rows: np.ndarray, k: int, top: np.ndarray, total: np.ndarray) -> tupl
     ids = np.full((rows.shape[0], k), -1, np.int64)
     logp = np.full((rows.shape[0], k), -np.inf, np.float32)
     for i, row in enumerate(rows):
-        got, vals = _row_top_k(row, k)
+        got, vals = row_top_k(row, k)
         ids[i, :got.size] = got
         logp[i, :got.size] = vals.astype(np.float64) - float(top[i]) - np.log(float(total[i]))
     return ids, logp
@@ -196,11 +229,11 @@ def answer_step(logits: np.ndarray, plan: StepPlan) -> StepAnswer:
         for j in range(plan_row.sample):
             row = logits[i]
             if plan_row.mask is not None:
-                _mask_row(row, plan_row.mask[j])
+                mask_row(row, plan_row.mask[j])
             ids[i], top, total = _row_spread(row, scratch)
             probs[i] = 1 / total
             if plan_row.top_k and top_ids is not None and top_lp is not None:
-                got, vals = _row_top_k(row, min(plan_row.top_k, vocab))
+                got, vals = row_top_k(row, min(plan_row.top_k, vocab))
                 top_ids[i, :got.size] = got
                 top_lp[i, :got.size] = vals.astype(np.float64) - top - np.log(total)
             i += 1

@@ -16,9 +16,13 @@ from engine.shards.step_answer import (
     answer_step,
     apply_mask,
     check_mask,
+    mask_in_place,
     mask_words,
     top_logprobs,
     unpack_mask,
+)
+from engine.shards.step_answer import (
+    log_softmax as stage_log_softmax,
 )
 from engine.shards.step_path import last_stage_top1
 from engine.wire.codec import decode, encode
@@ -79,6 +83,33 @@ def test_a_mask_that_does_not_fit_the_vocabulary_is_refused():
     check_mask(np.array([[1, 0, 0, 0b1111]], "<u4"), 100)  # tokens 96..99: the last ones that exist
     with pytest.raises(TokenMaskError, match="stream 7: its token mask allows a token id >= the vocabulary size 100"):
         check_mask(np.array([[1, 0, 0, 0b10000]], "<u4"), 100, 7)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_one_mask_row_applies_to_every_logits_row_of_any_float_width(dtype):
+    rng = np.random.default_rng(4)
+    rows = rng.standard_normal((3, 70)).astype(dtype)
+    allowed = rng.random((1, 70)) < 0.5
+    want = np.where(allowed, rows, -np.inf)
+    assert mask_in_place(rows, pack(allowed)[0]) is rows
+    np.testing.assert_array_equal(rows, want)
+    one = rows[1].copy()
+    np.testing.assert_array_equal(mask_in_place(one, pack(allowed)[0]), want[1])
+
+
+def test_the_shared_log_softmax_keeps_the_rows_precision_and_masked_tokens_at_minus_inf():
+    rng = np.random.default_rng(6)
+    rows = (rng.standard_normal((2, 1000)) * 4).astype(np.float64)
+    rows[1, rng.random(1000) < 0.7] = -np.inf
+    got = stage_log_softmax(rows)
+    assert got.dtype == np.float64
+    np.testing.assert_allclose(got, log_softmax(rows), rtol=1e-13, atol=0)
+    assert (np.isneginf(got) == np.isneginf(rows)).all()
+    single = stage_log_softmax(rows[0].astype(np.float32))
+    assert single.dtype == np.float32
+    np.testing.assert_allclose(single, log_softmax(rows[:1])[0], rtol=0, atol=2e-5)
+    with pytest.raises(ValueError, match="no token is allowed"):
+        stage_log_softmax(np.full((1, 8), -np.inf, np.float32))
 
 
 def test_top_k_log_probabilities_are_a_log_softmax_best_first():
