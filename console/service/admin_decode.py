@@ -93,32 +93,36 @@ def links_from_json(body: Mapping[str, Any]) -> LinkReport:
 def inputs_from_json(body: Mapping[str, Any]) -> PlacementInputs:
     """PlacementInputs from INPUTS (the model's layer bytes spread evenly: see the module doc)."""
     w = "inputs"
-    model = _get(body, "model", dict, w)
-    n_layers = _get(model, "n_layers", int, "inputs.model")
-    total = _get(model, "total_bytes", int, "inputs.model", 0)
-    if n_layers < 1:
-        raise ShapeError("the service's placement inputs name a model of no layers")
+    profile = _profile(_get(body, "model", dict, w), "inputs.model")
     try:
         pcs = tuple(PcInfo(p["pc_id"], int(p["memory_bytes"]), bool(p["approved"]), bool(p.get("paused", False)),
                            bool(p.get("on_battery", False))) for p in _get(body, "pcs", list, w))
         devices = tuple(DeviceProfile(d["device_id"], d["pc_id"], d["kind"], float(d["layer_ms"]),
-                                      float(d["overhead_ms"]), int(d["memory_bytes"]))
+                                      float(d["overhead_ms"]), int(d["memory_bytes"]),
+                                      None if d.get("model") is None else _profile(d["model"], "inputs.devices.model"))
                         for d in _get(body, "devices", list, w))
         failures = {(f["node_id"], f["device_id"]): str(f["error"]) for f in _get(body, "failures", list, w, [])}
     except (KeyError, TypeError, ValueError) as exc:
         raise ShapeError(f"the service's placement inputs do not read: {exc!r}") from exc
-    even = [total // n_layers] * n_layers  # an older service sent only the total
-    layer_bytes = tuple(int(b) for b in _get(model, "layer_bytes", list, "inputs.model", even))
-    if len(layer_bytes) != n_layers:
-        raise ShapeError(f"the placement inputs' model has {n_layers} layers but {len(layer_bytes)} layer sizes")
-    profile = ModelProfile(layer_bytes=layer_bytes, embed_bytes=_get(model, "embed_bytes", int, "inputs.model", 0),
-                           embed_ms=float(_get(model, "embed_ms", (int, float), "inputs.model", 0.0)),
-                           head_bytes=_get(model, "head_bytes", int, "inputs.model", 0),
-                           head_ms=float(_get(model, "head_ms", (int, float), "inputs.model", 0.0)))
     return PlacementInputs(model=profile, pcs=pcs, devices=devices,
                            links=links_from_json(_get(body, "links", dict, w, {})),
                            unreachable=tuple(_get(body, "unreachable", list, w, [])),
                            names=dict(_get(body, "names", dict, w, {})), failures=failures)
+
+
+def _profile(model: Mapping[str, Any], where: str) -> ModelProfile:
+    n_layers = _get(model, "n_layers", int, where)
+    total = _get(model, "total_bytes", int, where, 0)
+    if n_layers < 1:
+        raise ShapeError("the service's placement inputs name a model of no layers")
+    even = [total // n_layers] * n_layers  # an older service sent only the total
+    layer_bytes = tuple(int(b) for b in _get(model, "layer_bytes", list, where, even))
+    if len(layer_bytes) != n_layers:
+        raise ShapeError(f"the placement inputs' model has {n_layers} layers but {len(layer_bytes)} layer sizes")
+    return ModelProfile(layer_bytes=layer_bytes, embed_bytes=_get(model, "embed_bytes", int, where, 0),
+                        embed_ms=float(_get(model, "embed_ms", (int, float), where, 0.0)),
+                        head_bytes=_get(model, "head_bytes", int, where, 0),
+                        head_ms=float(_get(model, "head_ms", (int, float), where, 0.0)))
 
 
 def model_from_json(body: Mapping[str, Any]) -> ModelEntry:

@@ -18,7 +18,7 @@ from console.service.links import LinkReport
 from console.service.models import ModelEntry
 from console.service.placement_inputs import PlacementInputs
 from engine.errors import Exclusion
-from engine.placement.planner import PlacementRequest, Plan, PlannedStage
+from engine.placement.planner import ModelProfile, PlacementRequest, Plan, PlannedStage
 
 
 class ShapeError(ConsoleError):
@@ -163,17 +163,21 @@ def links_json(report: LinkReport) -> dict[str, Any]:
 
 
 def inputs_json(inputs: PlacementInputs) -> dict[str, Any]:
-    m = inputs.model
     return {"names": dict(inputs.names), "unreachable": list(inputs.unreachable),
             "failures": [{"node_id": n, "device_id": d, "error": e} for (n, d), e in inputs.failures.items()],
             "pcs": [{"pc_id": p.pc_id, "memory_bytes": p.memory_bytes, "approved": p.approved, "paused": p.paused,
                      "on_battery": p.on_battery} for p in inputs.pcs],
             "devices": [{"device_id": d.device_id, "pc_id": d.pc_id, "kind": str(d.kind), "layer_ms": d.layer_ms,
-                         "overhead_ms": d.overhead_ms, "memory_bytes": d.memory_bytes} for d in inputs.devices],
-            "model": {"n_layers": inputs.model.n_layers, "total_bytes": inputs.model.total_bytes,
-                      "layer_bytes": list(m.layer_bytes), "embed_bytes": m.embed_bytes, "embed_ms": m.embed_ms,
-                      "head_bytes": m.head_bytes, "head_ms": m.head_ms},
+                         "overhead_ms": d.overhead_ms, "memory_bytes": d.memory_bytes,
+                         "model": None if d.model is None else model_profile_json(d.model)} for d in inputs.devices],
+            "model": model_profile_json(inputs.model),
             "links": links_json(inputs.links)}
+
+
+def model_profile_json(m: ModelProfile) -> dict[str, Any]:
+    """A ModelProfile: the request's, or a device's own (its head time, another weight format)."""
+    return {"n_layers": m.n_layers, "total_bytes": m.total_bytes, "layer_bytes": list(m.layer_bytes),
+            "embed_bytes": m.embed_bytes, "embed_ms": m.embed_ms, "head_bytes": m.head_bytes, "head_ms": m.head_ms}
 
 
 # ---- fleet and library ---------------------------------------------------------------------------
