@@ -24,6 +24,7 @@ BENCHMARKS = {
     "export-memory": "tests.benchmarks.export_memory",
     "failover": "tests.benchmarks.failover",
     "gguf-keep": "tests.benchmarks.gguf_keep",
+    "grammar": "tests.benchmarks.grammar",
     "npu": "tests.benchmarks.npu",
     "parity": "tests.benchmarks.parity",
     "pipeline": "tests.benchmarks.pipeline",
