@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from console.service.admin_client import AdminJobError, Event
 from console.service.admin_decode import export_from_json
@@ -34,8 +34,17 @@ from console.service.export_job import (
 from console.service.models import ModelEntry
 from engine.placement.planner import Plan, PlannedStage
 
-if TYPE_CHECKING:
-    from console.service_bridge import ServiceBridge
+
+class ExportHost(Protocol):
+    """What an export job needs of the console's bridge (``console.service_bridge.ServiceBridge``):
+    its feed signal, admin client, loop-to-GUI poster, call helper and library."""
+
+    service_event: Any  # a Qt signal of admin_client.Event
+    client: Any  # AdminClient, a loop object
+    qt_async: Any  # QtAsync
+    library: Any  # ServiceLibrary: localised(ExportInfo)
+
+    def call(self, coro: Any, what: str, *args: Any, **kwargs: Any) -> Any: ...
 
 log = logging.getLogger("deskfleet.console")
 
@@ -46,7 +55,7 @@ class ServiceExportJob:
     """One export job in the service, followed from the GUI thread. States: pending (the POST is
     on its way), running, cancelling, finished, failed, cancelled."""
 
-    def __init__(self, bridge: ServiceBridge, model: str, plan: Plan, spec: ExportSpec | None,
+    def __init__(self, bridge: ExportHost, model: str, plan: Plan, spec: ExportSpec | None,
                  on_event: Callable[[ExportEvent], None] | None = None) -> None:
         self._bridge = bridge
         self._on_event = on_event or (lambda event: None)
