@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install Deskfleet with every extra (export, gui, dev) into the current Python, from a clone.
 # The product needs no torch; the tests do (transformers and NNCF are their independent
-# references, and dev pulls export-npu). torch is installed first, alone, at the CPU build pinned
+# references, in the dev extra). torch is installed first, alone, at the CPU build pinned
 # in pyproject.toml, so that nothing later pulls a multi-GB CUDA build. Set PYTHON to choose the
 # interpreter (default: python3).
 #

@@ -9,8 +9,8 @@ Two packages, so that a stage PC can never get torch by accident:
   script fails closed (see :func:`install_venv_script`).
 - ``deskfleet-export``: the export toolchain for the admin's machine (the safetensors and GGUF
   readers; the stage builder itself needs nothing else), installed on top into the same
-  environment. Optional; depends on ``deskfleet``. The NPU target still traces with torch: that
-  toolchain is ``pip install 'deskfleet[export-npu]'``, in no package.
+  environment. Optional; depends on ``deskfleet``. Every target, the NPU's included, is built
+  without torch.
 
 Layout: ``/usr/bin/deskfleet`` (a wrapper into the venv), desktop entries and hicolor icons for
 the tray agent and the console, an XDG autostart entry for the tray (same file name as the

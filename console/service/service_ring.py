@@ -2,8 +2,7 @@
 to the plan's agents, serve its coordinator under the service's router, re-run, stop.
 
 :class:`ServiceRing` is the loop-side life of one :class:`~console.service.served_rings.ServedRing`.
-It is what :mod:`console.serving` does for the console's one ring, without Qt: the export job is
-polled by a task, the `Distributor` (and its failover) is the console's own, and once up its
+The export job is polled by a task, the `Distributor` (and its failover) runs the ring, and once up its
 coordinator joins the router under the ring's id, so adding or stopping a ring never touches the
 others. Every change is published on the service's feed as a ``ring`` event (and export and
 agent progress as ``export``/``progress``); the entry is written through to ``served-rings.json``

@@ -76,12 +76,12 @@ def test_the_shell_contracts_catch_the_agent_reaching_into_the_console(tmp_path)
     imports nothing else of the console; no product package imports the installer. One bad
     import of each kind breaks exactly those three contracts, each named."""
     tree = _tree_copy(tmp_path)
-    (tree / "agent" / "tray" / "sneaky.py").write_text("from console import bridge\n")
+    (tree / "agent" / "tray" / "sneaky.py").write_text("from console import service_bridge\n")
     (tree / "console" / "shared" / "sneaky.py").write_text("def f():\n    from console.service import fleet\n")
     (tree / "console" / "sneaky.py").write_text("from installer import deb\n")
     result = _lint_tree(tree)
     assert result.returncode != 0
-    assert "agent.tray.sneaky -> console.bridge" in result.stdout
+    assert "agent.tray.sneaky -> console.service_bridge" in result.stdout
     assert "console.shared.sneaky -> console.service.fleet" in result.stdout
     assert "console.sneaky -> installer.deb" in result.stdout
     assert f"Contracts: {len(CONTRACTS) - 3} kept, 3 broken" in result.stdout

@@ -1,4 +1,4 @@
-"""torch leaves the product: ``deskfleet export`` (CPU/GPU) and the console never import it.
+"""torch leaves the product: ``deskfleet export`` (every target) and the console never import it.
 
 Each check runs in a fresh interpreter (this test process has torch loaded for the oracles) and
 reports its ``sys.modules`` at the end. The tiny models are built here with the test tools.
@@ -77,24 +77,6 @@ def test_keep_needs_a_gguf(tiny_llama, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_npu_target_without_torch_names_the_extra(tiny_llama, tmp_path):
-    """A product install without torch: the NPU export says which extra to install (no traceback)."""
-    script = f"""
-    import json, sys
-    sys.modules["torch"] = None  # what an install without the export-npu extra looks like to import
-    from engine.cli.main import main
-    code = main(["export", {str(tiny_llama)!r}, "--stages", "1", "--target", "npu",
-                 "--context", "64", "--out", {str(tmp_path / "npu")!r}])
-    print(json.dumps({{"code": code}}))
-    """
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=300)
-    assert "pip install 'deskfleet[export-npu]'" in result.stderr + result.stdout, result.stderr[-2000:]
-    assert "Traceback" not in result.stderr, result.stderr[-2000:]
-    assert not (tmp_path / "npu").exists()
-
-
 def test_the_console_exports_and_calibrates_without_torch(tiny_llama, tiny_gguf, tmp_path):
     """The console started as `deskfleet console` starts (offscreen), then an export job and a
     calibration run the way its pages run them; torch is never loaded into the console process
@@ -113,7 +95,8 @@ def test_the_console_exports_and_calibrates_without_torch(tiny_llama, tiny_gguf,
     COMMAND.configure(parser)
     state = Path({str(tmp_path / "state")!r})
     args = parser.parse_args(["--state-dir", str(state), "--interface", "127.0.0.1", "--api-port", "0",
-                              "--enrollment-port", "0", "--hub-port", "0", "--in-process"])
+                              "--enrollment-port", "0", "--hub-port", "0", "--data-port", "0",
+                              "--admin-port", "-1"])
     seen = {{}}
 
     def exercise(window):
@@ -131,9 +114,17 @@ def test_the_console_exports_and_calibrates_without_torch(tiny_llama, tiny_gguf,
         seen["calibration"] = [len(p.manifest.stages) for p in calibration.parts]
 
     code = run_console(args, until=exercise)
-    print(json.dumps({{"code": code, **seen, "heavy": [m for m in {HEAVY!r} if m in sys.modules]}}))
+    heavy = [m for m in {HEAVY!r} if m in sys.modules]
+    # The console started a local fleet service (closing the console stops nothing): stop it.
+    from console.service.service_locator import read_service_file
+    service = read_service_file(state)
+    if service is not None:
+        import os, signal
+        os.kill(service.pid, signal.SIGTERM)
+    print(json.dumps({{"code": code, **seen, "heavy": heavy, "service": service is not None}}))
     """
     report = _run(script, tmp_path, timeout=600)
+    assert report["service"], "the console started no local fleet service"
     assert report["code"] == 0
     assert report["job"][1] == "finished"
     assert report["inline"] == "_Done"
@@ -143,13 +134,13 @@ def test_the_console_exports_and_calibrates_without_torch(tiny_llama, tiny_gguf,
     assert load_manifest(job_export).weights.format == "int4"
 
 
-def test_npu_target_of_a_gguf_traces_its_transformers_conversion(tiny_gguf, tmp_path, monkeypatch):
-    """The NPU path is the one that still needs torch: a GGUF goes through transformers first."""
+def test_npu_target_of_a_gguf_is_built_from_its_tensors(tiny_gguf, tmp_path, monkeypatch):
+    """The NPU target reads a GGUF as the CPU/GPU targets do: no transformers conversion first."""
     monkeypatch.setenv("DESKFLEET_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "npu"
     report = export_model(tiny_gguf, out, stages=2, fingerprint="x",
                           options=ExportOptions(weights="fp16", target="npu", context=32))
     assert [s.graphs[0].name for s in report.manifest.stages] == ["decode", "decode"]
     assert load_manifest(out).static.context == 32
-    (converted,) = (tmp_path / "cache" / "hf-checkpoints").iterdir()
-    assert (converted / "model.safetensors").is_file() and (out / "tokenizer" / "tokenizer.json").is_file()
+    assert not (tmp_path / "cache" / "hf-checkpoints").exists()
+    assert (out / "tokenizer" / "tokenizer.json").is_file()

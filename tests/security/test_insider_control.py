@@ -307,7 +307,7 @@ def test_removing_a_member_rotates_the_api_key_and_only_the_remaining_members_ge
                     api_url="http://127.0.0.1:1/v1", api_key=old))
             alpha, beta = f.agents["alpha"], f.agents["beta"]
             async with served(tiny_export, dataclasses.replace(SETTINGS, api_key=old)) as (_, api):
-                unsubscribe = f.host.subscribe_api_key(api.set_api_key)  # what FleetServing does
+                unsubscribe = f.host.subscribe_api_key(api.set_api_key)  # what the fleet service does for its API
                 assert await status(api, old) == 200
                 f.fleet.remove(beta.status().node_id)
                 new = f.host.api_key
