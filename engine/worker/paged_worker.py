@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 DEFAULT_STEP_TOKENS = 4096  # padded rows of the largest Step a worker accepts unless told otherwise
 POOL_COMMIT_DELAY_S = 3.0  # a first pool's pages are committed this long after it opens (after a replay)
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in writable without touching their bytes
+_COMMIT_SLICE = 16 << 20  # bytes committed per madvise call
 
 
 def map_pool(stage: PagedStage, pool_blocks: int, budget_bytes: int) -> list[np.ndarray]:
@@ -81,10 +82,14 @@ def commit_pages(arrays: Sequence[np.ndarray]) -> bool:
     for arr in arrays:
         start = arr.ctypes.data
         lo, hi = -(-start // page) * page, (start + arr.nbytes) // page * page
-        if hi > lo and libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_POPULATE_WRITE) != 0:
-            log.debug("madvise(MADV_POPULATE_WRITE) failed (errno %d): the pool commits as it is used",
-                      ctypes.get_errno())
-            return False
+        while lo < hi:  # in slices, so the steps' own page faults and mappings never wait long
+            size = min(_COMMIT_SLICE, hi - lo)
+            if libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(size), _MADV_POPULATE_WRITE) != 0:
+                log.debug("madvise(MADV_POPULATE_WRITE) failed (errno %d): the pool commits as it is used",
+                          ctypes.get_errno())
+                return False
+            lo += size
+            time.sleep(0.002)
     return True
 
 
