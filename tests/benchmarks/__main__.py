@@ -34,6 +34,7 @@ BENCHMARKS = {
     "shape-caches": "tests.benchmarks.shape_caches",
     "soak": "tests.benchmarks.soak",
     "speedups": "tests.benchmarks.speedups",
+    "structured": "tests.benchmarks.structured",
 }
 
 
