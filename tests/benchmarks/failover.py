@@ -278,7 +278,8 @@ async def _async_bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             variants = {"on": (True,), "off": (False,), "both": (True, False)}[args.pipeline]
             for round_index in range(args.rounds):
                 for mode in [m for m in MODES if m in args.modes.split(",")]:
-                    for pipelined in variants:
+                    # alternate which goes first: the second run of a round kills a worker that was itself a spare
+                    for pipelined in variants if round_index % 2 == 0 else variants[::-1]:
                         runs.append(await _async_one(dist, agents, settings, prompt, n, reference, mode, pipelined,
                                                      spares))
                         runs[-1]["round"] = round_index
