@@ -343,8 +343,9 @@ class LocalPagedPath:
             self._compute_s[i] += spent
             stage_ms.append(1000 * spent)
         self._steps += 1
-        top, probs, logits = top1_reply(x, plan)
-        return PagedOutcome(step.seq, top, probs, logits, tuple(stage_ms))
+        answer = answer_step(x, plan)
+        return PagedOutcome(step.seq, answer.ids, answer.probs, answer.logits, tuple(stage_ms),
+                            top_ids=answer.top_ids, top_logprobs=answer.top_logprobs)
 
     async def async_submit(self, step: PagedStep) -> None:
         loop = asyncio.get_running_loop()
