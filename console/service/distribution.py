@@ -69,6 +69,7 @@ from engine.control.fleet_services import FleetHost
 from engine.control.hub import AgentEvent
 from engine.control.messages import AgentStatus, Assignment, ControlRequestError, WorkerSettings
 from engine.coordinator.batch_coordinator import BatchCoordinator, block_size_for, paged_scheduler
+from engine.coordinator.constrained import GrammarVocabulary
 from engine.coordinator.coordinator import Coordinator, model_card
 from engine.coordinator.paged_ring import PagedRingPath
 from engine.coordinator.ring import RingPath, return_frame_bound
@@ -558,7 +559,8 @@ class Distributor:
             coordinator = BatchCoordinator(path, model_card(self.manifest), scheduler,
                                            recover=self.recovery.async_recover,  # type: ignore[arg-type]
                                            step_timeout_s=settings.step_timeout_s,
-                                           hold_timeout_s=settings.coordinator_hold_s)
+                                           hold_timeout_s=settings.coordinator_hold_s,
+                                           grammar=GrammarVocabulary.of_export(self.export_dir, self.manifest))
         else:
             coordinator = Coordinator(path, model_card(self.manifest), slots=self.slots,
                                       recover=self.recovery.async_recover, step_timeout_s=settings.step_timeout_s,

@@ -279,6 +279,7 @@ async def _open_generator(args: argparse.Namespace):
 async def _open_paged(args: argparse.Namespace, manifest, speculation):
     """The paged coordinator: stages in-process, paged local workers, or a remote paged ring."""
     from engine.coordinator.batch_coordinator import BatchCoordinator, block_size_for, paged_scheduler
+    from engine.coordinator.constrained import GrammarVocabulary
     from engine.coordinator.coordinator import model_card
     from engine.shards.kv_pool import DEFAULT_KV_POOL_BYTES, pool_blocks_for
 
@@ -288,6 +289,7 @@ async def _open_paged(args: argparse.Namespace, manifest, speculation):
     pool_bytes = int(args.kv_pool_mb * 2**20) if args.kv_pool_mb is not None else DEFAULT_KV_POOL_BYTES
     settings = {"slots": args.slots or 16, "token_budget": args.token_budget,
                 "prefill_chunk": args.token_budget}
+    grammar = GrammarVocabulary.of_export(args.shards, manifest)  # constrained output: the export's tokenizer
     if args.first_stage is not None:
         from engine.coordinator.paged_ring import PagedRingPath
         from engine.wire.step_codec import step_reply_bound
@@ -299,7 +301,7 @@ async def _open_paged(args: argparse.Namespace, manifest, speculation):
                              block_size=block_size, max_frame_bytes=bound, **args.ring)
         scheduler = paged_scheduler(manifest, pool, block_size, **settings)
         async with BatchCoordinator(path, model_card(manifest), scheduler, speculation=speculation,
-                                    step_timeout_s=args.step_timeout) as coordinator:
+                                    step_timeout_s=args.step_timeout, grammar=grammar) as coordinator:
             yield coordinator
     elif getattr(args, "rings", 1) > 1:  # several local fleets behind one router
         from engine.tools.local_rings import local_rings
@@ -308,12 +310,16 @@ async def _open_paged(args: argparse.Namespace, manifest, speculation):
             raise DeskfleetError("--rings N serves N local fleets: add --workers (and drop --speculation)")
         async with local_rings(args.shards, args.rings, model_name=args.model_name, exact=args.exact,
                                kv_pool_bytes=pool_bytes, **supervision(args), **settings) as router:
+            for ring in router.rings().values():
+                if isinstance(ring, BatchCoordinator):
+                    ring.use_grammar(grammar)
             yield router
     elif args.workers:
         from engine.tools.local_fleet import paged_local_fleet
 
         async with paged_local_fleet(args.shards, exact=args.exact, kv_pool_bytes=pool_bytes,
                                      speculation=speculation, **supervision(args), **settings) as coordinator:
+            coordinator.use_grammar(grammar)
             yield coordinator
     else:
         async with BatchCoordinator.local(args.shards, exact=args.exact, device=args.device, kv_pool_bytes=pool_bytes,

@@ -9,6 +9,11 @@ queues and the speculator. Read :meth:`BatchCoordinator._step` first: it is the 
 Several steps are kept in flight at once (``lanes``; at least one per stage), each over streams
 no other step in flight holds, so while stage 1 computes one micro-batch stage 0 computes the
 next one.
+
+Constrained output and log-probabilities (:attr:`BatchCoordinator.features`): a
+:class:`~engine.coordinator.constrained.StreamConstraints` puts each constrained stream's token
+masks and each logprobs stream's top-k on the step before it is sent, and after the scheduler's
+verdict feeds the emitted tokens to the streams' grammars and their log-probabilities to the events.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import numpy as np
 
 from engine.coordinator.batch_scheduler import BatchScheduler
 from engine.coordinator.batch_state import Action, Emit, Failed, FailOver, Finished, SchedulerConfig
+from engine.coordinator.constrained import GrammarVocabulary, StreamConstraints
 from engine.coordinator.coordinator import model_card
 from engine.coordinator.speculation import Speculator
 from engine.errors import DeskfleetError
@@ -37,7 +43,7 @@ from engine.shards.kv_pool import DEFAULT_KV_POOL_BYTES, pool_blocks_for
 from engine.shards.manifest import Manifest, load_manifest
 from engine.shards.paged_step import PagedOutcome, PagedPath
 from engine.wire.format import StreamId
-from engine.wire.step_plan import CPU_BLOCK_SIZE, GPU_BLOCK_SIZE
+from engine.wire.step_plan import CPU_BLOCK_SIZE, GPU_BLOCK_SIZE, StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +60,7 @@ class _InFlight:
     sent_at: float
     tokens: int = 0  # new tokens the step carries (its real rows)
     drafted: dict[StreamId, int] = field(default_factory=dict)  # streams of the step that were offered drafts
+    plan: StepPlan | None = None  # as sent (with the constrained rows' masks): what its outcome answers
 
 
 @dataclass(frozen=True)
@@ -89,7 +96,10 @@ class BatchCoordinator:
 
     def __init__(self, path: PagedPath, model: ModelCard, scheduler: BatchScheduler, *, lanes: int | None = None,
                  speculation: Speculator | None = None, recover: PagedRecover | None = None,
-                 step_timeout_s: float | None = None, hold_timeout_s: float = 60.0, ring_id: str = "default"):
+                 step_timeout_s: float | None = None, hold_timeout_s: float = 60.0, ring_id: str = "default",
+                 grammar: GrammarVocabulary | None = None):
+        """``grammar``: the model's vocabulary for token masks (constrained output); without it
+        only log-probabilities of the request features are served (see :attr:`features`)."""
         self.path = path
         self.ring_id = ring_id
         self._model = model
@@ -99,6 +109,7 @@ class BatchCoordinator:
         self.recover = recover
         self.step_timeout_s = step_timeout_s
         self.hold_timeout_s = hold_timeout_s
+        self.constraints = StreamConstraints(grammar)
         self._seq = itertools.count(1)
         self._in_flight: dict[int, _InFlight] = {}
         self._queues: dict[StreamId, asyncio.Queue[TokenEvent | BaseException]] = {}
@@ -133,11 +144,23 @@ class BatchCoordinator:
         path = LocalPagedPath.load(export_dir, pool, kv_pool_bytes, manifest=manifest, exact=exact, device=device,
                                    num_threads=num_threads)
         return cls(path, model_card(manifest), paged_scheduler(manifest, pool, block_size, **settings),
-                   speculation=speculation, lanes=1)
+                   speculation=speculation, lanes=1, grammar=GrammarVocabulary.of_export(export_dir, manifest))
 
     @property
     def model(self) -> ModelCard:
         return self._model
+
+    @property
+    def features(self) -> frozenset[str]:
+        """The request features this coordinator honours beyond plain generation (keys of
+        :data:`engine.api.openai_schema.NOT_YET_SERVED`): log-probabilities, and constrained output
+        (``response_format``, a forced tool call) when it has the model's vocabulary."""
+        return self.constraints.features
+
+    def use_grammar(self, vocabulary: GrammarVocabulary | None) -> None:
+        """Constrain output with ``vocabulary`` from now on (None: refuse constrained requests);
+        for whoever builds a coordinator without knowing the export (a fleet's helper)."""
+        self.constraints.vocabulary = vocabulary
 
     @property
     def recovering(self) -> bool:
@@ -162,6 +185,7 @@ class BatchCoordinator:
                 await self._task
         if self.speculation is not None:
             self.speculation.close()
+        self.constraints.close()
         await self.path.async_close()
 
     async def __aenter__(self) -> BatchCoordinator:
@@ -180,7 +204,10 @@ class BatchCoordinator:
     async def stream(self, request: GenerationRequest) -> AsyncGenerator[TokenEvent, None]:
         if self._stopping or self._task is None or self._task.done():
             raise UnavailableError("the coordinator is not running")
+        # A schema that does not compile is a GrammarError (400) before the request is queued.
+        matcher = await self.constraints.async_matcher(request.constraint) if request.constraint is not None else None
         stream_id = self.scheduler.add(request, self._model.eos_token_ids, time.perf_counter())  # 429 when full
+        self.constraints.track(stream_id, request, matcher)
         queue: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
         self._queues[stream_id] = queue
         self._idle.clear()
@@ -247,9 +274,11 @@ class BatchCoordinator:
             self._carry_out(actions)
             if step is None:
                 return
+            step = self.constraints.annotate(step)  # masks and top-k of the constrained / logprobs streams
             carried = {row.stream_id for row in step.plan.rows}
             self._in_flight[step.seq] = _InFlight(time.monotonic(), step.plan.tokens,
-                                                  {StreamId(sid): n for sid, n in drafted.items() if sid in carried})
+                                                  {StreamId(sid): n for sid, n in drafted.items() if sid in carried},
+                                                  step.plan)
             try:
                 await self.path.async_submit(step)
             except DeskfleetError as exc:
@@ -279,7 +308,14 @@ class BatchCoordinator:
         self.step_log.append(StepTiming(outcome.seq, sent.sent_at, answered, sent.tokens, len(outcome.ids),
                                         outcome.stage_ms, outcome.error is not None))
         self._step_rows.append(len(outcome.ids))
-        self._carry_out(self.scheduler.on_outcome(outcome, now))
+        actions = self.scheduler.on_outcome(outcome, now)
+        if sent.plan is not None:
+            settled = self.constraints.settle(sent.plan, outcome, actions)
+            actions = settled.actions
+            for sid, end in settled.ended.items():  # a grammar's end (or a broken constraint): over now
+                self.scheduler.cancel(sid)  # not in flight: its blocks are freed now; ``end`` says how it ended
+                actions.append(end)
+        self._carry_out(actions)
         if self.speculation is not None:
             for sid in sent.drafted:  # the drafts the step carried (budget or blocks may have cut them)
                 subject = self.scheduler.stream(sid)
@@ -307,6 +343,7 @@ class BatchCoordinator:
                     self._fail_over(reason)
 
     def _forget_drafter(self, stream_id: StreamId) -> None:
+        self.constraints.forget(stream_id)
         if self.speculation is not None:
             self.speculation.forget(stream_id)
 
