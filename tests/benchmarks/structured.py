@@ -138,12 +138,17 @@ def round_figures(answers: Sequence[Answer]) -> dict[str, float]:
 
 
 def decode_steps(step_log: Sequence[Any], since: float, users: int) -> dict[str, float]:
-    """Median send-to-answer ms and last-stage ms of the decode steps (``users`` answered rows of
-    one token each) sent after ``since``."""
+    """From the decode steps (``users`` answered rows of one token each) sent after ``since``: the
+    median send-to-answer ms, last-stage ms, and interval ms from one decode step's send to the
+    next one's (consecutive seqs), which adds the coordinator's own work between steps (the masks
+    are made before a send and the grammar follows the tokens after the answer)."""
     steps = [s for s in step_log if s.sent_at >= since and not s.failed and s.answered == users and s.tokens == users]
+    by_seq = {s.seq: s for s in steps}
+    intervals = [1000 * (by_seq[s.seq + 1].sent_at - s.sent_at) for s in steps if s.seq + 1 in by_seq]
     return {"decode_steps": len(steps),
             "step_ms": median([1000 * (s.answered_at - s.sent_at) for s in steps]),
-            "last_stage_ms": median([s.stage_ms[-1] for s in steps if s.stage_ms])}
+            "last_stage_ms": median([s.stage_ms[-1] for s in steps if s.stage_ms]),
+            "interval_ms": median(intervals)}
 
 
 def prompts_for(tokenizer: Any, users: int, rng: random.Random, question: str = QUESTION) -> list[list[int]]:
@@ -297,13 +302,15 @@ def summarise(rounds: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         for mode in MODES:
             mine = [r for r in timed if r["users"] == users and r["mode"] == mode]
             cell[mode] = {k: median([r[k] for r in mine]) for k in
-                          ("aggregate_tok_s", "per_user_tok_s", "ttft_ms", "step_ms", "last_stage_ms")}
+                          ("aggregate_tok_s", "per_user_tok_s", "ttft_ms", "step_ms", "last_stage_ms",
+                           "interval_ms")}
             cell[mode]["finish"] = sorted({f for r in mine for f in r["finish"]})
         plain = [r for r in timed if r["users"] == users and r["mode"] == "plain"]
         schema = [r for r in timed if r["users"] == users and r["mode"] == "schema"]
         cell["tok_s_ratio"] = median([s["aggregate_tok_s"] / p["aggregate_tok_s"]
                                       for p, s in zip(plain, schema, strict=True)])
-        cell["step_ratio"] = median([s["step_ms"] / p["step_ms"] for p, s in zip(plain, schema, strict=True)])
+        cell["interval_ratio"] = median([s["interval_ms"] / p["interval_ms"]
+                                         for p, s in zip(plain, schema, strict=True)])
         out[str(users)] = cell
     return out
 
@@ -319,18 +326,19 @@ def render(result: dict[str, Any], json_path: Path) -> str:
             "response_format json_schema (strict) of a list of people with more items required than fit, "
             "so both modes decode the same steps. Interleaved rounds (both modes per round, order "
             f"alternating), {result['warmups']} warm-up round(s), medians over {result['repeats']}; × plain = "
-            "median of per-round ratios. Step = a decode step of N rows, sent to answered (coordinator step "
-            "log); last stage = its compute ms as it reports it.")
+            "median of per-round ratios. From the coordinator's step log, for the decode steps (N rows of one "
+            "token): step interval = one send to the next (the coordinator's mask and grammar work included), "
+            "step = sent to answered, last stage = its compute ms as it reports it.")
     rows = []
     for users, cell in result["summary"].items():
         for mode in MODES:
             c = cell[mode]
             rows.append([users, mode, f"{c['aggregate_tok_s']:.1f}", f"{c['per_user_tok_s']:.1f}",
-                         f"{c['ttft_ms']:.0f}", f"{c['step_ms']:.1f}", f"{c['last_stage_ms']:.1f}",
-                         "1.00" if mode == "plain" else f"{cell['tok_s_ratio']:.2f}",
-                         "1.00" if mode == "plain" else f"{cell['step_ratio']:.2f}", "/".join(c["finish"])])
-    table = markdown_table(["users", "mode", "aggregate tok/s", "per-user tok/s", "TTFT ms", "step ms",
-                            "last stage ms", "× plain tok/s", "× plain step", "finish"], rows)
+                         f"{c['ttft_ms']:.0f}", f"{c['interval_ms']:.1f}", f"{c['step_ms']:.1f}",
+                         f"{c['last_stage_ms']:.1f}", "1.00" if mode == "plain" else f"{cell['tok_s_ratio']:.2f}",
+                         "1.00" if mode == "plain" else f"{cell['interval_ratio']:.2f}", "/".join(c["finish"])])
+    table = markdown_table(["users", "mode", "aggregate tok/s", "per-user tok/s", "TTFT ms", "step interval ms",
+                            "step ms", "last stage ms", "× plain tok/s", "× plain interval", "finish"], rows)
     cost_rows = []
     for users, c in result["mask_costs"].items():
         frame = f"{c['wire_plain_bytes']:,} → {c['wire_masked_bytes']:,} (+{c['wire_bytes_per_row']:,.0f}/row)"
@@ -371,12 +379,15 @@ def command_line(args: argparse.Namespace) -> str:
 
 
 async def _async_measure(export: Path, tokenizer: Any, args: argparse.Namespace) -> tuple[list, dict]:
+    from engine.coordinator.constrained import GrammarVocabulary
+    from engine.shards.manifest import load_manifest
     from engine.tools.local_fleet import paged_local_fleet
 
     users = _ints(args.users)
     async with paged_local_fleet(export, threads=args.threads, slots=max(max(users), args.valid_users),
                                  prefix_cache=False, token_budget=TOKEN_BUDGET,
                                  prefill_chunk=TOKEN_BUDGET) as coordinator:
+        coordinator.use_grammar(GrammarVocabulary.of_export(export, load_manifest(export)))  # as serve --workers
         rounds = await measure_rounds(coordinator, tokenizer, args)
         validity = await validity_run(coordinator, tokenizer, args.valid_users, args.timeout)
     return rounds, validity

@@ -16,8 +16,8 @@ from tests.benchmarks import structured as bench
 
 def _round(users: int, mode: str, tok_s: float, step_ms: float, warmup: bool = False) -> dict:
     return {"users": users, "mode": mode, "warmup": warmup, "aggregate_tok_s": tok_s, "per_user_tok_s": tok_s / users,
-            "ttft_ms": 100.0, "step_ms": step_ms, "last_stage_ms": step_ms / 2, "finish": ["length"],
-            "tokens": 64 * users, "wall_s": 1.0, "decode_steps": 60, "answers": []}
+            "ttft_ms": 100.0, "step_ms": step_ms, "last_stage_ms": step_ms / 2, "interval_ms": step_ms + 1,
+            "finish": ["length"], "tokens": 64 * users, "wall_s": 1.0, "decode_steps": 60, "answers": []}
 
 
 def test_ratios_are_per_round_medians_and_warmups_do_not_count():
@@ -28,18 +28,19 @@ def test_ratios_are_per_round_medians_and_warmups_do_not_count():
     cell = bench.summarise(rounds)["1"]
     assert cell["plain"]["aggregate_tok_s"] == 30.0 and cell["schema"]["aggregate_tok_s"] == 27.0
     assert cell["tok_s_ratio"] == pytest.approx(1.0)  # ratios 0.9, 1.0, 1.0
-    assert cell["step_ratio"] == pytest.approx(1.0)  # 1.1, 1.0, 1.0
+    assert cell["interval_ratio"] == pytest.approx(1.0)  # 34/31, 41/41, 26/26
 
 
 def test_only_decode_steps_of_all_users_sent_after_the_round_started_count():
-    def step(sent, answered, rows, tokens, failed=False):
-        return SimpleNamespace(sent_at=sent, answered_at=answered, answered=rows, tokens=tokens,
+    def step(seq, sent, answered, rows, tokens, failed=False):
+        return SimpleNamespace(seq=seq, sent_at=sent, answered_at=answered, answered=rows, tokens=tokens,
                                stage_ms=(1.0, 3.0), failed=failed)
 
-    log = [step(0.5, 0.6, 8, 8), step(1.0, 1.010, 8, 8), step(1.1, 1.130, 8, 8), step(1.2, 1.5, 8, 200),
-           step(1.6, 1.62, 7, 7), step(1.7, 1.9, 8, 8, failed=True)]
+    log = [step(1, 0.5, 0.6, 8, 8), step(2, 1.0, 1.010, 8, 8), step(3, 1.1, 1.130, 8, 8), step(4, 1.2, 1.5, 8, 200),
+           step(5, 1.6, 1.62, 7, 7), step(6, 1.7, 1.9, 8, 8, failed=True)]
     got = bench.decode_steps(log, 1.0, 8)
     assert got["decode_steps"] == 2 and got["step_ms"] == pytest.approx(20.0) and got["last_stage_ms"] == 3.0
+    assert got["interval_ms"] == pytest.approx(100.0)  # seq 2 -> 3 only: 4 is a prefill
 
 
 @pytest.fixture(scope="module")
