@@ -291,6 +291,8 @@ class BatchCoordinator:
         drafts: dict[int, tuple[tuple[int, ...], np.ndarray | None]] = {}
         for subject in self.scheduler.wants_drafts():
             tokens, q = await self.speculation.async_propose(subject)
+            keep = self.constraints.allowed_drafts(subject.stream_id, tokens)  # a refused draft is never kept
+            tokens, q = tokens[:keep], (q[:keep] if q is not None else None)
             if tokens:
                 drafts[subject.stream_id] = (tokens, q)
         return drafts, {StreamId(sid): len(d[0]) for sid, d in drafts.items()}

@@ -210,6 +210,15 @@ class StreamConstraints:
 
     # -- before a step -----------------------------------------------------------------------------
 
+    def allowed_drafts(self, stream_id: StreamId, drafts: Sequence[int]) -> int:
+        """How many of a drafter's ``drafts`` the stream's grammar allows in a row (all of them for
+        a free stream): the ones after would only be rejected (the target's masked pick cannot be a
+        refused token), so the coordinator does not send them."""
+        entry = self._streams.get(stream_id)
+        if entry is None or entry.matcher is None or entry.broken is not None or not drafts:
+            return len(drafts)
+        return int(entry.matcher.llg.validate_tokens([int(t) for t in drafts]))
+
     def annotate(self, step: PagedStep) -> PagedStep:
         """``step`` with masks and top-k counts on the answered rows of the streams followed here
         (the same step when none takes part). A row's drafts are the last ``sample - 1`` of its fed

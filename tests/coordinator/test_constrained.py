@@ -100,6 +100,18 @@ def test_annotate_puts_masks_and_top_k_on_answered_rows_only(vocabulary, text_of
     assert np.array_equal(out[1].mask[2], m2.mask())
 
 
+def test_drafts_are_cut_at_the_first_token_the_grammar_refuses(vocabulary, text_of):
+    tok, _ = text_of
+    book = StreamConstraints(vocabulary)
+    book.track(StreamId(1), request(JsonConstraint()), book.build_matcher(JsonConstraint()))
+    book.track(StreamId(2), request(logprobs=1), None)
+    brace, quote, letter, close = (tok.token_to_id(t) for t in ("{", '"', "a", "}"))
+    assert book.allowed_drafts(StreamId(1), [brace, quote, letter, quote, close, quote]) == 4  # '{"a"' then no ':'
+    assert book.allowed_drafts(StreamId(1), [letter, brace]) == 0
+    assert book.allowed_drafts(StreamId(2), [letter, brace]) == 2 and book.allowed_drafts(StreamId(3), [7]) == 1
+    assert book.matcher(StreamId(1)).consumed == 0
+
+
 def test_settle_consumes_emitted_tokens_adds_logprobs_and_ends_a_stopped_grammar(vocabulary, text_of):
     tok, decode = text_of
     book = StreamConstraints(vocabulary)
