@@ -156,8 +156,8 @@ class FleetService:
                 await browser.async_start()
                 self._stack.push_async_callback(browser.async_close)
             await self._async_start_api()
-            if self.settings.advertise_api:
-                await self._async_advertise_api()
+            if self.settings.advertise_api:  # mDNS probing takes ~1.6 s: serve meanwhile
+                self._tasks.append(asyncio.create_task(self._async_advertise_api(), name="deskfleet-api-advert"))
             self.token = host.token()
             self.admin_url = await async_run_admin(self, self._stack)
             self.started_at = time.time()
