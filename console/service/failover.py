@@ -15,7 +15,11 @@ agent of the ring for its status (short timeouts) and decides, in pure code
 - a crashed worker whose agent is restarting it: wait for it up to ``restart_grace_s``, then move
   it to a standby if there is one;
 - nothing to move to: wait (the agent may resume) until ``hold_s``, then fail the held streams
-  with :class:`~console.service.errors.NoReplacementError` naming each lost stage and why.
+  with :class:`~console.service.errors.NoReplacementError` naming each lost stage and why;
+- every agent reports its stage running, yet the steps stop again after each reconnect before one
+  token is answered (a stuck worker: stopped, or too slow for the step timeout): after
+  ``max_reconnects`` such reconnects in a row, fail the held streams with
+  :class:`RingUnrepairableError` ("cannot be repaired"), naming the stages and why.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -65,6 +69,9 @@ class FailoverSettings:
     before its stage moves to a standby. ``move_s``: the most a move may take once begun (fetch
     and start; the coordinator gives up at ``hold_s + move_s``). ``status_timeout_s``: each status
     question to an agent during recovery; ``poll_s``: how often they are asked.
+    ``max_reconnects``: reconnects in a row of a ring whose every agent reports its stage running
+    and which then answered no token before failing again; the next such failure is
+    :class:`RingUnrepairableError` (a reconnect cannot repair a stuck worker).
     """
 
     step_timeout_s: float = 10.0
@@ -74,10 +81,31 @@ class FailoverSettings:
     move_s: float = 300.0
     status_timeout_s: float = 2.0
     poll_s: float = 0.25
+    max_reconnects: int = 2
 
     @property
     def coordinator_hold_s(self) -> float:
         return self.hold_s + self.move_s
+
+
+class RingUnrepairableError(NoReplacementError):
+    """The ring kept failing after plain reconnects (every agent reporting its stage running,
+    no token answered in between): a stage's worker is stuck where its agent cannot see it. The
+    held requests fail with it; ``stage`` is the suspected stage when one is known, else None."""
+
+    def __init__(self, message: str, stage: int | None = None) -> None:
+        super().__init__(message)
+        self.stage = stage
+
+
+@dataclass
+class _Reconnected:
+    """The last recovery was a plain reconnect: the workers' pids then and the coordinator's
+    token count at the redial (a later failure with both unchanged made no progress)."""
+
+    pids: dict[int, int | None]
+    tokens: float
+    streak: int  # plain reconnects in a row without progress, this one included
 
 
 class RecoverableRing(Protocol):
@@ -128,6 +156,10 @@ class RingRecovery:
         # one entry per recovery, monotonic times: started (the coordinator held its streams),
         # serving (every stage reported serving again), redialled (the path is up: replay begins)
         self.timeline: list[dict[str, float | str]] = []
+        # the coordinator's tokens answered so far (set by async_watch): a reconnect that made no
+        # progress before the next failure did not repair the ring
+        self._tokens: Callable[[], float] | None = None
+        self._reconnected: _Reconnected | None = None
 
     async def _async_survey(self, *, with_standby: bool = True) -> tuple[list[StageReport], list[AgentEndpoint]]:
         """Every ring stage's report and the standbys usable now, asked all at once."""
@@ -144,7 +176,9 @@ class RingRecovery:
 
     async def async_watch(self, coordinator: Coordinator | BatchCoordinator) -> None:
         """Runs beside a healthy ring: every ``watch_s`` ask its agents, and fail over at once
-        when :func:`ring_alarm` says so. Baselines start afresh after every failover."""
+        when :func:`ring_alarm` says so. Baselines start afresh after every failover. It also
+        lets the recovery see whether a reconnect made progress (the tokens answered)."""
+        self._tokens = lambda: coordinator.metrics()["tokens_generated_total"]
         pids: dict[int, int | None] = {}
         streak: dict[int, int] = {}
         seen_failovers = -1.0
@@ -183,6 +217,9 @@ class RingRecovery:
         deadline = time.monotonic() + settings.hold_s
         lost_since: dict[int, float] = {}
         last_why = ""
+        tokens = self._tokens() if self._tokens is not None else None
+        before, self._reconnected = self._reconnected, None
+        first = True
         while True:
             reports, usable = await self._async_survey()
             now = time.monotonic()
@@ -194,14 +231,17 @@ class RingRecovery:
             decision = plan_recovery(reports, {s: now - t for s, t in lost_since.items()}, usable,
                                      settings.restart_grace_s, self.spares)
             if isinstance(decision, Reconnect):
+                plain = self._plain_reconnect(first, reports, before, tokens) if tokens is not None else None
                 record["serving"] = now
                 try:
                     await self._ring.async_redial(path)
                     record["redialled"] = time.monotonic()
+                    self._reconnected = plain
                     return path
                 except (DeskfleetError, OSError, TimeoutError) as exc:
                     decision = Wait(f"every agent reports its stage running, but the console cannot reach the "
                                     f"first stage ({exc})")
+            first = False
             if isinstance(decision, Move) and now < deadline:
                 await self._async_move(decision)
                 continue
@@ -214,6 +254,29 @@ class RingRecovery:
                 log.warning("failover (%s): %s", reason, why)
                 last_why = why
             await asyncio.sleep(settings.poll_s)
+
+    def _plain_reconnect(self, first: bool, reports: Sequence[StageReport], before: _Reconnected | None,
+                         tokens: float) -> _Reconnected | None:
+        """This recovery's reconnect as a plain one (every stage serving at the first look),
+        counted on from ``before`` when the same workers answered no token since; None when a
+        stage was not serving at the first look (it was moved, restarted or resumed).
+        RingUnrepairableError once the count passes ``max_reconnects``."""
+        if not first:
+            return None
+        pids = {r.stage: r.pid for r in reports}
+        same = before is not None and before.pids == pids and before.tokens == tokens
+        streak = before.streak + 1 if same and before is not None else 1
+        limit = self._ring.failover.max_reconnects
+        if streak > limit:
+            stages = ", ".join(f"stage {r.stage} on {r.agent}" for r in reports)
+            raise RingUnrepairableError(
+                f"the ring cannot be repaired: {limit} reconnect(s) in a row brought it back with every agent "
+                f"reporting its stage running ({stages}), and each time its steps stopped again before one "
+                "token was answered. A stage's worker is stuck (stopped, or too slow for the step "
+                f"timeout of {self._ring.failover.step_timeout_s:.0f} s): restart that PC's agent, raise the "
+                "step timeout, or re-plan the ring without it",
+                reports[0].stage if len(reports) == 1 else None)
+        return _Reconnected(pids, tokens, streak)
 
     async def _async_move(self, move: Move) -> None:
         """Put each moved stage on its standby, re-point the upstream agents, start what changed."""
