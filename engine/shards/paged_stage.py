@@ -213,11 +213,14 @@ class PagedStage:
             total += int(np.prod(self._block_dims(cache))) * self._cache_dtype(cache.get_element_type()).itemsize
         return total
 
-    def allocate(self, pool_blocks: int, budget_bytes: int) -> None:
+    def allocate(self, pool_blocks: int, budget_bytes: int, *, commit: bool = True) -> None:
         """Allocate (or reallocate, emptied) the pool of ``pool_blocks`` blocks on every cache
         tensor and bind it to the infer request; PoolBudgetError when it exceeds ``budget_bytes``.
-        Every page is written here (``np.zeros`` would map it lazily): the pool is committed once,
-        at load, and the stage's memory does not creep up as new blocks are first used."""
+        ``commit``: every page is written here (``np.zeros`` would map it lazily), so the pool is
+        committed once, at load, and the stage's memory does not creep up as new blocks are first
+        used. ``commit=False`` only maps the zeroed pages (each commits on its first write): for a
+        worker whose first step must not wait for the pool's page writes, which it commits later
+        (engine.worker.paged_worker.commit_pages)."""
         need = pool_blocks * self.block_bytes
         if need > budget_bytes:
             raise PoolBudgetError(f"stage {self.index}: a pool of {pool_blocks} blocks needs {need} bytes "
@@ -226,8 +229,12 @@ class PagedStage:
                                   "kv_pool_bytes")
         self.caches = []
         for cache in self._cache_inputs:
-            arr = np.empty((pool_blocks, *self._block_dims(cache)), dtype=self._cache_dtype(cache.get_element_type()))
-            arr.fill(0)
+            shape, dtype = (pool_blocks, *self._block_dims(cache)), self._cache_dtype(cache.get_element_type())
+            if commit:
+                arr = np.empty(shape, dtype=dtype)
+                arr.fill(0)
+            else:
+                arr = np.zeros(shape, dtype=dtype)
             self.request.set_tensor(cache.get_any_name(), ov.Tensor(arr, shared_memory=True))
             self.caches.append(arr)
         self.pool_blocks = pool_blocks

@@ -34,7 +34,6 @@ from collections.abc import Sequence
 from ssl import SSLContext
 
 import numpy as np
-import openvino as ov
 
 from engine.errors import DeskfleetError
 from engine.shards.paged_stage import PagedStage
@@ -58,16 +57,9 @@ _COMMIT_SLICE = 16 << 20  # bytes committed per madvise call
 
 def map_pool(stage: PagedStage, pool_blocks: int, budget_bytes: int) -> list[np.ndarray]:
     """Give ``stage`` a pool of ``pool_blocks`` zeroed blocks whose pages are mapped, not yet
-    committed (each is by its first write, or by :func:`commit_pages`): what
-    :meth:`PagedStage.allocate` does but for writing every page. The pool's arrays."""
-    if pool_blocks * stage.block_bytes > budget_bytes:
-        stage.allocate(pool_blocks, budget_bytes)  # raises PoolBudgetError with both numbers
-    stage.caches = []
-    for cache in stage._cache_inputs:
-        arr = np.zeros((pool_blocks, *stage._block_dims(cache)), dtype=stage._cache_dtype(cache.get_element_type()))
-        stage.request.set_tensor(cache.get_any_name(), ov.Tensor(arr, shared_memory=True))
-        stage.caches.append(arr)
-    stage.pool_blocks = pool_blocks
+    committed (each is by its first write, or by :func:`commit_pages`); PoolBudgetError over
+    ``budget_bytes``. The pool's arrays."""
+    stage.allocate(pool_blocks, budget_bytes, commit=False)
     return list(stage.caches)
 
 
