@@ -3,7 +3,7 @@ with two real agents (in this process; their stage workers are processes) servin
 ring of the export; the service is SIGKILLed and started again on its state dir, and the time
 from that restart to the first answer is measured (it re-forms the ring from served-rings.json,
 the agents keep their workers); then the idle service's CPU and RSS. The harness is the fleet
-service's own restart test's (:class:`tests.fleet_service.test_service_restart.ServiceProcess`).
+service's own restart test's (:class:`tests.support.service_process.ServiceProcess`).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ async def _async_measure(export: Path, root: Path, idle_seconds: float) -> dict[
 
     from engine.envvars import KEYRING_DIR
     from engine.shards.manifest import load_manifest
-    from tests.fleet_service.test_service_restart import ServiceProcess, _ring_serving
     from tests.support.console_fleet_helpers import agent
+    from tests.support.service_process import ServiceProcess, ring_serving
 
     os.environ.setdefault(KEYRING_DIR, str(root / "keyring"))  # never the user's keyring
     stages = load_manifest(export).stages
@@ -73,7 +73,7 @@ async def _async_measure(export: Path, root: Path, idle_seconds: float) -> dict[
         killed = time.perf_counter()
         admin = await service.start(timeout=120)
         started_s = time.perf_counter() - killed
-        await _ring_serving(admin, ring, FIRST_ANSWER_TIMEOUT_S)
+        await ring_serving(admin, ring, FIRST_ANSWER_TIMEOUT_S)
         await _ask(api_url, key)
         restart_s = time.perf_counter() - killed
         assert service.proc is not None
