@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -29,9 +30,11 @@ from engine.tools.restart_policy import RestartPolicy, spares_fit
 from tests.conftest import PROMPT_IDS
 from tests.coordinator.test_failover import _kill_worker
 from tests.support.asyncutil import run
+from tests.support.shared_loop import SharedLoop
 
 N = 40
 POOL = 16 << 20
+HOLD_S = 45.0
 
 
 def test_a_first_crash_restarts_at_once_and_a_crash_loop_backs_off_then_gives_up():
@@ -137,51 +140,115 @@ def test_a_worker_killed_mid_answer_is_replaced_by_its_warm_spare_and_answers_ar
     assert "activate_s" in breakdown and "open_compile_s" not in breakdown  # no start on the clock
 
 
+class SupervisedFleet:
+    """The module's supervised fleet without spares (on a copy of the tiny export that a test may
+    break), run on a loop thread shared by its tests; ``restarts`` hears the current test's."""
+
+    def __init__(self, export: Path, loop: SharedLoop) -> None:
+        self.export, self.loop = export, loop
+        self.coordinator = None
+        self.restarts: list = []
+        self._stack = contextlib.AsyncExitStack()
+
+    async def async_start(self) -> None:
+        policy = RestartPolicy(first_backoff_s=0.2, max_backoff_s=0.2, max_crashes=2)
+        self.coordinator = await self._stack.enter_async_context(paged_local_fleet(
+            self.export, exact=True, kv_pool_bytes=POOL, failover=True, step_timeout_s=2.0, restart_policy=policy,
+            hold_timeout_s=HOLD_S, on_restart=lambda r: self.restarts.append(r)))
+
+    async def async_close(self) -> None:
+        await self._stack.aclose()
+
+
+@pytest.fixture(scope="module")
+def supervised_fleet(tmp_path_factory, tiny_export):
+    """One fleet for the step-timeout test and then the stage-that-cannot-come-back test (which
+    leaves it down, so it runs last): one start instead of two. Its policy gives a stage up after
+    its third crash within the window: the first test's crash is its first, the second test's
+    kill its second, whose start fails (the shard is gone) as the third."""
+    export = tmp_path_factory.mktemp("supervised") / "export"
+    shutil.copytree(tiny_export("llama", 2), export)
+    fleet = SupervisedFleet(export, SharedLoop("test-supervised-fleet").start())
+    try:
+        fleet.loop.run(fleet.async_start(), 120, "the fleet's start")
+        yield fleet
+    finally:
+        with contextlib.suppress(Exception):
+            fleet.loop.run(fleet.async_close(), 60, "closing the fleet")
+        fleet.loop.stop()
+
+
+@pytest.fixture
+def supervised(supervised_fleet) -> SupervisedFleet:
+    """The module's fleet, serving, on a loop whose executor is this test's own."""
+    fleet = supervised_fleet
+    report = fleet.coordinator.ring_reports()[0]
+    assert report.status is RingStatus.OK, f"the module's fleet is not serving (a test before left it so): {report}"
+    fleet.restarts.clear()
+    fleet.loop.new_executor()
+    yield fleet
+    fleet.loop.new_executor()
+
+
 @pytest.mark.slow
-def test_a_stage_that_cannot_come_back_fails_within_the_hold_time_naming_it_503_from_the_api(tiny_export, tmp_path):
+def test_a_stopped_worker_is_noticed_by_the_step_timeout_killed_and_restarted(supervised, unsplit_greedy):
+    c = supervised.coordinator
+
+    async def main():
+        tokens = []
+        async for event in c.stream(GenerationRequest(PROMPT_IDS, N, ignore_eos=True)):
+            tokens.append(event.token_id)
+            if len(tokens) == 5:
+                os.kill(_serving_pid(1), signal.SIGSTOP)  # alive, silent: no exit to notice
+        return tokens
+
+    assert tuple(supervised.loop.run(main(), 240)) == unsplit_greedy(PROMPT_IDS, N)
+    (restart,) = supervised.restarts
+    assert restart.stage == 1 and restart.exit_code == -9
+
+
+@pytest.mark.slow
+def test_a_stage_that_cannot_come_back_fails_within_the_hold_time_naming_it_503_from_the_api(supervised):
+    """Last in the module: it leaves the shared fleet's stage 1 down for good."""
     import aiohttp
 
     from engine.api.server import ApiSettings, async_run_api
     from engine.generation.tokenizer import ChatTokenizer
 
-    export = tmp_path / "export"
-    shutil.copytree(tiny_export("llama", 2), export)
+    export, c = supervised.export, supervised.coordinator
     stage1 = load_manifest(export).stages[1]
-    policy = RestartPolicy(first_backoff_s=0.2, max_backoff_s=0.2, max_crashes=2)
-    hold = 45.0
+    hold = HOLD_S
     auth = {"Authorization": "Bearer k-1"}
 
     async def main():
-        async with paged_local_fleet(export, exact=True, kv_pool_bytes=POOL, failover=True, restart_policy=policy,
-                                     hold_timeout_s=hold) as c:
-            api = await async_run_api(c, ChatTokenizer(export / "tokenizer"), ApiSettings(api_key="k-1"))
-            base = api.url.removesuffix("/v1")
-            try:
-                async with aiohttp.ClientSession(headers=auth) as http:
-                    # a streamed answer in flight when the stage dies for good: it ends in band, naming it
-                    chunks, killed_at = [], None
-                    body = {"prompt": "Hello", "max_tokens": N, "stream": True}
-                    async with http.post(f"{base}/v1/completions", json=body) as r:
-                        assert r.status == 200
-                        async for line in r.content:
-                            if line.startswith(b"data: "):
-                                chunks.append(line[6:].decode().strip())
-                            if len(chunks) == 3 and killed_at is None:
-                                for f in stage1.files:  # the stage cannot start again
-                                    (export / f.path).unlink()
-                                killed_at = time.monotonic()
-                                _kill_worker(1)
-                    took = time.monotonic() - killed_at
-                    async with http.get(f"{base}/health") as r:
-                        health = r.status, await r.json()
-                    started = time.monotonic()  # a request now: 503 at once, naming the stage
-                    async with http.post(f"{base}/v1/completions", json={"prompt": "Hello", "max_tokens": 4}) as r:
-                        refused = r.status, await r.json(), time.monotonic() - started
-            finally:
-                await api.async_stop()
-            return chunks, took, health, refused, c.ring_reports()[0]
+        api = await async_run_api(c, ChatTokenizer(export / "tokenizer"), ApiSettings(api_key="k-1"))
+        base = api.url.removesuffix("/v1")
+        try:
+            async with aiohttp.ClientSession(headers=auth) as http:
+                # a streamed answer in flight when the stage dies for good: it ends in band, naming it
+                chunks, killed_at = [], None
+                body = {"prompt": "Hello", "max_tokens": N, "stream": True}
+                async with http.post(f"{base}/v1/completions", json=body) as r:
+                    assert r.status == 200
+                    async for line in r.content:
+                        if line.startswith(b"data: "):
+                            chunks.append(line[6:].decode().strip())
+                        if len(chunks) == 3 and killed_at is None:
+                            for f in stage1.files:  # the stage cannot start again
+                                (export / f.path).unlink()
+                            killed_at = time.monotonic()
+                            _kill_worker(1)
+                took = time.monotonic() - killed_at
+                async with http.get(f"{base}/health") as r:
+                    health = r.status, await r.json()
+                started = time.monotonic()  # a request now: 503 at once, naming the stage
+                async with http.post(f"{base}/v1/completions", json={"prompt": "Hello", "max_tokens": 4}) as r:
+                    refused = r.status, await r.json(), time.monotonic() - started
+        finally:
+            await api.async_stop()
+        return chunks, took, health, refused, c.ring_reports()[0]
 
-    chunks, took, (health_status, health), (status, error, refused_in), report = run(main(), timeout=240)
+    chunks, took, (health_status, health), (status, error, refused_in), report = supervised.loop.run(main(), 240)
     last = json.loads(chunks[-1])
     assert "error" in last and "stage 1" in last["error"]["message"]
     assert "cannot be brought back" in last["error"]["message"] and "missing" in last["error"]["message"]
@@ -191,23 +258,3 @@ def test_a_stage_that_cannot_come_back_fails_within_the_hold_time_naming_it_503_
     assert ring["status"] == "down" and ring["stage"] == 1 and "stage 1" in ring["detail"]
     assert status == 503 and "stage 1" in error["error"]["message"] and refused_in < 2.0
     assert report.status is RingStatus.DOWN and report.stage == 1
-
-
-@pytest.mark.slow
-def test_a_stopped_worker_is_noticed_by_the_step_timeout_killed_and_restarted(tiny_export, unsplit_greedy):
-    export = tiny_export("llama", 2)
-    restarts = []
-
-    async def main():
-        async with paged_local_fleet(export, exact=True, kv_pool_bytes=POOL, failover=True, step_timeout_s=2.0,
-                                     on_restart=restarts.append) as c:
-            tokens = []
-            async for event in c.stream(GenerationRequest(PROMPT_IDS, N, ignore_eos=True)):
-                tokens.append(event.token_id)
-                if len(tokens) == 5:
-                    os.kill(_serving_pid(1), signal.SIGSTOP)  # alive, silent: no exit to notice
-            return tokens
-
-    assert tuple(run(main(), timeout=240)) == unsplit_greedy(PROMPT_IDS, N)
-    (restart,) = restarts
-    assert restart.stage == 1 and restart.exit_code == -9
