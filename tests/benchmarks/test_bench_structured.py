@@ -82,13 +82,17 @@ def test_the_table_names_every_row_and_the_mask_costs():
     costs = {u: {"fill_consume_us": 30.0, "wire_plain_bytes": 2468, "wire_masked_bytes": 8612,
                  "wire_bytes_per_row": 6144.0, "wire_plain_codec_us": 90.0, "wire_masked_codec_us": 97.0,
                  "answer_plain_us": 60.0, "answer_masked_us": 130.0} for u in ("1", "8")}
+    summary = bench.summarise(rounds)
+    bench.add_predictions(costs, summary, 2)
+    assert costs["1"]["added_ms"] == pytest.approx((30 + 2 * 7 + 70) / 1000)
+    assert costs["1"]["added_share"] == pytest.approx(costs["1"]["added_ms"] / 31.0)  # the plain interval
     result = {"command": bench.COMMAND_LINE, "machine": {"date": "now", "cores": 2, "load_average": [1, 1, 1]},
               "load_average_end": [1, 1, 1], "seconds": 10.0, "model": "m", "stages": 2, "threads": 1,
-              "new_tokens": 64, "warmups": 1, "repeats": 3, "vocab": 49152, "summary": bench.summarise(rounds),
+              "new_tokens": 64, "warmups": 1, "repeats": 3, "vocab": 49152, "summary": summary,
               "mask_costs": costs, "validity": {"users": 4, "valid": 4, "finish": ["stop"] * 4}}
     text = bench.render(result, bench.DEFAULT_JSON_DIR / "structured.json")
     assert "| 8 | schema |" in text and "| 1 | plain |" in text and "2,468 → 8,612 (+6,144/row)" in text
-    assert "4/4 answers parse and validate" in text
+    assert "4/4 answers parse and validate" in text and "| 0.11 | +0.4% |" in text
 
 
 @pytest.mark.slow  # worker processes for two stages, a tokenizer for masks, a few rounds
