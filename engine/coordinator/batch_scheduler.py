@@ -38,7 +38,8 @@ streams admitted after the one asking and not in flight are preempted, the most 
 their blocks are freed (kept in the prefix cache while the pool allows) and they wait at the
 front of the queue to re-prefill ``prompt + generated``. A waiting request is admitted only if
 its first chunk fits without preempting anyone. Admission reuses the longest indexed prefix
-(:mod:`engine.coordinator.prefix_blocks`): full blocks by reference, part of a block by copy.
+(:mod:`engine.coordinator.prefix_blocks`): full blocks by reference, part of a block by copy
+(:mod:`engine.coordinator.prefix_admission`).
 """
 from __future__ import annotations
 
@@ -62,7 +63,8 @@ from engine.coordinator.batch_state import (
     StreamState,
 )
 from engine.coordinator.block_pool import BlockPool, PoolExhausted
-from engine.coordinator.prefix_blocks import PrefixBlocks, PrefixMatch, chain_hash
+from engine.coordinator.prefix_admission import PrefixAdmission
+from engine.coordinator.prefix_blocks import PrefixBlocks, chain_hash
 from engine.errors import DeskfleetError, GenerationError
 from engine.generation.generator import OverloadedError, UnavailableError
 from engine.generation.request import FinishReason, GenerationRequest, TokenEvent
@@ -98,8 +100,8 @@ class BatchScheduler:
 
     def __init__(self, config: SchedulerConfig, fingerprint: str = ""):
         self.config = config
-        self.pool = BlockPool(config.pool_blocks)
-        self.prefix = PrefixBlocks(self.pool, config.block_size, fingerprint) if config.prefix_cache else None
+        pool = BlockPool(config.pool_blocks)
+        prefix = PrefixBlocks(pool, config.block_size, fingerprint) if config.prefix_cache else None
         self._ids = itertools.count(1)
         self._seqs = itertools.count(1)
         self._orders = itertools.count(1)
@@ -109,6 +111,22 @@ class BatchScheduler:
         self._flights: dict[int, list[_Row]] = {}
         self._computing: dict[bytes, int] = {}  # chain hash of a full block a prefill row in flight completes -> seq
         self.counters: collections.Counter[str] = collections.Counter()
+        # the pool and the prefix index live on the prefix-sharing helper: one object each, whoever reads them
+        self._sharing = PrefixAdmission(config.block_size, config.prefill_chunk, pool, prefix, self._computing,
+                                        self.counters)
+
+    @property
+    def pool(self) -> BlockPool:
+        return self._sharing.pool
+
+    @pool.setter
+    def pool(self, pool: BlockPool) -> None:
+        self._sharing.pool = pool
+
+    @property
+    def prefix(self) -> PrefixBlocks | None:
+        """The prefix index (None without ``prefix_cache``)."""
+        return self._sharing.prefix
 
     # -- requests in and out ---------------------------------------------------------------------
 
@@ -218,7 +236,7 @@ class BatchScheduler:
                 break
             if not ready(s) or s.pending == 1:
                 continue
-            if not self._catch_up(s):
+            if not self._sharing.catch_up(s):
                 continue
             n = min(cfg.prefill_chunk, budget, s.pending)
             room = (len(s.blocks) + self.pool.free) * cfg.block_size - s.cached
@@ -235,7 +253,7 @@ class BatchScheduler:
             if blocks_needed(len(s.tokens), cfg.block_size) > self.pool.capacity:  # preempted at the pool's end
                 actions.extend(self._end(s, Failed(s.stream_id, self._too_big(s, len(s.tokens)))))
                 continue
-            first = self._admit(s, budget, copies, pins)
+            first = self._sharing.admit(s, budget, copies, pins)
             if first is None:
                 break
             self._waiting.popleft()
@@ -282,7 +300,7 @@ class BatchScheduler:
         want = bool(sample) and (s.request.want_logits or not s.request.sampling.greedy)
         row = _Row(s, past, n, drafts, q, sample, want)
         if not sample:  # streams after this one in the step (or later steps) wait for these blocks
-            row.computing = self._computing_blocks(s, past, n)
+            row.computing = self._sharing.computing_blocks(s, past, n)
             self._computing.update(dict.fromkeys(row.computing, seq))
         return row
 
@@ -325,102 +343,11 @@ class BatchScheduler:
         s.blocks.extend(self.pool.allocate(need))
         return True
 
-    def _catch_up(self, s: StreamState) -> bool:
-        """Share the full blocks another stream computed since ``s`` was admitted (users with one
-        system prompt), replacing ``s``'s own partial copy of such a block and leaving it at least
-        one token to compute. False when the next block ``s`` would compute is being computed by
-        a step in flight or planned: ``s`` sits this step out and shares it next time."""
-        if self.prefix is None:
-            return True
-        bs = self.config.block_size
-        j = s.cached // bs
-        while (j + 1) * bs < len(s.tokens):
-            digest = chain_hash(s.hashes[-1] if s.hashes else self.prefix.root, s.tokens[j * bs:(j + 1) * bs])
-            block = self.pool.find(("full", digest))
-            if block is None:
-                return digest not in self._computing
-            self.pool.share(block)
-            if len(s.blocks) > j:  # its own partial block: the shared one holds the same KV and more
-                self.pool.release(s.blocks[j])
-                s.blocks[j] = block
-            else:
-                s.blocks.append(block)
-            s.hashes.append(digest)
-            self.counters["prefix_tokens_reused"] += (j + 1) * bs - s.cached
-            s.cached = (j + 1) * bs
-            j += 1
-        return True
-
-    def _computing_blocks(self, s: StreamState, past: int, n: int) -> list[bytes]:
-        """Chain hashes of the blocks a chunk of ``n`` rows of ``s`` from position ``past`` completes."""
-        if self.prefix is None:
-            return []
-        bs, out = self.config.block_size, []
-        parent = s.hashes[-1] if s.hashes else self.prefix.root
-        for j in range(len(s.hashes), (past + n) // bs):
-            parent = chain_hash(parent, s.tokens[j * bs:(j + 1) * bs])
-            if j >= past // bs:
-                out.append(parent)
-        return out
-
     def _too_big(self, s: StreamState, positions: int) -> GenerationError:
         bs = self.config.block_size
         return GenerationError(f"stream {s.stream_id} needs {positions} cached positions, "
                                f"{blocks_needed(positions, bs)} KV blocks of {bs}, more than the whole pool of "
                                f"{self.pool.capacity}; give the stages more KV memory or ask for fewer tokens")
-
-    def _admit(self, s: StreamState, budget: int, copies: list[tuple[int, int]], pins: list[int]) -> int | None:
-        """Attach the longest reusable prefix to a waiting stream and the blocks of its first chunk;
-        the chunk's size, 0 when the block after the prefix is being computed by another stream
-        (it is admitted and shares that block next step), or None (nothing changed) when the pool
-        cannot take it without preempting."""
-        bs = self.config.block_size
-        hit = self.prefix.match(s.tokens, len(s.tokens) - 1) if self.prefix is not None else PrefixMatch()
-        if self.prefix is not None and hit.copy_src is None and hit.tokens + bs < len(s.tokens):
-            parent = hit.hashes[-1] if hit.hashes else self.prefix.root
-            if chain_hash(parent, s.tokens[hit.tokens:hit.tokens + bs]) in self._computing:
-                for b in hit.blocks:
-                    self.pool.share(b)
-                s.blocks, s.hashes, s.cached = list(hit.blocks), list(hit.hashes), hit.tokens
-                self._count_hit(hit)
-                return 0
-        n = self._first_chunk(s, hit, budget)
-        if n < 1 and hit.copy_src is not None:  # the copy's source and destination do not both fit: share only
-            hit = PrefixMatch(hit.blocks, hit.hashes, tokens=len(hit.blocks) * bs)
-            n = self._first_chunk(s, hit, budget)
-        if n < 1 and hit.tokens:  # the cached blocks it would revive crowd out its own rows: start cold
-            hit = PrefixMatch()
-            n = self._first_chunk(s, hit, budget)
-        if n < 1:
-            return None
-        for b in hit.blocks:
-            self.pool.share(b)
-        s.blocks, s.hashes, s.cached = list(hit.blocks), list(hit.hashes), hit.tokens
-        if hit.copy_src is not None:
-            self.pool.share(hit.copy_src)
-            pins.append(hit.copy_src)
-            dst = self.pool.allocate(1)[0]
-            copies.append((hit.copy_src, dst))
-            s.copying = True
-            self.counters["prefix_copies"] += 1
-            s.blocks.append(dst)
-        s.blocks.extend(self.pool.allocate(blocks_needed(s.cached + n, bs) - len(s.blocks)))
-        self._count_hit(hit)
-        return n
-
-    def _count_hit(self, hit: PrefixMatch) -> None:
-        if hit.tokens:
-            self.counters["prefix_hits"] += 1
-            self.counters["prefix_tokens_reused"] += hit.tokens
-
-    def _first_chunk(self, s: StreamState, hit: PrefixMatch, budget: int) -> int:
-        """Rows a stream reusing ``hit`` can bring now: the pool's free blocks, less the cached ones
-        the hit takes back into use, must cover them."""
-        revived = sum(1 for b in hit.blocks if self.pool.refcount(b) == 0)
-        if hit.copy_src is not None and self.pool.refcount(hit.copy_src) == 0:
-            revived += 1  # held while the destination is allocated
-        room = (len(hit.blocks) + self.pool.free - revived) * self.config.block_size - hit.tokens
-        return min(self.config.prefill_chunk, budget, len(s.tokens) - hit.tokens, room)
 
     def _preempt(self, s: StreamState) -> None:
         """Free a running stream's blocks; it waits at the front and later re-prefills its tokens
