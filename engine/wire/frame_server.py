@@ -99,9 +99,10 @@ class FrameServer:
 
     @property
     def address(self) -> tuple[str, int]:
-        """The bound (host, port); valid after async_start."""
-        if self._server is None:
-            raise RuntimeError("FrameServer.address is known only after async_start()")
+        """The bound (host, port); valid between async_start and async_close."""
+        if self._server is None or not self._server.sockets:
+            raise RuntimeError("FrameServer.address is known only while it serves (after async_start(), "
+                               "before async_close())")
         host, port = self._server.sockets[0].getsockname()[:2]
         return host, port
 
