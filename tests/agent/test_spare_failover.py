@@ -103,7 +103,7 @@ def test_the_warm_spare_serves_in_place_then_on_the_standby_and_answers_are_iden
             await _until(lambda: desk_b.spare_ready and desk_b.spare_pid != spare_b, 60, "desk-b spares again")
 
             spare_c = desk_c.spare_pid
-            paused = await _answers(dist, lambda: desk_b.async_set_manual_pause(True))  # its user is back
+            paused = await _answers(dist, lambda: _pause_mid_answer(desk_b))  # its user is back
             moved = (list(dist.recovery.moves), [t.label for t in dist.layout.targets], desk_c.worker_pid)
             await desk_b.async_set_manual_pause(False)  # it waits as a standby of stage 1 when its user is done
             await _until(lambda: desk_b.spare_ready, 60, "desk-b holds a spare of its old stage again")
@@ -129,3 +129,27 @@ def test_the_warm_spare_serves_in_place_then_on_the_standby_and_answers_are_iden
 
 async def _kill(pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
+
+
+def _term_pending(pid: int) -> bool:
+    """Whether a SIGTERM waits, undelivered, for the (stopped) process ``pid`` (Linux /proc)."""
+    with open(f"/proc/{pid}/status") as status:
+        masks = [int(line.split()[1], 16) for line in status if line.startswith(("SigPnd:", "ShdPnd:"))]
+    return any(mask & (1 << (signal.SIGTERM - 1)) for mask in masks)
+
+
+async def _pause_mid_answer(agent: AgentService) -> None:
+    """Pause ``agent`` (its user is back) while the streams are surely in flight. A pause stops the
+    agent's warm spare first and only then sends its worker SIGTERM; under load that took long
+    enough for the 32 tokens left to be answered before the worker stopped, and no move was
+    needed. So the worker is held (SIGSTOP: no step moves) until the pause's SIGTERM waits for
+    it, then let go: it drains and exits as a paused worker does, with the streams unfinished."""
+    pid = agent.worker_pid
+    os.kill(pid, signal.SIGSTOP)
+    pausing = asyncio.create_task(agent.async_set_manual_pause(True))
+    try:
+        await _until(lambda: pausing.done() or _term_pending(pid), 30, "the pause's SIGTERM for the worker")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+    await pausing
