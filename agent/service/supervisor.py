@@ -187,13 +187,17 @@ class WorkerSupervisor:
         self._stop_timeout = self.stop_timeout_s if timeout is None else timeout
         task, self._task = self._task, None
         self._ready.clear()
-        if not keep_spare:
-            await self.async_stop_spare()
+
+        async def stop_worker() -> None:
+            if task is not None:
+                task.cancel()  # the worker gets its SIGTERM now, not after the spare has stopped
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+        # The worker is what holds the person's cores: it stops at once, the idle spare beside it.
+        await asyncio.gather(stop_worker(), *(() if keep_spare else (self.async_stop_spare(),)))
         if task is None:
             return
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
         self._set(state="stopped", pid=None, steps_per_s=0.0, streams=0)
 
     async def async_drain(self, timeout: float) -> None:
