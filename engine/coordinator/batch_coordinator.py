@@ -37,7 +37,7 @@ from engine.coordinator.coordinator import model_card
 from engine.coordinator.speculation import Speculator
 from engine.errors import DeskfleetError
 from engine.generation.generator import ModelCard, UnavailableError
-from engine.generation.request import GenerationRequest, TokenEvent
+from engine.generation.request import FinishReason, GenerationRequest, TokenEvent
 from engine.generation.ring_report import RingReport, coordinator_report
 from engine.shards.kv_pool import DEFAULT_KV_POOL_BYTES, pool_blocks_for
 from engine.shards.manifest import Manifest, load_manifest
@@ -315,7 +315,8 @@ class BatchCoordinator:
             settled = self.constraints.settle(sent.plan, outcome, actions)
             actions = settled.actions
             for sid, end in settled.ended.items():  # a grammar's end (or a broken constraint): over now
-                self.scheduler.cancel(sid)  # not in flight: its blocks are freed now; ``end`` says how it ended
+                # not in flight: ends now (counted as finished or cancelled); ``end`` is what its consumer hears
+                self.scheduler.cancel(sid, end.reason if isinstance(end, Finished) else FinishReason.CANCELLED)
                 actions.append(end)
         self._carry_out(actions)
         if self.speculation is not None:

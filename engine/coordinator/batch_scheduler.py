@@ -152,16 +152,17 @@ class BatchScheduler:
         self.counters["requests"] += 1
         return sid
 
-    def cancel(self, stream_id: int) -> list[Action]:
+    def cancel(self, stream_id: int, reason: FinishReason = FinishReason.CANCELLED) -> list[Action]:
         """Stop a stream: its blocks are freed now, or when the step it is in returns (then
-        :meth:`on_outcome` reports it). Unknown or already cancelled streams: nothing."""
+        :meth:`on_outcome` reports it). Unknown or already cancelled streams: nothing. ``reason``
+        STOP ends a stream not in flight as complete (its output constraint has nothing left)."""
         state = self._streams.get(StreamId(stream_id))
         if state is None or state.cancelled:
             return []
         state.cancelled = True
         if state.in_flight is not None:
             return []
-        return self._end(state, Finished(state.stream_id, FinishReason.CANCELLED))
+        return self._end(state, Finished(state.stream_id, reason))
 
     def stream(self, stream_id: int) -> StreamState | None:
         return self._streams.get(StreamId(stream_id))
