@@ -34,7 +34,9 @@ EMPTY_PARAMETERS = '{"type":"object","properties":{}}'
 
 
 def compact_json(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
+    """JSON without spaces, keys in the client's order: a schema's property order is the order the
+    constrained answer writes them in (as OpenAI's), and the order the model reads them in."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
 @dataclass(frozen=True)

@@ -138,12 +138,23 @@ CHAT = {"model": "fake", "messages": [{"role": "user", "content": "hi"}]}
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 
 
+def test_a_schema_keeps_the_clients_property_order():
+    """The constrained answer writes properties in the schema's order, as OpenAI's does: the schema
+    text must not come out with its keys sorted (a model then writes "age" before "name")."""
+    schema = {"type": "object", "properties": {"zeta": {"type": "string"}, "alpha": {"type": "integer"}},
+              "required": ["zeta", "alpha"]}
+    body = {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}}
+    text = parse_completion(body, "chat", "fake", pending=()).response_format.schema
+    assert text.index('"zeta"') < text.index('"alpha"')
+    assert list(json.loads(text)["properties"]) == ["zeta", "alpha"]
+
+
 def test_response_format_logprobs_and_n_are_carried_to_the_generation_requests():
     body = {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "place", "schema": SCHEMA,
                                                                               "strict": True}},
             "logprobs": True, "top_logprobs": 5, "n": 3, "seed": 10}
     params = parse_completion(body, "chat", "fake", pending=())
-    assert params.response_format == JsonConstraint(json.dumps(SCHEMA, separators=(",", ":"), sort_keys=True),
+    assert params.response_format == JsonConstraint(json.dumps(SCHEMA, separators=(",", ":")),
                                                     "place", True)
     assert (params.logprobs, params.n, params.constraint) == (5, 3, params.response_format)
     requests = to_generation_requests([1, 2], params, SETTINGS, CARD)
