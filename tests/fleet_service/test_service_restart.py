@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -336,3 +337,36 @@ async def _first(stream):
         if chunk.choices and chunk.choices[0].text:
             yield chunk
             return
+
+
+def test_the_service_api_serves_schema_output_a_forced_tool_call_and_logprobs(serving):
+    """Issue 17's features through the fleet service's own API, over its ring of two agents (the
+    grammar's vocabulary comes from the ring's export, in the service process)."""
+    fleet = serving
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "size": {"enum": ["s", "m", "l"]}},
+              "required": ["ok", "size"], "additionalProperties": False}
+    arguments = {"type": "object", "properties": {"on": {"type": "boolean"}}, "required": ["on"],
+                 "additionalProperties": False}
+    tool = {"type": "function", "function": {"name": "set_mode", "parameters": arguments}}
+    question = [{"role": "user", "content": "Answer in JSON."}]
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=fleet.api_url, api_key=fleet.key, max_retries=0, timeout=60) as c:
+            answer = await c.chat.completions.create(
+                model="llama", messages=question, max_tokens=40, temperature=0, logprobs=True, top_logprobs=2,
+                response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema, "strict": True}})
+            called = await c.chat.completions.create(
+                model="llama", messages=question, max_tokens=90, temperature=0, tools=[tool],  # ~1 token a character
+                tool_choice={"type": "function", "function": {"name": "set_mode"}})
+        return answer.choices[0], called.choices[0]
+
+    answer, called = fleet.run(main(), 120, "the constrained requests")
+    assert answer.finish_reason == "stop", answer
+    value = json.loads(answer.message.content)
+    assert set(value) == {"ok", "size"} and isinstance(value["ok"], bool) and value["size"] in ("s", "m", "l")
+    entries = answer.logprobs.content
+    assert entries and all(e.logprob <= 0.0 and 1 <= len(e.top_logprobs) <= 2 for e in entries)
+    assert "".join(e.token for e in entries) == answer.message.content
+    assert called.finish_reason == "tool_calls", called
+    (call,) = called.message.tool_calls
+    assert call.function.name == "set_mode" and isinstance(json.loads(call.function.arguments)["on"], bool)
