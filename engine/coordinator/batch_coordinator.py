@@ -119,6 +119,7 @@ class BatchCoordinator:
         self._task: asyncio.Task | None = None
         self._stopping = False
         self._recovering = False
+        self._failover: asyncio.Task | None = None  # the recovery running, if any
         # why the ring is recovering or down (detail, stage or None); None while it serves
         self._trouble: tuple[str, int | None] | None = None
         self._cause = ""  # what the failed failover was about: a request's repair attempt retells it
@@ -183,6 +184,11 @@ class BatchCoordinator:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        failover, self._failover = self._failover, None
+        if failover is not None and not failover.done():  # a recovery must not redial a closed ring
+            failover.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await failover
         if self.speculation is not None:
             self.speculation.close()
         self.constraints.close()
@@ -382,7 +388,8 @@ class BatchCoordinator:
             self._carry_out(self.scheduler.fail_all(UnavailableError(f"a stage stopped answering: {reason}")))
             return
         self._recovering = True
-        task = asyncio.get_running_loop().create_task(self._async_failover(reason), name="deskfleet-failover")
+        task = self._failover = asyncio.get_running_loop().create_task(self._async_failover(reason),
+                                                                       name="deskfleet-failover")
         task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
 
     async def _async_failover(self, reason: str) -> None:

@@ -189,3 +189,35 @@ def test_cancelling_frees_the_blocks_and_a_full_queue_is_refused(tiny_export):
     after, done = run(main())
     assert after["kv_blocks_used"] == 0 and after["requests_cancelled_total"] == 1
     assert len(done) == 4
+
+
+def test_stopping_during_a_failover_cancels_the_recovery(tiny_export):
+    """A coordinator closed while its ring is being recovered stops that recovery (before, it ran on
+    and redialled a path already closed) and fails the held stream instead of leaving it waiting."""
+    export = tiny_export("llama", 2)
+    state = {"entered": asyncio.Event(), "cancelled": False}
+
+    async def recover(path, reason):
+        state["entered"].set()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            state["cancelled"] = True
+            raise
+        return path
+
+    async def main():
+        c = BatchCoordinator.local(export, exact=True, kv_pool_bytes=POOL)
+        await c.async_start()
+        c.recover = recover
+        stream = asyncio.create_task(collect(c, GenerationRequest(PROMPT_IDS, 64, ignore_eos=True)))
+        await asyncio.sleep(0.05)
+        c.request_failover("a test pulls the ring")
+        await asyncio.wait_for(state["entered"].wait(), 10)
+        await asyncio.wait_for(c.async_stop(), 10)
+        cancelled = state["cancelled"]  # now: the end of the loop would cancel it anyway
+        return cancelled, await asyncio.wait_for(asyncio.gather(stream, return_exceptions=True), 10)
+
+    cancelled, (outcome,) = run(main())
+    assert cancelled, "the recovery kept running after the coordinator stopped"
+    assert isinstance(outcome, Exception), outcome
