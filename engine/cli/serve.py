@@ -310,16 +310,12 @@ async def _open_paged(args: argparse.Namespace, manifest, speculation):
             raise DeskfleetError("--rings N serves N local fleets: add --workers (and drop --speculation)")
         async with local_rings(args.shards, args.rings, model_name=args.model_name, exact=args.exact,
                                kv_pool_bytes=pool_bytes, **supervision(args), **settings) as router:
-            for ring in router.rings().values():
-                if isinstance(ring, BatchCoordinator):
-                    ring.use_grammar(grammar)
-            yield router
+            yield router  # every ring's coordinator has the export's grammar vocabulary (paged_local_fleet)
     elif args.workers:
         from engine.tools.local_fleet import paged_local_fleet
 
         async with paged_local_fleet(args.shards, exact=args.exact, kv_pool_bytes=pool_bytes,
                                      speculation=speculation, **supervision(args), **settings) as coordinator:
-            coordinator.use_grammar(grammar)
             yield coordinator
     else:
         async with BatchCoordinator.local(args.shards, exact=args.exact, device=args.device, kv_pool_bytes=pool_bytes,

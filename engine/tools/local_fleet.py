@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 from engine.coordinator.batch_coordinator import BatchCoordinator, paged_scheduler
+from engine.coordinator.constrained import GrammarVocabulary
 from engine.coordinator.coordinator import Coordinator, model_card
 from engine.coordinator.paged_ring import PagedRingPath
 from engine.coordinator.ring import RingPath
@@ -124,7 +125,8 @@ async def _paged_local_fleet(export_dir, exact, threads, hop, failover, kv_pool_
 
         scheduler = paged_scheduler(manifest, pool, block_size, **settings)
         coordinator = BatchCoordinator(path, model_card(manifest), scheduler, lanes=lanes, speculation=speculation,
-                                       recover=recover, step_timeout_s=step_timeout_s, hold_timeout_s=hold_timeout_s)
+                                       recover=recover, step_timeout_s=step_timeout_s, hold_timeout_s=hold_timeout_s,
+                                       grammar=GrammarVocabulary.of_export(export_dir, manifest))
         async with coordinator:
             if supervisor is not None:
                 supervisor.attach(coordinator)

@@ -57,3 +57,18 @@ def test_the_ring_count_is_checked(tiny_export):
 
     with pytest.raises(DeskfleetError, match="--rings must be between 1 and"):
         run(main())
+
+
+def test_every_local_ring_constrains_output_with_its_exports_vocabulary(tiny_export):
+    """local_rings (and so paged_local_fleet, which serve --workers runs) give each ring's
+    coordinator the export's grammar vocabulary: schemas and forced tool calls are served, not 400."""
+    from engine.coordinator.constrained import GRAMMAR_FEATURES, LOGPROBS
+
+    export = tiny_export("llama", 2)
+
+    async def main():
+        async with local_rings(export, 1, model_name="llama") as router:
+            return [ring.features for ring in router.rings().values()]
+
+    (features,) = run(main())
+    assert GRAMMAR_FEATURES | {LOGPROBS} <= features
