@@ -18,10 +18,9 @@ import pytest
 
 from engine.api.fan_in import merged
 from engine.api.openai_schema import NOT_YET_SERVED
-from engine.api.server import ApiSettings, async_run_api
-from engine.generation.request import GenerationRequest
+from engine.api.server import ApiSettings
 from tests.support.canned_api import CannedGenerator, fake_logprobs, served
-from tests.support.fuzz_helpers import loop_thread
+from tests.support.fuzz_helpers import served_stateful
 
 KEY = "sk-choices"
 ASK = [{"role": "user", "content": "Name a river."}]
@@ -29,26 +28,9 @@ ASK = [{"role": "user", "content": "Name a river."}]
 
 @pytest.fixture(scope="module")
 def tiny_api(tiny_export):
-    from engine.coordinator.coordinator import Coordinator
-    from engine.generation.tokenizer import ChatTokenizer
-
-    export = tiny_export("llama", 2)
     settings = ApiSettings(api_key=KEY, max_prompt_tokens=200, default_max_tokens=12, max_tokens_limit=64)
-    with loop_thread() as loop:
-        coordinator = Coordinator.local(export, slots=4, exact=True)
-        loop.run(coordinator.__aenter__())
-        try:
-            async def warm_up():
-                return [e async for e in coordinator.stream(GenerationRequest((1, 5, 9), 2))]
-
-            loop.run(warm_up())
-            api = loop.run(async_run_api(coordinator, ChatTokenizer(export / "tokenizer"), settings))
-            try:
-                yield api.url, coordinator.model.name
-            finally:
-                loop.run(api.async_stop())
-        finally:
-            loop.run(coordinator.__aexit__(None, None, None))
+    with served_stateful(tiny_export("llama", 2), settings) as (_, coordinator, api, _):
+        yield api.url, coordinator.model.name
 
 
 @pytest.fixture

@@ -25,9 +25,8 @@ from hypothesis import strategies as st
 
 from engine.api.guard import check_prompt_chars
 from engine.api.openai_schema import ApiError, parse_completion, prompt_ids, to_generation_request
-from engine.api.server import ApiSettings, async_run_api
+from engine.api.server import ApiSettings
 from engine.errors import GenerationError, TokenizerError
-from engine.generation.request import GenerationRequest
 from tests.support.fuzz_helpers import (
     CONTENT_TYPES,
     HUGE_NUMBERS,
@@ -41,8 +40,8 @@ from tests.support.fuzz_helpers import (
     dumps,
     fuzz_settings,
     json_values,
-    loop_thread,
     paths,
+    served_stateful,
 )
 
 pytestmark = LIVE_FUZZ
@@ -128,31 +127,15 @@ class LiveApi:
 
 @pytest.fixture(scope="module")
 def live(tiny_export):
-    from engine.coordinator.coordinator import Coordinator
-    from engine.generation.tokenizer import ChatTokenizer
-
-    export = tiny_export("llama", 2)
-    tokenizer = ChatTokenizer(export / "tokenizer")
-    with loop_thread() as loop:
-        coordinator = Coordinator.local(export, slots=4, exact=True)
-        loop.run(coordinator.__aenter__())
+    with served_stateful(tiny_export("llama", 2), SETTINGS) as (_, coordinator, api, tokenizer):
+        neighbour = Neighbour(api.url, coordinator.model.name)
+        neighbour.start()
+        client = HttpClient(api.host, api.port)
         try:
-            async def warm_up():
-                return [e async for e in coordinator.stream(GenerationRequest((1, 5, 9), 2))]
-
-            loop.run(warm_up())
-            api = loop.run(async_run_api(coordinator, tokenizer, SETTINGS))
-            neighbour = Neighbour(api.url, coordinator.model.name)
-            neighbour.start()
-            client = HttpClient(api.host, api.port)
-            try:
-                yield LiveApi(client, tokenizer, coordinator.model, coordinator.model.name, neighbour)
-            finally:
-                neighbour.stop()
-                client.close()
-                loop.run(api.async_stop())
+            yield LiveApi(client, tokenizer, coordinator.model, coordinator.model.name, neighbour)
         finally:
-            loop.run(coordinator.__aexit__(None, None, None))
+            neighbour.stop()
+            client.close()
 
 
 

@@ -71,6 +71,33 @@ def loop_thread() -> Iterator[LoopThread]:
         runner.close()
 
 
+@contextlib.contextmanager
+def served_stateful(export, settings) -> Iterator[tuple[LoopThread, object, object, object]]:
+    """The OpenAI API over the tiny export's stateful coordinator (4 slots, exact, warmed up with
+    one short request) on a loop thread of its own: (loop, coordinator, api, tokenizer)."""
+    from engine.api.server import async_run_api
+    from engine.coordinator.coordinator import Coordinator
+    from engine.generation.request import GenerationRequest
+    from engine.generation.tokenizer import ChatTokenizer
+
+    tokenizer = ChatTokenizer(export / "tokenizer")
+    with loop_thread() as loop:
+        coordinator = Coordinator.local(export, slots=4, exact=True)
+        loop.run(coordinator.__aenter__())
+        try:
+            async def warm_up():
+                return [e async for e in coordinator.stream(GenerationRequest((1, 5, 9), 2))]
+
+            loop.run(warm_up())
+            api = loop.run(async_run_api(coordinator, tokenizer, settings))
+            try:
+                yield loop, coordinator, api, tokenizer
+            finally:
+                loop.run(api.async_stop())
+        finally:
+            loop.run(coordinator.__aexit__(None, None, None))
+
+
 @dataclass(frozen=True)
 class Reply:
     status: int
