@@ -87,6 +87,12 @@ class TokenBookError(TrustError):
     """Raised when the console's join-token book cannot be read (corrupt) or written."""
 
 
+class TokenPolicyError(TrustError):
+    """Raised by ``TokenBook.issue`` for a token it will not issue: zero uses, a non-positive
+    ttl, an auto-approving token without an expiry (one that would admit and approve PCs
+    forever), or a label that is too long; and by ``TokenBook.revoke`` for an unknown token id."""
+
+
 class WrongFleetError(TrustError):
     """Raised on an agent when the console's CA does not match the fingerprint its join token
     carries: the address points at another fleet's console, or someone is in between."""
@@ -113,8 +119,9 @@ JOIN_REFUSALS: dict[str, str] = {
     "unknown": "the console does not know this join token (revoked, or issued by another console); "
                "ask the admin for a new token",
     "expired": "the join token has expired; ask the admin for a new token",
-    "used": "the join token was already used, and a token admits one PC only; "
-            "ask the admin for a new token",
+    "used": "the join token was already used as often as it may be (a token admits as many PCs "
+            "as the admin issued it for, one by default); ask the admin for a new token",
+    "revoked": "the admin revoked this join token; ask the admin for a new token",
     "other_fleet": "the join token was issued for another fleet's CA; "
                    "check the console address or ask the admin for a token from this console",
 }

@@ -1,4 +1,4 @@
-"""One-time join tokens: what the console shows and an agent types or pastes to join.
+"""Join tokens: what the console shows and an agent types, pastes or finds in a file to join.
 
 A token is ``DFJ1-<ca pin>-<secret>-<check>``: the first 32 hex digits of the fleet CA's
 sha256, a 128-bit secret in base32, and 4 check characters. The pin lets an agent check the
@@ -6,24 +6,32 @@ console's CA *before* it trusts anything the console says (as kubeadm's
 discovery-token-ca-cert-hash does); the check characters turn a typo into "mistyped" instead of
 "unknown token" or, worse, "wrong fleet". The console keeps only the sha256 of each secret, in a
 :class:`TokenBook` on disk, so a copy of the book admits nobody.
+
+A token admits ``uses`` PCs (1 by default: single use), until it expires (``ttl_s``; ``None``:
+never) or the admin revokes it by its public id (the first 10 hex digits of the secret's
+sha256: naming it in a list or an audit line gives nothing away). A token marked
+``auto_approve`` also approves the PCs it admits; such a token must expire. The book remembers
+which PCs each token admitted (node id, name, when), for the console's list and the audit.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import hashlib
 import hmac
 import json
 import os
 import secrets
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.atomic_file import write_text_atomic
-from engine.errors import JoinRefused, JoinTokenError, TokenBookError
+from engine.errors import JoinRefused, JoinTokenError, TokenBookError, TokenPolicyError
 
 PREFIX = "DFJ1"
 PIN_HEX = 32  # 128 bits of the CA fingerprint: a second-preimage search is out of reach
@@ -32,9 +40,14 @@ SECRET_CHARS = 26  # base32 of 16 bytes, padding removed
 CHECK_CHARS = 4
 DEFAULT_TTL_S = 24 * 3600.0
 KEEP_EXPIRED_S = 7 * 24 * 3600.0  # how long the book remembers a dead token, to say "expired" not "unknown"
-BOOK_FORMAT = "deskfleet-join-tokens/1"
+BOOK_FORMAT = "deskfleet-join-tokens/2"
+BOOK_FORMAT_V1 = "deskfleet-join-tokens/1"  # single-use tokens; read and migrated
+TOKEN_ID_HEX = 10
+MAX_USES = 100_000
+MAX_LABEL_CHARS = 80
 _HEX = frozenset("0123456789abcdef")
 _B32 = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZ234567")
+_THREAD_LOCK = threading.Lock()  # one per process: books are few, the critical sections short
 
 
 def _check(body: str) -> str:
@@ -96,13 +109,135 @@ def parse_token(text: str) -> JoinToken:
     return JoinToken(pin, raw)
 
 
+@dataclass(frozen=True)
+class Admission:
+    """One PC a token admitted: its node id (the sha256 of its new certificate), name and when."""
+
+    node_id: str
+    name: str
+    at: float
+
+
+@dataclass(frozen=True)
+class Redeemed:
+    """What a redeemed token was: its public id, label and whether it approves what it admits."""
+
+    token_id: str
+    label: str
+    auto_approve: bool
+
+
+@dataclass(frozen=True)
+class TokenInfo:
+    """A token as the console lists it (never its secret): ``state`` is active / used_up /
+    expired / revoked; ``expires_at`` None for a token that never expires."""
+
+    token_id: str
+    label: str
+    uses: int
+    used: int
+    issued_at: float
+    expires_at: float | None
+    auto_approve: bool
+    revoked_at: float | None
+    state: str
+    admitted: tuple[Admission, ...]
+
+    @property
+    def uses_left(self) -> int:
+        return max(0, self.uses - self.used) if self.state == "active" else 0
+
+    def to_json(self) -> dict:
+        return {"id": self.token_id, "label": self.label, "uses": self.uses, "used": self.used,
+                "uses_left": self.uses_left, "issued_at": self.issued_at, "expires_at": self.expires_at,
+                "auto_approve": self.auto_approve, "revoked_at": self.revoked_at, "state": self.state,
+                "admitted": [{"node_id": a.node_id, "name": a.name, "at": a.at} for a in self.admitted]}
+
+
+@dataclass(frozen=True)
+class Issued:
+    """A token just issued: its text (shown once, never stored) and its listing."""
+
+    text: str = field(repr=False)
+    info: TokenInfo
+
+
+def token_id_of(secret_hash: str) -> str:
+    return secret_hash[:TOKEN_ID_HEX]
+
+
+def _state(entry: dict, now: float) -> str:
+    if entry["revoked_at"] is not None:
+        return "revoked"
+    if entry["used"] >= entry["uses"]:
+        return "used_up"
+    if entry["expires_at"] is not None and now >= entry["expires_at"]:
+        return "expired"
+    return "active"
+
+
+def _info(key: str, entry: dict, now: float) -> TokenInfo:
+    return TokenInfo(token_id_of(key), entry["label"], entry["uses"], entry["used"], entry["issued_at"],
+                     entry["expires_at"], entry["auto_approve"], entry["revoked_at"], _state(entry, now),
+                     tuple(Admission(a["node_id"], a["name"], a["at"]) for a in entry["admitted"]))
+
+
+def _migrate_v1(tokens: dict) -> dict[str, dict]:
+    """A format-1 book (single-use tokens: issued_at / expires_at / used_at) in format 2."""
+    out = {}
+    for key, entry in tokens.items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("expires_at"), int | float) \
+                or not isinstance(entry.get("used_at"), int | float | None):
+            raise ValueError(f"entry {str(key)[:12]}... is damaged")
+        used_at = entry["used_at"]
+        out[key] = {"label": "", "issued_at": float(entry.get("issued_at") or entry["expires_at"]),
+                    "expires_at": float(entry["expires_at"]), "uses": 1, "used": 0 if used_at is None else 1,
+                    "auto_approve": False, "revoked_at": None, "last_used_at": used_at, "admitted": []}
+    return out
+
+
+def _check_entry(key: str, entry: dict) -> None:
+    ok = (len(key) == 64 and isinstance(entry, dict)
+          and isinstance(entry.get("label"), str) and isinstance(entry.get("issued_at"), int | float)
+          and isinstance(entry.get("expires_at"), int | float | None)
+          and isinstance(entry.get("uses"), int) and isinstance(entry.get("used"), int)
+          and 0 <= entry["used"] <= entry["uses"] and isinstance(entry.get("auto_approve"), bool)
+          and isinstance(entry.get("revoked_at"), int | float | None)
+          and isinstance(entry.get("admitted"), list)
+          and all(isinstance(a, dict) and isinstance(a.get("node_id"), str) and isinstance(a.get("name"), str)
+                  and isinstance(a.get("at"), int | float) for a in entry["admitted"]))
+    if not ok:
+        raise ValueError(f"entry {str(key)[:12]}... is damaged")
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path) -> Iterator[None]:
+    """Hold ``path``'s lock file (POSIX flock; elsewhere the in-process lock only) for one
+    read-modify-write of the book, so concurrent redeems never both take the last use."""
+    with _THREAD_LOCK:
+        if os.name != "posix":
+            yield
+            return
+        import fcntl
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+
 class TokenBook:
     """The console's register of issued join tokens, persisted as JSON at ``path``.
 
-    Holds only sha256(secret), expiry and use time per token. Read on every call and written
-    atomically (temp file + ``os.replace``), so a crash never leaves half a book, and a book
-    that cannot be read raises TokenBookError instead of silently forgetting tokens. Meant for
-    one console process; two writers at once would lose each other's updates.
+    Holds only sha256(secret), uses, expiry, label and the PCs admitted per token. Read on every
+    call and written atomically (temp file + ``os.replace``), so a crash never leaves half a book,
+    and a book that cannot be read raises TokenBookError instead of silently forgetting tokens.
+    Every read-modify-write holds a lock (a thread lock and, on POSIX, ``flock`` on
+    ``<path>.lock``): a token of N uses admits at most N PCs however many join at once. A book
+    written by an older console (format 1, single-use tokens) is read and rewritten as format 2.
     """
 
     def __init__(self, path: str | os.PathLike[str], ca_fingerprint: str, *,
@@ -111,20 +246,40 @@ class TokenBook:
         self._ca_fingerprint = ca_fingerprint.lower()
         self._clock = clock
 
-    def issue(self, ttl_s: float = DEFAULT_TTL_S) -> str:
+    def issue(self, ttl_s: float | None = DEFAULT_TTL_S) -> str:
         """A new single-use token valid for ``ttl_s`` seconds; its text is shown once, never stored."""
-        if ttl_s <= 0:
-            raise ValueError(f"ttl_s must be positive, got {ttl_s}")
-        token = JoinToken.new(self._ca_fingerprint)
-        now = self._clock()
-        tokens = self._load()
-        tokens[token.secret_hash] = {"issued_at": now, "expires_at": now + ttl_s, "used_at": None}
-        self._save(tokens, now)
-        return token.text
+        return self.issue_token(ttl_s=ttl_s).text
 
-    def redeem(self, token: str | JoinToken) -> None:
-        """Use up ``token``: return if it admits a PC now, else raise JoinRefused with reason
-        malformed / other_fleet / unknown / used / expired. A refused token is not consumed."""
+    def issue_token(self, *, uses: int = 1, ttl_s: float | None = DEFAULT_TTL_S, auto_approve: bool = False,
+                    label: str = "") -> Issued:
+        """A new token admitting ``uses`` PCs for ``ttl_s`` seconds (None: no expiry), approving
+        them on join when ``auto_approve``. TokenPolicyError for what it will not issue."""
+        if isinstance(uses, bool) or not isinstance(uses, int) or not 1 <= uses <= MAX_USES:
+            raise TokenPolicyError(f"a token admits 1 to {MAX_USES} PCs; got uses={uses!r}")
+        if ttl_s is not None and not ttl_s > 0:
+            raise TokenPolicyError(f"a token's ttl_s must be a positive number of seconds (or none: no expiry); "
+                                   f"got {ttl_s!r}")
+        if auto_approve and ttl_s is None:
+            raise TokenPolicyError("an auto-approving token must expire: it admits and approves every PC that "
+                                   "shows it; give it a ttl (e.g. 86400 s for a day's roll-out)")
+        label = " ".join(str(label).split())
+        if len(label) > MAX_LABEL_CHARS or not label.isprintable():
+            raise TokenPolicyError(f"a token's label is at most {MAX_LABEL_CHARS} printable characters")
+        token = JoinToken.new(self._ca_fingerprint)
+        with _exclusive(self.path):
+            now = self._clock()
+            tokens = self._load()
+            entry = {"label": label, "issued_at": now, "expires_at": None if ttl_s is None else now + ttl_s,
+                     "uses": uses, "used": 0, "auto_approve": bool(auto_approve), "revoked_at": None,
+                     "last_used_at": None, "admitted": []}
+            tokens[token.secret_hash] = entry
+            self._save(tokens, now)
+        return Issued(token.text, _info(token.secret_hash, entry, now))
+
+    def redeem(self, token: str | JoinToken) -> Redeemed:
+        """Use ``token`` once: return what it is if it admits a PC now, else raise JoinRefused
+        with reason malformed / other_fleet / unknown / revoked / used / expired. A refused
+        token is not consumed."""
         if not isinstance(token, JoinToken):
             try:
                 token = parse_token(token)
@@ -132,22 +287,67 @@ class TokenBook:
                 raise JoinRefused("malformed", str(exc)) from None
         if not token.pins(self._ca_fingerprint):
             raise JoinRefused("other_fleet")
+        with _exclusive(self.path):
+            now = self._clock()
+            tokens = self._load()
+            entry = tokens.get(token.secret_hash)
+            if entry is None:
+                raise JoinRefused("unknown")
+            state = _state(entry, now)
+            if state != "active":
+                raise JoinRefused({"used_up": "used"}.get(state, state))
+            entry["used"] += 1
+            entry["last_used_at"] = now
+            self._save(tokens, now)
+        return Redeemed(token_id_of(token.secret_hash), entry["label"], entry["auto_approve"])
+
+    def record_admission(self, token_id: str, node_id: str, name: str) -> None:
+        """Remember that the token ``token_id`` admitted PC ``node_id`` (called once its certificate
+        is signed). A token pruned meanwhile is logged by the caller, not an error here."""
+        with _exclusive(self.path):
+            now = self._clock()
+            tokens = self._load()
+            for key, entry in tokens.items():
+                if token_id_of(key) == token_id:
+                    entry["admitted"].append({"node_id": node_id, "name": name[:64], "at": now})
+                    self._save(tokens, now)
+                    return
+
+    def admitted_by(self, node_id: str) -> TokenInfo | None:
+        """The token that admitted ``node_id`` (the newest, should it have joined twice), or None."""
         now = self._clock()
-        tokens = self._load()
-        entry = tokens.get(token.secret_hash)
-        if entry is None:
-            raise JoinRefused("unknown")
-        if entry["used_at"] is not None:
-            raise JoinRefused("used")
-        if now >= entry["expires_at"]:
-            raise JoinRefused("expired")
-        entry["used_at"] = now
-        self._save(tokens, now)
+        found = None
+        for key, entry in self._load().items():
+            if any(a["node_id"] == node_id for a in entry["admitted"]):
+                info = _info(key, entry, now)
+                if found is None or info.issued_at > found.issued_at:
+                    found = info
+        return found
+
+    def revoke(self, token_id: str) -> TokenInfo:
+        """Stop the token ``token_id`` admitting anyone from now on (PCs it admitted stay)."""
+        with _exclusive(self.path):
+            now = self._clock()
+            tokens = self._load()
+            for key, entry in tokens.items():
+                if token_id_of(key) == token_id:
+                    if entry["revoked_at"] is None:
+                        entry["revoked_at"] = now
+                        self._save(tokens, now)
+                    return _info(key, entry, now)
+        raise TokenPolicyError(f"no join token {token_id!r} in this console's book; list them with "
+                               "'deskfleet fleet tokens list'")
+
+    def tokens(self) -> tuple[TokenInfo, ...]:
+        """Every token the book keeps, newest first."""
+        now = self._clock()
+        infos = (_info(k, e, now) for k, e in self._load().items())
+        return tuple(sorted(infos, key=lambda t: (-t.issued_at, t.token_id)))
 
     def outstanding(self) -> int:
         """How many tokens could still admit a PC (for the console's display)."""
         now = self._clock()
-        return sum(1 for e in self._load().values() if e["used_at"] is None and now < e["expires_at"])
+        return sum(1 for e in self._load().values() if _state(e, now) == "active")
 
     def _load(self) -> dict[str, dict]:
         try:
@@ -159,20 +359,22 @@ class TokenBook:
                                  "check its permissions") from exc
         try:
             doc = json.loads(raw)
-            if not isinstance(doc, dict) or doc.get("format") != BOOK_FORMAT:
+            if not isinstance(doc, dict) or doc.get("format") not in (BOOK_FORMAT, BOOK_FORMAT_V1):
                 raise ValueError(f"not a {BOOK_FORMAT} document")
             tokens = doc["tokens"]
+            if not isinstance(tokens, dict):
+                raise ValueError("its 'tokens' is not an object")
+            if doc["format"] == BOOK_FORMAT_V1:
+                tokens = _migrate_v1(tokens)
             for key, entry in tokens.items():
-                if len(key) != 64 or not isinstance(entry["expires_at"], int | float) \
-                        or not isinstance(entry["used_at"], int | float | None):
-                    raise ValueError(f"entry {key[:12]}... is damaged")
+                _check_entry(key, entry)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise TokenBookError(f"the join-token book {self.path} is corrupt ({exc}); move it aside "
                                  "(the tokens in it stop working) and issue new tokens") from exc
         return tokens
 
     def _save(self, tokens: dict[str, dict], now: float) -> None:
-        keep = {k: e for k, e in tokens.items() if e["expires_at"] > now - KEEP_EXPIRED_S}
+        keep = {k: e for k, e in tokens.items() if _kept(e, now)}
         data = json.dumps({"format": BOOK_FORMAT, "tokens": keep}, indent=1, sort_keys=True)
         try:
             write_text_atomic(self.path, data)
@@ -180,3 +382,11 @@ class TokenBook:
             raise TokenBookError(f"cannot write the join-token book {self.path} ({exc}); "
                                  "check the disk and its permissions") from exc
 
+
+def _kept(entry: dict, now: float) -> bool:
+    """Whether the book still remembers ``entry``: a dead token (expired, revoked, used up) for
+    KEEP_EXPIRED_S after it died, to say "expired" rather than "unknown" and list whom it admitted."""
+    ends = [t for t in (entry["expires_at"], entry["revoked_at"]) if t is not None]
+    if entry["used"] >= entry["uses"]:
+        ends.append(entry["last_used_at"] if entry["last_used_at"] is not None else entry["issued_at"])
+    return not ends or min(ends) > now - KEEP_EXPIRED_S
