@@ -520,7 +520,9 @@ class FleetService:
         from engine import __version__
 
         s = self.settings.console
+        hub = self.host.hub  # where agents register by address (their --seed)
         return {"fleet_id": self.fleet.fleet_id, "enrollment": self.host.enrollment, "version": __version__,
+                "hub": f"{hub.host}:{hub.port}" if hub.port else None,
                 "api_url": self.api_url, "started_at": self.started_at,
                 "admin": {"socket": True, "https": self.admin_url},
                 "settings": {"interface": s.interface, "runtime": s.runtime, "api_port": self.api.port if self.api
