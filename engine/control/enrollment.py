@@ -1,7 +1,8 @@
 """Joining the fleet: the console's enrollment service and the agent's join client (aiohttp, HTTPS).
 
 The agent has no certificate yet, so this is the one endpoint that is TLS without client
-authentication; the caller proves itself with a one-time join token instead. The agent in turn
+authentication; the caller proves itself with a join token instead (single use by default, or
+N uses; see :mod:`engine.trust.join_token`). The agent in turn
 trusts nothing the console says until the CA it serves matches the pin inside the token:
 
 1. ``GET /v1/ca`` over unverified TLS -> the CA PEM; the agent compares its sha256 to the pin.
@@ -15,6 +16,8 @@ trusts nothing the console says until the CA it serves matches the pin inside th
    certificate) is what the agent then pins: its control API takes orders from that id only.
 
 A refused token is answered 403 with its reason (``engine.errors.JOIN_REFUSALS``) and logged.
+An admitted PC is recorded in the token book against the token that admitted it, and written to
+the enrolment audit (:mod:`engine.control.join_audit`) with the token's id and label.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from aiohttp import web
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 
+from engine.control.join_audit import JoinAudit
 from engine.errors import (
     CertificateRequestError,
     CredentialsError,
@@ -105,7 +109,8 @@ class EnrollmentServer:
 
     def __init__(self, authority: FleetAuthority, token_book: TokenBook, console_credentials: Credentials, *,
                  on_join: JoinCallback | None = None, issue_chat_key: ChatKeyIssuer | None = None,
-                 cert_days: int = LEAF_DAYS, max_body_bytes: int = MAX_JOIN_BYTES) -> None:
+                 cert_days: int = LEAF_DAYS, max_body_bytes: int = MAX_JOIN_BYTES,
+                 audit: JoinAudit | None = None) -> None:
         self._authority = authority
         self._tokens = token_book
         self._credentials = console_credentials
@@ -113,6 +118,7 @@ class EnrollmentServer:
         self._issue_chat_key = issue_chat_key
         self._cert_days = cert_days
         self._max_body_bytes = max_body_bytes
+        self._audit = audit
         self._runner: web.AppRunner | None = None
 
     async def async_start(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
@@ -159,7 +165,7 @@ class EnrollmentServer:
         except CertificateRequestError as exc:
             return self._refuse(peer, 400, str(exc), "bad_csr", name)
         try:
-            self._tokens.redeem(token)
+            redeemed = self._tokens.redeem(token)
         except JoinRefused as exc:
             return self._refuse(peer, 403, str(exc), exc.reason, name)
         except TokenBookError as exc:
@@ -168,7 +174,15 @@ class EnrollmentServer:
                                "the console's log", "internal")
         cert_pem = self._authority.sign_request(csr_pem, role=Role.AGENT, days=self._cert_days, name=name)
         node_id = _node_id(cert_pem)
-        log.info("admitted %s from %s as node %s", name, peer, node_id[:16])
+        log.info("admitted %s from %s as node %s (token %s)", name, peer, node_id[:16], redeemed.token_id)
+        try:
+            self._tokens.record_admission(redeemed.token_id, node_id, name)
+        except TokenBookError as exc:  # the PC is admitted; only the book's note of it is lost
+            log.error("cannot note in the join-token book that token %s admitted %s: %s", redeemed.token_id,
+                      node_id[:16], exc)
+        if self._audit is not None:
+            self._audit.write("admitted", node_id=node_id, name=name, token_id=redeemed.token_id,
+                              token_label=redeemed.label, remote=peer, auto_approve=redeemed.auto_approve)
         if self._on_join is not None:
             try:
                 result = self._on_join(node_id, name, info)
