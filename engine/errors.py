@@ -153,3 +153,9 @@ class DiscoveryError(DeskfleetError):
 class InventoryError(DeskfleetError):
     """Raised by ``Inventory.from_dict`` when an agent's inventory is malformed: a field
     missing, of the wrong type, negative, or a device of an unknown kind."""
+
+
+class TagError(DeskfleetError):
+    """Raised by ``engine.control.tags.parse_tags`` for an agent tag that is not one (empty, too
+    long, a character outside ``a-z 0-9 - _ . : =``), too many tags, or tags not given as a list:
+    in the agent's settings, an admin's request, or a placement's include/exclude tags."""
