@@ -17,6 +17,7 @@ import re
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from engine.control.tags import reported_tags
 from engine.errors import DeskfleetError, ManifestError
 from engine.shards.manifest import Manifest, parse_manifest, safe_join
 
@@ -309,6 +310,7 @@ class AgentStatus:
     worker: WorkerStatus
     api_url: str | None
     kv_pool_mb: int | None = None
+    tags: tuple[str, ...] = ()  # the agent's own tags (its settings); engine.control.tags
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -320,7 +322,7 @@ class AgentStatus:
             state=data["state"], paused_reasons=tuple(data["paused_reasons"]), inventory=data["inventory"],
             export_id=data.get("export_id"), stage=data.get("stage"), fetch=FetchProgress(**data["fetch"]),
             worker=WorkerStatus(**data["worker"]), api_url=data.get("api_url"),
-            kv_pool_mb=_pool_mb(data.get("kv_pool_mb")),
+            kv_pool_mb=_pool_mb(data.get("kv_pool_mb")), tags=reported_tags(data.get("tags")),
         )
 
 
