@@ -20,7 +20,8 @@ from typing import Any
 
 from engine.atomic_file import write_json_atomic
 from engine.control.messages import parse_hostport
-from engine.errors import DeskfleetError
+from engine.control.tags import parse_tags
+from engine.errors import DeskfleetError, TagError
 from engine.machine.this_pc import DEFAULT_CONTROL_PORT, DEFAULT_DATA_PORT, default_agent_dir
 
 SETTINGS_FILE = "settings.json"
@@ -86,8 +87,15 @@ class AgentSettings:
     # compiled, so a crashed worker is replaced in milliseconds. It doubles the stage's weights in
     # memory: "auto" keeps one when the PC's free memory allows, "on" always, "off" never.
     warm_spare: str = "auto"
+    # Labels the admin groups PCs by ("floor-2", "finance"); placement can keep to or avoid them.
+    # The agent reports them in its status; an admin may set others from the service, which win.
+    tags: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "tags", parse_tags(self.tags))
+        except TagError as exc:
+            raise SettingsError(str(exc)) from exc
         if self.warm_spare not in ("auto", "on", "off"):
             raise SettingsError(f"warm_spare must be auto, on or off, got {self.warm_spare!r}")
         for port_name in ("control_port", "data_port"):
@@ -128,6 +136,8 @@ class AgentSettings:
                                                      hours.get("end", OfficeHours.end))
             if "seeds" in values:
                 values["seeds"] = tuple(values["seeds"])
+            if isinstance(values.get("tags"), list):
+                values["tags"] = tuple(values["tags"])
             return cls(**values)
         except (TypeError, AttributeError) as exc:
             raise SettingsError(f"invalid settings: {exc}") from exc
@@ -202,16 +212,18 @@ def save_settings(state_dir: Path, settings: AgentSettings) -> None:
 
 def resolve_settings(state_dir: Path | None, *, interface: str | None = None, control_port: int | None = None,
                      data_port: int | None = None, seeds: Sequence[str] | None = None,
-                     kv_pool_mb: int | None = None) -> tuple[Path, AgentSettings]:
+                     kv_pool_mb: int | None = None, tags: Sequence[str] | None = None) -> tuple[Path, AgentSettings]:
     """The state dir and settings one run of the agent uses (headless or tray): ``state_dir``
     (None: :func:`default_state_dir`) and its saved settings with the command line's choices laid
     over them. A choice given (not None; ``seeds`` non-empty) is saved, so the next run keeps it;
-    a seed that is not HOST:PORT raises before anything is written."""
+    a seed that is not HOST:PORT raises before anything is written; ``tags`` () clears them."""
     state_dir = state_dir or default_state_dir()
     settings = load_settings(state_dir)
     overrides: dict[str, Any] = {k: v for k, v in (("interface", interface), ("control_port", control_port),
                                                    ("data_port", data_port), ("kv_pool_mb", kv_pool_mb))
                                  if v is not None}
+    if tags is not None:
+        overrides["tags"] = tuple(tags)
     if seeds:
         for seed in seeds:
             parse_hostport(seed, "--seed")
