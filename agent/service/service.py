@@ -426,7 +426,7 @@ class AgentService:
             paused_reasons=self._pause.reasons, inventory=self._fresh_inventory(),
             export_id=assignment.export_id if assignment else None, stage=assignment.stage if assignment else None,
             fetch=self._fetch, worker=worker if not fetch_error else replace(worker, last_error=fetch_error),
-            api_url=self._state.api_url, kv_pool_mb=self.kv_pool_mb)
+            api_url=self._state.api_url, kv_pool_mb=self.kv_pool_mb, tags=self.settings.tags)
 
     @property
     def kv_pool_mb(self) -> int:
@@ -603,7 +603,7 @@ class AgentService:
         if self._creds is None:
             return 0
         body = {"advertisement": self.advertisement().to_properties(), "control_port": self._control_port,
-                "address": self.interface}
+                "address": self.interface, "tags": list(self.settings.tags)}
         return await async_register_with_seeds(self._creds, self._state.console_node_id, self.settings.seeds, body)
 
     async def _async_register_loop(self) -> None:
