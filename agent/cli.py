@@ -29,6 +29,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-pool-mb", type=int, default=None, metavar="MIB",
                    help="memory this PC gives its stage's KV block pool when the ring serves paged (default "
                         "1024; capped at a quarter of the RAM; more lets more people chat at once; saved)")
+    p.add_argument("--tags", default=None, metavar="TAG,TAG",
+                   help="labels the admin groups PCs by, e.g. floor-2,finance (comma-separated; placement can keep "
+                        "to or avoid them; an admin may set others from the console, which win; '' clears; saved)")
     p.add_argument("--seed", action="append", default=None, metavar="HOST:PORT",
                    help="a console to register with by address, for networks that drop multicast (repeatable; saved)")
     join = p.add_mutually_exclusive_group()
@@ -72,13 +75,21 @@ def read_join_token(args: argparse.Namespace, stdin: TextIO) -> str | None:
     return token
 
 
+def command_line_tags(args: argparse.Namespace) -> tuple[str, ...] | None:
+    """``--tags`` as tags (None: not given; '' gives none); TagError for a bad one."""
+    from engine.control.tags import tags_from_text
+
+    return None if getattr(args, "tags", None) is None else tags_from_text(args.tags, "--tags")
+
+
 async def async_run_headless(args: argparse.Namespace) -> int:
     from agent.service.idle import default_idle_source
     from agent.service.service import AgentService
     from agent.service.settings import resolve_settings
 
     state_dir, settings = resolve_settings(args.state_dir, interface=args.interface, control_port=args.control_port,
-                                           data_port=args.data_port, seeds=args.seed, kv_pool_mb=args.kv_pool_mb)
+                                           data_port=args.data_port, seeds=args.seed, kv_pool_mb=args.kv_pool_mb,
+                                           tags=command_line_tags(args))
     service = AgentService(state_dir, settings, idle_source=default_idle_source())
     if args.leave:
         await service.async_leave()

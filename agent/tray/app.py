@@ -38,8 +38,11 @@ def run_tray(args: argparse.Namespace) -> int:
     app.setQuitOnLastWindowClosed(False)
     app.setApplicationName("Deskfleet")
 
+    from agent.cli import command_line_tags
+
     state_dir, settings = resolve_settings(args.state_dir, interface=args.interface, control_port=args.control_port,
-                                           data_port=args.data_port, seeds=args.seed, kv_pool_mb=args.kv_pool_mb)
+                                           data_port=args.data_port, seeds=args.seed, kv_pool_mb=args.kv_pool_mb,
+                                           tags=command_line_tags(args))
     service = AgentService(state_dir, settings, idle_source=default_idle_source())
     bridge = AgentBridge(service)
     tray = QtAgentTray(bridge, login_command(state_dir, default_state_dir()), parent=app)
