@@ -111,6 +111,8 @@ class AgentRecord:
     version: str = ""
     instance: str = ""
     verified: bool = False  # heard of over mutual TLS (hub, probe, poll, approvals): approvable
+    tags: tuple[str, ...] = ()  # the admin's tags for it, else its own (console.service.agent_tags)
+    tags_set_by: str = "agent"  # "admin" while the admin's tags stand
 
     @property
     def key(self) -> str:
@@ -138,8 +140,10 @@ def devices_of(inventory: Mapping[str, Any]) -> tuple[str, ...]:
 
 
 def merge_record(key: str, sightings: Mapping[AgentSource, Sighting], *, own_fleet_id: str,
-                 approved: bool, poll: Poll | None = None, news: HubNews | None = None) -> AgentRecord:
-    """The record for ``key`` from every source's last word. ``sightings`` must not be empty."""
+                 approved: bool, poll: Poll | None = None, news: HubNews | None = None,
+                 tags: tuple[str, ...] = (), tags_set_by: str = "agent") -> AgentRecord:
+    """The record for ``key`` from every source's last word. ``sightings`` must not be empty;
+    ``tags`` are the agent's as the service keeps them (`console.service.agent_tags`)."""
     ordered = sorted(sightings.values(), key=lambda s: -1.0 if s.at is None else s.at)
     proven = [s for s in ordered if s.source is not AgentSource.MDNS]
     believed = proven or ordered  # an mDNS claim counts only while nothing proven is known
@@ -182,4 +186,4 @@ def merge_record(key: str, sightings: Mapping[AgentSource, Sighting], *, own_fle
         last_seen=max(times) if times else None, sources=frozenset(sightings), approved=approved,
         status=status, reachable=reachable, error=error, paused_reasons=tuple(reasons),
         version=version, instance=next((s.instance for s in reversed(ordered) if s.instance), ""),
-        verified=verified)
+        verified=verified, tags=tags, tags_set_by=tags_set_by)

@@ -35,6 +35,7 @@ from console.service.agent_record import (
     Sighting,
     merge_record,
 )
+from console.service.agent_tags import AgentTags, TagBook
 from console.service.approvals import ApprovalBook
 from console.service.errors import (
     AgentRefusedError,
@@ -45,6 +46,7 @@ from console.service.errors import (
 from console.service.revocations import RevocationBook
 from engine.control.client import ControlClient, ControlError, WrongAgentError
 from engine.control.hub import AgentEvent, FleetHub
+from engine.control.tags import reported_tags
 from engine.discovery.mdns import Peer
 from engine.trust.fleet_ca import Credentials
 
@@ -71,6 +73,7 @@ class FleetModel:
         self._clock = clock
         self._approvals = ApprovalBook(state_dir)  # raises ConsoleStateError for a corrupt file
         self._revoked = RevocationBook(state_dir)
+        self._tags = TagBook(state_dir)  # raises ConsoleStateError for a corrupt file
         self._hub: FleetHub | None = None
         self._rotate_api_key: Callable[[], str] | None = None  # FleetHost.rotate_api_key, once attached
         self._api_key: str | None = None  # the key the last removal rotated to (pushed with the deny list)
@@ -297,6 +300,16 @@ class FleetModel:
         self._rebuild()
         return self._records[node_id]
 
+    def set_tags(self, node_id: str, tags: tuple[str, ...] | None) -> AgentRecord:
+        """The admin's tags for a member (persisted; TagError for a bad one); None takes them
+        away, so the agent's own count again."""
+        record = self.get(node_id)
+        if record.membership is not Membership.MEMBER or not record.node_id:
+            raise ForeignAgentError(f"{record.name} is not a member of this fleet; tags are for its members")
+        self._tags.set_admin(record.node_id, tags)
+        self._rebuild()
+        return self._records[record.node_id]
+
     @property
     def deny(self) -> tuple[str, ...]:
         """The node ids the admin removed (sent with every assignment)."""
@@ -308,6 +321,7 @@ class FleetModel:
         the next assignments carry it. Only a fresh join (a new node id) brings the PC back."""
         record = self.get(node_id)
         self._approvals.discard(node_id)
+        self._tags.discard(node_id)
         self._revoked.add(record.node_id, record.name)
         for table in (self._sightings, self._polls, self._news):
             table.pop(node_id, None)
@@ -423,6 +437,8 @@ class FleetModel:
         if not (isinstance(port, int) and 0 < port < 65536 and isinstance(address, str) and address):
             log.warning("registration from %s without a control address ignored", node_id[:16])
             return
+        if "tags" in body:  # an older agent's registration says nothing of tags: keep what is known
+            self._tags.note_reported(node_id, reported_tags(body.get("tags")))
         devices = props.get("dev") if isinstance(props.get("dev"), str) else ""
         memory = props.get("mem") if isinstance(props.get("mem"), str) and props["mem"].isdigit() else "0"
         self._sightings.setdefault(node_id, {})[AgentSource.HUB] = Sighting(
@@ -434,6 +450,13 @@ class FleetModel:
         record = self._records.get(node_id)
         worker = record.status.worker.state if record is not None and record.status is not None else ""
         return "serving" if worker in ("starting", "running", "backoff") else "idle"
+
+    def _tags_of(self, key: str, poll: Poll | None) -> AgentTags:
+        """The agent's tags: its last status's (kept in the tag book when they changed), the
+        admin's over them."""
+        if poll is not None and poll.status is not None and not key.startswith("instance:"):
+            self._tags.note_reported(key, poll.status.tags)
+        return self._tags.get(key)
 
     def _rebuild(self) -> None:
         for key in [k for k, s in self._sightings.items() if not s and k not in self._approvals]:
@@ -448,9 +471,11 @@ class FleetModel:
                 a = self._approvals.approved[key]
                 by_source[AgentSource.SAVED] = Sighting(AgentSource.SAVED, a.name, a.address,
                                                         a.control_port, a.fleet_id)
+            poll = self._polls.get(key)
+            tags = self._tags_of(key, poll)
             records[key] = merge_record(key, by_source, own_fleet_id=self.fleet_id,
-                                        approved=key in self._approvals, poll=self._polls.get(key),
-                                        news=self._news.get(key))
+                                        approved=key in self._approvals, poll=poll, news=self._news.get(key),
+                                        tags=tags.effective, tags_set_by=tags.set_by)
         if records == self._records:
             return
         self._records = records
