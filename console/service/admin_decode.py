@@ -24,6 +24,7 @@ from console.service.models import ModelEntry
 from console.service.placement_inputs import PlacementInputs
 from engine.control.links import LinkMeasurement
 from engine.control.messages import AgentStatus
+from engine.control.tags import reported_tags
 from engine.placement.planner import DeviceProfile, Links, ModelProfile, PcInfo
 
 SERVICE_END = "service"  # how docs/ADMIN_API.md names the service's end of a link; the pages call it CONSOLE
@@ -65,7 +66,8 @@ def agent_from_json(body: Mapping[str, Any], *, now: float | None = None) -> Age
         approved=_get(body, "approved", bool, w, False), status=parsed_status,
         reachable=_get(body, "reachable", bool, w, None), error=_get(body, "error", str, w, None),
         paused_reasons=tuple(_get(body, "paused_reasons", list, w, [])), version=_get(body, "version", str, w, ""),
-        instance=_get(body, "instance", str, w, ""), verified=_get(body, "verified", bool, w, False))
+        instance=_get(body, "instance", str, w, ""), verified=_get(body, "verified", bool, w, False),
+        tags=reported_tags(_get(body, "tags", list, w, [])), tags_set_by=_get(body, "tags_set_by", str, w, "agent"))
 
 
 def agents_from_json(body: Mapping[str, Any]) -> tuple[AgentRecord, ...]:

@@ -191,6 +191,7 @@ def agent_json(record: AgentRecord, *, now: float | None = None) -> dict[str, An
             "sources": sorted(str(s) for s in record.sources), "approved": record.approved,
             "reachable": record.reachable, "error": record.error, "paused_reasons": list(record.paused_reasons),
             "version": record.version, "instance": record.instance, "verified": record.verified,
+            "tags": list(record.tags), "tags_set_by": record.tags_set_by,
             "status": None if record.status is None else record.status.to_dict()}
 
 
