@@ -14,7 +14,6 @@ import contextlib
 import datetime as dt
 import json
 import logging
-import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -32,6 +31,7 @@ from agent.service.console_link import (
     async_tell_console,
 )
 from agent.service.control_api import build_app
+from agent.service.machine_load import LoadMeter, fresh_inventory
 from agent.service.settings import AgentSettings, AgentState, load_state, save_settings, save_state
 from agent.service.spare_policy import SpareDecision, spare_decision
 from agent.service.standby_spare import StandbySpare
@@ -94,6 +94,7 @@ class AgentService:
         self._creds: Credentials | None = None
         self._pause = pause.PauseState()
         self._fetch = FetchProgress()
+        self._load = LoadMeter()
         self._fetch_task: asyncio.Task | None = None
         self._supervisor = WorkerSupervisor(on_change=self._on_worker)
         self._runner: web.AppRunner | None = None
@@ -420,13 +421,15 @@ class AgentService:
         creds = self._creds
         worker = self._supervisor.status
         fetch_error = self._fetch.error
+        load = self._load.sample()
         return AgentStatus(
             node_id=creds.node_id if creds else "", fleet_id=creds.fleet_id if creds else "",
             name=self.settings.name, version=__version__, state=self.state(),
-            paused_reasons=self._pause.reasons, inventory=self._fresh_inventory(),
+            paused_reasons=self._pause.reasons, inventory=fresh_inventory(self._inventory, self.store.root),
             export_id=assignment.export_id if assignment else None, stage=assignment.stage if assignment else None,
             fetch=self._fetch, worker=worker if not fetch_error else replace(worker, last_error=fetch_error),
-            api_url=self._state.api_url, kv_pool_mb=self.kv_pool_mb, tags=self.settings.tags)
+            api_url=self._state.api_url, kv_pool_mb=self.kv_pool_mb, tags=self.settings.tags,
+            cpu_percent=load.cpu_percent, memory_used_bytes=load.memory_used_bytes)
 
     @property
     def kv_pool_mb(self) -> int:
@@ -466,18 +469,6 @@ class AgentService:
             log.warning("inventory failed (%s); reporting the CPU only", err.decode(errors="replace")[-300:])
             return {"devices": [{"name": "CPU", "kind": "CPU", "full_name": "", "memory_bytes": None}]}
         return json.loads(out)
-
-    def _fresh_inventory(self) -> dict:
-        """The inventory with the facts that change (free memory, power, disk) read now."""
-        inventory = dict(self._inventory)
-        with contextlib.suppress(Exception):
-            inventory["ram_available"] = psutil.virtual_memory().available
-            battery = psutil.sensors_battery()
-            inventory["battery_percent"] = None if battery is None else battery.percent
-            inventory["on_ac"] = None if battery is None else bool(battery.power_plugged)
-            if self.store.root.is_dir():
-                inventory["disk_free"] = shutil.disk_usage(self.store.root).free
-        return inventory
 
     def _require_assignment(self) -> Assignment:
         assignment = self.assignment

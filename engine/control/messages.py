@@ -295,6 +295,10 @@ class AgentStatus:
     ``kv_pool_mb``: the MiB this PC gives its stage's KV block pool when it serves paged (the
     agent's setting, capped by its RAM); the console sizes a paged ring's pool by the smallest.
     None from an agent too old to serve paged.
+
+    ``cpu_percent``: the whole PC's CPU use (0-100, all cores together) since the previous read of
+    at least a second ago; ``memory_used_bytes``: its RAM in use (total minus available). Both
+    None when unknown: the first read of a just-started agent, or an agent from before them.
     """
 
     node_id: str
@@ -311,6 +315,8 @@ class AgentStatus:
     api_url: str | None
     kv_pool_mb: int | None = None
     tags: tuple[str, ...] = ()  # the agent's own tags (its settings); engine.control.tags
+    cpu_percent: float | None = None
+    memory_used_bytes: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -323,7 +329,19 @@ class AgentStatus:
             export_id=data.get("export_id"), stage=data.get("stage"), fetch=FetchProgress(**data["fetch"]),
             worker=WorkerStatus(**data["worker"]), api_url=data.get("api_url"),
             kv_pool_mb=_pool_mb(data.get("kv_pool_mb")), tags=reported_tags(data.get("tags")),
+            cpu_percent=_percent(data.get("cpu_percent")), memory_used_bytes=_bytes(data.get("memory_used_bytes")),
         )
+
+
+def _percent(value: Any) -> float | None:
+    """A reported CPU percentage (absent, not a number or outside 0-100: None)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value <= 100.0
+    return float(value) if ok else None
+
+
+def _bytes(value: Any) -> int | None:
+    """A reported byte count (absent or not a non-negative integer: None)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 def _pool_mb(value: Any) -> int | None:
