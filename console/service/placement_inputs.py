@@ -11,18 +11,21 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
-from console.service.agent_record import Membership
+from console.service.agent_record import AgentRecord, Membership
 from console.service.calibration_export import (
+    KV_BYTES,
+    CalibrationSet,
     async_build_calibration_set,
     layer_weight_bytes,
     model_profile,
 )
+from console.service.context_choice import ContextChoice, choose_context
 from console.service.fleet import FleetModel
 from console.service.links import LinkReport, async_measure_links
 from console.service.profiling import (
@@ -32,6 +35,7 @@ from console.service.profiling import (
     pc_infos,
 )
 from engine.control.hub import FleetHub
+from engine.control.tags import tag_exclusions
 from engine.errors import Exclusion, PlacementInputError
 from engine.placement.planner import (
     DeviceProfile,
@@ -63,6 +67,9 @@ class PlacementInputs:
     unreachable: tuple[str, ...]
     names: Mapping[str, str]
     failures: Mapping[tuple[str, str], str]
+    # how the service chose the context when the caller left it open (None: the caller gave it);
+    # kept on the placement (placement_store), not in the inputs' JSON
+    context: ContextChoice | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "names", MappingProxyType(dict(self.names)))
@@ -79,12 +86,15 @@ class PlacementInputs:
 
 
 async def async_placement_inputs(fleet: FleetModel, hub: FleetHub, checkpoint: Path, *,
-                                 options: ExportOptions, context: int = 4096, streams: int = 1,
+                                 options: ExportOptions, context: int | None = 4096, streams: int = 1,
                                  allow_battery: bool = False, steps: int = 16, threads: int | None = None,
-                                 links: LinkReport | None = None) -> PlacementInputs:
+                                 links: LinkReport | None = None, headroom: float = 0.8,
+                                 not_for_context: Collection[str] = ()) -> PlacementInputs:
     """Refresh the agents, measure the links (unless given), calibrate (cached, on ``threads``
-    inference threads: the workers'), profile the model. Runs on the console's loop (``fleet``
-    lives there)."""
+    inference threads: the workers'), profile the model. ``context`` None: the model's maximum,
+    capped by the calibrated agents' free memory at ``headroom``, less the agents
+    ``not_for_context`` (left out of the plan by the admin or their tags); the inputs' ``context``
+    says which and why. Runs on the console's loop (``fleet`` lives there)."""
     await fleet.async_refresh()
     members = [r for r in fleet.records() if r.membership is Membership.MEMBER]
     unreachable = [r.node_id for r in members if r.approved and r.status is None]
@@ -97,12 +107,31 @@ async def async_placement_inputs(fleet: FleetModel, hub: FleetHub, checkpoint: P
     calibration = await async_build_calibration_set(checkpoint, fleet.state_dir, options)
     calibrations = await async_calibrate_devices(fleet, hub, calibration, usable, ProfileCache(fleet.state_dir),
                                                  steps=steps, threads=threads)
-    model = model_profile(calibration, context=context, streams=streams, kv_precision=options.kv_cache_precision)
     by_id = {r.node_id: r for r in polled}
     reachable = [r for r in polled if r.node_id not in links.unreachable]
+    pcs = tuple(pc_infos(reachable))
+    choice = None
+    if context is None:
+        calibrated = {c.node_id for c in calibrations.done} - set(not_for_context)
+        choice = context_for(calibration, options.kv_cache_precision, streams=streams, headroom=headroom,
+                             free=[(by_id[pc.pc_id].name, pc.memory_bytes) for pc in pcs if pc.pc_id in calibrated])
+        context = choice.tokens
+    model = model_profile(calibration, context=context, streams=streams, kv_precision=options.kv_cache_precision)
     devices = device_profiles(calibrations.done, by_id, model, layer_weight_bytes(calibration))
-    return PlacementInputs(model, tuple(pc_infos(reachable)), tuple(devices), links, tuple(unreachable),
-                           {r.node_id: r.name for r in members}, calibrations.failures)
+    return PlacementInputs(model, pcs, tuple(devices), links, tuple(unreachable),
+                           {r.node_id: r.name for r in members}, calibrations.failures, choice)
+
+
+def context_for(calibration: CalibrationSet, kv_precision: str, *, free: Sequence[tuple[str, int]],
+                streams: int = 1, headroom: float = 0.8) -> ContextChoice:
+    """The model's maximum context (its manifest), capped by ``free`` = [(agent name, free
+    bytes)]: `console.service.context_choice.choose_context` over this model's weights and KV."""
+    info = calibration.parts[0].manifest.model
+    weights = model_profile(calibration, context=0, streams=1, kv_precision=kv_precision)
+    kv_per_token = 2 * info.num_kv_heads * info.head_dim * KV_BYTES[kv_precision] * info.num_layers
+    return choose_context(info.max_position_embeddings, kv_bytes_per_token=kv_per_token,
+                          weight_bytes=sum(weights.layer_bytes) + weights.embed_bytes + weights.head_bytes,
+                          free=free, streams=streams, headroom=headroom)
 
 
 async def async_place(fleet: FleetModel, hub: FleetHub, checkpoint: Path, *,
@@ -128,14 +157,27 @@ async def async_place(fleet: FleetModel, hub: FleetHub, checkpoint: Path, *,
 
 
 def solve_inputs(inputs: PlacementInputs, request: PlacementRequest,
-                 leave_out: Collection[str] = ()) -> Plan:
-    """Solve over ``inputs`` without the agents ``leave_out`` (node ids). Raises the solver's
-    `PlacementInfeasible` unchanged; an agent the admin left out is listed as `LEFT_OUT`."""
-    pcs = [dataclasses.replace(pc, approved=False) if pc.pc_id in leave_out else pc for pc in inputs.pcs]
+                 leave_out: Collection[str] = (), tagged_out: Mapping[str, str] | None = None) -> Plan:
+    """Solve over ``inputs`` without the agents ``leave_out`` (node ids) and ``tagged_out``
+    ({node id: reason}, from `engine.control.tags.tag_exclusions`). Raises the solver's
+    `PlacementInfeasible` unchanged; an agent the admin left out is listed as `LEFT_OUT`, one
+    its tags kept out with the tags' reason."""
+    approved = {pc.pc_id for pc in inputs.pcs if pc.approved}  # "not approved" stays the reason for the rest
+    reasons = {n: why for n, why in (tagged_out or {}).items() if n in approved}
+    reasons.update({n: LEFT_OUT for n in leave_out})
+    pcs = [dataclasses.replace(pc, approved=False) if pc.pc_id in reasons else pc for pc in inputs.pcs]
     plan = solve(request, model=inputs.model, pcs=pcs, devices=inputs.devices, links=inputs.links.links)
-    excluded = tuple(Exclusion(e.pc_id, LEFT_OUT) if e.pc_id in leave_out else e for e in plan.excluded)
+    excluded = tuple(Exclusion(e.pc_id, reasons[e.pc_id]) if e.pc_id in reasons else e for e in plan.excluded)
     excluded += tuple(Exclusion(n, UNREACHABLE) for n in inputs.unreachable)
     return dataclasses.replace(plan, excluded=excluded)
+
+
+def tagged_out(records: Iterable[AgentRecord], include: Iterable[str] = (),
+               exclude: Iterable[str] = ()) -> dict[str, str]:
+    """{node id: why} for the member agents a placement keeping to ``include`` and avoiding
+    ``exclude`` leaves out, by their tags (`engine.control.tags.tag_exclusions`; TagError for a
+    bad tag)."""
+    return tag_exclusions({r.node_id: r.tags for r in records if r.node_id}, include, exclude)
 
 
 def stage_firsts(plan: Plan) -> tuple[int, ...]:

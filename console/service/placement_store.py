@@ -22,6 +22,8 @@ from console.service.errors import ConsoleError, ConsoleStateError
 from console.service.export_catalog import ExportSpec
 from console.service.placement_inputs import PlacementInputs
 from console.service.state_file import read_json, write_json
+from engine.control.tags import parse_tags
+from engine.errors import TagError
 from engine.placement.planner import Plan
 
 PLACEMENTS_FILE = "placements.json"
@@ -36,7 +38,9 @@ class PlacementNotFoundError(ConsoleError):
 
 @dataclass
 class Placement:
-    """One placement; ``plan`` is replaced by a re-solve (then saved again)."""
+    """One placement; ``plan`` is replaced by a re-solve (then saved again). ``context_reason``
+    says how the service chose the context ("" when the admin gave it); ``include_tags`` /
+    ``exclude_tags`` are the tags it was asked to keep to (a re-solve may ask others)."""
 
     id: str
     model: str
@@ -44,16 +48,24 @@ class Placement:
     spec: ExportSpec
     inputs: PlacementInputs
     plan: Plan
+    context_reason: str = ""
+    include_tags: tuple[str, ...] = ()
+    exclude_tags: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "model": self.model, "context": self.context, "spec": spec_json(self.spec),
-                "inputs": inputs_json(self.inputs), "plan": plan_json(self.plan)}
+                "inputs": inputs_json(self.inputs), "plan": plan_json(self.plan),
+                "context_reason": self.context_reason, "include_tags": list(self.include_tags),
+                "exclude_tags": list(self.exclude_tags)}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Placement:
+        """(A file from before tags and the context's reason reads with none of either.)"""
         return cls(id=str(data["id"]), model=str(data["model"]), context=int(data["context"]),
                    spec=spec_from_json(data.get("spec")), inputs=inputs_from_json(data["inputs"]),
-                   plan=plan_from_json(data["plan"]))
+                   plan=plan_from_json(data["plan"]), context_reason=str(data.get("context_reason") or ""),
+                   include_tags=parse_tags(data.get("include_tags") or [], "include_tags"),
+                   exclude_tags=parse_tags(data.get("exclude_tags") or [], "exclude_tags"))
 
 
 class PlacementStore:
@@ -77,7 +89,7 @@ class PlacementStore:
             if len(set(ids)) != len(ids):
                 raise ValueError("a placement id appears twice")
             return {p.id: p for p in items}
-        except (KeyError, TypeError, ValueError, AttributeError, ShapeError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError, ShapeError, TagError) as exc:
             raise ConsoleStateError(f"{WHAT} in {self.path} is damaged ({exc}); it was left in place: restore it "
                                     "from a backup, or move it aside to start with no placements") from exc
 
