@@ -32,6 +32,7 @@ from engine.wire.format import (
     FORWARD_META,
     HEADER_SIZE,
     MAX_FRAME_BYTES,
+    MAX_FRAME_STAGES,
     MIN_FRAME_BOUND,
     PACKED_META,
     Role,
@@ -62,7 +63,7 @@ def return_frame_bound(vocab_size: int, context: int) -> int:
     ``context`` rows of float32 over the vocabulary (a prefill that wanted every row), which is
     more than Tokens (12 bytes a row), a Packed answer or a Capture echo (8 bytes a kept position)
     of as many rows, plus the header and their row metadata."""
-    meta = max(PACKED_META.size, FORWARD_META.size) + 3 * 8 * context
+    meta = max(PACKED_META.size, FORWARD_META.size) + 3 * 8 * context + 4 * MAX_FRAME_STAGES
     bound = HEADER_SIZE + meta + 4 * max(vocab_size, 3) * context
     return min(MAX_FRAME_BYTES, max(MIN_FRAME_BOUND, bound))
 

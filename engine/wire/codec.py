@@ -31,6 +31,7 @@ from engine.wire.format import (
     MAX_ERROR_MESSAGE_BYTES,
     MAX_FINGERPRINT_BYTES,
     MAX_FRAME_BYTES,
+    MAX_FRAME_STAGES,
     MAX_MASK_ELEMENTS,
     NUMPY_DTYPE,
     PACKED_META,
@@ -128,14 +129,15 @@ _KIND_RULES: dict[FrameKind, _KindRule] = {
         _FLOATS | {DType.INT64}, frozenset({2, 3}), FrameFlag.WANT_LOGITS, "required", None
     ),
     FrameKind.PACKED: _KindRule(
-        _FLOATS | {DType.INT64}, frozenset({2, 3}), 0, "required", PACKED_META.size + 3 * 8 * U16_MAX
+        _FLOATS | {DType.INT64}, frozenset({2, 3}), FrameFlag.WANT_LOGITS, "required",
+        PACKED_META.size + 3 * 8 * U16_MAX + 4 * MAX_FRAME_STAGES
     ),
     FrameKind.STEP: _KindRule(_FLOATS | {DType.INT64}, frozenset({1, 2}), 0, "required", MAX_STEP_META),
     FrameKind.STEP_REPLY: _KindRule(
         frozenset({DType.NONE, DType.FLOAT32}), frozenset({0, 2}), 0, "required", MAX_STEP_REPLY_META
     ),
     FrameKind.TOKENS: _KindRule(frozenset({DType.INT64}), frozenset({1, 2}), 0, "required", None),
-    FrameKind.LOGITS: _KindRule(_FLOATS, frozenset({2, 3}), 0, "required"),
+    FrameKind.LOGITS: _KindRule(_FLOATS, frozenset({2, 3}), 0, "required", 4 * MAX_FRAME_STAGES),
     FrameKind.RELEASE: _KindRule(*_NO_TENSOR, stream="required"),
     FrameKind.CAPTURE: _KindRule(frozenset({DType.INT64}), frozenset({1}), 0, "required", CAPTURE_META.size),
     FrameKind.RESTORE: _KindRule(*_NO_TENSOR, stream="required", max_meta=RESTORE_META.size),
@@ -238,73 +240,91 @@ def _decode_forward(header: FrameHeader, meta: memoryview, tensor: np.ndarray | 
     assert tensor is not None
     if len(meta) < FORWARD_META.size:
         raise FrameError("Forward meta section is shorter than its 8-byte descriptor")
-    t, encoding, reply_last = FORWARD_META.unpack_from(meta)
-    if encoding != MASK_PACKED_BITS or meta[5]:
-        raise FrameError(f"unknown attention-mask encoding {encoding} (or reserved bytes set)")
+    t, encoding, times, reply_last = FORWARD_META.unpack_from(meta)
+    if encoding != MASK_PACKED_BITS:
+        raise FrameError(f"unknown attention-mask encoding {encoding}")
     b, s = header.shape[0], header.shape[1]
     row_bytes = (t + 7) // 8
     positions_end = FORWARD_META.size + 8 * b * s
-    want = positions_end + b * row_bytes
+    mask_end = positions_end + b * row_bytes
+    want = mask_end + 4 * times
     if len(meta) != want:
-        raise FrameError(f"Forward meta is {len(meta)} bytes, mask T={t} and [B,S] need {want}")
+        raise FrameError(f"Forward meta is {len(meta)} bytes, mask T={t}, [B,S] and {times} stage times need {want}")
     if t < s:
         raise FrameError(f"attention mask length T={t} is shorter than the S={s} new positions")
     if b * t > MAX_MASK_ELEMENTS:  # checked before unpacking: bits become 64x larger
         raise FrameError(f"attention mask [B={b}, T={t}] exceeds {MAX_MASK_ELEMENTS} elements")
     positions = np.frombuffer(meta[FORWARD_META.size : positions_end], "<i8").reshape(b, s)
-    packed = np.frombuffer(meta[positions_end:], np.uint8).reshape(b, row_bytes)
+    packed = np.frombuffer(meta[positions_end:mask_end], np.uint8).reshape(b, row_bytes)
     bits = np.unpackbits(packed, axis=1, bitorder="little")  # [B, 8*row_bytes]
     if bits[:, t:].any():
         raise FrameError("attention mask padding bits beyond T must be zero")
     mask = bits[:, :t].astype("<i8")
     want_logits = bool(header.flags & FrameFlag.WANT_LOGITS)
-    return Forward(header.stream_id, header.seq, tensor, mask, positions, want_logits, reply_last)
+    return Forward(header.stream_id, header.seq, tensor, mask, positions, want_logits, reply_last,
+                   _stage_times(meta[mask_end:], "Forward"))
+
+
+def _stage_times(meta: memoryview, kind: str) -> tuple[float, ...]:
+    """The float32 stage times [n] that end a Forward/Packed/Tokens/Logits meta section."""
+    if len(meta) % 4:
+        raise FrameError(f"{kind} stage times take 4 bytes each; {len(meta)} bytes are left for them")
+    return tuple(np.frombuffer(meta, "<f4").tolist())
+
+
+def _times_bytes(stage_ms: tuple[float, ...]) -> bytes:
+    return np.array(stage_ms, "<f4").tobytes()
 
 
 def _encode_forward(msg: Forward) -> bytes:
-    """The Forward meta section: descriptor, position ids, bit-packed attention mask."""
+    """The Forward meta section: descriptor, position ids, bit-packed attention mask, stage times."""
     t = msg.attention_mask.shape[1]
     packed = np.packbits(msg.attention_mask.astype(np.uint8), axis=1, bitorder="little")
-    descriptor = FORWARD_META.pack(t, MASK_PACKED_BITS, msg.reply_last)
+    descriptor = FORWARD_META.pack(t, MASK_PACKED_BITS, len(msg.stage_ms), msg.reply_last)
     positions = np.ascontiguousarray(msg.position_ids)  # [B,S], checked at init
-    return descriptor + positions.tobytes() + packed.tobytes()
+    return descriptor + positions.tobytes() + packed.tobytes() + _times_bytes(msg.stage_ms)
 
 
 def _decode_packed(header: FrameHeader, meta: memoryview, tensor: np.ndarray | None) -> Message:
     assert tensor is not None
     if len(meta) < PACKED_META.size:
         raise FrameError(f"Packed meta section is shorter than its {PACKED_META.size}-byte descriptor")
-    rows, reserved = PACKED_META.unpack_from(meta)
-    if reserved:
-        raise FrameError("Packed reserved descriptor bytes must be zero")
-    want = PACKED_META.size + 3 * 8 * rows
+    rows, times = PACKED_META.unpack_from(meta)
+    if times > MAX_FRAME_STAGES:
+        raise FrameError(f"Packed carries {times} stage times; at most {MAX_FRAME_STAGES}")
+    plan_end = PACKED_META.size + 3 * 8 * rows
+    want = plan_end + 4 * times
     if len(meta) != want:
-        raise FrameError(f"Packed meta is {len(meta)} bytes; a {rows}-row plan needs {want}")
-    plan = np.frombuffer(meta[PACKED_META.size :], "<i8").reshape(3, rows)
+        raise FrameError(f"Packed meta is {len(meta)} bytes; a {rows}-row plan needs {want} with {times} stage times")
+    plan = np.frombuffer(meta[PACKED_META.size : plan_end], "<i8").reshape(3, rows)
     try:
         frame = PlanFrame(plan[0], plan[1], plan[2])
     except GenerationError as exc:
         raise FrameError(f"Packed plan: {exc}") from None
-    return Packed(header.stream_id, header.seq, frame, tensor)
+    return Packed(header.stream_id, header.seq, frame, tensor, bool(header.flags & FrameFlag.WANT_LOGITS),
+                  _stage_times(meta[plan_end:], "Packed"))
 
 
 def _encode_packed(msg: Packed) -> bytes:
-    """The Packed meta section: row count, then the plan's slot, position and reuse rows."""
+    """The Packed meta section: row count and stage-time count, the plan's slot, position and
+    reuse rows, the stage times."""
     plan = np.stack([msg.plan.slot, msg.plan.position, msg.plan.reuse]).astype("<i8", copy=False)
-    return PACKED_META.pack(msg.plan.rows, 0) + plan.tobytes()
+    return PACKED_META.pack(msg.plan.rows, len(msg.stage_ms)) + plan.tobytes() + _times_bytes(msg.stage_ms)
 
 
 def _decode_tokens(header: FrameHeader, meta: memoryview, tensor: np.ndarray | None) -> Message:
     assert tensor is not None
-    if len(meta) != tensor.size * 4:
-        raise FrameError(f"Tokens meta must hold {tensor.size} float32 probs, got {len(meta)} B")
-    probs = np.frombuffer(meta, "<f4").reshape(tensor.shape)
-    return Tokens(header.stream_id, header.seq, tensor, probs)
+    extra = len(meta) - tensor.size * 4
+    if extra < 0 or extra % 4 or extra // 4 > MAX_FRAME_STAGES:
+        raise FrameError(f"Tokens meta must hold {tensor.size} float32 probs and at most {MAX_FRAME_STAGES} "
+                         f"float32 stage times, got {len(meta)} B")
+    probs = np.frombuffer(meta[: tensor.size * 4], "<f4").reshape(tensor.shape)
+    return Tokens(header.stream_id, header.seq, tensor, probs, _stage_times(meta[tensor.size * 4 :], "Tokens"))
 
 
 def _decode_logits(header: FrameHeader, meta: memoryview, tensor: np.ndarray | None) -> Message:
     assert tensor is not None
-    return Logits(header.stream_id, header.seq, tensor)
+    return Logits(header.stream_id, header.seq, tensor, _stage_times(meta, "Logits"))
 
 
 def _decode_error(header: FrameHeader, meta: memoryview, tensor: np.ndarray | None) -> Message:
@@ -397,16 +417,17 @@ def _encode_body(msg: Message) -> tuple[FrameKind, int, int, int, bytes, np.ndar
             meta = _encode_forward(msg)
             return FrameKind.FORWARD, flags, msg.stream_id, msg.seq, meta, msg.tensor
         case Packed():
-            return FrameKind.PACKED, 0, msg.stream_id, msg.seq, _encode_packed(msg), msg.tensor
+            flags = FrameFlag.WANT_LOGITS if msg.want_logits else 0
+            return FrameKind.PACKED, flags, msg.stream_id, msg.seq, _encode_packed(msg), msg.tensor
         case Step():
             return FrameKind.STEP, 0, msg.session, msg.seq, encode_step(msg), msg.tensor
         case StepReply():
             return FrameKind.STEP_REPLY, 0, msg.session, msg.seq, encode_step_reply(msg), msg.logits
         case Tokens():
-            meta = np.ascontiguousarray(msg.probs).tobytes()
+            meta = np.ascontiguousarray(msg.probs).tobytes() + _times_bytes(msg.stage_ms)
             return FrameKind.TOKENS, 0, msg.stream_id, msg.seq, meta, msg.ids
         case Logits():
-            return FrameKind.LOGITS, 0, msg.stream_id, msg.seq, b"", msg.logits
+            return FrameKind.LOGITS, 0, msg.stream_id, msg.seq, _times_bytes(msg.stage_ms), msg.logits
         case Release():
             return FrameKind.RELEASE, 0, msg.stream_id, msg.seq, b"", None
         case Capture():

@@ -22,8 +22,9 @@ import numpy as np
 from engine.errors import DeskfleetError
 
 # 1: Forward/Tokens/Logits/Release; 2 adds Capture/Restore and Packed; 3 adds Step/StepReply; 4 adds the
-# Step's allowed-token masks and top-k requests and the StepReply's top-k ids and log-probabilities
-PROTOCOL_VERSION = 4
+# Step's allowed-token masks and top-k requests and the StepReply's top-k ids and log-probabilities; 5 adds
+# the stage times to Forward/Packed/Tokens/Logits and lets a Packed frame want Logits
+PROTOCOL_VERSION = 5
 MAGIC = b"DKFL"
 MAX_FRAME_BYTES = 256 * 1024 * 1024  # default bound, header included; configurable per call
 MIN_FRAME_BOUND = 64 * 1024  # a node refusing frames this small could not even send a prefill
@@ -52,11 +53,11 @@ HEADER_STRUCT = struct.Struct("<4sHBBQQBBH4IIQ")
 HEADER_SIZE = HEADER_STRUCT.size
 CAPTURE_META = struct.Struct("<Q")  # capture id; the kept positions are the int64 [n] tensor
 RESTORE_META = struct.Struct("<QI")  # capture id, number of leading positions to restore
-FORWARD_META = struct.Struct("<IBxH")  # mask length T, mask encoding, 1 reserved zero byte, reply_last
+FORWARD_META = struct.Struct("<IBBH")  # mask length T, mask encoding, stage times n, reply_last
 # protocol_version, stage_index, max_frame_bytes, [role,] fingerprint length; fingerprint follows
 HELLO_META = struct.Struct("<HHQBB")
 HELLO_ACK_META = struct.Struct("<HHQB")
-PACKED_META = struct.Struct("<HH")  # rows S, reserved zero; the int64 plan [3, S] follows
+PACKED_META = struct.Struct("<HH")  # rows S, stage times n; the int64 plan [3, S] and float32 times [n] follow
 ERROR_META = struct.Struct("<H")  # error code; the UTF-8 message fills the rest of meta
 # Step (paged step): block_size u16, rows S u16, copies C u16, stage times n u16, pool_blocks u32,
 # real tokens T u32, padded tokens Tb u32, token_budget u32, flags u32 (0), mask words W u32 (0: no mask);
@@ -76,6 +77,7 @@ MAX_STEP_MASK_WORDS = 1 << 22
 # the payload is logits f32 [L, V]
 STEP_REPLY_META = struct.Struct("<3IHH")
 MAX_STEP_STAGES = 256  # stage times one step frame carries (one per stage passed)
+MAX_FRAME_STAGES = 255  # stage times a Forward/Packed/Tokens/Logits frame carries (a u8 or u16 count)
 MAX_STEP_COPIES = U16_MAX  # block copies in one step (a u16 count)
 MAX_STEP_BLOCK_IDS = 1 << 22  # block ids in one step's row table: 16 MiB of int32
 MASK_PACKED_BITS = 0  # the only mask encoding of version 1; the byte leaves room for run lengths

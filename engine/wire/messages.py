@@ -22,6 +22,7 @@ from engine.wire.format import (
     MAX_ERROR_MESSAGE_BYTES,
     MAX_FINGERPRINT_BYTES,
     MAX_FRAME_BYTES,
+    MAX_FRAME_STAGES,
     MAX_MASK_ELEMENTS,
     MAX_STEP_BLOCK_IDS,
     MAX_STEP_COPIES,
@@ -69,7 +70,8 @@ class Forward:
     ``attention_mask`` int64 [B,T] (0/1, T = cache length after this step, T >= S) and
     ``position_ids`` int64 [B,S] are decided by the coordinator; stages only apply them.
     ``reply_last`` is how many trailing positions the last stage answers for (0 = all S): 1 for
-    plain decode and prefill, K+1 to verify K speculative drafts.
+    plain decode and prefill, K+1 to verify K speculative drafts. ``stage_ms``: the compute time
+    in ms of every stage already passed, in ring order (each stage appends its own; at most 255).
     Arrays are shared, not copied: treat them as immutable.
     """
 
@@ -80,10 +82,12 @@ class Forward:
     position_ids: np.ndarray
     want_logits: bool = False
     reply_last: int = 0
+    stage_ms: tuple[float, ...] = ()
     __repr__ = _shape_repr
 
     def __post_init__(self) -> None:
         _check_stream(self.stream_id, self.seq, "Forward")
+        object.__setattr__(self, "stage_ms", _check_stage_ms(self.stage_ms, "Forward.stage_ms", MAX_FRAME_STAGES))
         t = self.tensor
         _check_array(t, "Forward.tensor", (_INT64, _FLOAT32, _FLOAT16))
         if t.dtype == np.int64 and t.ndim != 2:
@@ -113,16 +117,19 @@ class Forward:
 
 @dataclass(frozen=True, eq=False, repr=False)
 class Tokens:
-    """The last stage's top-1 answer: ids int64 [S] (or [B,S]) and their probabilities float32."""
+    """The last stage's top-1 answer: ids int64 [S] (or [B,S]) and their probabilities float32;
+    ``stage_ms`` every stage's compute ms for this step, in ring order (the Forward's, plus its own)."""
 
     stream_id: StreamId
     seq: int
     ids: np.ndarray
     probs: np.ndarray
+    stage_ms: tuple[float, ...] = ()
     __repr__ = _shape_repr
 
     def __post_init__(self) -> None:
         _check_stream(self.stream_id, self.seq, "Tokens")
+        object.__setattr__(self, "stage_ms", _check_stage_ms(self.stage_ms, "Tokens.stage_ms", MAX_FRAME_STAGES))
         _check_array(self.ids, "Tokens.ids", (_INT64,), ndims=(1, 2))
         _check_array(self.probs, "Tokens.probs", (_FLOAT32,), ndims=(1, 2))
         if self.probs.shape != self.ids.shape:
@@ -135,15 +142,18 @@ class Tokens:
 
 @dataclass(frozen=True, eq=False, repr=False)
 class Logits:
-    """Full-vocabulary logits float32/float16 [B,V] or [B,S,V], sent when Forward wanted them."""
+    """Full-vocabulary logits float32/float16 [B,V] or [B,S,V], sent when a Forward (or a Packed
+    frame) wanted them; ``stage_ms`` as :class:`Tokens`."""
 
     stream_id: StreamId
     seq: int
     logits: np.ndarray
+    stage_ms: tuple[float, ...] = ()
     __repr__ = _shape_repr
 
     def __post_init__(self) -> None:
         _check_stream(self.stream_id, self.seq, "Logits")
+        object.__setattr__(self, "stage_ms", _check_stage_ms(self.stage_ms, "Logits.stage_ms", MAX_FRAME_STAGES))
         _check_array(self.logits, "Logits.logits", (_FLOAT32, _FLOAT16), ndims=(2, 3))
 
 
@@ -155,18 +165,23 @@ class Packed:
     of the slot's previous sequence its request reuses; every stage derives its mask and KV writes
     from it, so the stages' host KV rings stay in lockstep. ``tensor`` is int64 token ids [1,S]
     (into stage 0) or float32/float16 hidden states [1,S,H], S = the plan's rows. The last stage
-    answers with **Tokens** [S] (each row's top-1) under the same ``stream_id`` and ``seq``; one
-    stream id names one packed session, and **Release** of it empties every slot.
+    answers with **Tokens** [S] (each row's top-1), or with **Logits** [S,V] when ``want_logits``
+    (constrained output and log-probabilities, decided at the coordinator), under the same
+    ``stream_id`` and ``seq``; one stream id names one packed session, and **Release** of it empties
+    every slot. ``stage_ms`` as :class:`Forward`.
     """
 
     stream_id: StreamId
     seq: int
     plan: PlanFrame
     tensor: np.ndarray
+    want_logits: bool = False
+    stage_ms: tuple[float, ...] = ()
     __repr__ = _shape_repr
 
     def __post_init__(self) -> None:
         _check_stream(self.stream_id, self.seq, "Packed")
+        object.__setattr__(self, "stage_ms", _check_stage_ms(self.stage_ms, "Packed.stage_ms", MAX_FRAME_STAGES))
         if not isinstance(self.plan, PlanFrame):
             raise FrameError(f"Packed.plan must be a PlanFrame, got {type(self.plan).__name__}")
         rows = self.plan.rows
@@ -514,11 +529,11 @@ def _check_step_plan(plan: object) -> None:
     _CHECKED_PLANS[id(plan)] = plan
 
 
-def _check_stage_ms(times: object, name: str) -> tuple[float, ...]:
+def _check_stage_ms(times: object, name: str, most: int = MAX_STEP_STAGES) -> tuple[float, ...]:
     """``times`` as the float32 values the wire carries (finite, >= 0), so a message round trips."""
-    if not isinstance(times, tuple | list) or len(times) > MAX_STEP_STAGES or not all(
+    if not isinstance(times, tuple | list) or len(times) > most or not all(
             isinstance(v, float | int | np.floating | np.integer) and not isinstance(v, bool) for v in times):
-        raise FrameError(f"{name} must be a tuple of at most {MAX_STEP_STAGES} times in ms, got {times!r:.80}")
+        raise FrameError(f"{name} must be a tuple of at most {most} times in ms, got {times!r:.80}")
     if not all(0 <= v <= _FLOAT32_MAX for v in times):  # NaN fails the comparison
         raise FrameError(f"{name} must be finite, non-negative ms (as float32), got {times!r:.80}")
     return tuple(np.array(times, np.float32).tolist())

@@ -20,6 +20,7 @@ from engine.wire.format import (
     FORWARD_META,
     HEADER_SIZE,
     MAX_FRAME_BYTES,
+    MAX_FRAME_STAGES,
     MIN_FRAME_BOUND,
     PACKED_META,
     ErrorCode,
@@ -42,8 +43,9 @@ OWNER_CLOSE_GRACE_S = 2.0
 
 def stage_frame_bound(hidden_size: int, context: int) -> int:
     """The largest frame a stage's upstream can legitimately send it: one Forward (or Packed) of
-    ``context`` positions of float32 hidden states [1, T, H], with its positions and mask."""
-    meta = max(FORWARD_META.size + 8 * context + (context + 7) // 8, PACKED_META.size + 3 * 8 * context)
+    ``context`` positions of float32 hidden states [1, T, H], with its positions, mask and stage times."""
+    meta = max(FORWARD_META.size + 8 * context + (context + 7) // 8,
+               PACKED_META.size + 3 * 8 * context) + 4 * MAX_FRAME_STAGES
     bound = HEADER_SIZE + meta + 4 * hidden_size * context
     return min(MAX_FRAME_BYTES, max(MIN_FRAME_BOUND, bound))
 

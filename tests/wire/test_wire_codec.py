@@ -155,10 +155,11 @@ def raw_frame(kind, meta=b"", payload=b"", *, dtype=DType.NONE, shape=(), stream
     return head + meta + payload
 
 
-def raw_forward(*, t=4, enc=0, positions=(0, 1), mask_byte=0x0F, tensor=None, extra=b""):
-    """A Forward frame of B=1, S=2 with the given descriptor, positions and mask bytes."""
+def raw_forward(*, t=4, enc=0, positions=(0, 1), mask_byte=0x0F, tensor=None, extra=b"", times=0):
+    """A Forward frame of B=1, S=2 with the given descriptor (``times``: its stage-time count),
+    positions and mask bytes."""
     tensor = np.zeros((1, 2, 2), np.float32) if tensor is None else tensor
-    meta = struct.pack("<IB3x", t, enc) + np.array([positions], "<i8").tobytes()
+    meta = struct.pack("<IBBH", t, enc, times, 0) + np.array([positions], "<i8").tobytes()
     meta += bytes([mask_byte]) * ((t + 7) // 8) + extra
     code = {np.dtype("<i8"): DType.INT64, np.dtype("<f4"): DType.FLOAT32}[tensor.dtype]
     return raw_frame(FrameKind.FORWARD, meta, tensor.tobytes(), dtype=code, shape=tensor.shape)
@@ -173,10 +174,10 @@ def raw_packed(plan=((0, 5, 0), (-1, 0, 0)), *, rows=None, reserved=0, tensor=No
     return raw_frame(FrameKind.PACKED, meta, tensor.tobytes(), dtype=code, shape=tensor.shape)
 
 
-def raw_tokens(probs, ids=(1, 2)):
-    """A Tokens frame carrying ``ids`` (int64) with ``probs`` (float32) as its meta."""
+def raw_tokens(probs, ids=(1, 2), extra=b""):
+    """A Tokens frame carrying ``ids`` (int64) with ``probs`` (float32) and ``extra`` as its meta."""
     ids = np.array(ids, "<i8")
-    meta = np.array(probs, "<f4").tobytes()
+    meta = np.array(probs, "<f4").tobytes() + extra
     return raw_frame(FrameKind.TOKENS, meta, ids.tobytes(), dtype=DType.INT64, shape=ids.shape)
 
 
@@ -204,7 +205,11 @@ BODY_CASES = [
     (raw_tokens([0.0]), "probs"),  # one probability for two ids
     (raw_tokens([0.5, 1.5]), r"\[0, 1\]"),
     (raw_tokens([0.5, np.nan]), r"\[0, 1\]"),
-    (raw_packed(reserved=1), "reserved"),
+    (raw_packed(reserved=1), "needs 56 with 1 stage times"),  # the stage-time count without its times
+    (raw_packed(reserved=256, extra=b"\0" * 1024), "at most 255"),
+    (raw_tokens([0.5, 0.5], extra=b"\0" * 3), "stage times"),
+    (raw_tokens([0.5, 0.5], extra=np.array([-1.0], "<f4").tobytes()), "non-negative ms"),
+    (raw_forward(times=2, extra=b"\0" * 4), "Forward meta is"),
     (raw_packed(rows=3), "3-row plan needs"),
     (raw_packed(extra=b"\0" * 8), "2-row plan needs"),
     (raw_packed(((0, 5, 6), (-1, 0, 0))), "reuse length exceeds"),

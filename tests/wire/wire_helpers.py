@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import fields, is_dataclass
+from dataclasses import fields, is_dataclass, replace
 
 import numpy as np
 
@@ -212,6 +212,11 @@ TENSOR_SAMPLES: list[Message] = [
     Capture(StreamId(6), 4, 77, np.array([0, 1, 2, 5, 6], np.int64)),
     packed(),
     packed(stream=U64_MAX, hidden=False),
+    # protocol 5: the stage times of the stages passed, a Packed frame wanting Logits
+    replace(forward(), stage_ms=(1.5, 0.25)),
+    Tokens(StreamId(3), 9, np.array([17, 4], np.int64), np.array([0.5, 1.0], np.float32), (3.0, 4.5, 0.0)),
+    Logits(StreamId(4), 2, np.ones((1, 7), np.float32), (12.75,)),
+    replace(packed(), want_logits=True, stage_ms=(2.0,)),
     step(),
     step(session=U64_MAX, seq=U64_MAX, hidden=False, stage_ms=()),
     step(dtype=np.float16, stage_ms=(0.5, 7.0)),
