@@ -203,8 +203,25 @@ class ServiceBridge(QObject):
                 self._post(self.attached.emit, True)
                 away = False
             after = batch.next
-            for event in batch.events:
-                self._post(self._on_event, event)
+            newest = max((i for i, e in enumerate(batch.events) if e.kind == "records"), default=-1)
+            for i, event in enumerate(batch.events):
+                if event.kind != "records":
+                    self._post(self._on_event, event)
+                elif i == newest:  # earlier snapshots in the batch are superseded; decoded here, not on the GUI thread
+                    self._post_records(event)
+
+    def _post_records(self, event: Event) -> None:
+        try:
+            records = agents_from_json(event.data)
+        except (ConsoleError, KeyError, TypeError, ValueError) as exc:
+            log.warning("a records event from the service did not read: %s", exc)
+            return
+        self._post(self._on_records, event, records)
+
+    def _on_records(self, event: Event, records: tuple[AgentRecord, ...]) -> None:  # GUI thread
+        if not self._closed:
+            self._apply_records(records)
+            self.service_event.emit(event)
 
     def _post(self, fn: Callable[..., Any], *args: Any) -> None:
         if self.qt_async is not None and not self._closed:
@@ -214,9 +231,7 @@ class ServiceBridge(QObject):
         if self._closed:
             return
         try:
-            if event.kind == "records":
-                self._apply_records(agents_from_json(event.data))
-            elif event.kind == "token":
+            if event.kind == "token":
                 self._set_token(str(event.data["token"]))
             elif event.kind == "hub":
                 self.hub_event.emit(AgentEvent(str(event.data["node_id"]), str(event.data["event"]),

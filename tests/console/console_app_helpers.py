@@ -137,10 +137,10 @@ class ConsoleDriver:
 
     def fleet_rows(self) -> dict[str, dict[str, str]]:
         """The Fleet table as {agent name: {column: text}}."""
-        table, rows = self.window.fleet_page.table, {}
-        headers = [table.horizontalHeaderItem(c).text() for c in range(table.columnCount())]
-        for r in range(table.rowCount()):
-            cells = {h: (table.item(r, c).text() if table.item(r, c) else "") for c, h in enumerate(headers)}
+        model, rows = self.window.fleet_page.table.model(), {}
+        headers = [model.headerData(c, Qt.Orientation.Horizontal) for c in range(model.columnCount())]
+        for r in range(model.rowCount()):
+            cells = {h: model.index(r, c).data() or "" for c, h in enumerate(headers)}
             rows[cells["Name"]] = cells
         return rows
 

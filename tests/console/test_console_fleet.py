@@ -5,11 +5,24 @@ unreachable agent marked rather than dropped. Real TLS, real aiohttp, real zeroc
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import uuid
 
 import pytest
+from PySide6.QtCore import QItemSelectionModel, QSortFilterProxyModel, Qt
 
+from console.fleet_table_model import (
+    COLUMNS,
+    FILTER_ROLE,
+    SORT_ROLE,
+    Coalescer,
+    FleetTableModel,
+    diff_records,
+    ranges,
+)
 from console.service.agent_record import (
+    AgentRecord,
     AgentSource,
     HubNews,
     Membership,
@@ -252,3 +265,151 @@ def test_pause_is_seen_by_polling_and_by_hub_event_and_a_dead_agent_is_marked(tm
                 await f.fleet.async_pause(alpha)
 
     run(main())
+
+
+# -- the Fleet page's table model: diffs of snapshots, coalescing (Qt offscreen, synthetic records) ------
+
+def _rec(i: int, **kw) -> AgentRecord:
+    fields = dict(node_id=f"n{i:04d}", name=f"pc-{i:04d}", address="10.0.0.1", control_port=7000 + i, state="idle",
+                  devices=("CPU",), memory_bytes=8 * 10**9, fleet_id="F", membership=Membership.MEMBER,
+                  last_seen=100.0, sources=frozenset({AgentSource.HUB}), approved=True, verified=True)
+    fields.update(kw)
+    return AgentRecord(**fields)
+
+
+def test_the_diff_of_two_snapshots_names_removed_changed_and_added_rows_and_ignores_time_passing():
+    old = [_rec(i) for i in range(6)]
+    new = [_rec(5, last_seen=200.0), _rec(0), _rec(2, state="paused"), _rec(3, approved=False), _rec(9), _rec(7)]
+    d = diff_records(old, new)
+    # rows 1 and 4 went; after that pc-2 (row 1) and pc-3 (row 2) show something else; pc-5 only
+    # moved on in time (last_seen), which the clock redraws; the newcomers go last in snapshot order
+    assert d.removed == (1, 4) and d.changed == (1, 2) and [r.name for r in d.added] == ["pc-0009", "pc-0007"]
+    assert diff_records(old, list(reversed(old))).empty  # order alone is not news
+    assert diff_records([], old).added == tuple(old) and diff_records(old, []).removed == tuple(range(6))
+    assert ranges([7, 1, 2, 3, 9, 10]) == [(1, 3), (7, 7), (9, 10)] and ranges([]) == []
+
+
+def test_the_model_follows_snapshots_by_diff_keeping_row_identity_and_selection(qtbot):
+    model = FleetTableModel(clock=lambda: 130.0)
+    signals = []
+    model.rowsRemoved.connect(lambda _p, a, b: signals.append(("removed", a, b)))
+    model.rowsInserted.connect(lambda _p, a, b: signals.append(("inserted", a, b)))
+    model.dataChanged.connect(lambda a, b, *_: signals.append(("changed", a.row(), b.row())))
+    model.apply([_rec(i) for i in range(1000)])
+    assert signals == [("inserted", 0, 999)] and model.rowCount() == 1000
+    selection = QItemSelectionModel(model)
+    selection.select(model.index(500, 0), QItemSelectionModel.SelectionFlag.Select)
+    signals.clear()
+    # 10 agents change state, agent 3 is removed, one joins; everyone's last_seen moves on
+    snapshot = [_rec(i, last_seen=120.0, state="paused" if i % 100 == 7 else "idle", paused_reasons=())
+                for i in range(1000) if i != 3] + [_rec(1000, tags=("floor-2",)) if _has_tags() else _rec(1000)]
+    model.apply(snapshot)
+    changed_rows = sorted(a for kind, a, b in signals if kind == "changed")
+    assert signals[0] == ("removed", 3, 3) and signals[-1] == ("inserted", 999, 999)
+    assert changed_rows == [i - 1 if i > 3 else i for i in range(7, 1000, 100)]  # the paused ones, one each
+    assert model.index(999, 0).data() == "pc-1000" and model.record(6).state == "paused"
+    assert model.index(6, 1).data() == "paused" and model.index(6, 5).data() == "10 s ago"
+    assert model.record(0).last_seen == 120.0  # the newest record is kept even where nothing is repainted
+    assert [i.row() for i in selection.selectedIndexes()] == [499]  # the same agent, one row up
+    assert model.record(499).name == "pc-0500" and model.row_of("n0500") == 499
+    model.apply([])
+    assert model.rowCount() == 0 and model.row_of("n0500") is None
+
+
+def test_the_coalescer_applies_the_newest_snapshot_at_most_once_per_interval(qtbot):
+    applied = []
+    coalescer = Coalescer(applied.append, interval_ms=200)
+    coalescer.offer(1)  # after a quiet spell: at once
+    for value in range(2, 50):
+        coalescer.offer(value)
+    assert applied == [1]
+    qtbot.waitUntil(lambda: applied == [1, 49], timeout=2000)
+    qtbot.wait(300)
+    assert applied == [1, 49]  # nothing pending, nothing applied
+
+
+def test_the_proxy_filters_by_name_state_and_tag_and_sorts_numbers_as_numbers(qtbot):
+    page_model = FleetTableModel()
+    proxy = QSortFilterProxyModel()
+    proxy.setSourceModel(page_model)
+    proxy.setSortRole(SORT_ROLE)
+    proxy.setFilterRole(FILTER_ROLE)
+    proxy.setFilterKeyColumn(0)
+    proxy.setFilterCaseSensitivity(Qt.CaseSensitivity.CaseInsensitive)
+    tagged = {"tags": ("Floor-2", "finance")} if _has_tags() else {}
+    page_model.apply([_rec(1, memory_bytes=16 * 10**9), _rec(2, memory_bytes=4 * 10**9, state="paused"),
+                      _rec(3, memory_bytes=32 * 10**9, reachable=False, **tagged)])
+    proxy.sort(COLUMNS.index("Memory"), Qt.SortOrder.AscendingOrder)
+    assert [proxy.index(r, 0).data() for r in range(3)] == ["pc-0002", "pc-0001", "pc-0003"]  # 4 < 16 < 32 GB
+    proxy.setFilterFixedString("PAUSED")
+    assert [proxy.index(r, 0).data() for r in range(proxy.rowCount())] == ["pc-0002"]
+    proxy.setFilterFixedString("unreach")
+    assert [proxy.index(r, 0).data() for r in range(proxy.rowCount())] == ["pc-0003"]
+    if tagged:
+        proxy.setFilterFixedString("floor-2")
+        assert [proxy.index(r, 2).data() for r in range(proxy.rowCount())] == ["Floor-2, finance"]
+
+
+def _has_tags() -> bool:
+    return "tags" in {f.name for f in dataclasses.fields(AgentRecord)}
+
+
+# -- the Fleet page against a real fleet service and real agents (pytest-qt, offscreen) -----------------
+
+def test_the_fleet_page_approves_pauses_resumes_and_removes_every_selected_agent(tmp_path, qtbot, private_dirs):
+    from tests.console.console_app_helpers import ConsoleDriver, fleet_service, local_agents, running_console
+
+    def wait(condition, timeout: float, what: str) -> None:
+        try:
+            qtbot.waitUntil(condition, timeout=int(timeout * 1000))
+        except AssertionError:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}") from None
+
+    names = tuple(f"{n}-{uuid.uuid4().hex[:4]}" for n in ("ant", "bee", "cat"))
+    with (fleet_service(tmp_path / "fleet") as service, running_console(tmp_path / "fleet", wait, service) as window,
+          local_agents(tmp_path, names) as (agent_loop, agents)):
+        drive, page = ConsoleDriver(window, wait), window.fleet_page
+        drive.join(agent_loop, agents)
+        drive.wait_rows(names, lambda row: row["State"] == "idle" and row["Approved"] == "no", "the joined agents")
+        assert {page.model.record(r).name for r in range(page.model.rowCount())} >= set(names)
+
+        drive.select(names)  # all three: one press approves them all
+        assert [r.name for r in page.selected()] == sorted(names) and page.approve_button.isEnabled()
+        page.approve_button.click()
+        drive.wait_rows(names, lambda row: row["Approved"] == "yes", "the approvals")
+        wait(lambda: page.batch.finished, 10, "the approvals' answers")
+        assert page.message.text() == "Approved 3 of 3 agent(s)."
+        assert {r.name for r in service.service.fleet.records() if r.approved} >= set(names)  # the service's word
+
+        drive.select(names[:2])
+        page.pause_button.click()
+        drive.wait_rows(names[:2], lambda row: row["State"].startswith("paused"), "the pauses")
+        assert [agents[n].status().state for n in names] == ["paused", "paused", "idle"]
+        page.filter_edit.setText("PAUSED")  # the filter box: by state (and name, and tag)
+        assert sorted(page.proxy.index(r, 0).data() for r in range(page.proxy.rowCount())) == sorted(names[:2])
+        assert page.count_label.text().startswith(f"showing 2 of {page.model.rowCount()} agents")
+        page.filter_edit.setText(names[2])
+        assert [page.proxy.index(r, 0).data() for r in range(page.proxy.rowCount())] == [names[2]]
+        page.filter_edit.clear()
+
+        drive.select(names)  # resume applies to the two paused ones only, and says so
+        assert page.resume_button.isEnabled() and page.pause_button.isEnabled()
+        page.resume_button.click()
+        drive.wait_rows(names, lambda row: row["State"] == "idle", "the resumes")
+        wait(lambda: page.batch.finished, 10, "the resumes' answers")
+        assert page.message.text().startswith("Resumed 2 of 2 agent(s). (1 selected agent(s) left out")
+        assert [agents[n].status().state for n in names] == ["idle", "idle", "idle"]
+
+        drive.select(names[1:])  # Remove asks first, with the count; Cancel removes nothing
+        page.remove_button.click()
+        box = page.confirmation
+        assert box is not None and box.text() == "Remove 2 agents from the fleet?"
+        box.button(box.StandardButton.Cancel).click()
+        qtbot.wait(300)
+        assert set(names) <= set(drive.fleet_rows()) and page.confirmation is None
+        page.remove_button.click()
+        page.confirmation.button(page.confirmation.StandardButton.Yes).click()
+        wait(lambda: not set(names[1:]) & set(drive.fleet_rows()), 20, "the removed rows to go")
+        assert names[0] in drive.fleet_rows() and page.message.text() == "Removed 2 of 2 agent(s)."
+        assert not {r.name for r in service.service.fleet.records()} & set(names[1:])
+        assert len(service.service.fleet.deny) == 2  # revoked, not just forgotten
