@@ -45,10 +45,11 @@ from console.service.errors import (
     ModelPathError,
     UnknownAgentError,
 )
+from console.service.join_tokens import issue_options
 from console.service.served_rings import RingIdError
 from console.service.service_events import JobNotFoundError
 from console.service.service_ring import RingStateError
-from engine.errors import DeskfleetError
+from engine.errors import DeskfleetError, TokenPolicyError
 from engine.trust.fleet_ca import ADMIN_ROLES, Role, peer_role
 
 FleetService = Any  # console.service.fleet_service.FleetService: it imports this module, never the reverse
@@ -62,10 +63,11 @@ MAX_BODY = 4 << 20  # a plan with its inputs is a few KiB; a body of MiBs is not
 WHO: web.RequestKey[str] = web.RequestKey("deskfleet_admin", str)
 
 _NOT_FOUND = ("ExportNotFoundError", "UnknownAgentError", "RingNotFoundError", "PlacementNotFoundError",
-              "ModelNotFoundError", "JobNotFoundError")
+              "ModelNotFoundError", "JobNotFoundError", "TokenNotFoundError")
 # (error class, HTTP status, code); the first match wins; another DeskfleetError is a 409 conflict
 ERRORS: tuple[tuple[type[BaseException], int, str], ...] = (
     (ShapeError, 400, "bad_request"), (RingIdError, 400, "bad_request"), (ModelPathError, 400, "bad_request"),
+    (TokenPolicyError, 400, "bad_request"),
     (UnknownAgentError, 404, "not_found"), (ExportNotFoundError, 404, "not_found"),
     (JobNotFoundError, 404, "not_found"),
     (RingStateError, 409, "conflict"), (ForeignAgentError, 409, "conflict"),
@@ -158,8 +160,17 @@ class AdminApi:
             return j(s.service_json())
 
         async def tokens(q):
-            body = await self.body(q)
-            return j(s.new_token(field(body, "ttl_s", float, default=24 * 3600.0)))
+            return j(s.new_token(**issue_options(await self.body(q))))
+
+        async def list_tokens(q):
+            return j(s.token_desk.listing())
+
+        async def revoke_token(q):
+            return j(s.token_desk.revoke(q.match_info["id"]))
+
+        async def token_audit(q):
+            lines = s.token_desk.audit.lines() if s.token_desk.audit is not None else []
+            return j({"lines": lines[-1000:]})
 
         async def agents(q):
             return j({"agents": s.agents()})
@@ -278,6 +289,9 @@ class AdminApi:
         p = PREFIX
         r.add_get(f"{p}/service", service)
         r.add_post(f"{p}/tokens", tokens)
+        r.add_get(f"{p}/tokens", list_tokens)
+        r.add_get(f"{p}/tokens/audit", token_audit)
+        r.add_post(f"{p}/tokens/{{id}}/revoke", revoke_token)
         r.add_get(f"{p}/agents", agents)
         r.add_post(f"{p}/agents", add_agent)
         r.add_post(f"{p}/agents/refresh", refresh)

@@ -165,6 +165,23 @@ class AdminClient:
         body = {} if ttl_s is None else {"ttl_s": ttl_s}
         return str((await self.async_call("POST", "/tokens", body))["token"])
 
+    async def async_issue_token(self, *, uses: int = 1, ttl_s: float | None = 24 * 3600.0, auto_approve: bool = False,
+                                label: str = "") -> dict[str, Any]:
+        """A join token of ``uses`` PCs for ``ttl_s`` s (None: no expiry): ``{"token", "expires_at", "token_info"}``."""
+        body = {"uses": uses, "ttl_s": ttl_s, "auto_approve": auto_approve, "label": label}
+        return await self.async_call("POST", "/tokens", body)
+
+    async def async_tokens(self) -> list[dict[str, Any]]:
+        """Every join token the service keeps, newest first (no secrets): id, label, uses, used, state, ..."""
+        return list((await self.async_call("GET", "/tokens"))["tokens"])
+
+    async def async_revoke_token(self, token_id: str) -> dict[str, Any]:
+        return dict((await self.async_call("POST", f"/tokens/{token_id}/revoke"))["token"])
+
+    async def async_token_audit(self) -> list[dict[str, Any]]:
+        """The enrolment audit's last lines: who was admitted / approved by which token."""
+        return list((await self.async_call("GET", "/tokens/audit"))["lines"])
+
     async def async_agents(self) -> dict[str, Any]:
         return await self.async_call("GET", "/agents")
 

@@ -45,6 +45,7 @@ from console.service.export_catalog import ExportSpec
 from console.service.export_job import ExportEvent
 from console.service.failover import FailoverSettings
 from console.service.fleet import FleetModel
+from console.service.join_tokens import TokenDesk
 from console.service.links import async_measure_links
 from console.service.models import ModelEntry, ModelLibrary
 from console.service.placement_inputs import async_placement_inputs, solve_inputs
@@ -128,6 +129,7 @@ class FleetService:
         self.api: RunningApi | None = None
         self.admin_url: str | None = None
         self.token = ""
+        self.token_desk: TokenDesk = None  # type: ignore[assignment]  # set by async_start
         self.started_at = 0.0
         self._stack = contextlib.AsyncExitStack()
         self._tasks: list[asyncio.Task] = []
@@ -147,10 +149,14 @@ class FleetService:
                            advertise_on=s.interface, name="Deskfleet fleet"))
             fleet = self.fleet = FleetModel(s.state_dir, host.credentials)
             self._stack.callback(fleet.subscribe(self._on_records))
+            self.token_desk = TokenDesk(host.tokens, host.audit, self.feed.publish)  # before the hub's news
+            self._stack.callback(fleet.subscribe(self.token_desk.on_records))
+            self._stack.callback(host.subscribe_joins(self.token_desk.on_join))
             self._stack.callback(fleet.attach_hub(host.hub))
             self._stack.callback(fleet.attach_api_key(host.rotate_api_key))
             self._stack.callback(host.hub.subscribe(self._on_hub_event))
             self._stack.callback(host.subscribe_api_key(self._on_api_key))
+            self.token_desk.attach(fleet.approve, fleet.records())
             if self.settings.browse:
                 browser = Browser(s.interface, fleet.update_peers)
                 await browser.async_start()
@@ -306,23 +312,28 @@ class FleetService:
 
     # ---- tokens and agents -----------------------------------------------------------------------
 
-    def new_token(self, ttl_s: float = 24 * 3600) -> dict[str, Any]:
-        self.token = self.host.token(ttl_s)
-        data = {"token": self.token, "expires_at": time.time() + ttl_s}
-        self.feed.publish("token", data)
+    def new_token(self, ttl_s: float | None = 24 * 3600, **options: Any) -> dict[str, Any]:
+        """A new join token (``options``: uses, auto_approve, label; see TokenDesk), the console's current one."""
+        data = self.token_desk.issue({"ttl_s": ttl_s, **options})
+        self.token = data["token"]
+        self.feed.publish("token", {"token": self.token, "expires_at": data["expires_at"]})
         return data
 
     def agents(self) -> list[dict[str, Any]]:
         return [agent_json(r) for r in self.fleet.records()]
 
     def approve(self, key: str) -> dict[str, Any]:
-        return agent_json(self.fleet.approve(key))
+        record = self.fleet.approve(key)
+        self.token_desk.note_approved(record)
+        return agent_json(record)
 
     def remove(self, key: str) -> None:
         """Revoke the agent (deny list, pushed to every member; the console key rotated) and every
         API key issued to it (its tray's): the running API refuses them from the next request."""
-        node_id = self.fleet.get(key).node_id
+        record = self.fleet.get(key)
+        node_id = record.node_id
         self.fleet.remove(key)
+        self.token_desk.note_removed(record.key, record.name)
         if node_id and (revoked := self.host.revoke_member_keys(node_id)):
             log.warning("removed agent %s: its API keys %s are revoked", node_id[:16], ", ".join(revoked))
             self.feed.publish("keys", {"keys": [k.to_json() for k in self.host.keys.keys() if k.live]})

@@ -26,6 +26,7 @@ same state (two would lose each other's token book updates).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import secrets
 import ssl
@@ -37,6 +38,7 @@ from pathlib import Path
 from engine import __version__
 from engine.control.enrollment import EnrollmentServer, load_or_create_console_credentials
 from engine.control.hub import FleetHub
+from engine.control.join_audit import JoinAudit
 from engine.discovery.join_service import ConsoleAdvertiser, console_advertisement
 from engine.errors import CredentialsError, DeskfleetError
 from engine.trust.fleet_ca import Credentials, FleetAuthority
@@ -50,6 +52,7 @@ LOCK_FILE = "console.lock"
 WRAP_SECRET = "ca-key-wrap"  # ConsoleSecrets name of the CA key's wrapping key
 API_KEY_SECRET = "api-key"  # ConsoleSecrets name of the console key's secret
 API_KEY_PREFIX = KEY_PREFIX
+log = logging.getLogger(__name__)
 HOLDER_OFFSET = 16  # the lock holder's description starts past the (Windows) locked byte
 
 
@@ -196,6 +199,9 @@ class FleetHost:
     keys: KeyBook | None = field(default=None, repr=False)  # the fleet's API keys; the API checks requests in it
     key_rotated: bool = False  # a removal replaced the key this run: it wins over one given on the command line
     _key_listeners: list[Callable[[str], None]] = field(default_factory=list, repr=False)
+    audit: JoinAudit | None = field(default=None, repr=False)  # the enrolment audit (enrolment-audit.jsonl)
+    # told (node id, name) of every PC admitted, after its certificate is signed and the book noted the token
+    join_listeners: list[Callable[[str, str], None]] = field(default_factory=list, repr=False)
 
     def token(self, ttl_s: float = 24 * 3600) -> str:
         return self.tokens.issue(ttl_s)
@@ -231,6 +237,11 @@ class FleetHost:
         console) under the fleet CA; clients need no certificate, they pin the fleet CA and send a key."""
         return self.credentials.server_context(verify_clients=False)
 
+    def subscribe_joins(self, listener: Callable[[str, str], None]) -> Callable[[], None]:
+        """Call ``listener(node id, name)`` for every PC admitted from now on; returns an unsubscribe."""
+        self.join_listeners.append(listener)
+        return lambda: self.join_listeners.remove(listener) if listener in self.join_listeners else None
+
     def subscribe_api_key(self, listener: Callable[[str], None]) -> Callable[[], None]:
         """Call ``listener(new key)`` on each rotation; returns a function that unsubscribes."""
         self._key_listeners.append(listener)
@@ -265,8 +276,17 @@ async def _fleet_services(state_dir: Path, authority: FleetAuthority, api_key: s
     creds = load_or_create_console_credentials(state_dir, authority)  # agents pin its node id
     tokens = TokenBook(state_dir / "join-tokens.json", authority.fingerprint)
     keys = book or KeyBook(state_dir)
+    audit = JoinAudit.in_dir(state_dir)
+    join_listeners: list[Callable[[str, str], None]] = []
 
-    enrollment = EnrollmentServer(authority, tokens, creds,
+    def on_join(node_id: str, member: str, _info: object) -> None:
+        for listener in list(join_listeners):  # one listener's fault must not fail the PC's join
+            try:
+                listener(node_id, member)
+            except Exception:
+                log.exception("a join listener failed for node %s (%s)", node_id[:16], member)
+
+    enrollment = EnrollmentServer(authority, tokens, creds, on_join=on_join, audit=audit,
                                   issue_chat_key=lambda node_id, member: issue_member_key(keys, node_id, member))
     enroll_host, enroll_port = await enrollment.async_start(host, enrollment_port)
     hub = FleetHub(creds)
@@ -278,7 +298,8 @@ async def _fleet_services(state_dir: Path, authority: FleetAuthority, api_key: s
         if advertiser is not None:
             await advertiser.async_start(console_advertisement(name, authority.fingerprint, enroll_port,
                                                                advertiser.interface, __version__))
-        yield FleetHost(authority, creds, tokens, f"{enroll_host}:{enroll_port}", hub, api_key, keys=keys)
+        yield FleetHost(authority, creds, tokens, f"{enroll_host}:{enroll_port}", hub, api_key, keys=keys,
+                        audit=audit, join_listeners=join_listeners)
     finally:
         if advertiser is not None:
             await advertiser.async_close()

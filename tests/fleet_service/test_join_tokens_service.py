@@ -1,0 +1,112 @@
+"""Join tokens through the fleet service's admin API, with a real service and real agents on
+loopback: a reusable auto-approving token admits and approves PCs as they register (the audit
+names the token and each PC), a plain token admits without approving, a revoked token admits
+nobody, and what the service refuses to issue or revoke is a clear 400 / 404."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from console.service.admin_client import AdminClient
+from engine.errors import JoinRefused
+from tests.fleet_service.admin import Admin
+from tests.support.console_fleet_helpers import agent
+
+pytestmark = pytest.mark.usefixtures("private_keyring")
+
+
+async def _agents_until(admin: Admin, predicate, timeout: float = 30.0) -> list[dict]:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        agents = (await admin.ok("GET", "/agents"))["agents"]
+        if predicate(agents):
+            return agents
+        assert loop.time() < deadline, f"the agents never got there: {agents}"
+        await asyncio.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_an_auto_approving_token_approves_the_pcs_it_admits_and_the_audit_names_it(tmp_path, shared_service):
+    async def main():
+        service = shared_service.service
+        seeds = (f"127.0.0.1:{service.host.hub.port}",)  # agents register at the hub: verified there
+        async with Admin.unix(service.settings.state_dir / "admin.sock") as admin:
+            auto = await admin.ok("POST", "/tokens", {"uses": 2, "ttl_s": 3600, "auto_approve": True,
+                                                      "label": "floor 3 roll-out"})
+            plain = await admin.ok("POST", "/tokens", {"label": "by hand"})
+            assert auto["token_info"]["uses"] == 2 and auto["token_info"]["auto_approve"]
+            assert plain["token_info"]["uses"] == 1 and not plain["token_info"]["auto_approve"]
+            pcs = [agent(tmp_path, name, seeds=seeds) for name in ("floor3-a", "floor3-b", "desk-c")]
+            for pc in pcs:
+                await pc.async_start()
+            try:
+                await pcs[0].async_join(service.host.enrollment, auto["token"])
+                await pcs[1].async_join(service.host.enrollment, auto["token"])
+                await pcs[2].async_join(service.host.enrollment, plain["token"])
+                agents = await _agents_until(admin, lambda a: len(a) == 3 and sum(x["approved"] for x in a) == 2)
+                by_pc = {pc.settings.name: next(a for a in agents if a["node_id"] == pc.status().node_id) for pc in pcs}
+                assert by_pc["floor3-a"]["approved"] and by_pc["floor3-b"]["approved"]
+                assert not by_pc["desk-c"]["approved"]  # a plain token admits; the admin approves
+
+                listing = {t["id"]: t for t in (await admin.ok("GET", "/tokens"))["tokens"]}
+                used = listing[auto["token_info"]["id"]]
+                assert (used["used"], used["uses_left"], used["state"]) == (2, 0, "used_up")
+                assert {a["node_id"] for a in used["admitted"]} == {pcs[0].status().node_id, pcs[1].status().node_id}
+                assert [a["name"] for a in listing[plain["token_info"]["id"]]["admitted"]] == ["desk-c"]
+
+                lines = (await admin.ok("GET", "/tokens/audit"))["lines"]
+                auto_lines = [(x["name"], x["token_id"], x["token_label"]) for x in lines
+                              if x["event"] == "auto_approved"]
+                assert sorted(auto_lines) == [("floor3-a", auto["token_info"]["id"], "floor 3 roll-out"),
+                                              ("floor3-b", auto["token_info"]["id"], "floor 3 roll-out")]
+                admitted = {x["name"]: x["token_id"] for x in lines if x["event"] == "admitted"}
+                assert admitted["desk-c"] == plain["token_info"]["id"]
+
+                await admin.ok("POST", f"/agents/{by_pc['desk-c']['key']}/approve")
+                lines = (await admin.ok("GET", "/tokens/audit"))["lines"]
+                assert [(x["name"], x["token_id"]) for x in lines if x["event"] == "approved"] == \
+                    [("desk-c", plain["token_info"]["id"])]
+                for a in agents:  # leave the shared service's fleet empty for the next test
+                    await admin.ok("DELETE", f"/agents/{a['key']}")
+            finally:
+                for pc in pcs:
+                    await pc.async_close()
+
+    shared_service.run(main(), 180)
+
+
+def test_a_revoked_token_admits_nobody_and_bad_requests_are_named(tmp_path, shared_service):
+    async def main():
+        service = shared_service.service
+        client = AdminClient.over_socket(service.settings.state_dir / "admin.sock")
+        try:
+            issued = await client.async_issue_token(uses=5, ttl_s=None, label="no expiry")
+            assert issued["expires_at"] is None and issued["token_info"]["state"] == "active"
+            revoked = await client.async_revoke_token(issued["token_info"]["id"])
+            assert revoked["state"] == "revoked" and revoked["uses_left"] == 0
+            listed = {t["id"]: t for t in await client.async_tokens()}
+            assert listed[issued["token_info"]["id"]]["state"] == "revoked"
+            pc = agent(tmp_path, "late-pc")
+            await pc.async_start()
+            try:
+                with pytest.raises(JoinRefused) as refused:
+                    await pc.async_join(service.host.enrollment, issued["token"])
+                assert refused.value.reason == "revoked" and not pc.joined
+            finally:
+                await pc.async_close()
+        finally:
+            await client.async_close()
+        async with Admin.unix(service.settings.state_dir / "admin.sock") as admin:
+            status, err = await admin.call("POST", "/tokens", {"auto_approve": True, "ttl_s": None})
+            assert status == 400 and "must expire" in err["error"]["message"]
+            for body, word in (({"uses": 0}, "1 to"), ({"uses": "many"}, "integer"), ({"ttl_s": -5}, "positive"),
+                               ({"label": "x" * 200}, "label")):
+                status, err = await admin.call("POST", "/tokens", body)
+                assert status == 400 and word in err["error"]["message"], (body, err)
+            status, err = await admin.call("POST", "/tokens/0123456789/revoke")
+            assert status == 404 and "no join token" in err["error"]["message"]
+
+    shared_service.run(main(), 120)
