@@ -41,11 +41,6 @@ Index = QModelIndex | QPersistentModelIndex
 ROOT = QModelIndex()
 
 
-def tags_of(record: AgentRecord) -> tuple[str, ...]:
-    """The record's tags (records from a service that sends none have none)."""
-    return tuple(getattr(record, "tags", ()) or ())
-
-
 def state_text(record: AgentRecord) -> str:
     if record.membership is not Membership.MEMBER:
         return "not joined" if record.membership is Membership.NOT_JOINED else "other fleet"
@@ -66,9 +61,9 @@ def ago(monotonic: float | None, now: float) -> str:
 def looks(record: AgentRecord) -> tuple[Any, ...]:
     """What a row shows of ``record``, apart from "Last seen" (which moves on every snapshot and
     is redrawn by the clock instead): two records that look alike need no repaint."""
-    return (record.name, record.membership, record.reachable, record.state, record.paused_reasons, tags_of(record),
+    return (record.name, record.membership, record.reachable, record.state, record.paused_reasons, record.tags,
             record.devices, record.memory_bytes, record.approved, record.address, record.control_port, record.error,
-            record.last_seen is None)
+            record.tags_set_by, record.last_seen is None)
 
 
 @dataclass(frozen=True)
@@ -157,9 +152,12 @@ class FleetTableModel(QAbstractTableModel):
         if role == RECORD_ROLE:
             return r
         if role == FILTER_ROLE:
-            return " ".join((r.name, state_text(r), *tags_of(r))).lower()
-        if role == Qt.ItemDataRole.ToolTipRole and col == 1 and r.error:
-            return r.error
+            return " ".join((r.name, state_text(r), *r.tags)).lower()
+        if role == Qt.ItemDataRole.ToolTipRole:
+            if col == 1 and r.error:
+                return r.error
+            if col == 2 and r.tags:
+                return "set by the admin" if r.tags_set_by == "admin" else "as the agent reports them"
         if role == Qt.ItemDataRole.ForegroundRole and col == 1:
             colour = STATE_COLOURS.get(state_text(r).split(" ")[0])
             return QColor(colour) if colour else None
@@ -174,7 +172,7 @@ class FleetTableModel(QAbstractTableModel):
         if col == 1:
             return state_text(r)
         if col == 2:
-            return ", ".join(tags_of(r))
+            return ", ".join(r.tags)
         if col == 3:
             return ", ".join(r.devices) or "—"
         if col == 4:
