@@ -95,7 +95,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
             "hop_ms": list(plan.hop_ms), "per_token_ms": plan.per_token_ms, "tok_s": plan.tok_s,
             "bottleneck_ms": plan.bottleneck_ms, "n_streams": plan.n_streams, "cycle_ms": plan.cycle_ms,
             "aggregate_tok_s": plan.aggregate_tok_s, "objective": plan.objective, "optimal": plan.optimal,
-            "excluded": [{"pc_id": e.pc_id, "reason": e.reason} for e in plan.excluded]}
+            "gap": plan.gap, "excluded": [{"pc_id": e.pc_id, "reason": e.reason} for e in plan.excluded]}
 
 
 def plan_from_json(body: Mapping[str, Any]) -> Plan:
@@ -125,7 +125,8 @@ def plan_from_json(body: Mapping[str, Any]) -> Plan:
                 cycle_ms=field(body, "cycle_ms", float, where=w, default=0.0),
                 aggregate_tok_s=field(body, "aggregate_tok_s", float, where=w, default=0.0),
                 objective=field(body, "objective", str, where=w, default="latency"),
-                optimal=field(body, "optimal", bool, where=w, default=False), excluded=excluded)
+                optimal=field(body, "optimal", bool, where=w, default=False), excluded=excluded,
+                gap=field(body, "gap", float, where=w, optional=True))
 
 
 def export_plan_from_json(body: Mapping[str, Any]) -> Plan:

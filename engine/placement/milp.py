@@ -1,4 +1,4 @@
-"""The placement MILP: candidate stages as columns, the latency model, and the bottleneck search.
+"""The cuts model: the placement MILP with candidate stages (device, layer range) as columns.
 
 Pure numbers over a prepared `Fleet` (no profiles, no names the solver does not need);
 `engine.placement.planner` validates the inputs, builds the fleet, and turns the stages found here into
@@ -27,103 +27,31 @@ variables and the slot symmetry disappears. D devices, L layers, P PCs, cut c = 
 
     minimise ms ≥ Σ z·(stage ms + coordinator hop if it holds layer 0 / L-1) + Σ h·lat[p][q]
 
-Throughput for N interleaved streams: a token leaves the ring every
-cycle = max(bottleneck, latency / N) ms, where the bottleneck is the slowest stage or hop. A
-minimax MILP is slow to prove (flat LP bound), so the solver searches the bottleneck instead:
-with Lmin(τ) = least latency when every stage and hop takes ≤ τ,
-    T* = min over τ in {stage, hop and coordinator times} of max(τ, Lmin(τ) / N),
-and max(increasing, non-increasing) is minimised where the two cross, found by bisection in
-O(log #values) latency MILPs (most skipped: one solved plan settles a whole range of τ). The
-plan found at T* also has the least latency among plans with cycle T* (exact tie-break).
+It solves any layer sizes, but has D·L(L+1)/2 range columns (~250,000 at 30 devices and 128
+layers); `engine.placement.counts` is exact with far fewer when the interior layers are alike, and
+`engine.placement.search` chooses between them and searches the bottleneck for throughput.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from itertools import pairwise
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_array
 
-from engine.errors import DeskfleetError, PlacementTimeout
+from engine.errors import DeskfleetError
+from engine.placement.fleet import GB, Fleet, Stage, stage_ms
 
-__all__ = [
-    "GB", "Fleet", "Milp", "Search", "Stage", "Timing", "best_cycle", "build_milp", "extract_stages",
-    "least_latency", "run_milp", "stage_ms", "time_stages",
-]
+__all__ = ["Milp", "build_milp", "extract_stages", "run_milp", "twin_pairs"]
 
-GB = 1e9  # decimal gigabytes in messages; the MILP works in GB so HiGHS sees O(1) numbers
 _MIP_REL_GAP = 1e-9  # HiGHS's default 1e-4 would call a 0.01 %-worse plan "optimal"
 # HiGHS presolve finds almost nothing to remove in these models but its probing cost 1-8 s per
 # solve on 30- and 64-layer fleets (measured); without it the 30-layer, 12-device benchmark set
 # took ~30 % less CPU.
 _PRESOLVE = False
-
-Stage = tuple[int, int, int]  # (device index, first layer, last layer)
-
-
-@dataclass(frozen=True)
-class Fleet:
-    """The candidates after exclusions, as numbers: devices grouped by PC in canonical order."""
-
-    device_ids: tuple[str, ...]  # (D,) names, for the plan only
-    pc_ids: tuple[str, ...]  # (P,)
-    layer_ms: np.ndarray  # (D,) t[d], one layer for one token
-    overhead_ms: np.ndarray  # (D,) o[d], per stage
-    dev_pc: np.ndarray  # (D,) index into pc_ids
-    dev_cap: np.ndarray  # (D,) usable bytes (headroom applied)
-    pc_cap: np.ndarray  # (P,) usable bytes
-    lat: np.ndarray  # (P, P) one-way ms
-    coord: np.ndarray  # (P,) coordinator <-> PC, each way
-    # Per device, because a device may run the model in its own form (an NPU's static shards
-    # hold a fixed-context KV window and other graphs than a GPU's stateful ones).
-    mem_pre: np.ndarray  # (D, L+1) prefix sums of bytes per layer, embedding/head folded in
-    ms_pre: np.ndarray  # (D, L+1) prefix sums of embedding/head ms per layer
-
-    @property
-    def n_layers(self) -> int:
-        return self.mem_pre.shape[1] - 1
-
-    def stage_bytes(self, d, first, last):
-        """Bytes of layers first..last on device d (arrays or scalars)."""
-        return self.mem_pre[d, last + 1] - self.mem_pre[d, first]
-
-
-def stage_ms(f: Fleet, d, first, last):
-    """Compute ms of device d on layers first..last; one expression for arrays and scalars so
-    the MILP's columns and the reported plan agree to the last bit."""
-    t, o = f.layer_ms[d], f.overhead_ms[d]
-    return t * (last - first + 1) + o + (f.ms_pre[d, last + 1] - f.ms_pre[d, first])
-
-
-@dataclass(frozen=True)
-class Timing:
-    """A chain of stages and what it predicts, recomputed exactly from the profiles (ms)."""
-
-    stages: tuple[Stage, ...]
-    compute_ms: tuple[float, ...]  # per stage
-    hop_ms: tuple[float, ...]  # coordinator -> stage 0, stage k -> k+1, last -> coordinator
-    per_token_ms: float
-    bottleneck_ms: float  # slowest stage or hop
-    cycle_ms: float  # max(bottleneck_ms, per_token_ms / n_streams)
-    optimal: bool  # HiGHS proved optimality of every solve behind it
-
-
-def time_stages(f: Fleet, stages: Sequence[Stage], n_streams: int, optimal: bool) -> Timing:
-    """Predicted times of a chain of stages with ``n_streams`` interleaved streams."""
-    compute = tuple(float(stage_ms(f, d, first, last)) for d, first, last in stages)
-    pcs = [int(f.dev_pc[d]) for d, _, _ in stages]
-    hops = ((float(f.coord[pcs[0]]),) + tuple(float(f.lat[p, q]) for p, q in pairwise(pcs))
-            + (float(f.coord[pcs[-1]]),))
-    per_token = sum(compute) + sum(hops)
-    bottleneck = max(max(compute), max(hops))
-    return Timing(stages=tuple(stages), compute_ms=compute, hop_ms=hops, per_token_ms=per_token,
-                  bottleneck_ms=bottleneck, cycle_ms=max(bottleneck, per_token / n_streams),
-                  optimal=optimal)
-
 
 # --- the MILP -----------------------------------------------------------------------------
 
@@ -268,7 +196,7 @@ def build_milp(f: Fleet, max_stages: int | None, *, min_stages: int = 1, slack: 
                      np.concatenate((ones(L - 1), -ones(other.sum()))), -np.inf, 0.0)
     if max_stages is not None or min_stages > 1:
         rows.row(zk, 1.0, float(min_stages), np.inf if max_stages is None else float(max_stages))
-    for d, e in _twin_pairs(f) if break_symmetry else ():
+    for d, e in twin_pairs(f) if break_symmetry else ():
         # Interchangeable d, e: keep only solutions where d is used if e is, and starts first.
         on_d, on_e = cols.dev == d, cols.dev == e
         rows.row(np.concatenate((zk[on_e], zk[on_d])),
@@ -306,7 +234,7 @@ def build_milp(f: Fleet, max_stages: int | None, *, min_stages: int = 1, slack: 
     return Milp(c, integrality, Bounds(np.zeros(n), ub), rows.constraint(n), cols, L)
 
 
-def _twin_pairs(f: Fleet) -> list[tuple[int, int]]:
+def twin_pairs(f: Fleet) -> list[tuple[int, int]]:
     """Pairs (d, e) of devices that a symmetry of the problem swaps; d is ordered before e.
 
     Identical devices of one PC pair up directly. Identical PCs (same memory, coordinator hop,
@@ -346,90 +274,6 @@ def run_milp(m: Milp, deadline: float):
     return milp(m.c, integrality=m.integrality, bounds=m.bounds, constraints=[m.constraints],
                 options={"time_limit": remaining, "mip_rel_gap": _MIP_REL_GAP,
                          "presolve": _PRESOLVE})
-
-
-@dataclass(frozen=True)
-class Search:
-    """The limits every solve of one placement shares."""
-
-    max_stages: int | None
-    min_stages: int
-    n_streams: int
-    time_limit_s: float  # for messages; the solves obey ``deadline``
-    deadline: float  # time.monotonic() when the whole solve must end
-    break_symmetry: bool
-
-
-def least_latency(f: Fleet, s: Search, cap_ms: float | None = None,
-                  max_latency: float | None = None) -> tuple[list[Stage] | None, bool]:
-    """Least-latency stages with every stage and hop ≤ ``cap_ms`` and latency ≤ ``max_latency``;
-    None if proven impossible. The flag says whether HiGHS proved optimality."""
-    m = build_milp(f, s.max_stages, min_stages=s.min_stages, cap_ms=cap_ms, max_latency=max_latency,
-                   break_symmetry=s.break_symmetry)
-    if len(m.cols.dev) == 0:
-        return None, True
-    res = run_milp(m, s.deadline)
-    if res.status == 2:
-        return None, True
-    if res.x is None:
-        raise PlacementTimeout(
-            f"no placement found within {s.time_limit_s:g} s ({res.message}); raise the time "
-            "limit or set max_stages to shrink the search")
-    return extract_stages(m, res.x), res.status == 0
-
-
-def best_cycle(f: Fleet, s: Search, top: Timing) -> Timing:
-    """Least cycle (then least latency) by bisection over the bottleneck cap τ (module doc).
-
-    pred(k) := Lmin(τ_k) ≤ N·τ_k is monotone in k; with k the first index where it holds,
-    T* = min(τ_k, Lmin(τ_{k-1})/N), reached by the least-latency plan at τ_k or at τ_{k-1}.
-    Probes carry the bound latency ≤ N·τ_k, so a false predicate is a quick infeasibility proof.
-    """
-    n = s.n_streams
-    sizes = np.concatenate([stage_ms(f, d, *np.triu_indices(f.n_layers))
-                            for d in range(len(f.device_ids))])
-    taus = np.unique(np.concatenate((sizes, f.lat.ravel(), f.coord)))
-    lo, hi, optimal = 0, len(taus) - 1, top.optimal
-    found: list[tuple[int, int, Timing]] = []  # plan is least-latency for caps τ_from..τ_to
-
-    def settle(k: int, plan: Timing) -> None:
-        # The plan stays least-latency for every cap from its own bottleneck up to τ_k, and no
-        # cap ≤ τ_k does better, so the predicate is false below i_n and true from max(k_b, i_n).
-        nonlocal lo, hi
-        k_b = int(np.searchsorted(taus, plan.bottleneck_ms))
-        i_n = int(np.searchsorted(taus, plan.per_token_ms / n))
-        found.append((k_b, k, plan))
-        lo = max(lo, min(i_n, k + 1))
-        if max(k_b, i_n) <= k:
-            hi = min(hi, max(k_b, i_n))
-
-    def probe(k: int, max_latency: float) -> Timing | None:
-        nonlocal optimal
-        if time.monotonic() >= s.deadline:
-            raise PlacementTimeout("time limit reached during the bottleneck search")
-        stages, ok = least_latency(f, s, float(taus[k]), max_latency)
-        optimal &= ok
-        return None if stages is None else time_stages(f, stages, n, ok)
-
-    settle(hi, top)
-    try:
-        while lo < hi:
-            k = (lo + hi) // 2
-            plan = probe(k, n * float(taus[k]))
-            if plan is None:
-                lo = k + 1
-            else:
-                settle(k, plan)
-        if hi > 0 and not any(a <= hi - 1 <= b for a, b, _ in found):
-            # Lmin(τ_{k-1}) / N is the other candidate; only a plan beating the best counts.
-            best_ms = min(p.cycle_ms for _, _, p in found)
-            plan = probe(hi - 1, n * best_ms)
-            if plan is not None:
-                found.append((hi - 1, hi - 1, plan))
-    except PlacementTimeout:
-        optimal = False
-    best = min((p for _, _, p in found), key=lambda p: (p.cycle_ms, p.per_token_ms))
-    return replace(best, optimal=optimal)
 
 
 # --- reading a solution -------------------------------------------------------------------

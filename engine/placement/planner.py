@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Literal
 
@@ -26,25 +26,15 @@ from engine.errors import (
     PlacementTimeout,
 )
 from engine.machine.inventory import Inventory
-from engine.placement.milp import (
-    GB,
-    Fleet,
-    Search,
-    Stage,
-    Timing,
-    best_cycle,
-    build_milp,
-    extract_stages,
-    least_latency,
-    run_milp,
-    time_stages,
-)
+from engine.placement.fleet import GB, Fleet, Stage, Timing, time_stages
+from engine.placement.milp import build_milp, extract_stages, run_milp
+from engine.placement.search import Formulation, Search, best_cycle, least_latency, relative_gap
 
 __all__ = [
     "Calibration", "DeviceProfile", "Exclusion", "device_candidates", "Links", "ModelProfile", "PcInfo", "Plan",
     "PlacementInfeasible",
     "PlacementInputError", "PlacementRequest", "PlacementTimeout", "PlannedStage", "format_plan",
-    "solve",
+    "plan_quality", "solve",
 ]
 
 DeviceKind = Literal["CPU", "GPU", "NPU"]
@@ -250,6 +240,10 @@ class Plan:
     objective: Objective
     optimal: bool  # HiGHS proved optimality of every solve within the time limit
     excluded: tuple[Exclusion, ...] = ()
+    # Proven relative gap of the minimised value (objective_ms): the optimum is at least
+    # objective_ms * (1 - gap). 0.0 when optimal; None when no solver stands behind the plan
+    # (a split adjusted by hand, or a plan from a service that did not report it).
+    gap: float | None = None
 
     @property
     def objective_ms(self) -> float:
@@ -258,8 +252,13 @@ class Plan:
 
 
 def solve(request: PlacementRequest, *, model: ModelProfile, pcs: Sequence[PcInfo],
-          devices: Sequence[DeviceProfile], links: Links, break_symmetry: bool = False) -> Plan:
-    """Choose the number of stages, their layer ranges and devices; return the optimal `Plan`.
+          devices: Sequence[DeviceProfile], links: Links, break_symmetry: bool = False,
+          formulation: Formulation = "auto") -> Plan:
+    """Choose the number of stages, their layer ranges and devices; return the optimal `Plan`,
+    or when ``request.time_limit_s`` ran out first the best plan found with its proven gap.
+
+    ``formulation`` "auto" picks the MILP by the layer sizes (`engine.placement.search`);
+    "cuts" forces the general layer-range model (for comparisons).
 
     ``break_symmetry`` adds explicit order constraints between interchangeable devices and PCs.
     It is off by default because HiGHS detects these symmetries itself: on a benchmark set of
@@ -272,20 +271,21 @@ def solve(request: PlacementRequest, *, model: ModelProfile, pcs: Sequence[PcInf
     search = Search(max_stages=request.max_stages, min_stages=request.min_stages, n_streams=request.n_streams,
                     time_limit_s=request.time_limit_s,
                     deadline=time.monotonic() + request.time_limit_s,
-                    break_symmetry=break_symmetry)
-    stages, optimal = least_latency(fleet, search)
-    if stages is None:
+                    break_symmetry=break_symmetry, formulation=formulation)
+    found = least_latency(fleet, search)
+    if found.stages is None:
         raise _explain_infeasible(fleet, excluded, request, search.deadline)
-    timing = time_stages(fleet, stages, request.n_streams, optimal)
+    timing = time_stages(fleet, found.stages, request.n_streams, found.optimal)
+    timing = replace(timing, gap=0.0 if found.optimal else relative_gap(timing.per_token_ms, found.bound_ms))
     if request.objective == "throughput":
-        timing = best_cycle(fleet, search, timing)
+        timing = best_cycle(fleet, search, timing, found.bound_ms)
     return _plan(fleet, request, timing, excluded)
 
 
 def format_plan(plan: Plan) -> str:
     """Render a plan for the CLI and logs: one line per stage and hop, then the predictions."""
     lines = [f"{len(plan.stages)} stage(s), {plan.per_token_ms:.2f} ms/token = "
-             f"{plan.tok_s:.1f} tok/s for one stream ({'optimal' if plan.optimal else 'best found'})",
+             f"{plan.tok_s:.1f} tok/s for one stream ({plan_quality(plan)})",
              f"  coordinator -> {plan.stages[0].pc_id}: {plan.hop_ms[0]:.2f} ms"]
     for k, st in enumerate(plan.stages):
         lines.append(f"  stage {k}: {st.device_id:<16} layers {st.first_layer}-{st.last_layer} "
@@ -296,6 +296,17 @@ def format_plan(plan: Plan) -> str:
                  f"{plan.aggregate_tok_s:.1f} tok/s aggregate")
     lines += [f"  excluded {ex.pc_id}: {ex.reason}" for ex in plan.excluded]
     return "\n".join(lines)
+
+
+def plan_quality(plan: Plan) -> str:
+    """'optimal', 'best found, within 2.3 % of the optimum' (the proven gap of the minimised
+    value, latency or cycle), or 'best found' when no gap is known."""
+    if plan.optimal:
+        return "optimal"
+    if plan.gap is None:
+        return "best found"
+    what = "latency" if plan.objective == "latency" else "cycle"
+    return f"best found, {what} within {100 * plan.gap:.2g} % of the optimum"
 
 
 # --- fleet preparation ---------------------------------------------------------------------
@@ -403,7 +414,7 @@ def _plan(f: Fleet, request: PlacementRequest, timing: Timing,
                 tok_s=1000.0 / timing.per_token_ms, bottleneck_ms=timing.bottleneck_ms,
                 n_streams=request.n_streams, cycle_ms=timing.cycle_ms,
                 aggregate_tok_s=1000.0 / timing.cycle_ms, objective=request.objective,
-                optimal=timing.optimal, excluded=excluded)
+                optimal=timing.optimal, excluded=excluded, gap=timing.gap)
 
 
 # --- explaining a failure -------------------------------------------------------------------

@@ -1,0 +1,221 @@
+"""The counts model: placement as layer counts and a device order, exact when layers are alike.
+
+A model's decoder layers are usually all the same size; only layer 0 (with the embedding) and the
+last layer (with the final norm and head) differ. Then a stage's bytes and milliseconds depend
+only on its device, how many layers it holds and whether it holds the first and/or the last
+layer - not on where its layers sit. The plan is then an ordered list of devices with a layer
+count each, and the MILP needs a handful of variables per device instead of one column per
+(device, layer range) - 150 integer columns and ~900 arcs at 30 devices instead of ~250,000
+range columns for 128 layers (`engine.placement.milp`'s cuts model, which solves any sizes).
+
+    u[d], f[d], g[d] ∈ {0,1}   device d holds a stage / the first / the last layer
+    n[d] ∈ {0..n_max[d]}       its layer count;  s[d] ∈ [0, L] its first layer
+    a[d,e] ∈ {0,1}             d hands over to e (d ≠ e; same-PC pairs cost no latency)
+
+    Σ n = L;  u ≤ n ≤ n_max·u;  Σ f = Σ g = 1;  f, g ≤ u
+    Σ_e a[d,e] + g[d] = u[d];   Σ_d a[d,e] + f[e] = u[e]           (one path, first to last)
+    a[d,e] = 1  ⇒  s[e] = s[d] + n[d];  f[d] = 1 ⇒ s[d] = 0;  s + n ≤ L   (no detached cycles)
+    bytes(d) = b[d]·n + (first_bytes − b)·f + (last_bytes − b)·g ≤ min(C[d], C[pc]); Σ_pc ≤ C[pc]
+    minimise Σ t·n + o·u + (first_ms + coord)·f + (last_ms + coord)·g + Σ lat[pc d, pc e]·a
+
+With equal interior layers, ``b`` is their size and the model is exact. When they differ (mixed
+quantisation, alternating attention windows) the same model is solved twice: with ``b`` the
+smallest interior layer it is a relaxation (its optimum is a proven lower bound, and the optimal
+plan if its split happens to fit), with the largest a restriction (every plan it finds fits).
+`engine.placement.milp.least_latency` puts the two together with the cuts model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import coo_array
+
+from engine.errors import DeskfleetError
+from engine.placement.fleet import GB, Fleet, Stage
+
+__all__ = ["CountsResult", "LayerSizes", "layer_sizes", "solve_counts"]
+
+_MIP_REL_GAP = 1e-9
+
+
+@dataclass(frozen=True)
+class LayerSizes:
+    """Per device (D,): the smallest and largest interior layer's bytes, layer 0's and the last
+    layer's own bytes and extra ms (embedding, head)."""
+
+    inner_lo: np.ndarray
+    inner_hi: np.ndarray
+    first_bytes: np.ndarray
+    last_bytes: np.ndarray
+    first_ms: np.ndarray
+    last_ms: np.ndarray
+
+    @property
+    def uniform(self) -> bool:
+        """Every interior layer of every device has the same size: the counts model is exact."""
+        return bool(np.array_equal(self.inner_lo, self.inner_hi))
+
+
+def layer_sizes(f: Fleet) -> LayerSizes | None:
+    """The fleet's layers as the counts model sees them; None when it cannot describe them
+    (under 3 layers, or extra milliseconds on an interior layer)."""
+    if f.n_layers < 3:
+        return None
+    mem, ms = np.diff(f.mem_pre, axis=1), np.diff(f.ms_pre, axis=1)
+    if np.any(ms[:, 1:-1] != 0):
+        return None
+    inner = mem[:, 1:-1]
+    return LayerSizes(inner.min(axis=1), inner.max(axis=1), mem[:, 0], mem[:, -1], ms[:, 0], ms[:, -1])
+
+
+@dataclass(frozen=True)
+class CountsResult:
+    """One solve: stages in layer order (None: proven infeasible, or none found in time),
+    whether HiGHS proved optimality, and its proven lower bound on the latency (ms)."""
+
+    stages: list[Stage] | None
+    optimal: bool
+    bound_ms: float
+    timed_out: bool = False
+
+
+def solve_counts(f: Fleet, sizes: LayerSizes, inner_bytes: np.ndarray, *, time_limit_s: float,
+                 max_stages: int | None = None, min_stages: int = 1, cap_ms: float | None = None,
+                 max_latency: float | None = None, twins: Sequence[tuple[int, int]] = ()) -> CountsResult:
+    """Least-latency counts and order with every interior layer of device d taking
+    ``inner_bytes[d]`` bytes (module doc); each stage and hop ≤ ``cap_ms``, latency ≤
+    ``max_latency``. ``twins`` (d, e) are interchangeable devices: d is given the larger count."""
+    D, L = len(f.device_ids), f.n_layers
+    pc = f.dev_pc
+    cap_gb = np.minimum(f.dev_cap, f.pc_cap[pc]) / GB
+    b = inner_bytes / GB
+    fx, lx = sizes.first_bytes / GB - b, sizes.last_bytes / GB - b
+    n_max = np.full(D, L)
+    positive = b > 0
+    room = cap_gb - np.minimum(fx, 0) - np.minimum(lx, 0)
+    n_max[positive] = np.minimum(L, np.floor(room[positive] / b[positive] + 1e-9)).astype(int)
+    n_max[~positive & (room < 0)] = 0
+    coord = f.coord[pc]
+    first_ok = last_ok = np.ones(D, bool)
+    if cap_ms is not None:
+        spare = cap_ms - f.overhead_ms
+        n_max = np.minimum(n_max, np.floor(np.maximum(spare, -1) / f.layer_ms + 1e-9)).astype(int)
+        first_ok, last_ok = coord <= cap_ms, coord <= cap_ms
+    n_max = np.maximum(n_max, 0)
+    src, dst = (a.ravel() for a in np.indices((D, D)))
+    keep = src != dst
+    if cap_ms is not None:
+        keep &= f.lat[pc[src], pc[dst]] <= cap_ms
+    src, dst = src[keep], dst[keep]
+    A = len(src)
+    U, F, G, N, S, AR = (k * D for k in range(6))  # column blocks; arcs from AR
+    n_cols = AR + A
+    d_idx = np.arange(D)
+    rows: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+
+    def add(n_rows, r, c, v, lo, hi) -> None:
+        r = np.asarray(r, int)
+        rows.append((r, np.asarray(c, int), np.broadcast_to(np.asarray(v, float), r.shape),
+                     np.broadcast_to(np.asarray(lo, float), (n_rows,)),
+                     np.broadcast_to(np.asarray(hi, float), (n_rows,))))
+
+    z, o1 = np.zeros(D, int), np.ones(D)
+    add(1, z, N + d_idx, 1.0, L, L)                                        # Σ n = L
+    add(D, np.r_[d_idx, d_idx], np.r_[N + d_idx, U + d_idx], np.r_[o1, -o1], 0, np.inf)  # n ≥ u
+    add(D, np.r_[d_idx, d_idx], np.r_[N + d_idx, U + d_idx], np.r_[o1, -n_max], -np.inf, 0)
+    add(1, z, F + d_idx, 1.0, 1, 1)
+    add(1, z, G + d_idx, 1.0, 1, 1)
+    for blk in (F, G):                                                     # f, g ≤ u
+        add(D, np.r_[d_idx, d_idx], np.r_[blk + d_idx, U + d_idx], np.r_[o1, -o1], -np.inf, 0)
+    arc = AR + np.arange(A)
+    ones_a = np.ones(A)
+    add(D, np.r_[src, d_idx, d_idx], np.r_[arc, G + d_idx, U + d_idx], np.r_[ones_a, o1, -o1], 0, 0)
+    add(D, np.r_[dst, d_idx, d_idx], np.r_[arc, F + d_idx, U + d_idx], np.r_[ones_a, o1, -o1], 0, 0)
+    # Positions: a[d,e] = 1 ⇒ s[e] = s[d] + n[d] (both directions of the big-M).
+    a_rows = np.arange(A)
+    for sign, lo_, hi_ in ((-1.0, -L, np.inf), (1.0, -np.inf, L)):
+        add(A, np.tile(a_rows, 4), np.r_[S + dst, S + src, N + src, arc],
+            np.r_[ones_a, -ones_a, -ones_a, sign * L * ones_a], lo_, hi_)
+    add(D, np.r_[d_idx, d_idx], np.r_[S + d_idx, N + d_idx], 1.0, -np.inf, L)         # s + n ≤ L
+    add(D, np.r_[d_idx, d_idx], np.r_[S + d_idx, F + d_idx], np.r_[o1, L * o1], -np.inf, L)
+    add(D, np.r_[d_idx, d_idx, d_idx], np.r_[S + d_idx, N + d_idx, G + d_idx],
+        np.r_[o1, o1, -L * o1], 0, np.inf)                                 # g ⇒ s + n = L
+    mem_c = np.r_[N + d_idx, F + d_idx, G + d_idx]
+    mem_v = np.r_[b, fx, lx]
+    add(D, np.r_[d_idx, d_idx, d_idx], mem_c, mem_v, -np.inf, cap_gb)
+    shared = [p for p in range(len(f.pc_ids)) if np.count_nonzero(pc == p) > 1]
+    row_of = np.full(len(f.pc_ids), -1)
+    row_of[shared] = np.arange(len(shared))
+    on = row_of[pc] >= 0
+    if shared:
+        add(len(shared), np.tile(row_of[pc[on]], 3), np.r_[N + d_idx[on], F + d_idx[on], G + d_idx[on]],
+            np.r_[b[on], fx[on], lx[on]], -np.inf, f.pc_cap[shared] / GB)
+    if max_stages is not None or min_stages > 1:
+        add(1, z, U + d_idx, 1.0, min_stages, np.inf if max_stages is None else max_stages)
+    if cap_ms is not None:
+        add(D, np.tile(d_idx, 4), np.r_[N + d_idx, U + d_idx, F + d_idx, G + d_idx],
+            np.r_[f.layer_ms, f.overhead_ms, sizes.first_ms, sizes.last_ms], -np.inf, cap_ms)
+    for d, e in twins:
+        add(1, [0, 0], [N + d, N + e], [1.0, -1.0], 0, np.inf)
+
+    c = np.zeros(n_cols)
+    c[N:N + D] = f.layer_ms
+    c[U:U + D] = f.overhead_ms
+    c[F:F + D] = sizes.first_ms + coord
+    c[G:G + D] = sizes.last_ms + coord
+    c[arc] = f.lat[pc[src], pc[dst]]
+    if max_latency is not None:
+        nz = np.flatnonzero(c)
+        add(1, np.zeros(len(nz), int), nz, c[nz], -np.inf, max_latency)
+    offset = 0
+    row_parts, col_parts, val_parts, lo, hi = [], [], [], [], []
+    for r, cc, v, rl, rh in rows:
+        row_parts.append(r + offset)
+        col_parts.append(cc)
+        val_parts.append(v)
+        lo.append(rl)
+        hi.append(rh)
+        offset += len(rl)
+    A_mat = coo_array((np.concatenate(val_parts), (np.concatenate(row_parts), np.concatenate(col_parts))),
+                      shape=(offset, n_cols)).tocsr()
+    ub = np.concatenate((np.minimum(n_max, 1), (n_max > 0) & first_ok, (n_max > 0) & last_ok, n_max,
+                         np.full(D, float(L)), np.ones(A))).astype(float)
+    integrality: np.ndarray = np.ones(n_cols)
+    integrality[S:S + D] = 0
+    res = milp(c, integrality=integrality, bounds=Bounds(np.zeros(n_cols), ub),
+               constraints=[LinearConstraint(A_mat, np.concatenate(lo), np.concatenate(hi))],
+               options={"time_limit": max(time_limit_s, 0.05), "mip_rel_gap": _MIP_REL_GAP})
+    if res.status == 2:
+        return CountsResult(None, True, math.inf)
+    bound = getattr(res, "mip_dual_bound", None)
+    bound = float(bound) if bound is not None and np.isfinite(bound) else 0.0
+    if res.x is None:
+        return CountsResult(None, False, bound, timed_out=True)
+    return CountsResult(_stages(res.x, D, src, dst, L), res.status == 0,
+                        float(res.fun) if res.status == 0 else bound)
+
+
+def _stages(x: np.ndarray, D: int, src: np.ndarray, dst: np.ndarray, L: int) -> list[Stage]:
+    """Follow the hand-overs from the first device; (device, first, last) in layer order."""
+    used = x[:D] > 0.5
+    counts = np.rint(x[3 * D:4 * D]).astype(int)
+    chosen = np.flatnonzero(x[5 * D:] > 0.5)
+    nxt = dict(zip(src[chosen].tolist(), dst[chosen].tolist(), strict=True))
+    d = int(np.argmax(x[D:2 * D]))
+    stages: list[Stage] = []
+    start = 0
+    while True:
+        stages.append((d, start, start + int(counts[d]) - 1))
+        start += int(counts[d])
+        if d not in nxt or len(stages) > D:
+            break
+        d = nxt[d]
+    if start != L or len(stages) != int(used.sum()) or any(n < 1 for n in counts[used]):
+        raise DeskfleetError("the placement solver's counts model returned a chain that does not "
+                             "cover the layers; this is a bug - please report it with the fleet profiles")
+    return stages
