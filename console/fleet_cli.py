@@ -6,7 +6,8 @@ OpenAI API, with its admin API on ``<state_dir>/admin.sock`` and over mutual TLS
 (docs/ADMIN_API.md). ``admin-cert NAME --out DIR`` issues an admin certificate from the fleet CA
 in the state dir (only whoever can read the state dir can do that). ``autostart enable|disable``
 registers the service to start at this user's login on Windows (implemented, not run on Windows
-here); Linux runs it under systemd (``installer/deskfleet-fleet.service``).
+here); Linux runs it under systemd (``installer/deskfleet-fleet.service``). ``tokens
+list|issue|revoke`` manages the join tokens of the running service (:mod:`console.tokens_cli`).
 """
 
 from __future__ import annotations
@@ -27,12 +28,16 @@ RUN_VALUE_NAME = "Deskfleet fleet"
 
 def configure(p: argparse.ArgumentParser) -> None:
     from console.service.console_settings import API_PORT, ENROLLMENT_PORT, HUB_PORT
+    from console.tokens_cli import add_arguments as add_token_arguments
 
-    p.add_argument("action", nargs="?", default="run", choices=("run", "admin-cert", "autostart"),
+    p.add_argument("action", nargs="?", default="run", choices=("run", "admin-cert", "autostart", "tokens"),
                    help="run (default): serve the fleet; admin-cert NAME --out DIR: issue an admin certificate; "
-                        "autostart enable|disable: start the service at login (Windows)")
+                        "autostart enable|disable: start the service at login (Windows); "
+                        "tokens list|issue|revoke ID: the running service's join tokens")
     p.add_argument("name", nargs="?", default=None,
-                   help="admin-cert: the admin's name (in the certificate); autostart: enable or disable")
+                   help="admin-cert: the admin's name (in the certificate); autostart: enable or disable; "
+                        "tokens: list, issue or revoke")
+    p.add_argument("more", nargs="*", default=[], help="tokens revoke: the token's id (from `tokens list`)")
     p.add_argument("--state-dir", type=Path, default=None,
                    help="where the fleet CA, approvals, models, exports and the served rings live (default: the "
                         "per-user data directory, the console's)")
@@ -61,6 +66,7 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "tokens (tests, identity checks; slower)")
     p.add_argument("--out", type=Path, default=None, help="admin-cert: the directory to write the certificate to")
     p.add_argument("--days", type=int, default=365, help="admin-cert: days the certificate is valid (default 365)")
+    add_token_arguments(p)
 
 
 def service_settings(args: argparse.Namespace):
@@ -96,6 +102,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.action == "admin-cert":
         return _admin_cert(args)
+    if args.action == "tokens":
+        from console.tokens_cli import run_tokens
+
+        return run_tokens(args, args.name, list(args.more))
     if args.action == "autostart":
         if args.name not in ("enable", "disable"):
             raise DeskfleetError("say `deskfleet fleet autostart enable` or `deskfleet fleet autostart disable`")

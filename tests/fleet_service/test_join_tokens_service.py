@@ -110,3 +110,34 @@ def test_a_revoked_token_admits_nobody_and_bad_requests_are_named(tmp_path, shar
             assert status == 404 and "no join token" in err["error"]["message"]
 
     shared_service.run(main(), 120)
+
+
+def test_the_fleet_cli_issues_lists_and_revokes_tokens(tmp_path, shared_service, capsys):
+    import argparse
+
+    from console.fleet_cli import configure, run
+    from engine.errors import DeskfleetError
+
+    state = shared_service.service.settings.state_dir
+
+    def cli(*argv: str) -> str:
+        parser = argparse.ArgumentParser()
+        configure(parser)
+        assert run(parser.parse_args(["tokens", *argv, "--state-dir", str(state)])) == 0
+        return capsys.readouterr().out
+
+    issued = cli("issue", "--uses", "3", "--ttl", "7200", "--label", "cli roll-out", "--auto-approve")
+    token_id = issued.split()[1].rstrip(":")
+    assert "3 use(s)" in issued and "auto-approving" in issued and "DFJ1-" in issued
+    listing = cli("list")
+    assert "cli roll-out" in listing and token_id in listing and listing.splitlines()[0].startswith("Label")
+    path = tmp_path / "deploy" / "join-token"
+    assert "written to" in cli("issue", "--token-file", str(path))
+    assert path.read_text().startswith("DFJ1-") and (path.stat().st_mode & 0o077) == 0
+    assert f"token {token_id} is revoked" in cli("revoke", token_id)
+    for argv, words in ((("revoke",), "say which token"), (("issue", "--ttl", "soon"), "--ttl"),
+                        (("issue", "--ttl", "never", "--auto-approve"), "must expire"), (("frobnicate",), "list|issue")):
+        parser = argparse.ArgumentParser()
+        configure(parser)
+        with pytest.raises(DeskfleetError, match=words):
+            run(parser.parse_args(["tokens", *argv, "--state-dir", str(state)]))
