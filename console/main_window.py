@@ -1,6 +1,6 @@
-"""The console's one window: a page per step from an empty network to a served model (Fleet,
-Models, Placement, Distribution, Chat, Metrics), over the bridge to the fleet service and the
-controller of the ring it shows.
+"""The console's one window: the Dashboard (the fleet at a glance), then a page per step from an
+empty network to a served model (Fleet, Models, Placement, Distribution, Chat, Metrics), over
+the bridge to the fleet service and the controller of the ring it shows.
 Closing the window shuts the pages down; the bridge itself is closed by whoever created it
 (`console.app.run_console`, or a test)."""
 
@@ -13,6 +13,7 @@ from PySide6.QtGui import QCloseEvent
 from PySide6.QtWidgets import QDialog, QMainWindow, QTabWidget, QVBoxLayout
 
 from console.chat_page import QtChatPage
+from console.dashboard_page import QtDashboardPage
 from console.distribution_page import QtDistributionPage
 from console.first_run_view import QtFirstRunView
 from console.fleet_page import QtFleetPage
@@ -31,14 +32,16 @@ class QtConsoleWindow(QMainWindow):
         self.setWindowTitle(f"Deskfleet console — {bridge.settings.interface}")
         self.resize(1100, 720)
         self.tabs = QTabWidget()
+        self.dashboard_page = QtDashboardPage(bridge)
         self.fleet_page = QtFleetPage(bridge)
         self.models_page = QtModelsPage(bridge)
         self.placement_page = QtPlacementPage(bridge)
         self.distribution_page = QtDistributionPage(self.serving, bridge.session)
         self.chat_page = QtChatPage(self.serving, bridge.loop, options=chat_options)
         self.metrics_page = QtMetricsPage(bridge, self.serving)
-        for page, title in ((self.fleet_page, "Fleet"), (self.models_page, "Models"),
-                            (self.placement_page, "Placement"), (self.distribution_page, "Distribution"),
+        for page, title in ((self.dashboard_page, "Dashboard"), (self.fleet_page, "Fleet"),
+                            (self.models_page, "Models"), (self.placement_page, "Placement"),
+                            (self.distribution_page, "Distribution"),
                             (self.chat_page, "Chat"), (self.metrics_page, "Metrics")):
             self.tabs.addTab(page, title)
         self.setCentralWidget(self.tabs)
