@@ -313,6 +313,12 @@ class ServiceBridge(QObject):
             self.call(self.client.async_refresh(), "refreshing the agents",
                       on_error=lambda exc: log.debug("refresh failed: %s", exc))
 
+    def set_tags(self, key: str, tags: Collection[str] | None, on_error: OnError = None) -> None:
+        """The admin's tags for agent ``key`` (None: the agent's own count again); the changed
+        record arrives through the feed."""
+        self.call(self.client.async_set_tags(key, None if tags is None else list(tags)), "setting the tags",
+                  on_error=on_error)
+
     def measure_links(self, node_ids: Collection[str], on_result: Callable[[LinkReport], None],
                       on_error: OnError = None) -> None:
         self.call(self._then(self.client.async_measure_links(list(node_ids), timeout=LINKS_TIMEOUT_S),
@@ -321,30 +327,37 @@ class ServiceBridge(QObject):
 
     # ---- placement -------------------------------------------------------------------------------
 
-    def place(self, model: ModelEntry, request: PlacementRequest, context: int, leave_out: Collection[str],
-              on_result: Callable[[tuple[PlacementInputs, Plan]], None], on_error: OnError) -> None:
-        """The service measures, calibrates (cached) and solves for ``model``."""
+    def place(self, model: ModelEntry, request: PlacementRequest, context: int | None, leave_out: Collection[str],
+              on_result: Callable[[tuple[PlacementInputs, Plan, int, str]], None], on_error: OnError, *,
+              include_tags: Collection[str] = (), exclude_tags: Collection[str] = ()) -> None:
+        """The service measures, calibrates (cached) and solves for ``model``, keeping to agents
+        with ``include_tags`` and none of ``exclude_tags``; ``context`` None: the service's choice.
+        The result: (inputs, plan, context used, why that context: "" when given)."""
         spec = self.session.spec
 
-        async def place() -> tuple[PlacementInputs, Plan]:
+        async def place() -> tuple[PlacementInputs, Plan, int, str]:
             placement = await self.client.async_place(model.name, request, context=context, spec=spec,
-                                                      leave_out=leave_out, timeout=PLACE_TIMEOUT_S)
+                                                      leave_out=leave_out, timeout=PLACE_TIMEOUT_S,
+                                                      include_tags=include_tags, exclude_tags=exclude_tags)
             inputs = inputs_from_json(placement["inputs"])
             self._placements[id(inputs)] = str(placement["id"])
-            return inputs, plan_from_json(placement["plan"])
+            return (inputs, plan_from_json(placement["plan"]), int(placement["context"]),
+                    str(placement.get("context_reason") or ""))
 
         self.call(place(), f"placing {model.name}", timeout=PLACE_TIMEOUT_S + 30, on_result=on_result,
                   on_error=on_error)
 
     def solve(self, inputs: PlacementInputs, request: PlacementRequest, leave_out: Collection[str],
-              on_result: Callable[[Plan], None], on_error: OnError) -> None:
-        """Re-solve in the service over the inputs its placement kept."""
+              on_result: Callable[[Plan], None], on_error: OnError, *, include_tags: Collection[str] = (),
+              exclude_tags: Collection[str] = ()) -> None:
+        """Re-solve in the service over the inputs its placement kept (with these tags)."""
         placement = self._placements.get(id(inputs))
         if placement is None:
             if on_error is not None:
                 on_error(ConsoleError("these placement inputs did not come from the service; place the model again"))
             return
-        self.call(self.client.async_solve(placement, request, leave_out), "solving the placement",
+        self.call(self.client.async_solve(placement, request, leave_out, include_tags=include_tags,
+                                          exclude_tags=exclude_tags), "solving the placement",
                   timeout=request.time_limit_s + 40, on_result=on_result, on_error=on_error)
 
     @staticmethod

@@ -49,7 +49,7 @@ from console.service.join_tokens import issue_options
 from console.service.served_rings import RingIdError
 from console.service.service_events import JobNotFoundError
 from console.service.service_ring import RingStateError
-from engine.errors import DeskfleetError, TokenPolicyError
+from engine.errors import DeskfleetError, TagError, TokenPolicyError
 from engine.trust.fleet_ca import ADMIN_ROLES, Role, peer_role
 
 FleetService = Any  # console.service.fleet_service.FleetService: it imports this module, never the reverse
@@ -67,7 +67,7 @@ _NOT_FOUND = ("ExportNotFoundError", "UnknownAgentError", "RingNotFoundError", "
 # (error class, HTTP status, code); the first match wins; another DeskfleetError is a 409 conflict
 ERRORS: tuple[tuple[type[BaseException], int, str], ...] = (
     (ShapeError, 400, "bad_request"), (RingIdError, 400, "bad_request"), (ModelPathError, 400, "bad_request"),
-    (TokenPolicyError, 400, "bad_request"),
+    (TokenPolicyError, 400, "bad_request"), (TagError, 400, "bad_request"),
     (UnknownAgentError, 404, "not_found"), (ExportNotFoundError, 404, "not_found"),
     (JobNotFoundError, 404, "not_found"),
     (RingStateError, 409, "conflict"), (ForeignAgentError, 409, "conflict"),
@@ -187,6 +187,13 @@ class AdminApi:
             s.remove(key(q))
             return j({"removed": key(q)})
 
+        async def set_tags(q):
+            body = await self.body(q)
+            tags = body.get("tags") if isinstance(body, dict) else None
+            if not isinstance(body, dict) or "tags" not in body or not (tags is None or isinstance(tags, list)):
+                raise ShapeError("the body needs 'tags': a list of tags, or null to let the agent's own count")
+            return j({"agent": s.set_tags(key(q), tags)})
+
         async def pause(q):
             return j({"agent": await s.async_pause(key(q))})
 
@@ -211,10 +218,14 @@ class AdminApi:
 
         async def place(q):
             body = await self.body(q)
+            context = field(body, "context", int, optional=True)
+            if context is not None and context < 1:
+                raise ShapeError(f"'context' must be a positive number of tokens (or null: the service chooses), "
+                                 f"not {context}")
             job = s.place(field(body, "model", str), request_from_json(field(body, "request", dict, default={})),
-                          context=field(body, "context", int, default=4096),
-                          spec=spec_from_json(field(body, "spec", dict, default={})),
-                          leave_out=strings(body, "leave_out"))
+                          context=context, spec=spec_from_json(field(body, "spec", dict, default={})),
+                          leave_out=strings(body, "leave_out"), include_tags=strings(body, "include_tags"),
+                          exclude_tags=strings(body, "exclude_tags"))
             return j({"job": job.to_json()}, status=202)
 
         async def start_export(q):
@@ -228,8 +239,9 @@ class AdminApi:
 
         async def solve(q):
             body = await self.body(q)
+            tags = {n: strings(body, n) for n in ("include_tags", "exclude_tags") if body.get(n) is not None}
             plan = await s.async_solve(q.match_info["id"], request_from_json(field(body, "request", dict, default={})),
-                                       strings(body, "leave_out"))
+                                       strings(body, "leave_out"), **tags)
             return j({"plan": plan_json(plan)})
 
         async def propose_rings(q):
@@ -297,6 +309,7 @@ class AdminApi:
         r.add_post(f"{p}/agents/refresh", refresh)
         r.add_post(f"{p}/agents/{{key}}/approve", approve)
         r.add_post(f"{p}/agents/{{key}}/pause", pause)
+        r.add_put(f"{p}/agents/{{key}}/tags", set_tags)
         r.add_post(f"{p}/agents/{{key}}/resume", resume)
         r.add_delete(f"{p}/agents/{{key}}", remove)
         r.add_post(f"{p}/links", links)

@@ -219,11 +219,14 @@ class AdminClient:
     async def async_exports(self) -> list[dict[str, Any]]:
         return list((await self.async_call("GET", "/exports"))["exports"])
 
-    async def async_place(self, model: str, request: PlacementRequest, *, context: int, spec: ExportSpec,
-                          leave_out: Collection[str] = (), timeout: float = 1800.0) -> dict[str, Any]:
-        """PLACEMENT (its id, inputs and plan) once the service measured, calibrated and solved."""
+    async def async_place(self, model: str, request: PlacementRequest, *, context: int | None, spec: ExportSpec,
+                          leave_out: Collection[str] = (), timeout: float = 1800.0, include_tags: Collection[str] = (),
+                          exclude_tags: Collection[str] = ()) -> dict[str, Any]:
+        """PLACEMENT (its id, inputs, plan, context and the context's reason) once the service
+        measured, calibrated and solved; ``context`` None: the service chooses it."""
         body = {"model": model, "context": context, "leave_out": sorted(leave_out), "spec": spec_json(spec),
-                "request": request_json(request)}
+                "request": request_json(request), "include_tags": sorted(include_tags),
+                "exclude_tags": sorted(exclude_tags)}
         job = (await self.async_call("POST", "/placements", body))["job"]
         return dict((await self.async_wait_job(job["id"], timeout=timeout))["placement"])
 
@@ -236,11 +239,22 @@ class AdminClient:
             body["spec"] = spec_json(spec)
         return dict((await self.async_call("POST", "/exports", body))["job"])
 
-    async def async_solve(self, placement_id: str, request: PlacementRequest, leave_out: Collection[str]) -> Plan:
-        answer = await self.async_call("POST", f"/placements/{placement_id}/solve",
-                                       {"request": request_json(request), "leave_out": sorted(leave_out)},
+    async def async_solve(self, placement_id: str, request: PlacementRequest, leave_out: Collection[str], *,
+                          include_tags: Collection[str] | None = None,
+                          exclude_tags: Collection[str] | None = None) -> Plan:
+        """The plan solved again over the placement's inputs (tags None: the placement's own)."""
+        body: dict[str, Any] = {"request": request_json(request), "leave_out": sorted(leave_out)}
+        for name, tags in (("include_tags", include_tags), ("exclude_tags", exclude_tags)):
+            if tags is not None:
+                body[name] = sorted(tags)
+        answer = await self.async_call("POST", f"/placements/{placement_id}/solve", body,
                                        timeout=request.time_limit_s + 30)
         return plan_from_json(answer["plan"])
+
+    async def async_set_tags(self, key: str, tags: Collection[str] | None) -> dict[str, Any]:
+        """The AGENT with the admin's ``tags`` (None: the agent's own count again)."""
+        body = {"tags": None if tags is None else list(tags)}
+        return dict((await self.async_call("PUT", f"/agents/{key}/tags", body))["agent"])
 
     # ---- rings -----------------------------------------------------------------------------------
 

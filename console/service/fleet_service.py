@@ -48,12 +48,12 @@ from console.service.fleet import FleetModel
 from console.service.join_tokens import TokenDesk
 from console.service.links import async_measure_links
 from console.service.models import ModelEntry, ModelLibrary
-from console.service.placement_inputs import async_placement_inputs, solve_inputs
 from console.service.placement_store import (
     Placement,
     PlacementNotFoundError,  # noqa: F401 (named here before)
     PlacementStore,
 )
+from console.service.placing import async_new_placement, async_solve_again, checked_tags
 from console.service.served_rings import ServedRing, ServedRings, check_ring_id, next_ring_id
 from console.service.service_events import EventFeed, Jobs
 from console.service.service_ring import (
@@ -373,21 +373,21 @@ class FleetService:
             raise ModelNotFoundError(f"there is no model {name!r} in the service's library (models: {names})")
         return entry
 
-    def place(self, model: str, request: PlacementRequest, *, context: int = 4096, spec: ExportSpec = DEFAULT_SPEC,
-              leave_out: Collection[str] = ()):
-        """Measure, calibrate (cached) and solve for ``model``, as a job; its result is the placement."""
+    def place(self, model: str, request: PlacementRequest, *, context: int | None = None,
+              spec: ExportSpec = DEFAULT_SPEC, leave_out: Collection[str] = (), include_tags: Collection[str] = (),
+              exclude_tags: Collection[str] = ()):
+        """Measure, calibrate (cached) and solve for ``model``, as a job; its result is the
+        placement (console.service.placing: ``context`` None is the model's maximum capped by
+        memory; tags keep to / avoid agents; TagError at once for a bad tag)."""
+        include, exclude = checked_tags(include_tags, exclude_tags)
         entry = self.model_entry(model)
 
         async def place() -> Placement:
-            from export.exporter import ExportOptions
-
             checkpoint = await asyncio.to_thread(_checkpoint_of, entry)
-            inputs = await async_placement_inputs(
-                self.fleet, self.host.hub, checkpoint, options=ExportOptions(**spec.options_kwargs()),
-                context=context, streams=request.n_streams, allow_battery=request.allow_battery,
-                steps=self.settings.console.calibration_steps, threads=self.settings.console.worker.threads)
-            plan = await asyncio.to_thread(solve_inputs, inputs, request, frozenset(leave_out))
-            return self.placements.put(Placement(self.placements.new_id(), model, context, spec, inputs, plan))
+            return self.placements.put(await async_new_placement(
+                self.fleet, self.host.hub, checkpoint, placement_id=self.placements.new_id(), model=model, spec=spec,
+                request=request, context=context, leave_out=leave_out, include=include, exclude=exclude,
+                steps=self.settings.console.calibration_steps, threads=self.settings.console.worker.threads))
 
         return self.jobs.start("place", asyncio.wait_for(place(), PLACE_TIMEOUT_S),
                                to_json=lambda p: {"placement": p.to_json()})
@@ -395,13 +395,18 @@ class FleetService:
     def placement(self, placement_id: str) -> Placement:
         return self.placements.get(placement_id)
 
-    async def async_solve(self, placement_id: str, request: PlacementRequest, leave_out: Collection[str]) -> Plan:
+    async def async_solve(self, placement_id: str, request: PlacementRequest, leave_out: Collection[str], *,
+                          include_tags: Collection[str] | None = None,
+                          exclude_tags: Collection[str] | None = None) -> Plan:
+        """Solve the placement again (tags None: the placement's own; the agents' tags as now)."""
         placement = self.placement(placement_id)
-        plan = await asyncio.wait_for(asyncio.to_thread(solve_inputs, placement.inputs, request, frozenset(leave_out)),
-                                      request.time_limit_s + 30)
-        placement.plan = plan
+        plan = await async_solve_again(self.fleet, placement, request, leave_out, include_tags, exclude_tags)
         self.placements.put(placement)
         return plan
+
+    def set_tags(self, key: str, tags: Collection[str] | None) -> dict[str, Any]:
+        """The admin's tags for agent ``key`` (None: its own count again); its AGENT object."""
+        return agent_json(self.fleet.set_tags(key, None if tags is None else tuple(tags)))
 
     async def async_propose_rings(self, placement_id: str, request: PlacementRequest, *, standbys: int = 1,
                                   rings: int | None = None, leave_out: Collection[str] = ()) -> dict[str, Any]:

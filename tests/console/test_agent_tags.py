@@ -1,0 +1,148 @@
+"""Agent tags end to end on loopback: real agents whose settings carry tags join a real fleet
+service; the service shows them (status poll, admin API), the admin sets others over the admin
+API and ``deskfleet fleet tag`` (which win, and survive a restart of the service), takes them
+away again, and a placement keeps to or avoids agents by their tags, naming the reason."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+import pytest
+
+from console.fleet_tag_cli import run_tag
+from console.service.agent_tags import TAGS_FILE, TagBook
+from console.service.errors import ConsoleStateError
+from console.service.export_catalog import ExportSpec
+from console.service.placement_store import Placement
+from engine.errors import DeskfleetError
+from tests.fleet_service.admin import Admin
+from tests.fleet_service.conftest import service_in_process
+from tests.support.asyncutil import run
+from tests.support.console_fleet_helpers import agent
+
+pytestmark = pytest.mark.usefixtures("private_keyring")
+
+TAGS = {"desk-a": ("finance", "floor-2"), "desk-b": ("floor-2",), "desk-c": ("floor-3",)}
+
+
+def _placement_over(service, nodes: dict[str, str]) -> Placement:
+    """A placement whose measured inputs are the joined agents' (node ids), each able to hold the
+    whole model; solving it needs no calibration."""
+    from console.service.links import LinkReport
+    from console.service.placement_inputs import PlacementInputs, solve_inputs
+    from engine.placement.planner import DeviceProfile, Links, ModelProfile, PcInfo, PlacementRequest
+
+    pcs = tuple(PcInfo(node, 8 << 30, True) for node in nodes.values())
+    devices = tuple(DeviceProfile(f"{pc.pc_id}/CPU", pc.pc_id, "CPU", 1.0 + k, 0.2, pc.memory_bytes)
+                    for k, pc in enumerate(pcs))
+    inputs = PlacementInputs(ModelProfile((64 << 20,) * 4), pcs, devices, LinkReport(Links(default_ms=0.3), {}, {}),
+                             (), {node: name for name, node in nodes.items()}, {})
+    return service.placements.put(Placement(service.placements.new_id(), "tiny", 2048, ExportSpec(), inputs,
+                                            solve_inputs(inputs, PlacementRequest())))
+
+
+async def _joined(service, root, a: Admin) -> tuple[list, dict[str, str]]:
+    pcs = []
+    for name, tags in TAGS.items():
+        pc = agent(root, name, tags=tags)
+        await pc.async_start()
+        pcs.append(pc)
+        token = (await a.ok("POST", "/tokens", {}))["token"]
+        await pc.async_join(service.host.enrollment, token)
+        added = (await a.ok("POST", "/agents", {"host": "127.0.0.1", "port": pc.control_port}))["agent"]
+        await a.ok("POST", f"/agents/{added['key']}/approve")
+    await a.ok("POST", "/agents/refresh")
+    return pcs, {pc.settings.name: pc.status().node_id for pc in pcs}
+
+
+def _cli(state_dir, name=None, tags=None, reset=False) -> int:
+    return run_tag(argparse.Namespace(state_dir=state_dir, name=name, tags=tags, reset=reset))
+
+
+@pytest.mark.slow
+def test_tags_from_the_agents_and_the_admin_and_placement_by_tags(tmp_path, capsys):
+    state = tmp_path / "fleet"
+
+    async def main():
+        async with service_in_process(state) as service, Admin.unix(state / "admin.sock") as a:
+            pcs, nodes = await _joined(service, tmp_path, a)
+            try:
+                agents = {x["name"]: x for x in (await a.ok("GET", "/agents"))["agents"]}
+                assert {n: tuple(agents[n]["tags"]) for n in TAGS} == TAGS  # from each agent's status
+                assert {agents[n]["tags_set_by"] for n in TAGS} == {"agent"}
+                key_c = agents["desk-c"]["key"]
+
+                # the admin's tags win over the agent's own; bad ones are refused, naming the tag
+                changed = (await a.ok("PUT", f"/agents/{key_c}/tags", {"tags": ["Floor-2", "lab"]}))["agent"]
+                assert changed["tags"] == ["floor-2", "lab"] and changed["tags_set_by"] == "admin"
+                status, body = await a.call("PUT", f"/agents/{key_c}/tags", {"tags": ["two words"]})
+                assert status == 400 and "'two words' is not a tag" in body["error"]["message"]
+                status, body = await a.call("PUT", f"/agents/{key_c}/tags", {"labels": []})
+                assert status == 400 and "'tags'" in body["error"]["message"]
+                await a.ok("POST", "/agents/refresh")  # a poll (the agent still says floor-3) changes nothing
+                again = {x["name"]: x for x in (await a.ok("GET", "/agents"))["agents"]}["desk-c"]
+                assert again["tags"] == ["floor-2", "lab"]
+
+                # the CLI, over the same admin socket
+                assert await asyncio.to_thread(_cli, state, "desk-b", "floor-2, printer") == 0
+                assert await asyncio.to_thread(_cli, state) == 0
+                with pytest.raises(DeskfleetError, match="no member agent is called"):
+                    await asyncio.to_thread(_cli, state, "desk-z", "x")
+                with pytest.raises(DeskfleetError, match="--tags floor-2,finance to set them"):
+                    await asyncio.to_thread(_cli, state, "desk-b")
+
+                # placement: only floor-2, never finance -> desk-b and desk-c (admin's tags) remain
+                made = _placement_over(service, nodes)
+                solve = f"/placements/{made.id}/solve"
+                plan = (await a.ok("POST", solve, {"include_tags": ["floor-2"], "exclude_tags": ["finance"]}))["plan"]
+                used = {st["pc_id"] for st in plan["stages"]}
+                assert used <= {nodes["desk-b"], nodes["desk-c"]} and used
+                assert {"pc_id": nodes["desk-a"], "reason": "tagged finance (excluded)"} in plan["excluded"]
+                kept = (await a.ok("GET", f"/placements/{made.id}"))["placement"]
+                assert kept["include_tags"] == ["floor-2"] and kept["exclude_tags"] == ["finance"]
+                only_printer = (await a.ok("POST", solve, {"include_tags": ["printer"]}))["plan"]
+                assert {st["pc_id"] for st in only_printer["stages"]} == {nodes["desk-b"]}
+                assert {"pc_id": nodes["desk-c"], "reason": "not tagged printer"} in only_printer["excluded"]
+                same = (await a.ok("POST", solve, {}))["plan"]  # no tags given: the placement's own (printer)
+                assert {st["pc_id"] for st in same["stages"]} == {nodes["desk-b"]}
+                status, body = await a.call("POST", solve, {"include_tags": ["-bad"]})
+                assert status == 400 and "include_tags" in body["error"]["message"]
+                status, body = await a.call("POST", solve, {"include_tags": ["nobody-has-this"]})
+                assert status == 409 and "no approved agent" in body["error"]["message"]
+                status, body = await a.call("POST", "/placements", {"model": "nope", "exclude_tags": ["a b"]})
+                assert status == 400 and "exclude_tags: 'a b' is not a tag" in body["error"]["message"]
+            finally:
+                for pc in pcs:
+                    await pc.async_close()
+        # after a restart of the service: the admin's tags are kept, the agents' own too
+        async with service_in_process(state) as service:
+            records = {r.name: r for r in service.fleet.records()}
+            assert records["desk-c"].tags == ("floor-2", "lab") and records["desk-c"].tags_set_by == "admin"
+            assert records["desk-b"].tags == ("floor-2", "printer")
+            assert records["desk-a"].tags == ("finance", "floor-2") and records["desk-a"].tags_set_by == "agent"
+            service.fleet.set_tags(records["desk-c"].node_id, None)  # the admin's taken away: its own again
+            assert service.fleet.get(records["desk-c"].node_id).tags == ("floor-3",)
+            service.fleet.remove(records["desk-a"].node_id)  # a removed agent's tags go with it
+        return nodes
+
+    nodes = run(main(), timeout=240)
+    out = capsys.readouterr().out
+    assert "desk-b" in out and "floor-2, printer (set by the admin)" in out and "finance, floor-2" in out
+    kept = json.loads((state / TAGS_FILE).read_text())["agents"]
+    assert nodes["desk-a"] not in kept and kept[nodes["desk-c"]] == {"reported": ["floor-3"], "admin": None}
+
+
+def test_a_damaged_tags_file_is_named_and_left_in_place(tmp_path):
+    (tmp_path / TAGS_FILE).write_text(json.dumps({"format": 1, "agents": {"n1": {"reported": ["not a tag"]}}}))
+    with pytest.raises(ConsoleStateError, match="malformed entry for 'n1'"):
+        TagBook(tmp_path)
+    (tmp_path / TAGS_FILE).write_text("{")
+    with pytest.raises(ConsoleStateError, match="not valid JSON"):
+        TagBook(tmp_path)
+    assert (tmp_path / TAGS_FILE).read_text() == "{"
+    book = TagBook(tmp_path / "fresh")
+    book.note_reported("n1", ("a",))
+    book.set_admin("n1", ("B",))
+    assert TagBook(tmp_path / "fresh").get("n1").effective == ("b",)
