@@ -27,16 +27,18 @@ RUN_VALUE_NAME = "Deskfleet fleet"
 
 
 def configure(p: argparse.ArgumentParser) -> None:
+    from console.fleet_tag_cli import add_arguments as add_tag_arguments
     from console.service.console_settings import API_PORT, ENROLLMENT_PORT, HUB_PORT
     from console.tokens_cli import add_arguments as add_token_arguments
 
-    p.add_argument("action", nargs="?", default="run", choices=("run", "admin-cert", "autostart", "tokens"),
+    p.add_argument("action", nargs="?", default="run", choices=("run", "admin-cert", "autostart", "tokens", "tag"),
                    help="run (default): serve the fleet; admin-cert NAME --out DIR: issue an admin certificate; "
                         "autostart enable|disable: start the service at login (Windows); "
-                        "tokens list|issue|revoke ID: the running service's join tokens")
+                        "tokens list|issue|revoke ID: the running service's join tokens; "
+                        "tag [AGENT] --tags T,T | --reset: list or set an agent's tags")
     p.add_argument("name", nargs="?", default=None,
                    help="admin-cert: the admin's name (in the certificate); autostart: enable or disable; "
-                        "tokens: list, issue or revoke")
+                        "tokens: list, issue or revoke; tag: the agent's name or node id start")
     p.add_argument("more", nargs="*", default=[], help="tokens revoke: the token's id (from `tokens list`)")
     p.add_argument("--state-dir", type=Path, default=None,
                    help="where the fleet CA, approvals, models, exports and the served rings live (default: the "
@@ -67,6 +69,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=None, help="admin-cert: the directory to write the certificate to")
     p.add_argument("--days", type=int, default=365, help="admin-cert: days the certificate is valid (default 365)")
     add_token_arguments(p)
+    add_tag_arguments(p)
 
 
 def service_settings(args: argparse.Namespace):
@@ -106,6 +109,10 @@ def run(args: argparse.Namespace) -> int:
         from console.tokens_cli import run_tokens
 
         return run_tokens(args, args.name, list(args.more))
+    if args.action == "tag":
+        from console.fleet_tag_cli import run_tag
+
+        return run_tag(args)
     if args.action == "autostart":
         if args.name not in ("enable", "disable"):
             raise DeskfleetError("say `deskfleet fleet autostart enable` or `deskfleet fleet autostart disable`")

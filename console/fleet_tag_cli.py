@@ -18,6 +18,15 @@ from typing import Any
 from engine.errors import DeskfleetError
 
 
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``deskfleet fleet tag``'s options (the agent is the ``name`` positional)."""
+    p.add_argument("--tags", default=None, metavar="TAG,TAG",
+                   help="tag: the admin's tags for the agent, comma-separated (e.g. floor-2,finance); they win "
+                        "over the agent's own")
+    p.add_argument("--reset", action="store_true",
+                   help="tag: take the admin's tags away, so the agent's own (deskfleet agent --tags) count again")
+
+
 def run_tag(args: argparse.Namespace) -> int:
     from console.service.console_settings import default_state_dir
     from engine.control.tags import tags_from_text

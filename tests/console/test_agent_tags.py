@@ -11,7 +11,6 @@ import json
 
 import pytest
 
-from console.fleet_tag_cli import run_tag
 from console.service.agent_tags import TAGS_FILE, TagBook
 from console.service.errors import ConsoleStateError
 from console.service.export_catalog import ExportSpec
@@ -58,7 +57,15 @@ async def _joined(service, root, a: Admin) -> tuple[list, dict[str, str]]:
 
 
 def _cli(state_dir, name=None, tags=None, reset=False) -> int:
-    return run_tag(argparse.Namespace(state_dir=state_dir, name=name, tags=tags, reset=reset))
+    """``deskfleet fleet tag [name] [--tags tags] [--reset]`` through the real parser."""
+    from console import fleet_cli
+
+    parser = argparse.ArgumentParser()
+    fleet_cli.configure(parser)
+    argv = ["tag", *([name] if name else []), "--state-dir", str(state_dir)]
+    argv += ["--tags", tags] if tags is not None else []
+    argv += ["--reset"] if reset else []
+    return fleet_cli.run(parser.parse_args(argv))
 
 
 @pytest.mark.slow
