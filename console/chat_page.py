@@ -1,7 +1,8 @@
 """The Chat page: the chat window shared with the tray, on the OpenAI API the console serves over
 the fleet's coordinator. Until a ring is up there is nothing to talk to, so the page says how
 to get one; when the API comes up (or moves) the chat is (re)created on its address. It streams
-on the console's loop (not owned: the console stops it).
+on the console's loop (not owned: the console stops it). The chats are the admin's own, kept on
+disk per user (shared with the tray's chat of the same person); ``store`` picks another place.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
 
 from console.service_serving import ServiceServing
 from console.shared.chat_view import QtChatWindow
+from console.shared.conversations import ConversationStore
 from console.shared.loop_thread import LoopThread
 
 WAITING = ("No model is served yet. Place a model (Placement page) and distribute it (Distribution page); "
@@ -23,9 +25,10 @@ WAITING = ("No model is served yet. Place a model (Placement page) and distribut
 
 class QtChatPage(QWidget):
     def __init__(self, serving: ServiceServing, loop: LoopThread, *, options: Mapping[str, Any] | None = None,
-                 parent: QWidget | None = None) -> None:
+                 parent: QWidget | None = None, store: ConversationStore | None = None) -> None:
         super().__init__(parent)
         self.loop = loop
+        self.store = store if store is not None else ConversationStore()
         self.serving = serving
         self.options = dict(options or {})
         self.chat: QtChatWindow | None = None
@@ -45,12 +48,12 @@ class QtChatPage(QWidget):
                                f"OpenAI-compatible API: {url}")
         if (self.chat is not None and self.chat.client.base_url == url.rstrip("/")
                 and self.chat.client.api_key == key):
-            self.chat.refresh_models()
+            self.chat.check_fleet()
             return
         self._drop_chat()
         # an https API (the service off loopback) is trusted only if it chains to the fleet CA
         self.chat = QtChatWindow(url, api_key=key, loop=self.loop, options=self.options, parent=self,
-                                 ca_pem=getattr(self.serving, "ca_pem", None))
+                                 ca_pem=getattr(self.serving, "ca_pem", None), store=self.store)
         self.placeholder.hide()
         self.box.addWidget(self.chat, 1)
 

@@ -188,10 +188,12 @@ class QtAgentTray(QObject):
             self.chat_window = None
         if self.chat_window is None:
             from console.shared.chat_view import QtChatWindow
+            from console.shared.conversations import ConversationStore
 
-            # an https API (the service off loopback) is trusted only if it chains to the fleet CA
+            # an https API (the service off loopback) is trusted only if it chains to the fleet CA;
+            # the chats are this desktop user's, kept on disk (shared with their console's Chat page)
             self.chat_window = QtChatWindow(url, api_key=key, loop=self.bridge.loop,
-                                            ca_pem=self.bridge.service.fleet_ca_pem)
+                                            ca_pem=self.bridge.service.fleet_ca_pem, store=ConversationStore())
         self.chat_window.show()
         self.chat_window.raise_()
         self.chat_window.activateWindow()

@@ -13,6 +13,7 @@ goes away.
 from __future__ import annotations
 
 import json
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,7 +35,16 @@ STREAMING, DONE, STOPPED, FAILED = "streaming", "done", "stopped", "failed"
 
 class ChatError(DeskfleetError):
     """Raised when the fleet's chat API cannot be reached, refuses a request, or reports an error
-    in the middle of a streamed answer; the message says which and what to do."""
+    in the middle of a streamed answer; the message says which and what to do.
+
+    ``status``: the HTTP status of a refusal (None when no answer came); ``code``: the API's error
+    code ("unavailable", "invalid_api_key", ...) when it gave one; ``unreachable``: no answer at
+    all (connection refused, a timeout, a certificate that is not the fleet's)."""
+
+    def __init__(self, message: str, *, status: int | None = None, code: str | None = None,
+                 unreachable: bool = False) -> None:
+        super().__init__(message)
+        self.status, self.code, self.unreachable = status, code, unreachable
 
 
 # -- tokens per second (pure) --------------------------------------------------------------------
@@ -76,11 +86,23 @@ class Message:
     throughput: Throughput | None = None  # assistant replies only
 
 
+NEW_TITLE = "New chat"
+TITLE_LENGTH = 40
+
+
+def new_conversation_id(now: float | None = None) -> str:
+    """``YYYYMMDD-HHMMSS-xxxxxx``: sorts by creation time, and two windows never pick the same."""
+    return time.strftime("%Y%m%d-%H%M%S", time.localtime(now)) + "-" + secrets.token_hex(3)
+
+
 @dataclass
 class Conversation:
-    id: int
-    title: str = "New chat"
+    id: str
+    title: str = NEW_TITLE
     messages: list[Message] = field(default_factory=list)
+    created: float = 0.0  # wall-clock seconds (time.time())
+    updated: float = 0.0  # the last message's; the list shows the newest first
+    model: str | None = None  # the model that answered last
 
     @property
     def streaming(self) -> bool:
@@ -91,26 +113,34 @@ class Conversation:
         return [{"role": m.role, "content": m.content} for m in self.messages
                 if m.state in (DONE, STOPPED) and (m.content or m.role == "user")]
 
+    @property
+    def can_regenerate(self) -> bool:
+        """A finished answer (done, stopped or failed) follows a question: it can be asked again."""
+        return (len(self.messages) >= 2 and self.messages[-1].role == "assistant"
+                and self.messages[-1].state != STREAMING and self.messages[-2].role == "user")
+
 
 @dataclass(frozen=True)
 class ChatEvent:
-    """What changed: ``kind`` is one of "added", "selected", "message", "delta", "ended", "models"."""
+    """What changed: ``kind`` is one of "added", "selected", "message", "delta", "ended", "models",
+    "renamed", "removed", "listed" (conversations loaded from disk)."""
 
     kind: str
-    conversation_id: int | None = None
+    conversation_id: str | None = None
     text: str = ""
 
 
 class ChatModel:
-    """The conversations, the current one, the models on offer. Single-threaded: see the module doc."""
+    """The conversations, the current one, the models on offer. Single-threaded: see the module doc.
+    ``clock``: wall-clock seconds, for the conversations' times."""
 
-    def __init__(self, system_prompt: str | None = None) -> None:
+    def __init__(self, system_prompt: str | None = None, *, clock: Callable[[], float] = time.time) -> None:
         self.system_prompt = system_prompt
         self.conversations: list[Conversation] = []
-        self.current_id: int | None = None
+        self.current_id: str | None = None
         self.models: list[str] = []
         self.model_name: str | None = None
-        self._next_id = 1
+        self._clock = clock
         self._listeners: list[Callable[[ChatEvent], None]] = []
 
     def subscribe(self, listener: Callable[[ChatEvent], None]) -> None:
@@ -120,7 +150,7 @@ class ChatModel:
         for listener in list(self._listeners):
             listener(event)
 
-    def get(self, conversation_id: int) -> Conversation:
+    def get(self, conversation_id: str) -> Conversation:
         for c in self.conversations:
             if c.id == conversation_id:
                 return c
@@ -130,17 +160,51 @@ class ChatModel:
     def current(self) -> Conversation | None:
         return None if self.current_id is None else self.get(self.current_id)
 
+    def newest_first(self) -> list[Conversation]:
+        return sorted(self.conversations, key=lambda c: (c.updated, c.id), reverse=True)
+
     def new_conversation(self) -> Conversation:
-        conversation = Conversation(self._next_id)
+        now = self._clock()
+        conversation = Conversation(new_conversation_id(now), created=now, updated=now)
         if self.system_prompt:
             conversation.messages.append(Message("system", self.system_prompt))
-        self._next_id += 1
         self.conversations.append(conversation)
         self._emit(ChatEvent("added", conversation.id))
         self.select(conversation.id)
         return conversation
 
-    def select(self, conversation_id: int) -> None:
+    def load(self, conversations: Sequence[Conversation]) -> None:
+        """Add conversations read from disk (those already here are kept as they are)."""
+        known = {c.id for c in self.conversations}
+        self.conversations.extend(c for c in conversations if c.id not in known)
+        self._emit(ChatEvent("listed"))
+
+    def rename(self, conversation_id: str, title: str) -> None:
+        title = " ".join(title.split())
+        if not title:
+            raise ChatError("a chat's name cannot be empty")
+        self.get(conversation_id).title = title[:200]
+        self._emit(ChatEvent("renamed", conversation_id))
+
+    def remove(self, conversation_id: str) -> None:
+        """Forget a conversation (its file too, when kept); the newest other one becomes current,
+        or a new one when none is left. Refused while it streams."""
+        conversation = self.get(conversation_id)
+        if conversation.streaming:
+            raise ChatError("this chat is still receiving an answer; stop it first")
+        self.conversations.remove(conversation)
+        was_current = self.current_id == conversation_id
+        if was_current:
+            self.current_id = None
+        self._emit(ChatEvent("removed", conversation_id))
+        if was_current:
+            rest = self.newest_first()
+            if rest:
+                self.select(rest[0].id)
+            else:
+                self.new_conversation()
+
+    def select(self, conversation_id: str) -> None:
         self.get(conversation_id)
         self.current_id = conversation_id
         self._emit(ChatEvent("selected", conversation_id))
@@ -151,23 +215,36 @@ class ChatModel:
             self.model_name = self.models[0] if self.models else None
         self._emit(ChatEvent("models"))
 
-    def start_reply(self, conversation_id: int, text: str) -> list[dict[str, str]]:
+    def start_reply(self, conversation_id: str, text: str) -> list[dict[str, str]]:
         """Add the user's message and an empty assistant message; return the messages to send."""
         conversation = self.get(conversation_id)
         if conversation.streaming:
             raise ChatError("a reply is still streaming in this conversation; stop it or wait for it")
         if not text.strip():
             raise ChatError("type a message first")
-        if conversation.title == "New chat":
-            conversation.title = " ".join(text.split())[:40]
+        if conversation.title == NEW_TITLE:
+            conversation.title = " ".join(text.split())[:TITLE_LENGTH]
         conversation.messages.append(Message("user", text))
+        conversation.updated = self._clock()
         self._emit(ChatEvent("message", conversation_id))
+        return self._open_reply(conversation)
+
+    def regenerate(self, conversation_id: str) -> list[dict[str, str]]:
+        """Drop the last answer and open a new one to the same question; return the messages to send."""
+        conversation = self.get(conversation_id)
+        if not conversation.can_regenerate:
+            raise ChatError("there is no finished answer to regenerate in this chat")
+        conversation.messages.pop()
+        return self._open_reply(conversation)
+
+    def _open_reply(self, conversation: Conversation) -> list[dict[str, str]]:
         history = conversation.history()
+        conversation.model = self.model_name
         conversation.messages.append(Message("assistant", state=STREAMING, throughput=Throughput()))
-        self._emit(ChatEvent("message", conversation_id))
+        self._emit(ChatEvent("message", conversation.id))
         return history
 
-    def add_delta(self, conversation_id: int, text: str, at: float) -> None:
+    def add_delta(self, conversation_id: str, text: str, at: float) -> None:
         """Append streamed text (``at``: when it arrived, ``time.monotonic()``)."""
         reply = self._reply(conversation_id)
         if reply is None:
@@ -177,17 +254,18 @@ class ChatModel:
         reply.throughput.add(at)
         self._emit(ChatEvent("delta", conversation_id, text))
 
-    def end_reply(self, conversation_id: int, state: str, *, error: str | None = None,
+    def end_reply(self, conversation_id: str, state: str, *, error: str | None = None,
                   completion_tokens: int | None = None) -> None:
         reply = self._reply(conversation_id)
         if reply is None:
             return
         reply.state, reply.error = state, error
+        self.get(conversation_id).updated = self._clock()
         if completion_tokens is not None and reply.throughput is not None:
             reply.throughput.tokens = completion_tokens
         self._emit(ChatEvent("ended", conversation_id))
 
-    def _reply(self, conversation_id: int) -> Message | None:
+    def _reply(self, conversation_id: str) -> Message | None:
         conversation = self.get(conversation_id)
         return conversation.messages[-1] if conversation.streaming else None
 
@@ -254,7 +332,7 @@ class ChatClient:
             try:
                 async with session.post(f"{self.base_url}/chat/completions", json=body) as resp:
                     if resp.status != 200:
-                        raise ChatError(await self._refusal(resp))
+                        raise await self._refusal(resp)
                     async for raw in resp.content:
                         line = raw.decode("utf-8").strip()
                         if not line.startswith("data:"):
@@ -264,7 +342,10 @@ class ChatClient:
                             return
                         chunk = json.loads(data)
                         if "error" in chunk:
-                            raise ChatError(f"the fleet stopped the answer: {chunk['error'].get('message', chunk)}")
+                            error = chunk["error"] if isinstance(chunk["error"], dict) else {}
+                            code = error.get("code")
+                            raise ChatError(f"the fleet stopped the answer: {error.get('message', chunk)}",
+                                            code=code if isinstance(code, str) else None)
                         yield chunk
             except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError, PeerIdentityError) as exc:
                 raise self._unreachable(exc) from exc
@@ -274,24 +355,55 @@ class ChatClient:
         try:
             async with session.request(method, f"{self.base_url}{path}", json=body) as resp:
                 if resp.status != 200:
-                    raise ChatError(await self._refusal(resp))
+                    raise await self._refusal(resp)
                 return await resp.json()
         except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError, PeerIdentityError) as exc:
             raise self._unreachable(exc) from exc
 
-    async def _refusal(self, resp: aiohttp.ClientResponse) -> str:
+    async def async_health(self) -> tuple[int, dict[str, Any]]:
+        """The fleet's ``/health`` (beside ``/v1``; no key needed): its HTTP status (200 while a ring
+        can serve, 503 when none can) and its JSON report, or ChatError when nothing answers."""
+        root = self.base_url.removesuffix("/v1")
+        async with self._session(MODELS_TIMEOUT_S) as session:
+            try:
+                async with session.get(f"{root}/health") as resp:
+                    try:
+                        doc = await resp.json(content_type=None)
+                    except (json.JSONDecodeError, aiohttp.ContentTypeError, UnicodeDecodeError):
+                        doc = None
+                    if not isinstance(doc, dict):
+                        raise ChatError(f"{root}/health answered {resp.status} without a health report; is "
+                                        "this the fleet's API address?", status=resp.status)
+                    return resp.status, doc
+            except (aiohttp.ClientError, TimeoutError, PeerIdentityError) as exc:
+                raise self._unreachable(exc) from exc
+
+    async def _refusal(self, resp: aiohttp.ClientResponse) -> ChatError:
+        code = None
         try:
-            message = (await resp.json())["error"]["message"]
+            error = (await resp.json())["error"]
+            message, code = error["message"], error.get("code")
         except Exception:
             message = resp.reason or "no reason given"
-        return f"the fleet's API at {self.base_url} answered {resp.status}: {message}"
+        return ChatError(f"the fleet's API at {self.base_url} answered {resp.status}: {message}",
+                         status=resp.status, code=code if isinstance(code, str) else None)
 
     def _unreachable(self, exc: BaseException) -> ChatError:
         if isinstance(exc, TimeoutError | aiohttp.ServerTimeoutError):
             return ChatError(f"the fleet's API at {self.base_url} stopped answering; try again, or ask the "
-                             "admin whether the fleet is running")
-        return ChatError(f"cannot reach the fleet's API at {self.base_url} ({exc}); check that the fleet "
-                         "is running and this PC can reach it")
+                             "admin whether the fleet is running", unreachable=True)
+        return ChatError(f"cannot reach the fleet's API at {self.base_url} ({_why(exc)}); check that the fleet "
+                         "is running and this PC can reach it", unreachable=True)
+
+
+def _why(exc: BaseException) -> str:
+    """A connection failure in a few words: "connection refused" rather than aiohttp's paragraph."""
+    os_error = getattr(exc, "os_error", None) or (exc if isinstance(exc, OSError) else None)
+    if isinstance(os_error, ConnectionRefusedError):
+        return "connection refused: nothing listens there"
+    if isinstance(os_error, OSError) and os_error.strerror:
+        return os_error.strerror[0].lower() + os_error.strerror[1:]
+    return str(exc) or type(exc).__name__
 
 
 async def async_stream_reply(client: ChatClient, model: str, messages: Sequence[Mapping[str, str]],
