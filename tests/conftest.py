@@ -59,6 +59,18 @@ def tiny_export(tmp_path_factory, tiny_checkpoint):
 
 
 @pytest.fixture(scope="session")
+def tiny_calibration(tmp_path_factory, tiny_checkpoint):
+    """A state dir holding the tiny llama's fp32 calibration exports (built once per session;
+    copy its ``calibration`` folder into a console's or service's state dir before placing)."""
+    from console.service.calibration_export import build_calibration_set
+    from export.exporter import ExportOptions
+
+    root = tmp_path_factory.mktemp("tiny-calibration")
+    build_calibration_set(tiny_checkpoint("llama"), root, ExportOptions(weights="fp32"))
+    return root
+
+
+@pytest.fixture(scope="session")
 def hf_greedy(tiny_checkpoint):
     """``hf_greedy(family, n)`` -> HF torch fp32 greedy continuation of PROMPT_IDS."""
     import torch

@@ -44,11 +44,9 @@ def fp32():
 
 
 @pytest.fixture(scope="module")
-def template(tmp_path_factory, tiny_checkpoint, fp32):
-    """A console state dir holding the tiny model's calibration exports (built once)."""
-    root = tmp_path_factory.mktemp("calibration-template")
-    build_calibration_set(tiny_checkpoint("llama"), root, fp32)
-    return root
+def template(tiny_calibration):
+    """A console state dir holding the tiny model's calibration exports (built once a session)."""
+    return tiny_calibration
 
 
 def _seeded(tmp_path, template):
