@@ -39,7 +39,10 @@ def configure(p: argparse.ArgumentParser) -> None:
                       help="join a fleet with a one-time token read from standard input ('--join -'); "
                            "never on the command line, where every user of this PC could read it")
     join.add_argument("--join-file", metavar="PATH", type=Path, default=None,
-                      help="join a fleet with the one-time token in this file")
+                      help="join a fleet with the token in this file (the silent install's, e.g. "
+                           "/etc/deskfleet/join-token); with --headless the file is removed once joined, kept "
+                           "and retried when the console is unreachable; default with --headless: join-token in "
+                           "the state dir, if there is one")
     p.add_argument("--console", metavar="HOST:PORT", default=None,
                    help="with --join/--join-file: the console's enrollment address (shown next to the token); "
                         "default: found on the network over mDNS")
@@ -96,7 +99,9 @@ async def async_run_headless(args: argparse.Namespace) -> int:
         print("deskfleet agent: left the fleet; credentials deleted", flush=True)
         return 0
     await service.async_start()
+    retry: asyncio.Task | None = None
     try:
+        retry = await _async_join_from_file(service, args, state_dir)
         if args.join and not service.joined:
             if not args.console:
                 print("deskfleet agent: looking for the fleet's console on the network ...", flush=True)
@@ -112,12 +117,37 @@ async def async_run_headless(args: argparse.Namespace) -> int:
               flush=True)
         await stop.wait()
     finally:
+        if retry is not None:
+            retry.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await retry
         await service.async_close()
     return 0
 
 
+async def _async_join_from_file(service, args: argparse.Namespace, state_dir: Path) -> asyncio.Task | None:
+    """Join with the token file (``--join-file``, else ``join-token`` in the state dir) when not joined
+    yet: one try now, then in the background while the console cannot be reached (the task, or None)."""
+    from agent.service.join_file import async_join_from_file, async_keep_joining, default_path
+
+    path = args.join_file or default_path(state_dir)
+    if service.joined or not path.exists():
+        return None
+    outcome = await async_join_from_file(service, path, console=args.console)
+    if outcome == "joined":
+        print(f"deskfleet agent: joined fleet {service.status().fleet_id} with the token in {path} (removed)",
+              flush=True)
+    elif outcome == "unreachable":
+        return asyncio.create_task(async_keep_joining(service, path, console=args.console), name="deskfleet-join-file")
+    elif outcome not in ("already_joined", "no_file"):
+        print(f"deskfleet agent: could not join with the token in {path} ({outcome}; see the log); the file is kept",
+              flush=True)
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
-    args.join = read_join_token(args, sys.stdin)  # the token itself from here on
+    if not (args.headless and args.join_file is not None):  # headless: the join-file module reads it
+        args.join = read_join_token(args, sys.stdin)  # the token itself from here on
     if args.headless or args.leave:
         return asyncio.run(async_run_headless(args))
     from agent.tray.app import run_tray
