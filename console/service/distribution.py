@@ -564,7 +564,8 @@ class Distributor:
         else:
             coordinator = Coordinator(path, model_card(self.manifest), slots=self.slots,
                                       recover=self.recovery.async_recover, step_timeout_s=settings.step_timeout_s,
-                                      hold_timeout_s=settings.coordinator_hold_s)
+                                      hold_timeout_s=settings.coordinator_hold_s,
+                                      grammar=GrammarVocabulary.of_export(self.export_dir, self.manifest))
         try:
             await asyncio.wait_for(coordinator.async_start(), self.timeouts.dial_s + 5)
         except (DeskfleetError, OSError, TimeoutError) as exc:

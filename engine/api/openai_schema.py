@@ -49,11 +49,12 @@ FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
 # Fields a client may send that this server cannot honour: refuse them rather than ignore them.
 UNSUPPORTED = ("functions", "function_call", "logit_bias", "echo", "suffix", "presence_penalty",
                "frequency_penalty")
-# Features parsed and carried on the request that not every generator honours: the paged runtime
-# does (engine.coordinator.batch_coordinator.BatchCoordinator.features); the stateful and the
-# static (NPU) runtimes do not yet. Refused with a 400 naming the field where the serving runtime
-# does not honour them (engine.api.server.ApiSettings.pending). feature -> (field, why)
-_RUNTIMES = "the stateful and static (NPU) runtimes do not yet; the paged runtime (serve's default) does"
+# Features parsed and carried on the request that not every generator honours: the paged, stateful
+# and static (NPU) runtimes do (their coordinators' ``features``), the constrained ones only when
+# started with the model's tokenizer.json. Refused with a 400 naming the field where the serving
+# generator does not honour them (engine.api.server.ApiSettings.pending). feature -> (field, why)
+_RUNTIMES = ("the generator serving this model does not; Deskfleet's coordinators do when started with the "
+             "export's tokenizer/tokenizer.json")
 NOT_YET_SERVED: Mapping[str, tuple[str, str]] = {
     "logprobs": ("logprobs", f"log-probabilities are not returned by the runtime serving this model ({_RUNTIMES})"),
     "response_format": ("response_format", "constrained JSON output is not enforced by the runtime serving this "

@@ -252,6 +252,7 @@ async def _open_generator(args: argparse.Namespace):
         return
     slots = args.slots or 4
     if args.first_stage is not None:
+        from engine.coordinator.constrained import GrammarVocabulary
         from engine.coordinator.ring import RingPath, return_frame_bound
         from engine.shards.stage import Stage
 
@@ -261,7 +262,8 @@ async def _open_generator(args: argparse.Namespace):
                         local_stage0=local0, max_frame_bytes=return_frame_bound(
                             manifest.model.vocab_size, manifest.model.max_position_embeddings), **args.ring)
         async with Coordinator(path, model_card(manifest), slots=slots, speculation=speculation,
-                               step_timeout_s=args.step_timeout) as coordinator:
+                               step_timeout_s=args.step_timeout,
+                               grammar=GrammarVocabulary.of_export(args.shards, manifest)) as coordinator:
             yield coordinator
     elif args.workers:
         from engine.tools.local_fleet import local_fleet

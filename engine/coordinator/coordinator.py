@@ -6,6 +6,11 @@ active, their steps interleave through the stages, so while stage 1 computes str
 stage 0 computes stream B's (micro-batching, paper §7). Requests join when a slot frees and
 leave when they finish or are cancelled; a stream's output never depends on its batch-mates
 because each has its own KV state on every stage and its own sampling generator.
+
+Constrained output and log-probabilities (:attr:`Coordinator.features`): a stream with a
+``constraint`` gets a grammar matcher when it arrives (built off the loop, from the model's
+``tokenizer.json``); from then on its steps ask for logits and the stream's policy masks, picks
+and ranks them (:mod:`engine.coordinator.scheduler`), so the stages need nothing new.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from pathlib import Path
 
+from engine.coordinator.constrained import GrammarVocabulary, StreamConstraints
 from engine.coordinator.scheduler import (
     StreamState,
     apply_reply,
@@ -56,7 +62,9 @@ class Coordinator:
                  prefill_chunk: int = 256, prefix_cache: bool = True, prefix_min_tokens: int = 16,
                  speculation: Speculator | None = None, restore_timeout_s: float = 10.0,
                  recover: Recover | None = None, step_timeout_s: float | None = None,
-                 hold_timeout_s: float = 60.0, ring_id: str = "default"):
+                 hold_timeout_s: float = 60.0, ring_id: str = "default", grammar: GrammarVocabulary | None = None):
+        """``grammar``: the model's vocabulary for token masks (constrained output); without it
+        only log-probabilities of the request features are served (see :attr:`features`)."""
         if slots < 1:
             raise DeskfleetError("a coordinator needs at least one slot")
         self.path = path
@@ -93,17 +101,31 @@ class Coordinator:
         self._ttft_sum = 0.0
         self._overhead_s = 0.0  # reply received -> next step submitted (policy, sampling, send)
         self._overhead_n = 0
+        # builds the streams' grammar matchers (only that: the masks are the stream policy's business)
+        self._grammar = StreamConstraints(grammar)
 
     @classmethod
     def local(cls, export_dir: Path | str, *, slots: int = 4, exact: bool = False, device: str = "CPU",
               num_threads: int | None = None, **kwargs) -> Coordinator:
         """A coordinator whose stages all run in this process."""
         chain = LocalChain.load(export_dir, exact=exact, device=device, num_threads=num_threads)
+        kwargs.setdefault("grammar", GrammarVocabulary.of_export(export_dir, chain.manifest))
         return cls(LocalPath(chain), model_card(chain.manifest), slots=slots, **kwargs)
 
     @property
     def model(self) -> ModelCard:
         return self._model
+
+    @property
+    def features(self) -> frozenset[str]:
+        """The request features this coordinator honours beyond plain generation (keys of
+        :data:`engine.api.openai_schema.NOT_YET_SERVED`): log-probabilities, and constrained output
+        (``response_format``, a forced tool call) when it has the model's vocabulary."""
+        return self._grammar.features
+
+    def use_grammar(self, vocabulary: GrammarVocabulary | None) -> None:
+        """Constrain output with ``vocabulary`` from now on (None: refuse constrained requests)."""
+        self._grammar.vocabulary = vocabulary
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -128,6 +150,7 @@ class Coordinator:
         await self.path.async_close()
         if self.speculation is not None:
             self.speculation.close()
+        self._grammar.close()
 
     async def __aenter__(self) -> Coordinator:
         await self.async_start()
@@ -146,8 +169,9 @@ class Coordinator:
             raise OverloadedError(
                 f"all {self.slots} slots are busy and {len(self._waiting)} requests are waiting; retry shortly"
             )
+        matcher = await self._grammar.async_matcher(request.constraint) if request.constraint is not None else None
         state = StreamState(StreamId(next(self._ids)), request, self._model.context_length,
-                            frozenset(self._model.eos_token_ids))
+                            frozenset(self._model.eos_token_ids), matcher=matcher)
         queue: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
         self._queues[state.stream_id] = queue
         self._waiting.append(state)
@@ -231,11 +255,16 @@ class Coordinator:
                 await self._submit(state)
 
     async def _submit(self, state: StreamState) -> None:
+        draft, q = (), None
         if self.speculation is not None and not state.prefilling and state.generated:
             draft, q = await self.speculation.async_propose(state)
-            await self._send(state, plan_step(state, self.prefill_chunk, draft, q))
-        else:
-            await self._send(state, plan_step(state, self.prefill_chunk))
+        try:
+            step = plan_step(state, self.prefill_chunk, draft, q)
+        except GenerationError as exc:  # the stream's grammar could not build its masks
+            state.in_flight = False
+            await self._fail(state, GenerationError(f"the output constraint failed: {exc}"))
+            return
+        await self._send(state, step)
 
     async def _send(self, state: StreamState, step) -> None:
         if self._recovering:

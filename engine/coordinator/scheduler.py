@@ -3,6 +3,17 @@
 The coordinator owns one :class:`StreamState` per request and calls :func:`plan_step` when the
 stream has nothing in flight and :func:`apply_reply` when the last stage answers. Masks and
 position ids come from the stream's :class:`KVLayout`; nothing here touches sockets or devices.
+
+Constrained output and log-probabilities (issue 17): a stream with a grammar
+(:attr:`StreamState.matcher`) or asking for ``logprobs`` has every answering step ask for its
+logits (the stateful reply carries them whole: docs/PROTOCOL.md, Forward ``WANT_LOGITS``), so the
+policy masks and ranks them here: :func:`plan_step` keeps only the drafts the grammar allows and
+records the allowed-token mask of each answered position (the grammar state after each draft,
+:meth:`~engine.generation.grammar.GrammarMatcher.draft_masks`, which never advances the matcher);
+:func:`apply_reply` sets the refused logits to -inf before the greedy pick or speculative
+verification, consumes only the emitted tokens (a rejected draft never reaches the grammar), gives
+each its log-probabilities (log-softmax of the raw logits at temperature 1, after the mask) and
+finishes the stream with STOP once the grammar is complete with nothing left to add.
 """
 
 from __future__ import annotations
@@ -15,11 +26,14 @@ import numpy as np
 
 from engine.coordinator.speculation_policy import Verdict, verify_greedy, verify_sampling
 from engine.errors import GenerationError
+from engine.generation.grammar import GrammarMatcher, GrammarStateError
+from engine.generation.logprobs import token_logprobs
 from engine.generation.request import FinishReason, GenerationRequest, TokenEvent
 from engine.generation.sampling import choose, make_rng, probabilities
 from engine.shards.kv_layout import KVLayout
 from engine.shards.prefix_cache import PrefixHit
 from engine.shards.stage import StepInputs
+from engine.shards.step_answer import apply_mask
 from engine.shards.step_path import CacheStep, StepRequest, StepResult
 from engine.wire.format import StreamId
 
@@ -51,6 +65,8 @@ class StreamState:
     capturing: int | None = None  # the capture id being taken at the end of the stream
     replay: tuple[int, ...] = ()  # after a failover: the tokens to prefill again on the new ring
     failovers: int = 0
+    matcher: GrammarMatcher | None = None  # the request's constraint, followed token by token
+    masks: np.ndarray | None = None  # uint32 [K+1, W]: allowed tokens of the step in flight's answered rows
 
     def __post_init__(self) -> None:
         if len(self.request.prompt_ids) >= self.context_length:
@@ -70,25 +86,42 @@ class StreamState:
     def prefilling(self) -> bool:
         return self.prompt_done < len(self.prefill_source)
 
+    @property
+    def ranks_logits(self) -> bool:
+        """The policy needs the answered rows' logits: sampling, a grammar, or log-probabilities."""
+        return (self.request.want_logits or not self.request.sampling.greedy or self.matcher is not None
+                or self.request.logprobs is not None)
+
 
 def plan_step(state: StreamState, prefill_chunk: int, draft: Sequence[int] = (),
               draft_probs: np.ndarray | None = None) -> StepRequest:
     """The stream's next step: the next prompt chunk, or the last token plus ``draft`` to verify.
 
     A decode step with K drafts sends ``[last, d_1 .. d_K]`` and asks the last stage for all
-    K + 1 positions; :func:`apply_reply` keeps the accepted prefix and masks the rest.
+    K + 1 positions; :func:`apply_reply` keeps the accepted prefix and masks the rest. A stream
+    with a grammar sends only the drafts it allows (the target's masked pick would reject the
+    rest) and keeps the K + 1 masks in :attr:`StreamState.masks`; GrammarStateError when the
+    matcher cannot build them (the stream then fails).
     """
+    state.masks = None
     if state.prefilling:
         source = state.prefill_source
         end = min(len(source), state.prompt_done + prefill_chunk)
         ids = tuple(source[state.prompt_done : end])
         state.prompt_done = end
         state.draft, state.draft_probs = (), None
+        if state.matcher is not None and end == len(source):  # the chunk that answers the first token
+            state.masks = state.matcher.mask()[None, :]
     else:
         room = max(0, state.context_length - state.layout.logical_len - 2)  # logical positions left
-        state.draft = tuple(int(t) for t in draft[:room])
+        drafts = [int(t) for t in draft[:room]]
+        if state.matcher is not None and drafts:
+            drafts = drafts[: int(state.matcher.llg.validate_tokens(drafts))]
+        state.draft = tuple(drafts)
         state.draft_probs = draft_probs[: len(state.draft)] if draft_probs is not None else None
         ids = (state.generated[-1], *state.draft)
+        if state.matcher is not None:
+            state.masks = state.matcher.draft_masks(state.draft) if state.draft else state.matcher.mask()[None, :]
     mask, positions = state.layout.plan(len(ids))
     state.layout.append(len(ids))
     state.seq += 1
@@ -98,7 +131,7 @@ def plan_step(state: StreamState, prefill_chunk: int, draft: Sequence[int] = (),
         seq=state.seq,
         inputs=StepInputs(np.asarray([ids], dtype=np.int64), mask, positions, len(state.draft) + 1),
         reply_last=len(state.draft) + 1,
-        want_logits=state.request.want_logits or not state.request.sampling.greedy,
+        want_logits=state.ranks_logits,
     )
 
 
@@ -153,15 +186,16 @@ def plan_capture(state: StreamState, capture_id: int) -> CacheStep:
     return CacheStep(state.stream_id, state.seq, capture_id, keep=state.layout.visible_positions().astype(np.int64))
 
 
-def _verify(state: StreamState, result: StepResult) -> tuple[Verdict, list[float]]:
-    """Accepted drafts + one target token, with each emitted token's probability."""
+def _verify(state: StreamState, result: StepResult, logits: np.ndarray | None) -> tuple[Verdict, list[float]]:
+    """Accepted drafts + one target token, with each emitted token's probability (``logits``:
+    the reply's, masked by the stream's grammar)."""
     params = state.request.sampling
-    if result.logits is not None:
+    if logits is not None:
         if params.greedy:  # logits were wanted for another reason: greedy still decides
-            top1 = result.logits.argmax(axis=-1)
+            top1 = logits.argmax(axis=-1)
             verdict = verify_greedy(state.draft, top1)
             return verdict, [1.0] * len(verdict.tokens)
-        target = np.stack([probabilities(row, params) for row in result.logits])  # [K+1, V]
+        target = np.stack([probabilities(row, params) for row in logits])  # [K+1, V]
         verdict = verify_sampling(state.draft, state.draft_probs, target, state.rng)
         return verdict, [float(target[i, t]) for i, t in enumerate(verdict.tokens)]
     assert result.ids is not None and result.probs is not None
@@ -179,11 +213,20 @@ def apply_reply(state: StreamState, result: StepResult) -> list[TokenEvent]:
         return []
     if state.prefilling or state.cancelled:
         return []  # a prompt chunk that is not the last: its reply carries no token
-    if not state.draft and result.logits is not None and not state.request.sampling.greedy:
-        token, prob = choose(result.logits[-1], state.request.sampling, state.rng)
+    logits = result.logits
+    if state.ranks_logits and logits is None:
+        raise GenerationError(f"stream {state.stream_id}: the last stage answered without the logits the step "
+                              "asked for")
+    if logits is not None and state.masks is not None:
+        if state.masks.shape[0] != logits.shape[0]:
+            raise GenerationError(f"stream {state.stream_id}: {logits.shape[0]} logits rows answer a step "
+                                  f"of {state.masks.shape[0]} masked positions")
+        logits = apply_mask(logits, state.masks)  # [K+1, V], -inf where the grammar refuses
+    if not state.draft and logits is not None and not state.request.sampling.greedy:
+        token, prob = choose(logits[-1], state.request.sampling, state.rng)
         verdict, probs = Verdict(0, (token,)), [prob]
     else:
-        verdict, probs = _verify(state, result)
+        verdict, probs = _verify(state, result, logits)
     rejected = len(state.draft) - verdict.accepted
     if rejected:
         state.layout.mask_last(rejected)  # the device cache keeps them; the mask hides them
@@ -191,17 +234,25 @@ def apply_reply(state: StreamState, result: StepResult) -> list[TokenEvent]:
     state.proposed_total += len(state.draft)
     state.last_accepted = verdict.accepted
     events = []
-    for token, prob in zip(verdict.tokens, probs, strict=True):
+    for row, (token, prob) in enumerate(zip(verdict.tokens, probs, strict=True)):
+        _consume(state, token)
         state.generated.append(token)
         if state.first_token_at is None:
             state.first_token_at = time.perf_counter()
         finish = None
         if not state.request.ignore_eos and (token in state.eos_ids or token in state.request.stop_token_ids):
             finish = FinishReason.STOP
+        elif state.matcher is not None and state.matcher.is_stopped:  # complete, nothing may follow
+            finish = FinishReason.STOP
         elif (len(state.generated) >= state.request.max_new_tokens
               or state.layout.logical_len + 1 >= state.context_length):
             finish = FinishReason.LENGTH
-        events.append(TokenEvent(token_id=token, index=len(state.generated) - 1, probability=prob, finish=finish))
+        logprob, top = (None, ())
+        if state.request.logprobs is not None:
+            assert logits is not None  # ranks_logits: the reply carried them
+            logprob, top = token_logprobs(logits[row], token, state.request.logprobs)
+        events.append(TokenEvent(token_id=token, index=len(state.generated) - 1, probability=prob, finish=finish,
+                                 logprob=logprob, top_logprobs=top))
         if finish is not None:
             state.finish = finish
             unused = len(verdict.tokens) - len(events)  # accepted drafts after the stop stay hidden
@@ -209,3 +260,15 @@ def apply_reply(state: StreamState, result: StepResult) -> list[TokenEvent]:
                 state.layout.mask_last(unused)
             break
     return events
+
+
+def _consume(state: StreamState, token: int) -> None:
+    """Commit an emitted token to the stream's grammar (a GenerationError if it refuses it: the
+    reply was not masked as planned)."""
+    if state.matcher is None:
+        return
+    try:
+        state.matcher.consume([token])
+    except GrammarStateError as exc:
+        raise GenerationError(f"stream {state.stream_id}: token {token} breaks the request's constraint: "
+                              f"{exc}") from exc

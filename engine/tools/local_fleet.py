@@ -177,6 +177,7 @@ async def _local_fleet(export_dir, slots, exact, threads, host_stage0, hop, fail
                 return await supervisor.async_recover(path, reason)
 
             coordinator_options["recover"] = recover
+        coordinator_options.setdefault("grammar", GrammarVocabulary.of_export(export_dir, manifest))
         coordinator = Coordinator(path, model_card(manifest), slots=slots, **coordinator_options)
         async with coordinator:
             if supervisor is not None:

@@ -3,8 +3,8 @@
 ``n=3`` runs on the real coordinator over a tiny 2-stage export (exact f32, so a seeded choice
 cannot depend on what else is batched with it) through the real ``openai`` client, in chat and
 legacy completions, streamed and not. Log-probabilities are shaped from what the generator puts
-on its token events; the real generators do not fill them yet (the API refuses ``logprobs`` with
-a 400 until they do), so their shapes are checked over a canned generator that does.
+on its token events; their exact shapes are checked over a canned generator here (the real
+coordinators' values: tests/api/test_constrained_stateful.py, test_constrained_api.py).
 """
 
 from __future__ import annotations
@@ -77,13 +77,14 @@ def test_legacy_completions_n3_streamed_and_not(client, tiny_api):
     assert plain.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
 
 
-def test_n_over_the_cap_and_logprobs_are_refused_naming_the_field(client, tiny_api):
+def test_n_over_the_cap_is_refused_naming_the_field_and_n3_logprobs_come_per_choice(client, tiny_api):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=tiny_api[1], messages=ASK, n=9)
     assert info.value.body["param"] == "n"
-    with pytest.raises(openai.BadRequestError) as info:  # until the generators return them
-        client.chat.completions.create(model=tiny_api[1], messages=ASK, logprobs=True, top_logprobs=2)
-    assert info.value.body["param"] == "logprobs" and "not returned" in info.value.body["message"]
+    answer = client.chat.completions.create(model=tiny_api[1], messages=ASK, logprobs=True, top_logprobs=2, n=3,
+                                            temperature=1.2, seed=3, max_tokens=4)
+    for choice in answer.choices:  # the stateful coordinator returns them (tests/api/test_constrained_stateful.py)
+        assert len(choice.logprobs.content) == 4 and all(len(e.top_logprobs) == 2 for e in choice.logprobs.content)
 
 
 # -- log-probabilities, shaped from the generator's token events -----------------------------------

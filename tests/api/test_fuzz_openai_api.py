@@ -123,6 +123,7 @@ class LiveApi:
     model: str
     neighbour: Neighbour
     served: dict = field(default_factory=lambda: {"ok": 0, "stream": 0, "refused": 0})
+    features: frozenset = frozenset()  # what the coordinator honours of the pending features
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +133,8 @@ def live(tiny_export):
         neighbour.start()
         client = HttpClient(api.host, api.port)
         try:
-            yield LiveApi(client, tokenizer, coordinator.model, coordinator.model.name, neighbour)
+            yield LiveApi(client, tokenizer, coordinator.model, coordinator.model.name, neighbour,
+                          features=frozenset(coordinator.features))
         finally:
             neighbour.stop()
             client.close()
@@ -226,7 +228,7 @@ def bodies(draw, kind: str, model: str):
 def predict(live: LiveApi, body: dict, kind: str) -> ApiError | None:
     """What the server must answer: None (serve it) or the ApiError it must refuse it with."""
     try:
-        params = parse_completion(body, kind, live.model)
+        params = parse_completion(body, kind, live.model, pending=SETTINGS.pending - live.features)
         check_prompt_chars(params, SETTINGS.max_prompt_tokens)  # refused unread: too long to tokenise
         to_generation_request(prompt_ids(live.tokenizer, params), params, SETTINGS, live.card)
     except ApiError as exc:
