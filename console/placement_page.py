@@ -1,10 +1,14 @@
 """The Placement page: place the chosen model over the approved agents, see the plan per stage
-(agent, layers, predicted ms, memory) and its predicted speed, or the solver's explanation when
-no plan exists; then adjust it: move a split point and see the plan re-timed at once, or leave
-an agent out and re-solve (no measuring again).
+(agent, layers, predicted ms, memory), drawn as a ring (console.ring_diagram), and its predicted
+speed, or the solver's explanation when no plan exists; then adjust it: move a split point and
+see the plan re-timed at once, or leave an agent out and re-solve (no measuring again).
 
-A thin view over the console session's plan: the measuring, calibration and solving run on
-the console's loop through the bridge; re-timing is pure (`placement_inputs.retime`).
+The context is left to the service by default ("auto"): the model's maximum, capped by what the
+agents' memory holds, with the reason shown beside the field. Placement can keep to agents with
+some tags and avoid others (the agents' tags: their own, or the admin's from the service).
+
+A thin view over the console session's plan: the measuring, calibration and solving run in the
+fleet service through the bridge; re-timing is pure (`placement_inputs.retime`).
 """
 
 from __future__ import annotations
@@ -16,23 +20,42 @@ from PySide6.QtWidgets import (
     QHBoxLayout,
     QHeaderView,
     QLabel,
+    QLineEdit,
     QListWidget,
     QListWidgetItem,
     QPushButton,
     QSpinBox,
+    QSplitter,
     QTableWidget,
     QTableWidgetItem,
     QVBoxLayout,
     QWidget,
 )
 
+from console.ring_diagram import QtRingDiagram, RingDiagram
+from console.service.agent_record import AgentRecord
 from console.service.console_session import MODEL, PLAN
 from console.service.placement_inputs import memory_warnings, retime, stage_firsts
 from console.service_bridge import ServiceBridge
+from engine.control.tags import tags_from_text
 from engine.errors import DeskfleetError
-from engine.placement.planner import PlacementRequest, Plan
+from engine.placement.planner import PlacementRequest, Plan, plan_quality
 
 COLUMNS = ("Stage", "Agent", "Device", "Layers", "Predicted ms", "Memory", "Hop to next ms")
+AUTO = 0  # the context spin box's "auto": the service chooses (model maximum, capped by memory)
+AUTO_HINT = "auto: the model's maximum, capped by what the agents' memory holds"
+
+
+def fleet_tags_text(records: tuple[AgentRecord, ...]) -> str:
+    """'Tags in the fleet: finance (2), floor-2 (3)' over the approved agents."""
+    counts: dict[str, int] = {}
+    for r in records:
+        if r.approved:
+            for t in r.tags:
+                counts[t] = counts.get(t, 0) + 1
+    if not counts:
+        return "No approved agent has tags yet (deskfleet agent --tags, or deskfleet fleet tag)."
+    return "Tags in the fleet: " + ", ".join(f"{t} ({n})" for t, n in sorted(counts.items()))
 
 
 class QtPlacementPage(QWidget):
@@ -45,7 +68,9 @@ class QtPlacementPage(QWidget):
         self._build()
         self.session.subscribe(self._on_session)
         bridge.started.connect(self._update_buttons)
+        bridge.records_changed.connect(self._on_records)
         self._on_session(MODEL)
+        self._on_records(bridge.records)
 
     def _build(self) -> None:
         self.model_label = QLabel()
@@ -54,9 +79,14 @@ class QtPlacementPage(QWidget):
         self.streams = QSpinBox()
         self.streams.setRange(1, 64)
         self.context = QSpinBox()
-        self.context.setRange(128, 2**31 - 1)  # huge contexts: what-if for memory
+        self.context.setRange(AUTO, 2**31 - 1)  # huge contexts: what-if for memory
+        self.context.setSpecialValueText("auto")
         self.context.setSingleStep(1024)
-        self.context.setValue(4096)
+        self.context.setValue(AUTO)
+        self.context.setToolTip(AUTO_HINT + "; or a number of tokens")
+        self.context_reason = QLabel(AUTO_HINT)
+        self.context_reason.setWordWrap(True)
+        self.context_reason.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.place_button = QPushButton("Place")
         self.place_button.clicked.connect(self.place)
         controls = QHBoxLayout()
@@ -65,13 +95,35 @@ class QtPlacementPage(QWidget):
             controls.addWidget(QLabel(label))
             controls.addWidget(widget)
         controls.addWidget(self.place_button)
-        controls.addStretch(1)
+        controls.addWidget(self.context_reason, 1)
+
+        self.include_tags = QLineEdit()
+        self.include_tags.setPlaceholderText("any agent (e.g. floor-2, finance)")
+        self.include_tags.setToolTip("only agents carrying at least one of these tags (comma-separated)")
+        self.exclude_tags = QLineEdit()
+        self.exclude_tags.setPlaceholderText("none")
+        self.exclude_tags.setToolTip("never agents carrying any of these tags (comma-separated); this wins")
+        self.fleet_tags = QLabel(fleet_tags_text(()))
+        self.fleet_tags.setStyleSheet("color: #5f6368;")
+        tag_row = QHBoxLayout()
+        for label, widget in (("Only agents tagged:", self.include_tags), ("Never agents tagged:", self.exclude_tags)):
+            tag_row.addWidget(QLabel(label))
+            tag_row.addWidget(widget, 1)
+        tag_row.addWidget(self.fleet_tags, 1)
 
         self.table = QTableWidget(0, len(COLUMNS))
         self.table.setHorizontalHeaderLabels(COLUMNS)
         self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
         self.table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
         self.table.horizontalHeader().setStretchLastSection(True)
+        self.ring = QtRingDiagram()
+        self.ring.set_diagram(None, "No plan yet: place the model to see its ring.")
+        split = QSplitter(Qt.Orientation.Horizontal)
+        split.addWidget(self.table)
+        split.addWidget(self.ring)
+        split.setStretchFactor(0, 1)
+        split.setStretchFactor(1, 1)
+        split.setSizes([560, 520])
         self.summary = QLabel("No plan yet.")
         self.summary.setWordWrap(True)
         self.explanation = QLabel()
@@ -83,7 +135,7 @@ class QtPlacementPage(QWidget):
         self.splits_row.addWidget(QLabel("Split points (first layer of each later stage):"))
         self.splits_row.addStretch(1)
         self.agents = QListWidget()
-        self.agents.setMaximumHeight(110)
+        self.agents.setMaximumHeight(90)
         self.resolve_button = QPushButton("Re-solve without unchecked agents")
         self.resolve_button.clicked.connect(self.resolve)
         adjust = QHBoxLayout()
@@ -93,7 +145,8 @@ class QtPlacementPage(QWidget):
         box = QVBoxLayout(self)
         box.addWidget(self.model_label)
         box.addLayout(controls)
-        box.addWidget(self.table, 1)
+        box.addLayout(tag_row)
+        box.addWidget(split, 1)
         box.addWidget(self.summary)
         box.addWidget(self.explanation)
         box.addLayout(self.splits_row)
@@ -106,6 +159,11 @@ class QtPlacementPage(QWidget):
     def request(self) -> PlacementRequest:
         return PlacementRequest(objective=self.objective.currentText(), n_streams=self.streams.value())
 
+    def tags(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(include, exclude) from the tag fields; TagError for one that is not a tag."""
+        return (tags_from_text(self.include_tags.text(), "only agents tagged"),
+                tags_from_text(self.exclude_tags.text(), "never agents tagged"))
+
     def left_out(self) -> set[str]:
         return {self.agents.item(i).data(Qt.ItemDataRole.UserRole) for i in range(self.agents.count())
                 if self.agents.item(i).checkState() != Qt.CheckState.Checked}
@@ -115,14 +173,21 @@ class QtPlacementPage(QWidget):
         if model is None or self.busy:
             return
         request, context = self.request(), self.context.value()
+        try:
+            include, exclude = self.tags()
+        except DeskfleetError as exc:
+            self.explanation.setText(str(exc))
+            return
         self._busy(f"Placing {model.name}: measuring links and calibrating the agents' devices…")
 
         def done(result) -> None:
-            inputs, plan = result
+            inputs, plan, tokens, reason = result
             self._idle()
+            self._show_context(tokens, reason)
             self.session.set_plan(plan, inputs, request=request, context=context)
 
-        self.bridge.place(model, request, context, self.left_out(), done, self._failed)
+        self.bridge.place(model, request, None if context == AUTO else context, self.left_out(), done,
+                          self._failed, include_tags=include, exclude_tags=exclude)
 
     def resolve(self) -> None:
         inputs = self.session.inputs
@@ -132,13 +197,26 @@ class QtPlacementPage(QWidget):
         if request.n_streams != self.session.request.n_streams or self.context.value() != self.session.context:
             self.place()  # the memory profile depends on streams and context: measure again
             return
+        try:
+            include, exclude = self.tags()
+        except DeskfleetError as exc:
+            self.explanation.setText(str(exc))
+            return
         self._busy("Solving again…")
 
         def done(plan: Plan) -> None:
             self._idle()
             self.session.set_plan(plan, request=request)
 
-        self.bridge.solve(inputs, request, self.left_out(), done, self._failed)
+        self.bridge.solve(inputs, request, self.left_out(), done, self._failed, include_tags=include,
+                          exclude_tags=exclude)
+
+    def _show_context(self, tokens: int, reason: str) -> None:
+        if reason:
+            self.context_reason.setText(f"{tokens:,} tokens: {reason}")
+        else:
+            self.context_reason.setText(f"{tokens:,} tokens, as given (auto: the model's maximum, capped by "
+                                        "the agents' memory)")
 
     def move_split(self) -> None:
         """Re-time the current plan with the split points in the spin boxes."""
@@ -182,8 +260,13 @@ class QtPlacementPage(QWidget):
             self._show_plan(self.session.plan)
         self._update_buttons()
 
+    def _on_records(self, records: tuple[AgentRecord, ...]) -> None:
+        self.fleet_tags.setText(fleet_tags_text(records))
+
     def _show_plan(self, plan: Plan | None) -> None:
         stages = plan.stages if plan is not None else ()
+        self.ring.set_diagram(None if plan is None else RingDiagram.from_plan(plan, self._names()),
+                              "No plan yet: place the model to see its ring." if plan is None else None)
         self.table.setRowCount(len(stages))
         for k, s in enumerate(stages):
             values = (str(k), self.session.name(s.pc_id), s.device_id.rsplit("/", 1)[-1],
@@ -196,7 +279,8 @@ class QtPlacementPage(QWidget):
                 self.summary.setText("No plan yet.")
             self._build_splits(None)
             return
-        kind = "optimal" if plan.optimal else "adjusted by hand" if self.session.inputs else "best found"
+        by_hand = not plan.optimal and plan.gap is None and self.session.inputs is not None
+        kind = "adjusted by hand" if by_hand else plan_quality(plan)
         text = (f"Predicted {plan.tok_s:.1f} tok/s for one stream ({plan.per_token_ms:.2f} ms/token, {kind}); "
                 f"{plan.n_streams} stream(s): {plan.aggregate_tok_s:.1f} tok/s aggregate; "
                 f"bottleneck {plan.bottleneck_ms:.2f} ms; console → stage 0 {plan.hop_ms[0]:.2f} ms.")
@@ -230,6 +314,10 @@ class QtPlacementPage(QWidget):
             self.splits_row.insertWidget(self.splits_row.count() - 1, box)
             self.split_boxes.append(box)
 
+    def _names(self) -> dict[str, str]:
+        inputs = self.session.inputs
+        return {} if inputs is None else dict(inputs.names)
+
     def _fill_agents(self) -> None:
         inputs = self.session.inputs
         if inputs is None:
@@ -239,7 +327,8 @@ class QtPlacementPage(QWidget):
         for pc in inputs.pcs:
             if not pc.approved and pc.pc_id not in left_out:
                 continue
-            item = QListWidgetItem(inputs.name(pc.pc_id))
+            tags = next((r.tags for r in self.bridge.records if r.node_id == pc.pc_id), ())
+            item = QListWidgetItem(inputs.name(pc.pc_id) + (f"  [{', '.join(tags)}]" if tags else ""))
             item.setData(Qt.ItemDataRole.UserRole, pc.pc_id)
             item.setFlags(item.flags() | Qt.ItemFlag.ItemIsUserCheckable)
             item.setCheckState(Qt.CheckState.Unchecked if pc.pc_id in left_out else Qt.CheckState.Checked)

@@ -188,8 +188,9 @@ def stage_firsts(plan: Plan) -> tuple[int, ...]:
 def retime(inputs: PlacementInputs, plan: Plan, firsts: Sequence[int]) -> Plan:
     """``plan`` with its stages cut at ``firsts`` instead (same devices, same order), re-timed
     with the solver's own latency model: a stage costs layers x layer_ms + overhead (+ the
-    embedding or head it carries), every hop its measured one-way latency. ``optimal`` is False:
-    the admin chose the cuts. Raises PlacementInputError for cuts that leave a stage empty."""
+    embedding or head it carries), every hop its measured one-way latency. ``optimal`` is False
+    and ``gap`` None: the admin chose the cuts, no solver stands behind them. Raises
+    PlacementInputError for cuts that leave a stage empty."""
     n_layers = inputs.model.n_layers
     cuts = [0, *firsts, n_layers]
     if len(firsts) != len(plan.stages) - 1 or any(b <= a for a, b in zip(cuts, cuts[1:], strict=False)):
@@ -209,7 +210,7 @@ def retime(inputs: PlacementInputs, plan: Plan, firsts: Sequence[int]) -> Plan:
     cycle = max(bottleneck, per_token / plan.n_streams)
     return dataclasses.replace(plan, stages=tuple(stages), hop_ms=hops, per_token_ms=per_token,
                                tok_s=1000.0 / per_token, bottleneck_ms=bottleneck, cycle_ms=cycle,
-                               aggregate_tok_s=1000.0 / cycle, optimal=False)
+                               aggregate_tok_s=1000.0 / cycle, optimal=False, gap=None)
 
 
 def _stage_cost(model: ModelProfile, device: DeviceProfile, first: int, last: int) -> tuple[float, int]:

@@ -1,0 +1,82 @@
+"""The Placement page over a real fleet service and two real tagged agents
+(tests/console/placement_screenshot.py drives it): the context left to the service is the model's
+maximum with the reason beside the field, an excluded tag keeps its agent out and says so, the
+plan is drawn as a ring (two stages when the context forces a split), a bad tag is refused in
+the page before anything is sent. Under Xvfb in a subprocess when it works here (with a
+screenshot of each plan), else offscreen in this process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from console.placement_page import fleet_tags_text
+from console.service.agent_record import AgentRecord, Membership
+
+pytestmark = pytest.mark.usefixtures("private_dirs")
+
+
+def _record(name: str, tags: tuple[str, ...], approved: bool = True) -> AgentRecord:
+    return AgentRecord(name, name, "127.0.0.1", 1, "idle", (), 0, "f", Membership.MEMBER, None, frozenset(),
+                       approved, tags=tags)
+
+
+def test_the_fleet_tags_line_counts_the_approved_agents_tags():
+    records = (_record("a", ("finance", "floor-2")), _record("b", ("floor-2",)), _record("c", ("lab",), False))
+    assert fleet_tags_text(records) == "Tags in the fleet: finance (1), floor-2 (2)"
+    assert fleet_tags_text(()).startswith("No approved agent has tags yet")
+
+
+@pytest.mark.slow
+def test_the_placement_page_places_by_tags_with_the_context_default_and_draws_the_ring(tmp_path, tiny_checkpoint,
+                                                                                        tiny_calibration, qapp):
+    from tests.support.xvfb import XVFB, qt_wait, xvfb_works
+
+    checkpoint = tiny_checkpoint("llama")
+    out = Path(os.environ["DESKFLEET_SCREENSHOTS"]) if os.environ.get("DESKFLEET_SCREENSHOTS") else \
+        tmp_path / "screenshots"
+    env = {**os.environ, "QT_QPA_PLATFORM": "xcb"}
+    if xvfb_works(env):
+        run = subprocess.run([*XVFB, sys.executable, "-m", "tests.console.placement_screenshot", "--out", str(out),
+                              "--work", str(tmp_path / "work"), "--checkpoint", str(checkpoint),
+                              "--cache", str(tiny_calibration)],
+                             env=env, capture_output=True, text=True, timeout=900)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+        result = json.loads((out / "result.json").read_text())
+        assert result["platform"] == "xcb"
+        _check_screenshots(out)
+    else:
+        from tests.console.placement_screenshot import drive_placement_page
+
+        result = drive_placement_page(tmp_path / "work", checkpoint, lambda c, t, w: qt_wait(qapp, c, t, w),
+                                      cache=tiny_calibration)
+    desk_a, desk_b = result["names"]
+    assert result["fleet_tags"] == "Tags in the fleet: finance (1), floor-2 (2)"
+    assert result["context_field"] == "auto"
+    first = result["first"]
+    assert first is not None, result["explanation"]
+    assert first["names"] == [desk_b]  # finance excluded: desk-a takes no stage
+    assert f"{desk_a} (tagged finance (excluded))" in first["summary"]
+    assert first["context_reason"].startswith("512 tokens: model maximum (512 tokens)")  # the tiny model's
+    assert first["ring_stages"] >= 1
+    assert any(t.startswith(desk_a) and "[finance, floor-2]" in t for t in first["agents_list"])
+    second = result["second"]
+    assert second is not None, result["explanation_2"]
+    assert second["names"] == sorted([desk_a, desk_b]) and second["stages"] == second["ring_stages"] == 2
+    assert "as given" in second["context_reason"] and "bottleneck" in second["ring_summary"]
+    assert "only agents tagged: 'fl@or-3' is not a tag" in result["bad_tag"] and not result["busy_after_bad_tag"]
+
+
+def _check_screenshots(out: Path) -> None:
+    from PySide6.QtGui import QImage
+
+    for name in ("console-placement-tags.png", "console-placement-ring.png"):
+        image = QImage(str(out / name))
+        assert not image.isNull() and image.width() >= 1000 and image.height() >= 600, name
+        colours = {image.pixel(x, y) for x in range(0, image.width(), 7) for y in range(0, image.height(), 7)}
+        assert len(colours) > 8, f"{name} is blank"
