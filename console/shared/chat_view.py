@@ -117,6 +117,8 @@ class QtChatWindow(QWidget):
 
     def _build(self) -> None:
         self.conversation_list = QListWidget()
+        self.conversation_list.setTextElideMode(Qt.TextElideMode.ElideRight)
+        self.conversation_list.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self.conversation_list.currentItemChanged.connect(self._on_item_selected)
         self.conversation_list.itemDoubleClicked.connect(lambda _item: self.ask_rename())
         self.new_button = QPushButton("New chat")
@@ -373,11 +375,12 @@ class QtChatWindow(QWidget):
         if isinstance(error, asyncio.CancelledError):
             self.model.end_reply(conversation_id, STOPPED)
         else:
-            self.model.end_reply(conversation_id, FAILED, error=str(error))
-            self._show_error(error)
-            if isinstance(error, ChatError):
+            self.model.end_reply(conversation_id, FAILED, error=str(error))  # the transcript shows it
+            if isinstance(error, ChatError):  # and the fleet line says what it means for the fleet
                 self._show_fleet(fleet_line.from_error(error))
                 self.check_fleet()
+            else:
+                self._show_error(error)
 
     def _show_error(self, error: BaseException | None) -> None:
         self.error_label.setText("" if error is None else str(error))
@@ -386,7 +389,8 @@ class QtChatWindow(QWidget):
     def _show_fleet(self, line: fleet_line.FleetLine) -> None:
         self.fleet = line
         self.fleet_label.setText(line.text)
-        self.fleet_label.setStyleSheet(f"color: {line.colour}; font-weight: bold;")
+        self.fleet_label.setStyleSheet(f"color: {line.colour}; background-color: {line.background}; "
+                                       "font-weight: bold; padding: 6px; border-radius: 4px;")
         self.fleet_label.setVisible(not line.ok)
 
     def _show_damaged(self, damaged) -> None:

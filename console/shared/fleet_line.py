@@ -15,8 +15,10 @@ from typing import Any
 from console.shared.chat_model import ChatError
 
 OK, WAITING, PAUSED, DOWN, UNREACHABLE, REFUSED = "ok", "waiting", "paused", "down", "unreachable", "refused"
-COLOURS = {OK: "#1e7d32", WAITING: "#8a5a00", PAUSED: "#8a5a00", DOWN: "#b3261e", UNREACHABLE: "#b3261e",
-           REFUSED: "#b3261e"}
+COLOURS = {OK: "#1e7d32", WAITING: "#7a4f00", PAUSED: "#7a4f00", DOWN: "#9c1f17", UNREACHABLE: "#9c1f17",
+           REFUSED: "#9c1f17"}
+BACKGROUNDS = {OK: "#e8f5e9", WAITING: "#fff3d6", PAUSED: "#fff3d6", DOWN: "#fde7e5", UNREACHABLE: "#fde7e5",
+               REFUSED: "#fde7e5"}
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,10 @@ class FleetLine:
     @property
     def colour(self) -> str:
         return COLOURS[self.level]
+
+    @property
+    def background(self) -> str:
+        return BACKGROUNDS[self.level]
 
 
 def _is_pause(detail: str) -> bool:
@@ -64,7 +70,7 @@ def from_error(error: ChatError) -> FleetLine:
     """The line for a failed call to the fleet's API."""
     text = str(error)
     if error.unreachable:
-        return FleetLine(UNREACHABLE, f"The fleet is unreachable: {text[0].upper()}{text[1:]}.")
+        return FleetLine(UNREACHABLE, f"The fleet is unreachable — {text}.")
     if error.status in (401, 403):
         return FleetLine(REFUSED, f"The fleet refused this chat's API key: {text}. Ask the admin for a key, "
                                   "or rejoin this PC.")

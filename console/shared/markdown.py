@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass
 
 CODE_BG = "#f3f4f6"
-CODE_BORDER = "#d0d4da"
+TABLE_BORDER = "#d0d4da"
 INLINE_CODE_BG = "#eceef1"
 TABLE_HEAD_BG = "#e8ebef"
 QUOTE_COLOUR = "#5f6368"
@@ -186,8 +186,7 @@ class _Blocks:
         self.code_blocks.append(CodeBlock(language, code))
         label = html.escape(language) if language else "code"
         copy = f'<a href="{html.escape(self.copy_prefix, quote=True)}{index}">{COPY_LABEL}</a>'
-        out.append(f'<table width="100%" cellspacing="0" cellpadding="6" border="1" '
-                   f'style="border-collapse: collapse; border-color: {CODE_BORDER};" bgcolor="{CODE_BG}">'
+        out.append(f'<table width="100%" cellspacing="0" cellpadding="6" border="0" bgcolor="{CODE_BG}">'
                    f'<tr><td><span style="color: {QUOTE_COLOUR};">{label}</span></td>'
                    f'<td align="right">{copy}</td></tr>'
                    f'<tr><td colspan="2"><pre>{html.escape(code, quote=False)}</pre></td></tr></table>')
@@ -262,7 +261,7 @@ class _Blocks:
 
         body = "".join(f"<tr>{cells(r, 'td')}</tr>" for r in rows)
         out.append(f'<table border="1" cellspacing="0" cellpadding="5" style="border-collapse: collapse; '
-                   f'border-color: {CODE_BORDER};"><tr>{cells(head, "th")}</tr>{body}</table>')
+                   f'border-color: {TABLE_BORDER};"><tr>{cells(head, "th")}</tr>{body}</table>')
         return i
 
     def _paragraph(self, lines: list[str], i: int, out: list[str]) -> int:

@@ -243,7 +243,7 @@ def test_open_chat_needs_the_fleets_address(qtbot, start_tray, tmp_path):
     assert window.client.base_url == "http://127.0.0.1:9/v1" and window.loop is tray.bridge.loop
     assert window.client.ca_pem is None  # not joined: no fleet CA to trust an https API by
     # the chat's fleet line says why it cannot answer
-    qtbot.waitUntil(lambda: "Cannot reach the fleet's API" in window.fleet_label.text(), timeout=15000)
+    qtbot.waitUntil(lambda: "cannot reach the fleet's API" in window.fleet_label.text(), timeout=15000)
     assert window.fleet.level == "unreachable" and window.fleet_label.isVisible()
 
 

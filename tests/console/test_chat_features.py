@@ -9,7 +9,7 @@ import pytest
 from PySide6.QtCore import QUrl
 from PySide6.QtGui import QGuiApplication, QTextTable
 
-from console.shared.chat_model import DONE, STOPPED
+from console.shared.chat_model import DONE, FAILED, STOPPED
 from console.shared.chat_view import QtChatWindow
 from console.shared.conversations import ConversationStore
 from tests.console.chat_helpers import (
@@ -163,8 +163,11 @@ def test_a_paused_fleet_says_why_and_a_request_shows_it_too(qtbot):
             window.input.setText("Hello?")
             window.send()
             qtbot.waitUntil(lambda: not window.streaming, timeout=WAIT_MS)
-            assert "answered 503" in window.error_label.text() and PAUSE_DETAIL in window.error_label.text()
-            assert window.fleet.level == "paused"
+            reply = window.model.current.messages[-1]
+            assert reply.state == FAILED and "answered 503" in reply.error and PAUSE_DETAIL in reply.error
+            assert "(failed)" in window.transcript.toPlainText() and PAUSE_DETAIL in window.transcript.toPlainText()
+            assert window.fleet.level == "paused" and PAUSE_DETAIL in window.fleet_label.text()
+            assert window.error_label.isHidden()  # said once in the transcript, once in the fleet line
         finally:
             window.close()
 
@@ -179,7 +182,7 @@ def test_a_fleet_with_no_model_and_an_unreachable_one_say_so(qtbot):
     window = open_window(qtbot, "http://127.0.0.1:9/v1")
     try:
         assert window.fleet.level == "unreachable" and window.fleet_label.isVisible()
-        assert "The fleet is unreachable: Cannot reach the fleet's API at http://127.0.0.1:9/v1 " \
+        assert "The fleet is unreachable — cannot reach the fleet's API at http://127.0.0.1:9/v1 " \
                "(connection refused: nothing listens there)" in window.fleet_label.text()
         window.input.setText("hello?")
         window.send()

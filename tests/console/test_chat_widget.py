@@ -239,7 +239,7 @@ def test_window_without_a_fleet_says_so(qtbot):
     qtbot.addWidget(window)
     try:
         qtbot.waitUntil(lambda: window.fleet is not None, timeout=15000)
-        assert "Cannot reach the fleet's API at http://127.0.0.1:9/v1" in window.fleet_label.text()
+        assert "cannot reach the fleet's API at http://127.0.0.1:9/v1" in window.fleet_label.text()
         assert window.fleet.level == "unreachable" and not window.fleet_label.isHidden()
         window.input.setText("hello?")
         window.send()
