@@ -21,6 +21,13 @@ FAMILIES = ("llama", "llama3", "qwen2", "mistral")
 PROMPT_IDS = (1, 87, 85, 267, 201, 299, 266, 286, 273, 391, 265, 384, 33, 2, 201, 1, 301)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _chats_in_the_sessions_folder(tmp_path_factory):
+    """The chat windows keep their chats (console/shared/conversations.py) in this session's own
+    folder, never in the user's data directory; processes the tests start inherit it."""
+    os.environ.setdefault("DESKFLEET_CHATS_DIR", str(tmp_path_factory.mktemp("chats")))
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """``tiny_checkpoint(family)`` -> directory of a random-weight HF checkpoint with a tokenizer."""
