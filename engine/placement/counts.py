@@ -15,14 +15,16 @@ range columns for 128 layers (`engine.placement.milp`'s cuts model, which solves
     Σ n = L;  u ≤ n ≤ n_max·u;  Σ f = Σ g = 1;  f, g ≤ u
     Σ_e a[d,e] + g[d] = u[d];   Σ_d a[d,e] + f[e] = u[e]           (one path, first to last)
     a[d,e] = 1  ⇒  s[e] = s[d] + n[d];  f[d] = 1 ⇒ s[d] = 0;  s + n ≤ L   (no detached cycles)
-    bytes(d) = b[d]·n + (first_bytes − b)·f + (last_bytes − b)·g ≤ min(C[d], C[pc]); Σ_pc ≤ C[pc]
+    m[d] ≥ bytes of d's stage;  m[d] ≤ min(C[d], C[pc]);  Σ_{d on pc} m[d] ≤ C[pc]
     minimise Σ t·n + o·u + (first_ms + coord)·f + (last_ms + coord)·g + Σ lat[pc d, pc e]·a
 
-With equal interior layers, ``b`` is their size and the model is exact. When they differ (mixed
-quantisation, alternating attention windows) the same model is solved twice: with ``b`` the
-smallest interior layer it is a relaxation (its optimum is a proven lower bound, and the optimal
-plan if its split happens to fit), with the largest a restriction (every plan it finds fits).
-`engine.placement.milp.least_latency` puts the two together with the cuts model.
+With equal interior layers of b bytes, a stage's bytes are b·n + (first_bytes − b)·f +
+(last_bytes − b)·g and the model is exact. When they differ (mixed quantisation, alternating
+attention windows) the same model is solved twice: as a relaxation, with the bytes bounded
+below by the lower convex hull of the least sums of n consecutive interior layers (its optimum
+is a proven lower bound, and the optimal plan if its split happens to fit), and as a
+restriction, with every interior layer as large as the largest (every plan it finds fits).
+`engine.placement.search.least_latency` puts the two together with the cuts model.
 """
 
 from __future__ import annotations
@@ -45,32 +47,72 @@ _MIP_REL_GAP = 1e-9
 
 @dataclass(frozen=True)
 class LayerSizes:
-    """Per device (D,): the smallest and largest interior layer's bytes, layer 0's and the last
-    layer's own bytes and extra ms (embedding, head)."""
+    """Per device d, what the counts model knows of its layers' bytes and ms.
 
-    inner_lo: np.ndarray
-    inner_hi: np.ndarray
-    first_bytes: np.ndarray
-    last_bytes: np.ndarray
-    first_ms: np.ndarray
-    last_ms: np.ndarray
+    ``lines_a[d, k] · n + lines_c[d, k]`` ≤ the bytes of any n consecutive interior layers, for
+    every k: the lower convex hull of the least window sums (n = 0..L-2), exact (one line through
+    0) when the interior layers are alike. ``inner_hi`` is the largest interior layer, ``n_fit``
+    the most layers any stage on d can hold (its least window sum fits d and its PC).
+    """
 
-    @property
-    def uniform(self) -> bool:
-        """Every interior layer of every device has the same size: the counts model is exact."""
-        return bool(np.array_equal(self.inner_lo, self.inner_hi))
+    lines_a: np.ndarray  # (D, K) slope, bytes per layer
+    lines_c: np.ndarray  # (D, K) intercept, bytes (≤ 0)
+    inner_hi: np.ndarray  # (D,)
+    first_bytes: np.ndarray  # (D,) layer 0 with the embedding
+    last_bytes: np.ndarray  # (D,) the last layer with the head
+    first_ms: np.ndarray  # (D,) extra ms of layer 0 (embedding)
+    last_ms: np.ndarray  # (D,) extra ms of the last layer (head)
+    n_fit: np.ndarray  # (D,) int
+    uniform: bool  # every interior layer of every device alike: the model is exact
 
 
 def layer_sizes(f: Fleet) -> LayerSizes | None:
     """The fleet's layers as the counts model sees them; None when it cannot describe them
     (under 3 layers, or extra milliseconds on an interior layer)."""
-    if f.n_layers < 3:
+    D, L = len(f.device_ids), f.n_layers
+    if L < 3:
         return None
     mem, ms = np.diff(f.mem_pre, axis=1), np.diff(f.ms_pre, axis=1)
     if np.any(ms[:, 1:-1] != 0):
         return None
     inner = mem[:, 1:-1]
-    return LayerSizes(inner.min(axis=1), inner.max(axis=1), mem[:, 0], mem[:, -1], ms[:, 0], ms[:, -1])
+    uniform = bool(np.all(inner == inner[:, :1]))
+    cap = np.minimum(f.dev_cap, f.pc_cap[f.dev_pc])
+    hulls, n_fit, memo = [], np.zeros(D, int), {}
+    for d in range(D):
+        key = f.mem_pre[d].tobytes()
+        if key not in memo:
+            inner_pre = f.mem_pre[d, 1:-1] - f.mem_pre[d, 1]
+            memo[key] = (_least_windows(f.mem_pre[d]), _lower_hull(_least_windows(inner_pre)))
+        least, hull = memo[key]
+        n_fit[d] = int(np.searchsorted(least, cap[d], side="right")) - 1
+        hulls.append(hull if not uniform else [(float(inner[d, 0]), 0.0)])
+    K = max(len(h) for h in hulls)
+    lines = np.array([h + [h[-1]] * (K - len(h)) for h in hulls])  # (D, K, 2)
+    return LayerSizes(lines[:, :, 0], lines[:, :, 1], inner.max(axis=1), mem[:, 0], mem[:, -1],
+                      ms[:, 0], ms[:, -1], np.minimum(n_fit, L), uniform)
+
+
+def _least_windows(pre: np.ndarray) -> np.ndarray:
+    """least[n] = the least sum of n consecutive layers (n = 0..len), from prefix sums."""
+    n_layers = len(pre) - 1
+    return np.array([float((pre[n:] - pre[:n_layers + 1 - n]).min()) for n in range(n_layers + 1)])
+
+
+def _lower_hull(y: np.ndarray) -> list[tuple[float, float]]:
+    """The lines (slope, intercept) of the lower convex hull of the points (n, y[n])."""
+    pts: list[int] = []
+    for n in range(len(y)):
+        while len(pts) >= 2:
+            a, b = pts[-2], pts[-1]
+            if (y[b] - y[a]) * (n - a) >= (y[n] - y[a]) * (b - a):  # b on or above a-n: drop it
+                pts.pop()
+            else:
+                break
+        pts.append(n)
+    if len(pts) == 1:
+        return [(0.0, float(y[0]))]
+    return [((y[b] - y[a]) / (b - a), y[a] - (y[b] - y[a]) / (b - a) * a) for a, b in zip(pts, pts[1:], strict=False)]
 
 
 @dataclass(frozen=True)
@@ -84,22 +126,21 @@ class CountsResult:
     timed_out: bool = False
 
 
-def solve_counts(f: Fleet, sizes: LayerSizes, inner_bytes: np.ndarray, *, time_limit_s: float,
+def solve_counts(f: Fleet, sizes: LayerSizes, *, relax: bool, time_limit_s: float,
                  max_stages: int | None = None, min_stages: int = 1, cap_ms: float | None = None,
                  max_latency: float | None = None, twins: Sequence[tuple[int, int]] = ()) -> CountsResult:
-    """Least-latency counts and order with every interior layer of device d taking
-    ``inner_bytes[d]`` bytes (module doc); each stage and hop ≤ ``cap_ms``, latency ≤
-    ``max_latency``. ``twins`` (d, e) are interchangeable devices: d is given the larger count."""
+    """Least-latency counts and order (module doc); each stage and hop ≤ ``cap_ms``, latency ≤
+    ``max_latency``. A stage's bytes are bounded below by the hull lines (``relax``: a
+    relaxation, exact when the layers are alike) or above by its count times the largest
+    interior layer (a restriction). ``twins`` (d, e) are interchangeable: d takes the larger count."""
     D, L = len(f.device_ids), f.n_layers
     pc = f.dev_pc
     cap_gb = np.minimum(f.dev_cap, f.pc_cap[pc]) / GB
-    b = inner_bytes / GB
-    fx, lx = sizes.first_bytes / GB - b, sizes.last_bytes / GB - b
-    n_max = np.full(D, L)
-    positive = b > 0
-    room = cap_gb - np.minimum(fx, 0) - np.minimum(lx, 0)
-    n_max[positive] = np.minimum(L, np.floor(room[positive] / b[positive] + 1e-9)).astype(int)
-    n_max[~positive & (room < 0)] = 0
+    if relax:
+        line_a, line_c = sizes.lines_a / GB, sizes.lines_c / GB
+    else:
+        line_a, line_c = sizes.inner_hi[:, None] / GB, np.zeros((D, 1))
+    n_max = sizes.n_fit.copy()
     coord = f.coord[pc]
     first_ok = last_ok = np.ones(D, bool)
     if cap_ms is not None:
@@ -113,7 +154,7 @@ def solve_counts(f: Fleet, sizes: LayerSizes, inner_bytes: np.ndarray, *, time_l
         keep &= f.lat[pc[src], pc[dst]] <= cap_ms
     src, dst = src[keep], dst[keep]
     A = len(src)
-    U, F, G, N, S, AR = (k * D for k in range(6))  # column blocks; arcs from AR
+    U, F, G, N, S, M, AR = (k * D for k in range(7))  # column blocks; arcs from AR
     n_cols = AR + A
     d_idx = np.arange(D)
     rows: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
@@ -145,16 +186,17 @@ def solve_counts(f: Fleet, sizes: LayerSizes, inner_bytes: np.ndarray, *, time_l
     add(D, np.r_[d_idx, d_idx], np.r_[S + d_idx, F + d_idx], np.r_[o1, L * o1], -np.inf, L)
     add(D, np.r_[d_idx, d_idx, d_idx], np.r_[S + d_idx, N + d_idx, G + d_idx],
         np.r_[o1, o1, -L * o1], 0, np.inf)                                 # g ⇒ s + n = L
-    mem_c = np.r_[N + d_idx, F + d_idx, G + d_idx]
-    mem_v = np.r_[b, fx, lx]
-    add(D, np.r_[d_idx, d_idx, d_idx], mem_c, mem_v, -np.inf, cap_gb)
+    # m[d] ≥ each line's bytes for d's stage (module doc), m[d] ≤ its limit, Σ_pc m ≤ the PC's.
+    K = line_a.shape[1]
+    fb, lb = sizes.first_bytes / GB, sizes.last_bytes / GB
+    for k in range(K):
+        a_k, c_k = line_a[:, k], line_c[:, k]
+        add(D, np.tile(d_idx, 5), np.r_[M + d_idx, N + d_idx, U + d_idx, F + d_idx, G + d_idx],
+            np.r_[o1, -a_k, -c_k, -(fb - a_k), -(lb - a_k)], 0, np.inf)
     shared = [p for p in range(len(f.pc_ids)) if np.count_nonzero(pc == p) > 1]
-    row_of = np.full(len(f.pc_ids), -1)
-    row_of[shared] = np.arange(len(shared))
-    on = row_of[pc] >= 0
-    if shared:
-        add(len(shared), np.tile(row_of[pc[on]], 3), np.r_[N + d_idx[on], F + d_idx[on], G + d_idx[on]],
-            np.r_[b[on], fx[on], lx[on]], -np.inf, f.pc_cap[shared] / GB)
+    for p in shared:
+        on = np.flatnonzero(pc == p)
+        add(1, np.zeros(len(on), int), M + on, 1.0, -np.inf, f.pc_cap[p] / GB)
     if max_stages is not None or min_stages > 1:
         add(1, z, U + d_idx, 1.0, min_stages, np.inf if max_stages is None else max_stages)
     if cap_ms is not None:
@@ -184,10 +226,12 @@ def solve_counts(f: Fleet, sizes: LayerSizes, inner_bytes: np.ndarray, *, time_l
     A_mat = coo_array((np.concatenate(val_parts), (np.concatenate(row_parts), np.concatenate(col_parts))),
                       shape=(offset, n_cols)).tocsr()
     ub = np.concatenate((np.minimum(n_max, 1), (n_max > 0) & first_ok, (n_max > 0) & last_ok, n_max,
-                         np.full(D, float(L)), np.ones(A))).astype(float)
+                         np.full(D, float(L)), cap_gb, np.ones(A))).astype(float)
+    lb_cols = np.zeros(n_cols)
+    lb_cols[M:M + D] = -np.inf  # a hull line may dip below 0 for an unused device
     integrality: np.ndarray = np.ones(n_cols)
-    integrality[S:S + D] = 0
-    res = milp(c, integrality=integrality, bounds=Bounds(np.zeros(n_cols), ub),
+    integrality[S:M + D] = 0
+    res = milp(c, integrality=integrality, bounds=Bounds(lb_cols, ub),
                constraints=[LinearConstraint(A_mat, np.concatenate(lo), np.concatenate(hi))],
                options={"time_limit": max(time_limit_s, 0.05), "mip_rel_gap": _MIP_REL_GAP})
     if res.status == 2:
@@ -204,7 +248,7 @@ def _stages(x: np.ndarray, D: int, src: np.ndarray, dst: np.ndarray, L: int) -> 
     """Follow the hand-overs from the first device; (device, first, last) in layer order."""
     used = x[:D] > 0.5
     counts = np.rint(x[3 * D:4 * D]).astype(int)
-    chosen = np.flatnonzero(x[5 * D:] > 0.5)
+    chosen = np.flatnonzero(x[6 * D:] > 0.5)
     nxt = dict(zip(src[chosen].tolist(), dst[chosen].tolist(), strict=True))
     d = int(np.argmax(x[D:2 * D]))
     stages: list[Stage] = []

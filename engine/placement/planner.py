@@ -267,6 +267,8 @@ def solve(request: PlacementRequest, *, model: ModelProfile, pcs: Sequence[PcInf
     Raises `PlacementInfeasible` (with the memory shortfall or the exclusion counts),
     `PlacementTimeout` if no plan was found in time, `PlacementInputError` for bad profiles.
     """
+    if formulation not in ("auto", "cuts"):
+        raise PlacementInputError(f"formulation must be 'auto' or 'cuts', not {formulation!r}")
     fleet, excluded = _prepare(request, model, pcs, devices, links)
     search = Search(max_stages=request.max_stages, min_stages=request.min_stages, n_streams=request.n_streams,
                     time_limit_s=request.time_limit_s,

@@ -1,0 +1,146 @@
+"""Placement at office size: the counts model against brute force and the cuts model, its bounds
+on layers of different sizes, the time limit and the proven gap.
+
+The brute force is test_placement's (every split × every ordered choice of devices, priced on its
+own); the fleets are tests/placement/office_fleet.py's clones-of-three-kinds offices.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+
+from console.service.admin_shapes import plan_from_json, plan_json
+from engine.errors import PlacementTimeout
+from engine.placement.counts import layer_sizes, solve_counts
+from engine.placement.planner import (
+    PlacementInputError,
+    PlacementRequest,
+    _prepare,
+    format_plan,
+    plan_quality,
+    solve,
+)
+from engine.placement.search import Search, admissible, latency_ms, split_in_order
+from tests.placement.office_fleet import office_fleet
+from tests.placement.test_placement import REL, brute_force, check_plan, random_fleet
+
+# (devices, layers, mean layer GB): small enough for brute force, large enough to need 2-4 stages
+SMALL = [(4, 8, 2.5), (5, 7, 3.0), (6, 6, 4.0), (4, 10, 2.0)]
+
+
+@pytest.mark.parametrize("spread", [0.0, 0.3])
+@pytest.mark.parametrize("size", SMALL)
+@pytest.mark.parametrize("seed", [1, 2])
+def test_office_fleets_match_brute_force(size, spread, seed) -> None:
+    n_dev, n_layers, layer_gb = size
+    fleet = office_fleet(n_dev, n_layers, seed=seed, spread=spread, layer_gb=layer_gb, clones=seed == 1)
+    for req in (PlacementRequest(), PlacementRequest(objective="throughput", n_streams=4)):
+        ref = brute_force(req, fleet)
+        key = "latency" if req.objective == "latency" else "throughput"
+        plan = solve(req, **fleet.kwargs())
+        check_plan(plan, req, fleet)
+        assert plan.optimal and plan.gap == 0.0
+        assert plan.per_token_ms == pytest.approx(ref[key]["latency"], rel=REL)
+        assert plan.cycle_ms == pytest.approx(ref[key]["cycle"], rel=REL)
+        if spread == 0.0:
+            assert len(plan.stages) >= 2  # the fleets are sized so that a split is needed
+
+
+@pytest.mark.parametrize(("spread", "objective"), [(0.0, "latency"), (0.0, "throughput"), (0.25, "latency")])
+def test_counts_and_cuts_agree_beyond_brute_force(spread, objective) -> None:
+    fleet = office_fleet(6, 14, seed=5, spread=spread, layer_gb=2.0)
+    req = PlacementRequest(objective=objective, n_streams=4, time_limit_s=60)
+    auto = solve(req, **fleet.kwargs())
+    cuts = solve(req, **fleet.kwargs(), formulation="cuts")
+    for plan in (auto, cuts):
+        check_plan(plan, req, fleet)
+        assert plan.optimal and plan.gap == 0.0
+    assert auto.objective_ms == pytest.approx(cuts.objective_ms, rel=REL)
+    assert auto.per_token_ms == pytest.approx(cuts.per_token_ms, rel=REL)
+
+
+def test_thirty_devices_by_128_layers_is_proven_optimal() -> None:
+    """The issue's size: the counts model proves the optimum (the cuts model found no plan in
+    60 s here); symmetry breaking between the clones keeps the same optimum."""
+    fleet = office_fleet(30, 128)
+    req = PlacementRequest()
+    plan = solve(req, **fleet.kwargs())
+    check_plan(plan, req, fleet)
+    assert plan.optimal and plan.gap == 0.0 and len(plan.stages) > 6
+    assert "(optimal)" in format_plan(plan)
+    ordered = solve(req, **fleet.kwargs(), break_symmetry=True)
+    assert ordered.optimal and ordered.per_token_ms == pytest.approx(plan.per_token_ms, rel=REL)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_bounds_on_layers_of_different_sizes_hold(seed) -> None:
+    """The relaxation never exceeds the true optimum; every plan the restriction or a re-split
+    returns keeps the memory limits and is no better than the optimum."""
+    fleet, req_args, _ = random_fleet(seed)
+    req = PlacementRequest(**req_args)
+    ref = brute_force(req, fleet)
+    if not ref["devices"] or ref["latency"] is None:
+        return  # nothing to bound: no agent, or no plan fits (test_placement checks those)
+    f, _ = _prepare(req, fleet.model, fleet.pcs, fleet.devices, fleet.links)
+    sizes = layer_sizes(f)
+    if sizes is None or sizes.uniform:
+        return  # the counts model is exact there: test_milp_matches_brute_force covers it
+    s = Search(req.max_stages, req.min_stages, 1, 60, time.monotonic() + 60, False)
+    opt = ref["latency"]["latency"]
+    lo = solve_counts(f, sizes, relax=True, time_limit_s=60, max_stages=req.max_stages)
+    assert lo.optimal and lo.bound_ms <= opt * (1 + 1e-9)
+    hi = solve_counts(f, sizes, relax=False, time_limit_s=60, max_stages=req.max_stages)
+    for stages in (hi.stages, lo.stages and split_in_order(f, [d for d, _, _ in lo.stages], None)):
+        if stages is not None and len(stages) <= (req.max_stages or len(stages)):
+            if stages is hi.stages:
+                assert admissible(f, s, stages, None, None)
+            if admissible(f, s, stages, None, None):
+                assert latency_ms(f, stages) >= opt * (1 - 1e-9)
+
+
+def test_a_time_limit_returns_the_best_plan_with_its_proven_gap() -> None:
+    """Layers of different sizes at 30 × 128: the counts bounds leave a gap the cuts model cannot
+    close in 2 s; the plan comes back in time, valid, with the gap it has proven."""
+    fleet = office_fleet(30, 128, spread=0.2)
+    req = PlacementRequest(time_limit_s=2)
+    start = time.monotonic()
+    plan = solve(req, **fleet.kwargs())
+    elapsed = time.monotonic() - start
+    assert elapsed < req.time_limit_s + 2.5  # HiGHS checks its clock now and then; a loaded box
+    check_plan(plan, req, fleet)
+    assert not plan.optimal and 0.0 < plan.gap < 0.5
+    assert f"latency within {100 * plan.gap:.2g} % of the optimum" in format_plan(plan)
+    sizes = layer_sizes(_prepare(req, fleet.model, fleet.pcs, fleet.devices, fleet.links)[0])
+    assert sizes is not None and not sizes.uniform
+
+
+def test_the_cuts_model_alone_times_out_with_a_named_error() -> None:
+    fleet = office_fleet(30, 128)
+    with pytest.raises(PlacementTimeout, match="no placement found within 0.2 s.*raise the time limit"):
+        solve(PlacementRequest(time_limit_s=0.2), **fleet.kwargs(), formulation="cuts")
+
+
+def test_bad_formulation_is_a_named_error() -> None:
+    fleet = office_fleet(4, 8, layer_gb=2.5)
+    with pytest.raises(PlacementInputError, match="formulation must be 'auto' or 'cuts', not 'fast'"):
+        solve(PlacementRequest(), **fleet.kwargs(), formulation="fast")  # type: ignore[arg-type]
+
+
+def test_the_gap_travels_in_the_admin_json_and_the_summary() -> None:
+    fleet = office_fleet(4, 8, layer_gb=2.5)
+    plan = solve(PlacementRequest(), **fleet.kwargs())
+    assert plan_from_json(plan_json(plan)) == plan
+    from dataclasses import replace
+
+    cut = replace(plan, optimal=False, gap=0.0123)
+    assert plan_from_json(plan_json(cut)).gap == pytest.approx(0.0123)
+    assert plan_quality(cut) == "best found, latency within 1.2 % of the optimum"
+    by_hand = replace(plan, optimal=False, gap=None)
+    assert plan_quality(by_hand) == "best found"
+    body = plan_json(plan)
+    del body["gap"]  # a service from before the gap
+    assert plan_from_json(body).gap is None
+    assert math.isfinite(plan.per_token_ms)
