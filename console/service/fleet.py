@@ -4,7 +4,10 @@ added by address; approved (or not) by the admin; polled for their status; pause
 `FleetModel` holds the sources' last words and merges them into `AgentRecord`s (the merge is
 pure, in `console.service.agent_record`); it lives on the console's one asyncio loop and is not
 thread-safe. Listeners get the new list of records after every change, on the loop: the Qt
-view forwards them to the GUI thread with a queued signal.
+view forwards them to the GUI thread with a queued signal. One source's news re-merges that
+agent's record only, and a status round polls a few agents at a time over one TLS context: at
+1,000 agents re-merging every record per registration, and a thousand handshakes at once every
+round, were what kept the service busy (docs/BENCHMARKS.md, fleet-scale).
 
 Node ids come only from certificates: the hub's caller, the peer of a probe or a status poll
 (each control client checks ``sha256(peer certificate)`` against the node id it dials). An mDNS
@@ -21,7 +24,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from pathlib import Path
 
@@ -57,6 +60,7 @@ log = logging.getLogger(__name__)
 POLL_TIMEOUT_S = 5.0
 MAX_HINTS = 256  # mDNS records kept from one snapshot: an office, with room; a flood is cut here
 MAX_PROBES = 4  # probes of mDNS hints in flight at once
+MAX_POLLS = 32  # status polls in flight at once in a refresh round
 PROBE_RETRY_S = 30.0  # an mDNS hint's address is probed at most this often
 Listener = Callable[[tuple[AgentRecord, ...]], None]
 
@@ -71,6 +75,7 @@ class FleetModel:
         self.fleet_id = credentials.fleet_id
         self.timeout = timeout
         self._clock = clock
+        self._ssl = credentials.client_context()  # one context for every control client: loading it costs ~1 ms
         self._approvals = ApprovalBook(state_dir)  # raises ConsoleStateError for a corrupt file
         self._revoked = RevocationBook(state_dir)
         self._tags = TagBook(state_dir)  # raises ConsoleStateError for a corrupt file
@@ -179,7 +184,7 @@ class FleetModel:
 
     async def _async_probe_hint(self, claimed: str, host: str, port: int) -> None:
         async with self._probe_slots:
-            client = ControlClient(self.credentials, host, port, timeout=self.timeout)
+            client = ControlClient(self.credentials, host, port, timeout=self.timeout, ssl_context=self._ssl)
             try:
                 probe = await client.async_probe()
             except ControlError as exc:
@@ -192,7 +197,7 @@ class FleetModel:
             log.warning("an mDNS record named agent %s at %s:%d, but the agent there proved to be %s; the "
                         "record's claim is ignored", claimed[:16], host, port, proven[:16])
         self._take_proof(proven, host, port, probe, AgentSource.PROBE)
-        self._rebuild()
+        self._rebuild((proven,))
 
     def _take_proof(self, node_id: str, host: str, port: int, probe: Mapping, source: AgentSource) -> bool:
         """Record what an agent said over a connection whose certificate proved ``node_id``."""
@@ -250,12 +255,12 @@ class FleetModel:
         else:
             log.info("event %r from unknown agent %s ignored", event.event, event.node_id[:16])
             return
-        self._rebuild()
+        self._rebuild((event.node_id,))
 
     async def async_add_address(self, host: str, port: int) -> AgentRecord:
         """Probe ``GET /v1/probe`` at ``host:port`` and add the agent that answers. Only a member
         of this fleet can answer: the control API is mutual TLS against the fleet CA."""
-        client = ControlClient(self.credentials, host, port, timeout=self.timeout)
+        client = ControlClient(self.credentials, host, port, timeout=self.timeout, ssl_context=self._ssl)
         try:
             probe = await client.async_probe()
         except ControlError as exc:
@@ -275,7 +280,7 @@ class FleetModel:
             raise ForeignAgentError(f"the agent at {host}:{port} was removed from this fleet (its certificate "
                                     "is revoked); to use the PC again, join it with a new token")
         self._take_proof(node_id, host, port, probe, AgentSource.ADDRESS)
-        self._rebuild()
+        self._rebuild((node_id,))
         return self._records[node_id]
 
     # ---- approval ----------------------------------------------------------------------------
@@ -297,7 +302,7 @@ class FleetModel:
             raise ForeignAgentError(f"{record.name} has not joined a fleet yet; give the person at that "
                                     "PC a join token from this console, then approve it")
         self._approvals.add(node_id, record.name, record.address, record.control_port, record.fleet_id)
-        self._rebuild()
+        self._rebuild((node_id,))
         return self._records[node_id]
 
     def set_tags(self, node_id: str, tags: tuple[str, ...] | None) -> AgentRecord:
@@ -307,7 +312,7 @@ class FleetModel:
         if record.membership is not Membership.MEMBER or not record.node_id:
             raise ForeignAgentError(f"{record.name} is not a member of this fleet; tags are for its members")
         self._tags.set_admin(record.node_id, tags)
-        self._rebuild()
+        self._rebuild((record.node_id,))
         return self._records[record.node_id]
 
     @property
@@ -329,7 +334,7 @@ class FleetModel:
             self._hub.set_deny(self._revoked.node_ids)
             self._hub.revoke_grants(node_id)
         log.warning("removed agent %s (%s): its certificate is revoked", node_id[:16], record.name)
-        self._rebuild()
+        self._rebuild((node_id,))
         if self._rotate_api_key is not None:  # its assignments carried the API key: a new one, now
             self._api_key = self._rotate_api_key()
             log.warning("the API key was rotated: the removed PC's copy no longer works")
@@ -367,21 +372,27 @@ class FleetModel:
             raise ForeignAgentError(f"{record.name} has not proved its identity to the console yet (it is "
                                     "only known from an mDNS record); wait for the probe, or add it by address")
         return ControlClient(self.credentials, record.address, record.control_port, timeout=self.timeout,
-                             node_id=record.node_id)
+                             node_id=record.node_id, ssl_context=self._ssl)
 
     async def async_refresh(self) -> tuple[AgentRecord, ...]:
         """Poll every member agent's status at once; an agent that does not answer within the
         timeout is marked unreachable (``reachable=False``, ``error``), never dropped."""
         keys = [r.key for r in self.records()
                 if r.membership is Membership.MEMBER and r.control_port and r.verified]
-        await asyncio.gather(*(self._async_poll(k) for k in keys))
-        self._rebuild()
+        slots = asyncio.Semaphore(MAX_POLLS)  # a thousand handshakes at once would stall the loop for seconds
+
+        async def poll(key: str) -> None:
+            async with slots:
+                await self._async_poll(key)
+
+        await asyncio.gather(*(poll(k) for k in keys))
+        self._rebuild(keys)
         return self.records()
 
     async def async_refresh_one(self, node_id: str) -> AgentRecord:
         self.client(node_id)
         await self._async_poll(node_id)
-        self._rebuild()
+        self._rebuild((node_id,))
         return self._records[node_id]
 
     async def async_pause(self, node_id: str) -> AgentRecord:
@@ -411,7 +422,7 @@ class FleetModel:
         if record is None:
             return
         client = ControlClient(self.credentials, record.address, record.control_port, timeout=self.timeout,
-                               node_id=key)  # the certificate must be this agent's, whatever the body says
+                               node_id=key, ssl_context=self._ssl)  # the certificate must be this agent's
         try:
             status = await client.async_status()
         except WrongAgentError as exc:
@@ -458,13 +469,25 @@ class FleetModel:
             self._tags.note_reported(key, poll.status.tags)
         return self._tags.get(key)
 
-    def _rebuild(self) -> None:
-        for key in [k for k, s in self._sightings.items() if not s and k not in self._approvals]:
-            del self._sightings[key]
-            self._polls.pop(key, None)
-            self._news.pop(key, None)
-        records = {}
-        for key, by_source in self._sightings.items():
+    def _rebuild(self, keys: Iterable[str] | None = None) -> None:
+        """Merge the records of ``keys`` again (None: every agent's) and tell the listeners if any
+        changed. Most news is one agent's: re-merging only it keeps a registration O(1)."""
+        changed = False
+        if keys is None:
+            keys = list(self._sightings)
+            for gone in [k for k in self._records if k not in self._sightings]:
+                del self._records[gone]
+                changed = True
+        for key in dict.fromkeys(keys):
+            by_source = self._sightings.get(key)
+            if by_source is not None and not by_source and key not in self._approvals:
+                del self._sightings[key]
+                by_source = None
+            if by_source is None:
+                self._polls.pop(key, None)
+                self._news.pop(key, None)
+                changed |= self._records.pop(key, None) is not None
+                continue
             if len(by_source) > 1:  # heard from again: the saved address is no longer news
                 by_source.pop(AgentSource.SAVED, None)
             if not by_source:  # approved, but no source lists it now: keep where it was last
@@ -473,12 +496,13 @@ class FleetModel:
                                                         a.control_port, a.fleet_id)
             poll = self._polls.get(key)
             tags = self._tags_of(key, poll)
-            records[key] = merge_record(key, by_source, own_fleet_id=self.fleet_id,
-                                        approved=key in self._approvals, poll=poll, news=self._news.get(key),
-                                        tags=tags.effective, tags_set_by=tags.set_by)
-        if records == self._records:
+            record = merge_record(key, by_source, own_fleet_id=self.fleet_id, approved=key in self._approvals,
+                                  poll=poll, news=self._news.get(key), tags=tags.effective, tags_set_by=tags.set_by)
+            if self._records.get(key) != record:
+                self._records[key] = record
+                changed = True
+        if not changed:
             return
-        self._records = records
         snapshot = self.records()
         for listener in list(self._listeners):
             try:

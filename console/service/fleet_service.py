@@ -54,6 +54,7 @@ from console.service.placement_store import (
     PlacementStore,
 )
 from console.service.placing import async_new_placement, async_solve_again, checked_tags
+from console.service.records_feed import RecordsPublisher
 from console.service.served_rings import ServedRing, ServedRings, check_ring_id, next_ring_id
 from console.service.service_events import EventFeed, Jobs
 from console.service.service_ring import (
@@ -119,7 +120,9 @@ class FleetService:
         self.library = ModelLibrary(settings.state_dir)
         self.router = Router()
         self.tokenizers: dict[str, ChatTokenizer] = {}
-        self.feed = EventFeed(self._snapshot)
+        self.feed = EventFeed(self._snapshot, latest_only=("records",))
+        self.records_feed = RecordsPublisher(lambda: self.fleet.records() if self.fleet is not None else (),
+                                             lambda agents: self.feed.publish("records", {"agents": agents}))
         self.jobs = Jobs(self.feed)
         self.rings: dict[str, ServiceRing] = {}
         self.placements: PlacementStore | None = None
@@ -187,6 +190,7 @@ class FleetService:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks.clear()
+        self.records_feed.cancel()
         await self.jobs.async_close()
         for ring in list(self.rings.values()):
             with contextlib.suppress(Exception):
@@ -247,7 +251,7 @@ class FleetService:
     # ---- news ------------------------------------------------------------------------------------
 
     def _on_records(self, records: tuple[AgentRecord, ...]) -> None:
-        self.feed.publish("records", {"agents": [agent_json(r) for r in records]})
+        self.records_feed.on_records(records)  # throttled: console.service.records_feed
 
     def _on_hub_event(self, event: AgentEvent) -> None:
         self.feed.publish("hub", {"node_id": event.node_id, "event": event.event, "body": event.body})
@@ -267,7 +271,7 @@ class FleetService:
     def _snapshot(self) -> list[tuple[str, dict[str, Any]]]:
         out: list[tuple[str, dict[str, Any]]] = []
         if self.fleet is not None:
-            out.append(("records", {"agents": [agent_json(r) for r in self.fleet.records()]}))
+            out.append(("records", {"agents": self.records_feed.cache.dump(self.fleet.records())}))
         out.append(("token", {"token": self.token}))
         out += [("ring", {"ring": r.to_json()}) for r in self.rings.values()]
         out.append(("health", self.health_json()))
@@ -320,7 +324,7 @@ class FleetService:
         return data
 
     def agents(self) -> list[dict[str, Any]]:
-        return [agent_json(r) for r in self.fleet.records()]
+        return self.records_feed.cache.dump(self.fleet.records())
 
     def approve(self, key: str) -> dict[str, Any]:
         record = self.fleet.approve(key)

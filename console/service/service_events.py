@@ -15,7 +15,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Collection, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,10 +57,14 @@ class EventFeed:
     ``snapshot()`` gives (kind, data) pairs for the current state, sent to a client starting out."""
 
     def __init__(self, snapshot: Callable[[], Sequence[tuple[str, dict[str, Any]]]] = tuple,
-                 keep: int = KEEP_EVENTS) -> None:
+                 keep: int = KEEP_EVENTS, *, latest_only: Collection[str] = ()) -> None:
         self._snapshot = snapshot
         self._events: collections.deque[Event] = collections.deque(maxlen=keep)
         self._seq = 1  # a snapshot answers next >= 1, so "after=0" only ever means a client starting out
+        # kinds whose every event is the whole state (the agents' records): only the newest is kept, so
+        # a thousand of them (~1.5 MB each at 1,000 agents) never fill the memory or push others out
+        self._latest_only = frozenset(latest_only)
+        self._evicted = 0  # the newest seq pushed out by ``keep``: a client that saw less must reset
         self._changed = asyncio.Event()
 
     @property
@@ -70,6 +74,12 @@ class EventFeed:
     def publish(self, kind: str, data: dict[str, Any]) -> Event:
         self._seq += 1
         event = Event(self._seq, time.time(), kind, data)
+        if kind in self._latest_only:
+            superseded = [e for e in self._events if e.kind == kind]
+            for old in superseded:
+                self._events.remove(old)
+        if len(self._events) == self._events.maxlen:
+            self._evicted = self._events[0].seq
         self._events.append(event)
         self._changed.set()
         self._changed = asyncio.Event()  # the next waiters wait for the next event
@@ -77,7 +87,7 @@ class EventFeed:
 
     def since(self, after: int) -> Poll:
         """What a client that saw ``after`` gets now (without waiting)."""
-        oldest = self._events[0].seq if self._events else self._seq + 1
+        oldest = self._evicted + 1 if self._events or self._evicted else self._seq + 1
         if after <= 0 or after > self._seq or after < oldest - 1:
             reset = after > 0
             snap = tuple(Event(self._seq, time.time(), kind, data) for kind, data in self._snapshot())

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 import time
 from collections.abc import Callable
 from typing import Any
@@ -53,11 +54,12 @@ class ControlClient:
     agent that must answer there (None: any agent; ``peer_node_id`` then says which did)."""
 
     def __init__(self, credentials: Credentials, host: str, port: int, *, timeout: float = 10.0,
-                 node_id: str | None = None) -> None:
+                 node_id: str | None = None, ssl_context: ssl.SSLContext | None = None) -> None:
         self.base = f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}"
         self.node_id = node_id
         self.peer_node_id: str | None = None  # the certificate's node id on the last connection
-        self._ssl = credentials.client_context()
+        # ``ssl_context``: ``credentials.client_context()`` made once by a caller that makes many clients
+        self._ssl = ssl_context or credentials.client_context()
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._check = expect_peer(Role.AGENT, node_id, what=f"the agent at {self.base}")
 
