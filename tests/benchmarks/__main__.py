@@ -21,6 +21,7 @@ PROG = "python -m tests.benchmarks"
 BENCHMARKS = {
     "agent": "tests.benchmarks.agent",
     "batching": "tests.benchmarks.batching",
+    "console-fleet": "tests.benchmarks.console_fleet",
     "export-memory": "tests.benchmarks.export_memory",
     "failover": "tests.benchmarks.failover",
     "gguf-keep": "tests.benchmarks.gguf_keep",

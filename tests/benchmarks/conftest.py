@@ -13,6 +13,7 @@ HERE = Path(__file__).parent
 # test module -> its tests that run a benchmark for real ("*": every test of the module).
 SLOW = {
     "test_bench_batching": {"test_a_toy_run_with_every_variant_and_the_rings"},  # worker processes
+    "test_bench_console_fleet": {"test_a_tiny_run_under_xvfb_records_json_section_and_a_screenshot"},  # processes
     "test_bench_export_memory": {"test_the_checkpoint_is_hf_shards_with_an_index_that_reads_back",
                                  "test_a_real_export_stays_within_the_issue_bound"},
     "test_bench_gguf_keep": "*",  # every test reads the one real run of four exports
