@@ -53,9 +53,17 @@ def run_tray(args: argparse.Namespace) -> int:
         print(NO_TRAY_WARNING, file=sys.stderr, flush=True)
         log.warning("no system tray available; running without an icon")
 
+    from agent.service.join_file import default_path as join_file_path
+
+    def joined_from_file(outcome: str) -> None:
+        if outcome != "joined":
+            tray.open_join_dialog()  # the installer's token did not work (logged): ask the person
+
     def started() -> None:
         if getattr(args, "join", None) and not service.joined:
             bridge.join(args.console, args.join)
+        elif not service.joined and join_file_path(state_dir).exists():  # a silent install's token
+            bridge.join_from_file(join_file_path(state_dir), args.console, on_result=joined_from_file)
         elif not service.joined:
             tray.open_join_dialog()  # first run (or after leaving): the only question is the token
 

@@ -14,6 +14,7 @@ import asyncio
 import concurrent.futures
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from PySide6.QtCore import QObject, QTimer, Signal
@@ -187,6 +188,14 @@ class AgentBridge(QObject):
         self._call(self.service.async_join((console or "").strip() or None, token.strip(),
                                            timeout=JOIN_TIMEOUT_S - 2),
                    JOIN_TIMEOUT_S, "joining the fleet", on_result, on_error)
+
+    def join_from_file(self, path: Path, console: str | None, on_result: OnResult = None) -> None:
+        """One join with the token file of a silent install (agent.service.join_file); ``on_result``
+        gets the outcome ("joined", "refused:<reason>", "unreachable", ...)."""
+        from agent.service.join_file import async_join_from_file
+
+        self._call(async_join_from_file(self.service, path, console=console, timeout=JOIN_TIMEOUT_S - 2),
+                   JOIN_TIMEOUT_S, "joining with the installer's token", on_result)
 
     def find_consoles(self, on_result: OnResult = None, on_error: OnError = None) -> None:
         """The consoles advertising on the network (a tuple of ConsoleAdvertisement), after a few seconds."""

@@ -144,3 +144,22 @@ def test_the_headless_agent_joins_at_start_from_its_join_file_and_is_auto_approv
                     await proc.wait()
 
     run(main(), 180)
+
+
+def test_the_tray_joins_with_the_installers_token_file_in_its_state_dir(tmp_path, start_tray, qtbot):
+    """The Windows installer's path (``/TOKEN=`` writes ``join-token`` in the agent's state dir): the
+    tray's bridge joins with it and the file is gone; the same call with nothing to join says so."""
+    from agent.service.join_file import default_path
+    from tests.support.agent_helpers import console
+    from tests.support.asyncutil import held
+
+    with held(lambda: console(tmp_path / "console")) as con:
+        tray = start_tray()
+        path = _token_file(default_path(tray.bridge.service.state_dir), f"{con.token()}\nconsole={con.enrollment}\n")
+        outcomes: list[str] = []
+        tray.bridge.join_from_file(path, None, on_result=outcomes.append)
+        qtbot.waitUntil(lambda: len(outcomes) == 1, timeout=30_000)
+        assert outcomes == ["joined"] and not path.exists() and tray.bridge.service.joined
+        tray.bridge.join_from_file(path, None, on_result=outcomes.append)
+        qtbot.waitUntil(lambda: len(outcomes) == 2, timeout=10_000)
+        assert outcomes[1] == "already_joined"
