@@ -51,7 +51,7 @@ def reported_tags(value: Any) -> tuple[str, ...]:
     since an older or odd agent must not make its status unreadable."""
     if not isinstance(value, list | tuple):
         return ()
-    valid = []
+    valid: list[str] = []
     for v in value:
         try:
             valid += parse_tags([v])
