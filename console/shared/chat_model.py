@@ -205,8 +205,10 @@ class ChatModel:
                 self.new_conversation()
 
     def select(self, conversation_id: str) -> None:
-        self.get(conversation_id)
+        conversation = self.get(conversation_id)
         self.current_id = conversation_id
+        if conversation.model in self.models:
+            self.model_name = conversation.model
         self._emit(ChatEvent("selected", conversation_id))
 
     def set_models(self, models: Sequence[str]) -> None:

@@ -34,7 +34,6 @@ from PySide6.QtWidgets import (
     QHBoxLayout,
     QInputDialog,
     QLabel,
-    QLineEdit,
     QListWidget,
     QListWidgetItem,
     QMessageBox,
@@ -46,6 +45,7 @@ from PySide6.QtWidgets import (
 )
 
 from console.shared import fleet_line, markdown
+from console.shared.chat_input import QtChatInput
 from console.shared.chat_model import (
     DONE,
     FAILED,
@@ -177,8 +177,8 @@ class QtChatWindow(QWidget):
         self._health_timer = QTimer(self, interval=int(HEALTH_EVERY_S * 1000))
         self._health_timer.timeout.connect(self.check_fleet)
 
-        self.input = QLineEdit()
-        self.input.setPlaceholderText("Ask the fleet…  (Enter sends)")
+        self.input = QtChatInput()
+        self.input.setPlaceholderText("Ask the fleet…  (Enter sends, Shift+Enter starts a new line)")
         self.input.returnPressed.connect(self.send)
         self.send_button = QPushButton("Send")
         self.send_button.setDefault(True)
@@ -416,6 +416,7 @@ class QtChatWindow(QWidget):
             self._fill_list()
         elif event.kind == "selected":
             self._select_item(event.conversation_id)
+            self._fill_models()  # a chat reopens on the model that answered it, while it is served
             self._render()
         elif event.kind == "models":
             self._fill_models()

@@ -88,7 +88,36 @@ def test_the_model_picker_appears_for_several_models_and_picks_the_one_asked(qtb
             ask(qtbot, window, "Who are you?")
             assert window.model.current.messages[-1].content == "I am beta."
             assert len(beta.requests) == 1 and alpha.requests == []
-            assert window.model.current.model == "beta"
+            first = window.model.current
+            assert first.model == "beta"
+            window.model.new_conversation()
+            window.model_choice.setCurrentText("alpha")
+            ask(qtbot, window, "And you?")
+            assert window.model.current.messages[-1].content == "I am alpha."
+            window.model.select(first.id)  # a chat reopens on the model that answered it
+            assert window.model_choice.currentText() == "beta" and window.model.model_name == "beta"
+        finally:
+            window.close()
+
+
+def test_enter_sends_and_shift_enter_starts_a_new_line(qtbot):
+    from PySide6.QtCore import Qt
+
+    generator = CannedGenerator("Got it.")
+    with chat_api(fake=generator) as url:
+        window = open_window(qtbot, url)
+        try:
+            window.input.setFocus()
+            qtbot.keyClicks(window.input, "first line")
+            qtbot.keyClick(window.input, Qt.Key.Key_Return, Qt.KeyboardModifier.ShiftModifier)
+            qtbot.keyClicks(window.input, "second line")
+            assert window.input.text() == "first line\nsecond line" and not window.streaming
+            qtbot.keyClick(window.input, Qt.Key.Key_Return)
+            qtbot.waitUntil(lambda: not window.streaming and window.model.current.messages[-1].state == DONE,
+                            timeout=WAIT_MS)
+            assert window.model.current.messages[0].content == "first line\nsecond line"
+            assert window.input.text() == ""
+            assert "first line\nsecond line" in window.transcript.toPlainText()  # the user's lines kept
         finally:
             window.close()
 
