@@ -419,3 +419,8 @@ def test_the_fleet_page_approves_pauses_resumes_and_removes_every_selected_agent
         assert names[0] in drive.fleet_rows() and page.message.text() == "Removed 2 of 2 agent(s)."
         assert not {r.name for r in service.service.fleet.records()} & set(names[1:])
         assert len(service.service.fleet.deny) == 2  # revoked, not just forgotten
+
+        from console.tokens_dialog import QtTokensDialog
+        page.tokens_button.click()  # the reusable join tokens, in a dialog of their own
+        assert isinstance(page.tokens_dialog, QtTokensDialog) and page.tokens_dialog.isVisible()
+        page.tokens_dialog.close()
