@@ -38,11 +38,12 @@ def run_tray(args: argparse.Namespace) -> int:
     app.setQuitOnLastWindowClosed(False)
     app.setApplicationName("Deskfleet")
 
-    from agent.cli import command_line_tags
+    from engine.control.tags import tags_from_text
 
+    tags = None if getattr(args, "tags", None) is None else tags_from_text(args.tags, "--tags")  # as agent.cli's
     state_dir, settings = resolve_settings(args.state_dir, interface=args.interface, control_port=args.control_port,
                                            data_port=args.data_port, seeds=args.seed, kv_pool_mb=args.kv_pool_mb,
-                                           tags=command_line_tags(args))
+                                           tags=tags)
     service = AgentService(state_dir, settings, idle_source=default_idle_source())
     bridge = AgentBridge(service)
     tray = QtAgentTray(bridge, login_command(state_dir, default_state_dir()), parent=app)
