@@ -30,6 +30,7 @@ BENCHMARKS = {
     "parity": "tests.benchmarks.parity",
     "pipeline": "tests.benchmarks.pipeline",
     "placement": "tests.benchmarks.placement",
+    "placement-scale": "tests.benchmarks.placement_scale",
     "ring-model": "tests.benchmarks.ring_model",
     "rings": "tests.benchmarks.rings",
     "shape-caches": "tests.benchmarks.shape_caches",
