@@ -51,7 +51,7 @@ log = logging.getLogger("deskfleet.console")
 
 BUSIEST = 12  # agents with sparklines (of a fleet of any size)
 RING_COLUMNS = ("Ring", "Model", "Phase", "Stages", "Tokens/s", "Streams")
-LOAD_COLUMNS = ("Agent", "State", f"CPU (last {HISTORY_S / 60:.0f} min)", "CPU now",
+LOAD_COLUMNS = ("Agent", "State", f"CPU (last {HISTORY_S / 60:.0f} min)",
                 f"Memory used (last {HISTORY_S / 60:.0f} min)", "Memory now")
 GB = 1 << 30
 
@@ -169,12 +169,12 @@ class QtDashboardPage(QWidget):
         for i, tile in enumerate((self.models_tile, self.requests_tile, self.rate_tile, self.failovers_tile)):
             tiles.addWidget(tile, 0, i)
         self.rings_table = _table(RING_COLUMNS)
-        self.rings_table.horizontalHeader().setStretchLastSection(True)
+        self.rings_table.horizontalHeader().setSectionResizeMode(1, QHeaderView.ResizeMode.Stretch)
         self.rings_table.setMaximumHeight(150)
         self.load_title = QLabel(f"Busiest agents (CPU and memory over the last {HISTORY_S / 60:.0f} minutes)")
         self.load_table = _table(LOAD_COLUMNS)
         header = self.load_table.horizontalHeader()
-        for column in (2, 4):
+        for column in (2, 3):
             header.setSectionResizeMode(column, QHeaderView.ResizeMode.Stretch)
         box = QVBoxLayout(self)
         top = QHBoxLayout()
@@ -266,21 +266,19 @@ class QtDashboardPage(QWidget):
         table = self.load_table
         table.setRowCount(len(keys))
         for row, key in enumerate(keys):
-            record, latest = records[key], self.history.latest(key)
+            record = records[key]
             cpu = table.cellWidget(row, 2)
             if cpu is None:
                 cpu = QtSparkline(100.0, "#1a73e8")
                 table.setCellWidget(row, 2, cpu)
-                table.setCellWidget(row, 4, QtSparkline(1.0, "#a142f4", lambda v: f"{100 * v:.0f} %"))
+                table.setCellWidget(row, 3, QtSparkline(1.0, "#a142f4", lambda v: f"{100 * v:.0f} %"))
             cpu.set_values(self.history.cpu(key))
-            table.cellWidget(row, 4).set_values(self.history.memory(key))
+            table.cellWidget(row, 3).set_values(self.history.memory(key))
             used = record.status.memory_used_bytes if record.status is not None else None
             total = record.status.inventory.get("ram_total") if record.status is not None else None
             memory = (f"{used / GB:.1f} of {total / GB:.1f} GB" if isinstance(used, int) and isinstance(total, int)
                       else "—")
-            cells = {0: record.name, 1: dashboard_state(record),
-                     3: "—" if latest is None or latest.cpu_percent is None else f"{latest.cpu_percent:.0f} %",
-                     5: memory}
+            cells = {0: record.name, 1: dashboard_state(record), 4: memory}
             for column, text in cells.items():
                 table.setItem(row, column, QTableWidgetItem(text))
             table.setRowHeight(row, 30)

@@ -1,13 +1,18 @@
 """The Distribution page: bring the current plan up on the fleet. Distribute exports (or reuses)
 the model with the plan's split, sends every agent its stage with a progress bar each, starts
 the ring and shows its health; after a failure, Re-run resumes (verified shards are not sent
-again); Stop takes the ring down.
+again); Stop takes the ring down. Under the table the ring is drawn live
+(:mod:`console.ring_diagram`): every stage's box with the agent's state and, once the ring
+serves, the coordinator's measured ms per stage beside the prediction; the slowest in red.
 
 A thin view over :class:`console.service_serving.ServiceServing`'s signals.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+from PySide6.QtCore import Qt
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QHBoxLayout,
@@ -15,13 +20,16 @@ from PySide6.QtWidgets import (
     QLabel,
     QProgressBar,
     QPushButton,
+    QSplitter,
     QTableWidget,
     QTableWidgetItem,
     QVBoxLayout,
     QWidget,
 )
 
-from console.service.console_session import PLAN, ConsoleSession
+from console.ring_diagram import QtRingDiagram, RingDiagram, measured_from_metrics
+from console.service.agent_record import AgentRecord
+from console.service.console_session import PLAN, SERVING, ConsoleSession
 from console.service.export_job import ExportEvent, ExportFinished, ExportProgress
 from console.service.ring_layout import AgentProgress, RingHealth
 from console.service_serving import ServiceServing
@@ -35,13 +43,16 @@ class QtDistributionPage(QWidget):
         self.serving = serving
         self.session = session
         self.rows: dict[tuple[str, int], int] = {}  # (agent, stage) -> table row
+        self.measured: dict[int, float] = {}  # stage -> the last measured ms of the ring serving now
         self._build()
         serving.export_event.connect(self._on_export)
         serving.progress.connect(self._on_progress)
         serving.health.connect(self._on_health)
         serving.failed.connect(self._on_failed)
-        serving.phase_changed.connect(lambda _: self._update_buttons())
-        session.subscribe(lambda what: self._update_buttons() if what == PLAN else None)
+        serving.phase_changed.connect(self._on_phase)
+        serving.metrics.connect(self._on_metrics)
+        serving.bridge.records_changed.connect(lambda _: self._draw_ring())
+        session.subscribe(self._on_session)
 
     def _build(self) -> None:
         self.plan_label = QLabel()
@@ -80,10 +91,20 @@ class QtDistributionPage(QWidget):
         box.addWidget(self.plan_label)
         box.addLayout(buttons)
         box.addLayout(export)
-        box.addWidget(self.table, 1)
+        self.ring = QtRingDiagram()
+        self.ring.setMinimumHeight(300)
+        split = QSplitter(Qt.Orientation.Vertical)
+        split.addWidget(self.table)
+        split.addWidget(self.ring)
+        self.table.setMinimumHeight(96)
+        split.setStretchFactor(0, 1)
+        split.setStretchFactor(1, 2)
+        split.setChildrenCollapsible(False)
+        box.addWidget(split, 1)
         box.addWidget(self.health_label)
         box.addWidget(self.error_label)
         self._update_buttons()
+        self._draw_ring()
 
     def distribute(self) -> None:
         if self.session.plan is None:
@@ -131,6 +152,41 @@ class QtDistributionPage(QWidget):
         self.health_label.setText("Ring: not running.")
         self.error_label.setText(message)
 
+    def _on_session(self, what: str) -> None:
+        if what in (PLAN, SERVING):
+            if what == PLAN:
+                self._update_buttons()
+            self._draw_ring()
+
+    def _on_phase(self, phase: str) -> None:
+        if phase in ("exporting", "distributing", "idle"):
+            self.measured.clear()  # a new ring: the last one's measurements are not this one's
+        self._update_buttons()
+        self._draw_ring()
+
+    def _on_metrics(self, metrics: Mapping[str, float]) -> None:
+        plan = self._ring_plan()
+        if plan is not None:
+            self.measured.update(measured_from_metrics(metrics, len(plan.stages)))
+            self._draw_ring()
+
+    def _ring_plan(self):
+        """The plan drawn: the ring's while one serves (or failed), else the session's."""
+        serving = self.session.serving
+        if serving is not None and self.serving.phase in ("serving", "failed", "stopping"):
+            return serving.plan
+        return self.session.plan
+
+    def _draw_ring(self) -> None:
+        plan = self._ring_plan()
+        if plan is None:
+            self.ring.set_diagram(None, "No plan to draw: place the model on the Placement page first.")
+            return
+        records = {r.node_id: r for r in self.serving.bridge.records if r.node_id}
+        states = {s.pc_id: stage_state(records.get(s.pc_id), self.serving.phase) for s in plan.stages}
+        names = {pc: (records[pc].name if pc in records else self.session.name(pc)) for pc in states}
+        self.ring.set_diagram(RingDiagram.from_plan(plan, names, states=states, measured_ms=self.measured))
+
     def _update_buttons(self) -> None:
         phase, plan = self.serving.phase, self.session.plan
         busy = phase in ("exporting", "distributing", "stopping")
@@ -144,3 +200,15 @@ class QtDistributionPage(QWidget):
         self.rerun_button.setEnabled(self.serving.can_rerun)
         self.cancel_button.setEnabled(phase == "exporting")
         self.stop_button.setEnabled(phase in ("serving", "failed"))
+
+
+def stage_state(record: AgentRecord | None, phase: str) -> str:
+    """What a stage's box says of its agent: "unreachable" when the service's last poll failed, the
+    agent's own state while the ring is up or coming up, else "planned"."""
+    if record is None:
+        return "unreachable" if phase == "serving" else "planned"
+    if record.reachable is False:
+        return "unreachable"
+    if phase == "idle" and record.state not in ("paused", "error"):
+        return "planned"
+    return record.state

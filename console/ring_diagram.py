@@ -153,7 +153,10 @@ class RingDiagram:
             where = f"stage {b.index} on {self.stages[b.index].name}"
         else:
             where = f"hop {names[b.index]} → {names[(b.index + 1) % len(names)]}"
-        basis = "measured" if b.kind == "stage" and self.stages[b.index].measured_ms is not None else "predicted"
+        if b.kind == "hop":
+            basis = "link probe"
+        else:
+            basis = "measured" if self.stages[b.index].measured_ms is not None else "predicted"
         return (f"{len(self.stages)} stage(s), {self.per_token_ms:.2f} ms per token predicted "
                 f"({self.tok_s:.1f} tok/s for one stream); bottleneck ({basis}): {where}, {b.ms:.2f} ms")
 

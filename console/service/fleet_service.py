@@ -44,6 +44,8 @@ from console.service.errors import ConsoleError
 from console.service.export_catalog import ExportSpec
 from console.service.export_job import ExportEvent
 from console.service.failover import FailoverSettings
+from console.service.failover_tally import FILE as FAILOVERS_FILE
+from console.service.failover_tally import FailoverTally
 from console.service.fleet import FleetModel
 from console.service.join_tokens import TokenDesk
 from console.service.links import async_measure_links
@@ -138,6 +140,7 @@ class FleetService:
         self._tasks: list[asyncio.Task] = []
         self._auto: dict[str, tuple[int, float]] = {}  # ring -> (attempts, next monotonic time) to re-form it
         self._last_health: Any = None
+        self.failovers = FailoverTally(settings.state_dir / FAILOVERS_FILE)  # the Dashboard's "failovers today"
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -266,7 +269,7 @@ class FleetService:
             if ring.in_router and ring.dist is not None:
                 with contextlib.suppress(ConsoleError):
                     out[ring_id] = ring.dist.coordinator.metrics()
-        return {"rings": out}
+        return {"rings": out, "failovers_today": self.failovers.observe(out)}
 
     def _snapshot(self) -> list[tuple[str, dict[str, Any]]]:
         out: list[tuple[str, dict[str, Any]]] = []

@@ -68,7 +68,7 @@ def test_measured_ms_move_the_bottleneck():
 def test_a_slow_hop_is_the_bottleneck_and_a_tie_goes_to_the_stage():
     d = RingDiagram.from_plan(a_plan(hops=(0.4, 12.0, 0.5, 0.3)), NAMES)
     assert (d.bottleneck.kind, d.bottleneck.index, d.bottleneck.ms) == ("hop", 1, 12.0)
-    assert "hop pc-a → pc-b, 12.00 ms" in d.summary()
+    assert "bottleneck (link probe): hop pc-a → pc-b, 12.00 ms" in d.summary()
     last = RingDiagram.from_plan(a_plan(hops=(0.4, 0.6, 0.5, 12.0)), NAMES)
     assert "hop pc-c → console" in last.summary()
     tie = RingDiagram.from_plan(a_plan(hops=(0.4, 7.5, 0.5, 0.3)), NAMES)
