@@ -15,6 +15,7 @@ import pytest
 from console.service.admin_shapes import plan_from_json, plan_json
 from engine.errors import PlacementTimeout
 from engine.placement.counts import layer_sizes, solve_counts
+from engine.placement.fleet import time_stages
 from engine.placement.planner import (
     PlacementInputError,
     PlacementRequest,
@@ -23,7 +24,7 @@ from engine.placement.planner import (
     plan_quality,
     solve,
 )
-from engine.placement.search import Search, admissible, latency_ms, split_in_order
+from engine.placement.search import Search, admissible, best_cycle, latency_ms, least_latency, split_in_order
 from tests.placement.office_fleet import office_fleet
 from tests.placement.test_placement import REL, brute_force, check_plan, random_fleet
 
@@ -144,3 +145,17 @@ def test_the_gap_travels_in_the_admin_json_and_the_summary() -> None:
     del body["gap"]  # a service from before the gap
     assert plan_from_json(body).gap is None
     assert math.isfinite(plan.per_token_ms)
+
+
+def test_a_throughput_search_cut_short_reports_a_sound_gap() -> None:
+    """The bisection stopped before its first probe: the unconstrained plan comes back, not
+    optimal, with a gap whose bound (latency bound / N) is below the true least cycle."""
+    fleet = office_fleet(5, 7, layer_gb=3.0)
+    req = PlacementRequest(objective="throughput", n_streams=4)
+    f, _ = _prepare(req, fleet.model, fleet.pcs, fleet.devices, fleet.links)
+    top = least_latency(f, Search(None, 1, 4, 60, time.monotonic() + 60, False))
+    expired = Search(None, 1, 4, 60, time.monotonic() - 1, False)
+    timing = best_cycle(f, expired, time_stages(f, top.stages, 4, top.optimal), top.bound_ms)
+    best = brute_force(req, fleet)["throughput"]["cycle"]
+    assert not timing.optimal and 0.0 < timing.gap < 1.0
+    assert timing.cycle_ms * (1 - timing.gap) <= best * (1 + 1e-9) < timing.cycle_ms
