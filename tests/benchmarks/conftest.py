@@ -16,6 +16,7 @@ SLOW = {
     "test_bench_console_fleet": {"test_a_tiny_run_under_xvfb_records_json_section_and_a_screenshot"},  # processes
     "test_bench_export_memory": {"test_the_checkpoint_is_hf_shards_with_an_index_that_reads_back",
                                  "test_a_real_export_stays_within_the_issue_bound"},
+    "test_bench_fleet_scale": "*",  # a service process and a worker of simulated agents
     "test_bench_gguf_keep": "*",  # every test reads the one real run of four exports
     "test_bench_parity": {"test_parity_runs_every_variant_and_records_json_and_table"},
     "test_bench_rings": {"test_a_toy_run_records_json_and_section"},  # worker processes, serve restarted

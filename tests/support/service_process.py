@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import sys
 import time
@@ -19,19 +20,23 @@ class ServiceProcess:
     """``deskfleet fleet`` on a state dir with fixed loopback ports (as a real install has);
     ``admin_port`` -1: no admin port over TLS, only the local socket."""
 
-    def __init__(self, state: Path, log: Path, *, admin_port: int = -1) -> None:
+    def __init__(self, state: Path, log: Path, *, admin_port: int = -1, python_args: tuple[str, ...] = (),
+                 code: Path | None = None) -> None:
         self.state, self.log = state, log
+        self.python_args = python_args  # before ``-m engine.cli.main``: e.g. ("-m", "cProfile", "-o", PATH)
+        self.code = code  # another source tree to run the service from (a benchmark's baseline)
         self.ports = {"--api-port": free_port(), "--enrollment-port": free_port(), "--hub-port": free_port(),
                       "--data-port": free_port(), "--admin-port": admin_port}
         self.proc: asyncio.subprocess.Process | None = None
 
     async def start(self, timeout: float = 60.0) -> Admin:
-        args = [sys.executable, "-m", "engine.cli.main", "fleet", "--state-dir", str(self.state),
+        args = [sys.executable, *self.python_args, "-m", "engine.cli.main", "fleet", "--state-dir", str(self.state),
                 "--interface", "127.0.0.1", "--threads", "1", "--exact"]
         for flag, port in self.ports.items():
             args += [flag, str(port)]
         with self.log.open("ab") as out:
-            self.proc = await asyncio.create_subprocess_exec(*args, stdout=out, stderr=out,
+            env = None if self.code is None else {**os.environ, "PYTHONPATH": str(self.code)}
+            self.proc = await asyncio.create_subprocess_exec(*args, stdout=out, stderr=out, env=env, cwd=self.code,
                                                              stdin=asyncio.subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
         while True:

@@ -45,6 +45,7 @@ class SimStats:
     errors: list[str] = field(default_factory=list)
     token_s: float = 0.0  # issuing the join tokens through the admin API
     approve_s: float = 0.0  # approving every agent through the admin API
+    join_wall_s: float = 0.0  # from starting the workers to every agent joined and registered once
 
     @property
     def total_polls(self) -> int:
@@ -143,6 +144,7 @@ class SimFleet:
         self.stats.token_s = time.perf_counter() - start
         self.on_progress(f"{len(set(tokens))} join token(s) issued in {self.stats.token_s:.1f} s")
         names = self.names
+        start = time.perf_counter()
         for w in range(self.processes):
             mine = [(i, names[i], tokens[i]) for i in range(w, self.n, self.processes)]
             plan = {"enrollment": self.service["enrollment"], "hub": hub, "agents": mine, "register_s": self.register_s,
@@ -156,6 +158,7 @@ class SimFleet:
             worker.reader = asyncio.create_task(self._async_read(worker), name=f"sim-fleet-reader-{w}")
             self._workers.append(worker)
         await asyncio.gather(*(w.ready for w in self._workers))
+        self.stats.join_wall_s = time.perf_counter() - start
         if self.stats.join_failed:
             name, error = next(iter(self.stats.join_failed.items()))
             raise SimFleetError(f"{len(self.stats.join_failed)} of {self.n} simulated agents could not join; "
