@@ -80,8 +80,10 @@ def stage_package(root: Path, version: str, wheels: list[Path], arch: str, asset
     shutil.copy2(REPO / "README.md", root / "usr/share/doc/deskfleet/README.md")
     # the fleet service as a system unit (sudo systemctl enable --now deskfleet-fleet): off until enabled
     _write(root, f"/usr/lib/systemd/system/{FLEET_UNIT}", (REPO / "installer" / FLEET_UNIT).read_text(), 0o644)
-    _control_dir(root, {"postinst": deb.postinst(), "prerm": deb.prerm()},
+    _control_dir(root, {"config": deb.config_script(), "postinst": deb.postinst(), "prerm": deb.prerm(),
+                        "postrm": deb.postrm()},
                  deb.control(version, arch, _installed_kb(root)), deb.CONFFILES)
+    _write(root, "DEBIAN/templates", deb.templates(), 0o644)  # the silent install's debconf questions
 
 
 def stage_export_package(root: Path, version: str, wheels: list[Path], arch: str) -> None:

@@ -17,6 +17,15 @@ the tray agent and the console, an XDG autostart entry for the tray (same file n
 per-user one :mod:`agent.tray.autostart` writes, so the tray's "Start at login" can override it),
 and a systemd *user* unit for the headless agent (``systemctl --user enable --now
 deskfleet-agent``).
+
+Silent install (a software-distribution tool rolling the agent out): a debconf question of type
+``password``, ``deskfleet/join-token`` (and ``deskfleet/console``, the enrolment address, empty:
+found over mDNS), pre-seeded with ``debconf-set-selections`` before ``apt-get install``. postinst
+writes the token to ``/etc/deskfleet/join-token`` (0600, root's), clears it from debconf, and
+enables the *system* unit ``deskfleet-agent-system.service``: the headless agent, which joins with
+the file at start and removes it (:mod:`agent.service.join_file`). An admin may instead place
+that file before installing (any mode: postinst makes it root's 0600). The system agent runs as
+root because only root may read the token; its state is ``/var/lib/deskfleet-agent``.
 """
 
 from __future__ import annotations
@@ -29,12 +38,18 @@ UNIT_NAME = "deskfleet-agent.service"
 MAINTAINER = "Deskfleet maintainers <maintainers@deskfleet.invalid>"
 ICON_NAMES = ("deskfleet-agent", "deskfleet-console")
 EXPORT_WHEELS = f"{PREFIX}/export-wheels"
+JOIN_FILE = "/etc/deskfleet/join-token"
+SYSTEM_UNIT_NAME = "deskfleet-agent-system.service"
+SYSTEM_STATE = "/var/lib/deskfleet-agent"
+WRITE_TOKEN = f"{PREFIX}/lib/write-join-token.sh"
+DEBCONF_TOKEN = "deskfleet/join-token"
+DEBCONF_CONSOLE = "deskfleet/console"
 
 
 def control(version: str, arch: str, installed_kb: int) -> str:
     return (f"Package: deskfleet\nVersion: {version}\nArchitecture: {arch}\nMaintainer: {MAINTAINER}\n"
             f"Installed-Size: {installed_kb}\nSection: net\nPriority: optional\n"
-            "Depends: python3 (>= 3.11), python3-venv\n"
+            "Depends: python3 (>= 3.11), python3-venv, debconf (>= 0.5) | debconf-2.0\n"
             "Recommends: libxcb-cursor0, libxkbcommon-x11-0, libegl1\n"
             "Homepage: https://deskfleet.invalid\n"
             "Description: lend idle office PCs to an LLM inference fleet\n"
@@ -94,18 +109,115 @@ def wrapper() -> str:
     return f'#!/bin/sh\nexec {PREFIX}/venv/bin/deskfleet "$@"\n'
 
 
-def postinst() -> str:
+def templates() -> str:
+    """``DEBIAN/templates``: the silent install's debconf questions (see the module docstring)."""
+    return f"""Template: {DEBCONF_TOKEN}
+Type: password
+Description: Join token for this PC's Deskfleet agent:
+ The join token from the Deskfleet console ("deskfleet fleet tokens issue", or the
+ console's Join tokens dialog), e.g. one reusable token for a whole roll-out. It is
+ written to {JOIN_FILE}, readable by root only; the agent's system service joins
+ the fleet with it and then removes the file.
+ .
+ Leave it empty to join later from the tray ("Join a fleet...").
+
+Template: {DEBCONF_CONSOLE}
+Type: string
+Default:
+Description: Enrolment address of the Deskfleet console (host:port):
+ Where this PC redeems the join token, e.g. 10.0.0.5:7411 as the console shows it.
+ Leave it empty to find the console on the local network (mDNS).
+"""
+
+
+def config_script() -> str:
+    """``DEBIAN/config``: ask the questions (a pre-seeded answer is not asked again)."""
     return f"""#!/bin/sh
 set -e
-if [ "$1" = "configure" ]; then
-  {PREFIX}/lib/install-venv.sh {PREFIX}
-  if command -v update-desktop-database >/dev/null 2>&1; then
-    update-desktop-database -q /usr/share/applications || true
-  fi
-  if command -v gtk-update-icon-cache >/dev/null 2>&1; then
-    gtk-update-icon-cache -q -t /usr/share/icons/hicolor || true
+. /usr/share/debconf/confmodule
+db_input high {DEBCONF_TOKEN} || true
+db_input medium {DEBCONF_CONSOLE} || true
+db_go || true
+exit 0
+"""
+
+
+def write_token_script() -> str:
+    """``write-join-token.sh PATH [CONSOLE]``: the join token on standard input (never an argument:
+    every user may read a process's arguments) into PATH, 0600 from its first byte, replacing any
+    old file atomically; CONSOLE (host:port) goes in as ``console=``. Exit 2, nothing written, for
+    something that is not a token or an address."""
+    return """#!/bin/sh
+set -eu
+target="$1"
+console="${2:-}"
+token=""
+IFS= read -r token || true
+token=$(printf '%s' "$token" | tr -d ' \t\r')
+case "$token" in
+  DFJ1-*-*-*) ;;
+  *) echo "deskfleet: the join token given is not one (it starts DFJ1-); nothing written. Copy it from the console." >&2
+     exit 2 ;;
+esac
+if [ -n "$console" ]; then
+  bad=""
+  port=${console##*:}
+  host=${console%:*}
+  case "$console" in *[!]0-9A-Za-z.:%_[-]*) bad=1 ;; esac
+  case "$port" in ""|*[!0-9]*) bad=1 ;; esac
+  if [ -z "$host" ] || [ "$host" = "$console" ]; then bad=1; fi
+  if [ -n "$bad" ]; then
+    echo "deskfleet: the console address '$console' is not host:port (e.g. 10.0.0.5:7411); nothing written" >&2
+    exit 2
   fi
 fi
+dir=$(dirname "$target")
+umask 077
+mkdir -p "$dir"
+tmp=$(mktemp "$dir/.join-token.XXXXXX")
+{
+  printf '%s\n' "$token"
+  if [ -n "$console" ]; then printf 'console=%s\n' "$console"; fi
+} > "$tmp"
+chmod 0600 "$tmp"
+if [ "$(id -u)" = 0 ]; then chown 0:0 "$tmp"; fi
+mv -f "$tmp" "$target"
+"""
+
+
+def postinst() -> str:
+    # debconf's protocol runs over stdout: everything else this script prints goes to stderr.
+    return f"""#!/bin/sh
+set -e
+. /usr/share/debconf/confmodule
+if [ "$1" = "configure" ]; then
+  {PREFIX}/lib/install-venv.sh {PREFIX} >&2
+  if command -v update-desktop-database >/dev/null 2>&1; then
+    update-desktop-database -q /usr/share/applications >&2 || true
+  fi
+  if command -v gtk-update-icon-cache >/dev/null 2>&1; then
+    gtk-update-icon-cache -q -t /usr/share/icons/hicolor >&2 || true
+  fi
+  RET=""
+  db_get {DEBCONF_TOKEN} || RET=""
+  token="$RET"
+  if [ -n "$token" ]; then
+    RET=""
+    db_get {DEBCONF_CONSOLE} || RET=""
+    printf '%s\n' "$token" | {WRITE_TOKEN} {JOIN_FILE} "$RET" >&2
+    db_set {DEBCONF_TOKEN} "" || true  # kept in the root-only file only, not in debconf's database
+  fi
+  if [ -s {JOIN_FILE} ]; then  # from debconf, or placed there by the admin
+    chown 0:0 {JOIN_FILE}
+    chmod 0600 {JOIN_FILE}
+    if [ -d /run/systemd/system ]; then
+      systemctl daemon-reload >&2 || true
+      systemctl enable --now {SYSTEM_UNIT_NAME} >&2 || \
+        echo "deskfleet: could not start {SYSTEM_UNIT_NAME}; see journalctl -u {SYSTEM_UNIT_NAME}" >&2
+    fi
+  fi
+fi
+db_stop
 exit 0
 """
 
@@ -115,8 +227,29 @@ def prerm() -> str:
     return f"""#!/bin/sh
 set -e
 case "$1" in
-  remove|upgrade|deconfigure) rm -rf {PREFIX}/venv ;;
+  remove|upgrade|deconfigure)
+    if [ "$1" = "remove" ] && [ -d /run/systemd/system ]; then
+      systemctl disable --now {SYSTEM_UNIT_NAME} >/dev/null 2>&1 || true
+    fi
+    rm -rf {PREFIX}/venv ;;
 esac
+exit 0
+"""
+
+
+def postrm() -> str:
+    """Purge: the token file (if still there), the system agent's state and debconf's answers."""
+    return f"""#!/bin/sh
+set -e
+if [ "$1" = "purge" ]; then
+  rm -f {JOIN_FILE}
+  rmdir /etc/deskfleet 2>/dev/null || true
+  rm -rf {SYSTEM_STATE}
+  if [ -e /usr/share/debconf/confmodule ]; then
+    . /usr/share/debconf/confmodule
+    db_purge || true
+  fi
+fi
 exit 0
 """
 
@@ -183,6 +316,42 @@ WantedBy=default.target
 """
 
 
+def systemd_system_unit() -> str:
+    """The headless agent as a system service, for rolled-out PCs (enabled by postinst when a token
+    was given). Root: the token file is root's alone; the state dir is its own, the keys in a 0600
+    file keyring there (no user keyring under systemd)."""
+    return f"""[Unit]
+Description=Deskfleet agent (system service): joins with {JOIN_FILE}, lends this PC to the fleet while idle
+Documentation=file:///usr/share/doc/deskfleet/README.md
+Wants=network-online.target
+After=network-online.target
+
+[Service]
+Type=simple
+ExecStart={BIN} agent --headless --state-dir {SYSTEM_STATE} --join-file {JOIN_FILE}
+StateDirectory=deskfleet-agent
+StateDirectoryMode=0700
+Environment=HOME={SYSTEM_STATE} XDG_CACHE_HOME={SYSTEM_STATE}/cache DESKFLEET_KEYRING_DIR={SYSTEM_STATE}/keyring
+Restart=on-failure
+RestartSec=10
+KillMode=mixed
+TimeoutStopSec=60
+Nice=10
+UMask=0077
+NoNewPrivileges=yes
+ProtectSystem=strict
+ReadWritePaths=/etc/deskfleet
+ProtectHome=read-only
+PrivateTmp=yes
+ProtectKernelTunables=yes
+ProtectKernelModules=yes
+ProtectControlGroups=yes
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+
 def copyright_file() -> str:
     return ("Format: https://www.debian.org/doc/packaging-manuals/copyright-format/1.0/\n"
             "Upstream-Name: deskfleet\n\nFiles: *\nCopyright: Deskfleet authors\nLicense: Apache-2.0\n"
@@ -198,6 +367,8 @@ def data_files(version: str) -> dict[str, tuple[str, int]]:
         "/usr/share/applications/deskfleet-console.desktop": (console_entry(), 0o644),
         f"/etc/xdg/autostart/{DESKTOP_FILE}": (autostart_entry(), 0o644),
         f"/usr/lib/systemd/user/{UNIT_NAME}": (systemd_user_unit(), 0o644),
+        f"/usr/lib/systemd/system/{SYSTEM_UNIT_NAME}": (systemd_system_unit(), 0o644),
+        WRITE_TOKEN: (write_token_script(), 0o755),
         "/usr/share/doc/deskfleet/copyright": (copyright_file(), 0o644),
     }
 

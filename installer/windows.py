@@ -8,6 +8,15 @@ Deskfleet's wheels and every dependency's (``win_amd64``, fetched at build time)
 (``py -3.11``, else ``py -3``, else ``python``; offline first, the package index as a fallback),
 adds Start-menu shortcuts for the tray agent and the console, and, if ticked, the same Run-key
 value the tray's "Start at login" writes, so the tray shows it as on and can turn it off.
+
+Silent install with a join token (implemented; compiled and run only on Windows, not tested
+here): ``deskfleet-setup.exe /VERYSILENT /TOKENFILE=\\\\server\\share\\join-token`` (or
+``/TOKEN=DFJ1-...``, which other processes can read from the command line while the installer
+runs: prefer the file) and optionally ``/CONSOLE=host:port``. The token goes to ``join-token`` in
+the agent's state dir (``%LOCALAPPDATA%\\Deskfleet\\agent``, :func:`agent.service.join_file.default_path`),
+created empty, its ACL reduced (``icacls /inheritance:r``) to the installing user, SYSTEM and
+Administrators, then filled; a silent install with a token then starts the agent, which joins
+and removes the file. The installer is per user: a distribution tool runs it in the user's context.
 """
 
 from __future__ import annotations
@@ -15,6 +24,8 @@ from __future__ import annotations
 from agent.tray.autostart import RUN_KEY, RUN_VALUE_NAME
 from installer.packaging import STAGE_EXTRAS, requirement
 
+JOIN_DIR = "Deskfleet\\agent"  # under %LOCALAPPDATA%: engine.machine.this_pc.default_agent_dir on Windows
+JOIN_NAME = "join-token"  # agent.service.join_file.FILE_NAME
 APP_ID = "{{8C7D8B1E-5E0F-4F43-9F3B-4A3C0F1D2E71}"  # Inno's AppId; "{{" is a literal brace there
 PYTHONW = r"{app}\venv\Scripts\pythonw.exe"
 
@@ -85,17 +96,76 @@ Source: "deskfleet-console.ico"; DestDir: "{{app}}"; Flags: ignoreversion
 [Run]
 {_entry(Filename=f'"{PYTHONW}"', Parameters='"-m engine.cli.main agent"', Description='"Start the Deskfleet agent now"',
         Flags="nowait postinstall skipifsilent")}
+{_entry(Filename=f'"{PYTHONW}"', Parameters='"-m engine.cli.main agent"', Flags="nowait skipifnotsilent",
+        Check="JoinTokenGiven")}
 
 [UninstallDelete]
 Type: filesandordirs; Name: "{{app}}\\venv"
+Type: files; Name: "{{localappdata}}\\{JOIN_DIR}\\{JOIN_NAME}"
 
 [Code]
+var
+  TokenWritten: Boolean;
+
+function JoinTokenGiven(): Boolean;
+begin
+  Result := TokenWritten;
+end;
+
+{{ /TOKEN=... or the first line of /TOKENFILE=...: into the agent's join-token file, readable by
+  this user, SYSTEM and Administrators only (the ACL is set while the file is still empty). }}
+procedure WriteJoinToken();
+var
+  Token, TokenFile, Console, Dir, Target, Text: String;
+  Lines: TArrayOfString;
+  ResultCode: Integer;
+begin
+  Token := Trim(ExpandConstant('{{param:TOKEN|}}'));
+  TokenFile := ExpandConstant('{{param:TOKENFILE|}}');
+  Console := Trim(ExpandConstant('{{param:CONSOLE|}}'));
+  if (Token = '') and (TokenFile <> '') then
+  begin
+    if LoadStringsFromFile(TokenFile, Lines) and (GetArrayLength(Lines) > 0) then
+      Token := Trim(Lines[0])
+    else
+      Log('Deskfleet: cannot read the join token file ' + TokenFile);
+  end;
+  if Token = '' then
+    Exit;
+  if Pos('DFJ1-', Uppercase(Token)) <> 1 then
+  begin
+    Log('Deskfleet: the join token given does not start with DFJ1-; not written');
+    Exit;
+  end;
+  Dir := ExpandConstant('{{localappdata}}\\{JOIN_DIR}');
+  Target := Dir + '\\{JOIN_NAME}';
+  ForceDirectories(Dir);
+  if not SaveStringToFile(Target, '', False) then
+  begin
+    Log('Deskfleet: cannot create ' + Target);
+    Exit;
+  end;
+  if not Exec(ExpandConstant('{{sys}}\\icacls.exe'), '"' + Target + '" /inheritance:r /grant:r "'
+      + ExpandConstant('{{%USERDOMAIN}}\\{{%USERNAME}}') + '":F *S-1-5-18:F *S-1-5-32-544:F',
+      '', SW_HIDE, ewWaitUntilTerminated, ResultCode) or (ResultCode <> 0) then
+  begin
+    DeleteFile(Target);
+    Log('Deskfleet: could not restrict the ACL of ' + Target + ' (code ' + IntToStr(ResultCode) + '); not written');
+    Exit;
+  end;
+  Text := Token + #13#10;
+  if Console <> '' then
+    Text := Text + 'console=' + Console + #13#10;
+  TokenWritten := SaveStringToFile(Target, Text, False);
+end;
+
 procedure CurStepChanged(CurStep: TSetupStep);
 var
   ResultCode: Integer;
 begin
   if CurStep = ssPostInstall then
   begin
+    WriteJoinToken();
     WizardForm.StatusLabel.Caption := 'Installing Deskfleet''s Python environment (a few minutes)...';
     if not Exec(ExpandConstant('{{sys}}\\WindowsPowerShell\\v1.0\\powershell.exe'),
         '-NoProfile -ExecutionPolicy Bypass -File "' + ExpandConstant('{{app}}\\install-venv.ps1') + '"',

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import signal
 import struct
 import subprocess
@@ -63,6 +64,122 @@ def test_desktop_entries_unit_and_scripts(tmp_path):
         _sh_syntax_ok(text, tmp_path)
     assert "/opt/deskfleet/lib/install-venv.sh /opt/deskfleet" in deb.postinst()
     assert "rm -rf /opt/deskfleet/venv" in deb.prerm()
+
+
+def _debconf_stanzas(text: str) -> dict[str, dict[str, str]]:
+    """A templates file as {Template: {field: first line}}, parsed as debconf reads it (RFC 822 stanzas)."""
+    out = {}
+    for stanza in text.strip().split("\n\n"):
+        fields = {}
+        for line in stanza.splitlines():
+            if not line.startswith(" "):
+                key, _, value = line.partition(":")
+                fields[key] = value.strip()
+        out[fields["Template"]] = fields
+    return out
+
+
+def test_the_silent_install_files(tmp_path):
+    questions = _debconf_stanzas(deb.templates())
+    assert questions[deb.DEBCONF_TOKEN]["Type"] == "password"  # never echoed, kept with the passwords
+    assert questions[deb.DEBCONF_CONSOLE]["Type"] == "string" and questions[deb.DEBCONF_CONSOLE]["Default"] == ""
+    assert all(q["Description"] for q in questions.values())
+    assert "debconf (>= 0.5) | debconf-2.0" in deb.control(VERSION, "all", 1)
+    for text in (deb.config_script(), deb.postinst(), deb.prerm(), deb.postrm(), deb.write_token_script()):
+        _sh_syntax_ok(text, tmp_path)
+    assert f"db_input high {deb.DEBCONF_TOKEN}" in deb.config_script()
+    post = deb.postinst()
+    assert post.index(". /usr/share/debconf/confmodule") < post.index("install-venv.sh")  # before any output
+    assert f'"$token" | {deb.WRITE_TOKEN} {deb.JOIN_FILE}' in post  # on stdin (printf is built in), not an argument
+    assert f"systemctl enable --now {deb.SYSTEM_UNIT_NAME}" in post and "db_stop" in post
+    assert f"rm -f {deb.JOIN_FILE}" in deb.postrm() and "db_purge" in deb.postrm()
+
+    unit = _ini(deb.data_files(VERSION)[f"/usr/lib/systemd/system/{deb.SYSTEM_UNIT_NAME}"][0])
+    assert shlex.split(unit["Service"]["ExecStart"]) == [deb.BIN, "agent", "--headless", "--state-dir",
+                                                          deb.SYSTEM_STATE, "--join-file", deb.JOIN_FILE]
+    assert unit["Service"]["ReadWritePaths"] == "/etc/deskfleet"  # to remove the token once joined
+    assert unit["Install"]["WantedBy"] == "multi-user.target"
+
+    root = tmp_path / "root"
+    from installer.build_deb import stage_package
+
+    stage_package(root, VERSION, [], "all")
+    for name, mode in (("templates", 0o644), ("config", 0o755), ("postinst", 0o755), ("postrm", 0o755)):
+        assert (root / "DEBIAN" / name).stat().st_mode & 0o777 == mode, name
+    assert (root / "DEBIAN/templates").read_text() == deb.templates()
+    assert (root / deb.WRITE_TOKEN.lstrip("/")).stat().st_mode & 0o777 == 0o755
+    if shutil.which("dpkg-deb") is not None:  # dpkg-deb checks the control members' modes itself
+        info = subprocess.run(["dpkg-deb", "--info", str(dpkg_build(root, tmp_path))], capture_output=True,
+                              text=True, check=True).stdout
+        assert all(f" {name}" in info for name in ("config", "templates", "postinst", "postrm", "prerm")), info
+    if shutil.which("systemd-analyze") is not None:
+        exe = shutil.which("deskfleet") or sys.executable
+        local = tmp_path / deb.SYSTEM_UNIT_NAME
+        local.write_text(deb.systemd_system_unit().replace(deb.BIN, exe))
+        proc = subprocess.run(["systemd-analyze", "verify", str(local)], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.skipif(os.name != "posix", reason="runs the .deb's shell script")
+def test_the_token_is_written_root_only_and_what_is_not_a_token_is_refused(tmp_path):
+    script = tmp_path / "write-join-token.sh"
+    script.write_text(deb.write_token_script())
+    target = tmp_path / "etc" / "deskfleet" / "join-token"
+
+    def write(token: str, console: str = "") -> subprocess.CompletedProcess:
+        return subprocess.run(["sh", str(script), str(target), console], input=token, capture_output=True,
+                              text=True, timeout=30)
+
+    assert write("  DFJ1-abc-def-ghij \n", "10.0.0.5:7411").returncode == 0
+    assert target.read_text() == "DFJ1-abc-def-ghij\nconsole=10.0.0.5:7411\n"
+    assert target.stat().st_mode & 0o777 == 0o600
+    assert not [p for p in target.parent.iterdir() if p.name != "join-token"]  # no temporary file left
+    for token, console, words in (("hello\n", "", "not one"), ("DFJ1-a-b-c\n", "no-port", "host:port"),
+                                  ("DFJ1-a-b-c\n", "a b:1", "host:port"), ("DFJ1-a-b-c\n", "h:7x", "host:port")):
+        proc = write(token, console)
+        assert proc.returncode == 2 and words in proc.stderr, (token, console, proc.stderr)
+        assert target.read_text() == "DFJ1-abc-def-ghij\nconsole=10.0.0.5:7411\n"  # the old file untouched
+
+
+@pytest.mark.skipif(shutil.which("debconf-set-selections") is None
+                    or not Path("/usr/share/debconf/confmodule").exists(), reason="debconf is not installed here")
+def test_postinst_takes_the_preseeded_debconf_password_into_the_root_only_file(tmp_path):
+    """The real postinst under the real debconf (its own database in tmp_path, nothing of this
+    machine's touched): the pre-seeded token lands in the file, 0600, and is cleared from debconf.
+    The script's system paths are pointed into tmp_path (the venv build skipped, no systemd)."""
+    db = tmp_path / "debconf"
+    db.mkdir()
+    (db / "debconf.conf").write_text(f"Config: configdb\nTemplates: templatedb\n\nName: configdb\nDriver: File\n"
+                                     f"Filename: {db}/config.dat\n\nName: templatedb\nDriver: File\nMode: 644\n"
+                                     f"Filename: {db}/templates.dat\n")
+    join_file, writer = tmp_path / "etc" / "join-token", tmp_path / "write-join-token.sh"
+    writer.write_text(deb.write_token_script())
+    writer.chmod(0o755)
+    script = (deb.postinst().replace(deb.JOIN_FILE, str(join_file)).replace(deb.WRITE_TOKEN, str(writer))
+              .replace(f"{deb.PREFIX}/lib/install-venv.sh {deb.PREFIX}", "true")
+              .replace("/run/systemd/system", str(tmp_path / "no-systemd")))
+    postinst = db / "deskfleet.postinst"  # debconf loads deskfleet.templates beside it
+    postinst.write_text(script)
+    postinst.chmod(0o755)
+    (db / "deskfleet.templates").write_text(deb.templates())
+    env = {"PATH": os.environ["PATH"], "DEBCONF_SYSTEMRC": str(db / "debconf.conf"),
+           "DEBIAN_FRONTEND": "noninteractive"}
+    token = "DFJ1-" + "a" * 32 + "-" + "B" * 26 + "-CCCC"
+    selections = (f"deskfleet {deb.DEBCONF_TOKEN} password {token}\n"
+                  f"deskfleet {deb.DEBCONF_CONSOLE} string 10.0.0.5:7411\n")
+    subprocess.run(["debconf-set-selections"], input=selections, text=True, env=env, check=True, timeout=60)
+    proc = subprocess.run([str(postinst), "configure"], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert join_file.read_text() == f"{token}\nconsole=10.0.0.5:7411\n"
+    assert join_file.stat().st_mode & 0o777 == 0o600
+    stored = (db / "config.dat").read_text()
+    assert token not in stored and "deskfleet/join-token" in stored  # the file keeps it; debconf does not
+    # an admin's own file (any mode) is kept and made root's 0600 when no token was pre-seeded
+    join_file.write_text("DFJ1-placed-by-admin\n")
+    join_file.chmod(0o644)
+    proc = subprocess.run([str(postinst), "configure"], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert join_file.read_text() == "DFJ1-placed-by-admin\n" and join_file.stat().st_mode & 0o777 == 0o600
 
 
 _STUB_PYTHON = """#!/bin/sh
@@ -136,6 +253,15 @@ def test_windows_installer_files(tmp_path):
     for shortcut, args in (("Deskfleet agent", "agent"), ("Deskfleet console", "console")):
         line = next(x for x in iss.splitlines() if f"\\{shortcut}\"" in x)
         assert windows.PYTHONW in line and f'Parameters: "-m engine.cli.main {args}"' in line
+    silent = next(x for x in iss.splitlines() if "Check: JoinTokenGiven" in x)
+    assert "skipifnotsilent" in silent and windows.PYTHONW in silent  # a silent install with a token starts the agent
+    code = iss.split("[Code]", 1)[1]
+    for needle in ("{param:TOKEN|}", "{param:TOKENFILE|}", "{param:CONSOLE|}", "/inheritance:r",
+                   "*S-1-5-18:F", "*S-1-5-32-544:F", r"{localappdata}\Deskfleet\agent", r"'\join-token'"):
+        assert needle in code, needle
+    # the ACL is narrowed while the file is still empty, the token written after
+    assert code.index("SaveStringToFile(Target, '', False)") < code.index("icacls") < code.index(
+        "SaveStringToFile(Target, Text, False)")
     ps1 = windows.install_venv_ps1(VERSION)
     assert f'"deskfleet[gui]=={VERSION}"' in ps1 and "--no-index" in ps1 and "export" not in ps1
 
