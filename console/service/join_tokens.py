@@ -56,6 +56,7 @@ class TokenDesk:
         self._pending: set[str] = set()  # node ids admitted by an auto-approving token, not yet approved
         self._approve: Callable[[str], AgentRecord] | None = None
         self._scheduled = False
+        self._ready: set[str] = set()  # pending PCs seen verified: approved on the loop's next turn
 
     # ---- admin routes --------------------------------------------------------------------------
 
@@ -107,10 +108,13 @@ class TokenDesk:
     def on_records(self, records: tuple[AgentRecord, ...]) -> None:
         """Approve the pending PCs the service has verified; later on the loop, not inside the
         records listener (approving changes the records the other listeners are being given)."""
-        if not self._pending or self._scheduled:
+        if not self._pending:
             return
         ready = {r.key for r in records if r.key in self._pending and _approvable(r)}
-        if not ready:
+        if not ready or ready <= self._ready:
+            return
+        self._ready |= ready
+        if self._scheduled:
             return
         self._scheduled = True
         try:
@@ -120,8 +124,10 @@ class TokenDesk:
 
     def _approve_ready(self) -> None:
         self._scheduled = False
-        for node_id in sorted(self._pending):
-            info = self.book.admitted_by(node_id)
+        ready, self._ready = self._ready, set()
+        by_node = {a.node_id: info for info in self.book.tokens() for a in info.admitted}  # one read of the book
+        for node_id in sorted(ready & self._pending):
+            info = by_node.get(node_id)
             if info is None or not info.auto_approve or info.state == "revoked":
                 self._pending.discard(node_id)  # revoked meanwhile: the admin approves by hand
                 continue

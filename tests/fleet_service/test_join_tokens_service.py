@@ -136,8 +136,42 @@ def test_the_fleet_cli_issues_lists_and_revokes_tokens(tmp_path, shared_service,
     assert path.read_text().startswith("DFJ1-") and (path.stat().st_mode & 0o077) == 0
     assert f"token {token_id} is revoked" in cli("revoke", token_id)
     for argv, words in ((("revoke",), "say which token"), (("issue", "--ttl", "soon"), "--ttl"),
-                        (("issue", "--ttl", "never", "--auto-approve"), "must expire"), (("frobnicate",), "list|issue")):
+                        (("issue", "--ttl", "never", "--auto-approve"), "must expire"),
+                        (("frobnicate",), "list|issue")):
         parser = argparse.ArgumentParser()
         configure(parser)
         with pytest.raises(DeskfleetError, match=words):
             run(parser.parse_args(["tokens", *argv, "--state-dir", str(state)]))
+
+
+def test_pcs_pending_auto_approval_survive_a_restart_and_a_revoked_token_approves_nobody(tmp_path):
+    """TokenDesk's policy over a real token book and audit file, with the approval recorded by a
+    list (no service): what a restarted service does with PCs admitted but not yet registered."""
+    from console.service.agent_record import AgentRecord, AgentSource, Membership
+    from console.service.join_tokens import TokenDesk
+    from engine.control.join_audit import JoinAudit
+    from engine.trust.fleet_ca import FleetAuthority
+    from engine.trust.join_token import TokenBook
+
+    authority = FleetAuthority.create("desk")
+    book = TokenBook(tmp_path / "tokens.json", authority.fingerprint)
+    audit = JoinAudit(tmp_path / "audit.jsonl")
+    kept, revoked = book.issue_token(uses=2, auto_approve=True), book.issue_token(uses=2, auto_approve=True)
+    for issued, node in ((kept, "a" * 64), (revoked, "b" * 64)):
+        book.record_admission(book.redeem(issued.text).token_id, node, f"pc-{node[0]}")
+    book.revoke(revoked.info.token_id)
+
+    def record(node: str, approved: bool = False) -> AgentRecord:
+        return AgentRecord(node, "", "127.0.0.1", 7210, "idle", (), 0, authority.fleet_id, Membership.MEMBER, 1.0,
+                           frozenset({AgentSource.HUB}), approved, verified=True)
+
+    approved: list[str] = []
+    events: list[str] = []
+    desk = TokenDesk(book, audit, lambda kind, data: events.append(kind))
+    desk.attach(lambda node: approved.append(node) or record(node, True), ())  # as after a restart
+    desk.on_records((record("a" * 64), record("b" * 64)))
+    assert approved == ["a" * 64]  # the revoked token's PC waits for the admin
+    assert [(x["event"], x["name"], x["token_id"]) for x in audit.lines()] == \
+        [("auto_approved", "pc-a", kept.info.token_id)]
+    desk.on_records((record("a" * 64, True), record("b" * 64)))
+    assert approved == ["a" * 64]  # once is enough
