@@ -38,7 +38,7 @@ from console.service.agent_record import (
     Sighting,
     merge_record,
 )
-from console.service.agent_tags import AgentTags, TagBook
+from console.service.agent_tags import TagBook
 from console.service.approvals import ApprovalBook
 from console.service.errors import (
     AgentRefusedError,
@@ -439,6 +439,8 @@ class FleetModel:
             poll = Poll(self._clock(), status=replace(status, node_id=key, fleet_id=self.fleet_id))
         if key in self._sightings:  # removed while the poll was in flight: stay forgotten
             self._polls[key] = poll
+            if poll.status is not None:
+                self._tags.note_reported(key, poll.status.tags)  # written only when they changed
 
     def _take_registration(self, node_id: str, body: Mapping, at: float) -> None:
         if node_id in self._revoked:
@@ -461,13 +463,6 @@ class FleetModel:
         record = self._records.get(node_id)
         worker = record.status.worker.state if record is not None and record.status is not None else ""
         return "serving" if worker in ("starting", "running", "backoff") else "idle"
-
-    def _tags_of(self, key: str, poll: Poll | None) -> AgentTags:
-        """The agent's tags: its last status's (kept in the tag book when they changed), the
-        admin's over them."""
-        if poll is not None and poll.status is not None and not key.startswith("instance:"):
-            self._tags.note_reported(key, poll.status.tags)
-        return self._tags.get(key)
 
     def _rebuild(self, keys: Iterable[str] | None = None) -> None:
         """Merge the records of ``keys`` again (None: every agent's) and tell the listeners if any
@@ -494,10 +489,10 @@ class FleetModel:
                 a = self._approvals.approved[key]
                 by_source[AgentSource.SAVED] = Sighting(AgentSource.SAVED, a.name, a.address,
                                                         a.control_port, a.fleet_id)
-            poll = self._polls.get(key)
-            tags = self._tags_of(key, poll)
+            tags = self._tags.get(key)  # the agent's last word (poll or registration), the admin's over it
             record = merge_record(key, by_source, own_fleet_id=self.fleet_id, approved=key in self._approvals,
-                                  poll=poll, news=self._news.get(key), tags=tags.effective, tags_set_by=tags.set_by)
+                                  poll=self._polls.get(key), news=self._news.get(key), tags=tags.effective,
+                                  tags_set_by=tags.set_by)
             if self._records.get(key) != record:
                 self._records[key] = record
                 changed = True

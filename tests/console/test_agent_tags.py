@@ -15,6 +15,7 @@ from console.service.agent_tags import TAGS_FILE, TagBook
 from console.service.errors import ConsoleStateError
 from console.service.export_catalog import ExportSpec
 from console.service.placement_store import Placement
+from engine.control.hub import AgentEvent
 from engine.errors import DeskfleetError
 from tests.fleet_service.admin import Admin
 from tests.fleet_service.conftest import service_in_process
@@ -91,6 +92,14 @@ def test_tags_from_the_agents_and_the_admin_and_placement_by_tags(tmp_path, caps
                 await a.ok("POST", "/agents/refresh")  # a poll (the agent still says floor-3) changes nothing
                 again = {x["name"]: x for x in (await a.ok("GET", "/agents"))["agents"]}["desk-c"]
                 assert again["tags"] == ["floor-2", "lab"]
+
+                # a hub registration carries the agent's tags too (before any poll); the next poll is its word
+                a_node, a_port = nodes["desk-a"], agents["desk-a"]["control_port"]
+                service.fleet.on_hub_event(AgentEvent(a_node, "registered", {
+                    "advertisement": {}, "control_port": a_port, "address": "127.0.0.1", "tags": ["floor-9"]}, 0.0))
+                assert service.fleet.get(a_node).tags == ("floor-9",)
+                await a.ok("POST", "/agents/refresh")
+                assert service.fleet.get(a_node).tags == ("finance", "floor-2")
 
                 # the CLI, over the same admin socket
                 assert await asyncio.to_thread(_cli, state, "desk-b", "floor-2, printer") == 0
