@@ -114,8 +114,8 @@ class QtMetricsPage(QWidget):
         box.addWidget(QLabel("Tokens per second (last two minutes)"))
         box.addWidget(self.sparkline)
         box.addLayout(form)
-        box.addWidget(QLabel("Where a token's time goes (remote stages report no compute of their own: "
-                             "their compute is inside the ring step)"))
+        box.addWidget(QLabel("Where a token's time goes: each stage's measured compute is the median of its "
+                             "latest steps, as the stage reports it"))
         box.addWidget(self.breakdown, 1)
         box.addWidget(QLabel("Pauses reported by agents"))
         box.addWidget(self.pause_list)

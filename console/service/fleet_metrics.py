@@ -2,11 +2,13 @@
 metrics, where each token's time goes (compute vs network, per stage) and the pause log from
 the agents' hub events.
 
-The coordinator measures one ring round trip per step (``ring_step_ms_avg``) and the compute of
-a stage it runs itself (stage 0 when the console hosts it); remote stages do not report their
-compute separately. So the per-stage rows pair the plan's prediction for every stage and hop
-with what is measured, and the remainder of a ring step (network plus remote compute) is shown
-as one figure against the plan's prediction of the same sum.
+The coordinator measures one ring round trip per step (``ring_step_ms_avg``), and every stage
+reports its own compute time per step on the frames it passes on (docs/PROTOCOL.md, stage
+times): the coordinator keeps each stage's moving median (``stage_compute_ms_per_step{stage="k"}``,
+engine.coordinator.stage_times). So the per-stage rows pair the plan's prediction for every stage
+and hop with what is measured, and the last row shows the network's share of a ring step (the
+round trip minus every stage's compute) against the plan's hops; with a coordinator whose stages
+do not report (an older ring), the remainder of a ring step is shown as one figure instead.
 """
 
 from __future__ import annotations
@@ -70,7 +72,11 @@ def stage_breakdown(plan: Plan | None, metrics: Mapping[str, float], names: Mapp
                               "compute", stage.compute_ms, measured))
     rows.append(StageTime(f"hop {hop_names[-2]} → console", "network", plan.hop_ms[-1]))
     ring = metrics.get("ring_step_ms_avg")
-    if ring is not None:
+    computes = [r.measured_ms for r in rows if r.kind == "compute"]
+    if ring is not None and computes and None not in computes:
+        rows.append(StageTime("ring step minus every stage's compute: network", "network", sum(plan.hop_ms),
+                              max(0.0, ring - sum(ms for ms in computes if ms is not None))))
+    elif ring is not None:
         remote = sum(r.predicted_ms for r in rows) - (plan.stages[0].compute_ms if local_stage0 else 0.0)
         rows.append(StageTime("ring step: network + remote compute", "network", remote,
                               ring - (local or 0.0) if local_stage0 else ring))

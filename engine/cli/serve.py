@@ -217,6 +217,7 @@ async def async_serve_until_interrupted(generator, tokenizer: ChatTokenizer, set
 async def _open_generator(args: argparse.Namespace):
     """The coordinator the command line asks for: stages in-process, local workers, or a remote ring."""
     # Imported here, so `--help` does not load OpenVINO.
+    from engine.coordinator.constrained import GrammarVocabulary
     from engine.coordinator.coordinator import Coordinator, model_card
     from engine.coordinator.speculation import SpeculationConfig, Speculator
     from engine.shards.manifest import load_manifest
@@ -232,7 +233,8 @@ async def _open_generator(args: argparse.Namespace):
 
         refuse_stateful_options(speculation=args.speculation, host_stage0=args.host_stage0)
         if args.first_stage is not None:
-            opened = ring_static_generator(manifest, args.first_stage, args.return_listen, **args.ring)
+            opened = ring_static_generator(manifest, args.first_stage, args.return_listen,
+                                           grammar=GrammarVocabulary.of_export(args.shards, manifest), **args.ring)
         elif args.workers:
             opened = local_static_fleet(args.shards, exact=args.exact)
         else:
@@ -252,7 +254,6 @@ async def _open_generator(args: argparse.Namespace):
         return
     slots = args.slots or 4
     if args.first_stage is not None:
-        from engine.coordinator.constrained import GrammarVocabulary
         from engine.coordinator.ring import RingPath, return_frame_bound
         from engine.shards.stage import Stage
 

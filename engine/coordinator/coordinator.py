@@ -255,7 +255,8 @@ class Coordinator:
                 await self._submit(state)
 
     async def _submit(self, state: StreamState) -> None:
-        draft, q = (), None
+        draft: tuple[int, ...] = ()
+        q = None
         if self.speculation is not None and not state.prefilling and state.generated:
             draft, q = await self.speculation.async_propose(state)
         try:

@@ -18,7 +18,6 @@ on a reconnect (a new session starts with the pool considered empty, and the sch
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import contextlib
 import itertools
@@ -59,7 +58,6 @@ class PagedRingPath(RingPath):
         self.results: asyncio.Queue[PagedOutcome] = asyncio.Queue()  # type: ignore[assignment]
         self.session = StreamId(next(_sessions))
         self._step_sent: dict[int, float] = {}
-        self._stage_ms: collections.deque[tuple[float, ...]] = collections.deque(maxlen=256)
 
     async def _on_return(self, conn, msg: Message) -> None:
         match msg:
@@ -77,8 +75,7 @@ class PagedRingPath(RingPath):
         sent = self._step_sent.pop(outcome.seq, None)
         if sent is not None:
             self._roundtrips.append(time.perf_counter() - sent)
-        if outcome.stage_ms:
-            self._stage_ms.append(outcome.stage_ms)
+        self.stage_times.add(outcome.stage_ms)  # the moving medians stage_metrics reports (RingPath)
         self.results.put_nowait(outcome)
 
     @property
@@ -134,9 +131,3 @@ class PagedRingPath(RingPath):
         if self._stage0_thread is not None:
             self._stage0_thread.shutdown(wait=True)
 
-    def stage_metrics(self) -> dict[str, float]:
-        out = super().stage_metrics()
-        if self._stage_ms:
-            for i, column in enumerate(zip(*self._stage_ms, strict=False)):
-                out[f'stage_compute_ms_per_step{{stage="{i}"}}'] = sum(column) / len(column)
-        return out

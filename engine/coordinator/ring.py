@@ -21,6 +21,7 @@ from ssl import SSLContext
 
 import numpy as np
 
+from engine.coordinator.stage_times import StageTimes
 from engine.errors import DeskfleetError
 from engine.shards.prefix_cache import CaptureStore
 from engine.shards.stage import Stage, StageStream
@@ -106,7 +107,7 @@ class RingPath:
                           if local_stage0 else None)
         self._sent_at: dict[tuple[StreamId, int], float] = {}
         self._roundtrips: collections.deque[float] = collections.deque(maxlen=256)
-        self._local_compute: collections.deque[float] = collections.deque(maxlen=256)
+        self.stage_times = StageTimes()  # every stage's compute ms, as the replies report them
 
     @property
     def return_address(self) -> Address:
@@ -176,11 +177,13 @@ class RingPath:
     async def _on_return(self, conn: Connection, msg: Message) -> None:
         match msg:
             case Tokens():
+                self.stage_times.add(msg.stage_ms)
                 self._deliver(StepResult(msg.stream_id, msg.seq, ids=msg.ids.reshape(-1),
-                                         probs=msg.probs.reshape(-1)))
+                                         probs=msg.probs.reshape(-1), stage_ms=msg.stage_ms))
             case Logits():
+                self.stage_times.add(msg.stage_ms)
                 logits = msg.logits.reshape(-1, msg.logits.shape[-1])
-                self._deliver(StepResult(msg.stream_id, msg.seq, logits=logits))
+                self._deliver(StepResult(msg.stream_id, msg.seq, logits=logits, stage_ms=msg.stage_ms))
             case Capture() | Restore():
                 self._deliver(StepResult(msg.stream_id, msg.seq, ack=True))
             case Error() if msg.stream_id:
@@ -224,25 +227,28 @@ class RingPath:
             return
         x = step.inputs.x
         self._sent_at[(step.stream_id, step.seq)] = time.perf_counter()
-        if self.local_stage0 is not None:
+        times: tuple[float, ...] = ()
+        if self.local_stage0 is not None:  # its time travels with the step like a remote stage's
             stream = self._local_streams.get(step.stream_id)
             if stream is None:
                 stream = self._local_streams[step.stream_id] = self.local_stage0.new_stream()
-            started = time.perf_counter()
-            x = await asyncio.get_running_loop().run_in_executor(self._executor, stream.forward, step.inputs)
-            self._local_compute.append(time.perf_counter() - started)
+            x, ms = await asyncio.get_running_loop().run_in_executor(self._executor, _timed_forward, stream,
+                                                                     step.inputs)
+            times = (ms,)
         await self._out.async_send(Forward(step.stream_id, step.seq, x, step.inputs.attention_mask,
-                                           step.inputs.position_ids, step.want_logits, step.reply_last))
+                                           step.inputs.position_ids, step.want_logits, step.reply_last, times))
 
-    async def async_submit_packed(self, stream_id: StreamId, seq: int, plan: PlanFrame, tokens: np.ndarray) -> None:
+    async def async_submit_packed(self, stream_id: StreamId, seq: int, plan: PlanFrame, tokens: np.ndarray, *,
+                                  want_logits: bool = False) -> None:
         """One inference of a static (NPU-target) ring: the plan and its rows' token ids [S]; the
-        last stage's reply, each row's top-1, arrives on ``results`` like any step's."""
+        last stage's reply, each row's top-1 (or with ``want_logits`` every row's logits [S, V]),
+        arrives on ``results`` like any step's."""
         if self._out is None:
             raise DeskfleetError("the ring is not connected; start the path first")
         if self.local_stage0 is not None:
             raise DeskfleetError("a static ring cannot host stage 0 in the coordinator; start every stage as a worker")
         self._sent_at[(stream_id, seq)] = time.perf_counter()
-        await self._out.async_send(Packed(stream_id, seq, plan, tokens[None, :]))
+        await self._out.async_send(Packed(stream_id, seq, plan, tokens[None, :], want_logits))
 
     async def async_reconnect(self, first_remote: Address | None = None, peers: PeerPolicy | None = None) -> None:
         """After a failover: drop the connection to the first remote stage (and every stream's
@@ -287,6 +293,12 @@ class RingPath:
         out: dict[str, float] = {}
         if self._roundtrips:
             out["ring_step_ms_avg"] = 1000 * sum(self._roundtrips) / len(self._roundtrips)
-        if self._local_compute:
-            out['stage_compute_ms_per_step{stage="0"}'] = 1000 * sum(self._local_compute) / len(self._local_compute)
+        out.update(self.stage_times.metrics())
         return out
+
+
+def _timed_forward(stream, inputs) -> tuple[np.ndarray, float]:
+    """A hosted stage 0's forward on the compute thread, and its ms."""
+    started = time.perf_counter()
+    x = stream.forward(inputs)
+    return x, 1000 * (time.perf_counter() - started)

@@ -247,7 +247,8 @@ def apply_reply(state: StreamState, result: StepResult) -> list[TokenEvent]:
         elif (len(state.generated) >= state.request.max_new_tokens
               or state.layout.logical_len + 1 >= state.context_length):
             finish = FinishReason.LENGTH
-        logprob, top = (None, ())
+        logprob: float | None = None
+        top: tuple[tuple[int, float], ...] = ()
         if state.request.logprobs is not None:
             assert logits is not None  # ranks_logits: the reply carried them
             logprob, top = token_logprobs(logits[row], token, state.request.logprobs)

@@ -52,7 +52,8 @@ class CacheStep:
 
 @dataclass(frozen=True)
 class StepResult:
-    """The last stage's reply: top-1 ``ids``/``probs`` [n], or ``logits`` [n, V]; or an error."""
+    """The last stage's reply: top-1 ``ids``/``probs`` [n], or ``logits`` [n, V]; or an error.
+    ``stage_ms``: the compute ms of every remote stage the step passed, in ring order."""
 
     stream_id: StreamId
     seq: int
@@ -61,6 +62,7 @@ class StepResult:
     logits: np.ndarray | None = None
     error: str | None = None
     ack: bool = False  # a CacheStep completed on every stage
+    stage_ms: tuple[float, ...] = ()
 
 
 def _reply_rows(logits: np.ndarray, reply_last: int) -> np.ndarray:

@@ -6,7 +6,9 @@ Where the stages run is a :class:`StaticBackend`: in this process (:class:`Local
 ring of packed stage workers (:class:`RingStatic`, Packed frames out, each row's top-1 back).
 
 Static exports decode greedily: the last stage returns top-1 ids, so sampling parameters other
-than greedy are served greedily (the model card says so) and logits are never returned.
+than greedy are served greedily (the model card says so). A request with a constraint or asking
+for ``logprobs`` (:attr:`PackedGenerator.features`) makes each step that samples its row ask the
+stages for every row's logits instead, and its token is chosen here (:mod:`engine.static.packed_choice`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import numpy as np
 from engine.errors import GenerationError
 from engine.generation.generator import ModelCard, OverloadedError, UnavailableError
 from engine.generation.request import FinishReason, GenerationRequest, TokenEvent
+from engine.static.packed_choice import MatcherSource, RowAsk, RowChoice, choose_rows
 from engine.static.packed_stage import StaticChain
 from engine.static.packing import SlotGeometry
 from engine.static.slot_scheduler import (
@@ -42,6 +45,7 @@ from engine.wire.plan_frame import PlanFrame
 log = logging.getLogger(__name__)
 
 MAX_QUEUE = 64  # requests waiting for a slot before new ones are answered 429
+LOGPROBS = "logprobs"  # the request feature served without a grammar (engine.api.openai_schema.NOT_YET_SERVED)
 
 
 class StaticBackend(Protocol):
@@ -51,6 +55,10 @@ class StaticBackend(Protocol):
 
     async def async_top1(self, frame: PlanFrame, tokens: np.ndarray) -> np.ndarray:
         """int64 [S]: the greedy next token of every row (idle rows included; ignore them)."""
+        ...
+
+    async def async_logits(self, frame: PlanFrame, tokens: np.ndarray) -> np.ndarray:
+        """float32 [S, V]: every row's logits (for requests that ask more than the top-1)."""
         ...
 
     async def async_reset(self, failed: bool = False) -> None:
@@ -74,8 +82,14 @@ class LocalStatic:
     def _top1(self, frame: PlanFrame, tokens: np.ndarray) -> np.ndarray:
         return self.chain.step(frame, tokens)[0].argmax(axis=-1).astype(np.int64)
 
+    def _logits(self, frame: PlanFrame, tokens: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(self.chain.step(frame, tokens)[0], dtype=np.float32)
+
     async def async_top1(self, frame: PlanFrame, tokens: np.ndarray) -> np.ndarray:
         return await asyncio.get_running_loop().run_in_executor(self._executor, self._top1, frame, tokens)
+
+    async def async_logits(self, frame: PlanFrame, tokens: np.ndarray) -> np.ndarray:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._logits, frame, tokens)
 
     async def async_reset(self, failed: bool = False) -> None:
         await asyncio.get_running_loop().run_in_executor(self._executor, self.chain.reset)
@@ -101,12 +115,25 @@ class RingStatic:
         await self.path.async_start()
 
     async def async_top1(self, frame: PlanFrame, tokens: np.ndarray) -> np.ndarray:
+        result = await self._async_answer(frame, tokens, want_logits=False)
+        if result.ids is None or result.ids.shape != (frame.rows,):
+            raise UnavailableError(f"the static ring answered step {result.seq} with no top-1 per row")
+        return result.ids
+
+    async def async_logits(self, frame: PlanFrame, tokens: np.ndarray) -> np.ndarray:
+        result = await self._async_answer(frame, tokens, want_logits=True)
+        if result.logits is None or result.logits.shape[0] != frame.rows:
+            raise UnavailableError(f"the static ring answered step {result.seq} without the logits of its "
+                                   f"{frame.rows} rows; its workers may be older than this coordinator")
+        return result.logits
+
+    async def _async_answer(self, frame: PlanFrame, tokens: np.ndarray, *, want_logits: bool):
         if self._redial or not self.path.connected:  # a session failed: the first stage may be a new process
             await self.path.async_reconnect()
             self._redial = False
         self._seq += 1
         seq = self._seq
-        await self.path.async_submit_packed(self.session, seq, frame, tokens)
+        await self.path.async_submit_packed(self.session, seq, frame, tokens, want_logits=want_logits)
         deadline = time.monotonic() + self.step_timeout_s
         while True:
             remaining = deadline - time.monotonic()
@@ -121,9 +148,7 @@ class RingStatic:
                 continue
             if result.error is not None:
                 raise UnavailableError(f"the static ring failed: {result.error}")
-            if result.ids is None or result.ids.shape != (frame.rows,):
-                raise UnavailableError(f"the static ring answered step {seq} with no top-1 per row")
-            return result.ids
+            return result
 
     async def async_reset(self, failed: bool = False) -> None:
         with contextlib.suppress(Exception):  # a ring that is down has nothing left to release
@@ -134,6 +159,10 @@ class RingStatic:
     async def async_close(self) -> None:
         await self.path.async_close()
 
+    def stage_metrics(self) -> dict[str, float]:
+        """The ring's figures: its round trip and every stage's median compute ms per step."""
+        return self.path.stage_metrics()
+
 
 @dataclass
 class _Waiting:
@@ -141,13 +170,17 @@ class _Waiting:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     stops: frozenset[int] = frozenset()
     produced: int = 0
+    ask: RowAsk | None = None  # a constraint or logprobs: its rows are chosen from logits
 
 
 class PackedGenerator:
     """Greedy packed serving of many requests on the slots of one static export."""
 
     def __init__(self, backend: StaticBackend, card: ModelCard, geometry: SlotGeometry,
-                 row_options: tuple[int, ...], *, max_queue: int = MAX_QUEUE):
+                 row_options: tuple[int, ...], *, max_queue: int = MAX_QUEUE, grammar: MatcherSource | None = None):
+        """``grammar``: builds the requests' grammar matchers (constrained output; the caller gives
+        an engine.coordinator.constrained.StreamConstraints over the model's vocabulary); without it
+        only log-probabilities of the request features are served (see :attr:`features`)."""
         self.backend = backend
         self.card = card
         self.geometry = geometry
@@ -164,10 +197,19 @@ class PackedGenerator:
         self.steps = 0
         self.tokens = 0
         self.rows_used = 0
+        self.logit_steps = 0  # steps that asked the stages for logits
+        self._grammar = grammar
 
     @property
     def model(self) -> ModelCard:
         return self.card
+
+    @property
+    def features(self) -> frozenset[str]:
+        """The request features served beyond plain generation (keys of
+        :data:`engine.api.openai_schema.NOT_YET_SERVED`): log-probabilities, and constrained output
+        when this generator has the model's vocabulary."""
+        return frozenset({LOGPROBS}) | (self._grammar.features if self._grammar is not None else frozenset())
 
     async def __aenter__(self) -> PackedGenerator:
         await self.backend.async_start()
@@ -182,6 +224,8 @@ class PackedGenerator:
         for waiting in self._requests.values():
             waiting.events.put_nowait(UnavailableError("the server is stopping"))
         await self.backend.async_close()
+        if self._grammar is not None:
+            self._grammar.close()
 
     def _slot_request(self, request: GenerationRequest) -> tuple[SlotRequest, frozenset[int]]:
         if request.want_logits:
@@ -196,8 +240,15 @@ class PackedGenerator:
         if len(self.queue) >= self.max_queue:
             raise OverloadedError(f"{len(self.queue)} requests are waiting for a slot; retry later")
         slot_request, stops = self._slot_request(request)
+        matcher = None
+        if request.constraint is not None:
+            if self._grammar is None:
+                raise GenerationError("this server cannot constrain output: its generator was started without "
+                                      "the model's tokenizer.json")
+            matcher = await self._grammar.async_matcher(request.constraint)
+        ask = RowAsk(matcher, request.logprobs) if matcher is not None or request.logprobs is not None else None
         self._next_id += 1
-        waiting = self._requests[slot_request.request_id] = _Waiting(slot_request, stops=stops)
+        waiting = self._requests[slot_request.request_id] = _Waiting(slot_request, stops=stops, ask=ask)
         self.queue.append(slot_request)
         self._wake.set()
         finished = False
@@ -252,8 +303,16 @@ class PackedGenerator:
                 self._session_open = False
             return False
         self._session_open = True
-        ids = await self.backend.async_top1(schedule.frame, schedule.tokens)
-        sampled = {row: int(ids[row]) for row in schedule.sample.values()}
+        row_of = {self.slots[k].request.request_id: row for k, row in schedule.sample.items()}  # type: ignore[union-attr]
+        asks = {row: self._ask(rid) for rid, row in row_of.items()}
+        choices: dict[int, RowChoice] = {}
+        if any(a is not None for a in asks.values()):
+            self.logit_steps += 1
+            choices = choose_rows(await self.backend.async_logits(schedule.frame, schedule.tokens), asks)
+            sampled = {row: c.token for row, c in choices.items()}
+        else:
+            ids = await self.backend.async_top1(schedule.frame, schedule.tokens)
+            sampled = {row: int(ids[row]) for row in schedule.sample.values()}
         self.slots, events = update(self.slots, schedule, sampled, self.geometry)
         self.steps += 1
         self.rows_used += int((schedule.frame.slot >= 0).sum())
@@ -261,17 +320,28 @@ class PackedGenerator:
             waiting = self._requests.get(e.request_id)
             if waiting is None:
                 continue  # cancelled while its step ran
+            choice = choices.get(row_of[e.request_id])
             finish = None
             if e.finished:
                 finish = FinishReason.STOP if e.token in waiting.stops else FinishReason.LENGTH
-            waiting.events.put_nowait(TokenEvent(e.token, waiting.produced, None, finish))
+            elif choice is not None and choice.stopped:  # the grammar is complete: nothing may follow
+                finish = FinishReason.STOP
+                self.slots = retire(self.slots, e.request_id, self.geometry)
+            waiting.events.put_nowait(TokenEvent(e.token, waiting.produced, None, finish,
+                                                 choice.logprob if choice else None,
+                                                 choice.top_logprobs if choice else ()))
             waiting.produced += 1
             self.tokens += 1
         return True
+
+    def _ask(self, request_id: int) -> RowAsk | None:
+        waiting = self._requests.get(request_id)
+        return waiting.ask if waiting is not None else None
 
     def metrics(self) -> dict[str, float]:
         busy = sum(1 for s in self.slots if s.request is not None)
         return {"packed_steps_total": float(self.steps), "generated_tokens_total": float(self.tokens),
                 "packed_slots_busy": float(busy), "packed_slots": float(self.geometry.slots),
-                "queue_depth": float(len(self.queue)),
-                "packed_rows_per_step_avg": self.rows_used / self.steps if self.steps else 0.0}
+                "queue_depth": float(len(self.queue)), "packed_logit_steps_total": float(self.logit_steps),
+                "packed_rows_per_step_avg": self.rows_used / self.steps if self.steps else 0.0,
+                **(self.backend.stage_metrics() if isinstance(self.backend, RingStatic) else {})}

@@ -4,8 +4,10 @@ Where the stateful worker keeps a KV state per stream, a static stage owns one h
 slots are shared by many requests. Every inference arrives as a **Packed** frame: stage 0's
 :class:`~engine.static.packing.PlanFrame` plus the rows' inputs. The stage derives its mask and KV writes
 from the plan alone (:func:`~engine.static.packing.layout_step`), runs its graph, and passes the plan on
-with its hidden states; the last stage answers the coordinator with each row's top-1
-(**Tokens** [S]). So every stage's ring stays in lockstep with no control message of its own.
+with its hidden states and its compute time appended to the frame's stage times; the last stage
+answers the coordinator with each row's top-1 (**Tokens** [S]), or every row's logits (**Logits**
+[S, V]) when the frame wants them. So every stage's ring stays in lockstep with no control message
+of its own.
 
 One stream id is one packed session: a Packed frame for a new stream id, or a Release of the
 current one, empties every slot. The session belongs to the upstream connection that started it:
@@ -21,12 +23,12 @@ from ssl import SSLContext
 
 import numpy as np
 
-from engine.shards.step_path import last_stage_top1
+from engine.shards.step_path import last_stage_logits, last_stage_top1
 from engine.static.packed_stage import StaticStage
 from engine.trust.peer_policy import PeerPolicy
 from engine.wire.address import Address
 from engine.wire.format import ErrorCode
-from engine.wire.messages import Error, Forward, Message, Packed, Release, Step, Tokens
+from engine.wire.messages import Error, Forward, Logits, Message, Packed, Release, Step, Tokens
 from engine.wire.stage_server import SessionServer, stage_frame_bound
 from engine.wire.transport import Connection
 
@@ -86,16 +88,20 @@ class PackedStageWorker(SessionServer):
             self.session = msg.stream_id
         x = msg.tensor if msg.tensor.dtype != np.float16 else msg.tensor.astype(np.float32)
         try:
-            out = await self._compute(self.stage.step, msg.plan, x)
+            out, ms = await self._timed_compute(self.stage.step, msg.plan, x)
         except Exception as exc:  # a lockstep break or an OpenVINO failure: the session is over here
             log.error("static stage %d failed on step %d of session %s: %s", self.index, msg.seq, msg.stream_id, exc)
             await self._run(self._reset)
             await self._send(Error(ErrorCode.STREAM_FAILED, f"stage {self.index}: {exc}",
                                                    msg.stream_id, msg.seq))
             return
-        if self.stage.is_last:
+        times = (*msg.stage_ms, ms)
+        reply: Message
+        if self.stage.is_last and msg.want_logits:
+            reply = Logits(msg.stream_id, msg.seq, last_stage_logits(out, 0), times)
+        elif self.stage.is_last:
             ids, probs = last_stage_top1(out, 0)
-            reply: Message = Tokens(msg.stream_id, msg.seq, ids, probs)
+            reply = Tokens(msg.stream_id, msg.seq, ids, probs, times)
         else:
-            reply = Packed(msg.stream_id, msg.seq, msg.plan, out)
+            reply = Packed(msg.stream_id, msg.seq, msg.plan, out, msg.want_logits, times)
         await self._send(reply)

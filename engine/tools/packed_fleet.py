@@ -8,6 +8,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from engine.coordinator.constrained import GrammarVocabulary, StreamConstraints
 from engine.coordinator.coordinator import model_card
 from engine.coordinator.ring import RingPath
 from engine.errors import DeskfleetError
@@ -29,19 +30,22 @@ async def static_generator(export_dir: Path | str, *, device: str = "CPU", exact
                            num_threads: int | None = None) -> AsyncIterator[PackedGenerator]:
     """Every stage in this process."""
     chain = StaticChain.load(export_dir, device=device, exact=exact, num_threads=num_threads)
-    generator = PackedGenerator(LocalStatic(chain), model_card(chain.manifest), chain.geometry, chain.row_options)
+    generator = PackedGenerator(LocalStatic(chain), model_card(chain.manifest), chain.geometry, chain.row_options,
+                                grammar=StreamConstraints(GrammarVocabulary.of_export(export_dir, chain.manifest)))
     async with generator:
         yield generator
 
 
 @contextlib.asynccontextmanager
-async def ring_static_generator(manifest: Manifest, first_stage: Address, return_listen: Address,
+async def ring_static_generator(manifest: Manifest, first_stage: Address, return_listen: Address, *,
+                                grammar: GrammarVocabulary | None = None,
                                 **path_options) -> AsyncIterator[PackedGenerator]:
-    """Through packed stage workers: stage 0 listens at ``first_stage``, the last dials ``return_listen``."""
+    """Through packed stage workers: stage 0 listens at ``first_stage``, the last dials ``return_listen``
+    (``grammar``: the model's vocabulary, for constrained output)."""
     path = RingPath(static_manifest(manifest).model.fingerprint, len(manifest.stages), first_stage, return_listen,
                     **path_options)
     generator = PackedGenerator(RingStatic(path), model_card(manifest), geometry_of(manifest),
-                                export_row_options(manifest))
+                                export_row_options(manifest), grammar=StreamConstraints(grammar))
     async with generator:
         yield generator
 
@@ -56,7 +60,8 @@ async def local_static_fleet(export_dir: Path | str, *, exact: bool = False, thr
     try:
         path.first_remote = await fleet.async_start(await path.async_listen(), hop)
         generator = PackedGenerator(RingStatic(path), model_card(manifest), geometry_of(manifest),
-                                    export_row_options(manifest))
+                                    export_row_options(manifest),
+                                    grammar=StreamConstraints(GrammarVocabulary.of_export(export_dir, manifest)))
         async with generator:
             yield generator
     finally:

@@ -135,6 +135,16 @@ class StageServer:
             self.steps += 1
             self._idle.set()
 
+    async def _timed_compute(self, fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+        """:meth:`_compute`, and the inference's own ms measured on the compute thread (what the
+        stage reports in the frame's stage times: no queueing, no event-loop delay)."""
+        def timed() -> tuple[Any, float]:
+            started = time.perf_counter()
+            out = fn(*args)
+            return out, 1000 * (time.perf_counter() - started)
+
+        return await self._compute(timed)
+
     async def async_drain(self) -> None:
         """Refuse new streams (or sessions) and wait for the inference in hand to finish."""
         self.draining = True

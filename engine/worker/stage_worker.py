@@ -170,22 +170,23 @@ class StageWorker(StageServer):
         x = msg.tensor if msg.tensor.dtype != np.float16 else msg.tensor.astype(np.float32)
         step = StepInputs(x, msg.attention_mask, msg.position_ids, msg.reply_last)
         try:
-            out = await self._compute(stream.forward, step)
+            out, ms = await self._timed_compute(stream.forward, step)
         except Exception as exc:  # OpenVINO failure on one stream must not take the worker down
             log.error("stage %d failed on stream %s: %s", self.stage.index, msg.stream_id, exc)
             await self._send(Error(ErrorCode.STREAM_FAILED, f"stage {self.stage.index}: {exc}",
                                    msg.stream_id, msg.seq))
             return
         reply: Message
+        times = (*msg.stage_ms, ms)  # every stage passed reports its own inference time
         if self.stage.is_last:
             if msg.want_logits:
-                reply = Logits(msg.stream_id, msg.seq, last_stage_logits(out, msg.reply_last))
+                reply = Logits(msg.stream_id, msg.seq, last_stage_logits(out, msg.reply_last), times)
             else:
                 ids, probs = last_stage_top1(out, msg.reply_last)
-                reply = Tokens(msg.stream_id, msg.seq, ids, probs)
+                reply = Tokens(msg.stream_id, msg.seq, ids, probs, times)
         else:
             reply = Forward(msg.stream_id, msg.seq, out, msg.attention_mask, msg.position_ids,
-                            msg.want_logits, msg.reply_last)
+                            msg.want_logits, msg.reply_last, times)
         await self._send(reply)
 
     async def _capture(self, msg: Capture) -> None:

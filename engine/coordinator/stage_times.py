@@ -1,0 +1,53 @@
+"""Every stage's compute time per step, as the ring's replies report it: a moving median per stage.
+
+Each stage worker times its own inference and appends it to the frame it passes on (the Step's,
+Forward's and Packed's ``stage_ms``), so the last stage's reply carries one time per stage passed,
+in ring order (docs/PROTOCOL.md). A coordinator adds each reply's times here; the medians of the
+latest ``window`` steps are what its metrics expose as ``stage_compute_ms_per_step{stage="k"}``
+(the service's Metrics page shows them next to the placement's prediction). A median, not a mean:
+one step that waited on a page fault or a busy core should not move the figure.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+
+import numpy as np
+
+DEFAULT_WINDOW = 64  # steps per stage the median is taken over
+
+
+def stage_metric(stage: int) -> str:
+    """The metric name of stage ``stage``'s compute ms per step."""
+    return f'stage_compute_ms_per_step{{stage="{stage}"}}'
+
+
+class StageTimes:
+    """The latest ``window`` compute times of every stage (one owner: the coordinator's loop)."""
+
+    def __init__(self, window: int = DEFAULT_WINDOW):
+        if window < 1:
+            raise ValueError(f"a stage-time window holds at least one step, got {window}")
+        self.window = window
+        self._times: dict[int, collections.deque[float]] = {}
+
+    def add(self, stage_ms: Sequence[float], first_stage: int = 0) -> None:
+        """One reply's times: ``stage_ms[i]`` is stage ``first_stage + i``'s (a coordinator that
+        runs stage 0 itself passes the remote stages' times with ``first_stage=1``)."""
+        for i, ms in enumerate(stage_ms):
+            stage = first_stage + i
+            if stage not in self._times:
+                self._times[stage] = collections.deque(maxlen=self.window)
+            self._times[stage].append(float(ms))
+
+    def samples(self) -> dict[int, tuple[float, ...]]:
+        """stage -> its latest times, oldest first."""
+        return {stage: tuple(times) for stage, times in sorted(self._times.items())}
+
+    def medians(self) -> dict[int, float]:
+        """stage -> the median of its latest times, for every stage heard from."""
+        return {stage: float(np.median(times)) for stage, times in sorted(self._times.items()) if times}
+
+    def metrics(self) -> dict[str, float]:
+        return {stage_metric(stage): ms for stage, ms in self.medians().items()}
