@@ -1,8 +1,8 @@
 """The one line above a chat's input that says whether the fleet can answer now, and if not, why.
 
 Pure: built from what the fleet's API said, its ``/health`` report (every ring's status, and for
-a ring that is recovering or down the stage and the reason, e.g. "pc-b (stage 1) paused: the
-keyboard is in use") or the :class:`~console.shared.chat_model.ChatError` of the last call (no
+a ring that is recovering or down the stage and the reason, e.g. "stage 1 on pc-b is paused
+(paused by the user)") or the :class:`~console.shared.chat_model.ChatError` of the last call (no
 answer at all, or a refusal with its status). The chat window shows it and colours it by level.
 """
 
@@ -61,8 +61,9 @@ def from_health(status: int, doc: Mapping[str, Any]) -> FleetLine:
                                      "when that PC is free again or a spare PC takes its part.")
         return FleetLine(DOWN, f"The fleet cannot answer now — {reasons}.")
     if paused:
-        return FleetLine(PAUSED, f"Part of the fleet is paused — {reasons}. Answers may wait until another PC "
-                                 "takes its part.")
+        which = "The fleet is paused" if len(troubled) == len(rings) else "Part of the fleet is paused"
+        return FleetLine(PAUSED, f"{which} — {reasons}. Answers wait until that PC is free again or another "
+                                 "PC takes its part.")
     return FleetLine(WAITING, f"The fleet is recovering — {reasons}. Answers continue once it is back.")
 
 

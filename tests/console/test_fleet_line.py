@@ -8,7 +8,7 @@ import pytest
 from console.shared.chat_model import ChatError
 from console.shared.fleet_line import DOWN, OK, PAUSED, REFUSED, UNREACHABLE, WAITING, from_error, from_health
 
-PAUSE = "pc-b (stage 1) paused: the keyboard is in use"
+PAUSE = "stage 1 on pc-b is paused (the keyboard is in use)"
 
 
 def ring(model: str, status: str, detail: str = "") -> dict:
@@ -24,7 +24,8 @@ def test_a_healthy_fleet_names_its_models():
     (503, [], DOWN, "serves no model yet"),
     (503, [ring("m", "down", f"{PAUSE}; no standby agent is free")], PAUSED, f"m: {PAUSE}; no standby agent is free"),
     (503, [ring("m", "down", "the connection to stage 0 is closed")], DOWN, "m: the connection to stage 0 is closed"),
-    (200, [ring("m", "recovering", PAUSE)], PAUSED, f"Part of the fleet is paused — m: {PAUSE}"),
+    (200, [ring("m", "recovering", PAUSE)], PAUSED, f"The fleet is paused — m: {PAUSE}. Answers wait"),
+    (200, [ring("m", "ok"), ring("n", "recovering", PAUSE)], PAUSED, f"Part of the fleet is paused — n: {PAUSE}"),
     (200, [ring("m", "recovering", "stage 1 (pc-c): worker exited 137")], WAITING, "recovering — m: stage 1"),
     (200, [ring("m", "ok"), ring("n", "down", PAUSE)], PAUSED, f"n: {PAUSE}"),
     (503, [ring("m", "down")], DOWN, "m: down"),  # no detail: the status itself
