@@ -189,6 +189,11 @@ class QtDashboardPage(QWidget):
         box.addWidget(self.load_table, 1)
         self._show_figures()
 
+    def set_sample_s(self, seconds: float) -> None:
+        """Sample the agents' load and the service's metrics every ``seconds`` from now on."""
+        self.history.sample_s = seconds
+        self._timer.setInterval(int(seconds * 1000))
+
     # ---- sources ---------------------------------------------------------------------------------
 
     def _on_records(self, records: tuple[AgentRecord, ...]) -> None:

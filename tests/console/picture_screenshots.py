@@ -124,8 +124,11 @@ def take_picture_screenshots(out: Path, checkpoint: Path, work: Path) -> list[Pa
     names = (f"desk-a-{suffix}", f"desk-b-{suffix}", f"desk-c-{suffix}", f"desk-d-{suffix}")
     written: list[Path] = []
 
+    began = time.monotonic()
+
     def wait(condition, timeout: float, what: str) -> None:
         qt_wait(app, condition, timeout, what)
+        print(f"{time.monotonic() - began:6.1f} s: {what}", flush=True)
 
     def settle(seconds: float = 0.4) -> None:
         end = time.monotonic() + seconds
@@ -172,12 +175,13 @@ def take_picture_screenshots(out: Path, checkpoint: Path, work: Path) -> list[Pa
             wait(lambda: any(rates) and page.ring.diagram is not None
                  and all(s.state == "serving" for s in page.ring.diagram.stages), 60,
                  f"tokens and the serving ring on the diagram (chat errors: {errors[-1:]})")
-            settle(2.0)
+            settle(1.0)
             save(window, SHOTS[1])
             # the third agent approved now and paused (the ring has its two); the fourth stays unapproved
             third = next(r for r in members(bridge.records) if r.name == names[2])
             bridge.approve(third.key, on_result=lambda _: bridge.pause(third.key))
             dashboard = window.dashboard_page
+            dashboard.set_sample_s(0.5)  # the console's is 2 s: four samples sooner
             window.show_page("Dashboard")
             wait(lambda: {c.state: c.count for c in dashboard.state_bar.counts} == STATES_SHOWN, 30,
                  f"the agents' states {STATES_SHOWN}")
