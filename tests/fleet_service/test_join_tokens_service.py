@@ -1,14 +1,23 @@
 """Join tokens through the fleet service's admin API, with a real service and real agents on
 loopback: a reusable auto-approving token admits and approves PCs as they register (the audit
 names the token and each PC), a plain token admits without approving, a revoked token admits
-nobody, and what the service refuses to issue or revoke is a clear 400 / 404."""
+nobody, and what the service refuses to issue or revoke is a clear 400 / 404; the CLI over it.
+And the silent install's join: an agent joins with the token in a root-only file and the file is
+gone; a failed join keeps it and says why (a revoked token, an unreachable console, retried
+until the address is fixed); the headless agent process joins at start from ``--join-file``."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import sys
+import uuid
+from pathlib import Path
 
 import pytest
 
+from agent.service.join_file import async_join_from_file, async_keep_joining
 from console.service.admin_client import AdminClient
 from engine.errors import JoinRefused
 from tests.fleet_service.admin import Admin
@@ -40,12 +49,10 @@ def test_an_auto_approving_token_approves_the_pcs_it_admits_and_the_audit_names_
             assert auto["token_info"]["uses"] == 2 and auto["token_info"]["auto_approve"]
             assert plain["token_info"]["uses"] == 1 and not plain["token_info"]["auto_approve"]
             pcs = [agent(tmp_path, name, seeds=seeds) for name in ("floor3-a", "floor3-b", "desk-c")]
-            for pc in pcs:
-                await pc.async_start()
+            await asyncio.gather(*(pc.async_start() for pc in pcs))
             try:
-                await pcs[0].async_join(service.host.enrollment, auto["token"])
-                await pcs[1].async_join(service.host.enrollment, auto["token"])
-                await pcs[2].async_join(service.host.enrollment, plain["token"])
+                await asyncio.gather(*(pc.async_join(service.host.enrollment, token) for pc, token in
+                                       zip(pcs, (auto["token"], auto["token"], plain["token"]), strict=True)))
                 agents = await _agents_until(admin, lambda a: len(a) == 3 and sum(x["approved"] for x in a) == 2)
                 by_pc = {pc.settings.name: next(a for a in agents if a["node_id"] == pc.status().node_id) for pc in pcs}
                 assert by_pc["floor3-a"]["approved"] and by_pc["floor3-b"]["approved"]
@@ -175,3 +182,91 @@ def test_pcs_pending_auto_approval_survive_a_restart_and_a_revoked_token_approve
         [("auto_approved", "pc-a", kept.info.token_id)]
     desk.on_records((record("a" * 64, True), record("b" * 64)))
     assert approved == ["a" * 64]  # once is enough
+
+
+# -- the silent install's token file, joined against this service ------------------------------------
+
+def _token_file(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(0o600)
+    return path
+
+
+async def _until_true(predicate, timeout: float, what: str):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not (value := predicate()):
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.1)
+    return value
+
+
+def test_an_agent_joins_with_the_file_which_is_then_gone_and_a_failed_join_keeps_it(tmp_path, shared_service):
+    async def main():
+        service = shared_service.service
+        desk, label = service.token_desk, f"silent-{uuid.uuid4().hex[:6]}"
+        good = desk.issue({"uses": 1, "label": label})["token"]
+        revoked = desk.issue({"uses": 5})
+        desk.revoke(revoked["token_info"]["id"])
+        pc = agent(tmp_path, "rolled-out")
+        await pc.async_start()
+        try:
+            refused = _token_file(tmp_path / "etc" / "refused", f"{revoked['token']}\n"
+                                  f"console={service.host.enrollment}\n")
+            assert await async_join_from_file(pc, refused) == "refused:revoked"
+            assert refused.exists() and not pc.joined
+            # nothing listens on the discard port: unreachable, the file kept, tried again
+            dead = _token_file(tmp_path / "etc" / "dead", f"{good}\nconsole=127.0.0.1:9\n")
+            assert await async_join_from_file(pc, dead, timeout=3) == "unreachable" and dead.exists()
+            keep = asyncio.create_task(async_keep_joining(pc, dead, retry_s=0.2, timeout=3))
+            await asyncio.sleep(0.5)
+            assert not keep.done()  # still retrying an unreachable console
+            _token_file(dead, f"{good}\nconsole={service.host.enrollment}\n")  # the admin fixes the address
+            assert await asyncio.wait_for(keep, 30) == "joined"
+            assert pc.joined and not dead.exists()
+            assert await async_join_from_file(pc, refused) == "already_joined"
+            [info] = [t for t in service.host.tokens.tokens() if t.label == label]
+            assert [a.node_id for a in info.admitted] == [pc.status().node_id]
+        finally:
+            await pc.async_close()
+
+    shared_service.run(main(), 120)
+
+
+@pytest.mark.slow
+def test_the_headless_agent_joins_at_start_from_its_join_file_and_is_auto_approved(tmp_path, shared_service):
+    env = {**os.environ, "DESKFLEET_KEYRING_DIR": str(tmp_path / "agent-keyring")}
+
+    async def main():
+        service, label = shared_service.service, f"rollout-{uuid.uuid4().hex[:6]}"
+        issued = service.token_desk.issue({"uses": 10, "ttl_s": 3600, "auto_approve": True, "label": label})
+        path = _token_file(tmp_path / "etc" / "deskfleet" / "join-token",
+                           f"{issued['token']}\nconsole={service.host.enrollment}\n")
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "engine.cli.main", "agent", "--headless", "--state-dir", str(tmp_path / "a"),
+            "--interface", "127.0.0.1", "--control-port", "0", "--data-port", "0",
+            "--seed", f"127.0.0.1:{service.host.hub.port}", "--join-file", str(path),
+            env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        lines: list[str] = []
+        try:
+            while not any(line.startswith("deskfleet agent: idle") for line in lines):
+                line = await asyncio.wait_for(proc.stdout.readline(), 60)
+                assert line, "the agent exited: " + "".join(lines)
+                lines.append(line.decode())
+            assert any("joined fleet" in line and str(path) in line for line in lines), lines
+            assert not path.exists()
+            [info] = [t for t in service.host.tokens.tokens() if t.label == label]
+            [node] = [a.node_id for a in info.admitted]
+            await _until_true(lambda: any(r.node_id == node and r.approved for r in service.fleet.records()), 30,
+                         "the service to approve the agent")
+            audit = [x["event"] for x in service.host.audit.lines() if x["node_id"] == node]
+            assert audit == ["admitted", "auto_approved"]
+            proc.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(proc.wait(), 30) == 0
+            service.remove(node)  # leave the shared service's fleet as it was
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+
+    shared_service.run(main(), 180)
