@@ -267,7 +267,8 @@ class Coalescer(QObject):
 
     def flush(self) -> None:
         """Apply the pending value now (nothing pending: nothing happens)."""
-        self._timer.stop()
+        if self._timer.isActive():
+            self._timer.stop()
         if not self._has_pending:
             return
         value, self._pending, self._has_pending = self._pending, None, False

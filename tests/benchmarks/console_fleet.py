@@ -87,7 +87,15 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
             "platform": raw.get("platform", ""), "refreshes": len(refresh), "snapshots": len(receive),
             "blocks_ms": blocks, "refresh_ms": [1000 * (e - s) for s, e in refresh],
             "receive_ms": [1000 * (e - s) for s, e in receive], "lag_p95_ms": percentile(lag, 95),
-            "lag_max_ms": max(lag, default=float("nan")), "cpu_cores": raw["cpu_s"] / span}
+            "lag_max_ms": max(lag, default=float("nan")), "cpu_cores": raw["cpu_s"] / span,
+            "pyside": raw.get("pyside", ""), "none_refs_per_s": _none_drift(raw, span)}
+
+
+def _none_drift(raw: dict[str, Any], span: float) -> float:
+    """How fast the console's references to None changed over the run (per second; negative: PySide6's
+    lost references, see console/fleet_page.py)."""
+    refs = raw.get("none_refs")
+    return float("nan") if not refs else (refs[1] - refs[0]) / span
 
 
 def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -103,11 +111,12 @@ def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "block_max_ms": max(blocks, default=float("nan")), "handler_p50_ms": percentile(handler, 50),
             "handler_p95_ms": percentile(handler, 95), "lag_p95_ms": median([r["lag_p95_ms"] for r in runs]),
             "lag_max_ms": max(r["lag_max_ms"] for r in runs), "cpu_cores": median([r["cpu_cores"] for r in runs]),
-            "runs": len(runs)}
+            "none_refs_per_s": median([r["none_refs_per_s"] for r in runs]), "runs": len(runs)}
 
 
 def render(args: argparse.Namespace, table: dict[tuple[int, str], dict[str, Any]], platform: str,
-           flaps_per_s: dict[int, float]) -> str:
+           flaps_per_s: dict[int, float], pyside: str = "",
+           failed: dict[tuple[int, str], list[str]] | None = None) -> str:
     from tests.benchmarks.kit import verdict
     from tests.benchmarks.record import markdown_table
 
@@ -117,7 +126,7 @@ def render(args: argparse.Namespace, table: dict[tuple[int, str], dict[str, Any]
                      f"{f['refreshes_per_s']:.1f}", f"{f['block_p50_ms']:.0f}", f"{f['block_p95_ms']:.0f}",
                      f"{f['block_max_ms']:.0f}", f"{f['handler_p50_ms']:.1f}", f"{f['handler_p95_ms']:.1f}",
                      f"{f['lag_p95_ms']:.0f}", f"{f['lag_max_ms']:.0f}", f"{f['cpu_cores']:.2f}",
-                     verdict(f["block_p95_ms"], TARGET_P95_MS, higher=False)])
+                     f"{f['none_refs_per_s']:+.0f}", verdict(f["block_p95_ms"], TARGET_P95_MS, higher=False)])
     ratios = []
     for agents in sorted({a for a, _ in table}):
         old, new = table.get((agents, "old")), table.get((agents, "new"))
@@ -136,12 +145,27 @@ def render(args: argparse.Namespace, table: dict[tuple[int, str], dict[str, Any]
         f"console/fleet_table_model.py (diff updates coalesced to one per 250 ms, decoding on the loop thread). "
         f"A 5 ms heartbeat timer stamps the GUI thread's event loop; a refresh's block is the longest stall "
         f"within 200 ms of its start (its paint included); lag is every stall of the run; handler is the "
-        f"refresh's own slot time. Target: p95 block per refresh <= {TARGET_P95_MS:.0f} ms.", "",
+        f"refresh's own slot time. Target: p95 block per refresh <= {TARGET_P95_MS:.0f} ms. PySide6 {pyside}; "
+        f"\"None refs/s\" is how fast the console process's references to None moved (PySide6 6.12.0 on "
+        f"CPython 3.11 drops one per void Qt call, and the process aborts when they run out).", "",
         markdown_table(["agents", "page", "changes/s", "snapshots/s", "refreshes/s", "block p50 ms", "block p95 ms",
                         "block max ms", "handler p50 ms", "handler p95 ms", "lag p95 ms", "lag max ms",
-                        "console CPU cores", "p95 ≤ 200 ms"], rows), "",
+                        "console CPU cores", "None refs/s", "p95 ≤ 200 ms"], rows), "",
         "; ".join(ratios) + ("." if ratios else ""),
+        *([f"\nThe old page is run up to {args.old_max_agents} agents only: a refresh of it replaces every "
+           f"QTableWidgetItem of columns sized to their contents, which grows with the square of the rows "
+           f"(minutes at 1,000)."] if "old" in args.variants and max(args.agents) > args.old_max_agents else []),
+        *[f"\n{variant} page at {agents} agents: the console died in {len(whys)} run(s): {whys[0]}"
+          for (agents, variant), whys in sorted((failed or {}).items())],
     ])
+
+
+class ProbeFailed(Exception):
+    """The console process ended without its figures (``why``: its exit and first error line)."""
+
+    def __init__(self, why: str, output: str) -> None:
+        super().__init__(why)
+        self.why, self.output = why, output
 
 
 async def _probe(state: Path, agents: int, variant: str, args: argparse.Namespace, work: Path,
@@ -164,8 +188,10 @@ async def _probe(state: Path, agents: int, variant: str, args: argparse.Namespac
         await proc.wait()
         raise RuntimeError(f"the console probe ({variant}, {agents} agents) did not finish") from None
     if proc.returncode != 0 or not out.is_file():
-        raise RuntimeError(f"the console probe ({variant}, {agents} agents) failed ({proc.returncode}):\n"
-                           f"{output.decode(errors='replace')[-3000:]}")
+        text = output.decode(errors="replace")
+        lines = [line for line in text.splitlines() if line.strip()]
+        why = next((line for line in lines if line.startswith(("Fatal Python error", "Traceback"))), "")
+        raise ProbeFailed(f"exit {proc.returncode}: {why or (lines[-1] if lines else 'no output')}", text)
     return json.loads(out.read_text())
 
 
@@ -193,7 +219,12 @@ async def measure(args: argparse.Namespace, work: Path, say=print) -> dict[str, 
                         shot = args.screenshot if (args.screenshot and variant == "new" and run == 0
                                                    and agents == args.agents[-1]) else None
                         say(f"[console-fleet] {agents} agents, run {run + 1}/{args.runs}, {variant} page…")
-                        raw = await _probe(state, agents, variant, args, work, shot)
+                        try:
+                            raw = await _probe(state, agents, variant, args, work, shot)
+                        except ProbeFailed as exc:  # a result too: the console died under this load
+                            runs.append({"variant": variant, "agents": agents, "run": run, "failed": exc.why})
+                            say(f"[console-fleet]   the console failed: {exc.why}")
+                            continue
                         summary = summarise(raw)
                         summary["run"] = run
                         runs.append(summary)
@@ -252,18 +283,23 @@ def run(args: argparse.Namespace) -> int:
             else:
                 os.environ[k] = v
         shutil.rmtree(work, ignore_errors=True)
-    table = {}
+    table, failed = {}, {}
     for agents in args.agents:
         for variant in args.variants:
             mine = [r for r in measured["runs"] if r["agents"] == agents and r["variant"] == variant]
-            if mine:
-                table[(agents, variant)] = pooled(mine)
+            ok = [r for r in mine if "failed" not in r]
+            if ok:
+                table[(agents, variant)] = pooled(ok)
+            if len(ok) < len(mine):
+                failed[(agents, variant)] = [r["failed"] for r in mine if "failed" in r]
     platform = "xcb under Xvfb" if args.xvfb else "offscreen"
     write_json(args.json, {"machine": machine_info(), "flap_per_s": args.flap_per_s, "seconds": args.seconds,
                            "platform": platform, "flaps_measured_per_s": measured["flaps_per_s"],
                            "table": [{"agents": a, "variant": v, **f} for (a, v), f in table.items()],
                            "runs": measured["runs"]})
-    update_section(args.doc, "console-fleet", render(args, table, platform, measured["flaps_per_s"]))
+    pyside = ", ".join(sorted({r["pyside"] for r in measured["runs"] if r.get("pyside")}))
+    update_section(args.doc, "console-fleet", render(args, table, platform, measured["flaps_per_s"], pyside,
+                                                      failed))
     for (agents, variant), f in table.items():
         print(f"{agents:>5} agents  {variant}: block p50 {f['block_p50_ms']:.0f} ms, p95 {f['block_p95_ms']:.0f} ms, "
               f"max {f['block_max_ms']:.0f} ms; {f['refreshes_per_s']:.1f} refreshes/s")

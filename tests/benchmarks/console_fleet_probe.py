@@ -37,6 +37,7 @@ def _timed(spans: list[tuple[float, float]], fn: Callable[..., Any], t0: float) 
 
 def probe(state_dir: Path, agents: int, variant: str, seconds: float, beat_ms: int,
           screenshot: Path | None = None) -> dict[str, Any]:
+    import PySide6
     from PySide6.QtCore import Qt, QTimer
     from PySide6.QtWidgets import QApplication
 
@@ -87,12 +88,14 @@ def probe(state_dir: Path, agents: int, variant: str, seconds: float, beat_ms: i
         heartbeat.timeout.connect(lambda: beats.append(time.perf_counter() - t0))
         receive.clear()
         refresh.clear()
+        nones = sys.getrefcount(None)  # PySide6 6.12.0 on CPython 3.11 drops one per void Qt call
         start, cpu = time.perf_counter() - t0, time.process_time()
         heartbeat.start()
         QTimer.singleShot(int(seconds * 1000), app.quit)
         app.exec()
         heartbeat.stop()
         end, cpu = time.perf_counter() - t0, time.process_time() - cpu
+        nones = (nones, sys.getrefcount(None))
         if screenshot is not None:
             if variant != "old":  # a few agents selected: the buttons that act on all of them enabled
                 page.select({page.model.record(r).key for r in range(min(4, page.model.rowCount()))})
@@ -101,7 +104,8 @@ def probe(state_dir: Path, agents: int, variant: str, seconds: float, beat_ms: i
             window.grab().save(str(screenshot))
         return {"variant": variant, "agents": agents, "rows": rows(), "start": start, "end": end,
                 "beat_s": beat_ms / 1000, "beats": beats, "receive": receive if variant != "old" else list(refresh),
-                "refresh": list(refresh), "cpu_s": cpu, "platform": app.platformName()}
+                "refresh": list(refresh), "cpu_s": cpu, "platform": app.platformName(),
+                "none_refs": nones, "pyside": PySide6.__version__}
     finally:
         window.shutdown()
         bridge.close()

@@ -424,3 +424,32 @@ def test_the_fleet_page_approves_pauses_resumes_and_removes_every_selected_agent
         page.tokens_button.click()  # the reusable join tokens, in a dialog of their own
         assert isinstance(page.tokens_dialog, QtTokensDialog) and page.tokens_dialog.isVisible()
         page.tokens_dialog.close()
+
+
+def test_a_refresh_that_changes_nothing_on_screen_makes_no_qt_call_that_drops_a_reference(qtbot):
+    """PySide6 6.12.0 on CPython 3.11 drops a reference to None on every void Qt call and the
+    process aborts when they run out: the page's per-refresh path calls Qt only for what changed.
+    (On an interpreter where None is immortal the count does not move at all.)"""
+    import sys
+
+    from PySide6.QtCore import QObject, Signal
+
+    from console.fleet_page import QtFleetPage
+
+    class Bridge(QObject):  # the signals the page listens to; records come from the test
+        records_changed, token_changed, started = Signal(object), Signal(str), Signal()
+        records, enrollment = (), ""
+
+        def new_token(self) -> None:
+            raise AssertionError("not pressed here")
+
+    page = QtFleetPage(Bridge(), coalesce_ms=0)
+    qtbot.addWidget(page)
+    snapshots = [tuple(_rec(i, last_seen=float(k)) for i in range(200)) for k in range(60)]
+    page._apply(snapshots[0])
+    page.select({"n0003", "n0004"})
+    before = sys.getrefcount(None)
+    for snapshot in snapshots[1:]:
+        page._apply(snapshot)
+    assert sys.getrefcount(None) - before > -20  # not one (or five) per refresh
+    assert page.model.applied == 61 and [r.name for r in page.selected()] == ["pc-0003", "pc-0004"]
