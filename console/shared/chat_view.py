@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from PySide6.QtCore import Qt, QTimer, QUrl
-from PySide6.QtGui import QCloseEvent, QDesktopServices, QFont, QGuiApplication
+from PySide6.QtGui import QCloseEvent, QDesktopServices, QFont, QGuiApplication, QTextCursor
 from PySide6.QtWidgets import (
     QComboBox,
     QHBoxLayout,
@@ -164,8 +164,10 @@ class QtChatWindow(QWidget):
         self.transcript.setOpenLinks(False)  # Copy links and web links are handled in _on_anchor
         self.transcript.anchorClicked.connect(self._on_anchor)
         self._render_timer = QTimer(self, singleShot=True, interval=RENDER_EVERY_MS)
-        self._render_timer.timeout.connect(self._render)
+        self._render_timer.timeout.connect(self._render_streaming)
         self._last_render = 0.0
+        self._render_cost_ms = 0.0  # the last streaming render's; the next waits at least twice that
+        self._stream_at: tuple[str, int, int] | None = None  # (chat, message index, where its HTML starts)
 
         self.fleet_label = QLabel()  # whether the fleet can answer now, and why not
         self.fleet_label.setWordWrap(True)
@@ -480,14 +482,39 @@ class QtChatWindow(QWidget):
     # ---- the transcript ------------------------------------------------------------------------
 
     def _render_soon(self) -> None:
-        """A delta arrived: render now if the last render is old enough, else once the timer fires."""
+        """A delta arrived: render now if the last render is old enough, else once the timer fires.
+        Old enough: RENDER_EVERY_MS, or twice the last render's cost, so rendering takes at most
+        about a third of the GUI thread however long the answer grows."""
         if self._render_timer.isActive():
             return
-        wait = RENDER_EVERY_MS - (time.monotonic() - self._last_render) * 1000
+        every = max(RENDER_EVERY_MS, 2 * self._render_cost_ms)
+        wait = every - (time.monotonic() - self._last_render) * 1000
         if wait <= 0:
-            self._render()
+            self._render_streaming()
         else:
             self._render_timer.start(int(wait))
+
+    def _render_streaming(self) -> None:
+        """Re-render only the answer being streamed: replace its part of the document (from where
+        the last full render put it) with its new HTML; the finished messages before it stay."""
+        conversation = self.model.current
+        if (conversation is None or not conversation.streaming or self._stream_at is None
+                or self._stream_at[:2] != (conversation.id, len(conversation.messages) - 1)):
+            self._render()
+            return
+        started = time.monotonic()
+        self._render_timer.stop()
+        scroll = self.transcript.verticalScrollBar()
+        at_end = scroll.value() >= scroll.maximum() - 4
+        index = len(conversation.messages) - 1
+        cursor = QTextCursor(self.transcript.document())
+        cursor.setPosition(self._stream_at[2])
+        cursor.movePosition(QTextCursor.MoveOperation.End, QTextCursor.MoveMode.KeepAnchor)
+        cursor.insertHtml(self._message_html(index, conversation.messages[index]))
+        if at_end:
+            scroll.setValue(scroll.maximum())
+        self._last_render = time.monotonic()
+        self._render_cost_ms = (self._last_render - started) * 1000
 
     def _message_html(self, index: int, m: Message) -> str:
         key = (index, m.role, m.state, m.content)
@@ -513,18 +540,30 @@ class QtChatWindow(QWidget):
         return out
 
     def _render(self) -> None:
-        """The whole current conversation (finished messages from the cache)."""
+        """The whole current conversation (finished messages from the cache); an answer being
+        streamed goes after them, where :meth:`_render_streaming` can replace it alone."""
         self._render_timer.stop()
         self._last_render = time.monotonic()
         conversation = self.model.current
         self._code = {}
+        self._stream_at = None
         scroll = self.transcript.verticalScrollBar()
         at_end = scroll.value() >= scroll.maximum() - 4
-        parts = [self._message_html(i, m) for i, m in enumerate(conversation.messages if conversation else ())]
+        messages = conversation.messages if conversation else []
+        streaming = conversation is not None and conversation.streaming
+        finished = messages[:-1] if streaming else messages
+        parts = [self._message_html(i, m) for i, m in enumerate(finished)]
         if len(self._html_cache) > 500:
             self._html_cache.clear()
         self.transcript.setHtml("".join(parts))
-        if at_end or (conversation is not None and conversation.streaming):
+        if streaming:
+            cursor = QTextCursor(self.transcript.document())
+            cursor.movePosition(QTextCursor.MoveOperation.End)
+            if parts:
+                cursor.insertBlock()  # the answer's first paragraph must not join the last one before it
+            self._stream_at = (conversation.id, len(messages) - 1, cursor.position())
+            cursor.insertHtml(self._message_html(len(messages) - 1, messages[-1]))
+        if at_end or streaming:
             scroll.setValue(scroll.maximum())
 
     def _update_speed(self) -> None:

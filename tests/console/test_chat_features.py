@@ -77,6 +77,38 @@ def test_a_markdown_answer_renders_and_its_code_block_copies(qtbot):
             window.close()
 
 
+def test_while_it_streams_only_the_answer_is_rerendered_and_it_reads_as_a_full_render(qtbot):
+    """The streaming path replaces the answer's part of the document alone; sampled mid-answer (in a
+    list, a code block, a table), the transcript is what a full re-render of the chat shows."""
+    with chat_api(fake=SlowGenerator(MARKDOWN_ANSWER, delay=0.004)) as url:
+        window = open_window(qtbot, url)
+        try:
+            ask(qtbot, window, "First question")  # a finished answer before the streamed one
+            window.input.setText("How do I count words?")
+            window.send()
+            samples = []
+            points = [150, 300, 400, 480]  # in the code block, the list, the table, the quote
+
+            def sample() -> bool:
+                content = window.model.current.messages[-1].content
+                if window.streaming and points and len(content) >= points[0]:
+                    points.pop(0)
+                    window._render_streaming()
+                    streamed = (window.transcript.toPlainText(), len(tables(window)))
+                    window._render()
+                    assert (window.transcript.toPlainText(), len(tables(window))) == streamed
+                    samples.append(streamed)
+                return not points or not window.streaming
+
+            qtbot.waitUntil(sample, timeout=WAIT_MS)
+            assert len(samples) >= 3, "the answer ended before it could be sampled"
+            assert [n for _, n in samples][:3] == [3, 3, 4]  # its code block, then its table, grow in
+            qtbot.waitUntil(lambda: not window.streaming, timeout=WAIT_MS)
+            assert len(tables(window)) == 4  # two code blocks and two tables: both answers, whole
+        finally:
+            window.close()
+
+
 def test_the_model_picker_appears_for_several_models_and_picks_the_one_asked(qtbot):
     alpha, beta = CannedGenerator("I am alpha."), CannedGenerator("I am beta.")
     with chat_api(alpha=alpha, beta=beta) as url:
