@@ -148,3 +148,41 @@ def test_logprobs_without_a_grammar_are_the_raw_log_softmax_and_greedy_still_dec
     assert event.token_id == int(raw[0].argmax())
     assert event.logprob == pytest.approx(want.max(), abs=1e-5)
     assert [t for t, _ in event.top_logprobs] == list(np.argsort(-want)[:5])
+
+
+@pytest.mark.slow  # two coordinators over the real export (~8 s)
+def test_speculation_on_the_real_model_gives_the_same_constrained_answer_with_drafts_rejected(tiny_export):
+    """The stateful coordinator over the tiny 2-stage export with prompt-lookup drafts: the prompt
+    holds JSON of the schema's shape, so the drafter proposes continuations the grammar allows and
+    the (masked) target often disagrees with; greedy speculation must still give exactly the
+    answer of plain decoding, valid for the schema, with the same log-probabilities."""
+    from engine.coordinator.coordinator import Coordinator
+    from engine.coordinator.speculation import SpeculationConfig, Speculator
+    from engine.generation.tokenizer import ChatTokenizer
+    from engine.shards.manifest import load_manifest
+    from tests.support.asyncutil import run
+
+    export = tiny_export("llama", 2)
+    examples = " ".join(json.dumps({"ok": ok, "n": n, "tag": tag}) for ok, n, tag in
+                        ((True, 2, "red"), (False, 3, "blue"), (True, 1, "green"), (False, 2, "red")))
+    prompt = tuple(ChatTokenizer(export / "tokenizer").encode(examples))
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]},
+                                               "tag": {"enum": ["red", "green", "blue"]}},
+              "required": ["ok", "n", "tag"], "additionalProperties": False}
+    request = GenerationRequest(prompt, 80, constraint=JsonConstraint(json.dumps(schema), "s", True),
+                                logprobs=1)
+
+    async def answer(speculation):
+        async with Coordinator.local(export, exact=True, speculation=speculation) as c:
+            events = [e async for e in c.stream(request)]
+            return events, c.metrics()
+
+    plain, _ = run(answer(None))
+    drafted, metrics = run(answer(Speculator(SpeculationConfig("lookup", k=4), exact=True)))
+    assert [e.token_id for e in drafted] == [e.token_id for e in plain]
+    assert [e.logprob for e in drafted] == pytest.approx([e.logprob for e in plain], abs=1e-5)
+    assert plain[-1].finish is FinishReason.STOP
+    vocabulary = GrammarVocabulary.of_export(export, load_manifest(export))
+    text = vocabulary.load().text([e.token_id for e in plain if e.token_id not in vocabulary.eos_ids])
+    assert set(json.loads(text)) == {"ok", "n", "tag"}
+    assert metrics["speculation_proposed_total"] > metrics["speculation_accepted_total"] > 0
