@@ -159,3 +159,20 @@ def test_screenshots_of_the_dashboard_and_the_live_ring(tmp_path, module_dirs, t
     dashboard = colours(SHOTS[0], 0.0, 0.2)  # the state bar and its legend
     assert {COLOURS[s] for s in STATES_SHOWN} <= dashboard
     assert BOTTLENECK.name() in colours(SHOTS[1], 0.25, 1.0)  # the ring's slowest stage or hop
+
+
+def test_a_sparkline_draws_on_its_fixed_scale(qtbot):
+    from console.sparkline import QtSparkline
+
+    spark = QtSparkline(ceiling=100.0)
+    qtbot.addWidget(spark)
+    spark.resize(200, 30)
+    assert spark.points() == []
+    spark.set_values([0.0, 50.0, 100.0, 140.0, -5.0])  # out of scale: clamped
+    area, points = spark.line_area(), spark.points()
+    assert spark.values == [0.0, 50.0, 100.0, 100.0, 0.0]
+    assert [round(p.y(), 3) for p in points] == [round(area.bottom(), 3), round(area.center().y(), 3),
+                                                 round(area.top(), 3), round(area.top(), 3), round(area.bottom(), 3)]
+    assert points[0].x() == area.left() and points[-1].x() == area.right()
+    image = spark.grab().toImage()
+    assert not image.isNull()

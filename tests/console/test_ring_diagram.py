@@ -140,3 +140,43 @@ def test_the_widget_keeps_boxes_apart_for_a_large_ring(qtbot):
         for b in centres[i + 1:]:
             assert abs(a.x() - b.x()) >= w - 1 or abs(a.y() - b.y()) >= h - 1, "two boxes overlap"
     assert not widget.grab().toImage().isNull()
+
+
+# -- the Distribution page's diagram, driven by the serving's signals (no service attached) ------------
+
+def test_the_distribution_page_draws_the_plan_and_follows_the_rings_metrics_and_records(qtbot, tmp_path):
+    import dataclasses
+
+    from console.distribution_page import QtDistributionPage, stage_state
+    from console.service.console_settings import ConsoleSettings
+    from console.service_bridge import ServiceBridge
+    from console.service_serving import ServiceServing
+    from tests.console.test_dashboard import record
+
+    bridge = ServiceBridge(ConsoleSettings(state_dir=tmp_path))
+    try:
+        serving = ServiceServing(bridge)
+        page = QtDistributionPage(serving, bridge.session)
+        qtbot.addWidget(page)
+        assert page.ring.diagram is None and "Placement page" in page.ring.empty_text
+        bridge.session.set_plan(a_plan())
+        d = page.ring.diagram
+        assert [s.name for s in d.stages] == ["node-a", "node-b", "node-c"] and d.bottleneck.index == 1
+        serving.metrics.emit({'stage_compute_ms_per_step{stage="2"}': 11.0, "tokens_per_second": 3.0})
+        assert page.ring.diagram.stages[2].measured_ms == 11.0 and page.ring.diagram.bottleneck.index == 2
+        named = [dataclasses.replace(record(n, "paused" if n == "pc-b" else "idle"), node_id=f"node-{n[-1]}")
+                 for n in ("pc-a", "pc-b")]
+        bridge.records = tuple(named)
+        bridge.records_changed.emit(bridge.records)
+        d = page.ring.diagram
+        assert [s.name for s in d.stages] == ["pc-a", "pc-b", "node-c"]
+        assert [s.state for s in d.stages] == ["planned", "paused", "planned"]  # idle, not up: planned
+        assert d.stages[2].measured_ms == 11.0  # the last measurement stays until a new ring comes up
+        serving.phase_changed.emit("distributing")
+        assert page.ring.diagram.stages[2].measured_ms is None
+    finally:
+        bridge.close()
+    assert stage_state(None, "serving") == "unreachable" and stage_state(None, "idle") == "planned"
+    unreachable = record("x", "serving", reachable=False)
+    assert stage_state(unreachable, "serving") == "unreachable"
+    assert stage_state(record("x", "serving"), "serving") == "serving"
