@@ -48,7 +48,7 @@ _CUTS_MIN_S = 1.0  # time the cuts model needs at least to be worth building aft
 # Range columns up to which the cuts model proves a gap away faster than the restriction and
 # re-splits narrow it (measured: 6 devices x 14 layers, 630 columns, 0.06 s).
 _CUTS_SMALL = 5_000
-_CUTS_SHARE, _CUTS_RESERVE_S = 0.8, 0.5  # of the time left, and kept back from it (HiGHS overshoots)
+_CUTS_SHARE, _CUTS_RESERVE_S = 0.7, 1.0  # of the time left, and kept back from it (HiGHS overshoots)
 
 
 @dataclass(frozen=True)
