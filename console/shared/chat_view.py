@@ -7,10 +7,9 @@ may let the window own one); each delta is posted back through
 :class:`console.shared.qt_async.QtAsync`, so tokens appear as they arrive without a widget ever
 being touched from the loop's thread.
 
-Answers are Markdown (:mod:`console.shared.markdown`); each code block has a "Copy" link
-(``copy:<message>:<block>``) that puts its text on the clipboard. While an answer streams, the
-transcript is re-rendered at most every :data:`RENDER_EVERY_MS` (finished messages' HTML is kept),
-so a long answer costs a render per frame, not per token. With a store
+Answers are Markdown, each code block with a "Copy" link, in the transcript
+(:mod:`console.shared.transcript`), which re-renders only the streamed answer, at most once a
+frame. With a store
 (:class:`console.shared.conversations.ConversationStore`) the chats are kept on disk and listed
 newest first. A line above the input says whether the fleet can answer now and, if not, why
 (:mod:`console.shared.fleet_line`), from ``/health`` every :data:`HEALTH_EVERY_S` and from each
@@ -22,13 +21,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
-import html
 import time
 from collections.abc import Mapping
 from typing import Any
 
-from PySide6.QtCore import Qt, QTimer, QUrl
-from PySide6.QtGui import QCloseEvent, QDesktopServices, QFont, QGuiApplication, QTextCursor
+from PySide6.QtCore import Qt, QTimer
+from PySide6.QtGui import QCloseEvent, QFont
 from PySide6.QtWidgets import (
     QComboBox,
     QHBoxLayout,
@@ -39,12 +37,11 @@ from PySide6.QtWidgets import (
     QMessageBox,
     QPushButton,
     QSplitter,
-    QTextBrowser,
     QVBoxLayout,
     QWidget,
 )
 
-from console.shared import fleet_line, markdown
+from console.shared import fleet_line
 from console.shared.chat_input import QtChatInput
 from console.shared.chat_model import (
     DONE,
@@ -52,22 +49,18 @@ from console.shared.chat_model import (
     MODELS_TIMEOUT_S,
     REPLY_TIMEOUT_S,
     STOPPED,
-    STREAMING,
     ChatClient,
     ChatError,
     ChatEvent,
     ChatModel,
-    Message,
     ReplyResult,
     async_stream_reply,
 )
 from console.shared.conversations import ConversationStore, keep
 from console.shared.loop_thread import LoopThread
 from console.shared.qt_async import QtAsync
+from console.shared.transcript import QtTranscript
 
-ROLE_LABELS = {"user": "You", "assistant": "Fleet", "system": "System"}
-ENDINGS = {STOPPED: "stopped", FAILED: "failed"}
-RENDER_EVERY_MS = 60
 HEALTH_EVERY_S = 10.0
 COPIED_FOR_MS = 2500
 
@@ -96,9 +89,6 @@ class QtChatWindow(QWidget):
         self._reply_token: object | None = None  # tells this reply's late deltas from the next one's
         self._checking = False
         self._closed = False
-        # finished messages' HTML and code blocks, by (index, role, state, content)
-        self._html_cache: dict[tuple[int, str, str, str], tuple[str, tuple[markdown.CodeBlock, ...]]] = {}
-        self._code: dict[int, tuple[markdown.CodeBlock, ...]] = {}  # message index -> its code blocks
         self._build()
         damaged = ()
         if store is not None:
@@ -109,7 +99,7 @@ class QtChatWindow(QWidget):
         if self.model.current is None:
             self.model.new_conversation()  # a window opens on a fresh chat; the saved ones are listed
         else:
-            self._render()
+            self.transcript.show_conversation(self.model.current)
         self.check_fleet()
         self._health_timer.start()
 
@@ -160,14 +150,8 @@ class QtChatWindow(QWidget):
         self._copied_timer = QTimer(self, singleShot=True, interval=COPIED_FOR_MS)
         self._copied_timer.timeout.connect(self.copied_label.clear)
 
-        self.transcript = QTextBrowser()
-        self.transcript.setOpenLinks(False)  # Copy links and web links are handled in _on_anchor
-        self.transcript.anchorClicked.connect(self._on_anchor)
-        self._render_timer = QTimer(self, singleShot=True, interval=RENDER_EVERY_MS)
-        self._render_timer.timeout.connect(self._render_streaming)
-        self._last_render = 0.0
-        self._render_cost_ms = 0.0  # the last streaming render's; the next waits at least twice that
-        self._stream_at: tuple[str, int, int] | None = None  # (chat, message index, where its HTML starts)
+        self.transcript = QtTranscript(lambda: self.model.current)
+        self.transcript.code_copied.connect(self._code_copied)
 
         self.fleet_label = QLabel()  # whether the fleet can answer now, and why not
         self.fleet_label.setWordWrap(True)
@@ -236,10 +220,6 @@ class QtChatWindow(QWidget):
 
         self.qt_async.call(look(), timeout=2 * MODELS_TIMEOUT_S + 5, what="asking how the fleet is",
                            on_result=self._fleet_looked, on_error=self._fleet_look_failed)
-
-    def refresh_models(self) -> None:
-        """Kept for the shells: the Chat page calls it when the API's address is confirmed."""
-        self.check_fleet()
 
     def send(self) -> None:
         """Send the input line in the current conversation and stream the answer."""
@@ -318,13 +298,9 @@ class QtChatWindow(QWidget):
         if answer == QMessageBox.StandardButton.Yes:
             self.delete_current()
 
-    def copy_code(self, message_index: int, block: int) -> str:
-        """Put code block ``block`` of message ``message_index`` (of the current chat) on the clipboard."""
-        code = self._code[message_index][block].text
-        QGuiApplication.clipboard().setText(code)
+    def _code_copied(self, _code: str) -> None:
         self.copied_label.setText("Code copied to the clipboard")
         self._copied_timer.start()
-        return code
 
     @property
     def streaming(self) -> bool:
@@ -401,16 +377,6 @@ class QtChatWindow(QWidget):
                                        "are: " + "; ".join(map(str, damaged)))
         self.damaged_label.setVisible(bool(damaged))
 
-    def _on_anchor(self, url: QUrl) -> None:
-        if url.scheme() == "copy":
-            try:
-                message, block = (int(part) for part in url.path().split(":"))
-                self.copy_code(message, block)
-            except (ValueError, KeyError, IndexError):
-                pass  # a link of an older render: nothing to copy
-        elif url.scheme() in ("http", "https", "mailto"):
-            QDesktopServices.openUrl(url)
-
     # ---- model events -> widgets ---------------------------------------------------------------
 
     def _on_event(self, event: ChatEvent) -> None:
@@ -419,14 +385,14 @@ class QtChatWindow(QWidget):
         elif event.kind == "selected":
             self._select_item(event.conversation_id)
             self._fill_models()  # a chat reopens on the model that answered it, while it is served
-            self._render()
+            self.transcript.show_conversation(self.model.current)
         elif event.kind == "models":
             self._fill_models()
         elif event.conversation_id == self.model.current_id:
             if event.kind == "delta":
-                self._render_soon()
+                self.transcript.streamed()
             else:
-                self._render()
+                self.transcript.show_conversation(self.model.current)
             if event.kind in ("message", "ended", "renamed"):
                 self._fill_list()
         elif event.kind in ("message", "ended", "renamed"):
@@ -478,93 +444,6 @@ class QtChatWindow(QWidget):
     def _on_model_chosen(self, name: str) -> None:
         if name:
             self.model.model_name = name
-
-    # ---- the transcript ------------------------------------------------------------------------
-
-    def _render_soon(self) -> None:
-        """A delta arrived: render now if the last render is old enough, else once the timer fires.
-        Old enough: RENDER_EVERY_MS, or twice the last render's cost, so rendering takes at most
-        about a third of the GUI thread however long the answer grows."""
-        if self._render_timer.isActive():
-            return
-        every = max(RENDER_EVERY_MS, 2 * self._render_cost_ms)
-        wait = every - (time.monotonic() - self._last_render) * 1000
-        if wait <= 0:
-            self._render_streaming()
-        else:
-            self._render_timer.start(int(wait))
-
-    def _render_streaming(self) -> None:
-        """Re-render only the answer being streamed: replace its part of the document (from where
-        the last full render put it) with its new HTML; the finished messages before it stay."""
-        conversation = self.model.current
-        if (conversation is None or not conversation.streaming or self._stream_at is None
-                or self._stream_at[:2] != (conversation.id, len(conversation.messages) - 1)):
-            self._render()
-            return
-        started = time.monotonic()
-        self._render_timer.stop()
-        scroll = self.transcript.verticalScrollBar()
-        at_end = scroll.value() >= scroll.maximum() - 4
-        index = len(conversation.messages) - 1
-        cursor = QTextCursor(self.transcript.document())
-        cursor.setPosition(self._stream_at[2])
-        cursor.movePosition(QTextCursor.MoveOperation.End, QTextCursor.MoveMode.KeepAnchor)
-        cursor.insertHtml(self._message_html(index, conversation.messages[index]))
-        if at_end:
-            scroll.setValue(scroll.maximum())
-        self._last_render = time.monotonic()
-        self._render_cost_ms = (self._last_render - started) * 1000
-
-    def _message_html(self, index: int, m: Message) -> str:
-        key = (index, m.role, m.state, m.content)
-        cached = self._html_cache.get(key)
-        if cached is not None:
-            self._code[index] = cached[1]
-            return cached[0]
-        label = ROLE_LABELS.get(m.role, m.role)
-        ending = f" <i>({ENDINGS[m.state]})</i>" if m.state in ENDINGS else ""
-        code: tuple[markdown.CodeBlock, ...] = ()
-        if m.role == "assistant":
-            rendered = markdown.render(m.content, copy_prefix=f"copy:{index}:")
-            code = self._code[index] = rendered.code_blocks
-            body = rendered.html + ("<p>▍</p>" if m.state == STREAMING else "")
-            if m.state == FAILED and m.error:
-                body += f'<p style="color: #b3261e;">{html.escape(m.error)}</p>'
-        else:
-            body = "<p>" + html.escape(m.content).replace("\n", "<br/>") + "</p>"
-        colour = "#1a4e8a" if m.role == "user" else "#3c4043"
-        out = f'<p style="margin-top: 12px;"><b style="color: {colour};">{label}</b>{ending}</p>{body}'
-        if m.state != STREAMING:
-            self._html_cache[key] = (out, code)
-        return out
-
-    def _render(self) -> None:
-        """The whole current conversation (finished messages from the cache); an answer being
-        streamed goes after them, where :meth:`_render_streaming` can replace it alone."""
-        self._render_timer.stop()
-        self._last_render = time.monotonic()
-        conversation = self.model.current
-        self._code = {}
-        self._stream_at = None
-        scroll = self.transcript.verticalScrollBar()
-        at_end = scroll.value() >= scroll.maximum() - 4
-        messages = conversation.messages if conversation else []
-        streaming = conversation is not None and conversation.streaming
-        finished = messages[:-1] if streaming else messages
-        parts = [self._message_html(i, m) for i, m in enumerate(finished)]
-        if len(self._html_cache) > 500:
-            self._html_cache.clear()
-        self.transcript.setHtml("".join(parts))
-        if streaming:
-            cursor = QTextCursor(self.transcript.document())
-            cursor.movePosition(QTextCursor.MoveOperation.End)
-            if parts:
-                cursor.insertBlock()  # the answer's first paragraph must not join the last one before it
-            self._stream_at = (conversation.id, len(messages) - 1, cursor.position())
-            cursor.insertHtml(self._message_html(len(messages) - 1, messages[-1]))
-        if at_end or streaming:
-            scroll.setValue(scroll.maximum())
 
     def _update_speed(self) -> None:
         conversation = self.model.current

@@ -8,10 +8,12 @@ from __future__ import annotations
 import pytest
 from PySide6.QtCore import QUrl
 from PySide6.QtGui import QGuiApplication, QTextTable
+from PySide6.QtWidgets import QTextBrowser
 
 from console.shared.chat_model import DONE, FAILED, STOPPED
 from console.shared.chat_view import QtChatWindow
 from console.shared.conversations import ConversationStore
+from console.shared.transcript import QtTranscript
 from tests.console.chat_helpers import (
     MARKDOWN_ANSWER,
     MARKDOWN_CODE,
@@ -41,11 +43,12 @@ def ask(qtbot, window: QtChatWindow, question: str) -> None:
     qtbot.waitUntil(lambda: not window.streaming, timeout=WAIT_MS)
 
 
-def tables(window: QtChatWindow) -> list[QTextTable]:
+def tables(view: QtChatWindow | QTextBrowser) -> list[QTextTable]:
+    browser = view.transcript if isinstance(view, QtChatWindow) else view
     found = []
-    block = window.transcript.document().begin()
+    block = browser.document().begin()
     while block.isValid():
-        cursor = window.transcript.textCursor()
+        cursor = browser.textCursor()
         cursor.setPosition(block.position())
         table = cursor.currentTable()
         if table is not None and table not in found:
@@ -78,8 +81,11 @@ def test_a_markdown_answer_renders_and_its_code_block_copies(qtbot):
 
 
 def test_while_it_streams_only_the_answer_is_rerendered_and_it_reads_as_a_full_render(qtbot):
-    """The streaming path replaces the answer's part of the document alone; sampled mid-answer (in a
-    list, a code block, a table), the transcript is what a full re-render of the chat shows."""
+    """The streaming path replaces the answer's part of the document alone, delta after delta;
+    sampled mid-answer (in its code block, list, table, quote), it reads as a full render of the chat
+    in a second transcript."""
+    reference = QtTranscript(lambda: None)
+    qtbot.addWidget(reference)
     with chat_api(fake=SlowGenerator(MARKDOWN_ANSWER, delay=0.004)) as url:
         window = open_window(qtbot, url)
         try:
@@ -93,10 +99,11 @@ def test_while_it_streams_only_the_answer_is_rerendered_and_it_reads_as_a_full_r
                 content = window.model.current.messages[-1].content
                 if window.streaming and points and len(content) >= points[0]:
                     points.pop(0)
-                    window._render_streaming()
+                    window.transcript.render_streaming(window.model.current)
+                    assert window.transcript.stream_at is not None  # the partial path, not a full render
                     streamed = (window.transcript.toPlainText(), len(tables(window)))
-                    window._render()
-                    assert (window.transcript.toPlainText(), len(tables(window))) == streamed
+                    reference.show_conversation(window.model.current)
+                    assert (reference.toPlainText(), len(tables(reference))) == streamed
                     samples.append(streamed)
                 return not points or not window.streaming
 
@@ -105,6 +112,7 @@ def test_while_it_streams_only_the_answer_is_rerendered_and_it_reads_as_a_full_r
             assert [n for _, n in samples][:3] == [3, 3, 4]  # its code block, then its table, grow in
             qtbot.waitUntil(lambda: not window.streaming, timeout=WAIT_MS)
             assert len(tables(window)) == 4  # two code blocks and two tables: both answers, whole
+            assert window.transcript.stream_at is None
         finally:
             window.close()
 
