@@ -6,9 +6,10 @@
   calls and signals; Qt is never touched from the loop);
 - :mod:`~console.shared.chat_model` and :mod:`~console.shared.chat_view`: the chat with the
   fleet's OpenAI API, a Qt-free model and its thin Qt window (the console's Chat page and the
-  tray's "Chat" both open it); Qt-free beside them: :mod:`~console.shared.markdown` (answers as
-  rich text, a Copy link per code block), :mod:`~console.shared.conversations` (the chats kept on
-  disk per user) and :mod:`~console.shared.fleet_line` (the line saying why the fleet cannot
+  tray's "Chat" both open it), with its parts :mod:`~console.shared.transcript` and
+  :mod:`~console.shared.chat_input`; Qt-free beside them: :mod:`~console.shared.markdown` (answers
+  as rich text, a Copy link per code block), :mod:`~console.shared.conversations` (the chats kept
+  on disk per user) and :mod:`~console.shared.fleet_line` (the line saying why the fleet cannot
   answer now).
 
 Who may import it: anything in ``console`` and in ``agent``; it is the only part of the console

@@ -9,9 +9,8 @@ being touched from the loop's thread.
 
 Answers are Markdown, each code block with a "Copy" link, in the transcript
 (:mod:`console.shared.transcript`), which re-renders only the streamed answer, at most once a
-frame. With a store
-(:class:`console.shared.conversations.ConversationStore`) the chats are kept on disk and listed
-newest first. A line above the input says whether the fleet can answer now and, if not, why
+frame. With a store (:class:`console.shared.conversations.ConversationStore`) the chats are
+kept on disk and listed newest first. A line above the input says whether the fleet can answer now and, if not, why
 (:mod:`console.shared.fleet_line`), from ``/health`` every :data:`HEALTH_EVERY_S` and from each
 failed call.
 """
