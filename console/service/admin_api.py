@@ -249,7 +249,8 @@ class AdminApi:
             return j(await s.async_propose_rings(
                 q.match_info["id"], request_from_json(field(body, "request", dict, default={})),
                 standbys=field(body, "standbys", int, default=1), rings=field(body, "max_rings", int, optional=True),
-                leave_out=strings(body, "leave_out")))
+                leave_out=strings(body, "leave_out"),
+                **{n: strings(body, n) for n in ("include_tags", "exclude_tags") if body.get(n) is not None}))
 
         async def rings(q):
             return j({"rings": [x.to_json() for x in s.rings.values()]})

@@ -55,7 +55,7 @@ from console.service.placement_store import (
     PlacementNotFoundError,  # noqa: F401 (named here before)
     PlacementStore,
 )
-from console.service.placing import async_new_placement, async_solve_again, checked_tags
+from console.service.placing import async_new_placement, async_solve_again, checked_tags, ring_pcs
 from console.service.records_feed import RecordsPublisher
 from console.service.served_rings import ServedRing, ServedRings, check_ring_id, next_ring_id
 from console.service.service_events import EventFeed, Jobs
@@ -416,14 +416,17 @@ class FleetService:
         return agent_json(self.fleet.set_tags(key, None if tags is None else tuple(tags)))
 
     async def async_propose_rings(self, placement_id: str, request: PlacementRequest, *, standbys: int = 1,
-                                  rings: int | None = None, leave_out: Collection[str] = ()) -> dict[str, Any]:
+                                  rings: int | None = None, leave_out: Collection[str] = (),
+                                  include_tags: Collection[str] | None = None,
+                                  exclude_tags: Collection[str] | None = None) -> dict[str, Any]:
         """How many rings of the placement's model the agents allow, with ``standbys`` kept aside;
-        the rings already served stay as they are (a new ring never moves one)."""
+        the rings already served stay as they are (a new ring never moves one). Tags None: the
+        placement's own."""
         from engine.placement.rings import RingsRequest, plan_rings
 
         placement = self.placement(placement_id)
         inputs = placement.inputs
-        pcs = [dataclasses.replace(pc, approved=False) if pc.pc_id in leave_out else pc for pc in inputs.pcs]
+        pcs, reasons = ring_pcs(placement, self.fleet.records(), leave_out, include_tags, exclude_tags)
         known = {pc.pc_id for pc in pcs}
         existing = tuple(r.served.plan for r in self.rings.values()
                          if all(st.pc_id in known for st in r.served.plan.stages))
@@ -433,7 +436,7 @@ class FleetService:
             request.time_limit_s * (rings or 8) + 30)
         return {"rings": [plan_json(p) for p in proposal.rings], "standby": list(proposal.standbys),
                 "unused": list(proposal.unused), "limit": proposal.limit, "standby_gaps": list(proposal.standby_gaps),
-                "excluded": [{"pc_id": e.pc_id, "reason": e.reason} for e in proposal.excluded],
+                "excluded": [{"pc_id": e.pc_id, "reason": reasons.get(e.pc_id, e.reason)} for e in proposal.excluded],
                 "aggregate_tok_s": proposal.aggregate_tok_s}
 
     def start_export(self, model: str, plan: Plan, *, spec: ExportSpec = DEFAULT_SPEC):

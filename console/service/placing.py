@@ -10,16 +10,18 @@ context's memory cap either.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Collection
+import dataclasses
+from collections.abc import Collection, Iterable
 from pathlib import Path
 
+from console.service.agent_record import AgentRecord
 from console.service.export_catalog import ExportSpec
 from console.service.fleet import FleetModel
-from console.service.placement_inputs import async_placement_inputs, solve_inputs, tagged_out
+from console.service.placement_inputs import LEFT_OUT, async_placement_inputs, solve_inputs, tagged_out
 from console.service.placement_store import Placement
 from engine.control.hub import FleetHub
 from engine.control.tags import parse_tags
-from engine.placement.planner import PlacementRequest, Plan
+from engine.placement.planner import PcInfo, PlacementRequest, Plan
 
 
 def checked_tags(include: Collection[str], exclude: Collection[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -57,3 +59,18 @@ async def async_solve_again(fleet: FleetModel, placement: Placement, request: Pl
                                                     out), request.time_limit_s + 30)
     placement.plan, placement.include_tags, placement.exclude_tags = plan, include, exclude
     return plan
+
+
+def ring_pcs(placement: Placement, records: Iterable[AgentRecord], leave_out: Collection[str],
+             include: Collection[str] | None = None,
+             exclude: Collection[str] | None = None) -> tuple[list[PcInfo], dict[str, str]]:
+    """The placement's PCs for proposing rings (``POST …/rings``): those the admin left out or
+    the tags (None: the placement's own) keep out marked unapproved, and {node id: why} for the
+    proposal's list of agents left out."""
+    include = placement.include_tags if include is None else parse_tags(list(include), "include_tags")
+    exclude = placement.exclude_tags if exclude is None else parse_tags(list(exclude), "exclude_tags")
+    approved = {pc.pc_id for pc in placement.inputs.pcs if pc.approved}
+    reasons = {n: why for n, why in tagged_out(records, include, exclude).items() if n in approved}
+    reasons.update({n: LEFT_OUT for n in leave_out})
+    pcs = [dataclasses.replace(pc, approved=False) if pc.pc_id in reasons else pc for pc in placement.inputs.pcs]
+    return pcs, reasons

@@ -123,6 +123,11 @@ def test_tags_from_the_agents_and_the_admin_and_placement_by_tags(tmp_path, caps
                 assert {"pc_id": nodes["desk-c"], "reason": "not tagged printer"} in only_printer["excluded"]
                 same = (await a.ok("POST", solve, {}))["plan"]  # no tags given: the placement's own (printer)
                 assert {st["pc_id"] for st in same["stages"]} == {nodes["desk-b"]}
+                # rings proposed over the placement keep to its tags (printer, not finance: both kept)
+                proposal = await a.ok("POST", f"/placements/{made.id}/rings", {"standbys": 0})
+                assert {st["pc_id"] for ring in proposal["rings"] for st in ring["stages"]} == {nodes["desk-b"]}
+                assert {"pc_id": nodes["desk-c"], "reason": "not tagged printer"} in proposal["excluded"]
+                assert {"pc_id": nodes["desk-a"], "reason": "tagged finance (excluded)"} in proposal["excluded"]
                 status, body = await a.call("POST", solve, {"include_tags": ["-bad"]})
                 assert status == 400 and "include_tags" in body["error"]["message"]
                 status, body = await a.call("POST", solve, {"include_tags": ["nobody-has-this"]})
