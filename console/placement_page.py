@@ -256,6 +256,7 @@ class QtPlacementPage(QWidget):
             model, spec = self.session.model, self.session.spec
             self.model_label.setText("Model: choose one on the Models page" if model is None else
                                      f"Model: {model.name} ({spec.weights} weights)")
+            self.context_reason.setText(AUTO_HINT)  # the last placement's context was another model's
         elif what == PLAN:
             self._show_plan(self.session.plan)
         self._update_buttons()
