@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from PySide6.QtCore import Qt, QTimer
-from PySide6.QtGui import QCloseEvent, QFont
+from PySide6.QtGui import QCloseEvent, QFont, QShowEvent
 from PySide6.QtWidgets import (
     QComboBox,
     QHBoxLayout,
@@ -306,18 +306,24 @@ class QtChatWindow(QWidget):
         return self._reply is not None
 
     def shutdown(self) -> None:
-        """Stop streaming and, if this window owns its loop, stop the loop (joins its thread)."""
-        if self._closed:
-            return
-        self._closed = True
+        """Stop streaming and looking at the fleet. A window on a loop of its own stops that loop
+        (joins its thread) and is done; one on a shell's loop (the tray's) can be shown again and
+        looks at the fleet again then."""
         self._health_timer.stop()
         self.stop()
-        if self._own_loop:
+        if self._own_loop and not self._closed:
+            self._closed = True
             self.loop.stop()
 
     def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802 (Qt's name)
         self.shutdown()
         super().closeEvent(event)
+
+    def showEvent(self, event: QShowEvent) -> None:  # noqa: N802 (Qt's name)
+        super().showEvent(event)
+        if not self._closed and not self._health_timer.isActive():
+            self._health_timer.start()
+            self.check_fleet()
 
     # ---- results from the loop (delivered on the GUI thread) -----------------------------------
 

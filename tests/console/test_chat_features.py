@@ -241,6 +241,24 @@ def test_a_paused_fleet_says_why_and_a_request_shows_it_too(qtbot):
             window.close()
 
 
+def test_a_window_closed_and_shown_again_on_a_shells_loop_looks_at_the_fleet_again(qtbot):
+    """The tray keeps its chat window and shows it again: it must watch the fleet again then."""
+    from console.shared.loop_thread import LoopThread
+
+    with LoopThread("tray-like") as loop, chat_api(fake=PausedGenerator()) as url:
+        window = open_window(qtbot, url, loop=loop)
+        try:
+            assert window.fleet.level == "paused"
+            window.close()
+            assert not window._health_timer.isActive()
+            window.fleet = None
+            window.show()
+            qtbot.waitUntil(lambda: window.fleet is not None, timeout=WAIT_MS)
+            assert window.fleet.level == "paused" and window._health_timer.isActive()
+        finally:
+            window.close()
+
+
 def test_a_fleet_with_no_model_and_an_unreachable_one_say_so(qtbot):
     with chat_api() as url:
         window = open_window(qtbot, url)
