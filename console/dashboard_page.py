@@ -170,7 +170,7 @@ class QtDashboardPage(QWidget):
             tiles.addWidget(tile, 0, i)
         self.rings_table = _table(RING_COLUMNS)
         self.rings_table.horizontalHeader().setSectionResizeMode(1, QHeaderView.ResizeMode.Stretch)
-        self.rings_table.setMaximumHeight(150)
+        self.rings_table.setMaximumHeight(120)
         self.load_title = QLabel(f"Busiest agents (CPU and memory over the last {HISTORY_S / 60:.0f} minutes)")
         self.load_table = _table(LOAD_COLUMNS)
         header = self.load_table.horizontalHeader()
