@@ -51,7 +51,8 @@ def token_rows(tokens: Sequence[Mapping[str, Any]], now: float) -> tuple[TokenRo
     rows = []
     for t in tokens:
         names = [str(a.get("name", "?")) for a in t.get("admitted", ())]
-        admitted = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+        count = int(t.get("admitted_count", len(names)))  # an event carries only the newest admissions
+        admitted = ", ".join(names[:6]) + (f" and {count - len(names[:6])} more" if count > 6 else "")
         state = str(t.get("state", "?"))
         rows.append(TokenRow(str(t["id"]), (
             str(t.get("label") or "—"), str(t["id"]), str(t.get("uses", "?")), str(t.get("used", "?")),

@@ -32,6 +32,8 @@ from engine.trust.join_token import DEFAULT_TTL_S, TokenBook, TokenInfo
 log = logging.getLogger("deskfleet.fleet.tokens")
 
 Publish = Callable[[str, dict[str, Any]], None]
+EVENT_ADMITTED = 20  # admissions per token in a ``tokens`` event
+PUBLISH_EVERY_S = 1.0
 
 
 class TokenNotFoundError(ConsoleError):
@@ -56,6 +58,7 @@ class TokenDesk:
         self._pending: set[str] = set()  # node ids admitted by an auto-approving token, not yet approved
         self._approve: Callable[[str], AgentRecord] | None = None
         self._scheduled = False
+        self._publish_due = False
         self._ready: set[str] = set()  # pending PCs seen verified: approved on the loop's next turn
 
     # ---- admin routes --------------------------------------------------------------------------
@@ -83,8 +86,21 @@ class TokenDesk:
         return {"token": info.to_json()}
 
     def _publish_listing(self) -> None:
+        """The ``tokens`` event: each token with its newest EVENT_ADMITTED admissions only (a roll-out's
+        token admits hundreds; ``GET /tokens`` lists them all)."""
+        self._publish_due = False
         with contextlib.suppress(DeskfleetError):
-            self._publish("tokens", self.listing())
+            self._publish("tokens", {"tokens": [t.to_json(admitted_limit=EVENT_ADMITTED) for t in self.book.tokens()]})
+
+    def _publish_soon(self) -> None:
+        """At most one ``tokens`` event per PUBLISH_EVERY_S while PCs join (not one full listing per join)."""
+        if self._publish_due:
+            return
+        self._publish_due = True
+        try:
+            asyncio.get_running_loop().call_later(PUBLISH_EVERY_S, self._publish_listing)
+        except RuntimeError:  # no loop (a unit test)
+            self._publish_listing()
 
     # ---- auto-approval and the audit -----------------------------------------------------------
 
@@ -103,7 +119,7 @@ class TokenDesk:
         info = self.book.admitted_by(node_id)
         if info is not None and info.auto_approve:
             self._pending.add(node_id)
-        self._publish_listing()  # its used count changed
+        self._publish_soon()  # its used count changed
 
     def on_records(self, records: tuple[AgentRecord, ...]) -> None:
         """Approve the pending PCs the service has verified; later on the loop, not inside the

@@ -147,11 +147,17 @@ class TokenInfo:
     def uses_left(self) -> int:
         return max(0, self.uses - self.used) if self.state == "active" else 0
 
-    def to_json(self) -> dict:
+    def to_json(self, *, admitted_limit: int | None = None) -> dict:
+        """The listing's shape; ``admitted_limit`` keeps only the newest that many admissions (the
+        count of all is ``admitted_count`` either way)."""
+        admitted = self.admitted
+        if admitted_limit is not None:
+            admitted = admitted[max(0, len(admitted) - admitted_limit):]
         return {"id": self.token_id, "label": self.label, "uses": self.uses, "used": self.used,
                 "uses_left": self.uses_left, "issued_at": self.issued_at, "expires_at": self.expires_at,
                 "auto_approve": self.auto_approve, "revoked_at": self.revoked_at, "state": self.state,
-                "admitted": [{"node_id": a.node_id, "name": a.name, "at": a.at} for a in self.admitted]}
+                "admitted_count": len(self.admitted),
+                "admitted": [{"node_id": a.node_id, "name": a.name, "at": a.at} for a in admitted]}
 
 
 @dataclass(frozen=True)

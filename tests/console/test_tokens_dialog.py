@@ -29,6 +29,8 @@ def test_rows_say_uses_expiry_state_and_whom_a_token_admitted():
     assert first.cells[:5] == ("floor 3", "aa11", "40", "8", "32") and first.active
     assert first.cells[5].endswith("(in 2 h)") and first.cells[6] == "yes"
     assert first.cells[8] == "pc-0, pc-1, pc-2, pc-3, pc-4, pc-5 and 2 more"
+    evented = {**tokens[0], "admitted_count": 30}  # an event carries the newest admissions only
+    assert token_rows([evented], now)[0].cells[8].endswith("and 24 more")
     assert second.cells[0] == "—" and second.cells[5] == "never" and second.cells[7] == "used up"
     assert not second.active
     assert expiry_text(now - 1, now).endswith("(past)")

@@ -142,6 +142,12 @@ def test_admissions_are_remembered_per_token_and_the_newest_wins(authority, tmp_
     book.record_admission(book.redeem(second.text).token_id, "n" * 64, "pc-1")  # joined again
     assert book.admitted_by("n" * 64).token_id == second.info.token_id
     assert book.admitted_by("m" * 64) is None
+    for i in range(3):
+        book.record_admission(first.info.token_id, f"{i}" * 64, f"pc-{i}")
+    listed = next(t for t in book.tokens() if t.token_id == first.info.token_id)
+    short = listed.to_json(admitted_limit=2)
+    assert short["admitted_count"] == 4 and [a["name"] for a in short["admitted"]] == ["pc-1", "pc-2"]
+    assert len(listed.to_json()["admitted"]) == 4
 
 
 def test_a_format_1_book_is_read_and_rewritten_as_format_2(authority, tmp_path):
