@@ -186,7 +186,7 @@ async def _probe(state: Path, agents: int, variant: str, args: argparse.Namespac
     except TimeoutError:
         proc.kill()
         await proc.wait()
-        raise RuntimeError(f"the console probe ({variant}, {agents} agents) did not finish") from None
+        raise ProbeFailed(f"did not finish in {args.seconds + 900:g} s", "") from None
     if proc.returncode != 0 or not out.is_file():
         text = output.decode(errors="replace")
         lines = [line for line in text.splitlines() if line.strip()]

@@ -22,24 +22,41 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from PySide6.QtWidgets import QApplication
+
 SETTLE_S = 2.0
 
 
-def _timed(spans: list[tuple[float, float]], fn: Callable[..., Any], t0: float) -> Callable[..., Any]:
-    def run(*args: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return fn(*args)
-        finally:
-            spans.append((start - t0, time.perf_counter() - t0))
-    return run
+class Clock:
+    """The measurement's end: a refresh that finds it passed quits the event loop and the ones
+    queued behind it are dropped (a page slower than the news it gets builds a backlog that
+    would starve any quit timer)."""
+
+    def __init__(self, t0: float) -> None:
+        self.t0 = t0
+        self.end: float | None = None  # perf_counter() deadline, once measuring
+        self.over = False
+
+    def timed(self, spans: list[tuple[float, float]], fn: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any) -> Any:
+            if self.over:
+                return None
+            start = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                now = time.perf_counter()
+                spans.append((start - self.t0, now - self.t0))
+                if self.end is not None and now > self.end:
+                    self.over = True
+                    QApplication.instance().quit()
+        return run
 
 
 def probe(state_dir: Path, agents: int, variant: str, seconds: float, beat_ms: int,
           screenshot: Path | None = None) -> dict[str, Any]:
     import PySide6
     from PySide6.QtCore import Qt, QTimer
-    from PySide6.QtWidgets import QApplication
 
     from console.main_window import QtConsoleWindow
     from console.service.console_settings import ConsoleSettings
@@ -49,6 +66,7 @@ def probe(state_dir: Path, agents: int, variant: str, seconds: float, beat_ms: i
 
     app = QApplication.instance() or QApplication(sys.argv[:1])
     t0 = time.perf_counter()
+    clock = Clock(t0)
     receive: list[tuple[float, float]] = []  # the GUI thread taking a snapshot from the feed
     refresh: list[tuple[float, float]] = []  # the Fleet page applying one
     settings = ConsoleSettings(state_dir=state_dir, interface="127.0.0.1")
@@ -61,15 +79,15 @@ def probe(state_dir: Path, agents: int, variant: str, seconds: float, beat_ms: i
         new_page.deleteLater()
         page = OldFleetPage(bridge)
         window.tabs.insertTab(0, page, "Fleet")
-        bridge._on_event = _timed(receive, bridge._on_event, t0)
+        bridge._on_event = clock.timed(receive, bridge._on_event)
         refresh = receive
 
         def rows() -> int:
             return page.table.rowCount()
     else:
         page = window.fleet_page
-        bridge._on_records = _timed(receive, bridge._on_records, t0)
-        page.updates._apply = _timed(refresh, page.updates._apply, t0)
+        bridge._on_records = clock.timed(receive, bridge._on_records)
+        page.updates._apply = clock.timed(refresh, page.updates._apply)
 
         def rows() -> int:
             return page.model.rowCount()
@@ -91,8 +109,10 @@ def probe(state_dir: Path, agents: int, variant: str, seconds: float, beat_ms: i
         nones = sys.getrefcount(None)  # PySide6 6.12.0 on CPython 3.11 drops one per void Qt call
         start, cpu = time.perf_counter() - t0, time.process_time()
         heartbeat.start()
+        clock.end = time.perf_counter() + seconds
         QTimer.singleShot(int(seconds * 1000), app.quit)
         app.exec()
+        clock.over = True
         heartbeat.stop()
         end, cpu = time.perf_counter() - t0, time.process_time() - cpu
         nones = (nones, sys.getrefcount(None))
