@@ -223,6 +223,32 @@ def test_stop_keeps_the_partial_text_and_the_chats_are_kept_and_listed(qtbot, tm
             again.close()
 
 
+def test_rename_and_delete_ask_first(qtbot, tmp_path, monkeypatch):
+    from PySide6.QtWidgets import QInputDialog, QMessageBox
+
+    store = ConversationStore(tmp_path / "chats")
+    with chat_api(fake=CannedGenerator("Fine.")) as url:
+        window = open_window(qtbot, url, store=store)
+        try:
+            ask(qtbot, window, "How are you?")
+            asked = []
+            monkeypatch.setattr(QInputDialog, "getText",
+                                lambda *a, **k: (asked.append(k.get("text")) or "Small talk", True))
+            window.rename_button.click()
+            assert asked == ["How are you?"] and window.conversation_list.item(0).text() == "Small talk"
+            assert [c.title for c in store.list().conversations] == ["Small talk"]
+            monkeypatch.setattr(QMessageBox, "question", lambda *a, **k: QMessageBox.StandardButton.No)
+            window.delete_button.click()
+            assert [c.title for c in store.list().conversations] == ["Small talk"]
+            monkeypatch.setattr(QMessageBox, "question", lambda *a, **k: QMessageBox.StandardButton.Yes)
+            window.delete_button.click()
+            assert store.list().conversations == () and window.model.current.messages == []
+            assert [window.conversation_list.item(i).text() for i in range(window.conversation_list.count())] \
+                == ["New chat"]
+        finally:
+            window.close()
+
+
 def test_a_paused_fleet_says_why_and_a_request_shows_it_too(qtbot):
     with chat_api(fake=PausedGenerator()) as url:
         window = open_window(qtbot, url)
