@@ -251,6 +251,9 @@ class TokenBook:
         self.path = Path(path)
         self._ca_fingerprint = ca_fingerprint.lower()
         self._clock = clock
+        # (inode, mtime, size) of the file as last read or written, and what it holds: a join reads
+        # the book three times, and at a roll-out's hundredth PC parsing it each time was most of the cost
+        self._cache: tuple[tuple[int, int, int], dict[str, dict]] | None = None
 
     def issue(self, ttl_s: float | None = DEFAULT_TTL_S) -> str:
         """A new single-use token valid for ``ttl_s`` seconds; its text is shown once, never stored."""
@@ -355,7 +358,24 @@ class TokenBook:
         now = self._clock()
         return sum(1 for e in self._load().values() if _state(e, now) == "active")
 
+    def _signature(self) -> tuple[int, int, int]:
+        st = os.stat(self.path)
+        return st.st_ino, st.st_mtime_ns, st.st_size
+
     def _load(self) -> dict[str, dict]:
+        """The book's tokens (the cached ones while the file is the one last seen: every writer
+        replaces it, so another writer's change is a new inode). Callers mutate entries only to
+        save them at once; a failed save drops the cache."""
+        signature = None
+        with contextlib.suppress(OSError):
+            signature = self._signature()
+        if signature is not None and self._cache is not None and self._cache[0] == signature:
+            return self._cache[1]
+        tokens = self._read()
+        self._cache = (signature, tokens) if signature is not None else None
+        return tokens
+
+    def _read(self) -> dict[str, dict]:
         try:
             raw = self.path.read_text(encoding="utf-8")
         except FileNotFoundError:
@@ -381,9 +401,11 @@ class TokenBook:
 
     def _save(self, tokens: dict[str, dict], now: float) -> None:
         keep = {k: e for k, e in tokens.items() if _kept(e, now)}
-        data = json.dumps({"format": BOOK_FORMAT, "tokens": keep}, indent=1, sort_keys=True)
+        data = json.dumps({"format": BOOK_FORMAT, "tokens": keep}, separators=(",", ":"))
+        self._cache = None
         try:
             write_text_atomic(self.path, data)
+            self._cache = (self._signature(), keep)
         except OSError as exc:
             raise TokenBookError(f"cannot write the join-token book {self.path} ({exc}); "
                                  "check the disk and its permissions") from exc
