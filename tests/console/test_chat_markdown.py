@@ -7,6 +7,8 @@ from __future__ import annotations
 import re
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from console.shared.markdown import CodeBlock, inline, render
 
@@ -110,3 +112,20 @@ def test_rendering_is_linear_enough_to_redo_per_frame():
     rendered = render(table + "\n" + code + "\n" + items)
     assert rendered.html.count("<tr>") == 201 + 100 and len(rendered.code_blocks) == 50
     assert rendered.html.count("<li>") == 400 and "<b>39601</b>" in rendered.html
+
+
+ALLOWED_TAGS = {"a", "b", "i", "s", "code", "pre", "p", "br", "h1", "h2", "h3", "h4", "h5", "h6", "hr", "ul", "ol",
+                "li", "blockquote", "table", "tr", "td", "th", "span"}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from([*"ab <>&\"'`*_~|-:#>=[]()\\!.1 \n\t", "https://x.y", "```", "\n\n", "- ", "1. ",
+                                  "| a | b |\n|---|:-:|\n", "[l](javascript:x)", "[l](https://e.f)"]),
+                max_size=120).map("".join))
+def test_any_text_renders_to_known_tags_only(text):
+    rendered = render(text)
+    tags = set(re.findall(r"</?([a-zA-Z0-9]+)", rendered.html))
+    assert tags <= ALLOWED_TAGS, tags - ALLOWED_TAGS
+    hrefs = re.findall(r'href="([^"]*)"', rendered.html)
+    assert all(h.startswith(("https://", "http://", "mailto:", "copy:")) for h in hrefs), hrefs
+    assert len(rendered.code_blocks) == rendered.html.count("<pre>")
