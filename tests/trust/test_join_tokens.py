@@ -171,3 +171,17 @@ def test_a_format_1_book_is_read_and_rewritten_as_format_2(authority, tmp_path):
         book.tokens()
     assert path.read_text() == damaged
     assert parse_token(fresh.text).secret_hash == fresh.secret_hash
+
+
+def test_two_books_on_one_file_see_each_others_writes(authority, tmp_path):
+    """A book keeps what it last read while the file is unchanged; another writer's change is seen."""
+    path = tmp_path / "tokens.json"
+    first, second = TokenBook(path, authority.fingerprint), TokenBook(path, authority.fingerprint)
+    issued = first.issue_token(uses=2)
+    assert second.tokens()[0].used == 0
+    second.redeem(issued.text)
+    assert first.tokens()[0].used == 1
+    first.redeem(issued.text)
+    with pytest.raises(JoinRefused):
+        second.redeem(issued.text)
+    assert [t.used for t in first.tokens()] == [t.used for t in second.tokens()] == [2]
