@@ -7,7 +7,9 @@ listeners what changed; it is mutated from one thread only (the GUI's, in the ch
 ``/v1/chat/completions`` and hands each text delta to a callback, which the window forwards to
 the model on the GUI thread. Stopping a reply is cancelling that coroutine: leaving the
 ``async with`` closes the HTTP response, and the server cancels the generation when its client
-goes away.
+goes away; the text received so far stays, marked stopped. Regenerate drops the last answer and
+asks its question again. The model keeps nothing on disk itself: :mod:`console.shared.conversations`
+listens to its events and saves each conversation that changed.
 """
 
 from __future__ import annotations
