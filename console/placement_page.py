@@ -212,11 +212,7 @@ class QtPlacementPage(QWidget):
                           exclude_tags=exclude)
 
     def _show_context(self, tokens: int, reason: str) -> None:
-        if reason:
-            self.context_reason.setText(f"{tokens:,} tokens: {reason}")
-        else:
-            self.context_reason.setText(f"{tokens:,} tokens, as given (auto: the model's maximum, capped by "
-                                        "the agents' memory)")
+        self.context_reason.setText(f"{tokens:,} tokens: {reason or 'as given'}")
 
     def move_split(self) -> None:
         """Re-time the current plan with the split points in the spin boxes."""

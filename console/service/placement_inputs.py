@@ -67,8 +67,8 @@ class PlacementInputs:
     unreachable: tuple[str, ...]
     names: Mapping[str, str]
     failures: Mapping[tuple[str, str], str]
-    # how the service chose the context when the caller left it open (None: the caller gave it);
-    # kept on the placement (placement_store), not in the inputs' JSON
+    # the context the service would choose (and chose, when the caller left it open), and why;
+    # kept on the placement (placement_store), not in the inputs' JSON; None: not measured here
     context: ContextChoice | None = None
 
     def __post_init__(self) -> None:
@@ -94,7 +94,8 @@ async def async_placement_inputs(fleet: FleetModel, hub: FleetHub, checkpoint: P
     inference threads: the workers'), profile the model. ``context`` None: the model's maximum,
     capped by the calibrated agents' free memory at ``headroom``, less the agents
     ``not_for_context`` (left out of the plan by the admin or their tags); the inputs' ``context``
-    says which and why. Runs on the console's loop (``fleet`` lives there)."""
+    says which and why (what it would be, when ``context`` is given). Runs on the console's loop
+    (``fleet`` lives there)."""
     await fleet.async_refresh()
     members = [r for r in fleet.records() if r.membership is Membership.MEMBER]
     unreachable = [r.node_id for r in members if r.approved and r.status is None]
@@ -110,11 +111,10 @@ async def async_placement_inputs(fleet: FleetModel, hub: FleetHub, checkpoint: P
     by_id = {r.node_id: r for r in polled}
     reachable = [r for r in polled if r.node_id not in links.unreachable]
     pcs = tuple(pc_infos(reachable))
-    choice = None
+    calibrated = {c.node_id for c in calibrations.done} - set(not_for_context)
+    choice = context_for(calibration, options.kv_cache_precision, streams=streams, headroom=headroom,
+                         free=[(by_id[pc.pc_id].name, pc.memory_bytes) for pc in pcs if pc.pc_id in calibrated])
     if context is None:
-        calibrated = {c.node_id for c in calibrations.done} - set(not_for_context)
-        choice = context_for(calibration, options.kv_cache_precision, streams=streams, headroom=headroom,
-                             free=[(by_id[pc.pc_id].name, pc.memory_bytes) for pc in pcs if pc.pc_id in calibrated])
         context = choice.tokens
     model = model_profile(calibration, context=context, streams=streams, kv_precision=options.kv_cache_precision)
     devices = device_profiles(calibrations.done, by_id, model, layer_weight_bytes(calibration))

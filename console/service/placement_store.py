@@ -39,7 +39,7 @@ class PlacementNotFoundError(ConsoleError):
 @dataclass
 class Placement:
     """One placement; ``plan`` is replaced by a re-solve (then saved again). ``context_reason``
-    says how the service chose the context ("" when the admin gave it); ``include_tags`` /
+    says how the service chose the context (or "as given; auto would be …"); ``include_tags`` /
     ``exclude_tags`` are the tags it was asked to keep to (a re-solve may ask others)."""
 
     id: str

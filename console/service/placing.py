@@ -42,9 +42,14 @@ async def async_new_placement(fleet: FleetModel, hub: FleetHub, checkpoint: Path
         streams=request.n_streams, allow_battery=request.allow_battery, steps=steps, threads=threads,
         headroom=request.headroom, not_for_context=set(out) | set(leave_out))
     plan = await asyncio.to_thread(solve_inputs, inputs, request, frozenset(leave_out), out)
-    chosen = inputs.context
-    return Placement(placement_id, model, chosen.tokens if chosen else int(context or 0), spec, inputs, plan,
-                     context_reason=chosen.reason if chosen else "", include_tags=include, exclude_tags=exclude)
+    auto = inputs.context
+    if context is None and auto is not None:
+        tokens, reason = auto.tokens, auto.reason
+    else:
+        tokens = int(context or 0)
+        reason = "as given" + ("" if auto is None else f"; auto would be {auto.tokens:,} tokens ({auto.reason})")
+    return Placement(placement_id, model, tokens, spec, inputs, plan, context_reason=reason, include_tags=include,
+                     exclude_tags=exclude)
 
 
 async def async_solve_again(fleet: FleetModel, placement: Placement, request: PlacementRequest,

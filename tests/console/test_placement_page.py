@@ -68,7 +68,8 @@ def test_the_placement_page_places_by_tags_with_the_context_default_and_draws_th
     second = result["second"]
     assert second is not None, result["explanation_2"]
     assert second["names"] == sorted([desk_a, desk_b]) and second["stages"] == second["ring_stages"] == 2
-    assert "as given" in second["context_reason"] and "bottleneck" in second["ring_summary"]
+    assert ": as given; auto would be 512 tokens (model maximum" in second["context_reason"]
+    assert "bottleneck" in second["ring_summary"]
     assert "only agents tagged: 'fl@or-3' is not a tag" in result["bad_tag"] and not result["busy_after_bad_tag"]
 
 
