@@ -36,9 +36,12 @@ from engine.wire.step_plan import CPU_BLOCK_SIZE, GPU_BLOCK_SIZE, StepPlan, bloc
 SAMPLED = "sampled_tokens_indices"
 # The block size each device's PagedAttention kernel is built for (openvino.genai's cache manager).
 DEVICE_BLOCK_SIZE: Mapping[str, int] = {"CPU": CPU_BLOCK_SIZE, "GPU": GPU_BLOCK_SIZE}
-# Cache element types a pool can hold as numpy arrays (u4/bf16 caches have no numpy dtype).
+# Cache element types a pool can hold as numpy arrays. numpy has no bf16: a bf16 cache (what a CPU
+# with avx512_bf16 compiles for an f16 request, its inference precision being bf16) is held as raw
+# 16-bit words, which the pool only copies, never reads as numbers. u4 caches are packed: refused.
 CACHE_DTYPES: Mapping[str, np.dtype] = {
-    "f32": np.dtype(np.float32), "f16": np.dtype(np.float16), "u8": np.dtype(np.uint8), "i8": np.dtype(np.int8),
+    "f32": np.dtype(np.float32), "f16": np.dtype(np.float16), "bf16": np.dtype(np.uint16),
+    "u8": np.dtype(np.uint8), "i8": np.dtype(np.int8),
 }
 # Ops that may sit between the LM head's MatMul and the logits output (a cast, a soft cap, a reshape).
 _HEAD_PASS_THROUGH = frozenset({"Convert", "Multiply", "Divide", "Tanh", "Reshape", "Squeeze", "Unsqueeze"})
@@ -194,7 +197,7 @@ class PagedStage:
         dtype = CACHE_DTYPES.get(element_type.get_type_name())
         if dtype is None:
             raise PagedStageError(f"stage {self.index} compiled a {element_type.get_type_name()} KV cache, which a "
-                                  f"paged pool cannot hold; use KV_CACHE_PRECISION f16, f32 or u8")
+                                  f"paged pool cannot hold; use KV_CACHE_PRECISION f16, f32, bf16 or u8")
         return dtype
 
     def _block_dims(self, cache: ov.ConstOutput) -> list[int]:
@@ -235,7 +238,9 @@ class PagedStage:
                 arr.fill(0)
             else:
                 arr = np.zeros(shape, dtype=dtype)
-            self.request.set_tensor(cache.get_any_name(), ov.Tensor(arr, shared_memory=True))
+            # the cache's own element type over the array's memory (bf16 has no numpy dtype)
+            tensor = ov.Tensor(arr, ov.Shape(list(shape)), cache.get_element_type())
+            self.request.set_tensor(cache.get_any_name(), tensor)
             self.caches.append(arr)
         self.pool_blocks = pool_blocks
 

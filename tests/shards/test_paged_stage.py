@@ -364,3 +364,21 @@ def test_local_paged_path_delivers_outcomes_in_order_and_failures_as_data(paged)
     assert outs[2].ids.tolist() == outs[0].ids.tolist()
     assert path.num_stages == 2 and path.block_size == BS
     assert set(path.stage_metrics()) == {'stage_compute_ms_per_step{stage="0"}', 'stage_compute_ms_per_step{stage="1"}'}
+
+
+def test_a_bf16_cache_is_held_as_raw_words_and_serves(tiny_export):
+    """A CPU with avx512_bf16 compiles an f16 cache request as bf16 (its inference precision); numpy
+    has no bf16, so the pool holds the cache as 16-bit words bound under the cache's own type. The
+    stage then serves a step, and its blocks move like any other's."""
+    export = tiny_export("llama", 1)
+    stage = PagedStage(export, 0, properties={"KV_CACHE_PRECISION": "bf16"})
+    path = LocalPagedPath([stage], 8, BUDGET)
+    compiled = {c.get_element_type().get_type_name() for c in stage._cache_inputs}
+    if compiled == {"bf16"}:
+        assert all(arr.dtype == np.uint16 for arr in stage.caches)
+    out = path.run(PagedStep(0, plan(BS, 8, [PlanRow(1, 0, 3, (5,))]), np.asarray([4, 5, 6])))
+    assert out.ids.shape == (1,) and 0 < out.probs[0] <= 1
+    assert any(arr[5].any() for arr in stage.caches)  # the step wrote its keys and values into block 5
+    moved = stage.export_blocks([5])
+    stage.import_blocks([6], moved)
+    assert all(np.array_equal(arr[5], arr[6]) for arr in stage.caches)
