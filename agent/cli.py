@@ -132,6 +132,8 @@ async def _async_join_from_file(service, args: argparse.Namespace, state_dir: Pa
 
     path = args.join_file or default_path(state_dir)
     if service.joined or not path.exists():
+        if args.join_file is not None and not service.joined:
+            print(f"deskfleet agent: there is no join token file {path}; not joined", flush=True)
         return None
     outcome = await async_join_from_file(service, path, console=args.console)
     if outcome == "joined":
