@@ -416,5 +416,6 @@ def _kept(entry: dict, now: float) -> bool:
     KEEP_EXPIRED_S after it died, to say "expired" rather than "unknown" and list whom it admitted."""
     ends = [t for t in (entry["expires_at"], entry["revoked_at"]) if t is not None]
     if entry["used"] >= entry["uses"]:
-        ends.append(entry["last_used_at"] if entry["last_used_at"] is not None else entry["issued_at"])
+        last = entry.get("last_used_at")
+        ends.append(last if isinstance(last, int | float) else entry["issued_at"])
     return not ends or min(ends) > now - KEEP_EXPIRED_S
