@@ -77,7 +77,10 @@ def refresh_blocks(beats: Sequence[float], starts: Sequence[float], beat_s: floa
 
 def summarise(raw: dict[str, Any]) -> dict[str, Any]:
     """One probe's JSON -> its figures (milliseconds)."""
-    beats, beat_s = raw["beats"], raw["beat_s"]
+    beat_s = raw["beat_s"]
+    # the heartbeat started at "start" and should have stamped until "end": a loop too busy to
+    # stamp at all still shows as one stall
+    beats = [raw["start"], *raw["beats"], raw["end"]]
     span = max(1e-9, raw["end"] - raw["start"])
     refresh = [(s, e) for s, e in raw["refresh"] if raw["start"] <= s <= raw["end"]]
     receive = [(s, e) for s, e in raw["receive"] if raw["start"] <= s <= raw["end"]]

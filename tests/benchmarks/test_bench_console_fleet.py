@@ -30,6 +30,9 @@ def test_a_refresh_block_is_the_longest_stall_within_its_window_and_lag_counts_e
     assert s["cpu_cores"] == pytest.approx(0.5) and s["lag_max_ms"] == pytest.approx(95)
     both = pooled([s, dict(s, blocks_ms=[10.0], refreshes=1, snapshots=1)])
     assert both["block_max_ms"] == pytest.approx(95) and both["refreshes_per_s"] == pytest.approx(3)
+    # a loop too busy to stamp at all: the whole run is one stall, and each refresh in it is blocked by it
+    starved = summarise(dict(raw, beats=[], refresh=[(0.1, 0.4)], end=0.5))
+    assert starved["blocks_ms"] == pytest.approx([495]) and starved["lag_max_ms"] == pytest.approx(495)
 
 
 def test_a_tiny_run_under_xvfb_records_json_section_and_a_screenshot(tmp_path):
