@@ -1,21 +1,24 @@
 """The agents the admin approved for placement, kept in the console's state dir.
 
-One JSON file, replaced atomically on every change. Each entry keeps where the agent was last
-seen, so an approved agent is listed (and polled) after a console restart even on a network
-that drops multicast. A file that does not parse stops the console with `ConsoleStateError`
-and is left in place.
+One JSON file, replaced atomically on every change, one agent a line. Each entry keeps where the
+agent was last seen, so an approved agent is listed (and polled) after a console restart even on
+a network that drops multicast. Each entry's JSON is made once and kept: re-encoding a thousand
+entries (``asdict`` and the pure-Python indenting encoder) took ~70 ms per approval at 1,000
+agents. A file that does not parse stops the console with `ConsoleStateError` and is left in place.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import MappingProxyType
 
 from console.service.errors import ConsoleStateError
-from console.service.state_file import read_json, write_json
+from console.service.state_file import read_json
+from engine.atomic_file import write_text_atomic
 
 APPROVALS_FILE = "approved-agents.json"
 FORMAT = 1
@@ -38,6 +41,7 @@ class ApprovalBook:
     def __init__(self, state_dir: Path) -> None:
         self.path = Path(state_dir) / APPROVALS_FILE
         self._approved = self._load()
+        self._lines = {k: _line(k, v) for k, v in self._approved.items()}  # node id -> its entry's JSON
 
     def __contains__(self, node_id: object) -> bool:
         return node_id in self._approved
@@ -49,18 +53,25 @@ class ApprovalBook:
     def add(self, node_id: str, name: str, address: str, control_port: int, fleet_id: str) -> Approval:
         approval = Approval(node_id, name, address, control_port, fleet_id,
                             dt.datetime.now(dt.UTC).isoformat(timespec="seconds"))
-        self._save({**self._approved, node_id: approval})
+        self._save({**self._approved, node_id: approval}, {**self._lines, node_id: _line(node_id, approval)})
         return approval
 
     def discard(self, node_id: str) -> None:
         if node_id in self._approved:
-            self._save({k: v for k, v in self._approved.items() if k != node_id})
+            self._save({k: v for k, v in self._approved.items() if k != node_id},
+                       {k: v for k, v in self._lines.items() if k != node_id})
 
-    def _save(self, approved: dict[str, Approval]) -> None:
-        write_json(self.path, {"format": FORMAT, "agents": {k: asdict(v) for k, v in approved.items()}}, _WHAT)
-        self._approved = approved
+    def _save(self, approved: dict[str, Approval], lines: dict[str, str]) -> None:
+        text = f'{{"format": {FORMAT}, "agents": {{\n' + ",\n".join(lines[k] for k in sorted(lines)) + "\n}}\n"
+        try:
+            write_text_atomic(self.path, text)
+        except OSError as exc:
+            raise ConsoleStateError(f"cannot write {_WHAT} to {self.path}: {exc}; check free disk space "
+                                    "and the state directory's permissions") from exc
+        self._approved, self._lines = approved, lines
 
     def _load(self) -> dict[str, Approval]:
+        """The approvals in the file; ConsoleStateError naming what is wrong (the file is left as it is)."""
         data = read_json(self.path, _WHAT)
         if data is None:
             return {}
@@ -82,3 +93,8 @@ class ApprovalBook:
                                         f"({exc}); it was left in place: fix or remove that entry") from exc
             approved[node_id] = approval
         return approved
+
+
+def _line(node_id: str, approval: Approval) -> str:
+    """One agent's line of the file: ``"<node id>": {entry}`` (the C encoder: no indent)."""
+    return f"{json.dumps(node_id)}: {json.dumps(asdict(approval), sort_keys=True)}"

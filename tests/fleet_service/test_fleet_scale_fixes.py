@@ -1,17 +1,21 @@
 """What keeps the fleet service affordable at 1,000 agents (docs/BENCHMARKS.md, fleet-scale):
 the records event throttled and its JSON reused, the feed keeping only the newest records event
-without making clients reset, and the admin client reading a large answer whole."""
+without making clients reset, the admin client reading a large answer whole, and the approvals
+file written from each entry's kept JSON."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 
+import pytest
 from aiohttp import web
 
 from console.service.admin_client import AdminClient
 from console.service.admin_shapes import agent_json
 from console.service.agent_record import AgentRecord, AgentSource, Membership
+from console.service.approvals import APPROVALS_FILE, ApprovalBook
+from console.service.errors import ConsoleStateError
 from console.service.records_feed import AgentJsonCache, RecordsPublisher
 from console.service.service_events import EventFeed
 from tests.support.asyncutil import run
@@ -106,3 +110,25 @@ def test_the_admin_client_reads_a_large_answer_whole(tmp_path):
         assert answer["agents"] == agents  # ~3.5 MB: more than one read's worth
 
     run(main(), 30)
+
+
+def test_the_approvals_file_keeps_one_agent_a_line_and_reads_back(tmp_path):
+    book = ApprovalBook(tmp_path)
+    ids = [f"{i:064x}" for i in range(5)]
+    for i, node_id in enumerate(ids):
+        book.add(node_id, f"pc-{i}", "10.0.0.1", 7210 + i, "f" * 64)
+    book.discard(ids[2])
+    text = (tmp_path / APPROVALS_FILE).read_text()
+    data = json.loads(text)
+    assert data["format"] == 1 and sorted(data["agents"]) == [ids[0], ids[1], ids[3], ids[4]]
+    assert len(text.splitlines()) == 2 + 4  # the header, one line per agent, the closing braces
+    again = ApprovalBook(tmp_path)
+    assert dict(again.approved) == dict(book.approved) and again.approved[ids[4]].control_port == 7214
+    for node_id in ids[:2]:
+        again.discard(node_id)
+    again.discard(ids[3])
+    again.discard(ids[4])
+    assert json.loads((tmp_path / APPROVALS_FILE).read_text()) == {"format": 1, "agents": {}}
+    (tmp_path / APPROVALS_FILE).write_text(text[:-20])  # cut short
+    with pytest.raises(ConsoleStateError, match="not valid JSON"):
+        ApprovalBook(tmp_path)
