@@ -1,7 +1,8 @@
 """The simulated fleet (tests/support/sim_fleet) against a real fleet service: 40 fake agents in
 two worker processes join with single-use tokens (real enrolment, mutual TLS), register at the
 hub, are approved through the admin API, pause and resume at random, and are paused, resumed
-and removed by the admin; the service's records must agree with what the agents did."""
+and removed by the admin; the service's records must agree with what the agents did. Then 8
+more join with one reusable auto-approving token, and are approved with no call at all."""
 
 from __future__ import annotations
 
@@ -36,6 +37,9 @@ def test_a_simulated_fleet_joins_registers_pauses_and_the_service_agrees(tmp_pat
             async with sim:
                 ours = set(sim.stats.joined.values())
                 assert len(ours) == N and not sim.stats.join_failed  # N distinct node ids: N keys, N certificates
+                # a registration names no PC: its name comes with the first status poll (every 0.5 s here)
+                await _until(lambda: sum(1 for r in fleet.records() if r.node_id in ours and r.status) == N, 20,
+                             "every agent polled")
                 records = {r.node_id: r for r in fleet.records() if r.node_id in ours}
                 assert len(records) == N
                 for name, node_id in sim.stats.joined.items():
@@ -77,5 +81,15 @@ def test_a_simulated_fleet_joins_registers_pauses_and_the_service_agrees(tmp_pat
                 await _until(lambda: sim.stats.register_failed > failed, 15, "the removed agent's registration refused")
                 assert node_id not in {r.node_id for r in fleet.records()}
                 assert len([r for r in fleet.records() if r.node_id in ours and r.approved]) == N - 1
+
+                # one token of 8 uses, auto-approving: 8 PCs enrolled and approved without a click
+                more = SimFleet(tmp_path / "fleet", agents=8, tokens="reusable", prefix=f"{sim.prefix}r")
+                async with more:
+                    theirs = set(more.stats.joined.values())
+                    assert len(theirs) == 8 and not theirs & ours
+                    assert all(fleet.get(n).approved for n in theirs)
+                    listing = await more.admin.async_call("GET", "/tokens")
+                    (used,) = [t for t in listing["tokens"] if t.get("label") == f"{more.prefix} fleet"]
+                    assert used["used"] == 8 and {a["node_id"] for a in used["admitted"]} == theirs
 
     asyncio.run(main())

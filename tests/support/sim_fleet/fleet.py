@@ -44,7 +44,7 @@ class SimStats:
     remote: list[tuple[str, bool]] = field(default_factory=list)  # (name, paused) the service ordered
     errors: list[str] = field(default_factory=list)
     token_s: float = 0.0  # issuing the join tokens through the admin API
-    approve_s: float = 0.0  # approving every agent through the admin API
+    approve_s: float = 0.0  # approving every agent through the admin API (reusable: waiting for auto-approval)
     join_wall_s: float = 0.0  # from starting the workers to every agent joined and registered once
 
     @property
@@ -166,6 +166,10 @@ class SimFleet:
         self.on_progress(f"{self.n} agents joined (median {_median(self.stats.join_s) * 1000:.0f} ms each)")
         if self.approve and self.tokens == "single":
             await self.async_approve_all()
+        elif self.approve:  # the reusable token auto-approves: wait for the service to have done it
+            start = time.perf_counter()
+            await self._async_until_listed(lambda a: a["approved"], "approved (auto-approval)")
+            self.stats.approve_s = time.perf_counter() - start
 
     async def _async_tokens(self) -> list[str]:
         if self.tokens == "reusable":  # one token for every agent (helper A's reusable tokens)
@@ -180,22 +184,27 @@ class SimFleet:
     async def async_approve_all(self, timeout: float = 300.0) -> None:
         """Approve every simulated agent once the service lists it verified (its registration)."""
         wanted = set(self.stats.joined.values())
-        deadline = time.monotonic() + timeout
-        while True:
-            agents = (await self.admin.async_agents())["agents"]
-            verified = {a["node_id"] for a in agents if a["verified"] and a["node_id"] in wanted}
-            if verified == wanted:
-                break
-            if time.monotonic() > deadline:
-                raise SimFleetError(f"{len(wanted - verified)} simulated agents are not listed verified after "
-                                    f"{timeout:g} s")
-            await asyncio.sleep(0.5 if self.n <= 100 else 2.0)  # listing 1,000 agents is itself work for the service
+        agents = await self._async_until_listed(lambda a: a["verified"], "verified", timeout)
         todo = [a["node_id"] for a in agents if a["node_id"] in wanted and not a["approved"]]
         start = time.perf_counter()
         for node_id in todo:
             await self.admin.async_approve(node_id)
         self.stats.approve_s = time.perf_counter() - start
         self.on_progress(f"{len(todo)} agents approved in {self.stats.approve_s:.1f} s")
+
+    async def _async_until_listed(self, predicate: Callable[[dict], bool], what: str,
+                                  timeout: float = 300.0) -> list[dict]:
+        """The service's agent list once ``predicate`` holds for every simulated agent in it."""
+        wanted = set(self.stats.joined.values())
+        deadline = time.monotonic() + timeout
+        while True:
+            agents = (await self.admin.async_agents())["agents"]
+            done = {a["node_id"] for a in agents if a["node_id"] in wanted and predicate(a)}
+            if done == wanted:
+                return agents
+            if time.monotonic() > deadline:
+                raise SimFleetError(f"{len(wanted - done)} simulated agents are not listed {what} after {timeout:g} s")
+            await asyncio.sleep(0.5 if self.n <= 100 else 2.0)  # listing 1,000 agents is itself work for the service
 
     async def _async_read(self, worker: _Worker) -> None:
         stats = self.stats
