@@ -58,7 +58,9 @@ class StageTime:
 def stage_breakdown(plan: Plan | None, metrics: Mapping[str, float], names: Mapping[str, str],
                     local_stage0: bool) -> list[StageTime]:
     """Per stage and hop of ``plan``: predicted ms, and measured ms where the coordinator
-    measures it; a final row for the rest of a ring step (network + remote compute)."""
+    measures it (every stage of a ring whose workers report their stage times); a final row for the
+    network's share of a ring step, or for the rest of it (network + remote compute) when some stage
+    is not measured."""
     if plan is None:
         return []
     local = metrics.get(LOCAL_COMPUTE)

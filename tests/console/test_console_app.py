@@ -186,6 +186,10 @@ def _from_an_empty_network_to_a_chat(tmp_path, tiny_checkpoint, wait, console_ca
         assert len(metrics.history.series("tokens_per_second")) >= 1
         assert metrics.breakdown.rowCount() == 2 * 2 + 1 + 1  # two stages, three hops, the ring step
         assert metrics.breakdown.item(metrics.breakdown.rowCount() - 1, 3).text() != "—"
+        # every stage reports its own compute per step (the frames' stage times): measured, not "—"
+        table = metrics.breakdown
+        computes = [r for r in range(table.rowCount()) if table.item(r, 1).text() == "compute"]
+        assert len(computes) == 2 and all(float(table.item(r, 3).text()) > 0 for r in computes)
 
         # an agent with an assignment reports its pauses to the hub: the Metrics page logs them
         assert any(f"{names[1]} resumed" in t for t in item_texts(metrics.pause_list))
