@@ -131,11 +131,14 @@ class CountsResult:
 
 def solve_counts(f: Fleet, sizes: LayerSizes, *, relax: bool, time_limit_s: float,
                  max_stages: int | None = None, min_stages: int = 1, cap_ms: float | None = None,
-                 max_latency: float | None = None, twins: Sequence[tuple[int, int]] = ()) -> CountsResult:
+                 max_latency: float | None = None, twins: Sequence[tuple[int, int]] = (),
+                 cycle_streams: int | None = None) -> CountsResult:
     """Least-latency counts and order (module doc); each stage and hop ≤ ``cap_ms``, latency ≤
     ``max_latency``. A stage's bytes are bounded below by the hull lines (``relax``: a
     relaxation, exact when the layers are alike) or above by its count times the largest
-    interior layer (a restriction). ``twins`` (d, e) are interchangeable: d takes the larger count."""
+    interior layer (a restriction). ``twins`` (d, e) are interchangeable: d takes the larger count.
+    With ``cycle_streams`` N it minimises the cycle instead: T ≥ every stage, hop and coordinator
+    time and T ≥ latency / N (``bound_ms`` is then a bound on the cycle)."""
     D, L = len(f.device_ids), f.n_layers
     pc = f.dev_pc
     cap_gb = np.minimum(f.dev_cap, f.pc_cap[pc]) / GB
@@ -217,6 +220,21 @@ def solve_counts(f: Fleet, sizes: LayerSizes, *, relax: bool, time_limit_s: floa
     if max_latency is not None:
         nz = np.flatnonzero(c)
         add(1, np.zeros(len(nz), int), nz, c[nz], -np.inf, max_latency)
+    if cycle_streams is not None:  # one more column, T, and it alone is minimised
+        T = n_cols
+        n_cols += 1
+        t_col = np.full(D, T)
+        add(D, np.r_[np.tile(d_idx, 4), d_idx], np.r_[N + d_idx, U + d_idx, F + d_idx, G + d_idx, t_col],
+            np.r_[f.layer_ms, f.overhead_ms, sizes.first_ms, sizes.last_ms, -o1], -np.inf, 0)
+        for blk in (F, G):
+            add(D, np.r_[d_idx, d_idx], np.r_[blk + d_idx, t_col], np.r_[coord, -o1], -np.inf, 0)
+        hop = np.flatnonzero(c[arc] > 0)
+        add(len(hop), np.tile(np.arange(len(hop)), 2), np.r_[arc[hop], np.full(len(hop), T)],
+            np.r_[c[arc][hop], -np.ones(len(hop))], -np.inf, 0)
+        nz = np.flatnonzero(c)
+        add(1, np.zeros(len(nz) + 1, int), np.r_[nz, T], np.r_[c[nz] / cycle_streams, -1.0], -np.inf, 0)
+        c = np.zeros(n_cols)
+        c[T] = 1.0
     offset = 0
     row_parts, col_parts, val_parts, lo, hi = [], [], [], [], []
     for r, cc, v, rl, rh in rows:
@@ -229,11 +247,12 @@ def solve_counts(f: Fleet, sizes: LayerSizes, *, relax: bool, time_limit_s: floa
     A_mat = coo_array((np.concatenate(val_parts), (np.concatenate(row_parts), np.concatenate(col_parts))),
                       shape=(offset, n_cols)).tocsr()
     ub = np.concatenate((np.minimum(n_max, 1), (n_max > 0) & first_ok, (n_max > 0) & last_ok, n_max,
-                         np.full(D, float(L)), cap_gb, np.ones(A))).astype(float)
+                         np.full(D, float(L)), cap_gb, np.ones(A), np.full(n_cols - AR - A, np.inf))).astype(float)
     lb_cols = np.zeros(n_cols)
     lb_cols[M:M + D] = -np.inf  # a hull line may dip below 0 for an unused device
     integrality: np.ndarray = np.ones(n_cols)
     integrality[S:M + D] = 0
+    integrality[AR + A:] = 0  # T
     res = milp(c, integrality=integrality, bounds=Bounds(lb_cols, ub),
                constraints=[LinearConstraint(A_mat, np.concatenate(lo), np.concatenate(hi))],
                options={"time_limit": max(time_limit_s, 0.05), "mip_rel_gap": _MIP_REL_GAP,
@@ -252,7 +271,7 @@ def _stages(x: np.ndarray, D: int, src: np.ndarray, dst: np.ndarray, L: int) -> 
     """Follow the hand-overs from the first device; (device, first, last) in layer order."""
     used = x[:D] > 0.5
     counts = np.rint(x[3 * D:4 * D]).astype(int)
-    chosen = np.flatnonzero(x[6 * D:] > 0.5)
+    chosen = np.flatnonzero(x[6 * D:6 * D + len(src)] > 0.5)
     nxt = dict(zip(src[chosen].tolist(), dst[chosen].tolist(), strict=True))
     d = int(np.argmax(x[D:2 * D]))
     stages: list[Stage] = []

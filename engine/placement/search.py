@@ -23,6 +23,7 @@ and max(increasing, non-increasing) is minimised where the two cross, found by b
 O(log #values) latency MILPs (most skipped: one solved plan settles a whole range of τ). The
 plan found at T* also has the least latency among plans with cycle T* (exact tie-break). Its
 lower bound: Lmin's bound / N, and every τ a probe proved impossible (no plan has cycle ≤ τ).
+With alike layers the counts model minimises the cycle directly first (`_direct_cycle`).
 """
 
 from __future__ import annotations
@@ -248,6 +249,30 @@ def split_in_order(f: Fleet, order: Sequence[int], cap_ms: float | None) -> list
 
 # --- throughput ------------------------------------------------------------------------------
 
+def _direct_cycle(f: Fleet, s: Search) -> Timing | None:
+    """Alike layers: the counts model minimises the cycle itself (its LP bound is not flat like
+    the cuts model's), then the least latency at that cycle breaks ties - two solves instead of
+    the bisection's five or more (measured at 30 × 128: ~2 s instead of ~18 s on a loaded box).
+    None when the layers differ or either solve was not proven in time (the bisection goes on)."""
+    sizes = layer_sizes(f) if s.formulation == "auto" else None
+    if sizes is None or not sizes.uniform or _remaining(s) <= 0:
+        return None
+    twins = twin_pairs(f) if s.break_symmetry else []
+    r = solve_counts(f, sizes, relax=True, time_limit_s=0.5 * _remaining(s), max_stages=s.max_stages,
+                     min_stages=s.min_stages, twins=twins, cycle_streams=s.n_streams)
+    if r.stages is None or not r.optimal:
+        return None
+    cycle = time_stages(f, r.stages, s.n_streams, True).cycle_ms
+    tie = _TIE * cycle + 1e-12
+    try:
+        best = least_latency(f, s, cycle + tie, s.n_streams * (cycle + tie))
+    except PlacementTimeout:
+        return None
+    if best.stages is None or not best.optimal:
+        return None
+    return time_stages(f, best.stages, s.n_streams, True)
+
+
 def best_cycle(f: Fleet, s: Search, top: Timing, top_bound_ms: float) -> Timing:
     """Least cycle (then least latency) by bisection over the bottleneck cap τ (module doc).
 
@@ -257,6 +282,9 @@ def best_cycle(f: Fleet, s: Search, top: Timing, top_bound_ms: float) -> Timing:
     ``top`` is the unconstrained least-latency plan, ``top_bound_ms`` its proven bound.
     """
     n = s.n_streams
+    direct = _direct_cycle(f, s)
+    if direct is not None:
+        return direct
     sizes = np.concatenate([stage_ms(f, d, *np.triu_indices(f.n_layers))
                             for d in range(len(f.device_ids))])
     taus = np.unique(np.concatenate((sizes, f.lat.ravel(), f.coord)))

@@ -42,5 +42,6 @@ def test_a_row_cut_short_shows_no_plan_and_the_gap():
     assert secs == "10.20" and vs == "+3.00 %"
     assert proven == "optimal 0/3, gap ≤ 5 %, no plan 1/3"
     assert bench._cell([{"seconds": 10.0, "plan": False}], ref) == ("10.00", "no plan", "-")
-    unproven = {"plan": True, "optimal": False, "objective_ms": 104.0}
-    assert bench._cell(runs[:1], unproven)[1] == "103.00 ms"
+    unproven = {"plan": True, "optimal": False, "objective_ms": 206.0}
+    assert bench._cell(runs[:1], unproven)[1] == "-50.00 %"  # better than the reference's best
+    assert bench._cell(runs[:1], {"plan": False})[1] == "103.00 ms"
