@@ -20,12 +20,17 @@ deskfleet-agent``).
 
 Silent install (a software-distribution tool rolling the agent out): a debconf question of type
 ``password``, ``deskfleet/join-token`` (and ``deskfleet/console``, the enrolment address, empty:
-found over mDNS), pre-seeded with ``debconf-set-selections`` before ``apt-get install``. postinst
-writes the token to ``/etc/deskfleet/join-token`` (0600, root's), clears it from debconf, and
-enables the *system* unit ``deskfleet-agent-system.service``: the headless agent, which joins with
-the file at start and removes it (:mod:`agent.service.join_file`). An admin may instead place
-that file before installing (any mode: postinst makes it root's 0600). The system agent runs as
-root because only root may read the token; its state is ``/var/lib/deskfleet-agent``.
+found over mDNS), pre-seeded with ``debconf-set-selections`` before ``apt-get install``, or the root-only file
+``/etc/deskfleet/join-token`` an admin (or the distribution tool) places before installing.
+postinst (root) creates the system user ``deskfleet-agent`` (idempotent; added to the ``render``
+and ``video`` groups where they exist, for the iGPU's and NPU's device nodes), makes its state dir
+``/var/lib/deskfleet-agent`` its own (0700), and hands the token over into that dir as the agent
+user's 0600 ``join-token`` (written atomically, the token on stdin, never in argv); the /etc copy
+is removed and debconf's answer cleared. It then enables the *system* unit
+``deskfleet-agent-system.service``: the headless agent as ``deskfleet-agent`` (never root), which
+joins with its copy at start and deletes it (:mod:`agent.service.join_file`). Re-running postinst
+(an upgrade, ``dpkg-reconfigure`` with a new token) hands the new token over the same way and
+restarts the unit.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ EXPORT_WHEELS = f"{PREFIX}/export-wheels"
 JOIN_FILE = "/etc/deskfleet/join-token"
 SYSTEM_UNIT_NAME = "deskfleet-agent-system.service"
 SYSTEM_STATE = "/var/lib/deskfleet-agent"
+AGENT_USER = "deskfleet-agent"  # the system agent's user and group (postinst creates them)
+STATE_JOIN_FILE = f"{SYSTEM_STATE}/join-token"  # the agent user's own copy of the token
 WRITE_TOKEN = f"{PREFIX}/lib/write-join-token.sh"
 DEBCONF_TOKEN = "deskfleet/join-token"
 DEBCONF_CONSOLE = "deskfleet/console"
@@ -143,14 +150,16 @@ exit 0
 
 
 def write_token_script() -> str:
-    """``write-join-token.sh PATH [CONSOLE]``: the join token on standard input (never an argument:
-    every user may read a process's arguments) into PATH, 0600 from its first byte, replacing any
-    old file atomically; CONSOLE (host:port) goes in as ``console=``. Exit 2, nothing written, for
-    something that is not a token or an address."""
+    """``write-join-token.sh PATH [CONSOLE [OWNER]]``: the join token on standard input (never an
+    argument: every user may read a process's arguments) into PATH, 0600 from its first byte,
+    replacing any old file atomically; CONSOLE (host:port) goes in as ``console=``; run as root,
+    the file becomes OWNER's (``chown`` syntax, default ``0:0``) before it is moved in place. Exit 2,
+    nothing written, for something that is not a token or an address."""
     return """#!/bin/sh
 set -eu
 target="$1"
 console="${2:-}"
+owner="${3:-0:0}"
 token=""
 IFS= read -r token || true
 token=$(printf '%s' "$token" | tr -d ' \t\r')
@@ -180,7 +189,7 @@ tmp=$(mktemp "$dir/.join-token.XXXXXX")
   if [ -n "$console" ]; then printf 'console=%s\n' "$console"; fi
 } > "$tmp"
 chmod 0600 "$tmp"
-if [ "$(id -u)" = 0 ]; then chown 0:0 "$tmp"; fi
+if [ "$(id -u)" = 0 ]; then chown "$owner" "$tmp"; fi
 mv -f "$tmp" "$target"
 """
 
@@ -190,6 +199,15 @@ def postinst() -> str:
     return f"""#!/bin/sh
 set -e
 . /usr/share/debconf/confmodule
+user={AGENT_USER}
+state={SYSTEM_STATE}
+handover() {{  # $1: a token file (the admin's or debconf's) -> the agent user's 0600 copy, atomically
+  tmp=$(mktemp "$state/.join-token.XXXXXX")
+  cat "$1" > "$tmp"
+  chown "$user:" "$tmp"
+  chmod 0600 "$tmp"
+  mv -f "$tmp" "$state/join-token"
+}}
 if [ "$1" = "configure" ]; then
   {PREFIX}/lib/install-venv.sh {PREFIX} >&2
   if command -v update-desktop-database >/dev/null 2>&1; then
@@ -198,21 +216,42 @@ if [ "$1" = "configure" ]; then
   if command -v gtk-update-icon-cache >/dev/null 2>&1; then
     gtk-update-icon-cache -q -t /usr/share/icons/hicolor >&2 || true
   fi
+  # the system agent's own user: never root (it runs the stage workers on models from the network)
+  if ! getent passwd "$user" >/dev/null; then
+    if command -v adduser >/dev/null 2>&1; then
+      adduser --system --group --home "$state" --no-create-home --quiet "$user" >&2
+    else
+      useradd --system --user-group --home-dir "$state" --no-create-home --shell /usr/sbin/nologin "$user" >&2
+    fi
+  fi
+  for group in render video; do  # the iGPU's and NPU's device nodes (/dev/dri, /dev/accel)
+    if getent group "$group" >/dev/null; then usermod -a -G "$group" "$user" >&2 || true; fi
+  done
+  umask 077
+  mkdir -p "$state"
+  chown -R "$user:" "$state"  # also an older version's, when the agent ran as root
+  chmod 0700 "$state"
   RET=""
   db_get {DEBCONF_TOKEN} || RET=""
   token="$RET"
   if [ -n "$token" ]; then
     RET=""
     db_get {DEBCONF_CONSOLE} || RET=""
-    printf '%s\n' "$token" | {WRITE_TOKEN} {JOIN_FILE} "$RET" >&2
-    db_set {DEBCONF_TOKEN} "" || true  # kept in the root-only file only, not in debconf's database
+    printf '%s\\n' "$token" | {WRITE_TOKEN} {JOIN_FILE} "$RET" >&2
+    db_set {DEBCONF_TOKEN} "" || true  # kept in the token file only, not in debconf's database
   fi
   if [ -s {JOIN_FILE} ]; then  # from debconf, or placed there by the admin
     chown 0:0 {JOIN_FILE}
     chmod 0600 {JOIN_FILE}
-    if [ -d /run/systemd/system ]; then
-      systemctl daemon-reload >&2 || true
-      systemctl enable --now {SYSTEM_UNIT_NAME} >&2 || \
+    handover {JOIN_FILE}
+    rm -f {JOIN_FILE}
+    rmdir {JOIN_FILE.rsplit("/", 1)[0]} 2>/dev/null || true
+  fi
+  if [ -d /run/systemd/system ]; then
+    systemctl daemon-reload >&2 || true
+    if [ -s "$state/join-token" ] || systemctl is-enabled --quiet {SYSTEM_UNIT_NAME} 2>/dev/null; then
+      # restart: a new token, or an upgrade (the unit may still run as an older version's user)
+      {{ systemctl enable {SYSTEM_UNIT_NAME} && systemctl restart {SYSTEM_UNIT_NAME}; }} >&2 || \\
         echo "deskfleet: could not start {SYSTEM_UNIT_NAME}; see journalctl -u {SYSTEM_UNIT_NAME}" >&2
     fi
   fi
@@ -238,7 +277,9 @@ exit 0
 
 
 def postrm() -> str:
-    """Purge: the token file (if still there), the system agent's state and debconf's answers."""
+    """Purge: the token files (if still there), the system agent's state and debconf's answers.
+    The ``deskfleet-agent`` user stays (Debian practice: a removed system user's uid could be
+    reused by another package and inherit a file left behind)."""
     return f"""#!/bin/sh
 set -e
 if [ "$1" = "purge" ]; then
@@ -318,17 +359,23 @@ WantedBy=default.target
 
 def systemd_system_unit() -> str:
     """The headless agent as a system service, for rolled-out PCs (enabled by postinst when a token
-    was given). Root: the token file is root's alone; the state dir is its own, the keys in a 0600
-    file keyring there (no user keyring under systemd)."""
+    was given), as the ``deskfleet-agent`` user: postinst hands the token into that user's state
+    dir, so nothing here needs root; the keys are in a 0600 file keyring there (no user keyring
+    under systemd)."""
     return f"""[Unit]
-Description=Deskfleet agent (system service): joins with {JOIN_FILE}, lends this PC to the fleet while idle
+Description=Deskfleet agent (system service): joins with the installer's token, lends this PC to the fleet while idle
 Documentation=file:///usr/share/doc/deskfleet/README.md
 Wants=network-online.target
 After=network-online.target
 
 [Service]
 Type=simple
-ExecStart={BIN} agent --headless --state-dir {SYSTEM_STATE} --join-file {JOIN_FILE}
+ExecStart={BIN} agent --headless --state-dir {SYSTEM_STATE} --join-file {STATE_JOIN_FILE}
+User={AGENT_USER}
+Group={AGENT_USER}
+# The iGPU's and NPU's device nodes (/dev/dri/*, /dev/accel/*) belong to the render and video groups:
+# postinst adds the user to those of them that exist, and User= brings its groups along.
+# (Not SupplementaryGroups=render video: the unit would fail to start where one of them is missing.)
 StateDirectory=deskfleet-agent
 StateDirectoryMode=0700
 Environment=HOME={SYSTEM_STATE} XDG_CACHE_HOME={SYSTEM_STATE}/cache DESKFLEET_KEYRING_DIR={SYSTEM_STATE}/keyring
@@ -340,7 +387,6 @@ Nice=10
 UMask=0077
 NoNewPrivileges=yes
 ProtectSystem=strict
-ReadWritePaths=/etc/deskfleet
 ProtectHome=read-only
 PrivateTmp=yes
 ProtectKernelTunables=yes

@@ -91,13 +91,16 @@ def test_the_silent_install_files(tmp_path):
     post = deb.postinst()
     assert post.index(". /usr/share/debconf/confmodule") < post.index("install-venv.sh")  # before any output
     assert f'"$token" | {deb.WRITE_TOKEN} {deb.JOIN_FILE}' in post  # on stdin (printf is built in), not an argument
-    assert f"systemctl enable --now {deb.SYSTEM_UNIT_NAME}" in post and "db_stop" in post
+    assert f"systemctl restart {deb.SYSTEM_UNIT_NAME}" in post and "db_stop" in post
     assert f"rm -f {deb.JOIN_FILE}" in deb.postrm() and "db_purge" in deb.postrm()
 
     unit = _ini(deb.data_files(VERSION)[f"/usr/lib/systemd/system/{deb.SYSTEM_UNIT_NAME}"][0])
     assert shlex.split(unit["Service"]["ExecStart"]) == [deb.BIN, "agent", "--headless", "--state-dir",
-                                                          deb.SYSTEM_STATE, "--join-file", deb.JOIN_FILE]
-    assert unit["Service"]["ReadWritePaths"] == "/etc/deskfleet"  # to remove the token once joined
+                                                          deb.SYSTEM_STATE, "--join-file", deb.STATE_JOIN_FILE]
+    assert unit["Service"]["User"] == unit["Service"]["Group"] == deb.AGENT_USER != "root"
+    assert "ReadWritePaths" not in unit["Service"] and unit["Service"]["NoNewPrivileges"] == "yes"
+    assert unit["Service"]["ProtectSystem"] == "strict"
+    assert "adduser --system --group" in post and 'chown "$user:" "$tmp"' in post
     assert unit["Install"]["WantedBy"] == "multi-user.target"
 
     root = tmp_path / "root"
@@ -153,11 +156,14 @@ def test_postinst_takes_the_preseeded_debconf_password_into_the_root_only_file(t
                                      f"Filename: {db}/config.dat\n\nName: templatedb\nDriver: File\nMode: 644\n"
                                      f"Filename: {db}/templates.dat\n")
     join_file, writer = tmp_path / "etc" / "join-token", tmp_path / "write-join-token.sh"
+    state = tmp_path / "state"
+    copy = state / "join-token"
     writer.write_text(deb.write_token_script())
     writer.chmod(0o755)
     script = (deb.postinst().replace(deb.JOIN_FILE, str(join_file)).replace(deb.WRITE_TOKEN, str(writer))
               .replace(f"{deb.PREFIX}/lib/install-venv.sh {deb.PREFIX}", "true")
-              .replace("/run/systemd/system", str(tmp_path / "no-systemd")))
+              .replace("/run/systemd/system", str(tmp_path / "no-systemd"))
+              .replace(f"user={deb.AGENT_USER}", "user=nobody").replace(f"state={deb.SYSTEM_STATE}", f"state={state}"))
     postinst = db / "deskfleet.postinst"  # debconf loads deskfleet.templates beside it
     postinst.write_text(script)
     postinst.chmod(0o755)
@@ -170,16 +176,21 @@ def test_postinst_takes_the_preseeded_debconf_password_into_the_root_only_file(t
     subprocess.run(["debconf-set-selections"], input=selections, text=True, env=env, check=True, timeout=60)
     proc = subprocess.run([str(postinst), "configure"], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert join_file.read_text() == f"{token}\nconsole=10.0.0.5:7411\n"
-    assert join_file.stat().st_mode & 0o777 == 0o600
+    assert copy.read_text() == f"{token}\nconsole=10.0.0.5:7411\n" and not join_file.exists()
+    assert copy.stat().st_mode & 0o777 == 0o600 and state.stat().st_mode & 0o777 == 0o700
+    if os.geteuid() == 0:  # the agent user's (here: nobody's), not root's
+        assert copy.stat().st_uid == state.stat().st_uid == 65534
+    assert not [p for p in state.iterdir() if p.name != "join-token"]
     stored = (db / "config.dat").read_text()
     assert token not in stored and "deskfleet/join-token" in stored  # the file keeps it; debconf does not
     # an admin's own file (any mode) is kept and made root's 0600 when no token was pre-seeded
+    join_file.parent.mkdir(exist_ok=True)
     join_file.write_text("DFJ1-placed-by-admin\n")
     join_file.chmod(0o644)
     proc = subprocess.run([str(postinst), "configure"], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert join_file.read_text() == "DFJ1-placed-by-admin\n" and join_file.stat().st_mode & 0o777 == 0o600
+    assert copy.read_text() == "DFJ1-placed-by-admin\n" and copy.stat().st_mode & 0o777 == 0o600
+    assert not join_file.exists()
 
 
 _STUB_PYTHON = """#!/bin/sh
