@@ -110,6 +110,7 @@ def test_headless_agent_joins_with_only_the_token(tmp_path):
     async def main():
         async with console(tmp_path / "console", advertise_on="127.0.0.1") as con:
             (tmp_path / "token").write_text(con.token())
+            (tmp_path / "token").chmod(0o600)  # a token file others may read is refused (agent.service.join_file)
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "engine.cli.main", "agent", "--headless", "--state-dir", str(tmp_path / "a"),
                 "--interface", "127.0.0.1", "--control-port", "0", "--data-port", "0",
