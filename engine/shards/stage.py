@@ -61,6 +61,10 @@ def stage_properties(stage: StageManifest, exact: bool = False, num_threads: int
     if num_threads:
         props["INFERENCE_NUM_THREADS"] = str(num_threads)
     props.update(extra or {})
+    if props.get("KV_CACHE_PRECISION") == "f32":
+        # An f32 cache means f32 attention: on a CPU with avx512_bf16 the default inference
+        # precision is bf16, and its PagedAttention executor refuses any cache but bf16.
+        props.setdefault("INFERENCE_PRECISION_HINT", "f32")
     return props
 
 
