@@ -1,8 +1,9 @@
 """Joining from a token file: the agent's half of a silent install.
 
-A software-distribution tool installs the agent with a join token: the .deb writes it to
-``/etc/deskfleet/join-token`` (root only, from a debconf question or a file the admin placed
-there), the Windows installer to ``join-token`` in the agent's state dir (``/TOKEN=`` or
+A software-distribution tool installs the agent with a join token: the .deb takes it from a
+debconf question or ``/etc/deskfleet/join-token`` (a root-only file the admin placed there) and
+hands it to the system agent's own user as ``/var/lib/deskfleet-agent/join-token`` (0600, the
+/etc copy removed), the Windows installer to ``join-token`` in the agent's state dir (``/TOKEN=`` or
 ``/TOKENFILE=``). The agent, when it has not joined yet, reads that file at start, joins with it,
 and then removes it (or, where it may not remove it, blanks it): the token is not left lying
 around once used. A failed join keeps the file and logs why; a refused token (used up,
@@ -76,7 +77,7 @@ def read_join_file(path: Path) -> JoinFile | None:
         return None
     except OSError as exc:
         raise JoinFileError(f"cannot read the join-token file {path} ({exc.strerror or exc}); the agent "
-                            "reads it as the user it runs as (root for the system service)") from exc
+                            "reads it as the user it runs as (the deskfleet-agent user for the system service)") from exc
     if len(raw) > MAX_FILE_BYTES:
         raise JoinFileError(f"the join-token file {path} is larger than {MAX_FILE_BYTES} bytes: not a token file")
     lines = [line.strip() for line in raw.decode("utf-8", "replace").splitlines()]
