@@ -77,7 +77,7 @@ def read_join_file(path: Path) -> JoinFile | None:
         return None
     except OSError as exc:
         raise JoinFileError(f"cannot read the join-token file {path} ({exc.strerror or exc}); the agent "
-                            "reads it as the user it runs as (the deskfleet-agent user for the system service)") from exc
+                            "reads it as the user it runs as (deskfleet-agent for the system service)") from exc
     if len(raw) > MAX_FILE_BYTES:
         raise JoinFileError(f"the join-token file {path} is larger than {MAX_FILE_BYTES} bytes: not a token file")
     lines = [line.strip() for line in raw.decode("utf-8", "replace").splitlines()]
