@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from console.service.errors import ConsoleStateError
-from console.service.state_file import read_json, write_json
+from console.service.state_file import read_agents, write_json
 from engine.control.tags import parse_tags
 from engine.errors import TagError
 
@@ -76,14 +76,7 @@ class TagBook:
         self._tags = tags
 
     def _load(self) -> dict[str, AgentTags]:
-        data = read_json(self.path, _WHAT)
-        if data is None:
-            return {}
-        agents = data.get("agents")
-        if data.get("format") != FORMAT or not isinstance(agents, dict):
-            raise ConsoleStateError(f"{_WHAT} in {self.path} is not format {FORMAT} with an 'agents' object; it "
-                                    "was left in place: restore it from a backup, or move it aside (the admin's "
-                                    "tags must then be set again)")
+        agents = read_agents(self.path, _WHAT, FORMAT, "the admin's tags must then be set again")
         out = {}
         for node_id, entry in agents.items():
             try:

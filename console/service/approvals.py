@@ -17,7 +17,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 from console.service.errors import ConsoleStateError
-from console.service.state_file import read_json
+from console.service.state_file import read_agents
 from engine.atomic_file import write_text_atomic
 
 APPROVALS_FILE = "approved-agents.json"
@@ -72,14 +72,7 @@ class ApprovalBook:
 
     def _load(self) -> dict[str, Approval]:
         """The approvals in the file; ConsoleStateError naming what is wrong (the file is left as it is)."""
-        data = read_json(self.path, _WHAT)
-        if data is None:
-            return {}
-        agents = data.get("agents")
-        if data.get("format") != FORMAT or not isinstance(agents, dict):
-            raise ConsoleStateError(f"{_WHAT} in {self.path} is not format {FORMAT} with an 'agents' "
-                                    "object; it was left in place: restore it from a backup or move it "
-                                    "aside (the agents must then be approved again)")
+        agents = read_agents(self.path, _WHAT, FORMAT, "the agents must then be approved again")
         approved = {}
         for node_id, entry in agents.items():
             try:

@@ -36,6 +36,20 @@ def read_json(path: Path, what: str) -> dict[str, Any] | None:
     return data
 
 
+def read_agents(path: Path, what: str, fmt: int, lost: str) -> dict[str, Any]:
+    """The ``agents`` object of a per-agent state file of format ``fmt`` ({} when there is no
+    file); ConsoleStateError otherwise, the file left in place. ``lost`` says what moving the
+    file aside costs ("the agents must then be approved again")."""
+    data = read_json(path, what)
+    if data is None:
+        return {}
+    agents = data.get("agents")
+    if data.get("format") != fmt or not isinstance(agents, dict):
+        raise ConsoleStateError(f"{what} in {path} is not format {fmt} with an 'agents' object; it was left "
+                                f"in place: restore it from a backup or move it aside ({lost})")
+    return agents
+
+
 def write_json(path: Path, data: dict[str, Any], what: str) -> None:
     """Replace ``path`` with ``data`` atomically (temporary file, fsync, rename)."""
     try:
