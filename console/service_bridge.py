@@ -95,6 +95,7 @@ class ServiceBridge(QObject):
         self._closers: list[Callable[[], Coroutine[Any, Any, None]]] = []
         self._running = False
         self._closed = False
+        self._names: tuple[tuple[AgentRecord, ...], dict[str, str]] | None = None
         self._refresh = QTimer(self)
         self._refresh.setInterval(int(settings.refresh_s * 1000))
         self._refresh.timeout.connect(self.refresh)
@@ -104,7 +105,11 @@ class ServiceBridge(QObject):
         return self._running and not self._closed
 
     def names(self) -> dict[str, str]:
-        return {r.node_id: r.name for r in self.records if r.node_id}
+        """Node id -> name of every joined agent (built once per records snapshot, as pages ask per
+        event: read it, do not change it)."""
+        if self._names is None or self._names[0] is not self.records:
+            self._names = (self.records, {r.node_id: r.name for r in self.records if r.node_id})
+        return self._names[1]
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
