@@ -11,7 +11,6 @@ import itertools
 import math
 import random
 import re
-from dataclasses import dataclass
 
 import pytest
 
@@ -28,20 +27,10 @@ from engine.placement.planner import (
     format_plan,
     solve,
 )
+from tests.placement.office_fleet import OfficeFleet as Fleet
 
 GB = 10**9
 REL = 1e-6
-
-
-@dataclass(frozen=True)
-class Fleet:
-    model: ModelProfile
-    pcs: tuple[PcInfo, ...]
-    devices: tuple[DeviceProfile, ...]
-    links: Links
-
-    def kwargs(self) -> dict:
-        return dict(model=self.model, pcs=self.pcs, devices=self.devices, links=self.links)
 
 
 # --- reference -----------------------------------------------------------------------------
