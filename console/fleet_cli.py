@@ -66,6 +66,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exact", action="store_true",
                    help="workers use exact (f32, no fast-math) kernels: every ring answers the unsplit model's greedy "
                         "tokens (tests, identity checks; slower)")
+    p.add_argument("--no-mdns", dest="mdns", action="store_false",
+                   help="neither advertise nor browse over mDNS: PCs join with this service's address given "
+                        "(--console HOST:PORT or console= in a join file), and are found as they register")
     p.add_argument("--out", type=Path, default=None, help="admin-cert: the directory to write the certificate to")
     p.add_argument("--days", type=int, default=365, help="admin-cert: days the certificate is valid (default 365)")
     add_token_arguments(p)
@@ -97,7 +100,9 @@ def service_settings(args: argparse.Namespace):
     if args.threads is not None or args.exact:
         console = replace(console, worker=WorkerSettings(threads=args.threads, exact=args.exact))
     admin_port = None if args.admin_port == -1 else args.admin_port
-    return FleetServiceSettings(console=console, admin_host=args.admin_host or interface, admin_port=admin_port)
+    mdns = getattr(args, "mdns", True)
+    return FleetServiceSettings(console=console, admin_host=args.admin_host or interface, admin_port=admin_port,
+                                browse=mdns, advertise_api=mdns, advertise=mdns)
 
 
 def run(args: argparse.Namespace) -> int:

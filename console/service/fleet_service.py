@@ -88,7 +88,8 @@ RETRY_S = (2.0, 5.0, 10.0, 30.0)  # re-forming a ring after a restart or a failo
 class FleetServiceSettings:
     """``admin_port`` None: the admin API on the local socket only. ``browse`` False: no mDNS
     browser (agents are then found through the hub and by address only); ``advertise_api``
-    False: the OpenAI API is not advertised over mDNS (``_deskfleet-api._tcp``)."""
+    False: the OpenAI API is not advertised over mDNS (``_deskfleet-api._tcp``); ``advertise``
+    False: nor is the enrolment port (PCs then join with the console's address given)."""
 
     console: ConsoleSettings
     admin_host: str = "127.0.0.1"
@@ -98,6 +99,7 @@ class FleetServiceSettings:
     retry_s: tuple[float, ...] = RETRY_S
     browse: bool = True
     advertise_api: bool = True
+    advertise: bool = True
     timeouts: DistributionTimeouts | None = None
     failover: FailoverSettings | None = None
 
@@ -152,7 +154,8 @@ class FleetService:
             self.placements = PlacementStore(s.state_dir)  # a damaged file stops the start, named
             host = self.host = await self._stack.enter_async_context(
                 fleet_host(s.state_dir, host=s.interface, enrollment_port=s.enrollment_port, hub_port=s.hub_port,
-                           advertise_on=s.interface, name="Deskfleet fleet"))
+                           advertise_on=s.interface if self.settings.advertise else None,
+                           name="Deskfleet fleet"))
             fleet = self.fleet = FleetModel(s.state_dir, host.credentials)
             self._stack.callback(fleet.subscribe(self._on_records))
             self.token_desk = TokenDesk(host.tokens, host.audit, self.feed.publish)  # before the hub's news

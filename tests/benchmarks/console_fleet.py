@@ -207,7 +207,7 @@ async def measure(args: argparse.Namespace, work: Path, say=print) -> dict[str, 
     flaps: dict[int, float] = {}
     for agents in args.agents:
         state = work / f"fleet-{agents}"
-        service = ServiceProcess(state, work / f"service-{agents}.log")
+        service = ServiceProcess(state, work / f"service-{agents}.log", mdns=False)
         await (await service.start(timeout=120)).close()
         try:
             say(f"[console-fleet] {agents} simulated agents joining…")

@@ -57,6 +57,9 @@ def test_settings_from_the_command_line(tmp_path):
     assert s.state_dir == tmp_path and s.admin_port is None and s.console.api_port == 0
     assert s.console.data_port == 0 and s.console.worker.threads == 2 and s.console.worker.exact
     assert service_settings(_args("--interface", "127.0.0.1", "--admin-host", "10.0.0.5")).admin_host == "10.0.0.5"
+    assert s.browse and s.advertise and s.advertise_api  # mDNS by default
+    quiet = service_settings(_args("--interface", "127.0.0.1", "--no-mdns"))
+    assert not (quiet.browse or quiet.advertise or quiet.advertise_api)
     for bad in (("--api-port", "70000"), ("--admin-port", "-2")):
         with pytest.raises(DeskfleetError, match=bad[0]):
             service_settings(_args("--interface", "127.0.0.1", *bad))

@@ -18,22 +18,27 @@ from tests.support.loopback import free_port
 
 class ServiceProcess:
     """``deskfleet fleet`` on a state dir with fixed loopback ports (as a real install has);
-    ``admin_port`` -1: no admin port over TLS, only the local socket."""
+    ``admin_port`` -1: no admin port over TLS, only the local socket. ``mdns`` False: the service
+    neither advertises nor browses (``--no-mdns``): a benchmark's fleet is then invisible to tests
+    that browse loopback meanwhile."""
 
     def __init__(self, state: Path, log: Path, *, admin_port: int = -1, python_args: tuple[str, ...] = (),
-                 code: Path | None = None) -> None:
+                 code: Path | None = None, mdns: bool = True) -> None:
         self.state, self.log = state, log
         self.python_args = python_args  # before ``-m engine.cli.main``: e.g. ("-m", "cProfile", "-o", PATH)
         self.code = code  # another source tree to run the service from (a benchmark's baseline)
         self.ports = {"--api-port": free_port(), "--enrollment-port": free_port(), "--hub-port": free_port(),
                       "--data-port": free_port(), "--admin-port": admin_port}
         self.proc: asyncio.subprocess.Process | None = None
+        self.mdns = mdns
 
     async def start(self, timeout: float = 60.0) -> Admin:
         args = [sys.executable, *self.python_args, "-m", "engine.cli.main", "fleet", "--state-dir", str(self.state),
                 "--interface", "127.0.0.1", "--threads", "1", "--exact"]
         for flag, port in self.ports.items():
             args += [flag, str(port)]
+        if not self.mdns:
+            args.append("--no-mdns")
         with self.log.open("ab") as out:
             env = None if self.code is None else {**os.environ, "PYTHONPATH": str(self.code)}
             self.proc = await asyncio.create_subprocess_exec(*args, stdout=out, stderr=out, env=env, cwd=self.code,
