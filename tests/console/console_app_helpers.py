@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -54,11 +55,14 @@ class RunningService:
 
 
 @contextlib.contextmanager
-def fleet_service(state_dir: Path) -> Iterator[RunningService]:
+def fleet_service(state_dir: Path, runtime: str | None = None) -> Iterator[RunningService]:
     """A started fleet service over ``state_dir`` (mDNS browsing on loopback, the admin API on its
     local socket only) on a loop thread of its own, as if on the service's PC; closed after with
-    its workers stopped."""
-    settings = FleetServiceSettings(console_settings(state_dir), admin_port=None, advertise_api=False)
+    its workers stopped. ``runtime``: the rings' runtime, if not the settings' default."""
+    console = console_settings(state_dir)
+    if runtime is not None:
+        console = dataclasses.replace(console, runtime=runtime)
+    settings = FleetServiceSettings(console, admin_port=None, advertise_api=False)
     with LoopThread("test-fleet-service") as loop, _warm_executor(loop):
         service = FleetService(settings)
         loop.run(service.async_start(), 120, "starting the fleet service")

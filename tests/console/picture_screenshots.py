@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import ssl
@@ -35,23 +34,6 @@ STATES_SHOWN = {"serving": 2, "paused": 1, "awaiting approval": 1}  # the Dashbo
 RUNTIME = "stateful"
 GB = 1 << 30
 
-
-@contextlib.contextmanager
-def stateful_service(state_dir: Path):
-    """`console_app_helpers.fleet_service` with the stateful runtime."""
-    from console.service.fleet_service import FleetService, FleetServiceSettings
-    from console.shared.loop_thread import LoopThread
-    from tests.console.console_app_helpers import RunningService, console_settings
-
-    settings = FleetServiceSettings(dataclasses.replace(console_settings(state_dir), runtime=RUNTIME),
-                                    admin_port=None, advertise_api=False)
-    with LoopThread("picture-fleet-service") as loop:
-        service = FleetService(settings)
-        loop.run(service.async_start(), 120, "starting the fleet service")
-        try:
-            yield RunningService(loop, service, state_dir)
-        finally:
-            loop.run(service.async_close(stop_workers=True), 120, "stopping the fleet service")
 
 
 @contextlib.contextmanager
@@ -115,7 +97,7 @@ def take_picture_screenshots(out: Path, checkpoint: Path, work: Path) -> list[Pa
     from PySide6.QtWidgets import QApplication
 
     from console.service.fleet_overview import members
-    from tests.console.console_app_helpers import ConsoleDriver, local_agents, running_console
+    from tests.console.console_app_helpers import ConsoleDriver, fleet_service, local_agents, running_console
     from tests.support.xvfb import qt_wait
 
     out.mkdir(parents=True, exist_ok=True)
@@ -142,7 +124,7 @@ def take_picture_screenshots(out: Path, checkpoint: Path, work: Path) -> list[Pa
             raise OSError(f"could not write {path}")
         written.append(path)
 
-    with stateful_service(work / "console") as service, local_agents(work, names) as (loop, agents), \
+    with fleet_service(work / "console", RUNTIME) as service, local_agents(work, names) as (loop, agents), \
             running_console(work / "console", wait, service) as window:
         bridge, drive = window.bridge, ConsoleDriver(window, wait)
         window.move(40, 30)
