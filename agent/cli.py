@@ -128,13 +128,18 @@ async def async_run_headless(args: argparse.Namespace) -> int:
 async def _async_join_from_file(service, args: argparse.Namespace, state_dir: Path) -> asyncio.Task | None:
     """Join with the token file (``--join-file``, else ``join-token`` in the state dir) when not joined
     yet: one try now, then in the background while the console cannot be reached (the task, or None)."""
-    from agent.service.join_file import async_join_from_file, async_keep_joining, default_path
+    from agent.service.join_file import (JoinFileError, async_join_from_file, async_keep_joining, default_path,
+                                         read_join_file)
 
     path = args.join_file or default_path(state_dir)
     if service.joined or not path.exists():
         if args.join_file is not None and not service.joined:
             print(f"deskfleet agent: there is no join token file {path}; not joined", flush=True)
         return None
+    with contextlib.suppress(JoinFileError):  # a bad file is reported by the join below
+        content = read_join_file(path)
+        if content is not None and not (content.console or args.console):
+            print("deskfleet agent: looking for the fleet's console on the network ...", flush=True)
     outcome = await async_join_from_file(service, path, console=args.console)
     if outcome == "joined":
         print(f"deskfleet agent: joined fleet {service.status().fleet_id} with the token in {path} (removed)",
