@@ -94,15 +94,32 @@ def _plan_dict(plan: Plan) -> dict[str, Any]:
 # -- the edges: agents, placement, rings ------------------------------------------------------------
 
 def _cpu_s(pid: int) -> float:
-    """CPU seconds of a process and its children."""
+    """CPU seconds of a process and its children: the scheduler's nanosecond count per thread
+    (/proc/PID/task/*/schedstat), where psutil's clock-tick counts would read a tiny model's few
+    milliseconds per run as 0 or 10 ms."""
     total = 0.0
     with contextlib.suppress(psutil.Error):
         proc = psutil.Process(pid)
         for p in (proc, *proc.children(recursive=True)):
-            with contextlib.suppress(psutil.Error):
-                t = p.cpu_times()
-                total += t.user + t.system
+            total += _process_cpu_s(p)
     return total
+
+
+def _process_cpu_s(p: psutil.Process) -> float:
+    try:
+        tasks = list(Path(f"/proc/{p.pid}/task").iterdir())
+    except OSError:
+        tasks = []
+    ns = 0
+    for task in tasks:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            ns += int((task / "schedstat").read_text().split()[0])
+    if ns:
+        return ns / 1e9
+    with contextlib.suppress(psutil.Error):
+        t = p.cpu_times()
+        return t.user + t.system
+    return 0.0
 
 
 @contextlib.asynccontextmanager
