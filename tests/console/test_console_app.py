@@ -197,6 +197,8 @@ def _from_an_empty_network_to_a_chat(tmp_path, tiny_checkpoint, wait, console_ca
         drive.select(names[:1])
         window.fleet_page.pause_button.click()
         wait(lambda: any(f"{names[0]} paused" in t for t in item_texts(metrics.pause_list)), 20, "the pause event")
+        # the hub's event can come before the Fleet page's record: Resume acts on what the table shows
+        drive.wait_rows(names[:1], lambda row: row["State"].startswith("paused"), "the pause in the table")
         window.fleet_page.resume_button.click()
         drive.wait_rows(names[:1], lambda row: not row["State"].startswith("paused"), "the resume")
 

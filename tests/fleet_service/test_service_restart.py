@@ -117,9 +117,16 @@ class ServedFleet:
             status, body = await self.admin.call("GET", f"/rings/{self.ring}")
             if status == 200 and body["ring"]["phase"] == "serving":
                 return
-        for a in (await self.admin.ok("GET", "/agents"))["agents"]:
-            if a["state"] == "paused":
-                await self.admin.ok("POST", f"/agents/{a['key']}/resume")
+        # every agent resumed, not only those the service's records show paused: just after a
+        # restart a record may not show an agent's pause yet (resuming an agent not paused is a
+        # no-op); first the service must have verified both (it controls only those)
+        agents: list = []
+        async with asyncio.timeout(60):
+            while not (len(agents) == len(self.pcs) and all(a["verified"] for a in agents)):
+                agents = [a for a in (await self.admin.ok("GET", "/agents"))["agents"] if a["approved"]]
+                await asyncio.sleep(0.2)
+        for a in agents:
+            await self.admin.ok("POST", f"/agents/{a['key']}/resume")
         self.ring = await self.async_form_ring()
 
 
