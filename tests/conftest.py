@@ -135,6 +135,20 @@ def private_dirs(private_keyring, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
 
 
+@pytest.fixture(scope="module")
+def module_dirs(tmp_path_factory):
+    """``private_dirs`` for a whole module: the keyring and XDG dirs a module's one fleet service
+    (and every console and agent beside it) uses, never the user's."""
+    from engine.envvars import KEYRING_DIR
+
+    root = tmp_path_factory.mktemp("dirs")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(KEYRING_DIR, str(root / "keyring"))
+        patch.setenv("XDG_CONFIG_HOME", str(root / "config"))
+        patch.setenv("XDG_DATA_HOME", str(root / "data"))
+        yield
+
+
 @pytest.fixture
 def no_server_errors(caplog):
     """Fail a live fuzz test whose servers logged an error: aiohttp logs an unhandled handler

@@ -45,20 +45,6 @@ pytestmark = pytest.mark.usefixtures("module_dirs")
 
 
 @pytest.fixture(scope="module")
-def module_dirs(tmp_path_factory):
-    """``private_dirs`` for the whole module: the keyring and XDG dirs the module's one fleet
-    service (and every console and agent beside it) uses, never the user's."""
-    from engine.envvars import KEYRING_DIR
-
-    root = tmp_path_factory.mktemp("dirs")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(KEYRING_DIR, str(root / "keyring"))
-        patch.setenv("XDG_CONFIG_HOME", str(root / "config"))
-        patch.setenv("XDG_DATA_HOME", str(root / "data"))
-        yield
-
-
-@pytest.fixture(scope="module")
 def service(module_dirs, tmp_path_factory):
     """The module's one fleet service: every console test attaches to it (its start, the CA and
     the listeners, is paid once)."""

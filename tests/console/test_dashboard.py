@@ -115,18 +115,6 @@ def test_the_failover_tally_counts_what_each_coordinator_added_today_and_keeps_i
 
 # -- the page against a real fleet service -----------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def module_dirs(tmp_path_factory):
-    from engine.envvars import KEYRING_DIR
-
-    root = tmp_path_factory.mktemp("dirs")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(KEYRING_DIR, str(root / "keyring"))
-        patch.setenv("XDG_CONFIG_HOME", str(root / "config"))
-        patch.setenv("XDG_DATA_HOME", str(root / "data"))
-        yield
-
-
 @pytest.mark.slow
 def test_screenshots_of_the_dashboard_and_the_live_ring(tmp_path, module_dirs, tiny_checkpoint, qtbot):
     """The Dashboard and the Distribution page's ring diagram of a real serving ring, as PNGs in
