@@ -352,7 +352,11 @@ class FleetModel:
 
         async def one(record: AgentRecord) -> None:
             try:
-                await self.client(record.key).async_deny(deny, api_key)
+                client = self.client(record.key)
+            except UnknownAgentError:  # removed since the list was taken: it has no one to tell
+                return
+            try:
+                await client.async_deny(deny, api_key)
             except (ControlError, ForeignAgentError) as exc:
                 log.warning("could not give %s the deny list: %s", record.name, exc)
                 failed[record.key] = str(exc)

@@ -5,6 +5,7 @@ unreachable agent marked rather than dropped. Real TLS, real aiohttp, real zeroc
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 
@@ -224,6 +225,11 @@ def test_approvals_persist_across_a_reload_and_remove_forgets(tmp_path):
                 again.remove(beta)
             with pytest.raises(ForeignAgentError, match="revoked"):  # adding it back by address is refused
                 await again.async_add_address("127.0.0.1", f.agents["beta"].control_port)
+            # a push under way when another agent is removed: the removed one is skipped, nothing raises
+            push = asyncio.create_task(reloaded.async_push_deny())
+            await asyncio.sleep(0)  # its list taken, its sends not started
+            reloaded.remove(alpha)
+            assert await push == {}
 
     run(main())
 
