@@ -128,8 +128,13 @@ async def async_run_headless(args: argparse.Namespace) -> int:
 async def _async_join_from_file(service, args: argparse.Namespace, state_dir: Path) -> asyncio.Task | None:
     """Join with the token file (``--join-file``, else ``join-token`` in the state dir) when not joined
     yet: one try now, then in the background while the console cannot be reached (the task, or None)."""
-    from agent.service.join_file import (JoinFileError, async_join_from_file, async_keep_joining, default_path,
-                                         read_join_file)
+    from agent.service.join_file import (
+        JoinFileError,
+        async_join_from_file,
+        async_keep_joining,
+        default_path,
+        read_join_file,
+    )
 
     path = args.join_file or default_path(state_dir)
     if service.joined or not path.exists():
