@@ -63,18 +63,25 @@ def test_adding_and_removing_rings_interrupts_no_stream(tiny_export, unsplit_gre
             def ask(prompt):
                 return asyncio.create_task(collect(router, GenerationRequest(prompt, n, ignore_eos=True)))
 
-            first = [ask(p) for p in PROMPTS[:2]]
-            await until(lambda: a.metrics()["tokens_generated_total"] >= 4, "ring a generating")
-            router.add_ring("b", b)
-            second = [ask(p) for p in PROMPTS[2:4]]
-            await until(lambda: b.metrics()["tokens_generated_total"] >= 2, "ring b generating")
-            removal = asyncio.create_task(router.remove_ring("a", timeout=60))
-            await asyncio.sleep(0)
-            assert not removal.done() and "a" not in router.rings()
-            third = [ask(p) for p in PROMPTS[4:6]]  # a is draining: these go to b
+            # a's two streams are held open after their first token (the tiny model would otherwise
+            # finish them before b is added on an idle box): a is busy, then draining, for certain
+            async with contextlib.AsyncExitStack() as held:
+                streams = [await held.enter_async_context(contextlib.aclosing(router.stream(
+                    GenerationRequest(p, n, ignore_eos=True)))) for p in PROMPTS[:2]]
+                first = [[(await anext(s)).token_id] for s in streams]
+                router.add_ring("b", b)
+                second = [ask(p) for p in PROMPTS[2:4]]
+                await until(lambda: b.metrics()["tokens_generated_total"] >= 2, "ring b generating")
+                removal = asyncio.create_task(router.remove_ring("a", timeout=60))
+                await asyncio.sleep(0)
+                assert not removal.done() and "a" not in router.rings()
+                third = [ask(p) for p in PROMPTS[4:6]]  # a is draining: these go to b
+                await asyncio.sleep(0.2)
+                assert not removal.done()  # removal waits for a's streams
+                for tokens, stream in zip(first, streams, strict=True):
+                    tokens += [e.token_id async for e in stream]
             assert await removal is a
-            assert all(t.done() for t in first)  # removal waited for a's streams
-            answers = [await t for t in (*first, *second, *third)]
+            answers = [*first, *[await t for t in (*second, *third)]]
             return answers, a.metrics(), b.metrics()
 
     answers, on_a, on_b = run(main(), timeout=300)
@@ -95,10 +102,13 @@ def test_a_full_ring_hands_the_request_to_the_next(tiny_export, unsplit_greedy, 
             router = Router()
             router.add_ring("a", a)
             router.add_ring("b", b)
-            first = asyncio.create_task(collect(router, GenerationRequest(prompt, 24, ignore_eos=True)))
-            await until(lambda: a.metrics()["tokens_generated_total"] >= 2, "ring a generating")
-            second = await collect(router, GenerationRequest(prompt, N, ignore_eos=True))
-            return await first, second, router.metrics()
+            # the second turn is asked for as soon as the first's first token is out, so a's one slot
+            # is still taken (polling for it let the tiny model finish all 24 tokens first on an idle box)
+            async with contextlib.aclosing(router.stream(GenerationRequest(prompt, 24, ignore_eos=True))) as events:
+                first = [(await anext(events)).token_id]
+                second = await collect(router, GenerationRequest(prompt, N, ignore_eos=True))
+                first += [e.token_id async for e in events]
+            return first, second, router.metrics()
 
     with caplog.at_level("INFO", logger="deskfleet.router"):
         first, second, metrics = run(main())
