@@ -487,7 +487,10 @@ class FleetModel:
                 self._news.pop(key, None)
                 changed |= self._records.pop(key, None) is not None
                 continue
-            if len(by_source) > 1:  # heard from again: the saved address is no longer news
+            if any(s not in (AgentSource.SAVED, AgentSource.MDNS) for s in by_source):
+                # heard from again over mutual TLS: the saved address is no longer news (an mDNS
+                # record alone does not replace it: it proves nothing, and the agent stays verified
+                # and controllable until the record's probe answers)
                 by_source.pop(AgentSource.SAVED, None)
             if not by_source:  # approved, but no source lists it now: keep where it was last
                 a = self._approvals.approved[key]

@@ -41,7 +41,7 @@ from console.service.fleet import FleetModel
 from console.service.revocations import REVOKED_FILE
 from engine.control.client import ControlClient
 from engine.control.messages import Assignment
-from engine.discovery.mdns import Browser
+from engine.discovery.mdns import Advertisement, Browser, Peer
 from engine.trust.fleet_ca import FleetAuthority, Role
 from tests.support.agent_helpers import console
 from tests.support.asyncutil import run, until
@@ -225,6 +225,14 @@ def test_approvals_persist_across_a_reload_and_remove_forgets(tmp_path):
                 again.remove(beta)
             with pytest.raises(ForeignAgentError, match="revoked"):  # adding it back by address is refused
                 await again.async_add_address("127.0.0.1", f.agents["beta"].control_port)
+            # after a restart the saved approval is all that is known of alpha: its own mDNS record
+            # heard then does not make it an unverified claim (the admin can still pause or resume it)
+            ad = Advertisement(instance="alpha-1", node_id=alpha, fleet_id=f.host.credentials.fleet_id,
+                               version="0.1.0", devices=("CPU",), memory_bytes=1 << 30, state="idle",
+                               control_port=f.agents["alpha"].control_port, addresses=("127.0.0.1",))
+            again.update_peers({"alpha-1": Peer(ad, 1.0)})
+            listed = again.get(alpha)
+            assert AgentSource.MDNS in listed.sources and listed.verified and again.client(alpha) is not None
             # a push under way when another agent is removed: the removed one is skipped, nothing raises
             push = asyncio.create_task(reloaded.async_push_deny())
             await asyncio.sleep(0)  # its list taken, its sends not started
