@@ -1,7 +1,7 @@
 """The OpenAI answer, as pure code: generated token events in, choices, chunks and SSE bytes out.
 
 A :class:`ChoiceBuilder` follows one choice's token events: it turns ids into text deltas (stop
-strings included, :class:`~engine.api.openai_schema.TextStream`), splits tool calls out of the
+strings included, :class:`~engine.api.text_stream.TextStream`), splits tool calls out of the
 text when the request gave tools (:class:`~engine.generation.tool_calls.ToolCallStream`), and
 collects the tokens' log-probabilities when asked; it answers with the choice's streamed deltas
 (:meth:`ChoiceBuilder.push`) or its whole body (:meth:`ChoiceBuilder.choice`).
@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
-from engine.api.openai_schema import TextStream
+from engine.api.text_stream import TextStream
 from engine.generation.request import TokenEvent
 from engine.generation.tool_calls import ArgumentsDelta, CallStart, ContentDelta, Piece, ToolCallStream
 

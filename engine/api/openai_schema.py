@@ -4,7 +4,7 @@
 :class:`CompletionParams` (``tools``/``tool_choice``, ``response_format``, ``logprobs``/
 ``top_logprobs`` and ``n`` included); :func:`to_generation_requests` turns it and the tokenized
 prompt into one id-level :class:`GenerationRequest` per choice within the server's limits;
-:class:`TextStream` turns the generated ids back into text deltas, stop strings included.
+:mod:`engine.api.text_stream` turns the generated ids back into text deltas and
 :mod:`engine.api.openai_answer` gives the answer its OpenAI shape. Invalid input raises
 :class:`ApiError`. No sockets and no aiohttp here: :mod:`engine.api.server` moves the bytes.
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -487,59 +487,3 @@ def to_generation_request(prompt_ids: Sequence[int], params: CompletionParams, l
     return GenerationRequest(prompt_ids=tuple(prompt_ids), max_new_tokens=max_new, sampling=params.sampling,
                              stop_token_ids=card.eos_token_ids, logprobs=params.logprobs,
                              constraint=params.constraint)
-
-
-# -- incremental detokenization ----------------------------------------------------------------
-
-class TextStream:
-    """Turn generated ids into safe-to-send text deltas, and stop at the first stop string.
-
-    Each step decodes the whole generated id list and emits the new suffix, holding back a
-    trailing U+FFFD (a multi-byte character cut between tokens) and any tail that could be the
-    start of a stop string, so nothing sent ever has to be taken back.
-    """
-
-    def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str] = ()):
-        self._decode = decode
-        self._stop = tuple(s for s in stop if s)
-        self._ids: list[int] = []
-        self._decoded = 0  # characters the ids so far decode to, less a cut character at the end
-        self.text = ""  # everything emitted so far
-        self.stopped = False  # a stop string was found; the caller should close the token stream
-        self.offsets: list[int] = []  # where each pushed token's text starts in the decoded text
-
-    def push(self, token_id: int) -> str:
-        """Add one generated id; return the text that is now safe to send (may be empty)."""
-        self.offsets.append(self._decoded)
-        self._ids.append(token_id)
-        return self._advance(final=False)
-
-    def finish(self) -> str:
-        """Return the held-back text once generation has ended."""
-        return self._advance(final=True)
-
-    def _advance(self, final: bool) -> str:
-        if self.stopped:
-            return ""
-        full = self._decode(self._ids)
-        self._decoded = len(full.rstrip("\ufffd"))
-        start = len(self.text)
-        hits = [i for i in (full.find(s, start) for s in self._stop) if i >= 0]
-        if hits:
-            self.stopped = True
-            end = min(hits)
-        elif final:
-            end = len(full)
-        else:
-            end = start + len(full[start:].rstrip("\ufffd"))
-            end -= self._stop_prefix_len(full[start:end])
-        delta = full[start:end]
-        self.text += delta
-        return delta
-
-    def _stop_prefix_len(self, pending: str) -> int:
-        longest = max((len(s) for s in self._stop), default=0)
-        for k in range(min(len(pending), longest - 1), 0, -1):
-            if any(s.startswith(pending[-k:]) for s in self._stop):
-                return k
-        return 0

@@ -10,13 +10,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from engine.api.openai_answer import ChoiceBuilder, CompletionChunks, completion_response, sse_event, token_usage
 from engine.api.openai_schema import (
     ApiError,
-    TextStream,
     choice_seed,
     parse_completion,
     to_generation_request,
@@ -26,10 +23,6 @@ from engine.generation.request import JsonConstraint, TokenEvent
 from tests.support.api_helpers import CARD, EOS, SETTINGS, ByteTokenizer
 
 
-def push_all(stream: TextStream, ids) -> list[str]:
-    return [stream.push(i) for i in ids] + [stream.finish()]
-
-
 def answered(kind: str, text: str, finish: str, **kw) -> ChoiceBuilder:
     """A choice built from ``text``'s bytes as token events (ByteTokenizer ids), closed with ``finish``."""
     builder = ChoiceBuilder(0, kind, ByteTokenizer().decode, **kw)
@@ -37,55 +30,6 @@ def answered(kind: str, text: str, finish: str, **kw) -> ChoiceBuilder:
         builder.push(TokenEvent(token, i))
     builder.close(finish)
     return builder
-
-
-# -- incremental detokenizer ---------------------------------------------------------------------
-
-def test_text_stream_never_splits_a_multibyte_character():
-    text = "añb€c🙂d"
-    deltas = push_all(TextStream(ByteTokenizer().decode), text.encode())
-    assert "".join(deltas) == text
-    assert not any("\ufffd" in d for d in deltas)
-    assert deltas[text.encode().index("🙂".encode()) : text.encode().index(b"d")][-1] == "🙂"
-
-
-def first_stop_cut(text: str, stops: tuple[str, ...]) -> str:
-    """Text up to the stop string that completes first (generation halts the moment one appears)."""
-    found = [(i + len(s), i) for s in stops if (i := text.find(s)) >= 0]
-    return text[: min(found)[1]] if found else text
-
-
-@pytest.mark.slow
-@settings(max_examples=300, deadline=None)
-@given(st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\ufffd"),
-               max_size=30),
-       st.lists(st.text(min_size=1, max_size=4), max_size=3).map(tuple))
-def test_text_stream_matches_cutting_the_whole_text(text, stops):
-    stream = TextStream(ByteTokenizer().decode, stops)
-    deltas = push_all(stream, text.encode())
-    assert "".join(deltas) == first_stop_cut(text, stops) == stream.text
-    assert not any("\ufffd" in d for d in deltas)
-
-
-def test_text_stream_flushes_a_truncated_character_at_the_end():
-    stream = TextStream(ByteTokenizer().decode)
-    assert stream.push(ord("a")) == "a"
-    assert stream.push("€".encode()[0]) == ""
-    assert stream.finish() == "\ufffd"
-
-
-def test_stop_string_is_cut_and_never_partly_sent():
-    stream = TextStream(ByteTokenizer().decode, stop=("END", "wor"))
-    deltas = [stream.push(b) for b in b"hello world END"]
-    assert "".join(deltas) == "hello " and stream.stopped
-    assert stream.finish() == "" and stream.text == "hello "
-
-
-def test_a_held_stop_prefix_is_released_when_the_stop_string_does_not_follow():
-    stream = TextStream(ByteTokenizer().decode, stop=("xyz",))
-    assert [stream.push(b) for b in b"axy"] == ["a", "", ""]
-    assert stream.push(ord("!")) == "xy!"
-    assert not stream.stopped
 
 
 # -- request parsing -----------------------------------------------------------------------------
