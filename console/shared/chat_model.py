@@ -86,6 +86,7 @@ class Message:
     state: str = DONE
     error: str | None = None
     throughput: Throughput | None = None  # assistant replies only
+    reasoning: str = ""  # a thinking model's reasoning before the answer (shown folded)
 
 
 NEW_TITLE = "New chat"
@@ -248,12 +249,16 @@ class ChatModel:
         self._emit(ChatEvent("message", conversation.id))
         return history
 
-    def add_delta(self, conversation_id: str, text: str, at: float) -> None:
-        """Append streamed text (``at``: when it arrived, ``time.monotonic()``)."""
+    def add_delta(self, conversation_id: str, text: str, at: float, *, reasoning: bool = False) -> None:
+        """Append streamed text (``at``: when it arrived, ``time.monotonic()``) to the answer, or to
+        its reasoning (``reasoning``: a thinking model's ``reasoning_content``)."""
         reply = self._reply(conversation_id)
         if reply is None:
             return  # arrived after the reply was stopped
-        reply.content += text
+        if reasoning:
+            reply.reasoning += text
+        else:
+            reply.content += text
         assert reply.throughput is not None
         reply.throughput.add(at)
         self._emit(ChatEvent("delta", conversation_id, text))
@@ -412,9 +417,11 @@ def _why(exc: BaseException) -> str:
 
 async def async_stream_reply(client: ChatClient, model: str, messages: Sequence[Mapping[str, str]],
                              on_delta: Callable[[str, float], None], *,
+                             on_reasoning: Callable[[str, float], None] | None = None,
                              clock: Callable[[], float] = time.monotonic, **options: Any) -> ReplyResult:
-    """Stream one answer, calling ``on_delta(text, arrived_at)`` for each non-empty delta (on the
-    loop's thread). Cancel the task to stop: the connection closes and the fleet stops generating."""
+    """Stream one answer, calling ``on_delta(text, arrived_at)`` for each non-empty delta of the
+    answer and ``on_reasoning`` for each of a thinking model's reasoning (on the loop's thread).
+    Cancel the task to stop: the connection closes and the fleet stops generating."""
     parts: list[str] = []
     finish: str | None = None
     tokens: int | None = None
@@ -422,7 +429,11 @@ async def async_stream_reply(client: ChatClient, model: str, messages: Sequence[
         if chunk.get("usage"):
             tokens = chunk["usage"].get("completion_tokens")
         for choice in chunk.get("choices") or ():
-            text = (choice.get("delta") or {}).get("content") or ""
+            delta = choice.get("delta") or {}
+            thought = delta.get("reasoning_content") or ""
+            if thought and on_reasoning is not None:
+                on_reasoning(thought, clock())
+            text = delta.get("content") or ""
             if text:
                 parts.append(text)
                 on_delta(text, clock())

@@ -252,9 +252,11 @@ class QtChatWindow(QWidget):
     def _stream(self, conversation_id: str, messages: list[dict[str, str]]) -> None:
         self._show_error(None)
         token = self._reply_token = object()
-        on_delta = functools.partial(self._delta_from_loop, conversation_id, token)
+        on_delta = functools.partial(self._delta_from_loop, conversation_id, token, False)
+        on_reasoning = functools.partial(self._delta_from_loop, conversation_id, token, True)
         self._reply = self.qt_async.call(
-            async_stream_reply(self.client, self.model.model_name, messages, on_delta, **self.options),
+            async_stream_reply(self.client, self.model.model_name, messages, on_delta, on_reasoning=on_reasoning,
+                               **self.options),
             timeout=REPLY_TIMEOUT_S, what="the answer",
             on_result=functools.partial(self._reply_done, conversation_id, token),
             on_error=functools.partial(self._reply_failed, conversation_id, token))
@@ -339,12 +341,12 @@ class QtChatWindow(QWidget):
         if isinstance(error, ChatError):
             self._show_fleet(fleet_line.from_error(error))
 
-    def _delta_from_loop(self, conversation_id: str, token: object, text: str, at: float) -> None:
-        self.qt_async.post(self._apply_delta, conversation_id, token, text, at)
+    def _delta_from_loop(self, conversation_id: str, token: object, reasoning: bool, text: str, at: float) -> None:
+        self.qt_async.post(self._apply_delta, conversation_id, token, reasoning, text, at)
 
-    def _apply_delta(self, conversation_id: str, token: object, text: str, at: float) -> None:
+    def _apply_delta(self, conversation_id: str, token: object, reasoning: bool, text: str, at: float) -> None:
         if token is self._reply_token:
-            self.model.add_delta(conversation_id, text, at)
+            self.model.add_delta(conversation_id, text, at, reasoning=reasoning)
 
     def _reply_done(self, conversation_id: str, token: object, result: ReplyResult) -> None:
         if token is self._reply_token:

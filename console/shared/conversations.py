@@ -79,7 +79,8 @@ def to_json(conversation: Conversation) -> dict[str, Any]:
     return {"format": FORMAT, "id": conversation.id, "title": conversation.title,
             "created": conversation.created, "updated": conversation.updated, "model": conversation.model,
             "messages": [{"role": m.role, "content": m.content, "state": m.state,
-                          **({"error": m.error} if m.error else {})} for m in messages]}
+                          **({"error": m.error} if m.error else {}),
+                          **({"reasoning": m.reasoning} if m.reasoning else {})} for m in messages]}
 
 
 def from_json(doc: Any) -> Conversation:
@@ -105,9 +106,11 @@ def from_json(doc: Any) -> Conversation:
     messages = []
     for n, m in enumerate(raw):
         if not (isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
-                and m.get("state", DONE) in STATES and isinstance(m.get("error") or "", str)):
+                and m.get("state", DONE) in STATES and isinstance(m.get("error") or "", str)
+                and isinstance(m.get("reasoning") or "", str)):
             raise ValueError(f"message {n + 1} is malformed")
-        messages.append(Message(m["role"], m["content"], m.get("state", DONE), m.get("error")))
+        messages.append(Message(m["role"], m["content"], m.get("state", DONE), m.get("error"),
+                                reasoning=m.get("reasoning") or ""))
     return Conversation(cid, title, messages, created=float(times[0]), updated=float(times[1]), model=model)
 
 

@@ -7,7 +7,8 @@ them; each later delta (:meth:`QtTranscript.streamed`) replaces only that answer
 document, at most every :data:`RENDER_EVERY_MS` or twice the last render's cost, whichever is
 longer, so a long chat costs a small render per frame rather than a new document per token.
 A Copy link's address is ``copy:<message index>:<block index>``; clicking it puts the block's
-exact text on the clipboard and emits :attr:`QtTranscript.code_copied`.
+exact text on the clipboard and emits :attr:`QtTranscript.code_copied`. A thinking model's
+reasoning shows folded under a "Thought" link (``think:<message index>``) that unfolds it.
 """
 
 from __future__ import annotations
@@ -26,20 +27,36 @@ from console.shared.chat_model import FAILED, STOPPED, STREAMING, Conversation, 
 ROLE_LABELS = {"user": "You", "assistant": "Fleet", "system": "System"}
 ROLE_COLOURS = {"user": "#1a4e8a"}
 OTHER_COLOUR = "#3c4043"
+THINKING_COLOUR = "#6b6f76"
 ENDINGS = {STOPPED: "stopped", FAILED: "failed"}
 RENDER_EVERY_MS = 60
 CACHE_LIMIT = 500  # messages' HTML kept; past it the cache starts afresh
 
 
-def message_html(index: int, m: Message) -> markdown.Rendered:
-    """One message's HTML (label, body, how it ended) and its code blocks."""
+def thinking_html(index: int, m: Message, unfolded: bool) -> str:
+    """A thinking model's reasoning: one "Thought" link when folded (the default), the text under it
+    when unfolded; the link's address ``think:<message index>`` folds and unfolds it."""
+    if not m.reasoning:
+        return ""
+    words = len(m.reasoning.split())
+    busy = m.state == STREAMING and not m.content
+    title = f"{'Thinking…' if busy else 'Thought'} ({words} word{'s' if words != 1 else ''})"
+    link = f'<p><a href="think:{index}" style="color: {THINKING_COLOUR};">{"▾" if unfolded else "▸"} {title}</a></p>'
+    if not unfolded:
+        return link
+    text = html.escape(m.reasoning).replace("\n", "<br/>")
+    return link + f'<p style="color: {THINKING_COLOUR}; margin-left: 12px;"><i>{text}</i></p>'
+
+
+def message_html(index: int, m: Message, unfolded: bool = False) -> markdown.Rendered:
+    """One message's HTML (label, reasoning, body, how it ended) and its code blocks."""
     label = ROLE_LABELS.get(m.role, m.role)
     ending = f" <i>({ENDINGS[m.state]})</i>" if m.state in ENDINGS else ""
     code: tuple[markdown.CodeBlock, ...] = ()
     if m.role == "assistant":
         rendered = markdown.render(m.content, copy_prefix=f"copy:{index}:")
         code = rendered.code_blocks
-        body = rendered.html + ("<p>▍</p>" if m.state == STREAMING else "")
+        body = thinking_html(index, m, unfolded) + rendered.html + ("<p>▍</p>" if m.state == STREAMING else "")
         if m.state == FAILED and m.error:
             body += f'<p style="color: #b3261e;">{html.escape(m.error)}</p>'
     else:  # what a person typed is shown as typed
@@ -59,7 +76,8 @@ class QtTranscript(QTextBrowser):
         self._current = current
         self.setOpenLinks(False)  # Copy links and web links are handled in _on_anchor
         self.anchorClicked.connect(self._on_anchor)
-        self._cache: dict[tuple[int, str, str, str], markdown.Rendered] = {}
+        self._cache: dict[tuple[int, str, str, str, str, bool], markdown.Rendered] = {}
+        self._unfolded: set[tuple[str, int]] = set()  # (chat, message index) whose reasoning is shown
         self._code: dict[int, tuple[markdown.CodeBlock, ...]] = {}  # message index -> its code blocks
         self._timer = QTimer(self, singleShot=True, interval=RENDER_EVERY_MS)
         self._timer.timeout.connect(lambda: self.render_streaming(self._current()))
@@ -128,16 +146,29 @@ class QtTranscript(QTextBrowser):
         self._render_cost_ms = (self._last_render - started) * 1000
 
     def _html(self, index: int, m: Message) -> str:
-        key = (index, m.role, m.state, m.content)
+        conversation = self._current()
+        unfolded = conversation is not None and (conversation.id, index) in self._unfolded
+        key = (index, m.role, m.state, m.content, m.reasoning, unfolded)
         rendered = self._cache.get(key)
         if rendered is None:
-            rendered = message_html(index, m)
+            rendered = message_html(index, m, unfolded)
             if m.state != STREAMING:
                 self._cache[key] = rendered
         self._code[index] = rendered.code_blocks
         return rendered.html
 
     # ---- links ---------------------------------------------------------------------------------
+
+    def toggle_thinking(self, message_index: str | int) -> None:
+        """Fold or unfold the reasoning of message ``message_index`` of the chat shown."""
+        conversation = self._current()
+        try:
+            key = (conversation.id, int(message_index)) if conversation is not None else None
+        except ValueError:
+            return  # not a message index: a link of another kind of render
+        if key is not None:
+            self._unfolded ^= {key}
+            self.show_conversation(conversation)
 
     def copy_code(self, message_index: int, block: int) -> str:
         """Put code block ``block`` of message ``message_index`` on the clipboard; return its text."""
@@ -153,5 +184,7 @@ class QtTranscript(QTextBrowser):
                 self.copy_code(message, block)
             except (ValueError, KeyError, IndexError):
                 pass  # a link of an older render: nothing to copy
+        elif url.scheme() == "think":
+            self.toggle_thinking(url.path())
         elif url.scheme() in ("http", "https", "mailto"):
             QDesktopServices.openUrl(url)

@@ -2,7 +2,8 @@
 
 A :class:`ChoiceBuilder` follows one choice's token events: it turns ids into text deltas (stop
 strings included, :class:`~engine.api.text_stream.TextStream`), splits tool calls out of the
-text when the request gave tools (:class:`~engine.generation.tool_calls.ToolCallStream`), and
+text when the request gave tools (:class:`~engine.generation.tool_calls.ToolCallStream`), splits a
+thinking model's reasoning into ``reasoning_content`` (:mod:`engine.generation.reasoning`), and
 collects the tokens' log-probabilities when asked; it answers with the choice's streamed deltas
 (:meth:`ChoiceBuilder.push`) or its whole body (:meth:`ChoiceBuilder.choice`).
 :func:`completion_response` and :class:`CompletionChunks` put the choices into OpenAI's shapes.
@@ -23,10 +24,14 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from engine.api.text_stream import TextStream
+from engine.generation.reasoning import ReasoningDelta, ReasoningSplitter, opens_thinking
 from engine.generation.request import TokenEvent
 from engine.generation.tool_calls import ArgumentsDelta, CallStart, ContentDelta, Piece, ToolCallStream
 
 TokenBytes = Callable[[int], bytes]
+# The prompt's last tokens that say whether the template opened the thinking block (an open marker,
+# or Qwen3's empty "<think>\n\n</think>\n\n" with thinking off, after the assistant's header).
+PROMPT_TAIL_TOKENS = 8
 
 
 def token_bytes_of(tokenizer: Any) -> TokenBytes:
@@ -38,14 +43,25 @@ def token_bytes_of(tokenizer: Any) -> TokenBytes:
     return lambda token_id: tokenizer.decode([token_id]).encode("utf-8")
 
 
+def thinking_of(tokenizer: Any, prompt_ids: Sequence[int]) -> ReasoningSplitter | None:
+    """A splitter of the thinking block for a model whose template thinks (``tokenizer.thinking``),
+    opened already when the prompt's last tokens leave the block open; None otherwise."""
+    markers = getattr(tokenizer, "thinking", None)
+    if markers is None:
+        return None
+    tail = tokenizer.decode(list(prompt_ids[-PROMPT_TAIL_TOKENS:]), skip_special_tokens=False)
+    return ReasoningSplitter(markers, opened=opens_thinking(tail, markers))
+
+
 class ChoiceBuilder:
     """One choice of an answer, built from its token events (chat: ``kind`` "chat"; else "text")."""
 
     def __init__(self, index: int, kind: str, decode: Callable[[Sequence[int]], str], stop: Sequence[str] = (), *,
                  tools: bool = False, logprobs: int | None = None, token_bytes: TokenBytes | None = None,
-                 skip_ids: Collection[int] = ()):
+                 skip_ids: Collection[int] = (), thinking: ReasoningSplitter | None = None):
         self.index, self.kind = index, kind
         self.text = TextStream(decode, stop)
+        self._thinking = thinking if kind == "chat" else None
         self._tools = ToolCallStream() if tools else None
         self._logprobs = logprobs
         self._token_bytes = token_bytes or (lambda token_id: decode([token_id]).encode("utf-8"))
@@ -74,7 +90,7 @@ class ChoiceBuilder:
 
     def close(self, finish_reason: str) -> list[dict[str, Any]]:
         """Generation ended with ``finish_reason``: the held text, then the closing delta."""
-        tail = self._pieces(self.text.finish())
+        tail = self._pieces(self.text.finish(), final=True)
         if self._tools is not None:
             tail += self._tools.finish()
         if self._tools is not None and self._tools.calls and finish_reason == "stop":
@@ -86,15 +102,26 @@ class ChoiceBuilder:
 
     # -- pieces and deltas ---------------------------------------------------------------------
 
-    def _pieces(self, text: str) -> list[Piece]:
-        if self._tools is None:
-            return [ContentDelta(text)] if text else []
-        return self._tools.push(text) if text else []
+    def _pieces(self, text: str, final: bool = False) -> list[Piece | ReasoningDelta]:
+        """The text's pieces: thinking split off first (for a model that thinks), then tool calls."""
+        if self._thinking is None:
+            return self._answer_pieces(text)
+        pieces: list[Piece | ReasoningDelta] = []
+        for part in self._thinking.push(text) + (self._thinking.finish() if final else []):
+            pieces += [part] if isinstance(part, ReasoningDelta) else self._answer_pieces(part.text)
+        return pieces
 
-    def _deltas(self, pieces: list[Piece]) -> list[dict[str, Any]]:
+    def _answer_pieces(self, text: str) -> list[Piece | ReasoningDelta]:
+        if not text:
+            return []
+        return [ContentDelta(text)] if self._tools is None else list(self._tools.push(text))
+
+    def _deltas(self, pieces: list[Piece | ReasoningDelta]) -> list[dict[str, Any]]:
         out = []
         for piece in pieces:
-            if isinstance(piece, ContentDelta):
+            if isinstance(piece, ReasoningDelta):
+                out.append(self._delta({"reasoning_content": piece.text}, "", None))
+            elif isinstance(piece, ContentDelta):
                 self._content.append(piece.text)
                 out.append(self._delta({"content": piece.text}, piece.text, None))
             elif isinstance(piece, CallStart):
@@ -148,6 +175,8 @@ class ChoiceBuilder:
         if self.tool_calls:
             message = {"role": "assistant", "content": text.strip() or None,
                        "tool_calls": [c.to_json() for c in self.tool_calls]}
+        if self._thinking is not None:
+            message["reasoning_content"] = self._thinking.reasoning or None
         return {"index": self.index, "message": message, "finish_reason": self.finish_reason, "logprobs": logprobs}
 
 

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 from engine.errors import DeskfleetError, GenerationError
 from engine.generation.generator import ModelCard
+from engine.generation.reasoning import ReasoningEffort, template_switches
 from engine.generation.request import (
     MAX_TOP_LOGPROBS,
     Constraint,
@@ -129,6 +130,7 @@ class CompletionParams:
     response_format: JsonConstraint | None = None  # None: free text
     tools: tuple[FunctionTool, ...] = ()
     tool_choice: ToolChoice = field(default_factory=ToolChoice)
+    reasoning_effort: ReasoningEffort | None = None  # None: the template's default
 
     @property
     def parses_tools(self) -> bool:
@@ -226,6 +228,12 @@ def _message(message: Any, i: int) -> dict[str, Any]:
         return {"role": "assistant", "content": "" if content is None else _message_text(content, i),
                 "tool_calls": _earlier_calls(message["tool_calls"], i)}
     out = {"role": ROLES[role], "content": _message_text(message.get("content"), i)}
+    if role == "assistant" and message.get("reasoning_content") is not None:
+        # an earlier answer's thinking, for the templates that read it back (Qwen3's drops it)
+        reasoning = message["reasoning_content"]
+        if not isinstance(reasoning, str):
+            raise _bad(f"messages[{i}].reasoning_content must be a string", "messages")
+        out["reasoning_content"] = _unicode(reasoning, f"messages[{i}].reasoning_content", "messages")
     if role == "tool":
         call_id = message.get("tool_call_id")
         if not isinstance(call_id, str) or not call_id:
@@ -337,6 +345,18 @@ def _logprobs(body: Mapping[str, Any], kind: str) -> int | None:
     return top or 0
 
 
+def _reasoning_effort(raw: Any, kind: str) -> ReasoningEffort | None:
+    if raw is None:
+        return None
+    if kind == "text":
+        raise _bad("'reasoning_effort' is a chat field; send it to /v1/chat/completions", "reasoning_effort")
+    try:
+        return ReasoningEffort(raw)
+    except ValueError:
+        raise _bad(f"'reasoning_effort' must be one of {[e.value for e in ReasoningEffort]}, got "
+                   f"{json.dumps(raw)[:40]}", "reasoning_effort") from None
+
+
 def _prompt(raw: Any) -> str | tuple[int, ...]:
     if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], (str, list)):
         raw = raw[0]  # a batch of one prompt
@@ -420,6 +440,7 @@ def parse_completion(body: Mapping[str, Any], kind: str, served: str | Collectio
         response_format=_response_format(body.get("response_format")) if kind == "chat" else None,
         tools=tools,
         tool_choice=_tool_choice(body.get("tool_choice"), tools) if kind == "chat" else ToolChoice(),
+        reasoning_effort=_reasoning_effort(body.get("reasoning_effort"), kind),
     )
     for feature in sorted(params.features() & set(pending)):
         param, why = NOT_YET_SERVED[feature]
@@ -439,11 +460,17 @@ class PromptTokenizer(Protocol):
 def prompt_ids(tokenizer: PromptTokenizer, params: CompletionParams) -> list[int]:
     """The prompt's token ids: a chat rendered by the model's template, with its tools given to a
     template that takes them (``tokenizer.takes_tools``) or described in the conversation in the
-    generic format (:func:`engine.generation.tool_calls.conversation`); a completion prompt encoded."""
+    generic format (:func:`engine.generation.tool_calls.conversation`), and ``reasoning_effort`` as the
+    template's thinking switches (:func:`engine.generation.reasoning.template_switches`); a completion
+    prompt encoded."""
     if params.kind == "chat":
         messages, tools = conversation(params.messages, params.tools, params.tool_choice,
                                        native=bool(getattr(tokenizer, "takes_tools", False)))
-        return tokenizer.encode_chat(messages, tools=tools) if tools else tokenizer.encode_chat(messages)
+        switches = template_switches(params.reasoning_effort, getattr(tokenizer, "template_variables", ()))
+        extra: dict[str, Any] = {"tools": tools} if tools else {}
+        if switches:
+            extra["switches"] = switches
+        return tokenizer.encode_chat(messages, **extra)
     if isinstance(params.prompt, tuple):
         return list(params.prompt)
     return tokenizer.encode(params.prompt)

@@ -53,6 +53,7 @@ from engine.api.openai_answer import (
     CompletionChunks,
     completion_response,
     sse_event,
+    thinking_of,
     token_bytes_of,
     token_usage,
 )
@@ -405,7 +406,8 @@ class _Api:
             self.limiter.charge(caller, outcome.prompt_tokens)
             builders = [ChoiceBuilder(i, kind, tokenizer.decode, params.stop, tools=params.parses_tools,
                                       logprobs=params.logprobs, token_bytes=token_bytes_of(tokenizer),
-                                      skip_ids=card.eos_token_ids) for i in range(params.n)]
+                                      skip_ids=card.eos_token_ids, thinking=thinking_of(tokenizer, ids))
+                        for i in range(params.n)]
             deltas = merged([self._deltas(request, card, r, b, outcome, started)
                               for r, b in zip(gen_requests, builders, strict=True)])
             async with contextlib.aclosing(deltas):

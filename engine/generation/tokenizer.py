@@ -10,7 +10,7 @@ them in the conversation itself (:mod:`engine.generation.tool_calls`).
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from engine.errors import TokenizerError
+from engine.generation.reasoning import markers_for
 
 Message = dict[str, Any]  # role, content; tool_calls, tool_call_id and name where a template takes tools
 
@@ -83,8 +84,12 @@ class ChatTokenizer:
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         self._compiled = env.from_string(template) if template else None
         # Whether the template reads a ``tools`` variable (HF's convention for tool-calling templates).
-        self.takes_tools = isinstance(template, str) and "tools" in meta.find_undeclared_variables(
-            env.parse(template))
+        # The variables the template reads: ``tools`` (HF's convention for tool-calling templates),
+        # and the thinking switches ``enable_thinking`` / ``reasoning_effort`` (engine.generation.reasoning).
+        self.template_variables: frozenset[str] = frozenset(
+            meta.find_undeclared_variables(env.parse(template)) if isinstance(template, str) else ())
+        self.takes_tools = "tools" in self.template_variables
+        self.thinking = markers_for(template if isinstance(template, str) else None)
         decoder = json.loads(tok_file.read_text(encoding="utf-8")).get("decoder") or {}
         self._byte_level = decoder.get("type") == "ByteLevel"
 
@@ -107,15 +112,18 @@ class ChatTokenizer:
         return self._tok.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
     def render_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True,
-                    tools: Sequence[dict[str, Any]] | None = None) -> str:
+                    tools: Sequence[dict[str, Any]] | None = None,
+                    switches: Mapping[str, object] | None = None) -> str:
         """The conversation as the model's template writes it; ``tools`` (OpenAI function entries)
-        only for a template that :attr:`takes_tools`."""
+        only for a template that :attr:`takes_tools`; ``switches``: more template variables (the
+        thinking switches of :func:`engine.generation.reasoning.template_switches`)."""
         if self._compiled is None:
             raise TokenizerError("this model has no chat template; send a plain completion prompt instead")
         if tools and not self.takes_tools:
             raise TokenizerError("this model's chat template does not take tools; describe them in the "
                                  "conversation (engine.generation.tool_calls.conversation)")
-        extra = {"tools": list(tools)} if tools else {}
+        extra: dict[str, Any] = {"tools": list(tools)} if tools else {}
+        extra.update(switches or {})
         try:
             return self._compiled.render(
                 messages=list(messages), add_generation_prompt=add_generation_prompt, **extra, **self._special
@@ -124,9 +132,11 @@ class ChatTokenizer:
             raise TokenizerError(f"the chat template failed to render: {exc}") from exc
 
     def encode_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True,
-                    tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
+                    tools: Sequence[dict[str, Any]] | None = None,
+                    switches: Mapping[str, object] | None = None) -> list[int]:
         """Token ids of a conversation, ready for prefill."""
-        return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools, switches),
+                           add_special_tokens=False)
 
     def token_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)

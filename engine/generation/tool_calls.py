@@ -141,7 +141,8 @@ def _native_message(message: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _generic_message(message: Mapping[str, Any]) -> dict[str, str]:
-    """A message in system/user/assistant terms only: calls as text, tool results as user turns."""
+    """A message in system/user/assistant terms only: calls as text, tool results as user turns
+    (an assistant's ``reasoning_content`` kept)."""
     role, content = message["role"], message.get("content") or ""
     if role == "tool":
         return {"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"}
@@ -149,7 +150,10 @@ def _generic_message(message: Mapping[str, Any]) -> dict[str, str]:
     if calls:
         content = "\n".join([content, *(call_text(c.name, c.arguments) for c in calls)] if content else
                             [call_text(c.name, c.arguments) for c in calls])
-    return {"role": role, "content": content}
+    out = {"role": role, "content": content}
+    if message.get("reasoning_content"):  # a thinking model's earlier reasoning, for templates that read it
+        out["reasoning_content"] = message["reasoning_content"]
+    return out
 
 
 def conversation(messages: Sequence[Mapping[str, Any]], tools: Sequence[FunctionTool], choice: ToolChoice,

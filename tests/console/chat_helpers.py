@@ -73,11 +73,11 @@ class PausedGenerator(CannedGenerator):
 
 
 @contextlib.contextmanager
-def chat_api(**models: CannedGenerator) -> Iterator[str]:
+def chat_api(tokenizer=None, **models: CannedGenerator) -> Iterator[str]:
     """The real API over a Router serving each ``name=generator`` as model ``name`` (none: a fleet
-    with no ring yet); yields its /v1 URL."""
+    with no ring yet), with ``tokenizer`` (default a ByteTokenizer); yields its /v1 URL."""
     router = Router()
     for name, generator in models.items():
         router.add_ring(f"ring-{name}", generator, model_name=name)
-    with served(router) as url:
+    with served(router, tokenizer=tokenizer) as url:
         yield url

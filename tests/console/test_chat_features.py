@@ -22,6 +22,7 @@ from tests.console.chat_helpers import (
     SlowGenerator,
     chat_api,
 )
+from tests.support.api_helpers import ThinkingByteTokenizer
 from tests.support.canned_api import CannedGenerator
 
 WAIT_MS = 15000
@@ -313,3 +314,31 @@ def left():
     from PySide6.QtCore import Qt
 
     return Qt.MouseButton.LeftButton
+
+
+def test_a_thinking_models_reasoning_shows_folded_and_unfolds(qtbot, tmp_path):
+    thought = "<think>\nThe user asks for France's capital.\nIt is Paris.\n</think>\n\nThe capital is **Paris**."
+    store = ConversationStore(tmp_path / "chats")
+    with chat_api(tokenizer=ThinkingByteTokenizer(), fake=CannedGenerator(thought)) as url:
+        window = open_window(qtbot, url, store=store)
+        try:
+            ask(qtbot, window, "What is the capital of France?")
+            reply = window.model.current.messages[-1]
+            assert reply.reasoning == "The user asks for France's capital.\nIt is Paris."
+            assert reply.content == "The capital is **Paris**."
+            folded = window.transcript.toPlainText()
+            assert "▸ Thought (9 words)" in folded and "France's capital" not in folded
+            assert "The capital is Paris." in folded
+            window.transcript.anchorClicked.emit(QUrl("think:1"))  # what clicking "Thought" emits
+            unfolded = window.transcript.toPlainText()
+            assert "▾ Thought" in unfolded and "The user asks for France's capital." in unfolded
+            window.transcript.anchorClicked.emit(QUrl("think:1"))
+            assert "France's capital" not in window.transcript.toPlainText()
+            saved_id = window.model.current.id
+        finally:
+            window.close()
+    listing = store.list()
+    saved = next(c for c in listing.conversations if c.id == saved_id)
+    assert not listing.damaged
+    assert saved.messages[-1].reasoning == reply.reasoning and saved.messages[-1].content == reply.content
+    assert all("reasoning" not in m for m in saved.history())  # the answer alone goes back as context

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from engine.api.server import ApiSettings
 from engine.generation.generator import ModelCard
+from engine.generation.reasoning import MARKERS
 
 EOS = 256
 CARD = ModelCard("fake", 64, (EOS,), 3)
@@ -31,6 +32,26 @@ class ByteTokenizer:
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+class ThinkingByteTokenizer(ByteTokenizer):
+    """A ByteTokenizer whose "template" thinks as Qwen3's does: ``enable_thinking`` false writes an
+    empty block after the assistant's header; ``opens`` ends every prompt inside an open block."""
+
+    thinking = MARKERS[0]
+    template_variables = frozenset({"enable_thinking"})
+
+    def __init__(self, opens: bool = False):
+        self.opens = opens
+
+    def encode_chat(self, messages, add_generation_prompt: bool = True, switches=None) -> list[int]:
+        text = "".join(f"<{m['role']}>{m.get('reasoning_content', '')}|{m['content']}" for m in messages)
+        text += "<assistant>"
+        if (switches or {}).get("enable_thinking") is False:
+            text += "<think>\n\n</think>\n\n"
+        elif self.opens:
+            text += "<think>\n"
+        return self.encode(text)
 
 
 @contextlib.contextmanager

@@ -45,13 +45,14 @@ class CannedGenerator:
 
 
 @contextlib.contextmanager
-def served(generator, *, pending: frozenset[str] | None = None, **settings) -> Iterator[str]:
-    """The API over ``generator`` (ByteTokenizer) on loopback, on a loop in a thread; yields its /v1 URL."""
+def served(generator, *, pending: frozenset[str] | None = None, tokenizer=None, **settings) -> Iterator[str]:
+    """The API over ``generator`` (``tokenizer``, default a ByteTokenizer) on loopback, on a loop in a
+    thread; yields its /v1 URL."""
     options = replace(SETTINGS, max_prompt_tokens=6000, default_max_tokens=400, max_tokens_limit=1000, **settings)
     if pending is not None:
         options = replace(options, pending=pending)
     with loop_thread() as loop:
-        api = loop.run(async_run_api(generator, ByteTokenizer(), options))
+        api = loop.run(async_run_api(generator, tokenizer or ByteTokenizer(), options))
         try:
             yield api.url
         finally:
