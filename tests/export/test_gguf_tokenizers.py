@@ -168,11 +168,15 @@ def test_the_converted_files_pass_the_engines_checks(byte_level, sentencepiece):
     from engine.generation.grammar import GrammarTokenizer
     from export.sources import check_converted_tokenizer
 
-    for converted in (byte_level["llama-bpe"][1], byte_level["deepseek-v3"][1], sentencepiece[1]):
+    prefix = b" " if sentencepiece[2] else b""  # SentencePiece's dummy prefix is a space in its first token
+    for converted, first in ((byte_level["llama-bpe"][1], b""), (byte_level["deepseek-v3"][1], b""),
+                             (sentencepiece[1], prefix)):
         check_converted_tokenizer(converted)  # one BOS, a chat template
         text = (converted / "tokenizer.json").read_text(encoding="utf-8")
-        size = Tokenizer.from_str(text).get_vocab_size()
-        GrammarTokenizer(text, logits_width=size, eos_ids=[2])  # llguidance reads the vocabulary's bytes
+        tok = Tokenizer.from_str(text)
+        grammar = GrammarTokenizer(text, logits_width=tok.get_vocab_size(), eos_ids=[2])
+        ids = tok.encode(" the answer:\n42", add_special_tokens=False).ids
+        assert grammar.llg.decode_bytes(ids) == first + b" the answer:\n42"  # llguidance reads each token's bytes
     chat = ChatTokenizer(sentencepiece[1])
     assert chat.token_bytes(chat.token_id("<0xF0>")) == b"\xf0"
 
