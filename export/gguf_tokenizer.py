@@ -203,8 +203,8 @@ def sentencepiece_merges(tokens: Sequence[str], types: Sequence[int], scores: Se
     ranked: list[tuple[float, int, int, str, str]] = []
     for text, i in mergeable.items():
         for cut in range(1, len(text)):
-            left, right = text[:cut], text[cut:]
-            if left in mergeable and right in mergeable:
+            left = text[:cut]
+            if left in mergeable and (right := text[cut:]) in mergeable:
                 ranked.append((-scores[i], i, cut, left, right))
     ranked.sort()
     return [[left, right] for _, _, _, left, right in ranked]

@@ -19,8 +19,10 @@ from export.gguf_pretokenizers import SPLITS
 from export.gguf_tokenizer import GGUFTokenizerError, sentencepiece_merges, tokenizer_files, write_tokenizer_files
 from tests.export.tokenizer_ggufs import (
     CORPUS,
+    IGNORES_MERGES,
     LLAMA_CPP_REGEXES,
     SPECIALS,
+    UNREACHABLE,
     USER_DEFINED,
     Vocabulary,
     byte_level_vocabulary,
@@ -246,15 +248,19 @@ def test_what_does_not_convert_is_refused_by_name(tmp_path, changes, message):
 @pytest.mark.slow
 @pytest.mark.parametrize("pre", ["llama-bpe", "qwen2", "qwen35", "gpt-4o", "tekken"])
 def test_transformers_gguf_loader_agrees_on_byte_level(byte_level, tmp_path, pre):
-    """transformers' own GGUF tokenizer, for the pre-tokenizers it knows, from the same file."""
+    """transformers' own GGUF tokenizer, for the pre-tokenizers it knows, from the same file.
+
+    It does not take a whole-word token as is (llama.cpp's ignore_merges, which Llama 3's
+    tokenizer.json sets too), so the word no merge reaches is left out for llama-bpe and tekken."""
     from transformers import AutoTokenizer
 
     source, converted = byte_level[pre]
     write_tokenizer_gguf(tmp_path / "t.gguf", byte_level_vocabulary(source, pre), bos=BOS, eos=EOS)
     hf = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="t.gguf")
     ours = Tokenizer.from_file(str(converted / "tokenizer.json"))
-    for text in CORPUS:
-        assert hf(text, add_special_tokens=False).input_ids == ours.encode(text, add_special_tokens=False).ids, text
+    texts = [t for t in CORPUS if pre not in IGNORES_MERGES or UNREACHABLE[1:] not in t]
+    assert [t for t in texts if hf(t, add_special_tokens=False).input_ids
+            != ours.encode(t, add_special_tokens=False).ids] == []
 
 
 @pytest.mark.slow
