@@ -18,7 +18,7 @@ from typing import Any
 import gguf
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from export.gguf_pretokenizers import _DEEPSEEK_LETTERS
+from export.gguf_pretokenizers import DEEPSEEK_LETTERS
 
 CORPUS = [
     "Hello, world!", " leading space", "  two leading spaces", "trailing spaces  ", "multiple    spaces inside",
@@ -67,7 +67,7 @@ LLAMA_CPP_REGEXES: dict[str, tuple[str, ...]] = {
                r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",),
     "tekken": (rf"[^\r\n\p{{L}}\p{{N}}]?{_UP}*{_LO}+|[^\r\n\p{{L}}\p{{N}}]?{_UP}+{_LO}*"
                r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",),
-    "deepseek-llm": ("[\r\n]", rf"\s?[{_DEEPSEEK_LETTERS}]+", r"\s?[!-/:-~！-／：-～‘-‟　-。]+", r"\s+$",
+    "deepseek-llm": ("[\r\n]", rf"\s?[{DEEPSEEK_LETTERS}]+", r"\s?[!-/:-~！-／：-～‘-‟　-。]+", r"\s+$",
                      "[一-龥ࠀ-一가-퟿]+", r"\p{N}+"),
     "deepseek-coder": ("[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", "[一-龥ࠀ-一가-퟿]+", r"\p{N}"),
     "deepseek-v3": (r"\p{N}{1,3}", "[一-龥぀-ゟ゠-ヿ]+",
