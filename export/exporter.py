@@ -252,8 +252,9 @@ def export_model(checkpoint_dir: Path | str, out_dir: Path | str, *, stages: int
         progress = progress or (lambda i, step: None)
         tmp = _prepare_out_dir(out, options.force)
         try:
-            stage_manifests = _export_stages(source, shape, plan, options, tmp, progress)
+            # The tokenizer first: a GGUF whose tokenizer does not convert is refused before any stage is built.
             tokenizer_files = _copy_tokenizer(ckpt, tmp) if gguf is None else _gguf_tokenizer(gguf, source, tmp)
+            stage_manifests = _export_stages(source, shape, plan, options, tmp, progress)
             tokenizer_dir = tmp / "tokenizer" if tokenizer_files else ckpt
             weights_name = options.weights
             manifest = Manifest(

@@ -140,7 +140,7 @@ def test_failure_mid_export_leaves_no_partial_directory(tiny_checkpoint, tmp_pat
     def boom(*args, **kwargs):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr("export.exporter._copy_tokenizer", boom)
+    monkeypatch.setattr("export.exporter._commit", boom)  # every stage and the tokenizer written, then the failure
     with pytest.raises(RuntimeError, match="disk full"):
         export_model(tiny_checkpoint("llama"), out, stages=2, options=ExportOptions(weights="fp32"), fingerprint="x")
     assert not out.exists() and _leftovers(tmp_path, "out") == []
