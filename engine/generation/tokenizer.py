@@ -41,6 +41,7 @@ def _byte_decoder() -> dict[str, int]:
 
 
 BYTE_DECODER = _byte_decoder()
+METASPACE = "\u2581"  # how SentencePiece writes a space
 
 
 def _token_text(value: Any) -> str | None:
@@ -92,6 +93,12 @@ class ChatTokenizer:
         self.thinking = markers_for(template if isinstance(template, str) else None)
         decoder = json.loads(tok_file.read_text(encoding="utf-8")).get("decoder") or {}
         self._byte_level = decoder.get("type") == "ByteLevel"
+        # SentencePiece-style vocabularies write a space as U+2581 and their decoder drops the
+        # first one of a text: a token's own bytes keep it.
+        steps = decoder.get("decoders") or [decoder]
+        self._metaspace = any(d.get("type") == "Metaspace" or (
+            d.get("type") == "Replace" and (d.get("pattern") or {}).get("String") == METASPACE)
+            for d in steps if isinstance(d, dict))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
@@ -109,6 +116,8 @@ class ChatTokenizer:
             return bytes(BYTE_DECODER[c] for c in piece)
         if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # SentencePiece byte fallback
             return bytes([int(piece[3:5], 16)])
+        if self._metaspace:
+            return piece.replace(METASPACE, " ").encode("utf-8")
         return self._tok.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
     def render_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True,

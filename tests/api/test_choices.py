@@ -132,6 +132,25 @@ def test_a_tokens_bytes_are_exact_for_the_real_tokenizer(tmp_path):
     assert tokenizer.token_bytes(tokenizer.token_id("<|im_end|>")) == b""  # a special token has none
 
 
+def test_a_sentencepiece_tokens_bytes_keep_its_space(tmp_path):
+    """A SentencePiece-style token ("\u2581the") stands for " the": decoded alone the decoder would
+    drop that space."""
+    import json
+
+    from engine.generation.tokenizer import ChatTokenizer
+    from tests.api.test_text_stream import CORPUS, sentencepiece_style_tokenizer
+
+    root = tmp_path / "sp"
+    root.mkdir()
+    sentencepiece_style_tokenizer().save(str(root / "tokenizer.json"))
+    (root / "tokenizer_config.json").write_text(json.dumps({"unk_token": "<unk>"}))
+    tokenizer = ChatTokenizer(root)
+    ids = tokenizer.encode(CORPUS, add_special_tokens=False)
+    pieces = [tokenizer.token_bytes(i) for i in ids]
+    assert b"".join(pieces).decode() == " " + CORPUS  # the text's own first space is the decoder's to drop
+    assert any(p.startswith(b" ") and len(p) > 1 for p in pieces[1:])
+
+
 def test_legacy_logprobs_tokens_offsets_and_alternatives():
     answer = "a é b"
     with served(CannedGenerator(answer), pending=frozenset()) as url, \
