@@ -20,9 +20,10 @@ Before a request costs anything (:mod:`engine.api.guard`): its ``Host`` must nam
 then the key's rate limit (:mod:`engine.api.keys`), admission (``max_concurrent``), the body's
 size, and the prompt's length in characters; only then is it rendered and tokenised, on a
 thread, so the loop keeps stepping the ring. Keys are the fleet's key book (named, limited,
-revocable: a revoked key is refused on its next request) or one fixed key. Every request but
-``/health`` leaves one line in the audit log when one is given (:mod:`engine.api.audit`: key
-name, model, ring, status, token counts, duration; never the text).
+revocable: a revoked key is refused on its next request) or one fixed key. Every request of a
+key holder but ``/health`` leaves one line in the audit log when one is given
+(:mod:`engine.api.audit`: key name, model, ring, status, token counts, duration; never the
+text); strangers' refused requests are counted into one summary line a minute.
 
 Off loopback the API is served only over TLS (the fleet CA's service certificate): plain HTTP
 on any other address is refused at start (:func:`engine.api.guard.check_exposure`).
@@ -270,10 +271,13 @@ class _Api:
         if self.audit is None or request.path in PUBLIC_PATHS:
             return
         caller = request.get(CALLER)
+        if caller is None:  # a stranger (no valid key, or a foreign Host): counted, not a line each
+            self.audit.refused(request.remote, status)
+            return
         model, ring = request.get(SERVED_BY, (request.get(_ASKED_FOR), None))
         usage = request.get(_USAGE, (0, 0))
         self.audit.write(AuditRecord(
-            time=utc_stamp(started), key=caller.name if caller else None, method=request.method,
+            time=utc_stamp(started), key=caller.name, method=request.method,
             path=request.path[:200], model=model, ring=ring, status=status, prompt_tokens=usage[0],
             completion_tokens=usage[1], duration_ms=round((time.time() - started) * 1000, 1), remote=request.remote))
 
@@ -527,8 +531,12 @@ class RunningApi:
         return f"{'https' if self.tls else 'http'}://{host}:{self.port}/v1"
 
     async def async_stop(self) -> None:
-        """Stop listening, give in-flight requests the runner's grace period, then cancel them."""
+        """Stop listening, give in-flight requests the runner's grace period, then cancel them; the
+        audit's pending summary of strangers is written."""
         await self.runner.cleanup()
+        audit = self.runner.app[API_STATE].audit
+        if audit is not None:
+            audit.close()
 
     def set_api_key(self, key: str) -> None:
         """Require ``key`` from the next request on (the console rotated its key: the old one is
