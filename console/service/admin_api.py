@@ -362,7 +362,8 @@ class AdminApi:
             body = await self.body(q)
             try:
                 issued = s.host.keys.issue(field(body, "name", str), rpm=field(body, "rpm", int, optional=True),
-                                           tpm=field(body, "tpm", int, optional=True))
+                                           tpm=field(body, "tpm", int, optional=True),
+                                           metrics=bool(field(body, "metrics", bool, optional=True)))
             except (KeyNameError, KeyBookError) as exc:
                 raise refused(exc) from exc
             s.feed.publish("keys", {"keys": live()})

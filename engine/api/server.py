@@ -39,7 +39,7 @@ import ssl
 import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from aiohttp import web
@@ -327,12 +327,21 @@ class _Api:
         if card is not None:
             response.headers[STAGES_HEADER] = str(card.stages)
 
+    def _stranger(self, request: web.Request) -> bool:
+        """True for a caller without a valid key on a server that requires one."""
+        return self.keys.required and request.get(CALLER, ANONYMOUS) is ANONYMOUS
+
     async def health(self, request: web.Request) -> web.Response:
         """Every ring's report; 200 while the service can serve (ok or recovering), 503 when it cannot.
 
-        ``model`` and ``stages`` (the first model's) and ``active_requests`` are kept for one-ring clients."""
+        ``model`` and ``stages`` (the first model's) and ``active_requests`` are kept for one-ring clients.
+        A caller without a key (where keys are required) gets the bare ``status``: ring ids, models,
+        counts and failure details are for key holders."""
         reports = self.router.ring_reports()
         status = overall_status(reports)
+        if self._stranger(request):
+            return web.json_response({"status": status.value}, status=503 if status is RingStatus.DOWN else 200,
+                                     headers={"Cache-Control": "no-store"})
         card = self._card(request)
         body: dict[str, Any] = {"status": status.value, "rings": [r.to_json() for r in reports],
                                 "active_requests": self.metrics.active}
@@ -342,6 +351,12 @@ class _Api:
                                  headers={"Cache-Control": "no-store"})
 
     async def prometheus(self, request: web.Request) -> web.Response:
+        """The counters, for the operator: where keys are required, only to the one fixed key, the
+        console's key or a key issued with ``--metrics`` (they count every user's traffic)."""
+        caller = request.get(CALLER, ANONYMOUS)
+        if self.keys.required and not caller.metrics:
+            raise ApiError(403, f"the key {caller.name!r} may not read /metrics; the fleet's admin can issue a key "
+                           "for monitoring with 'deskfleet keys issue NAME --metrics'", "metrics_forbidden")
         text = render_prometheus(self.generator.metrics(), self.metrics)
         return web.Response(text=text, content_type="text/plain", headers={"Cache-Control": "no-store"})
 
@@ -403,7 +418,9 @@ class _Api:
             tokenizer = self.tokenizer_for(card.name)
             check_prompt_chars(params, self.settings.max_prompt_tokens)
             ids = await _off_loop(self._encode_locked, tokenizer, params)
-            gen_requests = to_generation_requests(ids, params, self.settings, card)
+            # the key's own prefix cache: another key's prompts are never reused, nor timed, through it
+            gen_requests = [replace(r, cache_scope=caller.scope)
+                            for r in to_generation_requests(ids, params, self.settings, card)]
             outcome.prompt_tokens = len(gen_requests[0].prompt_ids)
             self.metrics.prompt_tokens += outcome.prompt_tokens
             self.limiter.charge(caller, outcome.prompt_tokens)
