@@ -44,7 +44,8 @@ def test_a_key_reuses_its_own_prefix_never_another_keys_and_metrics_are_for_the_
     async def main():
         tokenizer = await asyncio.to_thread(ChatTokenizer, export / "tokenizer")
         async with BatchCoordinator.local(export, exact=True, kv_pool_bytes=POOL) as coordinator:
-            api = await async_run_api(coordinator, tokenizer, ApiSettings(default_max_tokens=8, max_tokens_limit=8), keys=book)
+            settings = ApiSettings(default_max_tokens=8, max_tokens_limit=8)
+            api = await async_run_api(coordinator, tokenizer, settings, keys=book)
             base = api.url.removesuffix("/v1")
             try:
                 async def ask(secret: str) -> float:
