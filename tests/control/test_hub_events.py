@@ -1,10 +1,15 @@
-"""What the hub keeps of its members' reports (engine/control/hub_events.py): pure policy, no sockets.
-The live attack (a joined PC flooding a real fleet service's hub) is tests/security/test_hub_flood.py."""
+"""What the hub keeps of its members' reports (engine/control/hub_events.py): the pure policy, and
+the hub's routes enforcing it over mutual TLS on loopback. The whole attack (a joined PC flooding a
+real fleet service) is tests/security/test_hub_flood.py, in the slow lane."""
 
 from __future__ import annotations
 
+import json
+
+import aiohttp
 import pytest
 
+from engine.control.hub import FleetHub
 from engine.control.hub_events import (
     MAX_DETAIL_CHARS,
     MAX_REASONS,
@@ -16,6 +21,8 @@ from engine.control.hub_events import (
     public_body,
 )
 from engine.control.messages import ControlRequestError
+from engine.trust.fleet_ca import FleetAuthority, Role
+from tests.support.asyncutil import run
 
 
 def _event(node: str, i: int, pad: int = 0) -> AgentEvent:
@@ -85,3 +92,32 @@ def test_a_member_rate_admits_its_burst_then_its_rate():
     assert rate.admit("m") is None and rate.admit("m") is not None
     now[0] += 3600
     assert [rate.admit("m") for _ in range(4)].count(None) == 3  # idle time refills no more than the burst
+
+
+def test_the_hub_refuses_a_large_report_naming_the_limit_and_a_member_past_its_rate():
+    authority = FleetAuthority.create("hub-limits")
+    hub = FleetHub(authority.issue_credentials("console", role=Role.CONSOLE),
+                   rate=MemberRate(per_minute=1, burst=3))
+    mallory, alice = (authority.issue_credentials(n, role=Role.AGENT) for n in ("mallory", "alice"))
+
+    async def main():
+        await hub.async_start("127.0.0.1", 0)
+        try:
+            answers = []
+            for who, body in ((mallory, {"event": "paused", "pad": "x" * 5000}),
+                              *[(mallory, {"event": "paused", "junk": "j" * 100})] * 4,
+                              (alice, {"event": "resumed"})):
+                connector = aiohttp.TCPConnector(ssl=who.client_context())
+                async with aiohttp.ClientSession(connector=connector) as session:
+                    async with session.post(hub.events_url, data=json.dumps(body)) as resp:
+                        answers.append((resp.status, resp.headers.get("Retry-After"), await resp.text()))
+            return answers
+        finally:
+            await hub.async_close()
+
+    answers = run(main(), 60)
+    assert answers[0][0] == 413 and "4096 bytes" in answers[0][2]
+    assert [a[0] for a in answers[1:]] == [200, 200, 200, 429, 200]  # the 413 cost no share of the rate
+    assert answers[4][1] is not None and int(answers[4][1]) >= 1 and "reports a minute" in answers[4][2]
+    assert [e.event for e in hub.events] == ["paused"] * 3 + ["resumed"]
+    assert all("junk" not in e.body for e in hub.events) and hub.refused == {"too_large": 1, "rate": 1}
