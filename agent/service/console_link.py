@@ -15,6 +15,7 @@ from typing import Any
 import aiohttp
 
 from engine.control.enrollment import Joined, async_join
+from engine.control.hub_events import MAX_DETAIL_CHARS, MAX_REASON_CHARS, MAX_REASONS
 from engine.control.messages import Assignment
 from engine.discovery.join_service import async_find_consoles
 from engine.errors import EnrollmentError, JoinRefused, TrustError
@@ -66,8 +67,9 @@ async def async_tell_console(assignment: Assignment, creds: Credentials, console
     it from its next poll)."""
     if assignment.events_url is None:
         return
-    body = {"node_id": creds.node_id, "event": event, "reasons": list(reasons),
-            "export_id": assignment.export_id, "stage": assignment.stage, "detail": detail}
+    body = {"node_id": creds.node_id, "event": event, "reasons": [r[:MAX_REASON_CHARS] for r in reasons][:MAX_REASONS],
+            "export_id": assignment.export_id, "stage": assignment.stage,
+            "detail": detail[:MAX_DETAIL_CHARS] if detail else detail}  # the hub keeps no more, nor takes 4 KiB+
     try:
         timeout = aiohttp.ClientTimeout(total=NOTIFY_TIMEOUT_S)
         async with aiohttp.ClientSession(timeout=timeout, connector=console_connector(console_node_id)) as session:

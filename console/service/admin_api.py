@@ -47,7 +47,7 @@ from console.service.errors import (
 )
 from console.service.join_tokens import issue_options
 from console.service.served_rings import RingIdError
-from console.service.service_events import JobNotFoundError
+from console.service.service_events import MAX_PAGE_BYTES, PAGE_EVENTS, JobNotFoundError
 from console.service.service_ring import RingStateError
 from engine.errors import DeskfleetError, TagError, TokenPolicyError
 from engine.trust.fleet_ca import ADMIN_ROLES, Role, peer_role
@@ -295,9 +295,13 @@ class AdminApi:
             try:
                 after = int(q.query.get("after", "0"))
                 timeout = float(q.query.get("timeout", "25"))
+                limit = int(q.query.get("limit", str(PAGE_EVENTS)))
             except ValueError as exc:
-                raise ShapeError("'after' must be an integer and 'timeout' a number of seconds") from exc
-            return j((await s.feed.poll(after, timeout)).to_json())
+                raise ShapeError("'after' and 'limit' must be integers and 'timeout' a number of seconds") from exc
+            if not 1 <= limit <= PAGE_EVENTS:
+                raise ShapeError(f"'limit' must be 1..{PAGE_EVENTS} events")
+            poll = await s.feed.poll(after, timeout, limit)
+            return web.Response(body=poll.render(MAX_PAGE_BYTES), content_type="application/json")
 
         p = PREFIX
         r.add_get(f"{p}/service", service)
@@ -358,7 +362,8 @@ class AdminApi:
             body = await self.body(q)
             try:
                 issued = s.host.keys.issue(field(body, "name", str), rpm=field(body, "rpm", int, optional=True),
-                                           tpm=field(body, "tpm", int, optional=True))
+                                           tpm=field(body, "tpm", int, optional=True),
+                                           metrics=bool(field(body, "metrics", bool, optional=True)))
             except (KeyNameError, KeyBookError) as exc:
                 raise refused(exc) from exc
             s.feed.publish("keys", {"keys": live()})

@@ -308,9 +308,13 @@ class AdminClient:
     async def async_keys(self) -> list[dict[str, Any]]:
         return list((await self.async_call("GET", "/keys"))["keys"])
 
-    async def async_issue_key(self, name: str, *, rpm: int | None = None, tpm: int | None = None) -> dict[str, Any]:
+    async def async_issue_key(self, name: str, *, rpm: int | None = None, tpm: int | None = None,
+                              metrics: bool = False) -> dict[str, Any]:
+        """``metrics``: the key may read the API's ``/metrics`` (a monitoring system's)."""
         body: dict[str, Any] = {"name": name}
         body.update({k: v for k, v in (("rpm", rpm), ("tpm", tpm)) if v is not None})
+        if metrics:
+            body["metrics"] = True
         return await self.async_call("POST", "/keys", body)
 
     async def async_revoke_key(self, name: str) -> dict[str, Any]:

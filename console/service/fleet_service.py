@@ -70,6 +70,7 @@ from console.service.service_ring import (
 from engine.api.server import RunningApi, async_run_api
 from engine.control.fleet_services import FleetHost, fleet_host, write_private
 from engine.control.hub import AgentEvent
+from engine.control.hub_events import public_body
 from engine.discovery.mdns import Browser
 from engine.generation.ring_report import overall_status
 from engine.generation.router import Router
@@ -260,7 +261,7 @@ class FleetService:
         self.records_feed.on_records(records)  # throttled: console.service.records_feed
 
     def _on_hub_event(self, event: AgentEvent) -> None:
-        self.feed.publish("hub", {"node_id": event.node_id, "event": event.event, "body": event.body})
+        self.feed.publish("hub", {"node_id": event.node_id, "event": event.event, "body": public_body(event)})
 
     def health_json(self) -> dict[str, Any]:
         reports = tuple(r.report() for r in self.rings.values())

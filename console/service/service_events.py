@@ -5,6 +5,11 @@ Both live on the service's loop. The feed keeps the last ``keep`` events; a clie
 after the last ``seq`` it saw and waits (bounded) when there are none. A client starting out
 (``after`` 0) or one that fell behind the kept window gets a snapshot first — events the service
 makes from its current state — so any number of clients converge on the same picture.
+
+One answer is a page: at most ``limit`` events (:data:`PAGE_EVENTS` unless the client asks for
+fewer) and about :data:`MAX_PAGE_BYTES` of JSON (:meth:`Poll.render`; always at least one event).
+A client that got ``more`` asks again at once with ``next``; nothing is skipped. So a poll's
+answer never grows with the feed, and the loop never serialises the whole feed in one go.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import asyncio
 import collections
 import contextlib
 import itertools
+import json
 import logging
 import time
 from collections.abc import Callable, Collection, Coroutine, Sequence
@@ -26,6 +32,8 @@ log = logging.getLogger("deskfleet.fleet")
 KEEP_EVENTS = 1000
 MAX_WAIT_S = 60.0
 KEEP_JOBS_S = 600.0
+PAGE_EVENTS = 200  # events one poll answers at most
+MAX_PAGE_BYTES = 4 << 20  # JSON one poll answers with, about (the first event always goes)
 
 
 @dataclass(frozen=True)
@@ -42,14 +50,34 @@ class Event:
 @dataclass(frozen=True)
 class Poll:
     """One answer of the feed: ``events`` in order, ``next`` to ask after, ``reset`` when the
-    client's ``after`` had fallen out of the kept window (its state is stale: re-read it)."""
+    client's ``after`` had fallen out of the kept window (its state is stale: re-read it), ``more``
+    when newer events wait beyond this page (ask again with ``next`` at once)."""
 
     events: tuple[Event, ...]
     next: int
     reset: bool = False
+    more: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        return {"events": [e.to_json() for e in self.events], "next": self.next, "reset": self.reset}
+        return {"events": [e.to_json() for e in self.events], "next": self.next, "reset": self.reset,
+                "more": self.more}
+
+    def render(self, max_bytes: int = MAX_PAGE_BYTES) -> bytes:
+        """The answer as JSON bytes, cut after the event that reaches ``max_bytes`` (``next`` and
+        ``more`` then say where the client resumes). A snapshot (``reset`` or a start) goes whole:
+        its events share one ``seq`` and cannot be resumed part-way."""
+        parts: list[bytes] = []
+        size, next_seq, more = 0, self.next, self.more
+        pageable = not self.reset and len({e.seq for e in self.events}) == len(self.events)
+        for i, event in enumerate(self.events):
+            part = json.dumps(event.to_json(), separators=(",", ":")).encode()
+            parts.append(part)
+            size += len(part) + 1
+            if pageable and size >= max_bytes and i + 1 < len(self.events):
+                next_seq, more = event.seq, True
+                break
+        head = {"next": next_seq, "reset": self.reset, "more": more}
+        return b'{"events":[' + b",".join(parts) + b"]," + json.dumps(head, separators=(",", ":")).encode()[1:]
 
 
 class EventFeed:
@@ -85,24 +113,29 @@ class EventFeed:
         self._changed = asyncio.Event()  # the next waiters wait for the next event
         return event
 
-    def since(self, after: int) -> Poll:
-        """What a client that saw ``after`` gets now (without waiting)."""
+    def since(self, after: int, limit: int = PAGE_EVENTS) -> Poll:
+        """What a client that saw ``after`` gets now (without waiting): at most ``limit`` events."""
         oldest = self._evicted + 1 if self._events or self._evicted else self._seq + 1
         if after <= 0 or after > self._seq or after < oldest - 1:
             reset = after > 0
             snap = tuple(Event(self._seq, time.time(), kind, data) for kind, data in self._snapshot())
             return Poll(snap, self._seq, reset)
-        return Poll(tuple(e for e in self._events if e.seq > after), self._seq)
+        newer = tuple(itertools.islice((e for e in self._events if e.seq > after), max(1, limit) + 1))
+        if len(newer) > max(1, limit):
+            newer = newer[:-1]
+            return Poll(newer, newer[-1].seq, more=True)
+        return Poll(newer, self._seq)
 
-    async def poll(self, after: int, timeout: float) -> Poll:
-        """Events after ``after``; waits up to ``timeout`` s (at most MAX_WAIT_S) for one when there are none."""
-        answer = self.since(after)
+    async def poll(self, after: int, timeout: float, limit: int = PAGE_EVENTS) -> Poll:
+        """Events after ``after`` (at most ``limit``); waits up to ``timeout`` s (at most MAX_WAIT_S)
+        for one when there are none."""
+        answer = self.since(after, limit)
         if answer.events or answer.reset or after <= 0:
             return answer
         changed = self._changed
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(changed.wait(), max(0.0, min(timeout, MAX_WAIT_S)))
-        return self.since(after)
+        return self.since(after, limit)
 
 
 class JobNotFoundError(ConsoleError):

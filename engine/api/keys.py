@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.trust.key_book import KeyBook
+from engine.trust.key_book import CONSOLE_KEY_NAME, KeyBook
 
 DEFAULT_CALLER = "default"
 WINDOW_S = 60.0
@@ -30,14 +30,22 @@ WINDOW_S = 60.0
 
 @dataclass(frozen=True)
 class Caller:
-    """The holder of the key a request carried: its name (for the audit) and its limits."""
+    """The holder of the key a request carried: its name (for the audit) and its limits.
+
+    ``scope``: whose prompts these are, for the prefix cache (one key's cached KV is never another
+    key's: :attr:`~engine.generation.request.GenerationRequest.cache_scope`); a book key's is
+    derived from its secret's hash, so a key issued again under the same name starts a new scope.
+    ``metrics``: may read ``/metrics`` (the one fixed key, the console's key, a key issued with
+    ``--metrics``)."""
 
     name: str
     rpm: int | None = None
     tpm: int | None = None
+    scope: str = ""
+    metrics: bool = False
 
 
-ANONYMOUS = Caller("-")  # a server without keys (loopback only): every request is this caller
+ANONYMOUS = Caller("-")  # a server without keys (loopback only), or a stranger on /health
 
 
 class KeyCheck:
@@ -64,9 +72,10 @@ class KeyCheck:
         if self.book is not None:
             key = self.book.identify(token)
             if key is not None:
-                return Caller(key.name, key.rpm, key.tpm)
+                return Caller(key.name, key.rpm, key.tpm, scope=f"key:{key.sha256[:32]}",
+                              metrics=key.metrics or key.name == CONSOLE_KEY_NAME)
         if self._static is not None and hmac.compare_digest(token.encode(), self._static):
-            return Caller(DEFAULT_CALLER)
+            return Caller(DEFAULT_CALLER, scope=DEFAULT_CALLER, metrics=True)  # the operator's own key
         return None
 
 

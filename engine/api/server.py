@@ -20,9 +20,10 @@ Before a request costs anything (:mod:`engine.api.guard`): its ``Host`` must nam
 then the key's rate limit (:mod:`engine.api.keys`), admission (``max_concurrent``), the body's
 size, and the prompt's length in characters; only then is it rendered and tokenised, on a
 thread, so the loop keeps stepping the ring. Keys are the fleet's key book (named, limited,
-revocable: a revoked key is refused on its next request) or one fixed key. Every request but
-``/health`` leaves one line in the audit log when one is given (:mod:`engine.api.audit`: key
-name, model, ring, status, token counts, duration; never the text).
+revocable: a revoked key is refused on its next request) or one fixed key. Every request of a
+key holder but ``/health`` leaves one line in the audit log when one is given
+(:mod:`engine.api.audit`: key name, model, ring, status, token counts, duration; never the
+text); strangers' refused requests are counted into one summary line a minute.
 
 Off loopback the API is served only over TLS (the fleet CA's service certificate): plain HTTP
 on any other address is refused at start (:func:`engine.api.guard.check_exposure`).
@@ -38,7 +39,7 @@ import ssl
 import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from aiohttp import web
@@ -271,10 +272,13 @@ class _Api:
         if self.audit is None or request.path in PUBLIC_PATHS:
             return
         caller = request.get(CALLER)
+        if caller is None:  # a stranger (no valid key, or a foreign Host): counted, not a line each
+            self.audit.refused(request.remote, status)
+            return
         model, ring = request.get(SERVED_BY, (request.get(_ASKED_FOR), None))
         usage = request.get(_USAGE, (0, 0))
         self.audit.write(AuditRecord(
-            time=utc_stamp(started), key=caller.name if caller else None, method=request.method,
+            time=utc_stamp(started), key=caller.name, method=request.method,
             path=request.path[:200], model=model, ring=ring, status=status, prompt_tokens=usage[0],
             completion_tokens=usage[1], duration_ms=round((time.time() - started) * 1000, 1), remote=request.remote))
 
@@ -324,12 +328,21 @@ class _Api:
         if card is not None:
             response.headers[STAGES_HEADER] = str(card.stages)
 
+    def _stranger(self, request: web.Request) -> bool:
+        """True for a caller without a valid key on a server that requires one."""
+        return self.keys.required and request.get(CALLER, ANONYMOUS) is ANONYMOUS
+
     async def health(self, request: web.Request) -> web.Response:
         """Every ring's report; 200 while the service can serve (ok or recovering), 503 when it cannot.
 
-        ``model`` and ``stages`` (the first model's) and ``active_requests`` are kept for one-ring clients."""
+        ``model`` and ``stages`` (the first model's) and ``active_requests`` are kept for one-ring clients.
+        A caller without a key (where keys are required) gets the bare ``status``: ring ids, models,
+        counts and failure details are for key holders."""
         reports = self.router.ring_reports()
         status = overall_status(reports)
+        if self._stranger(request):
+            return web.json_response({"status": status.value}, status=503 if status is RingStatus.DOWN else 200,
+                                     headers={"Cache-Control": "no-store"})
         card = self._card(request)
         body: dict[str, Any] = {"status": status.value, "rings": [r.to_json() for r in reports],
                                 "active_requests": self.metrics.active}
@@ -339,6 +352,12 @@ class _Api:
                                  headers={"Cache-Control": "no-store"})
 
     async def prometheus(self, request: web.Request) -> web.Response:
+        """The counters, for the operator: where keys are required, only to the one fixed key, the
+        console's key or a key issued with ``--metrics`` (they count every user's traffic)."""
+        caller = request.get(CALLER, ANONYMOUS)
+        if self.keys.required and not caller.metrics:
+            raise ApiError(403, f"the key {caller.name!r} may not read /metrics; the fleet's admin can issue a key "
+                           "for monitoring with 'deskfleet keys issue NAME --metrics'", "metrics_forbidden")
         text = render_prometheus(self.generator.metrics(), self.metrics)
         return web.Response(text=text, content_type="text/plain", headers={"Cache-Control": "no-store"})
 
@@ -400,7 +419,9 @@ class _Api:
             tokenizer = self.tokenizer_for(card.name)
             check_prompt_chars(params, self.settings.max_prompt_tokens)
             ids = await _off_loop(self._encode_locked, tokenizer, params)
-            gen_requests = to_generation_requests(ids, params, self.settings, card)
+            # the key's own prefix cache: another key's prompts are never reused, nor timed, through it
+            gen_requests = [replace(r, cache_scope=caller.scope)
+                            for r in to_generation_requests(ids, params, self.settings, card)]
             outcome.prompt_tokens = len(gen_requests[0].prompt_ids)
             self.metrics.prompt_tokens += outcome.prompt_tokens
             self.limiter.charge(caller, outcome.prompt_tokens)
@@ -529,8 +550,12 @@ class RunningApi:
         return f"{'https' if self.tls else 'http'}://{host}:{self.port}/v1"
 
     async def async_stop(self) -> None:
-        """Stop listening, give in-flight requests the runner's grace period, then cancel them."""
+        """Stop listening, give in-flight requests the runner's grace period, then cancel them; the
+        audit's pending summary of strangers is written."""
         await self.runner.cleanup()
+        audit = self.runner.app[API_STATE].audit
+        if audit is not None:
+            audit.close()
 
     def set_api_key(self, key: str) -> None:
         """Require ``key`` from the next request on (the console rotated its key: the old one is

@@ -1,6 +1,6 @@
 """``deskfleet keys``: the fleet's API keys, over a state directory (the fleet service's or console's).
 
-    deskfleet keys issue NAME [--rpm N] [--tpm N]   a new key; its secret is printed once
+    deskfleet keys issue NAME [--rpm N] [--tpm N] [--metrics]   a new key; its secret is printed once
     deskfleet keys list [--json]                    every key, live and revoked (never a secret)
     deskfleet keys revoke NAME                      the running API refuses it from its next request
 
@@ -48,6 +48,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     issue.add_argument("--rpm", type=_limit, default=None, metavar="N", help="at most N requests per minute")
     issue.add_argument("--tpm", type=_limit, default=None, metavar="N",
                        help="at most N tokens (prompt + answer) per minute")
+    issue.add_argument("--metrics", action="store_true",
+                       help="the key may read the API's /metrics (for a monitoring system; no other key may)")
     listing = sub.add_parser("list", help="every key: name, limits, issued, revoked (never a secret)")
     listing.add_argument("--json", action="store_true", help="one JSON document instead of a table")
     revoke = sub.add_parser("revoke", help="revoke a key: the running API refuses it from its next request")
@@ -55,9 +57,10 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def _table(book: KeyBook) -> str:
-    rows = [("NAME", "RPM", "TPM", "ISSUED", "REVOKED")]
+    rows = [("NAME", "RPM", "TPM", "METRICS", "ISSUED", "REVOKED")]
     for k in book.keys():
-        rows.append((k.name, str(k.rpm or "-"), str(k.tpm or "-"), k.issued_at, k.revoked_at or "-"))
+        rows.append((k.name, str(k.rpm or "-"), str(k.tpm or "-"), "yes" if k.metrics else "-", k.issued_at,
+                     k.revoked_at or "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
 
@@ -67,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     book = KeyBook(state_dir)
     try:
         if args.keys_action == "issue":
-            issued = book.issue(args.name, rpm=args.rpm, tpm=args.tpm)
+            issued = book.issue(args.name, rpm=args.rpm, tpm=args.tpm, metrics=args.metrics)
             print(issued.secret)
             print(f"key {args.name!r} issued; this is the only time its secret is shown: give it to its holder "
                   "(they send it as 'Authorization: Bearer <key>')", file=sys.stderr)

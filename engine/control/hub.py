@@ -10,19 +10,33 @@ the manifest, never joined onto the file system as given, and only by an agent t
 granted them (:meth:`FleetHub.grant`: the stage of its current assignment, or the stages it
 calibrates). A member the console revoked (:meth:`FleetHub.set_deny`) is refused on every route.
 Every refusal is logged and answered 403 or 404 without saying more than the caller knows.
+
+What a member may make the hub keep is bounded (:mod:`engine.control.hub_events`): small bodies
+(413 beyond), only the fields an event needs, a rate per member (429 beyond), and a log bounded
+per member and in all, so one member can neither fill the service nor push out another's news.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 
 from aiohttp import web
 
+from engine.control.hub_events import (
+    MAX_EVENT_BODY_BYTES,
+    MAX_REGISTRATION_BODY_BYTES,
+    AgentEvent,
+    EventLog,
+    MemberRate,
+    ReportRateError,
+    check_body_size,
+    event_body,
+    held_size,
+)
 from engine.control.messages import ControlRequestError, decode_body
 from engine.errors import ManifestError
 from engine.http_limits import DEFAULT_LIMITS, ConnectionLimits, LimitedAppRunner
@@ -32,30 +46,25 @@ from engine.trust.fleet_ca import Credentials, peer_node_id
 log = logging.getLogger(__name__)
 
 _CHUNK = 256 << 10
-
-
-@dataclass(frozen=True)
-class AgentEvent:
-    """An agent's report: ``event`` is paused/resumed/registered; ``received`` is monotonic time."""
-
-    node_id: str
-    event: str
-    body: dict
-    received: float
+__all__ = ["AgentEvent", "FleetHub"]
 
 
 class FleetHub:
     """``publish(export_id, export_dir)`` makes an export fetchable at ``shard_url(export_id)``."""
 
     def __init__(self, credentials: Credentials, *, on_event: Callable[[AgentEvent], None] = lambda e: None,
-                 limits: ConnectionLimits = DEFAULT_LIMITS) -> None:
+                 limits: ConnectionLimits = DEFAULT_LIMITS, rate: MemberRate | None = None,
+                 log_: EventLog | None = None) -> None:
         self.limits = limits  # connections per peer address and in all
         self.credentials = credentials
         # export id -> (directory, files by path, each stage's file paths)
         self._exports: dict[str, tuple[Path, dict[str, FileEntry], tuple[frozenset[str], ...]]] = {}
         self._on_event = on_event
         self._listeners: list[Callable[[AgentEvent], None]] = []
-        self.events: list[AgentEvent] = []
+        self.events = log_ if log_ is not None else EventLog()  # bounded per member and in all
+        self.rate = rate if rate is not None else MemberRate()  # reports per member and minute
+        self.refused: dict[str, int] = {"too_large": 0, "rate": 0}  # reports refused, by why
+        self._rate_warned: set[str] = set()  # members whose refusals were logged at WARNING once
         self.registrations: dict[str, dict] = {}
         self.bytes_served = 0
         self._deny: frozenset[str] = frozenset()
@@ -133,7 +142,7 @@ class FleetHub:
         return f"https://{self.host}:{self.port}/v1/events"
 
     async def async_start(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
-        app = web.Application(client_max_size=1 << 20)
+        app = web.Application(client_max_size=max(MAX_EVENT_BODY_BYTES, MAX_REGISTRATION_BODY_BYTES))
         app.router.add_get("/v1/shards/{export_id}/{path:.+}", self._shard)
         app.router.add_post("/v1/register", self._register)
         app.router.add_post("/v1/events", self._event)
@@ -201,32 +210,59 @@ class FleetHub:
         await response.write_eof()
         return response
 
+    async def _read_report(self, request: web.Request, node: str, limit: int, what: str) -> dict:
+        """The body of a member's report, within ``limit`` bytes and the member's rate; raises
+        ControlRequestError 413 or ReportRateError 429 (the rate is charged before the body is read)."""
+        if (request.content_length or 0) > limit:
+            self.refused["too_large"] += 1
+            check_body_size(request.content_length, limit, what)
+        wait = self.rate.admit(node)
+        if wait is not None:
+            self.refused["rate"] += 1
+            if node not in self._rate_warned:
+                self._rate_warned.add(node)
+                log.warning("member %s reports faster than %g a minute; refusing its reports until it slows "
+                            "down (logged once)", node[:16], self.rate.per_minute)
+            else:
+                log.debug("refused a report of %s: over its rate", node[:16])
+            raise ReportRateError(f"this member sent more than {self.rate.per_minute:g} reports a minute "
+                                  f"(burst {self.rate.burst}); retry in {max(1, math.ceil(wait))} s", wait)
+        self._rate_warned.discard(node)
+        try:
+            raw = await request.read()  # a chunked body past the app's limit: aiohttp stops reading there
+        except web.HTTPRequestEntityTooLarge:
+            raw = None
+        if raw is None or len(raw) > limit:
+            self.refused["too_large"] += 1
+            raise ControlRequestError(f"{what} body is over the limit of {limit} bytes", 413)
+        return decode_body(raw)
+
+    @staticmethod
+    def _refusal(exc: ControlRequestError) -> web.Response:
+        headers = {"Retry-After": exc.retry_after} if isinstance(exc, ReportRateError) else None
+        return web.json_response({"error": {"message": str(exc)}}, status=exc.status, headers=headers)
+
     async def _register(self, request: web.Request) -> web.Response:
         node = self._caller(request)
         try:
-            body = decode_body(await request.read())
+            body = await self._read_report(request, node, MAX_REGISTRATION_BODY_BYTES, "a registration")
         except ControlRequestError as exc:
-            return web.json_response({"error": {"message": str(exc)}}, status=exc.status)
+            return self._refusal(exc)
         self.registrations[node] = {**body, "registered": time.time()}
-        self._record(AgentEvent(node, "registered", body, time.monotonic()))
+        self._record(AgentEvent(node, "registered", body, time.monotonic(), held_size(body)))
         return web.json_response({"ok": True})
 
     async def _event(self, request: web.Request) -> web.Response:
         node = self._caller(request)
         try:
-            body = decode_body(await request.read())
+            body = event_body(await self._read_report(request, node, MAX_EVENT_BODY_BYTES, "an event"))
         except ControlRequestError as exc:
-            return web.json_response({"error": {"message": str(exc)}}, status=exc.status)
-        event = body.get("event")
-        if event not in ("paused", "resumed", "worker-lost"):  # worker-lost: its stage worker died (a failover now)
-            return web.json_response({"error": {"message": "event must be 'paused', 'resumed' or 'worker-lost'"}},
-                                     status=400)
-        self._record(AgentEvent(node, event, body, time.monotonic()))
+            return self._refusal(exc)
+        self._record(AgentEvent(node, body["event"], body, time.monotonic(), held_size(body)))
         return web.json_response({"ok": True})
 
     def _record(self, event: AgentEvent) -> None:
-        self.events.append(dataclasses.replace(event))
-        del self.events[:-1000]
+        self.events.append(event)
         log.info("agent %s: %s", event.node_id[:16], event.event)
         self._on_event(event)
         for listener in list(self._listeners):

@@ -147,6 +147,8 @@ class BatchScheduler:
                                   "waiting; retry shortly")
         sid = StreamId(next(self._ids))
         state = StreamState(sid, request, frozenset(eos_ids), now, make_rng(request.sampling), list(request.prompt_ids))
+        if self.prefix is not None:
+            state.root = self.prefix.root_for(request.cache_scope)  # one key's blocks are never another's
         self._streams[sid] = state
         self._waiting.append(state)
         self.counters["requests"] += 1
@@ -451,7 +453,7 @@ class BatchScheduler:
             bs = self.config.block_size
             while len(s.hashes) < cached // bs:
                 i = len(s.hashes)
-                digest = chain_hash(s.hashes[-1] if s.hashes else self.prefix.root, s.tokens[i * bs:(i + 1) * bs])
+                digest = chain_hash(s.hashes[-1] if s.hashes else s.root, s.tokens[i * bs:(i + 1) * bs])
                 s.hashes.append(digest)
                 self.prefix.register_full(s.blocks[i], digest)
         self._trim(s)
@@ -489,7 +491,7 @@ class BatchScheduler:
         self._trim(s)
         if self.prefix is not None and s.cached % bs and s.blocks:
             full = s.cached // bs
-            parent = s.hashes[full - 1] if full else self.prefix.root
+            parent = s.hashes[full - 1] if full else s.root
             self.prefix.register_partial(s.blocks[-1], parent, s.tokens[full * bs:s.cached])
         for block in reversed(s.blocks):  # the tail is evicted first: a prefix is only useful from its start
             self.pool.release(block)

@@ -137,6 +137,7 @@ class StreamState:
     cached: int = 0  # positions of ``tokens`` whose KV is in ``blocks``
     blocks: list[int] = field(default_factory=list)  # logical order; covers the rows in flight too
     hashes: list[bytes] = field(default_factory=list)  # chain hash of each full block (prefix cache)
+    root: bytes = b""  # the hash its chain starts from: the model's and its request's cache scope
     order: int = 0  # admission order: the largest is the most recently admitted
     in_flight: int | None = None  # seq of the latest step it is in
     ahead: int = 0  # positions of ``tokens`` fed by steps in flight (beyond ``cached``); 0 when not in flight

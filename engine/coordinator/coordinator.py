@@ -243,7 +243,7 @@ class Coordinator:
                 continue
             self._active[state.stream_id] = state
             self._idle.clear()
-            hit = (self.prefix.lookup(state.request.prompt_ids, self._model.fingerprint)
+            hit = (self.prefix.lookup(state.request.prompt_ids, self._model.fingerprint, state.request.cache_scope)
                    if self.prefix is not None else None)
             if hit is not None:
                 step = plan_restore(state, hit)
@@ -424,7 +424,7 @@ class Coordinator:
         if state.capturing is not None:
             state.in_flight = False
             if result.ack and self.prefix is not None:
-                self.prefix.add(state.capturing, fed_tokens(state))
+                self.prefix.add(state.capturing, fed_tokens(state), state.request.cache_scope)
                 self._counters["prefix_captures"] += 1
             await self._retire(state, "finished")
             return

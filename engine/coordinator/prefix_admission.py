@@ -41,7 +41,7 @@ class PrefixAdmission:
         bs = self.block_size
         j = s.cached // bs
         while (j + 1) * bs < len(s.tokens):
-            digest = chain_hash(s.hashes[-1] if s.hashes else self.prefix.root, s.tokens[j * bs:(j + 1) * bs])
+            digest = chain_hash(s.hashes[-1] if s.hashes else s.root, s.tokens[j * bs:(j + 1) * bs])
             block = self.pool.find(("full", digest))
             if block is None:
                 return digest not in self.computing
@@ -62,7 +62,7 @@ class PrefixAdmission:
         if self.prefix is None:
             return []
         bs, out = self.block_size, []
-        parent = s.hashes[-1] if s.hashes else self.prefix.root
+        parent = s.hashes[-1] if s.hashes else s.root
         for j in range(len(s.hashes), (past + n) // bs):
             parent = chain_hash(parent, s.tokens[j * bs:(j + 1) * bs])
             if j >= past // bs:
@@ -75,9 +75,9 @@ class PrefixAdmission:
         (it is admitted and shares that block next step), or None (nothing changed) when the pool
         cannot take it without preempting."""
         bs = self.block_size
-        hit = self.prefix.match(s.tokens, len(s.tokens) - 1) if self.prefix is not None else PrefixMatch()
+        hit = self.prefix.match(s.tokens, len(s.tokens) - 1, s.root) if self.prefix is not None else PrefixMatch()
         if self.prefix is not None and hit.copy_src is None and hit.tokens + bs < len(s.tokens):
-            parent = hit.hashes[-1] if hit.hashes else self.prefix.root
+            parent = hit.hashes[-1] if hit.hashes else s.root
             if chain_hash(parent, s.tokens[hit.tokens:hit.tokens + bs]) in self.computing:
                 for b in hit.blocks:
                     self.pool.share(b)

@@ -1,9 +1,11 @@
 """The prefix cache of the paged path: full KV blocks shared by reference, partial ones copied.
 
 A full block's KV depends on every token before its end, so it is indexed under a chained hash
-``h_i = H(h_{i-1}, tokens of block i)`` with ``h_{-1} = H(model fingerprint)``: two streams whose
-token sequences agree up to a block's end may share that block as it is (the pool's reference
-count). The last, partly filled block of a stream that leaves is indexed under its parent's
+``h_i = H(h_{i-1}, tokens of block i)`` with ``h_{-1} = H(model fingerprint, scope)``: two streams
+of one scope (one API key: :attr:`GenerationRequest.cache_scope`) whose token sequences agree up
+to a block's end may share that block as it is (the pool's reference count). Streams of different
+scopes never match, so a key holder cannot tell from reused tokens (or their timing) what another
+key's prompts hold. The last, partly filled block of a stream that leaves is indexed under its parent's
 hash and its own tokens; a new stream matching some of those tokens gets a **copy** of it
 (the plan's ``copies``, made on every stage before the infer), since it will write the rest.
 
@@ -26,9 +28,10 @@ from engine.coordinator.block_pool import BlockPool
 PARTIALS_PER_PARENT = 8  # distinct partial tails kept after one full-block prefix
 
 
-def root_hash(fingerprint: str) -> bytes:
-    """The hash before the first block: blocks of different models never match."""
-    return hashlib.blake2b(b"deskfleet-kv\0" + fingerprint.encode(), digest_size=16).digest()
+def root_hash(fingerprint: str, scope: str = "") -> bytes:
+    """The hash before the first block: blocks of different models, or of different scopes, never match."""
+    salt = b"\0scope\0" + scope.encode("utf-8", "surrogateescape") if scope else b""
+    return hashlib.blake2b(b"deskfleet-kv\0" + fingerprint.encode() + salt, digest_size=16).digest()
 
 
 def chain_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
@@ -55,7 +58,8 @@ class PrefixBlocks:
     def __init__(self, pool: BlockPool, block_size: int, fingerprint: str):
         self.pool = pool
         self.block_size = block_size
-        self.root = root_hash(fingerprint)
+        self.fingerprint = fingerprint
+        self.root = root_hash(fingerprint)  # the scope-less root ("": a server without keys)
         # parent hash -> the partial keys indexed after it (oldest first); stale keys are pruned lazily
         self._partials: dict[bytes, collections.OrderedDict[tuple, None]] = {}
 
@@ -63,13 +67,18 @@ class PrefixBlocks:
         """Forget every partial entry (the pool's reset forgets the keys themselves)."""
         self._partials.clear()
 
-    def match(self, tokens: Sequence[int], usable: int) -> PrefixMatch:
+    def root_for(self, scope: str) -> bytes:
+        """The root of ``scope``'s chains (see the module docstring)."""
+        return root_hash(self.fingerprint, scope) if scope else self.root
+
+    def match(self, tokens: Sequence[int], usable: int, root: bytes | None = None) -> PrefixMatch:
         """The longest reusable prefix of ``tokens`` covering at most ``usable`` positions (a stream
-        must compute at least one position itself, so callers pass ``len(tokens) - 1``)."""
+        must compute at least one position itself, so callers pass ``len(tokens) - 1``), among the
+        blocks chained from ``root`` (the stream's scope; None: the scope-less root)."""
         bs = self.block_size
         blocks: list[int] = []
         hashes: list[bytes] = []
-        parent = self.root
+        parent = self.root if root is None else root
         for i in range(len(tokens) // bs):
             digest = chain_hash(parent, tokens[i * bs:(i + 1) * bs])
             block = self.pool.find(("full", digest))

@@ -85,7 +85,10 @@ Constraint = JsonConstraint | ToolCallConstraint
 class GenerationRequest:
     """``logprobs``: None for none, else k (0..20): each token event carries the chosen token's
     log-probability and the k most likely tokens' (log-softmax of the raw logits at temperature 1,
-    after the constraint's mask). ``constraint``: the grammar the output must match (None: free)."""
+    after the constraint's mask). ``constraint``: the grammar the output must match (None: free).
+    ``cache_scope``: whose prompt this is (the API puts the key's scope here): cached KV and prefix
+    routing are shared only between requests of one scope, so no key learns what another's prompts
+    hold from reused tokens or their timing ("" for a server without keys: one user)."""
 
     prompt_ids: tuple[int, ...]
     max_new_tokens: int
@@ -95,6 +98,7 @@ class GenerationRequest:
     want_logits: bool = False
     logprobs: int | None = None
     constraint: Constraint | None = None
+    cache_scope: str = ""
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

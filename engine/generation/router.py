@@ -181,7 +181,7 @@ class Router:
         request. Closing the iterator cancels the request on its ring. ``placed(ring_id)`` is
         called once the ring that serves it has produced its first token (the audit's "ring")."""
         name = self.card_for(model).name
-        hashes = block_hashes(request.prompt_ids, self.block_size)
+        hashes = block_hashes(request.prompt_ids, self.block_size, request.cache_scope)
         candidates = [r for r in self._rings.values() if r.model == name and not r.draining]
         last_error: BaseException | None = None
         for ring_id in rank_rings(self._views(candidates, hashes), len(hashes), self.policy):
@@ -214,7 +214,8 @@ class Router:
             finally:
                 ring.inflight -= 1
                 if emitted:
-                    ring.memory.remember(block_hashes((*request.prompt_ids, *emitted), self.block_size))
+                    ring.memory.remember(block_hashes((*request.prompt_ids, *emitted), self.block_size,
+                                                      request.cache_scope))
                 if ring.inflight == 0:
                     ring.idle.set()
         if last_error is not None:

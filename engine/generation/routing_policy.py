@@ -33,15 +33,17 @@ TIER = {RingStatus.OK: 0, RingStatus.RECOVERING: 1, RingStatus.DOWN: 2}
 ROOT = hashlib.blake2b(b"deskfleet-route\0", digest_size=16).digest()
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int) -> tuple[bytes, ...]:
-    """Chained hashes of the full blocks of ``token_ids``: ``h_i = H(h_{i-1}, block i)``.
+def block_hashes(token_ids: Sequence[int], block_size: int, scope: str = "") -> tuple[bytes, ...]:
+    """Chained hashes of the full blocks of ``token_ids``: ``h_i = H(h_{i-1}, block i)``, from a root
+    of ``scope`` (a request's cache scope: one key's prompts never route by another's).
 
     A partial last block has no hash (it will be written on, so it cannot be shared as it is)."""
     if block_size < 1:
         raise ValueError(f"block_size must be at least 1, got {block_size}")
     ids = np.asarray(token_ids, dtype=np.int64)
     out: list[bytes] = []
-    parent = ROOT
+    parent = ROOT if not scope else hashlib.blake2b(ROOT + scope.encode("utf-8", "surrogateescape"),
+                                                    digest_size=16).digest()
     for start in range(0, len(ids) - block_size + 1, block_size):
         parent = hashlib.blake2b(parent + ids[start:start + block_size].tobytes(), digest_size=16).digest()
         out.append(parent)

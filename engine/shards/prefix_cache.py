@@ -76,21 +76,24 @@ class PrefixHit:
 
 
 class PrefixIndex:
-    """Which token sequence each capture holds (coordinator side, pure)."""
+    """Which token sequence each capture holds, and whose (coordinator side, pure): a capture is
+    found only by a prompt of the scope it was taken for (one API key,
+    :attr:`~engine.generation.request.GenerationRequest.cache_scope`), so no key reuses, or times,
+    another key's prompts."""
 
     def __init__(self, max_entries: int = 64, min_length: int = 16, fingerprint: str = ""):
         self.max_entries = max_entries
         self.min_length = min_length
         self.fingerprint = fingerprint  # the model every capture in this index was taken from
-        self._entries: collections.OrderedDict[int, tuple[int, ...]] = collections.OrderedDict()
+        self._entries: collections.OrderedDict[int, tuple[str, tuple[int, ...]]] = collections.OrderedDict()
         self._next_id = 1
 
     def new_id(self) -> int:
         capture_id, self._next_id = self._next_id, self._next_id + 1
         return capture_id
 
-    def add(self, capture_id: int, tokens: Sequence[int]) -> None:
-        self._entries[capture_id] = tuple(tokens)
+    def add(self, capture_id: int, tokens: Sequence[int], scope: str = "") -> None:
+        self._entries[capture_id] = (scope, tuple(tokens))
         self._entries.move_to_end(capture_id)
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)
@@ -98,9 +101,10 @@ class PrefixIndex:
     def forget(self, capture_id: int) -> None:
         self._entries.pop(capture_id, None)
 
-    def lookup(self, prompt: Sequence[int], fingerprint: str = "") -> PrefixHit | None:
-        """The capture sharing the longest prefix with ``prompt`` (at least ``min_length`` tokens,
-        and always leaving one prompt token to prefill, whose logits start the answer).
+    def lookup(self, prompt: Sequence[int], fingerprint: str = "", scope: str = "") -> PrefixHit | None:
+        """The capture of ``scope`` sharing the longest prefix with ``prompt`` (at least
+        ``min_length`` tokens, and always leaving one prompt token to prefill, whose logits start
+        the answer).
 
         A ``fingerprint`` other than the index's (the ring now serves another export) empties the
         index: its captures belong to a model that is gone, so everything prefills cold.
@@ -110,7 +114,9 @@ class PrefixIndex:
             self.fingerprint = fingerprint
             return None
         best: PrefixHit | None = None
-        for capture_id, tokens in self._entries.items():
+        for capture_id, (owner, tokens) in self._entries.items():
+            if owner != scope:
+                continue
             n = _common_prefix(tokens, prompt)
             n = min(n, len(prompt) - 1)
             if n >= self.min_length and (best is None or n > best.length):

@@ -88,7 +88,8 @@ def _now() -> str:
 class ApiKey:
     """One key's record. ``rpm``/``tpm``: requests and tokens (prompt + completion) per minute,
     None for no limit. ``node_id``: the fleet member the key was issued to (an agent's tray), so
-    removing that member revokes it."""
+    removing that member revokes it. ``metrics``: the key may read the API's ``/metrics`` (a
+    monitoring system's; the console's own key may too), which no other key may."""
 
     name: str
     sha256: str = field(repr=False)
@@ -97,6 +98,7 @@ class ApiKey:
     tpm: int | None = None
     node_id: str | None = None
     revoked_at: str | None = None
+    metrics: bool = False
 
     @property
     def live(self) -> bool:
@@ -115,7 +117,9 @@ class ApiKey:
             raise TypeError("a key record must be an object")
         key = cls(name=check_name(doc["name"]), sha256=str(doc["sha256"]), issued_at=str(doc["issued_at"]),
                   rpm=_check_limit("rpm", doc.get("rpm")), tpm=_check_limit("tpm", doc.get("tpm")),
-                  node_id=doc.get("node_id"), revoked_at=doc.get("revoked_at"))
+                  node_id=doc.get("node_id"), revoked_at=doc.get("revoked_at"), metrics=doc.get("metrics", False))
+        if not isinstance(key.metrics, bool):
+            raise TypeError(f"key {key.name!r}: metrics must be true or false")
         if len(key.sha256) != 64 or not all(c in "0123456789abcdef" for c in key.sha256):
             raise ValueError(f"key {key.name!r} has no valid sha256")
         for what in ("node_id", "revoked_at"):
@@ -235,11 +239,12 @@ class KeyBook:
             os.close(fd)  # releases the lock
 
     def issue(self, name: str, *, rpm: int | None = None, tpm: int | None = None, node_id: str | None = None,
-              replace_live: bool = False) -> IssuedKey:
+              replace_live: bool = False, metrics: bool = False) -> IssuedKey:
         """A new key named ``name``; its secret is returned once and kept nowhere. A revoked key
         of that name is replaced; a live one only with ``replace_live`` (the old secret stops
         working at once), else KeyNameError."""
-        return self._put(name, new_secret(), rpm=rpm, tpm=tpm, node_id=node_id, replace_live=replace_live)
+        return self._put(name, new_secret(), rpm=rpm, tpm=tpm, node_id=node_id, replace_live=replace_live,
+                         metrics=metrics)
 
     def adopt(self, name: str, secret: str, *, node_id: str | None = None) -> ApiKey:
         """Record an existing secret under ``name`` (the console's key, kept in its keyring from
@@ -250,9 +255,10 @@ class KeyBook:
         return self._put(name, secret, rpm=None, tpm=None, node_id=node_id, replace_live=True).key
 
     def _put(self, name: str, secret: str, *, rpm: int | None, tpm: int | None, node_id: str | None,
-             replace_live: bool) -> IssuedKey:
+             replace_live: bool, metrics: bool = False) -> IssuedKey:
         check_name(name)
-        record = ApiKey(name, digest(secret), _now(), _check_limit("rpm", rpm), _check_limit("tpm", tpm), node_id)
+        record = ApiKey(name, digest(secret), _now(), _check_limit("rpm", rpm), _check_limit("tpm", tpm), node_id,
+                        metrics=bool(metrics))
         with self._changing() as keys:
             old = keys.get(name)
             if old is not None and old.live and not replace_live:

@@ -159,11 +159,13 @@ def test_auth_size_and_path_errors_are_openai_json():
                                       headers={**auth, "Content-Type": "application/json"})).status,
             "form post": (await s.post(base + "/v1/completions", data=b"prompt=hi", headers=auth)).status,
         }
-        async with s.get(base + "/health") as r:
+        async with s.get(base + "/health", headers=auth) as r:
             health = r.status, await r.json()
-        return results, health
+        async with s.get(base + "/health") as r:  # a stranger: the status only
+            bare = r.status, await r.json()
+        return results, health, bare
 
-    results, health = over_http(FakeGenerator(), scenario, replace(SETTINGS, api_key="k3y", max_body_bytes=200))
+    results, health, bare = over_http(FakeGenerator(), scenario, replace(SETTINGS, api_key="k3y", max_body_bytes=200))
     assert [results[k][0] for k in ("no key", "wrong key", "too large", "no path")] == [401, 401, 413, 404]
     assert results["bad json"] == 400
     assert results["form post"] == 415  # what a cross-site HTML form can send
@@ -172,6 +174,7 @@ def test_auth_size_and_path_errors_are_openai_json():
     assert all(r[1]["X-Deskfleet-Stages"] == "3" for r in results.values() if isinstance(r, tuple))
     assert health == (200, {"status": "ok", "model": "fake", "stages": 3, "active_requests": 0, "rings": [
         {"ring": "default", "model": "fake", "status": "ok", "active": 0, "waiting": 0}]})
+    assert bare == (200, {"status": "ok"})
 
 
 @pytest.mark.parametrize("generator, status", [

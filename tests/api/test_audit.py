@@ -10,7 +10,7 @@ import stat
 import openai
 import pytest
 
-from engine.api.audit import AuditLog, AuditRecord, utc_stamp
+from engine.api.audit import AuditLog, AuditRecord, StrangerTally, utc_stamp
 from engine.trust.key_book import KeyBook
 from tests.support.api_helpers import SETTINGS
 from tests.support.key_helpers import ScriptedGenerator, serving
@@ -90,17 +90,53 @@ def test_the_api_audits_who_asked_and_how_much_never_the_text(tmp_path):
     text = (tmp_path / "audit.jsonl").read_text()
     assert SECRET_PROMPT[:12] not in text and SECRET_ANSWER[:5] not in text and alice.secret not in text
     got = lines(tmp_path / "audit.jsonl")
-    assert [(g["key"], g["method"], g["path"], g["status"]) for g in got] == [
+    assert [(g["key"], g.get("method"), g.get("path"), g.get("status")) for g in got] == [
         ("alice", "POST", "/v1/chat/completions", 200),
         ("alice", "POST", "/v1/completions", 200),
         ("alice", "GET", "/v1/models", 200),
         ("alice", "POST", "/v1/chat/completions", 404),
-        (None, "POST", "/v1/chat/completions", 401),
+        (None, None, None, None),  # the stranger: counted in a summary, written when the API stopped
     ]  # /health is not audited
-    chat, text_completion, _, unknown, _ = got
+    assert got[-1]["kind"] == "strangers" and got[-1]["refused"] == [{"remote": "127.0.0.1", "status": 401,
+                                                                      "requests": 1}]
+    got = got[:-1]
+    chat, text_completion, _, unknown = got
     assert chat["model"] == "fake" and chat["ring"] == "default"
     assert chat["prompt_tokens"] == len(f"<user>{SECRET_PROMPT[:12]}<assistant>")
     assert chat["completion_tokens"] == plain.usage.completion_tokens == len(SECRET_ANSWER) + 1  # + EOS
     assert text_completion["prompt_tokens"] == 20 and text_completion["completion_tokens"] == 5
     assert unknown["model"] == "no-such-model" and unknown["ring"] is None
     assert all(g["duration_ms"] >= 0 and g["remote"] == "127.0.0.1" for g in got)
+
+
+def test_strangers_are_counted_into_one_bounded_summary_a_minute(tmp_path):
+    now = [1_780_000_000.0]
+    log = AuditLog(tmp_path / "audit.jsonl", stranger_interval_s=60.0, clock=lambda: now[0])
+    log.write(record(0))
+    for i in range(5000):
+        log.refused(f"10.0.{i % 50}.1", 401)
+        log.refused("10.9.9.9", 421)
+    now[0] += 61
+    log.refused("10.0.0.1", 401)  # the next minute's first stranger: the last minute's summary is written
+    log.write(record(1))
+    log.close()
+    got = lines(tmp_path / "audit.jsonl")
+    assert [g.get("kind", g["key"]) for g in got] == ["alice", "strangers", "alice", "strangers"]
+    minute = got[1]
+    assert minute["time"] == "2026-05-28T20:26:40.000Z" and minute["interval_s"] == 60.0
+    assert minute["refused"][0] == {"remote": "10.9.9.9", "status": 421, "requests": 5000}
+    assert len(minute["refused"]) == 32 and minute["other_addresses"] == 51 - 32
+    assert sum(r["requests"] for r in minute["refused"]) + minute["other_requests"] == 10_000
+    assert got[3]["refused"] == [{"remote": "10.0.0.1", "status": 401, "requests": 1}]
+    assert len(got[1]) == len(got[3]) and all(len(json.dumps(g)) < 4096 for g in got)
+
+
+def test_the_tally_of_one_minute_is_bounded_in_memory():
+    tally = StrangerTally(table=100, named=10)
+    for i in range(1000):
+        tally.count(f"fd00::{i:x}", 401, 0.0)
+    assert not tally.due(59.9) and tally.due(60.0)
+    summary = tally.take()
+    assert summary is not None and len(summary.refused) == 10
+    assert summary.other_addresses == 990 and summary.other_requests == 990
+    assert tally.take() is None

@@ -39,7 +39,8 @@ def test_issued_secret_is_kept_only_as_its_hash(tmp_path):
     assert book.identify(issued.secret).name == "alice"
     assert book.identify(issued.secret + "x") is None and book.identify("") is None
     assert [k.to_json() for k in book.keys()] == [{"name": "alice", "issued_at": issued.key.issued_at, "rpm": 30,
-                                                  "tpm": None, "node_id": None, "revoked_at": None}]
+                                                  "tpm": None, "node_id": None, "revoked_at": None,
+                                                  "metrics": False}]
     assert "sha256" not in repr(issued) and issued.secret not in repr(issued)
 
 
@@ -106,8 +107,13 @@ def test_key_check_prefers_the_book_and_keeps_a_fixed_key(tmp_path):
     book = KeyBook(tmp_path)
     issued = book.issue("eve", tpm=100)
     check = KeyCheck("fixed-key", book)
-    assert check.identify(issued.secret) == Caller("eve", None, 100)
-    assert check.identify("fixed-key") == Caller("default")
+    eve_scope = f"key:{digest(issued.secret)[:32]}"
+    assert check.identify(issued.secret) == Caller("eve", None, 100, scope=eve_scope)
+    assert check.identify("fixed-key") == Caller("default", scope="default", metrics=True)  # the operator's
+    monitor = book.issue("grafana", metrics=True)
+    assert check.identify(monitor.secret).metrics and not check.identify(issued.secret).metrics
+    again = book.issue("eve", replace_live=True)  # the same name issued again: a scope of its own
+    assert check.identify(again.secret).scope not in ("", eve_scope, check.identify(monitor.secret).scope)
     assert check.identify("nope") is None
     assert not KeyCheck().required and KeyCheck(book=book).required
 
@@ -283,7 +289,7 @@ def test_keys_command_issues_lists_and_revokes(tmp_path, capsys):
     assert "live key named 'alice' exists" in capsys.readouterr().err
     assert main(["keys", "--state-dir", str(tmp_path), "list"]) == 0
     table = capsys.readouterr().out
-    assert table.splitlines()[0].split() == ["NAME", "RPM", "TPM", "ISSUED", "REVOKED"]
+    assert table.splitlines()[0].split() == ["NAME", "RPM", "TPM", "METRICS", "ISSUED", "REVOKED"]
     assert table.splitlines()[1].split()[:3] == ["alice", "5", "900"] and secret not in table
     assert main(["keys", "--state-dir", str(tmp_path), "revoke", "alice"]) == 0
     capsys.readouterr()

@@ -16,6 +16,7 @@ def test_block_hashes_are_chained_and_cover_full_blocks_only():
     assert block_hashes(range(12), 4)[:2] == a  # a longer sequence extends the chain
     assert block_hashes([9, 1, 2, 3, 4, 5, 6, 7], 4)[1] != a[1]  # block 1 depends on block 0
     assert block_hashes(range(3), 4) == ()
+    assert block_hashes(range(10), 4, "") == a and not set(block_hashes(range(10), 4, "key:b")) & set(a)
     with pytest.raises(ValueError):
         block_hashes(range(3), 0)
 

@@ -28,6 +28,7 @@ from cryptography.x509.oid import NameOID
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+from engine.control.hub_events import MemberRate
 from engine.errors import CertificateRequestError, JoinTokenError
 from engine.shards.manifest import load_manifest
 from engine.trust.fleet_ca import FleetAuthority, Role, check_request, make_key_and_csr
@@ -115,6 +116,7 @@ def live(tmp_path_factory, tiny_export):
             anonymous = ssl.create_default_context(cadata=con.authority.ca_pem.decode())
             anonymous.check_hostname = False
             member_creds = con.authority.issue_credentials("desk-9", role=Role.AGENT)
+            con.hub.rate = MemberRate(per_minute=1e9, burst=10**9)  # the parser, not the rate (tests/security)
             con.hub.grant(member_creds.node_id, "tiny-2", range(len(manifest.stages)))  # as if assigned each stage
             member = member_creds.client_context()
             host, port = con.enrollment.rsplit(":", 1)

@@ -77,10 +77,10 @@ def test_a_key_goes_only_on_a_held_block() -> None:
         pool.set_key(SCRATCH_BLOCKS, "k")
 
 
-def _indexed(pool: BlockPool, prefix: PrefixBlocks, tokens: list[int], bs: int) -> list[int]:
-    """Blocks holding ``tokens`` (full ones indexed), as a stream would leave them."""
+def _indexed(pool: BlockPool, prefix: PrefixBlocks, tokens: list[int], bs: int, scope: str = "") -> list[int]:
+    """Blocks holding ``tokens`` (full ones indexed), as a stream of ``scope`` would leave them."""
     blocks = pool.allocate(-(-len(tokens) // bs))
-    parent = prefix.root
+    parent = prefix.root_for(scope)
     for i in range(len(tokens) // bs):
         parent = chain_hash(parent, tokens[i * bs:(i + 1) * bs])
         prefix.register_full(blocks[i], parent)  # False when that prefix is indexed already
@@ -107,6 +107,22 @@ def test_full_blocks_match_by_the_whole_prefix_and_leave_a_token_to_compute() ->
     # another model's index never matches
     assert PrefixBlocks(pool, bs, "other").match(tokens + [1], 48).tokens == 0
     assert root_hash("model") != root_hash("other")
+
+
+def test_one_keys_blocks_never_match_another_keys_prompt() -> None:
+    """The prefix cache is scoped (issue 29, M1): the same tokens under another scope share nothing,
+    full blocks or partial tails, so reuse cannot tell one key what another's prompts hold."""
+    bs = 16
+    pool = BlockPool(64)
+    prefix = PrefixBlocks(pool, bs, "model")
+    tokens = list(range(1, 41))  # 2 full blocks and a partial tail
+    blocks = _indexed(pool, prefix, tokens, bs, scope="key:victim")
+    victim, bob = prefix.root_for("key:victim"), prefix.root_for("key:bob")
+    assert len({victim, bob, prefix.root}) == 3 and prefix.root_for("") == prefix.root == root_hash("model", "")
+    assert prefix.match(tokens + [7], 40, bob).tokens == 0
+    assert prefix.match(tokens + [7], 40).tokens == 0  # nor to a server without keys
+    hit = prefix.match(tokens + [7], 40, victim)
+    assert hit.blocks == tuple(blocks[:2]) and (hit.copy_src, hit.tokens) == (blocks[2], 40)
 
 
 def test_the_best_partial_tail_is_copied() -> None:

@@ -164,3 +164,14 @@ def test_prefix_index_forgets_captures_of_another_model():
     assert index.lookup((1, 2, 3, 9), "model-a") is not None
     assert index.lookup((1, 2, 3, 9), "model-b") is None
     assert len(index) == 0
+
+
+def test_prefix_index_finds_a_capture_only_for_its_own_scope():
+    from engine.shards.prefix_cache import PrefixIndex
+
+    index = PrefixIndex(min_length=2, fingerprint="m")
+    victim = index.new_id()
+    index.add(victim, (1, 2, 3, 4), scope="key:victim")
+    assert index.lookup((1, 2, 3, 9), "m", scope="key:bob") is None
+    assert index.lookup((1, 2, 3, 9), "m") is None
+    assert index.lookup((1, 2, 3, 9), "m", scope="key:victim").capture_id == victim

@@ -131,7 +131,11 @@ def test_errors_name_what_is_wrong(shared_service):
             assert (await a.ok("GET", "/rings")) == {"rings": []}
 
             issued = await a.ok("POST", "/keys", {"name": "wiki-bot", "rpm": 30})
-            assert issued["secret"].startswith("sk-deskfleet-") and issued["rpm"] == 30
+            assert issued["secret"].startswith("sk-deskfleet-") and issued["rpm"] == 30 and not issued["metrics"]
+            monitor = await a.ok("POST", "/keys", {"name": "grafana", "metrics": True})  # may read /metrics
+            assert monitor["metrics"] and service.host.keys.identify(monitor["secret"]).metrics
+            status, body = await a.call("POST", "/keys", {"name": "grafana-2", "metrics": "yes"})
+            assert status == 400 and "metrics" in body["error"]["message"]
             listed = (await a.ok("GET", "/keys"))["keys"]
             assert {k["name"] for k in listed} >= {"wiki-bot"} and all("secret" not in k for k in listed)
             status, body = await a.call("POST", "/keys", {"name": "wiki-bot"})

@@ -4,6 +4,7 @@ on the next event, one that fell behind is told to re-read (reset), and jobs rep
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -66,5 +67,34 @@ def test_jobs_report_results_errors_and_cancellation():
         with pytest.raises(JobNotFoundError):
             jobs.get("j999")
         await jobs.async_close()
+
+    run(main(), 30)
+
+
+def test_a_poll_answers_a_bounded_page_and_the_next_one_resumes_where_it_stopped():
+    async def main():
+        feed = EventFeed(lambda: [("records", {"agents": []})], keep=1000)
+        start = (await feed.poll(0, 1)).next
+        for i in range(30):
+            feed.publish("hub", {"i": i, "pad": "x" * 1000})
+        first = await feed.poll(start, 1, limit=10)
+        assert [e.data["i"] for e in first.events] == list(range(10)) and first.more
+        assert first.next == first.events[-1].seq
+
+        page = json.loads(first.render(max_bytes=3000))  # ~1 KiB an event: cut after the third
+        assert [e["data"]["i"] for e in page["events"]] == [0, 1, 2] and page["more"]
+        assert page["next"] == page["events"][-1]["seq"] and not page["reset"]
+
+        seen, after = [], start
+        while True:
+            got = json.loads((await feed.poll(after, 1, limit=7)).render(max_bytes=5000))
+            seen += [e["data"]["i"] for e in got["events"]]
+            after = got["next"]
+            if not got["more"]:
+                break
+        assert seen == list(range(30)) and after == feed.last_seq  # nothing skipped, nothing twice
+
+        snapshot = json.loads((await feed.poll(0, 1)).render(max_bytes=1))  # a snapshot goes whole
+        assert len(snapshot["events"]) == 1 and not snapshot["more"]
 
     run(main(), 30)
