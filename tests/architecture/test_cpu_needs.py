@@ -58,23 +58,26 @@ def declared_needs() -> list[CpuNeed]:
 
 
 def cpu_dependent_checks_elsewhere(paths: list[Path] | None = None) -> list[str]:
-    """Skips, xfails and ``if`` branches in tests/ whose condition names a CPU feature without
+    """Skips, xfails, and ``if`` branches inside test functions, whose condition names a CPU feature without
     going through ``needs_cpu``: a test that passes on one CPU kind and silently checks less on the other."""
     bad = []
     for path in _sources() if paths is None else paths:
         text = path.read_text()
         if not CPU_WORDS.search(text):
             continue
-        for node in ast.walk(ast.parse(text)):
+        tree = ast.parse(text)
+        in_tests = {id(n) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)
+                    and f.name.startswith("test") for n in ast.walk(f)}
+        for node in ast.walk(tree):
             if isinstance(node, ast.Call) and _call_name(node) in SKIPS:
                 condition = " ".join(ast.get_source_segment(text, a) or "" for a in node.args)
-            elif isinstance(node, ast.If | ast.IfExp):
+            elif isinstance(node, ast.If | ast.IfExp) and id(node) in in_tests:  # a branch inside a test
                 condition = ast.get_source_segment(text, node.test) or ""
             else:
                 continue
             if CPU_WORDS.search(condition):
                 bad.append(f"{path.name}:{node.lineno}: {condition.strip()[:100]}")
-    return bad
+    return sorted(bad, key=lambda line: (line.split(":")[0], int(line.split(":")[1])))
 
 
 def test_every_cpu_dependent_test_names_its_feature_and_says_why():
