@@ -51,7 +51,8 @@ SMALL = [(4, 8, 2.5), (5, 7, 3.0), (6, 6, 4.0), (4, 10, 2.0)]
 def test_office_fleets_match_brute_force(size, spread, seed) -> None:
     n_dev, n_layers, layer_gb = size
     fleet = office_fleet(n_dev, n_layers, seed=seed, spread=spread, layer_gb=layer_gb, clones=seed == 1)
-    for req in (PlacementRequest(), PlacementRequest(objective="throughput", n_streams=4)):
+    for req in (PlacementRequest(time_limit_s=HANG_GUARD_S),
+                PlacementRequest(objective="throughput", n_streams=4, time_limit_s=HANG_GUARD_S)):
         ref = brute_force(req, fleet)
         key = "latency" if req.objective == "latency" else "throughput"
         plan = solve(req, **fleet.kwargs())
