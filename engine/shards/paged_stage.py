@@ -108,6 +108,23 @@ def top1_reply(logits: np.ndarray, plan: StepPlan) -> tuple[np.ndarray, np.ndarr
     return answer.ids, answer.probs, answer.logits
 
 
+def pool_tensor(element_type: ov.Type, shape: Sequence[int], *, commit: bool = True) -> tuple[np.ndarray, ov.Tensor]:
+    """A zeroed pool ``shape`` = [pool_blocks, ...] for a cache the plugin compiled as
+    ``element_type``: the numpy array the pool moves blocks in (:data:`CACHE_DTYPES`: a bf16 cache
+    as raw uint16 words) and the tensor the infer request is bound to, which views the same memory
+    under the cache's own type. ``commit``: every page written now (see PagedStage.allocate)."""
+    dtype = CACHE_DTYPES.get(element_type.get_type_name())
+    if dtype is None:
+        raise PagedStageError(f"a paged pool cannot hold a {element_type.get_type_name()} KV cache; "
+                              "use KV_CACHE_PRECISION f16, f32, bf16 or u8")
+    if commit:
+        arr = np.empty(tuple(shape), dtype=dtype)
+        arr.fill(0)
+    else:
+        arr = np.zeros(tuple(shape), dtype=dtype)
+    return arr, ov.Tensor(arr, ov.Shape(list(shape)), element_type)
+
+
 def _name_first_input(model: ov.Model, name: str) -> None:
     """The conversion finds the token input by tensor name and flattens it by friendly name:
     set both (older torch exports call it ``x`` or ``hidden_states``)."""
@@ -232,14 +249,7 @@ class PagedStage:
                                   "kv_pool_bytes")
         self.caches = []
         for cache in self._cache_inputs:
-            shape, dtype = (pool_blocks, *self._block_dims(cache)), self._cache_dtype(cache.get_element_type())
-            if commit:
-                arr = np.empty(shape, dtype=dtype)
-                arr.fill(0)
-            else:
-                arr = np.zeros(shape, dtype=dtype)
-            # the cache's own element type over the array's memory (bf16 has no numpy dtype)
-            tensor = ov.Tensor(arr, ov.Shape(list(shape)), cache.get_element_type())
+            arr, tensor = pool_tensor(cache.get_element_type(), (pool_blocks, *self._block_dims(cache)), commit=commit)
             self.request.set_tensor(cache.get_any_name(), tensor)
             self.caches.append(arr)
         self.pool_blocks = pool_blocks

@@ -80,6 +80,9 @@ def test_a_bad_activation_is_refused_saying_what_is_wrong(line, message):
         parse_activation(line)
 
 
+HANG_GUARD_S = 60  # waits for what must happen; how fast it happens is the failover benchmark's
+
+
 async def _wait(predicate, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -115,23 +118,22 @@ def test_a_killed_worker_is_replaced_by_its_spare_on_the_same_port_and_a_new_spa
             await _wait(lambda: supervisor.spare_ready, 60, "no spare was compiled")
             spare = supervisor.spare_pid
             assert spare not in (None, first)
+            killed = time.time()  # wall clock, as the workers' timing lines
             os.kill(first, signal.SIGKILL)
-            killed = time.monotonic()
-            await _wait(lambda: supervisor.pid == spare and supervisor.status.state == "running", 10,
+            await _wait(lambda: supervisor.pid == spare and supervisor.status.state == "running", HANG_GUARD_S,
                         "the spare did not take over")
-            took_over = time.monotonic() - killed
             assert await _connects(listen)  # it listens where the dead worker did
             status = supervisor.status
             assert status.restarts == 1 and status.last_error is None  # counted as a restart, and serving
-            await _wait(lambda: supervisor.spare_pid not in (None, spare), 10, "no new spare was started")
+            await _wait(lambda: supervisor.spare_pid not in (None, spare), HANG_GUARD_S, "no new spare was started")
             promoted = [s for s in supervisor.starts if s["promoted"]]
             assert [s["pid"] for s in promoted] == [spare]
-            assert promoted[0]["opened"] <= promoted[0]["warmed"] <= promoted[0]["activated"]  # a paged spare warms up
+            # no compile after the kill: the spare was compiled and warmed before it; it only binds and dials
+            assert promoted[0]["opened"] <= promoted[0]["warmed"] <= killed <= promoted[0]["activated"]
             assert promoted[0]["activated"] <= promoted[0]["listening"] <= promoted[0]["ready"]
-            return took_over
+            assert supervisor.status.state == "running"  # no back-off on a first crash
         finally:
             await supervisor.async_stop()
             assert supervisor.pid is None and supervisor.spare_pid is None
 
-    took_over = run(main())
-    assert took_over < 2.0  # no back-off, no compile: the spare only binds and dials
+    run(main())  # how fast the spare takes over: the failover benchmark's restart rows (activate_s)

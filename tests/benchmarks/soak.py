@@ -13,8 +13,11 @@ client; segment *i* of either runtime starts from the same conversation seed.
 Recorded per runtime: requests served and failed, TTFT and per-request decode speed (p50/p95),
 aggregate tokens/s, prefix-cache hits, and the RSS of every process at startup, after the warm-up
 and at the end (split into file-backed pages, the KV block pool and other anonymous memory),
-sampled throughout. Speed figures count the requests started after the runtime's warm-up (the
-first ``--warmup-s`` of its first segment); failures count every request. Targets: the paged
+sampled throughout; then, after the users, the gaps between a streamed answer's chunks alone and
+while 3 prompts of 512 KiB are refused (the API's guard against huge prompts: it refuses them
+unread, so the stream should not notice; tests/security asserts the refusal, this measures the
+gap). Speed figures count the requests started after the runtime's warm-up (the first
+``--warmup-s`` of its first segment); failures count every request. Targets: the paged
 runtime's TTFT p95 <= 1 s and aggregate >= 4x the stateful one's; no failed request; RSS growth
 after warm-up under 5 %.
 """
@@ -40,7 +43,7 @@ from tests.benchmarks.kit import verdict
 from tests.benchmarks.record import DEFAULT_DOC, DEFAULT_JSON_DIR, machine_info, update_section, write_json
 from tests.benchmarks.soak_fleet import RUNTIMES, FleetProcess, FleetSettings, pool_tensor_bytes
 from tests.benchmarks.soak_report import section
-from tests.benchmarks.soak_users import Outcome, async_user
+from tests.benchmarks.soak_users import Outcome, async_stall_probe, async_user
 
 USERS = 4
 RSS_TARGET = 0.05
@@ -116,6 +119,8 @@ async def _async_soak(fleets: dict[str, FleetProcess], order: list[str], seconds
         sampler.cancel()
     for r, f in fleets.items():
         raw[r]["metrics"] = {k: v for k, v in f.metrics().items() if k in METRICS_KEPT}
+    for r, f in fleets.items():  # after the metrics: its refusals are not the users'
+        raw[r]["stall_probe"] = await async_stall_probe(f.url, card["id"])
     return {"model": card["id"], "context_length": card["context_length"], "budget_tokens": budget,
             "runtimes": raw}
 
@@ -175,6 +180,7 @@ def summarise_runtime(raw: dict[str, Any]) -> dict[str, Any]:
             "metrics": raw["metrics"], "memory": memory, "rss_growth": growth,
             "rss_growth_without_pool": (end_sum - pool_growth) / warm_sum - 1 if warm_sum else None,
             "segments": segments, "no_failures": verdict(len(failed), 0, higher=False),
+            "stall_probe": raw.get("stall_probe"),
             "rss_verdict": verdict(growth, RSS_TARGET, higher=False) if growth is not None else "n/a"}
 
 

@@ -38,8 +38,19 @@ def _measure_rows(summaries: dict[str, dict[str, Any]], comparison: dict[str, An
             row("RSS growth, all processes (after warm-up to end)", lambda s: _pct_cell(s["rss_growth"]), "< 5 %",
                 " / ".join(f"{r}: {s['rss_verdict']}" for r, s in summaries.items())),
             row("the same without the KV pool's newly touched pages",
-                lambda s: _pct_cell(s["rss_growth_without_pool"]))]
+                lambda s: _pct_cell(s["rss_growth_without_pool"])),
+            row("longest gap between streamed chunks, ms: alone / while 3 × 512 KiB prompts are refused",
+                _stall_cell)]
     return rows
+
+
+def _stall_cell(s: dict[str, Any]) -> str:
+    probe = s.get("stall_probe")
+    if not probe:
+        return "n/a"
+    ms = [None if probe[k]["max_s"] is None else 1000 * probe[k]["max_s"] for k in ("alone", "refusing")]
+    refused = sum(code == 400 for code in probe["statuses"])
+    return f"{fmt(ms[0])} / {fmt(ms[1])} ({refused} of {len(probe['statuses'])} refused)"
 
 
 def _memory_rows(summaries: dict[str, dict[str, Any]]) -> list[list[Any]]:

@@ -5,11 +5,16 @@ A user keeps a conversation going for a few turns (each turn resends the whole h
 coordinator's prefix cache serves the shared part), then starts a new one; prompts are short,
 medium or long, answers 16-128 tokens, about half streamed. What to say next is a pure decision
 (:func:`plan_turn`); :func:`async_user` only sends it and records what came back.
+
+:func:`async_stall_probe` is the API's guard against huge prompts, measured: the gaps between a
+streamed answer's chunks alone, then while prompts far over the prompt limit are sent and refused.
 """
 
 from __future__ import annotations
 
+import asyncio
 import random
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -140,3 +145,62 @@ async def async_user(index: int, url: str, model: str, *, deadline: float, budge
                 chars_per_token = max(chars / max(prompt_tokens, 1), 0.5)
                 history = prompt_tokens + completion_tokens
                 turns += 1
+
+
+OVERSIZED_CHARS = 512 << 10  # under the API's default 1 MiB body limit, far over its prompt limit
+OVERSIZED_PROMPTS = 3
+
+
+async def async_chunk_gaps(url: str, model: str, *, key: str = "unused", max_tokens: int = 96) -> list[float]:
+    """Seconds between the text chunks of one streamed chat answer: what a stall of the API's loop shows as."""
+    import openai
+
+    gaps: list[float] = []
+    last = None
+    async with openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0, timeout=300) as client:
+        stream = await client.chat.completions.create(
+            model=model, messages=[SYSTEM, {"role": "user", "content": MEDIUM[0]}], max_tokens=max_tokens,
+            temperature=0, stream=True)
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                now = time.monotonic()
+                if last is not None:
+                    gaps.append(now - last)
+                last = now
+    return gaps
+
+
+def send_oversized(url: str, model: str, count: int, *, key: str = "unused") -> list[int]:
+    """``count`` chat requests of OVERSIZED_CHARS, one after another (a client elsewhere: call it in
+    a thread); the HTTP status of each (400 context_length_exceeded expected)."""
+    import openai
+
+    big = "capital " * (OVERSIZED_CHARS // 8)
+    statuses = []
+    with openai.OpenAI(base_url=url, api_key=key, max_retries=0, timeout=300) as client:
+        for _ in range(count):
+            try:
+                client.chat.completions.create(model=model, max_tokens=4, messages=[{"role": "user", "content": big}])
+                statuses.append(200)
+            except openai.APIStatusError as exc:
+                statuses.append(exc.status_code)
+    return statuses
+
+
+async def async_stall_probe(url: str, model: str, *, key: str = "unused",
+                            count: int = OVERSIZED_PROMPTS) -> dict[str, Any]:
+    """Chunk gaps of streamed answers alone, then of answers streamed back to back while ``count``
+    oversized prompts are refused: max and median seconds of each, and the refusals' statuses."""
+    alone = await async_chunk_gaps(url, model, key=key)
+    refusals = asyncio.ensure_future(asyncio.to_thread(send_oversized, url, model, count, key=key))
+    loaded: list[float] = []
+    while not refusals.done() or not loaded:
+        loaded += await async_chunk_gaps(url, model, key=key)
+    statuses = await refusals
+
+    def figures(gaps: list[float]) -> dict[str, float | None]:
+        return {"max_s": max(gaps, default=None), "median_s": statistics.median(gaps) if gaps else None,
+                "gaps": len(gaps)}
+
+    return {"alone": figures(alone), "refusing": figures(loaded), "statuses": statuses,
+            "prompt_chars": OVERSIZED_CHARS}

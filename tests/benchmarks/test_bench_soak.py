@@ -92,6 +92,8 @@ def test_figures_leave_the_warm_up_out_and_compare_the_runtimes():
     assert slow["ttft_verdict"] == "**missed**"
 
     paged["pool_tensor_bytes"] = 20 << 20  # two mappings of 20 MiB: a 40 MiB pool, 10 resident, then all of it
+    paged["stall_probe"] = {"alone": {"max_s": 0.0071, "median_s": 0.001, "gaps": 95},
+                            "refusing": {"max_s": 0.0273, "median_s": 0.001, "gaps": 190}, "statuses": [400, 400, 413]}
     result = {"summaries": {"paged": {**paged, "serve_options": "--runtime paged"},
                             "stateful": {**old, "serve_options": "--runtime stateful"}},
               "comparison": c, "minutes": 2, "segments": 2, "warmup_s": 30, "order": ["paged", "stateful"] * 2}
@@ -102,6 +104,8 @@ def test_figures_leave_the_warm_up_out_and_compare_the_runtimes():
     assert "| aggregate tok/s (4 users) | 4.00 | 4.00 | paged ≥ 4× stateful | 1.00× (**missed**) |" in text
     assert "| paged | worker stage 0 | 150.0 | 400.0 → 450.0 | +12.50 % | 100.0 → 100.0 | 10.0 → 40.0 |" in text
     assert "failure: `APIError: boom`" in text
+    assert ("| longest gap between streamed chunks, ms: alone / while 3 × 512 KiB prompts are refused | "
+            "7.1 / 27.3 (2 of 3 refused) | n/a |") in text
     assert "worker stage 0 10.0 of 40.0 MiB after the warm-up, 40.0 at the end" in text and "filling" in text
 
 
@@ -142,5 +146,7 @@ def test_two_minute_soak_on_the_tiny_model_fails_no_request(tiny_export):
         assert s["fleet_exit_code"] == 0, f"the {runtime} fleet did not stop cleanly on SIGTERM"
         assert len(s["segments"]) == 2 and all(seg["served"] > 0 for seg in s["segments"])
         assert len(result["run"]["runtimes"][runtime]["timeline"]) >= 6  # RSS sampled throughout
+        probe = s["stall_probe"]  # measured, not judged: only that the probe ran and the guard refused
+        assert probe["statuses"] == [400] * 3 and probe["alone"]["gaps"] > 0 and probe["refusing"]["gaps"] > 0
     assert result["summaries"]["paged"]["metrics"]["kv_blocks_total"] > 0
     assert "aggregate_ratio" in result["comparison"]

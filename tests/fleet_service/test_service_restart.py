@@ -198,18 +198,17 @@ def test_the_service_killed_and_restarted_re_forms_its_ring_and_answers(serving)
         await fleet.service.kill()  # no goodbye: the rings are re-formed from served-rings.json
         killed = time.monotonic()
         fleet.admin = await fleet.service.start()
-        ring = await ring_serving(fleet.admin, fleet.ring, 90)
+        ring = await ring_serving(fleet.admin, fleet.ring, 90)  # a hang guard: the rings benchmark times it
         after = await _ask(fleet.api_url, fleet.key, "llama")
         restart_s = time.monotonic() - killed
-        print(f"service restart to first answer: {restart_s:.1f} s")
+        print(f"service restart to first answer: {restart_s:.1f} s (not asserted: the rings benchmark's figure)")
         assert ring["export_id"] == EXPORT_ID and ring["report"]["status"] == "ok"
         assert (await fleet.admin.ok("GET", "/service"))["api_url"] == fleet.api_url  # the same address for the agents
-        return before, after, pids, [pc.status().worker.pid for pc in fleet.pcs], restart_s
+        return before, after, pids, [pc.status().worker.pid for pc in fleet.pcs]
 
-    before, after, pids, pids_after, restart_s = fleet.run(main(), 300, "the restart")
+    before, after, pids, pids_after = fleet.run(main(), 300, "the restart")
     assert before == after == fleet.expected
     assert pids_after == pids  # the agents' workers kept running: their assignment did not change
-    assert restart_s < 30
     assert os.path.exists(fleet.state / "served-rings.json")
 
 

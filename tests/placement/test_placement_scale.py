@@ -1,5 +1,6 @@
 """Placement at office size: the counts model against brute force and the cuts model, its bounds
-on layers of different sizes, the time limit and the proven gap.
+on layers of different sizes, the time limit and the proven gap. What the solver finds is asserted
+here, with time limits only as hang guards; how fast it finds it is the placement-scale benchmark's.
 
 The brute force is test_placement's (every split × every ordered choice of devices, priced on its
 own); the fleets are tests/placement/office_fleet.py's clones-of-three-kinds offices.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -19,15 +21,26 @@ from engine.placement.fleet import time_stages
 from engine.placement.planner import (
     PlacementInputError,
     PlacementRequest,
+    _plan,
     _prepare,
     format_plan,
     plan_quality,
     solve,
 )
-from engine.placement.search import Search, admissible, best_cycle, latency_ms, least_latency, split_in_order
+from engine.placement.search import (
+    Search,
+    _sandwich,
+    admissible,
+    best_cycle,
+    latency_ms,
+    least_latency,
+    relative_gap,
+    split_in_order,
+)
 from tests.placement.office_fleet import office_fleet
 from tests.placement.test_placement import REL, brute_force, check_plan, random_fleet
 
+HANG_GUARD_S = 300  # a solve's time limit where the test asserts what it finds, not how fast
 # (devices, layers, mean layer GB): small enough for brute force, large enough to need 2-4 stages
 SMALL = [(4, 8, 2.5), (5, 7, 3.0), (6, 6, 4.0), (4, 10, 2.0)]
 
@@ -38,7 +51,8 @@ SMALL = [(4, 8, 2.5), (5, 7, 3.0), (6, 6, 4.0), (4, 10, 2.0)]
 def test_office_fleets_match_brute_force(size, spread, seed) -> None:
     n_dev, n_layers, layer_gb = size
     fleet = office_fleet(n_dev, n_layers, seed=seed, spread=spread, layer_gb=layer_gb, clones=seed == 1)
-    for req in (PlacementRequest(), PlacementRequest(objective="throughput", n_streams=4)):
+    for req in (PlacementRequest(time_limit_s=HANG_GUARD_S),
+                PlacementRequest(objective="throughput", n_streams=4, time_limit_s=HANG_GUARD_S)):
         ref = brute_force(req, fleet)
         key = "latency" if req.objective == "latency" else "throughput"
         plan = solve(req, **fleet.kwargs())
@@ -65,16 +79,18 @@ def test_counts_and_cuts_agree_beyond_brute_force(spread, objective) -> None:
 
 def test_thirty_devices_by_128_layers_is_proven_optimal() -> None:
     """The issue's size: the counts model proves the optimum (the cuts model found no plan in
-    60 s here); symmetry breaking between the clones keeps the same optimum."""
+    60 s here); symmetry breaking between the clones keeps the same optimum. How fast it proves
+    it is the placement-scale benchmark's (about 2 s a solve idle; ~18 s was seen on a loaded
+    box): the limit here is only a hang guard."""
     fleet = office_fleet(30, 128)
-    req = PlacementRequest()
+    req = PlacementRequest(time_limit_s=HANG_GUARD_S)
     plan = solve(req, **fleet.kwargs())
     check_plan(plan, req, fleet)
     assert plan.optimal and plan.gap == 0.0 and len(plan.stages) > 6
     assert "(optimal)" in format_plan(plan)
     ordered = solve(req, **fleet.kwargs(), break_symmetry=True)
     assert ordered.optimal and ordered.per_token_ms == pytest.approx(plan.per_token_ms, rel=REL)
-    thr_req = PlacementRequest(objective="throughput", n_streams=8)
+    thr_req = PlacementRequest(objective="throughput", n_streams=8, time_limit_s=HANG_GUARD_S)
     thr = solve(thr_req, **fleet.kwargs())  # the cycle minimised directly, then the tie-break
     check_plan(thr, thr_req, fleet)
     assert thr.optimal and thr.gap == 0.0 and thr.cycle_ms < plan.cycle_ms
@@ -107,20 +123,50 @@ def test_bounds_on_layers_of_different_sizes_hold(seed) -> None:
                 assert latency_ms(f, stages) >= opt * (1 - 1e-9)
 
 
-def test_a_time_limit_returns_the_best_plan_with_its_proven_gap() -> None:
-    """Layers of different sizes at 30 × 128: the counts bounds leave a gap the cuts model cannot
-    close in 2 s; the plan comes back in time, valid, with the gap it has proven."""
+def test_a_search_out_of_time_returns_the_best_plan_with_its_proven_gap() -> None:
+    """Layers of different sizes at 30 × 128: the counts model's relaxation (a proven bound) and
+    restriction (a plan that fits) leave a gap; with no time left for the cuts model the best plan
+    comes back valid, not optimal, with that gap. The time is out by construction (an expired
+    deadline; the counts solves get a hang guard), so no machine is too fast or too slow for it."""
+    fleet = office_fleet(30, 128, spread=0.2)
+    req = PlacementRequest()
+    f, _ = _prepare(req, fleet.model, fleet.pcs, fleet.devices, fleet.links)
+    sizes = layer_sizes(f)
+    assert sizes is not None and not sizes.uniform
+
+    def counts(relax: bool, share: float = 1.0):
+        return solve_counts(f, sizes, relax=relax, time_limit_s=HANG_GUARD_S, max_stages=req.max_stages)
+
+    out_of_time = Search(req.max_stages, req.min_stages, 1, req.time_limit_s, time.monotonic() - 1, False)
+    found = _sandwich(f, out_of_time, sizes, counts, None, None)
+    assert found.stages is not None and admissible(f, out_of_time, found.stages, None, None)
+    relaxed = counts(True)
+    assert relaxed.optimal and found.bound_ms == pytest.approx(relaxed.bound_ms, rel=REL)  # the proven bound
+    gap = relative_gap(latency_ms(f, found.stages), found.bound_ms)
+    assert not found.optimal and 0.0 < gap < 0.5
+    plan = _plan(f, req, replace(time_stages(f, found.stages, 1, False), gap=gap), ())
+    check_plan(plan, req, fleet)
+    assert f"latency within {100 * plan.gap:.2g} % of the optimum" in format_plan(plan)
+
+
+def test_the_time_limit_bounds_a_solve_that_cannot_prove_its_plan() -> None:
+    """The same fleet through `solve` with 2 s: it stops (HiGHS checks its clock now and then:
+    a generous hang guard, not a speed claim) with a valid plan and a gap consistent with its
+    proof, or with the named timeout on a box too loaded to find one. Proven or not depends on
+    the machine; that the answer says which does not."""
     fleet = office_fleet(30, 128, spread=0.2)
     req = PlacementRequest(time_limit_s=2)
     start = time.monotonic()
-    plan = solve(req, **fleet.kwargs())
-    elapsed = time.monotonic() - start
-    assert elapsed < req.time_limit_s + 2.5  # HiGHS checks its clock now and then; a loaded box
-    check_plan(plan, req, fleet)
-    assert not plan.optimal and 0.0 < plan.gap < 0.5
-    assert f"latency within {100 * plan.gap:.2g} % of the optimum" in format_plan(plan)
-    sizes = layer_sizes(_prepare(req, fleet.model, fleet.pcs, fleet.devices, fleet.links)[0])
-    assert sizes is not None and not sizes.uniform
+    try:
+        plan = solve(req, **fleet.kwargs())
+    except PlacementTimeout as exc:
+        assert "raise the time limit" in str(exc)
+        plan = None
+    assert time.monotonic() - start < req.time_limit_s + HANG_GUARD_S
+    if plan is not None:
+        check_plan(plan, req, fleet)
+        assert plan.gap is not None and (plan.gap == 0.0) == plan.optimal and plan.gap < 0.5
+        assert ("(optimal)" in format_plan(plan)) == plan.optimal
 
 
 def test_the_cuts_model_alone_times_out_with_a_named_error() -> None:
@@ -139,8 +185,6 @@ def test_the_gap_travels_in_the_admin_json_and_the_summary() -> None:
     fleet = office_fleet(4, 8, layer_gb=2.5)
     plan = solve(PlacementRequest(), **fleet.kwargs())
     assert plan_from_json(plan_json(plan)) == plan
-    from dataclasses import replace
-
     cut = replace(plan, optimal=False, gap=0.0123)
     assert plan_from_json(plan_json(cut)).gap == pytest.approx(0.0123)
     assert plan_quality(cut) == "best found, latency within 1.2 % of the optimum"

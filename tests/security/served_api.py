@@ -15,13 +15,14 @@ SETTINGS = ApiSettings(api_key=KEY, max_body_bytes=2 << 20, max_prompt_tokens=20
 
 
 @contextlib.asynccontextmanager
-async def served(tiny_export, settings: ApiSettings = SETTINGS, host: str = "127.0.0.1"):
-    """(coordinator, api) on this loop over the tiny 2-stage export, warmed up."""
+async def served(tiny_export, settings: ApiSettings = SETTINGS, host: str = "127.0.0.1", tokenizer_type=None):
+    """(coordinator, api) on this loop over the tiny 2-stage export, warmed up; ``tokenizer_type``:
+    a ChatTokenizer subclass to serve with (one that records what it was given)."""
     from engine.coordinator.coordinator import Coordinator
     from engine.generation.tokenizer import ChatTokenizer
 
     export = tiny_export("llama", 2)
-    tokenizer = await asyncio.to_thread(ChatTokenizer, export / "tokenizer")
+    tokenizer = await asyncio.to_thread(tokenizer_type or ChatTokenizer, export / "tokenizer")
     async with Coordinator.local(export, slots=4) as coordinator:
         async with contextlib.aclosing(coordinator.stream(GenerationRequest((1, 5, 9), 4))) as tokens:
             _ = [e async for e in tokens]

@@ -24,6 +24,7 @@ from engine.api.guard import CHARS_PER_TOKEN, HostPolicy, host_name
 from engine.control.messages import Assignment, ControlRequestError
 from engine.errors import DeskfleetError
 from engine.generation.request import GenerationRequest
+from engine.generation.tokenizer import ChatTokenizer
 from tests.security.served_api import KEY, SETTINGS, served
 from tests.support.asyncutil import run
 
@@ -50,11 +51,30 @@ async def _stream_gaps(coordinator, until: asyncio.Future | None = None, streams
     return gaps
 
 
+class ReadingTokenizer(ChatTokenizer):
+    """The export's real tokenizer, remembering (on the class: the API holds the one instance) the
+    longest text any instance was given to render or encode."""
+
+    longest = 0
+
+    def render_chat(self, messages, *args, **kwargs):
+        ReadingTokenizer.longest = max(self.longest, sum(len(str(m.get("content") or "")) for m in messages))
+        return super().render_chat(messages, *args, **kwargs)
+
+    def encode(self, text, *args, **kwargs):
+        ReadingTokenizer.longest = max(self.longest, len(text))
+        return super().encode(text, *args, **kwargs)
+
+
 def test_a_1_mib_prompt_is_refused_unread_without_stalling_a_concurrent_stream(tiny_export):
+    """Refused unread: the tokenizer never sees the big prompt (rendering and tokenising it on the
+    loop stalled every stream for ~1.1 s), and a stream run meanwhile gets all its tokens. How long
+    the stream's longest gap is, alone and meanwhile, is measured by the soak benchmark (its stall
+    probe, over HTTP); here it is printed, not asserted: a loaded machine stalls streams by itself."""
     big = "capital " * ((1 << 20) // 8)  # 1 MiB of text: ~260k tokens, ~1.5 s to tokenise on the loop
 
     async def scenario():
-        async with served(tiny_export) as (coordinator, api):
+        async with served(tiny_export, tokenizer_type=ReadingTokenizer) as (coordinator, api):
             baseline = await _stream_gaps(coordinator)
 
             def send_big() -> list[BaseException]:  # a client elsewhere: its own thread, as in another process
@@ -68,11 +88,12 @@ def test_a_1_mib_prompt_is_refused_unread_without_stalling_a_concurrent_stream(t
                             errors.append(exc)
                 return errors
 
+            read_before = ReadingTokenizer.longest  # the warm-up streams' prompts
             refusals = asyncio.ensure_future(asyncio.to_thread(send_big))
             loaded = await _stream_gaps(coordinator, until=refusals)
-            return baseline, loaded, await refusals
+            return baseline, loaded, await refusals, read_before, ReadingTokenizer.longest
 
-    baseline, loaded, refusals = run(scenario(), timeout=300)
+    baseline, loaded, refusals, read_before, read_after = run(scenario(), timeout=300)
     print(f"\ntoken gaps without the big prompts: max {max(baseline) * 1e3:.1f} ms, median "
           f"{statistics.median(baseline) * 1e3:.2f} ms over {len(baseline)}; while {BIG_PROMPTS} x 1 MiB were "
           f"refused: max {max(loaded) * 1e3:.1f} ms, median {statistics.median(loaded) * 1e3:.2f} ms over "
@@ -81,9 +102,8 @@ def test_a_1_mib_prompt_is_refused_unread_without_stalling_a_concurrent_stream(t
     for exc in refusals:
         assert exc.body["code"] == "context_length_exceeded" and exc.body["param"] == "messages"
         assert f"at most {CHARS_PER_TOKEN * SETTINGS.max_prompt_tokens} characters" in exc.body["message"]
-    # A did-not-stall guard, not a speed claim. Measured on a shared 2-core machine: 27 ms max
-    # (7 ms without the big prompts); rendering and tokenising them on the loop, as before: 1.13 s.
-    assert max(loaded) < 0.5
+    assert read_after == read_before < CHARS_PER_TOKEN * SETTINGS.max_prompt_tokens  # never rendered nor encoded
+    assert len(loaded) >= 2 * (STREAM_TOKENS - 1) and len(loaded) % (STREAM_TOKENS - 1) == 0  # every token came
 
 
 async def _raw(session: aiohttp.ClientSession, method: str, url: str, **kw) -> tuple[int, dict]:

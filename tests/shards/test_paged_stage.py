@@ -24,6 +24,7 @@ from engine.shards.paged_stage import (
     PoolNotAllocatedError,
     _logits_head,
     paged_inputs,
+    pool_tensor,
     top1_reply,
 )
 from engine.shards.paged_step import PagedStep
@@ -31,6 +32,7 @@ from engine.shards.stage import LocalChain
 from engine.shards.step_path import last_stage_top1
 from engine.wire.step_plan import SCRATCH_BLOCKS, PlanRow, StepPlan, blocks_needed, plan
 from tests.conftest import PROMPT_IDS
+from tests.support.cpu_needs import needs_cpu
 
 BS = 32
 POOL = 48
@@ -366,16 +368,57 @@ def test_local_paged_path_delivers_outcomes_in_order_and_failures_as_data(paged)
     assert set(path.stage_metrics()) == {'stage_compute_ms_per_step{stage="0"}', 'stage_compute_ms_per_step{stage="1"}'}
 
 
-def test_a_bf16_cache_is_held_as_raw_words_and_serves(tiny_export):
+def test_a_bf16_pool_is_raw_words_that_openvino_writes_and_reads_as_bf16():
+    """The raw-words pool on any CPU (the paged stage itself compiles a bf16 cache only on an
+    avx512_bf16 CPU, below): numpy has no bf16, so the pool's array is uint16 words and the tensor
+    bound to the infer request views the same memory as bf16. OpenVINO writes bf16 into it and
+    reads it back as bf16 (bound as u16 or f16, the values read would be others), and a block
+    moved word for word reads back the same values."""
+    blocks, heads, rows, cols = shape = (8, 2, 4, 16)
+    arr, tensor = pool_tensor(ov.Type.bf16, shape)
+    assert arr.dtype == np.uint16 and arr.shape == shape and not arr.any()
+    assert tensor.get_element_type() == ov.Type.bf16 and tensor.get_byte_size() == arr.nbytes == 2 * arr.size
+    core = ov.Core()
+
+    values = np.random.default_rng(5).normal(scale=40, size=shape).astype(np.float32)
+    values[1, 0, 0, :4] = [65504.0, -0.0, 1e-3, 3.140625]  # rounded up to 2^16, a sign bit, small, exact
+    x = ops.parameter(list(shape), ov.Type.f32, name="x")
+    write = core.compile_model(ov.Model([ops.result(ops.convert(x, ov.Type.bf16))], [x], "write"), "CPU")
+    writer = write.create_infer_request()
+    writer.set_output_tensor(0, tensor)
+    writer.infer({"x": values})
+    decoded = (arr.astype(np.uint32) << 16).view(np.float32)  # bf16 words -> float32, exactly
+    # OpenVINO wrote bf16 into the pool's own memory: 8 significant bits of every value
+    assert np.allclose(decoded, values, rtol=2 ** -7, atol=0) and decoded[1, 0, 0, 0] == 65536.0
+
+    arr[6] = arr[1]  # a block moved as the pool moves them: words copied, never read as numbers
+    cache = ops.parameter([-1, heads, rows, cols], ov.Type.bf16, name="key_cache.0")
+    which = ops.parameter([1], ov.Type.i64, name="block")
+    read = ops.convert(ops.gather(cache, which, ops.constant(np.int64(0))), ov.Type.f32)
+    reader = core.compile_model(ov.Model([ops.result(read)], [cache, which], "read"), "CPU").create_infer_request()
+    reader.set_tensor("key_cache.0", tensor)
+    for block in (1, 6):
+        reader.infer({"block": np.array([block], np.int64)})
+        assert np.array_equal(reader.get_output_tensor(0).data[0], decoded[1]), block
+
+
+def test_the_pool_refuses_a_cache_type_it_cannot_hold_by_name():
+    with pytest.raises(PagedStageError, match="u4 KV cache"):
+        pool_tensor(ov.Type.u4, (2, 1, 32, 16))
+
+
+@needs_cpu("avx512_bf16", "only there does the CPU plugin's PagedAttention compile a bf16 KV cache (on AVX2: "
+                          "'expect kvcache type f32'); the raw-words pool is tested on every CPU by "
+                          "test_a_bf16_pool_is_raw_words_that_openvino_writes_and_reads_as_bf16")
+def test_a_bf16_cache_is_held_as_raw_words_and_serves_on_an_avx512_bf16_cpu(tiny_export):
     """A CPU with avx512_bf16 compiles an f16 cache request as bf16 (its inference precision); numpy
     has no bf16, so the pool holds the cache as 16-bit words bound under the cache's own type. The
     stage then serves a step, and its blocks move like any other's."""
     export = tiny_export("llama", 1)
     stage = PagedStage(export, 0, properties={"KV_CACHE_PRECISION": "bf16"})
     path = LocalPagedPath([stage], 8, BUDGET)
-    compiled = {c.get_element_type().get_type_name() for c in stage._cache_inputs}
-    if compiled == {"bf16"}:
-        assert all(arr.dtype == np.uint16 for arr in stage.caches)
+    assert {c.get_element_type().get_type_name() for c in stage._cache_inputs} == {"bf16"}
+    assert all(arr.dtype == np.uint16 for arr in stage.caches)
     out = path.run(PagedStep(0, plan(BS, 8, [PlanRow(1, 0, 3, (5,))]), np.asarray([4, 5, 6])))
     assert out.ids.shape == (1,) and 0 < out.probs[0] <= 1
     assert any(arr[5].any() for arr in stage.caches)  # the step wrote its keys and values into block 5

@@ -2,8 +2,11 @@
 delay as a lower bound, chunks in flight concurrently, order under jitter, the bandwidth cap,
 end-of-stream and reset propagation, and a mutual-TLS data-plane link carried through it.
 
-Timing asserts are strict lower bounds (the emulated delay must never be undercut) and loose
-upper bounds, because the test machine is shared."""
+Timing asserts are lower bounds (the emulated delay must never be undercut); an upper bound only
+where it tells a right proxy from a wrong one by a wide factor (chunks in flight together against
+one held at a time; bytes against bits), never as a slack over the delay: a loaded machine may
+schedule us late. How close to the configured delay the proxy stays is measured by the speedups
+benchmark (``python -m tests.benchmarks speedups``, its WAN-emulator table)."""
 
 from __future__ import annotations
 
@@ -30,7 +33,6 @@ from tests.wire.tlsutil import make_pki
 from tests.wire.wire_helpers import FP, assert_same, forward
 
 D = 0.05  # one-way delay (s) of the timing tests
-SLACK = 0.15  # generous: a loaded CI machine may schedule us late, never early
 LOOPBACK = Address("127.0.0.1", 0)
 IO_TIMEOUT = 10.0
 
@@ -153,7 +155,7 @@ def test_round_trip_costs_twice_the_one_way_delay():
 
     echoed, elapsed, stats = run(scenario())
     assert echoed == b"ping"
-    assert 2 * D <= elapsed < 2 * D + SLACK
+    assert 2 * D <= elapsed
     assert (stats.connections, stats.up.bytes, stats.down.bytes) == (1, 4, 4)
 
 
@@ -162,11 +164,13 @@ def test_back_to_back_messages_are_in_flight_together(size):
     """Twenty messages sent without waiting all come back within about one round trip.
 
     Chunk-sized messages cannot be merged into one read, so a proxy that held each chunk for
-    the delay before reading the next would need at least 20 × D each way."""
-    count = 20
+    the delay before reading the next would need at least 20 × delay each way: 40 × in all, against
+    2 × for a proxy that keeps them in flight together. The bound between them, 20 ×, leaves a
+    loaded machine 18 delays of slack."""
+    count, delay = 20, 0.1
 
     async def scenario():
-        async with behind_proxy(delay_ms=D * 1000) as proxy:
+        async with behind_proxy(delay_ms=delay * 1000) as proxy:
             reader, writer = await dial(proxy.address)
             payload = [bytes([i]) * size for i in range(count)]
             started = time.perf_counter()
@@ -185,7 +189,7 @@ def test_back_to_back_messages_are_in_flight_together(size):
 
     intact, elapsed = run(scenario())
     assert intact
-    assert 2 * D <= elapsed < 2 * D + SLACK
+    assert 2 * delay <= elapsed < count * delay
 
 
 def test_jitter_never_reorders_the_stream():
@@ -220,7 +224,7 @@ def test_bandwidth_cap_paces_a_bulk_transfer():
 
     n, elapsed, stats = run(scenario())
     assert n == size and stats.up.bytes == stats.down.bytes == size
-    assert 0.8 <= elapsed < 0.8 + 2.0  # the upper bound catches a bits/bytes mix-up (6.4 s)
+    assert 0.8 <= elapsed < 4.0  # the upper bound catches a bits/bytes mix-up (6.4 s), not a slow machine
 
 
 def test_end_of_stream_follows_the_data_both_ways():
@@ -348,4 +352,4 @@ def test_a_mutual_tls_data_plane_link_runs_through_the_proxy(tmp_path):
 
     sent, back, elapsed = run(scenario())
     assert_same(sent, back)
-    assert 2 * (D - 0.005) <= elapsed < 2 * D + SLACK
+    assert 2 * (D - 0.005) <= elapsed  # the delay less the most the jitter takes off it, both ways
