@@ -34,6 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from engine.generation.generator import OverloadedError
 from engine.generation.grammar import GrammarError, GrammarMatcher
@@ -43,6 +44,7 @@ from engine.generation.request import Constraint, JsonConstraint, ToolCallConstr
 # coordinator's stream runs in that task). Unset: one shared "" owner.
 COMPILE_OWNER: contextvars.ContextVar[str] = contextvars.ContextVar("deskfleet_compile_owner", default="")
 
+T = TypeVar("T")
 _QUEUE_POLL_S = 0.05  # how often a waiter looks whether its queued build has started
 
 
@@ -64,9 +66,9 @@ class GrammarBudget:
 
     max_schema_bytes: int = 64 * 1024
     compile_budget_s: float = 10.0
-    workers: int = 2
-    max_waiting: int = 8
-    per_owner: int = 2
+    workers: int = 3
+    max_waiting: int = 16
+    per_owner: int = 2  # below ``workers``: one key never holds every worker
     queue_timeout_s: float = 30.0
     mask_budget_s: float = 2.0  # one stream's masks for one step (applied by the coordinators)
     cache_entries: int = 16
@@ -101,6 +103,13 @@ def check_constraint_size(constraint: Constraint, budget: GrammarBudget) -> None
         raise GrammarBudgetError(
             f"{what} is {size:,} bytes, over this server's grammar size budget of {budget.max_schema_bytes:,} bytes; "
             "send a smaller schema")
+
+
+def timed(work: Callable[..., T], *args: Any) -> tuple[T, float]:
+    """(``work(*args)``, the seconds it took): run on a mask thread, the time excludes the wait for it."""
+    started = time.monotonic()
+    result = work(*args)
+    return result, time.monotonic() - started
 
 
 def check_mask_time(took_s: float) -> None:
