@@ -222,6 +222,10 @@ class StreamConstraints:
 
     def close(self) -> None:
         self._streams.clear()
+        self.close_mask_thread()
+
+    def close_mask_thread(self) -> None:
+        """Stop the mask thread (a later step starts another)."""
         if self._masker is not None:
             self._masker.shutdown(wait=True)
             self._masker = None
