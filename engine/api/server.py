@@ -71,6 +71,7 @@ from engine.api.openai_schema import (
 )
 from engine.errors import DeskfleetError, GenerationError, TokenizerError
 from engine.generation.generator import Generator, ModelCard, OverloadedError, UnavailableError
+from engine.generation.grammar_pool import COMPILE_OWNER
 from engine.generation.request import GenerationRequest
 from engine.generation.ring_report import RingStatus, overall_status
 from engine.generation.router import Router, UnknownModelError
@@ -404,6 +405,7 @@ class _Api:
         started = time.perf_counter()
         caller = request.get(CALLER, ANONYMOUS)
         self._rate_limit(caller)
+        COMPILE_OWNER.set(caller.name)  # this key's share of the grammar workers (this request's task)
         if self.metrics.active >= self.settings.max_concurrent:
             raise ApiError(429, f"the server is handling {self.metrics.active} requests, its limit; retry "
                            f"in {self.settings.retry_after_s} s", "too_many_requests")

@@ -280,7 +280,7 @@ class BatchCoordinator:
             self._carry_out(actions)
             if step is None:
                 return
-            step = self.constraints.annotate(step)  # masks and top-k of the constrained / logprobs streams
+            step = await self.constraints.async_annotate(step)  # masks (off the loop) and top-k
             carried = {row.stream_id for row in step.plan.rows}
             self._in_flight[step.seq] = _InFlight(time.monotonic(), step.plan.tokens,
                                                   {StreamId(sid): n for sid, n in drafted.items() if sid in carried},

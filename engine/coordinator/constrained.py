@@ -35,10 +35,11 @@ import concurrent.futures
 import dataclasses
 import functools
 import json
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -51,6 +52,12 @@ from engine.generation.grammar import (
     GrammarStateError,
     GrammarTokenizer,
     load_grammar_tokenizer,
+)
+from engine.generation.grammar_pool import (
+    GrammarBudgetError,
+    check_constraint_size,
+    check_mask_time,
+    grammar_pool,
 )
 from engine.generation.logprobs import log_softmax
 from engine.generation.request import (
@@ -69,6 +76,7 @@ from engine.wire.step_plan import StepPlan
 # log-probabilities always, the two grammar ones when it knows the model's tokenizer.
 LOGPROBS = "logprobs"
 GRAMMAR_FEATURES = frozenset({"response_format", "forced_tool_call"})
+T = TypeVar("T")
 
 
 class NoGrammarTokenizerError(GenerationError):
@@ -159,14 +167,15 @@ class StreamConstraints:
     """The matchers and log-probability requests of one paged coordinator's streams.
 
     ``vocabulary`` None: constrained requests are refused (:class:`NoGrammarTokenizerError`);
-    log-probabilities still work. One owner (the coordinator's loop) calls everything but
-    :meth:`build_matcher`, which may run on a worker thread (:meth:`async_matcher`).
+    log-probabilities still work. One owner (the coordinator's loop) calls everything; matchers
+    are built on the process's grammar workers (:meth:`async_matcher`) and a step's masks on this
+    ring's mask thread (:meth:`async_annotate`), while the loop waits for nothing.
     """
 
     def __init__(self, vocabulary: GrammarVocabulary | None = None):
         self.vocabulary = vocabulary
         self._streams: dict[StreamId, _Stream] = {}
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._masker: concurrent.futures.ThreadPoolExecutor | None = None  # this ring's mask thread
 
     @property
     def features(self) -> frozenset[str]:
@@ -176,19 +185,28 @@ class StreamConstraints:
     # -- streams in and out ------------------------------------------------------------------------
 
     def build_matcher(self, constraint: Constraint) -> GrammarMatcher:
-        """A fresh matcher for ``constraint``: GrammarError (a 400) for a schema that does not
-        compile, NoGrammarTokenizerError when this coordinator has no tokenizer for masks."""
+        """A fresh matcher for ``constraint``, built here (a worker's job: see :meth:`async_matcher`).
+        GrammarError (a 400) for a schema that does not compile, NoGrammarTokenizerError when this
+        coordinator has no tokenizer for masks."""
+        vocabulary = self._vocabulary_or_refuse()
+        return vocabulary.load().matcher(grammar_for(constraint))
+
+    async def async_matcher(self, constraint: Constraint) -> GrammarMatcher:
+        """A matcher for ``constraint`` from the process's grammar pool (off the loop, bounded: see
+        :mod:`engine.generation.grammar_pool`). Its size budget is checked first, here; then
+        GrammarBudgetError (400) past its time budget, GrammarBusyError (429) when the pool or the
+        caller's share of it is full, GrammarError (400) for a schema that does not compile."""
+        vocabulary = self._vocabulary_or_refuse()
+        pool = grammar_pool()
+        check_constraint_size(constraint, pool.budget)
+        return await pool.async_matcher((vocabulary, constraint),
+                                        lambda: vocabulary.load().matcher(grammar_for(constraint)))
+
+    def _vocabulary_or_refuse(self) -> GrammarVocabulary:
         if self.vocabulary is None:
             raise NoGrammarTokenizerError("this server cannot constrain output: its coordinator was started "
                                           "without the model's tokenizer.json")
-        grammar = grammar_for(constraint)
-        return self.vocabulary.load().matcher(grammar)
-
-    async def async_matcher(self, constraint: Constraint) -> GrammarMatcher:
-        """:meth:`build_matcher` on a worker thread (the first call loads the tokenizer)."""
-        if self._executor is None:
-            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="deskfleet-grammar")
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self.build_matcher, constraint)
+        return self.vocabulary
 
     def track(self, stream_id: StreamId, request: GenerationRequest, matcher: GrammarMatcher | None) -> None:
         """Follow a stream added to the scheduler (nothing to do without a matcher or logprobs)."""
@@ -204,9 +222,13 @@ class StreamConstraints:
 
     def close(self) -> None:
         self._streams.clear()
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        self.close_mask_thread()
+
+    def close_mask_thread(self) -> None:
+        """Stop the mask thread (a later step starts another)."""
+        if self._masker is not None:
+            self._masker.shutdown(wait=True)
+            self._masker = None
 
     # -- before a step -----------------------------------------------------------------------------
 
@@ -219,10 +241,33 @@ class StreamConstraints:
             return len(drafts)
         return int(entry.matcher.llg.validate_tokens([int(t) for t in drafts]))
 
+    async def async_annotate(self, step: PagedStep) -> PagedStep:
+        """:meth:`annotate` on this ring's mask thread (llguidance drops the GIL while it computes a
+        mask), so the event loop serves every other client meanwhile. Only the stream's own matchers
+        are touched there: the loop neither settles nor drafts for a step it has not sent yet."""
+        if not self._streams or not any(self._constrained(row) for row in step.plan.rows):
+            return self.annotate(step)  # top-k counts only: nothing worth a thread hop
+        return await self.async_off_loop(self.annotate, step)
+
+    async def async_off_loop(self, work: Callable[..., T], *args: Any) -> T:
+        """``work(*args)`` on this ring's mask thread (one per coordinator: a ring's steps are
+        sequential, so its masks are too; other rings' masks run on theirs)."""
+        if self._masker is None:
+            self._masker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="deskfleet-masks")
+        return await asyncio.get_running_loop().run_in_executor(self._masker, work, *args)
+
+    def _constrained(self, row) -> bool:
+        entry = self._streams.get(StreamId(row.stream_id))
+        return entry is not None and entry.matcher is not None and bool(row.sample)
+
     def annotate(self, step: PagedStep) -> PagedStep:
         """``step`` with masks and top-k counts on the answered rows of the streams followed here
         (the same step when none takes part). A row's drafts are the last ``sample - 1`` of its fed
-        tokens; its masks are uint32 [sample, W]."""
+        tokens; its masks are uint32 [sample, W].
+
+        A stream whose masks for this step took longer than the grammar pool's ``mask_budget_s``
+        fails at its reply (GrammarBudgetError naming the budget): its grammar would slow every
+        step of the ring it shares."""
         if not self._streams:
             return step
         rows, changed, begin = [], False, 0
@@ -236,10 +281,15 @@ class StreamConstraints:
             mask = None
             if entry.matcher is not None and entry.broken is None:
                 drafts = [int(t) for t in step.token_ids[end - row.sample + 1:end]]
+                started = time.monotonic()
                 try:
                     mask = entry.matcher.draft_masks(drafts) if drafts else entry.matcher.mask()[None, :]
                 except GrammarStateError as exc:  # the row goes unmasked; its reply fails the stream
                     entry.broken = GenerationError(f"the output constraint failed: {exc}")
+                try:
+                    check_mask_time(time.monotonic() - started)
+                except GrammarBudgetError as exc:
+                    entry.broken = entry.broken or exc
             rows.append(dataclasses.replace(row, mask=mask, top_k=_top_k(entry.request, row.want_logits)))
             changed = True
             begin = end

@@ -38,6 +38,7 @@ from engine.coordinator.scheduler import (
 from engine.coordinator.speculation import Speculator
 from engine.errors import DeskfleetError, GenerationError
 from engine.generation.generator import ModelCard, OverloadedError, UnavailableError
+from engine.generation.grammar_pool import check_mask_time, timed
 from engine.generation.request import FinishReason, GenerationRequest, TokenEvent
 from engine.generation.ring_report import RingReport, coordinator_report
 from engine.shards.prefix_cache import PrefixIndex
@@ -260,8 +261,13 @@ class Coordinator:
         if self.speculation is not None and not state.prefilling and state.generated:
             draft, q = await self.speculation.async_propose(state)
         try:
-            step = plan_step(state, self.prefill_chunk, draft, q)
-        except GenerationError as exc:  # the stream's grammar could not build its masks
+            if state.matcher is None:
+                step = plan_step(state, self.prefill_chunk, draft, q)
+            else:  # the masks on the ring's mask thread; in flight meanwhile, so a cancel waits for the step
+                state.in_flight = True
+                step, took = await self._grammar.async_off_loop(timed, plan_step, state, self.prefill_chunk, draft, q)
+                check_mask_time(took)
+        except GenerationError as exc:  # the stream's grammar could not build its masks (or took too long)
             state.in_flight = False
             await self._fail(state, GenerationError(f"the output constraint failed: {exc}"))
             return

@@ -12,9 +12,9 @@ temperature 1 after the mask. Rows of requests that ask nothing take the plain t
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -23,6 +23,8 @@ from engine.generation.grammar import GrammarMatcher, GrammarStateError
 from engine.generation.logprobs import token_logprobs
 from engine.generation.request import Constraint
 from engine.shards.step_answer import mask_in_place
+
+T = TypeVar("T")
 
 
 class MatcherSource(Protocol):
@@ -33,6 +35,8 @@ class MatcherSource(Protocol):
     def features(self) -> frozenset[str]: ...
 
     async def async_matcher(self, constraint: Constraint) -> GrammarMatcher: ...
+
+    async def async_off_loop(self, work: Callable[..., T], *args: Any) -> T: ...
 
     def close(self) -> None: ...
 

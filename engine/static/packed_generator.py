@@ -308,7 +308,11 @@ class PackedGenerator:
         choices: dict[int, RowChoice] = {}
         if any(a is not None for a in asks.values()):
             self.logit_steps += 1
-            choices = choose_rows(await self.backend.async_logits(schedule.frame, schedule.tokens), asks)
+            logits = await self.backend.async_logits(schedule.frame, schedule.tokens)
+            if self._grammar is not None and any(a is not None and a.matcher is not None for a in asks.values()):
+                choices = await self._grammar.async_off_loop(choose_rows, logits, asks)  # masks off the loop
+            else:
+                choices = choose_rows(logits, asks)
             sampled = {row: c.token for row, c in choices.items()}
         else:
             ids = await self.backend.async_top1(schedule.frame, schedule.tokens)

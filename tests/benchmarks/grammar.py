@@ -29,6 +29,7 @@ import numpy as np
 from engine.cli.main import Command
 from engine.generation.grammar import GrammarMatcher, GrammarTokenizer, apply_mask, fill_masks
 from engine.generation.response_format import ToolCallTemplate, response_format_grammar, tool_call_grammar
+from tests.benchmarks.grammar_contention import measure_contention, render_contention
 from tests.benchmarks.record import (
     DEFAULT_DOC,
     DEFAULT_JSON_DIR,
@@ -136,7 +137,8 @@ def batch_walk(tok: GrammarTokenizer, grammar: Any, ids: Sequence[int], users: i
     return times
 
 
-def measure(tokenizer_json: Path, eos_id: int, runs: int) -> dict[str, Any]:
+def measure(tokenizer_json: Path, eos_id: int, runs: int, attackers: int = 8, big_properties: int = 1800
+            ) -> dict[str, Any]:
     t = time.perf_counter()
     text = tokenizer_json.read_text(encoding="utf-8")
     vocab = GrammarTokenizer(text, logits_width=_vocab_size(text), eos_ids=[eos_id])
@@ -170,8 +172,9 @@ def measure(tokenizer_json: Path, eos_id: int, runs: int) -> dict[str, Any]:
             **{f"{k}_us_p90": _p90(v) for k, v in per.items()},
             "samples": {k: len(v) for k, v in per.items()},
         }
+    contention = measure_contention(vocab, CASES["json_schema"][0], attackers, big_properties, runs)
     return {"vocab": vocab.logits_width, "mask_bytes": vocab.mask_width * 4, "tokenizer_s": tokenizer_s,
-            "users": USERS, "draft": DRAFT, "runs": runs, "grammars": grammars}
+            "users": USERS, "draft": DRAFT, "runs": runs, "grammars": grammars, "contention": contention}
 
 
 def _vocab_size(tokenizer_text: str) -> int:
@@ -200,7 +203,8 @@ def render(result: dict[str, Any], json_path: Path) -> str:
     setup = markdown_table(["grammar", "compile", "matcher", "first mask"],
                            [[n, *(f"{g[k]:.2f} ms" for k in ("compile_ms", "matcher_ms", "first_mask_ms"))]
                             for n, g in result["grammars"].items()])
-    return "\n\n".join([head, per_step, "Once per request:", setup])
+    return "\n\n".join([head, per_step, "Once per request:", setup,
+                        render_contention(result["contention"], median, markdown_table)])
 
 
 def _default_tokenizer(tmp: Path) -> tuple[Path, int]:
@@ -219,6 +223,9 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="a tokenizer.json (default: the embedded default model's)")
     p.add_argument("--eos", type=int, default=None, help="its end-of-sequence id (needed with --tokenizer)")
     p.add_argument("--runs", type=int, default=5, help="rounds over every grammar (default 5)")
+    p.add_argument("--attackers", type=int, default=8, help="big schemas one key asks for at once (default 8)")
+    p.add_argument("--big-properties", type=int, default=1800,
+                   help="integer properties of each big schema (default 1800: ~50 KB, inside the size budget)")
     p.add_argument("--json", type=Path, default=DEFAULT_JSON_DIR / "grammar.json", help="where the raw results go")
     p.add_argument("--doc", type=Path, default=DEFAULT_DOC, help="the Markdown file whose section is rewritten")
 
@@ -232,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             tokenizer, eos = args.tokenizer, args.eos
         result = {"benchmark": "grammar", "command": COMMAND_LINE, "machine": machine_info(),
-                  **measure(tokenizer, eos, args.runs)}
+                  **measure(tokenizer, eos, args.runs, args.attackers, args.big_properties)}
     write_json(args.json, result)
     update_section(args.doc, "grammar", render(result, args.json))
     print(render(result, args.json))

@@ -196,3 +196,37 @@ def test_without_a_tokenizer_logprobs_are_served_and_constraints_refused():
     assert book.features == {"logprobs"}
     with pytest.raises(NoGrammarTokenizerError, match="tokenizer.json"):
         book.build_matcher(JsonConstraint())
+
+
+def test_masks_are_computed_off_the_loop_and_a_stream_over_the_mask_budget_fails_by_name(vocabulary):
+    """The step's masks on the ring's mask thread (issue 29, M5); a budget no mask meets ends the
+    stream at its reply with the budget named, while the row still goes masked."""
+    import asyncio
+    import threading
+
+    from engine.generation.grammar_pool import GrammarBudget, use_grammar_budget
+
+    book = StreamConstraints(vocabulary)
+    matcher = book.build_matcher(JsonConstraint())
+    book.track(StreamId(1), request(JsonConstraint()), matcher)
+    threads: list[str] = []
+    mask = matcher.mask
+
+    def spy():
+        threads.append(threading.current_thread().name)
+        return mask()
+
+    matcher.mask = spy  # type: ignore[method-assign]
+    use_grammar_budget(GrammarBudget(mask_budget_s=1e-9))
+    try:
+        step = asyncio.run(book.async_annotate(step_of((1, 1, 1))))
+    finally:
+        use_grammar_budget(GrammarBudget())
+        book.close_mask_thread()
+    assert threads and threads[0].startswith("deskfleet-masks")
+    assert step.plan.rows[0].mask is not None
+    brace = int(np.flatnonzero(unpack_mask(step.plan.rows[0].mask[0], V))[0])
+    outcome = PagedOutcome(1, np.array([brace], np.int64), np.ones(1, np.float32))
+    settled = book.settle(step.plan, outcome, [Emit(StreamId(1), TokenEvent(brace, 0))])
+    (failed,) = settled.ended.values()
+    assert isinstance(failed, Failed) and "per-step mask budget of 1e-09 s" in str(failed.error)
