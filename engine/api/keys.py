@@ -65,7 +65,8 @@ class KeyCheck:
             key = self.book.identify(token)
             if key is not None:
                 return Caller(key.name, key.rpm, key.tpm)
-        if self._static is not None and hmac.compare_digest(token.encode(), self._static):
+        # aiohttp hands header bytes that are not UTF-8 over as surrogates: compare them as the bytes they were
+        if self._static is not None and hmac.compare_digest(token.encode("utf-8", "surrogateescape"), self._static):
             return Caller(DEFAULT_CALLER)
         return None
 
