@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -48,8 +49,8 @@ def parse_ttl(text: str) -> float | None:
         value = float(text)
     except ValueError:
         raise DeskfleetError(f"--ttl takes a number of seconds or 'never', not {text!r}") from None
-    if not value > 0:
-        raise DeskfleetError(f"--ttl must be a positive number of seconds (or 'never'), not {text!r}")
+    if not 0 < value < math.inf:  # NaN, inf and -inf parse as floats
+        raise DeskfleetError(f"--ttl must be a positive, finite number of seconds (or 'never'), not {text!r}")
     return value
 
 

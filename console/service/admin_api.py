@@ -15,6 +15,7 @@ JSON. Each action is logged with who asked (the admin certificate's name, or "lo
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -49,7 +50,9 @@ from console.service.join_tokens import issue_options
 from console.service.served_rings import RingIdError
 from console.service.service_events import MAX_PAGE_BYTES, PAGE_EVENTS, JobNotFoundError
 from console.service.service_ring import RingStateError
+from engine.api.guard import JSON_TYPE, LOOPBACK_NAMES, host_name, is_ip
 from engine.errors import DeskfleetError, TagError, TokenPolicyError
+from engine.http_limits import LimitedAppRunner
 from engine.trust.fleet_ca import ADMIN_ROLES, Role, peer_role
 
 FleetService = Any  # console.service.fleet_service.FleetService: it imports this module, never the reverse
@@ -116,6 +119,36 @@ def caller(request: web.Request) -> str:
     return f"admin:{names[0].value if names else '?'}"
 
 
+def _no_constant(name: str) -> Any:
+    raise ShapeError(f"the body holds {name}, which is not JSON; send finite numbers")
+
+
+def check_browser_shape(request: web.Request) -> None:
+    """What the admin HTTPS refuses so that a web page in a browser holding an admin certificate
+    cannot use it (security review L9): a request with an ``Origin`` header (browsers send one on
+    every cross-site and every scripted POST), a body not declared ``application/json`` (a form or
+    ``text/plain`` post needs no CORS preflight), and a ``Host`` that is neither an IP address, a
+    loopback name nor this machine's name (DNS rebinding)."""
+    if "Origin" in request.headers:
+        raise AdminError(403, "forbidden", "the admin API does not answer web pages (the request has an Origin "
+                                           "header); use the console or `deskfleet fleet`")
+    if request.can_read_body and request.content_type != JSON_TYPE:
+        raise AdminError(415, "unsupported_media_type", f"a request body must be sent as Content-Type: {JSON_TYPE}, "
+                                                        f"not {request.content_type or 'none'!r}")
+    name = host_name(request.headers.get("Host", ""))
+    if name is None or not (name in _machine_names() or is_ip(name)):
+        raise AdminError(421, "wrong_host", f"the admin API does not answer to the host name "
+                                            f"{request.headers.get('Host')!r}; address it by IP address or by "
+                                            f"this machine's name ({socket.gethostname()})")
+
+
+@functools.cache
+def _machine_names() -> frozenset[str]:
+    name = socket.gethostname().lower().rstrip(".")
+    short = name.split(".")[0]
+    return LOOPBACK_NAMES | {name, short, f"{short}.local"}
+
+
 class AdminApi:
     def __init__(self, service: FleetService) -> None:
         self.service = service
@@ -124,6 +157,8 @@ class AdminApi:
     async def guard(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
         try:
             request[WHO] = caller(request)
+            if request[WHO] != "local":
+                check_browser_shape(request)
             if request.method in ("POST", "DELETE") and request.path != f"{PREFIX}/events":
                 log.info("%s: %s %s", request[WHO], request.method, request.path)
             return await handler(request)
@@ -142,9 +177,11 @@ class AdminApi:
         if not request.can_read_body:
             return {}
         try:
-            data = await request.json()
+            data = json.loads(await request.text(), parse_constant=_no_constant)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ShapeError(f"the body is not JSON ({exc})") from exc
+        except RecursionError:
+            raise ShapeError("the body nests too deeply to read (no admin request nests past a few levels)") from None
         if not isinstance(data, dict):
             raise ShapeError("the body must be a JSON object")
         return data
@@ -401,8 +438,9 @@ async def async_run_admin(service: FleetService, stack: contextlib.AsyncExitStac
     """Serve the admin API on the state dir's socket and, unless ``admin_port`` is None, over
     mutual TLS; closed by ``stack``. Returns the HTTPS URL (None: socket only)."""
     settings = service.settings
-    runner = web.AppRunner(build_admin_app(service), handler_cancellation=True, shutdown_timeout=2.0,
-                           access_log=None)  # long-polls and job polls: the actions are logged by the guard
+    runner = LimitedAppRunner(build_admin_app(service), handler_cancellation=True, shutdown_timeout=2.0,
+                              access_log=None,  # long-polls and job polls: the actions are logged by the guard
+                              what="admin API")
     await runner.setup()
     stack.push_async_callback(runner.cleanup)
     path = Path(settings.state_dir) / ADMIN_SOCKET

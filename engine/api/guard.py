@@ -50,7 +50,7 @@ def host_name(header: str) -> str | None:
     return name or None
 
 
-def _is_ip(name: str) -> bool:
+def is_ip(name: str) -> bool:
     try:
         ipaddress.ip_address(name)
     except ValueError:
@@ -72,7 +72,7 @@ class HostPolicy:
         name = host_name(header) if header else None
         if name is None:
             return False
-        return name in self.names or (self.any_ip and _is_ip(name))
+        return name in self.names or (self.any_ip and is_ip(name))
 
     def check(self, header: str | None) -> None:
         """Raise ApiError 421 unless ``header`` names this server."""
@@ -120,18 +120,35 @@ def check_json_type(content_type: str) -> None:
 
 
 def prompt_chars(params: CompletionParams) -> int:
-    """The characters the tokenizer would read: every chat message's content, or the prompt
-    (a prompt of token ids counts one per id)."""
-    if params.kind == "chat":
-        return sum(len(m.get("content", "")) for m in params.messages)
-    return len(params.prompt)
+    """The characters the template would render, counted before any tokenising: every chat
+    message's content (text parts joined), an assistant's earlier calls (id, name, arguments) and
+    reasoning (``reasoning_content``), a tool message's call id, and every declared tool (name, description, parameters: counted even
+    under ``tool_choice: none``, when they are not shown); or the prompt (a prompt of token ids
+    counts one per id)."""
+    if params.kind != "chat":
+        return len(params.prompt)
+    n = 0
+    for m in params.messages:
+        n += len(m.get("content", "")) + len(m.get("tool_call_id", "")) + len(m.get("reasoning_content", ""))
+        n += sum(len(c.id) + len(c.name) + len(c.arguments) for c in m.get("tool_calls", ()))
+    return n + sum(len(t.name) + len(t.description) + len(t.parameters) for t in params.tools)
 
 
 def check_prompt_chars(params: CompletionParams, max_prompt_tokens: int) -> None:
     """Raise ApiError 400 ``context_length_exceeded`` for a prompt too long to be worth tokenising."""
     n, limit = prompt_chars(params), CHARS_PER_TOKEN * max_prompt_tokens
     if n > limit:
-        raise ApiError(400, f"the prompt has {n} characters; this server accepts at most {max_prompt_tokens} "
-                       f"tokens, so at most {limit} characters are read. Shorten the prompt or the "
-                       "conversation.", "context_length_exceeded",
+        raise ApiError(400, f"the prompt has {n} characters (messages, earlier tool calls and tools counted); this "
+                       f"server accepts at most {max_prompt_tokens} tokens, so at most {limit} characters are read. "
+                       "Shorten the prompt, the conversation or the tools.", "context_length_exceeded",
                        param="messages" if params.kind == "chat" else "prompt")
+
+
+def check_prompt_ids(params: CompletionParams, vocab_size: int | None) -> None:
+    """Raise ApiError 400 for a prompt of token ids outside the model's vocabulary (``vocab_size``;
+    None: not known, the parse's int32 bound holds)."""
+    if vocab_size is None or not isinstance(params.prompt, tuple):
+        return
+    if (bad := next((t for t in params.prompt if t >= vocab_size), None)) is not None:
+        raise ApiError(400, f"'prompt' holds the token id {bad}; this model's vocabulary has ids 0 to "
+                       f"{vocab_size - 1}", "invalid_value", param="prompt")

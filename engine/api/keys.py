@@ -74,7 +74,8 @@ class KeyCheck:
             if key is not None:
                 return Caller(key.name, key.rpm, key.tpm, scope=f"key:{key.sha256[:32]}",
                               metrics=key.metrics or key.name == CONSOLE_KEY_NAME)
-        if self._static is not None and hmac.compare_digest(token.encode(), self._static):
+        # aiohttp hands header bytes that are not UTF-8 over as surrogates: compare them as the bytes they were
+        if self._static is not None and hmac.compare_digest(token.encode("utf-8", "surrogateescape"), self._static):
             return Caller(DEFAULT_CALLER, scope=DEFAULT_CALLER, metrics=True)  # the operator's own key
         return None
 

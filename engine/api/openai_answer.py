@@ -54,15 +54,17 @@ def thinking_of(tokenizer: Any, prompt_ids: Sequence[int]) -> ReasoningSplitter 
 
 
 class ChoiceBuilder:
-    """One choice of an answer, built from its token events (chat: ``kind`` "chat"; else "text")."""
+    """One choice of an answer, built from its token events (chat: ``kind`` "chat"; else "text").
+    ``tools``: the names of the request's functions; its text is parsed for calls of those only
+    (empty: not parsed)."""
 
     def __init__(self, index: int, kind: str, decode: Callable[[Sequence[int]], str], stop: Sequence[str] = (), *,
-                 tools: bool = False, logprobs: int | None = None, token_bytes: TokenBytes | None = None,
+                 tools: Collection[str] = (), logprobs: int | None = None, token_bytes: TokenBytes | None = None,
                  skip_ids: Collection[int] = (), thinking: ReasoningSplitter | None = None):
         self.index, self.kind = index, kind
         self.text = TextStream(decode, stop)
         self._thinking = thinking if kind == "chat" else None
-        self._tools = ToolCallStream() if tools else None
+        self._tools = ToolCallStream(declared=tools) if tools else None  # only the request's functions
         self._logprobs = logprobs
         self._token_bytes = token_bytes or (lambda token_id: decode([token_id]).encode("utf-8"))
         self._skip = frozenset(skip_ids)

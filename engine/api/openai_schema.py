@@ -45,6 +45,7 @@ from engine.generation.tool_calls import (
 MAX_STOP_STRINGS = 4
 MAX_CHOICES = 8  # n: each choice is a stream of its own on the ring
 MAX_TOOLS = 128
+MAX_TOKEN_ID = (1 << 31) - 1  # a prompt's ids are int32 to the model; the tokenizer's vocabulary bounds them further
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
 # Fields a client may send that this server cannot honour: refuse them rather than ignore them.
@@ -138,6 +139,11 @@ class CompletionParams:
         return bool(self.tools) and self.tool_choice.mode is not ToolMode.NONE
 
     @property
+    def callable_tools(self) -> frozenset[str]:
+        """The function names an answer's tool calls may name (empty: its text is not parsed for calls)."""
+        return frozenset(t.name for t in self.tools) if self.parses_tools else frozenset()
+
+    @property
     def constraint(self) -> Constraint | None:
         """What the generators must constrain the output to: a forced tool call, else the response format."""
         return tool_constraint(self.tools, self.tool_choice) or self.response_format
@@ -214,8 +220,16 @@ def _earlier_calls(raw: Any, index: int) -> tuple[ToolCall, ...]:
                 and isinstance(function.get("arguments"), str)):
             raise _bad(f"{where}[{j}] must be {{id: str, type: 'function', function: {{name: str, arguments: "
                        "str (JSON)}}}}", "messages")
+        arguments = _unicode(function["arguments"], where, "messages")
+        try:
+            json.loads(arguments)
+        except RecursionError:
+            raise _bad(f"{where}[{j}].function.arguments nests too deeply to read; send the call's arguments as "
+                       "the model wrote them", "messages") from None
+        except ValueError:
+            pass  # not JSON: a model's malformed call goes back as its text
         calls.append(ToolCall(_unicode(call["id"], where, "messages"), _unicode(function["name"], where, "messages"),
-                              _unicode(function["arguments"], where, "messages")))
+                              arguments))
     return tuple(calls)
 
 
@@ -362,7 +376,10 @@ def _prompt(raw: Any) -> str | tuple[int, ...]:
         raw = raw[0]  # a batch of one prompt
     if isinstance(raw, str) and raw:
         return _unicode(raw, "'prompt'", "prompt")
-    if isinstance(raw, list) and raw and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in raw):
+    if isinstance(raw, list) and raw and all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
+        if not all(0 <= t <= MAX_TOKEN_ID for t in raw):
+            raise _bad(f"'prompt' token ids must be between 0 and {MAX_TOKEN_ID} (and in the model's vocabulary)",
+                       "prompt")
         return tuple(raw)
     raise _bad("'prompt' must be a non-empty string or a list of token ids (one prompt per request)", "prompt")
 

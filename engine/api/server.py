@@ -47,7 +47,7 @@ from aiohttp import web
 from engine.api.api_metrics import ApiMetrics, render_prometheus
 from engine.api.audit import AuditLog, AuditRecord, utc_stamp
 from engine.api.fan_in import merged
-from engine.api.guard import HostPolicy, check_exposure, check_json_type, check_prompt_chars
+from engine.api.guard import HostPolicy, check_exposure, check_json_type, check_prompt_chars, check_prompt_ids
 from engine.api.keys import ANONYMOUS, Caller, KeyCheck, RateLimiter, retry_after_header
 from engine.api.openai_answer import (
     ChoiceBuilder,
@@ -420,6 +420,7 @@ class _Api:
             card = self.router.card_for(params.model)
             tokenizer = self.tokenizer_for(card.name)
             check_prompt_chars(params, self.settings.max_prompt_tokens)
+            check_prompt_ids(params, getattr(tokenizer, "vocab_size", None))
             ids = await _off_loop(self._encode_locked, tokenizer, params)
             # the key's own prefix cache: another key's prompts are never reused, nor timed, through it
             gen_requests = [replace(r, cache_scope=caller.scope)
@@ -427,7 +428,7 @@ class _Api:
             outcome.prompt_tokens = len(gen_requests[0].prompt_ids)
             self.metrics.prompt_tokens += outcome.prompt_tokens
             self.limiter.charge(caller, outcome.prompt_tokens)
-            builders = [ChoiceBuilder(i, kind, tokenizer.decode, params.stop, tools=params.parses_tools,
+            builders = [ChoiceBuilder(i, kind, tokenizer.decode, params.stop, tools=params.callable_tools,
                                       logprobs=params.logprobs, token_bytes=token_bytes_of(tokenizer),
                                       skip_ids=card.eos_token_ids, thinking=thinking_of(tokenizer, ids))
                         for i in range(params.n)]

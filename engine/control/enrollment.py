@@ -50,7 +50,7 @@ from engine.errors import (
     TokenBookError,
     WrongFleetError,
 )
-from engine.http_limits import LimitedAppRunner
+from engine.http_limits import DEFAULT_LIMITS, ConnectionLimits, LimitedAppRunner
 from engine.trust.fleet_ca import (
     LEAF_DAYS,
     Credentials,
@@ -110,7 +110,7 @@ class EnrollmentServer:
     def __init__(self, authority: FleetAuthority, token_book: TokenBook, console_credentials: Credentials, *,
                  on_join: JoinCallback | None = None, issue_chat_key: ChatKeyIssuer | None = None,
                  cert_days: int = LEAF_DAYS, max_body_bytes: int = MAX_JOIN_BYTES,
-                 audit: JoinAudit | None = None) -> None:
+                 audit: JoinAudit | None = None, limits: ConnectionLimits = DEFAULT_LIMITS) -> None:
         self._authority = authority
         self._tokens = token_book
         self._credentials = console_credentials
@@ -119,14 +119,16 @@ class EnrollmentServer:
         self._cert_days = cert_days
         self._max_body_bytes = max_body_bytes
         self._audit = audit
-        self._runner: web.AppRunner | None = None
+        self.limits = limits
+        self._runner: LimitedAppRunner | None = None
 
     async def async_start(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
         """Listen on ``host:port`` (0: any free port) and return the bound address."""
         app = web.Application(client_max_size=self._max_body_bytes)
         app.router.add_get("/v1/ca", self._async_ca)
         app.router.add_post("/v1/join", self._async_join)
-        runner = LimitedAppRunner(app, shutdown_timeout=2.0, access_log=None, what="enrollment endpoint")
+        runner = LimitedAppRunner(app, shutdown_timeout=2.0, access_log=None, limits=self.limits,
+                                  what="enrollment endpoint")
         await runner.setup()
         try:
             site = web.TCPSite(runner, host, port,

@@ -13,7 +13,9 @@ A call the model made earlier is written back into its assistant turn in that fo
 tool's result goes back as a user turn in a ``<tool_response>`` block, so a template that knows
 only system/user/assistant renders the whole round trip. The model's output is parsed for the
 same blocks by :class:`ToolCallStream`, incrementally (streamed answers) or all at once
-(:func:`parse_tool_calls`); a block that is not a well-formed call stays text.
+(:func:`parse_tool_calls`); a block that is not a well-formed call stays text, as does a call of a
+function the request did not declare (a prompt-injected model cannot invent a tool), and a block
+nested too deeply to read (JSON deeper than Python's recursion limit) is not a call either.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 import enum
 import json
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,12 +118,18 @@ def system_block(tools: Sequence[FunctionTool], choice: ToolChoice) -> str:
     return "\n".join(lines)
 
 
+def loads_or_text(arguments: str) -> Any:
+    """An earlier call's arguments as JSON, or the text itself when it is not JSON (or nests too
+    deeply to read: the API refuses those first, see ``openai_schema._earlier_calls``)."""
+    try:
+        return json.loads(arguments)
+    except (ValueError, RecursionError):
+        return arguments
+
+
 def call_text(name: str, arguments: str) -> str:
     """A call in the generic format (how an earlier call goes back into the conversation)."""
-    try:
-        args: Any = json.loads(arguments)
-    except ValueError:
-        args = arguments
+    args = loads_or_text(arguments)
     return f"{CALL_OPEN}\n{json.dumps({'name': name, 'arguments': args}, ensure_ascii=False)}\n{CALL_CLOSE}"
 
 
@@ -131,10 +139,7 @@ def _native_message(message: Mapping[str, Any]) -> dict[str, Any]:
     if message.get("tool_calls"):
         calls = []
         for call in message["tool_calls"]:
-            try:
-                args: Any = json.loads(call.arguments)
-            except ValueError:
-                args = call.arguments
+            args = loads_or_text(call.arguments)
             calls.append({"id": call.id, "type": "function", "function": {"name": call.name, "arguments": args}})
         out["tool_calls"] = calls
     return out
@@ -199,23 +204,23 @@ class ArgumentsDelta:
 Piece = ContentDelta | CallStart | ArgumentsDelta
 
 
-def _as_call(block: str) -> tuple[str, str] | None:
-    """(name, arguments JSON) of a block's body, or None when it is not a well-formed call."""
+def _as_call(block: str, declared: Collection[str] | None) -> tuple[str, str] | None:
+    """(name, arguments JSON) of a block's body, or None when it is not a well-formed call of a
+    function in ``declared`` (None: any name)."""
     try:
         body = json.loads(block)
-    except ValueError:
-        return None
-    if not isinstance(body, dict) or not isinstance(body.get("name"), str) or not body["name"]:
-        return None
-    args = body.get("arguments", body.get("parameters", {}))
-    if isinstance(args, str):  # some models write the arguments as a JSON string, as the API does
-        try:
-            args = json.loads(args)
-        except ValueError:
+        if not isinstance(body, dict) or not isinstance(body.get("name"), str) or not body["name"]:
             return None
-    if not isinstance(args, dict):
+        if declared is not None and body["name"] not in declared:
+            return None
+        args = body.get("arguments", body.get("parameters", {}))
+        if isinstance(args, str):  # some models write the arguments as a JSON string, as the API does
+            args = json.loads(args)
+        if not isinstance(args, dict):
+            return None
+        return body["name"], json.dumps(args, ensure_ascii=False)
+    except (ValueError, RecursionError):  # not JSON, or nested past the recursion limit
         return None
-    return body["name"], json.dumps(args, ensure_ascii=False)
 
 
 class ToolCallStream:
@@ -223,11 +228,12 @@ class ToolCallStream:
 
     Content is passed on as it comes, except a tail that could be the start of ``<tool_call>``;
     a call's block is held until its ``</tool_call>``, then given as a :class:`CallStart` and
-    :class:`ArgumentsDelta` fragments. A block that is not a well-formed call is given back as
-    content, as is an unclosed one at :meth:`finish`.
+    :class:`ArgumentsDelta` fragments. A block that is not a well-formed call of a function in
+    ``declared`` (None: any name) is given back as content, as is an unclosed one at :meth:`finish`.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, declared: Collection[str] | None = None) -> None:
+        self._declared = frozenset(declared) if declared is not None else None
         self._pending = ""  # text not yet given out: a possible opening tag, or an open block
         self._in_call = False
         self.calls: list[ToolCall] = []
@@ -264,7 +270,7 @@ class ToolCallStream:
         return [ContentDelta(text)] if text else []
 
     def _call(self, block: str) -> list[Piece]:
-        parsed = _as_call(block)
+        parsed = _as_call(block, self._declared)
         if parsed is None:
             return [ContentDelta(CALL_OPEN + block + CALL_CLOSE)]
         name, arguments = parsed
@@ -283,9 +289,10 @@ def _open_prefix_len(text: str) -> int:
     return 0
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, tuple[ToolCall, ...]]:
-    """A whole answer's content (None when only calls and white space) and its calls, in order."""
-    stream = ToolCallStream()
+def parse_tool_calls(text: str, declared: Collection[str] | None = None) -> tuple[str | None, tuple[ToolCall, ...]]:
+    """A whole answer's content (None when only calls and white space) and its calls of functions in
+    ``declared`` (None: any), in order."""
+    stream = ToolCallStream(declared)
     pieces = [*stream.push(text), *stream.finish()]
     content = "".join(p.text for p in pieces if isinstance(p, ContentDelta))
     calls = tuple(stream.calls)

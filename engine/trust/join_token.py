@@ -45,6 +45,8 @@ BOOK_FORMAT_V1 = "deskfleet-join-tokens/1"  # single-use tokens; read and migrat
 TOKEN_ID_HEX = 10
 MAX_USES = 100_000
 MAX_LABEL_CHARS = 80
+MAX_TTL_S = 366 * 86400.0  # a token that should outlive a year is one with no expiry: say so (ttl None)
+MAX_AUTO_APPROVE_TTL_S = 30 * 86400.0  # an auto-approving token is an admin's approval: a roll-out's weeks at most
 _HEX = frozenset("0123456789abcdef")
 _B32 = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZ234567")
 _THREAD_LOCK = threading.Lock()  # one per process: books are few, the critical sections short
@@ -265,12 +267,17 @@ class TokenBook:
         them on join when ``auto_approve``. TokenPolicyError for what it will not issue."""
         if isinstance(uses, bool) or not isinstance(uses, int) or not 1 <= uses <= MAX_USES:
             raise TokenPolicyError(f"a token admits 1 to {MAX_USES} PCs; got uses={uses!r}")
-        if ttl_s is not None and not ttl_s > 0:
-            raise TokenPolicyError(f"a token's ttl_s must be a positive number of seconds (or none: no expiry); "
-                                   f"got {ttl_s!r}")
+        if ttl_s is not None and (isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float))
+                                  or not 0 < ttl_s <= MAX_TTL_S):  # NaN and Infinity fail here too
+            raise TokenPolicyError(f"a token's ttl_s must be a positive number of seconds up to {MAX_TTL_S:.0f} "
+                                   f"(366 days), or none: no expiry; got {ttl_s!r}")
         if auto_approve and ttl_s is None:
             raise TokenPolicyError("an auto-approving token must expire: it admits and approves every PC that "
                                    "shows it; give it a ttl (e.g. 86400 s for a day's roll-out)")
+        if auto_approve and ttl_s is not None and ttl_s > MAX_AUTO_APPROVE_TTL_S:
+            raise TokenPolicyError(f"an auto-approving token lasts at most {MAX_AUTO_APPROVE_TTL_S:.0f} s (30 days): "
+                                   f"it approves every PC that shows it; got ttl_s={ttl_s!r}. Issue a new one "
+                                   "for a longer roll-out")
         label = " ".join(str(label).split())
         if len(label) > MAX_LABEL_CHARS or not label.isprintable():
             raise TokenPolicyError(f"a token's label is at most {MAX_LABEL_CHARS} printable characters")

@@ -438,7 +438,10 @@ def test_over_max_concurrent_is_429_with_retry_after(fleet):
 
     error = asyncio.run(scenario())
     assert error.response.headers["retry-after"] == "1" and "limit" in error.message
-    wait_for_metrics(fleet, fleet.held_url, lambda m: m["deskfleet_api_active_requests"] == 0)
+    # the held stream's cancellation reaches the coordinator after the API's count drops: wait for both, so the
+    # next test's before/after counts see only its own request
+    wait_for_metrics(fleet, fleet.held_url, lambda m: m["deskfleet_api_active_requests"] == 0
+                     and m["deskfleet_active_streams"] == 0)
 
 
 def test_client_disconnect_cancels_the_generation(fleet):

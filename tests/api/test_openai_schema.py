@@ -153,11 +153,11 @@ def test_choice_logprobs_and_tool_call_shapes():
     assert chat["logprobs"] == {"content": [{"token": "a", "logprob": None, "bytes": [97], "top_logprobs": []}],
                                 "refusal": None}
     call = '<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
-    called = answered("chat", call, "stop", tools=True).choice()
+    called = answered("chat", call, "stop", tools={"f"}).choice()
     assert called["finish_reason"] == "tool_calls" and called["message"]["content"] is None
     (tool_call,) = called["message"]["tool_calls"]
     assert tool_call["type"] == "function" and tool_call["function"] == {"name": "f", "arguments": '{"x": 1}'}
-    assert answered("chat", call, "length", tools=True).choice()["finish_reason"] == "length"
+    assert answered("chat", call, "length", tools={"f"}).choice()["finish_reason"] == "length"
     assert answered("chat", call, "stop").choice()["message"] == {"role": "assistant", "content": call}
 
 
