@@ -9,8 +9,8 @@ when the book changes, so a revoked key is refused on its next request).
 of the requests it started and the tokens (prompt + completion) they used. A request is refused
 while the window holds ``rpm`` requests, or ``tpm`` tokens or more; the answer says when the
 oldest entry that blocks it leaves the window (``Retry-After``). Tokens are charged as they are
-known (the prompt once tokenised, the answer when it ends), so a request already admitted is
-never cut short by its own key's limit.
+known: the prompt once tokenised, the answer token by token; a stream whose key is over its
+``tpm`` (:meth:`RateLimiter.over_tokens`) stops there (:mod:`engine.api.share`).
 """
 
 from __future__ import annotations
@@ -127,6 +127,12 @@ class RateLimiter:
             return max(max(waits), 1e-3)
         w.started.append(now)
         return None
+
+    def over_tokens(self, caller: Caller) -> bool:
+        """Whether ``caller`` has used its ``tpm`` tokens in the window (False without a token limit)."""
+        if caller.tpm is None:
+            return False
+        return self._window(caller.name, self._clock()).token_sum >= caller.tpm
 
     def charge(self, caller: Caller, tokens: int) -> None:
         """Count ``tokens`` used by ``caller`` now (only for a caller with a token limit)."""

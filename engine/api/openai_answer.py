@@ -72,6 +72,7 @@ class ChoiceBuilder:
         self._sent_entries = 0  # entries already attached to a streamed chunk
         self._content: list[str] = []
         self.finish_reason: str | None = None
+        self.stop_reason: str | None = None
 
     @property
     def stopped(self) -> bool:
@@ -90,8 +91,10 @@ class ChoiceBuilder:
             self._entries.append(self._entry(event, offset))
         return self._deltas(self._pieces(delta))
 
-    def close(self, finish_reason: str) -> list[dict[str, Any]]:
-        """Generation ended with ``finish_reason``: the held text, then the closing delta."""
+    def close(self, finish_reason: str, stop_reason: str | None = None) -> list[dict[str, Any]]:
+        """Generation ended with ``finish_reason``: the held text, then the closing delta (with
+        ``stop_reason`` when the server, not the model, ended it: "token_budget")."""
+        self.stop_reason = stop_reason
         tail = self._pieces(self.text.finish(), final=True)
         if self._tools is not None:
             tail += self._tools.finish()
@@ -140,9 +143,10 @@ class ChoiceBuilder:
         entries = self._entries[self._sent_entries:]
         self._sent_entries = len(self._entries)
         logprobs = self._logprob_body(entries) if self._logprobs is not None and (entries or finish) else None
+        why = {"stop_reason": self.stop_reason} if finish and self.stop_reason else {}
         if self.kind == "chat":
-            return {"index": self.index, "delta": chat_delta, "finish_reason": finish, "logprobs": logprobs}
-        return {"index": self.index, "text": text, "finish_reason": finish, "logprobs": logprobs}
+            return {"index": self.index, "delta": chat_delta, "finish_reason": finish, "logprobs": logprobs, **why}
+        return {"index": self.index, "text": text, "finish_reason": finish, "logprobs": logprobs, **why}
 
     # -- log-probabilities ---------------------------------------------------------------------
 
@@ -171,15 +175,18 @@ class ChoiceBuilder:
         """The choice of a non-streamed answer (after :meth:`close`)."""
         logprobs = self._logprob_body(self._entries) if self._logprobs is not None else None
         text = "".join(self._content)
+        why = {"stop_reason": self.stop_reason} if self.stop_reason else {}
         if self.kind != "chat":
-            return {"index": self.index, "text": text, "finish_reason": self.finish_reason, "logprobs": logprobs}
+            return {"index": self.index, "text": text, "finish_reason": self.finish_reason, "logprobs": logprobs,
+                    **why}
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if self.tool_calls:
             message = {"role": "assistant", "content": text.strip() or None,
                        "tool_calls": [c.to_json() for c in self.tool_calls]}
         if self._thinking is not None:
             message["reasoning_content"] = self._thinking.reasoning or None
-        return {"index": self.index, "message": message, "finish_reason": self.finish_reason, "logprobs": logprobs}
+        return {"index": self.index, "message": message, "finish_reason": self.finish_reason, "logprobs": logprobs,
+                **why}
 
 
 # -- answers and chunks --------------------------------------------------------------------------

@@ -69,6 +69,7 @@ from engine.api.openai_schema import (
     prompt_ids,
     to_generation_requests,
 )
+from engine.api.share import BUDGET_STOP, KeyWatch, StreamShares
 from engine.errors import DeskfleetError, GenerationError, TokenizerError
 from engine.generation.generator import Generator, ModelCard, OverloadedError, UnavailableError
 from engine.generation.grammar_pool import COMPILE_OWNER
@@ -108,6 +109,9 @@ class ApiSettings:
     default_max_tokens: int = 256
     max_tokens_limit: int = 2048
     max_concurrent: int = 16
+    # streams (choices) one key may have running or queued where keys are required; None: half of
+    # max_concurrent (engine.api.share). A server without keys has one user and no share.
+    key_streams: int | None = None
     retry_after_s: int = 1
     pending: frozenset[str] = frozenset(NOT_YET_SERVED)
 
@@ -116,6 +120,8 @@ class ApiSettings:
                      "max_concurrent", "retry_after_s"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ApiSettings.{name} must be at least 1, got {getattr(self, name)}")
+        if self.key_streams is not None and self.key_streams < 1:
+            raise ValueError(f"ApiSettings.key_streams must be at least 1, got {self.key_streams}")
         if self.default_max_tokens > self.max_tokens_limit:
             raise ValueError("ApiSettings.default_max_tokens must not exceed max_tokens_limit")
         if self.api_key is not None and not self.api_key:
@@ -169,6 +175,7 @@ _USAGE: web.RequestKey[tuple[int, int]] = web.RequestKey("deskfleet_usage", tupl
 # (model, ring) once a ring has answered the request: what the audit records
 SERVED_BY: web.RequestKey[tuple[str, str]] = web.RequestKey("deskfleet_served_by", tuple)
 CALLER: web.RequestKey[Caller] = web.RequestKey("deskfleet_caller", Caller)  # who sent it (a valid key)
+_TOKEN: web.RequestKey[str] = web.RequestKey("deskfleet_token", str)  # the bearer key it carried
 API_STATE: web.AppKey[_Api] = web.AppKey("deskfleet_api")  # RunningApi.set_api_key reaches it
 
 
@@ -218,6 +225,7 @@ class _Api:
         self.metrics = ApiMetrics()
         self.keys = KeyCheck(settings.api_key, keys)
         self.limiter = RateLimiter()
+        self.shares = StreamShares(settings.key_streams or max(1, settings.max_concurrent // 2))
         self.audit = audit
         # one use of a tokenizer at a time: a tokenizer object is not meant to be shared between threads
         self._tokenizer_locks: dict[int, threading.Lock] = {}
@@ -294,6 +302,7 @@ class _Api:
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
         caller = None
         if scheme.lower() == "bearer" and token.strip():
+            request[_TOKEN] = token.strip()  # looked up again while its answers run (KeyWatch)
             try:
                 caller = self.keys.identify(token.strip())
             except KeyBookError as exc:
@@ -411,12 +420,14 @@ class _Api:
                            f"in {self.settings.retry_after_s} s", "too_many_requests")
         self.metrics.active += 1  # admitted: counts from here, so tokenising requests hold a slot
         outcome = _Outcome()
+        shared = 0  # streams counted in the key's share
         try:
             body = await self._read_json(request)
             if isinstance(body.get("model"), str):  # for the audit, even when it is not served
                 request[_ASKED_FOR] = body["model"][:100]
             params = parse_completion(body, kind, [c.name for c in self.router.models()],
                                       pending=self._pending())
+            shared = self._take_share(caller, params.n)
             card = self.router.card_for(params.model)
             tokenizer = self.tokenizer_for(card.name)
             check_prompt_chars(params, self.settings.max_prompt_tokens)
@@ -432,7 +443,8 @@ class _Api:
                                       logprobs=params.logprobs, token_bytes=token_bytes_of(tokenizer),
                                       skip_ids=card.eos_token_ids, thinking=thinking_of(tokenizer, ids))
                         for i in range(params.n)]
-            deltas = merged([self._deltas(request, card, r, b, outcome, started)
+            watch = self._key_watch(request)
+            deltas = merged([self._deltas(request, card, r, b, outcome, started, caller, watch)
                               for r, b in zip(gen_requests, builders, strict=True)])
             async with contextlib.aclosing(deltas):
                 if params.stream:
@@ -441,17 +453,43 @@ class _Api:
                     pass
         finally:
             self.metrics.active -= 1
+            self.shares.give_back(caller.name, shared)
             request[_USAGE] = (outcome.prompt_tokens, outcome.completion_tokens)
-            self.limiter.charge(caller, outcome.completion_tokens)
         return web.json_response(completion_response(kind, card.name, [b.choice() for b in builders],
                                                      outcome.usage()))
 
+    def _take_share(self, caller: Caller, streams: int) -> int:
+        """Count ``streams`` in the caller's share (where keys are required); ApiError 429 past it."""
+        if not self.keys.required:
+            return 0
+        if not self.shares.take(caller.name, streams):
+            held = self.shares.held(caller.name)
+            raise ApiError(429, f"the key {caller.name!r} has {held} answers in progress and asks for {streams} "
+                           f"more; a key's share of this server is {self.shares.per_key} at once. Wait for one to "
+                           "end, or ask the fleet's admin for a key of your own", "key_share_exceeded")
+        return streams
+
+    def _key_watch(self, request: web.Request) -> KeyWatch | None:
+        """A running answer's key, looked up again every RECHECK_S (None: a server without keys)."""
+        token = request.get(_TOKEN)
+        if not self.keys.required or token is None:
+            return None
+
+        def still_valid() -> bool:
+            try:
+                return self.keys.identify(token) is not None
+            except KeyBookError:
+                return True  # an unreadable book refuses new requests; running ones are not cut for it
+        return KeyWatch(still_valid)
+
     async def _deltas(self, request: web.Request, card: ModelCard, gen_request: GenerationRequest,
-                             builder: ChoiceBuilder, outcome: _Outcome,
-                             started: float) -> AsyncGenerator[list[dict[str, Any]], None]:
+                      builder: ChoiceBuilder, outcome: _Outcome, started: float, caller: Caller = ANONYMOUS,
+                      watch: KeyWatch | None = None) -> AsyncGenerator[list[dict[str, Any]], None]:
         """Yield one list of the choice's streamed deltas (maybe empty) per generated token, then
-        the held-back tail and the closing delta."""
+        the held-back tail and the closing delta. Each token is charged to the caller's key as it
+        comes; the stream stops when the key runs out of tokens, and fails when it is revoked."""
         first_at, produced, finish = 0.0, 0, "stop"
+        stop_reason: str | None = None
 
         def placed(ring: str) -> None:
             request[SERVED_BY] = (card.name, ring)
@@ -466,8 +504,16 @@ class _Api:
                             self.metrics.observe_ttft(first_at - started)
                     produced += 1
                     outcome.completion_tokens += 1
+                    self.limiter.charge(caller, 1)
+                    if watch is not None and not watch.valid():
+                        raise ApiError(401, f"the key {caller.name!r} was revoked while this answer ran; the "
+                                       "answer was stopped", "invalid_api_key")
                     deltas = builder.push(event)
                     if builder.stopped:
+                        yield deltas
+                        break
+                    if event.finish is None and self.limiter.over_tokens(caller):
+                        finish, stop_reason = BUDGET_STOP
                         yield deltas
                         break
                     if event.finish is not None:
@@ -478,7 +524,7 @@ class _Api:
                         yield deltas
                         break
                     yield deltas
-            yield builder.close(finish)
+            yield builder.close(finish, stop_reason)
         finally:
             if produced:
                 self.metrics.observe_generation(produced, time.perf_counter() - first_at)
