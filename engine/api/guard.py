@@ -122,9 +122,9 @@ def check_json_type(content_type: str) -> None:
 def prompt_chars(params: CompletionParams) -> int:
     """The characters the template would render, counted before any tokenising: every chat
     message's content (text parts joined), an assistant's earlier calls (id, name, arguments) and
-    reasoning (``reasoning_content``), a tool message's call id, and every declared tool (name, description, parameters: counted even
-    under ``tool_choice: none``, when they are not shown); or the prompt (a prompt of token ids
-    counts one per id)."""
+    reasoning (``reasoning_content``), a tool message's call id, and every declared tool (name,
+    description, parameters: counted even under ``tool_choice: none``, when they are not shown);
+    or the prompt (a prompt of token ids counts one per id)."""
     if params.kind != "chat":
         return len(params.prompt)
     n = 0
