@@ -13,6 +13,10 @@ tests/test_builder_runtime.py on the CPU's runtime model):
 * :func:`expand_groups`: grouped-query K/V through Unsqueeze -> Broadcast(bidirectional)
   -> Reshape, the form the same fusion accepts for GQA.
 
+* :func:`moe_block`: the "tiled" expert form (Reshape -> Tile -> Reshape -> three batched MatMuls
+  -> Reshape, times the routing weights scattered to [E, T], ReduceSum over experts) that
+  OpenVINO's ConvertTiledMoeBlockTo3GatherMatmuls / FuseVectorizedMOE3GEMM passes match.
+
 Shapes in comments: B batch, S new positions, T = P + S visible positions, H query heads,
 KV key/value heads, D head_dim.
 """
@@ -141,3 +145,35 @@ def trailing_rows(h: Out, logits_last: Out) -> Out:
     start = ops.maximum(ops.subtract(seq, n), i64(0))
     rows = ops.range(start, seq, i64(1), output_type="i64")  # [n]
     return ops.gather(h, rows, i64(1)).output(0)
+
+
+def moe_block(x: Out, router: Out, gate: Out, up: Out, down: Out, top_k: int, normalise: bool) -> Out:
+    """Sparse MoE with SwiGLU experts, routed as HF's Qwen3-MoE: x [B, S, H] -> [B, S, H].
+
+    router [E, H]; gate, up [E, I, H]; down [E, H, I]. Each token's router softmax (f32) picks its
+    ``top_k`` experts (TopK sorted by value, as torch.topk), their probabilities renormalised to sum
+    to one when ``normalise``; the output is the probability-weighted sum of those experts' MLPs.
+    The weights are scattered into a dense [T, E] table (zero for unpicked experts) and every expert
+    runs on every token in this form; a plugin that fuses it computes only the picked ones.
+    """
+    experts = router.get_partial_shape()[0].get_length()
+    hidden = router.get_partial_shape()[1].get_length()
+    flat = ops.reshape(x, i64([-1, hidden]), special_zero=False)  # [T, H], T = B * S
+    probs = ops.softmax(ops.matmul(flat, router, transpose_a=False, transpose_b=True), -1)  # [T, E]
+    top = ops.topk(probs, i64(top_k), axis=-1, mode="max", sort="value", index_element_type="i64")
+    weights = top.output(0)  # [T, k]
+    if normalise:
+        weights = ops.divide(weights, ops.reduce_sum(weights, i64([-1]), keep_dims=True)).output(0)
+    tokens = ops.gather(ops.shape_of(flat), i64([0]), i64(0))  # [1]
+    zeros = ops.broadcast(const(0.0), ops.concat([tokens, i64([experts])], 0))  # [T, E]
+    dense = ops.scatter_elements_update(zeros, top.output(1), weights, i64(1))  # [T, E]
+    batch = ops.gather(ops.shape_of(x), i64([0]), i64(0))  # [1]
+    per_expert = ops.reshape(ops.transpose(dense, i64([1, 0])), ops.concat([i64([experts]), batch, i64([-1])], 0),
+                             special_zero=False)  # [E, B, S]
+    per_expert = ops.unsqueeze(per_expert, i64([-1]))  # [E, B, S, 1]
+    tiled = ops.reshape(ops.tile(flat, i64([experts, 1])), i64([experts, -1, hidden]), special_zero=False)  # [E, T, H]
+    act = ops.multiply(ops.swish(ops.matmul(tiled, gate, transpose_a=False, transpose_b=True)),
+                       ops.matmul(tiled, up, transpose_a=False, transpose_b=True))  # [E, T, I]
+    out = ops.matmul(act, down, transpose_a=False, transpose_b=True)  # [E, T, H]
+    out = ops.reshape(out, ops.concat([i64([experts]), batch, i64([-1, hidden])], 0), special_zero=False)
+    return ops.reduce_sum(ops.multiply(out, per_expert), i64([0]), keep_dims=False).output(0)  # [B, S, H]
