@@ -13,9 +13,11 @@ tests/test_builder_runtime.py on the CPU's runtime model):
 * :func:`expand_groups`: grouped-query K/V through Unsqueeze -> Broadcast(bidirectional)
   -> Reshape, the form the same fusion accepts for GQA.
 
-* :func:`moe_block`: the "tiled" expert form (Reshape -> Tile -> Reshape -> three batched MatMuls
-  -> Reshape, times the routing weights scattered to [E, T], ReduceSum over experts) that
-  OpenVINO's ConvertTiledMoeBlockTo3GatherMatmuls / FuseVectorizedMOE3GEMM passes match.
+* :func:`moe_block`: the experts as three GroupedMatMuls (opset17) over the token rows sorted by
+  expert, which the CPU plugin's ConvertGroupedMatMulToGatherMatmul lowers to its GatherMatmul
+  MoE kernel (only the routed experts' weights are read). The "tiled" form OpenVINO's
+  ConvertTiledMoeBlockTo3GatherMatmuls matches (Tile -> batched MatMuls over all experts ->
+  weighted ReduceSum) is not lowered by this CPU build, not even on OpenVINO's own test graph.
 
 Shapes in comments: B batch, S new positions, T = P + S visible positions, H query heads,
 KV key/value heads, D head_dim.
@@ -31,6 +33,7 @@ import openvino.opset13 as ops
 from openvino.op import assign as Assign
 from openvino.op import read_value as ReadValue
 from openvino.op.util import Variable, VariableInfo
+from openvino.opset17 import grouped_matmul
 
 Out: TypeAlias = ov.Output
 
@@ -147,14 +150,19 @@ def trailing_rows(h: Out, logits_last: Out) -> Out:
     return ops.gather(h, rows, i64(1)).output(0)
 
 
+
 def moe_block(x: Out, router: Out, gate: Out, up: Out, down: Out, top_k: int, normalise: bool) -> Out:
     """Sparse MoE with SwiGLU experts, routed as HF's Qwen3-MoE: x [B, S, H] -> [B, S, H].
 
     router [E, H]; gate, up [E, I, H]; down [E, H, I]. Each token's router softmax (f32) picks its
     ``top_k`` experts (TopK sorted by value, as torch.topk), their probabilities renormalised to sum
     to one when ``normalise``; the output is the probability-weighted sum of those experts' MLPs.
-    The weights are scattered into a dense [T, E] table (zero for unpicked experts) and every expert
-    runs on every token in this form; a plugin that fuses it computes only the picked ones.
+
+    The T * k (token, expert) pairs are sorted by expert (a stable TopK), so each expert's rows are
+    contiguous; three GroupedMatMuls with the cumulative row counts as offsets run every row
+    through its own expert only (the CPU plugin lowers them to GatherMatmul: the picked experts'
+    weights are the only ones read); the rows are then put back in pair order and each token's k
+    rows summed with their weights.
     """
     experts = router.get_partial_shape()[0].get_length()
     hidden = router.get_partial_shape()[1].get_length()
@@ -164,16 +172,18 @@ def moe_block(x: Out, router: Out, gate: Out, up: Out, down: Out, top_k: int, no
     weights = top.output(0)  # [T, k]
     if normalise:
         weights = ops.divide(weights, ops.reduce_sum(weights, i64([-1]), keep_dims=True)).output(0)
-    tokens = ops.gather(ops.shape_of(flat), i64([0]), i64(0))  # [1]
-    zeros = ops.broadcast(const(0.0), ops.concat([tokens, i64([experts])], 0))  # [T, E]
-    dense = ops.scatter_elements_update(zeros, top.output(1), weights, i64(1))  # [T, E]
-    batch = ops.gather(ops.shape_of(x), i64([0]), i64(0))  # [1]
-    per_expert = ops.reshape(ops.transpose(dense, i64([1, 0])), ops.concat([i64([experts]), batch, i64([-1])], 0),
-                             special_zero=False)  # [E, B, S]
-    per_expert = ops.unsqueeze(per_expert, i64([-1]))  # [E, B, S, 1]
-    tiled = ops.reshape(ops.tile(flat, i64([experts, 1])), i64([experts, -1, hidden]), special_zero=False)  # [E, T, H]
-    act = ops.multiply(ops.swish(ops.matmul(tiled, gate, transpose_a=False, transpose_b=True)),
-                       ops.matmul(tiled, up, transpose_a=False, transpose_b=True))  # [E, T, I]
-    out = ops.matmul(act, down, transpose_a=False, transpose_b=True)  # [E, T, H]
-    out = ops.reshape(out, ops.concat([i64([experts]), batch, i64([-1, hidden])], 0), special_zero=False)
-    return ops.reduce_sum(ops.multiply(out, per_expert), i64([0]), keep_dims=False).output(0)  # [B, S, H]
+    chosen = ops.reshape(top.output(1), i64([-1]), special_zero=False)  # [T * k] expert of each pair
+    pairs = ops.squeeze(ops.shape_of(chosen), i64([0]))  # T * k
+    by_expert = ops.topk(chosen, pairs, axis=0, mode="min", sort="value", index_element_type="i64",
+                         stable=True).output(1)  # [T * k] pair indices, grouped by expert
+    rows = ops.gather(flat, ops.divide(by_expert, i64(top_k)), i64(0))  # [T * k, H]
+    one_hot = ops.one_hot(chosen, i64(experts), i64(1), i64(0), axis=-1)  # [T * k, E]
+    ends = ops.cumsum(ops.reduce_sum(one_hot, i64([0]), keep_dims=False), i64(0))  # [E] cumulative row counts
+    act = ops.multiply(ops.swish(grouped_matmul(rows, gate, ends)), grouped_matmul(rows, up, ends))  # [T * k, I]
+    out = grouped_matmul(act, down, ends)  # [T * k, H]
+    pair_weight = ops.gather(ops.reshape(weights, i64([-1]), special_zero=False), by_expert, i64(0))
+    out = ops.multiply(out, ops.unsqueeze(pair_weight, i64([1])))
+    back = ops.topk(by_expert, pairs, axis=0, mode="min", sort="value", index_element_type="i64").output(1)
+    out = ops.gather(out, back, i64(0))  # [T * k, H] in pair order: token-major, k per token
+    out = ops.reduce_sum(ops.reshape(out, i64([-1, top_k, hidden]), special_zero=False), i64([1]), keep_dims=False)
+    return ops.reshape(out, ops.shape_of(x), special_zero=False).output(0)  # [B, S, H]
