@@ -119,6 +119,9 @@ def _validate_options(shape: ModelShape, options: ExportOptions, gguf: Path | No
     from export.static_export import validate_target
 
     validate_target(shape.max_positions, options)
+    if shape.moe is not None and options.target != "stateful":
+        raise ExportError(f"{shape.family.title} is a mixture-of-experts model: the NPU target does not build its "
+                          "expert blocks (GroupedMatMul); export it for --target stateful (CPU/GPU, paged or not)")
     if options.weights not in WEIGHT_FORMATS:
         raise ExportError(f"unknown --weights {options.weights!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
     if options.weights == "keep" and (gguf is None or options.target != "stateful"):
@@ -132,6 +135,7 @@ def _validate_options(shape: ModelShape, options: ExportOptions, gguf: Path | No
             "hidden size": shape.hidden,
             "intermediate size": shape.intermediate,
             "attention width": shape.heads * shape.head_dim,
+            **({"expert intermediate size": shape.moe.intermediate} if shape.moe is not None else {}),
         })
 
 

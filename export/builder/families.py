@@ -1,7 +1,7 @@
 """What the graph builder needs to know about a checkpoint, read from its config.json dict alone.
 
 One :class:`Family` row per ``model_type`` says where the tensors are and which optional parts
-the decoder has (qkv bias, per-head q/k RMSNorm, fused projections). :class:`ModelShape` is the
+the decoder has (qkv bias, per-head q/k RMSNorm, fused projections, sparse MoE blocks). :class:`ModelShape` is the
 config parsed once into a frozen object, so the graph code never looks into the raw dict.
 No transformers here: the builder must run with openvino + numpy only.
 """
@@ -16,6 +16,28 @@ from engine.errors import DeskfleetError
 
 class UnsupportedModelError(DeskfleetError):
     """The checkpoint's architecture, rope type or an option of its config is not one the builder handles."""
+
+
+@dataclass(frozen=True)
+class MoeNames:
+    """Tensor names of a sparse mixture-of-experts block (relative to ``model.layers.{i}.``): a router
+    [experts, hidden] and per expert a SwiGLU MLP, ``{e}`` the expert's index."""
+
+    router: str = "mlp.gate.weight"
+    gate: str = "mlp.experts.{e}.gate_proj.weight"
+    up: str = "mlp.experts.{e}.up_proj.weight"
+    down: str = "mlp.experts.{e}.down_proj.weight"
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """A MoE config: which layers are sparse, how many experts, how many each token uses."""
+
+    experts: int
+    per_token: int  # top-k
+    intermediate: int  # each expert's MLP width
+    normalise: bool  # renormalise the top-k probabilities to sum to 1 (``norm_topk_prob``)
+    layers: frozenset[int]
 
 
 @dataclass(frozen=True)
@@ -42,6 +64,7 @@ class Family:
     fused_qkv: str | None = None  # one [(H + 2 KV) * D, hidden] projection (Phi-3)
     fused_gate_up: str | None = None  # one [2 I, hidden] projection, gate rows first (Phi-3)
     qkv_bias: bool | None = None  # None: the config's ``attention_bias`` decides
+    moe: MoeNames | None = None  # sparse MoE blocks in place of the MLP on the config's MoE layers
 
     def __post_init__(self) -> None:
         if (self.q_norm is None) != (self.k_norm is None):
@@ -55,6 +78,8 @@ FAMILIES: dict[str, Family] = {
     "qwen3": Family("qwen3", "Qwen3 (dense)", q_norm="self_attn.q_norm.weight", k_norm="self_attn.k_norm.weight"),
     "phi3": Family("phi3", "Phi-3 / Phi-3.5 mini", fused_qkv="self_attn.qkv_proj",
                    fused_gate_up="mlp.gate_up_proj", qkv_bias=False),
+    "qwen3_moe": Family("qwen3_moe", "Qwen3-MoE (Qwen3-30B-A3B, 235B-A22B)", q_norm="self_attn.q_norm.weight",
+                        k_norm="self_attn.k_norm.weight", moe=MoeNames()),
 }
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
@@ -86,10 +111,31 @@ class ModelShape:
     tied: bool
     rope: dict[str, Any]
     max_positions: int
+    moe: MoeShape | None = None
 
     @property
     def groups(self) -> int:
         return self.heads // self.kv_heads
+
+    def is_moe_layer(self, index: int) -> bool:
+        return self.moe is not None and index in self.moe.layers
+
+
+def moe_shape(config: dict[str, Any], num_layers: int) -> MoeShape:
+    """The MoE part of a Qwen3-MoE-style config: as HF's decoder layer decides, layer i is sparse
+    unless it is in ``mlp_only_layers``, when ``(i + 1) % decoder_sparse_step == 0``."""
+    experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+    per_token = int(config.get("num_experts_per_tok") or 0)
+    step = int(config.get("decoder_sparse_step", 1) or 1)
+    dense = {int(i) for i in config.get("mlp_only_layers") or ()}
+    if experts <= 0 or not 0 < per_token <= experts:
+        raise UnsupportedModelError(f"a MoE config needs 0 < num_experts_per_tok ({per_token}) <= num_experts "
+                                    f"({experts})")
+    if config.get("shared_expert_intermediate_size"):
+        raise UnsupportedModelError("this MoE config has a shared expert, which qwen3_moe's builder does not build")
+    layers = frozenset(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+    return MoeShape(experts=experts, per_token=per_token, intermediate=int(config["moe_intermediate_size"]),
+                    normalise=bool(config.get("norm_topk_prob", False)), layers=layers)
 
 
 def rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
@@ -150,7 +196,12 @@ def model_shape(config: dict[str, Any]) -> ModelShape:
         raise UnsupportedModelError(f"partial rotary (factor {rope['partial_rotary_factor']}) is not supported yet; "
                                     "the builder rotates the whole head (Phi-3/3.5 mini, not Phi-4-mini)")
     attention_bias = bool(config.get("attention_bias", False))
+    try:
+        moe = moe_shape(config, shape_args["num_layers"]) if family.moe is not None else None
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UnsupportedModelError(f"the {model_type} config.json lacks or garbles {exc}") from exc
     return ModelShape(
+        moe=moe,
         family=family, **shape_args,
         qkv_bias=family.qkv_bias if family.qkv_bias is not None else attention_bias,
         o_bias=attention_bias and family.qkv_bias is None,

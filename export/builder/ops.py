@@ -13,6 +13,12 @@ tests/test_builder_runtime.py on the CPU's runtime model):
 * :func:`expand_groups`: grouped-query K/V through Unsqueeze -> Broadcast(bidirectional)
   -> Reshape, the form the same fusion accepts for GQA.
 
+* :func:`moe_block`: the experts as three GroupedMatMuls (opset17) over the token rows sorted by
+  expert, which the CPU plugin's ConvertGroupedMatMulToGatherMatmul lowers to its GatherMatmul
+  MoE kernel (only the routed experts' weights are read). The "tiled" form OpenVINO's
+  ConvertTiledMoeBlockTo3GatherMatmuls matches (Tile -> batched MatMuls over all experts ->
+  weighted ReduceSum) is not lowered by this CPU build, not even on OpenVINO's own test graph.
+
 Shapes in comments: B batch, S new positions, T = P + S visible positions, H query heads,
 KV key/value heads, D head_dim.
 """
@@ -27,6 +33,7 @@ import openvino.opset13 as ops
 from openvino.op import assign as Assign
 from openvino.op import read_value as ReadValue
 from openvino.op.util import Variable, VariableInfo
+from openvino.opset17 import grouped_matmul
 
 Out: TypeAlias = ov.Output
 
@@ -141,3 +148,42 @@ def trailing_rows(h: Out, logits_last: Out) -> Out:
     start = ops.maximum(ops.subtract(seq, n), i64(0))
     rows = ops.range(start, seq, i64(1), output_type="i64")  # [n]
     return ops.gather(h, rows, i64(1)).output(0)
+
+
+
+def moe_block(x: Out, router: Out, gate: Out, up: Out, down: Out, top_k: int, normalise: bool) -> Out:
+    """Sparse MoE with SwiGLU experts, routed as HF's Qwen3-MoE: x [B, S, H] -> [B, S, H].
+
+    router [E, H]; gate, up [E, I, H]; down [E, H, I]. Each token's router softmax (f32) picks its
+    ``top_k`` experts (TopK sorted by value, as torch.topk), their probabilities renormalised to sum
+    to one when ``normalise``; the output is the probability-weighted sum of those experts' MLPs.
+
+    The T * k (token, expert) pairs are sorted by expert (a stable TopK), so each expert's rows are
+    contiguous; three GroupedMatMuls with the cumulative row counts as offsets run every row
+    through its own expert only (the CPU plugin lowers them to GatherMatmul: the picked experts'
+    weights are the only ones read); the rows are then put back in pair order and each token's k
+    rows summed with their weights.
+    """
+    experts = router.get_partial_shape()[0].get_length()
+    hidden = router.get_partial_shape()[1].get_length()
+    flat = ops.reshape(x, i64([-1, hidden]), special_zero=False)  # [T, H], T = B * S
+    probs = ops.softmax(ops.matmul(flat, router, transpose_a=False, transpose_b=True), -1)  # [T, E]
+    top = ops.topk(probs, i64(top_k), axis=-1, mode="max", sort="value", index_element_type="i64")
+    weights = top.output(0)  # [T, k]
+    if normalise:
+        weights = ops.divide(weights, ops.reduce_sum(weights, i64([-1]), keep_dims=True)).output(0)
+    chosen = ops.reshape(top.output(1), i64([-1]), special_zero=False)  # [T * k] expert of each pair
+    pairs = ops.squeeze(ops.shape_of(chosen), i64([0]))  # T * k
+    by_expert = ops.topk(chosen, pairs, axis=0, mode="min", sort="value", index_element_type="i64",
+                         stable=True).output(1)  # [T * k] pair indices, grouped by expert
+    rows = ops.gather(flat, ops.divide(by_expert, i64(top_k)), i64(0))  # [T * k, H]
+    one_hot = ops.one_hot(chosen, i64(experts), i64(1), i64(0), axis=-1)  # [T * k, E]
+    ends = ops.cumsum(ops.reduce_sum(one_hot, i64([0]), keep_dims=False), i64(0))  # [E] cumulative row counts
+    act = ops.multiply(ops.swish(grouped_matmul(rows, gate, ends)), grouped_matmul(rows, up, ends))  # [T * k, I]
+    out = grouped_matmul(act, down, ends)  # [T * k, H]
+    pair_weight = ops.gather(ops.reshape(weights, i64([-1]), special_zero=False), by_expert, i64(0))
+    out = ops.multiply(out, ops.unsqueeze(pair_weight, i64([1])))
+    back = ops.topk(by_expert, pairs, axis=0, mode="min", sort="value", index_element_type="i64").output(1)
+    out = ops.gather(out, back, i64(0))  # [T * k, H] in pair order: token-major, k per token
+    out = ops.reduce_sum(ops.reshape(out, i64([-1, top_k, hidden]), special_zero=False), i64([1]), keep_dims=False)
+    return ops.reshape(out, ops.shape_of(x), special_zero=False).output(0)  # [B, S, H]

@@ -39,6 +39,7 @@ class WeightSource(Protocol):
     def linear(self, name: str) -> ov.Output: ...  # f32 [out, in]
     def embedding(self, name: str) -> ov.Output: ...  # f32 [vocab, hidden]
     def vector(self, name: str) -> ov.Output: ...  # f32 [n]
+    def stacked(self, names: list[str]) -> ov.Output: ...  # f32 [len(names), out, in]
 
 
 @dataclass(frozen=True)
@@ -148,6 +149,23 @@ def mlp(shape: ModelShape, w: WeightSource, n: LayerNames, x: ov.Output) -> ov.O
     return blocks.linear(act.output(0), w.linear(n(f.down + ".weight")), b(f.down))
 
 
+def expert_names(shape: ModelShape, n: LayerNames) -> tuple[list[str], list[str], list[str]]:
+    """A MoE layer's gate, up and down matrices, one per expert in expert order."""
+    m = shape.family.moe
+    assert m is not None and shape.moe is not None
+    every = range(shape.moe.experts)
+    return ([n(m.gate.format(e=e)) for e in every], [n(m.up.format(e=e)) for e in every],
+            [n(m.down.format(e=e)) for e in every])
+
+
+def sparse_moe(shape: ModelShape, w: WeightSource, n: LayerNames, x: ov.Output) -> ov.Output:
+    m, moe = shape.family.moe, shape.moe
+    assert m is not None and moe is not None
+    gate, up, down = expert_names(shape, n)
+    return blocks.moe_block(x, w.linear(n(m.router)), w.stacked(gate), w.stacked(up), w.stacked(down),
+                            moe.per_token, moe.normalise)
+
+
 def head_tensor(shape: ModelShape, available: frozenset[str]) -> str:
     """The LM head's tensor: its own, or the embedding when tied (HF drops a tied head on save)."""
     f = shape.family
@@ -168,7 +186,8 @@ def decoder_layers(shape: ModelShape, stage: StagePlan, weights: WeightSource, h
                                  o_bias)
         h = ops.add(h, attended).output(0)
         x = blocks.rms_norm(h, weights.vector(n(f.post_attn_norm)), shape.eps)
-        h = ops.add(h, mlp(shape, weights, n, x)).output(0)
+        ffn = sparse_moe if shape.is_moe_layer(i) else mlp
+        h = ops.add(h, ffn(shape, weights, n, x)).output(0)
     return h
 
 
@@ -222,7 +241,7 @@ def stage_tensor_names(shape: ModelShape, stage: StagePlan, available: frozenset
     names: list[str] = [f.embed] if stage.has_embedding else []
     for i in stage.layers:
         n = LayerNames(shape, i)
-        names += [n(f.input_norm), n(f.post_attn_norm), n(f.o + ".weight"), n(f.down + ".weight")]
+        names += [n(f.input_norm), n(f.post_attn_norm), n(f.o + ".weight")]
         if f.fused_qkv is not None:
             names.append(n(f.fused_qkv + ".weight"))
         else:
@@ -231,6 +250,12 @@ def stage_tensor_names(shape: ModelShape, stage: StagePlan, available: frozenset
         if f.q_norm is not None and f.k_norm is not None:
             names += [n(f.q_norm), n(f.k_norm)]
         names += [n(f.o + ".bias")] if shape.o_bias else []
+        if shape.is_moe_layer(i) and f.moe is not None:
+            names.append(n(f.moe.router))
+            for group in expert_names(shape, n):
+                names += group
+            continue
+        names.append(n(f.down + ".weight"))
         if f.fused_gate_up is not None:
             names.append(n(f.fused_gate_up + ".weight"))
         else:

@@ -156,6 +156,24 @@ class StageWeights:
         """f32 ``[vocab, hidden]`` table for ``Gather(table, ids, axis=0)``."""
         return self._matrix(name, kind_for(name, self.mode))
 
+    def stacked(self, names: list[str]) -> ov.Output:
+        """f32 ``[len(names), out, in]``: equal-shaped matrices (one per expert) as one constant for a
+        batched ``MatMul(x [E, T, in], w, transpose_b=True)``. Each matrix is lowered on its own (its
+        own scales and zero points: quantised per expert) and streamed into the store one after another."""
+        key = ("|".join(names), "stacked")
+        if key not in self._built:
+            shapes = {tuple(int(d) for d in self.source.shape(n)) for n in names}
+            if len(shapes) != 1 or len(next(iter(shapes))) != 2:
+                raise WeightModeError(f"{names[0]} and the matrices stacked with it must be 2-D of one shape, "
+                                      f"got {sorted(shapes)}")
+            rows, cols = next(iter(shapes))
+            kind = kind_for(names[0], self.mode)
+            if kind == "gguf_keep":  # a GGUF's expert blocks are not kept as they are (yet): fp16
+                kind = _KEEP_FALLBACK.get(self.source.type_name(names[0]), "fp16") \
+                    if isinstance(self.source, KeptSource) else "fp16"
+            self._built[key] = self._lower(tuple(names), (rows, cols), kind)
+        return self._built[key]
+
     def vector(self, name: str) -> ov.Output:
         """f32 1-D constant (norm gammas, biases), stored as read."""
         shape = self.source.shape(name)
@@ -174,19 +192,24 @@ class StageWeights:
             self._built[key] = self._lower(name, (int(shape[0]), int(shape[1])), kind)
         return self._built[key]
 
-    def _blocks(self, name: str, rows: int, cols: int):
+    def _blocks(self, name: str | tuple[str, ...], rows: int, cols: int):
+        """Row blocks of one matrix, or of each of a stack of matrices in turn."""
         step = row_block(rows, cols)
         if cols % 2:
             step += step % 2  # keep 4-bit packing on byte boundaries
-        for start in range(0, rows, step):
-            yield self.source.read_rows(name, start, min(rows, start + step))
+        for member in (name,) if isinstance(name, str) else name:
+            for start in range(0, rows, step):
+                yield self.source.read_rows(member, start, min(rows, start + step))
 
-    def _lower(self, name: str, shape: tuple[int, int], kind: str) -> ov.Output:
+    def _lower(self, names: str | tuple[str, ...], shape: tuple[int, int], kind: str) -> ov.Output:
+        """One matrix ``names`` [rows, cols], or a stack of them [len(names), rows, cols]."""
         rows, cols = shape
+        lead = () if isinstance(names, str) else (len(names),)
+        name = names if isinstance(names, str) else names[0]
         if kind in ("fp32", "fp16"):
             dtype, type_name = (np.float32, "f32") if kind == "fp32" else (np.float16, "f16")
-            region = self._store.write(b.astype(dtype, copy=False) for b in self._blocks(name, rows, cols))
-            (const,) = self._store.constants([ConstantSpec(region, type_name, shape, name)])
+            region = self._store.write(b.astype(dtype, copy=False) for b in self._blocks(names, rows, cols))
+            (const,) = self._store.constants([ConstantSpec(region, type_name, lead + shape, name)])
             if kind == "fp32":
                 return const.output(0)
             convert = ops.convert(const, "f32", name=f"{name}/decompress")
@@ -194,7 +217,7 @@ class StageWeights:
             return convert.output(0)
         if kind == "gguf_keep":
             return self._lower_kept(name, shape)
-        return self._lower_integer(name, shape, scheme_for(kind, self.mode.group_size))
+        return self._lower_integer(names, shape, scheme_for(kind, self.mode.group_size))
 
     def _lower_kept(self, name: str, shape: tuple[int, int]) -> ov.Output:
         source = self.source
@@ -244,16 +267,19 @@ class StageWeights:
         weight = ops.reshape(weight, ops.constant(np.array(shape, np.int64)), special_zero=False)
         return ops.convert(weight, "f32", name=f"{name}/fq_weights/convert").output(0)
 
-    def _lower_integer(self, name: str, shape: tuple[int, int], scheme: Scheme) -> ov.Output:
-        """Quantise row block by row block straight into the store; scales follow in one piece."""
+    def _lower_integer(self, names: str | tuple[str, ...], shape: tuple[int, int], scheme: Scheme) -> ov.Output:
+        """Quantise row block by row block straight into the store; scales follow in one piece.
+        A stack's matrices are quantised one by one (their rows never share a scale)."""
         rows, cols = shape
+        lead = () if isinstance(names, str) else (len(names),)
+        name = names if isinstance(names, str) else names[0]
         grouped = grouped_shape(shape, scheme)
         scales: list[np.ndarray] = []
         zeros: list[np.ndarray] = []
         four_bit = scheme.bits == 4
 
         def codes():
-            for block in self._blocks(name, rows, cols):
+            for block in self._blocks(names, rows, cols):
                 q = quantize(block, scheme)
                 scales.append(q.scale)
                 if q.zero_point is not None:
@@ -263,10 +289,12 @@ class StageWeights:
         code_type = ("i4" if four_bit else "i8") if scheme.symmetric else ("u4" if four_bit else "u8")
         region = self._store.write(codes())
         scale = np.concatenate(scales)
-        specs = [ConstantSpec(region, code_type, grouped, name),
+        scale = scale.reshape(lead + (rows,) + scale.shape[1:])
+        specs = [ConstantSpec(region, code_type, lead + grouped, name),
                  ConstantSpec(self._store.write([scale]), "f16", scale.shape, f"{name}/scale")]
         if zeros:
             zero = np.concatenate(zeros)
+            zero = zero.reshape(lead + (rows,) + zero.shape[1:])
             zero_bytes = pack_nibbles(zero) if four_bit else zero
             specs.append(ConstantSpec(self._store.write([zero_bytes]), code_type, zero.shape, f"{name}/zero_point"))
         nodes = self._store.constants(specs)
@@ -276,7 +304,7 @@ class StageWeights:
             weight = ops.subtract(weight, ops.convert(nodes[2], "f16"), name=f"{name}/zero_point/subtract")
         weight = ops.multiply(weight, nodes[1], name=f"{name}/fq_weights")
         if scheme.group_size is not None:
-            weight = ops.reshape(weight, ops.constant(np.array(shape, np.int64)), special_zero=False)
+            weight = ops.reshape(weight, ops.constant(np.array(lead + shape, np.int64)), special_zero=False)
         return ops.convert(weight, "f32", name=f"{name}/fq_weights/convert").output(0)
 
     def _one(self, values: np.ndarray, type_name: str, name: str) -> ov.Output:

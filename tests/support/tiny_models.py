@@ -16,6 +16,7 @@ from transformers import (
     Phi3Config,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 # Shared by every family: hidden 64, 4 layers, 4 heads, 2 KV heads (GQA), head_dim 16.
@@ -51,6 +52,11 @@ TINY_CONFIGS = {
     "qwen2": lambda vocab: Qwen2Config(vocab_size=vocab, tie_word_embeddings=True, **_COMMON),
     "mistral": lambda vocab: MistralConfig(vocab_size=vocab, tie_word_embeddings=False, sliding_window=None, **_COMMON),
     "qwen3": lambda vocab: Qwen3Config(vocab_size=vocab, tie_word_embeddings=True, head_dim=16, **_COMMON),
+    # 8 experts, 2 per token, renormalised; layer 2 dense (mlp_only_layers) so both kinds of layer
+    # are built, and a 2-stage split has MoE layers on both sides.
+    "qwen3_moe": lambda vocab: Qwen3MoeConfig(
+        vocab_size=vocab, tie_word_embeddings=True, head_dim=16, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[2], **_COMMON),
     # longrope (as Phi-3.5-mini) with a short original window: a sequence longer than 64 takes
     # the long factors. HF's Phi-3 generate re-prefills its whole cache when it crosses that point.
     "phi3": lambda vocab: Phi3Config(
