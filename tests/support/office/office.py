@@ -229,9 +229,11 @@ class Office:
                 return a
         raise OfficeError(f"the fleet has no agent {name!r}")
 
-    async def async_place(self, export: Path, desks: Sequence[Pc], *, timeout: float = 600.0) -> dict[str, Any]:
+    async def async_place(self, export: Path, desks: Sequence[Pc], *, standby: Sequence[Pc] | None = None,
+                          timeout: float = 600.0) -> dict[str, Any]:
         """Serve ``export`` as one ring with stage i on ``desks[i]`` (the export is copied into the
-        fleet's library first); the ring's record once it serves."""
+        fleet's library first); the ring's record once it serves. ``standby``: the PCs standing by for
+        it (None: the service's default, every approved agent in no ring)."""
         from engine.shards.manifest import load_manifest
 
         assert self.admin is not None and self.service is not None
@@ -245,11 +247,30 @@ class Office:
         plan = {"stages": [{"device_id": f"{agents[pc.name]['node_id']}/CPU", "pc_id": agents[pc.name]["node_id"],
                             "first_layer": st.first_layer, "last_layer": st.last_layer}
                            for pc, st in zip(desks, stages, strict=True)]}
-        made = await self.admin.ok("POST", "/rings", {"plan": plan, "export_id": export.name})
+        body: dict[str, Any] = {"plan": plan, "export_id": export.name}
+        if standby is not None:
+            body["standby"] = [agents[pc.name]["node_id"] for pc in standby]
+        made = await self.admin.ok("POST", "/rings", body)
         job = await self.admin.job(made["job"]["id"], timeout)
         if job["state"] != "done":
             raise OfficeError(f"the ring on {[pc.name for pc in desks]} did not come up: {job}")
         return (await self.admin.ok("GET", f"/rings/{made['ring']['ring']}"))["ring"]
+
+    async def async_stop_rings(self, *, timeout: float = 60.0) -> None:
+        """``DELETE`` every ring the fleet serves (their workers stop) and wait until no agent serves."""
+        assert self.admin is not None
+        for ring in (await self.admin.ok("GET", "/rings"))["rings"]:
+            await self.admin.ok("DELETE", f"/rings/{ring['ring']}", timeout=timeout)
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            await self.admin.call("POST", "/agents/refresh")
+            busy = [a["name"] for a in (await self.admin.ok("GET", "/agents"))["agents"]
+                    if a["state"] in ("serving", "fetching")]
+            if not busy:
+                return
+            if asyncio.get_running_loop().time() > deadline:
+                raise OfficeError(f"agents still serving {timeout:g} s after their rings were stopped: {busy}")
+            await asyncio.sleep(0.5)
 
     async def async_api(self) -> tuple[str, str, Path]:
         """The fleet's OpenAI API base URL, a key for it and the fleet CA its HTTPS certificate is under."""

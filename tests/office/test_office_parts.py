@@ -1,0 +1,55 @@
+"""The emulated office's parts that need no fleet: how cores are dealt to PCs (pure), and the sweep
+that removes what a crashed run left (root: real namespaces, links and cgroups, a second or two)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.support.office import share
+from tests.support.office.office import PREFIX, leftovers, sweep_stale, why_unavailable
+from tests.support.office.share import Group, Share, ShareError, assign_cpus
+
+
+def test_half_core_pcs_share_a_cpu_by_quota_and_whole_cores_get_their_own():
+    assert Share(0.5).quota_us == 50_000 and Share(0.5).cpus_needed == 1
+    assert Share(1.0).quota_us is None and Share(2.0).cpus_needed == 2
+    assert Share(1.5).quota_us == 150_000 and Share(1.5).cpus_needed == 2
+    assert assign_cpus([Share(0.5)] * 4, [0, 1]) == [[0], [1], [0], [1]]
+    assert assign_cpus([Share(2.0), Share(1.0)], [0, 1, 2]) == [[0, 1], [2]]
+    with pytest.raises(ShareError, match="3 cores does not fit this machine's 2 CPUs"):
+        assign_cpus([Share(3.0)], [0, 1])
+
+
+def _dead_pid() -> int:
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    done.wait()
+    return done.pid
+
+
+@pytest.mark.skipif(why_unavailable() is not None, reason=f"no emulated office here: {why_unavailable()}")
+def test_a_crashed_runs_namespaces_links_cgroups_and_processes_are_swept_and_a_live_runs_kept():
+    dead = _dead_pid()
+    ns, bridge = f"{PREFIX}{dead}h1", f"{PREFIX}br{dead}"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    subprocess.run(["ip", "link", "add", bridge, "type", "bridge"], check=True)
+    stale = Group(f"{PREFIX}{dead}-1desk", Share(0.5, 64 << 20), [0]).create()
+    sleeper = subprocess.Popen(["sleep", "600"], preexec_fn=stale.preexec())
+    live = Group(f"{PREFIX}{os.getpid()}-9live", Share(1.0), [0]).create()
+    try:
+        assert leftovers(dead), "the crashed run's leftovers were not made"
+        sweep_stale()
+        assert leftovers(dead) == []
+        assert sleeper.wait(10) == -9  # what ran in the crashed run's PC is killed
+        assert all(path.is_dir() for path in live.dirs.values()), "a live run's cgroups were swept"
+    finally:
+        live.remove()
+        for argv in (["ip", "netns", "del", ns], ["ip", "link", "del", bridge]):
+            subprocess.run(argv, capture_output=True)
+        if sleeper.poll() is None:
+            sleeper.kill()
+        stale.remove()
+    assert not any(p.name.startswith(f"{PREFIX}{dead}-") for p in share.own_group("cpu").iterdir())
