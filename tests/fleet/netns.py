@@ -131,6 +131,8 @@ def namespaces(n_hosts: int, *, subnet: str = "10.231.77", prefix: str = "df") -
     finally:
         for host in hosts:
             kill_namespace_processes(host)
+            with contextlib.suppress(subprocess.CalledProcessError):  # now: the kernel frees a namespace's
+                _ip("link", "del", host.veth)                         # veth later, after `netns del` returns
             with contextlib.suppress(subprocess.CalledProcessError):
                 _ip("netns", "del", host.name)
         with contextlib.suppress(subprocess.CalledProcessError):

@@ -24,6 +24,16 @@ def test_half_core_pcs_share_a_cpu_by_quota_and_whole_cores_get_their_own():
         assign_cpus([Share(3.0)], [0, 1])
 
 
+# What a stage worker's CPU plugin does by default: one inference thread per CPU it may run on.
+OPENVINO_THREADS = """
+import numpy as np, openvino as ov
+from openvino import opset13 as ops
+x = ops.parameter([1, 8], np.float32)
+model = ov.Model([ops.matmul(x, ops.constant(np.ones((8, 8), np.float32)), False, False)], [x])
+print(ov.Core().compile_model(model, "CPU").get_property("INFERENCE_NUM_THREADS"))
+"""
+
+
 def _dead_pid() -> int:
     done = subprocess.Popen([sys.executable, "-c", "pass"])
     done.wait()
@@ -53,3 +63,29 @@ def test_a_crashed_runs_namespaces_links_cgroups_and_processes_are_swept_and_a_l
             sleeper.kill()
         stale.remove()
     assert not any(p.name.startswith(f"{PREFIX}{dead}-") for p in share.own_group("cpu").iterdir())
+
+
+@pytest.mark.skipif(why_unavailable() is not None, reason=f"no emulated office here: {why_unavailable()}")
+def test_a_pc_over_its_memory_limit_is_killed_inside_it_and_a_failed_run_leaves_nothing(tmp_path):
+    from tests.support.office.office import OfficeSpec, building
+    from tests.support.office.pc import PcSpec
+
+    spec = OfficeSpec(desks=(PcSpec("desk", cores=0.5, memory_mb=64),), server=PcSpec("server", display=False),
+                      people=PcSpec("people", display=False))
+    with pytest.raises(RuntimeError, match="a test failing mid-run"), building(spec, tmp_path) as pcs:
+        desk = pcs[2]
+        hog = desk.run([sys.executable, "-c", "b = bytearray(256 << 20); b[::4096] = b'x' * len(b[::4096])"],
+                       timeout=60)
+        assert hog.returncode == -9, hog  # the kernel's OOM killer, inside the PC only
+        memory = desk.group.memory_report()
+        assert memory["oom_kills"] >= 1 and memory["max_usage_bytes"] <= memory["limit_bytes"] == 64 << 20, memory
+        probe = desk.run([sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"], timeout=30)
+        assert probe.stdout.strip() == str(desk.cpus) and len(desk.cpus) == 1  # half a core: one CPU to see
+        compiled = desk.run([sys.executable, "-c", OPENVINO_THREADS], timeout=120)
+        assert compiled.stdout.strip() == "1", compiled  # so OpenVINO runs one thread there, not one per machine core
+        sleeper = desk.popen(["sleep", "600"], tmp_path / "sleep.log")
+        xvfb = desk.display.pid
+        raise RuntimeError("a test failing mid-run")
+    assert leftovers() == []
+    assert sleeper.wait(10) is not None
+    assert not os.path.exists(f"/proc/{xvfb}") or "zombie" in open(f"/proc/{xvfb}/status").read().lower()

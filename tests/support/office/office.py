@@ -44,6 +44,9 @@ SUBNET = "10.231.78"
 REPO = Path(__file__).resolve().parents[3]
 CONTROL_PORT, DATA_PORT = 7210, 7211  # each PC has its own network: the installed defaults
 AGENT_STOP_S = 20.0
+# A desk's agent: no warm spare (it would double the stage in a memory-limited PC whose limit the agent
+# cannot see: it reads the machine's RAM) and a small KV pool (preallocated per stage)
+AGENT_DEFAULTS: dict[str, Any] = {"warm_spare": "off", "kv_pool_mb": 64}
 _serial = itertools.count(1)
 
 
@@ -174,15 +177,17 @@ class Office:
         self.admin = await self.service.start(timeout=timeout)
         return self.admin
 
-    def start_agent(self, pc: Pc, token: str, *, warm_spare: str = "off", kv_pool_mb: int = 64) -> subprocess.Popen:
-        """``deskfleet agent --headless`` on ``pc`` with a join token; it finds the fleet over mDNS."""
+    def start_agent(self, pc: Pc, token: str, **settings: Any) -> subprocess.Popen:
+        """``deskfleet agent --headless`` on ``pc`` with a join token; it finds the fleet over mDNS.
+        ``settings``: AgentSettings fields over the office's defaults (:data:`AGENT_DEFAULTS`), e.g.
+        ``resume_after_idle_s=5`` for a day of people coming and going."""
         from agent.service.settings import AgentSettings, save_settings
         from engine.control.fleet_services import write_token_file
 
         state = pc.root / "agent"
         state.mkdir(parents=True, exist_ok=True)
         # each namespace shares the machine's host name: the agent's name is the PC's
-        save_settings(state, AgentSettings(name=pc.name, warm_spare=warm_spare, kv_pool_mb=kv_pool_mb))
+        save_settings(state, AgentSettings(name=pc.name, **{**AGENT_DEFAULTS, **settings}))
         token_file = write_token_file(pc.root / "join-token", token)
         argv = [sys.executable, "-m", "engine.cli.main", "agent", "--headless", "--state-dir", str(state),
                 "--interface", pc.address, "--control-port", str(CONTROL_PORT), "--data-port", str(DATA_PORT),
@@ -192,14 +197,15 @@ class Office:
         self.agents[pc.name] = proc
         return proc
 
-    async def async_enrol(self, desks: Sequence[Pc] | None = None, *, timeout: float = 120.0) -> dict[str, dict]:
+    async def async_enrol(self, desks: Sequence[Pc] | None = None, *, timeout: float = 120.0,
+                          **settings: Any) -> dict[str, dict]:
         """Start an agent on each desk with its own join token, wait until the service has found every
         one (over mDNS), approve them; the agents' records by PC name."""
         assert self.admin is not None, "start the fleet first"
         desks = list(self.desks if desks is None else desks)
         for pc in desks:
             token = (await self.admin.ok("POST", "/tokens", {}))["token"]
-            self.start_agent(pc, token)
+            self.start_agent(pc, token, **settings)
         found: dict[str, dict] = {}
         deadline = asyncio.get_running_loop().time() + timeout
         while len(found) < len(desks):

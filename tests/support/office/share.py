@@ -133,8 +133,12 @@ class Group:
                 return int((memory / name).read_text())
             return 0
 
+        oom_kills = 0
+        with contextlib.suppress(OSError, ValueError):
+            fields = dict(line.split() for line in (memory / "memory.oom_control").read_text().splitlines())
+            oom_kills = int(fields.get("oom_kill", 0))
         return {"limit_bytes": read("memory.limit_in_bytes"), "max_usage_bytes": read("memory.max_usage_in_bytes"),
-                "failcnt": read("memory.failcnt")}
+                "failcnt": read("memory.failcnt"), "oom_kills": oom_kills}
 
     def cpu_seconds(self) -> float:
         """CPU time used by the group so far (cpuacct, where it is mounted; else 0)."""
