@@ -89,3 +89,19 @@ def test_a_pc_over_its_memory_limit_is_killed_inside_it_and_a_failed_run_leaves_
     assert leftovers() == []
     assert sleeper.wait(10) is not None
     assert not os.path.exists(f"/proc/{xvfb}") or "zombie" in open(f"/proc/{xvfb}/status").read().lower()
+
+
+def test_the_skip_reason_names_what_is_missing(tmp_path, monkeypatch):
+    from tests.support.office import display
+
+    monkeypatch.setattr(share, "ROOT", tmp_path)
+    for controller, probe in (("cpu", "cpu.cfs_quota_us"), ("cpuset", "cpuset.cpus")):
+        share.own_group(controller).mkdir(parents=True)
+        (share.own_group(controller) / probe).write_text("")
+    reason = share.why_unavailable()
+    if os.geteuid() == 0:
+        assert reason is not None and "no cgroup v1 memory controller" in reason, reason
+    else:
+        assert reason == "cgroups need root"
+    monkeypatch.setattr(display.shutil, "which", lambda tool: None if tool == "xdotool" else f"/usr/bin/{tool}")
+    assert "xdotool is not installed" in display.why_unavailable()
