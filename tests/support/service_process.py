@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tests.fleet_service.admin import Admin
@@ -23,7 +24,10 @@ class ServiceProcess:
     that browse loopback meanwhile."""
 
     def __init__(self, state: Path, log: Path, *, admin_port: int = -1, python_args: tuple[str, ...] = (),
-                 code: Path | None = None, mdns: bool = True) -> None:
+                 code: Path | None = None, mdns: bool = True, interface: str = "127.0.0.1",
+                 threads: int | None = 1, exact: bool = True,
+                 launch: Callable[[list[str]], list[str]] | None = None,
+                 preexec: Callable[[], None] | None = None) -> None:
         self.state, self.log = state, log
         self.python_args = python_args  # before ``-m engine.cli.main``: e.g. ("-m", "cProfile", "-o", PATH)
         self.code = code  # another source tree to run the service from (a benchmark's baseline)
@@ -31,18 +35,28 @@ class ServiceProcess:
                       "--data-port": free_port(), "--admin-port": admin_port}
         self.proc: asyncio.subprocess.Process | None = None
         self.mdns = mdns
+        # another host's view (the emulated office): the address, the workers' threads (None: each PC's
+        # own cores decide), ``launch`` wraps the argv (into a namespace), ``preexec`` joins cgroups
+        self.interface, self.threads, self.exact = interface, threads, exact
+        self.launch, self.preexec = launch, preexec
 
     async def start(self, timeout: float = 60.0) -> Admin:
         args = [sys.executable, *self.python_args, "-m", "engine.cli.main", "fleet", "--state-dir", str(self.state),
-                "--interface", "127.0.0.1", "--threads", "1", "--exact"]
+                "--interface", self.interface]
+        if self.threads is not None:
+            args += ["--threads", str(self.threads)]
+        if self.exact:
+            args.append("--exact")
         for flag, port in self.ports.items():
             args += [flag, str(port)]
         if not self.mdns:
             args.append("--no-mdns")
         with self.log.open("ab") as out:
             env = None if self.code is None else {**os.environ, "PYTHONPATH": str(self.code)}
+            if self.launch is not None:
+                args = self.launch(args)
             self.proc = await asyncio.create_subprocess_exec(*args, stdout=out, stderr=out, env=env, cwd=self.code,
-                                                             stdin=asyncio.subprocess.DEVNULL)
+                                                             stdin=asyncio.subprocess.DEVNULL, preexec_fn=self.preexec)
         deadline = time.monotonic() + timeout
         while True:
             assert self.proc.returncode is None, f"the service exited {self.proc.returncode}:\n{self.log.read_text()}"
