@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import aiohttp
@@ -18,7 +18,7 @@ from engine.control.enrollment import Joined, async_join
 from engine.control.hub_events import MAX_DETAIL_CHARS, MAX_REASON_CHARS, MAX_REASONS
 from engine.control.messages import Assignment
 from engine.discovery.join_service import async_find_consoles
-from engine.errors import EnrollmentError, JoinRefused, TrustError
+from engine.errors import EnrollmentError, EnrollmentTimeout, JoinRefused, TrustError
 from engine.trust.fleet_ca import Credentials, Role
 from engine.trust.join_token import parse_token
 from engine.trust.tls_peer import PeerCheckingConnector, PeerIdentityError, expect_peer
@@ -26,6 +26,7 @@ from engine.trust.tls_peer import PeerCheckingConnector, PeerIdentityError, expe
 log = logging.getLogger(__name__)
 
 NOTIFY_TIMEOUT_S = 3.0
+CANDIDATE_TIMEOUT_S = 8.0  # one console found over mDNS: fetch the CA, check it, redeem the token
 REGISTER_TIMEOUT_S = 5.0
 
 
@@ -37,28 +38,54 @@ def console_connector(console_node_id: str | None) -> PeerCheckingConnector:
 async def async_join_found_console(interface: str, token: str, name: str, info: Mapping[str, Any] | None,
                                    timeout: float) -> Joined:
     """Join through a console found over mDNS: those whose record names the token's fleet, tried
-    in turn (the join itself checks the CA against the token's pin)."""
+    side by side (the join itself checks the CA against the token's pin)."""
     pin = parse_token(token).ca_pin  # a mistyped token is reported before any search
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     consoles = await async_find_consoles(interface, pin=pin, timeout=min(timeout / 2, 6.0))
-    candidates = [c for c in consoles if c.ca_pin == pin]
+    candidates = list(dict.fromkeys(c.enrollment for c in consoles if c.ca_pin == pin))
     if not candidates:
         raise EnrollmentError(
             f"no console of fleet {pin[:16]} answered on the network ({interface}); check that the "
             "console is running on this network, or enter its address (host:port, shown next to the token)")
+
+    async def attempt(address: str, budget: float) -> Joined:
+        return await async_join(address, token, name, info=info, timeout=budget)
+    return await async_join_first(candidates, attempt, max(deadline - loop.time(), 1.0))
+
+
+async def async_join_first(candidates: Sequence[str], attempt: Callable[[str, float], Awaitable[Joined]],
+                           timeout: float, *, per_candidate_s: float = CANDIDATE_TIMEOUT_S) -> Joined:
+    """The first join that succeeds among ``candidates`` (enrollment addresses), all tried at once,
+    each within ``per_candidate_s`` (and ``timeout`` in all): an mDNS record anyone on the network
+    can forge, pointing at an address that never answers, costs one candidate's time, not the
+    join's (review L7). A refusal by the fleet's own console (JoinRefused) is final; any other
+    failure (a spoofed or stale record, a member posing as the console) leaves the others to try.
+    """
+    budget = min(per_candidate_s, timeout)
+    tasks = {asyncio.ensure_future(attempt(address, budget)): address for address in candidates}
     error: TrustError | None = None
-    for found in candidates:
-        try:
-            return await async_join(found.enrollment, token, name, info=info,
-                                    timeout=max(deadline - loop.time(), 1.0))
-        except JoinRefused:
-            raise  # the fleet's own console (CA matched the pin, console-role certificate) said no: final
-        except TrustError as exc:  # a spoofed or stale record, or a member posing as the console: next
-            log.warning("joining at %s failed: %s", found.enrollment, exc)
-            error = exc
-    assert error is not None
-    raise error
+    try:
+        for next_done in asyncio.as_completed(tasks, timeout=timeout + 1.0):
+            try:
+                return await next_done
+            except JoinRefused:
+                raise  # the fleet's own console (CA matched the pin, console-role certificate) said no
+            except (EnrollmentTimeout, TimeoutError) as exc:
+                log.warning("joining through a console found on the network failed: %s", exc)
+            except TrustError as exc:
+                log.warning("joining through a console found on the network failed: %s", exc)
+                error = exc
+    except TimeoutError:
+        pass  # every candidate's own timeout is shorter: a last resort
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    if error is not None:  # a candidate that answered said why (a record of another fleet, a member)
+        raise error
+    raise EnrollmentError(f"none of the {len(candidates)} consoles found on the network for this fleet answered in "
+                          f"{timeout:.0f} s; enter the console's address (host:port, shown next to the token)")
 
 
 async def async_tell_console(assignment: Assignment, creds: Credentials, console_node_id: str | None, event: str,

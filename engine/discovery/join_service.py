@@ -144,7 +144,9 @@ class ConsoleAdvertiser:
         await self._record.async_close()
 
 
-MAX_CONSOLES = 16  # console records kept (and looked up at once) in one search
+# console records kept (and looked up at once) in one search: forged ones must outnumber this to
+# crowd out the real console, whose address the join-token file can also name (review L7)
+MAX_CONSOLES = 64
 PIN_GRACE_S = 0.5  # after the first record with the pin, how long others may still answer
 
 
