@@ -19,6 +19,7 @@ import gguf
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from export.gguf_pretokenizers import DEEPSEEK_LETTERS
+from tests.support.chat_gguf import add_tiny_llama
 
 CORPUS = [
     "Hello, world!", " leading space", "  two leading spaces", "trailing spaces  ", "multiple    spaces inside",
@@ -176,7 +177,7 @@ def write_tokenizer_gguf(path: Path, vocab: Vocabulary, *, bos: int | None, eos:
     2-layer Llama of random weights around it, to export."""
     writer = gguf.GGUFWriter(str(path), "llama")
     if weights:
-        _add_tiny_llama(writer, len(vocab.tokens))
+        add_tiny_llama(writer, len(vocab.tokens))
     writer.add_tokenizer_model(vocab.model)
     if vocab.pre is not None:
         writer.add_tokenizer_pre(vocab.pre)
@@ -203,33 +204,3 @@ def write_tokenizer_gguf(path: Path, vocab: Vocabulary, *, bos: int | None, eos:
     return path
 
 
-def _add_tiny_llama(writer: gguf.GGUFWriter, vocab_size: int, seed: int = 0) -> None:
-    import numpy as np
-
-    hidden, layers, heads, kv_heads, inter = 64, 2, 4, 2, 128
-    head_dim = hidden // heads
-    writer.add_context_length(256)
-    writer.add_embedding_length(hidden)
-    writer.add_block_count(layers)
-    writer.add_feed_forward_length(inter)
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_vocab_size(vocab_size)
-    rng = np.random.default_rng(seed)
-
-    def weight(*shape: int) -> np.ndarray:
-        return (rng.standard_normal(shape) * 0.5).astype(np.float32)
-
-    ones = np.ones(hidden, dtype=np.float32)
-    writer.add_tensor("token_embd.weight", weight(vocab_size, hidden))
-    for i in range(layers):
-        for name, tensor in (("attn_norm", ones), ("ffn_norm", ones), ("attn_q", weight(hidden, hidden)),
-                             ("attn_k", weight(kv_heads * head_dim, hidden)),
-                             ("attn_v", weight(kv_heads * head_dim, hidden)), ("attn_output", weight(hidden, hidden)),
-                             ("ffn_gate", weight(inter, hidden)), ("ffn_up", weight(inter, hidden)),
-                             ("ffn_down", weight(hidden, inter))):
-            writer.add_tensor(f"blk.{i}.{name}.weight", tensor)
-    writer.add_tensor("output_norm.weight", ones)

@@ -66,7 +66,8 @@ def kill_namespace_processes(host: Host) -> None:
             os.kill(int(pid), 9)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (one of another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -85,7 +86,7 @@ def sweep_stale(prefix: str) -> list[str]:
     for line in listed.splitlines():
         name = line.split(" ")[0]
         m = pattern.match(name)
-        if m and not _pid_alive(int(m.group(1))):
+        if m and not pid_alive(int(m.group(1))):
             kill_namespace_processes(Host(name, ""))
             with contextlib.suppress(subprocess.CalledProcessError):
                 _ip("netns", "del", name)
@@ -97,7 +98,7 @@ def sweep_stale(prefix: str) -> list[str]:
             continue
         name = parts[1].strip().split("@")[0]
         m = pattern.match(name)
-        if m and not _pid_alive(int(m.group(1))):
+        if m and not pid_alive(int(m.group(1))):
             with contextlib.suppress(subprocess.CalledProcessError):
                 _ip("link", "del", name)
                 removed.append(name)

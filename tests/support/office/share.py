@@ -23,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.fleet.netns import pid_alive
+
 ROOT = Path("/sys/fs/cgroup")
 CONTROLLERS = ("cpu", "cpuset", "memory")
 PERIOD_US = 100_000
@@ -197,17 +199,7 @@ def sweep_stale(prefix: str) -> list[Path]:
             continue
         for path in parent.iterdir():
             m = pattern.match(path.name)
-            if m and path.is_dir() and not _alive(int(m.group(1))):
+            if m and path.is_dir() and not pid_alive(int(m.group(1))):
                 _empty_and_remove([path], 15.0)
                 removed.append(path)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
