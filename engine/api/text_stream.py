@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from engine.generation.markers import partial_marker_len
+
 _CUT = "\ufffd"  # what a decoder writes for a UTF-8 character cut between tokens
 # A UTF-8 character has at most 4 bytes, so a cut still open after this many new ids is no cut
 # but bytes that never make a character: they are sent as U+FFFD and the window moves on.
@@ -31,7 +33,6 @@ class TextStream:
     def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str] = ()):
         self._decode = decode
         self._stop = tuple(s for s in stop if s)
-        self._longest_stop = max((len(s) for s in self._stop), default=0)
         self._ids: list[int] = []
         self._context = 0  # ids[_context:_window] are the context, ids[_window:] the new ids
         self._window = 0
@@ -64,7 +65,7 @@ class TextStream:
         elif final:
             end = len(self._held)
         else:
-            end = len(self._held) - self._stop_prefix_len(self._held)
+            end = len(self._held) - partial_marker_len(self._held, self._stop)
         delta, self._held = self._held[:end], self._held[end:]
         self.text += delta
         return delta
@@ -82,9 +83,3 @@ class TextStream:
             self._context_len = len(self._decode(self._ids[self._context:self._window]))
             self._taken = 0
         return new
-
-    def _stop_prefix_len(self, pending: str) -> int:
-        for k in range(min(len(pending), self._longest_stop - 1), 0, -1):
-            if any(s.startswith(pending[-k:]) for s in self._stop):
-                return k
-        return 0

@@ -18,6 +18,8 @@ import enum
 from collections.abc import Collection
 from dataclasses import dataclass
 
+from engine.generation.markers import partial_marker_len
+
 
 @dataclass(frozen=True)
 class ThinkingMarkers:
@@ -152,7 +154,7 @@ class ReasoningSplitter:
             self._emit_reasoning(self._held.rstrip("\n"), out)
             self._held = ""
             return
-        keep = _marker_prefix_len(self._held, closer)
+        keep = partial_marker_len(self._held, (closer,))
         ready = self._held[:len(self._held) - keep]
         body = ready.rstrip("\n")  # newlines just before the closing marker are not reasoning
         self._emit_reasoning(body, out)
@@ -167,11 +169,3 @@ class ReasoningSplitter:
     def _emit_answer(self, text: str, out: list[ReasoningDelta | AnswerDelta]) -> None:
         self.answer += text
         out.append(AnswerDelta(text))
-
-
-def _marker_prefix_len(text: str, marker: str) -> int:
-    """The length of the longest end of ``text`` that begins ``marker``."""
-    for k in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-k:]):
-            return k
-    return 0

@@ -27,6 +27,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from engine.generation.markers import partial_marker_len
 from engine.generation.request import FunctionSchema, ToolCallConstraint
 
 CALL_OPEN = "<tool_call>"
@@ -257,7 +258,7 @@ class ToolCallStream:
                 self._pending = self._pending[start + len(CALL_OPEN):]
                 self._in_call = True
                 continue
-            keep = _open_prefix_len(self._pending)
+            keep = partial_marker_len(self._pending, (CALL_OPEN,))
             ready, self._pending = self._pending[:len(self._pending) - keep], self._pending[len(self._pending) - keep:]
             if ready:
                 out.append(ContentDelta(ready))
@@ -279,14 +280,6 @@ class ToolCallStream:
         self.calls.append(call)
         return [CallStart(index, call.id, name), *(ArgumentsDelta(index, arguments[i:i + ARGUMENT_FRAGMENT])
                                                    for i in range(0, len(arguments), ARGUMENT_FRAGMENT))]
-
-
-def _open_prefix_len(text: str) -> int:
-    """Length of the longest tail of ``text`` that is a proper prefix of ``<tool_call>``."""
-    for k in range(min(len(text), len(CALL_OPEN) - 1), 0, -1):
-        if CALL_OPEN.startswith(text[-k:]):
-            return k
-    return 0
 
 
 def parse_tool_calls(text: str, declared: Collection[str] | None = None) -> tuple[str | None, tuple[ToolCall, ...]]:
