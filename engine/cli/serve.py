@@ -37,6 +37,9 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "localhost (repeatable); requests naming any other host are refused (DNS rebinding)")
     p.add_argument("--max-concurrent", type=int, default=_DEFAULTS.max_concurrent,
                    help=f"requests in flight before answering 429 (default {_DEFAULTS.max_concurrent})")
+    p.add_argument("--key-streams", type=int, default=None, metavar="N",
+                   help="answers (an n-choice request counts n) one API key may have in progress at once; past it "
+                        "429 (default: half of --max-concurrent; applies where keys are required)")
     p.add_argument("--slots", type=int, default=None,
                    help="streams generated at once (default 16 paged, 4 stateful; a static NPU-target export has "
                         "its own, from export)")
@@ -117,7 +120,7 @@ def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> 
     try:
         return ApiSettings(model_name=args.model_name, api_key=api_key_from_env(args.api_key_env, environ),
                            max_concurrent=args.max_concurrent, max_prompt_tokens=args.max_prompt_tokens,
-                           allowed_hosts=tuple(args.allow_host))
+                           allowed_hosts=tuple(args.allow_host), key_streams=args.key_streams)
     except ValueError as exc:
         raise DeskfleetError(f"invalid server limits: {exc}") from exc
 

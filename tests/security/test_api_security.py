@@ -216,3 +216,8 @@ def test_serve_takes_the_host_names_it_may_be_addressed_by(tiny_export):
     assert settings.allowed_hosts == ("gpu-box.lan", "gpu-box") and settings.api_key is None
     policy = HostPolicy(args.host, settings.allowed_hosts)
     assert policy.allows("gpu-box.lan:8000") and policy.allows("GPU-BOX") and not policy.allows("gpu-box.evil")
+    assert settings.key_streams is None  # half of --max-concurrent
+    shares = settings_from_args(parser.parse_args(["--shards", "x", "--key-streams", "3"]), {})
+    assert shares.key_streams == 3
+    with pytest.raises(DeskfleetError, match="key_streams"):
+        settings_from_args(parser.parse_args(["--shards", "x", "--key-streams", "0"]), {})
