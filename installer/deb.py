@@ -51,6 +51,8 @@ STATE_JOIN_FILE = f"{SYSTEM_STATE}/join-token"  # the agent user's own copy of t
 WRITE_TOKEN = f"{PREFIX}/lib/write-join-token.sh"
 DEBCONF_TOKEN = "deskfleet/join-token"
 DEBCONF_CONSOLE = "deskfleet/console"
+AGENT_MEMORY_MAX = "75%"  # of the PC's RAM: the agent, its stage workers and their KV pools, never the whole PC
+AGENT_TASKS_MAX = 1024  # OpenVINO's threads per worker, a worker and its spare, the agent's own
 
 
 def control(version: str, arch: str, installed_kb: int) -> str:
@@ -391,7 +393,22 @@ ProtectHome=read-only
 PrivateTmp=yes
 ProtectKernelTunables=yes
 ProtectKernelModules=yes
+ProtectKernelLogs=yes
 ProtectControlGroups=yes
+# It dials and listens on IP (enrolment, hub, data plane), browses mDNS and lists interfaces (netlink);
+# it needs no capability at all, and only the syscalls of an ordinary service.
+RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6 AF_NETLINK
+CapabilityBoundingSet=
+AmbientCapabilities=
+SystemCallFilter=@system-service
+SystemCallErrorNumber=EPERM
+SystemCallArchitectures=native
+RestrictNamespaces=yes
+LockPersonality=yes
+# The agent and its stage workers (a shard and its KV pool each) share this cgroup: a worker gone
+# astray is stopped by the kernel before the PC's owner notices, not after.
+MemoryMax={AGENT_MEMORY_MAX}
+TasksMax={AGENT_TASKS_MAX}
 
 [Install]
 WantedBy=multi-user.target

@@ -123,6 +123,25 @@ def test_the_silent_install_files(tmp_path):
         assert proc.returncode == 0, proc.stderr
 
 
+def test_the_agent_system_unit_is_hardened(tmp_path):
+    """Issue 29, L13: the agent's system service runs models from the network, so its unit takes away what
+    a compromised worker could use: no capability, the ordinary syscalls only, IP/unix/netlink sockets
+    only, no kernel log, and a memory and task bound for the agent and its workers together."""
+    service = _ini(deb.systemd_system_unit())["Service"]
+    assert service["CapabilityBoundingSet"] == "" and service["AmbientCapabilities"] == ""
+    assert service["SystemCallFilter"] == "@system-service" and service["SystemCallErrorNumber"] == "EPERM"
+    assert set(service["RestrictAddressFamilies"].split()) == {"AF_UNIX", "AF_INET", "AF_INET6", "AF_NETLINK"}
+    assert service["ProtectKernelLogs"] == service["NoNewPrivileges"] == service["RestrictNamespaces"] == "yes"
+    assert service["MemoryMax"] == deb.AGENT_MEMORY_MAX and 0 < int(deb.AGENT_MEMORY_MAX.rstrip("%")) < 100
+    assert 0 < int(service["TasksMax"]) <= 4096
+    if shutil.which("systemd-analyze") is not None:
+        exe = shutil.which("deskfleet") or sys.executable
+        local = tmp_path / deb.SYSTEM_UNIT_NAME
+        local.write_text(deb.systemd_system_unit().replace(deb.BIN, exe))
+        proc = subprocess.run(["systemd-analyze", "verify", str(local)], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0 and "Unknown" not in proc.stderr, proc.stderr
+
+
 @pytest.mark.skipif(os.name != "posix", reason="runs the .deb's shell script")
 def test_the_token_is_written_root_only_and_what_is_not_a_token_is_refused(tmp_path):
     script = tmp_path / "write-join-token.sh"
