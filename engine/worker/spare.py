@@ -16,10 +16,10 @@ a failover's breakdown can say where the time went.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping
 import contextlib
 import ipaddress
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
