@@ -568,16 +568,20 @@ def _checkpoint_of(model: ModelEntry) -> Path:
 
 
 def write_admin_certificate(state_dir: Path, name: str, out: Path, *, days: int = 365) -> Path:
-    """Issue an admin certificate from the fleet CA in ``state_dir`` and write it to ``out``."""
-    from engine.control.fleet_services import is_first_run, load_or_create_authority
+    """Issue an admin certificate from the fleet CA in ``state_dir``, record it there (as the state
+    dir's owner under sudo: console.service.admin_certs) and write it to ``out``."""
+    from console.service.admin_certs import issue_recorded
+    from engine.control.fleet_services import is_first_run
     from engine.trust.admin_bundle import write_admin_credentials
-    from engine.trust.keystore import ConsoleSecrets
+    from engine.trust.fleet_ca import Credentials
+    from engine.trust.state_owner import run_as_owner
 
     if is_first_run(state_dir):
         raise ConsoleError(f"there is no fleet in {state_dir} (no fleet CA); start `deskfleet fleet` there first, "
                            "or pass the service's --state-dir")
-    authority = load_or_create_authority(state_dir, secrets_=ConsoleSecrets(state_dir))
-    return write_admin_credentials(authority.issue_admin(name, days=days), out)
+    issued = run_as_owner(state_dir, lambda where: issue_recorded(where, name, days))
+    creds = Credentials(issued["ca_pem"].encode(), issued["cert_pem"].encode(), issued["key_pem"].encode())
+    return write_admin_credentials(creds, out)
 
 
 def run_fleet_service(settings: FleetServiceSettings) -> int:

@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+from cryptography.hazmat.primitives.serialization import Encoding
 
 from console.fleet_cli import (
     RUN_KEY,
@@ -49,6 +50,19 @@ def test_admin_cert_comes_from_the_fleet_ca_of_the_state_dir(tmp_path):
     folder = write_admin_certificate(state, "alice", tmp_path / "alice")
     creds = read_admin_credentials(folder)
     assert creds.role is Role.ADMIN and creds.name == "alice" and creds.ca_fingerprint == authority.fingerprint
+    # recorded, listed and revocable from the shell (issue 29, M7); a life over the bound is refused
+    from console.fleet_cli import run as run_fleet
+    from console.service.admin_certs import AdminCertBook
+    from engine.trust.fleet_ca import peer_node_id
+
+    fingerprint = peer_node_id(creds.certificate.public_bytes(Encoding.DER))
+    assert [(r["fingerprint"], r["name"], r["state"]) for r in AdminCertBook(state).listing()] == \
+        [(fingerprint, "alice", "active")]
+    assert run_fleet(_args("admin-cert", "--list", "--state-dir", str(state))) == 0
+    assert run_fleet(_args("admin-cert", "--revoke", fingerprint[:10], "--state-dir", str(state))) == 0
+    assert AdminCertBook(state).listing()[0]["state"] == "revoked"
+    with pytest.raises(DeskfleetError, match="397 days"):
+        write_admin_certificate(state, "bob", tmp_path / "bob", days=3650)
 
 
 def test_settings_from_the_command_line(tmp_path):
