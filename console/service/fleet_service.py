@@ -162,7 +162,7 @@ class FleetService:
             self._stack.callback(fleet.subscribe(self.token_desk.on_records))
             self._stack.callback(host.subscribe_joins(self.token_desk.on_join))
             self._stack.callback(fleet.attach_hub(host.hub))
-            self._stack.callback(fleet.attach_api_key(host.rotate_api_key))
+            self._stack.callback(fleet.attach_api_key(host.rotate_api_key, host.member_key))
             self._stack.callback(host.hub.subscribe(self._on_hub_event))
             self._stack.callback(host.subscribe_api_key(self._on_api_key))
             self.token_desk.attach(fleet.approve, fleet.records())
