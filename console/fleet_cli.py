@@ -33,7 +33,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     from console.tokens_cli import add_arguments as add_token_arguments
 
     p.add_argument("action", nargs="?", default="run", choices=("run", "admin-cert", "autostart", "tokens", "tag"),
-                   help="run (default): serve the fleet; admin-cert NAME --out DIR: issue an admin certificate; "
+                   help="run (default): serve the fleet; admin-cert NAME --out DIR: issue an admin certificate "
+                        "(--list: the recorded ones; --revoke FINGERPRINT|NAME: cut one off); "
                         "autostart enable|disable: start the service at login (Windows); "
                         "tokens list|issue|revoke ID: the running service's join tokens; "
                         "tag [AGENT] --tags T,T | --reset: list or set an agent's tags")

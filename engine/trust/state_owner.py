@@ -54,6 +54,9 @@ def run_as_owner(state_dir: Path, work: Callable[[Path], Any]) -> Any:
         code = 0
         try:
             os.chdir(state_dir)
+            os.environ["HOME"] = "."  # as the service's unit has it (HOME=the state dir): never root's
+            for name in ("XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_CACHE_HOME"):
+                os.environ.pop(name, None)
             os.setgroups([])
             os.setgid(owner[1])
             os.setuid(owner[0])

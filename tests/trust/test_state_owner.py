@@ -60,3 +60,26 @@ def test_root_changes_another_users_key_book_as_that_user(owned_dir, capsys):
     assert main(["keys", "--state-dir", str(state), "revoke", "alice"]) == 0
     assert "revoked at" in capsys.readouterr().err and KeyBook(state).identify(secret) is None
     assert {p.stat().st_uid for p in state.iterdir()} == {uid}
+
+
+def test_root_issues_an_admin_certificate_from_another_users_fleet_and_the_record_stays_theirs(owned_dir,
+                                                                                              monkeypatch, capsys):
+    from console.service.admin_certs import AdminCertBook
+    from engine.control.fleet_services import load_or_create_authority
+    from engine.envvars import KEYRING_DIR
+    from engine.trust.admin_bundle import read_admin_credentials
+    from engine.trust.keystore import ConsoleSecrets
+
+    sandbox, state, uid = owned_dir
+    monkeypatch.delenv(KEYRING_DIR, raising=False)  # a system service's: the file keyring in the state dir
+    monkeypatch.setenv("HOME", str(sandbox))
+    load_or_create_authority(state, secrets_=ConsoleSecrets(state))
+    for path in (state, *state.iterdir()):
+        os.chown(path, uid, uid)
+    out = sandbox / "alice"
+    assert main(["fleet", "admin-cert", "alice", "--out", str(out), "--state-dir", str(state)]) == 0
+    assert read_admin_credentials(out).name == "alice" and (out / "admin.key").stat().st_uid == 0  # root's folder
+    record = state / "admin-certs.json"
+    assert (record.stat().st_uid, record.stat().st_mode & 0o777) == (uid, 0o600)  # the service can read it
+    assert [r["name"] for r in AdminCertBook(state).listing()] == ["alice"]
+    assert {p.stat().st_uid for p in state.iterdir()} == {uid}
