@@ -182,6 +182,7 @@ def load_or_create_api_key(state_dir: Path, *, secrets_: ConsoleSecrets | None =
     older = None if marker.exists() else store.get(API_KEY_SECRET)
     key = store.get_or_create(API_KEY_SECRET, new_secret)
     if not marker.exists():  # an older version's key went to every ring member: retire it, once
+        state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         if older is None:  # a new fleet: its first key never left
             marker.write_text("the console API key never went to a member\n")
             (book or KeyBook(state_dir)).adopt(CONSOLE_KEY_NAME, key)
