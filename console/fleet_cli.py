@@ -139,8 +139,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _admin_cert(args: argparse.Namespace) -> int:
+    from console.service.admin_certs import write_admin_certificate
     from console.service.console_settings import default_state_dir
-    from console.service.fleet_service import write_admin_certificate
     from engine.errors import DeskfleetError
 
     state_dir = args.state_dir or default_state_dir()

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from console.service.errors import ConsoleStateError
+from console.service.errors import ConsoleError, ConsoleStateError
 from console.service.state_file import read_json, write_json
 from engine.errors import DeskfleetError
 from engine.trust.fleet_ca import peer_node_id
@@ -195,3 +195,35 @@ def issue_recorded(state_dir: Path, name: str, days: int) -> dict[str, str]:
     record = AdminCertBook(state_dir).record(der)
     return {"ca_pem": creds.ca_pem.decode("ascii"), "cert_pem": creds.cert_pem.decode("ascii"),
             "key_pem": creds.key_pem.decode("ascii"), "fingerprint": record["fingerprint"]}
+
+
+def write_admin_certificate(state_dir: Path, name: str, out: Path, *, days: int = 365) -> Path:
+    """Issue an admin certificate from the fleet CA in ``state_dir``, record it there (as the state
+    dir's owner under sudo: console.service.admin_certs) and write it to ``out``."""
+    from engine.control.fleet_services import is_first_run
+    from engine.trust.admin_bundle import write_admin_credentials
+    from engine.trust.fleet_ca import Credentials
+    from engine.trust.state_owner import run_as_owner
+
+    if is_first_run(state_dir):
+        raise ConsoleError(f"there is no fleet in {state_dir} (no fleet CA); start `deskfleet fleet` there first, "
+                           "or pass the service's --state-dir")
+    _preload_for_owner()
+    issued = run_as_owner(state_dir, lambda where: issue_recorded(where, name, days))
+    creds = Credentials(issued["ca_pem"].encode(), issued["cert_pem"].encode(), issued["key_pem"].encode())
+    return write_admin_credentials(creds, out)
+
+
+def _preload_for_owner() -> None:
+    """Import (and choose the keyring backend) before a child drops to the state dir's owner, who may
+    not be allowed to read root's Python installation or keyring settings."""
+    import keyring
+    from cryptography.hazmat.backends import default_backend
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    import engine.control.fleet_services  # noqa: F401 - imported for the child
+    import engine.trust.keystore  # noqa: F401 - imported for the child
+
+    default_backend()
+    ec.generate_private_key(ec.SECP256R1())  # loads what signing and key serialisation need
+    keyring.get_keyring()

@@ -567,39 +567,6 @@ def _checkpoint_of(model: ModelEntry) -> Path:
     return resolve_model(model.spec).checkpoint_dir
 
 
-def write_admin_certificate(state_dir: Path, name: str, out: Path, *, days: int = 365) -> Path:
-    """Issue an admin certificate from the fleet CA in ``state_dir``, record it there (as the state
-    dir's owner under sudo: console.service.admin_certs) and write it to ``out``."""
-    from console.service.admin_certs import issue_recorded
-    from engine.control.fleet_services import is_first_run
-    from engine.trust.admin_bundle import write_admin_credentials
-    from engine.trust.fleet_ca import Credentials
-    from engine.trust.state_owner import run_as_owner
-
-    if is_first_run(state_dir):
-        raise ConsoleError(f"there is no fleet in {state_dir} (no fleet CA); start `deskfleet fleet` there first, "
-                           "or pass the service's --state-dir")
-    _preload_for_owner()
-    issued = run_as_owner(state_dir, lambda where: issue_recorded(where, name, days))
-    creds = Credentials(issued["ca_pem"].encode(), issued["cert_pem"].encode(), issued["key_pem"].encode())
-    return write_admin_credentials(creds, out)
-
-
-def _preload_for_owner() -> None:
-    """Import (and choose the keyring backend) before a child drops to the state dir's owner, who may
-    not be allowed to read root's Python installation or keyring settings."""
-    import keyring
-    from cryptography.hazmat.backends import default_backend
-    from cryptography.hazmat.primitives.asymmetric import ec
-
-    import engine.control.fleet_services  # noqa: F401 - imported for the child
-    import engine.trust.keystore  # noqa: F401 - imported for the child
-
-    default_backend()
-    ec.generate_private_key(ec.SECP256R1())  # loads what signing and key serialisation need
-    keyring.get_keyring()
-
-
 def run_fleet_service(settings: FleetServiceSettings) -> int:
     """Run the service until SIGINT/SIGTERM; the exit code."""
 

@@ -23,8 +23,8 @@ from console.fleet_cli import (
     service_settings,
     windows_run_value,
 )
+from console.service.admin_certs import write_admin_certificate
 from console.service.errors import ConsoleError
-from console.service.fleet_service import write_admin_certificate
 from engine.control.fleet_services import load_or_create_authority
 from engine.errors import DeskfleetError
 from engine.trust.admin_bundle import read_admin_credentials
