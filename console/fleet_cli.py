@@ -4,7 +4,8 @@
 CA, enrolment, hub, discovery, agent records, the model library, the rings it serves and the
 OpenAI API, with its admin API on ``<state_dir>/admin.sock`` and over mutual TLS
 (docs/ADMIN_API.md). ``admin-cert NAME --out DIR`` issues an admin certificate from the fleet CA
-in the state dir (only whoever can read the state dir can do that). ``autostart enable|disable``
+in the state dir (only whoever can read the state dir can do that) and records it; ``admin-cert
+--list`` shows the recorded ones, ``admin-cert --revoke FINGERPRINT|NAME`` cuts one off. ``autostart enable|disable``
 registers the service to start at this user's login on Windows (implemented, not run on Windows
 here); Linux runs it under systemd (``installer/deskfleet-fleet.service``). ``tokens
 list|issue|revoke`` manages the join tokens of the running service (:mod:`console.tokens_cli`).
@@ -32,7 +33,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     from console.tokens_cli import add_arguments as add_token_arguments
 
     p.add_argument("action", nargs="?", default="run", choices=("run", "admin-cert", "autostart", "tokens", "tag"),
-                   help="run (default): serve the fleet; admin-cert NAME --out DIR: issue an admin certificate; "
+                   help="run (default): serve the fleet; admin-cert NAME --out DIR: issue an admin certificate "
+                        "(--list: the recorded ones; --revoke FINGERPRINT|NAME: cut one off); "
                         "autostart enable|disable: start the service at login (Windows); "
                         "tokens list|issue|revoke ID: the running service's join tokens; "
                         "tag [AGENT] --tags T,T | --reset: list or set an agent's tags")
@@ -70,7 +72,12 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="neither advertise nor browse over mDNS: PCs join with this service's address given "
                         "(--console HOST:PORT or console= in a join file), and are found as they register")
     p.add_argument("--out", type=Path, default=None, help="admin-cert: the directory to write the certificate to")
-    p.add_argument("--days", type=int, default=365, help="admin-cert: days the certificate is valid (default 365)")
+    p.add_argument("--days", type=int, default=365,
+                   help="admin-cert: days the certificate is valid (default 365, at most 397)")
+    p.add_argument("--list", dest="list_certs", action="store_true",
+                   help="admin-cert --list: every admin certificate issued or seen (fingerprint, name, expiry, state)")
+    p.add_argument("--revoke", default=None, metavar="FINGERPRINT|NAME",
+                   help="admin-cert --revoke: refuse that admin certificate from its next connection and request")
     add_token_arguments(p)
     add_tag_arguments(p)
 
@@ -132,16 +139,44 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _admin_cert(args: argparse.Namespace) -> int:
+    from console.service.admin_certs import write_admin_certificate
     from console.service.console_settings import default_state_dir
-    from console.service.fleet_service import write_admin_certificate
     from engine.errors import DeskfleetError
 
+    state_dir = args.state_dir or default_state_dir()
+    if args.list_certs or args.revoke:
+        return _admin_cert_book(args, state_dir)
     if not args.name or args.out is None:
         raise DeskfleetError("say who the certificate is for and where to write it: "
                              "deskfleet fleet admin-cert NAME --out DIR")
-    written = write_admin_certificate(args.state_dir or default_state_dir(), args.name, args.out, days=args.days)
+    written = write_admin_certificate(state_dir, args.name, args.out, days=args.days)
     print(f"admin certificate for {args.name} written to {written}; copy that folder to the admin's PC "
           "(it holds a private key: keep it private)")
+    return 0
+
+
+def _admin_cert_book(args: argparse.Namespace, state_dir: Path) -> int:
+    """``admin-cert --list`` / ``--revoke WHICH`` on the state dir's records (as its owner under sudo;
+    the running service re-reads them, so a revocation holds from the next handshake)."""
+    import json
+
+    from console.service.admin_certs import AdminCertBook
+    from engine.trust.state_owner import run_as_owner
+
+    if args.revoke:
+        revoked = run_as_owner(state_dir, lambda where: AdminCertBook(where).revoke(args.revoke))
+        print(json.dumps(revoked, indent=1) if args.json else
+              f"admin certificate {revoked['fingerprint'][:16]} ({revoked['name']}) revoked at {revoked['revoked_at']}")
+        return 0
+    rows = run_as_owner(state_dir, lambda where: AdminCertBook(where).listing())
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    table = [("FINGERPRINT", "NAME", "ISSUED", "EXPIRES", "STATE")] + [
+        (r["fingerprint"][:16], r["name"], r.get("issued_at") or "-", r["not_after"], r["state"]) for r in rows]
+    widths = [max(len(str(r[i])) for r in table) for i in range(5)]
+    print("\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in table)
+          if rows else f"no admin certificates recorded in {state_dir}")
     return 0
 
 

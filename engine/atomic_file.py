@@ -2,14 +2,14 @@
 
 Every state file Deskfleet keeps (agent settings and state, the console's books, the join-token
 book, the file keyring) goes through :func:`write_text_atomic`: a private temporary file in the
-same directory (created 0600 by ``mkstemp``), fsync, then ``os.replace``.
+same directory (created 0600, ``O_EXCL``), fsync, then ``os.replace``.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,18 @@ from typing import Any
 def write_text_atomic(path: Path, text: str, *, dir_mode: int = 0o777) -> None:
     """Replace ``path`` with ``text``; raises OSError (the old file is untouched) on failure."""
     path.parent.mkdir(mode=dir_mode, parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    # not tempfile.mkstemp: it makes the name absolute, and a process that entered a directory whose
+    # parents it may not cross (engine.trust.state_owner) must keep to relative names
+    for _ in range(100):
+        tmp = str(path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+                         | getattr(os, "O_BINARY", 0), 0o600)
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise FileExistsError(f"no free temporary name beside {path}")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)

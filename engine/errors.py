@@ -134,10 +134,13 @@ class JoinRefused(TrustError):
     403 answer, so both sides name the same reason.
     """
 
-    def __init__(self, reason: str, detail: str = "") -> None:
+    def __init__(self, reason: str, detail: str = "", *, token_id: str | None = None,
+                 token_label: str | None = None) -> None:
         text = JOIN_REFUSALS.get(reason, f"the console refused the join ({reason})")
         super().__init__(f"{text} ({detail})" if detail else text)
         self.reason = reason
+        self.token_id = token_id  # set when the book knows the token (revoked, used, expired): a leak to audit
+        self.token_label = token_label
 
 
 # -- discovery and inventory: what agents say about themselves ------------------------------------

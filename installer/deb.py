@@ -25,7 +25,9 @@ found over mDNS), pre-seeded with ``debconf-set-selections`` before ``apt-get in
 postinst (root) creates the system user ``deskfleet-agent`` (idempotent; added to the ``render``
 and ``video`` groups where they exist, for the iGPU's and NPU's device nodes), makes its state dir
 ``/var/lib/deskfleet-agent`` its own (0700), and hands the token over into that dir as the agent
-user's 0600 ``join-token`` (written atomically, the token on stdin, never in argv); the /etc copy
+user's 0600 ``join-token`` (written atomically *by that user* through ``setpriv``, the token on stdin,
+never in argv: root never creates, chowns or renames a path in a directory the agent's user can change,
+where a swapped-in symlink would hand that user a file of root's); the /etc copy
 is removed and debconf's answer cleared. It then enables the *system* unit
 ``deskfleet-agent-system.service``: the headless agent as ``deskfleet-agent`` (never root), which
 joins with its copy at start and deletes it (:mod:`agent.service.join_file`). Re-running postinst
@@ -51,6 +53,8 @@ STATE_JOIN_FILE = f"{SYSTEM_STATE}/join-token"  # the agent user's own copy of t
 WRITE_TOKEN = f"{PREFIX}/lib/write-join-token.sh"
 DEBCONF_TOKEN = "deskfleet/join-token"
 DEBCONF_CONSOLE = "deskfleet/console"
+AGENT_MEMORY_MAX = "75%"  # of the PC's RAM: the agent, its stage workers and their KV pools, never the whole PC
+AGENT_TASKS_MAX = 1024  # OpenVINO's threads per worker, a worker and its spare, the agent's own
 
 
 def control(version: str, arch: str, installed_kb: int) -> str:
@@ -194,6 +198,22 @@ mv -f "$tmp" "$target"
 """
 
 
+HANDOVER = r"""as_agent() {  # run "$@" as the agent's user, no other group, no privilege left
+  if command -v setpriv >/dev/null 2>&1; then
+    setpriv --reuid="$uid" --regid="$gid" --clear-groups -- "$@"
+  else
+    runuser -u "$user" -- "$@"
+  fi
+}
+handover() {  # $1: root's token file (the admin's or debconf's) -> the agent user's 0600 copy, atomically
+  # Written by the agent's user, never by root: the user owns $state and can swap any name in it
+  # for a link to a file of root's at any moment, so root must not create, chown or rename there.
+  # Root only opens its own file, as this command's stdin.
+  as_agent sh -c 'umask 077; t=$(mktemp "$1/.join-token.XXXXXX") && cat > "$t" && mv -f "$t" "$1/join-token"' \
+    handover "$state" < "$1"
+}"""
+
+
 def postinst() -> str:
     # debconf's protocol runs over stdout: everything else this script prints goes to stderr.
     return f"""#!/bin/sh
@@ -201,13 +221,7 @@ set -e
 . /usr/share/debconf/confmodule
 user={AGENT_USER}
 state={SYSTEM_STATE}
-handover() {{  # $1: a token file (the admin's or debconf's) -> the agent user's 0600 copy, atomically
-  tmp=$(mktemp "$state/.join-token.XXXXXX")
-  cat "$1" > "$tmp"
-  chown "$user:" "$tmp"
-  chmod 0600 "$tmp"
-  mv -f "$tmp" "$state/join-token"
-}}
+{HANDOVER}
 if [ "$1" = "configure" ]; then
   {PREFIX}/lib/install-venv.sh {PREFIX} >&2
   if command -v update-desktop-database >/dev/null 2>&1; then
@@ -227,9 +241,13 @@ if [ "$1" = "configure" ]; then
   for group in render video; do  # the iGPU's and NPU's device nodes (/dev/dri, /dev/accel)
     if getent group "$group" >/dev/null; then usermod -a -G "$group" "$user" >&2 || true; fi
   done
+  uid=$(id -u "$user")
+  gid=$(id -g "$user")
   umask 077
   mkdir -p "$state"
-  chown -R "$user:" "$state"  # also an older version's, when the agent ran as root
+  # an older version's dir, when the agent ran as root (so its user never wrote there); once the dir is
+  # the user's, root never walks it again (the user could have planted links to root's files in it)
+  if [ "$(stat -c %u "$state")" != "$uid" ]; then chown -R "$user:" "$state"; fi
   chmod 0700 "$state"
   RET=""
   db_get {DEBCONF_TOKEN} || RET=""
@@ -391,7 +409,22 @@ ProtectHome=read-only
 PrivateTmp=yes
 ProtectKernelTunables=yes
 ProtectKernelModules=yes
+ProtectKernelLogs=yes
 ProtectControlGroups=yes
+# It dials and listens on IP (enrolment, hub, data plane), browses mDNS and lists interfaces (netlink);
+# it needs no capability at all, and only the syscalls of an ordinary service.
+RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6 AF_NETLINK
+CapabilityBoundingSet=
+AmbientCapabilities=
+SystemCallFilter=@system-service
+SystemCallErrorNumber=EPERM
+SystemCallArchitectures=native
+RestrictNamespaces=yes
+LockPersonality=yes
+# The agent and its stage workers (a shard and its KV pool each) share this cgroup: a worker gone
+# astray is stopped by the kernel before the PC's owner notices, not after.
+MemoryMax={AGENT_MEMORY_MAX}
+TasksMax={AGENT_TASKS_MAX}
 
 [Install]
 WantedBy=multi-user.target

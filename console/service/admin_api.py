@@ -27,6 +27,7 @@ from typing import Any
 
 from aiohttp import web
 
+from console.service.admin_certs import AdminCertBook, AdminCertError
 from console.service.admin_shapes import (
     ShapeError,
     export_plan_from_json,
@@ -149,14 +150,26 @@ def _machine_names() -> frozenset[str]:
     return LOOPBACK_NAMES | {name, short, f"{short}.local"}
 
 
+def peer_der(request: web.Request) -> bytes | None:
+    """The TLS peer's certificate (DER); None on the unix socket."""
+    transport = request.transport
+    ssl_object = transport.get_extra_info("ssl_object") if transport is not None else None
+    return ssl_object.getpeercert(binary_form=True) if ssl_object is not None else None
+
+
 class AdminApi:
     def __init__(self, service: FleetService) -> None:
         self.service = service
+        self.admin_certs = AdminCertBook(Path(service.settings.state_dir))
 
     @web.middleware
     async def guard(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
         try:
             request[WHO] = caller(request)
+            der = peer_der(request)
+            refusal = self.admin_certs.refusal(der) if der else None
+            if refusal is not None:  # revoked while this connection was kept alive
+                raise AdminError(403, "revoked", refusal)
             if request[WHO] != "local":
                 check_browser_shape(request)
             if request.method in ("POST", "DELETE") and request.path != f"{PREFIX}/events":
@@ -421,15 +434,33 @@ class AdminApi:
                                                    "secret was shown once, when it was issued")
             return j({"secret": s.host.api_key})
 
+        async def admin_certs(q):
+            return j({"admin_certs": self.admin_certs.listing()})
+
+        async def revoke_admin_cert(q):
+            try:
+                revoked = self.admin_certs.revoke(q.match_info["which"])
+            except AdminCertError as exc:
+                raise AdminError(404, "not_found", str(exc)) from exc
+            log.warning("%s revoked the admin certificate %s (%s)", q[WHO], revoked["fingerprint"][:16],
+                        revoked.get("name"))
+            return j({"admin_cert": revoked})
+
+        app.router.add_get(f"{PREFIX}/admin-certs", admin_certs)
+        app.router.add_post(f"{PREFIX}/admin-certs/{{which}}/revoke", revoke_admin_cert)
         app.router.add_get(f"{PREFIX}/keys", keys)
         app.router.add_post(f"{PREFIX}/keys", issue)
         app.router.add_post(f"{PREFIX}/keys/{{name}}/secret", console_secret)
         app.router.add_delete(f"{PREFIX}/keys/{{name}}", revoke)
 
 
+ADMIN_CERTS: web.AppKey[AdminCertBook] = web.AppKey("deskfleet_admin_certs", AdminCertBook)
+
+
 def build_admin_app(service: FleetService) -> web.Application:
     api = AdminApi(service)
     app = web.Application(middlewares=[api.guard], client_max_size=MAX_BODY)
+    app[ADMIN_CERTS] = api.admin_certs
     api.routes(app)
     return app
 
@@ -438,7 +469,8 @@ async def async_run_admin(service: FleetService, stack: contextlib.AsyncExitStac
     """Serve the admin API on the state dir's socket and, unless ``admin_port`` is None, over
     mutual TLS; closed by ``stack``. Returns the HTTPS URL (None: socket only)."""
     settings = service.settings
-    runner = LimitedAppRunner(build_admin_app(service), handler_cancellation=True, shutdown_timeout=2.0,
+    app = build_admin_app(service)
+    runner = LimitedAppRunner(app, handler_cancellation=True, shutdown_timeout=2.0,
                               access_log=None,  # long-polls and job polls: the actions are logged by the guard
                               what="admin API")
     await runner.setup()
@@ -454,7 +486,8 @@ async def async_run_admin(service: FleetService, stack: contextlib.AsyncExitStac
     os.chmod(path, 0o600)
     if settings.admin_port is None:
         return None
-    ctx: ssl.SSLContext = service.host.credentials.server_context(admit=ADMIN_ROLES)
+    # a revoked admin certificate ends the handshake (and the guard refuses it on a kept-alive connection)
+    ctx: ssl.SSLContext = service.host.credentials.server_context(admit=ADMIN_ROLES, refuse=app[ADMIN_CERTS].refusal)
     site = web.TCPSite(runner, settings.admin_host, settings.admin_port, ssl_context=ctx)
     try:
         await site.start()

@@ -393,10 +393,15 @@ class Distributor:
         return Assignment.create(self._manifest_json, export_id=self.export_id, stage=target.stage,
                                  source=self.host.hub.shard_url(self.export_id), listen_port=target.data_port,
                                  next_hop=next_hop, worker=self.worker, api_url=self.api_url,
-                                 api_key=self.host.api_key or None, events_url=self.host.hub.events_url,
+                                 api_key=self._member_key(target), events_url=self.host.hub.events_url,
                                  expect_upstream=(upstream,) if upstream else (), expect_next=expect_next,
                                  deny=tuple(sorted(self.host.hub.deny)),
                                  runtime="paged" if self.paged else "stateful")
+
+    def _member_key(self, target: AgentTarget) -> str | None:
+        """The member's own limited key for its tray chat, never the console's (issue 29, M9)."""
+        member_key = getattr(self.host, "member_key", None)
+        return member_key(self._node_ids.get(target.control)) if member_key is not None else None
 
     async def _each(self, phase: Callable[[AgentTarget], object]) -> None:
         """Run ``phase`` on every agent at once; AgentsFailedError naming all that failed."""

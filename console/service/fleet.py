@@ -81,7 +81,8 @@ class FleetModel:
         self._tags = TagBook(state_dir)  # raises ConsoleStateError for a corrupt file
         self._hub: FleetHub | None = None
         self._rotate_api_key: Callable[[], str] | None = None  # FleetHost.rotate_api_key, once attached
-        self._api_key: str | None = None  # the key the last removal rotated to (pushed with the deny list)
+        self._api_key: str | None = None  # the console key the last removal rotated to (never sent to members)
+        self._member_key: Callable[[str], str | None] | None = None  # FleetHost.member_key, once attached
         self._probed: dict[tuple[str, str, int], float] = {}  # (claimed key, host, port) -> when
         self._probes: set[asyncio.Task] = set()
         self._probe_slots = asyncio.Semaphore(MAX_PROBES)
@@ -227,13 +228,18 @@ class FleetModel:
 
         return detach
 
-    def attach_api_key(self, rotate: Callable[[], str]) -> Callable[[], None]:
-        """Removing a member from now on calls ``rotate()`` (``FleetHost.rotate_api_key``): the one
-        API key was in the removed PC's assignments. Returns a function that detaches."""
+    def attach_api_key(self, rotate: Callable[[], str],
+                       member_key: Callable[[str], str | None] | None = None) -> Callable[[], None]:
+        """Removing a member from now on calls ``rotate()`` (``FleetHost.rotate_api_key``): older
+        versions put the console key in every assignment. The deny list then carries each member's
+        own key (``member_key(node id)``, ``FleetHost.member_key``), never the new console key.
+        Returns a function that detaches."""
         self._rotate_api_key = rotate
+        self._member_key = member_key
 
         def detach() -> None:
             self._rotate_api_key = None
+            self._member_key = None
 
         return detach
 
@@ -344,9 +350,9 @@ class FleetModel:
             task.add_done_callback(self._probes.discard)
 
     async def async_push_deny(self) -> dict[str, str]:
-        """Send the deny list (and the API key a removal rotated) to every verified member;
-        {node id: why it failed} for those not told."""
-        deny, api_key = self.deny, self._api_key
+        """Send the deny list (and each member its own API key: the console's was rotated) to every
+        verified member; {node id: why it failed} for those not told."""
+        deny, rotated = self.deny, self._api_key is not None
         failed: dict[str, str] = {}
         records = [r for r in self.records() if r.verified and r.membership is Membership.MEMBER and r.control_port]
 
@@ -356,7 +362,8 @@ class FleetModel:
             except UnknownAgentError:  # removed since the list was taken: it has no one to tell
                 return
             try:
-                await client.async_deny(deny, api_key)
+                own = self._member_key(record.node_id) if rotated and self._member_key is not None else None
+                await client.async_deny(deny, own)
             except (ControlError, ForeignAgentError) as exc:
                 log.warning("could not give %s the deny list: %s", record.name, exc)
                 failed[record.key] = str(exc)

@@ -163,7 +163,7 @@ class FleetService:
             self._stack.callback(fleet.subscribe(self.token_desk.on_records))
             self._stack.callback(host.subscribe_joins(self.token_desk.on_join))
             self._stack.callback(fleet.attach_hub(host.hub))
-            self._stack.callback(fleet.attach_api_key(host.rotate_api_key))
+            self._stack.callback(fleet.attach_api_key(host.rotate_api_key, host.member_key))
             self._stack.callback(host.hub.subscribe(self._on_hub_event))
             self._stack.callback(host.subscribe_api_key(self._on_api_key))
             self.token_desk.attach(fleet.approve, fleet.records())
@@ -566,19 +566,6 @@ def _checkpoint_of(model: ModelEntry) -> Path:
     from export.sources import resolve_model
 
     return resolve_model(model.spec).checkpoint_dir
-
-
-def write_admin_certificate(state_dir: Path, name: str, out: Path, *, days: int = 365) -> Path:
-    """Issue an admin certificate from the fleet CA in ``state_dir`` and write it to ``out``."""
-    from engine.control.fleet_services import is_first_run, load_or_create_authority
-    from engine.trust.admin_bundle import write_admin_credentials
-    from engine.trust.keystore import ConsoleSecrets
-
-    if is_first_run(state_dir):
-        raise ConsoleError(f"there is no fleet in {state_dir} (no fleet CA); start `deskfleet fleet` there first, "
-                           "or pass the service's --state-dir")
-    authority = load_or_create_authority(state_dir, secrets_=ConsoleSecrets(state_dir))
-    return write_admin_credentials(authority.issue_admin(name, days=days), out)
 
 
 def run_fleet_service(settings: FleetServiceSettings) -> int:

@@ -56,34 +56,48 @@ def configure(p: argparse.ArgumentParser) -> None:
     revoke.add_argument("name")
 
 
-def _table(book: KeyBook) -> str:
+def _table(keys: list[dict]) -> str:
     rows = [("NAME", "RPM", "TPM", "METRICS", "ISSUED", "REVOKED")]
-    for k in book.keys():
-        rows.append((k.name, str(k.rpm or "-"), str(k.tpm or "-"), "yes" if k.metrics else "-", k.issued_at,
-                     k.revoked_at or "-"))
+    for k in keys:
+        rows.append((k["name"], str(k.get("rpm") or "-"), str(k.get("tpm") or "-"), "yes" if k.get("metrics") else "-",
+                     k["issued_at"], k.get("revoked_at") or "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
 
 
-def run(args: argparse.Namespace) -> int:
-    state_dir = args.state_dir or default_state_dir()
+def _change(args: argparse.Namespace, state_dir: Path) -> dict:
+    """The action on the book in ``state_dir`` (run as the directory's owner: engine.trust.state_owner)."""
     book = KeyBook(state_dir)
     try:
         if args.keys_action == "issue":
             issued = book.issue(args.name, rpm=args.rpm, tpm=args.tpm, metrics=args.metrics)
-            print(issued.secret)
-            print(f"key {args.name!r} issued; this is the only time its secret is shown: give it to its holder "
-                  "(they send it as 'Authorization: Bearer <key>')", file=sys.stderr)
-        elif args.keys_action == "list":
-            if args.json:
-                print(json.dumps([k.to_json() for k in book.keys()], indent=1))
-            else:
-                print(_table(book) if book.keys() else f"no keys in {book.path}")
-        else:
-            revoked = book.revoke(args.name)
-            print(f"key {revoked.name!r} revoked at {revoked.revoked_at}", file=sys.stderr)
+            return {"secret": issued.secret}
+        if args.keys_action == "list":
+            return {"keys": [k.to_json() for k in book.keys()], "path": str(book.path)}
+        return {"revoked": book.revoke(args.name).to_json()}
     except ValueError as exc:
         raise DeskfleetError(str(exc)) from exc
+
+
+def run(args: argparse.Namespace) -> int:
+    """As root on a state dir another user owns (``sudo deskfleet keys … --state-dir /var/lib/deskfleet``)
+    the book is changed as that owner, so the service can still read it (issue 29, L10)."""
+    from engine.trust.state_owner import run_as_owner
+
+    state_dir = args.state_dir or default_state_dir()
+    answer = run_as_owner(state_dir, lambda where: _change(args, where))
+    if args.keys_action == "issue":
+        print(answer["secret"])
+        print(f"key {args.name!r} issued; this is the only time its secret is shown: give it to its holder "
+              "(they send it as 'Authorization: Bearer <key>')", file=sys.stderr)
+    elif args.keys_action == "list":
+        if args.json:
+            print(json.dumps(answer["keys"], indent=1))
+        else:
+            print(_table(answer["keys"]) if answer["keys"] else f"no keys in {state_dir}")
+    else:
+        revoked = answer["revoked"]
+        print(f"key {revoked['name']!r} revoked at {revoked['revoked_at']}", file=sys.stderr)
     return 0
 
 

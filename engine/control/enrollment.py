@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import ssl
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,6 +78,9 @@ MAX_JOIN_BYTES = 64 << 10  # a CSR is ~0.5 KB; info is a handful of hardware fac
 MAX_CA_BYTES = 16 << 10
 JOIN_TIMEOUT = 10.0
 PEM_TYPE = "application/x-pem-file"
+REFUSALS_AUDITED = 20  # audit lines per known token per window for refused joins (the rest counted)
+REFUSAL_WINDOW_S = 3600.0
+MAX_REFUSAL_TOKENS = 1024  # tokens tracked for that count (the book's, so few; cleared beyond)
 
 class NotTheConsoleError(EnrollmentError):
     """Raised on an agent when the server at the console's address holds a certificate of the
@@ -120,6 +124,7 @@ class EnrollmentServer:
         self._max_body_bytes = max_body_bytes
         self._audit = audit
         self.limits = limits
+        self._refusals: dict[str, tuple[float, int, int]] = {}  # token id -> (window start, written, held back)
         self._runner: LimitedAppRunner | None = None
 
     async def async_start(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
@@ -167,8 +172,10 @@ class EnrollmentServer:
         except CertificateRequestError as exc:
             return self._refuse(peer, 400, str(exc), "bad_csr", name)
         try:
-            redeemed = self._tokens.redeem(token)
+            redeemed = await asyncio.to_thread(self._tokens.redeem, token)  # a locked book rewrite: off the loop
         except JoinRefused as exc:
+            if exc.token_id is not None:
+                self._audit_refusal(exc, name, peer)
             return self._refuse(peer, 403, str(exc), exc.reason, name)
         except TokenBookError as exc:
             log.error("join from %s (%s) failed: %s", peer, name, exc)
@@ -178,7 +185,7 @@ class EnrollmentServer:
         node_id = _node_id(cert_pem)
         log.info("admitted %s from %s as node %s (token %s)", name, peer, node_id[:16], redeemed.token_id)
         try:
-            self._tokens.record_admission(redeemed.token_id, node_id, name)
+            await asyncio.to_thread(self._tokens.record_admission, redeemed.token_id, node_id, name)
         except TokenBookError as exc:  # the PC is admitted; only the book's note of it is lost
             log.error("cannot note in the join-token book that token %s admitted %s: %s", redeemed.token_id,
                       node_id[:16], exc)
@@ -198,12 +205,31 @@ class EnrollmentServer:
                   "fleet_id": self._authority.fleet_id, "node_id": node_id}
         if self._issue_chat_key is not None:
             try:
-                answer["api_key"] = self._issue_chat_key(node_id, name)
+                answer["api_key"] = await asyncio.to_thread(self._issue_chat_key, node_id, name)  # a book rewrite
             except DeskfleetError as exc:
                 log.error("cannot issue the chat key of node %s (%s): %s", node_id[:16], name, exc)
                 return _error(500, "the console signed the certificate but could not issue the PC's chat key; "
                                    "ask the admin to look at the console's log", "internal")
         return web.json_response(answer)
+
+    def _audit_refusal(self, exc: JoinRefused, name: str, peer: str) -> None:
+        """An audit line for a refused join with a token the book knows, at most REFUSALS_AUDITED per
+        token per hour (a leaked token replayed in a loop must not grow the file without bound); the
+        lines held back are counted in the next one written."""
+        if self._audit is None or exc.token_id is None:
+            return
+        now = time.monotonic()
+        if len(self._refusals) >= MAX_REFUSAL_TOKENS and exc.token_id not in self._refusals:
+            self._refusals.clear()
+        start, written, held = self._refusals.get(exc.token_id, (now, 0, 0))
+        if now - start > REFUSAL_WINDOW_S:
+            start, written = now, 0
+        if written >= REFUSALS_AUDITED:
+            self._refusals[exc.token_id] = (start, written, held + 1)
+            return
+        self._refusals[exc.token_id] = (start, written + 1, 0)
+        self._audit.write("refused", node_id="", name=name, token_id=exc.token_id, token_label=exc.token_label,
+                          remote=peer, reason=exc.reason, **({"held_back": held} if held else {}))
 
     def _refuse(self, peer: str, status: int, message: str, reason: str, name: str = "?") -> web.Response:
         log.warning("join refused for %s from %s: %s (%s)", name, peer, reason, message)

@@ -51,6 +51,12 @@ CA_KEY = "fleet-ca.key"
 LOCK_FILE = "console.lock"
 WRAP_SECRET = "ca-key-wrap"  # ConsoleSecrets name of the CA key's wrapping key
 API_KEY_SECRET = "api-key"  # ConsoleSecrets name of the console key's secret
+# Members get a key of their own in assignments, never the console's (issue 29, M9): limited like a
+# person's chat, named for the member (audited as it), revoked with it. The console key every member
+# held before is rotated once, at the first start that marks it so in the state dir.
+MEMBER_KEY_RPM = 60
+MEMBER_KEY_TPM = 60_000
+CONSOLE_KEY_MEMBER_SAFE = "console-key-member-safe"  # marker: the console key is one no member ever got
 API_KEY_PREFIX = KEY_PREFIX
 log = logging.getLogger(__name__)
 HOLDER_OFFSET = 16  # the lock holder's description starts past the (Windows) locked byte
@@ -172,9 +178,29 @@ def load_or_create_api_key(state_dir: Path, *, secrets_: ConsoleSecrets | None =
     first time (192 bits) and kept in the keyring beside the CA's wrapping key; recorded in the
     fleet's key book (``book``, default the state dir's) as the key named ``console``."""
     store = secrets_ or ConsoleSecrets(state_dir)
+    marker = state_dir / CONSOLE_KEY_MEMBER_SAFE
+    older = None if marker.exists() else store.get(API_KEY_SECRET)
     key = store.get_or_create(API_KEY_SECRET, new_secret)
+    if not marker.exists():  # an older version's key went to every ring member: retire it, once
+        state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if older is None:  # a new fleet: its first key never left
+            marker.write_text("the console API key never went to a member\n")
+            (book or KeyBook(state_dir)).adopt(CONSOLE_KEY_NAME, key)
+            return key
+        key = new_secret()
+        store.put(API_KEY_SECRET, key)
+        (book or KeyBook(state_dir)).adopt(CONSOLE_KEY_NAME, key)
+        marker.write_text("the console API key was rotated once after members stopped receiving it\n")
+        log.warning("the console's API key was rotated once: older versions sent it to every ring member, "
+                    "which now get keys of their own")
+        return key
     (book or KeyBook(state_dir)).adopt(CONSOLE_KEY_NAME, key)
     return key
+
+
+def assignment_key_name(node_id: str) -> str:
+    """The name of the member-scoped key member ``node_id``'s assignments carry."""
+    return f"member-{node_id[:16]}"
 
 
 def member_key_name(node_id: str, name: str) -> str:
@@ -200,6 +226,7 @@ class FleetHost:
     key_rotated: bool = False  # a removal replaced the key this run: it wins over one given on the command line
     _key_listeners: list[Callable[[str], None]] = field(default_factory=list, repr=False)
     audit: JoinAudit | None = field(default=None, repr=False)  # the enrolment audit (enrolment-audit.jsonl)
+    member_keys: dict[str, str] = field(default_factory=dict, repr=False)  # node id -> its assignment key (this run)
     # told (node id, name) of every PC admitted, after its certificate is signed and the book noted the token
     join_listeners: list[Callable[[str, str], None]] = field(default_factory=list, repr=False)
 
@@ -209,8 +236,8 @@ class FleetHost:
     def rotate_api_key(self) -> str:
         """A new console key, kept in the keyring before anyone uses it, recorded in the key book
         (the old one is refused at once), then given to every subscriber (the running API, the
-        console's chat). Removing a member calls this while assignments still carry the console's
-        key to older agents' trays."""
+        console's chat). Removing a member calls this: older versions' assignments carried the
+        console's key to every member."""
         key = new_secret()
         if self.secrets_store is not None:
             self.secrets_store.put(API_KEY_SECRET, key)
@@ -228,8 +255,23 @@ class FleetHost:
             raise DeskfleetError("this fleet host keeps no key book; it cannot issue a member's chat key")
         return issue_member_key(self.keys, node_id, name)
 
+    def member_key(self, node_id: str | None) -> str | None:
+        """The member-scoped API key ``node_id``'s assignments carry (for an older agent's tray chat; a
+        newer one has its own from the join): issued once per run (a restart re-issues it, and the
+        re-sent assignments carry the new one), limited to MEMBER_KEY_RPM/TPM, revoked with the member.
+        None without a key book or a node id: the assignment then carries no key."""
+        if self.keys is None or not node_id:
+            return None
+        key = self.member_keys.get(node_id)
+        if key is None:
+            key = self.keys.issue(assignment_key_name(node_id), node_id=node_id, rpm=MEMBER_KEY_RPM,
+                                  tpm=MEMBER_KEY_TPM, replace_live=True).secret
+            self.member_keys[node_id] = key
+        return key
+
     def revoke_member_keys(self, node_id: str) -> tuple[str, ...]:
         """Revoke every key issued to member ``node_id`` (it was removed); their names."""
+        self.member_keys.pop(node_id, None)
         return tuple(k.name for k in self.keys.revoke_member(node_id)) if self.keys is not None else ()
 
     def api_tls_context(self) -> ssl.SSLContext:

@@ -6,6 +6,9 @@ A line::
      "token_label": "floor 3", "node_id": "9c1e...", "name": "pc-17", "remote": "10.0.0.17"}
 
 ``event`` is ``admitted`` (the enrolment endpoint signed the PC's certificate for a valid token),
+``refused`` (a join with a token the book knows but that admits no PC now: revoked, used up or
+expired, so a leaked token's use shows; ``reason`` says which, ``node_id`` is empty; tokens the book
+does not know are strangers', logged only, so they cannot grow this file),
 ``auto_approved`` (the PC was approved because the token that admitted it is marked so) or
 ``approved`` / ``removed`` (by the admin; ``token_id`` then names the token that admitted it, if
 the book still remembers it). The file (``enrolment-audit.jsonl`` in the console's state dir,
@@ -27,7 +30,7 @@ from typing import Any
 log = logging.getLogger("deskfleet.enrolment")
 
 AUDIT_FILE = "enrolment-audit.jsonl"
-EVENTS = ("admitted", "auto_approved", "approved", "removed")
+EVENTS = ("admitted", "auto_approved", "approved", "removed", "refused")
 
 
 def _stamp(epoch_s: float) -> str:

@@ -18,6 +18,7 @@ import re
 import secrets
 import ssl
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -70,6 +71,16 @@ class Role(StrEnum):
 MEMBER_ROLES = frozenset({Role.AGENT, Role.CONSOLE})
 ADMIN_ROLES = frozenset({Role.ADMIN})
 ADMIN_DAYS = 365
+MAX_ADMIN_DAYS = 397  # an admin certificate's longest life (a lost one is revoked; a short life bounds a forgotten one)
+
+
+# refuse(der) -> why this (CA-signed, role-admitted) peer certificate is refused, or None: a deny list
+PeerRefusal = Callable[[bytes], "str | None"]
+
+
+class PeerRefused(ssl.SSLError):
+    """A TLS client presented a certificate of this fleet that the server's deny list refuses (a
+    revoked admin certificate on the admin API). Raised from the server's handshake."""
 
 
 class PeerRoleRefused(ssl.SSLError):
@@ -190,6 +201,7 @@ class _RefusalLoggingSSLObject(ssl.SSLObject):
     _warned: set[str]
     _server: str
     _admit: frozenset[Role]
+    _refuse: PeerRefusal | None
 
     def do_handshake(self) -> None:
         try:
@@ -212,6 +224,10 @@ class _RefusalLoggingSSLObject(ssl.SSLObject):
         if refusal is not None:
             self._log_once(f"role:{role}", refusal)
             raise PeerRoleRefused(refusal)
+        refusal = self._refuse(der) if self._refuse is not None else None
+        if refusal is not None:
+            self._log_once(f"refused:{peer_node_id(der)}", refusal)
+            raise PeerRefused(refusal)
 
     def _log_once(self, key: str, why: str) -> None:
         level = logging.DEBUG if key in self._warned else logging.WARNING
@@ -284,18 +300,21 @@ class Credentials:
         _load_chain(ctx, self.cert_pem, _load_key(self.key_pem))
         return ctx
 
-    def server_context(self, *, verify_clients: bool = True, admit: frozenset[Role] = MEMBER_ROLES) -> ssl.SSLContext:
+    def server_context(self, *, verify_clients: bool = True, admit: frozenset[Role] = MEMBER_ROLES,
+                       refuse: PeerRefusal | None = None) -> ssl.SSLContext:
         """A TLS server context presenting this certificate that admits only clients with a
         certificate from this fleet's CA whose role is in ``admit``: members (agents and the
         service) by default, never an admin; the service's admin API passes ``ADMIN_ROLES``.
         A refused role ends the handshake (:class:`PeerRoleRefused`, logged once). ``verify_clients=False``
         is for the enrollment endpoint only, whose callers have no certificate yet and prove
-        themselves with a token."""
+        themselves with a token. ``refuse(der)`` is asked after the role check: a reason ends the
+        handshake (:class:`PeerRefused`; the admin API's revoked admin certificates)."""
         ctx = self._context(ssl.PROTOCOL_TLS_SERVER)
         ctx.verify_mode = ssl.CERT_REQUIRED if verify_clients else ssl.CERT_NONE
         server = f"{self.name or 'this node'} ({self.role or 'member'})"
         ctx.sslobject_class = type("FleetServerSSLObject", (_RefusalLoggingSSLObject,),
-                                   {"_warned": set(), "_server": server, "_admit": frozenset(admit)})
+                                   {"_warned": set(), "_server": server, "_admit": frozenset(admit),
+                                    "_refuse": staticmethod(refuse) if refuse is not None else None})
         return ctx
 
     def client_context(self) -> ssl.SSLContext:
@@ -473,5 +492,9 @@ class FleetAuthority:
     def issue_admin(self, name: str, *, days: int = ADMIN_DAYS) -> Credentials:
         """Credentials for a person who administers the fleet from a console on another PC: an
         ``ADMIN`` certificate that the service's admin API accepts and no agent or stage does.
-        ``deskfleet fleet admin-cert`` writes them with :mod:`engine.trust.admin_bundle`."""
+        ``deskfleet fleet admin-cert`` writes them with :mod:`engine.trust.admin_bundle`. At most
+        MAX_ADMIN_DAYS: CredentialsError beyond."""
+        if not 1 <= days <= MAX_ADMIN_DAYS:
+            raise CredentialsError(f"an admin certificate lives 1 to {MAX_ADMIN_DAYS} days, not {days}: a short life "
+                                   "bounds what a lost or forgotten one can do; issue a new one before it expires")
         return self.issue_credentials(name, role=Role.ADMIN, days=days)

@@ -311,7 +311,8 @@ class TokenBook:
                 raise JoinRefused("unknown")
             state = _state(entry, now)
             if state != "active":
-                raise JoinRefused({"used_up": "used"}.get(state, state))
+                raise JoinRefused({"used_up": "used"}.get(state, state), token_id=token_id_of(token.secret_hash),
+                                  token_label=entry.get("label"))
             entry["used"] += 1
             entry["last_used_at"] = now
             self._save(tokens, now)

@@ -16,6 +16,8 @@ a failover's breakdown can say where the time went.
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -58,8 +60,19 @@ def is_activation(blob: object) -> bool:
     return isinstance(blob, dict) and ACTIVATE_KEY in blob
 
 
-def parse_activation(blob: Mapping[str, Any]) -> Activation:
-    """The :class:`Activation` of one decoded stdin line; ActivationError saying what is wrong."""
+def is_loopback_host(host: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and "localhost"; False for anything reachable from the network."""
+    with contextlib.suppress(ValueError):
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    return host == "localhost"
+
+
+def parse_activation(blob: Mapping[str, Any], *, tls: bool = True) -> Activation:
+    """The :class:`Activation` of one decoded stdin line; ActivationError saying what is wrong.
+
+    ``tls=False`` (a spare started without ``--tls-stdin``) refuses a listen or next-hop address
+    off loopback, as ``deskfleet worker`` refuses it at start: a plaintext data plane on the
+    network would let any host inject or read steps."""
     where = blob.get(ACTIVATE_KEY)
     if not isinstance(where, Mapping) or set(where) != {"listen", "next"}:
         raise ActivationError('an activation must be {"activate": {"listen": "HOST:PORT", "next": "HOST:PORT"}, '
@@ -68,6 +81,12 @@ def parse_activation(blob: Mapping[str, Any]) -> Activation:
         listen, next_hop = Address.parse(str(where["listen"])), Address.parse(str(where["next"]))
     except DeskfleetError as exc:
         raise ActivationError(f"an activation's address is not HOST:PORT: {exc}") from exc
+    if not tls:
+        for what, address in (("listen", listen), ("next", next_hop)):
+            if not is_loopback_host(address.host):
+                raise ActivationError(f"an activation's {what} address {address} would carry the data plane across "
+                                      "the network without TLS, where any host could inject or read steps; this "
+                                      "spare has no credentials (start it with --tls-stdin), or use 127.0.0.1")
     rest = {k: v for k, v in blob.items() if k != ACTIVATE_KEY}
     peers = None
     if rest:

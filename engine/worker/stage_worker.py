@@ -275,11 +275,11 @@ def _open_worker(shard_dir: Path, stage_index: int, listen: Address, next_addres
 
 
 def _read_policy_updates(lines: TextIO, worker: AnyWorker, loop: asyncio.AbstractEventLoop,
-                         activation: asyncio.Future[Activation] | None = None) -> None:
+                         activation: asyncio.Future[Activation] | None = None, *, tls: bool = True) -> None:
     """Apply each JSON line of ``lines`` as the worker's new peer policy (runs on its own daemon
     thread: a blocking read of stdin must not hold the loop, nor the exit). A bad line is logged
     and ignored; the policy in force stays. A spare's ``activation`` is resolved by the first
-    good activation line (engine.worker.spare)."""
+    good activation line (engine.worker.spare); without ``tls`` one off loopback is refused."""
     for line in lines:
         if not line.strip():
             continue
@@ -289,7 +289,8 @@ def _read_policy_updates(lines: TextIO, worker: AnyWorker, loop: asyncio.Abstrac
                 if activation is None:
                     log.warning("ignoring an activation on stdin: this worker is not a spare")
                     continue
-                loop.call_soon_threadsafe(_resolve, activation, parse_activation(blob))
+                where = parse_activation(blob, tls=tls)
+                loop.call_soon_threadsafe(_resolve, activation, where)
                 continue
             peers = parse_policy_update(blob)
         except (ValueError, PeerPolicyError, ActivationError) as exc:  # json.JSONDecodeError is a ValueError
@@ -370,8 +371,8 @@ async def async_serve_worker(shard_dir: Path, stage_index: int, listen: Address,
         helpers.append(asyncio.create_task(_async_watch_parent(stop, parent)))
     activation: asyncio.Future[Activation] | None = loop.create_future() if spare else None
     if policy_updates is not None:
-        threading.Thread(target=_read_policy_updates, args=(policy_updates, worker, loop, activation), daemon=True,
-                         name="deskfleet-peer-policy").start()
+        threading.Thread(target=_read_policy_updates, args=(policy_updates, worker, loop, activation),
+                         kwargs={"tls": server_ssl is not None}, daemon=True, name="deskfleet-peer-policy").start()
     if activation is not None:
         if policy_updates is None:
             raise DeskfleetError("a spare worker needs its stdin: it is activated by a line there")

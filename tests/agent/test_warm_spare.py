@@ -137,3 +137,53 @@ def test_a_killed_worker_is_replaced_by_its_spare_on_the_same_port_and_a_new_spa
             assert supervisor.pid is None and supervisor.spare_pid is None
 
     run(main())  # how fast the spare takes over: the failover benchmark's restart rows (activate_s)
+
+
+def test_a_spare_without_tls_refuses_an_activation_off_loopback():
+    line = {"activate": {"listen": "0.0.0.0:7301", "next": "127.0.0.1:7302"}}
+    with pytest.raises(ActivationError, match="without TLS"):
+        parse_activation(line, tls=False)
+    with pytest.raises(ActivationError, match="next address 10.99.0.2:7302"):
+        parse_activation({"activate": {"listen": "127.0.0.1:7301", "next": "10.99.0.2:7302"}}, tls=False)
+    assert parse_activation(line, tls=True).listen == Address("0.0.0.0", 7301)  # with credentials: TLS on the wire
+    assert parse_activation({"activate": {"listen": "[::1]:7301", "next": "localhost:7302"}}, tls=False)
+
+
+@pytest.mark.slow
+def test_a_plaintext_spare_told_to_listen_on_every_address_stays_off_the_network(tiny_export):
+    """The attacker's line (as the reviewer sent it) to a real plaintext spare: refused, the spare keeps
+    waiting and listens nowhere; the agent's own loopback activation then puts it in place."""
+    import subprocess
+    import sys
+
+    export = tiny_export("llama", 2)
+    listen, exposed, next_port = free_port(), free_port(), free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "engine.cli.main", "worker", "--shard", str(export), "--stage",
+                             "1", "--spare", "--listen", f"127.0.0.1:{listen}", "--next", f"127.0.0.1:{next_port}",
+                             "--threads", "1"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (line := proc.stdout.readline()).startswith("deskfleet-spare "):
+            assert line and time.monotonic() < deadline, "the spare never compiled"
+        proc.stdin.write(json.dumps({"activate": {"listen": f"0.0.0.0:{exposed}",
+                                                  "next": f"127.0.0.1:{next_port}"}}) + "\n")
+        proc.stdin.flush()
+        time.sleep(1.0)
+        assert proc.poll() is None
+        assert not run(_connects(exposed))  # not listening on the network address
+        proc.stdin.write(json.dumps({"activate": {"listen": f"127.0.0.1:{listen}",
+                                                  "next": f"127.0.0.1:{next_port}"}}) + "\n")
+        proc.stdin.flush()
+        while "ready" not in (line := proc.stdout.readline()):
+            assert line and time.monotonic() < deadline, "the spare never took the loopback activation"
+        assert f"127.0.0.1:{listen}" in line
+        assert not run(_connects(exposed))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            err = proc.communicate(timeout=30)[1]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            err = proc.communicate()[1]
+    assert "without TLS" in err, err

@@ -25,6 +25,7 @@ from console.service.errors import AgentsFailedError, LayoutError
 from console.service.ring_layout import AgentEndpoint, AgentTarget, RingLayout
 from console.service.ring_runtime import stage_pool_blocks
 from engine.api.server import ApiSettings, async_run_api
+from engine.control.fleet_services import MEMBER_KEY_RPM
 from engine.control.messages import WorkerSettings
 from engine.coordinator.batch_coordinator import BatchCoordinator
 from engine.coordinator.coordinator import Coordinator
@@ -117,15 +118,21 @@ def test_three_stages_with_stage0_in_the_console_resume_after_a_failed_fetch_and
                 assert _fetch_complete(progress, "desk-b")
                 assert [p.phase for p in dist.progress()] == ["running", "running"]
                 assert [a.status().stage for a in agents] == [1, 2]
-                assert con.api_key and all(a.assignment.api_key == con.api_key for a in agents)  # for the tray's chat
+                # for the tray's chat: each member its own limited key, never the console's (issue 29, M9)
+                member_keys = [a.assignment.api_key for a in agents]
+                assert all(member_keys) and con.api_key not in member_keys and len(set(member_keys)) == 2
+                for agent, key in zip(agents, member_keys, strict=True):
+                    held = con.keys.identify(key)
+                    assert held.node_id == agent.status().node_id and held.rpm == MEMBER_KEY_RPM
 
                 tokens = await collect(dist.coordinator, GenerationRequest(PROMPT_IDS, N, ignore_eos=True))
                 assert isinstance(dist.coordinator, BatchCoordinator)  # paged, stage 0 in this process
                 assert dist.coordinator.metrics()['stage_compute_ms_per_step{stage="0"}'] > 0
 
-                api = await async_run_api(dist.coordinator, ChatTokenizer(dist.tokenizer_dir), ApiSettings())
-                try:
-                    async with openai.AsyncOpenAI(base_url=api.url, api_key="unused", max_retries=0,
+                api = await async_run_api(dist.coordinator, ChatTokenizer(dist.tokenizer_dir), ApiSettings(),
+                                          keys=con.keys)
+                try:  # what a member does with its key: the tray's chat, on the fleet's real API
+                    async with openai.AsyncOpenAI(base_url=api.url, api_key=member_keys[0], max_retries=0,
                                                   timeout=60) as client:
                         models = [m.id async for m in client.models.list()]
                         completion = await client.completions.create(model=models[0], prompt=list(PROMPT_IDS),

@@ -12,6 +12,7 @@ import signal
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 import xml.etree.ElementTree as ET
 from configparser import ConfigParser
@@ -100,7 +101,7 @@ def test_the_silent_install_files(tmp_path):
     assert unit["Service"]["User"] == unit["Service"]["Group"] == deb.AGENT_USER != "root"
     assert "ReadWritePaths" not in unit["Service"] and unit["Service"]["NoNewPrivileges"] == "yes"
     assert unit["Service"]["ProtectSystem"] == "strict"
-    assert "adduser --system --group" in post and 'chown "$user:" "$tmp"' in post
+    assert "adduser --system --group" in post and deb.HANDOVER in post and 'chown "$user:" "$tmp"' not in post
     assert unit["Install"]["WantedBy"] == "multi-user.target"
 
     root = tmp_path / "root"
@@ -121,6 +122,25 @@ def test_the_silent_install_files(tmp_path):
         local.write_text(deb.systemd_system_unit().replace(deb.BIN, exe))
         proc = subprocess.run(["systemd-analyze", "verify", str(local)], capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0, proc.stderr
+
+
+def test_the_agent_system_unit_is_hardened(tmp_path):
+    """Issue 29, L13: the agent's system service runs models from the network, so its unit takes away what
+    a compromised worker could use: no capability, the ordinary syscalls only, IP/unix/netlink sockets
+    only, no kernel log, and a memory and task bound for the agent and its workers together."""
+    service = _ini(deb.systemd_system_unit())["Service"]
+    assert service["CapabilityBoundingSet"] == "" and service["AmbientCapabilities"] == ""
+    assert service["SystemCallFilter"] == "@system-service" and service["SystemCallErrorNumber"] == "EPERM"
+    assert set(service["RestrictAddressFamilies"].split()) == {"AF_UNIX", "AF_INET", "AF_INET6", "AF_NETLINK"}
+    assert service["ProtectKernelLogs"] == service["NoNewPrivileges"] == service["RestrictNamespaces"] == "yes"
+    assert service["MemoryMax"] == deb.AGENT_MEMORY_MAX and 0 < int(deb.AGENT_MEMORY_MAX.rstrip("%")) < 100
+    assert 0 < int(service["TasksMax"]) <= 4096
+    if shutil.which("systemd-analyze") is not None:
+        exe = shutil.which("deskfleet") or sys.executable
+        local = tmp_path / deb.SYSTEM_UNIT_NAME
+        local.write_text(deb.systemd_system_unit().replace(deb.BIN, exe))
+        proc = subprocess.run(["systemd-analyze", "verify", str(local)], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0 and "Unknown" not in proc.stderr, proc.stderr
 
 
 @pytest.mark.skipif(os.name != "posix", reason="runs the .deb's shell script")
@@ -146,7 +166,7 @@ def test_the_token_is_written_root_only_and_what_is_not_a_token_is_refused(tmp_p
 
 @pytest.mark.skipif(shutil.which("debconf-set-selections") is None
                     or not Path("/usr/share/debconf/confmodule").exists(), reason="debconf is not installed here")
-def test_postinst_takes_the_preseeded_debconf_password_into_the_root_only_file(tmp_path):
+def test_postinst_takes_the_preseeded_debconf_password_into_the_root_only_file(tmp_path, request):
     """The real postinst under the real debconf (its own database in tmp_path, nothing of this
     machine's touched): the pre-seeded token lands in the file, 0600, and is cleared from debconf.
     The script's system paths are pointed into tmp_path (the venv build skipped, no systemd)."""
@@ -156,7 +176,12 @@ def test_postinst_takes_the_preseeded_debconf_password_into_the_root_only_file(t
                                      f"Filename: {db}/config.dat\n\nName: templatedb\nDriver: File\nMode: 644\n"
                                      f"Filename: {db}/templates.dat\n")
     join_file, writer = tmp_path / "etc" / "join-token", tmp_path / "write-join-token.sh"
-    state = tmp_path / "state"
+    # as root the hand-over writes as the agent's user (here: nobody), who must reach the state dir's
+    # parent as it reaches /var/lib: a world-traversable sandbox, not pytest's root-only tmp_path
+    sandbox = Path(tempfile.mkdtemp(prefix="deskfleet-postinst-"))
+    sandbox.chmod(0o755)
+    request.addfinalizer(lambda: shutil.rmtree(sandbox))
+    state = sandbox / "state"
     copy = state / "join-token"
     writer.write_text(deb.write_token_script())
     writer.chmod(0o755)

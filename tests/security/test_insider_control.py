@@ -283,8 +283,9 @@ def test_an_mdns_flood_stops_at_the_browsers_caps(monkeypatch, caplog):
 def test_removing_a_member_rotates_the_api_key_and_only_the_remaining_members_get_the_new_one(tmp_path, tiny_export):
     """The one fleet API key rode in every assignment, so a removed PC kept API access. Removing
     it rotates the key: the running API refuses the old key at once and takes the new one, the
-    keyring holds the new one, and the remaining member's stored assignment (its tray's chat)
-    gets it with the deny list; the removed PC gets nothing."""
+    keyring holds the new one, and the remaining member's stored assignment (its tray's chat) gets
+    a key of its own with the deny list (an old-shape assignment, accepted by a live agent, replaced);
+    the removed PC gets nothing."""
     export = tiny_export("llama", 2)
 
     async def status(api, key):
@@ -296,7 +297,7 @@ def test_removing_a_member_rotates_the_api_key_and_only_the_remaining_members_ge
         async with joined_fleet(tmp_path, ("alpha", "beta"), exports={"tiny-2": export}) as f:
             old = f.host.api_key
             assert old
-            detach = f.fleet.attach_api_key(f.host.rotate_api_key)
+            detach = f.fleet.attach_api_key(f.host.rotate_api_key, f.host.member_key)
             for name, stage in (("alpha", 0), ("beta", 1)):
                 a = f.agents[name]
                 await f.fleet.async_add_address("127.0.0.1", a.control_port)
@@ -315,7 +316,10 @@ def test_removing_a_member_rotates_the_api_key_and_only_the_remaining_members_ge
                 assert await status(api, old) == 401 and await status(api, new) == 200
                 assert await f.fleet.async_push_deny() == {}
                 unsubscribe()
-            assert alpha.assignment.api_key == new
+            # the remaining member gets a key of its own with the deny list, never the new console key (M9)
+            own = f.host.member_key(alpha.status().node_id)
+            assert alpha.assignment.api_key == own and own not in (new, old)
+            assert f.host.keys.identify(own).node_id == alpha.status().node_id
             assert beta.assignment.api_key == old  # the removed PC was told nothing
             assert ConsoleSecrets(tmp_path / "console").get(API_KEY_SECRET) == new  # kept for the next start
             detach()

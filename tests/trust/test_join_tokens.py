@@ -64,8 +64,11 @@ def test_a_token_of_three_uses_admits_exactly_three_of_twelve_concurrent_joins(a
     assert (info.used, info.uses_left, info.state) == (USES, 0, "used_up")
     assert {a.node_id for a in info.admitted} == nodes
     lines = audit.lines()
-    assert {(x["event"], x["node_id"], x["token_id"], x["token_label"]) for x in lines} == \
-        {("admitted", n, info.token_id, "lab") for n in nodes}
+    assert {(x["event"], x["node_id"], x["token_id"], x["token_label"]) for x in lines
+            if x["event"] == "admitted"} == {("admitted", n, info.token_id, "lab") for n in nodes}
+    refusals = [x for x in lines if x["event"] == "refused"]  # the nine late joins are audited too
+    assert len(refusals) == JOINS - USES and {(x["reason"], x["token_id"]) for x in refusals} == \
+        {("used", info.token_id)}
     assert info.token_id not in issued.text and info.token_id == issued.info.token_id
 
 
@@ -185,3 +188,45 @@ def test_two_books_on_one_file_see_each_others_writes(authority, tmp_path):
     with pytest.raises(JoinRefused):
         second.redeem(issued.text)
     assert [t.used for t in first.tokens()] == [t.used for t in second.tokens()] == [2]
+
+
+def test_joins_refused_for_a_known_token_are_audited_and_a_replayed_one_only_up_to_a_bound(authority, tmp_path,
+                                                                                           monkeypatch):
+    """Issue 29, L12: a leaked token (revoked, used up or expired) leaves an audit line naming it and
+    the address it came from; a token the book does not know (a stranger's guess) leaves none, and a
+    known one replayed in a loop writes at most REFUSALS_AUDITED lines per window."""
+    from engine.control import enrollment
+
+    monkeypatch.setattr(enrollment, "REFUSALS_AUDITED", 3)
+    clock = Clock()
+    book = TokenBook(tmp_path / "tokens.json", authority.fingerprint, clock=clock)
+    audit = JoinAudit(tmp_path / "audit.jsonl")
+    server = EnrollmentServer(authority, book, authority.issue_credentials("console", role=Role.CONSOLE), audit=audit)
+    revoked = book.issue_token(label="lost laptop")
+    book.revoke(revoked.info.token_id)
+    expired = book.issue_token(ttl_s=60, label="yesterday")
+    used = book.issue_token(label="once")
+    stranger = JoinToken.new(authority.fingerprint).text  # well-formed, this fleet's pin, never issued
+
+    async def main():
+        host, port = await server.async_start("127.0.0.1", 0)
+        address = f"{host}:{port}"
+        try:
+            await async_join(address, used.text, "pc-first")
+            clock.now += 120
+            outcomes = []
+            for text in (revoked.text, expired.text, used.text, *(revoked.text,) * 5, stranger, stranger):
+                outcomes.append(await asyncio.gather(async_join(address, text, "pc-x"), return_exceptions=True))
+            return outcomes
+        finally:
+            await server.async_close()
+
+    outcomes = [o for [o] in run(main(), 120)]
+    assert all(isinstance(o, JoinRefused) for o in outcomes), outcomes
+    refusals = [x for x in audit.lines() if x["event"] == "refused"]
+    assert [(x["token_id"], x["reason"], x["token_label"]) for x in refusals] == [
+        (revoked.info.token_id, "revoked", "lost laptop"), (expired.info.token_id, "expired", "yesterday"),
+        (used.info.token_id, "used", "once"), (revoked.info.token_id, "revoked", "lost laptop"),
+        (revoked.info.token_id, "revoked", "lost laptop")]  # 3 per token per window: the other 3 held back
+    assert all(x["remote"] == "127.0.0.1" and x["node_id"] == "" and x["name"] == "pc-x" for x in refusals)
+    assert len(audit.lines()) == 1 + len(refusals)  # the admission, the refusals: the stranger left no line
