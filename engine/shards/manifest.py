@@ -17,7 +17,9 @@ stage has one or more fixed-shape graphs (``decode``, ``prefill``, ``packed``) w
 through explicit inputs/outputs from a host ring of ``static.context - rows`` positions.
 Format version 2 added the target; a stateful export is still written as version 1, so
 older Deskfleet builds keep reading it, while an NPU export is version 2, which they refuse
-rather than misread as a stateful shard.
+rather than misread as a stateful shard. A mixture-of-experts export also records each stage's
+experts (``moe``, :class:`StageMoe`) in the same version: older builds ignore the key, and a
+manifest without it reads as dense.
 """
 
 from __future__ import annotations
