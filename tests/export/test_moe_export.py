@@ -85,6 +85,13 @@ def test_int4_split_gives_the_unsplit_tokens(tiny_export):
     split = greedy_generate(LocalChain.load(tiny_export(FAMILY, 2, "int4"), exact=True), PROMPT_IDS, N_TOKENS,
                             ignore_eos=True)
     assert split.tokens == whole.tokens
+    # the manifest's expert bytes are the INT4 codes and f16 scales (groups of 16) of every expert
+    hidden, inter = 64, 32
+    per_expert = sum(rows * cols // 2 + rows * (cols // 16) * 2 for rows, cols in
+                     ((inter, hidden), (inter, hidden), (hidden, inter)))  # gate, up, down
+    for stage in load_manifest(tiny_export(FAMILY, 2, "int4")).stages:
+        layers = [i for i in MOE_LAYERS if stage.first_layer <= i <= stage.last_layer]
+        assert stage.moe is not None and stage.moe.expert_bytes == 8 * per_expert * len(layers)
 
 
 def test_paged_runtime_serves_batched_streams_like_the_stateful_chain(tiny_export):
