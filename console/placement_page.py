@@ -3,6 +3,9 @@
 speed, or the solver's explanation when no plan exists; then adjust it: move a split point and
 see the plan re-timed at once, or leave an agent out and re-solve (no measuring again).
 
+For a mixture-of-experts model a line under the plan says what its numbers mean: memory counts
+every expert, each step reads only the active ones (`placement_inputs.moe_note`).
+
 The context is left to the service by default ("auto"): the model's maximum, capped by what the
 agents' memory holds, with the reason shown beside the field. Placement can keep to agents with
 some tags and avoid others (the agents' tags: their own, or the admin's from the service).
@@ -35,7 +38,7 @@ from PySide6.QtWidgets import (
 from console.ring_diagram import QtRingDiagram, RingDiagram
 from console.service.agent_record import AgentRecord
 from console.service.console_session import MODEL, PLAN
-from console.service.placement_inputs import memory_warnings, retime, stage_firsts
+from console.service.placement_inputs import memory_warnings, moe_note, retime, stage_firsts
 from console.service_bridge import ServiceBridge
 from engine.control.tags import tags_from_text
 from engine.errors import DeskfleetError
@@ -126,6 +129,9 @@ class QtPlacementPage(QWidget):
         split.setSizes([560, 520])
         self.summary = QLabel("No plan yet.")
         self.summary.setWordWrap(True)
+        self.moe = QLabel()
+        self.moe.setWordWrap(True)
+        self.moe.setVisible(False)
         self.explanation = QLabel()
         self.explanation.setWordWrap(True)
         self.explanation.setStyleSheet("color: #b3261e;")
@@ -148,6 +154,7 @@ class QtPlacementPage(QWidget):
         box.addLayout(tag_row)
         box.addWidget(split, 1)
         box.addWidget(self.summary)
+        box.addWidget(self.moe)
         box.addWidget(self.explanation)
         box.addLayout(self.splits_row)
         box.addWidget(QLabel("Agents the plan may use:"))
@@ -261,6 +268,9 @@ class QtPlacementPage(QWidget):
         self.fleet_tags.setText(fleet_tags_text(records))
 
     def _show_plan(self, plan: Plan | None) -> None:
+        note = moe_note(self.session.inputs) if plan is not None else ""
+        self.moe.setText(note)
+        self.moe.setVisible(bool(note))
         stages = plan.stages if plan is not None else ()
         self.ring.set_diagram(None if plan is None else RingDiagram.from_plan(plan, self._names()),
                               "No plan yet: place the model to see its ring." if plan is None else None)

@@ -25,6 +25,8 @@ from console.service.placement_inputs import PlacementInputs
 from engine.control.links import LinkMeasurement
 from engine.control.messages import AgentStatus
 from engine.control.tags import reported_tags
+from engine.errors import PlacementInputError
+from engine.placement.moe import ExpertRouting, MoeWeights
 from engine.placement.planner import DeviceProfile, Links, ModelProfile, PcInfo
 
 SERVICE_END = "service"  # how docs/ADMIN_API.md names the service's end of a link; the pages call it CONSOLE
@@ -124,7 +126,20 @@ def _profile(model: Mapping[str, Any], where: str) -> ModelProfile:
     return ModelProfile(layer_bytes=layer_bytes, embed_bytes=_get(model, "embed_bytes", int, where, 0),
                         embed_ms=float(_get(model, "embed_ms", (int, float), where, 0.0)),
                         head_bytes=_get(model, "head_bytes", int, where, 0),
-                        head_ms=float(_get(model, "head_ms", (int, float), where, 0.0)))
+                        head_ms=float(_get(model, "head_ms", (int, float), where, 0.0)),
+                        moe=_moe(_get(model, "moe", dict, where, None), f"{where}.moe"))
+
+
+def _moe(body: Mapping[str, Any] | None, where: str) -> MoeWeights | None:
+    """A MoE model's experts (an older service, or a dense model, sends none)."""
+    if body is None:
+        return None
+    try:
+        return MoeWeights(ExpertRouting(_get(body, "experts", int, where), _get(body, "per_token", int, where)),
+                          expert_bytes=_get(body, "expert_bytes", int, where),
+                          dense_bytes=_get(body, "dense_bytes", int, where))
+    except PlacementInputError as exc:
+        raise ShapeError(f"the placement inputs' {where} does not read: {exc}") from exc
 
 
 def model_from_json(body: Mapping[str, Any]) -> ModelEntry:

@@ -177,8 +177,11 @@ def inputs_json(inputs: PlacementInputs) -> dict[str, Any]:
 
 def model_profile_json(m: ModelProfile) -> dict[str, Any]:
     """A ModelProfile: the request's, or a device's own (its head time, another weight format)."""
+    moe = None if m.moe is None else {"experts": m.moe.routing.experts, "per_token": m.moe.routing.per_token,
+                                      "expert_bytes": m.moe.expert_bytes, "dense_bytes": m.moe.dense_bytes}
     return {"n_layers": m.n_layers, "total_bytes": m.total_bytes, "layer_bytes": list(m.layer_bytes),
-            "embed_bytes": m.embed_bytes, "embed_ms": m.embed_ms, "head_bytes": m.head_bytes, "head_ms": m.head_ms}
+            "embed_bytes": m.embed_bytes, "embed_ms": m.embed_ms, "head_bytes": m.head_bytes, "head_ms": m.head_ms,
+            "moe": moe}
 
 
 # ---- fleet and library ---------------------------------------------------------------------------

@@ -5,6 +5,10 @@ plan at once (pure arithmetic over the same profiles the solver used).
 `async_placement_inputs` measures and calibrates (:mod:`console.service.profiling`) and stops
 before the solver: the console's Placement page keeps the inputs. :func:`async_place` solves over
 them in one go and returns only the plan; :func:`solve_inputs` and :func:`retime` are pure.
+
+A mixture-of-experts model's profile carries its experts (`engine.placement.moe.MoeWeights`, from
+the calibration exports' manifest): memory counts every expert, a step reads the routed ones, and
+the head's time is scaled from what one token's step of a layer reads (:func:`layer_read_bytes`).
 """
 
 from __future__ import annotations
@@ -22,7 +26,6 @@ from console.service.calibration_export import (
     KV_BYTES,
     CalibrationSet,
     async_build_calibration_set,
-    layer_weight_bytes,
     model_profile,
 )
 from console.service.context_choice import ContextChoice, choose_context
@@ -37,6 +40,7 @@ from console.service.profiling import (
 from engine.control.hub import FleetHub
 from engine.control.tags import tag_exclusions
 from engine.errors import Exclusion, PlacementInputError
+from engine.placement.moe import ExpertRouting, moe_weights, streamed_bytes
 from engine.placement.planner import (
     DeviceProfile,
     ModelProfile,
@@ -116,10 +120,41 @@ async def async_placement_inputs(fleet: FleetModel, hub: FleetHub, checkpoint: P
                          free=[(by_id[pc.pc_id].name, pc.memory_bytes) for pc in pcs if pc.pc_id in calibrated])
     if context is None:
         context = choice.tokens
-    model = model_profile(calibration, context=context, streams=streams, kv_precision=options.kv_cache_precision)
-    devices = device_profiles(calibrations.done, by_id, model, layer_weight_bytes(calibration))
+    model = placement_model(calibration, context=context, streams=streams, kv_precision=options.kv_cache_precision)
+    devices = device_profiles(calibrations.done, by_id, model, layer_read_bytes(calibration))
     return PlacementInputs(model, pcs, tuple(devices), links, tuple(unreachable),
                            {r.node_id: r.name for r in members}, calibrations.failures, choice)
+
+
+def placement_model(calibration: CalibrationSet, *, context: int, streams: int = 1,
+                    kv_precision: str = "f16") -> ModelProfile:
+    """The model as placement sees it: the calibration exports' memory profile
+    (`calibration_export.model_profile`), with the experts of a MoE model (None: dense)."""
+    model = model_profile(calibration, context=context, streams=streams, kv_precision=kv_precision)
+    return dataclasses.replace(model, moe=moe_weights(calibration.parts[0].manifest))
+
+
+def layer_read_bytes(calibration: CalibrationSet) -> float:
+    """Mean bytes one layer's decode step of one token reads (the calibration's middle stages):
+    its weight files, less the experts a token is not routed to. The calibrated layer time was
+    spent reading these, so the head's time is scaled from them; for a dense model this is
+    `calibration_export.layer_weight_bytes`."""
+    read, layers = 0.0, 0
+    for stage in (s for part in calibration.parts for s in part.manifest.stages):
+        if stage.has_embedding or stage.has_head:
+            continue
+        total, moe = sum(f.size for f in stage.files), stage.moe
+        if moe is not None:
+            total = streamed_bytes(total - moe.expert_bytes, moe.expert_bytes,
+                                   ExpertRouting(moe.experts, moe.per_token), 1)
+        read, layers = read + total, layers + stage.num_layers
+    return read / layers
+
+
+def moe_note(inputs: PlacementInputs | None) -> str:
+    """What the Placement page says of a MoE model's memory and reads; "" for a dense one."""
+    moe = inputs.model.moe if inputs is not None else None
+    return "" if moe is None else moe.describe()
 
 
 def context_for(calibration: CalibrationSet, kv_precision: str, *, free: Sequence[tuple[str, int]],

@@ -28,6 +28,7 @@ from engine.errors import (
 from engine.machine.inventory import Inventory
 from engine.placement.fleet import GB, Fleet, Stage, Timing, time_stages
 from engine.placement.milp import build_milp, extract_stages, run_milp
+from engine.placement.moe import MoeWeights
 from engine.placement.search import Formulation, Search, best_cycle, least_latency, relative_gap
 
 __all__ = [
@@ -116,6 +117,11 @@ class ModelProfile:
 
     The embedding lives with layer 0 and the final norm + LM head with the last layer; their
     bytes and per-token milliseconds are added to whichever stage holds those layers.
+
+    ``moe`` (a mixture-of-experts model): its experts and how many a token uses. Memory counts
+    every expert (they are in ``layer_bytes``); a step reads only the routed ones, which the
+    calibrated times already show for one stream and `engine.placement.throughput` prices for
+    a batch of rows.
     """
 
     layer_bytes: tuple[int, ...]
@@ -123,6 +129,7 @@ class ModelProfile:
     embed_ms: float = 0.0
     head_bytes: int = 0
     head_ms: float = 0.0
+    moe: MoeWeights | None = None
 
     @property
     def n_layers(self) -> int:

@@ -7,7 +7,10 @@ every row the coordinator sends, and this module prices that.
 The model, per decode step of one micro-batch of B rows (one row per user, one new token each)
 whose users have c cached tokens on average:
 
-    stage step  t_s(B) = fixed_s + weight_bytes_s / weight rate of its PC + B·row_s + B·c·context_s
+    stage step  t_s(B) = fixed_s + streamed_s(B) / weight rate of its PC + B·row_s + B·c·context_s
+    streamed    streamed_s(B) = weight_bytes_s + expert_bytes_s · D(B) / E   (a MoE stage: of its
+                                E experts the D(B) = E·(1 − (1 − k/E)^B) that B rows of k picks touch
+                                on average, `engine.placement.moe`; a dense stage: weight_bytes_s)
     hop         h_k(B) = latency_k + bytes_k(B) / bandwidth_k        (bytes: B rows of hidden states
                                                                       [B, H] plus per-row frame bytes)
     round trip  R(B)   = Σ_s t_s(B) + Σ_k h_k(B) + coordinator
@@ -39,6 +42,8 @@ Assumptions, stated once:
   on a PC whose rows ride free on the weight stream (a roofline max instead of a sum) the model
   is pessimistic. The weight rate is a PC's memory bandwidth when it decodes with enough threads,
   or what one thread dequantises per second when that is slower (this box, one thread per stage).
+- A MoE stage's rows pick their experts independently and uniformly; a trained router is skewed
+  (its rows share experts more), so the expert bytes read are, if anything, over-counted.
 - PCs are independent: each has its own memory bandwidth and cores; nothing else runs on them.
   Stages on one PC serialise (one memory path).
 - Links are full duplex and switched: each hop is its own resource; the coordinator sits with
@@ -53,10 +58,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.errors import PlacementInputError
+from engine.placement.moe import ExpertRouting, streamed_bytes
+from engine.shards.manifest import Manifest, ir_paths
 
 __all__ = [
     "FleetPrediction", "LinkSpec", "ModelCost", "PcSpec", "RingPrediction", "RingSpec", "StageCost", "Workload",
-    "hop_ms", "predict", "predict_rings", "split_rows", "split_stages", "stage_step_ms", "uniform_ring",
+    "export_stage_costs", "hop_ms", "predict", "predict_rings", "split_rows", "split_stages", "stage_step_ms",
+    "step_weight_bytes", "uniform_ring",
 ]
 
 
@@ -69,16 +77,21 @@ class StageCost:
     is the work each row adds (matmuls that grow with rows, the head for an answered row),
     ``context_ms`` what each cached token costs a row (attention reading K/V), ``fixed_ms`` what
     a step costs whatever its size (dispatch, the step frame's decode and encode, copies).
+    A mixture-of-experts stage's stacked expert weights are ``expert_bytes`` apart, read as far
+    as ``routing`` sends the step's rows (`step_weight_bytes`); without ``routing`` they are read
+    whole, as dense weights are.
     """
 
     weight_bytes: float
     row_ms: float
     context_ms: float = 0.0
     fixed_ms: float = 0.0
+    expert_bytes: float = 0.0
+    routing: ExpertRouting | None = None
 
     def __post_init__(self) -> None:
         _non_negative("stage cost", weight_bytes=self.weight_bytes, row_ms=self.row_ms,
-                      context_ms=self.context_ms, fixed_ms=self.fixed_ms)
+                      context_ms=self.context_ms, fixed_ms=self.fixed_ms, expert_bytes=self.expert_bytes)
 
 
 @dataclass(frozen=True)
@@ -199,9 +212,14 @@ def split_rows(users: int, micro_batches: int) -> tuple[int, ...]:
     return tuple(q + 1 if k < r else q for k in range(m))
 
 
+def step_weight_bytes(stage: StageCost, rows: int) -> float:
+    """streamed_s(B): the weight bytes one step of ``rows`` rows reads (module doc)."""
+    return streamed_bytes(stage.weight_bytes, stage.expert_bytes, stage.routing, rows)
+
+
 def stage_step_ms(stage: StageCost, pc: PcSpec, rows: int, context_tokens: float) -> float:
     """t_s(B): one step of ``rows`` rows on ``pc`` (module doc)."""
-    weight_ms = stage.weight_bytes / (pc.weight_gb_s * 1e6)
+    weight_ms = step_weight_bytes(stage, rows) / (pc.weight_gb_s * 1e6)
     return stage.fixed_ms + weight_ms + rows * (stage.row_ms + context_tokens * stage.context_ms)
 
 
@@ -261,6 +279,8 @@ class ModelCost:
     Per layer: bytes streamed per step, ms per row, ms per row per cached token. The LM head
     (``head_bytes`` streamed, ``head_row_ms`` per answered row) goes with the last stage; the
     embedding is a gather (nothing streamed). ``fixed_ms`` is what every stage's step costs.
+    A mixture-of-experts model's layers also hold ``layer_expert_bytes`` of experts, routed by
+    ``routing`` (`StageCost`); ``layer_bytes`` is then the rest of a layer.
     """
 
     layers: int
@@ -271,6 +291,8 @@ class ModelCost:
     head_row_ms: float
     hidden_size: int
     fixed_ms: float = 0.0
+    layer_expert_bytes: float = 0.0
+    routing: ExpertRouting | None = None
 
     def __post_init__(self) -> None:
         if self.layers < 1 or self.hidden_size < 1:
@@ -278,13 +300,15 @@ class ModelCost:
                                       f"hidden_size {self.hidden_size})")
         _non_negative("model cost", layer_bytes=self.layer_bytes, layer_row_ms=self.layer_row_ms,
                       layer_context_ms=self.layer_context_ms, head_bytes=self.head_bytes,
-                      head_row_ms=self.head_row_ms, fixed_ms=self.fixed_ms)
+                      head_row_ms=self.head_row_ms, fixed_ms=self.fixed_ms,
+                      layer_expert_bytes=self.layer_expert_bytes)
 
     def stage(self, n_layers: int, last: bool) -> StageCost:
         """The cost of a stage of ``n_layers`` layers (with the head when ``last``)."""
         return StageCost(weight_bytes=n_layers * self.layer_bytes + (self.head_bytes if last else 0.0),
                          row_ms=n_layers * self.layer_row_ms + (self.head_row_ms if last else 0.0),
-                         context_ms=n_layers * self.layer_context_ms, fixed_ms=self.fixed_ms)
+                         context_ms=n_layers * self.layer_context_ms, fixed_ms=self.fixed_ms,
+                         expert_bytes=n_layers * self.layer_expert_bytes, routing=self.routing)
 
 
 def split_stages(model: ModelCost, stages: int, pc: PcSpec, rows: int,
@@ -319,6 +343,24 @@ def uniform_ring(stages: Sequence[StageCost], *, pc: PcSpec, own_pcs: bool, loca
     return RingSpec(stages=tuple(stages), stage_pcs=tuple(range(n)) if own_pcs else (0,) * n,
                     pcs=(pc,) * (n if own_pcs else 1), hops=hops, hidden_size=hidden_size,
                     hidden_bytes=hidden_bytes, row_frame_bytes=row_frame_bytes, coordinator_ms=coordinator_ms)
+
+
+def export_stage_costs(manifest: Manifest, *, row_ms: float, context_ms: float = 0.0,
+                       fixed_ms: float = 0.0) -> tuple[StageCost, ...]:
+    """The stages of an export as this model prices them: each stage's weight file, of a MoE
+    model split into its dense and expert bytes with the model's routing (the manifest's
+    `StageMoe`; a manifest without one, older or dense, is priced dense). The per-row and
+    per-step times are the caller's (measured), the same for every stage. The embedding is
+    counted with the dense bytes (a little pessimistic: a step only gathers its rows)."""
+    costs = []
+    for stage in manifest.stages:
+        weights = sum(f.size for f in stage.files if f.path == ir_paths(stage.xml)[1])
+        moe = stage.moe
+        routing = None if moe is None else ExpertRouting(moe.experts, moe.per_token)
+        costs.append(StageCost(weight_bytes=weights if moe is None else moe.dense_bytes, row_ms=row_ms,
+                               context_ms=context_ms, fixed_ms=fixed_ms,
+                               expert_bytes=0.0 if moe is None else moe.expert_bytes, routing=routing))
+    return tuple(costs)
 
 
 def _non_negative(what: str, **values: float) -> None:

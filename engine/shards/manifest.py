@@ -17,7 +17,9 @@ stage has one or more fixed-shape graphs (``decode``, ``prefill``, ``packed``) w
 through explicit inputs/outputs from a host ring of ``static.context - rows`` positions.
 Format version 2 added the target; a stateful export is still written as version 1, so
 older Deskfleet builds keep reading it, while an NPU export is version 2, which they refuse
-rather than misread as a stateful shard.
+rather than misread as a stateful shard. A mixture-of-experts export also records each stage's
+experts (``moe``, :class:`StageMoe`) in the same version: older builds ignore the key, and a
+manifest without it reads as dense.
 """
 
 from __future__ import annotations
@@ -128,6 +130,27 @@ class StaticInfo:
 
 
 @dataclass(frozen=True)
+class StageMoe:
+    """A mixture-of-experts stage as placement prices it (an export of a MoE model writes one per
+    stage; an older manifest, or a dense model, has none and reads as dense).
+
+    Each of ``experts`` (E) experts is one slice of the stage's stacked expert weights, and a token
+    runs ``per_token`` (k) of them: the runtime reads only the routed experts' slices, while every
+    other weight (``dense_bytes``: attention, router, dense MLPs, norms, embedding, head) is read
+    whole. ``expert_bytes`` + ``dense_bytes`` is the stage's weight file; memory holds all of it.
+    """
+
+    experts: int
+    per_token: int
+    expert_bytes: int
+    dense_bytes: int
+
+    def __post_init__(self) -> None:
+        if not (0 < self.per_token <= self.experts and self.expert_bytes >= 0 and self.dense_bytes >= 0):
+            raise ManifestError(f"manifest: inconsistent mixture-of-experts entry {self}; re-export the model")
+
+
+@dataclass(frozen=True)
 class StageManifest:
     index: int
     first_layer: int
@@ -143,6 +166,7 @@ class StageManifest:
     kv_cache_precision: str
     estimated_memory_bytes: int
     graphs: tuple[GraphEntry, ...] = ()  # NPU target only; ``xml`` then names the main graph
+    moe: StageMoe | None = None  # a mixture-of-experts model's stage (None: dense)
 
     @property
     def num_layers(self) -> int:
@@ -180,8 +204,17 @@ class Manifest:
         """First layer of every stage after the first (the ``--split`` that made this export)."""
         return tuple(s.first_layer for s in self.stages[1:])
 
+    @property
+    def moe(self) -> StageMoe | None:
+        """The first stage's MoE entry (E and k are the model's), None for a dense model."""
+        return next((s.moe for s in self.stages if s.moe is not None), None)
+
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2, sort_keys=False) + "\n"
+        data = asdict(self)
+        for stage in data["stages"]:  # a dense stage's manifest stays as before MoE existed
+            if stage["moe"] is None:
+                del stage["moe"]
+        return json.dumps(data, indent=2, sort_keys=False) + "\n"
 
 
 def format_version_for(target: str) -> int:
@@ -227,6 +260,13 @@ def _tensors(raw: list[dict[str, Any]]) -> tuple[TensorSpec, ...]:
 def _graph(raw: dict[str, Any]) -> GraphEntry:
     return GraphEntry(name=str(raw["name"]), xml=str(raw["xml"]), rows=int(raw["rows"]),
                       mask=str(raw["mask"]), inputs=_tensors(raw["inputs"]), outputs=_tensors(raw["outputs"]))
+
+
+def _moe(raw: dict[str, Any] | None) -> StageMoe | None:
+    if raw is None:
+        return None
+    return StageMoe(experts=int(raw["experts"]), per_token=int(raw["per_token"]),
+                    expert_bytes=int(raw["expert_bytes"]), dense_bytes=int(raw["dense_bytes"]))
 
 
 def parse_manifest(data: dict[str, Any]) -> Manifest:
@@ -276,6 +316,7 @@ def parse_manifest(data: dict[str, Any]) -> Manifest:
                 kv_cache_precision=str(s["kv_cache_precision"]),
                 estimated_memory_bytes=int(s["estimated_memory_bytes"]),
                 graphs=tuple(_graph(g) for g in s.get("graphs", ())),
+                moe=_moe(s.get("moe")),
             )
             for s in data["stages"]
         )

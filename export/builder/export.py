@@ -18,7 +18,7 @@ from typing import Any
 import openvino as ov
 
 from engine.errors import DeskfleetError
-from engine.shards.manifest import StageManifest, TensorSpec, file_entry
+from engine.shards.manifest import StageManifest, StageMoe, TensorSpec, file_entry, ir_paths
 from export.builder.families import ModelShape
 from export.builder.stage_graph import StagePlan, build_stage_model, head_tensor, stage_tensor_names
 
@@ -56,6 +56,35 @@ def estimate_memory(shape: ModelShape, stage: StagePlan, file_bytes: int, kv_pre
     """Shard files + KV at ``context`` positions + compiled-graph scratch (measured order of magnitude)."""
     per_position = 2 * len(stage.layers) * shape.kv_heads * shape.head_dim * {"f32": 4, "f16": 2, "u8": 1}[kv_precision]
     return file_bytes + per_position * context + 64 * 1024 * 1024
+
+
+def expert_weight_bytes(model: ov.Model, experts: int) -> int:
+    """Bytes of the stacked expert weights (codes, scales, zero points: the constants of shape
+    [E, ...] under each GroupedMatMul's weight input), i.e. what a step reads only in part."""
+    seen: set[int] = set()
+    total = 0
+    todo = [op.input_value(1).get_node() for op in model.get_ordered_ops() if op.get_type_name() == "GroupedMatMul"]
+    while todo:
+        node = todo.pop()
+        if node.get_instance_id() in seen:
+            continue
+        seen.add(node.get_instance_id())
+        if node.get_type_name() == "Constant":
+            dims = node.get_output_shape(0)
+            if len(dims) >= 3 and dims[0] == experts:
+                total += node.get_byte_size()
+            continue
+        todo.extend(v.get_node() for v in node.input_values())
+    return total
+
+
+def stage_moe(shape: ModelShape, model: ov.Model, weight_file_bytes: int) -> StageMoe | None:
+    """The manifest's MoE entry of a stage just built (None for a dense model)."""
+    if shape.moe is None:
+        return None
+    expert = expert_weight_bytes(model, shape.moe.experts)
+    return StageMoe(experts=shape.moe.experts, per_token=shape.moe.per_token, expert_bytes=expert,
+                    dense_bytes=max(weight_file_bytes - expert, 0))
 
 
 # Tensors a checkpoint may hold that no stage reads, on purpose: the rotary buffers older HF
@@ -130,6 +159,7 @@ def export_stage(source: Any, shape: ModelShape, stage: StagePlan, options: Any,
         ov.save_model(model, stage_dir / XML_NAME, compress_to_fp16=False)
         inputs = tuple(port_spec(p) for p in model.inputs)
         outputs = tuple(port_spec(p) for p in model.outputs)
+        moe = stage_moe(shape, model, (stage_dir / ir_paths(XML_NAME)[1]).stat().st_size)
         del model
     gc.collect()
     files = tuple(file_entry(out_dir, f) for f in sorted(stage_dir.iterdir()))
@@ -140,4 +170,5 @@ def export_stage(source: Any, shape: ModelShape, stage: StagePlan, options: Any,
         beam_idx=options.beam_idx, kv_cache_precision=options.kv_cache_precision,
         estimated_memory_bytes=estimate_memory(shape, stage, sum(f.size for f in files),
                                                options.kv_cache_precision, options.context_for_estimate),
+        moe=moe,
     )

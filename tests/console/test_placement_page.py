@@ -32,6 +32,55 @@ def test_the_fleet_tags_line_counts_the_approved_agents_tags():
     assert fleet_tags_text(()).startswith("No approved agent has tags yet")
 
 
+def test_a_moe_model_is_placed_with_its_experts_said_on_the_page(qtbot, tmp_path, tiny_checkpoint):
+    """The tiny qwen3_moe's calibration exports give a profile with its experts (memory: all of
+    them; a token's layer step reads 2 of 8), which reaches the console through the admin API's
+    JSON and is said under the plan, offscreen; a dense model's plan says nothing of experts."""
+    import dataclasses
+
+    from console.placement_page import QtPlacementPage
+    from console.service.admin_decode import inputs_from_json
+    from console.service.admin_shapes import inputs_json
+    from console.service.calibration_export import build_calibration_set, layer_weight_bytes
+    from console.service.console_settings import ConsoleSettings
+    from console.service.links import LinkReport
+    from console.service.placement_inputs import PlacementInputs, layer_read_bytes, placement_model, solve_inputs
+    from console.service_bridge import ServiceBridge
+    from engine.placement.planner import DeviceProfile, Links, PcInfo, PlacementRequest
+    from export.exporter import ExportOptions
+
+    calibration = build_calibration_set(tiny_checkpoint("qwen3_moe"), tmp_path / "state", ExportOptions(weights="fp32"))
+    model = placement_model(calibration, context=64)
+    moe = model.moe
+    assert moe is not None and (moe.routing.experts, moe.routing.per_token) == (8, 2)
+    assert moe.expert_bytes == 3 * 8 * 3 * 32 * 64 * 4  # layers 0, 1 and 3: E x (gate, up, down) x I x H x f32
+    assert model.total_bytes >= moe.expert_bytes + moe.dense_bytes  # memory holds every expert (and KV)
+    # a middle stage of layer 1 (MoE) and one of layers 1-2: a token reads 2 of the 8 experts' bytes
+    read = layer_weight_bytes(calibration) - 2 * (8 * 3 * 32 * 64 * 4) * (1 - 2 / 8) / 3
+    assert layer_read_bytes(calibration) == pytest.approx(read)
+    inputs = PlacementInputs(model, (PcInfo("pc-a", 8 * 2**30, True),),
+                             (DeviceProfile("pc-a/CPU", "pc-a", "CPU", 1.0, 0.5, 8 * 2**30),),
+                             LinkReport(Links(default_ms=0.5), {}, {}), (), {"pc-a": "desk-a"}, {})
+    received = inputs_from_json(inputs_json(inputs))  # as the console reads the service's placement
+    assert received.model.moe == moe
+    plan = solve_inputs(received, PlacementRequest())
+    bridge = ServiceBridge(ConsoleSettings(state_dir=tmp_path / "console"))
+    try:
+        page = QtPlacementPage(bridge)
+        qtbot.addWidget(page)
+        assert page.moe.isHidden()
+        bridge.session.set_plan(plan, received)
+        text = page.moe.text()
+        assert not page.moe.isHidden() and text.startswith("MoE: 8 experts, 2 active per token")
+        assert "memory counts all experts" in text and "each step reads the active ones" in text
+        assert "tok/s" in page.summary.text()
+        dense = dataclasses.replace(received, model=dataclasses.replace(received.model, moe=None))
+        bridge.session.set_plan(plan, dense)
+        assert page.moe.isHidden() and page.moe.text() == ""
+    finally:
+        bridge.close()
+
+
 @pytest.mark.slow
 def test_the_placement_page_places_by_tags_with_the_context_default_and_draws_the_ring(tmp_path, tiny_checkpoint,
                                                                                         tiny_calibration, qapp):

@@ -85,6 +85,13 @@ def test_int4_split_gives_the_unsplit_tokens(tiny_export):
     split = greedy_generate(LocalChain.load(tiny_export(FAMILY, 2, "int4"), exact=True), PROMPT_IDS, N_TOKENS,
                             ignore_eos=True)
     assert split.tokens == whole.tokens
+    # the manifest's expert bytes are the INT4 codes and f16 scales (groups of 16) of every expert
+    hidden, inter = 64, 32
+    per_expert = sum(rows * cols // 2 + rows * (cols // 16) * 2 for rows, cols in
+                     ((inter, hidden), (inter, hidden), (hidden, inter)))  # gate, up, down
+    for stage in load_manifest(tiny_export(FAMILY, 2, "int4")).stages:
+        layers = [i for i in MOE_LAYERS if stage.first_layer <= i <= stage.last_layer]
+        assert stage.moe is not None and stage.moe.expert_bytes == 8 * per_expert * len(layers)
 
 
 def test_paged_runtime_serves_batched_streams_like_the_stateful_chain(tiny_export):
@@ -146,3 +153,18 @@ def test_the_npu_target_refuses_a_moe_model_by_name(tiny_checkpoint, tmp_path):
     with pytest.raises(ExportError, match="mixture-of-experts.*--target stateful"):
         export_model(tiny_checkpoint(FAMILY), tmp_path / "out", stages=1, options=options)
     assert not (tmp_path / "out").exists()
+
+
+def test_the_manifest_records_each_stages_expert_and_dense_bytes(tiny_export):
+    """What placement prices a step by: E, k, and per stage the stacked experts' bytes (f32 here:
+    E x (gate + up + down) x I x H x 4 per MoE layer) apart from the rest of its weight file."""
+    export = tiny_export(FAMILY, 2)
+    manifest = load_manifest(export)
+    per_layer = 8 * 3 * 32 * manifest.model.hidden_size * 4
+    for stage in manifest.stages:
+        moe = stage.moe
+        assert moe is not None and (moe.experts, moe.per_token) == (8, 2)
+        layers = [i for i in MOE_LAYERS if stage.first_layer <= i <= stage.last_layer]
+        assert moe.expert_bytes == per_layer * len(layers)
+        weights = next(f.size for f in stage.files if f.path.endswith(".bin"))
+        assert moe.expert_bytes + moe.dense_bytes == weights

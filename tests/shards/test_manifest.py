@@ -63,6 +63,28 @@ def test_a_stage_whose_graph_or_weights_are_not_hashed_is_refused_at_parse_time(
         parse_manifest(bad)
 
 
+def test_moe_entries_round_trip_and_older_manifests_read_as_dense(tiny_export):
+    """A MoE export's per-stage entries survive to_json/parse; one without them (an older
+    exporter's) reads as dense; a dense export writes none; a nonsensical entry is refused."""
+    moe = json.loads((tiny_export("qwen3_moe", 2) / "manifest.json").read_text())
+    manifest = parse_manifest(moe)
+    assert manifest.moe is not None and all(s.moe is not None for s in manifest.stages)
+    assert parse_manifest(json.loads(manifest.to_json())) == manifest
+    older = json.loads(json.dumps(moe))
+    for stage in older["stages"]:
+        del stage["moe"]
+    assert parse_manifest(older).moe is None and all(s.moe is None for s in parse_manifest(older).stages)
+    dense = json.loads((tiny_export("llama", 2) / "manifest.json").read_text())
+    assert all("moe" not in s for s in dense["stages"]) and parse_manifest(dense).moe is None
+    bad = json.loads(json.dumps(moe))
+    bad["stages"][0]["moe"]["per_token"] = 9  # more experts per token than the 8 there are
+    with pytest.raises(ManifestError, match="inconsistent mixture-of-experts"):
+        parse_manifest(bad)
+    del bad["stages"][0]["moe"]["per_token"]
+    with pytest.raises(ManifestError, match="malformed"):
+        parse_manifest(bad)
+
+
 def _stage_logits(stage) -> np.ndarray:
     from engine.shards.stage import StepInputs
 
