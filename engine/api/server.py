@@ -431,7 +431,7 @@ class _Api:
             card = self.router.card_for(params.model)
             tokenizer = self.tokenizer_for(card.name)
             check_prompt_chars(params, self.settings.max_prompt_tokens)
-            check_prompt_ids(params, getattr(tokenizer, "vocab_size", None))
+            check_prompt_ids(params, card.vocab_size)  # the model's rows: a tokenizer may name fewer ids
             ids = await _off_loop(self._encode_locked, tokenizer, params)
             # the key's own prefix cache: another key's prompts are never reused, nor timed, through it
             gen_requests = [replace(r, cache_scope=caller.scope)

@@ -533,4 +533,4 @@ class Coordinator:
 def model_card(manifest) -> ModelCard:
     m = manifest.model
     return ModelCard(name=m.name, context_length=m.max_position_embeddings, eos_token_ids=m.eos_token_ids,
-                     stages=len(manifest.stages), fingerprint=m.fingerprint)
+                     stages=len(manifest.stages), fingerprint=m.fingerprint, vocab_size=m.vocab_size)

@@ -29,6 +29,7 @@ class ModelCard:
     eos_token_ids: tuple[int, ...]
     stages: int
     fingerprint: str = ""
+    vocab_size: int | None = None  # the model's embedding rows: the prompt ids it takes (None: not known)
 
 
 class Generator(Protocol):

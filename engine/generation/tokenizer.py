@@ -100,11 +100,6 @@ class ChatTokenizer:
             d.get("type") == "Replace" and (d.get("pattern") or {}).get("String") == METASPACE)
             for d in steps if isinstance(d, dict))
 
-    @property
-    def vocab_size(self) -> int:
-        """How many token ids there are (added tokens included): a prompt's ids are below it."""
-        return int(self._tok.get_vocab_size(with_added_tokens=True))
-
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
