@@ -22,9 +22,11 @@ TIMEOUT = 120
 MAX_TOKENS = 32
 
 
-def _health(base: str) -> tuple[int, dict]:
+def _health(base: str, key: str = "k-1") -> tuple[int, dict]:
+    """/health as a key holder sees it (a caller without the key gets the bare status)."""
+    request = urllib.request.Request(f"{base}/health", headers={"Authorization": f"Bearer {key}"})
     try:
-        with urllib.request.urlopen(f"{base}/health", timeout=10) as r:
+        with urllib.request.urlopen(request, timeout=10) as r:
             return r.status, json.load(r)
     except urllib.error.HTTPError as exc:
         return exc.code, json.load(exc)
