@@ -115,10 +115,16 @@ def test_tokens_are_charged_as_generated_and_a_stream_over_budget_stops(tmp_path
     book = KeyBook(tmp_path)
     thrifty = book.issue("thrifty", tpm=200)
     settings = replace(WIDE, key_streams=16)
-    with serving(PacedGenerator(length=300), settings, keys=book) as url, \
+    gate = threading.Event()  # both requests admitted (16 streams held at their first token) before the rest flows
+    generator = PacedGenerator(length=300, gate=gate)
+    with serving(generator, settings, keys=book) as url, \
             openai.OpenAI(base_url=url, api_key=thrifty.secret, max_retries=0, timeout=TIMEOUT) as client, \
             concurrent.futures.ThreadPoolExecutor(2) as pool:
         asks = [pool.submit(client.chat.completions.create, model="fake", messages=CHAT, n=8) for _ in range(2)]
+        while generator.started < 16:
+            assert not any(a.done() for a in asks), [a.exception() for a in asks if a.done()]
+            threading.Event().wait(0.01)
+        gate.set()
         answers = [a.result(TIMEOUT) for a in asks]
     used = sum(a.usage.total_tokens for a in answers)
     prompts = sum(a.usage.prompt_tokens for a in answers)
