@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import queue
 import signal
+import threading
 import time
 
 import pytest
@@ -21,7 +23,8 @@ from agent.service.spare_policy import RESERVE_BYTES, spare_decision
 from agent.service.supervisor import Backoff, WorkerSupervisor, worker_args
 from agent.service.worker_process import WorkerLaunch
 from engine.wire.address import Address
-from engine.worker.spare import ActivationError, parse_activation
+from engine.worker.spare import SPARE_PREFIX, ActivationError, parse_activation
+from engine.worker.status_lines import READY_PREFIX
 from tests.support.asyncutil import run
 from tests.support.loopback import free_port
 
@@ -162,10 +165,22 @@ def test_a_plaintext_spare_told_to_listen_on_every_address_stays_off_the_network
                              "1", "--spare", "--listen", f"127.0.0.1:{listen}", "--next", f"127.0.0.1:{next_port}",
                              "--threads", "1"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
+
+    def next_line_with(text: str, what: str) -> str:
+        """The spare's next stdout line holding ``text``; fails (not hangs) after the 120 s guard."""
+        while True:
+            try:
+                line = lines.get(timeout=max(deadline - time.monotonic(), 0.1))
+            except queue.Empty:
+                raise AssertionError(f"the spare never {what}") from None
+            if text in line:
+                return line
+
     try:
         deadline = time.monotonic() + 120
-        while not (line := proc.stdout.readline()).startswith("deskfleet-spare "):
-            assert line and time.monotonic() < deadline, "the spare never compiled"
+        next_line_with(SPARE_PREFIX, "compiled")
         proc.stdin.write(json.dumps({"activate": {"listen": f"0.0.0.0:{exposed}",
                                                   "next": f"127.0.0.1:{next_port}"}}) + "\n")
         proc.stdin.flush()
@@ -175,8 +190,7 @@ def test_a_plaintext_spare_told_to_listen_on_every_address_stays_off_the_network
         proc.stdin.write(json.dumps({"activate": {"listen": f"127.0.0.1:{listen}",
                                                   "next": f"127.0.0.1:{next_port}"}}) + "\n")
         proc.stdin.flush()
-        while "ready" not in (line := proc.stdout.readline()):
-            assert line and time.monotonic() < deadline, "the spare never took the loopback activation"
+        line = next_line_with(READY_PREFIX, "took the loopback activation")
         assert f"127.0.0.1:{listen}" in line
         assert not run(_connects(exposed))
     finally:
