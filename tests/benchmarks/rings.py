@@ -32,7 +32,6 @@ import math
 import os
 import random
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -50,6 +49,7 @@ from tests.benchmarks.record import (
     update_section,
     write_json,
 )
+from tests.support.processes import stop
 
 COMMAND_LINE = "python -m tests.benchmarks rings"
 QUESTIONS = ("What is a GPU?", "Name three rivers in Europe.", "Why is the sky blue?", "What is 17 times 23?",
@@ -227,13 +227,7 @@ def _serve(argv: list[str]):
         else:
             raise RuntimeError(f"serve printed no URL within {READY_TIMEOUT_S:.0f} s")
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop(proc, 60)
 
 
 def _cpu_s(p: Any) -> float:

@@ -10,12 +10,13 @@ from __future__ import annotations
 import os
 import select
 import shutil
-import signal
 import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from tests.support.processes import stop
 
 START_TIMEOUT_S = 20.0
 
@@ -68,10 +69,4 @@ def start_xvfb(log: Path, preexec: Callable[[], None] | None = None) -> tuple[su
 
 
 def stop_xvfb(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+    stop(proc, 5)

@@ -14,7 +14,6 @@ is not available here).
 from __future__ import annotations
 
 import contextlib
-import signal
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tests.fleet.netns import Host
+from tests.support.processes import stop
 
 WAN_START_TIMEOUT_S = 30.0
 
@@ -69,13 +69,7 @@ def wan_link(source: Host, target: str, port: int, *, delay_ms: float, bandwidth
         _wait_listening(source, port, proc, log)
         yield WanHop(f"{source.address}:{port}", target)
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+        stop(proc, 10)
 
 
 def _wait_listening(host: Host, port: int, proc: subprocess.Popen, log: Path) -> None:
