@@ -49,6 +49,7 @@ from engine.api.audit import AuditLog, AuditRecord, utc_stamp
 from engine.api.fan_in import merged
 from engine.api.guard import HostPolicy, check_exposure, check_json_type, check_prompt_chars, check_prompt_ids
 from engine.api.keys import ANONYMOUS, Caller, KeyCheck, RateLimiter, retry_after_header
+from engine.api.off_loop import off_loop
 from engine.api.openai_answer import (
     ChoiceBuilder,
     CompletionChunks,
@@ -69,7 +70,7 @@ from engine.api.openai_schema import (
     prompt_ids,
     to_generation_requests,
 )
-from engine.api.share import BUDGET_STOP, KeyWatch, StreamShares
+from engine.api.share import BUDGET_STOP, KeyWatch, StreamShares, key_watch
 from engine.errors import DeskfleetError, GenerationError, TokenizerError
 from engine.generation.generator import Generator, ModelCard, OverloadedError, UnavailableError
 from engine.generation.grammar_pool import COMPILE_OWNER
@@ -177,29 +178,6 @@ SERVED_BY: web.RequestKey[tuple[str, str]] = web.RequestKey("deskfleet_served_by
 CALLER: web.RequestKey[Caller] = web.RequestKey("deskfleet_caller", Caller)  # who sent it (a valid key)
 _TOKEN: web.RequestKey[str] = web.RequestKey("deskfleet_token", str)  # the bearer key it carried
 API_STATE: web.AppKey[_Api] = web.AppKey("deskfleet_api")  # RunningApi.set_api_key reaches it
-
-
-async def _off_loop(fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)`` on a short-lived daemon thread: rendering and tokenising a long prompt takes
-    a while, and the loop also runs the coordinator's steps. (Not the loop's default executor:
-    its threads outlive the server.) Admission (``max_concurrent``) bounds how many wait."""
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future = loop.create_future()
-
-    def settle(result: Any, error: BaseException | None) -> None:
-        if not done.done():
-            done.set_exception(error) if error is not None else done.set_result(result)
-
-    def run() -> None:
-        try:
-            result, error = fn(*args), None
-        except BaseException as exc:  # handed to the awaiting request, which maps it to an answer
-            result, error = None, exc
-        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
-            loop.call_soon_threadsafe(settle, result, error)
-
-    threading.Thread(target=run, name="deskfleet-tokenize", daemon=True).start()
-    return await done
 
 
 Tokenizers = ChatTokenizer | Mapping[str, ChatTokenizer]  # one for every model, or one per served model name
@@ -432,7 +410,7 @@ class _Api:
             tokenizer = self.tokenizer_for(card.name)
             check_prompt_chars(params, self.settings.max_prompt_tokens)
             check_prompt_ids(params, card.vocab_size)  # the model's rows: a tokenizer may name fewer ids
-            ids = await _off_loop(self._encode_locked, tokenizer, params)
+            ids = await off_loop(self._encode_locked, tokenizer, params)
             # the key's own prefix cache: another key's prompts are never reused, nor timed, through it
             gen_requests = [replace(r, cache_scope=caller.scope)
                             for r in to_generation_requests(ids, params, self.settings, card)]
@@ -443,7 +421,7 @@ class _Api:
                                       logprobs=params.logprobs, token_bytes=token_bytes_of(tokenizer),
                                       skip_ids=card.eos_token_ids, thinking=thinking_of(tokenizer, ids))
                         for i in range(params.n)]
-            watch = self._key_watch(request)
+            watch = key_watch(self.keys, request.get(_TOKEN))
             deltas = merged([self._deltas(request, card, r, b, outcome, started, caller, watch)
                               for r, b in zip(gen_requests, builders, strict=True)])
             async with contextlib.aclosing(deltas):
@@ -462,25 +440,10 @@ class _Api:
         """Count ``streams`` in the caller's share (where keys are required); ApiError 429 past it."""
         if not self.keys.required:
             return 0
-        if not self.shares.take(caller.name, streams):
-            held = self.shares.held(caller.name)
-            raise ApiError(429, f"the key {caller.name!r} has {held} answers in progress and asks for {streams} "
-                           f"more; a key's share of this server is {self.shares.per_key} at once. Wait for one to "
-                           "end, or ask the fleet's admin for a key of your own", "key_share_exceeded")
+        refused = self.shares.take(caller.name, streams)
+        if refused is not None:
+            raise ApiError(429, refused, "key_share_exceeded")
         return streams
-
-    def _key_watch(self, request: web.Request) -> KeyWatch | None:
-        """A running answer's key, looked up again every RECHECK_S (None: a server without keys)."""
-        token = request.get(_TOKEN)
-        if not self.keys.required or token is None:
-            return None
-
-        def still_valid() -> bool:
-            try:
-                return self.keys.identify(token) is not None
-            except KeyBookError:
-                return True  # an unreadable book refuses new requests; running ones are not cut for it
-        return KeyWatch(still_valid)
 
     async def _deltas(self, request: web.Request, card: ModelCard, gen_request: GenerationRequest,
                       builder: ChoiceBuilder, outcome: _Outcome, started: float, caller: Caller = ANONYMOUS,

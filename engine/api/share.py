@@ -16,6 +16,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from engine.api.keys import KeyCheck
+from engine.trust.key_book import KeyBookError
+
 # finish_reason and stop_reason of a stream stopped because its key ran out of tokens: "length"
 # is the OpenAI value every client reads (the answer was cut short); ``stop_reason`` says why.
 BUDGET_STOP = ("length", "token_budget")
@@ -35,12 +38,15 @@ class StreamShares:
     def held(self, name: str) -> int:
         return self._held.get(name, 0)
 
-    def take(self, name: str, streams: int) -> bool:
-        """Count ``streams`` more for ``name``; False (nothing counted) past its share."""
-        if self.held(name) + streams > self.per_key:
-            return False
-        self._held[name] = self.held(name) + streams
-        return True
+    def take(self, name: str, streams: int) -> str | None:
+        """Count ``streams`` more for ``name``: None, or (nothing counted) why not, past its share."""
+        held = self.held(name)
+        if held + streams > self.per_key:
+            return (f"the key {name!r} has {held} answers in progress and asks for {streams} more; a key's share "
+                    f"of this server is {self.per_key} at once. Wait for one to end, or ask the fleet's admin for "
+                    "a key of your own")
+        self._held[name] = held + streams
+        return None
 
     def give_back(self, name: str, streams: int) -> None:
         left = self.held(name) - streams
@@ -48,6 +54,19 @@ class StreamShares:
             self._held[name] = left
         else:
             self._held.pop(name, None)
+
+
+def key_watch(keys: KeyCheck, token: str | None) -> KeyWatch | None:
+    """A running answer's ``token`` looked up again every :data:`RECHECK_S` (None: a server without keys)."""
+    if not keys.required or token is None:
+        return None
+
+    def still_valid() -> bool:
+        try:
+            return keys.identify(token) is not None
+        except KeyBookError:
+            return True  # an unreadable book refuses new requests; running ones are not cut for it
+    return KeyWatch(still_valid)
 
 
 class KeyWatch:
