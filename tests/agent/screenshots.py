@@ -1,6 +1,6 @@
 """Screenshots of the tray menu, the state icons and the chat window, from a real run: a console
-half and the OpenAI API (coordinator over a tiny export) on loopback, the real agent service
-joined to that console, and the chat streaming a real answer.
+half and the OpenAI API (the paged coordinator over a tiny export) on loopback, the real agent
+service joined to that console, and the chat streaming a real answer.
 
 Run by tests/agent/test_screenshots.py, under Xvfb in a subprocess when it can (real X11 rendering,
 plus a grab of the whole screen), else in-process offscreen. Standalone::
@@ -20,15 +20,16 @@ from tests.support.asyncutil import held_on
 from tests.support.xvfb import qt_wait
 
 QUESTION = "Tell me a long story."
+POOL_BYTES = 16 << 20  # the paged coordinator's KV pool per stage: the tiny export's blocks are small
 
 
 @contextlib.asynccontextmanager
 async def _api(export: Path):
     from engine.api.server import ApiSettings, async_run_api
-    from engine.coordinator.coordinator import Coordinator
+    from engine.coordinator.batch_coordinator import BatchCoordinator
     from engine.generation.tokenizer import ChatTokenizer
 
-    async with Coordinator.local(export, slots=2) as coordinator:
+    async with BatchCoordinator.local(export, slots=2, kv_pool_bytes=POOL_BYTES) as coordinator:
         running = await async_run_api(coordinator, ChatTokenizer(export / "tokenizer"),
                                       ApiSettings(max_tokens_limit=400, default_max_tokens=48))
         try:

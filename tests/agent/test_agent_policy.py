@@ -133,9 +133,9 @@ def test_runtime_defaults_to_what_old_consoles_meant_and_paged_reaches_the_worke
     args = worker_args("/s", 1, "127.0.0.1:7211", "127.0.0.1:7100", device="CPU", threads=1, exact=False, tls=True,
                        paged=True, kv_pool_mb=384)
     assert args[args.index("--kv-pool-mb") + 1] == "384" and "--paged" in args
-    stateful = worker_args("/s", 1, "127.0.0.1:7211", "127.0.0.1:7100", device="CPU", threads=1, exact=False,
-                           tls=True)
-    assert "--paged" not in stateful and "--kv-pool-mb" not in stateful
+    static = worker_args("/s", 1, "127.0.0.1:7211", "127.0.0.1:7100", device="NPU", threads=1, exact=False,
+                         tls=True)  # an NPU stage serves static: no block pool
+    assert "--paged" not in static and "--kv-pool-mb" not in static
     with pytest.raises(ValueError, match="paged"):
         worker_args("/s", 1, "a:1", "b:2", device="CPU", threads=None, exact=False, tls=False, kv_pool_mb=64)
 

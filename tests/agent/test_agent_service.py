@@ -18,12 +18,9 @@ from agent.service.service import AgentService
 from agent.service.settings import AgentSettings
 from engine.control.client import ControlClient, ControlError
 from engine.control.messages import Assignment, WorkerSettings
-from engine.coordinator.coordinator import Coordinator, model_card
-from engine.coordinator.ring import RingPath
 from engine.errors import DeskfleetError
 from engine.generation.request import GenerationRequest
 from engine.shards.manifest import load_manifest
-from engine.shards.stage import Stage
 from engine.trust.fleet_ca import FleetAuthority, Role
 from engine.trust.peer_policy import PeerPolicy
 from engine.wire.address import Address
@@ -31,6 +28,7 @@ from tests.conftest import PROMPT_IDS
 from tests.support.agent_helpers import FakeIdle, console
 from tests.support.asyncutil import collect, run
 from tests.support.loopback import free_port
+from tests.support.paged_ring import paged_ring, paged_stage0
 
 N = 12
 
@@ -48,9 +46,10 @@ API_KEY = "sk-deskfleet-agent-test-key"  # rides in the assignment; must never r
 
 
 def _assignment(con, export: Path, export_id: str, *, listen_port: int, next_hop: str) -> Assignment:
+    """Stage 1 of a paged ring (the runtime the service assigns a CPU export)."""
     return Assignment.create((export / "manifest.json").read_text(), export_id=export_id, stage=1,
                              source=con.hub.shard_url(export_id), listen_port=listen_port, next_hop=next_hop,
-                             worker=WorkerSettings(threads=1, exact=True),
+                             worker=WorkerSettings(threads=1, exact=True), runtime="paged",
                              api_url="http://127.0.0.1:8000/v1", events_url=con.hub.events_url,
                              # the console runs stage 0 and the return port: it is both neighbours
                              expect_upstream=(con.credentials.node_id,), expect_next=con.credentials.node_id)
@@ -64,12 +63,11 @@ async def _assign(con, client: ControlClient, assignment: Assignment) -> None:
 
 async def _ring_tokens(con, export: Path, agent_data: Address, return_port: int, agent_node: str, *,
                        dial_deadline: float = 30) -> list[int]:
-    manifest = load_manifest(export)
-    path = RingPath(manifest.model.fingerprint, 2, agent_data, Address("127.0.0.1", return_port),
-                    local_stage0=Stage(export, 0, exact=True), server_ssl=con.credentials.server_context(),
-                    client_ssl=con.credentials.client_context(), dial_deadline=dial_deadline,
-                    peers=PeerPolicy.of([agent_node], agent_node))
-    async with Coordinator(path, model_card(manifest)) as c:
+    """N greedy tokens through a paged ring: stage 0 here, stage 1 the agent's worker."""
+    stage0 = await asyncio.to_thread(paged_stage0, export, exact=True)
+    async with paged_ring(export, stage0, agent_data, Address("127.0.0.1", return_port),
+                          server_ssl=con.credentials.server_context(), client_ssl=con.credentials.client_context(),
+                          dial_deadline=dial_deadline, peers=PeerPolicy.of([agent_node], agent_node)) as c:
         return await collect(c, GenerationRequest(PROMPT_IDS, N, ignore_eos=True))
 
 
@@ -110,6 +108,7 @@ def test_join_assign_fetch_and_serve_a_stage_in_a_real_ring(tmp_path, tiny_expor
                 cmdline = Path(f"/proc/{agent.worker_pid}/cmdline").read_bytes()
                 key_body = b"".join(creds.key_pem.strip().splitlines()[1:-1])  # the PEM's base64, unwrapped
                 assert b"--tls-stdin" in cmdline.split(b"\0")
+                assert b"--paged" in cmdline.split(b"\0")  # the runtime the assignment names
                 for secret in (key_body[:48], API_KEY.encode(), b"PRIVATE KEY", b"sk-deskfleet"):
                     assert secret not in cmdline.replace(b"\0", b"")
                 tokens = await _ring_tokens(con, export, Address("127.0.0.1", data_port), return_port, creds.node_id)

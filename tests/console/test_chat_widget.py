@@ -1,5 +1,5 @@
 """The chat shared by the console and the tray: the Qt-free model and streaming client, then the
-Qt window (offscreen, qtbot), against the real OpenAI-compatible API served by the real
+Qt window (offscreen, qtbot), against the real OpenAI-compatible API served by the real paged
 coordinator over a tiny 2-stage export on loopback."""
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ QUESTION = "What is the capital of France?"
 STORY = "Tell me a long story."  # the tiny model answers it with max_tokens tokens: long enough to stop
 GREEDY = {"temperature": 0, "max_tokens": 16}
 LONG = {"temperature": 0, "max_tokens": 400}
+POOL = 16 << 20  # the tiny model's KV blocks: a few hundred, two long answers' worth many times over
 
 
 @dataclass
@@ -42,9 +43,9 @@ class Api:
 
 @pytest.fixture(scope="module")
 def api(tiny_export):
-    """The API on a thread of its own, up for the whole module (the coordinator's compute thread
-    is started here by a first request, so no test is blamed for it)."""
-    from engine.coordinator.coordinator import Coordinator
+    """The API on a thread of its own, up for the whole module (the paged coordinator's compute
+    thread is started here by a first request, so no test is blamed for it)."""
+    from engine.coordinator.batch_coordinator import BatchCoordinator
     from engine.generation.request import GenerationRequest
     from engine.generation.tokenizer import ChatTokenizer
 
@@ -54,7 +55,7 @@ def api(tiny_export):
 
     async def serve():
         stop = asyncio.Event()
-        async with Coordinator.local(export, slots=2) as coordinator:
+        async with BatchCoordinator.local(export, slots=2, kv_pool_bytes=POOL) as coordinator:
             async for _ in coordinator.stream(GenerationRequest((1, 5, 9), 2)):
                 pass
             running = await async_run_api(coordinator, tokenizer, SETTINGS)
