@@ -4,10 +4,10 @@ steps aside when the person at the PC touches it.
 - footprint: a joined, idle agent process (headless, and the tray app under the offscreen Qt
   platform) measured side by side over the same window: CPU time as % of one core, RSS at the
   end and peak (process + children). Targets: < 0.5 % of a core, < 150 MB.
-- pause: the agent serves stage 1 of the default model (2 x INT4) in a ring whose coordinator
-  generates continuously; a keystroke (the idle fake) must release the worker's cores (its
-  process gone) within 2 s. Then the PC goes idle and the time until the worker serves again
-  is measured. Several rounds, medians and maxima.
+- pause: the agent serves stage 1 of the default model (2 x INT4) in a paged ring whose
+  coordinator (stage 0 in this process) generates continuously; a keystroke (the idle fake)
+  must release the worker's cores (its process gone) within 2 s. Then the PC goes idle and the
+  time until the worker serves again is measured. Several rounds, medians and maxima.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ COMMAND_LINE = "python -m tests.benchmarks agent"
 CPU_TARGET_PCT = 0.5
 RSS_TARGET_MB = 150
 PAUSE_TARGET_S = 2.0
+POOL_BYTES = 64 << 20  # the ring's KV pool per stage: ~5,000 tokens of the default model, one stream's worth
+DECODE_TOKENS = 4_000  # the stream decoding through the agent's worker when the keystroke comes (~1.5 s in)
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -117,17 +119,13 @@ async def _async_pause_rounds(rounds: int, work: Path) -> dict[str, Any]:
     from engine.control.client import ControlClient
     from engine.control.fleet_services import fleet_host
     from engine.control.messages import Assignment, WorkerSettings
-    from engine.coordinator.coordinator import Coordinator, model_card
-    from engine.coordinator.ring import RingPath
     from engine.generation.request import GenerationRequest
-    from engine.shards.manifest import load_manifest
-    from engine.shards.stage import Stage
     from engine.trust.peer_policy import PeerPolicy
     from engine.wire.address import Address
     from tests.benchmarks.kit import default_model_exports
+    from tests.support.paged_ring import paged_ring, paged_stage0
 
     _, (export,), _ = default_model_exports(("int4", 2, True))
-    manifest = load_manifest(export)
     idle = FakeIdle(1e6)
     settings = AgentSettings(name="bench", interface="127.0.0.1", control_port=0, data_port=0,
                              resume_after_idle_s=0.5)
@@ -142,28 +140,26 @@ async def _async_pause_rounds(rounds: int, work: Path) -> dict[str, Any]:
             await client.async_assign(Assignment.create(
                 (export / "manifest.json").read_text(), export_id="default-2", stage=1,
                 source=con.hub.shard_url("default-2"), listen_port=data_port, next_hop="127.0.0.1:9",
-                worker=WorkerSettings(threads=1), expect_upstream=(con.credentials.node_id,),
+                worker=WorkerSettings(threads=1), runtime="paged", expect_upstream=(con.credentials.node_id,),
                 expect_next=con.credentials.node_id))  # the console is both of its neighbours
             con.hub.grant(client.peer_node_id, "default-2", [1])
             await client.async_fetch()
             await client.async_wait_for(lambda s: s.fetch.finished, 300, "the shard fetch")
             await client.async_start_worker()
             await agent.async_wait_worker_ready(300)
-            stage0 = Stage(export, 0, num_threads=1)
+            stage0 = await asyncio.to_thread(paged_stage0, export, pool_bytes=POOL_BYTES, num_threads=1)
             for _ in range(rounds):
                 return_port = free_port()
                 await client.async_assign(replace(agent.assignment, next_hop=f"127.0.0.1:{return_port}"))
                 await client.async_start_worker()
                 await agent.async_wait_worker_ready(300)
-                path = RingPath(manifest.model.fingerprint, 2, Address("127.0.0.1", data_port),
-                                Address("127.0.0.1", return_port), local_stage0=stage0,
-                                server_ssl=con.credentials.server_context(),
-                                client_ssl=con.credentials.client_context(), dial_deadline=30,
-                                peers=PeerPolicy.of([client.peer_node_id], client.peer_node_id))
-                async with Coordinator(path, model_card(manifest)) as coordinator:
+                async with paged_ring(export, stage0, Address("127.0.0.1", data_port),
+                                      Address("127.0.0.1", return_port), server_ssl=con.credentials.server_context(),
+                                      client_ssl=con.credentials.client_context(), dial_deadline=30,
+                                      peers=PeerPolicy.of([client.peer_node_id], client.peer_node_id)) as coordinator:
                     async def generate():
-                        with contextlib.suppress(Exception):
-                            async for _ in coordinator.stream(GenerationRequest((1, 2, 3, 4), 100_000,
+                        with contextlib.suppress(Exception):  # it ends when the worker steps aside
+                            async for _ in coordinator.stream(GenerationRequest((1, 2, 3, 4), DECODE_TOKENS,
                                                                                 ignore_eos=True)):
                                 pass
 
@@ -211,7 +207,7 @@ def render(result: dict[str, Any], json_path: Path) -> str:
         markdown_table(["agent", "CPU", "RSS at end", "peak RSS", "CPU target", "RSS target"], rows),
         "",
         f"Stepping aside ({len(p['pause_s'])} rounds; the agent serves stage 1 of the default model, 2 x INT4, "
-        "while a coordinator decodes through it):",
+        "while a paged coordinator decodes through it):",
         "",
         markdown_table(["transition", "median", "max", "target", "verdict"], pause_rows),
     ])

@@ -5,9 +5,10 @@ Variants (:mod:`tests.benchmarks.batching_variants`), all loaded first, then run
 
 - ``paged-local``     the paged coordinator (``BatchCoordinator``), 1 stage in this process
 - ``paged-ring``      the paged coordinator over a worker process per stage (the 2-stage export)
-- ``stateful-local``  today's ``Coordinator``, a stateful infer request per user, 1 stage in this process
-- ``stateful-ring``   today's ``Coordinator`` over a worker process per stage (the 2-stage export)
 - ``reference``       ``openvino_genai.ContinuousBatchingPipeline`` on one IR of the same model
+
+(``stateful-local`` and ``stateful-ring``, the stateful runtime, were dropped when it was retired
+from serving in issue 27; their last rows stay in docs/BENCHMARKS.md's history.)
 
 For each user count (``--users``, default 1, 2, 4, 8, 16) every user sends a distinct short chat
 prompt (a digit nonce first, new every round, then one of 16 questions); at the ``--long-users``
@@ -22,7 +23,8 @@ round; ``--warmups`` untimed rounds per user count first; figures are medians ov
 Like for like: the same prompts in a round for every variant, ``--threads`` inference threads per
 stage (the reference gets ``--reference-threads``, by default the ring's total), f16 KV cache,
 prefix caching off everywhere, a token budget of 256 per step (the paged scheduler's, the
-stateful prefill chunk, the reference's ``max_num_batched_tokens``), chunked prefill.
+reference's ``max_num_batched_tokens``), chunked prefill. Greedy tokens are compared with
+``paged-local``'s for the same prompt (:data:`AGREEMENT_BASE`).
 """
 
 from __future__ import annotations
@@ -64,7 +66,8 @@ from tests.benchmarks.record import (
 )
 
 COMMAND_LINE = "python -m tests.benchmarks batching"
-VARIANTS = ("paged-local", "paged-ring", "stateful-local", "stateful-ring", "reference")
+VARIANTS = ("paged-local", "paged-ring", "reference")
+AGREEMENT_BASE = "paged-local"  # every variant's greedy tokens against this one's, prompt by prompt
 HEADLINE = "paged-ring"
 # Issue 14, Deliver 6: the ring at 8 users >= 4x its own 1 user; >= 0.95x the reference at 8 users.
 SCALING_TARGET, REFERENCE_TARGET, TARGET_USERS = 4.0, 0.95, 8
@@ -178,7 +181,7 @@ def summarise(rounds: list[dict[str, Any]], variants: Sequence[str]) -> dict[str
             pairs = [(r["figures"]["aggregate_tok_s"], refs[r["round"]]["figures"]["aggregate_tok_s"])
                      for r in mine if r["round"] in refs]
             s["aggregate_vs_reference"] = median([a / b for a, b in pairs if b > 0]) if pairs else None
-            s["same_tokens_as_stateful_local"] = _agreement(timed, name, key)
+            s["same_tokens_as_paged_local"] = _agreement(timed, name, key)
             out.setdefault(name, {})[key] = s
         rows = out.get(name, {})
         for key, s in rows.items():  # a long row against the long row at 1 user
@@ -189,8 +192,8 @@ def summarise(rounds: list[dict[str, Any]], variants: Sequence[str]) -> dict[str
 
 
 def _agreement(timed: list[dict[str, Any]], name: str, key: str) -> str | None:
-    """"k/n": users whose greedy tokens equal stateful-local's for the same prompt (same round)."""
-    base = {r["round"]: r["tokens"] for r in timed if r["variant"] == "stateful-local" and r["cell"] == key}
+    """"k/n": users whose greedy tokens equal the base variant's for the same prompt (same round)."""
+    base = {r["round"]: r["tokens"] for r in timed if r["variant"] == AGREEMENT_BASE and r["cell"] == key}
     pairs = [(a, b) for r in timed if r["variant"] == name and r["cell"] == key and r["round"] in base
              for a, b in zip(r["tokens"], base[r["round"]], strict=True)]
     return f"{sum(a == b for a, b in pairs)}/{len(pairs)}" if pairs else None
@@ -393,17 +396,18 @@ CONDITIONS = (
     "Every user sends a distinct short chat prompt (an {nonce}-digit nonce, new every round, then one of 16 "
     "questions); a \"long\" row gives user 0 a ~{long}-token prompt instead. {new} greedy tokens per request, "
     "EOS ignored; f16 KV cache; prefix caching off everywhere; a token budget of 256 per step and chunked "
-    "prefill (the paged scheduler's budget, the stateful prefill chunk, the reference's max_num_batched_tokens). "
+    "prefill (the paged scheduler's budget, the reference's max_num_batched_tokens). "
     "{threads} inference thread(s) per stage; the reference {ref_threads} (the ring's total). Variants: "
-    "`paged-*` the paged coordinator, `stateful-*` today's coordinator (a stateful infer request per user), "
-    "`*-local` the 1-stage export in this process, `*-ring` the 2-stage export, a worker process per stage on "
-    "loopback; `reference` openvino_genai's ContinuousBatchingPipeline (add_request/step) on {ref_ir}. Rounds "
+    "`paged-*` the paged coordinator (the stateful runtime's `stateful-*` rows are gone with that runtime, "
+    "retired from serving in issue 27: see the history below), `*-local` the 1-stage export in this process, "
+    "`*-ring` the 2-stage export, a worker process per stage on loopback; `reference` openvino_genai's "
+    "ContinuousBatchingPipeline (add_request/step) on {ref_ir}. Rounds "
     "interleaved (every variant once per round, the order rotated each round), {warmups} warm-up round(s) per "
     "row, medians over {repeats}. Aggregate = all tokens / round wall time; decode = tokens after each user's "
     "first / (last token - first first token); per-user = a user's decode tok/s (median user / slowest); TTFT = "
     "round start to a user's first token; × 1 user = this row's aggregate / the same variant's at 1 user (a "
     "long row against the long row); × reference = median of per-round ratios of aggregates; same tokens = "
-    "users whose greedy tokens equal stateful-local's for the same prompt.")
+    "users whose greedy tokens equal paged-local's for the same prompt.")
 
 
 def _cell(value: Any, spec: str = ".1f") -> str:
@@ -448,7 +452,7 @@ def render(result: dict[str, Any] | None, command: str, args: argparse.Namespace
                          f"{_cell(s['per_user_tok_s'])} / {_cell(s['slowest_user_tok_s'])}",
                          f"{_cell(s['ttft_p50_ms'], '.0f')} / {_cell(s['ttft_p95_ms'], '.0f')}",
                          _ratio(s["aggregate_vs_reference"]), _ratio(s["aggregate_vs_1_user"]),
-                         s["same_tokens_as_stateful_local"] or "–"])
+                         s["same_tokens_as_paged_local"] or "–"])
     lines.append(markdown_table(["users", "prompts", "variant", "threads", "aggregate tok/s", "decode tok/s",
                                  "per-user tok/s (median / slowest)", "TTFT ms p50 / p95", "× reference",
                                  "× 1 user", "same tokens"], rows))
@@ -492,5 +496,5 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMAND = Command(name="batching", help="N concurrent users: the paged and stateful coordinators, in-process and "
-                  "on a ring, vs openvino_genai's ContinuousBatchingPipeline", configure=configure, run=run)
+COMMAND = Command(name="batching", help="N concurrent users: the paged coordinator, in-process and on a ring, "
+                  "vs openvino_genai's ContinuousBatchingPipeline", configure=configure, run=run)

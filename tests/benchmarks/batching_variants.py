@@ -9,6 +9,10 @@ step, so its TTFT and decode window are timed per user the same way.
 
 A variant that cannot run here yet raises :class:`VariantUnavailable` on entry, with the reason the
 table prints (the paged coordinator while its modules do not import).
+
+The stateful runtime's variants (``stateful-local``, ``stateful-ring``: a stateful infer request
+per user) were dropped when that runtime was retired from serving (issue 27); the paged runtime
+serves CPU and GPU alone. Their last figures stay in docs/BENCHMARKS.md's history.
 """
 
 from __future__ import annotations
@@ -27,8 +31,8 @@ from typing import Any
 from engine.errors import DeskfleetError
 from engine.generation.generator import Generator
 
-# The token budget per step of every batched variant: the paged scheduler's default, the
-# stateful coordinator's prefill chunk and the reference's max_num_batched_tokens.
+# The token budget per step of every batched variant: the paged scheduler's default and the
+# reference's max_num_batched_tokens.
 TOKEN_BUDGET = 256
 
 
@@ -107,27 +111,6 @@ async def generator_round(generator: Generator, prompts: Sequence[Sequence[int]]
 # -- the variants that generate through Deskfleet -----------------------------------------------
 
 
-@contextlib.asynccontextmanager
-async def stateful_local(setup: Setup) -> AsyncIterator[Generator]:
-    """Today's coordinator, its one stage in this process; a slot per user, prefix cache off."""
-    from engine.coordinator.coordinator import Coordinator
-
-    coordinator = Coordinator.local(setup.one_stage, slots=setup.max_users, num_threads=setup.threads,
-                                    prefix_cache=False, prefill_chunk=TOKEN_BUDGET)
-    async with coordinator:
-        yield coordinator
-
-
-@contextlib.asynccontextmanager
-async def stateful_ring(setup: Setup) -> AsyncIterator[Generator]:
-    """Today's coordinator over a worker process per stage on loopback (engine.tools.local_fleet)."""
-    from engine.tools.local_fleet import local_fleet
-
-    async with local_fleet(setup.two_stage, slots=setup.max_users, threads=setup.threads, prefix_cache=False,
-                           prefill_chunk=TOKEN_BUDGET) as coordinator:
-        yield coordinator
-
-
 def _import_paged(module: str) -> Any:
     try:
         return importlib.import_module(module)
@@ -172,10 +155,8 @@ async def paged_ring(setup: Setup) -> AsyncIterator[Generator]:
 GENERATORS: dict[str, GeneratorFactory] = {
     "paged-local": paged_local,
     "paged-ring": paged_ring,
-    "stateful-local": stateful_local,
-    "stateful-ring": stateful_ring,
 }
-STAGES = {"paged-local": 1, "paged-ring": 2, "stateful-local": 1, "stateful-ring": 2}
+STAGES = {"paged-local": 1, "paged-ring": 2}
 
 
 # -- the reference ------------------------------------------------------------------------------

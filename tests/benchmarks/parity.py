@@ -7,10 +7,13 @@ Variants, per weight format and thread count, 128 greedy tokens, EOS ignored:
             the one our shards use): the reference the targets are measured against
 - ``pa``    ``LLMPipeline``'s default on x86, PagedAttention, with prefix caching off
 - ``ir``    our own 1-stage IR loaded by ``LLMPipeline`` (SDPA): same graph, genai's loop
-- ``1``, ``2``, ``3``  our exports (made here by ``deskfleet export``) chained in one process on the
-            stateful runtime (``serve --runtime stateful``; what ``serve`` ran before issue 14)
-- ``paged-1``, ``paged-2``, ``paged-3``  the same exports on the path that serves by default
-            (``serve --runtime paged``): ``BatchCoordinator.local``, every stage converted to
+- ``1``, ``2``, ``3``  our stateful exports (made here by ``deskfleet export``: the paper's stateful
+            shards with the beam_idx Gather) chained in one process by the in-process greedy
+            generator over ``engine.shards.stage.Stage`` (the tests' oracle). The stateful
+            *runtime* that once served them (``serve --runtime stateful``) was retired from serving
+            in issue 27; these variants measure the export itself
+- ``paged-1``, ``paged-2``, ``paged-3``  the same exports on the path that serves them
+            (``serve``): ``BatchCoordinator.local``, every stage converted to
             PagedAttention in this process, one user, prefix caching off, its own block pool
             (``--paged-pool-mb``); the request goes through the scheduler and the coordinator
             exactly as a served one does
@@ -90,9 +93,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--export-root", type=Path, default=None,
                    help="where our exports go (default <cache>/bench-exports/parity)")
     p.add_argument("--runtimes", default=",".join(RUNTIMES),
-                   help="our runtimes, each on every --stages export: stateful (variants 1, 2, 3) and paged "
-                        "(paged-1, paged-2, paged-3: BatchCoordinator on PagedAttention stages, the default of "
-                        "serve) (default stateful,paged)")
+                   help="our variants, each on every --stages export: stateful (1, 2, 3: the stateful export "
+                        "chained in process by the greedy oracle; the stateful runtime no longer serves) and "
+                        "paged (paged-1, paged-2, paged-3: BatchCoordinator on PagedAttention stages, what serve "
+                        "runs) (default stateful,paged)")
     p.add_argument("--paged-pool-mb", type=float, default=64.0,
                    help="the paged variants' KV block pool per stage, MiB (default 64: one user's prompt and "
                         "new tokens need well under 1 MiB)")
@@ -250,7 +254,7 @@ def summarise_threads(runs: dict[str, list[Run]], formats: list[str], stage_coun
         both = [n for n in stage_counts if f"{w} {n}" in runs and f"{w} {PAGED}{n}" in runs]
         ratios[w] = {
             "first": first.split(" ", 1)[1],
-            # the paged runtime against the stateful one on the same export, per round
+            # the paged runtime against the stateful export in process (the oracle), per round
             "paged_vs_stateful_decode": {str(n): paired(runs, f"{w} {PAGED}{n}", f"{w} {n}", "decode_tok_per_s")
                                          for n in both},
             "paged_vs_stateful_ttft": {str(n): paired(runs, f"{w} {PAGED}{n}", f"{w} {n}", "ttft_s") for n in both},
@@ -402,7 +406,7 @@ def render(result: dict[str, Any], json_path: Path) -> str:
            else "our own 1-stage IR")
     paged = "paged" in result.get("runtimes", ["stateful"])
     lines = ["## Parity: shards vs monolithic LLMPipeline, like for like"
-             + (", on the paged and the stateful runtime\n" if paged else "\n"),
+             + (", on the paged runtime and the stateful export in process\n" if paged else "\n"),
              f"`{result['command']}` → `{json_path}` ({m['date']}, {m['cores']} cores, OpenVINO {m['openvino']}; "
              f"load before {result['load_before']}, after {result['load_after']}; {result['seconds']:.0f} s). "
              f"{result['model']}, {result['prompt_tokens']}-token prompt ({result['nonce_tokens']}-digit nonce "
@@ -412,10 +416,11 @@ def render(result: dict[str, Any], json_path: Path) -> str:
              f"per-round ratios. Reference (`sdpa`, `pa`): LLMPipeline on {ref}; `sdpa` is "
              "`ATTENTION_BACKEND=\"SDPA\"` (stateful), `pa` the default PagedAttention with "
              "`SchedulerConfig(enable_prefix_caching=False)`; `ir` is our 1-stage IR in LLMPipeline (SDPA); "
-             "`1`-`3` are our exports chained in one process on the stateful runtime (`serve --runtime "
-             "stateful`, the code `serve` ran before issue 14)"
-             + ("; `paged-1`-`paged-3` the same exports on the runtime `serve` runs by default (`--runtime "
-                "paged`): `BatchCoordinator.local`, every stage converted to PagedAttention at load, one user "
+             "`1`-`3` are our stateful exports (the beam_idx Gather) chained in one process by the in-process "
+             "greedy generator over `shards/stage.Stage` (the stateful runtime that served them, `serve --runtime "
+             "stateful`, was retired from serving in issue 27: these rows measure the export)"
+             + ("; `paged-1`-`paged-3` the same exports on the runtime `serve` runs: "
+                "`BatchCoordinator.local`, every stage converted to PagedAttention at load, one user "
                 f"through the scheduler, prefix caching off, a {result.get('paged_pool_mb')} MiB block pool per "
                 "stage" if paged else "") + ". Same thread count for every variant.\n",
              f"Reference cache hits: {result['reference_cache_hits']}.\n", CHANGED + "\n"]

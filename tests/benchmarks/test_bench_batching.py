@@ -50,23 +50,23 @@ def _round(variant, cell, r, aggregate, tokens, warmup=False):
 
 
 def test_summary_takes_medians_of_timed_rounds_and_per_round_ratios():
-    rounds = [_round("stateful-local", "1", 0, 999.0, [[1]], warmup=True),
+    rounds = [_round("paged-local", "1", 0, 999.0, [[1]], warmup=True),
               _round("reference", "1", 0, 1.0, [[1]], warmup=True)]
     for r, (ours, ref) in enumerate([(10, 20), (40, 10), (30, 30)]):
-        rounds += [_round("stateful-local", "1", r + 1, ours, [[1, 2]]),
+        rounds += [_round("paged-local", "1", r + 1, ours, [[1, 2]]),
                    _round("reference", "1", r + 1, ref, [[1, 2] if r else [1, 3]]),
-                   _round("stateful-local", "8", r + 1, 4 * ours, [[5], [6]]),
-                   _round("stateful-local", "1-long", r + 1, ours / 10, [[7]]),
-                   _round("stateful-local", "8-long", r + 1, ours / 2, [[7]])]
-    s = bench.summarise(rounds, ["stateful-local", "reference"])
-    mine = s["stateful-local"]["1"]
+                   _round("paged-local", "8", r + 1, 4 * ours, [[5], [6]]),
+                   _round("paged-local", "1-long", r + 1, ours / 10, [[7]]),
+                   _round("paged-local", "8-long", r + 1, ours / 2, [[7]])]
+    s = bench.summarise(rounds, ["paged-local", "reference"])
+    mine = s["paged-local"]["1"]
     assert mine["rounds"] == 3 and mine["aggregate_tok_s"] == 30  # the warm-up's 999 is not counted
     assert mine["aggregate_vs_reference"] == 1.0  # per round 0.5, 4, 1: the median, not 30/20
-    assert s["stateful-local"]["8"]["aggregate_vs_1_user"] == 4.0
-    assert s["stateful-local"]["8"]["aggregate_vs_reference"] is None  # no reference in that row
-    assert s["stateful-local"]["8-long"]["aggregate_vs_1_user"] == 5.0  # against the long row at 1 user
-    assert mine["same_tokens_as_stateful_local"] == "3/3"
-    assert s["reference"]["1"]["same_tokens_as_stateful_local"] == "2/3"
+    assert s["paged-local"]["8"]["aggregate_vs_1_user"] == 4.0
+    assert s["paged-local"]["8"]["aggregate_vs_reference"] is None  # no reference in that row
+    assert s["paged-local"]["8-long"]["aggregate_vs_1_user"] == 5.0  # against the long row at 1 user
+    assert mine["same_tokens_as_paged_local"] == "3/3"
+    assert s["reference"]["1"]["same_tokens_as_paged_local"] == "2/3"
     t = bench.targets(s)
     assert t["scaling"]["verdict"] == t["vs_reference"]["verdict"] == bench.NOT_MEASURED  # no paged-ring
 
@@ -137,7 +137,7 @@ def _check(result: dict, ran: set[str]) -> None:
             assert s["aggregate_vs_reference"] > 0
         assert rows["1"]["aggregate_vs_1_user"] == 1.0
     assert result["summary"]["reference"]["2"]["aggregate_vs_reference"] == 1.0
-    assert result["summary"]["stateful-local"]["2"]["same_tokens_as_stateful_local"] == "2/2"
+    assert result["summary"]["paged-local"]["2"]["same_tokens_as_paged_local"] == "2/2"
     timed = [r for r in result["rounds"] if not r["warmup"]]
     assert len(timed) == 3 * len([s for s in result["variants"].values() if s["ran"]])
     for r in result["rounds"]:
@@ -150,14 +150,14 @@ def _check(result: dict, ran: set[str]) -> None:
 
 
 def test_a_toy_run_in_process_records_json_and_table(tmp_path, tiny_export):
-    result = _toy_run(tmp_path, tiny_export, "paged-local,stateful-local,reference")
-    _check(result, {"stateful-local", "reference"})
+    result = _toy_run(tmp_path, tiny_export, "paged-local,reference")
+    _check(result, {"paged-local", "reference"})
     section = (tmp_path / "BENCH.md").read_text().split("<!-- batching:start -->", 1)[1]
     assert "python -m tests.benchmarks batching --users 1,2 --new-tokens 4 --repeats 1" in section
-    assert "| 2 | long | stateful-local | 1 |" in section and "| 2 | short | reference | 2 |" in section
+    assert "| 2 | long | paged-local | 1 |" in section and "| 2 | short | reference | 2 |" in section
 
 
 def test_a_toy_run_with_every_variant_and_the_rings(tmp_path, tiny_export):
     result = _toy_run(tmp_path, tiny_export, ",".join(bench.VARIANTS))
-    _check(result, {"stateful-local", "stateful-ring", "reference"})
-    assert result["variants"]["stateful-ring"]["inference_threads_total"] == 2
+    _check(result, {"paged-local", "paged-ring", "reference"})
+    assert result["variants"]["paged-ring"]["inference_threads_total"] == 2

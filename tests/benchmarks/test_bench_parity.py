@@ -69,6 +69,7 @@ def test_parity_runs_every_variant_and_records_json_and_table(tmp_path, tiny_che
                 "| fp16 | sdpa |", "| fp16 | pa |"):
         assert row in section
     assert "Paged against stateful on the same export" in section
+    assert "retired from serving in issue 27: these rows measure the export" in section
     assert "What changed" in section and "Export peak" in section
 
 
