@@ -1,8 +1,11 @@
 """``python -m tests.benchmarks shape-caches``: where a worker's RSS growth comes from, and what
 stopping it costs.
 
-The soak benchmark saw each worker's RSS rise ~10 % over 30 minutes of chat. A stateful shard
-has dynamic shapes: every step's KV length differs, and each prefill chunk has its own length.
+The soak benchmark saw each worker's RSS rise ~10 % over 30 minutes of chat, when workers served
+the stateful runtime (retired from serving in issue 27; the stateful export stays, and this
+benchmark runs it in process through the greedy oracle's pieces, ``Stage`` and ``KVLayout``). A
+stateful shard has dynamic shapes: every step's KV length differs, and each prefill chunk has its
+own length.
 OpenVINO's CPU plugin keeps the executors it builds for each input shape (its runtime cache,
 ``CPU_RUNTIME_CACHE_CAPACITY``) and oneDNN keeps its primitives (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``),
 both least-recently-used and bounded by entry count, not bytes.
@@ -127,7 +130,9 @@ def render(result: dict[str, Any], json_path: Path) -> str:
     m, v = result["machine"], result["variants"]
     lines = ["## Shape caches: a worker's RSS growth and its price\n",
              f"`{result['command']}` → `{json_path}` ({m['date']}, {m['cores']} cores, OpenVINO {m['openvino']}, "
-             f"load average at start {m['load_average']}). Stage 0 of `{result['shards']}`, one inference thread, "
+             f"load average at start {m['load_average']}). Stage 0 of `{result['shards']}` (the stateful export, "
+             "in process; the stateful runtime that served it was retired from serving in issue 27), one inference "
+             "thread, "
              f"{result['streams']} streams per process (prompt 16-{result['max_prompt']} tokens in {CHUNK}-token "
              f"chunks, then {result['decode_steps']} decode steps); times and RSS growth from stream "
              f"{result['measure_from']} to the end; {result['rounds']} rounds, variants alternating, each in a "
@@ -205,8 +210,8 @@ def _child_main(argv: list[str]) -> int:
     return 0
 
 
-COMMAND = Command(name="shape-caches", help="a stateful worker's RSS growth from OpenVINO's per-shape caches, "
-                  "and the time it costs to turn them off", configure=configure, run=run)
+COMMAND = Command(name="shape-caches", help="a stateful export's stage RSS growth from OpenVINO's per-shape caches "
+                  "(in process), and the time it costs to turn them off", configure=configure, run=run)
 
 if __name__ == "__main__":
     sys.exit(_child_main(sys.argv[1:]))

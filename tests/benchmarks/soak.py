@@ -1,14 +1,13 @@
-"""``python -m tests.benchmarks soak``: four chat users against a local fleet, the paged runtime
-against the stateful one in the same run.
+"""``python -m tests.benchmarks soak``: four chat users against a local paged fleet.
 
-Two fleets, ``deskfleet serve --workers --runtime paged`` and ``--runtime stateful`` (each in its
-own process, the coordinator and the OpenAI API, each stage in a worker process on loopback), are
-started once and driven in turn: segments of ``--minutes / --segments`` each, in the order
-A B B A A B ... (so a drift of the machine's load over the run falls on both alike), the idle
-fleet waiting. The stateful runtime of this tree is the code ``serve`` ran before issue 14,
-unchanged: the like-for-like reference for "the commit before it". Four users
-(:mod:`tests.benchmarks.soak_users`) hold multi-turn conversations with the real ``openai``
-client; segment *i* of either runtime starts from the same conversation seed.
+A fleet per runtime, ``deskfleet serve --workers`` (in its own process, the coordinator and the
+OpenAI API, each stage in a worker process on loopback), started once and driven in segments of
+``--minutes / --segments`` each; with several runtimes in the order A B B A A B ... (so a drift of
+the machine's load over the run falls on all alike), the idle fleets waiting. Today there is one:
+the paged runtime. Until issue 27 the soak drove the stateful runtime beside it (its last
+comparison is kept in docs/BENCHMARKS.md's history); that runtime was retired from serving. Four
+users (:mod:`tests.benchmarks.soak_users`) hold multi-turn conversations with the real ``openai``
+client; segment *i* of every runtime starts from the same conversation seed.
 
 Recorded per runtime: requests served and failed, TTFT and per-request decode speed (p50/p95),
 aggregate tokens/s, prefix-cache hits, and the RSS of every process at startup, after the warm-up
@@ -18,8 +17,7 @@ while 3 prompts of 512 KiB are refused (the API's guard against huge prompts: it
 unread, so the stream should not notice; tests/security asserts the refusal, this measures the
 gap). Speed figures count the requests started after the runtime's warm-up (the first
 ``--warmup-s`` of its first segment); failures count every request. Targets: the paged
-runtime's TTFT p95 <= 1 s and aggregate >= 4x the stateful one's; no failed request; RSS growth
-after warm-up under 5 %.
+runtime's TTFT p95 <= 1 s; no failed request; RSS growth after warm-up under 5 %.
 """
 
 from __future__ import annotations
@@ -27,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import inspect
 import sys
 import tempfile
 import time
@@ -38,7 +35,6 @@ import numpy as np
 
 from engine.cli.main import Command
 from engine.wire.step_plan import SCRATCH_BLOCKS
-from engine.worker.stage_worker import StageWorker
 from tests.benchmarks.kit import verdict
 from tests.benchmarks.record import DEFAULT_DOC, DEFAULT_JSON_DIR, machine_info, update_section, write_json
 from tests.benchmarks.soak_fleet import RUNTIMES, FleetProcess, FleetSettings, pool_tensor_bytes
@@ -48,12 +44,10 @@ from tests.benchmarks.soak_users import Outcome, async_stall_probe, async_user
 USERS = 4
 RSS_TARGET = 0.05
 TTFT_TARGET_MS = 1000.0
-SPEEDUP_TARGET = 4.0
 SAMPLE_EVERY_S = 10.0
-CAPTURE_MB = inspect.signature(StageWorker).parameters["capture_bytes"].default >> 20
 METRICS_KEPT = ("prefix_hits_total", "prefix_tokens_reused_total", "requests_failed_total",
                 "requests_rejected_total", "sched_preemptions_total", "kv_blocks_total", "kv_blocks_cached",
-                "kv_blocks_evicted_total", "prefix_captures_total", "step_answered_rows_avg")
+                "kv_blocks_evicted_total", "step_answered_rows_avg")
 
 
 def segment_order(runtimes: tuple[str, ...], segments: int) -> list[str]:
@@ -185,15 +179,13 @@ def summarise_runtime(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 def compare(summaries: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The paged runtime against the stateful one: the issue's two speed targets."""
-    paged, old = summaries.get("paged"), summaries.get("stateful")
-    out: dict[str, Any] = {"ttft_p95_target_ms": TTFT_TARGET_MS, "speedup_target": SPEEDUP_TARGET}
+    """The paged runtime's speed target (issue 14's other one, 4x the stateful runtime's
+    aggregate, went with that runtime: see the soak's history in docs/BENCHMARKS.md)."""
+    paged = summaries.get("paged")
+    out: dict[str, Any] = {"ttft_p95_target_ms": TTFT_TARGET_MS}
     if paged and paged["ttft_ms_p95"] is not None:
         out["paged_ttft_ms_p95"] = paged["ttft_ms_p95"]
         out["ttft_verdict"] = verdict(paged["ttft_ms_p95"], TTFT_TARGET_MS, higher=False)
-    if paged and old and paged["aggregate_tok_s"] and old["aggregate_tok_s"]:
-        out["aggregate_ratio"] = paged["aggregate_tok_s"] / old["aggregate_tok_s"]
-        out["speedup_verdict"] = verdict(out["aggregate_ratio"], SPEEDUP_TARGET)
     return out
 
 
@@ -260,22 +252,23 @@ def tiny_export(root: Path) -> Path:
 def configure(p: argparse.ArgumentParser) -> None:
     d = FleetSettings()
     p.add_argument("--minutes", type=float, default=8.0,
-                   help="minutes each runtime is driven, over all its segments (default 8: 16 min of users)")
+                   help="minutes each runtime is driven, over all its segments (default 8)")
     p.add_argument("--segments", type=int, default=2,
-                   help="segments per runtime, driven in the order A B B A ... (default 2; 1 = two halves)")
+                   help="segments per runtime, with several runtimes driven in the order A B B A ... (default 2)")
     p.add_argument("--runtimes", default=",".join(RUNTIMES),
-                   help="comma-separated runtimes compared, the first driven first (default paged,stateful)")
+                   help=f"comma-separated runtimes, the first driven first (default and only: {','.join(RUNTIMES)}; "
+                        "the stateful runtime was retired from serving in issue 27)")
     p.add_argument("--warmup-s", type=float, default=None,
                    help="seconds at the start of a runtime's first segment left out of its speed figures and "
                         "before its RSS baseline (default 15 %% of --minutes, at most 180)")
-    p.add_argument("--slots", type=int, default=d.slots, help=f"serve --slots for both fleets (default {d.slots}: "
+    p.add_argument("--slots", type=int, default=d.slots, help=f"serve --slots (default {d.slots}: "
                    "4 users never have more than 4 requests in flight)")
     p.add_argument("--kv-pool-mb", type=float, default=d.kv_pool_mb,
-                   help=f"paged: serve --kv-pool-mb, the block pool per stage (default {d.kv_pool_mb:g})")
+                   help=f"serve --kv-pool-mb, the block pool per stage (default {d.kv_pool_mb:g})")
     p.add_argument("--token-budget", type=int, default=d.token_budget,
-                   help=f"paged: serve --token-budget (default {d.token_budget})")
+                   help=f"serve --token-budget (default {d.token_budget})")
     p.add_argument("--mmap-threshold-mb", type=float, default=d.mmap_threshold_mb,
-                   help="glibc's mmap threshold fixed in both fleets (MALLOC_MMAP_THRESHOLD_), so the paged KV "
+                   help="glibc's mmap threshold fixed in every fleet (MALLOC_MMAP_THRESHOLD_), so the paged KV "
                         f"pool's tensors are mappings of their own in smaps (default {d.mmap_threshold_mb:g}; 0 = "
                         "glibc's own, and the pool is not told apart)")
     p.add_argument("--tiny", action="store_true", help="a random-weight tiny model instead of the default (CI)")
@@ -331,7 +324,7 @@ def run(args: argparse.Namespace) -> int:
                            "minutes_per_runtime": args.minutes, "segments": args.segments,
                            "warmup_s": result["warmup_s"], "summaries": result["summaries"],
                            "comparison": result["comparison"], "run": {**result["run"], "runtimes": raw}})
-    update_section(args.doc, "soak", section(command, info, result, what, capture_mb=CAPTURE_MB))
+    update_section(args.doc, "soak", section(command, info, result, what))
     failed = sum(s["failed"] for s in result["summaries"].values())
     for r, s in result["summaries"].items():
         print(f"soak {r}: {s['served']} served, {s['failed']} failed, TTFT p95 {s['ttft_ms_p95']} ms, "
@@ -341,5 +334,5 @@ def run(args: argparse.Namespace) -> int:
 
 
 COMMAND = Command(name="soak",
-                  help="stability and speed: 4 chat users against a paged and a stateful local fleet, interleaved",
+                  help="stability and speed: 4 chat users against a local paged fleet",
                   configure=configure, run=run)

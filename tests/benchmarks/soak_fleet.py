@@ -1,12 +1,12 @@
-"""The soak benchmark's fleets: ``deskfleet serve --workers`` in its own process, one per runtime,
+"""The soak benchmark's fleets: ``deskfleet serve --workers`` in its own process, one per runtime
+(the paged one: the stateful runtime the soak also drove was retired from serving in issue 27),
 and where each process's memory goes.
 
 A fleet's processes are the coordinator + API (the ``serve`` process) and a worker per stage.
 Their RSS is split, from ``/proc/<pid>/smaps``, into file-backed pages (weights mapped from the
 export, libraries), the paged KV pool's pages (anonymous mappings of exactly one cache tensor's
 size: ``np.zeros`` in the paged stage, so a page is resident only once a block on it was written),
-and the rest of the anonymous memory (heaps, OpenVINO's compiled kernels and shape caches, the
-stateful runtime's KV states and captured prefixes).
+and the rest of the anonymous memory (heaps, OpenVINO's compiled kernels and shape caches).
 """
 
 from __future__ import annotations
@@ -29,18 +29,18 @@ import psutil
 from engine.errors import DeskfleetError
 
 START_TIMEOUT_S = 600.0
-RUNTIMES = ("paged", "stateful")
+RUNTIMES = ("paged",)  # serve's runtime for CPU and GPU exports (issue 27 retired the stateful one)
 
 
 @dataclass(frozen=True)
 class FleetSettings:
-    """How both fleets are served (``deskfleet serve --workers`` options)."""
+    """How every fleet is served (``deskfleet serve --workers`` options)."""
 
     slots: int = 4
     max_concurrent: int = 16
-    kv_pool_mb: float = 192.0  # paged only: the block pool per stage
-    token_budget: int = 256  # paged only: new tokens per step
-    # glibc's mmap threshold, fixed for every process of both fleets (0: glibc's own, which rises
+    kv_pool_mb: float = 192.0  # the block pool per stage
+    token_budget: int = 256  # new tokens per step
+    # glibc's mmap threshold, fixed for every process of every fleet (0: glibc's own, which rises
     # with the largest block freed, up to 32 MiB): fixed, every allocation of at least this size is
     # a mapping of its own, so the KV pool's tensors can be told apart in smaps.
     mmap_threshold_mb: float = 4.0
@@ -52,17 +52,18 @@ class FleetSettings:
         return env
 
     def argv(self, runtime: str) -> list[str]:
-        common = ["--runtime", runtime, "--slots", str(self.slots), "--max-concurrent", str(self.max_concurrent)]
-        if runtime == "paged":
-            return common + ["--kv-pool-mb", f"{self.kv_pool_mb:g}", "--token-budget", str(self.token_budget)]
-        return common
+        """``serve``'s options for ``runtime`` (the paged runtime is serve's own: no flag names it)."""
+        if runtime not in RUNTIMES:
+            raise DeskfleetError(f"unknown runtime {runtime!r}; expected one of {', '.join(RUNTIMES)}")
+        return ["--slots", str(self.slots), "--max-concurrent", str(self.max_concurrent),
+                "--kv-pool-mb", f"{self.kv_pool_mb:g}", "--token-budget", str(self.token_budget)]
 
     def describe(self, runtime: str) -> str:
         return " ".join(self.argv(runtime))
 
 
 class FleetProcess:
-    """``deskfleet serve --workers --runtime R`` on a free loopback port; stderr goes to a log file."""
+    """``deskfleet serve --workers`` serving runtime R on a free loopback port; stderr goes to a log file."""
 
     def __init__(self, export_dir: Path, log_path: Path, runtime: str, settings: FleetSettings) -> None:
         if runtime not in RUNTIMES:

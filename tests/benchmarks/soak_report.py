@@ -1,5 +1,5 @@
-"""The soak benchmark's Markdown section: one column per runtime, the two speed targets, and
-where every process's memory went (:mod:`tests.benchmarks.soak`)."""
+"""The soak benchmark's Markdown section: one column per runtime (today the paged one), its speed
+target, and where every process's memory went (:mod:`tests.benchmarks.soak`)."""
 
 from __future__ import annotations
 
@@ -30,10 +30,7 @@ def _measure_rows(summaries: dict[str, dict[str, Any]], comparison: dict[str, An
                 "paged p95 ≤ 1000" if paged else "", comparison.get("ttft_verdict", "")),
             row("decode tok/s per request p50 / p95",
                 lambda s: f"{fmt(s['decode_tok_s_p50'])} / {fmt(s['decode_tok_s_p95'])}"),
-            row("aggregate tok/s (4 users)", lambda s: fmt(s["aggregate_tok_s"], ".2f"),
-                "paged ≥ 4× stateful" if "aggregate_ratio" in comparison else "",
-                (f"{comparison['aggregate_ratio']:.2f}× ({comparison['speedup_verdict']})"
-                 if "aggregate_ratio" in comparison else "")),
+            row("aggregate tok/s (4 users)", lambda s: fmt(s["aggregate_tok_s"], ".2f")),
             row("prefix-cache hits (tokens reused)", lambda s: f"{s['prefix_hits']} ({s['prefix_tokens_reused']})"),
             row("RSS growth, all processes (after warm-up to end)", lambda s: _pct_cell(s["rss_growth"]), "< 5 %",
                 " / ".join(f"{r}: {s['rss_verdict']}" for r, s in summaries.items())),
@@ -86,7 +83,7 @@ def _pool_note(s: dict[str, Any]) -> str:
                "It added nothing to the growth after the warm-up."))
 
 
-def section(command: str, info: dict[str, Any], result: dict[str, Any], what: str, *, capture_mb: int) -> str:
+def section(command: str, info: dict[str, Any], result: dict[str, Any], what: str) -> str:
     summaries, comparison = result["summaries"], result["comparison"]
     names = list(summaries)
     minutes, segments, warmup = result["minutes"], result["segments"], result["warmup_s"]
@@ -100,34 +97,34 @@ def section(command: str, info: dict[str, Any], result: dict[str, Any], what: st
     pool_note = ""
     if "paged" in summaries:
         pool_note = " " + _pool_note(summaries["paged"])
-    return (f"## Soak: {len(names)} runtimes × 4 chat users against a local fleet, {minutes:g} min each\n\n"
+    fleets = (f"one fleet per runtime ({options}), all started before the first request and driven in turn: "
+              f"{segments} segment(s) of {per_segment:g} min per runtime in the order {' '.join(result['order'])}, "
+              "the other fleets idle meanwhile; segment *i* of every runtime starts from the same conversation seed"
+              if len(names) > 1 else
+              f"one fleet ({options}), driven in {segments} segment(s) of {per_segment:g} min, segment *i* from "
+              "conversation seed *i*")
+    return (f"## Soak: {'/'.join(names)} × 4 chat users against a local fleet, {minutes:g} min each\n\n"
             f"`{command}` → `docs/bench/soak.json` ({info['date']}, {info['cores']} cores, OpenVINO "
             f"{info['openvino']}, load average at start {info['load_average']}). {what} behind the OpenAI API, "
-            f"each stage in its own worker process, one fleet per runtime ({options}), both started before the "
-            f"first request and driven in turn: {segments} segment(s) of {per_segment:g} min per runtime in the "
-            f"order {' '.join(result['order'])}, the other fleet idle meanwhile; segment *i* of either runtime "
-            "starts from the same conversation seed. `stateful` is the code `serve` ran before issue 14, "
-            "unchanged in this tree: the like-for-like reference for the commit before it. 4 users with the "
+            f"each stage in its own worker process, {fleets}. The stateful runtime, driven beside the paged one "
+            "until issue 27 retired it from serving, is in the history below. 4 users with the "
             "`openai` client holding multi-turn conversations (up to 6 turns, each resending the history, so the "
             "prefix cache is exercised), short/medium/long prompts, 16-128 new tokens, greedy, about half streamed. "
-            f"{served} requests over both. Speed figures count the requests started after the warm-up (the "
+            f"{served} requests in all. Speed figures count the requests started after the warm-up (the "
             f"first {warmup:g} s of a runtime's first segment); failures count every request.\n\n"
             + markdown_table(["measure", *names, "target", "verdict"], _measure_rows(summaries, comparison))
             + "\n\n" + markdown_table(["runtime", "segment", "s into the run", "served", "failed", "tok/s",
                                        "TTFT ms p50"], seg_rows)
             + "\n\nRSS in MB per process, after the warm-up → at the end, and what it is made of (from "
             f"`/proc/<pid>/smaps`, glibc's mmap threshold fixed at {result.get('mmap_threshold_mb', 0):g} MiB in "
-            "both fleets so that every large allocation is a mapping of its own: *file* = mapped files, the "
+            "every fleet so that every large allocation is a mapping of its own: *file* = mapped files, the "
             "weights and libraries; *KV pool* = the anonymous "
             "mappings of one cache tensor's size in a paged worker; *other anon* = everything else: heaps, "
-            "compiled kernels and OpenVINO's per-shape caches, the stateful runtime's KV states and captured "
-            "prefixes):\n\n"
+            "compiled kernels and OpenVINO's per-shape caches):\n\n"
             + markdown_table(["runtime", "process", "RSS at startup", "RSS", "growth", "file", "KV pool",
                               "other anon"], _memory_rows(summaries))
-            + f"\n\nWhat still grows. Stateful: each worker keeps captured KV states for the prefix cache up to "
-            f"{capture_mb} MiB (least recently used evicted; the coordinator's index remembers 64 of them), so its "
-            "*other anon* rises until that store is full, and with every new input shape OpenVINO caches kernels "
-            "(see *Shape caches*, `python -m tests.benchmarks shape-caches`). Paged: the step's token count is "
-            "bucketed, so few shapes; the KV states live in the pool." + pool_note
+            + "\n\nWhat still grows. The step's token count is bucketed, so OpenVINO caches kernels for few input "
+            "shapes (see *Shape caches*, `python -m tests.benchmarks shape-caches`, for what new shapes cost); "
+            "the KV states live in the pool." + pool_note
             + " The RSS of every process, sampled every 10 s, is in the JSON."
             + "".join(f"\n- {r} failure: `{f}`" for r, s in summaries.items() for f in s["failures"]))
