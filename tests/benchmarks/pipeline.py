@@ -9,9 +9,14 @@ thread so that the two behave like two PCs. Variants, interleaved round-robin, m
 - R1    the ring, one stream (naive pipeline parallelism)
 - R2/R3 the ring with 2 / 3 streams micro-batched (aggregate and per stream)
 
-Plus a per-token time breakdown of R1: stage compute (measured per stage in-process with one
-thread), the coordinator's own overhead per step, and the rest of the ring round trip
-(serialisation, sockets, scheduling), i.e. transport.
+The ring is the paged runtime's (``engine.tools.local_fleet.paged_local_fleet``: a paged worker
+process per stage, a micro-batch in flight per stage as on separate PCs); the stateful runtime it
+measured before issue 27 was retired from serving.
+
+Plus a per-token time breakdown of R1 from the coordinator's own step log: stage compute (each
+stage's ms as it reports it in the step's reply), the coordinator's own time per token (a token's
+time beyond the step's round trip: scheduling, streaming it out) and the rest of the round trip
+(serialisation, sockets, hand-offs), i.e. transport.
 """
 
 from __future__ import annotations
@@ -22,8 +27,6 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from engine.cli.main import Command
 from tests.benchmarks.kit import (
@@ -44,6 +47,7 @@ from tests.benchmarks.record import (
 
 PROMPT = "What is the capital of France? Answer in one long paragraph about its history."
 COMMAND_LINE = "python -m tests.benchmarks pipeline"
+POOL_BYTES = 64 << 20  # the ring's KV block pool per stage: 3 streams of the prompt and --tokens, many times over
 
 
 async def ring_run(coordinator, ids: list[int], n: int, streams: int) -> dict[str, Any]:
@@ -70,27 +74,16 @@ async def ring_run(coordinator, ids: list[int], n: int, streams: int) -> dict[st
             "ttft_ms": [1000 * (f - started) for f in firsts]}
 
 
-def stage_compute_ms(export_dir: Path, ids: list[int], steps: int = 64, num_threads: int = 1) -> list[float]:
-    """Median decode-step compute time of each stage alone (ms), one inference thread each."""
-    from engine.shards.kv_layout import KVLayout
-    from engine.shards.stage import LocalChain, StepInputs
-
-    chain = LocalChain.load(export_dir, num_threads=num_threads)
-    streams = chain.new_streams()
-    layout = KVLayout()
-    x = np.asarray([ids], dtype=np.int64)
-    times: list[list[float]] = [[] for _ in streams]
-    for step in range(steps + 1):
-        mask, pos = layout.plan(x.shape[1])
-        h = x
-        for i, stream in enumerate(streams):
-            t = time.perf_counter()
-            h = stream.forward(StepInputs(h, mask, pos))
-            if step:
-                times[i].append(1000 * (time.perf_counter() - t))
-        layout.append(x.shape[1])
-        x = np.asarray([[int(h[0, -1].argmax())]], dtype=np.int64)
-    return [median(t) for t in times]
+def r1_breakdown(steps: list[Any]) -> dict[str, Any]:
+    """The single stream's ring steps (``BatchCoordinator.step_log`` entries of R1's decode, one
+    row each): medians of each stage's compute ms as the stages report it, and of the round
+    trip from the step's send to its answer."""
+    decode = [s for s in steps if not s.failed and s.answered == 1 and s.tokens == 1 and s.stage_ms]
+    if not decode:
+        return {"stage_compute_ms": [], "round_trip_ms": float("nan"), "steps": 0}
+    stages = len(decode[0].stage_ms)
+    return {"stage_compute_ms": [median([s.stage_ms[i] for s in decode]) for i in range(stages)],
+            "round_trip_ms": median([1000 * (s.answered_at - s.sent_at) for s in decode]), "steps": len(decode)}
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -99,7 +92,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 async def _async_bench(args: argparse.Namespace) -> dict[str, Any]:
     from engine.generation.tokenizer import ChatTokenizer
-    from engine.tools.local_fleet import local_fleet
+    from engine.tools.local_fleet import paged_local_fleet
     from tests.benchmarks.reference import export_reference
 
     source, (one, two), _ = default_model_exports(("int4", 1, True), ("int4", 2, True))
@@ -107,7 +100,9 @@ async def _async_bench(args: argparse.Namespace) -> dict[str, Any]:
     sync_runners = {"REF": reference_runner(export_reference(source.checkpoint_dir, "int4")),
                     "IN1": shard_runner(one), "IN2": shard_runner(two, num_threads=1)}
     rows: dict[str, list] = {k: [] for k in [*sync_runners, "R1", "R2", "R3"]}
-    async with local_fleet(two, slots=3, threads=1) as coordinator:
+    r1_steps: list[Any] = []
+    # lanes=None: a micro-batch in flight per stage, as the ring of separate PCs this imitates
+    async with paged_local_fleet(two, slots=3, threads=1, lanes=None, kv_pool_bytes=POOL_BYTES) as coordinator:
         for round_ in range(args.warmups + args.runs):
             timed = round_ >= args.warmups
             for name, runner in sync_runners.items():
@@ -115,18 +110,19 @@ async def _async_bench(args: argparse.Namespace) -> dict[str, Any]:
                 if timed:
                     rows[name].append({"aggregate_tok_per_s": r.decode_tok_per_s, "ttft_ms": [1000 * r.ttft_s]})
             for k in (1, 2, 3):
+                before = max((s.seq for s in coordinator.step_log), default=0)
                 r = await ring_run(coordinator, ids, args.tokens, k)
                 if timed:
                     rows[f"R{k}"].append(r)
+                    if k == 1:
+                        r1_steps += [s for s in coordinator.step_log if s.seq > before]
             print(f"  round {round_ + 1}/{args.warmups + args.runs} {'timed' if timed else 'warm-up'}",
                   file=sys.stderr, flush=True)
-        ring_metrics = coordinator.metrics()
-    compute = await asyncio.to_thread(stage_compute_ms, two, ids)
-    return summarise(rows, ring_metrics, compute, args, len(ids))
+    return summarise(rows, r1_breakdown(r1_steps), args, len(ids))
 
 
-def summarise(rows: dict[str, list], ring_metrics: dict[str, float], compute: list[float],
-              args: argparse.Namespace, prompt_tokens: int) -> dict[str, Any]:
+def summarise(rows: dict[str, list], r1: dict[str, Any], args: argparse.Namespace,
+              prompt_tokens: int) -> dict[str, Any]:
     variants = {}
     for name, rs in rows.items():
         variants[name] = {
@@ -138,11 +134,12 @@ def summarise(rows: dict[str, list], ring_metrics: dict[str, float], compute: li
         }
     agg = {k: v["median_aggregate_tok_per_s"] for k, v in variants.items()}
     step_ms = 1000 / agg["R1"]  # one token of a single stream = one trip around the ring
-    overhead = ring_metrics.get("coordinator_overhead_ms_per_step", float("nan"))
+    compute = r1["stage_compute_ms"]
+    overhead = step_ms - r1["round_trip_ms"]
     ratios = {"R2/R1": agg["R2"] / agg["R1"], "R1/IN2": agg["R1"] / agg["IN2"], "R2/REF": agg["R2"] / agg["REF"],
               "R3/REF": agg["R3"] / agg["REF"], "R1/REF": agg["R1"] / agg["REF"], "IN1/REF": agg["IN1"] / agg["REF"]}
     breakdown = {"r1_ms_per_token": step_ms, "stage_compute_ms": compute, "coordinator_overhead_ms": overhead,
-                 "transport_ms": step_ms - sum(compute) - overhead}
+                 "transport_ms": r1["round_trip_ms"] - sum(compute), "r1_steps_measured": r1["steps"]}
     return {"benchmark": "pipeline", "command": COMMAND_LINE, "machine": machine_info(), "prompt_tokens": prompt_tokens,
             "new_tokens": args.tokens, "warmups": args.warmups, "runs": args.runs, "variants": variants,
             "ratios": ratios, "breakdown": breakdown,
@@ -153,9 +150,10 @@ def render(result: dict[str, Any], json_path: Path) -> str:
     m = result["machine"]
     lines = ["## Pipeline: the 2-node ring on loopback vs one PC\n",
              f"`{result['command']}` → `{json_path}` ({m['date']}, {m['cores']} cores, OpenVINO {m['openvino']}, "
-             f"load average at start {m['load_average']}). Default model INT4, 2 stages in 2 worker processes, "
-             f"one inference thread each; {result['prompt_tokens']}-token prompt, {result['new_tokens']} tokens "
-             f"with EOS ignored, {result['warmups']} warm-ups + {result['runs']} interleaved rounds, medians.\n"]
+             f"load average at start {m['load_average']}). Default model INT4, 2 paged stages in 2 worker "
+             f"processes, one inference thread each, a micro-batch in flight per stage; "
+             f"{result['prompt_tokens']}-token prompt, {result['new_tokens']} tokens with EOS ignored, "
+             f"{result['warmups']} warm-ups + {result['runs']} interleaved rounds, medians.\n"]
     names = {"REF": "LLMPipeline (monolithic, all cores)", "IN1": "1 stage in-process (all cores)",
              "IN2": "2 stages in-process (1 thread each)", "R1": "ring, 1 stream", "R2": "ring, 2 streams",
              "R3": "ring, 3 streams"}

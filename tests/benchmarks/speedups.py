@@ -1,8 +1,11 @@
 """``python -m tests.benchmarks speedups``: what speculation, micro-batching, top-1 replies and the
 prefix cache buy on a 2-stage ring, from loopback to 100 ms per hop.
 
-The default model as 2 INT4 stages in 2 worker processes (one inference thread each). Every
-hop of the ring (coordinator → stage 0 → stage 1 → coordinator) goes through the WAN emulator.
+The default model as 2 INT4 stages in 2 paged worker processes (one inference thread each, a
+micro-batch in flight per stage, as on separate PCs): the paged runtime's ring
+(``engine.tools.local_fleet.paged_local_fleet``); the stateful runtime these figures were first
+taken on was retired from serving in issue 27. Every hop of the ring (coordinator → stage 0 →
+stage 1 → coordinator) goes through the WAN emulator.
 Per one-way delay, interleaved rounds, medians:
 
 - naive        one stream, no speculation
@@ -11,9 +14,11 @@ Per one-way delay, interleaved rounds, medians:
                on acceptance, since no smaller model with this tokenizer is available here)
 - full stack   two streams micro-batched, each speculating with prompt lookup
 
-Also: top-1 vs full-logits replies at 100 ms + 10 Mbit/s, the cost of mask rewind vs a
-physical trim per step, warm vs cold TTFT with a ~1,000-token conversation history, and how close
-the WAN emulator itself stays to its delay (:func:`wan_accuracy`, no model).
+Also: top-1 vs full-logits replies at 100 ms + 10 Mbit/s, warm vs cold TTFT with a ~1,000-token
+conversation history (the paged scheduler's prefix blocks: a fleet with prefix caching off, then
+one with it on), how close the WAN emulator itself stays to its delay (:func:`wan_accuracy`, no
+model), and on the stateful export in process (the greedy oracle's KV layout) the cost of a mask
+rewind vs a physical trim of every KV state per step.
 """
 
 from __future__ import annotations
@@ -67,10 +72,14 @@ async def timed_streams(coordinator, prompts: list[tuple[int, ...]], n: int, wan
     return {"tok_per_s": total / wall, "ttft_ms": median([1000 * (f - s) for s, f, _, _ in results])}
 
 
+POOL_BYTES = 64 << 20  # the ring's KV block pool per stage: two streams of a ~1,000-token history, many times over
+
+
 @contextlib.asynccontextmanager
-async def wan_fleet(export: Path, delay_ms: float, bandwidth_mbit: float | None = None, **options):
-    """A 2-worker fleet whose every hop is delayed by ``delay_ms`` (one way)."""
-    from engine.tools.local_fleet import local_fleet
+async def wan_fleet(export: Path, delay_ms: float, bandwidth_mbit: float | None = None, **settings):
+    """A 2-worker paged fleet whose every hop is delayed by ``delay_ms`` (one way); ``settings``
+    go to the paged scheduler (slots, prefix_cache, ...)."""
+    from engine.tools.local_fleet import paged_local_fleet
     from engine.tools.wan_emulator import WanProxy
     from engine.wire.address import Address
 
@@ -82,7 +91,8 @@ async def wan_fleet(export: Path, delay_ms: float, bandwidth_mbit: float | None 
         return await proxy.async_start()
 
     try:
-        async with local_fleet(export, threads=1, hop=hop, **options) as coordinator:
+        async with paged_local_fleet(export, threads=1, hop=hop, lanes=None, kv_pool_bytes=POOL_BYTES,
+                                     **settings) as coordinator:
             yield coordinator
     finally:
         for proxy in proxies:
@@ -132,7 +142,8 @@ async def wan_accuracy(delays_ms: tuple[float, ...] = (10.0, 50.0), samples: int
 
 
 def rewind_costs(export: Path, cached: int = 512, k: int = 8, repeats: int = 50) -> dict[str, float]:
-    """ms per step: mask rewind bookkeeping vs physically trimming every KV state, vs a decode step."""
+    """ms per step on the stateful export in process (the greedy oracle's KVLayout): mask rewind
+    bookkeeping vs physically trimming every KV state, vs a decode step."""
     from engine.shards.kv_layout import KVLayout
     from engine.shards.stage import LocalChain, StepInputs
 
@@ -206,7 +217,7 @@ async def _async_bench(args: argparse.Namespace) -> dict[str, Any]:
                     await c.async_wait_idle()
                     if round_ >= args.warmups:
                         rows[name].append(r)
-        c.speculation = None
+            c.speculation = None  # each Speculator is closed below, once
         for s in specs.values():
             s.close()
         result["delays"][str(delay)] = {
@@ -241,8 +252,10 @@ def _history(tok, turns: int) -> list[dict[str, str]]:
 
 
 async def _ttft(export: Path, tok, target_tokens: int = 1000) -> dict[str, Any]:
+    """The follow-up's TTFT on a fleet with no prefix cache (cold) and, once the conversation so
+    far was served, on one whose scheduler keeps prefix blocks (warm)."""
     from engine.generation.request import GenerationRequest
-    from engine.tools.local_fleet import local_fleet
+    from engine.tools.local_fleet import paged_local_fleet
 
     turns = 1
     while len(tok.encode_chat(_history(tok, turns))) < target_tokens:
@@ -251,18 +264,17 @@ async def _ttft(export: Path, tok, target_tokens: int = 1000) -> dict[str, Any]:
     before = tuple(tok.encode_chat(history[:-1] + [history[-1]]))
     follow = tuple(tok.encode_chat(history + [{"role": "user", "content": "Summarise all of that."}]))
     cold, warm = [], []
-    async with local_fleet(export, threads=1) as c:
+    fleet = {"threads": 1, "lanes": None, "kv_pool_bytes": POOL_BYTES}
+    async with paged_local_fleet(export, prefix_cache=False, **fleet) as c:
         for _ in range(3):
-            c.prefix = None  # cold: no prefix cache at all
             r = await timed_streams(c, [follow], 2)
             cold.append(r["ttft_ms"])
             await c.async_wait_idle()
-            from engine.shards.prefix_cache import PrefixIndex
-
-            c.prefix = PrefixIndex()
+    async with paged_local_fleet(export, **fleet) as c:
+        for _ in range(3):
             async for _ in c.stream(GenerationRequest(before, 2, ignore_eos=True)):
                 pass
-            await c.async_wait_idle()  # the conversation so far is captured on both stages
+            await c.async_wait_idle()  # the conversation so far is in the pool's prefix blocks
             r = await timed_streams(c, [follow], 2)
             warm.append(r["ttft_ms"])
             await c.async_wait_idle()
@@ -275,11 +287,11 @@ def render(result: dict[str, Any], json_path: Path) -> str:
     m = result["machine"]
     lines = ["## Speed-ups on the ring: speculation, micro-batching, top-1, prefix cache\n",
              f"`{result['command']}` → `{json_path}` ({m['date']}, {m['cores']} cores, OpenVINO {m['openvino']}, "
-             f"load average at start {m['load_average']}). Default model INT4, 2 worker processes with one thread "
-             f"each, every hop through the WAN emulator; {result['prompt_tokens']}-token prompt asking to repeat a "
-             f"passage, {result['new_tokens']} tokens, {result['warmups']} warm-up + {result['runs']} interleaved "
-             "rounds per delay, medians. The draft model is the target's own 1-stage export (an upper bound on "
-             "acceptance: no smaller model with this tokenizer exists here).\n"]
+             f"load average at start {m['load_average']}). Default model INT4, 2 paged worker processes with one "
+             f"thread each, every hop through the WAN emulator; {result['prompt_tokens']}-token prompt asking to "
+             f"repeat a passage, {result['new_tokens']} tokens, {result['warmups']} warm-up + {result['runs']} "
+             "interleaved rounds per delay, medians. The draft model is the target's own 1-stage export (an upper "
+             "bound on acceptance: no smaller model with this tokenizer exists here).\n"]
     rows = []
     for delay, v in result["delays"].items():
         naive = v["naive"]["median_tok_per_s"]
@@ -299,7 +311,8 @@ def render(result: dict[str, Any], json_path: Path) -> str:
         [f"full stack / naive at {float(max(result['delays'], key=float)):g} ms per hop", full, "≥ 5",
          _verdict(full, 5.0)],
         ["top-1 / full logits at 100 ms + 10 Mbit/s", ratio, "≥ 3", _verdict(ratio, 3.0)],
-        [f"mask rewind share of a decode step ({rw['cached_tokens']} cached)", rw["mask_share_of_step"], "≤ 0.01",
+        [f"mask rewind share of a decode step ({rw['cached_tokens']} cached; stateful export in process)",
+         rw["mask_share_of_step"], "≤ 0.01",
          _verdict(rw["mask_share_of_step"], 0.01, higher=False)],
         [f"warm / cold TTFT ({t['history_tokens']}-token conversation)", t["warm_over_cold"], "≤ 0.2",
          _verdict(t["warm_over_cold"], 0.2, higher=False)],
