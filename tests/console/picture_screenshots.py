@@ -1,8 +1,8 @@
 """Screenshots of the console's pictures from a real run: the Dashboard with three real agents
 (one serving a stage, one paused, one awaiting approval) and their CPU/memory sparklines, and
-the Distribution page's live ring diagram of a real two-agent ring generating tokens (measured
-ms per stage beside the prediction). A real fleet service on a loop thread, real agents on
-loopback, the real console window.
+the Distribution page's live ring diagram of a real two-agent paged ring (the service's default
+runtime) generating tokens (measured ms per stage beside the prediction). A real fleet service
+on a loop thread, real agents on loopback, the real console window.
 
 Run by tests/console/test_dashboard.py under Xvfb in a subprocess when it can (real X11
 rendering), else offscreen in-process. Standalone::
@@ -28,10 +28,6 @@ from pathlib import Path
 
 SHOTS = ("picture-dashboard.png", "picture-distribution.png")
 STATES_SHOWN = {"serving": 2, "paused": 1, "awaiting approval": 1}  # the Dashboard's counts in the shot
-# Stateful: on a CPU with bf16 the paged runtime fails here (an "f16" KV cache compiles as bf16, which
-# a paged pool refuses). A stateful ring's coordinator measures only a stage it runs itself, so
-# the diagram shows the agents' live states and predictions, and measured ms where reported.
-RUNTIME = "stateful"
 GB = 1 << 30
 
 
@@ -124,7 +120,7 @@ def take_picture_screenshots(out: Path, checkpoint: Path, work: Path) -> list[Pa
             raise OSError(f"could not write {path}")
         written.append(path)
 
-    with fleet_service(work / "console", RUNTIME) as service, local_agents(work, names) as (loop, agents), \
+    with fleet_service(work / "console") as service, local_agents(work, names) as (loop, agents), \
             running_console(work / "console", wait, service) as window:
         bridge, drive = window.bridge, ConsoleDriver(window, wait)
         window.move(40, 30)
