@@ -21,6 +21,7 @@ from engine.control.messages import Assignment, WorkerSettings
 from engine.errors import DeskfleetError
 from engine.generation.request import GenerationRequest
 from engine.shards.manifest import load_manifest
+from engine.shards.paged_stage import PagedStage
 from engine.trust.fleet_ca import FleetAuthority, Role
 from engine.trust.peer_policy import PeerPolicy
 from engine.wire.address import Address
@@ -61,10 +62,9 @@ async def _assign(con, client: ControlClient, assignment: Assignment) -> None:
     con.hub.grant(client.peer_node_id, assignment.export_id, [assignment.stage])
 
 
-async def _ring_tokens(con, export: Path, agent_data: Address, return_port: int, agent_node: str, *,
-                       dial_deadline: float = 30) -> list[int]:
-    """N greedy tokens through a paged ring: stage 0 here, stage 1 the agent's worker."""
-    stage0 = await asyncio.to_thread(paged_stage0, export, exact=True)
+async def _ring_tokens(con, export: Path, stage0: PagedStage, agent_data: Address, return_port: int,
+                       agent_node: str, *, dial_deadline: float = 30) -> list[int]:
+    """N greedy tokens through a paged ring: ``stage0`` here, stage 1 the agent's worker."""
     async with paged_ring(export, stage0, agent_data, Address("127.0.0.1", return_port),
                           server_ssl=con.credentials.server_context(), client_ssl=con.credentials.client_context(),
                           dial_deadline=dial_deadline, peers=PeerPolicy.of([agent_node], agent_node)) as c:
@@ -103,6 +103,8 @@ def test_join_assign_fetch_and_serve_a_stage_in_a_real_ring(tmp_path, tiny_expor
                 assert not (stored / "stage_0").exists()  # only this agent's stage travels
 
                 await client.async_start_worker()
+                # the ring's stage 0 loads here while the worker loads its stage
+                stage0 = asyncio.create_task(asyncio.to_thread(paged_stage0, export, exact=True))
                 await agent.async_wait_worker_ready(120)
                 # credentials reach the worker over its stdin, never its arguments (any local user reads those)
                 cmdline = Path(f"/proc/{agent.worker_pid}/cmdline").read_bytes()
@@ -111,7 +113,8 @@ def test_join_assign_fetch_and_serve_a_stage_in_a_real_ring(tmp_path, tiny_expor
                 assert b"--paged" in cmdline.split(b"\0")  # the runtime the assignment names
                 for secret in (key_body[:48], API_KEY.encode(), b"PRIVATE KEY", b"sk-deskfleet"):
                     assert secret not in cmdline.replace(b"\0", b"")
-                tokens = await _ring_tokens(con, export, Address("127.0.0.1", data_port), return_port, creds.node_id)
+                tokens = await _ring_tokens(con, export, await stage0, Address("127.0.0.1", data_port), return_port,
+                                            creds.node_id)
                 status = await client.async_wait_for(lambda s: s.worker.streams == 0 and s.worker.rss_bytes, 10)
                 assert status.state == "serving" and status.worker.state == "running"
                 assert status.worker.rss_bytes > 10 << 20
@@ -123,8 +126,8 @@ def test_join_assign_fetch_and_serve_a_stage_in_a_real_ring(tmp_path, tiny_expor
                 status = await client.async_wait_for(lambda s: s.worker.policy_updates == 1, 30, "the policy line")
                 assert agent.worker_pid == pid and status.worker.state == "running" and status.worker.restarts == 0
                 with pytest.raises((DeskfleetError, OSError, TimeoutError)):
-                    await _ring_tokens(con, export, Address("127.0.0.1", data_port), return_port, creds.node_id,
-                                       dial_deadline=3)
+                    await _ring_tokens(con, export, await stage0, Address("127.0.0.1", data_port), return_port,
+                                       creds.node_id, dial_deadline=3)
                 return tokens
             finally:
                 await agent.async_close()
