@@ -1,11 +1,11 @@
 """What the data-plane insider, bound and hold tests share: one fleet CA with its members, and
-the tiny model's 1-stage export served by a real stage (one of each per test module)."""
+the tiny model's 1-stage export served by a real paged stage (one of each per test module)."""
 
 from __future__ import annotations
 
 import pytest
 
-from engine.shards.stage import Stage
+from engine.shards.paged_stage import PagedStage
 from tests.security.dataplane_helpers import make_fleet
 
 
@@ -23,5 +23,6 @@ def export(tiny_export):
 
 @pytest.fixture(scope="module")
 def stage(export):
-    """That stage loaded (exact f32), ready for a StageWorker."""
-    return Stage(export, 0, exact=True)
+    """That stage loaded paged (exact f32), ready for a PagedStageWorker (its pool is allocated by
+    the first Step of a ring)."""
+    return PagedStage(export, 0, exact=True)

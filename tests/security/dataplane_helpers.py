@@ -1,14 +1,27 @@
-"""Shared by the data-plane insider and bound tests: one fleet CA with the console, the desk
-serving a stage and two fellow members, and the small helpers both files use."""
+"""Shared by the data-plane insider, bound and hold tests: one fleet CA with the console, the desk
+serving a stage and two fellow members, and the pieces of a paged ring (a PagedRingPath, a
+PagedStageWorker, a BatchCoordinator over them) the files build their rings from."""
 
 from __future__ import annotations
 
-from engine.shards.manifest import load_manifest
+from pathlib import Path
+
+from engine.coordinator.batch_coordinator import BatchCoordinator, paged_scheduler
+from engine.coordinator.paged_ring import PagedRingPath
+from engine.generation.generator import ModelCard
+from engine.shards.kv_pool import pool_blocks_for
+from engine.shards.manifest import Manifest, load_manifest
+from engine.shards.paged_stage import PagedStage
 from engine.trust.fleet_ca import Credentials, FleetAuthority, Role
 from engine.wire.address import Address
+from engine.wire.step_codec import step_reply_bound
+from engine.wire.step_plan import CPU_BLOCK_SIZE
+from engine.worker.paged_worker import PagedStageWorker
 
 N = 12  # tokens per test request
 LOOP = Address("127.0.0.1", 0)
+POOL = 16 << 20  # the KV pool of the ring's coordinator and of each worker: the tiny model's blocks are small
+TOKEN_BUDGET = 64  # new tokens per step: the rows a StepReply can answer at most
 
 
 def make_fleet() -> dict[str, Credentials]:
@@ -21,3 +34,41 @@ def make_fleet() -> dict[str, Credentials]:
 def fp_of(export) -> str:
     """The model fingerprint a Hello to this export's stages must name."""
     return load_manifest(export).model.fingerprint
+
+
+def reply_bound(export: Path) -> int:
+    """What the coordinator's return port takes (as ``deskfleet serve`` sizes it): a StepReply of
+    up to :data:`TOKEN_BUDGET` answered rows, each with logits."""
+    vocab = load_manifest(export).model.vocab_size
+    return step_reply_bound(vocab, TOKEN_BUDGET, TOKEN_BUDGET)
+
+
+def ring_path(export: Path, first_remote: Address = LOOP, **options) -> PagedRingPath:
+    """The coordinator's end of a paged ring over ``export``'s stages (all remote), its return
+    port on loopback; ``options``: RingPath's (TLS contexts, peers, timeouts, dial deadline)."""
+    manifest = load_manifest(export)
+    options.setdefault("max_frame_bytes", reply_bound(export))
+    return PagedRingPath(manifest.model.fingerprint, len(manifest.stages), first_remote, LOOP,
+                         block_size=CPU_BLOCK_SIZE, **options)
+
+
+def worker(stage: PagedStage, next_address: Address, **options) -> PagedStageWorker:
+    """A paged worker for ``stage`` listening on loopback (a :data:`POOL` budget); ``options``:
+    PagedStageWorker's and its listener's (TLS, peers, caps, timeouts)."""
+    return PagedStageWorker(stage, LOOP, next_address, kv_pool_bytes=POOL, **options)
+
+
+def _card(manifest: Manifest) -> ModelCard:
+    m = manifest.model
+    return ModelCard(name=m.name, context_length=m.max_position_embeddings, eos_token_ids=m.eos_token_ids,
+                     stages=len(manifest.stages), fingerprint=m.fingerprint, vocab_size=m.vocab_size)
+
+
+def coordinator(path: PagedRingPath, export: Path, **options) -> BatchCoordinator:
+    """A paged coordinator over ``path`` (exact f32 pool of :data:`POOL`), as ``deskfleet serve
+    --first-stage`` builds one; ``options``: BatchCoordinator's (recover, timeouts)."""
+    manifest = load_manifest(export)
+    pool = pool_blocks_for(manifest, POOL, CPU_BLOCK_SIZE, precision="f32")
+    scheduler = paged_scheduler(manifest, pool, CPU_BLOCK_SIZE, slots=4, token_budget=TOKEN_BUDGET,
+                                prefill_chunk=TOKEN_BUDGET)
+    return BatchCoordinator(path, _card(manifest), scheduler, **options)

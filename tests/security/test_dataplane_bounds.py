@@ -1,4 +1,4 @@
-"""Bounded data-plane resources against a real stage: a Hello-less first frame refused from its
+"""Bounded data-plane resources against a real paged stage: a Hello-less first frame refused from its
 header, tensors bounded by the stage's real sizes, 1,000 idle connections refused past the cap
 while a real stream decodes, per-member caps, idle timeouts that ring hops survive by Ping; and
 no plaintext door (worker and serve refuse a non-loopback address without TLS)."""
@@ -12,8 +12,6 @@ import sys
 import numpy as np
 import pytest
 
-from engine.coordinator.coordinator import Coordinator, model_card
-from engine.coordinator.ring import RingPath, return_frame_bound
 from engine.generation.request import GenerationRequest
 from engine.shards.manifest import load_manifest
 from engine.trust.peer_policy import PeerPolicy
@@ -30,11 +28,11 @@ from engine.wire.format import (
 )
 from engine.wire.format import Role as WireRole
 from engine.wire.messages import Error, Hello
-from engine.wire.stage_server import stage_frame_bound
+from engine.wire.step_codec import step_reply_bound
 from engine.wire.transport import ConnectionClosedError, async_connect, async_read_frame
-from engine.worker.stage_worker import StageWorker
+from engine.worker.paged_worker import paged_frame_bound
 from tests.conftest import PROMPT_IDS
-from tests.security.dataplane_helpers import LOOP, N, fp_of
+from tests.security.dataplane_helpers import N, coordinator, fp_of, reply_bound, ring_path, worker
 from tests.support.asyncutil import collect, run
 
 IDLE = 1000  # idle connections thrown at a live stage; each is answered (accepted or refused)
@@ -56,7 +54,7 @@ def test_a_huge_first_frame_is_refused_after_its_header_and_tensors_are_bounded_
     (so it consumed 56 bytes), or this test's wait for the answer times out."""
     fp = fp_of(export)
     model = load_manifest(export).model
-    bound = stage_frame_bound(model.hidden_size, model.max_position_embeddings)
+    bound = paged_frame_bound(model.hidden_size, model.max_position_embeddings, vocab_size=model.vocab_size)
 
     async def answer(reader, writer, data: bytes):
         writer.write(data)
@@ -64,26 +62,26 @@ def test_a_huge_first_frame_is_refused_after_its_header_and_tensors_are_bounded_
         return await async_read_frame(reader, timeout=10, idle_timeout=10)
 
     async def main():
-        worker = StageWorker(stage, LOOP, Address("127.0.0.1", 9))
-        address = await worker.async_start()
+        w = worker(stage, Address("127.0.0.1", 9))
+        address = await w.async_start()
         try:
             reader, writer = await asyncio.open_connection(address.host, address.port)
-            huge = _header(FrameKind.LOGITS, DType.FLOAT32, (1, 1024, 65535), stream=1)  # 256 MiB
+            huge = _header(FrameKind.STEP_REPLY, DType.FLOAT32, (1024, 65535), stream=1)  # 256 MiB
             first = await answer(reader, writer, huge)
             writer.close()
             # under the stage's own bound but no Hello: refused as soon as its header is in
             reader, writer = await asyncio.open_connection(address.host, address.port)
-            medium = _header(FrameKind.FORWARD, DType.FLOAT32, (1, 64, model.hidden_size), stream=1)
+            medium = _header(FrameKind.STEP, DType.FLOAT32, (64, model.hidden_size), stream=1)
             second = await answer(reader, writer, medium)
             writer.close()
             conn = await async_connect(address.host, address.port, Hello(fp, 0, WireRole.COORDINATOR), attempts=1)
-            too_big = _header(FrameKind.FORWARD, DType.FLOAT32, (1, bound // (4 * model.hidden_size) + 1,
-                                                                  model.hidden_size), stream=3)
+            too_big = _header(FrameKind.STEP, DType.FLOAT32, (bound // (4 * model.hidden_size) + 1,
+                                                              model.hidden_size), stream=3)
             later = await answer(conn._reader, conn._writer, too_big)
             await conn.async_close()
-            return (first, second), later, conn.peer_max_frame_bytes, dict(worker.listener.stats)
+            return (first, second), later, conn.peer_max_frame_bytes, dict(w.listener.stats)
         finally:
-            await worker.async_close()
+            await w.async_close()
 
     firsts, later, announced, stats = run(main(), 60)
     for first in firsts:
@@ -98,15 +96,14 @@ def test_a_thousand_idle_connections_are_refused_past_the_cap_while_a_real_strea
     """1,000 TCP connections from 125 loopback addresses (8 each, at the per-peer cap) against a stage
     whose listener takes 64; the ring's own connection was there first and its stream decodes exactly
     as without them. Then 12 from one address: those past the per-peer cap of 8 are refused."""
-    fp = fp_of(export)
     request = GenerationRequest(PROMPT_IDS, N, ignore_eos=True)
 
     async def main():
-        path = RingPath(fp, 1, LOOP, LOOP, dial_deadline=10)
+        path = ring_path(export, dial_deadline=10)
         ret = await path.async_listen()
-        worker = StageWorker(stage, LOOP, ret, handshake_timeout=60)
-        path.first_remote = address = await worker.async_start()
-        listener = worker.listener
+        w = worker(stage, ret, handshake_timeout=60)
+        path.first_remote = address = await w.async_start()
+        listener = w.listener
         idle: list[asyncio.StreamWriter] = []
 
         async def settle(total: int) -> None:
@@ -121,7 +118,7 @@ def test_a_thousand_idle_connections_are_refused_past_the_cap_while_a_real_strea
             idle.append(writer)
 
         try:
-            async with Coordinator(path, model_card(load_manifest(export))) as c:
+            async with coordinator(path, export) as c:
                 undisturbed = await collect(c, request)
                 for batch in range(0, IDLE, 100):
                     await asyncio.gather(*(dial(f"127.0.0.{2 + i % 125}") for i in range(batch, batch + 100)))
@@ -145,7 +142,7 @@ def test_a_thousand_idle_connections_are_refused_past_the_cap_while_a_real_strea
         finally:
             for writer in idle:
                 writer.close()
-            await worker.async_close()
+            await w.async_close()
             await path.async_close()
 
     undisturbed, during, after, peak, flooded, one_peer = run(main(), 120)
@@ -164,12 +161,12 @@ def test_ring_hops_idle_between_requests_stay_up_while_a_silent_dialer_is_timed_
     request = GenerationRequest(PROMPT_IDS, N, ignore_eos=True)
 
     async def main():
-        path = RingPath(fp, 1, LOOP, LOOP, dial_deadline=10, ping_interval=0.3, idle_timeout=1.5)
+        path = ring_path(export, dial_deadline=10, ping_interval=0.3, idle_timeout=1.5)
         ret = await path.async_listen()
-        worker = StageWorker(stage, LOOP, ret, idle_timeout=1.5, ping_interval=0.3)
-        path.first_remote = await worker.async_start()
+        w = worker(stage, ret, idle_timeout=1.5, ping_interval=0.3)
+        path.first_remote = await w.async_start()
         try:
-            async with Coordinator(path, model_card(load_manifest(export))) as c:
+            async with coordinator(path, export) as c:
                 first = await collect(c, request)
                 silent = await async_connect(path.first_remote.host, path.first_remote.port,
                                              Hello(fp, 0, WireRole.COORDINATOR), attempts=1)
@@ -180,10 +177,10 @@ def test_ring_hops_idle_between_requests_stay_up_while_a_silent_dialer_is_timed_
                     cut = "closed"
                 await silent.async_close()
                 second = await collect(c, request)
-                return (first, second, cut, dict(worker.listener.stats), dict(path.returns.stats),
-                        worker.listener.open_connections, path.returns.open_connections)
+                return (first, second, cut, dict(w.listener.stats), dict(path.returns.stats),
+                        w.listener.open_connections, path.returns.open_connections)
         finally:
-            await worker.async_close()
+            await w.async_close()
             await path.async_close()
 
     first, second, cut, stage_stats, return_stats, stage_open, return_open = run(main(), 90)
@@ -199,9 +196,9 @@ def test_one_member_may_hold_only_so_many_connections_from_any_number_of_address
     hello = Hello(fp, 0, WireRole.COORDINATOR)
 
     async def main():
-        worker = StageWorker(stage, LOOP, Address("127.0.0.1", 9), server_ssl=desk.server_context(),
-                             client_ssl=desk.client_context(), peers=PeerPolicy.of([console.node_id]), max_per_peer=3)
-        address = await worker.async_start()
+        w = worker(stage, Address("127.0.0.1", 9), server_ssl=desk.server_context(), client_ssl=desk.client_context(),
+                   peers=PeerPolicy.of([console.node_id]), max_per_peer=3)
+        address = await w.async_start()
         held, outcomes = [], []
         try:
             for i in range(5):  # a new source address each time: only the node id cap can bind
@@ -212,11 +209,11 @@ def test_one_member_may_hold_only_so_many_connections_from_any_number_of_address
                 await writer.drain()
                 reply = await async_read_frame(reader, timeout=10, idle_timeout=10)
                 outcomes.append(type(reply).__name__ if not isinstance(reply, Error) else reply.code.name)
-            return outcomes, dict(worker.listener.stats)
+            return outcomes, dict(w.listener.stats)
         finally:
             for writer in held:
                 writer.close()
-            await worker.async_close()
+            await w.async_close()
 
     outcomes, stats = run(main(), 60)
     assert outcomes == ["HelloAck"] * 3 + ["PEER_REFUSED"] * 2
@@ -224,19 +221,19 @@ def test_one_member_may_hold_only_so_many_connections_from_any_number_of_address
 
 
 def test_the_return_port_refuses_an_oversized_frame_from_the_last_stage_unread(fleet, export):
-    """The coordinator's return port is bounded by what the last stage can send (Logits of the
-    export's vocabulary for a context of rows), not by the wire's 256 MiB: a frame announcing
-    twice the rows is refused from its header, even from the expected last stage."""
+    """The coordinator's return port is bounded by what the last stage can send (a StepReply of
+    the step's answered rows, each with logits over the export's vocabulary), not by the wire's
+    256 MiB: a StepReply announcing twice the rows' logits is refused from its header, even from
+    the expected last stage."""
     console, desk = fleet["console"], fleet["desk"]
     model = load_manifest(export).model
-    bound = return_frame_bound(model.vocab_size, model.max_position_embeddings)
-    too_big = _header(FrameKind.LOGITS, DType.FLOAT32, (1, 2 * model.max_position_embeddings, model.vocab_size),
+    bound = reply_bound(export)
+    too_big = _header(FrameKind.STEP_REPLY, DType.FLOAT32, (2 * bound // (4 * model.vocab_size), model.vocab_size),
                       stream=1)
 
     async def main():
-        path = RingPath(fp_of(export), 2, Address("127.0.0.1", 9), LOOP, server_ssl=console.server_context(),
-                        client_ssl=console.client_context(), peers=PeerPolicy.of([desk.node_id]),
-                        max_frame_bytes=bound)
+        path = ring_path(export, Address("127.0.0.1", 9), server_ssl=console.server_context(),
+                         client_ssl=console.client_context(), peers=PeerPolicy.of([desk.node_id]))
         address = await path.async_listen()
         try:
             conn = await async_connect(address.host, address.port, Hello(fp_of(export), COORDINATOR_STAGE,
@@ -254,7 +251,7 @@ def test_the_return_port_refuses_an_oversized_frame_from_the_last_stage_unread(f
     answer, announced = run(main(), 60)
     assert isinstance(answer, Error) and answer.code is ErrorCode.FRAME_TOO_LARGE
     assert announced == bound < 256 << 20
-    assert return_frame_bound(150_000, 1 << 20) == 256 << 20  # an unknown or huge export: today's bound
+    assert step_reply_bound(150_000, 1 << 20, 1 << 20) == 256 << 20  # an unknown or huge export: today's bound
 
 
 # -- no plaintext door ------------------------------------------------------------------------------
@@ -262,7 +259,8 @@ def test_the_return_port_refuses_an_oversized_frame_from_the_last_stage_unread(f
 def test_a_worker_refuses_to_listen_beyond_loopback_without_tls(export):
     import subprocess
 
-    cmd = [sys.executable, "-m", "engine.cli.main", "worker", "--shard", str(export), "--next", "127.0.0.1:9"]
+    cmd = [sys.executable, "-m", "engine.cli.main", "worker", "--shard", str(export), "--next", "127.0.0.1:9",
+           "--paged"]
     exposed = subprocess.run([*cmd, "--listen", "0.0.0.0:0"], capture_output=True, text=True, timeout=120)
     flags = subprocess.run([*cmd, "--expect-upstream", "a" * 64], capture_output=True, text=True, timeout=120)
     assert exposed.returncode == 1 and "--tls-stdin" in exposed.stderr and "0.0.0.0:0" in exposed.stderr

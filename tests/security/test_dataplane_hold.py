@@ -10,21 +10,20 @@ import asyncio
 
 import numpy as np
 
-from engine.coordinator.ring import RingPath
 from engine.trust.peer_policy import PeerPolicy
 from engine.wire.codec import encode
-from engine.wire.format import Role
-from engine.wire.messages import Hello, HelloAck, Logits, Pong
+from engine.wire.format import Role, StreamId
+from engine.wire.messages import Hello, HelloAck, Pong, StepReply
 from engine.wire.transport import async_connect, async_hold, async_read_frame
-from engine.worker.stage_worker import StageWorker
-from tests.security.dataplane_helpers import LOOP, fp_of, make_fleet
+from tests.security.dataplane_helpers import make_fleet, ring_path, worker
 from tests.support.asyncutil import run
 
 FP = "ab" * 32
 
 
 def test_a_next_hop_that_answers_with_a_tensor_frame_is_dropped_unread():
-    big = encode(Logits(1, 1, np.zeros((1, 1 << 20), np.float32)))  # 4 MiB: a real frame, not a Pong
+    ids = np.array([7], np.int64)  # one answered row with its logits, 4 MiB: a real frame, not a Pong
+    big = encode(StepReply(StreamId(1), 1, ids, np.ones(1, np.float32), np.zeros((1, 1 << 20), np.float32), ()))
 
     async def main():
         saw_eof = asyncio.Event()
@@ -60,30 +59,29 @@ def test_a_next_hop_that_answers_with_a_tensor_frame_is_dropped_unread():
     assert run(main(), 60) is True
 
 
-def test_the_rings_open_link_to_a_revoked_first_stage_is_cut_at_the_policy_update(stage, tiny_export):
+def test_the_rings_open_link_to_a_revoked_first_stage_is_cut_at_the_policy_update(stage, export):
     fleet = make_fleet()
     console, desk = fleet["console"], fleet["desk"]
-    fp = fp_of(tiny_export("llama", 1))
 
     async def main():
-        path = RingPath(fp, 1, LOOP, LOOP, server_ssl=console.server_context(), client_ssl=console.client_context(),
-                        peers=PeerPolicy.of([desk.node_id], desk.node_id), dial_deadline=10)
+        path = ring_path(export, server_ssl=console.server_context(), client_ssl=console.client_context(),
+                         peers=PeerPolicy.of([desk.node_id], desk.node_id), dial_deadline=10)
         ret = await path.async_listen()
-        worker = StageWorker(stage, LOOP, ret, server_ssl=desk.server_context(), client_ssl=desk.client_context(),
-                             peers=PeerPolicy.of([console.node_id], console.node_id))
-        path.first_remote = await worker.async_start()
+        w = worker(stage, ret, server_ssl=desk.server_context(), client_ssl=desk.client_context(),
+                   peers=PeerPolicy.of([console.node_id], console.node_id))
+        path.first_remote = await w.async_start()
         try:
             await path.async_start()
             before = path.connected
             # the admin removed the desk: the console's deny list reaches the ring
             await path.async_set_peers(PeerPolicy.of([desk.node_id], desk.node_id, deny=[desk.node_id]))
             for _ in range(100):  # the stage's side sees the close shortly after ours
-                if worker.listener.open_connections == 0:
+                if w.listener.open_connections == 0:
                     break
                 await asyncio.sleep(0.05)
-            return before, path.connected, worker.listener.open_connections
+            return before, path.connected, w.listener.open_connections
         finally:
-            await worker.async_close()
+            await w.async_close()
             await path.async_close()
 
     before, after, stage_side = run(main(), 60)
