@@ -1,6 +1,6 @@
 """The OpenAI-compatible API: error mapping and metrics, the HTTP layer over an in-memory
 generator, then the real `openai` client against the real app served on loopback by the real
-coordinator over a tiny 2-stage export. The pure request/response schema is tested in
+paged coordinator over a tiny 2-stage export. The pure request/response schema is tested in
 test_openai_schema.py."""
 
 from __future__ import annotations
@@ -302,7 +302,7 @@ REAL_SETTINGS = ApiSettings(api_key="sk-deskfleet-test", max_body_bytes=64 << 10
 
 @pytest.fixture(scope="module")
 def fleet(tiny_export):
-    from engine.coordinator.coordinator import Coordinator
+    from engine.coordinator.batch_coordinator import BatchCoordinator
     from engine.generation.tokenizer import ChatTokenizer
 
     export = tiny_export("llama", 2)
@@ -310,7 +310,7 @@ def fleet(tiny_export):
 
     @contextlib.asynccontextmanager
     async def setup():
-        async with Coordinator.local(export, slots=4) as coordinator:
+        async with BatchCoordinator.local(export, slots=4, kv_pool_bytes=16 << 20) as coordinator:
             # The first step starts the coordinator's compute thread: start it here, before any
             # test, so the leaked-thread check does not blame the test that happens to come first.
             async with contextlib.aclosing(coordinator.stream(GenerationRequest((1, 5, 9), 2))) as tokens:

@@ -56,7 +56,7 @@ def test_what_a_generator_honours_is_served_and_only_that():
 def test_a_feature_is_served_only_when_every_ring_honours_it():
     router = Router()
     router.add_ring("paged", Honouring("{}", frozenset({"logprobs", "response_format"})), model_name="fake")
-    router.add_ring("stateful", CannedGenerator("{}"), model_name="fake")
+    router.add_ring("plain", CannedGenerator("{}"), model_name="fake")  # a ring that honours no feature
     with served(router) as url:
         assert refused(url, response_format=JSON)["param"] == "response_format"
     alone = Router()

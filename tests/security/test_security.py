@@ -14,7 +14,8 @@ Already covered elsewhere, not repeated here:
   throwaway PKI. tests/control/test_fuzz_console.py: hub traversal spellings and ranges, fuzzed.
 
 Here, on the running control API (agent), hub (console), stage worker data port
-(``StageWorker`` with ``Credentials.server_context()``) and enrollment (console): strangers with
+(a paged ``PagedStageWorker`` with ``Credentials.server_context()``; ``deskfleet worker --paged``
+for a shard that fails its checks) and enrollment (console): strangers with
 no certificate, another fleet's certificate or an expired one; replayed and expired join tokens
 through a real agent; a manifest path escaping the shard store; a shard whose hash does not match.
 Each must be refused and leave a log record. Enrollment takes no client certificate by design
@@ -31,6 +32,8 @@ import logging
 import os
 import shutil
 import ssl
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -41,16 +44,16 @@ from agent.service.service import AgentService
 from agent.service.settings import AgentSettings
 from engine.control.client import ControlClient, ControlError
 from engine.control.messages import Assignment, WorkerSettings
-from engine.errors import JoinRefused, ManifestError, ShardIntegrityError
+from engine.errors import JoinRefused, ManifestError
 from engine.shards.manifest import load_manifest
-from engine.shards.stage import Stage
+from engine.shards.paged_stage import PagedStage
 from engine.trust.fleet_ca import Credentials, FleetAuthority, Role, make_key_and_csr
 from engine.trust.peer_policy import PeerPolicy
 from engine.wire.address import Address
 from engine.wire.format import Role as WireRole
 from engine.wire.messages import Hello
 from engine.wire.transport import async_connect
-from engine.worker.stage_worker import StageWorker, async_serve_worker
+from engine.worker.paged_worker import PagedStageWorker
 from tests.support.agent_helpers import FakeIdle, console
 from tests.support.asyncutil import run
 from tests.support.loopback import free_port
@@ -126,9 +129,11 @@ def test_strangers_are_refused_and_logged_on_every_mutual_tls_port(tmp_path, tin
             agent = _agent(tmp_path)
             await agent.async_start()
             worker_creds = con.authority.issue_credentials("desk-2", role=Role.AGENT)
-            worker = StageWorker(Stage(export, 1, exact=True), Address("127.0.0.1", 0), Address("127.0.0.1", 9),
-                                 server_ssl=worker_creds.server_context(), client_ssl=worker_creds.client_context(),
-                                 peers=PeerPolicy.of([worker_creds.node_id]))  # the member that knocks below
+            worker = PagedStageWorker(PagedStage(export, 1, exact=True), Address("127.0.0.1", 0),
+                                      Address("127.0.0.1", 9), kv_pool_bytes=16 << 20,
+                                      server_ssl=worker_creds.server_context(),
+                                      client_ssl=worker_creds.client_context(),
+                                      peers=PeerPolicy.of([worker_creds.node_id]))  # the member that knocks below
             try:
                 await agent.async_join(con.enrollment, con.token())
                 data = await worker.async_start()
@@ -200,6 +205,19 @@ def test_replayed_and_expired_join_tokens_leave_the_agent_outside_and_are_logged
         assert not joined and port is None and stored is None, f"a {case} token left the agent half inside"
 
 
+# -- a worker that must refuse its shard ------------------------------------------------------------
+
+def _refused_worker(export: Path, port: int) -> str:
+    """``deskfleet worker --paged`` for stage 1 of ``export`` on ``port``: it must exit with an error
+    without listening and say why in its log; that log (stderr)."""
+    cmd = [sys.executable, "-m", "engine.cli.main", "worker", "--shard", str(export), "--stage", "1", "--paged",
+           "--listen", f"127.0.0.1:{port}", "--next", "127.0.0.1:9"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0, done.stdout[-2000:]
+    assert "refusing to serve stage 1" in done.stderr, done.stderr[-3000:]
+    return done.stderr
+
+
 # -- a manifest path escaping the shard store ---------------------------------------------------------
 
 def _escaping_copy(export: Path, dest: Path) -> Path:
@@ -249,10 +267,7 @@ def test_a_manifest_path_escaping_the_shard_store_is_refused_and_logged_on_every
                 await agent.async_close()
 
         port = free_port()
-        since = len(caplog.records)
-        with pytest.raises(ManifestError, match="unsafe|escapes"):
-            await async_serve_worker(evil, 1, Address("127.0.0.1", port), Address("127.0.0.1", 9))
-        worker_log = await _logged(caplog, since, "engine.worker.stage_worker", "refusing to serve stage 1")
+        worker_log = await asyncio.to_thread(_refused_worker, evil, port)
         with pytest.raises(OSError):  # nothing ever listened
             await asyncio.open_connection("127.0.0.1", port)
         return hub_log, hub_status, refused.value.status, control_log, assigned, worker_log
@@ -260,7 +275,7 @@ def test_a_manifest_path_escaping_the_shard_store_is_refused_and_logged_on_every
     hub_log, hub_status, control_status, control_log, assigned, worker_log = run(main(), 120)
     assert "outside.bin" in hub_log and hub_status == 404
     assert control_status == 400 and "outside.bin" in control_log and assigned is None
-    assert "outside.bin" in worker_log
+    assert "outside.bin" in worker_log and ("unsafe" in worker_log or "escapes" in worker_log)
 
 
 # -- a shard whose hash does not match ----------------------------------------------------------------
@@ -277,10 +292,8 @@ def test_a_shard_whose_hash_does_not_match_is_refused_and_logged_on_every_port(t
 
     async def main():
         port = free_port()
-        since = len(caplog.records)
-        with pytest.raises(ShardIntegrityError, match="sha256"):
-            await async_serve_worker(bad, 1, Address("127.0.0.1", port), Address("127.0.0.1", 9))
-        worker_log = await _logged(caplog, since, "engine.worker.stage_worker", "refusing to serve stage 1", big.name)
+        worker_log = await asyncio.to_thread(_refused_worker, bad, port)
+        assert big.name in worker_log
         with pytest.raises(OSError):
             await asyncio.open_connection("127.0.0.1", port)
 

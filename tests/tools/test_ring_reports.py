@@ -1,4 +1,4 @@
-"""What a coordinator (paged and stateful) says about its ring through ``ring_reports()``, the
+"""What a paged coordinator says about its ring through ``ring_reports()``, the
 fact /health and the router read: ok while it serves; recovering, naming the stage, while a
 failover holds its streams; down, naming the stage, when the failover failed, and then the next
 request tries the repair first and fails at once with the same reason instead of hanging; ok
@@ -11,7 +11,6 @@ import asyncio
 import pytest
 
 from engine.coordinator.batch_coordinator import BatchCoordinator
-from engine.coordinator.coordinator import Coordinator
 from engine.generation.generator import UnavailableError
 from engine.generation.request import GenerationRequest
 from engine.generation.ring_report import RingStatus
@@ -22,14 +21,7 @@ from tests.support.asyncutil import collect, run
 POOL = 16 << 20
 
 
-def _open(runtime: str, export):
-    if runtime == "paged":
-        return BatchCoordinator.local(export, exact=True, kv_pool_bytes=POOL)
-    return Coordinator.local(export, exact=True)
-
-
-@pytest.mark.parametrize("runtime", ["paged", "stateful"])
-def test_ring_reports_follow_a_failover_that_fails_and_a_repair_that_works(runtime, tiny_export, unsplit_greedy):
+def test_ring_reports_follow_a_failover_that_fails_and_a_repair_that_works(tiny_export, unsplit_greedy):
     export = tiny_export("llama", 1)
     request = GenerationRequest(PROMPT_IDS, 6, ignore_eos=True)
     gate = asyncio.Event()
@@ -42,7 +34,7 @@ def test_ring_reports_follow_a_failover_that_fails_and_a_repair_that_works(runti
         return path
 
     async def main():
-        c = _open(runtime, export)
+        c = BatchCoordinator.local(export, exact=True, kv_pool_bytes=POOL)
         c.recover = recover
         async with c:
             (report,) = c.ring_reports()

@@ -15,7 +15,7 @@ from agent.service.control_api import build_app
 from agent.service.service import AgentService
 from agent.service.settings import AgentSettings
 from engine.shards.manifest import load_manifest
-from engine.shards.stage import Stage
+from engine.shards.paged_stage import PagedStage
 from engine.trust.admin_bundle import (
     CA_FILE,
     CERT_FILE,
@@ -30,7 +30,7 @@ from engine.wire.address import Address
 from engine.wire.format import Role as WireRole
 from engine.wire.messages import Hello
 from engine.wire.transport import async_connect
-from engine.worker.stage_worker import StageWorker
+from engine.worker.paged_worker import PagedStageWorker
 from tests.support.agent_helpers import FakeIdle, console
 from tests.support.asyncutil import run
 
@@ -173,9 +173,10 @@ def test_a_real_agent_and_a_real_stage_refuse_an_admin_certificate(tmp_path, tin
             await agent.async_start()
             admin = con.authority.issue_admin("alice")
             desk = con.authority.issue_credentials("desk-2", role=Role.AGENT)
-            worker = StageWorker(Stage(export, 1, exact=True), Address("127.0.0.1", 0), Address("127.0.0.1", 9),
-                                 server_ssl=desk.server_context(), client_ssl=desk.client_context(),
-                                 peers=PeerPolicy.of([admin.node_id, desk.node_id]))
+            worker = PagedStageWorker(PagedStage(export, 1, exact=True), Address("127.0.0.1", 0),
+                                      Address("127.0.0.1", 9), kv_pool_bytes=16 << 20,
+                                      server_ssl=desk.server_context(), client_ssl=desk.client_context(),
+                                      peers=PeerPolicy.of([admin.node_id, desk.node_id]))
             try:
                 await agent.async_join(con.enrollment, con.token())
                 data = await worker.async_start()
