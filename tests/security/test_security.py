@@ -14,8 +14,8 @@ Already covered elsewhere, not repeated here:
   throwaway PKI. tests/control/test_fuzz_console.py: hub traversal spellings and ranges, fuzzed.
 
 Here, on the running control API (agent), hub (console), stage worker data port
-(a paged ``PagedStageWorker`` with ``Credentials.server_context()``; ``deskfleet worker --paged``
-for a shard that fails its checks) and enrollment (console): strangers with
+(a paged ``PagedStageWorker`` with ``Credentials.server_context()``; ``deskfleet worker --paged``'s
+own code for a shard that fails its checks) and enrollment (console): strangers with
 no certificate, another fleet's certificate or an expired one; replayed and expired join tokens
 through a real agent; a manifest path escaping the shard store; a shard whose hash does not match.
 Each must be refused and leave a log record. Enrollment takes no client certificate by design
@@ -32,8 +32,6 @@ import logging
 import os
 import shutil
 import ssl
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -207,15 +205,19 @@ def test_replayed_and_expired_join_tokens_leave_the_agent_outside_and_are_logged
 
 # -- a worker that must refuse its shard ------------------------------------------------------------
 
-def _refused_worker(export: Path, port: int) -> str:
-    """``deskfleet worker --paged`` for stage 1 of ``export`` on ``port``: it must exit with an error
-    without listening and say why in its log; that log (stderr)."""
-    cmd = [sys.executable, "-m", "engine.cli.main", "worker", "--shard", str(export), "--stage", "1", "--paged",
-           "--listen", f"127.0.0.1:{port}", "--next", "127.0.0.1:9"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert done.returncode != 0, done.stdout[-2000:]
-    assert "refusing to serve stage 1" in done.stderr, done.stderr[-3000:]
-    return done.stderr
+async def _refused_worker(caplog, export: Path, port: int, *words: str) -> str:
+    """``deskfleet worker --paged`` for stage 1 of ``export`` on ``port`` (the command line's own
+    code, in this process): it must exit with an error without listening, and log why; that record."""
+    from engine.cli.main import main as deskfleet
+
+    since = len(caplog.records)
+    argv = ["worker", "--shard", str(export), "--stage", "1", "--paged", "--listen", f"127.0.0.1:{port}",
+            "--next", "127.0.0.1:9"]
+    assert await asyncio.to_thread(deskfleet, argv) == 1
+    logged = [r.getMessage() for r in caplog.records[since:] if r.levelno >= logging.ERROR]
+    found = [m for m in logged if all(w in m for w in ("refusing to serve stage 1", *words))]
+    assert found, f"no error record saying it refused the shard: {logged}"
+    return found[0]
 
 
 # -- a manifest path escaping the shard store ---------------------------------------------------------
@@ -267,7 +269,7 @@ def test_a_manifest_path_escaping_the_shard_store_is_refused_and_logged_on_every
                 await agent.async_close()
 
         port = free_port()
-        worker_log = await asyncio.to_thread(_refused_worker, evil, port)
+        worker_log = await _refused_worker(caplog, evil, port)
         with pytest.raises(OSError):  # nothing ever listened
             await asyncio.open_connection("127.0.0.1", port)
         return hub_log, hub_status, refused.value.status, control_log, assigned, worker_log
@@ -292,8 +294,7 @@ def test_a_shard_whose_hash_does_not_match_is_refused_and_logged_on_every_port(t
 
     async def main():
         port = free_port()
-        worker_log = await asyncio.to_thread(_refused_worker, bad, port)
-        assert big.name in worker_log
+        worker_log = await _refused_worker(caplog, bad, port, big.name)
         with pytest.raises(OSError):
             await asyncio.open_connection("127.0.0.1", port)
 
