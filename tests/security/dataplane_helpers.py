@@ -1,6 +1,8 @@
 """Shared by the data-plane insider, bound and hold tests: one fleet CA with the console, the desk
 serving a stage and two fellow members, and the pieces of a paged ring (a PagedRingPath, a
-PagedStageWorker, a BatchCoordinator over them) the files build their rings from."""
+PagedStageWorker, a BatchCoordinator over them) the files build their rings from: every stage
+remote, so a test holds the path before the ring starts (tests/support/paged_ring.py's ring runs
+stage 0 in process)."""
 
 from __future__ import annotations
 
@@ -8,15 +10,15 @@ from pathlib import Path
 
 from engine.coordinator.batch_coordinator import BatchCoordinator, paged_scheduler
 from engine.coordinator.paged_ring import PagedRingPath
-from engine.generation.generator import ModelCard
 from engine.shards.kv_pool import pool_blocks_for
-from engine.shards.manifest import Manifest, load_manifest
+from engine.shards.manifest import load_manifest
 from engine.shards.paged_stage import PagedStage
 from engine.trust.fleet_ca import Credentials, FleetAuthority, Role
 from engine.wire.address import Address
 from engine.wire.step_codec import step_reply_bound
 from engine.wire.step_plan import CPU_BLOCK_SIZE
 from engine.worker.paged_worker import PagedStageWorker
+from tests.support.paged_ring import card_of
 
 N = 12  # tokens per test request
 LOOP = Address("127.0.0.1", 0)
@@ -58,12 +60,6 @@ def worker(stage: PagedStage, next_address: Address, **options) -> PagedStageWor
     return PagedStageWorker(stage, LOOP, next_address, kv_pool_bytes=POOL, **options)
 
 
-def _card(manifest: Manifest) -> ModelCard:
-    m = manifest.model
-    return ModelCard(name=m.name, context_length=m.max_position_embeddings, eos_token_ids=m.eos_token_ids,
-                     stages=len(manifest.stages), fingerprint=m.fingerprint, vocab_size=m.vocab_size)
-
-
 def coordinator(path: PagedRingPath, export: Path, **options) -> BatchCoordinator:
     """A paged coordinator over ``path`` (exact f32 pool of :data:`POOL`), as ``deskfleet serve
     --first-stage`` builds one; ``options``: BatchCoordinator's (recover, timeouts)."""
@@ -71,4 +67,4 @@ def coordinator(path: PagedRingPath, export: Path, **options) -> BatchCoordinato
     pool = pool_blocks_for(manifest, POOL, CPU_BLOCK_SIZE, precision="f32")
     scheduler = paged_scheduler(manifest, pool, CPU_BLOCK_SIZE, slots=4, token_budget=TOKEN_BUDGET,
                                 prefill_chunk=TOKEN_BUDGET)
-    return BatchCoordinator(path, _card(manifest), scheduler, **options)
+    return BatchCoordinator(path, card_of(manifest), scheduler, **options)
