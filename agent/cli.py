@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TextIO
 
 from engine.cli.main import Command
+from engine.tasks import start_task
 
 log = logging.getLogger("deskfleet.agent")
 
@@ -150,7 +151,8 @@ async def _async_join_from_file(service, args: argparse.Namespace, state_dir: Pa
         print(f"deskfleet agent: joined fleet {service.status().fleet_id} with the token in {path} (removed)",
               flush=True)
     elif outcome == "unreachable":
-        return asyncio.create_task(async_keep_joining(service, path, console=args.console), name="deskfleet-join-file")
+        return start_task(async_keep_joining(service, path, console=args.console), name="deskfleet-join-file",
+                          logger=log)
     elif outcome not in ("already_joined", "no_file"):
         print(f"deskfleet agent: could not join with the token in {path} ({outcome}; see the log); the file is kept",
               flush=True)

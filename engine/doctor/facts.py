@@ -12,6 +12,7 @@ import contextlib
 import ctypes.util
 import email.utils
 import errno
+import logging
 import os
 import secrets
 import shutil
@@ -20,6 +21,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import psutil
 
 from engine.doctor.checks import (
     ClockFacts,
@@ -30,6 +33,9 @@ from engine.doctor.checks import (
     MulticastFacts,
     PortFacts,
 )
+from engine.suppress import logged_suppress
+
+log = logging.getLogger(__name__)
 
 INTEL_VENDOR = "0x8086"
 _DISPLAY_CLASS = "0x03"  # PCI base class 03: display controllers
@@ -141,17 +147,14 @@ async def async_multicast_selftest(interface: str, *, timeout: float = 8.0) -> M
 
 def _holder(port: int) -> tuple[str | None, bool]:
     """Who listens on TCP ``port`` ("name (pid N)") and whether it is a Deskfleet agent."""
-    try:
-        import psutil
-
+    # another user's process, or no permission to list sockets: nobody known
+    with logged_suppress(log, f"finding who listens on TCP port {port}"):
         for conn in psutil.net_connections(kind="tcp"):
             if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN and conn.pid:
                 proc = psutil.Process(conn.pid)
                 cmdline = " ".join(proc.cmdline())
                 agent = " agent" in cmdline and ("deskfleet" in cmdline or "engine.cli.main" in cmdline)
                 return f"{proc.name()} (pid {conn.pid})", agent
-    except Exception:  # another user's process, or no permission to list sockets
-        pass
     return None, False
 
 
