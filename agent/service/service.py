@@ -38,6 +38,7 @@ from agent.service.standby_spare import StandbySpare
 from agent.service.store import ShardStore, async_fetch
 from agent.service.supervisor import WorkerLaunch, WorkerSupervisor, worker_args
 from engine import __version__
+from engine.control.enrollment import async_join
 from engine.control.links import LinkMeasurement, async_measure_link
 from engine.control.messages import (
     AgentStatus,
@@ -175,8 +176,6 @@ class AgentService:
         With no ``console`` the address is found over mDNS: the consoles whose record names the
         token's fleet, tried in turn (the join itself checks the CA against the token's pin).
         """
-        from engine.control.enrollment import async_join
-
         if console:
             joined = await async_join(console, token, self.settings.name, info=self._inventory, timeout=timeout)
         else:
