@@ -12,6 +12,9 @@ from pathlib import Path
 from typing import TextIO
 
 from engine.cli.main import Command
+from engine.control.tags import tags_from_text
+from engine.errors import DeskfleetError
+from engine.tasks import start_task
 
 log = logging.getLogger("deskfleet.agent")
 
@@ -56,8 +59,6 @@ def read_join_token(args: argparse.Namespace, stdin: TextIO) -> str | None:
     """The join token ``--join -`` (standard input) or ``--join-file PATH`` names; None without
     either. A token given on the command line itself is refused: any local user can read another
     process's arguments (``/proc/*/cmdline``) for its whole lifetime, and shells keep them."""
-    from engine.errors import DeskfleetError
-
     if args.join_file is not None:
         try:
             text = args.join_file.read_text(encoding="utf-8", errors="replace")[:MAX_TOKEN_CHARS]
@@ -80,12 +81,11 @@ def read_join_token(args: argparse.Namespace, stdin: TextIO) -> str | None:
 
 def command_line_tags(args: argparse.Namespace) -> tuple[str, ...] | None:
     """``--tags`` as tags (None: not given; '' gives none); TagError for a bad one."""
-    from engine.control.tags import tags_from_text
-
     return None if getattr(args, "tags", None) is None else tags_from_text(args.tags, "--tags")
 
 
 async def async_run_headless(args: argparse.Namespace) -> int:
+    # here: `deskfleet --help` lists the agent without loading the service (aiohttp, zeroconf, OpenVINO)
     from agent.service.idle import default_idle_source
     from agent.service.service import AgentService
     from agent.service.settings import resolve_settings
@@ -128,6 +128,7 @@ async def async_run_headless(args: argparse.Namespace) -> int:
 async def _async_join_from_file(service, args: argparse.Namespace, state_dir: Path) -> asyncio.Task | None:
     """Join with the token file (``--join-file``, else ``join-token`` in the state dir) when not joined
     yet: one try now, then in the background while the console cannot be reached (the task, or None)."""
+    # here: the enrollment client (aiohttp) loads only when the agent runs
     from agent.service.join_file import (
         JoinFileError,
         async_join_from_file,
@@ -150,7 +151,8 @@ async def _async_join_from_file(service, args: argparse.Namespace, state_dir: Pa
         print(f"deskfleet agent: joined fleet {service.status().fleet_id} with the token in {path} (removed)",
               flush=True)
     elif outcome == "unreachable":
-        return asyncio.create_task(async_keep_joining(service, path, console=args.console), name="deskfleet-join-file")
+        return start_task(async_keep_joining(service, path, console=args.console), name="deskfleet-join-file",
+                          logger=log)
     elif outcome not in ("already_joined", "no_file"):
         print(f"deskfleet agent: could not join with the token in {path} ({outcome}; see the log); the file is kept",
               flush=True)
@@ -162,6 +164,7 @@ def run(args: argparse.Namespace) -> int:
         args.join = read_join_token(args, sys.stdin)  # the token itself from here on
     if args.headless or args.leave:
         return asyncio.run(async_run_headless(args))
+    # here: Qt (the gui extra) loads only for the tray; --headless runs without it
     from agent.tray.app import run_tray
 
     return run_tray(args)

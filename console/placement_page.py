@@ -42,7 +42,8 @@ from console.service.placement_inputs import memory_warnings, moe_note, retime, 
 from console.service_bridge import ServiceBridge
 from engine.control.tags import tags_from_text
 from engine.errors import DeskfleetError
-from engine.placement.planner import PlacementRequest, Plan, plan_quality
+from engine.placement.planner import plan_quality
+from engine.placement.types import PlacementRequest, Plan
 
 COLUMNS = ("Stage", "Agent", "Device", "Layers", "Predicted ms", "Memory", "Hop to next ms")
 AUTO = 0  # the context spin box's "auto": the service chooses (model maximum, capped by memory)

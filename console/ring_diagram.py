@@ -23,7 +23,7 @@ from PySide6.QtCore import QPointF, QRectF, QSize, Qt
 from PySide6.QtGui import QColor, QFont, QPainter, QPainterPath, QPaintEvent, QPen, QPolygonF
 from PySide6.QtWidgets import QSizePolicy, QWidget
 
-from engine.placement.planner import Plan
+from engine.placement.types import Plan
 
 STAGE_COMPUTE = 'stage_compute_ms_per_step{{stage="{k}"}}'  # the coordinator's measured ms per stage
 PLANNED = "planned"  # a stage of a plan not brought up (the Placement page)

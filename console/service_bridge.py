@@ -46,7 +46,7 @@ from console.shared.loop_thread import LoopThread
 from console.shared.qt_async import QtAsync
 from engine.control.fleet_services import is_first_run
 from engine.control.hub import AgentEvent
-from engine.placement.planner import PlacementRequest, Plan
+from engine.placement.types import PlacementRequest, Plan
 from engine.trust.admin_bundle import read_admin_credentials
 
 log = logging.getLogger("deskfleet.console")

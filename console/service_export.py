@@ -32,7 +32,7 @@ from console.service.export_job import (
     ExportProgress,
 )
 from console.service.models import ModelEntry
-from engine.placement.planner import Plan, PlannedStage
+from engine.placement.types import Plan, PlannedStage
 
 
 class ExportHost(Protocol):

@@ -24,7 +24,7 @@ from console.service.export_catalog import ExportInfo, ExportKey
 from console.service.export_job import ExportFailed, ExportFinished, ExportProgress
 from console.service.ring_layout import AgentProgress, RingHealth
 from console.service_bridge import ServiceBridge
-from engine.placement.planner import Plan
+from engine.placement.types import Plan
 
 log = logging.getLogger("deskfleet.console")
 

@@ -34,7 +34,7 @@ class MissingExtraError(DeskfleetError):
 @dataclass(frozen=True)
 class Exclusion:
     """An agent left out of the placement, and why ("not approved", "paused", "on battery",
-    "no device profile"). Carried by `PlacementInfeasible` and by `engine.placement.planner.Plan`."""
+    "no device profile"). Carried by `PlacementInfeasible` and by `engine.placement.types.Plan`."""
 
     pc_id: str
     reason: str

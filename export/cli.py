@@ -24,6 +24,7 @@ _STEP_INDEX = {**{step: i for i, step in enumerate(EXPORT_STEPS)}, "static": EXP
 @contextlib.contextmanager
 def export_progress() -> Iterator[Callable[[int, str], None]]:
     """One progress bar per stage on stderr, advanced by the exporter's (stage, step) callbacks."""
+    # here, not at the top: `deskfleet --help` loads this module (the models/export commands) without tqdm
     from tqdm import tqdm
 
     bars: dict[int, tqdm] = {}
@@ -88,6 +89,7 @@ def configure_export(p: argparse.ArgumentParser) -> None:
 
 
 def run_export(args: argparse.Namespace) -> int:
+    # here: the exporter (OpenVINO, the builder) loads only for an export, not for `--help`
     from export.exporter import export_model
     from export.options import ExportError, ExportOptions
     from export.sources import resolve_model
@@ -122,6 +124,7 @@ def configure_models(p: argparse.ArgumentParser) -> None:
 
 
 def run_models(args: argparse.Namespace) -> int:
+    # here: model sources load only for `deskfleet models`, not for `--help`
     from export.sources import format_models_table, list_models
 
     print(format_models_table(list_models()))

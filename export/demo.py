@@ -12,7 +12,9 @@ restarted in place (compiling from the cache root's compile cache), and its held
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
+import time
 
 from engine.cli.main import Command
 
@@ -33,6 +35,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 def ensure_default_export(weights: str, stages: int):
     """The embedded model's export under the cache root: verified if present, else made now."""
+    # here, not at the top: `deskfleet --help` loads this module (the demo command) without the exporter and OpenVINO
     from engine.errors import ManifestError
     from engine.shards.manifest import load_manifest, verify_stage
     from export.cli import export_progress
@@ -57,8 +60,7 @@ def ensure_default_export(weights: str, stages: int):
 
 
 async def _async_demo(args: argparse.Namespace, source, out) -> int:
-    import time
-
+    # here, not at the top: `deskfleet --help` loads this module without the generator and OpenVINO
     from engine.generation.request import GenerationRequest
     from engine.generation.tokenizer import ChatTokenizer
     from engine.tools.local_fleet import paged_local_fleet
@@ -84,6 +86,7 @@ async def _async_demo(args: argparse.Namespace, source, out) -> int:
         print(f"[{rate:.1f} tok/s decode, TTFT {(first - started) * 1000:.0f} ms, {len(tokens)} tokens, "
               f"{args.stages} worker processes on loopback, {source.name} {args.weights}]", flush=True)
         if args.serve:
+            # here: the API server (aiohttp) loads only for --serve
             from engine.cli.serve import async_serve_until_interrupted
 
             await async_serve_until_interrupted(coordinator, tokenizer, host="127.0.0.1", port=args.port)
@@ -91,8 +94,6 @@ async def _async_demo(args: argparse.Namespace, source, out) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    import asyncio
-
     source, out = ensure_default_export(args.weights, args.stages)
     return asyncio.run(_async_demo(args, source, out))
 

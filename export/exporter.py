@@ -36,8 +36,9 @@ from engine.shards.manifest import (
     file_entry,
     format_version_for,
 )
+from engine.shards.tensor_names import BEAM_IDX
 from export.builder.families import ModelShape, model_shape
-from export.builder.stage_graph import BEAM_IDX, StagePlan
+from export.builder.stage_graph import StagePlan
 from export.options import WEIGHT_FORMATS, ExportError, ExportOptions, Progress, check_group_size
 
 __all__ = ["ExportError", "ExportOptions", "ExportReport", "Progress", "export_model", "plan_stages",
@@ -116,6 +117,7 @@ def _copy_tokenizer(checkpoint_dir: Path, out_dir: Path) -> tuple[FileEntry, ...
 
 
 def _validate_options(shape: ModelShape, options: ExportOptions, gguf: Path | None) -> None:
+    # here: the fleet service imports this module for ExportOptions; the NPU builder loads only for an export
     from export.static_export import validate_target
 
     validate_target(shape.max_positions, options)
@@ -141,6 +143,7 @@ def _validate_options(shape: ModelShape, options: ExportOptions, gguf: Path | No
 
 def _gguf_tokenizer(gguf: Path, source: Any, out_dir: Path) -> tuple[FileEntry, ...]:
     """The GGUF's tokenizer as HF tokenizer files (torch-free), into ``out_dir/tokenizer``."""
+    # here: the GGUF reader loads only for a GGUF source
     from export.gguf_tokenizer import GGUFTokenizerError, write_tokenizer_files
 
     try:
@@ -177,6 +180,7 @@ def read_config(model: Path | str) -> dict:
     model = Path(model)
     gguf = _gguf_weights(model)
     if gguf is not None and (model == gguf or not (model / "config.json").is_file()):
+        # here: the GGUF reader loads only for a GGUF source
         from export.weights.gguf_source import GGUFSource
 
         with GGUFSource(gguf) as source:
@@ -209,6 +213,7 @@ def _gguf_weights(model: Path) -> Path | None:
 
 
 def _open_source(model: Path, gguf: Path | None) -> Any:
+    # here: the fleet service imports this module for ExportOptions; weights load only for an export
     from export.weights.checkpoint import CheckpointError, open_checkpoint
 
     try:
@@ -220,6 +225,7 @@ def _open_source(model: Path, gguf: Path | None) -> Any:
 def _export_stages(source: Any, shape: ModelShape, plan: list[StagePlan], options: ExportOptions, out_dir: Path,
                    progress: Progress) -> tuple[StageManifest, ...]:
     """The shards from :mod:`export.builder`, one stage at a time: stateful (CPU/GPU) or static (NPU)."""
+    # here: the fleet service imports this module for ExportOptions; the builder loads only for an export
     from export.builder.export import BuildError, check_tensors
     from export.builder.export import export_stage as build_stage
     from export.static_export import export_static_stage
@@ -250,6 +256,7 @@ def export_model(checkpoint_dir: Path | str, out_dir: Path | str, *, stages: int
         _validate_options(shape, options, gguf)
         plan = plan_stages(shape.num_layers, stages, split)
         if fingerprint is None:
+            # here: model sources (hashing, tokenizers) load only when no fingerprint is given
             from export.sources import model_fingerprint
 
             fingerprint = model_fingerprint(ckpt)

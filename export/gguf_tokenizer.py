@@ -249,6 +249,7 @@ def write_tokenizer_files(gguf_path: Path, out_dir: Path, metadata: Mapping[str,
     Pass the open source's ``metadata`` to avoid parsing the GGUF header a second time.
     """
     if metadata is None:
+        # here: the GGUF reader loads only when no metadata was passed in
         from export.weights.gguf_file import GGUFFile
 
         metadata = GGUFFile(Path(gguf_path)).fields
@@ -269,6 +270,7 @@ def write_checkpoint_metadata(gguf_path: Path, out_dir: Path, source: Any = None
     builder reads the weights from the GGUF itself, so only what describes the model is written.
     """
     if source is None:
+        # here: the GGUF reader loads only when no source was passed in
         from export.weights.gguf_source import GGUFSource
 
         source = GGUFSource(Path(gguf_path))

@@ -312,6 +312,7 @@ def convert_gguf(gguf_path: Path, *, cache_root: Path | None = None) -> Path:
 
 def _write_checkpoint_from_gguf(gguf_path: Path, out_dir: Path) -> None:
     """config.json and the tokenizer files of ``gguf_path`` (torch-free, from its metadata)."""
+    # here: the fleet service imports this module for the model list; the GGUF tooling loads only to convert one
     from export.gguf_tokenizer import GGUFTokenizerError, write_checkpoint_metadata
     from export.weights.checkpoint import CheckpointError
 
@@ -341,6 +342,7 @@ def check_converted_tokenizer(checkpoint_dir: Path, *, adds_bos: bool | None = N
     ``adds_bos`` is the GGUF's flag when known. Raises :class:`ModelSourceError` on an unwanted
     or doubled BOS or a missing chat template.
     """
+    # here: `tokenizers` loads only to check a converted tokenizer, not for the model list
     from engine.generation.tokenizer import ChatTokenizer
 
     config = json.loads((checkpoint_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
@@ -370,6 +372,7 @@ def check_converted_tokenizer(checkpoint_dir: Path, *, adds_bos: bool | None = N
 
 def gguf_adds_bos(gguf_path: Path) -> bool | None:
     """The GGUF's ``tokenizer.ggml.add_bos_token`` flag, or ``None`` if it does not say."""
+    # here: the GGUF reader loads only for a GGUF
     from export.weights.gguf_file import GGUFFile
 
     value = GGUFFile(Path(gguf_path)).fields.get("tokenizer.ggml.add_bos_token")
@@ -409,6 +412,7 @@ def model_fingerprint(path: Path) -> str:
     (:func:`export.weights.fingerprint.checkpoint_fingerprint`). A ``.gguf`` file, or a model
     directory prepared from one: the GGUF's bytes.
     """
+    # here: checkpoint readers load only to fingerprint one, not for the model list
     from export.weights.checkpoint import CheckpointError
     from export.weights.fingerprint import checkpoint_fingerprint, gguf_fingerprint
 

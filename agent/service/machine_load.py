@@ -7,7 +7,7 @@ the console can draw per-agent CPU and memory sparklines (docs/CONTROL_API.md, `
 
 from __future__ import annotations
 
-import contextlib
+import logging
 import shutil
 import threading
 import time
@@ -17,7 +17,11 @@ from pathlib import Path
 
 import psutil
 
+from engine.suppress import logged_suppress
+
 MIN_WINDOW_S = 1.0  # reads closer together than this answer the last figure (a busy tray, many polls)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -46,7 +50,8 @@ class LoadMeter:
     def _cpu_times() -> tuple[float, float] | None:
         try:
             t = psutil.cpu_times()
-        except Exception:  # psutil unavailable on this platform build
+        except Exception as exc:  # psutil unavailable on this platform build
+            log.debug("no CPU times from psutil: %s: %s", type(exc).__name__, exc)
             return None
         total = sum(t)
         idle = t.idle + getattr(t, "iowait", 0.0)
@@ -67,7 +72,7 @@ class LoadMeter:
 
     def sample(self) -> LoadSample:
         used = None
-        with contextlib.suppress(Exception):
+        with logged_suppress(log, "reading the memory in use"):
             memory = psutil.virtual_memory()
             used = int(memory.total - memory.available)
         return LoadSample(self.cpu_percent(), used)
@@ -76,7 +81,7 @@ class LoadMeter:
 def fresh_inventory(inventory: dict, store_root: Path) -> dict:
     """``inventory`` with the facts that change (free memory, power, disk) read now."""
     inventory = dict(inventory)
-    with contextlib.suppress(Exception):
+    with logged_suppress(log, "reading free memory, power and disk for the inventory"):
         inventory["ram_available"] = psutil.virtual_memory().available
         battery = psutil.sensors_battery()
         inventory["battery_percent"] = None if battery is None else battery.percent

@@ -38,6 +38,7 @@ from agent.service.standby_spare import StandbySpare
 from agent.service.store import ShardStore, async_fetch
 from agent.service.supervisor import WorkerLaunch, WorkerSupervisor, worker_args
 from engine import __version__
+from engine.control.enrollment import async_join
 from engine.control.links import LinkMeasurement, async_measure_link
 from engine.control.messages import (
     AgentStatus,
@@ -51,6 +52,8 @@ from engine.discovery.mdns import Advertisement, Advertiser, instance_name
 from engine.errors import DeskfleetError
 from engine.http_limits import LimitedAppRunner
 from engine.machine.this_pc import primary_ipv4
+from engine.suppress import logged_suppress
+from engine.tasks import start_task
 from engine.trust.fleet_ca import Credentials
 from engine.trust.keystore import KeyStore
 
@@ -68,7 +71,7 @@ WORKER_READS_POLICY_UPDATES = True
 
 def battery_on_ac() -> bool | None:
     """True on mains power, False on battery, None for a PC without a battery."""
-    with contextlib.suppress(Exception):
+    with logged_suppress(log, "reading the battery state"):
         battery = psutil.sensors_battery()
         return None if battery is None else bool(battery.power_plugged)
     return None
@@ -121,9 +124,9 @@ class AgentService:
         self._advertiser = Advertiser(self.interface)
         await self._advertiser.async_start(self.advertisement())
         self._pause = self._decide()
-        self._monitor = asyncio.create_task(self._async_monitor(), name="deskfleet-agent-monitor")
+        self._monitor = start_task(self._async_monitor(), name="deskfleet-agent-monitor", logger=log)
         if self.settings.seeds:
-            self._registrar = asyncio.create_task(self._async_register_loop(), name="deskfleet-agent-register")
+            self._registrar = start_task(self._async_register_loop(), name="deskfleet-agent-register", logger=log)
         if self._state.serving and self.assignment is not None and not self._pause.paused:
             with contextlib.suppress(DeskfleetError):
                 await self._async_launch_worker()
@@ -173,8 +176,6 @@ class AgentService:
         With no ``console`` the address is found over mDNS: the consoles whose record names the
         token's fleet, tried in turn (the join itself checks the CA against the token's pin).
         """
-        from engine.control.enrollment import async_join
-
         if console:
             joined = await async_join(console, token, self.settings.name, info=self._inventory, timeout=timeout)
         else:
@@ -270,7 +271,7 @@ class AgentService:
         self.store.check_space(assignment)  # 507 now rather than a failure in the background
         cap = bandwidth_cap or self.settings.bandwidth_cap_bytes_s
         self._fetch = replace(self._fetch, error=None, finished=False)
-        self._fetch_task = asyncio.create_task(self._async_fetch(assignment, cap), name="deskfleet-fetch")
+        self._fetch_task = start_task(self._async_fetch(assignment, cap), name="deskfleet-fetch", logger=log)
         self._changed()
 
     async def async_wait_fetched(self, timeout: float) -> FetchProgress:
@@ -347,7 +348,7 @@ class AgentService:
 
     def _spare_decision(self, assignment: Assignment, *, worker_running: bool) -> SpareDecision:
         available = None
-        with contextlib.suppress(Exception):
+        with logged_suppress(log, "reading the free memory for the warm-spare decision"):
             available = psutil.virtual_memory().available
         pool = self.kv_pool_mb << 20 if assignment.runtime == "paged" else 0
         return spare_decision(self.settings.warm_spare, stage_bytes=sum(e.size for e in assignment.files()),
@@ -538,9 +539,8 @@ class AgentService:
 
     def _on_worker(self, status: WorkerStatus) -> None:
         if status.restarts > self._worker_restarts:  # it died under load: the console fails over now
-            task = asyncio.get_running_loop().create_task(self._async_notify("worker-lost", status.last_error))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            start_task(self._async_notify("worker-lost", status.last_error), name="deskfleet-notify-worker-lost",
+                       logger=log, keep=self._background)
         self._worker_restarts = status.restarts
         self._changed()
 
@@ -606,9 +606,8 @@ class AgentService:
         status = self.status()
         if self._advertiser is not None and status.state != self._last_state:
             self._last_state = status.state
-            task = asyncio.get_running_loop().create_task(self._advertiser.async_update(self.advertisement()))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            start_task(self._advertiser.async_update(self.advertisement()), name="deskfleet-advert-update",
+                       logger=log, keep=self._background)
         for listener in list(self._listeners):
             try:
                 listener(status)

@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from agent.service.supervisor import WorkerLaunch, WorkerSupervisor
 from engine.control.messages import Assignment
 from engine.errors import DeskfleetError
+from engine.tasks import start_task
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ class StandbySpare:
         if paused:
             log.info("holding a warm spare of %s stage %d once the pause ends", assignment.export_id, assignment.stage)
             return
-        self._task = asyncio.create_task(self._async_prepare(assignment), name="deskfleet-standby-spare")
+        self._task = start_task(self._async_prepare(assignment), name="deskfleet-standby-spare", logger=log)
 
     async def async_resume(self) -> None:
         """The pause ended: start the spare that was asked for."""

@@ -23,7 +23,7 @@ from ssl import SSLContext
 
 import aiohttp
 
-from engine.atomic_file import write_json_atomic
+from engine.atomic_file import write_json_atomic, write_text_atomic
 from engine.control.messages import Assignment, ControlRequestError, FetchProgress
 from engine.errors import DeskfleetError, ShardIntegrityError
 from engine.shards.manifest import MANIFEST_NAME, FileEntry, safe_join, sha256_file
@@ -85,9 +85,7 @@ class ShardStore:
         directory = self.directory(assignment.export_id)
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / MANIFEST_NAME
-        tmp = path.with_name(MANIFEST_NAME + ".tmp")
-        tmp.write_text(assignment.manifest_json, encoding="utf-8")
-        os.replace(tmp, path)
+        write_text_atomic(path, assignment.manifest_json)
         return directory
 
     def check_space(self, assignment: Assignment) -> None:

@@ -45,6 +45,7 @@ import psutil
 
 from agent.service.worker_process import WorkerLaunch, WorkerProcess
 from engine.control.messages import WorkerStatus
+from engine.tasks import start_task
 from engine.worker.status_lines import PEERS_PREFIX, READY_PREFIX, STATS_PREFIX
 
 log = logging.getLogger(__name__)
@@ -137,7 +138,7 @@ class WorkerSupervisor:
         self._launch = launch
         self._ready.clear()
         self._set(state="starting", restarts=0, last_error=None, steps_per_s=0.0, streams=0, policy_updates=0)
-        self._task = asyncio.create_task(self._async_supervise(), name="deskfleet-worker-supervisor")
+        self._task = start_task(self._async_supervise(), name="deskfleet-worker-supervisor", logger=log)
 
     async def async_start_spare(self, launch: WorkerLaunch) -> None:
         """Hold a warm spare of ``launch`` with no worker (a standby agent); a spare of another
@@ -293,8 +294,8 @@ class WorkerSupervisor:
             return
         if self._spare_task is not None and not self._spare_task.done():
             return
-        self._spare_task = asyncio.get_running_loop().create_task(
-            self._async_spawn_spare(self._launch, self.spare_delay_s), name="deskfleet-warm-spare")
+        self._spare_task = start_task(self._async_spawn_spare(self._launch, self.spare_delay_s),
+                                      name="deskfleet-warm-spare", logger=log)
 
     def _on_spare_line(self, proc: WorkerProcess, text: str) -> None:
         if proc is self._proc:  # promoted: it speaks as the worker now

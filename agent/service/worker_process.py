@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from engine.tasks import start_task
 from engine.trust.peer_policy import POLICY_KEYS
 from engine.wire.address import Address
 from engine.worker.spare import SPARE_PREFIX, TIMING_PREFIX, Activation
@@ -108,7 +109,7 @@ class WorkerProcess:
         await proc.stdin.drain()
         if not self.launch.keep_stdin:
             proc.stdin.close()
-        self._reader = asyncio.create_task(self._async_read(), name="deskfleet-worker-stdout")
+        self._reader = start_task(self._async_read(), name="deskfleet-worker-stdout", logger=log)
 
     async def async_send(self, line: bytes, timeout: float = 5.0) -> bool:
         """Write one line on the worker's stdin; False if it is closed or gone."""

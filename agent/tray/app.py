@@ -16,7 +16,15 @@ import sys
 from PySide6.QtCore import QTimer
 from PySide6.QtWidgets import QApplication, QSystemTrayIcon
 
+from agent.service.idle import default_idle_source
+from agent.service.join_file import default_path as join_file_path
+from agent.service.service import AgentService
+from agent.service.settings import default_state_dir, resolve_settings
+from agent.tray.bridge import AgentBridge
+from agent.tray.tray import QtAgentTray
+from agent.tray.tray_model import login_command
 from console.shared.qt_async import drop_pending_quit
+from engine.control.tags import tags_from_text
 
 log = logging.getLogger("deskfleet.agent")
 
@@ -27,18 +35,9 @@ NO_TRAY_WARNING = ("deskfleet agent: this desktop has no system tray, so no icon
 
 def run_tray(args: argparse.Namespace) -> int:
     """Run the tray agent until Quit (or SIGINT/SIGTERM); returns the exit code."""
-    from agent.service.idle import default_idle_source
-    from agent.service.service import AgentService
-    from agent.service.settings import default_state_dir, resolve_settings
-    from agent.tray.bridge import AgentBridge
-    from agent.tray.tray import QtAgentTray
-    from agent.tray.tray_model import login_command
-
     app = QApplication.instance() or QApplication(sys.argv[:1])
     app.setQuitOnLastWindowClosed(False)
     app.setApplicationName("Deskfleet")
-
-    from engine.control.tags import tags_from_text
 
     tags = None if getattr(args, "tags", None) is None else tags_from_text(args.tags, "--tags")  # as agent.cli's
     state_dir, settings = resolve_settings(args.state_dir, interface=args.interface, control_port=args.control_port,
@@ -53,8 +52,6 @@ def run_tray(args: argparse.Namespace) -> int:
     else:
         print(NO_TRAY_WARNING, file=sys.stderr, flush=True)
         log.warning("no system tray available; running without an icon")
-
-    from agent.service.join_file import default_path as join_file_path
 
     def joined_from_file(outcome: str) -> None:
         if outcome != "joined":

@@ -15,6 +15,7 @@ same entry.
 
 from __future__ import annotations
 
+import configparser
 import os
 import plistlib
 import subprocess
@@ -25,6 +26,7 @@ from configparser import ConfigParser
 from pathlib import Path
 from typing import Any
 
+from engine.atomic_file import write_bytes_atomic
 from engine.errors import DeskfleetError
 
 APP_NAME = "Deskfleet agent"
@@ -121,7 +123,7 @@ def _xdg_entry_on(path: Path) -> bool | None:
     entry = ConfigParser(interpolation=None, strict=False)
     try:
         entry.read(path, encoding="utf-8")
-    except Exception:  # an unreadable entry: desktops skip it too
+    except (OSError, UnicodeDecodeError, configparser.Error):  # an unreadable entry: desktops skip it too
         return False
     return entry.get("Desktop Entry", "Hidden", fallback="false").strip() != "true"
 
@@ -147,10 +149,7 @@ def _kind(platform: str) -> str:
 
 def _write(path: Path, content: bytes) -> None:
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_bytes(content)
-        os.replace(tmp, path)
+        write_bytes_atomic(path, content)
     except OSError as e:
         raise AutostartError(f"could not write {path}: {e}") from e
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from PySide6.QtCore import QObject, QTimer, Signal
 
+from agent.service.join_file import async_join_from_file
 from agent.service.service import AgentService
 from agent.service.settings import AgentSettings
 from agent.tray.tray_model import Notice, notices_between
@@ -192,8 +193,6 @@ class AgentBridge(QObject):
     def join_from_file(self, path: Path, console: str | None, on_result: OnResult = None) -> None:
         """One join with the token file of a silent install (agent.service.join_file); ``on_result``
         gets the outcome ("joined", "refused:<reason>", "unreachable", ...)."""
-        from agent.service.join_file import async_join_from_file
-
         self._call(async_join_from_file(self.service, path, console=console, timeout=JOIN_TIMEOUT_S - 2),
                    JOIN_TIMEOUT_S, "joining with the installer's token", on_result)
 

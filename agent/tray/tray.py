@@ -187,6 +187,7 @@ class QtAgentTray(QObject):
             self.chat_window.close()
             self.chat_window = None
         if self.chat_window is None:
+            # here: the chat window's widgets load on its first opening, not with the tray
             from console.shared.chat_view import QtChatWindow
             from console.shared.conversations import ConversationStore
 

@@ -25,7 +25,7 @@ from console.service.admin_shapes import plan_from_json, plan_json, request_json
 from console.service.errors import ConsoleError
 from console.service.export_catalog import ExportSpec
 from engine.control.fleet_services import CA_CERT
-from engine.placement.planner import PlacementRequest, Plan
+from engine.placement.types import PlacementRequest, Plan
 from engine.trust.fleet_ca import Credentials, Role
 from engine.trust.tls_peer import PeerCheckingConnector, PeerIdentityError, expect_peer
 

@@ -27,7 +27,7 @@ from engine.control.messages import AgentStatus
 from engine.control.tags import reported_tags
 from engine.errors import PlacementInputError
 from engine.placement.moe import ExpertRouting, MoeWeights
-from engine.placement.planner import DeviceProfile, Links, ModelProfile, PcInfo
+from engine.placement.types import DeviceProfile, Links, ModelProfile, PcInfo
 
 SERVICE_END = "service"  # how docs/ADMIN_API.md names the service's end of a link; the pages call it CONSOLE
 

@@ -18,7 +18,7 @@ from console.service.links import LinkReport
 from console.service.models import ModelEntry
 from console.service.placement_inputs import PlacementInputs
 from engine.errors import Exclusion
-from engine.placement.planner import ModelProfile, PlacementRequest, Plan, PlannedStage
+from engine.placement.types import ModelProfile, PlacementRequest, Plan, PlannedStage
 
 
 class ShapeError(ConsoleError):

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from console.service.errors import CalibrationError
 from engine.errors import ManifestError
-from engine.placement.planner import ModelProfile
+from engine.placement.types import ModelProfile
 from engine.shards.manifest import Manifest, StageManifest, load_manifest
 
 if TYPE_CHECKING:

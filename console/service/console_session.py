@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from console.service.export_catalog import ExportSpec
 from console.service.models import ModelEntry
 from console.service.placement_inputs import PlacementInputs
-from engine.placement.planner import PlacementRequest, Plan
+from engine.placement.types import PlacementRequest, Plan
 
 MODEL, PLAN, SERVING = "model", "plan", "serving"
 

@@ -19,7 +19,7 @@ from console.service.errors import LayoutError
 from console.service.ring_layout import DEFAULT_DATA_PORT, AgentEndpoint
 from engine.api.server import ApiSettings
 from engine.control.messages import WorkerSettings
-from engine.placement.planner import Plan
+from engine.placement.types import Plan
 
 ENROLLMENT_PORT = 7220
 HUB_PORT = 7221

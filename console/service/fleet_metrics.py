@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from engine.control.hub import AgentEvent
-from engine.placement.planner import Plan
+from engine.placement.types import Plan
 
 LOCAL_COMPUTE = 'stage_compute_ms_per_step{stage="0"}'
 HISTORY = 120  # samples kept for the sparkline (two minutes at one a second)

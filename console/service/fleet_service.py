@@ -75,7 +75,7 @@ from engine.discovery.mdns import Browser
 from engine.generation.ring_report import overall_status
 from engine.generation.router import Router
 from engine.generation.tokenizer import ChatTokenizer
-from engine.placement.planner import PlacementRequest, Plan
+from engine.placement.types import PlacementRequest, Plan
 
 log = logging.getLogger("deskfleet.fleet")
 
@@ -426,7 +426,8 @@ class FleetService:
         """How many rings of the placement's model the agents allow, with ``standbys`` kept aside;
         the rings already served stay as they are (a new ring never moves one). Tags None: the
         placement's own."""
-        from engine.placement.rings import RingsRequest, plan_rings
+        from engine.placement.rings import plan_rings
+        from engine.placement.types import RingsRequest
 
         placement = self.placement(placement_id)
         inputs = placement.inputs

@@ -20,7 +20,7 @@ from types import MappingProxyType
 from console.service.fleet import FleetModel
 from engine.control.client import ControlClient, ControlError
 from engine.control.links import LinkError, LinkMeasurement, async_measure_link
-from engine.placement.planner import Links
+from engine.placement.types import Links
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from export.sources import (
 )
 
 if TYPE_CHECKING:
-    from engine.placement.planner import Plan
+    from engine.placement.types import Plan
 
 MODELS_FILE = "models.json"
 _GGUF_MAGIC = b"GGUF"

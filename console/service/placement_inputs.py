@@ -41,15 +41,8 @@ from engine.control.hub import FleetHub
 from engine.control.tags import tag_exclusions
 from engine.errors import Exclusion, PlacementInputError
 from engine.placement.moe import ExpertRouting, moe_weights, streamed_bytes
-from engine.placement.planner import (
-    DeviceProfile,
-    ModelProfile,
-    PcInfo,
-    PlacementRequest,
-    Plan,
-    PlannedStage,
-    solve,
-)
+from engine.placement.planner import solve
+from engine.placement.types import DeviceProfile, ModelProfile, PcInfo, PlacementRequest, Plan, PlannedStage
 
 if TYPE_CHECKING:
     from export.exporter import ExportOptions

@@ -24,7 +24,7 @@ from console.service.placement_inputs import PlacementInputs
 from console.service.state_file import read_json, write_json
 from engine.control.tags import parse_tags
 from engine.errors import TagError
-from engine.placement.planner import Plan
+from engine.placement.types import Plan
 
 PLACEMENTS_FILE = "placements.json"
 FORMAT = 1

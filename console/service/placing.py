@@ -21,7 +21,7 @@ from console.service.placement_inputs import LEFT_OUT, async_placement_inputs, s
 from console.service.placement_store import Placement
 from engine.control.hub import FleetHub
 from engine.control.tags import parse_tags
-from engine.placement.planner import PcInfo, PlacementRequest, Plan
+from engine.placement.types import PcInfo, PlacementRequest, Plan
 
 
 def checked_tags(include: Collection[str], exclude: Collection[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:

@@ -31,7 +31,7 @@ from console.service.fleet import FleetModel
 from console.service.state_file import read_json, write_json
 from engine.control.client import ControlClient, ControlError
 from engine.control.hub import FleetHub
-from engine.placement.planner import DeviceProfile, ModelProfile, PcInfo
+from engine.placement.types import DeviceProfile, ModelProfile, PcInfo
 from engine.shards.calibration import StageTiming, fit_layer_time
 
 log = logging.getLogger(__name__)

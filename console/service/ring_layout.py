@@ -19,7 +19,7 @@ from engine.control.messages import parse_hostport
 from engine.errors import DeskfleetError
 
 if TYPE_CHECKING:
-    from engine.placement.planner import Plan
+    from engine.placement.types import Plan
 
 DEFAULT_DATA_PORT = 7211  # an agent's default data port (agent.service.settings.AgentSettings)
 

@@ -22,7 +22,7 @@ from console.service.admin_shapes import ShapeError, plan_from_json, plan_json, 
 from console.service.errors import ConsoleError, ConsoleStateError
 from console.service.export_catalog import ExportSpec
 from console.service.state_file import read_json, write_json
-from engine.placement.planner import Plan
+from engine.placement.types import Plan
 
 SERVED_FILE = "served-rings.json"
 FORMAT = 1

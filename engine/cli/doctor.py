@@ -40,6 +40,7 @@ def _saved_settings(state_dir: Path) -> dict:
 
 
 async def async_gather(args: argparse.Namespace) -> Facts:
+    # here: `deskfleet --help` does not load the probes (zeroconf, aiohttp, keyring, OpenVINO)
     from engine.doctor import facts as g
 
     state_dir = args.state_dir or default_agent_dir()

@@ -15,6 +15,7 @@ from engine.generation.in_process import greedy_generate
 from engine.generation.tokenizer import ChatTokenizer
 from engine.shards.manifest import load_manifest
 from engine.shards.stage import LocalChain
+from engine.static.packed_stage import PackedServer, StaticChain
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -77,8 +78,6 @@ def _answer_stateful(args: argparse.Namespace, ids: list[int], on_token: Callabl
 
 def _answer_static(args: argparse.Namespace, ids: list[int], on_token: Callable[[int], None]) -> _Answer:
     """A static (NPU-target) export: its stages chained in-process, decoding greedily in one slot."""
-    from engine.static.packed_stage import PackedServer, StaticChain
-
     chain = StaticChain.load(args.shards, device=args.device, exact=args.exact)
     server = PackedServer(chain)
     rid = server.submit(ids, args.max_new_tokens, eos_ids=chain.manifest.model.eos_token_ids)

@@ -19,6 +19,7 @@ from pathlib import Path
 from engine.cli.main import Command
 from engine.errors import DeskfleetError
 from engine.trust.key_book import KeyBook
+from engine.trust.state_owner import run_as_owner
 
 
 def default_state_dir() -> Path:
@@ -82,8 +83,6 @@ def _change(args: argparse.Namespace, state_dir: Path) -> dict:
 def run(args: argparse.Namespace) -> int:
     """As root on a state dir another user owns (``sudo deskfleet keys … --state-dir /var/lib/deskfleet``)
     the book is changed as that owner, so the service can still read it (issue 29, L10)."""
-    from engine.trust.state_owner import run_as_owner
-
     state_dir = args.state_dir or default_state_dir()
     answer = run_as_owner(state_dir, lambda where: _change(args, where))
     if args.keys_action == "issue":

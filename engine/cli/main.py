@@ -9,6 +9,7 @@ part of the product: they run from a clone, ``python -m tests.benchmarks``.
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 from collections.abc import Callable, Sequence
@@ -61,8 +62,6 @@ def _plugins(group: str, only: str | None = None) -> list[Command]:
 
 
 def _builtin_commands(only: str | None = None) -> list[Command]:
-    import importlib
-
     return [importlib.import_module(module).COMMAND for name, module in _BUILTINS.items()
             if only is None or name == only]
 

@@ -21,6 +21,7 @@ from typing import TextIO
 from engine.cli.main import Command
 from engine.errors import DeskfleetError
 from engine.shards.kv_pool import DEFAULT_KV_POOL_BYTES
+from engine.trust.fleet_ca import Credentials
 from engine.trust.peer_policy import PeerPolicy, PeerPolicyError, parse_policy_update
 from engine.wire.address import Address
 from engine.worker.stage_worker import async_serve_worker
@@ -91,8 +92,6 @@ def read_tls_credentials(stream: TextIO) -> tuple:
     sends several lines and closes the stream is read to its end. Raises DeskfleetError saying
     what is wrong.
     """
-    from engine.trust.fleet_ca import Credentials
-
     first = stream.readline()
     try:
         try:

@@ -27,7 +27,6 @@ import datetime
 import inspect
 import json
 import logging
-import os
 import ssl
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -40,6 +39,7 @@ from aiohttp import web
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 
+from engine.atomic_file import write_bytes_atomic
 from engine.control.join_audit import JoinAudit
 from engine.errors import (
     CertificateRequestError,
@@ -285,12 +285,7 @@ def load_or_create_console_credentials(state_dir: Path, authority: FleetAuthorit
                         "join again", state_dir, creds.not_after.date())
     state_dir.mkdir(parents=True, exist_ok=True)
     creds = authority.issue_credentials(name, role=Role.CONSOLE)
-    partial = key.with_name(key.name + ".new")
-    partial.unlink(missing_ok=True)
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(creds.key_pem)
-    os.replace(partial, key)
+    write_bytes_atomic(key, creds.key_pem)
     cert.write_bytes(creds.cert_pem)
     return creds
 

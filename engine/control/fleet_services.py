@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine import __version__
+from engine.atomic_file import write_bytes_atomic
 from engine.control.enrollment import EnrollmentServer, load_or_create_console_credentials
 from engine.control.hub import FleetHub
 from engine.control.join_audit import JoinAudit
@@ -74,20 +75,9 @@ def prepare_state_dir(state_dir: Path) -> None:
 
 
 def write_private(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data``, mode 0600 from the first byte: a fresh temp file made with
-    O_EXCL (never an existing file, whose old mode O_TRUNC would keep), then renamed over."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o600)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    """Replace ``path`` with ``data``, mode 0600 from the first byte (engine.atomic_file); the name
+    the console's importers still use."""
+    write_bytes_atomic(path, data)
 
 
 def write_token_file(path: Path, token: str) -> Path:
@@ -100,11 +90,11 @@ def write_token_file(path: Path, token: str) -> Path:
 
 def _lock(fd: int) -> None:
     if sys.platform == "win32":  # the form type checkers narrow on
-        import msvcrt
+        import msvcrt  # Windows only
 
         msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
     else:
-        import fcntl
+        import fcntl  # POSIX only
 
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
 

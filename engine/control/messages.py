@@ -15,6 +15,7 @@ import hashlib
 import json
 import re
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from engine.control.tags import reported_tags
@@ -253,8 +254,6 @@ def parse_peers(data: dict[str, Any]) -> dict[str, Any]:
 
 def _check_relative(rel: str) -> None:
     """Refuse a manifest path that could escape the shard store (checked against a dummy root)."""
-    from pathlib import Path
-
     try:
         safe_join(Path("/nonexistent-root"), rel)
     except ManifestError as exc:

@@ -27,6 +27,7 @@ from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo
 
 from engine.discovery.mdns import RECORD_TTL_S, RecordPublisher, _bounded, _check_interface, _zeroconf_on
 from engine.errors import DiscoveryError
+from engine.tasks import start_task
 
 log = logging.getLogger(__name__)
 
@@ -179,9 +180,7 @@ async def async_find_consoles(interface: str, *, pin: str | None = None,
 
     def on_change(zeroconf, service_type: str, name: str, state_change: ServiceStateChange) -> None:
         if state_change is not ServiceStateChange.Removed and len(pending) < MAX_CONSOLES:
-            task = asyncio.get_running_loop().create_task(resolve(name))
-            pending.add(task)
-            task.add_done_callback(pending.discard)
+            start_task(resolve(name), name=f"deskfleet-resolve-console-{name}", logger=log, keep=pending)
 
     browser = None
     try:

@@ -33,6 +33,7 @@ from engine.discovery.advertisement import (
     new_instance_name,
 )
 from engine.errors import DiscoveryError
+from engine.tasks import start_task
 
 __all__ = ["MAX_TXT_BYTES", "RECORD_TTL_S", "SERVICE_TYPE", "TXT_KEYS", "Advertisement", "Advertiser",
            "AgentState", "Browser", "Peer", "instance_name", "new_instance_name"]
@@ -255,15 +256,13 @@ class Browser:
                                       f"and {len(self._peers)} agents tracked already (limits "
                                       f"{MAX_PENDING_RESOLVES}, {MAX_PEERS})")
         else:
-            task = asyncio.get_running_loop().create_task(self._resolve(name))
+            task = start_task(self._resolve(name), name=f"deskfleet-resolve-{key}", logger=log, level=logging.ERROR)
             self._pending[key] = task
             task.add_done_callback(lambda t: self._forget(key, t))
 
     def _forget(self, key: str, task: asyncio.Task) -> None:
-        if self._pending.get(key) is task:
+        if self._pending.get(key) is task:  # its failure, if any, start_task logged
             del self._pending[key]
-        if not task.cancelled() and task.exception() is not None:
-            log.error("resolving %s failed", key, exc_info=task.exception())
 
     async def _resolve(self, name: str) -> None:
         assert self._zc is not None

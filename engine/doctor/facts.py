@@ -12,6 +12,7 @@ import contextlib
 import ctypes.util
 import email.utils
 import errno
+import logging
 import os
 import secrets
 import shutil
@@ -21,6 +22,14 @@ import sys
 import time
 from pathlib import Path
 
+import aiohttp
+import keyring.errors
+import psutil
+from zeroconf import ServiceInfo
+from zeroconf.asyncio import AsyncServiceInfo
+
+from engine.control.enrollment import split_address
+from engine.discovery.mdns import _zeroconf_on
 from engine.doctor.checks import (
     ClockFacts,
     DeviceFacts,
@@ -30,6 +39,11 @@ from engine.doctor.checks import (
     MulticastFacts,
     PortFacts,
 )
+from engine.errors import DiscoveryError, EnrollmentError
+from engine.suppress import logged_suppress
+from engine.trust.keystore import SERVICE, FileKeyring, default_backend
+
+log = logging.getLogger(__name__)
 
 INTEL_VENDOR = "0x8086"
 _DISPLAY_CLASS = "0x03"  # PCI base class 03: display controllers
@@ -62,7 +76,7 @@ def _intel_nodes(root: Path, dev_glob: str, sys_class: str) -> tuple[str, ...]:
 
 def _in_render_group() -> bool | None:
     try:
-        import grp
+        import grp  # POSIX only
 
         gid = grp.getgrnam("render").gr_gid
     except (ImportError, KeyError):
@@ -84,7 +98,7 @@ def gather_devices(*, root: Path = Path("/"), core=None, platform: str = sys.pla
     error = None
     try:
         if core is None:
-            import openvino
+            import openvino  # here, inside the try: an OpenVINO that fails to load is itself the finding
 
             core = openvino.Core()
         devices = tuple(core.available_devices)
@@ -107,12 +121,6 @@ def gather_devices(*, root: Path = Path("/"), core=None, platform: str = sys.pla
 async def async_multicast_selftest(interface: str, *, timeout: float = 8.0) -> MulticastFacts:
     """Announce a throwaway service on ``interface`` from one zeroconf instance and resolve it from
     a second one: mDNS sockets, multicast loop and this host's filters, not the switches."""
-    from zeroconf import ServiceInfo
-    from zeroconf.asyncio import AsyncServiceInfo
-
-    from engine.discovery.mdns import _zeroconf_on
-    from engine.errors import DiscoveryError
-
     start = time.monotonic()
     name = f"doctor-{secrets.token_hex(4)}.{SELFTEST_TYPE}"
     publisher = finder = None
@@ -141,17 +149,14 @@ async def async_multicast_selftest(interface: str, *, timeout: float = 8.0) -> M
 
 def _holder(port: int) -> tuple[str | None, bool]:
     """Who listens on TCP ``port`` ("name (pid N)") and whether it is a Deskfleet agent."""
-    try:
-        import psutil
-
+    # another user's process, or no permission to list sockets: nobody known
+    with logged_suppress(log, f"finding who listens on TCP port {port}"):
         for conn in psutil.net_connections(kind="tcp"):
             if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN and conn.pid:
                 proc = psutil.Process(conn.pid)
                 cmdline = " ".join(proc.cmdline())
                 agent = " agent" in cmdline and ("deskfleet" in cmdline or "engine.cli.main" in cmdline)
                 return f"{proc.name()} (pid {conn.pid})", agent
-    except Exception:  # another user's process, or no permission to list sockets
-        pass
     return None, False
 
 
@@ -199,10 +204,6 @@ def gather_firewall(*, root: Path = Path("/"), platform: str = sys.platform) -> 
 
 def probe_keyring(backend=None) -> KeyringFacts:
     """Write, read back and delete a probe secret in the backend the agent would use."""
-    import keyring.errors
-
-    from engine.trust.keystore import SERVICE, FileKeyring, default_backend
-
     try:
         backend = backend if backend is not None else default_backend()
     except Exception as exc:
@@ -234,11 +235,6 @@ async def async_console_clock(console: str | None, *, timeout: float = 5.0) -> C
     """The console's clock (its HTTP Date header, from the enrollment endpoint) minus ours."""
     if console is None:
         return ClockFacts(None)
-    import aiohttp
-
-    from engine.control.enrollment import split_address
-    from engine.errors import EnrollmentError
-
     try:
         host, port = split_address(console)
     except EnrollmentError as exc:

@@ -242,6 +242,7 @@ def collect_inventory(store_dir: str | os.PathLike[str], *, core=None) -> Invent
     """This PC's inventory now. ``core`` defaults to a fresh ``openvino.Core()`` (creating one
     loads the plugins, ~0.1 s); pass the process's own to reuse it."""
     if core is None:
+        # here: OpenVINO's runtime loads only to probe devices (the console reads inventories without it)
         import openvino
 
         core = openvino.Core()

@@ -16,60 +16,12 @@ solver's own reason is kept: the memory shortfall, or no agent left).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from engine.errors import Exclusion, PlacementInfeasible, PlacementInputError, PlacementTimeout
-from engine.placement.planner import (
-    DeviceProfile,
-    Links,
-    ModelProfile,
-    PcInfo,
-    PlacementRequest,
-    Plan,
-    exclusion_reason,
-    solve,
-)
+from engine.placement.planner import exclusion_reason, solve
+from engine.placement.types import DeviceProfile, Links, ModelProfile, PcInfo, Plan, RingsPlan, RingsRequest
 
-DEFAULT_REQUEST = PlacementRequest()
 NO_LIMIT = 1 << 16  # rings: "as many as the agents allow" is bounded by the PCs anyway
-
-
-@dataclass(frozen=True)
-class RingsRequest:
-    """How many rings to propose (None: as many as fit), PCs kept aside as standbys, the
-    placement options every ring is solved with, and the rings already serving (kept as they are)."""
-
-    rings: int | None = None
-    standbys: int = 1
-    placement: PlacementRequest = DEFAULT_REQUEST
-    existing: tuple[Plan, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.rings is not None and self.rings < 1:
-            raise PlacementInputError(f"rings must be at least 1 or None (as many as fit), not {self.rings}")
-        if self.standbys < 0:
-            raise PlacementInputError(f"standbys must be 0 or more, not {self.standbys}")
-
-
-@dataclass(frozen=True)
-class RingsPlan:
-    """The proposal: the new rings (in the order solved), the standbys, and what was left over.
-
-    ``limit`` says why no further ring was proposed ("asked for 2", or the solver's reason);
-    ``standby_gaps`` names every stage (of a new or an existing ring) that no standby can hold, so
-    the admin knows which failures would have to wait for the PC to come back."""
-
-    rings: tuple[Plan, ...]
-    standbys: tuple[str, ...]
-    unused: tuple[str, ...]  # usable PCs in no ring and not a standby
-    limit: str
-    excluded: tuple[Exclusion, ...] = ()
-    standby_gaps: tuple[str, ...] = ()
-
-    @property
-    def aggregate_tok_s(self) -> float:
-        """The new rings' predicted aggregate: rings on separate PCs do not share compute."""
-        return sum(p.aggregate_tok_s for p in self.rings)
 
 
 def plan_rings(request: RingsRequest, *, model: ModelProfile, pcs: Sequence[PcInfo],

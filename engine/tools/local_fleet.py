@@ -14,6 +14,8 @@ import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
+import psutil
+
 from engine.coordinator.batch_coordinator import BatchCoordinator, paged_scheduler
 from engine.coordinator.constrained import GrammarVocabulary
 from engine.coordinator.coordinator import Coordinator, model_card
@@ -26,7 +28,7 @@ from engine.shards.manifest import load_manifest
 from engine.shards.paged_step import PagedPath
 from engine.shards.stage import Stage
 from engine.tools.local_supervisor import LocalSupervisor, Restart
-from engine.tools.restart_policy import RestartPolicy
+from engine.tools.restart_policy import RestartPolicy, spares_fit
 from engine.tools.worker_processes import Hop, LocalFleet
 from engine.wire.address import Address
 from engine.wire.step_codec import step_reply_bound
@@ -49,10 +51,6 @@ def want_spares(spares: bool | None, manifest, pool_bytes_per_stage: int) -> boo
     """``spares`` None (auto): warm spares when this PC's free memory holds them (see spares_fit)."""
     if spares is not None:
         return spares
-    import psutil
-
-    from engine.tools.restart_policy import spares_fit
-
     weights = sum(f.size for stage in manifest.stages for f in stage.files)
     fits = spares_fit(weights, pool_bytes_per_stage * len(manifest.stages), psutil.virtual_memory().available)
     log.info("local fleet: warm spares %s (the weights are %.0f MiB; free memory %s them twice over)",

@@ -29,6 +29,7 @@ from typing import Protocol, TypeVar
 import psutil
 
 from engine.errors import DeskfleetError
+from engine.tasks import start_task
 from engine.tools.restart_policy import RestartPolicy
 from engine.tools.worker_processes import LocalFleet, WorkerStartError
 
@@ -134,7 +135,7 @@ class LocalSupervisor:
     def _refill_spares(self, delay: float) -> None:
         if self._closing or (self._refill is not None and not self._refill.done()):
             return
-        self._refill = asyncio.create_task(self._async_keep_spares(delay), name="deskfleet-spares")
+        self._refill = start_task(self._async_keep_spares(delay), name="deskfleet-spares", logger=log)
 
     async def _async_keep_spares(self, delay: float) -> None:
         """Start a warm spare for every stage that has none (one at a time: they share the cores)."""
@@ -168,7 +169,7 @@ class LocalSupervisor:
         old = self._watches.pop(stage, None)
         if old is not None:
             old.cancel()
-        self._watches[stage] = asyncio.create_task(self._async_watch(stage, proc), name=f"deskfleet-watch{stage}")
+        self._watches[stage] = start_task(self._async_watch(stage, proc), name=f"deskfleet-watch{stage}", logger=log)
 
     async def _async_watch(self, stage: int, proc: asyncio.subprocess.Process) -> None:
         code = await proc.wait()

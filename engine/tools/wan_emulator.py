@@ -30,6 +30,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from engine.errors import DeskfleetError
+from engine.tasks import start_task
 from engine.wire.address import Address
 from engine.wire.transport import configure_socket
 
@@ -231,9 +232,7 @@ class WanProxy:
 
     def _on_accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         # Our own task rather than asyncio's, so async_close can cancel and await it.
-        task = asyncio.get_running_loop().create_task(self._async_session(reader, writer))
-        self._sessions.add(task)
-        task.add_done_callback(self._sessions.discard)
+        start_task(self._async_session(reader, writer), name="deskfleet-wan-session", logger=log, keep=self._sessions)
 
     def _schedule(self, index: int, direction: str) -> LinkSchedule:
         # Seed per connection and direction so jitter does not depend on how reads interleave.

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from engine.errors import DeskfleetError
 from engine.shards.manifest import load_manifest
+from engine.tasks import start_task
 from engine.wire.address import Address
 from engine.worker.spare import SPARE_PREFIX, TIMING_PREFIX, Activation
 from engine.worker.status_lines import READY_PREFIX
@@ -89,9 +90,8 @@ class LocalFleet:
             *argv, stdin=stdin, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
             start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         assert proc.stderr is not None
-        task = asyncio.create_task(_pass_through(proc.stderr, tail), name=f"deskfleet-{name}-stderr")
-        self._pipes.add(task)
-        task.add_done_callback(self._pipes.discard)
+        task = start_task(_pass_through(proc.stderr, tail), name=f"deskfleet-{name}-stderr", logger=log,
+                          keep=self._pipes)
         return proc, task
 
     async def _spawn(self, stage: int, next_address: Address, listen: Address | None = None) -> Address:

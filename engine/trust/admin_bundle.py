@@ -15,9 +15,9 @@ Only the service's admin API admits the admin role
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
+from engine.atomic_file import write_bytes_atomic
 from engine.errors import CredentialsError, TrustError
 from engine.trust.fleet_ca import Credentials, Role
 
@@ -30,19 +30,6 @@ class AdminCredentialsError(TrustError):
     an admin's of one fleet (the message names the folder and what to do)."""
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)  # created 0600
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write_admin_credentials(creds: Credentials, out_dir: Path) -> Path:
     """Write an admin's credentials into ``out_dir`` (created 0700 if missing; each file written
     atomically, the key 0600). Refuses credentials of another role: the folder must never carry
@@ -52,9 +39,9 @@ def write_admin_credentials(creds: Credentials, out_dir: Path) -> Path:
                                     "issue one with FleetAuthority.issue_admin")
     out = Path(out_dir)
     out.mkdir(mode=0o700, parents=True, exist_ok=True)
-    _write_atomic(out / KEY_FILE, creds.key_pem)
-    _write_atomic(out / CERT_FILE, creds.cert_pem)
-    _write_atomic(out / CA_FILE, creds.ca_pem)
+    write_bytes_atomic(out / KEY_FILE, creds.key_pem)
+    write_bytes_atomic(out / CERT_FILE, creds.cert_pem)
+    write_bytes_atomic(out / CA_FILE, creds.ca_pem)
     for name in (CERT_FILE, CA_FILE):  # public halves: readable, the key stays 0600
         os.chmod(out / name, 0o644)
     return out

@@ -226,7 +226,7 @@ def _exclusive(path: Path) -> Iterator[None]:
         if os.name != "posix":
             yield
             return
-        import fcntl
+        import fcntl  # POSIX only
 
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)

@@ -138,11 +138,11 @@ class IssuedKey:
 
 def _lock(fd: int) -> None:
     if sys.platform == "win32":  # the form type checkers narrow on
-        import msvcrt
+        import msvcrt  # Windows only
 
         msvcrt.locking(fd, msvcrt.LK_LOCK, 1)  # retries for 10 s, then OSError
     else:
-        import fcntl
+        import fcntl  # POSIX only
 
         fcntl.flock(fd, fcntl.LOCK_EX)
 

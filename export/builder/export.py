@@ -18,9 +18,11 @@ from typing import Any
 import openvino as ov
 
 from engine.errors import DeskfleetError
+from engine.shards.kv_precision import KV_BYTES_PER_VALUE
 from engine.shards.manifest import StageManifest, StageMoe, TensorSpec, file_entry, ir_paths
 from export.builder.families import ModelShape
 from export.builder.stage_graph import StagePlan, build_stage_model, head_tensor, stage_tensor_names
+from export.weights.stage_weights import StageWeights, WeightMode
 
 XML_NAME = "openvino_model.xml"
 Progress = Callable[[int, str], None]
@@ -34,16 +36,12 @@ class BuildError(DeskfleetError):
 
 def weight_mode(options: Any):
     """The StageWeights mode of the CLI's --weights / --group-size / --asym."""
-    from export.weights.stage_weights import WeightMode
-
     if options.weights == "int4":
         return WeightMode("int4_sym" if options.symmetric else "int4_asym", options.group_size)
     return WeightMode({"int8": "int8_asym", "fp16": "fp16", "fp32": "fp32", "keep": "gguf_keep"}[options.weights])
 
 
 def default_weights(source: Any, mode: Any, bin_path: Path | None) -> Any:
-    from export.weights.stage_weights import StageWeights
-
     return StageWeights(source, mode, bin_path)
 
 
@@ -54,7 +52,7 @@ def port_spec(port: ov.Output) -> TensorSpec:
 
 def estimate_memory(shape: ModelShape, stage: StagePlan, file_bytes: int, kv_precision: str, context: int) -> int:
     """Shard files + KV at ``context`` positions + compiled-graph scratch (measured order of magnitude)."""
-    per_position = 2 * len(stage.layers) * shape.kv_heads * shape.head_dim * {"f32": 4, "f16": 2, "u8": 1}[kv_precision]
+    per_position = 2 * len(stage.layers) * shape.kv_heads * shape.head_dim * KV_BYTES_PER_VALUE[kv_precision]
     return file_bytes + per_position * context + 64 * 1024 * 1024
 
 

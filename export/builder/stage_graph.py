@@ -1,6 +1,6 @@
 """One pipeline stage's OpenVINO graph, built op by op from the checkpoint's tensors.
 
-The graph has the interface the engine's stateful stages expect::
+The graph has the interface the engine's stateful stages expect (the names: engine.shards.tensor_names)::
 
     stage 0       input_ids        [B, S]      i64   (tensor and node name: the paged-attention
     later stages  inputs_embeds    [B, S, H]   f32    conversion finds the token input by them)
@@ -26,11 +26,20 @@ from typing import Protocol
 import openvino as ov
 import openvino.opset13 as ops
 
+from engine.shards.tensor_names import (
+    ATTENTION_MASK,
+    BEAM_IDX,
+    INPUT_IDS,
+    INPUTS_EMBEDS,
+    LOGITS_LAST,
+    POSITION_IDS,
+    past_key,
+    past_value,
+    stage_output,
+)
 from export.builder import ops as blocks
 from export.builder.families import ModelShape
 from export.builder.rope import inverse_frequencies
-
-BEAM_IDX = "beam_idx"
 
 
 class WeightSource(Protocol):
@@ -121,8 +130,8 @@ def _stateful_attend(shape: ModelShape, bias: ov.Output, beam_idx: ov.Output | N
     d = shape.head_dim
 
     def attend(layer: int, q: ov.Output, k: ov.Output, v: ov.Output) -> ov.Output:
-        k_all, k_sink = blocks.kv_state(f"past_key_{layer}", k, shape.kv_heads, d, beam_idx)
-        v_all, v_sink = blocks.kv_state(f"past_value_{layer}", v, shape.kv_heads, d, beam_idx)
+        k_all, k_sink = blocks.kv_state(past_key(layer), k, shape.kv_heads, d, beam_idx)
+        v_all, v_sink = blocks.kv_state(past_value(layer), v, shape.kv_heads, d, beam_idx)
         sinks.extend((k_sink, v_sink))
         k_all = blocks.expand_groups(k_all, shape.groups, shape.heads, d)  # [B, H, T, D]
         v_all = blocks.expand_groups(v_all, shape.groups, shape.heads, d)
@@ -202,17 +211,17 @@ def build_stage_model(shape: ModelShape, stage: StagePlan, weights: WeightSource
     """The stage's stateful graph (see the module docstring); ``head`` from :func:`head_tensor`."""
     f = shape.family
     if stage.has_embedding:
-        first = parameter("input_ids", [-1, -1], ov.Type.i64)
+        first = parameter(INPUT_IDS, [-1, -1], ov.Type.i64)
         h = ops.gather(weights.embedding(f.embed), first, blocks.i64(0)).output(0)  # [B, S, H]
     else:
-        first = parameter("inputs_embeds", [-1, -1, shape.hidden], ov.Type.f32)
+        first = parameter(INPUTS_EMBEDS, [-1, -1, shape.hidden], ov.Type.f32)
         h = first.output(0)
-    mask = parameter("attention_mask", [-1, -1], ov.Type.i64)
-    positions = parameter("position_ids", [-1, -1], ov.Type.i64)
+    mask = parameter(ATTENTION_MASK, [-1, -1], ov.Type.i64)
+    positions = parameter(POSITION_IDS, [-1, -1], ov.Type.i64)
     params = [first, mask, positions]
     logits_last = None
     if stage.has_head:
-        logits_last = parameter("logits_last", [], ov.Type.i64)
+        logits_last = parameter(LOGITS_LAST, [], ov.Type.i64)
         params.append(logits_last)
     beam = parameter(BEAM_IDX, [-1], ov.Type.i32) if beam_idx else None
 
@@ -223,11 +232,11 @@ def build_stage_model(shape: ModelShape, stage: StagePlan, weights: WeightSource
                        _stateful_attend(shape, bias, beam.output(0) if beam else None, sinks))
     if logits_last is not None:  # the stage has the head
         h = blocks.trailing_rows(h, logits_last.output(0))
-        out, out_name = final_logits(shape, weights, head, h), "logits"
+        out = final_logits(shape, weights, head, h)
     else:
-        out, out_name = h, "hidden_states_out"
+        out = h
     result = ops.result(out)
-    result.output(0).get_tensor().set_names({out_name})
+    result.output(0).get_tensor().set_names({stage_output(logits_last is not None)})
     if beam is not None:
         params.append(beam)
     model = ov.Model([result], sinks, params, f"deskfleet_stage_{stage.index}")

@@ -33,22 +33,31 @@ import numpy as np
 import openvino as ov
 import openvino.opset13 as ops
 
+from engine.shards.tensor_names import (
+    ATTENTION_BIAS,
+    ATTENTION_MASK,
+    POSITION_IDS,
+    first_input,
+    new_key,
+    new_value,
+    past_key,
+    past_kv_names,
+    past_value,
+    stage_output,
+)
 from export.builder import ops as blocks
 from export.builder.families import ModelShape
 from export.builder.stage_graph import StagePlan, WeightSource, decoder_layers, final_logits, parameter, rotary_tables
 
-MASK_2D = "attention_mask"
-MASK_4D = "attention_bias"
+MASK_2D = ATTENTION_MASK
+MASK_4D = ATTENTION_BIAS
 MaskKind = Literal["2d", "4d"]
 
 
 def static_input_names(stage: StagePlan, mask: MaskKind) -> list[str]:
     """The graph's inputs in order: first, mask, position_ids, then past key/value per layer."""
-    first = "input_ids" if stage.has_embedding else "hidden_states"
-    names = [first, MASK_2D if mask == "2d" else MASK_4D, "position_ids"]
-    for i in stage.layers:
-        names += [f"past_key_{i}", f"past_value_{i}"]
-    return names
+    first = first_input(stage.has_embedding, static=True)
+    return [first, MASK_2D if mask == "2d" else MASK_4D, POSITION_IDS, *past_kv_names(stage.layers)]
 
 
 def _bias_from_mask(mask: ov.Output, rows: int, window: int) -> ov.Output:
@@ -93,17 +102,17 @@ def build_static_stage_model(shape: ModelShape, stage: StagePlan, weights: Weigh
         mask_in = parameter(MASK_4D, [1, 1, rows, total], ov.Type.f32)
         bias = mask_in.output(0)
     bias = _repeat_rows(bias, groups, rows, total)  # [1, 1, G * S, T], shared by every layer
-    positions = parameter("position_ids", [1, rows], ov.Type.i64)
+    positions = parameter(POSITION_IDS, [1, rows], ov.Type.i64)
     params = [first, mask_in, positions]
     cos, sin = rotary_tables(shape, positions.output(0))
     scale = blocks.const(1.0 / math.sqrt(d))
     new_kv: list[tuple[str, ov.Output]] = []
 
     def attend(layer: int, q: ov.Output, k: ov.Output, v: ov.Output) -> ov.Output:
-        past_k = parameter(f"past_key_{layer}", [1, kv, window, d], ov.Type.f32)
-        past_v = parameter(f"past_value_{layer}", [1, kv, window, d], ov.Type.f32)
+        past_k = parameter(past_key(layer), [1, kv, window, d], ov.Type.f32)
+        past_v = parameter(past_value(layer), [1, kv, window, d], ov.Type.f32)
         params.extend((past_k, past_v))
-        new_kv.extend(((f"new_key_{layer}", k), (f"new_value_{layer}", v)))
+        new_kv.extend(((new_key(layer), k), (new_value(layer), v)))
         k_all = ops.concat([past_k, k], axis=2)  # [1, KV, T, D]
         v_all = ops.concat([past_v, v], axis=2)
         folded = ops.reshape(q, blocks.i64([1, kv, groups * rows, d]), special_zero=False)  # [1, KV, G*S, D]
@@ -112,11 +121,11 @@ def build_static_stage_model(shape: ModelShape, stage: StagePlan, weights: Weigh
 
     h = decoder_layers(shape, stage, weights, h, cos, sin, attend)
     if stage.has_head:
-        out, out_name = final_logits(shape, weights, head, h), "logits"  # [1, S, V]
+        out = final_logits(shape, weights, head, h)  # [1, S, V]
     else:
-        out, out_name = h, "hidden_states_out"
+        out = h
     results = []
-    for name, value in [(out_name, out), *new_kv]:
+    for name, value in [(stage_output(stage.has_head), out), *new_kv]:
         result = ops.result(value)
         result.output(0).get_tensor().set_names({name})
         results.append(result)

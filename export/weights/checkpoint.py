@@ -186,6 +186,7 @@ def open_checkpoint(path: Path) -> TensorSource:
     if path.is_dir():
         return SafetensorsSource(path)
     if path.suffix.lower() == ".gguf" and path.is_file():
+        # here: the GGUF reader (and gguf, ~1 s to import) loads only for a .gguf
         from export.weights.gguf_source import GGUFSource
 
         return GGUFSource(path)

@@ -42,6 +42,7 @@ class GGUFFile:
     """Parsed header of a GGUF file: ``fields`` (key -> value) and ``tensors`` (in file order)."""
 
     def __init__(self, path: Path):
+        # here: the gguf package (~1 s to import) loads only when a GGUF is opened
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
         self.path = Path(path)

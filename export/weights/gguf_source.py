@@ -134,6 +134,7 @@ class GGUFSource:
     """A GGUF model file read lazily in HF terms (see the module docstring)."""
 
     def __init__(self, path: Path):
+        # here: the gguf package (~1 s to import, through gguf_file) loads only when a GGUF is opened
         from export.weights.gguf_file import GGUFFile, GGUFFormatError
 
         self.path = Path(path)
@@ -235,6 +236,7 @@ class GGUFSource:
         assert tensor is not None
         if not isinstance(head_dim, int) or head_dim <= 0:
             raise CheckpointError(f"{self.path.name} has {ROPE_FREQS} but no head size to check it against")
+        # here: the gguf package (~1 s to import) loads only with a GGUF open
         from gguf import GGMLQuantizationType
 
         kind = GGMLQuantizationType(tensor.type_id).name
@@ -271,6 +273,7 @@ class GGUFSource:
         return tuple(reversed(self._tensor(name).dims))
 
     def _qtype(self, name: str):
+        # as above: gguf loads with a GGUF open
         from gguf import GGMLQuantizationType
 
         return GGMLQuantizationType(self._tensor(name).type_id)
@@ -321,6 +324,7 @@ class GGUFSource:
         return self._dequantize(name, start, stop, rows=order[start:stop])  # the stored rows of these HF rows
 
     def _dequantize(self, name: str, start: int, stop: int, rows: np.ndarray | None = None) -> np.ndarray:
+        # as above: gguf loads with a GGUF open
         from gguf import GGMLQuantizationType, dequantize
 
         raw = self.blocks(name)

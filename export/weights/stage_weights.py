@@ -99,6 +99,7 @@ def _decompression_attribute() -> tuple[str, object] | None:
     compression (what ``save_model(compress_to_fp16=True)`` runs) has marked.
     """
     try:
+        # here: a private OpenVINO module, absent from some builds (optional)
         from openvino._offline_transformations import compress_model_transformation
     except ImportError:  # pragma: no cover - an OpenVINO without it: the Convert just folds
         return None

@@ -42,7 +42,7 @@ from tests.benchmarks.record import machine_info, median, update_section, write_
 from tests.support.loopback import free_port
 
 if TYPE_CHECKING:
-    from engine.placement.planner import Plan
+    from engine.placement.types import Plan
 
 COMMAND_LINE = "python -m tests.benchmarks placement"
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -155,7 +155,7 @@ async def _async_place_group(state_dir: Path, host, agents, checkpoint: Path, op
         async_calibrate_devices,
         cache_device,
     )
-    from engine.placement.planner import PlacementRequest
+    from engine.placement.types import PlacementRequest
 
     fleet = FleetModel(state_dir, host.credentials)
     nodes = []

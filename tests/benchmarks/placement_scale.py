@@ -69,7 +69,8 @@ def _fleet(case: Case):
 
 def _solve(case: Case, formulation: str, time_limit_s: float) -> dict[str, Any]:
     from engine.errors import PlacementTimeout
-    from engine.placement.planner import PlacementRequest, solve
+    from engine.placement.planner import solve
+    from engine.placement.types import PlacementRequest
 
     req = PlacementRequest(objective=case.objective, n_streams=8 if case.objective == "throughput" else 1,
                            time_limit_s=time_limit_s)
@@ -84,7 +85,7 @@ def _solve(case: Case, formulation: str, time_limit_s: float) -> dict[str, Any]:
 
 
 def _brute(case: Case) -> dict[str, Any]:
-    from engine.placement.planner import PlacementRequest
+    from engine.placement.types import PlacementRequest
     from tests.placement.test_placement import brute_force
 
     req = PlacementRequest(objective=case.objective, n_streams=8 if case.objective == "throughput" else 1)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.placement.planner import Plan, PlannedStage
+from engine.placement.types import Plan, PlannedStage
 from tests.benchmarks.placement import PlacementBench, async_run_bench, error_pct, predict
 from tests.benchmarks.placement_report import fit_stage_cpu, render
 from tests.conftest import PROMPT_IDS

@@ -23,7 +23,7 @@ from console.service.links import LinkReport
 from console.service.placement_inputs import PlacementInputs
 from console.service.service_locator import SERVICE_FILE, pid_alive, read_service_file
 from engine.control.links import LinkMeasurement
-from engine.placement.planner import DeviceProfile, Links, ModelProfile, PcInfo
+from engine.placement.types import DeviceProfile, Links, ModelProfile, PcInfo
 from engine.trust.fleet_ca import ADMIN_ROLES, FleetAuthority, Role
 from tests.support.asyncutil import run
 

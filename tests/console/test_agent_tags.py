@@ -32,7 +32,7 @@ def _placement_over(service, nodes: dict[str, str]) -> Placement:
     whole model; solving it needs no calibration."""
     from console.service.links import LinkReport
     from console.service.placement_inputs import PlacementInputs, solve_inputs
-    from engine.placement.planner import DeviceProfile, Links, ModelProfile, PcInfo, PlacementRequest
+    from engine.placement.types import DeviceProfile, Links, ModelProfile, PcInfo, PlacementRequest
 
     pcs = tuple(PcInfo(node, 8 << 30, True) for node in nodes.values())
     devices = tuple(DeviceProfile(f"{pc.pc_id}/CPU", pc.pc_id, "CPU", 1.0 + k, 0.2, pc.memory_bytes)

@@ -31,7 +31,7 @@ from console.service.console_settings import ring_endpoints
 from console.service.fleet_metrics import PauseLog, stage_breakdown
 from console.service.placement_inputs import retime, stage_firsts
 from engine.control.hub import AgentEvent
-from engine.placement.planner import Plan, PlannedStage
+from engine.placement.types import Plan, PlannedStage
 from tests.console.console_app_helpers import (
     ConsoleDriver,
     fleet_service,
@@ -329,7 +329,7 @@ def test_the_metrics_breakdown_and_the_pause_log():
 def _inputs():
     from console.service.links import LinkReport
     from console.service.placement_inputs import PlacementInputs
-    from engine.placement.planner import DeviceProfile, Links, ModelProfile, PcInfo
+    from engine.placement.types import DeviceProfile, Links, ModelProfile, PcInfo
 
     model = ModelProfile(layer_bytes=(600,) * 4, embed_bytes=100, head_bytes=150, head_ms=0.3)
     devices = tuple(DeviceProfile(f"{pc}/CPU", pc, "CPU", layer_ms, 0.2, 2000, dataclasses.replace(model, head_ms=head))
@@ -342,7 +342,7 @@ def _inputs():
 def test_a_plan_is_retimed_exactly_and_re_solved_without_an_agent():
     from console.service.placement_inputs import LEFT_OUT, memory_warnings, solve_inputs
     from engine.errors import Exclusion, PlacementInfeasible
-    from engine.placement.planner import PlacementRequest
+    from engine.placement.types import PlacementRequest
 
     inputs = _inputs()
     plan = solve_inputs(inputs, PlacementRequest())  # 80 % of 2000 bytes: two layers per agent at most

@@ -31,7 +31,7 @@ from engine.coordinator.batch_coordinator import BatchCoordinator
 from engine.coordinator.coordinator import Coordinator
 from engine.generation.request import GenerationRequest
 from engine.generation.tokenizer import ChatTokenizer
-from engine.placement.planner import Plan, PlannedStage
+from engine.placement.types import Plan, PlannedStage
 from engine.shards.manifest import load_manifest
 from tests.conftest import PROMPT_IDS
 from tests.support.agent_helpers import FakeIdle, console

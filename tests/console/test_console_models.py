@@ -20,7 +20,7 @@ from console.service.export_job import (
     export_fraction,
 )
 from console.service.models import ModelLibrary
-from engine.placement.planner import Plan, PlannedStage
+from engine.placement.types import Plan, PlannedStage
 from engine.shards.manifest import load_manifest, verify_files
 
 SPEC = ExportSpec(weights="fp32", kv_cache_precision="f32")

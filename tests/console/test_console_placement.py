@@ -29,7 +29,7 @@ from console.service.profiling import (
 )
 from engine.control.client import ControlClient
 from engine.errors import Exclusion, PlacementInfeasible
-from engine.placement.planner import Plan
+from engine.placement.types import Plan
 from tests.support.asyncutil import run
 from tests.support.console_fleet_helpers import joined_fleet
 

@@ -10,7 +10,7 @@ from console.service.context_choice import MIN_CONTEXT, ROUND, choose_context
 from console.service.placement_inputs import LEFT_OUT, solve_inputs
 from engine.control.tags import parse_tags, reported_tags, tag_exclusions, tags_from_text
 from engine.errors import Exclusion, TagError
-from engine.placement.planner import PlacementRequest
+from engine.placement.types import PlacementRequest
 
 GB = 10**9
 
@@ -82,7 +82,7 @@ def _inputs():
     """Two PCs, each able to hold the whole four-layer model."""
     from console.service.links import LinkReport
     from console.service.placement_inputs import PlacementInputs
-    from engine.placement.planner import DeviceProfile, Links, ModelProfile, PcInfo
+    from engine.placement.types import DeviceProfile, Links, ModelProfile, PcInfo
 
     model = ModelProfile(layer_bytes=(600,) * 4, embed_bytes=100, head_bytes=150, head_ms=0.3)
     devices = tuple(DeviceProfile(f"{pc}/CPU", pc, "CPU", ms, 0.2, 20000) for pc, ms in (("a", 1.0), ("b", 1.5)))

@@ -46,7 +46,7 @@ def test_a_moe_model_is_placed_with_its_experts_said_on_the_page(qtbot, tmp_path
     from console.service.links import LinkReport
     from console.service.placement_inputs import PlacementInputs, layer_read_bytes, placement_model, solve_inputs
     from console.service_bridge import ServiceBridge
-    from engine.placement.planner import DeviceProfile, Links, PcInfo, PlacementRequest
+    from engine.placement.types import DeviceProfile, Links, PcInfo, PlacementRequest
     from export.exporter import ExportOptions
 
     calibration = build_calibration_set(tiny_checkpoint("qwen3_moe"), tmp_path / "state", ExportOptions(weights="fp32"))

@@ -17,7 +17,7 @@ from console.ring_diagram import (
     RingStage,
     measured_from_metrics,
 )
-from engine.placement.planner import Plan, PlannedStage
+from engine.placement.types import Plan, PlannedStage
 
 NAMES = {"node-a": "pc-a", "node-b": "pc-b", "node-c": "pc-c"}
 

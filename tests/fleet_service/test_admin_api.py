@@ -157,7 +157,7 @@ def _placement(service):
     from console.service.fleet_service import Placement
     from console.service.links import LinkReport
     from console.service.placement_inputs import PlacementInputs, solve_inputs
-    from engine.placement.planner import DeviceProfile, Links, ModelProfile, PcInfo, PlacementRequest
+    from engine.placement.types import DeviceProfile, Links, ModelProfile, PcInfo, PlacementRequest
 
     pcs = tuple(PcInfo(f"pc-{c}", (4 + i) << 30, True) for i, c in enumerate("abc"))
     devices = tuple(DeviceProfile(f"{pc.pc_id}/CPU", pc.pc_id, "CPU", 2.0, 1.0, pc.memory_bytes) for pc in pcs)
@@ -195,7 +195,7 @@ def test_a_listed_ring_that_cannot_form_is_retried_until_stopped(tmp_path):
     """A ring in served-rings.json whose agents are gone: at start the service tries to re-form it,
     says why it failed, keeps trying with its back-off, and forgets it once an admin stops it."""
     from console.service.served_rings import ServedRing, ServedRings
-    from engine.placement.planner import Plan, PlannedStage
+    from engine.placement.types import Plan, PlannedStage
 
     state = tmp_path / "fleet"
     plan = Plan((PlannedStage("pc-gone/CPU", "pc-gone", 0, 3, 1.0, 1 << 20),), (0.0, 0.0), 1.0, 1000.0, 1.0, 1,
@@ -266,7 +266,7 @@ def test_a_serving_ring_that_stays_down_is_rebuilt(tmp_path):
     job), its stage named in /health meanwhile."""
     from console.service.served_rings import ServedRing
     from console.service.service_ring import ServiceRing
-    from engine.placement.planner import Plan, PlannedStage
+    from engine.placement.types import Plan, PlannedStage
 
     plan = Plan((PlannedStage("pc/CPU", "pc", 0, 3, 1.0, 1 << 20),), (0.0, 0.0), 1.0, 1000.0, 1.0, 1, 1.0, 1000.0,
                 "latency", True)

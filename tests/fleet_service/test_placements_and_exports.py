@@ -15,7 +15,7 @@ from console.service.admin_client import AdminClient
 from console.service.errors import ConsoleStateError
 from console.service.export_catalog import ExportSpec
 from console.service.placement_store import PLACEMENTS_FILE, Placement, PlacementStore
-from engine.placement.planner import Plan, PlannedStage
+from engine.placement.types import Plan, PlannedStage
 from tests.fleet_service.admin import Admin
 from tests.fleet_service.conftest import service_in_process
 from tests.support.asyncutil import run
@@ -29,7 +29,7 @@ def _inputs():
     """Measured inputs as a finished placement job leaves them: three PCs, one CPU each."""
     from console.service.links import LinkReport
     from console.service.placement_inputs import PlacementInputs
-    from engine.placement.planner import DeviceProfile, Links, ModelProfile, PcInfo
+    from engine.placement.types import DeviceProfile, Links, ModelProfile, PcInfo
 
     pcs = tuple(PcInfo(f"pc-{c}", (4 + i) << 30, True) for i, c in enumerate("abc"))
     devices = tuple(DeviceProfile(f"{pc.pc_id}/CPU", pc.pc_id, "CPU", 2.0, 1.0, pc.memory_bytes) for pc in pcs)
@@ -39,7 +39,7 @@ def _inputs():
 
 def _store_placement(service) -> Placement:
     from console.service.placement_inputs import solve_inputs
-    from engine.placement.planner import PlacementRequest
+    from engine.placement.types import PlacementRequest
 
     inputs = _inputs()
     placement = Placement(service.placements.new_id(), "tiny", 2048, SPEC, inputs,

@@ -10,7 +10,7 @@ import pytest
 from console.service.errors import ConsoleStateError
 from console.service.export_catalog import ExportSpec
 from console.service.served_rings import SERVED_FILE, RingIdError, ServedRing, ServedRings, next_ring_id
-from engine.placement.planner import Plan, PlannedStage
+from engine.placement.types import Plan, PlannedStage
 
 
 def _plan(*pcs: str) -> Plan:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from engine.placement.planner import DeviceProfile, Links, ModelProfile, PcInfo
+from engine.placement.types import DeviceProfile, Links, ModelProfile, PcInfo
 
 GB = 10**9
 

@@ -14,19 +14,9 @@ import re
 
 import pytest
 
-from engine.errors import DeskfleetError
-from engine.placement.planner import (
-    DeviceProfile,
-    Links,
-    ModelProfile,
-    PcInfo,
-    PlacementInfeasible,
-    PlacementInputError,
-    PlacementRequest,
-    Plan,
-    format_plan,
-    solve,
-)
+from engine.errors import DeskfleetError, PlacementInfeasible, PlacementInputError
+from engine.placement.planner import format_plan, solve
+from engine.placement.types import DeviceProfile, Links, ModelProfile, PcInfo, PlacementRequest, Plan
 from tests.placement.office_fleet import OfficeFleet as Fleet
 
 GB = 10**9

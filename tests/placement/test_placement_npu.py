@@ -8,16 +8,9 @@ import random
 
 import pytest
 
-from engine.placement.planner import (
-    DeviceProfile,
-    Links,
-    ModelProfile,
-    PcInfo,
-    PlacementInfeasible,
-    PlacementInputError,
-    PlacementRequest,
-    solve,
-)
+from engine.errors import PlacementInfeasible, PlacementInputError
+from engine.placement.planner import solve
+from engine.placement.types import DeviceProfile, Links, ModelProfile, PcInfo, PlacementRequest
 
 GB = 10**9
 # The stateful GPU/CPU form: weights + KV cache for a long context.
@@ -146,7 +139,8 @@ def test_mixed_device_forms_match_brute_force(seed):
 
 def test_an_agent_inventory_offers_cpu_gpu_and_npu_each_with_its_own_profile():
     from engine.machine.inventory import CpuCores, Device, DeviceKind, Inventory
-    from engine.placement.planner import Calibration, device_candidates
+    from engine.placement.planner import device_candidates
+    from engine.placement.types import Calibration
 
     inventory = Inventory(
         devices=(Device("CPU", DeviceKind.CPU, "Intel Core Ultra"),

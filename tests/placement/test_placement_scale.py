@@ -15,18 +15,10 @@ from dataclasses import replace
 import pytest
 
 from console.service.admin_shapes import plan_from_json, plan_json
-from engine.errors import PlacementTimeout
+from engine.errors import PlacementInputError, PlacementTimeout
 from engine.placement.counts import layer_sizes, solve_counts
 from engine.placement.fleet import time_stages
-from engine.placement.planner import (
-    PlacementInputError,
-    PlacementRequest,
-    _plan,
-    _prepare,
-    format_plan,
-    plan_quality,
-    solve,
-)
+from engine.placement.planner import _plan, _prepare, format_plan, plan_quality, solve
 from engine.placement.search import (
     Search,
     _sandwich,
@@ -37,6 +29,7 @@ from engine.placement.search import (
     relative_gap,
     split_in_order,
 )
+from engine.placement.types import PlacementRequest
 from tests.placement.office_fleet import office_fleet
 from tests.placement.test_placement import REL, brute_force, check_plan, random_fleet
 

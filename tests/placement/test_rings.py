@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from engine.errors import PlacementInfeasible, PlacementInputError
-from engine.placement.planner import DeviceProfile, Links, ModelProfile, PcInfo, PlacementRequest, solve
-from engine.placement.rings import RingsRequest, plan_rings
+from engine.placement.planner import solve
+from engine.placement.rings import plan_rings
+from engine.placement.types import DeviceProfile, Links, ModelProfile, PcInfo, PlacementRequest, RingsRequest
 
 GB = 10**9
 MODEL = ModelProfile(layer_bytes=(GB,) * 8)  # 8 GB: two 5 GB PCs (4 GB usable each) per ring

@@ -11,7 +11,7 @@ import pytest
 from console.service.fleet_metrics import stage_breakdown
 from engine.coordinator.stage_times import StageTimes, stage_metric
 from engine.generation.request import GenerationRequest
-from engine.placement.planner import Plan, PlannedStage
+from engine.placement.types import Plan, PlannedStage
 from engine.tools.local_fleet import local_fleet
 from tests.conftest import PROMPT_IDS
 from tests.support.asyncutil import collect, run
