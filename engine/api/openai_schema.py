@@ -362,12 +362,15 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
 
 
 def parse_completion(body: Mapping[str, Any], kind: str, served: str | Collection[str] | None = None, *,
-                     pending: Collection[str] = frozenset(NOT_YET_SERVED)) -> CompletionParams:
+                     pending: Collection[str] = frozenset(NOT_YET_SERVED),
+                     max_prompt_tokens: int | None = None) -> CompletionParams:
     """Validate a decoded /v1/chat/completions (``kind`` "chat") or /v1/completions ("text") body.
 
     Raises :class:`ApiError` 400 for an invalid field or a feature in ``pending`` (the generators
     do not honour it yet; see :data:`NOT_YET_SERVED`), and 404 for a model not among ``served``
     (a name or several; None: the caller resolves the model, as the server does through its router).
+    With ``max_prompt_tokens``, a prompt too long to be worth tokenising is a 400 too
+    (:func:`check_prompt_chars`).
     """
     model = _get(body, "model", (str,), "a model name (see /v1/models)")
     names = (served,) if isinstance(served, str) else tuple(served) if served is not None else None
@@ -420,6 +423,8 @@ def parse_completion(body: Mapping[str, Any], kind: str, served: str | Collectio
     for feature in sorted(params.features() & set(pending)):
         param, why = NOT_YET_SERVED[feature]
         raise _bad(f"'{param}': {why}", param)
+    if max_prompt_tokens is not None:
+        check_prompt_chars(params, max_prompt_tokens)
     return params
 
 

@@ -64,7 +64,6 @@ from engine.api.openai_answer import Answer, sse_event
 from engine.api.openai_schema import (
     NOT_YET_SERVED,
     CompletionParams,
-    check_prompt_chars,
     parse_completion,
     parse_json_body,
     requested_model,
@@ -173,6 +172,11 @@ def as_router(generator: Generator, model_name: str | None = None) -> Router:
     router = Router()
     router.add_ring("default", generator, model_name=model_name)
     return router
+
+
+def _served_by(request: web.Request, model: str, ring: str) -> None:
+    """Note on ``request`` the model and ring that answer it (the audit's, and the stages header's)."""
+    request[SERVED_BY] = (model, ring)
 
 
 class _Api:
@@ -348,15 +352,13 @@ class _Api:
         caller = request.get(CALLER, ANONYMOUS)
         tally = Tally()
         try:
-            with self.door.enter(caller):
-                params = await self._parse(kind, request)
-                with self.admission.admit(caller, params, request.get(_TOKEN)) as admitted:
-                    prepared = await self.generation.prepare(params, admitted, tally)
-
-                    def placed(ring: str) -> None:
-                        request[SERVED_BY] = (prepared.card.name, ring)
+            with self.door.enter(caller):  # the key's rate limit and a slot, before the body is read
+                params = await self._parse(kind, request)  # 1. parse
+                with self.admission.admit(caller, params, request.get(_TOKEN)) as admitted:  # 2. admit
+                    prepared = await self.generation.prepare(params, admitted, tally)  # 3. generate
+                    placed = functools.partial(_served_by, request, prepared.card.name)
                     streams = self.generation.streams(prepared, admitted, tally, started, placed)
-                    async with contextlib.aclosing(Answer(params, prepared, streams, tally)) as answer:
+                    async with contextlib.aclosing(Answer(params, prepared, streams, tally)) as answer:  # 4. shape
                         if params.stream:
                             return await self._send_stream(request, answer)
                         body = await answer.whole()
@@ -371,9 +373,7 @@ class _Api:
         body = parse_json_body(raw)
         if (asked := requested_model(body)) is not None:  # for the audit, even when it is not served
             request[_ASKED_FOR] = asked
-        params = parse_completion(body, kind, served, pending=pending)
-        check_prompt_chars(params, self.settings.max_prompt_tokens)
-        return params
+        return parse_completion(body, kind, served, pending=pending, max_prompt_tokens=self.settings.max_prompt_tokens)
 
     async def _send_stream(self, request: web.Request, answer: Answer) -> web.StreamResponse:
         # Wait for the first token before sending headers so refusals (429/503) keep their status.
