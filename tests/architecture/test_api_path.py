@@ -38,7 +38,8 @@ def _lint_engine_copy(tmp_path: Path, added: dict[str, str]) -> subprocess.Compl
             f.write(code)
     config = tree / "api_path.toml"
     contract = "\n".join(f"{key} = {json.dumps(value)}" for key, value in CONTRACT.items())  # JSON values are TOML
-    config.write_text(f'[tool.importlinter]\nroot_packages = ["engine"]\n\n[[tool.importlinter.contracts]]\n{contract}\n')
+    config.write_text(f'[tool.importlinter]\nroot_packages = ["engine"]\n\n'
+                      f'[[tool.importlinter.contracts]]\n{contract}\n')
     return subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, '.'); "
                            "from importlinter.cli import lint_imports_command; lint_imports_command()",
                            str(config), "--no-cache"], cwd=tree, capture_output=True, text=True,
