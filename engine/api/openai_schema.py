@@ -39,9 +39,6 @@ from engine.generation.tool_calls import (
     tool_constraint,
 )
 
-__all__ = ["ApiError", "CompletionParams", "NOT_YET_SERVED", "check_prompt_chars", "parse_completion",
-           "parse_json_body", "prompt_chars", "requested_model"]
-
 MAX_STOP_STRINGS = 4
 MAX_CHOICES = 8  # n: each choice is a stream of its own on the ring
 MAX_TOOLS = 128
