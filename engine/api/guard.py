@@ -1,7 +1,7 @@
 """Request hygiene for the OpenAI API, as pure policy: who may address it, what it accepts,
 and where it may be served without TLS (loopback only: :func:`check_exposure`).
 
-Three checks run before a request costs anything (:mod:`engine.api.server` applies them):
+Two checks run before a request costs anything (:mod:`engine.api.server` applies them):
 
 * **Host.** A browser page on another site can make the browser send requests to this API;
   with DNS rebinding its own host name even resolves to this machine, so the request looks
@@ -12,10 +12,9 @@ Three checks run before a request costs anything (:mod:`engine.api.server` appli
 * **Content type.** A cross-site HTML form can POST without a CORS preflight, but only as
   ``text/plain``, ``multipart/form-data`` or ``application/x-www-form-urlencoded``; requiring
   ``application/json`` refuses all of them.
-* **Prompt size in characters.** Rendering and tokenising cost time in proportion to the
-  text, so a prompt far longer than ``max_prompt_tokens`` could ever tokenise to is refused
-  unread: no tokenizer produces fewer than one token per :data:`CHARS_PER_TOKEN` characters
-  of natural text in practice (English averages about 4).
+
+(The third cheap check, a prompt too long to be worth tokenising, is the parse stage's:
+:func:`engine.api.openai_schema.check_prompt_chars`.)
 """
 
 from __future__ import annotations
@@ -24,10 +23,9 @@ import ipaddress
 import ssl
 from collections.abc import Iterable
 
-from engine.api.openai_schema import ApiError, CompletionParams
+from engine.api.api_error import ApiError
 from engine.errors import DeskfleetError
 
-CHARS_PER_TOKEN = 8
 LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "127.0.0.1", "::1"})
 WILDCARD_BINDS = frozenset({"", "0.0.0.0", "::"})
 JSON_TYPE = "application/json"
@@ -117,38 +115,3 @@ def check_json_type(content_type: str) -> None:
     if content_type != JSON_TYPE:
         raise ApiError(415, f"the request body must be sent as Content-Type: {JSON_TYPE}, not "
                        f"{content_type or 'none'!r}", "unsupported_media_type")
-
-
-def prompt_chars(params: CompletionParams) -> int:
-    """The characters the template would render, counted before any tokenising: every chat
-    message's content (text parts joined), an assistant's earlier calls (id, name, arguments) and
-    reasoning (``reasoning_content``), a tool message's call id, and every declared tool (name,
-    description, parameters: counted even under ``tool_choice: none``, when they are not shown);
-    or the prompt (a prompt of token ids counts one per id)."""
-    if params.kind != "chat":
-        return len(params.prompt)
-    n = 0
-    for m in params.messages:
-        n += len(m.get("content", "")) + len(m.get("tool_call_id", "")) + len(m.get("reasoning_content", ""))
-        n += sum(len(c.id) + len(c.name) + len(c.arguments) for c in m.get("tool_calls", ()))
-    return n + sum(len(t.name) + len(t.description) + len(t.parameters) for t in params.tools)
-
-
-def check_prompt_chars(params: CompletionParams, max_prompt_tokens: int) -> None:
-    """Raise ApiError 400 ``context_length_exceeded`` for a prompt too long to be worth tokenising."""
-    n, limit = prompt_chars(params), CHARS_PER_TOKEN * max_prompt_tokens
-    if n > limit:
-        raise ApiError(400, f"the prompt has {n} characters (messages, earlier tool calls and tools counted); this "
-                       f"server accepts at most {max_prompt_tokens} tokens, so at most {limit} characters are read. "
-                       "Shorten the prompt, the conversation or the tools.", "context_length_exceeded",
-                       param="messages" if params.kind == "chat" else "prompt")
-
-
-def check_prompt_ids(params: CompletionParams, vocab_size: int | None) -> None:
-    """Raise ApiError 400 for a prompt of token ids outside the model's vocabulary (``vocab_size``;
-    None: not known, the parse's int32 bound holds)."""
-    if vocab_size is None or not isinstance(params.prompt, tuple):
-        return
-    if (bad := next((t for t in params.prompt if t >= vocab_size), None)) is not None:
-        raise ApiError(400, f"'prompt' holds the token id {bad}; this model's vocabulary has ids 0 to "
-                       f"{vocab_size - 1}", "invalid_value", param="prompt")

@@ -1,4 +1,9 @@
-"""The OpenAI answer, as pure code: generated token events in, choices, chunks and SSE bytes out.
+"""Stage 4 of a request, shape: each choice's typed events in, the OpenAI answer out.
+
+An :class:`Answer` follows the events of a request's choices (:mod:`engine.api.generate`, the
+stage before) and gives the whole JSON answer (:meth:`Answer.whole`) or its server-sent events
+(:meth:`Answer.first`, then :meth:`Answer.events`); the HTTP layer only moves the bytes. A choice
+whose text reached a stop string closes its event stream, which cancels its generation.
 
 A :class:`ChoiceBuilder` follows one choice's token events: it turns ids into text deltas (stop
 strings included, :class:`~engine.api.text_stream.TextStream`), splits tool calls out of the
@@ -17,12 +22,16 @@ not listed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import uuid
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Collection, Mapping, Sequence
 from typing import Any
 
+from engine.api.fan_in import merged
+from engine.api.generate import ChoiceEvent, End, Prepared, Tally
+from engine.api.openai_schema import CompletionParams
 from engine.api.text_stream import TextStream
 from engine.generation.reasoning import ReasoningDelta, ReasoningSplitter, opens_thinking
 from engine.generation.request import TokenEvent
@@ -248,3 +257,73 @@ def sse_event(payload: Mapping[str, Any] | str) -> bytes:
     """One server-sent event: ``data: <compact JSON or the literal string>`` and a blank line."""
     data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
     return f"data: {data}\n\n".encode()
+
+
+# -- one request's answer ----------------------------------------------------------------------------
+
+Deltas = list[dict[str, Any]]  # a choice's streamed deltas made ready by one event (maybe none)
+
+
+async def choice_deltas(events: AsyncGenerator[ChoiceEvent, None],
+                        builder: ChoiceBuilder) -> AsyncGenerator[Deltas, None]:
+    """One choice's deltas per event, then its held-back tail and closing delta. A stop string in
+    the text ends it there: its event stream is closed (the generation cancelled)."""
+    async with contextlib.aclosing(events):
+        async for item in events:
+            if isinstance(item, End):
+                yield builder.close(item.finish, item.stop_reason)
+                return
+            yield builder.push(item.event)
+            if builder.stopped:
+                break
+    yield builder.close("stop")
+
+
+class Answer:
+    """The answer to one request: its choices built from their event streams (one per choice, in
+    order), read all at once (:meth:`whole`) or as a stream (:meth:`first`, :meth:`events`).
+    ``tally`` is the request's token counts, for ``usage``. Close it (``aclose``) when done."""
+
+    def __init__(self, params: CompletionParams, prepared: Prepared,
+                 streams: Sequence[AsyncGenerator[ChoiceEvent, None]], tally: Tally) -> None:
+        tokenizer, card, ids = prepared.tokenizer, prepared.card, prepared.prompt_ids
+        self._params, self._model, self._tally = params, card.name, tally
+        self._builders = [ChoiceBuilder(i, params.kind, tokenizer.decode, params.stop, tools=params.callable_tools,
+                                        logprobs=params.logprobs, token_bytes=token_bytes_of(tokenizer),
+                                        skip_ids=card.eos_token_ids, thinking=thinking_of(tokenizer, ids))
+                          for i in range(params.n)]
+        self._deltas = merged([choice_deltas(s, b) for s, b in zip(streams, self._builders, strict=True)])
+        self._ready: Deltas | None = None
+
+    def usage(self) -> dict[str, int]:
+        return token_usage(self._tally.prompt_tokens, self._tally.completion_tokens)
+
+    async def whole(self) -> dict[str, Any]:
+        """The whole (non-streamed) answer, once every choice has ended."""
+        async for _ in self._deltas:
+            pass
+        return completion_response(self._params.kind, self._model, [b.choice() for b in self._builders],
+                                   self.usage())
+
+    async def first(self) -> None:
+        """Wait for the first token's deltas (so that a refusal, 429 or 503, can still be an HTTP status)."""
+        self._ready = await anext(self._deltas, None)
+
+    async def events(self) -> AsyncGenerator[bytes, None]:
+        """The answer's server-sent events after :meth:`first`: the opening chunks, a chunk per
+        delta, the usage chunk when asked, then ``[DONE]``."""
+        chunks = CompletionChunks(self._params.kind, self._model, self._params.include_usage, self._params.n)
+        for chunk in chunks.opening():
+            yield sse_event(chunk)
+        ready = self._ready
+        while ready is not None:
+            for choice in ready:
+                yield sse_event(chunks.chunk(choice))
+            ready = await anext(self._deltas, None)
+        if self._params.include_usage:
+            yield sse_event(chunks.usage(self.usage()))
+        yield sse_event("[DONE]")
+
+    async def aclose(self) -> None:
+        """Close every choice's stream (cancelling what still generates)."""
+        await self._deltas.aclose()

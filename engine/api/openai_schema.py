@@ -1,12 +1,17 @@
-"""The OpenAI request schema, as pure code: request bodies in, id-level requests out.
+"""Stage 1 of a request, parse: the OpenAI request body in, a typed frozen request out.
 
-:func:`parse_completion` validates a decoded /v1/chat/completions or /v1/completions body into
-:class:`CompletionParams` (``tools``/``tool_choice``, ``response_format``, ``logprobs``/
-``top_logprobs`` and ``n`` included); :func:`to_generation_requests` turns it and the tokenized
-prompt into one id-level :class:`GenerationRequest` per choice within the server's limits;
-:mod:`engine.api.text_stream` turns the generated ids back into text deltas and
-:mod:`engine.api.openai_answer` gives the answer its OpenAI shape. Invalid input raises
-:class:`ApiError`. No sockets and no aiohttp here: :mod:`engine.api.server` moves the bytes.
+A completion request is read in one direction: parse (here) → admit (:mod:`engine.api.admit`) →
+generate (:mod:`engine.api.generate`) → shape (:mod:`engine.api.openai_answer`); the route handler
+(:mod:`engine.api.server`) strings them together, and no stage calls back into an earlier one.
+
+:func:`parse_json_body` decodes the body, :func:`parse_completion` validates a /v1/chat/completions
+or /v1/completions body into :class:`CompletionParams` (model, messages or prompt, sampling, stop,
+stream options, ``n``, ``logprobs``/``top_logprobs``, ``tools``/``tool_choice``,
+``response_format``, ``reasoning_effort``) and :func:`check_prompt_chars` refuses, unread, a
+prompt far longer than the server could ever take. Invalid input raises
+:class:`~engine.api.api_error.ApiError` (400 naming the field, 404 for a model not served). The
+checks that need the model's tokenizer or card (the prompt's length in tokens, its ids within the
+vocabulary) are the generate stage's, which tokenises. No sockets and no aiohttp here.
 
 A feature the parser knows but the generators behind the server do not honour yet is refused
 with a 400 naming its field (``pending``, :data:`NOT_YET_SERVED`) rather than ignored.
@@ -17,20 +22,13 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from dataclasses import dataclass, field
+from typing import Any
 
-from engine.errors import DeskfleetError, GenerationError
-from engine.generation.generator import ModelCard
-from engine.generation.reasoning import ReasoningEffort, template_switches
-from engine.generation.request import (
-    MAX_TOP_LOGPROBS,
-    Constraint,
-    FinishReason,
-    GenerationRequest,
-    JsonConstraint,
-    SamplingParams,
-)
+from engine.api.api_error import ApiError, bad_request, model_not_found
+from engine.errors import GenerationError
+from engine.generation.reasoning import ReasoningEffort
+from engine.generation.request import MAX_TOP_LOGPROBS, Constraint, JsonConstraint, SamplingParams
 from engine.generation.tool_calls import (
     EMPTY_PARAMETERS,
     FunctionTool,
@@ -38,7 +36,6 @@ from engine.generation.tool_calls import (
     ToolChoice,
     ToolMode,
     compact_json,
-    conversation,
     tool_constraint,
 )
 
@@ -47,7 +44,6 @@ MAX_CHOICES = 8  # n: each choice is a stream of its own on the ring
 MAX_TOOLS = 128
 MAX_TOKEN_ID = (1 << 31) - 1  # a prompt's ids are int32 to the model; the tokenizer's vocabulary bounds them further
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
-FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
 # Fields a client may send that this server cannot honour: refuse them rather than ignore them.
 UNSUPPORTED = ("functions", "function_call", "logit_bias", "echo", "suffix", "presence_penalty",
                "frequency_penalty")
@@ -65,49 +61,9 @@ NOT_YET_SERVED: Mapping[str, tuple[str, str]] = {
                                         f"runtime serving this model does not do ({_RUNTIMES}); use 'auto'"),
 }
 NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
-ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}
 
 
-class ApiError(DeskfleetError):
-    """A request the API answers with an OpenAI-style error body and a 4xx/5xx status."""
-
-    def __init__(self, status: int, message: str, code: str, *, param: str | None = None,
-                 headers: Mapping[str, str] | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.code = code
-        self.param = param
-        self.headers = dict(headers or {})
-
-    @property
-    def type(self) -> str:
-        """OpenAI's error ``type`` for this status."""
-        return ERROR_TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
-
-    def body(self) -> dict[str, Any]:
-        """The JSON error body: ``{"error": {message, type, param, code}}``."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def model_not_found(model: str, served: Sequence[str]) -> ApiError:
-    """The 404 for a request naming a model this server does not serve."""
-    listed = ", ".join(repr(m) for m in served) or "none right now"
-    return ApiError(404, f"model {model!r} is not served here; served models: {listed} (see /v1/models)",
-                    "model_not_found", param="model")
-
-
-class TokenLimits(Protocol):
-    """The server's token limits that :func:`to_generation_request` enforces (``engine.api.server.ApiSettings``)."""
-
-    @property
-    def max_prompt_tokens(self) -> int: ...
-
-    @property
-    def default_max_tokens(self) -> int: ...
-
-    @property
-    def max_tokens_limit(self) -> int: ...
+CHARS_PER_TOKEN = 8  # no tokenizer makes fewer than one token per this many characters of natural text
 
 
 # -- request parsing ---------------------------------------------------------------------------
@@ -155,8 +111,7 @@ class CompletionParams:
         return frozenset(k for k, on in used.items() if on)
 
 
-def _bad(message: str, param: str | None = None) -> ApiError:
-    return ApiError(400, message, "invalid_value" if param else "invalid_request", param=param)
+_bad = bad_request
 
 
 def _get(body: Mapping[str, Any], name: str, kinds: tuple[type, ...], what: str) -> Any:
@@ -404,12 +359,15 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
 
 
 def parse_completion(body: Mapping[str, Any], kind: str, served: str | Collection[str] | None = None, *,
-                     pending: Collection[str] = frozenset(NOT_YET_SERVED)) -> CompletionParams:
+                     pending: Collection[str] = frozenset(NOT_YET_SERVED),
+                     max_prompt_tokens: int | None = None) -> CompletionParams:
     """Validate a decoded /v1/chat/completions (``kind`` "chat") or /v1/completions ("text") body.
 
     Raises :class:`ApiError` 400 for an invalid field or a feature in ``pending`` (the generators
     do not honour it yet; see :data:`NOT_YET_SERVED`), and 404 for a model not among ``served``
     (a name or several; None: the caller resolves the model, as the server does through its router).
+    With ``max_prompt_tokens``, a prompt too long to be worth tokenising is a 400 too
+    (:func:`check_prompt_chars`).
     """
     model = _get(body, "model", (str,), "a model name (see /v1/models)")
     names = (served,) if isinstance(served, str) else tuple(served) if served is not None else None
@@ -462,72 +420,42 @@ def parse_completion(body: Mapping[str, Any], kind: str, served: str | Collectio
     for feature in sorted(params.features() & set(pending)):
         param, why = NOT_YET_SERVED[feature]
         raise _bad(f"'{param}': {why}", param)
+    if max_prompt_tokens is not None:
+        check_prompt_chars(params, max_prompt_tokens)
     return params
 
 
-class PromptTokenizer(Protocol):
-    """What :func:`prompt_ids` needs of a tokenizer (:class:`~engine.generation.tokenizer.ChatTokenizer`)."""
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
-
-    def encode_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
-                    tools: Sequence[dict[str, Any]] | None = None) -> list[int]: ...
+def requested_model(body: Mapping[str, Any]) -> str | None:
+    """The model a decoded body names (cut to 100 characters), valid or not: what the audit records."""
+    model = body.get("model")
+    return model[:100] if isinstance(model, str) else None
 
 
-def prompt_ids(tokenizer: PromptTokenizer, params: CompletionParams) -> list[int]:
-    """The prompt's token ids: a chat rendered by the model's template, with its tools given to a
-    template that takes them (``tokenizer.takes_tools``) or described in the conversation in the
-    generic format (:func:`engine.generation.tool_calls.conversation`), and ``reasoning_effort`` as the
-    template's thinking switches (:func:`engine.generation.reasoning.template_switches`); a completion
-    prompt encoded."""
-    if params.kind == "chat":
-        messages, tools = conversation(params.messages, params.tools, params.tool_choice,
-                                       native=bool(getattr(tokenizer, "takes_tools", False)))
-        switches = template_switches(params.reasoning_effort, getattr(tokenizer, "template_variables", ()))
-        extra: dict[str, Any] = {"tools": tools} if tools else {}
-        if switches:
-            extra["switches"] = switches
-        return tokenizer.encode_chat(messages, **extra)
-    if isinstance(params.prompt, tuple):
-        return list(params.prompt)
-    return tokenizer.encode(params.prompt)
+# -- the prompt's size, before any tokenising ------------------------------------------------------
+
+def prompt_chars(params: CompletionParams) -> int:
+    """The characters the template would render, counted before any tokenising: every chat
+    message's content (text parts joined), an assistant's earlier calls (id, name, arguments) and
+    reasoning (``reasoning_content``), a tool message's call id, and every declared tool (name,
+    description, parameters: counted even under ``tool_choice: none``, when they are not shown);
+    or the prompt (a prompt of token ids counts one per id)."""
+    if params.kind != "chat":
+        return len(params.prompt)
+    n = 0
+    for m in params.messages:
+        n += len(m.get("content", "")) + len(m.get("tool_call_id", "")) + len(m.get("reasoning_content", ""))
+        n += sum(len(c.id) + len(c.name) + len(c.arguments) for c in m.get("tool_calls", ()))
+    return n + sum(len(t.name) + len(t.description) + len(t.parameters) for t in params.tools)
 
 
-def choice_seed(seed: int | None, index: int) -> int | None:
-    """Choice ``index``'s seed: ``seed + index`` (wrapping within 63 bits), so seeded choices differ
-    from each other and repeat across identical requests."""
-    return None if seed is None else (seed + index) % (1 << 63)
-
-
-def to_generation_requests(prompt_ids: Sequence[int], params: CompletionParams, limits: TokenLimits,
-                           card: ModelCard) -> tuple[GenerationRequest, ...]:
-    """One id-level request per choice (``params.n``), each seeded ``seed + i``."""
-    first = to_generation_request(prompt_ids, params, limits, card)
-    return (first, *(replace(first, sampling=replace(first.sampling, seed=choice_seed(first.sampling.seed, i)))
-                     for i in range(1, params.n)))
-
-
-def to_generation_request(prompt_ids: Sequence[int], params: CompletionParams, limits: TokenLimits,
-                          card: ModelCard) -> GenerationRequest:
-    """The id-level request for a tokenized prompt (its first choice), within the server's limits
-    and the model's context."""
-    n = len(prompt_ids)
-    if n > limits.max_prompt_tokens or n >= card.context_length:
-        limit = min(limits.max_prompt_tokens, card.context_length - 1)
-        raise ApiError(400, f"the prompt has {n} tokens; this server accepts at most {limit}. "
-                       "Shorten the prompt or the conversation.", "context_length_exceeded", param="messages")
-    room = card.context_length - n
-    if params.max_tokens is None:
-        max_new = min(limits.default_max_tokens, room)
-    elif params.max_tokens > limits.max_tokens_limit:
-        raise _bad(f"max_tokens is {params.max_tokens}; this server allows at most "
-                   f"{limits.max_tokens_limit}", "max_tokens")
-    elif params.max_tokens > room:
-        raise ApiError(400, f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceed the model's "
-                       f"context of {card.context_length}; ask for at most {room} tokens",
-                       "context_length_exceeded", param="max_tokens")
-    else:
-        max_new = params.max_tokens
-    return GenerationRequest(prompt_ids=tuple(prompt_ids), max_new_tokens=max_new, sampling=params.sampling,
-                             stop_token_ids=card.eos_token_ids, logprobs=params.logprobs,
-                             constraint=params.constraint)
+def check_prompt_chars(params: CompletionParams, max_prompt_tokens: int) -> None:
+    """Raise ApiError 400 ``context_length_exceeded`` for a prompt too long to be worth tokenising:
+    rendering and tokenising cost time in proportion to the text, and no tokenizer produces fewer
+    than one token per :data:`CHARS_PER_TOKEN` characters of natural text in practice (English
+    averages about 4)."""
+    n, limit = prompt_chars(params), CHARS_PER_TOKEN * max_prompt_tokens
+    if n > limit:
+        raise ApiError(400, f"the prompt has {n} characters (messages, earlier tool calls and tools counted); this "
+                       f"server accepts at most {max_prompt_tokens} tokens, so at most {limit} characters are read. "
+                       "Shorten the prompt, the conversation or the tools.", "context_length_exceeded",
+                       param="messages" if params.kind == "chat" else "prompt")

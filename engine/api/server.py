@@ -5,21 +5,30 @@ Routes: ``/v1/chat/completions`` and ``/v1/completions`` (JSON or SSE streaming)
 :class:`~engine.generation.router.Router`: the one passed in (many rings, many models, each with
 its tokenizer), or one made around a lone generator; the request's ``model`` picks the model,
 the router the ring. ``/health`` is the rings' own reports (200 while any can serve, 503 when
-none can). Text is this layer's business:
-requests are parsed and tokenized here into a :class:`GenerationRequest` of ids, and the
-:class:`Generator`'s token ids are turned back into text deltas here, stop strings included.
+none can). Text is this layer's business: prompts are tokenised here and the generated ids
+turned back into text, stop strings included.
 
-The policy is pure: :mod:`engine.api.openai_schema` parses requests, detokenizes and shapes the
-answers; here :func:`api_error_from`, :class:`ApiMetrics` and :func:`render_prometheus` map
-errors and count. The handlers only move bytes, check the key and enforce the limits. A client
+A completion request is read in one direction, one module a stage, each using only the ones
+before it (:meth:`_Api.complete` strings them together; ``tests/architecture`` guards the order):
+
+1. **parse** (:mod:`engine.api.openai_schema`): the body into a frozen :class:`CompletionParams`,
+   every field checked (400 naming it, 404 for a model not served), a prompt too long to be worth
+   tokenising refused unread;
+2. **admit** (:mod:`engine.api.admit`): its streams within the key's share (429);
+3. **generate** (:mod:`engine.api.generate`): the prompt rendered and tokenised on a thread (the
+   loop keeps stepping the ring), checked against the model's context, and each choice's typed
+   token events from the router, charged to the key as they come;
+4. **shape** (:mod:`engine.api.openai_answer`): the events into OpenAI's JSON or SSE chunks.
+
+What they share sits below them: :mod:`engine.api.api_error` (the one error), the door, keys and
+shares, the metrics. Here only bytes move: :func:`api_error_from` maps errors to answers. A client
 that disconnects cancels its handler (aiohttp ``handler_cancellation``), and closing the token
 stream cancels the generation.
 
-Before a request costs anything (:mod:`engine.api.guard`): its ``Host`` must name this server
-(DNS rebinding), then the key, then a POST must be ``application/json`` (cross-site forms);
-then the key's rate limit (:mod:`engine.api.keys`), admission (``max_concurrent``), the body's
-size, and the prompt's length in characters; only then is it rendered and tokenised, on a
-thread, so the loop keeps stepping the ring. Keys are the fleet's key book (named, limited,
+Before a request costs anything: its ``Host`` must name this server (DNS rebinding), then the key,
+then a POST must be ``application/json`` (cross-site forms) (:mod:`engine.api.guard`); then the
+key's rate limit and a slot of ``max_concurrent`` (:mod:`engine.api.door`), and the body's size.
+Keys are the fleet's key book (named, limited,
 revocable: a revoked key is refused on its next request) or one fixed key. Every request of a
 key holder but ``/health`` leaves one line in the audit log when one is given
 (:mod:`engine.api.audit`: key name, model, ring, status, token counts, duration; never the
@@ -36,48 +45,34 @@ import contextlib
 import functools
 import logging
 import ssl
-import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
+from engine.api.admit import Admission
+from engine.api.api_error import ApiError, model_not_found
 from engine.api.api_metrics import ApiMetrics, render_prometheus
 from engine.api.audit import AuditLog, AuditRecord, utc_stamp
-from engine.api.fan_in import merged
-from engine.api.guard import HostPolicy, check_exposure, check_json_type, check_prompt_chars, check_prompt_ids
-from engine.api.keys import ANONYMOUS, Caller, KeyCheck, RateLimiter, retry_after_header
-from engine.api.off_loop import off_loop
-from engine.api.openai_answer import (
-    ChoiceBuilder,
-    CompletionChunks,
-    completion_response,
-    sse_event,
-    thinking_of,
-    token_bytes_of,
-    token_usage,
-)
+from engine.api.door import Door
+from engine.api.generate import Generation, Tally, Tokenizers
+from engine.api.guard import HostPolicy, check_exposure, check_json_type
+from engine.api.keys import ANONYMOUS, Caller, KeyCheck, RateLimiter
+from engine.api.openai_answer import Answer, sse_event
 from engine.api.openai_schema import (
-    FINISH_REASONS,
     NOT_YET_SERVED,
-    ApiError,
     CompletionParams,
-    model_not_found,
     parse_completion,
     parse_json_body,
-    prompt_ids,
-    to_generation_requests,
+    requested_model,
 )
-from engine.api.share import BUDGET_STOP, KeyWatch, StreamShares, key_watch
+from engine.api.share import StreamShares
 from engine.errors import DeskfleetError, GenerationError, TokenizerError
 from engine.generation.generator import Generator, ModelCard, OverloadedError, UnavailableError
-from engine.generation.grammar_pool import COMPILE_OWNER
-from engine.generation.request import GenerationRequest
 from engine.generation.ring_report import RingStatus, overall_status
 from engine.generation.router import Router, UnknownModelError
-from engine.generation.tokenizer import ChatTokenizer
 from engine.http_limits import LimitedAppRunner
 from engine.trust.key_book import KeyBook, KeyBookError
 
@@ -159,17 +154,6 @@ def api_error_from(exc: BaseException) -> ApiError:
 
 # -- HTTP --------------------------------------------------------------------------------------
 
-@dataclass
-class _Outcome:
-    """A request's token counts so far: its prompt (once) and every choice's generated tokens."""
-
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-
-    def usage(self) -> dict[str, int]:
-        return token_usage(self.prompt_tokens, self.completion_tokens)
-
-
 _GONE = web.RequestKey("client_gone", bool)
 _ASKED_FOR: web.RequestKey[str] = web.RequestKey("deskfleet_asked_for", str)  # the model the request named
 _USAGE: web.RequestKey[tuple[int, int]] = web.RequestKey("deskfleet_usage", tuple)  # (prompt, completion) tokens
@@ -179,8 +163,6 @@ CALLER: web.RequestKey[Caller] = web.RequestKey("deskfleet_caller", Caller)  # w
 _TOKEN: web.RequestKey[str] = web.RequestKey("deskfleet_token", str)  # the bearer key it carried
 API_STATE: web.AppKey[_Api] = web.AppKey("deskfleet_api")  # RunningApi.set_api_key reaches it
 
-
-Tokenizers = ChatTokenizer | Mapping[str, ChatTokenizer]  # one for every model, or one per served model name
 
 
 def as_router(generator: Generator, model_name: str | None = None) -> Router:
@@ -192,21 +174,27 @@ def as_router(generator: Generator, model_name: str | None = None) -> Router:
     return router
 
 
+def _served_by(request: web.Request, model: str, ring: str) -> None:
+    """Note on ``request`` the model and ring that answer it (the audit's, and the stages header's)."""
+    request[SERVED_BY] = (model, ring)
+
+
 class _Api:
     def __init__(self, generator: Generator, tokenizer: Tokenizers, settings: ApiSettings, hosts: HostPolicy,
                  keys: KeyBook | None = None, audit: AuditLog | None = None):
         self.router = as_router(generator, settings.model_name)
         self.generator: Generator = self.router
-        self.tokenizers = tokenizer
         self.settings = settings
         self.hosts = hosts
         self.metrics = ApiMetrics()
         self.keys = KeyCheck(settings.api_key, keys)
-        self.limiter = RateLimiter()
-        self.shares = StreamShares(settings.key_streams or max(1, settings.max_concurrent // 2))
+        limiter = RateLimiter()
         self.audit = audit
-        # one use of a tokenizer at a time: a tokenizer object is not meant to be shared between threads
-        self._tokenizer_locks: dict[int, threading.Lock] = {}
+        # a completion's stages, in the order it passes them (the door first: it needs only the caller)
+        self.door = Door(limiter, self.metrics, settings.max_concurrent, settings.retry_after_s)
+        shares = StreamShares(settings.key_streams or max(1, settings.max_concurrent // 2))
+        self.admission = Admission(self.keys, shares)
+        self.generation = Generation(self.router, tokenizer, settings, limiter, self.metrics)
 
     def _pending(self) -> frozenset[str]:
         """The features refused now: the settings' pending ones that some ring does not honour
@@ -216,15 +204,6 @@ class _Api:
             return frozenset()
         honoured = frozenset.intersection(*(frozenset(getattr(g, "features", ())) for g in rings))
         return self.settings.pending - honoured
-
-    def tokenizer_for(self, model: str) -> ChatTokenizer:
-        """The tokenizer of served model ``model``."""
-        if isinstance(self.tokenizers, Mapping):
-            if model not in self.tokenizers:
-                raise UnavailableError(f"model {model!r} is served but this API has no tokenizer for it; "
-                                       "the service that started the API must pass one")
-            return self.tokenizers[model]
-        return self.tokenizers
 
     @web.middleware
     async def errors(self, request: web.Request, handler: Callable) -> web.StreamResponse:
@@ -295,15 +274,6 @@ class _Api:
                            headers={"WWW-Authenticate": "Bearer"})
         return caller
 
-    def _rate_limit(self, caller: Caller) -> None:
-        wait = self.limiter.admit(caller)
-        if wait is not None:
-            limits = ", ".join(f"{n} {what}/min" for n, what in ((caller.rpm, "requests"), (caller.tpm, "tokens"))
-                               if n is not None)
-            raise ApiError(429, f"the key {caller.name!r} is over its rate limit ({limits}); retry in "
-                           f"{retry_after_header(wait)} s", "rate_limit_exceeded",
-                           headers={"Retry-After": retry_after_header(wait)})
-
     def _card(self, request: web.Request) -> ModelCard | None:
         """The model a request was answered by, else the first served model (None: none served)."""
         model = request.get(SERVED_BY, (None, ""))[0]
@@ -364,152 +334,57 @@ class _Api:
             raise model_not_found(name, tuple(cards))
         return web.json_response(self._model_entry(cards[name]))
 
-    async def _read_json(self, request: web.Request) -> Mapping[str, Any]:
+    async def _read_body(self, request: web.Request) -> bytes:
         too_large = ApiError(413, f"the request body exceeds {self.settings.max_body_bytes} bytes; "
                              "send a shorter prompt", "request_too_large")
         if (request.content_length or 0) > self.settings.max_body_bytes:
             raise too_large
         try:
-            raw = await request.read()
+            return await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise too_large from None
-        return parse_json_body(raw)
-
-    def _encode_locked(self, tokenizer: ChatTokenizer, params: CompletionParams) -> list[int]:
-        with self._tokenizer_locks.setdefault(id(tokenizer), threading.Lock()):
-            return self._encode(tokenizer, params)
-
-    @staticmethod
-    def _encode(tokenizer: ChatTokenizer, params: CompletionParams) -> list[int]:
-        return prompt_ids(tokenizer, params)
 
     async def complete(self, kind: str, request: web.Request) -> web.StreamResponse:
-        """Answer /v1/chat/completions (``kind`` "chat") or /v1/completions ("text").
-
-        Limits in order of cost: admission (a slot), the body's bytes, its validity, the
-        prompt's characters; only then is it rendered and tokenised, off the loop. Each of the
-        ``n`` choices is a generation of its own (the ring's prefix cache shares the prompt)."""
+        """Answer /v1/chat/completions (``kind`` "chat") or /v1/completions ("text"): the door, then
+        parse → admit → generate → shape (the module docstring). Each of the ``n`` choices is a
+        generation of its own (the ring's prefix cache shares the prompt)."""
         started = time.perf_counter()
         caller = request.get(CALLER, ANONYMOUS)
-        self._rate_limit(caller)
-        COMPILE_OWNER.set(caller.name)  # this key's share of the grammar workers (this request's task)
-        if self.metrics.active >= self.settings.max_concurrent:
-            raise ApiError(429, f"the server is handling {self.metrics.active} requests, its limit; retry "
-                           f"in {self.settings.retry_after_s} s", "too_many_requests")
-        self.metrics.active += 1  # admitted: counts from here, so tokenising requests hold a slot
-        outcome = _Outcome()
-        shared = 0  # streams counted in the key's share
+        tally = Tally()
         try:
-            body = await self._read_json(request)
-            if isinstance(body.get("model"), str):  # for the audit, even when it is not served
-                request[_ASKED_FOR] = body["model"][:100]
-            params = parse_completion(body, kind, [c.name for c in self.router.models()],
-                                      pending=self._pending())
-            shared = self._take_share(caller, params.n)
-            card = self.router.card_for(params.model)
-            tokenizer = self.tokenizer_for(card.name)
-            check_prompt_chars(params, self.settings.max_prompt_tokens)
-            check_prompt_ids(params, card.vocab_size)  # the model's rows: a tokenizer may name fewer ids
-            ids = await off_loop(self._encode_locked, tokenizer, params)
-            # the key's own prefix cache: another key's prompts are never reused, nor timed, through it
-            gen_requests = [replace(r, cache_scope=caller.scope)
-                            for r in to_generation_requests(ids, params, self.settings, card)]
-            outcome.prompt_tokens = len(gen_requests[0].prompt_ids)
-            self.metrics.prompt_tokens += outcome.prompt_tokens
-            self.limiter.charge(caller, outcome.prompt_tokens)
-            builders = [ChoiceBuilder(i, kind, tokenizer.decode, params.stop, tools=params.callable_tools,
-                                      logprobs=params.logprobs, token_bytes=token_bytes_of(tokenizer),
-                                      skip_ids=card.eos_token_ids, thinking=thinking_of(tokenizer, ids))
-                        for i in range(params.n)]
-            watch = key_watch(self.keys, request.get(_TOKEN))
-            deltas = merged([self._deltas(request, card, r, b, outcome, started, caller, watch)
-                              for r, b in zip(gen_requests, builders, strict=True)])
-            async with contextlib.aclosing(deltas):
-                if params.stream:
-                    return await self._send_stream(request, params, card, deltas, outcome)
-                async for _ in deltas:
-                    pass
+            with self.door.enter(caller):  # the key's rate limit and a slot, before the body is read
+                params = await self._parse(kind, request)  # 1. parse
+                with self.admission.admit(caller, params, request.get(_TOKEN)) as admitted:  # 2. admit
+                    prepared = await self.generation.prepare(params, admitted, tally)  # 3. generate
+                    placed = functools.partial(_served_by, request, prepared.card.name)
+                    streams = self.generation.streams(prepared, admitted, tally, started, placed)
+                    async with contextlib.aclosing(Answer(params, prepared, streams, tally)) as answer:  # 4. shape
+                        if params.stream:
+                            return await self._send_stream(request, answer)
+                        body = await answer.whole()
         finally:
-            self.metrics.active -= 1
-            self.shares.give_back(caller.name, shared)
-            request[_USAGE] = (outcome.prompt_tokens, outcome.completion_tokens)
-        return web.json_response(completion_response(kind, card.name, [b.choice() for b in builders],
-                                                     outcome.usage()))
+            request[_USAGE] = (tally.prompt_tokens, tally.completion_tokens)
+        return web.json_response(body)
 
-    def _take_share(self, caller: Caller, streams: int) -> int:
-        """Count ``streams`` in the caller's share (where keys are required); ApiError 429 past it."""
-        if not self.keys.required:
-            return 0
-        refused = self.shares.take(caller.name, streams)
-        if refused is not None:
-            raise ApiError(429, refused, "key_share_exceeded")
-        return streams
+    async def _parse(self, kind: str, request: web.Request) -> CompletionParams:
+        """The parse stage on the request's body, with what the server serves now."""
+        raw = await self._read_body(request)
+        served, pending = [c.name for c in self.router.models()], self._pending()
+        body = parse_json_body(raw)
+        if (asked := requested_model(body)) is not None:  # for the audit, even when it is not served
+            request[_ASKED_FOR] = asked
+        return parse_completion(body, kind, served, pending=pending, max_prompt_tokens=self.settings.max_prompt_tokens)
 
-    async def _deltas(self, request: web.Request, card: ModelCard, gen_request: GenerationRequest,
-                      builder: ChoiceBuilder, outcome: _Outcome, started: float, caller: Caller = ANONYMOUS,
-                      watch: KeyWatch | None = None) -> AsyncGenerator[list[dict[str, Any]], None]:
-        """Yield one list of the choice's streamed deltas (maybe empty) per generated token, then
-        the held-back tail and the closing delta. Each token is charged to the caller's key as it
-        comes; the stream stops when the key runs out of tokens, and fails when it is revoked."""
-        first_at, produced, finish = 0.0, 0, "stop"
-        stop_reason: str | None = None
-
-        def placed(ring: str) -> None:
-            request[SERVED_BY] = (card.name, ring)
-
-        try:
-            # aclosing: leaving this block early (stop string, disconnect, error) cancels the request.
-            async with contextlib.aclosing(self.router.stream_for(card.name, gen_request, placed=placed)) as tokens:
-                async for event in tokens:
-                    if not produced:
-                        first_at = time.perf_counter()
-                        if not outcome.completion_tokens:
-                            self.metrics.observe_ttft(first_at - started)
-                    produced += 1
-                    outcome.completion_tokens += 1
-                    self.limiter.charge(caller, 1)
-                    if watch is not None and not watch.valid():
-                        raise ApiError(401, f"the key {caller.name!r} was revoked while this answer ran; the "
-                                       "answer was stopped", "invalid_api_key")
-                    deltas = builder.push(event)
-                    if builder.stopped:
-                        yield deltas
-                        break
-                    if event.finish is None and self.limiter.over_tokens(caller):
-                        finish, stop_reason = BUDGET_STOP
-                        yield deltas
-                        break
-                    if event.finish is not None:
-                        if event.finish not in FINISH_REASONS:
-                            raise UnavailableError("the coordinator cancelled this request (it is stopping or "
-                                                   "a stage failed); retry it")
-                        finish = FINISH_REASONS[event.finish]
-                        yield deltas
-                        break
-                    yield deltas
-            yield builder.close(finish, stop_reason)
-        finally:
-            if produced:
-                self.metrics.observe_generation(produced, time.perf_counter() - first_at)
-
-    async def _send_stream(self, request: web.Request, params: CompletionParams, card: ModelCard,
-                           deltas: AsyncIterator[list[dict[str, Any]]], outcome: _Outcome) -> web.StreamResponse:
+    async def _send_stream(self, request: web.Request, answer: Answer) -> web.StreamResponse:
         # Wait for the first token before sending headers so refusals (429/503) keep their status.
-        ready = await anext(deltas, None)
-        chunks = CompletionChunks(params.kind, card.name, params.include_usage, params.n)
+        await answer.first()
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                "X-Accel-Buffering": "no"})
         await response.prepare(request)
         try:
-            for chunk in chunks.opening():
-                await response.write(sse_event(chunk))
-            while ready is not None:
-                for choice in ready:
-                    await response.write(sse_event(chunks.chunk(choice)))
-                ready = await anext(deltas, None)
-            if params.include_usage:
-                await response.write(sse_event(chunks.usage(outcome.usage())))
-            await response.write(sse_event("[DONE]"))
+            async with contextlib.aclosing(answer.events()) as events:
+                async for event in events:
+                    await response.write(event)
         except ConnectionResetError:
             request[_GONE] = True
             log.debug("client left during a streamed answer; generation cancelled")

@@ -23,8 +23,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.api.guard import check_prompt_chars
-from engine.api.openai_schema import ApiError, parse_completion, prompt_ids, to_generation_request
+from engine.api.generate import prompt_ids, to_generation_request
+from engine.api.openai_schema import ApiError, check_prompt_chars, parse_completion
 from engine.api.server import ApiSettings
 from engine.errors import GenerationError, TokenizerError
 from tests.support.fuzz_helpers import (

@@ -11,14 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from engine.api.generate import choice_seed, to_generation_request, to_generation_requests
 from engine.api.openai_answer import ChoiceBuilder, CompletionChunks, completion_response, sse_event, token_usage
-from engine.api.openai_schema import (
-    ApiError,
-    choice_seed,
-    parse_completion,
-    to_generation_request,
-    to_generation_requests,
-)
+from engine.api.openai_schema import ApiError, parse_completion
 from engine.generation.request import JsonConstraint, TokenEvent
 from tests.support.api_helpers import CARD, EOS, SETTINGS, ByteTokenizer
 

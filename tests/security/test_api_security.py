@@ -20,7 +20,8 @@ import openai
 import pytest
 
 from console.shared.chat_model import ChatClient, ChatError
-from engine.api.guard import CHARS_PER_TOKEN, HostPolicy, host_name
+from engine.api.guard import HostPolicy, host_name
+from engine.api.openai_schema import CHARS_PER_TOKEN
 from engine.control.messages import Assignment, ControlRequestError
 from engine.errors import DeskfleetError
 from engine.generation.request import GenerationRequest
