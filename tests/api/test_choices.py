@@ -20,7 +20,7 @@ from engine.api.fan_in import merged
 from engine.api.openai_schema import NOT_YET_SERVED
 from engine.api.server import ApiSettings
 from tests.support.canned_api import CannedGenerator, fake_logprobs, served
-from tests.support.fuzz_helpers import served_stateful
+from tests.support.fuzz_helpers import served_paged
 
 KEY = "sk-choices"
 ASK = [{"role": "user", "content": "Name a river."}]
@@ -29,7 +29,8 @@ ASK = [{"role": "user", "content": "Name a river."}]
 @pytest.fixture(scope="module")
 def tiny_api(tiny_export):
     settings = ApiSettings(api_key=KEY, max_prompt_tokens=200, default_max_tokens=12, max_tokens_limit=64)
-    with served_stateful(tiny_export("llama", 2), settings) as (_, coordinator, api, _):
+    # seeded choices are compared across requests: no prefix blocks (see served_paged)
+    with served_paged(tiny_export("llama", 2), settings, prefix_cache=False) as (_, coordinator, api, _):
         yield api.url, coordinator.model.name
 
 
@@ -83,7 +84,7 @@ def test_n_over_the_cap_is_refused_naming_the_field_and_n3_logprobs_come_per_cho
     assert info.value.body["param"] == "n"
     answer = client.chat.completions.create(model=tiny_api[1], messages=ASK, logprobs=True, top_logprobs=2, n=3,
                                             temperature=1.2, seed=3, max_tokens=4)
-    for choice in answer.choices:  # the stateful coordinator returns them (tests/api/test_constrained_stateful.py)
+    for choice in answer.choices:  # values: tests/api/test_logprobs_values.py
         assert len(choice.logprobs.content) == 4 and all(len(e.top_logprobs) == 2 for e in choice.logprobs.content)
 
 

@@ -41,7 +41,7 @@ from tests.support.fuzz_helpers import (
     fuzz_settings,
     json_values,
     paths,
-    served_stateful,
+    served_paged,
 )
 
 pytestmark = LIVE_FUZZ
@@ -128,7 +128,7 @@ class LiveApi:
 
 @pytest.fixture(scope="module")
 def live(tiny_export):
-    with served_stateful(tiny_export("llama", 2), SETTINGS) as (_, coordinator, api, tokenizer):
+    with served_paged(tiny_export("llama", 2), SETTINGS) as (_, coordinator, api, tokenizer):
         neighbour = Neighbour(api.url, coordinator.model.name)
         neighbour.start()
         client = HttpClient(api.host, api.port)

@@ -72,9 +72,13 @@ def loop_thread() -> Iterator[LoopThread]:
 
 
 @contextlib.contextmanager
-def served_paged(export, settings) -> Iterator[tuple[LoopThread, object, object, object]]:
+def served_paged(export, settings, *,
+                 prefix_cache: bool = True) -> Iterator[tuple[LoopThread, object, object, object]]:
     """The OpenAI API over the tiny export's paged coordinator (4 slots, exact, a 16 MiB block pool,
-    warmed up with one short request) on a loop thread of its own: (loop, coordinator, api, tokenizer)."""
+    warmed up with one short request) on a loop thread of its own: (loop, coordinator, api, tokenizer).
+    ``prefix_cache=False`` for a test that compares seeded samples across requests: a prompt served
+    from shared blocks is computed in another batch than the first time, and the last bits of its
+    logits may differ, enough to flip a seeded draw at a near tie."""
     from engine.api.server import async_run_api
     from engine.coordinator.batch_coordinator import BatchCoordinator
     from engine.generation.request import GenerationRequest
@@ -82,7 +86,8 @@ def served_paged(export, settings) -> Iterator[tuple[LoopThread, object, object,
 
     tokenizer = ChatTokenizer(export / "tokenizer")
     with loop_thread() as loop:
-        coordinator = BatchCoordinator.local(export, slots=4, exact=True, kv_pool_bytes=16 << 20)
+        coordinator = BatchCoordinator.local(export, slots=4, exact=True, kv_pool_bytes=16 << 20,
+                                             prefix_cache=prefix_cache)
         loop.run(coordinator.__aenter__())
         try:
             async def warm_up():
@@ -97,10 +102,6 @@ def served_paged(export, settings) -> Iterator[tuple[LoopThread, object, object,
         finally:
             loop.run(coordinator.__aexit__(None, None, None))
 
-
-# The old name, for the modules still calling it (tests/api/test_choices.py, test_fuzz_openai_api.py):
-# the stateful runtime it served is retired; they are served by the paged one now.
-served_stateful = served_paged
 
 
 @dataclass(frozen=True)
