@@ -70,10 +70,11 @@ from engine.control.hub import AgentEvent
 from engine.control.messages import AgentStatus, Assignment, ControlRequestError, WorkerSettings
 from engine.coordinator.batch_coordinator import BatchCoordinator, block_size_for, paged_scheduler
 from engine.coordinator.constrained import GrammarVocabulary
-from engine.coordinator.coordinator import Coordinator, model_card
+from engine.coordinator.coordinator import Coordinator
 from engine.coordinator.paged_ring import PagedRingPath
 from engine.coordinator.ring import RingPath, return_frame_bound
 from engine.errors import DeskfleetError
+from engine.generation.generator import ModelCard
 from engine.generation.request import GenerationRequest
 from engine.shards.manifest import MANIFEST_NAME, load_manifest
 from engine.shards.paged_stage import PagedStage
@@ -561,13 +562,13 @@ class Distributor:
             budget = self.runtime.token_budget
             scheduler = paged_scheduler(self.manifest, self.pool_blocks, path.block_size, slots=self.slots,
                                         token_budget=budget, prefill_chunk=budget)
-            coordinator = BatchCoordinator(path, model_card(self.manifest), scheduler,
+            coordinator = BatchCoordinator(path, ModelCard.from_manifest(self.manifest), scheduler,
                                            recover=self.recovery.async_recover,  # type: ignore[arg-type]
                                            step_timeout_s=settings.step_timeout_s,
                                            hold_timeout_s=settings.coordinator_hold_s,
                                            grammar=GrammarVocabulary.of_export(self.export_dir, self.manifest))
         else:
-            coordinator = Coordinator(path, model_card(self.manifest), slots=self.slots,
+            coordinator = Coordinator(path, ModelCard.from_manifest(self.manifest), slots=self.slots,
                                       recover=self.recovery.async_recover, step_timeout_s=settings.step_timeout_s,
                                       hold_timeout_s=settings.coordinator_hold_s,
                                       grammar=GrammarVocabulary.of_export(self.export_dir, self.manifest))

@@ -16,6 +16,7 @@ from pathlib import Path
 from engine.api.server import ApiSettings, async_run_api
 from engine.cli.main import Command
 from engine.errors import DeskfleetError, TokenizerError
+from engine.generation.generator import ModelCard
 from engine.generation.tokenizer import ChatTokenizer
 from engine.wire.address import Address
 
@@ -221,7 +222,7 @@ async def _open_generator(args: argparse.Namespace):
     """The coordinator the command line asks for: stages in-process, local workers, or a remote ring."""
     # Imported here, so `--help` does not load OpenVINO.
     from engine.coordinator.constrained import GrammarVocabulary
-    from engine.coordinator.coordinator import Coordinator, model_card
+    from engine.coordinator.coordinator import Coordinator
     from engine.coordinator.speculation import SpeculationConfig, Speculator
     from engine.shards.manifest import load_manifest
 
@@ -265,7 +266,7 @@ async def _open_generator(args: argparse.Namespace):
         path = RingPath(manifest.model.fingerprint, len(manifest.stages), args.first_stage, args.return_listen,
                         local_stage0=local0, max_frame_bytes=return_frame_bound(
                             manifest.model.vocab_size, manifest.model.max_position_embeddings), **args.ring)
-        async with Coordinator(path, model_card(manifest), slots=slots, speculation=speculation,
+        async with Coordinator(path, ModelCard.from_manifest(manifest), slots=slots, speculation=speculation,
                                step_timeout_s=args.step_timeout,
                                grammar=GrammarVocabulary.of_export(args.shards, manifest)) as coordinator:
             yield coordinator
@@ -286,7 +287,6 @@ async def _open_paged(args: argparse.Namespace, manifest, speculation):
     """The paged coordinator: stages in-process, paged local workers, or a remote paged ring."""
     from engine.coordinator.batch_coordinator import BatchCoordinator, block_size_for, paged_scheduler
     from engine.coordinator.constrained import GrammarVocabulary
-    from engine.coordinator.coordinator import model_card
     from engine.shards.kv_pool import DEFAULT_KV_POOL_BYTES, pool_blocks_for
 
     if args.host_stage0:
@@ -306,7 +306,7 @@ async def _open_paged(args: argparse.Namespace, manifest, speculation):
         path = PagedRingPath(manifest.model.fingerprint, len(manifest.stages), args.first_stage, args.return_listen,
                              block_size=block_size, max_frame_bytes=bound, **args.ring)
         scheduler = paged_scheduler(manifest, pool, block_size, **settings)
-        async with BatchCoordinator(path, model_card(manifest), scheduler, speculation=speculation,
+        async with BatchCoordinator(path, ModelCard.from_manifest(manifest), scheduler, speculation=speculation,
                                     step_timeout_s=args.step_timeout, grammar=grammar) as coordinator:
             yield coordinator
     elif getattr(args, "rings", 1) > 1:  # several local fleets behind one router

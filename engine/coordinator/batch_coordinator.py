@@ -33,7 +33,6 @@ import numpy as np
 from engine.coordinator.batch_scheduler import BatchScheduler
 from engine.coordinator.batch_state import Action, Emit, Failed, FailOver, Finished, SchedulerConfig
 from engine.coordinator.constrained import GrammarVocabulary, StreamConstraints
-from engine.coordinator.coordinator import model_card
 from engine.coordinator.speculation import Speculator
 from engine.errors import DeskfleetError
 from engine.generation.generator import ModelCard, UnavailableError
@@ -144,7 +143,7 @@ class BatchCoordinator:
         pool = pool_blocks_for(manifest, kv_pool_bytes, block_size, precision="f32" if exact else None)
         path = LocalPagedPath.load(export_dir, pool, kv_pool_bytes, manifest=manifest, exact=exact, device=device,
                                    num_threads=num_threads)
-        return cls(path, model_card(manifest), paged_scheduler(manifest, pool, block_size, **settings),
+        return cls(path, ModelCard.from_manifest(manifest), paged_scheduler(manifest, pool, block_size, **settings),
                    speculation=speculation, lanes=1, grammar=GrammarVocabulary.of_export(export_dir, manifest))
 
     @property

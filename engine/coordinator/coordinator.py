@@ -111,7 +111,7 @@ class Coordinator:
         """A coordinator whose stages all run in this process."""
         chain = LocalChain.load(export_dir, exact=exact, device=device, num_threads=num_threads)
         kwargs.setdefault("grammar", GrammarVocabulary.of_export(export_dir, chain.manifest))
-        return cls(LocalPath(chain), model_card(chain.manifest), slots=slots, **kwargs)
+        return cls(LocalPath(chain), ModelCard.from_manifest(chain.manifest), slots=slots, **kwargs)
 
     @property
     def model(self) -> ModelCard:
@@ -529,8 +529,3 @@ class Coordinator:
             self._waiting.remove(state)
             self._counters["cancelled"] += 1
 
-
-def model_card(manifest) -> ModelCard:
-    m = manifest.model
-    return ModelCard(name=m.name, context_length=m.max_position_embeddings, eos_token_ids=m.eos_token_ids,
-                     stages=len(manifest.stages), fingerprint=m.fingerprint, vocab_size=m.vocab_size)

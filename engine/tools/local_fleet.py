@@ -16,11 +16,12 @@ from pathlib import Path
 
 from engine.coordinator.batch_coordinator import BatchCoordinator, paged_scheduler
 from engine.coordinator.constrained import GrammarVocabulary
-from engine.coordinator.coordinator import Coordinator, model_card
+from engine.coordinator.coordinator import Coordinator
 from engine.coordinator.paged_ring import PagedRingPath
 from engine.coordinator.ring import RingPath
 from engine.coordinator.speculation import Speculator
 from engine.errors import DeskfleetError
+from engine.generation.generator import ModelCard
 from engine.shards.kv_pool import DEFAULT_KV_POOL_BYTES, pool_blocks_for
 from engine.shards.manifest import load_manifest
 from engine.shards.paged_step import PagedPath
@@ -124,8 +125,9 @@ async def _paged_local_fleet(export_dir, exact, threads, hop, failover, kv_pool_
                 return await supervisor.async_recover(path, reason)
 
         scheduler = paged_scheduler(manifest, pool, block_size, **settings)
-        coordinator = BatchCoordinator(path, model_card(manifest), scheduler, lanes=lanes, speculation=speculation,
-                                       recover=recover, step_timeout_s=step_timeout_s, hold_timeout_s=hold_timeout_s,
+        coordinator = BatchCoordinator(path, ModelCard.from_manifest(manifest), scheduler, lanes=lanes,
+                                       speculation=speculation, recover=recover, step_timeout_s=step_timeout_s,
+                                       hold_timeout_s=hold_timeout_s,
                                        grammar=GrammarVocabulary.of_export(export_dir, manifest))
         async with coordinator:
             if supervisor is not None:
@@ -178,7 +180,7 @@ async def _local_fleet(export_dir, slots, exact, threads, host_stage0, hop, fail
 
             coordinator_options["recover"] = recover
         coordinator_options.setdefault("grammar", GrammarVocabulary.of_export(export_dir, manifest))
-        coordinator = Coordinator(path, model_card(manifest), slots=slots, **coordinator_options)
+        coordinator = Coordinator(path, ModelCard.from_manifest(manifest), slots=slots, **coordinator_options)
         async with coordinator:
             if supervisor is not None:
                 supervisor.attach(coordinator)

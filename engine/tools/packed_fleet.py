@@ -9,11 +9,11 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from engine.coordinator.constrained import GrammarVocabulary, StreamConstraints
-from engine.coordinator.coordinator import model_card
-from engine.coordinator.ring import RingPath
 from engine.errors import DeskfleetError
+from engine.generation.generator import ModelCard
 from engine.shards.manifest import Manifest, load_manifest
 from engine.static.packed_generator import LocalStatic, PackedGenerator, RingStatic
+from engine.static.packed_ring import PackedRingPath
 from engine.static.packed_stage import StaticChain, geometry_of, static_manifest
 from engine.tools.worker_processes import Hop, LocalFleet
 from engine.wire.address import Address
@@ -30,7 +30,8 @@ async def static_generator(export_dir: Path | str, *, device: str = "CPU", exact
                            num_threads: int | None = None) -> AsyncIterator[PackedGenerator]:
     """Every stage in this process."""
     chain = StaticChain.load(export_dir, device=device, exact=exact, num_threads=num_threads)
-    generator = PackedGenerator(LocalStatic(chain), model_card(chain.manifest), chain.geometry, chain.row_options,
+    generator = PackedGenerator(LocalStatic(chain), ModelCard.from_manifest(chain.manifest), chain.geometry,
+                                chain.row_options,
                                 grammar=StreamConstraints(GrammarVocabulary.of_export(export_dir, chain.manifest)))
     async with generator:
         yield generator
@@ -42,9 +43,9 @@ async def ring_static_generator(manifest: Manifest, first_stage: Address, return
                                 **path_options) -> AsyncIterator[PackedGenerator]:
     """Through packed stage workers: stage 0 listens at ``first_stage``, the last dials ``return_listen``
     (``grammar``: the model's vocabulary, for constrained output)."""
-    path = RingPath(static_manifest(manifest).model.fingerprint, len(manifest.stages), first_stage, return_listen,
+    path = PackedRingPath(static_manifest(manifest).model.fingerprint, len(manifest.stages), first_stage, return_listen,
                     **path_options)
-    generator = PackedGenerator(RingStatic(path), model_card(manifest), geometry_of(manifest),
+    generator = PackedGenerator(RingStatic(path), ModelCard.from_manifest(manifest), geometry_of(manifest),
                                 export_row_options(manifest), grammar=StreamConstraints(grammar))
     async with generator:
         yield generator
@@ -56,10 +57,11 @@ async def local_static_fleet(export_dir: Path | str, *, exact: bool = False, thr
     """One packed worker process per stage on loopback, and the generator over their ring."""
     manifest = static_manifest(load_manifest(export_dir))
     fleet = LocalFleet(export_dir, exact=exact, threads=threads)
-    path = RingPath(manifest.model.fingerprint, len(manifest.stages), Address("127.0.0.1", 0), Address("127.0.0.1", 0))
+    path = PackedRingPath(manifest.model.fingerprint, len(manifest.stages), Address("127.0.0.1", 0),
+                          Address("127.0.0.1", 0))
     try:
         path.first_remote = await fleet.async_start(await path.async_listen(), hop)
-        generator = PackedGenerator(RingStatic(path), model_card(manifest), geometry_of(manifest),
+        generator = PackedGenerator(RingStatic(path), ModelCard.from_manifest(manifest), geometry_of(manifest),
                                     export_row_options(manifest),
                                     grammar=StreamConstraints(GrammarVocabulary.of_export(export_dir, manifest)))
         async with generator:

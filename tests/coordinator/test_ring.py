@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 
+from engine.generation.generator import ModelCard
 from engine.generation.in_process import greedy_generate
 from engine.generation.request import GenerationRequest, SamplingParams
 from engine.shards.manifest import load_manifest
@@ -79,12 +80,12 @@ def test_start_order_does_not_matter_and_sigterm_drains(tiny_export, unsplit_gre
                                  "--exact"], stdout=subprocess.PIPE, text=True, start_new_session=True)
 
     async def main(procs):
-        from engine.coordinator.coordinator import Coordinator, model_card
+        from engine.coordinator.coordinator import Coordinator
         from engine.coordinator.ring import RingPath
         from engine.wire.address import Address
 
         path = RingPath(fingerprint, 2, Address("127.0.0.1", p0), Address("127.0.0.1", ret))
-        async with Coordinator(path, model_card(load_manifest(export))) as c:
+        async with Coordinator(path, ModelCard.from_manifest(load_manifest(export))) as c:
             procs.append(worker(1, p1, ret))  # the last stage comes up after the first
             return await collect(c, GenerationRequest(PROMPT_IDS, N, ignore_eos=True))
 

@@ -16,13 +16,12 @@ import numpy as np
 import openai
 import pytest
 
-from engine.coordinator.coordinator import model_card
-from engine.coordinator.ring import RingPath
-from engine.generation.generator import UnavailableError
+from engine.generation.generator import ModelCard, UnavailableError
 from engine.generation.request import FinishReason, GenerationRequest
 from engine.shards.manifest import load_manifest
 from engine.shards.stage import Stage
 from engine.static.packed_generator import PackedGenerator, RingStatic
+from engine.static.packed_ring import PackedRingPath
 from engine.static.packed_stage import StaticChain, StaticStage, geometry_of, static_generate
 from engine.static.packed_worker import PackedStageWorker
 from engine.static.slot_scheduler import PromptTooLong
@@ -66,7 +65,7 @@ async def worker_ring(export: Path):
     """A packed stage worker per stage (real sockets on loopback) and a generator over their ring."""
     manifest = load_manifest(export)
     # dial_deadline: a session that finds stage 0 gone redials it for this long before it fails
-    path = RingPath(manifest.model.fingerprint, len(manifest.stages), Address("127.0.0.1", 0),
+    path = PackedRingPath(manifest.model.fingerprint, len(manifest.stages), Address("127.0.0.1", 0),
                     Address("127.0.0.1", 0), dial_deadline=20)
     workers: list[PackedStageWorker] = []
     next_hop = await path.async_listen()
@@ -77,8 +76,8 @@ async def worker_ring(export: Path):
             workers.insert(0, worker)
             next_hop = await worker.async_start()
         path.first_remote = next_hop
-        generator = PackedGenerator(RingStatic(path, step_timeout_s=20), model_card(manifest), geometry_of(manifest),
-                                    export_row_options(manifest))
+        generator = PackedGenerator(RingStatic(path, step_timeout_s=20), ModelCard.from_manifest(manifest),
+                                    geometry_of(manifest), export_row_options(manifest))
         async with generator:
             yield generator, workers
     finally:
@@ -153,7 +152,7 @@ def test_stateful_and_static_workers_refuse_each_others_frames(tmp_path_factory,
     stateful_export = tiny_export("llama", 1)
 
     async def answer(worker_of, fingerprint, msg):
-        path = RingPath(fingerprint, 1, Address("127.0.0.1", 0), Address("127.0.0.1", 0))
+        path = PackedRingPath(fingerprint, 1, Address("127.0.0.1", 0), Address("127.0.0.1", 0))
         worker = worker_of(await path.async_listen())
         try:
             path.first_remote = await worker.async_start()
@@ -177,15 +176,6 @@ def test_stateful_and_static_workers_refuse_each_others_frames(tmp_path_factory,
                                    np.zeros((1, 1), np.int64))))
     assert to_stateful.error and "Packed frames need a static" in to_stateful.error
     assert to_static.error and "takes Packed frames, not Forward" in to_static.error
-
-
-def test_a_one_stage_static_export_is_refused_by_a_stateful_ring_path_with_stage0_hosted(exports):
-    manifest = load_manifest(exports[1])
-    path = RingPath(manifest.model.fingerprint, 2, Address("127.0.0.1", 1), Address("127.0.0.1", 0),
-                    local_stage0=object())  # any stage 0 hosted here
-    path._out = object()  # as if connected: the refusal comes before anything is sent
-    with pytest.raises(Exception, match="cannot host stage 0"):
-        run(path.async_submit_packed(StreamId(1), 1, PlanFrame.of([(0, 0, 0)], 1), np.array([1], np.int64)))
 
 
 @pytest.mark.slow
