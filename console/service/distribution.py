@@ -8,11 +8,10 @@ Once every agent holds verified files it starts the workers, connects the ring (
 process when the layout says so, mutual TLS with the console's fleet certificate) and checks it
 with a one-token generation.
 
-A CPU/GPU export serves **paged** by default (:mod:`console.service.ring_runtime`): a
+A CPU/GPU export serves **paged** (:mod:`console.service.ring_runtime`): a
 :class:`~engine.coordinator.paged_ring.PagedRingPath` under a
 :class:`~engine.coordinator.batch_coordinator.BatchCoordinator`, over a block pool that the
-tightest member's ``kv_pool_mb`` (reported in its status) holds. ``runtime="stateful"`` keeps a
-:class:`~engine.coordinator.ring.RingPath` under a :class:`~engine.coordinator.coordinator.Coordinator`.
+tightest member's ``kv_pool_mb`` (reported in its status) holds.
 
 Every agent is known by its certificate: the first contact learns its node id from the TLS
 peer (or the layout names it), and every later call is pinned to it. The assignments carry
@@ -67,18 +66,15 @@ from console.service.ring_runtime import (
 from engine.control.client import ControlClient, ControlError
 from engine.control.fleet_services import FleetHost
 from engine.control.hub import AgentEvent
-from engine.control.messages import AgentStatus, Assignment, ControlRequestError, WorkerSettings
+from engine.control.messages import AgentStatus, Assignment, ControlRequestError, WorkerSettings, runtime_for
 from engine.coordinator.batch_coordinator import BatchCoordinator, block_size_for, paged_scheduler
 from engine.coordinator.constrained import GrammarVocabulary
-from engine.coordinator.coordinator import Coordinator
 from engine.coordinator.paged_ring import PagedRingPath
-from engine.coordinator.ring import RingPath, return_frame_bound
 from engine.errors import DeskfleetError
 from engine.generation.generator import ModelCard
 from engine.generation.request import GenerationRequest
 from engine.shards.manifest import MANIFEST_NAME, load_manifest
 from engine.shards.paged_stage import PagedStage
-from engine.shards.stage import Stage
 from engine.trust.peer_policy import PeerPolicy
 from engine.wire.address import Address
 from engine.wire.step_codec import step_reply_bound
@@ -119,6 +115,9 @@ class Distributor:
         self.api_url = api_url
         self.runtime = runtime if isinstance(runtime, RingRuntime) else RingRuntime(runtime, slots=slots)
         self.paged = serves_paged(self.runtime, self.manifest, self.worker)
+        if not self.paged:
+            raise DistributionError("an NPU-target export is served by the static runtime, which the console does "
+                                    "not distribute yet")
         self.slots = self.runtime.slots_for(self.paged)
         self._pool_mb: dict[str, int] = {}  # control address -> the MiB its agent gives a paged pool
         self.pool_blocks = 0  # a paged ring's pool, fixed when its path opens
@@ -136,8 +135,8 @@ class Distributor:
         self._unsubscribe: Callable[[], None] | None = None
         self._watch: asyncio.Task | None = None
         self._progress: dict[AgentTarget, AgentProgress] = {}
-        self._stage0: Stage | PagedStage | None = None
-        self._path: RingPath | None = None
+        self._stage0: PagedStage | None = None
+        self._path: PagedRingPath | None = None
         # fixed by the first listen (or given: the fleet service's ring after a restart), so a re-run
         # sends the same assignments
         self._return_port = return_port
@@ -146,7 +145,7 @@ class Distributor:
         self._data_hop = data_hop
         self._return_dial: Address | None = None
         self._first_address: Address | None = None  # the first remote stage's own address (before data_hop)
-        self._coordinator: Coordinator | BatchCoordinator | None = None
+        self._coordinator: BatchCoordinator | None = None
         self._background: set[asyncio.Task] = set()
         for target in layout.targets:  # refuse here what an agent would refuse with a 400
             try:
@@ -157,7 +156,7 @@ class Distributor:
     # -- what the caller sees ----------------------------------------------------------------------
 
     @property
-    def coordinator(self) -> Coordinator | BatchCoordinator:
+    def coordinator(self) -> BatchCoordinator:
         """The running coordinator, to put the OpenAI API on (:func:`engine.api.server.async_run_api`)."""
         if self._coordinator is None:
             raise DistributionError("the ring is not up; run the distribution first")
@@ -252,7 +251,7 @@ class Distributor:
         except ControlError as exc:
             return str(exc)
 
-    async def async_redial(self, path: RingPath) -> None:
+    async def async_redial(self, path: PagedRingPath) -> None:
         """Every stage serves again: redial the first remote stage (the first agent's, stage 1 when
         the console hosts stage 0), through ``data_hop`` when it moved; the same hop otherwise."""
         first = self.layout.targets[0]
@@ -374,7 +373,7 @@ class Distributor:
             return self._fail(target, str(exc))
         if status.kv_pool_mb is None:
             return self._fail(target, "its agent reports no KV pool budget: it is too old to serve a paged ring; "
-                              "update Deskfleet on that PC, or serve with the stateful runtime", status)
+                              "update Deskfleet on that PC", status)
         self._pool_mb[target.control] = status.kv_pool_mb
         if self.pool_blocks:
             why = pool_refusal(self.manifest, self.worker, target.stage, target.label, status.kv_pool_mb,
@@ -397,7 +396,7 @@ class Distributor:
                                  api_key=self._member_key(target), events_url=self.host.hub.events_url,
                                  expect_upstream=(upstream,) if upstream else (), expect_next=expect_next,
                                  deny=tuple(sorted(self.host.hub.deny)),
-                                 runtime="paged" if self.paged else "stateful")
+                                 runtime=runtime_for(self.manifest))
 
     def _member_key(self, target: AgentTarget) -> str | None:
         """The member's own limited key for its tray chat, never the console's (issue 29, M9)."""
@@ -492,7 +491,7 @@ class Distributor:
 
     # -- the ring ------------------------------------------------------------------------------------
 
-    async def _async_open_path(self) -> RingPath:
+    async def _async_open_path(self) -> PagedRingPath:
         """The coordinator's path, listening on its return port (the last stage's next hop)."""
         if self._path is None:
             first = self.layout.targets[0]
@@ -503,23 +502,12 @@ class Distributor:
             ends = {"server_ssl": creds.server_context(), "client_ssl": creds.client_context(),
                     "dial_deadline": self.timeouts.dial_s, "peers": self._ring_peers()}
             model = self.manifest.model
-            if self.paged:
-                stage0 = await self._async_paged_stage0()
-                budget = self.runtime.token_budget
-                self._path = PagedRingPath(model.fingerprint, len(self.manifest.stages), first_remote,
-                                           Address(self.console_host, self._return_port),
-                                           block_size=block_size_for(self.worker.device), local_stage0=stage0,
-                                           max_frame_bytes=step_reply_bound(model.vocab_size, budget, budget), **ends)
-            else:
-                if self.layout.local_stage0 and not isinstance(self._stage0, Stage):
-                    self._stage0 = await asyncio.to_thread(
-                        Stage, self.export_dir, 0, device=self.worker.device, exact=self.worker.exact,
-                        num_threads=self.worker.threads, manifest=self.manifest)
-                self._path = RingPath(model.fingerprint, len(self.manifest.stages), first_remote,
-                                      Address(self.console_host, self._return_port),
-                                      local_stage0=self._stage0 if self.layout.local_stage0 else None,
-                                      max_frame_bytes=return_frame_bound(model.vocab_size,
-                                                                         model.max_position_embeddings), **ends)
+            stage0 = await self._async_paged_stage0()
+            budget = self.runtime.token_budget
+            self._path = PagedRingPath(model.fingerprint, len(self.manifest.stages), first_remote,
+                                       Address(self.console_host, self._return_port),
+                                       block_size=block_size_for(self.worker.device), local_stage0=stage0,
+                                       max_frame_bytes=step_reply_bound(model.vocab_size, budget, budget), **ends)
             await self._path.async_listen()
             self._return_port = self._path.return_address.port
             if self._data_hop is not None:
@@ -555,23 +543,16 @@ class Distributor:
         last, first = self._node_ids.get(targets[-1].control), self._node_ids.get(targets[0].control)
         return PeerPolicy.of((last,) if last else (), first, self.host.hub.deny)
 
-    async def _async_connect(self, path: RingPath) -> None:
+    async def _async_connect(self, path: PagedRingPath) -> None:
         settings = self.failover
-        coordinator: Coordinator | BatchCoordinator
-        if isinstance(path, PagedRingPath):
-            budget = self.runtime.token_budget
-            scheduler = paged_scheduler(self.manifest, self.pool_blocks, path.block_size, slots=self.slots,
-                                        token_budget=budget, prefill_chunk=budget)
-            coordinator = BatchCoordinator(path, ModelCard.from_manifest(self.manifest), scheduler,
-                                           recover=self.recovery.async_recover,  # type: ignore[arg-type]
-                                           step_timeout_s=settings.step_timeout_s,
-                                           hold_timeout_s=settings.coordinator_hold_s,
-                                           grammar=GrammarVocabulary.of_export(self.export_dir, self.manifest))
-        else:
-            coordinator = Coordinator(path, ModelCard.from_manifest(self.manifest), slots=self.slots,
-                                      recover=self.recovery.async_recover, step_timeout_s=settings.step_timeout_s,
-                                      hold_timeout_s=settings.coordinator_hold_s,
-                                      grammar=GrammarVocabulary.of_export(self.export_dir, self.manifest))
+        budget = self.runtime.token_budget
+        scheduler = paged_scheduler(self.manifest, self.pool_blocks, path.block_size, slots=self.slots,
+                                    token_budget=budget, prefill_chunk=budget)
+        coordinator = BatchCoordinator(path, ModelCard.from_manifest(self.manifest), scheduler,
+                                       recover=self.recovery.async_recover,  # type: ignore[arg-type]
+                                       step_timeout_s=settings.step_timeout_s,
+                                       hold_timeout_s=settings.coordinator_hold_s,
+                                       grammar=GrammarVocabulary.of_export(self.export_dir, self.manifest))
         try:
             await asyncio.wait_for(coordinator.async_start(), self.timeouts.dial_s + 5)
         except (DeskfleetError, OSError, TimeoutError) as exc:
@@ -624,7 +605,7 @@ class Distributor:
             self._background.add(task)
             task.add_done_callback(self._background.discard)
 
-    async def _async_drop(self, coordinator: Coordinator | BatchCoordinator) -> None:
+    async def _async_drop(self, coordinator: BatchCoordinator) -> None:
         """Forget a broken ring (its path is closed); the next run opens a new one on the same port."""
         self._coordinator, self._path = None, None
         await self._async_stop_watch()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from engine.api.server import ApiSettings, async_run_api
 from engine.cli.main import Command
-from engine.errors import DeskfleetError, TokenizerError
+from engine.errors import DeskfleetError, StatefulRuntimeRetiredError, TokenizerError
 from engine.generation.generator import ModelCard
 from engine.generation.tokenizer import ChatTokenizer
 from engine.wire.address import Address
@@ -42,12 +42,11 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="answers (an n-choice request counts n) one API key may have in progress at once; past it "
                         "429 (default: half of --max-concurrent; applies where keys are required)")
     p.add_argument("--slots", type=int, default=None,
-                   help="streams generated at once (default 16 paged, 4 stateful; a static NPU-target export has "
-                        "its own, from export)")
+                   help="streams generated at once (default 16; a static NPU-target export has its own, from export)")
     p.add_argument("--runtime", choices=("paged", "stateful"), default="paged",
-                   help="paged (default): continuous batching on PagedAttention, every stream's tokens in one "
-                        "infer per stage per step; stateful: one KV state per stream per stage (the identity "
-                        "reference, and for a device without PagedAttention)")
+                   help="paged (the default and only choice for a CPU/GPU export; an NPU-target export serves "
+                        "static): continuous batching on PagedAttention, every stream's tokens in one infer per "
+                        "stage per step. stateful was retired and is refused with the reason")
     p.add_argument("--kv-pool-mb", type=float, default=None, metavar="MIB",
                    help="paged: KV block pool per stage (default 1024 MiB; the only memory that grows with users)")
     p.add_argument("--token-budget", type=int, default=256, metavar="N",
@@ -222,7 +221,6 @@ async def _open_generator(args: argparse.Namespace):
     """The coordinator the command line asks for: stages in-process, local workers, or a remote ring."""
     # Imported here, so `--help` does not load OpenVINO.
     from engine.coordinator.constrained import GrammarVocabulary
-    from engine.coordinator.coordinator import Coordinator
     from engine.coordinator.speculation import SpeculationConfig, Speculator
     from engine.shards.manifest import load_manifest
 
@@ -252,34 +250,8 @@ async def _open_generator(args: argparse.Namespace):
         config = SpeculationConfig(args.speculation, k=args.spec_k, draft_export=args.draft)
         speculation = Speculator(config, device=args.device, exact=args.exact)
 
-    if args.runtime == "paged":
-        async with _open_paged(args, manifest, speculation) as coordinator:
-            yield coordinator
-        return
-    slots = args.slots or 4
-    if args.first_stage is not None:
-        from engine.coordinator.ring import RingPath, return_frame_bound
-        from engine.shards.stage import Stage
-
-        local0 = (Stage(args.shards, 0, manifest=manifest, device=args.device, exact=args.exact)
-                  if args.host_stage0 else None)
-        path = RingPath(manifest.model.fingerprint, len(manifest.stages), args.first_stage, args.return_listen,
-                        local_stage0=local0, max_frame_bytes=return_frame_bound(
-                            manifest.model.vocab_size, manifest.model.max_position_embeddings), **args.ring)
-        async with Coordinator(path, ModelCard.from_manifest(manifest), slots=slots, speculation=speculation,
-                               step_timeout_s=args.step_timeout,
-                               grammar=GrammarVocabulary.of_export(args.shards, manifest)) as coordinator:
-            yield coordinator
-    elif args.workers:
-        from engine.tools.local_fleet import local_fleet
-
-        async with local_fleet(args.shards, slots=slots, exact=args.exact, speculation=speculation,
-                               **supervision(args)) as coordinator:
-            yield coordinator
-    else:
-        async with Coordinator.local(args.shards, slots=slots, exact=args.exact, device=args.device,
-                                     speculation=speculation) as coordinator:
-            yield coordinator
+    async with _open_paged(args, manifest, speculation) as coordinator:
+        yield coordinator
 
 
 @contextlib.asynccontextmanager
@@ -290,8 +262,8 @@ async def _open_paged(args: argparse.Namespace, manifest, speculation):
     from engine.shards.kv_pool import DEFAULT_KV_POOL_BYTES, pool_blocks_for
 
     if args.host_stage0:
-        raise DeskfleetError("--host-stage0 is for the stateful runtime: a paged ring runs every stage as a "
-                             "worker (add --runtime stateful, or drop --host-stage0)")
+        raise DeskfleetError("--host-stage0 was the retired stateful runtime's: a paged ring served by `deskfleet "
+                             "serve` runs every stage as a worker (drop --host-stage0)")
     pool_bytes = int(args.kv_pool_mb * 2**20) if args.kv_pool_mb is not None else DEFAULT_KV_POOL_BYTES
     settings = {"slots": args.slots or 16, "token_budget": args.token_budget,
                 "prefill_chunk": args.token_budget}
@@ -337,6 +309,8 @@ async def async_serve(args: argparse.Namespace, settings: ApiSettings, tokenizer
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.runtime == "stateful":
+        raise StatefulRuntimeRetiredError()
     settings = settings_from_args(args, os.environ)
     tok_dir = args.shards / "tokenizer"
     if not tok_dir.is_dir():

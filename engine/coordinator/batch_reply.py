@@ -35,7 +35,7 @@ def decide(params: SamplingParams, rng: np.random.Generator, drafts: Sequence[in
 
     ids int64 [K+1], probs float32 [K+1]: the row's top-1 answers; logits float32 [K+1, V] or
     None; q [K, V] the drafts' distributions (None: a deterministic drafter). Draws from ``rng``
-    only when sampling, as the stateful path does (engine.coordinator.scheduler).
+    only when sampling.
     """
     if logits is not None and not params.greedy:
         if not drafts:

@@ -26,7 +26,6 @@ from engine.trust.peer_policy import PeerPolicy, PeerPolicyError
 from engine.wire.address import Address
 from engine.wire.format import (
     COORDINATOR_STAGE,
-    FORWARD_META,
     HEADER_SIZE,
     MAX_FRAME_BYTES,
     MAX_FRAME_STAGES,
@@ -47,7 +46,7 @@ def return_frame_bound(vocab_size: int, context: int) -> int:
     Logits of ``context`` rows of float32 over the vocabulary (a step that wanted every row), which
     is more than Tokens (12 bytes a row) of as many rows, plus the header and their row metadata.
     (A paged ring's bound is :func:`engine.wire.step_codec.step_reply_bound`.)"""
-    meta = max(PACKED_META.size, FORWARD_META.size) + 3 * 8 * context + 4 * MAX_FRAME_STAGES
+    meta = PACKED_META.size + 3 * 8 * context + 4 * MAX_FRAME_STAGES
     bound = HEADER_SIZE + meta + 4 * max(vocab_size, 3) * context
     return min(MAX_FRAME_BYTES, max(MIN_FRAME_BOUND, bound))
 

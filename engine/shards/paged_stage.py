@@ -9,8 +9,7 @@ stage holds no policy: :func:`paged_inputs` turns a plan into the PagedAttention
 GPU: implemented (block size 16, cache layout read from the compiled inputs), untested: no
 Intel GPU was available.
 
-:class:`LocalPagedPath` runs the stages of one export back to back in this process, the paged
-twin of :class:`engine.shards.step_path.LocalPath`. The plan itself is described in
+:class:`LocalPagedPath` runs the stages of one export back to back in this process. The plan itself is described in
 :mod:`engine.wire.step_plan` and docs/PROTOCOL.md ("Step").
 """
 

@@ -1,6 +1,6 @@
 """Where a paged coordinator's steps run: a :class:`PagedPath`, and what goes in and comes out.
 
-The paged twin of :mod:`engine.shards.step_path`: one step carries every taking-part stream's new
+One step carries every taking-part stream's new
 tokens (a :class:`~engine.wire.step_plan.StepPlan` and the token ids of its rows), and one
 outcome answers all of them. :class:`engine.shards.paged_stage.LocalPagedPath` runs the stages in
 this process; :class:`engine.coordinator.paged_ring.PagedRingPath` sends the step around a ring

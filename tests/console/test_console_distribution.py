@@ -21,14 +21,13 @@ import pytest
 from agent.service.service import AgentService
 from agent.service.settings import AgentSettings
 from console.service.distribution import Distributor
-from console.service.errors import AgentsFailedError, LayoutError
+from console.service.errors import AgentsFailedError, DistributionError, LayoutError
 from console.service.ring_layout import AgentEndpoint, AgentTarget, RingLayout
 from console.service.ring_runtime import stage_pool_blocks
 from engine.api.server import ApiSettings, async_run_api
 from engine.control.fleet_services import MEMBER_KEY_RPM
 from engine.control.messages import WorkerSettings
 from engine.coordinator.batch_coordinator import BatchCoordinator
-from engine.coordinator.coordinator import Coordinator
 from engine.generation.request import GenerationRequest
 from engine.generation.tokenizer import ChatTokenizer
 from engine.placement.planner import Plan, PlannedStage
@@ -155,9 +154,7 @@ def test_three_stages_with_stage0_in_the_console_resume_after_a_failed_fetch_and
 CHATS = (PROMPT_IDS, tuple(range(40, 90)), PROMPT_IDS[:7])  # the second fills a whole KV block
 
 
-@pytest.mark.parametrize("runtime", ["paged", pytest.param("stateful", marks=pytest.mark.slow)])
-def test_two_stages_on_two_agents_serve_concurrent_chats_as_the_unsplit_model(tmp_path, tiny_export, unsplit_greedy,
-                                                                               runtime):
+def test_two_stages_on_two_agents_serve_concurrent_chats_as_the_unsplit_model(tmp_path, tiny_export, unsplit_greedy):
     export = tiny_export("llama", 2)
     manifest = load_manifest(export)
     budgets = (48, 24)  # MiB: desk-b's budget sizes the ring's pool
@@ -169,14 +166,13 @@ def test_two_stages_on_two_agents_serve_concurrent_chats_as_the_unsplit_model(tm
                                     for stage, a in enumerate(agents)])
             assert not layout.local_stage0
             progress = []
-            async with Distributor(con, export, layout, worker=WORKER, on_progress=progress.append,
-                                   runtime=runtime) as dist:
+            async with Distributor(con, export, layout, worker=WORKER, on_progress=progress.append) as dist:
                 health = await dist.async_run()
                 assert health.ok and not health.local_stage0
                 assert _fetch_complete(progress, "desk-a") and _fetch_complete(progress, "desk-b")
                 served = con.hub.bytes_served
                 assert served == _stage_bytes(export, 0) + _stage_bytes(export, 1)
-                assert [a.assignment.runtime for a in agents] == [runtime, runtime]
+                assert [a.assignment.runtime for a in agents] == ["paged", "paged"]
                 assert [a.status().kv_pool_mb for a in agents] == list(budgets)
                 # three chats at once, then a follow-up turn of the second one
                 answers = await asyncio.gather(*(collect(dist.coordinator, GenerationRequest(p, N, ignore_eos=True))
@@ -198,15 +194,20 @@ def test_two_stages_on_two_agents_serve_concurrent_chats_as_the_unsplit_model(tm
     answers, follow_up, metrics, coordinator, pool = run(main())
     for prompt, tokens in zip((*CHATS, follow_up), answers, strict=True):
         assert tuple(tokens) == unsplit_greedy(prompt, N)
-    if runtime == "paged":
-        assert isinstance(coordinator, BatchCoordinator)
-        assert pool == stage_pool_blocks(manifest, WORKER, 1, "desk-b", budgets[1]) < \
-            stage_pool_blocks(manifest, WORKER, 0, "desk-a", budgets[0])
-        assert metrics["kv_blocks_total"] == pool - 4  # the scratch blocks apart
-        assert metrics["prefix_hits_total"] >= 1  # the follow-up reused its conversation's full blocks
-        assert metrics["requests_failed_total"] == 0
-    else:
-        assert isinstance(coordinator, Coordinator)
+    assert isinstance(coordinator, BatchCoordinator)
+    assert pool == stage_pool_blocks(manifest, WORKER, 1, "desk-b", budgets[1]) < \
+        stage_pool_blocks(manifest, WORKER, 0, "desk-a", budgets[0])
+    assert metrics["kv_blocks_total"] == pool - 4  # the scratch blocks apart
+    assert metrics["prefix_hits_total"] >= 1  # the follow-up reused its conversation's full blocks
+    assert metrics["requests_failed_total"] == 0
+
+
+def test_a_ring_asked_to_serve_stateful_is_refused_naming_the_change(tmp_path, tiny_export):
+    """The retired runtime, asked for by an old setting or caller, is refused before anything runs."""
+    layout = RingLayout.of([AgentTarget("127.0.0.1:1", 0, 2, "desk-a")])
+    with pytest.raises(DistributionError, match="the stateful runtime was retired; paged serves CPU/GPU, static "
+                                                "the NPU"):
+        Distributor(object(), tiny_export("llama", 1), layout, runtime="stateful")  # type: ignore[arg-type]
 
 
 class _OldAgent(AgentService):
