@@ -1,8 +1,9 @@
 """Failover of the console's ring under load, end to end on loopback: a real fleet host, real
 in-process agents joined with tokens, real stage-worker processes, mutual TLS everywhere. Four
 greedy streams decode through a 2-stage ring on two agents (paged: batched in one step per
-stage; one case on a 3-stage paged ring whose stage 0 runs in the console) while one agent is paused, its worker SIGKILLed, or
-the agent gone altogether (unplugged); its stage comes back in place or moves to a standby agent,
+stage; one case on a 3-stage paged ring whose stage 0 runs in the console) while one agent is
+paused, its worker SIGKILLed, or the agent gone altogether (unplugged); its stage comes back in place
+or moves to a standby agent,
 and every answer is identical to the undisturbed unsplit run, with no request lost. Without a
 standby the streams wait for the hold time (a resume within it saves them) and then fail with an
 error that says why. A standby whose KV budget cannot hold the paged ring's pool is refused by name."""
