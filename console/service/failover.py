@@ -207,8 +207,8 @@ class RingRecovery:
 
     async def async_recover(self, path: PagedRingPath, reason: str) -> PagedRingPath:
         """Bring the ring back (see the module docstring); NoReplacementError after ``hold_s``.
-        The same for either coordinator: a paged ring's path redials under a new session (the
-        workers drop the old session's pool state with its connection) and the scheduler replays."""
+        A paged ring's path redials under a new session (the workers drop the old session's pool
+        state with its connection) and the scheduler replays."""
         settings = self._ring.failover
         record: dict[str, float | str] = {"reason": reason, "started": time.monotonic()}
         self.timeline.append(record)

@@ -14,11 +14,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from console.service.errors import DistributionError
-from engine.control.messages import WorkerSettings, runtime_for
+from engine.control.messages import WorkerSettings
 from engine.coordinator.batch_coordinator import block_size_for
 from engine.errors import STATEFUL_RETIRED
 from engine.shards.kv_pool import KVPoolError, estimated_block_bytes, pool_blocks_for
-from engine.shards.manifest import Manifest
+from engine.shards.manifest import Manifest, serving_runtime
 
 DEFAULT_STAGE0_KV_POOL_MB = 1024
 DEFAULT_SLOTS = 16  # a paged ring's streams at once (a static ring's slots are its export's)
@@ -60,7 +60,7 @@ class RingRuntime:
 def serves_paged(runtime: RingRuntime, manifest: Manifest, worker: WorkerSettings) -> bool:
     """Whether the ring serves paged (a CPU/GPU export) rather than static (an NPU-target export);
     a CPU/GPU export on an NPU is refused (PagedAttention runs on CPU and GPU)."""
-    paged = runtime_for(manifest) == "paged"
+    paged = serving_runtime(manifest) == "paged"
     if paged and worker.device.startswith("NPU"):
         raise DistributionError(f"a CPU/GPU export cannot serve on {worker.device} (PagedAttention runs on CPU and "
                                 "GPU): export the model for the NPU, or serve it on CPU or GPU")

@@ -16,7 +16,6 @@ from pathlib import Path
 from engine.api.server import ApiSettings, async_run_api
 from engine.cli.main import Command
 from engine.errors import DeskfleetError, StatefulRuntimeRetiredError, TokenizerError
-from engine.generation.generator import ModelCard
 from engine.generation.tokenizer import ChatTokenizer
 from engine.wire.address import Address
 
@@ -218,70 +217,55 @@ async def async_serve_until_interrupted(generator, tokenizer: ChatTokenizer, set
 
 @contextlib.asynccontextmanager
 async def _open_generator(args: argparse.Namespace):
-    """The coordinator the command line asks for: stages in-process, local workers, or a remote ring."""
+    """The generator the command line asks for: a remote ring (:func:`open_ring`, whichever runtime
+    the export calls for), local workers, or every stage in this process."""
     # Imported here, so `--help` does not load OpenVINO.
     from engine.coordinator.constrained import GrammarVocabulary
+    from engine.coordinator.ring_factory import RingOptions, open_ring, refuse_static_options
     from engine.coordinator.speculation import SpeculationConfig, Speculator
-    from engine.shards.manifest import load_manifest
+    from engine.shards.kv_pool import DEFAULT_KV_POOL_BYTES
+    from engine.shards.manifest import load_manifest, serving_runtime
 
     manifest = load_manifest(args.shards)
-    if manifest.target == "npu":  # a static export: packed greedy serving over its slots
-        from engine.tools.packed_fleet import (
-            local_static_fleet,
-            refuse_stateful_options,
-            ring_static_generator,
-            static_generator,
-        )
-
-        refuse_stateful_options(speculation=args.speculation, host_stage0=args.host_stage0)
-        if args.first_stage is not None:
-            opened = ring_static_generator(manifest, args.first_stage, args.return_listen,
-                                           grammar=GrammarVocabulary.of_export(args.shards, manifest), **args.ring)
-        elif args.workers:
-            opened = local_static_fleet(args.shards, exact=args.exact)
-        else:
-            opened = static_generator(args.shards, device=args.device, exact=args.exact)
-        async with opened as generator:
-            yield generator
-        return
-
+    static = serving_runtime(manifest) == "static"  # an NPU-target export: packed greedy serving over its slots
+    if args.host_stage0:
+        raise DeskfleetError("--host-stage0 was the retired stateful runtime's: a ring served by `deskfleet serve` "
+                             "runs every stage as a worker (drop --host-stage0)")
+    if static:
+        refuse_static_options(speculation=args.speculation != "off", host_stage0=False)
     speculation = None
     if args.speculation != "off":
         config = SpeculationConfig(args.speculation, k=args.spec_k, draft_export=args.draft)
         speculation = Speculator(config, device=args.device, exact=args.exact)
+    pool_bytes = int(args.kv_pool_mb * 2**20) if args.kv_pool_mb is not None else DEFAULT_KV_POOL_BYTES
+    settings = {"slots": args.slots or 16, "token_budget": args.token_budget, "prefill_chunk": args.token_budget}
+    grammar = GrammarVocabulary.of_export(args.shards, manifest)  # constrained output: the export's tokenizer
+    if args.first_stage is not None:
+        options = RingOptions(device=args.device, exact=args.exact, kv_pool_bytes=pool_bytes,
+                              step_timeout_s=args.step_timeout, **settings)
+        ring = open_ring(manifest, args.first_stage, args.return_listen, options=options, grammar=grammar,
+                         speculation=speculation, **args.ring)
+        async with ring as generator:
+            yield generator
+    elif static:
+        from engine.tools.packed_fleet import local_static_fleet, static_generator
 
-    async with _open_paged(args, manifest, speculation) as coordinator:
-        yield coordinator
+        opened = (local_static_fleet(args.shards, exact=args.exact) if args.workers
+                  else static_generator(args.shards, device=args.device, exact=args.exact))
+        async with opened as generator:
+            yield generator
+    else:
+        async with _open_paged(args, pool_bytes, settings, speculation) as coordinator:
+            yield coordinator
 
 
 @contextlib.asynccontextmanager
-async def _open_paged(args: argparse.Namespace, manifest, speculation):
-    """The paged coordinator: stages in-process, paged local workers, or a remote paged ring."""
-    from engine.coordinator.batch_coordinator import BatchCoordinator, block_size_for, paged_scheduler
-    from engine.coordinator.constrained import GrammarVocabulary
-    from engine.shards.kv_pool import DEFAULT_KV_POOL_BYTES, pool_blocks_for
+async def _open_paged(args: argparse.Namespace, pool_bytes: int, settings: dict, speculation):
+    """The paged coordinator over this PC: paged local workers (one ring or several), or every stage
+    in this process."""
+    from engine.coordinator.batch_coordinator import BatchCoordinator
 
-    if args.host_stage0:
-        raise DeskfleetError("--host-stage0 was the retired stateful runtime's: a paged ring served by `deskfleet "
-                             "serve` runs every stage as a worker (drop --host-stage0)")
-    pool_bytes = int(args.kv_pool_mb * 2**20) if args.kv_pool_mb is not None else DEFAULT_KV_POOL_BYTES
-    settings = {"slots": args.slots or 16, "token_budget": args.token_budget,
-                "prefill_chunk": args.token_budget}
-    grammar = GrammarVocabulary.of_export(args.shards, manifest)  # constrained output: the export's tokenizer
-    if args.first_stage is not None:
-        from engine.coordinator.paged_ring import PagedRingPath
-        from engine.wire.step_codec import step_reply_bound
-
-        block_size = block_size_for(args.device)
-        pool = pool_blocks_for(manifest, pool_bytes, block_size, precision="f32" if args.exact else None)
-        bound = step_reply_bound(manifest.model.vocab_size, args.token_budget, args.token_budget)
-        path = PagedRingPath(manifest.model.fingerprint, len(manifest.stages), args.first_stage, args.return_listen,
-                             block_size=block_size, max_frame_bytes=bound, **args.ring)
-        scheduler = paged_scheduler(manifest, pool, block_size, **settings)
-        async with BatchCoordinator(path, ModelCard.from_manifest(manifest), scheduler, speculation=speculation,
-                                    step_timeout_s=args.step_timeout, grammar=grammar) as coordinator:
-            yield coordinator
-    elif getattr(args, "rings", 1) > 1:  # several local fleets behind one router
+    if getattr(args, "rings", 1) > 1:  # several local fleets behind one router
         from engine.tools.local_rings import local_rings
 
         if not args.workers or speculation is not None:

@@ -19,7 +19,7 @@ from typing import Any
 
 from engine.control.tags import reported_tags
 from engine.errors import STATEFUL_RETIRED, DeskfleetError, ManifestError
-from engine.shards.manifest import Manifest, parse_manifest, safe_join
+from engine.shards.manifest import Manifest, parse_manifest, safe_join, serving_runtime
 
 API_VERSION = 1
 MAX_BODY_BYTES = 4 << 20  # a manifest of a 128-layer export is ~100 kB; anything near this is hostile
@@ -31,11 +31,6 @@ _EXPORT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,127}$")
 # PagedAttention, block pools sized by the console) or "static" (an NPU-target export: packed slots).
 # "stateful" (a KV state per stream) was retired; an assignment naming it is refused with the reason.
 RUNTIMES = ("paged", "static")
-
-
-def runtime_for(manifest: Manifest) -> str:
-    """The runtime that serves ``manifest``'s export: static for an NPU-target one, else paged."""
-    return "static" if manifest.target == "npu" else "paged"
 
 
 class ControlRequestError(DeskfleetError):
@@ -124,7 +119,7 @@ class Assignment:
 
     ``runtime`` is how the worker serves (:data:`RUNTIMES`): ``paged`` starts it with ``--paged``
     and a KV block pool of the agent's ``kv_pool_mb``; absent means the one the export's target
-    calls for (:func:`runtime_for`).
+    calls for (:func:`engine.shards.manifest.serving_runtime`).
     """
 
     export_id: str
@@ -197,13 +192,13 @@ class Assignment:
             urls[name] = url
         peers = parse_peers(data)
         api_key = parse_api_key(data.get("api_key"))
-        runtime = _field(data, "runtime", str, optional=True) or runtime_for(manifest)
+        runtime = _field(data, "runtime", str, optional=True) or serving_runtime(manifest)
         if runtime == "stateful":
             raise ControlRequestError(STATEFUL_RETIRED)
         if runtime not in RUNTIMES:
             raise ControlRequestError(f"runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r:.40}")
-        if runtime != runtime_for(manifest):
-            raise ControlRequestError(f"a {manifest.target}-target export is served by the {runtime_for(manifest)} "
+        if runtime != serving_runtime(manifest):
+            raise ControlRequestError(f"a {manifest.target}-target export is served by the {serving_runtime(manifest)} "
                                       f"runtime, not {runtime} (paged serves CPU/GPU exports, static NPU-target ones)")
         if runtime == "paged" and worker.device.startswith("NPU"):
             raise ControlRequestError(f"a {manifest.target}-target export cannot serve on {worker.device} "

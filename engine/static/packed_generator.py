@@ -213,11 +213,19 @@ class PackedGenerator:
         return frozenset({LOGPROBS}) | (self._grammar.features if self._grammar is not None else frozenset())
 
     async def __aenter__(self) -> PackedGenerator:
-        await self.backend.async_start()
-        self._loop_task = asyncio.create_task(self._run(), name="deskfleet-packed-loop")
+        await self.async_start()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        await self.async_stop()
+
+    async def async_start(self) -> None:
+        """Reach the stages (a ring: dial its first stage) and start serving."""
+        await self.backend.async_start()
+        self._loop_task = asyncio.create_task(self._run(), name="deskfleet-packed-loop")
+
+    async def async_stop(self) -> None:
+        """Fail every request still waiting or running, then close the stages (a ring: its path)."""
         if self._loop_task is not None:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -15,20 +15,17 @@ import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
-from engine.coordinator.batch_coordinator import BatchCoordinator, paged_scheduler
+from engine.coordinator.batch_coordinator import BatchCoordinator
 from engine.coordinator.constrained import GrammarVocabulary
-from engine.coordinator.paged_ring import PagedRingPath
+from engine.coordinator.ring_factory import RingOptions, open_ring, ring_path
 from engine.coordinator.speculation import Speculator
-from engine.generation.generator import ModelCard
-from engine.shards.kv_pool import DEFAULT_KV_POOL_BYTES, pool_blocks_for
+from engine.shards.kv_pool import DEFAULT_KV_POOL_BYTES
 from engine.shards.manifest import load_manifest
 from engine.shards.paged_step import PagedPath
 from engine.tools.local_supervisor import LocalSupervisor, Restart
 from engine.tools.restart_policy import RestartPolicy
 from engine.tools.worker_processes import Hop, LocalFleet
 from engine.wire.address import Address
-from engine.wire.step_codec import step_reply_bound
-from engine.wire.step_plan import CPU_BLOCK_SIZE
 
 log = logging.getLogger(__name__)
 
@@ -103,29 +100,26 @@ async def _paged_local_fleet(export_dir, exact, threads, hop, failover, kv_pool_
                              step_timeout_s, hold_timeout_s, cache, restart_policy, on_restart,
                              spares, on_spare, settings) -> AsyncIterator[BatchCoordinator]:
     manifest = load_manifest(export_dir)
-    block_size = CPU_BLOCK_SIZE
-    pool = pool_blocks_for(manifest, kv_pool_bytes, block_size, precision="f32" if exact else None)
     fleet = LocalFleet(export_dir, exact=exact, threads=threads, cache_dir=cache,
-                       extra_args=("--paged", "--kv-pool-mb", f"{kv_pool_bytes / 2**20:.6g}"))
+                       extra_args=("--kv-pool-mb", f"{kv_pool_bytes / 2**20:.6g}"))
     supervisor = _supervise(fleet, failover, restart_policy, on_restart,
                             failover and want_spares(spares, manifest, kv_pool_bytes), on_spare)
-    budget = settings.get("token_budget", 256)  # no step answers more rows than it has tokens
-    path = PagedRingPath(manifest.model.fingerprint, len(manifest.stages), Address("127.0.0.1", 0),
-                         Address("127.0.0.1", 0), block_size=block_size,
-                         max_frame_bytes=step_reply_bound(manifest.model.vocab_size, budget, budget))
+    recover = None
+    if supervisor is not None:
+        async def recover(broken: PagedPath, reason: str) -> PagedPath:
+            await supervisor.async_recover(path, reason)  # ``broken`` is the ring's own path, redialled
+            return broken
+
+    options = RingOptions(exact=exact, kv_pool_bytes=kv_pool_bytes, lanes=lanes, step_timeout_s=step_timeout_s,
+                          hold_timeout_s=hold_timeout_s, **settings)
+    coordinator = open_ring(manifest, Address("127.0.0.1", 0), Address("127.0.0.1", 0), options=options,
+                            grammar=GrammarVocabulary.of_export(export_dir, manifest), speculation=speculation,
+                            recover=recover)
+    assert isinstance(coordinator, BatchCoordinator), "paged_local_fleet serves a CPU/GPU export"
+    path = ring_path(coordinator)
     try:
         return_address = await path.async_listen()
         path.first_remote = await fleet.async_start(return_address, hop)
-        recover = None
-        if supervisor is not None:
-            async def recover(broken: PagedPath, reason: str) -> PagedPath:
-                return await supervisor.async_recover(path, reason)
-
-        scheduler = paged_scheduler(manifest, pool, block_size, **settings)
-        coordinator = BatchCoordinator(path, ModelCard.from_manifest(manifest), scheduler, lanes=lanes,
-                                       speculation=speculation, recover=recover, step_timeout_s=step_timeout_s,
-                                       hold_timeout_s=hold_timeout_s,
-                                       grammar=GrammarVocabulary.of_export(export_dir, manifest))
         async with coordinator:
             if supervisor is not None:
                 supervisor.attach(coordinator)

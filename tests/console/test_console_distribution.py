@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from agent.service.service import AgentService
 from agent.service.settings import AgentSettings
 from console.service.distribution import Distributor
 from console.service.errors import AgentsFailedError, DistributionError, LayoutError
+from console.service.models import ModelLibrary
 from console.service.ring_layout import AgentEndpoint, AgentTarget, RingLayout
 from console.service.ring_runtime import stage_pool_blocks
 from engine.api.server import ApiSettings, async_run_api
@@ -32,10 +34,13 @@ from engine.generation.request import GenerationRequest
 from engine.generation.tokenizer import ChatTokenizer
 from engine.placement.planner import Plan, PlannedStage
 from engine.shards.manifest import load_manifest
+from engine.static.packed_generator import PackedGenerator
+from engine.static.packed_stage import StaticChain, static_generate
 from tests.conftest import PROMPT_IDS
 from tests.support.agent_helpers import FakeIdle, console
 from tests.support.asyncutil import collect, run
 from tests.support.loopback import free_port
+from tests.support.npu_helpers import npu_export
 
 N = 12
 WORKER = WorkerSettings(threads=1, exact=True)
@@ -240,7 +245,7 @@ def test_an_agent_too_old_for_a_paged_ring_is_named_before_anything_is_fetched(t
 
     failed, served = run(main())
     assert [(f.agent, f.stage) for f in failed.failures] == [("desk-old", 1)]
-    assert "too old to serve a paged ring" in str(failed) and "stateful runtime" in str(failed)
+    assert "too old to serve a paged ring" in str(failed) and "update Deskfleet on that PC" in str(failed)
     assert served == 0
 
 
@@ -262,3 +267,33 @@ def test_layouts_that_cannot_make_a_ring_are_refused_with_the_reason():
     with pytest.raises(LayoutError, match="data port"):
         same_data.check(2)
     RingLayout.of([same_data.targets[0], replace(same_data.targets[1], data_port=7212)]).check(2)
+
+
+@pytest.mark.slow
+def test_an_npu_export_from_the_library_is_served_by_the_static_runtime(tmp_path, tmp_path_factory, tiny_checkpoint):
+    """An NPU-target export in the fleet service's model library goes to its agents as static
+    workers and is answered by the packed generator (the static runtime), token for token as its
+    static stages in one process: nothing hands it to a runtime that cannot run it."""
+    library = ModelLibrary(tmp_path / "library")
+    library.exports_dir.mkdir(parents=True)
+    shutil.copytree(npu_export(tmp_path_factory, tiny_checkpoint("llama"), stages=2, context=64),
+                    library.exports_dir / "tiny-npu")
+    info = library.export("tiny-npu")
+    assert info.key.target == "npu"
+    expected = static_generate(StaticChain.load(info.path, exact=True), PROMPT_IDS, N, ignore_eos=True)
+
+    async def main():
+        async with console(tmp_path / "console") as con, _agents(tmp_path, con, ("desk-a", "desk-b")) as agents:
+            layout = RingLayout.of([AgentTarget(f"127.0.0.1:{a.control_port}", stage, free_port(), a.settings.name)
+                                    for stage, a in enumerate(agents)])
+            async with Distributor(con, info.path, layout, export_id=info.export_id, worker=WORKER) as dist:
+                health = await dist.async_run()
+                assert health.ok and not health.local_stage0
+                runtimes = [a.assignment.runtime for a in agents]
+                tokens = await collect(dist.coordinator, GenerationRequest(PROMPT_IDS, N, ignore_eos=True))
+                return runtimes, tokens, dist.coordinator
+
+    runtimes, tokens, generator = run(main())
+    assert runtimes == ["static", "static"]
+    assert isinstance(generator, PackedGenerator)
+    assert list(tokens) == list(expected)

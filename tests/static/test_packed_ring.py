@@ -22,10 +22,9 @@ from engine.shards.manifest import load_manifest
 from engine.shards.paged_stage import PagedStage
 from engine.static.packed_generator import PackedGenerator, RingStatic
 from engine.static.packed_ring import PackedRingPath
-from engine.static.packed_stage import StaticChain, StaticStage, geometry_of, static_generate
+from engine.static.packed_stage import StaticChain, StaticStage, export_row_options, geometry_of, static_generate
 from engine.static.packed_worker import PackedStageWorker
 from engine.static.slot_scheduler import PromptTooLong
-from engine.tools.packed_fleet import export_row_options
 from engine.wire.address import Address
 from engine.wire.format import StreamId
 from engine.wire.messages import Packed, Step
