@@ -10,7 +10,7 @@ with a one-token generation.
 
 The ring is opened by :func:`engine.coordinator.ring_factory.open_ring`, which picks the runtime
 from the export (:mod:`console.service.ring_runtime`): a CPU/GPU export serves **paged** (a
-:class:`~engine.coordinator.batch_coordinator.BatchCoordinator` over a block pool that the
+:class:`~engine.paged.coordinator.BatchCoordinator` over a block pool that the
 tightest member's ``kv_pool_mb``, reported in its status, holds), an NPU-target export **static**
 (a :class:`~engine.static.packed_generator.PackedGenerator` over the export's slots; every stage
 on an agent, no failover beyond redialling its first stage).
@@ -69,14 +69,14 @@ from engine.control.client import ControlClient, ControlError
 from engine.control.fleet_services import FleetHost
 from engine.control.hub import AgentEvent
 from engine.control.messages import AgentStatus, Assignment, ControlRequestError, WorkerSettings
-from engine.coordinator.batch_coordinator import BatchCoordinator
-from engine.coordinator.constrained import GrammarVocabulary
 from engine.coordinator.ring_factory import RingGenerator, RingOptions, open_ring, ring_path
 from engine.errors import DeskfleetError
 from engine.generation.request import GenerationRequest
+from engine.paged.constraints import GrammarVocabulary
+from engine.paged.coordinator import BatchCoordinator
+from engine.paged.stage import PagedStage
 from engine.ring.ends import RingEnds
 from engine.shards.manifest import MANIFEST_NAME, load_manifest, serving_runtime
-from engine.shards.paged_stage import PagedStage
 from engine.trust.peer_policy import PeerPolicy
 from engine.wire.address import Address
 

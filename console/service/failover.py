@@ -49,9 +49,9 @@ from console.service.failover_plan import (
 )
 from console.service.ring_layout import AgentEndpoint, RingLayout
 from engine.control.messages import AgentStatus
-from engine.coordinator.batch_coordinator import BatchCoordinator
-from engine.coordinator.paged_ring import PagedRingPath
 from engine.errors import DeskfleetError
+from engine.paged.coordinator import BatchCoordinator
+from engine.paged.ring_path import PagedRingPath
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 from console.service.errors import DistributionError
 from engine.control.messages import WorkerSettings
-from engine.coordinator.batch_coordinator import block_size_for
 from engine.errors import STATEFUL_RETIRED
-from engine.shards.kv_pool import KVPoolError, estimated_block_bytes, pool_blocks_for
+from engine.paged.coordinator import block_size_for
+from engine.paged.kv_pool import KVPoolError, estimated_block_bytes, pool_blocks_for
 from engine.shards.manifest import Manifest, serving_runtime
 
 DEFAULT_STAGE0_KV_POOL_MB = 1024

@@ -220,10 +220,10 @@ async def _open_generator(args: argparse.Namespace):
     """The generator the command line asks for: a remote ring (:func:`open_ring`, whichever runtime
     the export calls for), local workers, or every stage in this process."""
     # Imported here, so `--help` does not load OpenVINO.
-    from engine.coordinator.constrained import GrammarVocabulary
     from engine.coordinator.ring_factory import RingOptions, open_ring, refuse_static_options
-    from engine.coordinator.speculation import SpeculationConfig, Speculator
-    from engine.shards.kv_pool import DEFAULT_KV_POOL_BYTES
+    from engine.paged.constraints import GrammarVocabulary
+    from engine.paged.kv_pool import DEFAULT_KV_POOL_BYTES
+    from engine.paged.speculation import SpeculationConfig, Speculator
     from engine.shards.manifest import load_manifest, serving_runtime
 
     manifest = load_manifest(args.shards)
@@ -263,7 +263,7 @@ async def _open_generator(args: argparse.Namespace):
 async def _open_paged(args: argparse.Namespace, pool_bytes: int, settings: dict, speculation):
     """The paged coordinator over this PC: paged local workers (one ring or several), or every stage
     in this process."""
-    from engine.coordinator.batch_coordinator import BatchCoordinator
+    from engine.paged.coordinator import BatchCoordinator
 
     if getattr(args, "rings", 1) > 1:  # several local fleets behind one router
         from engine.tools.local_rings import local_rings

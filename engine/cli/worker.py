@@ -20,7 +20,7 @@ from typing import TextIO
 
 from engine.cli.main import Command
 from engine.errors import DeskfleetError, StatefulRuntimeRetiredError
-from engine.shards.kv_pool import DEFAULT_KV_POOL_BYTES
+from engine.paged.kv_pool import DEFAULT_KV_POOL_BYTES
 from engine.shards.manifest import load_manifest
 from engine.trust.peer_policy import PeerPolicy, PeerPolicyError, parse_policy_update
 from engine.wire.address import Address

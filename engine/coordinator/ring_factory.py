@@ -1,7 +1,7 @@
 """One factory for a ring of stage workers: :func:`open_ring` picks the runtime from the export.
 
-A CPU/GPU export is served **paged** (a :class:`~engine.coordinator.paged_ring.PagedRingPath` under
-a :class:`~engine.coordinator.batch_coordinator.BatchCoordinator`, over a block pool); an
+A CPU/GPU export is served **paged** (a :class:`~engine.paged.ring_path.PagedRingPath` under
+a :class:`~engine.paged.coordinator.BatchCoordinator`, over a block pool); an
 NPU-target export **static** (a :class:`~engine.static.packed_ring.PackedRingPath` under a
 :class:`~engine.static.packed_generator.PackedGenerator`, over the export's slots). Both paths
 stand on :class:`~engine.ring.ends.RingEnds`, so a caller treats the result alike: a
@@ -19,17 +19,17 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine.coordinator.batch_coordinator import BatchCoordinator, block_size_for, paged_scheduler
-from engine.coordinator.constrained import GrammarVocabulary, StreamConstraints
-from engine.coordinator.paged_ring import PagedRingPath
-from engine.coordinator.speculation import Speculator
 from engine.errors import DeskfleetError
 from engine.generation.generator import ModelCard
+from engine.paged.constraints import GrammarVocabulary, StreamConstraints
+from engine.paged.coordinator import BatchCoordinator, block_size_for, paged_scheduler
+from engine.paged.kv_pool import DEFAULT_KV_POOL_BYTES, pool_blocks_for
+from engine.paged.ring_path import PagedRingPath
+from engine.paged.speculation import Speculator
+from engine.paged.stage import PagedStage
+from engine.paged.step import PagedPath
 from engine.ring.ends import RingEnds, return_frame_bound
-from engine.shards.kv_pool import DEFAULT_KV_POOL_BYTES, pool_blocks_for
 from engine.shards.manifest import Manifest, serving_runtime
-from engine.shards.paged_stage import PagedStage
-from engine.shards.paged_step import PagedPath
 from engine.static.packed_generator import PackedGenerator, RingStatic
 from engine.static.packed_ring import PackedRingPath
 from engine.static.packed_stage import export_row_options, geometry_of

@@ -3,7 +3,7 @@
 Steps go out on one connection to the first remote stage (dialled with retry, kept open by
 pings, checked against the peer policy); replies come back from the last stage on a return port
 this side listens on, not hop by hop. A runtime's path (paged:
-:class:`~engine.coordinator.paged_ring.PagedRingPath`; static:
+:class:`~engine.paged.ring_path.PagedRingPath`; static:
 :class:`~engine.static.packed_ring.PackedRingPath`) adds only its frames: what it sends, and what
 ``_on_return`` makes of a reply.
 

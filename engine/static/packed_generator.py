@@ -180,7 +180,7 @@ class PackedGenerator:
     def __init__(self, backend: StaticBackend, card: ModelCard, geometry: SlotGeometry,
                  row_options: tuple[int, ...], *, max_queue: int = MAX_QUEUE, grammar: MatcherSource | None = None):
         """``grammar``: builds the requests' grammar matchers (constrained output; the caller gives
-        an engine.coordinator.constrained.StreamConstraints over the model's vocabulary); without it
+        an engine.paged.constraints.StreamConstraints over the model's vocabulary); without it
         only log-probabilities of the request features are served (see :attr:`features`)."""
         self.backend = backend
         self.card = card

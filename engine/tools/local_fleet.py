@@ -15,13 +15,13 @@ import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
-from engine.coordinator.batch_coordinator import BatchCoordinator
-from engine.coordinator.constrained import GrammarVocabulary
 from engine.coordinator.ring_factory import RingOptions, open_ring, ring_path
-from engine.coordinator.speculation import Speculator
-from engine.shards.kv_pool import DEFAULT_KV_POOL_BYTES
+from engine.paged.constraints import GrammarVocabulary
+from engine.paged.coordinator import BatchCoordinator
+from engine.paged.kv_pool import DEFAULT_KV_POOL_BYTES
+from engine.paged.speculation import Speculator
+from engine.paged.step import PagedPath
 from engine.shards.manifest import load_manifest
-from engine.shards.paged_step import PagedPath
 from engine.tools.local_supervisor import LocalSupervisor, Restart
 from engine.tools.restart_policy import RestartPolicy
 from engine.tools.worker_processes import Hop, LocalFleet

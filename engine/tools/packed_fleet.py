@@ -9,9 +9,9 @@ import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from engine.coordinator.constrained import GrammarVocabulary, StreamConstraints
 from engine.coordinator.ring_factory import RingOptions, open_ring, ring_path
 from engine.generation.generator import ModelCard
+from engine.paged.constraints import GrammarVocabulary, StreamConstraints
 from engine.shards.manifest import load_manifest
 from engine.static.packed_generator import LocalStatic, PackedGenerator
 from engine.static.packed_stage import StaticChain, static_manifest

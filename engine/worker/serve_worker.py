@@ -1,6 +1,6 @@
 """The stage worker process: open the worker an export calls for and serve until told to stop.
 
-A CPU/GPU export is served paged (:class:`~engine.worker.paged_worker.PagedStageWorker`), an
+A CPU/GPU export is served paged (:class:`~engine.paged.worker.PagedStageWorker`), an
 NPU-target export static (:class:`~engine.static.packed_worker.PackedStageWorker`). The process
 prints machine-readable lines for its supervising agent (ready, stats, peer-policy updates; a
 warm spare's readiness and timings), takes peer-policy updates (and a spare's activation) as JSON
@@ -23,13 +23,13 @@ from ssl import SSLContext
 from typing import Any, TextIO
 
 from engine.errors import DeskfleetError, StatefulRuntimeRetiredError
-from engine.shards.kv_pool import DEFAULT_KV_POOL_BYTES
+from engine.paged.kv_pool import DEFAULT_KV_POOL_BYTES
+from engine.paged.stage import PagedStage
+from engine.paged.worker import PagedStageWorker
 from engine.shards.manifest import load_manifest
-from engine.shards.paged_stage import PagedStage
 from engine.static.packed_worker import PackedStageWorker
 from engine.trust.peer_policy import PeerPolicy, PeerPolicyError, parse_policy_update
 from engine.wire.address import Address
-from engine.worker.paged_worker import PagedStageWorker
 from engine.worker.spare import (
     SPARE_PREFIX,
     Activation,

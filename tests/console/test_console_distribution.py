@@ -29,9 +29,9 @@ from console.service.ring_runtime import stage_pool_blocks
 from engine.api.server import ApiSettings, async_run_api
 from engine.control.fleet_services import MEMBER_KEY_RPM
 from engine.control.messages import WorkerSettings
-from engine.coordinator.batch_coordinator import BatchCoordinator
 from engine.generation.request import GenerationRequest
 from engine.generation.tokenizer import ChatTokenizer
+from engine.paged.coordinator import BatchCoordinator
 from engine.placement.planner import Plan, PlannedStage
 from engine.shards.manifest import load_manifest
 from engine.static.packed_generator import PackedGenerator

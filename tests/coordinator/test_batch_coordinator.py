@@ -8,11 +8,11 @@ import asyncio
 
 import pytest
 
-from engine.coordinator.batch_coordinator import BatchCoordinator
-from engine.coordinator.speculation import SpeculationConfig, Speculator
 from engine.generation.generator import OverloadedError
 from engine.generation.in_process import greedy_generate
 from engine.generation.request import FinishReason, GenerationRequest, SamplingParams
+from engine.paged.coordinator import BatchCoordinator
+from engine.paged.speculation import SpeculationConfig, Speculator
 from engine.shards.stage import LocalChain
 from tests.conftest import PROMPT_IDS
 from tests.support.asyncutil import collect_events as collect

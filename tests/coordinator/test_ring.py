@@ -12,11 +12,11 @@ import sys
 import numpy as np
 import pytest
 
-from engine.coordinator.batch_coordinator import BatchCoordinator, paged_scheduler
-from engine.coordinator.paged_ring import PagedRingPath
 from engine.generation.generator import ModelCard
 from engine.generation.request import GenerationRequest, SamplingParams
-from engine.shards.kv_pool import pool_blocks_for
+from engine.paged.coordinator import BatchCoordinator, paged_scheduler
+from engine.paged.kv_pool import pool_blocks_for
+from engine.paged.ring_path import PagedRingPath
 from engine.shards.manifest import load_manifest
 from engine.tools.local_fleet import paged_local_fleet
 from engine.wire.address import Address

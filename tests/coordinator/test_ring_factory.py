@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.coordinator.batch_coordinator import BatchCoordinator
-from engine.coordinator.paged_ring import PagedRingPath
 from engine.coordinator.ring_factory import RingOptions, StaticRingOptionError, open_ring, ring_path
-from engine.coordinator.speculation import SpeculationConfig, Speculator
+from engine.paged.coordinator import BatchCoordinator
+from engine.paged.ring_path import PagedRingPath
+from engine.paged.speculation import SpeculationConfig, Speculator
 from engine.ring.ends import RingEnds
 from engine.shards.manifest import load_manifest
 from engine.static.packed_generator import PackedGenerator

@@ -8,10 +8,10 @@ import asyncio
 
 import pytest
 
-from engine.coordinator.batch_coordinator import BatchCoordinator
-from engine.coordinator.speculation import SpeculationConfig, Speculator
 from engine.generation.in_process import greedy_generate
 from engine.generation.request import GenerationRequest, SamplingParams
+from engine.paged.coordinator import BatchCoordinator
+from engine.paged.speculation import SpeculationConfig, Speculator
 from engine.shards.stage import LocalChain
 from engine.tools.local_fleet import paged_local_fleet
 from tests.conftest import PROMPT_IDS

@@ -14,7 +14,7 @@ import openvino.opset13 as ops
 import pytest
 
 from engine.generation.in_process import greedy_generate
-from engine.shards.paged_stage import (
+from engine.paged.stage import (
     SAMPLED,
     LMHeadNotFoundError,
     LocalPagedPath,
@@ -27,7 +27,7 @@ from engine.shards.paged_stage import (
     pool_tensor,
     top1_reply,
 )
-from engine.shards.paged_step import PagedStep
+from engine.paged.step import PagedStep
 from engine.shards.stage import LocalChain
 from engine.shards.step_answer import top1
 from engine.wire.step_plan import SCRATCH_BLOCKS, PlanRow, StepPlan, blocks_needed, plan

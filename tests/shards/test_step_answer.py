@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.shards.paged_stage import LocalPagedPath, top1_reply
+from engine.paged.stage import LocalPagedPath, top1_reply
 from engine.shards.step_answer import (
     TokenMaskError,
     answer_step,

@@ -18,8 +18,9 @@ import pytest
 
 from engine.generation.generator import ModelCard, UnavailableError
 from engine.generation.request import FinishReason, GenerationRequest
+from engine.paged.stage import PagedStage
+from engine.paged.worker import PagedStageWorker
 from engine.shards.manifest import load_manifest
-from engine.shards.paged_stage import PagedStage
 from engine.static.packed_generator import PackedGenerator, RingStatic
 from engine.static.packed_ring import PackedRingPath
 from engine.static.packed_stage import StaticChain, StaticStage, export_row_options, geometry_of, static_generate
@@ -30,7 +31,6 @@ from engine.wire.format import StreamId
 from engine.wire.messages import Packed, Step
 from engine.wire.plan_frame import PlanFrame
 from engine.wire.step_plan import CPU_BLOCK_SIZE, SCRATCH_BLOCKS, PlanRow, plan
-from engine.worker.paged_worker import PagedStageWorker
 from tests.conftest import PROMPT_IDS
 from tests.support.api_helpers import serve_process
 from tests.support.asyncutil import run

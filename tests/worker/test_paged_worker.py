@@ -17,9 +17,10 @@ import pytest
 
 from engine.cli.worker import check_runtime
 from engine.errors import DeskfleetError, StatefulRuntimeRetiredError
+from engine.paged.stage import LocalPagedPath, PagedStage
+from engine.paged.step import PagedOutcome, PagedStep
+from engine.paged.worker import PagedStageWorker
 from engine.shards.manifest import load_manifest
-from engine.shards.paged_stage import LocalPagedPath, PagedStage
-from engine.shards.paged_step import PagedOutcome, PagedStep
 from engine.wire.address import Address
 from engine.wire.format import COORDINATOR_STAGE, ErrorCode, Role, StreamId
 from engine.wire.frame_server import FrameServer
@@ -28,7 +29,6 @@ from engine.wire.messages import Error, Hello, Message, Packed, Release, Step, S
 from engine.wire.plan_frame import PlanFrame
 from engine.wire.step_plan import SCRATCH_BLOCKS, PlanRow, StepPlan, blocks_needed, plan
 from engine.wire.transport import Connection, async_connect
-from engine.worker.paged_worker import PagedStageWorker
 from engine.worker.serve_worker import _open_worker
 from tests.conftest import PROMPT_IDS
 from tests.support.asyncutil import run

@@ -1,4 +1,4 @@
-"""The coordinator's side of a paged ring: a :class:`~engine.shards.paged_step.PagedPath` over the network.
+"""The coordinator's side of a paged ring: a :class:`~engine.paged.step.PagedPath` over the network.
 
 Each step goes to stage 0 as one Step frame (the plan and every row's token id); each stage runs
 it on its own block pool and passes its hidden states on in a Step of its own; the last stage
@@ -10,7 +10,7 @@ The ends of the ring (return port, the first hop, TLS and the peer policy, pings
 are :class:`~engine.ring.ends.RingEnds`', which the static runtime's path stands on too; only the
 frames differ.
 
-With ``local_stage0`` (a :class:`~engine.shards.paged_stage.PagedStage` whose pool holds the
+With ``local_stage0`` (a :class:`~engine.paged.stage.PagedStage` whose pool holds the
 plans' ``pool_blocks``) stage 0 runs in this process, one step at a time on a thread of its own,
 and its hidden states go to stage 1 in a Step carrying its compute time; its pool needs nothing
 on a reconnect (a new session starts with the pool considered empty, and the scheduler replays).
@@ -29,13 +29,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from engine.errors import DeskfleetError
+from engine.paged.step import PagedOutcome, PagedStep
 from engine.ring.ends import RingEnds
-from engine.shards.paged_step import PagedOutcome, PagedStep
 from engine.wire.format import StreamId
 from engine.wire.messages import Error, Message, Release, Step, StepReply
 
 if TYPE_CHECKING:
-    from engine.shards.paged_stage import PagedStage
+    from engine.paged.stage import PagedStage
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ from ssl import SSLContext
 import numpy as np
 
 from engine.errors import DeskfleetError
-from engine.shards.paged_stage import PagedStage
+from engine.paged.stage import PagedStage
 from engine.shards.step_answer import answer_step
 from engine.trust.peer_policy import PeerPolicy
 from engine.wire.address import Address
