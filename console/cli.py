@@ -38,13 +38,17 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-port", type=int, default=None,
                    help="port agents' stage workers listen on (default 7211; 0: free ports, agents on this PC only)")
     p.add_argument("--runtime", choices=("paged", "stateful"), default="paged",
-                   help="how the ring serves a CPU/GPU export: paged (default; every user's tokens batched into one "
-                        "step per PC, each PC's KV pool its agent's kv_pool_mb) or stateful (a KV state per user, "
-                        "the identity reference)")
+                   help="how the ring serves a CPU/GPU export: paged (the default and only choice; every user's "
+                        "tokens batched into one step per PC, each PC's KV pool its agent's kv_pool_mb; an NPU-target "
+                        "export serves static). stateful was retired and is refused with the reason")
 
 
 def run(args: argparse.Namespace) -> int:
     from console.app import run_console
+    from engine.errors import StatefulRuntimeRetiredError
+
+    if args.runtime == "stateful":
+        raise StatefulRuntimeRetiredError()
 
     return run_console(args)
 

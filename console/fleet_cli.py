@@ -62,7 +62,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admin-host", default=None, metavar="ADDR",
                    help="address of the admin API's TLS listener (default: --interface)")
     p.add_argument("--runtime", choices=("paged", "stateful"), default="paged",
-                   help="how a ring serves a CPU/GPU export: paged (default) or stateful (the identity reference)")
+                   help="how a ring serves a CPU/GPU export: paged (the default and only choice; an NPU-target "
+                        "export serves static). stateful was retired and is refused with the reason")
     p.add_argument("--threads", type=int, default=None, help="inference threads per stage worker (default: the "
                    "worker's own default)")
     p.add_argument("--exact", action="store_true",
@@ -88,6 +89,10 @@ def service_settings(args: argparse.Namespace):
 
     from console.service.console_settings import ConsoleSettings, default_state_dir
     from console.service.fleet_service import FleetServiceSettings
+    from engine.errors import StatefulRuntimeRetiredError
+
+    if args.runtime == "stateful":
+        raise StatefulRuntimeRetiredError()
     from engine.control.messages import WorkerSettings
     from engine.errors import DeskfleetError
     from engine.machine.this_pc import primary_ipv4

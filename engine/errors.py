@@ -27,6 +27,17 @@ class TokenizerError(DeskfleetError):
     """The tokenizer files are missing or the chat template cannot be rendered."""
 
 
+STATEFUL_RETIRED = ("the stateful runtime was retired; paged serves CPU/GPU, static the NPU (the export's target "
+                    "picks one): drop the stateful runtime option (--runtime stateful, runtime=\"stateful\")")
+
+
+class StatefulRuntimeRetiredError(DeskfleetError):
+    """Something asked for the stateful serving runtime, which was retired: the message says which serves instead."""
+
+    def __init__(self, message: str = STATEFUL_RETIRED):
+        super().__init__(message)
+
+
 class MissingExtraError(DeskfleetError):
     """A command needs an optional dependency group (e.g. ``deskfleet[export]``) that is not installed."""
 

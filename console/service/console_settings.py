@@ -51,7 +51,7 @@ class ConsoleSettings:
     refresh_s: float = 5.0  # how often member agents are polled for their status
     metrics_s: float = 1.0  # how often the coordinator's metrics are sampled
     calibration_steps: int = 16
-    runtime: str = "paged"  # how a ring serves a CPU/GPU export: "paged" or "stateful" (console.service.ring_runtime)
+    runtime: str = "paged"  # how a ring serves: "paged" (an NPU-target export static; console.service.ring_runtime)
     # The fleet service the console attaches to: None is the local one over <state_dir>/admin.sock
     # (started detached when none runs); an https:// URL is a service elsewhere, reached with the
     # admin credentials folder ``admin_cert`` and, if given, pinned to ``service_node_id``.

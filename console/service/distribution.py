@@ -8,11 +8,12 @@ Once every agent holds verified files it starts the workers, connects the ring (
 process when the layout says so, mutual TLS with the console's fleet certificate) and checks it
 with a one-token generation.
 
-A CPU/GPU export serves **paged** by default (:mod:`console.service.ring_runtime`): a
-:class:`~engine.coordinator.paged_ring.PagedRingPath` under a
-:class:`~engine.coordinator.batch_coordinator.BatchCoordinator`, over a block pool that the
-tightest member's ``kv_pool_mb`` (reported in its status) holds. ``runtime="stateful"`` keeps a
-:class:`~engine.coordinator.ring.RingPath` under a :class:`~engine.coordinator.coordinator.Coordinator`.
+The ring is opened by :func:`engine.coordinator.ring_factory.open_ring`, which picks the runtime
+from the export (:mod:`console.service.ring_runtime`): a CPU/GPU export serves **paged** (a
+:class:`~engine.paged.coordinator.BatchCoordinator` over a block pool that the
+tightest member's ``kv_pool_mb``, reported in its status, holds), an NPU-target export **static**
+(a :class:`~engine.static.packed_generator.PackedGenerator` over the export's slots; every stage
+on an agent, no failover beyond redialling its first stage).
 
 Every agent is known by its certificate: the first contact learns its node id from the TLS
 peer (or the layout names it), and every later call is pinned to it. The assignments carry
@@ -68,19 +69,16 @@ from engine.control.client import ControlClient, ControlError
 from engine.control.fleet_services import FleetHost
 from engine.control.hub import AgentEvent
 from engine.control.messages import AgentStatus, Assignment, ControlRequestError, WorkerSettings
-from engine.coordinator.batch_coordinator import BatchCoordinator, block_size_for, paged_scheduler
-from engine.coordinator.constrained import GrammarVocabulary
-from engine.coordinator.coordinator import Coordinator, model_card
-from engine.coordinator.paged_ring import PagedRingPath
-from engine.coordinator.ring import RingPath, return_frame_bound
+from engine.coordinator.ring_factory import RingGenerator, RingOptions, open_ring, ring_path
 from engine.errors import DeskfleetError
 from engine.generation.request import GenerationRequest
-from engine.shards.manifest import MANIFEST_NAME, load_manifest
-from engine.shards.paged_stage import PagedStage
-from engine.shards.stage import Stage
+from engine.paged.constraints import GrammarVocabulary
+from engine.paged.coordinator import BatchCoordinator
+from engine.paged.stage import PagedStage
+from engine.ring.ends import RingEnds
+from engine.shards.manifest import MANIFEST_NAME, load_manifest, serving_runtime
 from engine.trust.peer_policy import PeerPolicy
 from engine.wire.address import Address
-from engine.wire.step_codec import step_reply_bound
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +116,9 @@ class Distributor:
         self.api_url = api_url
         self.runtime = runtime if isinstance(runtime, RingRuntime) else RingRuntime(runtime, slots=slots)
         self.paged = serves_paged(self.runtime, self.manifest, self.worker)
+        if not self.paged and layout.local_stage0:
+            raise LayoutError("a static (NPU-target) ring runs every stage on an agent: the fleet service cannot "
+                              "host its stage 0; re-plan the ring without a local stage 0")
         self.slots = self.runtime.slots_for(self.paged)
         self._pool_mb: dict[str, int] = {}  # control address -> the MiB its agent gives a paged pool
         self.pool_blocks = 0  # a paged ring's pool, fixed when its path opens
@@ -135,8 +136,9 @@ class Distributor:
         self._unsubscribe: Callable[[], None] | None = None
         self._watch: asyncio.Task | None = None
         self._progress: dict[AgentTarget, AgentProgress] = {}
-        self._stage0: Stage | PagedStage | None = None
-        self._path: RingPath | None = None
+        self._stage0: PagedStage | None = None
+        self._path: RingEnds | None = None
+        self._opened: RingGenerator | None = None  # opened with its path (open_ring), started by _async_connect
         # fixed by the first listen (or given: the fleet service's ring after a restart), so a re-run
         # sends the same assignments
         self._return_port = return_port
@@ -145,7 +147,7 @@ class Distributor:
         self._data_hop = data_hop
         self._return_dial: Address | None = None
         self._first_address: Address | None = None  # the first remote stage's own address (before data_hop)
-        self._coordinator: Coordinator | BatchCoordinator | None = None
+        self._coordinator: RingGenerator | None = None
         self._background: set[asyncio.Task] = set()
         for target in layout.targets:  # refuse here what an agent would refuse with a 400
             try:
@@ -156,7 +158,7 @@ class Distributor:
     # -- what the caller sees ----------------------------------------------------------------------
 
     @property
-    def coordinator(self) -> Coordinator | BatchCoordinator:
+    def coordinator(self) -> RingGenerator:
         """The running coordinator, to put the OpenAI API on (:func:`engine.api.server.async_run_api`)."""
         if self._coordinator is None:
             raise DistributionError("the ring is not up; run the distribution first")
@@ -220,7 +222,7 @@ class Distributor:
         """Close the ring, then stop every agent's worker (an unreachable agent is logged).
         ``stop_workers=False`` leaves them running (the fleet service stopping to restart)."""
         coordinator, self._coordinator = self._coordinator, None
-        path, self._path = self._path, None
+        path, self._path, self._opened = self._path, None, None
         await self._async_stop_watch()
         if coordinator is not None:
             await coordinator.async_stop()  # closes its path
@@ -251,7 +253,7 @@ class Distributor:
         except ControlError as exc:
             return str(exc)
 
-    async def async_redial(self, path: RingPath) -> None:
+    async def async_redial(self, path: RingEnds) -> None:
         """Every stage serves again: redial the first remote stage (the first agent's, stage 1 when
         the console hosts stage 0), through ``data_hop`` when it moved; the same hop otherwise."""
         first = self.layout.targets[0]
@@ -373,7 +375,7 @@ class Distributor:
             return self._fail(target, str(exc))
         if status.kv_pool_mb is None:
             return self._fail(target, "its agent reports no KV pool budget: it is too old to serve a paged ring; "
-                              "update Deskfleet on that PC, or serve with the stateful runtime", status)
+                              "update Deskfleet on that PC", status)
         self._pool_mb[target.control] = status.kv_pool_mb
         if self.pool_blocks:
             why = pool_refusal(self.manifest, self.worker, target.stage, target.label, status.kv_pool_mb,
@@ -396,7 +398,7 @@ class Distributor:
                                  api_key=self._member_key(target), events_url=self.host.hub.events_url,
                                  expect_upstream=(upstream,) if upstream else (), expect_next=expect_next,
                                  deny=tuple(sorted(self.host.hub.deny)),
-                                 runtime="paged" if self.paged else "stateful")
+                                 runtime=serving_runtime(self.manifest))
 
     def _member_key(self, target: AgentTarget) -> str | None:
         """The member's own limited key for its tray chat, never the console's (issue 29, M9)."""
@@ -491,7 +493,7 @@ class Distributor:
 
     # -- the ring ------------------------------------------------------------------------------------
 
-    async def _async_open_path(self) -> RingPath:
+    async def _async_open_path(self) -> RingEnds:
         """The coordinator's path, listening on its return port (the last stage's next hop)."""
         if self._path is None:
             first = self.layout.targets[0]
@@ -501,24 +503,16 @@ class Distributor:
                 first_remote = await self._data_hop(first_remote)
             ends = {"server_ssl": creds.server_context(), "client_ssl": creds.client_context(),
                     "dial_deadline": self.timeouts.dial_s, "peers": self._ring_peers()}
-            model = self.manifest.model
-            if self.paged:
-                stage0 = await self._async_paged_stage0()
-                budget = self.runtime.token_budget
-                self._path = PagedRingPath(model.fingerprint, len(self.manifest.stages), first_remote,
-                                           Address(self.console_host, self._return_port),
-                                           block_size=block_size_for(self.worker.device), local_stage0=stage0,
-                                           max_frame_bytes=step_reply_bound(model.vocab_size, budget, budget), **ends)
-            else:
-                if self.layout.local_stage0 and not isinstance(self._stage0, Stage):
-                    self._stage0 = await asyncio.to_thread(
-                        Stage, self.export_dir, 0, device=self.worker.device, exact=self.worker.exact,
-                        num_threads=self.worker.threads, manifest=self.manifest)
-                self._path = RingPath(model.fingerprint, len(self.manifest.stages), first_remote,
-                                      Address(self.console_host, self._return_port),
-                                      local_stage0=self._stage0 if self.layout.local_stage0 else None,
-                                      max_frame_bytes=return_frame_bound(model.vocab_size,
-                                                                         model.max_position_embeddings), **ends)
+            stage0 = await self._async_paged_stage0() if self.paged else None
+            failover = self.failover
+            options = RingOptions(device=self.worker.device, exact=self.worker.exact, slots=self.slots,
+                                  token_budget=self.runtime.token_budget, pool_blocks=self.pool_blocks or None,
+                                  step_timeout_s=failover.step_timeout_s, hold_timeout_s=failover.coordinator_hold_s)
+            self._opened = open_ring(self.manifest, first_remote, Address(self.console_host, self._return_port),
+                                     options=options, local_stage0=stage0,
+                                     grammar=GrammarVocabulary.of_export(self.export_dir, self.manifest),
+                                     recover=self.recovery.async_recover, **ends)  # type: ignore[arg-type]
+            self._path = ring_path(self._opened)
             await self._path.async_listen()
             self._return_port = self._path.return_address.port
             if self._data_hop is not None:
@@ -554,23 +548,9 @@ class Distributor:
         last, first = self._node_ids.get(targets[-1].control), self._node_ids.get(targets[0].control)
         return PeerPolicy.of((last,) if last else (), first, self.host.hub.deny)
 
-    async def _async_connect(self, path: RingPath) -> None:
-        settings = self.failover
-        coordinator: Coordinator | BatchCoordinator
-        if isinstance(path, PagedRingPath):
-            budget = self.runtime.token_budget
-            scheduler = paged_scheduler(self.manifest, self.pool_blocks, path.block_size, slots=self.slots,
-                                        token_budget=budget, prefill_chunk=budget)
-            coordinator = BatchCoordinator(path, model_card(self.manifest), scheduler,
-                                           recover=self.recovery.async_recover,  # type: ignore[arg-type]
-                                           step_timeout_s=settings.step_timeout_s,
-                                           hold_timeout_s=settings.coordinator_hold_s,
-                                           grammar=GrammarVocabulary.of_export(self.export_dir, self.manifest))
-        else:
-            coordinator = Coordinator(path, model_card(self.manifest), slots=self.slots,
-                                      recover=self.recovery.async_recover, step_timeout_s=settings.step_timeout_s,
-                                      hold_timeout_s=settings.coordinator_hold_s,
-                                      grammar=GrammarVocabulary.of_export(self.export_dir, self.manifest))
+    async def _async_connect(self, path: RingEnds) -> None:
+        coordinator = self._opened
+        assert coordinator is not None and ring_path(coordinator) is path, "the ring is opened with its path"
         try:
             await asyncio.wait_for(coordinator.async_start(), self.timeouts.dial_s + 5)
         except (DeskfleetError, OSError, TimeoutError) as exc:
@@ -588,7 +568,8 @@ class Distributor:
             unsubscribe_deny()
 
         self._unsubscribe = unsubscribe
-        self._watch = asyncio.create_task(self.recovery.async_watch(coordinator), name="deskfleet-ring-watch")
+        if isinstance(coordinator, BatchCoordinator):  # failover is the paged runtime's (a static ring redials)
+            self._watch = asyncio.create_task(self.recovery.async_watch(coordinator), name="deskfleet-ring-watch")
 
     async def _async_stop_watch(self) -> None:
         if self._unsubscribe is not None:
@@ -604,7 +585,7 @@ class Distributor:
         """An agent of the ring paused, or its worker died: fail over now rather than at the ring
         watch's next look or the next step timeout."""
         coordinator = self._coordinator
-        if event.event not in ("paused", "worker-lost") or coordinator is None:
+        if event.event not in ("paused", "worker-lost") or not isinstance(coordinator, BatchCoordinator):
             return
         for target in self.layout.targets:
             if self._node_ids.get(target.control) == event.node_id:
@@ -623,9 +604,9 @@ class Distributor:
             self._background.add(task)
             task.add_done_callback(self._background.discard)
 
-    async def _async_drop(self, coordinator: Coordinator | BatchCoordinator) -> None:
+    async def _async_drop(self, coordinator: RingGenerator) -> None:
         """Forget a broken ring (its path is closed); the next run opens a new one on the same port."""
-        self._coordinator, self._path = None, None
+        self._coordinator, self._path, self._opened = None, None, None
         await self._async_stop_watch()
         with contextlib.suppress(DeskfleetError, OSError):
             await coordinator.async_stop()

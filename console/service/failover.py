@@ -49,10 +49,9 @@ from console.service.failover_plan import (
 )
 from console.service.ring_layout import AgentEndpoint, RingLayout
 from engine.control.messages import AgentStatus
-from engine.coordinator.batch_coordinator import BatchCoordinator
-from engine.coordinator.coordinator import Coordinator
-from engine.coordinator.ring import RingPath
 from engine.errors import DeskfleetError
+from engine.paged.coordinator import BatchCoordinator
+from engine.paged.ring_path import PagedRingPath
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +130,7 @@ class RecoverableRing(Protocol):
         ``timeout`` seconds."""
         ...
 
-    async def async_redial(self, path: RingPath) -> None:
+    async def async_redial(self, path: PagedRingPath) -> None:
         """Every stage serves again: redial the first stage on ``path`` (DeskfleetError, OSError
         or TimeoutError when it cannot)."""
         ...
@@ -174,7 +173,7 @@ class RingRecovery:
         usable = [e for e, s in zip(pool, statuses[len(targets):], strict=True) if standby_usable(s)]
         return reports, usable
 
-    async def async_watch(self, coordinator: Coordinator | BatchCoordinator) -> None:
+    async def async_watch(self, coordinator: BatchCoordinator) -> None:
         """Runs beside a healthy ring: every ``watch_s`` ask its agents, and fail over at once
         when :func:`ring_alarm` says so. Baselines start afresh after every failover. It also
         lets the recovery see whether a reconnect made progress (the tokens answered)."""
@@ -206,10 +205,10 @@ class RingRecovery:
                 continue
             pids = {r.stage: r.pid for r in reports}
 
-    async def async_recover(self, path: RingPath, reason: str) -> RingPath:
+    async def async_recover(self, path: PagedRingPath, reason: str) -> PagedRingPath:
         """Bring the ring back (see the module docstring); NoReplacementError after ``hold_s``.
-        The same for either coordinator: a paged ring's path redials under a new session (the
-        workers drop the old session's pool state with its connection) and the scheduler replays."""
+        A paged ring's path redials under a new session (the workers drop the old session's pool
+        state with its connection) and the scheduler replays."""
         settings = self._ring.failover
         record: dict[str, float | str] = {"reason": reason, "started": time.monotonic()}
         self.timeline.append(record)

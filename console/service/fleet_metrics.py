@@ -5,7 +5,7 @@ the agents' hub events.
 The coordinator measures one ring round trip per step (``ring_step_ms_avg``), and every stage
 reports its own compute time per step on the frames it passes on (docs/PROTOCOL.md, stage
 times): the coordinator keeps each stage's moving median (``stage_compute_ms_per_step{stage="k"}``,
-engine.coordinator.stage_times). So the per-stage rows pair the plan's prediction for every stage
+engine.ring.stage_times). So the per-stage rows pair the plan's prediction for every stage
 and hop with what is measured, and the last row shows the network's share of a ring step (the
 round trip minus every stage's compute) against the plan's hops; with a coordinator whose stages
 do not report (an older ring), the remainder of a ring step is shown as one figure instead.

@@ -1,11 +1,11 @@
-"""How the console's ring serves, decided in pure code: paged or stateful, and a paged ring's pool.
+"""How the console's ring serves, decided in pure code: paged or static, and a paged ring's pool.
 
 A paged ring (the default for CPU and GPU exports) batches every user's tokens into one infer per
 stage per step on OpenVINO's PagedAttention; its stages share one block numbering, so the ring's
 pool is as many blocks as its tightest stage may hold. Each agent reports the MiB it gives its
 stage's pool (``AgentStatus.kv_pool_mb``: its ``kv_pool_mb`` setting, capped by its RAM); the
-console hosting stage 0 gives its own. ``stateful`` keeps today's per-stream KV states (the
-identity reference, and the runtime of a static NPU-target export or an NPU device).
+console hosting stage 0 gives its own. An NPU-target export serves static (packed slots; its
+export fixes them). The stateful runtime was retired: asking for it is refused with the reason.
 """
 
 from __future__ import annotations
@@ -14,13 +14,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from console.service.errors import DistributionError
-from engine.control.messages import RUNTIMES, WorkerSettings
-from engine.coordinator.batch_coordinator import block_size_for
-from engine.shards.kv_pool import KVPoolError, estimated_block_bytes, pool_blocks_for
-from engine.shards.manifest import Manifest
+from engine.control.messages import WorkerSettings
+from engine.errors import STATEFUL_RETIRED
+from engine.paged.coordinator import block_size_for
+from engine.paged.kv_pool import KVPoolError, estimated_block_bytes, pool_blocks_for
+from engine.shards.manifest import Manifest, serving_runtime
 
 DEFAULT_STAGE0_KV_POOL_MB = 1024
-DEFAULT_SLOTS = {"paged": 16, "stateful": 4}
+DEFAULT_SLOTS = 16  # a paged ring's streams at once (a static ring's slots are its export's)
 DEFAULT_TOKEN_BUDGET = 256
 
 
@@ -30,9 +31,9 @@ class PoolBudgetRefusedError(DistributionError):
 
 @dataclass(frozen=True)
 class RingRuntime:
-    """How one ring serves. ``runtime``: one of engine.control.messages.RUNTIMES (``paged`` falls
-    back to ``stateful`` where PagedAttention cannot run: see :func:`serves_paged`). ``slots``:
-    streams generated at once (None: 16 paged, 4 stateful). ``token_budget``: a paged step's new
+    """How one ring serves. ``runtime``: ``paged``, which serves a CPU/GPU export paged and an
+    NPU-target export static (:func:`serves_paged`); ``stateful`` was retired. ``slots``:
+    streams generated at once (None: 16). ``token_budget``: a paged step's new
     tokens over all streams (a long prompt is prefilled in chunks of it). ``stage0_kv_pool_mb``:
     the console's own pool when it hosts stage 0 of a paged ring."""
 
@@ -42,20 +43,28 @@ class RingRuntime:
     stage0_kv_pool_mb: int = DEFAULT_STAGE0_KV_POOL_MB
 
     def __post_init__(self) -> None:
-        if self.runtime not in RUNTIMES:
-            raise DistributionError(f"runtime must be one of {', '.join(RUNTIMES)}, got {self.runtime!r}")
+        if self.runtime == "stateful":
+            raise DistributionError(STATEFUL_RETIRED)
+        if self.runtime != "paged":
+            raise DistributionError(f"runtime must be 'paged' (a CPU/GPU export serves paged, an NPU-target one "
+                                    f"static), got {self.runtime!r}")
         if self.slots is not None and self.slots < 1:
             raise DistributionError(f"slots must be at least 1, got {self.slots}")
         if self.token_budget < 1 or self.stage0_kv_pool_mb < 1:
             raise DistributionError("token_budget and stage0_kv_pool_mb must be positive")
 
     def slots_for(self, paged: bool) -> int:
-        return self.slots or DEFAULT_SLOTS["paged" if paged else "stateful"]
+        return self.slots or DEFAULT_SLOTS
 
 
 def serves_paged(runtime: RingRuntime, manifest: Manifest, worker: WorkerSettings) -> bool:
-    """Whether the ring serves paged: asked for, a CPU/GPU (stateful-target) export, not on an NPU."""
-    return runtime.runtime == "paged" and manifest.target == "stateful" and not worker.device.startswith("NPU")
+    """Whether the ring serves paged (a CPU/GPU export) rather than static (an NPU-target export);
+    a CPU/GPU export on an NPU is refused (PagedAttention runs on CPU and GPU)."""
+    paged = serving_runtime(manifest) == "paged"
+    if paged and worker.device.startswith("NPU"):
+        raise DistributionError(f"a CPU/GPU export cannot serve on {worker.device} (PagedAttention runs on CPU and "
+                                "GPU): export the model for the NPU, or serve it on CPU or GPU")
+    return paged
 
 
 def _precision(worker: WorkerSettings) -> str | None:

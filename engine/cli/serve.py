@@ -15,7 +15,7 @@ from pathlib import Path
 
 from engine.api.server import ApiSettings, async_run_api
 from engine.cli.main import Command
-from engine.errors import DeskfleetError, TokenizerError
+from engine.errors import DeskfleetError, StatefulRuntimeRetiredError, TokenizerError
 from engine.generation.tokenizer import ChatTokenizer
 from engine.wire.address import Address
 
@@ -41,12 +41,11 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="answers (an n-choice request counts n) one API key may have in progress at once; past it "
                         "429 (default: half of --max-concurrent; applies where keys are required)")
     p.add_argument("--slots", type=int, default=None,
-                   help="streams generated at once (default 16 paged, 4 stateful; a static NPU-target export has "
-                        "its own, from export)")
+                   help="streams generated at once (default 16; a static NPU-target export has its own, from export)")
     p.add_argument("--runtime", choices=("paged", "stateful"), default="paged",
-                   help="paged (default): continuous batching on PagedAttention, every stream's tokens in one "
-                        "infer per stage per step; stateful: one KV state per stream per stage (the identity "
-                        "reference, and for a device without PagedAttention)")
+                   help="paged (the default and only choice for a CPU/GPU export; an NPU-target export serves "
+                        "static): continuous batching on PagedAttention, every stream's tokens in one infer per "
+                        "stage per step. stateful was retired and is refused with the reason")
     p.add_argument("--kv-pool-mb", type=float, default=None, metavar="MIB",
                    help="paged: KV block pool per stage (default 1024 MiB; the only memory that grows with users)")
     p.add_argument("--token-budget", type=int, default=256, metavar="N",
@@ -218,98 +217,55 @@ async def async_serve_until_interrupted(generator, tokenizer: ChatTokenizer, set
 
 @contextlib.asynccontextmanager
 async def _open_generator(args: argparse.Namespace):
-    """The coordinator the command line asks for: stages in-process, local workers, or a remote ring."""
+    """The generator the command line asks for: a remote ring (:func:`open_ring`, whichever runtime
+    the export calls for), local workers, or every stage in this process."""
     # Imported here, so `--help` does not load OpenVINO.
-    from engine.coordinator.constrained import GrammarVocabulary
-    from engine.coordinator.coordinator import Coordinator, model_card
-    from engine.coordinator.speculation import SpeculationConfig, Speculator
-    from engine.shards.manifest import load_manifest
+    from engine.coordinator.ring_factory import RingOptions, open_ring, refuse_static_options
+    from engine.paged.constraints import GrammarVocabulary
+    from engine.paged.kv_pool import DEFAULT_KV_POOL_BYTES
+    from engine.paged.speculation import SpeculationConfig, Speculator
+    from engine.shards.manifest import load_manifest, serving_runtime
 
     manifest = load_manifest(args.shards)
-    if manifest.target == "npu":  # a static export: packed greedy serving over its slots
-        from engine.tools.packed_fleet import (
-            local_static_fleet,
-            refuse_stateful_options,
-            ring_static_generator,
-            static_generator,
-        )
-
-        refuse_stateful_options(speculation=args.speculation, host_stage0=args.host_stage0)
-        if args.first_stage is not None:
-            opened = ring_static_generator(manifest, args.first_stage, args.return_listen,
-                                           grammar=GrammarVocabulary.of_export(args.shards, manifest), **args.ring)
-        elif args.workers:
-            opened = local_static_fleet(args.shards, exact=args.exact)
-        else:
-            opened = static_generator(args.shards, device=args.device, exact=args.exact)
-        async with opened as generator:
-            yield generator
-        return
-
+    static = serving_runtime(manifest) == "static"  # an NPU-target export: packed greedy serving over its slots
+    if args.host_stage0:
+        raise DeskfleetError("--host-stage0 was the retired stateful runtime's: a ring served by `deskfleet serve` "
+                             "runs every stage as a worker (drop --host-stage0)")
+    if static:
+        refuse_static_options(speculation=args.speculation != "off", host_stage0=False)
     speculation = None
     if args.speculation != "off":
         config = SpeculationConfig(args.speculation, k=args.spec_k, draft_export=args.draft)
         speculation = Speculator(config, device=args.device, exact=args.exact)
-
-    if args.runtime == "paged":
-        async with _open_paged(args, manifest, speculation) as coordinator:
-            yield coordinator
-        return
-    slots = args.slots or 4
+    pool_bytes = int(args.kv_pool_mb * 2**20) if args.kv_pool_mb is not None else DEFAULT_KV_POOL_BYTES
+    settings = {"slots": args.slots or 16, "token_budget": args.token_budget, "prefill_chunk": args.token_budget}
+    grammar = GrammarVocabulary.of_export(args.shards, manifest)  # constrained output: the export's tokenizer
     if args.first_stage is not None:
-        from engine.coordinator.ring import RingPath, return_frame_bound
-        from engine.shards.stage import Stage
+        options = RingOptions(device=args.device, exact=args.exact, kv_pool_bytes=pool_bytes,
+                              step_timeout_s=args.step_timeout, **settings)
+        ring = open_ring(manifest, args.first_stage, args.return_listen, options=options, grammar=grammar,
+                         speculation=speculation, **args.ring)
+        async with ring as generator:
+            yield generator
+    elif static:
+        from engine.tools.packed_fleet import local_static_fleet, static_generator
 
-        local0 = (Stage(args.shards, 0, manifest=manifest, device=args.device, exact=args.exact)
-                  if args.host_stage0 else None)
-        path = RingPath(manifest.model.fingerprint, len(manifest.stages), args.first_stage, args.return_listen,
-                        local_stage0=local0, max_frame_bytes=return_frame_bound(
-                            manifest.model.vocab_size, manifest.model.max_position_embeddings), **args.ring)
-        async with Coordinator(path, model_card(manifest), slots=slots, speculation=speculation,
-                               step_timeout_s=args.step_timeout,
-                               grammar=GrammarVocabulary.of_export(args.shards, manifest)) as coordinator:
-            yield coordinator
-    elif args.workers:
-        from engine.tools.local_fleet import local_fleet
-
-        async with local_fleet(args.shards, slots=slots, exact=args.exact, speculation=speculation,
-                               **supervision(args)) as coordinator:
-            yield coordinator
+        opened = (local_static_fleet(args.shards, exact=args.exact) if args.workers
+                  else static_generator(args.shards, device=args.device, exact=args.exact))
+        async with opened as generator:
+            yield generator
     else:
-        async with Coordinator.local(args.shards, slots=slots, exact=args.exact, device=args.device,
-                                     speculation=speculation) as coordinator:
+        async with _open_paged(args, pool_bytes, settings, speculation) as coordinator:
             yield coordinator
 
 
 @contextlib.asynccontextmanager
-async def _open_paged(args: argparse.Namespace, manifest, speculation):
-    """The paged coordinator: stages in-process, paged local workers, or a remote paged ring."""
-    from engine.coordinator.batch_coordinator import BatchCoordinator, block_size_for, paged_scheduler
-    from engine.coordinator.constrained import GrammarVocabulary
-    from engine.coordinator.coordinator import model_card
-    from engine.shards.kv_pool import DEFAULT_KV_POOL_BYTES, pool_blocks_for
+async def _open_paged(args: argparse.Namespace, pool_bytes: int, settings: dict, speculation):
+    """The paged coordinator over this PC: paged local workers (one ring or several), or every stage
+    in this process."""
+    from engine.paged.coordinator import BatchCoordinator
 
-    if args.host_stage0:
-        raise DeskfleetError("--host-stage0 is for the stateful runtime: a paged ring runs every stage as a "
-                             "worker (add --runtime stateful, or drop --host-stage0)")
-    pool_bytes = int(args.kv_pool_mb * 2**20) if args.kv_pool_mb is not None else DEFAULT_KV_POOL_BYTES
-    settings = {"slots": args.slots or 16, "token_budget": args.token_budget,
-                "prefill_chunk": args.token_budget}
-    grammar = GrammarVocabulary.of_export(args.shards, manifest)  # constrained output: the export's tokenizer
-    if args.first_stage is not None:
-        from engine.coordinator.paged_ring import PagedRingPath
-        from engine.wire.step_codec import step_reply_bound
-
-        block_size = block_size_for(args.device)
-        pool = pool_blocks_for(manifest, pool_bytes, block_size, precision="f32" if args.exact else None)
-        bound = step_reply_bound(manifest.model.vocab_size, args.token_budget, args.token_budget)
-        path = PagedRingPath(manifest.model.fingerprint, len(manifest.stages), args.first_stage, args.return_listen,
-                             block_size=block_size, max_frame_bytes=bound, **args.ring)
-        scheduler = paged_scheduler(manifest, pool, block_size, **settings)
-        async with BatchCoordinator(path, model_card(manifest), scheduler, speculation=speculation,
-                                    step_timeout_s=args.step_timeout, grammar=grammar) as coordinator:
-            yield coordinator
-    elif getattr(args, "rings", 1) > 1:  # several local fleets behind one router
+    if getattr(args, "rings", 1) > 1:  # several local fleets behind one router
         from engine.tools.local_rings import local_rings
 
         if not args.workers or speculation is not None:
@@ -337,6 +293,8 @@ async def async_serve(args: argparse.Namespace, settings: ApiSettings, tokenizer
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.runtime == "stateful":
+        raise StatefulRuntimeRetiredError()
     settings = settings_from_args(args, os.environ)
     tok_dir = args.shards / "tokenizer"
     if not tok_dir.is_dir():

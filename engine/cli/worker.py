@@ -19,12 +19,27 @@ from pathlib import Path
 from typing import TextIO
 
 from engine.cli.main import Command
-from engine.errors import DeskfleetError
-from engine.shards.kv_pool import DEFAULT_KV_POOL_BYTES
+from engine.errors import DeskfleetError, StatefulRuntimeRetiredError
+from engine.paged.kv_pool import DEFAULT_KV_POOL_BYTES
+from engine.shards.manifest import load_manifest
 from engine.trust.fleet_ca import Credentials
 from engine.trust.peer_policy import PeerPolicy, PeerPolicyError, parse_policy_update
 from engine.wire.address import Address
-from engine.worker.stage_worker import async_serve_worker
+from engine.worker.serve_worker import async_serve_worker
+
+RUNTIME_CHOICES = ("paged", "static", "stateful")  # stateful only to refuse it with the reason
+
+
+def check_runtime(runtime: str | None, shard: Path) -> None:
+    """Refuse ``--runtime`` when it is not what the export at ``shard`` is served by."""
+    if runtime is None:
+        return
+    if runtime == "stateful":
+        raise StatefulRuntimeRetiredError()
+    wanted = "static" if load_manifest(shard).target == "npu" else "paged"
+    if runtime != wanted:
+        raise DeskfleetError(f"--runtime {runtime}: {shard} is served by the {wanted} runtime (paged serves "
+                             f"CPU/GPU exports, static NPU-target ones); drop --runtime or pass --runtime {wanted}")
 
 
 class PlaintextExposureError(DeskfleetError):
@@ -74,10 +89,13 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exit-with-parent", action="store_true",
                    help="drain and exit when the parent process dies")
     p.add_argument("--paged", action="store_true",
-                   help="serve the stage paged (continuous batching on PagedAttention: one infer per step for "
-                        "every stream; the coordinator must be a paged one). CPU/GPU exports only")
+                   help="accepted for old command lines: a CPU/GPU export is always served paged (continuous "
+                        "batching on PagedAttention), an NPU-target export static")
+    p.add_argument("--runtime", choices=RUNTIME_CHOICES, default=None,
+                   help="paged (CPU/GPU exports) or static (NPU-target exports); default and only choice: the one "
+                        "the export's target calls for (stateful was retired)")
     p.add_argument("--kv-pool-mb", type=float, default=None, metavar="MIB",
-                   help="with --paged: the most memory this stage's KV block pool may take (default 1024 MiB); "
+                   help="paged: the most memory this stage's KV block pool may take (default 1024 MiB); "
                         "it is allocated once, when the ring's first step says the pool size")
     p.add_argument("--spare", action="store_true",
                    help="a warm spare: open and compile the shard, print 'deskfleet-spare', then wait for an "
@@ -122,8 +140,7 @@ def policy_from_args(args: argparse.Namespace, from_stdin: PeerPolicy | None) ->
 def run(args: argparse.Namespace) -> int:
     server_ssl = client_ssl = stdin_peers = None
     tls = bool(args.tls_stdin)
-    if args.kv_pool_mb is not None and not args.paged:
-        raise DeskfleetError("--kv-pool-mb sizes the block pool of a paged stage: add --paged")
+    check_runtime(args.runtime, args.shard)
     if args.kv_pool_mb is not None and args.kv_pool_mb <= 0:
         raise DeskfleetError(f"--kv-pool-mb must be positive, got {args.kv_pool_mb}")
     if not tls and (args.expect_upstream or args.expect_next):
@@ -140,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
                                           exit_with_parent=args.exit_with_parent, cache_dir=args.cache_dir,
                                           peers=policy_from_args(args, stdin_peers),
                                           policy_updates=sys.stdin if tls or args.spare else None,
-                                          paged=args.paged, kv_pool_bytes=pool_bytes, spare=args.spare))
+                                          kv_pool_bytes=pool_bytes, spare=args.spare))
 
 
 COMMAND = Command(name="worker", help="serve one stage of an export in a ring of workers",

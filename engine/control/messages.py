@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from engine.control.tags import reported_tags
-from engine.errors import DeskfleetError, ManifestError
-from engine.shards.manifest import Manifest, parse_manifest, safe_join
+from engine.errors import STATEFUL_RETIRED, DeskfleetError, ManifestError
+from engine.shards.manifest import Manifest, parse_manifest, safe_join, serving_runtime
 
 API_VERSION = 1
 MAX_BODY_BYTES = 4 << 20  # a manifest of a 128-layer export is ~100 kB; anything near this is hostile
@@ -28,10 +28,10 @@ AGENT_STATES = ("not-joined", "idle", "fetching", "serving", "paused", "error")
 WORKER_STATES = ("stopped", "starting", "running", "backoff", "failed")
 _HOSTPORT = re.compile(r"^[A-Za-z0-9.\-:\[\]]{1,255}:\d{1,5}$")
 _EXPORT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,127}$")
-# How a ring's workers serve their stage: "paged" (continuous batching on PagedAttention, block
-# pools sized by the console) or "stateful" (a KV state per stream; what a console that sends no
-# runtime meant).
-RUNTIMES = ("paged", "stateful")
+# How a ring's workers serve their stage: "paged" (a CPU/GPU export: continuous batching on
+# PagedAttention, block pools sized by the console) or "static" (an NPU-target export: packed slots).
+# "stateful" (a KV state per stream) was retired; an assignment naming it is refused with the reason.
+RUNTIMES = ("paged", "static")
 
 
 class ControlRequestError(DeskfleetError):
@@ -119,7 +119,8 @@ class Assignment:
     ``deny`` is the console's revocation list, refused by the worker and the control API alike.
 
     ``runtime`` is how the worker serves (:data:`RUNTIMES`): ``paged`` starts it with ``--paged``
-    and a KV block pool of the agent's ``kv_pool_mb``; absent means ``stateful`` (older consoles).
+    and a KV block pool of the agent's ``kv_pool_mb``; absent means the one the export's target
+    calls for (:func:`engine.shards.manifest.serving_runtime`).
     """
 
     export_id: str
@@ -136,7 +137,7 @@ class Assignment:
     expect_next: str | None = None
     deny: tuple[str, ...] = ()
     api_key: str | None = field(default=None, repr=False)  # the fleet API's key, for the tray's chat
-    runtime: str = "stateful"
+    runtime: str = "paged"
 
     @property
     def manifest(self) -> Manifest:
@@ -192,12 +193,17 @@ class Assignment:
             urls[name] = url
         peers = parse_peers(data)
         api_key = parse_api_key(data.get("api_key"))
-        runtime = _field(data, "runtime", str, optional=True) or "stateful"
+        runtime = _field(data, "runtime", str, optional=True) or serving_runtime(manifest)
+        if runtime == "stateful":
+            raise ControlRequestError(STATEFUL_RETIRED)
         if runtime not in RUNTIMES:
             raise ControlRequestError(f"runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r:.40}")
-        if runtime == "paged" and (manifest.target != "stateful" or worker.device == "NPU"):
-            raise ControlRequestError(f"a {manifest.target}-target export on {worker.device} cannot serve paged "
-                                      "(PagedAttention runs on CPU and GPU); assign it with runtime 'stateful'")
+        if runtime != serving_runtime(manifest):
+            raise ControlRequestError(f"a {manifest.target}-target export is served by the {serving_runtime(manifest)} "
+                                      f"runtime, not {runtime} (paged serves CPU/GPU exports, static NPU-target ones)")
+        if runtime == "paged" and worker.device.startswith("NPU"):
+            raise ControlRequestError(f"a {manifest.target}-target export cannot serve on {worker.device} "
+                                      "(PagedAttention runs on CPU and GPU): an NPU serves an NPU-target export")
         return cls(export_id, stage, manifest_json, digest.lower(), source, listen_port, next_hop, worker, **urls,
                    **peers, api_key=api_key, runtime=runtime)
 

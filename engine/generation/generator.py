@@ -8,10 +8,13 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from engine.errors import DeskfleetError
 from engine.generation.request import GenerationRequest, TokenEvent
+
+if TYPE_CHECKING:
+    from engine.shards.manifest import Manifest
 
 
 class OverloadedError(DeskfleetError):
@@ -30,6 +33,13 @@ class ModelCard:
     stages: int
     fingerprint: str = ""
     vocab_size: int | None = None  # the model's embedding rows: the prompt ids it takes (None: not known)
+
+    @classmethod
+    def from_manifest(cls, manifest: Manifest) -> ModelCard:
+        """What a ring serving ``manifest``'s export tells the API about its model."""
+        m = manifest.model
+        return cls(name=m.name, context_length=m.max_position_embeddings, eos_token_ids=m.eos_token_ids,
+                   stages=len(manifest.stages), fingerprint=m.fingerprint, vocab_size=m.vocab_size)
 
 
 class Generator(Protocol):

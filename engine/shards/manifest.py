@@ -35,6 +35,9 @@ from engine.errors import ManifestError, ShardIntegrityError
 FORMAT_VERSION = 2  # the newest format this build reads and writes
 SUPPORTED_VERSIONS = (1, 2)
 TARGETS = ("stateful", "npu")
+# The runtime that serves an export of each target: a CPU/GPU (stateful-target) export paged (its
+# stages converted to PagedAttention at load), an NPU-target export static (packed slots).
+SERVING_RUNTIMES = {"stateful": "paged", "npu": "static"}
 GRAPH_KINDS = ("decode", "prefill", "packed")
 MASK_KINDS = ("2d", "4d")
 MANIFEST_NAME = "manifest.json"
@@ -478,3 +481,8 @@ def verify_stage(root: Path | str, manifest: Manifest, index: int, target: str =
     stage = manifest.stages[index]
     verify_files(root, tuple(f for f in stage.files if f.path not in skip))
     return stage
+
+
+def serving_runtime(manifest: Manifest) -> str:
+    """``paged`` or ``static``: the runtime that serves ``manifest``'s export (its target decides)."""
+    return SERVING_RUNTIMES[manifest.target]

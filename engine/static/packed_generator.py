@@ -28,6 +28,7 @@ from engine.errors import GenerationError
 from engine.generation.generator import ModelCard, OverloadedError, UnavailableError
 from engine.generation.request import FinishReason, GenerationRequest, TokenEvent
 from engine.static.packed_choice import MatcherSource, RowAsk, RowChoice, choose_rows
+from engine.static.packed_ring import PackedReply, PackedRingPath
 from engine.static.packed_stage import StaticChain
 from engine.static.packing import SlotGeometry
 from engine.static.slot_scheduler import (
@@ -99,13 +100,13 @@ class LocalStatic:
 
 
 class RingStatic:
-    """A ring of packed stage workers, reached through a :class:`~engine.coordinator.ring.RingPath`.
+    """A ring of packed stage workers, reached through a :class:`~engine.static.packed_ring.PackedRingPath`.
 
     Each session is one stream id; ``async_reset`` releases it on every stage and opens the next.
     """
 
-    def __init__(self, path, step_timeout_s: float = 120.0):
-        self.path = path  # engine.coordinator.ring.RingPath (imported by the caller: no sockets here)
+    def __init__(self, path: PackedRingPath, step_timeout_s: float = 120.0):
+        self.path = path
         self.step_timeout_s = step_timeout_s
         self.session = StreamId(1)
         self._seq = 0
@@ -127,7 +128,7 @@ class RingStatic:
                                    f"{frame.rows} rows; its workers may be older than this coordinator")
         return result.logits
 
-    async def _async_answer(self, frame: PlanFrame, tokens: np.ndarray, *, want_logits: bool):
+    async def _async_answer(self, frame: PlanFrame, tokens: np.ndarray, *, want_logits: bool) -> PackedReply:
         if self._redial or not self.path.connected:  # a session failed: the first stage may be a new process
             await self.path.async_reconnect()
             self._redial = False
@@ -179,7 +180,7 @@ class PackedGenerator:
     def __init__(self, backend: StaticBackend, card: ModelCard, geometry: SlotGeometry,
                  row_options: tuple[int, ...], *, max_queue: int = MAX_QUEUE, grammar: MatcherSource | None = None):
         """``grammar``: builds the requests' grammar matchers (constrained output; the caller gives
-        an engine.coordinator.constrained.StreamConstraints over the model's vocabulary); without it
+        an engine.paged.constraints.StreamConstraints over the model's vocabulary); without it
         only log-probabilities of the request features are served (see :attr:`features`)."""
         self.backend = backend
         self.card = card
@@ -212,11 +213,19 @@ class PackedGenerator:
         return frozenset({LOGPROBS}) | (self._grammar.features if self._grammar is not None else frozenset())
 
     async def __aenter__(self) -> PackedGenerator:
-        await self.backend.async_start()
-        self._loop_task = asyncio.create_task(self._run(), name="deskfleet-packed-loop")
+        await self.async_start()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        await self.async_stop()
+
+    async def async_start(self) -> None:
+        """Reach the stages (a ring: dial its first stage) and start serving."""
+        await self.backend.async_start()
+        self._loop_task = asyncio.create_task(self._run(), name="deskfleet-packed-loop")
+
+    async def async_stop(self) -> None:
+        """Fail every request still waiting or running, then close the stages (a ring: its path)."""
         if self._loop_task is not None:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -59,6 +59,12 @@ def geometry_of(manifest: Manifest, sinks: int = DEFAULT_SINKS) -> SlotGeometry:
     return SlotGeometry(window=static.window, slots=static.slots, sinks=sinks)
 
 
+def export_row_options(manifest: Manifest) -> tuple[int, ...]:
+    """The row counts of the graphs every stage of the export has (1 decode row, C prefill rows, or S)."""
+    stages = static_manifest(manifest).stages
+    return tuple(sorted(set.intersection(*({g.rows for g in st.graphs} for st in stages))))
+
+
 class StaticStage:
     """One stage of a static export: its compiled graphs, its KV ring and its slots' bookkeeping."""
 

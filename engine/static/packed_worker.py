@@ -1,7 +1,7 @@
 """A stage worker for a static (NPU-target) export: packed serving across PCs.
 
-Where the stateful worker keeps a KV state per stream, a static stage owns one host KV ring whose
-slots are shared by many requests. Every inference arrives as a **Packed** frame: stage 0's
+A static stage owns one host KV ring whose slots are shared by many requests. Every inference
+arrives as a **Packed** frame: stage 0's
 :class:`~engine.static.packing.PlanFrame` plus the rows' inputs. The stage derives its mask and KV writes
 from the plan alone (:func:`~engine.static.packing.layout_step`), runs its graph, and passes the plan on
 with its hidden states and its compute time appended to the frame's stage times; the last stage
@@ -23,12 +23,12 @@ from ssl import SSLContext
 
 import numpy as np
 
-from engine.shards.step_path import last_stage_logits, last_stage_top1
+from engine.shards.step_answer import top1
 from engine.static.packed_stage import StaticStage
 from engine.trust.peer_policy import PeerPolicy
 from engine.wire.address import Address
 from engine.wire.format import ErrorCode
-from engine.wire.messages import Error, Forward, Logits, Message, Packed, Release, Step, Tokens
+from engine.wire.messages import Error, Logits, Message, Packed, Release, Step, Tokens
 from engine.wire.stage_server import SessionServer, stage_frame_bound
 from engine.wire.transport import Connection
 
@@ -61,10 +61,6 @@ class PackedStageWorker(SessionServer):
                     await self._run(self._reset)
                 if not self.stage.is_last:
                     await self._send(msg)
-            case Forward():
-                await self._send(Error(
-                    ErrorCode.STREAM_FAILED, f"stage {self.index} serves a static (NPU-target) export: it takes "
-                    "Packed frames, not Forward", msg.stream_id, msg.seq))
             case Step():
                 await self._send(Error(
                     ErrorCode.STREAM_FAILED, f"stage {self.index} serves a static (NPU-target) export: it takes "
@@ -98,9 +94,9 @@ class PackedStageWorker(SessionServer):
         times = (*msg.stage_ms, ms)
         reply: Message
         if self.stage.is_last and msg.want_logits:
-            reply = Logits(msg.stream_id, msg.seq, last_stage_logits(out, 0), times)
+            reply = Logits(msg.stream_id, msg.seq, np.ascontiguousarray(out[0], dtype=np.float32), times)
         elif self.stage.is_last:
-            ids, probs = last_stage_top1(out, 0)
+            ids, probs = top1(out[0])  # every row's, of logits [1, S, V]
             reply = Tokens(msg.stream_id, msg.seq, ids, probs, times)
         else:
             reply = Packed(msg.stream_id, msg.seq, msg.plan, out, msg.want_logits, times)

@@ -1,5 +1,6 @@
-"""A whole fleet on this machine: one worker process per stage on loopback
-(:class:`~engine.tools.worker_processes.LocalFleet`) plus the coordinator in front of them.
+"""A whole fleet on this machine: one paged worker process per stage on loopback
+(:class:`~engine.tools.worker_processes.LocalFleet`) plus the paged coordinator in front of them.
+(A static NPU-target export's local fleet is :func:`engine.tools.packed_fleet.local_static_fleet`.)
 
 Used by ``deskfleet serve --workers``, ``deskfleet demo``, the benchmarks and the multi-process
 tests. With ``failover`` a :class:`~engine.tools.local_supervisor.LocalSupervisor` restarts a
@@ -16,23 +17,17 @@ from pathlib import Path
 
 import psutil
 
-from engine.coordinator.batch_coordinator import BatchCoordinator, paged_scheduler
-from engine.coordinator.constrained import GrammarVocabulary
-from engine.coordinator.coordinator import Coordinator, model_card
-from engine.coordinator.paged_ring import PagedRingPath
-from engine.coordinator.ring import RingPath
-from engine.coordinator.speculation import Speculator
-from engine.errors import DeskfleetError
-from engine.shards.kv_pool import DEFAULT_KV_POOL_BYTES, pool_blocks_for
+from engine.coordinator.ring_factory import RingOptions, open_ring, ring_path
+from engine.paged.constraints import GrammarVocabulary
+from engine.paged.coordinator import BatchCoordinator
+from engine.paged.kv_pool import DEFAULT_KV_POOL_BYTES
+from engine.paged.speculation import Speculator
+from engine.paged.step import PagedPath
 from engine.shards.manifest import load_manifest
-from engine.shards.paged_step import PagedPath
-from engine.shards.stage import Stage
 from engine.tools.local_supervisor import LocalSupervisor, Restart
 from engine.tools.restart_policy import RestartPolicy, spares_fit
 from engine.tools.worker_processes import Hop, LocalFleet
 from engine.wire.address import Address
-from engine.wire.step_codec import step_reply_bound
-from engine.wire.step_plan import CPU_BLOCK_SIZE
 
 log = logging.getLogger(__name__)
 
@@ -103,80 +98,26 @@ async def _paged_local_fleet(export_dir, exact, threads, hop, failover, kv_pool_
                              step_timeout_s, hold_timeout_s, cache, restart_policy, on_restart,
                              spares, on_spare, settings) -> AsyncIterator[BatchCoordinator]:
     manifest = load_manifest(export_dir)
-    block_size = CPU_BLOCK_SIZE
-    pool = pool_blocks_for(manifest, kv_pool_bytes, block_size, precision="f32" if exact else None)
     fleet = LocalFleet(export_dir, exact=exact, threads=threads, cache_dir=cache,
-                       extra_args=("--paged", "--kv-pool-mb", f"{kv_pool_bytes / 2**20:.6g}"))
+                       extra_args=("--kv-pool-mb", f"{kv_pool_bytes / 2**20:.6g}"))
     supervisor = _supervise(fleet, failover, restart_policy, on_restart,
                             failover and want_spares(spares, manifest, kv_pool_bytes), on_spare)
-    budget = settings.get("token_budget", 256)  # no step answers more rows than it has tokens
-    path = PagedRingPath(manifest.model.fingerprint, len(manifest.stages), Address("127.0.0.1", 0),
-                         Address("127.0.0.1", 0), block_size=block_size,
-                         max_frame_bytes=step_reply_bound(manifest.model.vocab_size, budget, budget))
+    recover = None
+    if supervisor is not None:
+        async def recover(broken: PagedPath, reason: str) -> PagedPath:
+            await supervisor.async_recover(path, reason)  # ``broken`` is the ring's own path, redialled
+            return broken
+
+    options = RingOptions(exact=exact, kv_pool_bytes=kv_pool_bytes, lanes=lanes, step_timeout_s=step_timeout_s,
+                          hold_timeout_s=hold_timeout_s, **settings)
+    coordinator = open_ring(manifest, Address("127.0.0.1", 0), Address("127.0.0.1", 0), options=options,
+                            grammar=GrammarVocabulary.of_export(export_dir, manifest), speculation=speculation,
+                            recover=recover)
+    assert isinstance(coordinator, BatchCoordinator), "paged_local_fleet serves a CPU/GPU export"
+    path = ring_path(coordinator)
     try:
         return_address = await path.async_listen()
         path.first_remote = await fleet.async_start(return_address, hop)
-        recover = None
-        if supervisor is not None:
-            async def recover(broken: PagedPath, reason: str) -> PagedPath:
-                return await supervisor.async_recover(path, reason)
-
-        scheduler = paged_scheduler(manifest, pool, block_size, **settings)
-        coordinator = BatchCoordinator(path, model_card(manifest), scheduler, lanes=lanes, speculation=speculation,
-                                       recover=recover, step_timeout_s=step_timeout_s, hold_timeout_s=hold_timeout_s,
-                                       grammar=GrammarVocabulary.of_export(export_dir, manifest))
-        async with coordinator:
-            if supervisor is not None:
-                supervisor.attach(coordinator)
-            try:
-                yield coordinator
-            finally:  # no restart from here on: the coordinator and the fleet are being stopped
-                if supervisor is not None:
-                    supervisor.close()
-    finally:
-        if supervisor is not None:
-            supervisor.close()
-        await path.async_close()
-        await fleet.async_stop()
-
-
-@contextlib.asynccontextmanager
-async def local_fleet(export_dir: Path | str, *, slots: int = 4, exact: bool = False, threads: int | None = None,
-                      host_stage0: bool = False, hop: Hop | None = None, failover: bool = False,
-                      cache_dir: Path | str | None = None, restart_policy: RestartPolicy | None = None,
-                      on_restart: Callable[[Restart], None] | None = None, spares: bool | None = False,
-                      **coordinator_options) -> AsyncIterator[Coordinator]:
-    """A running coordinator over worker processes for every stage (stage 0 in-process if asked).
-
-    ``failover``, ``cache_dir``, ``restart_policy``, ``on_restart`` and ``spares`` as :func:`paged_local_fleet`."""
-    with _compile_cache(cache_dir, failover) as cache:
-        async with _local_fleet(export_dir, slots, exact, threads, host_stage0, hop, failover, cache, restart_policy,
-                                on_restart, spares, coordinator_options) as coordinator:
-            yield coordinator
-
-
-@contextlib.asynccontextmanager
-async def _local_fleet(export_dir, slots, exact, threads, host_stage0, hop, failover, cache, restart_policy,
-                       on_restart, spares, coordinator_options) -> AsyncIterator[Coordinator]:
-    manifest = load_manifest(export_dir)
-    local0 = Stage(export_dir, 0, manifest=manifest, exact=exact, num_threads=threads) if host_stage0 else None
-    if host_stage0 and len(manifest.stages) < 2:
-        raise DeskfleetError("hosting stage 0 in the coordinator needs an export with at least 2 stages")
-    fleet = LocalFleet(export_dir, first_stage=1 if host_stage0 else 0, exact=exact, threads=threads,
-                       cache_dir=cache)
-    supervisor = _supervise(fleet, failover, restart_policy, on_restart, failover and want_spares(spares, manifest, 0))
-    path = RingPath(manifest.model.fingerprint, len(manifest.stages), Address("127.0.0.1", 0),
-                    Address("127.0.0.1", 0), local_stage0=local0)
-    try:
-        return_address = await path.async_listen()
-        path.first_remote = await fleet.async_start(return_address, hop)
-        if supervisor is not None:
-            async def recover(broken: RingPath, reason: str) -> RingPath:
-                return await supervisor.async_recover(path, reason)
-
-            coordinator_options["recover"] = recover
-        coordinator_options.setdefault("grammar", GrammarVocabulary.of_export(export_dir, manifest))
-        coordinator = Coordinator(path, model_card(manifest), slots=slots, **coordinator_options)
         async with coordinator:
             if supervisor is not None:
                 supervisor.attach(coordinator)

@@ -53,7 +53,7 @@ class StageDownError(DeskfleetError):
 
 
 class FailsOver(Protocol):
-    """A coordinator (paged or stateful) a supervisor can tell that a stage is gone."""
+    """A coordinator a supervisor can tell that a stage is gone."""
 
     def request_failover(self, reason: str, stage: int | None = None) -> None: ...
 

@@ -17,27 +17,22 @@ import numpy as np
 
 from engine.errors import GenerationError
 from engine.wire.format import (
-    CAPTURE_META,
     DTYPE_CODE,
     ERROR_META,
-    FORWARD_META,
     HEADER_SIZE,
     HEADER_STRUCT,
     HELLO_ACK_META,
     HELLO_META,
     MAGIC,
-    MASK_PACKED_BITS,
     MAX_DIMS,
     MAX_ERROR_MESSAGE_BYTES,
     MAX_FINGERPRINT_BYTES,
     MAX_FRAME_BYTES,
     MAX_FRAME_STAGES,
-    MAX_MASK_ELEMENTS,
     NUMPY_DTYPE,
     PACKED_META,
     PROTOCOL_VERSION,
     RESERVED_KINDS,
-    RESTORE_META,
     U16_MAX,
     DType,
     ErrorCode,
@@ -51,9 +46,7 @@ from engine.wire.format import (
     TruncatedFrameError,
 )
 from engine.wire.messages import (
-    Capture,
     Error,
-    Forward,
     Hello,
     HelloAck,
     Logits,
@@ -62,7 +55,6 @@ from engine.wire.messages import (
     Ping,
     Pong,
     Release,
-    Restore,
     Step,
     StepReply,
     Tokens,
@@ -125,9 +117,6 @@ _KIND_RULES: dict[FrameKind, _KindRule] = {
     ),
     FrameKind.PING: _KindRule(*_NO_TENSOR),
     FrameKind.PONG: _KindRule(*_NO_TENSOR),
-    FrameKind.FORWARD: _KindRule(
-        _FLOATS | {DType.INT64}, frozenset({2, 3}), FrameFlag.WANT_LOGITS, "required", None
-    ),
     FrameKind.PACKED: _KindRule(
         _FLOATS | {DType.INT64}, frozenset({2, 3}), FrameFlag.WANT_LOGITS, "required",
         PACKED_META.size + 3 * 8 * U16_MAX + 4 * MAX_FRAME_STAGES
@@ -139,8 +128,6 @@ _KIND_RULES: dict[FrameKind, _KindRule] = {
     FrameKind.TOKENS: _KindRule(frozenset({DType.INT64}), frozenset({1, 2}), 0, "required", None),
     FrameKind.LOGITS: _KindRule(_FLOATS, frozenset({2, 3}), 0, "required", 4 * MAX_FRAME_STAGES),
     FrameKind.RELEASE: _KindRule(*_NO_TENSOR, stream="required"),
-    FrameKind.CAPTURE: _KindRule(frozenset({DType.INT64}), frozenset({1}), 0, "required", CAPTURE_META.size),
-    FrameKind.RESTORE: _KindRule(*_NO_TENSOR, stream="required", max_meta=RESTORE_META.size),
 }
 
 
@@ -192,7 +179,8 @@ def decode_header(
     except ValueError:
         raise FrameError(f"unknown frame kind {kind_no}") from None
     if kind in RESERVED_KINDS:
-        raise FrameError(f"frame kind {kind.name} is reserved and not part of protocol version 1")
+        raise FrameError(f"frame kind {kind.name} was retired (with the stateful runtime) and is not part of "
+                         f"protocol version {PROTOCOL_VERSION}")
     rule = _KIND_RULES[kind]
     unknown_flags = flags & ~int(rule.flags)  # int(): ~ on an IntFlag keeps only known bits
     if unknown_flags:
@@ -236,37 +224,8 @@ def decode_header(
 _BodyDecoder = Callable[[FrameHeader, memoryview, np.ndarray | None], Message]
 
 
-def _decode_forward(header: FrameHeader, meta: memoryview, tensor: np.ndarray | None) -> Message:
-    assert tensor is not None
-    if len(meta) < FORWARD_META.size:
-        raise FrameError("Forward meta section is shorter than its 8-byte descriptor")
-    t, encoding, times, reply_last = FORWARD_META.unpack_from(meta)
-    if encoding != MASK_PACKED_BITS:
-        raise FrameError(f"unknown attention-mask encoding {encoding}")
-    b, s = header.shape[0], header.shape[1]
-    row_bytes = (t + 7) // 8
-    positions_end = FORWARD_META.size + 8 * b * s
-    mask_end = positions_end + b * row_bytes
-    want = mask_end + 4 * times
-    if len(meta) != want:
-        raise FrameError(f"Forward meta is {len(meta)} bytes, mask T={t}, [B,S] and {times} stage times need {want}")
-    if t < s:
-        raise FrameError(f"attention mask length T={t} is shorter than the S={s} new positions")
-    if b * t > MAX_MASK_ELEMENTS:  # checked before unpacking: bits become 64x larger
-        raise FrameError(f"attention mask [B={b}, T={t}] exceeds {MAX_MASK_ELEMENTS} elements")
-    positions = np.frombuffer(meta[FORWARD_META.size : positions_end], "<i8").reshape(b, s)
-    packed = np.frombuffer(meta[positions_end:mask_end], np.uint8).reshape(b, row_bytes)
-    bits = np.unpackbits(packed, axis=1, bitorder="little")  # [B, 8*row_bytes]
-    if bits[:, t:].any():
-        raise FrameError("attention mask padding bits beyond T must be zero")
-    mask = bits[:, :t].astype("<i8")
-    want_logits = bool(header.flags & FrameFlag.WANT_LOGITS)
-    return Forward(header.stream_id, header.seq, tensor, mask, positions, want_logits, reply_last,
-                   _stage_times(meta[mask_end:], "Forward"))
-
-
 def _stage_times(meta: memoryview, kind: str) -> tuple[float, ...]:
-    """The float32 stage times [n] that end a Forward/Packed/Tokens/Logits meta section."""
+    """The float32 stage times [n] that end a Packed/Tokens/Logits meta section."""
     if len(meta) % 4:
         raise FrameError(f"{kind} stage times take 4 bytes each; {len(meta)} bytes are left for them")
     return tuple(np.frombuffer(meta, "<f4").tolist())
@@ -274,15 +233,6 @@ def _stage_times(meta: memoryview, kind: str) -> tuple[float, ...]:
 
 def _times_bytes(stage_ms: tuple[float, ...]) -> bytes:
     return np.array(stage_ms, "<f4").tobytes()
-
-
-def _encode_forward(msg: Forward) -> bytes:
-    """The Forward meta section: descriptor, position ids, bit-packed attention mask, stage times."""
-    t = msg.attention_mask.shape[1]
-    packed = np.packbits(msg.attention_mask.astype(np.uint8), axis=1, bitorder="little")
-    descriptor = FORWARD_META.pack(t, MASK_PACKED_BITS, len(msg.stage_ms), msg.reply_last)
-    positions = np.ascontiguousarray(msg.position_ids)  # [B,S], checked at init
-    return descriptor + positions.tobytes() + packed.tobytes() + _times_bytes(msg.stage_ms)
 
 
 def _decode_packed(header: FrameHeader, meta: memoryview, tensor: np.ndarray | None) -> Message:
@@ -376,25 +326,7 @@ def _decode_hello_ack(header: FrameHeader, meta: memoryview, tensor: np.ndarray 
     return HelloAck(fingerprint, stage, bound, version)
 
 
-def _decode_capture(header: FrameHeader, meta: memoryview, tensor: np.ndarray | None) -> Message:
-    assert tensor is not None
-    if len(meta) != CAPTURE_META.size:
-        raise FrameError(f"Capture meta must be {CAPTURE_META.size} bytes, got {len(meta)}")
-    (capture_id,) = CAPTURE_META.unpack_from(meta)
-    return Capture(header.stream_id, header.seq, capture_id, tensor)
-
-
-def _decode_restore(header: FrameHeader, meta: memoryview, tensor: np.ndarray | None) -> Message:
-    if len(meta) != RESTORE_META.size:
-        raise FrameError(f"Restore meta must be {RESTORE_META.size} bytes, got {len(meta)}")
-    capture_id, length = RESTORE_META.unpack_from(meta)
-    return Restore(header.stream_id, header.seq, capture_id, length)
-
-
 _DECODERS: dict[FrameKind, _BodyDecoder] = {
-    FrameKind.CAPTURE: _decode_capture,
-    FrameKind.RESTORE: _decode_restore,
-    FrameKind.FORWARD: _decode_forward,
     FrameKind.PACKED: _decode_packed,
     FrameKind.STEP: lambda header, meta, tensor: decode_step(header.stream_id, header.seq, meta, tensor),
     FrameKind.STEP_REPLY: lambda header, meta, tensor: decode_step_reply(header.stream_id, header.seq, meta, tensor),
@@ -412,10 +344,6 @@ _DECODERS: dict[FrameKind, _BodyDecoder] = {
 def _encode_body(msg: Message) -> tuple[FrameKind, int, int, int, bytes, np.ndarray | None]:
     """(kind, flags, stream_id, seq, meta, tensor) for one message; fields were checked at init."""
     match msg:
-        case Forward():
-            flags = FrameFlag.WANT_LOGITS if msg.want_logits else 0
-            meta = _encode_forward(msg)
-            return FrameKind.FORWARD, flags, msg.stream_id, msg.seq, meta, msg.tensor
         case Packed():
             flags = FrameFlag.WANT_LOGITS if msg.want_logits else 0
             return FrameKind.PACKED, flags, msg.stream_id, msg.seq, _encode_packed(msg), msg.tensor
@@ -430,12 +358,6 @@ def _encode_body(msg: Message) -> tuple[FrameKind, int, int, int, bytes, np.ndar
             return FrameKind.LOGITS, 0, msg.stream_id, msg.seq, _times_bytes(msg.stage_ms), msg.logits
         case Release():
             return FrameKind.RELEASE, 0, msg.stream_id, msg.seq, b"", None
-        case Capture():
-            meta = CAPTURE_META.pack(msg.capture_id)
-            return FrameKind.CAPTURE, 0, msg.stream_id, msg.seq, meta, msg.keep
-        case Restore():
-            meta = RESTORE_META.pack(msg.capture_id, msg.length)
-            return FrameKind.RESTORE, 0, msg.stream_id, msg.seq, meta, None
         case Ping():
             return FrameKind.PING, 0, 0, msg.seq, b"", None
         case Pong():

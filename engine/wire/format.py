@@ -23,17 +23,15 @@ from engine.errors import DeskfleetError
 
 # 1: Forward/Tokens/Logits/Release; 2 adds Capture/Restore and Packed; 3 adds Step/StepReply; 4 adds the
 # Step's allowed-token masks and top-k requests and the StepReply's top-k ids and log-probabilities; 5 adds
-# the stage times to Forward/Packed/Tokens/Logits and lets a Packed frame want Logits
-PROTOCOL_VERSION = 5
+# the stage times to Forward/Packed/Tokens/Logits and lets a Packed frame want Logits; 6 retires the stateful
+# runtime's Forward, Capture and Restore (their kind numbers stay reserved) and the CAPTURE_MISSING error
+PROTOCOL_VERSION = 6
 MAGIC = b"DKFL"
 MAX_FRAME_BYTES = 256 * 1024 * 1024  # default bound, header included; configurable per call
 MIN_FRAME_BOUND = 64 * 1024  # a node refusing frames this small could not even send a prefill
 MAX_DIMS = 4
 MAX_FINGERPRINT_BYTES = 128
 MAX_ERROR_MESSAGE_BYTES = 4096
-# The packed mask grows 64x when unpacked to int64, so its size is capped on its own:
-# 16 Mi positions (B*T) is 128 MiB decoded, far beyond any real context (B=1, T=128k is 1 Mi).
-MAX_MASK_ELEMENTS = 1 << 24
 U64_MAX = 2**64 - 1
 U32_MAX = 2**32 - 1
 U16_MAX = 2**16 - 1
@@ -51,9 +49,6 @@ HEADER_FIELDS = tuple(
 )
 HEADER_STRUCT = struct.Struct("<4sHBBQQBBH4IIQ")
 HEADER_SIZE = HEADER_STRUCT.size
-CAPTURE_META = struct.Struct("<Q")  # capture id; the kept positions are the int64 [n] tensor
-RESTORE_META = struct.Struct("<QI")  # capture id, number of leading positions to restore
-FORWARD_META = struct.Struct("<IBBH")  # mask length T, mask encoding, stage times n, reply_last
 # protocol_version, stage_index, max_frame_bytes, [role,] fingerprint length; fingerprint follows
 HELLO_META = struct.Struct("<HHQBB")
 HELLO_ACK_META = struct.Struct("<HHQB")
@@ -77,10 +72,9 @@ MAX_STEP_MASK_WORDS = 1 << 22
 # the payload is logits f32 [L, V]
 STEP_REPLY_META = struct.Struct("<3IHH")
 MAX_STEP_STAGES = 256  # stage times one step frame carries (one per stage passed)
-MAX_FRAME_STAGES = 255  # stage times a Forward/Packed/Tokens/Logits frame carries (a u8 or u16 count)
+MAX_FRAME_STAGES = 255  # stage times a Packed/Tokens/Logits frame carries
 MAX_STEP_COPIES = U16_MAX  # block copies in one step (a u16 count)
 MAX_STEP_BLOCK_IDS = 1 << 22  # block ids in one step's row table: 16 MiB of int32
-MASK_PACKED_BITS = 0  # the only mask encoding of version 1; the byte leaves room for run lengths
 # What a listener reads before the handshake: one Hello at most (a bigger first frame is refused
 # after its header), and what a dialer reads for the answer: a HelloAck or a refusal's Error.
 HELLO_FRAME_BYTES = HEADER_SIZE + HELLO_META.size + MAX_FINGERPRINT_BYTES
@@ -95,24 +89,25 @@ class FrameKind(enum.IntEnum):
     ERROR = 3
     PING = 4
     PONG = 5
-    FORWARD = 16
+    FORWARD = 16  # retired in version 6 (the stateful runtime's step); the number stays reserved
     TOKENS = 17
     LOGITS = 18
     RELEASE = 19
     PACKED = 20  # one inference of a static (NPU-target) ring: stage 0's plan frame + the rows' inputs
     STEP = 21  # one paged step: the coordinator's plan (rows, block tables, copies) + the rows' inputs
     STEP_REPLY = 22  # the last stage's answer to a Step: top-1 per answered row, logits when wanted
-    CAPTURE = 32  # prefix cache: keep a compacted copy of a stream's KV state under a capture id
-    RESTORE = 33  # prefix cache: start a stream from the first positions of a capture
+    CAPTURE = 32  # retired in version 6 (the stateful runtime's prefix cache); the number stays reserved
+    RESTORE = 33  # retired in version 6, as CAPTURE
 
 
-RESERVED_KINDS: frozenset[FrameKind] = frozenset()
+# Kinds no frame of this version may carry: numbers once used, never to mean anything else.
+RESERVED_KINDS: frozenset[FrameKind] = frozenset({FrameKind.FORWARD, FrameKind.CAPTURE, FrameKind.RESTORE})
 
 
 class FrameFlag(enum.IntFlag):
     """Per-frame flag bits; each kind accepts only the bits listed for it in docs/PROTOCOL.md."""
 
-    WANT_LOGITS = 0x01  # Forward: the last stage answers with full Logits instead of top-1 Tokens
+    WANT_LOGITS = 0x01  # Packed: the last stage answers with full Logits instead of top-1 Tokens
 
 
 class DType(enum.IntEnum):
@@ -156,7 +151,7 @@ class ErrorCode(enum.IntEnum):
     STREAM_LIMIT = 35  # stream-level: the receiver holds as many streams as it accepts
     UNKNOWN_STREAM = 32  # stream-level: the connection stays usable
     STREAM_FAILED = 33
-    CAPTURE_MISSING = 34  # stream-level: a Restore named a capture this stage does not hold
+    # 34 (CAPTURE_MISSING) was retired in version 6 with Restore; the number stays unused
     INTERNAL = 48
     SHUTTING_DOWN = 49
 
@@ -196,6 +191,6 @@ class ProtocolVersionError(FrameError):
 
 
 class UnexpectedFrameError(FrameError):
-    """A well-formed frame arrived where the protocol does not allow it (Forward before Hello)."""
+    """A well-formed frame arrived where the protocol does not allow it (a Step before Hello)."""
 
     code = ErrorCode.UNEXPECTED_FRAME

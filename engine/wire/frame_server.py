@@ -52,7 +52,7 @@ class _HandlerFailed(Exception):
 class FrameServer:
     """A listener that handshakes each connection and feeds its frames to ``handler``.
 
-    ``handler(conn, msg)`` is awaited for every Forward/Tokens/Logits/Release/Error/Pong, in
+    ``handler(conn, msg)`` is awaited for every Step/Packed/Tokens/Logits/Release/Error/Pong, in
     arrival order per connection; it answers through ``conn.async_send``. Ping is answered here.
     A connection that breaks the protocol gets an Error frame and is closed; a handler that
     raises gets its connection closed with INTERNAL. Neither affects any other connection.

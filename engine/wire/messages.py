@@ -23,7 +23,6 @@ from engine.wire.format import (
     MAX_FINGERPRINT_BYTES,
     MAX_FRAME_BYTES,
     MAX_FRAME_STAGES,
-    MAX_MASK_ELEMENTS,
     MAX_STEP_BLOCK_IDS,
     MAX_STEP_COPIES,
     MAX_STEP_STAGES,
@@ -63,62 +62,9 @@ def _shape_repr(msg: DataclassInstance) -> str:
 
 
 @dataclass(frozen=True, eq=False, repr=False)
-class Forward:
-    """Run one pipeline step of a stream: the input of the receiving stage, plus its descriptor.
-
-    ``tensor`` is int64 token ids [B,S] (into stage 0) or float32/float16 hidden states [B,S,H].
-    ``attention_mask`` int64 [B,T] (0/1, T = cache length after this step, T >= S) and
-    ``position_ids`` int64 [B,S] are decided by the coordinator; stages only apply them.
-    ``reply_last`` is how many trailing positions the last stage answers for (0 = all S): 1 for
-    plain decode and prefill, K+1 to verify K speculative drafts. ``stage_ms``: the compute time
-    in ms of every stage already passed, in ring order (each stage appends its own; at most 255).
-    Arrays are shared, not copied: treat them as immutable.
-    """
-
-    stream_id: StreamId
-    seq: int
-    tensor: np.ndarray
-    attention_mask: np.ndarray
-    position_ids: np.ndarray
-    want_logits: bool = False
-    reply_last: int = 0
-    stage_ms: tuple[float, ...] = ()
-    __repr__ = _shape_repr
-
-    def __post_init__(self) -> None:
-        _check_stream(self.stream_id, self.seq, "Forward")
-        object.__setattr__(self, "stage_ms", _check_stage_ms(self.stage_ms, "Forward.stage_ms", MAX_FRAME_STAGES))
-        t = self.tensor
-        _check_array(t, "Forward.tensor", (_INT64, _FLOAT32, _FLOAT16))
-        if t.dtype == np.int64 and t.ndim != 2:
-            raise FrameError(f"Forward token ids must be [B,S], got shape {t.shape}")
-        if t.dtype != np.int64 and t.ndim != 3:
-            raise FrameError(f"Forward hidden states must be [B,S,H], got shape {t.shape}")
-        if t.dtype == np.int64 and t.min() < 0:
-            raise FrameError("Forward token ids must be >= 0; check the tokenizer output")
-        b, s = t.shape[0], t.shape[1]
-        if not 0 <= self.reply_last <= min(s, 0xFFFF):
-            raise FrameError(f"Forward.reply_last {self.reply_last} must be between 0 and S={s} (the new positions)")
-        m = self.attention_mask
-        _check_array(m, "Forward.attention_mask", (_INT64,))
-        if m.ndim != 2 or m.shape[0] != b or not s <= m.shape[1] <= U32_MAX:
-            raise FrameError(f"attention_mask must be [B={b}, T>={s}], got shape {m.shape}")
-        if m.size > MAX_MASK_ELEMENTS:
-            raise FrameError(f"attention_mask has {m.size} > {MAX_MASK_ELEMENTS} elements")
-        if not np.isin(m, (0, 1)).all():
-            raise FrameError("attention_mask values must be 0 or 1")
-        p = self.position_ids
-        _check_array(p, "Forward.position_ids", (_INT64,))
-        if p.shape != (b, s):
-            raise FrameError(f"position_ids must be [B={b}, S={s}], got shape {p.shape}")
-        if p.min() < 0:
-            raise FrameError("position_ids must be >= 0")
-
-
-@dataclass(frozen=True, eq=False, repr=False)
 class Tokens:
     """The last stage's top-1 answer: ids int64 [S] (or [B,S]) and their probabilities float32;
-    ``stage_ms`` every stage's compute ms for this step, in ring order (the Forward's, plus its own)."""
+    ``stage_ms`` every stage's compute ms for this step, in ring order (the Packed frame's, plus its own)."""
 
     stream_id: StreamId
     seq: int
@@ -142,8 +88,8 @@ class Tokens:
 
 @dataclass(frozen=True, eq=False, repr=False)
 class Logits:
-    """Full-vocabulary logits float32/float16 [B,V] or [B,S,V], sent when a Forward (or a Packed
-    frame) wanted them; ``stage_ms`` as :class:`Tokens`."""
+    """Full-vocabulary logits float32/float16 [B,V] or [B,S,V], sent when a Packed frame wanted
+    them; ``stage_ms`` as :class:`Tokens`."""
 
     stream_id: StreamId
     seq: int
@@ -168,7 +114,8 @@ class Packed:
     answers with **Tokens** [S] (each row's top-1), or with **Logits** [S,V] when ``want_logits``
     (constrained output and log-probabilities, decided at the coordinator), under the same
     ``stream_id`` and ``seq``; one stream id names one packed session, and **Release** of it empties
-    every slot. ``stage_ms`` as :class:`Forward`.
+    every slot. ``stage_ms``: every stage's compute ms already passed, in ring order (each
+    stage appends its own; at most 255).
     """
 
     stream_id: StreamId
@@ -324,43 +271,6 @@ class Release:
         _check_stream(self.stream_id, self.seq, "Release")
 
 
-@dataclass(frozen=True, eq=False, repr=False)
-class Capture:
-    """Keep a copy of the stream's KV state, compacted to the physical positions in ``keep``
-    (int64 [n], increasing: the visible ones), under ``capture_id``; the last stage echoes the
-    frame to the coordinator once every stage holds it."""
-
-    stream_id: StreamId
-    seq: int
-    capture_id: int
-    keep: np.ndarray
-    __repr__ = _shape_repr
-
-    def __post_init__(self) -> None:
-        _check_stream(self.stream_id, self.seq, "Capture")
-        _check_u64(self.capture_id, "Capture.capture_id")
-        _check_array(self.keep, "Capture.keep", (_INT64,), ndims=(1,))
-        if self.keep.min() < 0 or (self.keep.size > 1 and (np.diff(self.keep) <= 0).any()):
-            raise FrameError("Capture.keep must be increasing, non-negative cache positions")
-
-
-@dataclass(frozen=True)
-class Restore:
-    """Start the stream from the first ``length`` positions of capture ``capture_id``; the last
-    stage echoes the frame to the coordinator once every stage has restored it."""
-
-    stream_id: StreamId
-    seq: int
-    capture_id: int
-    length: int
-
-    def __post_init__(self) -> None:
-        _check_stream(self.stream_id, self.seq, "Restore")
-        _check_u64(self.capture_id, "Restore.capture_id")
-        if not 1 <= self.length <= U32_MAX:
-            raise FrameError(f"Restore.length must be between 1 and {U32_MAX}, got {self.length}")
-
-
 @dataclass(frozen=True)
 class Ping:
     """Liveness probe; the receiver answers with a Pong carrying the same ``seq``."""
@@ -431,7 +341,7 @@ class HelloAck:
 
 
 Message: TypeAlias = (
-    Forward | Packed | Step | StepReply | Tokens | Logits | Release | Capture | Restore | Ping | Pong | Error
+    Packed | Step | StepReply | Tokens | Logits | Release | Ping | Pong | Error
     | Hello | HelloAck
 )
 

@@ -1,4 +1,4 @@
-"""What every stage worker shares, stateful or static: the port it listens on for its upstream
+"""What every stage worker shares, paged or static: the port it listens on for its upstream
 neighbour (the coordinator for stage 0), its next hop (:class:`~engine.wire.downstream.Downstream`),
 who may be on either end (a :class:`~engine.trust.peer_policy.PeerPolicy`, with TLS), the frame and
 stream bounds, one compute thread, the step counters the supervising agent reads, and draining."""
@@ -17,7 +17,6 @@ from engine.trust.peer_policy import PeerPolicy
 from engine.wire.address import Address
 from engine.wire.downstream import Downstream
 from engine.wire.format import (
-    FORWARD_META,
     HEADER_SIZE,
     MAX_FRAME_BYTES,
     MAX_FRAME_STAGES,
@@ -34,7 +33,6 @@ from engine.wire.transport import PING_INTERVAL, Connection
 
 log = logging.getLogger(__name__)
 
-MAX_STREAMS = 256  # streams one stateful worker holds at once; a new one past it gets STREAM_LIMIT
 # How long a session's owner connection may take to be seen closed when another connection
 # carries the session's frames: a coordinator that redials closes its old connection first, but
 # the EOF can reach us after the new connection's first frame.
@@ -42,10 +40,9 @@ OWNER_CLOSE_GRACE_S = 2.0
 
 
 def stage_frame_bound(hidden_size: int, context: int) -> int:
-    """The largest frame a stage's upstream can legitimately send it: one Forward (or Packed) of
-    ``context`` positions of float32 hidden states [1, T, H], with its positions, mask and stage times."""
-    meta = max(FORWARD_META.size + 8 * context + (context + 7) // 8,
-               PACKED_META.size + 3 * 8 * context) + 4 * MAX_FRAME_STAGES
+    """The largest frame a static stage's upstream can legitimately send it: one Packed of ``context``
+    rows of float32 hidden states [1, S, H], with its plan and stage times."""
+    meta = PACKED_META.size + 3 * 8 * context + 4 * MAX_FRAME_STAGES
     bound = HEADER_SIZE + meta + 4 * hidden_size * context
     return min(MAX_FRAME_BYTES, max(MIN_FRAME_BOUND, bound))
 

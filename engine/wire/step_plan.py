@@ -3,7 +3,7 @@
 The coordinator decides it (it owns every stream's block table) and it travels with the step, so
 every stage of a paged ring runs the same PagedAttention call on its own cache tensors and the
 stages' block pools stay in lockstep. A stage holds no policy: it turns a plan into the
-PagedAttention inputs (:mod:`engine.shards.paged_stage`) and runs one infer for all its rows.
+PagedAttention inputs (:mod:`engine.paged.stage`) and runs one infer for all its rows.
 
 Rows are the new tokens of the step, stream after stream in plan order (T real rows). The payload
 is padded to :func:`bucket_tokens` (T) rows so OpenVINO sees few distinct shapes; the padding rows

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from engine.errors import DeskfleetError
-from engine.shards.paged_stage import PagedStage
+from engine.paged.stage import PagedStage
 from engine.trust.peer_policy import PeerPolicy, PeerPolicyError, parse_policy_update
 from engine.wire.address import Address
 from engine.wire.step_plan import SCRATCH_BLOCKS, PlanRow, StepPlan, blocks_needed

@@ -65,10 +65,10 @@ def test_contracts_catch_a_torch_import_in_engine_and_in_the_console(tmp_path):
 def test_the_layers_contract_catches_an_upward_import(tmp_path):
     """A lower floor of engine reaching up (the wire importing the coordinator) breaks the build."""
     tree = _tree_copy(tmp_path)
-    (tree / "engine" / "wire" / "sneaky.py").write_text("from engine.coordinator import ring\n")
+    (tree / "engine" / "wire" / "sneaky.py").write_text("from engine.paged import ring_path\n")
     result = _lint_tree(tree)
     assert result.returncode != 0
-    assert "engine.wire.sneaky -> engine.coordinator.ring" in result.stdout
+    assert "engine.wire.sneaky -> engine.paged.ring_path" in result.stdout
 
 
 def test_the_shell_contracts_catch_the_agent_reaching_into_the_console(tmp_path):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -21,22 +22,25 @@ import pytest
 from agent.service.service import AgentService
 from agent.service.settings import AgentSettings
 from console.service.distribution import Distributor
-from console.service.errors import AgentsFailedError, LayoutError
+from console.service.errors import AgentsFailedError, DistributionError, LayoutError
+from console.service.models import ModelLibrary
 from console.service.ring_layout import AgentEndpoint, AgentTarget, RingLayout
 from console.service.ring_runtime import stage_pool_blocks
 from engine.api.server import ApiSettings, async_run_api
 from engine.control.fleet_services import MEMBER_KEY_RPM
 from engine.control.messages import WorkerSettings
-from engine.coordinator.batch_coordinator import BatchCoordinator
-from engine.coordinator.coordinator import Coordinator
 from engine.generation.request import GenerationRequest
 from engine.generation.tokenizer import ChatTokenizer
+from engine.paged.coordinator import BatchCoordinator
 from engine.placement.types import Plan, PlannedStage
 from engine.shards.manifest import load_manifest
+from engine.static.packed_generator import PackedGenerator
+from engine.static.packed_stage import StaticChain, static_generate
 from tests.conftest import PROMPT_IDS
 from tests.support.agent_helpers import FakeIdle, console
 from tests.support.asyncutil import collect, run
 from tests.support.loopback import free_port
+from tests.support.npu_helpers import npu_export
 
 N = 12
 WORKER = WorkerSettings(threads=1, exact=True)
@@ -155,9 +159,7 @@ def test_three_stages_with_stage0_in_the_console_resume_after_a_failed_fetch_and
 CHATS = (PROMPT_IDS, tuple(range(40, 90)), PROMPT_IDS[:7])  # the second fills a whole KV block
 
 
-@pytest.mark.parametrize("runtime", ["paged", pytest.param("stateful", marks=pytest.mark.slow)])
-def test_two_stages_on_two_agents_serve_concurrent_chats_as_the_unsplit_model(tmp_path, tiny_export, unsplit_greedy,
-                                                                               runtime):
+def test_two_stages_on_two_agents_serve_concurrent_chats_as_the_unsplit_model(tmp_path, tiny_export, unsplit_greedy):
     export = tiny_export("llama", 2)
     manifest = load_manifest(export)
     budgets = (48, 24)  # MiB: desk-b's budget sizes the ring's pool
@@ -169,14 +171,13 @@ def test_two_stages_on_two_agents_serve_concurrent_chats_as_the_unsplit_model(tm
                                     for stage, a in enumerate(agents)])
             assert not layout.local_stage0
             progress = []
-            async with Distributor(con, export, layout, worker=WORKER, on_progress=progress.append,
-                                   runtime=runtime) as dist:
+            async with Distributor(con, export, layout, worker=WORKER, on_progress=progress.append) as dist:
                 health = await dist.async_run()
                 assert health.ok and not health.local_stage0
                 assert _fetch_complete(progress, "desk-a") and _fetch_complete(progress, "desk-b")
                 served = con.hub.bytes_served
                 assert served == _stage_bytes(export, 0) + _stage_bytes(export, 1)
-                assert [a.assignment.runtime for a in agents] == [runtime, runtime]
+                assert [a.assignment.runtime for a in agents] == ["paged", "paged"]
                 assert [a.status().kv_pool_mb for a in agents] == list(budgets)
                 # three chats at once, then a follow-up turn of the second one
                 answers = await asyncio.gather(*(collect(dist.coordinator, GenerationRequest(p, N, ignore_eos=True))
@@ -198,15 +199,20 @@ def test_two_stages_on_two_agents_serve_concurrent_chats_as_the_unsplit_model(tm
     answers, follow_up, metrics, coordinator, pool = run(main())
     for prompt, tokens in zip((*CHATS, follow_up), answers, strict=True):
         assert tuple(tokens) == unsplit_greedy(prompt, N)
-    if runtime == "paged":
-        assert isinstance(coordinator, BatchCoordinator)
-        assert pool == stage_pool_blocks(manifest, WORKER, 1, "desk-b", budgets[1]) < \
-            stage_pool_blocks(manifest, WORKER, 0, "desk-a", budgets[0])
-        assert metrics["kv_blocks_total"] == pool - 4  # the scratch blocks apart
-        assert metrics["prefix_hits_total"] >= 1  # the follow-up reused its conversation's full blocks
-        assert metrics["requests_failed_total"] == 0
-    else:
-        assert isinstance(coordinator, Coordinator)
+    assert isinstance(coordinator, BatchCoordinator)
+    assert pool == stage_pool_blocks(manifest, WORKER, 1, "desk-b", budgets[1]) < \
+        stage_pool_blocks(manifest, WORKER, 0, "desk-a", budgets[0])
+    assert metrics["kv_blocks_total"] == pool - 4  # the scratch blocks apart
+    assert metrics["prefix_hits_total"] >= 1  # the follow-up reused its conversation's full blocks
+    assert metrics["requests_failed_total"] == 0
+
+
+def test_a_ring_asked_to_serve_stateful_is_refused_naming_the_change(tmp_path, tiny_export):
+    """The retired runtime, asked for by an old setting or caller, is refused before anything runs."""
+    layout = RingLayout.of([AgentTarget("127.0.0.1:1", 0, 2, "desk-a")])
+    with pytest.raises(DistributionError, match="the stateful runtime was retired; paged serves CPU/GPU, static "
+                                                "the NPU"):
+        Distributor(object(), tiny_export("llama", 1), layout, runtime="stateful")  # type: ignore[arg-type]
 
 
 class _OldAgent(AgentService):
@@ -239,7 +245,7 @@ def test_an_agent_too_old_for_a_paged_ring_is_named_before_anything_is_fetched(t
 
     failed, served = run(main())
     assert [(f.agent, f.stage) for f in failed.failures] == [("desk-old", 1)]
-    assert "too old to serve a paged ring" in str(failed) and "stateful runtime" in str(failed)
+    assert "too old to serve a paged ring" in str(failed) and "update Deskfleet on that PC" in str(failed)
     assert served == 0
 
 
@@ -261,3 +267,33 @@ def test_layouts_that_cannot_make_a_ring_are_refused_with_the_reason():
     with pytest.raises(LayoutError, match="data port"):
         same_data.check(2)
     RingLayout.of([same_data.targets[0], replace(same_data.targets[1], data_port=7212)]).check(2)
+
+
+@pytest.mark.slow
+def test_an_npu_export_from_the_library_is_served_by_the_static_runtime(tmp_path, tmp_path_factory, tiny_checkpoint):
+    """An NPU-target export in the fleet service's model library goes to its agents as static
+    workers and is answered by the packed generator (the static runtime), token for token as its
+    static stages in one process: nothing hands it to a runtime that cannot run it."""
+    library = ModelLibrary(tmp_path / "library")
+    library.exports_dir.mkdir(parents=True)
+    shutil.copytree(npu_export(tmp_path_factory, tiny_checkpoint("llama"), stages=2, context=64),
+                    library.exports_dir / "tiny-npu")
+    info = library.export("tiny-npu")
+    assert info.key.target == "npu"
+    expected = static_generate(StaticChain.load(info.path, exact=True), PROMPT_IDS, N, ignore_eos=True)
+
+    async def main():
+        async with console(tmp_path / "console") as con, _agents(tmp_path, con, ("desk-a", "desk-b")) as agents:
+            layout = RingLayout.of([AgentTarget(f"127.0.0.1:{a.control_port}", stage, free_port(), a.settings.name)
+                                    for stage, a in enumerate(agents)])
+            async with Distributor(con, info.path, layout, export_id=info.export_id, worker=WORKER) as dist:
+                health = await dist.async_run()
+                assert health.ok and not health.local_stage0
+                runtimes = [a.assignment.runtime for a in agents]
+                tokens = await collect(dist.coordinator, GenerationRequest(PROMPT_IDS, N, ignore_eos=True))
+                return runtimes, tokens, dist.coordinator
+
+    runtimes, tokens, generator = run(main())
+    assert runtimes == ["static", "static"]
+    assert isinstance(generator, PackedGenerator)
+    assert list(tokens) == list(expected)

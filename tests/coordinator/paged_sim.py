@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine.coordinator.batch_scheduler import (
+from engine.generation.request import FinishReason, GenerationRequest
+from engine.generation.sampling import choose, make_rng
+from engine.paged.scheduler import (
     BatchScheduler,
     Emit,
     Failed,
@@ -29,9 +31,7 @@ from engine.coordinator.batch_scheduler import (
     Finished,
     SchedulerConfig,
 )
-from engine.generation.request import FinishReason, GenerationRequest
-from engine.generation.sampling import choose, make_rng
-from engine.shards.paged_step import PagedOutcome, PagedStep
+from engine.paged.step import PagedOutcome, PagedStep
 from engine.wire.step_plan import blocks_needed
 
 VOCAB = 48

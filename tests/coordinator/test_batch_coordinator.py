@@ -1,6 +1,6 @@
 """The paged coordinator over stages in this process: every stream's tokens are its solo run's,
-whatever it shares its steps with; sampling, speculation, the prefix cache and cancellation work
-as on the stateful path."""
+whatever it shares its steps with (the in-process greedy generator over the stateful stages is the
+oracle); sampling, speculation, the prefix cache and cancellation work."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ import asyncio
 
 import pytest
 
-from engine.coordinator.batch_coordinator import BatchCoordinator
-from engine.coordinator.coordinator import Coordinator
-from engine.coordinator.speculation import SpeculationConfig, Speculator
 from engine.generation.generator import OverloadedError
+from engine.generation.in_process import greedy_generate
 from engine.generation.request import FinishReason, GenerationRequest, SamplingParams
+from engine.paged.coordinator import BatchCoordinator
+from engine.paged.speculation import SpeculationConfig, Speculator
+from engine.shards.stage import LocalChain
 from tests.conftest import PROMPT_IDS
 from tests.support.asyncutil import collect_events as collect
 from tests.support.asyncutil import run
@@ -26,23 +27,19 @@ def ids(events) -> list[int]:
     return [e.token_id for e in events]
 
 
-def stateful_greedy(export, prompts, n) -> list[list[int]]:
-    """The identity reference: each prompt alone on the stateful path, exact settings."""
-
-    async def main():
-        async with Coordinator.local(export, exact=True) as c:
-            return [ids(await collect(c, GenerationRequest(p, n, ignore_eos=True))) for p in prompts]
-
-    return run(main())
+def solo_greedy(export, prompts, n) -> list[list[int]]:
+    """The identity reference: each prompt alone through the in-process oracle, exact settings."""
+    chain = LocalChain.load(export, exact=True)
+    return [list(greedy_generate(chain, p, n, ignore_eos=True).tokens) for p in prompts]
 
 
 @pytest.mark.parametrize("stages", [1, 2, 3, 4])
-def test_batched_streams_match_their_solo_stateful_runs(tiny_export, stages):
+def test_batched_streams_match_their_solo_runs(tiny_export, stages):
     """Eight streams joining at once, then in a staggered order with small prefill chunks (so
     prefill chunks share steps with other streams' decode): every one gives its solo tokens."""
     export = tiny_export("llama", stages)
     n = 12
-    expected = stateful_greedy(export, PROMPTS, n)
+    expected = solo_greedy(export, PROMPTS, n)
 
     async def main():
         async with BatchCoordinator.local(export, exact=True, kv_pool_bytes=POOL, slots=8, prefill_chunk=5,
@@ -68,7 +65,7 @@ def test_batched_streams_match_their_solo_stateful_runs(tiny_export, stages):
 
 def test_finish_reasons_and_stop_tokens(tiny_export):
     export = tiny_export("llama", 1)
-    reference = stateful_greedy(export, [PROMPT_IDS], 10)[0]
+    reference = solo_greedy(export, [PROMPT_IDS], 10)[0]
     stop = reference[4]
 
     async def main():
@@ -106,7 +103,7 @@ def test_prompt_lookup_speculation_keeps_greedy_tokens(tiny_export, k):
     """Verify rows of 1 + K and their rewind (past_len lowered, surplus blocks freed) change no token."""
     export = tiny_export("llama", 2)
     prompts = [PROMPT_IDS * 3, PROMPT_IDS[::-1] * 2, tuple(range(40, 90))]
-    expected = stateful_greedy(export, prompts, 24)
+    expected = solo_greedy(export, prompts, 24)
 
     async def main():
         spec = Speculator(SpeculationConfig("lookup", k=k), exact=True)
@@ -125,7 +122,7 @@ def test_a_draft_model_equal_to_the_target_is_always_accepted_and_changes_nothin
     """The 1-stage export as its own draft: every draft accepted (the verify rows' positions and
     blocks line up with the draft's), and the greedy output unchanged."""
     export = tiny_export("llama", 3)
-    expected = stateful_greedy(export, [PROMPT_IDS], 24)[0]
+    expected = solo_greedy(export, [PROMPT_IDS], 24)[0]
 
     async def main():
         spec = Speculator(SpeculationConfig("draft", k=4, draft_export=tiny_export("llama", 1)), exact=True)
@@ -167,7 +164,7 @@ def test_a_follow_up_turn_reuses_the_conversation_blocks(tiny_export):
             return follow, warm, c.metrics()
 
     follow, warm, metrics = run(main())
-    assert warm == stateful_greedy(export, [follow], 8)[0]
+    assert warm == solo_greedy(export, [follow], 8)[0]
     assert metrics["prefix_hits_total"] >= 1 and metrics["prefix_tokens_reused_total"] >= 64
 
 

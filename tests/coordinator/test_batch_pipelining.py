@@ -9,9 +9,9 @@ import asyncio
 
 import pytest
 
-from engine.coordinator.batch_scheduler import BatchScheduler, Finished
 from engine.generation.request import FinishReason, GenerationRequest
-from engine.shards.paged_step import PagedOutcome
+from engine.paged.scheduler import BatchScheduler, Finished
+from engine.paged.step import PagedOutcome
 from engine.tools.local_fleet import paged_local_fleet
 from engine.wire.step_plan import SCRATCH_BLOCKS
 from tests.conftest import PROMPT_IDS

@@ -13,9 +13,9 @@ import random
 
 import pytest
 
-from engine.coordinator.batch_scheduler import BatchScheduler, Failed, SchedulerConfig
 from engine.generation.generator import UnavailableError
 from engine.generation.request import GenerationRequest, SamplingParams
+from engine.paged.scheduler import BatchScheduler, Failed, SchedulerConfig
 from engine.wire.step_plan import SCRATCH_BLOCKS, blocks_needed
 from tests.coordinator.paged_sim import (
     EOS,

@@ -9,12 +9,12 @@ import collections
 import numpy as np
 import pytest
 
-from engine.coordinator.batch_scheduler import BatchScheduler, Failed, FailOver, Finished
-from engine.coordinator.speculation import SpeculationConfig, Speculator
 from engine.errors import DeskfleetError, GenerationError
 from engine.generation.generator import OverloadedError, UnavailableError
 from engine.generation.request import FinishReason, GenerationRequest, SamplingParams
-from engine.shards.paged_step import PagedOutcome
+from engine.paged.scheduler import BatchScheduler, Failed, FailOver, Finished
+from engine.paged.speculation import SpeculationConfig, Speculator
+from engine.paged.step import PagedOutcome
 from engine.wire.step_plan import SCRATCH_BLOCKS
 from tests.coordinator.paged_sim import (
     EOS,

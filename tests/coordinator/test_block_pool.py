@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.coordinator.block_pool import BlockPool, PoolExhausted
-from engine.coordinator.prefix_blocks import PARTIALS_PER_PARENT, PrefixBlocks, chain_hash, root_hash
 from engine.errors import GenerationError
+from engine.paged.block_pool import BlockPool, PoolExhausted
+from engine.paged.prefix_blocks import PARTIALS_PER_PARENT, PrefixBlocks, chain_hash, root_hash
 from engine.wire.step_plan import SCRATCH_BLOCKS
 
 

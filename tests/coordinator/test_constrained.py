@@ -9,8 +9,6 @@ import json
 import numpy as np
 import pytest
 
-from engine.coordinator.batch_state import Emit, Failed, Finished
-from engine.coordinator.constrained import GrammarVocabulary, StreamConstraints, grammar_for
 from engine.generation.grammar import GrammarError, unpack_mask
 from engine.generation.request import (
     FinishReason,
@@ -21,7 +19,9 @@ from engine.generation.request import (
     TokenEvent,
     ToolCallConstraint,
 )
-from engine.shards.paged_step import PagedOutcome, PagedStep
+from engine.paged.constraints import GrammarVocabulary, StreamConstraints, grammar_for
+from engine.paged.state import Emit, Failed, Finished
+from engine.paged.step import PagedOutcome, PagedStep
 from engine.wire.format import StreamId
 from engine.wire.step_plan import PlanRow, StepPlan
 
@@ -190,7 +190,7 @@ def test_a_reply_without_the_asked_top_k_fails_the_stream_by_name(vocabulary):
 
 
 def test_without_a_tokenizer_logprobs_are_served_and_constraints_refused():
-    from engine.coordinator.constrained import NoGrammarTokenizerError
+    from engine.paged.constraints import NoGrammarTokenizerError
 
     book = StreamConstraints(None)
     assert book.features == {"logprobs"}

@@ -16,9 +16,6 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from engine.coordinator.batch_coordinator import BatchCoordinator
-from engine.coordinator.constrained import NoGrammarTokenizerError
-from engine.coordinator.speculation import SpeculationConfig, Speculator
 from engine.generation.grammar import GrammarError
 from engine.generation.request import (
     FinishReason,
@@ -28,6 +25,9 @@ from engine.generation.request import (
     SamplingParams,
     ToolCallConstraint,
 )
+from engine.paged.constraints import NoGrammarTokenizerError
+from engine.paged.coordinator import BatchCoordinator
+from engine.paged.speculation import SpeculationConfig, Speculator
 from tests.conftest import PROMPT_IDS
 from tests.support.asyncutil import collect_events, run
 

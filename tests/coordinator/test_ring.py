@@ -1,5 +1,6 @@
-"""The ring over real worker processes on loopback: identity with the unsplit run, isolation,
-start order, draining, and a malformed-frame barrage against a live worker."""
+"""The paged ring over real worker processes on loopback: seeded sampling repeats, start order does
+not matter and SIGTERM drains, and a malformed-frame barrage against a live worker spares the
+streams it serves. (Identity with the unsplit run and failover: tests/coordinator/test_paged_ring.py.)"""
 
 from __future__ import annotations
 
@@ -11,56 +12,32 @@ import sys
 import numpy as np
 import pytest
 
-from engine.generation.in_process import greedy_generate
+from engine.generation.generator import ModelCard
 from engine.generation.request import GenerationRequest, SamplingParams
+from engine.paged.coordinator import BatchCoordinator, paged_scheduler
+from engine.paged.kv_pool import pool_blocks_for
+from engine.paged.ring_path import PagedRingPath
 from engine.shards.manifest import load_manifest
-from engine.shards.stage import LocalChain
-from engine.tools.local_fleet import local_fleet
+from engine.tools.local_fleet import paged_local_fleet
+from engine.wire.address import Address
 from engine.wire.codec import encode
 from engine.wire.format import Role, StreamId
-from engine.wire.messages import Error, Forward, Hello
+from engine.wire.messages import Error, Hello, Step
+from engine.wire.step_plan import CPU_BLOCK_SIZE, SCRATCH_BLOCKS, PlanRow, plan
 from engine.wire.transport import async_connect
 from tests.conftest import PROMPT_IDS
 from tests.support.asyncutil import collect, run
 from tests.support.loopback import free_port
 
 N = 20
-
-
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("stages", [1, 2, 3, 4])
-def test_ring_greedy_equals_the_unsplit_run(stages, tiny_export, unsplit_greedy):
-    async def main():
-        async with local_fleet(tiny_export("llama", stages), exact=True, prefill_chunk=7) as c:
-            return await collect(c, GenerationRequest(PROMPT_IDS, N, ignore_eos=True))
-
-    assert tuple(run(main())) == unsplit_greedy(PROMPT_IDS, N)
-
-
-@pytest.mark.slow
-def test_coordinator_hosting_stage0_and_micro_batched_streams(tiny_export, unsplit_greedy):
-    prompts = [PROMPT_IDS, PROMPT_IDS[2:], PROMPT_IDS[::-1]]
-
-    async def main():
-        async with local_fleet(tiny_export("llama", 3), exact=True, host_stage0=True, slots=3) as c:
-            solo = [await collect(c, GenerationRequest(p, N, ignore_eos=True)) for p in prompts]
-            together = await asyncio.gather(*(collect(c, GenerationRequest(p, N, ignore_eos=True)) for p in prompts))
-            await c.async_wait_idle()
-            return solo, together, c.metrics()
-
-    solo, together, metrics = run(main())
-    assert tuple(solo[0]) == unsplit_greedy(PROMPT_IDS, N)
-    assert together == solo
-    assert metrics["active_streams"] == 0 and metrics["ring_step_ms_avg"] > 0
+POOL = 16 << 20  # the tiny model's blocks are small: a few hundred fit
 
 
 def test_seeded_sampling_over_the_ring_is_reproducible(tiny_export):
     req = GenerationRequest(PROMPT_IDS, 16, SamplingParams(temperature=0.9, top_p=0.95, seed=1234), ignore_eos=True)
 
     async def main():
-        async with local_fleet(tiny_export("llama", 2), exact=True) as c:
+        async with paged_local_fleet(tiny_export("llama", 2), exact=True, kv_pool_bytes=POOL) as c:
             return await collect(c, req), await collect(c, req)
 
     a, b = run(main())
@@ -68,23 +45,24 @@ def test_seeded_sampling_over_the_ring_is_reproducible(tiny_export):
 
 
 def test_start_order_does_not_matter_and_sigterm_drains(tiny_export, unsplit_greedy):
-    """Start stage 0 first (its successor does not exist yet), then stage 1; SIGTERM exits 0."""
+    """Start stage 0 first (its successor does not exist yet), then stage 1; SIGTERM exits 0. The
+    workers are started as before the stateful runtime was retired (no --paged): they serve paged."""
     export = tiny_export("llama", 2)
-    fingerprint = load_manifest(export).model.fingerprint
+    manifest = load_manifest(export)
     p0, p1, ret = free_port(), free_port(), free_port()
 
     def worker(stage, listen, nxt):
         return subprocess.Popen([sys.executable, "-m", "engine.cli.main", "worker", "--shard", str(export), "--stage",
                                  str(stage), "--listen", f"127.0.0.1:{listen}", "--next", f"127.0.0.1:{nxt}",
-                                 "--exact"], stdout=subprocess.PIPE, text=True, start_new_session=True)
+                                 "--exact", "--kv-pool-mb", "16"], stdout=subprocess.PIPE, text=True,
+                                start_new_session=True)
 
     async def main(procs):
-        from engine.coordinator.coordinator import Coordinator, model_card
-        from engine.coordinator.ring import RingPath
-        from engine.wire.address import Address
-
-        path = RingPath(fingerprint, 2, Address("127.0.0.1", p0), Address("127.0.0.1", ret))
-        async with Coordinator(path, model_card(load_manifest(export))) as c:
+        path = PagedRingPath(manifest.model.fingerprint, 2, Address("127.0.0.1", p0), Address("127.0.0.1", ret),
+                             block_size=CPU_BLOCK_SIZE)
+        scheduler = paged_scheduler(manifest, pool_blocks_for(manifest, POOL, CPU_BLOCK_SIZE, precision="f32"),
+                                    CPU_BLOCK_SIZE)
+        async with BatchCoordinator(path, ModelCard.from_manifest(manifest), scheduler) as c:
             procs.append(worker(1, p1, ret))  # the last stage comes up after the first
             return await collect(c, GenerationRequest(PROMPT_IDS, N, ignore_eos=True))
 
@@ -105,8 +83,8 @@ def test_malformed_frames_against_a_live_worker_spare_other_streams(tiny_export,
     export = tiny_export("llama", 2)
     fingerprint = load_manifest(export).model.fingerprint
     rng = np.random.default_rng(0)
-    good = encode(Forward(StreamId(99), 1, np.array([[5, 6]], dtype=np.int64), np.ones((1, 2), dtype=np.int64),
-                          np.array([[0, 1]], dtype=np.int64)))
+    one = plan(CPU_BLOCK_SIZE, SCRATCH_BLOCKS + 1, [PlanRow(99, 0, 2, (SCRATCH_BLOCKS,))])
+    good = encode(Step(StreamId(99), 1, one, np.array([5, 6] + [0] * (one.padded_tokens - 2), dtype=np.int64)))
 
     def mutate(i: int) -> bytes:
         frame = bytearray(good)
@@ -137,10 +115,8 @@ def test_malformed_frames_against_a_live_worker_spare_other_streams(tiny_export,
             await conn.async_close()
 
     async def main():
-        async with local_fleet(export, exact=True) as c:
-            from engine.coordinator.ring import RingPath
-
-            assert isinstance(c.path, RingPath)
+        async with paged_local_fleet(export, exact=True, kv_pool_bytes=POOL) as c:
+            assert isinstance(c.path, PagedRingPath)
             outcomes: list[str] = []
             tokens, _ = await asyncio.gather(collect(c, GenerationRequest(PROMPT_IDS, N, ignore_eos=True)),
                                              attack(c.path.first_remote, outcomes))
@@ -151,23 +127,3 @@ def test_malformed_frames_against_a_live_worker_spare_other_streams(tiny_export,
     assert tuple(tokens) == unsplit_greedy(PROMPT_IDS, N) and tuple(after) == unsplit_greedy(PROMPT_IDS, N)
     assert len(outcomes) == 1000
     assert outcomes.count("Error") > 500, {o: outcomes.count(o) for o in set(outcomes)}
-
-
-@pytest.mark.slow
-def test_prefix_cache_over_the_ring_restores_on_every_stage(tiny_export):
-    export = tiny_export("llama", 3)
-    history = PROMPT_IDS + (44, 55, 66, 77, 88, 99)
-    follow_up = history + (133, 144, 155)
-    cold = greedy_generate(LocalChain.load(export, exact=True), follow_up, N, ignore_eos=True).tokens
-
-    async def main():
-        async with local_fleet(export, exact=True, host_stage0=True) as c:
-            await collect(c, GenerationRequest(history, 8, ignore_eos=True))
-            await c.async_wait_idle()
-            warm = await collect(c, GenerationRequest(follow_up, N, ignore_eos=True))
-            await c.async_wait_idle()
-            return warm, c.metrics()
-
-    warm, metrics = run(main())
-    assert tuple(warm) == cold
-    assert metrics["prefix_hits_total"] == 1 and metrics["prefix_fallbacks_total"] == 0

@@ -14,7 +14,10 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from engine.coordinator.speculation_policy import (
+from engine.errors import DeskfleetError, GenerationError
+from engine.generation.request import SamplingParams
+from engine.generation.sampling import choose, probabilities
+from engine.paged.speculation_policy import (
     AdaptiveK,
     AdaptiveKConfig,
     PromptLookupDrafter,
@@ -24,9 +27,6 @@ from engine.coordinator.speculation_policy import (
     verify_greedy,
     verify_sampling,
 )
-from engine.errors import DeskfleetError, GenerationError
-from engine.generation.request import SamplingParams
-from engine.generation.sampling import choose, probabilities
 from engine.shards.kv_layout import KVLayout
 
 V = 8

@@ -1,5 +1,6 @@
-"""Speculative decoding end to end: greedy output identical to plain decoding, over the
-in-process path and the ring, with prompt lookup and with a draft model."""
+"""Speculative decoding end to end on the paged runtime: greedy output identical to plain decoding
+(the in-process greedy generator is the oracle), over stages in this process and over the ring,
+with prompt lookup and with a draft model."""
 
 from __future__ import annotations
 
@@ -7,16 +8,17 @@ import asyncio
 
 import pytest
 
-from engine.coordinator.coordinator import Coordinator
-from engine.coordinator.speculation import SpeculationConfig, Speculator
 from engine.generation.in_process import greedy_generate
 from engine.generation.request import GenerationRequest, SamplingParams
+from engine.paged.coordinator import BatchCoordinator
+from engine.paged.speculation import SpeculationConfig, Speculator
 from engine.shards.stage import LocalChain
-from engine.tools.local_fleet import local_fleet, paged_local_fleet
+from engine.tools.local_fleet import paged_local_fleet
 from tests.conftest import PROMPT_IDS
 from tests.support.asyncutil import collect, run
 
 N = 40
+POOL = 16 << 20  # the tiny model's blocks are small: a few hundred fit
 # A prompt that repeats itself, so prompt lookup has something to find.
 LOOPY = PROMPT_IDS + PROMPT_IDS[1:] + PROMPT_IDS[1:9]
 
@@ -33,7 +35,8 @@ def expected(tiny_export):
 def test_prompt_lookup_is_identical_in_process(k, tiny_export, expected):
     async def main():
         spec = Speculator(SpeculationConfig("lookup", k=k))
-        async with Coordinator.local(tiny_export("llama", 2), exact=True, speculation=spec) as c:
+        async with BatchCoordinator.local(tiny_export("llama", 2), exact=True, kv_pool_bytes=POOL,
+                                          speculation=spec) as c:
             out = [await collect(c, GenerationRequest(p, N, ignore_eos=True)) for p in (PROMPT_IDS, LOOPY)]
             await c.async_wait_idle()
             return out, c.metrics()
@@ -50,7 +53,8 @@ def test_draft_model_is_identical_and_accepts_everything_when_draft_equals_targe
 
     async def main():
         spec = Speculator(SpeculationConfig("draft", k=4, draft_export=tiny_export("llama", 1)), exact=True)
-        async with Coordinator.local(tiny_export("llama", 3), exact=True, speculation=spec) as c:
+        async with BatchCoordinator.local(tiny_export("llama", 3), exact=True, kv_pool_bytes=POOL,
+                                          speculation=spec) as c:
             out = await collect(c, GenerationRequest(PROMPT_IDS, N, ignore_eos=True))
             await c.async_wait_idle()
             return out, c.metrics()
@@ -70,7 +74,8 @@ def test_a_weaker_draft_is_rejected_often_yet_output_is_identical(tiny_checkpoin
 
     async def main():
         spec = Speculator(SpeculationConfig("draft", k=3, draft_export=other), exact=True)
-        async with Coordinator.local(tiny_export("llama", 2), exact=True, speculation=spec) as c:
+        async with BatchCoordinator.local(tiny_export("llama", 2), exact=True, kv_pool_bytes=POOL,
+                                          speculation=spec) as c:
             out = await collect(c, GenerationRequest(PROMPT_IDS, N, ignore_eos=True))
             await c.async_wait_idle()
             return out, c.metrics()
@@ -80,16 +85,11 @@ def test_a_weaker_draft_is_rejected_often_yet_output_is_identical(tiny_checkpoin
     assert 0 < metrics["speculation_acceptance_rate"] <= 1.0
 
 
-FLEETS = {"stateful": local_fleet,
-          "paged": lambda export, **kw: paged_local_fleet(export, kv_pool_bytes=16 << 20, **kw)}
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("stages, runtime", [(1, "stateful"), (2, "stateful"), (3, "stateful"), (4, "stateful"),
-                                             (2, "paged"), (4, "paged")])
-def test_speculation_over_the_ring_is_identical(stages, runtime, tiny_export, expected):
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+def test_speculation_over_the_ring_is_identical(stages, tiny_export, expected):
     async def main():
-        async with FLEETS[runtime](tiny_export("llama", stages), exact=True, slots=2) as c:
+        async with paged_local_fleet(tiny_export("llama", stages), exact=True, kv_pool_bytes=POOL, slots=2) as c:
             c.speculation = Speculator(SpeculationConfig("lookup", k=5))
             # two micro-batched streams, each speculating independently
             return await asyncio.gather(collect(c, GenerationRequest(PROMPT_IDS, N, ignore_eos=True)),
@@ -104,7 +104,8 @@ def test_speculative_sampling_is_seed_reproducible(tiny_export):
 
     async def main():
         spec = Speculator(SpeculationConfig("draft", k=3, draft_export=tiny_export("llama", 1)), exact=True)
-        async with Coordinator.local(tiny_export("llama", 2), exact=True, speculation=spec) as c:
+        async with BatchCoordinator.local(tiny_export("llama", 2), exact=True, kv_pool_bytes=POOL,
+                                          speculation=spec) as c:
             return await collect(c, req), await collect(c, req)
 
     a, b = run(main())
@@ -112,8 +113,7 @@ def test_speculative_sampling_is_seed_reproducible(tiny_export):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("runtime", ["stateful", "paged"])
-def test_ring_behind_wan_emulators_on_every_hop(tiny_export, expected, runtime):
+def test_ring_behind_wan_emulators_on_every_hop(tiny_export, expected):
     """The hop hook puts a delaying proxy on each of the 3 hops; output must not change."""
     from engine.tools.wan_emulator import WanProxy
     from engine.wire.address import Address
@@ -126,8 +126,8 @@ def test_ring_behind_wan_emulators_on_every_hop(tiny_export, expected, runtime):
 
     async def main():
         try:
-            async with FLEETS[runtime](tiny_export("llama", 2), exact=True, hop=hop,
-                                       speculation=Speculator(SpeculationConfig("lookup"))) as c:
+            async with paged_local_fleet(tiny_export("llama", 2), exact=True, kv_pool_bytes=POOL, hop=hop,
+                                         speculation=Speculator(SpeculationConfig("lookup"))) as c:
                 return await collect(c, GenerationRequest(LOOPY, N, ignore_eos=True))
         finally:
             for p in proxies:
@@ -154,8 +154,8 @@ def test_speculative_sampling_matches_plain_sampling_on_the_real_tiny_model(tiny
         return SamplingParams(temperature=temperature, top_k=3, seed=seed)
 
     async def sample(speculator, temperature=1.0):
-        async with Coordinator.local(tiny_export("llama", 1), exact=True, prefix_cache=False,
-                                     speculation=speculator) as c:
+        async with BatchCoordinator.local(tiny_export("llama", 1), exact=True, kv_pool_bytes=POOL, prefix_cache=False,
+                                          speculation=speculator) as c:
             out = []
             for seed in range(trials):
                 req = GenerationRequest(PROMPT_IDS, 2, params(seed, temperature), ignore_eos=True)

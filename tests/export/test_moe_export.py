@@ -97,7 +97,7 @@ def test_int4_split_gives_the_unsplit_tokens(tiny_export):
 def test_paged_runtime_serves_batched_streams_like_the_stateful_chain(tiny_export):
     """The paged conversion at load takes the MoE stages; streams batched into one step (their
     rows routed together through the experts) each get the tokens they get alone."""
-    from engine.shards.paged_stage import LocalPagedPath
+    from engine.paged.stage import LocalPagedPath
     from engine.wire.step_plan import SCRATCH_BLOCKS
     from tests.shards.test_paged_stage import BUDGET, POOL, Stream, drive, prompts
 

@@ -14,7 +14,7 @@ import openvino.opset13 as ops
 import pytest
 
 from engine.generation.in_process import greedy_generate
-from engine.shards.paged_stage import (
+from engine.paged.stage import (
     SAMPLED,
     LMHeadNotFoundError,
     LocalPagedPath,
@@ -27,9 +27,9 @@ from engine.shards.paged_stage import (
     pool_tensor,
     top1_reply,
 )
-from engine.shards.paged_step import PagedStep
+from engine.paged.step import PagedStep
 from engine.shards.stage import LocalChain
-from engine.shards.step_path import last_stage_top1
+from engine.shards.step_answer import top1
 from engine.wire.step_plan import SCRATCH_BLOCKS, PlanRow, StepPlan, blocks_needed, plan
 from tests.conftest import PROMPT_IDS
 from tests.support.cpu_needs import needs_cpu
@@ -325,12 +325,12 @@ def test_paged_inputs_of_a_plan():
     assert none[SAMPLED].tolist() == [4]  # the last real row, answered and dropped
 
 
-def test_top1_reply_matches_the_stateful_formula():
+def test_top1_reply_matches_the_top1_of_every_row():
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(4, 11)).astype(np.float32) * 30
     p = plan(BS, POOL, [PlanRow(1, 0, 3, (4,), sample=2), PlanRow(2, 0, 2, (5,), sample=2, want_logits=True)])
     ids, probs, rows = top1_reply(logits, p)
-    want_ids, want_probs = last_stage_top1(logits[None], 0)
+    want_ids, want_probs = top1(logits)
     assert ids.dtype == np.int64 and probs.dtype == np.float32
     assert ids.tolist() == want_ids.tolist() and probs.tolist() == want_probs.tolist()
     assert rows is not None and np.array_equal(rows, logits[2:])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.shards.paged_stage import LocalPagedPath, top1_reply
+from engine.paged.stage import LocalPagedPath, top1_reply
 from engine.shards.step_answer import (
     TokenMaskError,
     answer_step,
@@ -18,13 +18,13 @@ from engine.shards.step_answer import (
     check_mask,
     mask_in_place,
     mask_words,
+    top1,
     top_logprobs,
     unpack_mask,
 )
 from engine.shards.step_answer import (
     log_softmax as stage_log_softmax,
 )
-from engine.shards.step_path import last_stage_top1
 from engine.wire.codec import decode, encode
 from engine.wire.format import ErrorCode, StreamId
 from engine.wire.messages import Error, Step, StepReply
@@ -196,7 +196,7 @@ def test_an_unconstrained_step_answers_as_before():
     logits = rng.standard_normal((3, 50)).astype(np.float32)
     the_plan = plan(BS, POOL, [PlanRow(1, 0, 2, (4,), 2), PlanRow(2, 0, 1, (5,), want_logits=True)])
     ids, probs, kept = top1_reply(logits.copy(), the_plan)
-    want_ids, want_probs = last_stage_top1(logits[None], 0)
+    want_ids, want_probs = top1(logits)
     assert ids.tolist() == want_ids.tolist() and (probs == want_probs).all() and (kept == logits[2:]).all()
     assert answer_step(logits.copy(), the_plan).top_ids is None
 

@@ -16,22 +16,21 @@ import numpy as np
 import openai
 import pytest
 
-from engine.coordinator.coordinator import model_card
-from engine.coordinator.ring import RingPath
-from engine.generation.generator import UnavailableError
+from engine.generation.generator import ModelCard, UnavailableError
 from engine.generation.request import FinishReason, GenerationRequest
+from engine.paged.stage import PagedStage
+from engine.paged.worker import PagedStageWorker
 from engine.shards.manifest import load_manifest
-from engine.shards.stage import Stage
 from engine.static.packed_generator import PackedGenerator, RingStatic
-from engine.static.packed_stage import StaticChain, StaticStage, geometry_of, static_generate
+from engine.static.packed_ring import PackedRingPath
+from engine.static.packed_stage import StaticChain, StaticStage, export_row_options, geometry_of, static_generate
 from engine.static.packed_worker import PackedStageWorker
 from engine.static.slot_scheduler import PromptTooLong
-from engine.tools.packed_fleet import export_row_options
 from engine.wire.address import Address
 from engine.wire.format import StreamId
-from engine.wire.messages import Forward, Packed
+from engine.wire.messages import Packed, Step
 from engine.wire.plan_frame import PlanFrame
-from engine.worker.stage_worker import StageWorker
+from engine.wire.step_plan import CPU_BLOCK_SIZE, SCRATCH_BLOCKS, PlanRow, plan
 from tests.conftest import PROMPT_IDS
 from tests.support.api_helpers import serve_process
 from tests.support.asyncutil import run
@@ -66,7 +65,7 @@ async def worker_ring(export: Path):
     """A packed stage worker per stage (real sockets on loopback) and a generator over their ring."""
     manifest = load_manifest(export)
     # dial_deadline: a session that finds stage 0 gone redials it for this long before it fails
-    path = RingPath(manifest.model.fingerprint, len(manifest.stages), Address("127.0.0.1", 0),
+    path = PackedRingPath(manifest.model.fingerprint, len(manifest.stages), Address("127.0.0.1", 0),
                     Address("127.0.0.1", 0), dial_deadline=20)
     workers: list[PackedStageWorker] = []
     next_hop = await path.async_listen()
@@ -77,8 +76,8 @@ async def worker_ring(export: Path):
             workers.insert(0, worker)
             next_hop = await worker.async_start()
         path.first_remote = next_hop
-        generator = PackedGenerator(RingStatic(path, step_timeout_s=20), model_card(manifest), geometry_of(manifest),
-                                    export_row_options(manifest))
+        generator = PackedGenerator(RingStatic(path, step_timeout_s=20), ModelCard.from_manifest(manifest),
+                                    geometry_of(manifest), export_row_options(manifest))
         async with generator:
             yield generator, workers
     finally:
@@ -147,13 +146,13 @@ def test_a_cancelled_request_frees_its_slot_and_a_prompt_too_long_is_refused(exp
 
 
 @pytest.mark.slow
-def test_stateful_and_static_workers_refuse_each_others_frames(tmp_path_factory, tiny_checkpoint, tiny_export):
-    """A Packed frame to a stateful stage, or a Forward to a static one, is answered with a
+def test_paged_and_static_workers_refuse_each_others_frames(tmp_path_factory, tiny_checkpoint, tiny_export):
+    """A Packed frame to a paged stage, or a Step to a static one, is answered with a
     stream-level error at the coordinator, not silently dropped."""
-    stateful_export = tiny_export("llama", 1)
+    paged_export = tiny_export("llama", 1)
 
     async def answer(worker_of, fingerprint, msg):
-        path = RingPath(fingerprint, 1, Address("127.0.0.1", 0), Address("127.0.0.1", 0))
+        path = PackedRingPath(fingerprint, 1, Address("127.0.0.1", 0), Address("127.0.0.1", 0))
         worker = worker_of(await path.async_listen())
         try:
             path.first_remote = await worker.async_start()
@@ -166,26 +165,17 @@ def test_stateful_and_static_workers_refuse_each_others_frames(tmp_path_factory,
 
     one_stage = npu_export(tmp_path_factory, tiny_checkpoint("llama"), stages=1, context=32)
     static_manifest = load_manifest(one_stage)
-    plan = PlanFrame.of([(0, 0, 0)], 1)
-    to_stateful = run(answer(lambda hop: StageWorker(Stage(stateful_export, 0), Address("127.0.0.1", 0), hop),
-                             load_manifest(stateful_export).model.fingerprint,
-                             Packed(StreamId(3), 1, plan, np.array([[5]], np.int64))))
+    step_plan = plan(CPU_BLOCK_SIZE, SCRATCH_BLOCKS + 1, [PlanRow(4, 0, 1, (SCRATCH_BLOCKS,))])
+    to_paged = run(answer(lambda hop: PagedStageWorker(PagedStage(paged_export, 0), Address("127.0.0.1", 0), hop,
+                                                       kv_pool_bytes=16 << 20),
+                          load_manifest(paged_export).model.fingerprint,
+                          Packed(StreamId(3), 1, PlanFrame.of([(0, 0, 0)], 1), np.array([[5]], np.int64))))
     to_static = run(answer(lambda hop: PackedStageWorker(StaticStage(one_stage, 0, manifest=static_manifest),
                                                          Address("127.0.0.1", 0), hop),
                            static_manifest.model.fingerprint,
-                           Forward(StreamId(4), 1, np.array([[5]], np.int64), np.ones((1, 1), np.int64),
-                                   np.zeros((1, 1), np.int64))))
-    assert to_stateful.error and "Packed frames need a static" in to_stateful.error
-    assert to_static.error and "takes Packed frames, not Forward" in to_static.error
-
-
-def test_a_one_stage_static_export_is_refused_by_a_stateful_ring_path_with_stage0_hosted(exports):
-    manifest = load_manifest(exports[1])
-    path = RingPath(manifest.model.fingerprint, 2, Address("127.0.0.1", 1), Address("127.0.0.1", 0),
-                    local_stage0=object())  # any stage 0 hosted here
-    path._out = object()  # as if connected: the refusal comes before anything is sent
-    with pytest.raises(Exception, match="cannot host stage 0"):
-        run(path.async_submit_packed(StreamId(1), 1, PlanFrame.of([(0, 0, 0)], 1), np.array([1], np.int64)))
+                           Step(StreamId(4), 1, step_plan, np.zeros(step_plan.padded_tokens, np.int64))))
+    assert to_paged.error and "takes Step frames, not Packed" in to_paged.error
+    assert to_static.error and "takes Packed frames, not Step" in to_static.error
 
 
 @pytest.mark.slow

@@ -26,7 +26,7 @@ from engine.wire.format import (
 )
 from engine.wire.frame_server import FrameServer
 from engine.wire.handshake import HandshakeError, LocalIdentity
-from engine.wire.messages import Error, Forward, Hello, HelloAck, Ping, Pong
+from engine.wire.messages import Error, Hello, HelloAck, Packed, Ping, Pong
 from engine.wire.transport import (
     ConnectionClosedError,
     DialError,
@@ -37,14 +37,14 @@ from engine.wire.transport import (
 )
 from tests.wire.tlsutil import Pki, make_pki
 from tests.wire.wire_helpers import (
-    FORWARD_FRAME,
     FP,
     HEADER_FIELD_BOUNDS,
     SAMPLES,
+    TENSOR_FRAME,
     assert_same,
     decode_or_wire_error,
-    forward,
     patch_header,
+    tensor_frame,
 )
 
 # --- stream reads without sockets ---------------------------------------------------------------
@@ -67,14 +67,14 @@ def test_read_frame_never_waits_forever():
     with pytest.raises(FrameTimeoutError, match="idle"):
         read_from(b"", eof=False, idle_timeout=0.05)
     with pytest.raises(FrameTimeoutError, match="stalled mid-frame"):
-        read_from(FORWARD_FRAME[:10], eof=False, timeout=0.05)
+        read_from(TENSOR_FRAME[:10], eof=False, timeout=0.05)
     with pytest.raises(FrameTimeoutError, match="stalled mid-frame"):
-        read_from(FORWARD_FRAME[:-1], eof=False, timeout=0.05)
+        read_from(TENSOR_FRAME[:-1], eof=False, timeout=0.05)
     with pytest.raises(TruncatedFrameError, match="mid-frame"):
-        read_from(FORWARD_FRAME[:-1], eof=True)
+        read_from(TENSOR_FRAME[:-1], eof=True)
     with pytest.raises(ConnectionClosedError):
         read_from(b"", eof=True)
-    assert isinstance(read_from(FORWARD_FRAME, eof=False), Forward)
+    assert isinstance(read_from(TENSOR_FRAME, eof=False), Packed)
 
 
 # --- live loopback sockets ------------------------------------------------------------------------
@@ -93,8 +93,8 @@ def security(request, pki):
 
 
 async def echo(conn, msg):
-    """A FrameServer handler that sends every Forward straight back."""
-    if isinstance(msg, Forward):
+    """A FrameServer handler that sends every tensor frame straight back."""
+    if isinstance(msg, Packed):
         await conn.async_send(msg)
 
 
@@ -112,7 +112,7 @@ def fuzz_cases(count: int, seed: int = 20260501) -> list[tuple[bytes, bool, bool
     """``count`` malformed frames as (bytes, send_after_handshake, truncated), all refused locally."""
     rng = random.Random(seed)
     valid = [
-        encode(forward(b=1, s=rng.randint(1, 4), h=16, rng=np.random.default_rng(i)))
+        encode(tensor_frame(s=rng.randint(1, 4), h=16, rng=np.random.default_rng(i)))
         for i in range(8)
     ] + [encode(m) for m in SAMPLES]
     cases: list[tuple[bytes, bool, bool]] = []
@@ -133,7 +133,7 @@ def fuzz_cases(count: int, seed: int = 20260501) -> list[tuple[bytes, bool, bool
         elif how == "garbage":
             data = rng.randbytes(rng.randint(HEADER_SIZE, 200))
         else:  # a real frame larger than the server's bound, sent in full
-            data = encode(forward(s=rng.randint(70, 90), h=1024))
+            data = encode(tensor_frame(s=rng.randint(70, 90), h=1024))
         result = decode_or_wire_error(data, bound=256 * 1024)
         if isinstance(result, WireError) and (
             truncated or not isinstance(result, TruncatedFrameError)
@@ -189,7 +189,7 @@ def test_live_fuzzing_never_disturbs_a_well_behaved_stream(security):
         async def well_behaved():
             seq = 0
             while not fuzz_done.is_set() or seq < 20:
-                msg = forward(stream=42, seq=seq, s=int(rng.integers(1, 5)), h=64, rng=rng)
+                msg = tensor_frame(stream=42, seq=seq, s=int(rng.integers(1, 5)), h=64, rng=rng)
                 await good.async_send(msg)
                 reply = await good.async_recv(idle_timeout=10)
                 assert_same(reply, msg)
@@ -215,8 +215,8 @@ def test_live_fuzzing_never_disturbs_a_well_behaved_stream(security):
         during = [t for t in answered if started <= t <= finished]
         gaps = np.diff([started, *during, finished])
         fresh = await async_connect(host, port, Hello(FP, 1, Role.STAGE), ssl=client_ctx)
-        await fresh.async_send(forward(stream=7))
-        assert_same(await fresh.async_recv(idle_timeout=5), forward(stream=7))
+        await fresh.async_send(tensor_frame(stream=7))
+        assert_same(await fresh.async_recv(idle_timeout=5), tensor_frame(stream=7))
         await fresh.async_close()
         await good.async_close()
         await server.async_close()
@@ -304,11 +304,11 @@ def test_tls_refuses_strangers_and_sockets_are_tuned(pki):
             sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY),
             sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE),
         )
-        await conn.async_send(forward())
+        await conn.async_send(tensor_frame())
         await conn.async_recv(idle_timeout=5)
         assert conn.peer_max_frame_bytes == server_bound  # announced in HelloAck
         with pytest.raises(FrameTooLargeError):  # refused before a byte is written
-            await conn.async_send(forward(s=64, h=1024))
+            await conn.async_send(tensor_frame(s=64, h=1024))
         await conn.async_close()
         await server.async_close()
         return seen, client_opts
@@ -357,7 +357,7 @@ def test_dial_retries_until_the_listener_appears():
 def test_a_failing_handler_costs_only_its_own_connection():
     async def scenario():
         async def fragile(conn, msg):
-            if isinstance(msg, Forward) and msg.stream_id == 13:
+            if isinstance(msg, Packed) and msg.stream_id == 13:
                 raise RuntimeError("stage exploded")
             await conn.async_send(msg)
 
@@ -365,11 +365,11 @@ def test_a_failing_handler_costs_only_its_own_connection():
         host, port = await server.async_start()
         a = await async_connect(host, port, Hello(FP, 0, Role.STAGE))
         b = await async_connect(host, port, Hello(FP, 0, Role.STAGE))
-        await a.async_send(forward(stream=13))
+        await a.async_send(tensor_frame(stream=13))
         reply = await a.async_recv(idle_timeout=5)
         with pytest.raises(ConnectionClosedError):
             await a.async_recv(idle_timeout=5)
-        await b.async_send(forward(stream=14))
+        await b.async_send(tensor_frame(stream=14))
         echoed = await b.async_recv(idle_timeout=5)
         await a.async_close()
         await b.async_close()
@@ -378,5 +378,5 @@ def test_a_failing_handler_costs_only_its_own_connection():
 
     reply, echoed, stats = run(scenario())
     assert reply.code is ErrorCode.INTERNAL and "stage exploded" in reply.message
-    assert_same(echoed, forward(stream=14))
+    assert_same(echoed, tensor_frame(stream=14))
     assert stats["internal_error"] == 1

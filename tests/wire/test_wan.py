@@ -27,10 +27,10 @@ from engine.wire.address import Address
 from engine.wire.format import Role
 from engine.wire.frame_server import FrameServer
 from engine.wire.handshake import LocalIdentity
-from engine.wire.messages import Forward, Hello
+from engine.wire.messages import Hello, Packed
 from engine.wire.transport import async_connect
 from tests.wire.tlsutil import make_pki
-from tests.wire.wire_helpers import FP, assert_same, forward
+from tests.wire.wire_helpers import FP, assert_same, tensor_frame
 
 D = 0.05  # one-way delay (s) of the timing tests
 LOOPBACK = Address("127.0.0.1", 0)
@@ -330,7 +330,7 @@ def test_a_mutual_tls_data_plane_link_runs_through_the_proxy(tmp_path):
     pki = make_pki(tmp_path)
 
     async def reflect(conn, msg):
-        if isinstance(msg, Forward):
+        if isinstance(msg, Packed):
             await conn.async_send(msg)
 
     async def scenario():
@@ -340,7 +340,7 @@ def test_a_mutual_tls_data_plane_link_runs_through_the_proxy(tmp_path):
             async with WanProxy(LOOPBACK, Address(host, port), delay_ms=D * 1000, jitter_ms=5) as proxy:
                 conn = await async_connect(proxy.address.host, proxy.address.port,
                                            Hello(FP, 1, Role.STAGE), ssl=pki.client, deadline=IO_TIMEOUT)
-                sent = forward(s=4, h=64)
+                sent = tensor_frame(s=4, h=64)
                 started = time.perf_counter()
                 await conn.async_send(sent)
                 back = await conn.async_recv(idle_timeout=IO_TIMEOUT)

@@ -15,6 +15,7 @@ from engine.wire.format import (
     HEADER_STRUCT,
     MAGIC,
     PROTOCOL_VERSION,
+    RESERVED_KINDS,
     DType,
     ErrorCode,
     FrameError,
@@ -34,26 +35,25 @@ from engine.wire.handshake import (
     handshake_error_from,
 )
 from engine.wire.messages import (
-    Capture,
     Error,
-    Forward,
     Hello,
     HelloAck,
     Logits,
+    Packed,
     Ping,
     Release,
-    Restore,
     Tokens,
 )
+from engine.wire.plan_frame import PlanFrame
 from tests.wire.wire_helpers import (
-    FORWARD_FRAME,
     FP,
     HELLO,
     SAMPLES,
+    TENSOR_FRAME,
     TOKENS_1D,
     assert_same,
-    forward,
     patch_header,
+    tensor_frame,
 )
 
 
@@ -68,45 +68,44 @@ def test_every_message_round_trips(msg):
 
 def test_every_kind_has_a_sample():
     kinds = {decode_header(encode(m)[:HEADER_SIZE]).kind for m in SAMPLES}
-    assert kinds == set(FrameKind)
+    assert kinds == set(FrameKind) - RESERVED_KINDS
+    assert {k.name for k in RESERVED_KINDS} == {"FORWARD", "CAPTURE", "RESTORE"}  # retired in version 6
     assert issubclass(WireError, DeskfleetError)
-
-
-def test_forward_mask_is_bit_packed_and_compact():
-    small, big = forward(t=5), forward(t=2048)
-    assert len(encode(big)) - len(encode(small)) == (2048 + 7) // 8 - 1  # one bit per position
 
 
 # --- header validation ---------------------------------------------------------------------------
 
 TOKENS_FRAME, HELLO_FRAME, PING_FRAME = encode(TOKENS_1D), encode(HELLO), encode(Ping(1))
 HEADER_CASES = [
-    (FORWARD_FRAME, {"magic": b"GET "}, FrameError, "magic"),
-    (FORWARD_FRAME, {"version": PROTOCOL_VERSION + 1}, ProtocolVersionError, f"version {PROTOCOL_VERSION + 1}"),
-    (FORWARD_FRAME, {"kind": 99}, FrameError, "unknown frame kind 99"),
-    (FORWARD_FRAME, {"kind": int(FrameKind.CAPTURE)}, FrameError, "CAPTURE frame cannot carry dtype FLOAT32"),
-    (FORWARD_FRAME, {"flags": 0x02}, FrameError, "flag"),
+    (TENSOR_FRAME, {"magic": b"GET "}, FrameError, "magic"),
+    (TENSOR_FRAME, {"version": PROTOCOL_VERSION + 1}, ProtocolVersionError, f"version {PROTOCOL_VERSION + 1}"),
+    (TENSOR_FRAME, {"kind": 99}, FrameError, "unknown frame kind 99"),
+    (TENSOR_FRAME, {"kind": int(FrameKind.TOKENS)}, FrameError, "TOKENS frame cannot carry dtype FLOAT32"),
+    (TENSOR_FRAME, {"kind": int(FrameKind.FORWARD)}, FrameError, "FORWARD was retired"),
+    (TENSOR_FRAME, {"kind": int(FrameKind.RESTORE)}, FrameError, "RESTORE was retired"),
+    (TENSOR_FRAME, {"flags": 0x02}, FrameError, "flag"),
     (TOKENS_FRAME, {"flags": 0x01}, FrameError, "flag"),
-    (FORWARD_FRAME, {"reserved": 1}, FrameError, "reserved header"),
-    (FORWARD_FRAME, {"stream_id": 0}, FrameError, "stream id"),
+    (TENSOR_FRAME, {"reserved": 1}, FrameError, "reserved header"),
+    (TENSOR_FRAME, {"stream_id": 0}, FrameError, "stream id"),
     (PING_FRAME, {"stream_id": 5}, FrameError, "stream id 0"),
     (HELLO_FRAME, {"seq": 1}, FrameError, "seq 0"),
-    (FORWARD_FRAME, {"dtype": 9}, FrameError, "unknown dtype"),
-    (FORWARD_FRAME, {"dtype": int(DType.NONE)}, FrameError, "cannot carry dtype"),
+    (TENSOR_FRAME, {"dtype": 9}, FrameError, "unknown dtype"),
+    (TENSOR_FRAME, {"dtype": int(DType.NONE)}, FrameError, "cannot carry dtype"),
     (TOKENS_FRAME, {"dtype": int(DType.FLOAT32)}, FrameError, "cannot carry dtype"),
-    (FORWARD_FRAME, {"ndim": 5}, FrameError, "5-dim"),
-    (FORWARD_FRAME, {"ndim": 4, "dim3": 1}, FrameError, "4-dim"),
-    (FORWARD_FRAME, {"dim1": 0}, FrameError, "bad dims"),
+    (TENSOR_FRAME, {"ndim": 5}, FrameError, "5-dim"),
+    (TENSOR_FRAME, {"ndim": 4, "dim3": 1}, FrameError, "4-dim"),
+    (TENSOR_FRAME, {"dim1": 0}, FrameError, "bad dims"),
     (TOKENS_FRAME, {"dim2": 1}, FrameError, "bad dims"),
-    (FORWARD_FRAME, {"payload_len": 63}, FrameError, "payload_len"),
-    (FORWARD_FRAME, {"dim2": 2**32 - 1}, FrameError, "payload_len"),
+    (TENSOR_FRAME, {"payload_len": 63}, FrameError, "payload_len"),
+    (TENSOR_FRAME, {"dim2": 2**32 - 1}, FrameError, "payload_len"),
     (
-        FORWARD_FRAME,
+        TENSOR_FRAME,
         {"dim2": 2**32 - 1, "payload_len": 2 * (2**32 - 1) * 4},
         FrameTooLargeError,
         "bound",
     ),
-    (FORWARD_FRAME, {"meta_len": 2**32 - 1}, FrameTooLargeError, "bound"),
+    (TOKENS_FRAME, {"meta_len": 2**32 - 1}, FrameTooLargeError, "bound"),
+    (TENSOR_FRAME, {"meta_len": 2**32 - 1}, FrameError, "PACKED meta section"),
     (PING_FRAME, {"meta_len": 1}, FrameError, "meta section"),
     (HELLO_FRAME, {"meta_len": 1000}, FrameError, "meta section"),
 ]
@@ -124,7 +123,7 @@ def test_header_field_is_validated(frame, changes, exc, words):
 
 
 def test_size_bound_is_configurable_and_checked_on_both_sides():
-    msg = forward(s=64, h=1024)  # 256 KiB of hidden states
+    msg = tensor_frame(s=64, h=1024)  # 256 KiB of hidden states
     with pytest.raises(FrameTooLargeError, match="chunks"):
         encode(msg, max_frame_bytes=128 * 1024)
     frame = encode(msg)
@@ -135,11 +134,11 @@ def test_size_bound_is_configurable_and_checked_on_both_sides():
 
 def test_truncated_and_overlong_frames():
     with pytest.raises(TruncatedFrameError):
-        decode(FORWARD_FRAME[: HEADER_SIZE - 1])
+        decode(TENSOR_FRAME[: HEADER_SIZE - 1])
     with pytest.raises(TruncatedFrameError, match="announced"):
-        decode(FORWARD_FRAME[:-1])
+        decode(TENSOR_FRAME[:-1])
     with pytest.raises(FrameError, match="unexpected bytes"):
-        decode(FORWARD_FRAME + b"\0")
+        decode(TENSOR_FRAME + b"\0")
 
 
 # --- body validation ---------------------------------------------------------------------------
@@ -153,16 +152,6 @@ def raw_frame(kind, meta=b"", payload=b"", *, dtype=DType.NONE, shape=(), stream
         MAGIC, PROTOCOL_VERSION, kind, flags, stream, seq, dtype, len(shape), 0, *dims, len(meta), len(payload)
     )
     return head + meta + payload
-
-
-def raw_forward(*, t=4, enc=0, positions=(0, 1), mask_byte=0x0F, tensor=None, extra=b"", times=0):
-    """A Forward frame of B=1, S=2 with the given descriptor (``times``: its stage-time count),
-    positions and mask bytes."""
-    tensor = np.zeros((1, 2, 2), np.float32) if tensor is None else tensor
-    meta = struct.pack("<IBBH", t, enc, times, 0) + np.array([positions], "<i8").tobytes()
-    meta += bytes([mask_byte]) * ((t + 7) // 8) + extra
-    code = {np.dtype("<i8"): DType.INT64, np.dtype("<f4"): DType.FLOAT32}[tensor.dtype]
-    return raw_frame(FrameKind.FORWARD, meta, tensor.tobytes(), dtype=code, shape=tensor.shape)
 
 
 def raw_packed(plan=((0, 5, 0), (-1, 0, 0)), *, rows=None, reserved=0, tensor=None, extra=b""):
@@ -188,19 +177,7 @@ def raw_hello(version=1, stage=0, bound=1 << 20, role=2, fp=b"abc", fp_len=None)
 
 
 BODY_CASES = [
-    (raw_forward(), None),  # the valid baseline of the cases below
-    (raw_forward(t=1), "shorter than the S=2"),
-    (raw_forward(enc=1), "mask encoding"),
-    (raw_forward(extra=b"\0"), "Forward meta is"),
-    (raw_forward(t=4, mask_byte=0x1F), "padding bits"),
-    (raw_forward(t=(1 << 24) + 8, mask_byte=0xFF), "exceeds 16777216 elements"),
-    (raw_forward(positions=(0, -1)), "position_ids must be >= 0"),
-    (raw_forward(tensor=np.array([[[1, 2], [3, 4]]], "<i8")), r"token ids must be \[B,S\]"),
-    (raw_forward(tensor=np.array([[5, -5]], "<i8")), "token ids must be >= 0"),
-    (
-        raw_frame(FrameKind.FORWARD, b"\0" * 3, b"\0" * 16, dtype=DType.INT64, shape=(1, 2)),
-        "descriptor",
-    ),
+    (raw_packed(), None),  # the valid baseline of the cases below
     (raw_frame(FrameKind.LOGITS, b"", b"\0" * 8, dtype=DType.FLOAT32, shape=(2,)), "2-dim|1-dim"),
     (raw_tokens([0.0]), "probs"),  # one probability for two ids
     (raw_tokens([0.5, 1.5]), r"\[0, 1\]"),
@@ -209,7 +186,6 @@ BODY_CASES = [
     (raw_packed(reserved=256, extra=b"\0" * 1024), "at most 255"),
     (raw_tokens([0.5, 0.5], extra=b"\0" * 3), "stage times"),
     (raw_tokens([0.5, 0.5], extra=np.array([-1.0], "<f4").tobytes()), "non-negative ms"),
-    (raw_forward(times=2, extra=b"\0" * 4), "Forward meta is"),
     (raw_packed(rows=3), "3-row plan needs"),
     (raw_packed(extra=b"\0" * 8), "2-row plan needs"),
     (raw_packed(((0, 5, 6), (-1, 0, 0))), "reuse length exceeds"),
@@ -237,7 +213,7 @@ BODY_CASES = [
 @pytest.mark.parametrize(("frame", "words"), BODY_CASES, ids=[str(w) for _, w in BODY_CASES])
 def test_body_field_is_validated(frame, words):
     if words is None:
-        assert isinstance(decode(frame), Forward)
+        assert isinstance(decode(frame), Packed)
         return
     with pytest.raises(FrameError, match=words):
         decode(frame)
@@ -246,35 +222,18 @@ def test_body_field_is_validated(frame, words):
 # --- field validation before encoding ------------------------------------------------------------
 
 
-def forward_of(tensor=None, mask=None, positions=None):
-    """Forward(stream 1, seq 0) of the given arrays; the defaults ([1,2,4] float32 hidden states,
-    mask [1,3] of ones, positions [1,2] of zeros) are valid, so each case breaks one field."""
-    return Forward(
-        StreamId(1),
-        0,
-        np.zeros((1, 2, 4), np.float32) if tensor is None else tensor,
-        np.ones((1, 3), np.int64) if mask is None else mask,
-        np.zeros((1, 2), np.int64) if positions is None else positions,
-    )
+def packed_of(tensor):
+    """Packed(stream 1, seq 0) of a 2-row plan over ``tensor`` (each case breaks the tensor)."""
+    return Packed(StreamId(1), 0, PlanFrame.of([(0, 0, 0), (1, 0, 0)], 2), tensor)
 
 
 ENCODE_CASES = [
-    (lambda: forward(dtype=np.int32), "astype"),
-    (lambda: forward_of(tensor=np.zeros((1, 2, 4), ">f4")), "astype"),
-    (lambda: forward(stream=0), "stream_id must be >= 1"),
-    (lambda: forward(seq=-1), "seq"),
-    (lambda: forward(seq=2**64), "seq"),
-    (lambda: forward_of(mask=np.ones((2, 2), np.int64)), "attention_mask must be"),
-    (lambda: forward_of(mask=np.full((1, 3), 2)), "0 or 1"),
-    (lambda: forward_of(positions=np.zeros((2, 1), np.int64)), "position_ids must be"),
-    (
-        lambda: forward_of(
-            tensor=np.zeros((1, 0, 4), np.float32), positions=np.zeros((1, 0), np.int64)
-        ),
-        "every dim",
-    ),
-    (lambda: forward_of(tensor=[[1, 2]]), "numpy array"),
-    (lambda: forward(t=(1 << 24) + 1), "elements"),
+    (lambda: tensor_frame(dtype=np.int32), "astype"),
+    (lambda: packed_of(np.zeros((1, 2, 4), ">f4")), "astype"),
+    (lambda: tensor_frame(stream=0), "stream_id must be >= 1"),
+    (lambda: tensor_frame(seq=-1), "seq"),
+    (lambda: tensor_frame(seq=2**64), "seq"),
+    (lambda: packed_of([[1, 2]]), "numpy array"),
     (lambda: Tokens(StreamId(1), 0, np.array([1, 2], "<i8"), np.ones(3, np.float32)), "shape"),
     (lambda: Logits(StreamId(1), 0, np.zeros(4, np.float32)), "dims"),
     (lambda: Error(ErrorCode.INTERNAL, "x" * 5000), "4096"),
@@ -322,19 +281,3 @@ def test_check_hello_ack_and_refusals_name_the_field():
     error = handshake_error_from(refusal)
     assert (error.field, error.code) == ("role", ErrorCode.ROLE_REFUSED)
     assert handshake_error_from(Error(ErrorCode.INTERNAL, "boom"), sent=True).field == "frame"
-
-
-def test_reply_last_round_trips_and_is_bounded_by_the_new_positions():
-    base = forward(s=4)
-    msg = Forward(base.stream_id, base.seq, base.tensor, base.attention_mask, base.position_ids, reply_last=3)
-    back = decode(encode(msg))
-    assert isinstance(back, Forward) and back.reply_last == 3
-    with pytest.raises(DeskfleetError, match="reply_last"):
-        Forward(base.stream_id, base.seq, base.tensor, base.attention_mask, base.position_ids, reply_last=5)
-
-
-def test_capture_and_restore_are_validated():
-    with pytest.raises(DeskfleetError, match="increasing"):
-        Capture(StreamId(1), 1, 5, np.array([3, 2], np.int64))
-    with pytest.raises(DeskfleetError, match="length"):
-        Restore(StreamId(1), 1, 5, 0)

@@ -32,7 +32,7 @@ from engine.wire.format import (
     WireError,
 )
 from engine.wire.handshake import LocalIdentity, check_hello, handshake_error_from
-from engine.wire.messages import Forward, Hello, Logits, Packed, Tokens
+from engine.wire.messages import Hello, Logits, Packed, Tokens
 from engine.wire.plan_frame import PlanFrame
 from tests.wire.wire_helpers import (
     CONTROL_SAMPLES,
@@ -94,14 +94,11 @@ def messages(draw):
         return Tokens(stream, seq, rng.integers(0, 2**40, s, np.int64), probs)
     if which == "logits":
         return Logits(stream, seq, any_bits((b, s, 5), "<f2"))
-    if which == "ids":
-        tensor = rng.integers(0, 2**40, (b, s), np.int64)
+    if which == "ids":  # a Packed frame of S fresh slots: token ids or hidden states of any bit pattern
+        tensor = rng.integers(0, 2**40, (1, s), np.int64)
     else:
-        tensor = any_bits((b, s, draw(st.integers(1, 6))), "<f4" if which == "f32" else "<f2")
-    t = s + draw(st.integers(0, 20))
-    mask = rng.integers(0, 2, (b, t), np.int64)
-    positions = rng.integers(0, 2**31, (b, s), np.int64)
-    return Forward(stream, seq, tensor, mask, positions, draw(st.booleans()))
+        tensor = any_bits((1, s, draw(st.integers(1, 6))), "<f4" if which == "f32" else "<f2")
+    return Packed(stream, seq, PlanFrame.of([(i, 0, 0) for i in range(s)], s), tensor, draw(st.booleans()))
 
 
 @FUZZ

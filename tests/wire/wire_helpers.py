@@ -20,9 +20,7 @@ from engine.wire.format import (
     WireError,
 )
 from engine.wire.messages import (
-    Capture,
     Error,
-    Forward,
     Hello,
     HelloAck,
     Logits,
@@ -31,7 +29,6 @@ from engine.wire.messages import (
     Ping,
     Pong,
     Release,
-    Restore,
     Step,
     StepReply,
     Tokens,
@@ -42,21 +39,15 @@ from engine.wire.step_plan import MAX_STEP_TOKENS, SCRATCH_BLOCKS, PlanRow, Step
 FP = "sha256-0f3a9c"  # a model fingerprint
 
 
-def forward(stream=1, seq=0, b=1, s=2, h=8, t=None, dtype=np.float32, want_logits=False, rng=None):
-    """A valid Forward: token ids [B,S] (``dtype=np.int64``) or hidden states [B,S,H], with a
-    mask of length T (default S+3) whose first position is a rejected draft."""
+def tensor_frame(stream=1, seq=0, s=2, h=8, dtype=np.float32, want_logits=False, rng=None) -> Packed:
+    """A valid tensor frame of any size (a Packed frame, the static ring's step): token ids [1,S]
+    (``dtype=np.int64``) or hidden states [1,S,H] of S rows, each a slot's first position."""
     rng = rng or np.random.default_rng(0)
-    t = s + 3 if t is None else t
     if dtype == np.int64:
-        tensor = rng.integers(0, 49152, (b, s), dtype=np.int64)
+        tensor = rng.integers(0, 49152, (1, s), dtype=np.int64)
     else:
-        tensor = rng.standard_normal((b, s, h)).astype(dtype)
-    mask = np.ones((b, t), np.int64)
-    rejected = int(t > s)
-    mask[:, :rejected] = 0  # a rejected draft position, as mask-based rewind leaves it
-    start = t - s - rejected  # position ids follow the logical length, not the cache length
-    positions = np.tile(np.arange(start, start + s, dtype=np.int64), (b, 1))
-    return Forward(StreamId(stream), seq, tensor, mask, positions, want_logits)
+        tensor = rng.standard_normal((1, s, h)).astype(dtype)
+    return Packed(StreamId(stream), seq, PlanFrame.of([(i, 0, 0) for i in range(s)], s), tensor, want_logits)
 
 
 def assert_same(a: Message, b: Message) -> None:
@@ -202,18 +193,17 @@ def random_step_reply(rng: np.random.Generator, plan: StepPlan | None = None) ->
 
 
 TENSOR_SAMPLES: list[Message] = [
-    forward(),
-    forward(b=2, s=3, t=13, dtype=np.float16, want_logits=True),
-    forward(stream=U64_MAX, seq=U64_MAX, s=5, t=5, dtype=np.int64),
+    tensor_frame(),
+    tensor_frame(s=3, dtype=np.float16, want_logits=True),
+    tensor_frame(stream=U64_MAX, seq=U64_MAX, s=5, dtype=np.int64),
     TOKENS_1D,
     Tokens(StreamId(3), 9, np.array([[1, 2]], np.int64), np.array([[0.25, 0.75]], np.float32)),
     Logits(StreamId(4), 2, np.linspace(-3, 3, 2 * 11, dtype=np.float32).reshape(2, 11)),
     Logits(StreamId(4), 2, np.ones((1, 3, 7), np.float16)),
-    Capture(StreamId(6), 4, 77, np.array([0, 1, 2, 5, 6], np.int64)),
     packed(),
     packed(stream=U64_MAX, hidden=False),
     # protocol 5: the stage times of the stages passed, a Packed frame wanting Logits
-    replace(forward(), stage_ms=(1.5, 0.25)),
+    replace(tensor_frame(), stage_ms=(1.5, 0.25)),
     Tokens(StreamId(3), 9, np.array([17, 4], np.int64), np.array([0.5, 1.0], np.float32), (3.0, 4.5, 0.0)),
     Logits(StreamId(4), 2, np.ones((1, 7), np.float32), (12.75,)),
     replace(packed(), want_logits=True, stage_ms=(2.0,)),
@@ -233,7 +223,6 @@ TENSOR_SAMPLES: list[Message] = [
 ]
 CONTROL_SAMPLES: list[Message] = [  # no tensor payload
     Release(StreamId(5), 12),
-    Restore(StreamId(6), 1, U64_MAX, 300),
     Ping(7),
     Pong(7),
     Error(ErrorCode.UNKNOWN_STREAM, "stream 5 is unknown here — résumé", StreamId(5), 3),
@@ -245,7 +234,7 @@ CONTROL_SAMPLES: list[Message] = [  # no tensor payload
 ]
 SAMPLES = TENSOR_SAMPLES + CONTROL_SAMPLES  # every frame kind, some twice
 
-FORWARD_FRAME = encode(forward(b=1, s=2, h=8))  # float32 [1,2,8]: payload 64 bytes
+TENSOR_FRAME = encode(tensor_frame(s=2, h=8))  # a Packed frame, float32 [1,2,8]: payload 64 bytes
 
 # The largest value each patchable header field holds (magic, stream_id and seq excluded).
 HEADER_FIELD_BOUNDS = {

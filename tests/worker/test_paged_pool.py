@@ -12,11 +12,11 @@ import numpy as np
 import psutil
 import pytest
 
-from engine.shards.paged_stage import PagedStage, PoolBudgetError
+from engine.paged import worker as paged_worker
+from engine.paged.stage import PagedStage, PoolBudgetError
+from engine.paged.worker import PagedStageWorker, commit_pages, map_pool
 from engine.wire.address import Address
 from engine.wire.step_plan import SCRATCH_BLOCKS, PlanRow, StepPlan, blocks_needed
-from engine.worker import paged_worker
-from engine.worker.paged_worker import PagedStageWorker, commit_pages, map_pool
 from tests.conftest import PROMPT_IDS
 
 MIB = 1 << 20

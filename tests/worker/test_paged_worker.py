@@ -1,29 +1,35 @@
 """Paged stage workers on loopback: a ring of two real workers (real sockets, real OpenVINO)
 answers the same plans exactly as the in-process LocalPagedPath; a session belongs to the
 connection that opened it; a pool over the worker's budget and a frame it does not take are
-refused as stream errors that reach the coordinator's return port."""
+refused as stream errors that reach the coordinator's return port; the retired stateful worker is
+refused with the reason."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from engine.cli.worker import check_runtime
+from engine.errors import DeskfleetError, StatefulRuntimeRetiredError
+from engine.paged.stage import LocalPagedPath, PagedStage
+from engine.paged.step import PagedOutcome, PagedStep
+from engine.paged.worker import PagedStageWorker
 from engine.shards.manifest import load_manifest
-from engine.shards.paged_stage import LocalPagedPath, PagedStage
-from engine.shards.paged_step import PagedOutcome, PagedStep
 from engine.wire.address import Address
 from engine.wire.format import COORDINATOR_STAGE, ErrorCode, Role, StreamId
 from engine.wire.frame_server import FrameServer
 from engine.wire.handshake import LocalIdentity
-from engine.wire.messages import Error, Forward, Hello, Message, Release, Step, StepReply
+from engine.wire.messages import Error, Hello, Message, Packed, Release, Step, StepReply
+from engine.wire.plan_frame import PlanFrame
 from engine.wire.step_plan import SCRATCH_BLOCKS, PlanRow, StepPlan, blocks_needed, plan
 from engine.wire.transport import Connection, async_connect
-from engine.worker.paged_worker import PagedStageWorker
-from engine.worker.stage_worker import _open_worker
+from engine.worker.serve_worker import _open_worker
 from tests.conftest import PROMPT_IDS
 from tests.support.asyncutil import run
 
@@ -179,8 +185,7 @@ def test_sessions_belong_to_their_connection_and_refusals_reach_the_return_port(
             grown = await next_reply(replies)  # the pool never grows within a session
             await first.async_send(Step(StreamId(5), 1, huge, np.zeros(huge.padded_tokens, np.int64)))
             over = await next_reply(replies)  # a new session's pool over the budget
-            await first.async_send(Forward(StreamId(3), 3, np.array([[5]], np.int64), np.ones((1, 1), np.int64),
-                                           np.zeros((1, 1), np.int64)))
+            await first.async_send(Packed(StreamId(3), 3, PlanFrame.of([(0, 0, 0)], 1), np.array([[5]], np.int64)))
             wrong_frame = await next_reply(replies)
             # A redial: the new connection's first frame reaches stage 0 before the old one's close.
             await second.async_send(step_frame(4, step))
@@ -201,43 +206,33 @@ def test_sessions_belong_to_their_connection_and_refusals_reach_the_return_port(
     assert taken_over.ids.tolist() == ok.ids.tolist()
 
 
-def test_open_worker_serves_a_cpu_export_paged_when_asked(export):
+def test_open_worker_serves_a_cpu_export_paged(export):
     worker = _open_worker(export, 1, Address("127.0.0.1", 0), Address("127.0.0.1", 1), device="CPU", exact=True,
                           num_threads=None, server_ssl=None, client_ssl=None, cache_dir=None, peers=None,
-                          paged=True, kv_pool_bytes=12345)
+                          kv_pool_bytes=12345)
     assert isinstance(worker, PagedStageWorker) and worker.kv_pool_bytes == 12345 and worker.stage.is_last
     assert load_manifest(export).stages[1].has_head
 
 
-def test_a_stateful_worker_refuses_a_step_by_name(tiny_export):
-    """A paged coordinator pointed at a stateful worker gets a clear error at once, not a timeout."""
-    from engine.shards.stage import Stage
-    from engine.worker.stage_worker import StageWorker
+def test_the_retired_stateful_worker_is_refused_with_the_reason(export):
+    """An old caller asking for the stateful worker (paged=False), or an old command line naming the
+    stateful runtime, hears what serves instead; a runtime the export is not served by is named."""
+    with pytest.raises(StatefulRuntimeRetiredError, match="stateful runtime was retired; paged serves CPU/GPU, "
+                                                          "static the NPU"):
+        _open_worker(export, 0, Address("127.0.0.1", 0), Address("127.0.0.1", 1), device="CPU", exact=True,
+                     num_threads=None, server_ssl=None, client_ssl=None, cache_dir=None, peers=None, paged=False)
+    with pytest.raises(StatefulRuntimeRetiredError, match="stateful runtime was retired"):
+        check_runtime("stateful", export)
+    with pytest.raises(DeskfleetError, match="served by the paged runtime"):
+        check_runtime("static", export)
+    check_runtime("paged", export)
+    check_runtime(None, export)
 
-    export_dir = tiny_export("llama", 1)
-    stage = Stage(export_dir, 0, exact=True)
-    fingerprint = stage.manifest.model.fingerprint
-    one = plan(BS, POOL, [PlanRow(1, 0, 3, (SCRATCH_BLOCKS,))])
 
-    async def main():
-        replies: asyncio.Queue[Message] = asyncio.Queue()
-
-        async def on_return(conn: Connection, msg: Message) -> None:
-            await replies.put(msg)
-
-        returns = FrameServer(on_return, LocalIdentity(fingerprint, COORDINATOR_STAGE, frozenset({Role.STAGE})))
-        host, port = await returns.async_start("127.0.0.1", 0)
-        worker = StageWorker(stage, Address("127.0.0.1", 0), Address(host, port), dial_deadline=TIMEOUT)
-        listen = await worker.async_start()
-        conn = await async_connect(listen.host, listen.port, Hello(fingerprint, 0, Role.COORDINATOR))
-        try:
-            await conn.async_send(Step(StreamId(9), 4, one, np.zeros(one.padded_tokens, np.int64)))
-            return await next_reply(replies)
-        finally:
-            await conn.async_close()
-            await worker.async_close()
-            await returns.async_close()
-
-    refused = run(main(), 60)
-    assert isinstance(refused, Error) and refused.code == ErrorCode.STREAM_FAILED
-    assert (refused.stream_id, refused.seq) == (9, 4) and "--paged" in refused.message
+def test_deskfleet_worker_runtime_stateful_exits_with_the_message(export):
+    """The command line, not an argparse crash: the message names the change."""
+    proc = subprocess.run([sys.executable, "-m", "engine.cli.main", "worker", "--shard", str(export), "--next",
+                           "127.0.0.1:9", "--runtime", "stateful"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "the stateful runtime was retired; paged serves CPU/GPU, static the NPU" in proc.stderr
+    assert "Traceback" not in proc.stderr

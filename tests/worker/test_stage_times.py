@@ -1,7 +1,7 @@
 """Every stage reports its compute time per step (issue 16): over a real 2-stage stateful ring of
 worker processes (loopback sockets) each reply carries one time per stage, the coordinator keeps
 each stage's moving median, and the Metrics page's breakdown shows a measured figure for every
-stage of the plan (engine.coordinator.stage_times, console.service.fleet_metrics)."""
+stage of the plan (engine.ring.stage_times, console.service.fleet_metrics)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from console.service.fleet_metrics import stage_breakdown
-from engine.coordinator.stage_times import StageTimes, stage_metric
 from engine.generation.request import GenerationRequest
 from engine.placement.types import Plan, PlannedStage
-from engine.tools.local_fleet import local_fleet
+from engine.ring.stage_times import StageTimes, stage_metric
+from engine.tools.local_fleet import paged_local_fleet
 from tests.conftest import PROMPT_IDS
 from tests.support.asyncutil import collect, run
 
@@ -37,24 +37,23 @@ def test_stage_times_keep_a_moving_median_per_stage():
         StageTimes(window=0)
 
 
-@pytest.mark.parametrize("host_stage0", [False, True])
-def test_every_stage_of_a_real_ring_reports_its_compute_and_the_breakdown_shows_it(tiny_export, host_stage0):
+def test_every_stage_of_a_real_ring_reports_its_compute_and_the_breakdown_shows_it(tiny_export):
     async def main():
-        async with local_fleet(tiny_export("llama", 2), exact=True, host_stage0=host_stage0) as c:
+        async with paged_local_fleet(tiny_export("llama", 2), exact=True, kv_pool_bytes=16 << 20) as c:
             tokens = await collect(c, GenerationRequest(PROMPT_IDS, 12, ignore_eos=True))
             await c.async_wait_idle()
             return tokens, c.metrics(), c.path.stage_times.samples()
 
     tokens, metrics, raw = run(main())
     assert len(tokens) == 12
-    assert set(raw) == {0, 1}  # one time per stage on every reply, the hosted stage 0 included
+    assert set(raw) == {0, 1}  # one time per stage on every reply
     assert all(len(v) >= 12 for v in raw.values())  # a prefill step and the decode steps
     medians = [metrics[stage_metric(k)] for k in (0, 1)]
     assert all(np.isfinite(m) and m > 0 for m in medians)
     assert medians == [pytest.approx(float(np.median(raw[k]))) for k in (0, 1)]
     # a step's round trip holds both stages' compute: the medians fit inside the average round trip
     assert sum(medians) < metrics["ring_step_ms_avg"]
-    rows = stage_breakdown(plan_of(2), metrics, {}, local_stage0=host_stage0)
+    rows = stage_breakdown(plan_of(2), metrics, {}, local_stage0=False)
     computes = [r for r in rows if r.kind == "compute"]
     assert [r.measured_ms for r in computes] == pytest.approx(medians)
     assert rows[-1].what.endswith("network") and rows[-1].measured_ms == pytest.approx(

@@ -1,7 +1,7 @@
 """Speculative decoding in the coordinator: one drafter and one K controller per stream.
 
 The policy (verification, prompt lookup, adaptive K) is pure and lives in
-:mod:`engine.coordinator.speculation_policy`; this module owns the per-stream objects, runs a draft model on its
+:mod:`engine.paged.speculation_policy`; this module owns the per-stream objects, runs a draft model on its
 own thread so the event loop keeps serving, and times each verify step for :class:`AdaptiveK`.
 Each stream speculates independently, so micro-batched streams each pick their own K.
 """
@@ -16,10 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.coordinator.batch_state import DraftSubject
-from engine.coordinator.draft_model import DraftModelDrafter
-from engine.coordinator.speculation_policy import AdaptiveK, AdaptiveKConfig, Drafter, PromptLookupDrafter
 from engine.errors import DeskfleetError
+from engine.paged.draft_model import DraftModelDrafter
+from engine.paged.speculation_policy import AdaptiveK, AdaptiveKConfig, Drafter, PromptLookupDrafter
+from engine.paged.state import DraftSubject
 from engine.shards.stage import LocalChain
 from engine.wire.format import StreamId
 

@@ -1,9 +1,9 @@
 """Where a paged coordinator's steps run: a :class:`PagedPath`, and what goes in and comes out.
 
-The paged twin of :mod:`engine.shards.step_path`: one step carries every taking-part stream's new
+One step carries every taking-part stream's new
 tokens (a :class:`~engine.wire.step_plan.StepPlan` and the token ids of its rows), and one
-outcome answers all of them. :class:`engine.shards.paged_stage.LocalPagedPath` runs the stages in
-this process; :class:`engine.coordinator.paged_ring.PagedRingPath` sends the step around a ring
+outcome answers all of them. :class:`engine.paged.stage.LocalPagedPath` runs the stages in
+this process; :class:`engine.paged.ring_path.PagedRingPath` sends the step around a ring
 of paged stage workers. Several steps may be in flight at once (micro-batches over disjoint
 streams); outcomes arrive in submission order.
 """

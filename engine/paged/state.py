@@ -1,7 +1,7 @@
-"""What the paged scheduler (:mod:`engine.coordinator.batch_scheduler`) keeps and decides: its
+"""What the paged scheduler (:mod:`engine.paged.scheduler`) keeps and decides: its
 settings, the state of one stream, and the actions the coordinator carries out.
 
-Only :class:`~engine.coordinator.batch_scheduler.BatchScheduler` writes a :class:`StreamState`;
+Only :class:`~engine.paged.scheduler.BatchScheduler` writes a :class:`StreamState`;
 the coordinator and the drafter read it (:class:`DraftSubject` is what a drafter needs).
 """
 
@@ -106,7 +106,7 @@ Action = Emit | Finished | Failed | FailOver
 
 
 class DraftSubject(Protocol):
-    """What a drafter reads of a stream (engine.coordinator.speculation.Speculator)."""
+    """What a drafter reads of a stream (engine.paged.speculation.Speculator)."""
 
     @property
     def stream_id(self) -> StreamId: ...
@@ -123,7 +123,7 @@ class DraftSubject(Protocol):
 
 @dataclass(eq=False)
 class StreamState:
-    """One request, written only by :class:`~engine.coordinator.batch_scheduler.BatchScheduler`;
+    """One request, written only by :class:`~engine.paged.scheduler.BatchScheduler`;
     the coordinator and the drafter only read it (the stateful path's ``scheduler.StreamState``
     stays the identity reference)."""
 

@@ -1,7 +1,7 @@
-"""Prefix sharing at admission, for :class:`~engine.coordinator.batch_scheduler.BatchScheduler`.
+"""Prefix sharing at admission, for :class:`~engine.paged.scheduler.BatchScheduler`.
 
 A waiting stream is admitted onto the longest prefix the index holds
-(:mod:`engine.coordinator.prefix_blocks`): full blocks by reference, part of a block by copy;
+(:mod:`engine.paged.prefix_blocks`): full blocks by reference, part of a block by copy;
 an admitted stream catches up on full blocks another stream computed since (users with one
 system prompt); a block a step in flight is computing is waited for and shared, never computed
 twice. Pure bookkeeping over the scheduler's pool, prefix index, stream states and counters: the
@@ -13,9 +13,9 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass
 
-from engine.coordinator.batch_state import StreamState
-from engine.coordinator.block_pool import BlockPool
-from engine.coordinator.prefix_blocks import PrefixBlocks, PrefixMatch, chain_hash
+from engine.paged.block_pool import BlockPool
+from engine.paged.prefix_blocks import PrefixBlocks, PrefixMatch, chain_hash
+from engine.paged.state import StreamState
 from engine.wire.step_plan import blocks_needed
 
 

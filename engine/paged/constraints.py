@@ -1,6 +1,6 @@
 """Constrained decoding and log-probabilities on the paged path: what each step asks, what each reply means.
 
-The paged coordinator (:mod:`engine.coordinator.batch_coordinator`) keeps one
+The paged coordinator (:mod:`engine.paged.coordinator`) keeps one
 :class:`StreamConstraints` for its model. For every stream with a constraint (``response_format``,
 a forced tool call) it holds a :class:`~engine.generation.grammar.GrammarMatcher`; for every stream
 asking for ``logprobs`` it remembers k. Around each step it does two things, both pure bookkeeping:
@@ -21,7 +21,7 @@ asking for ``logprobs`` it remembers k. Around each step it does two things, bot
 The verdict itself needs no grammar: a greedy pick is the last stage's masked top-1, a sampling
 stream draws from logits the last stage already masked (-inf: probability 0), and a draft token
 the grammar refuses can never equal the masked target pick nor be kept by speculative sampling
-(p = 0), so the scheduler's :func:`~engine.coordinator.batch_reply.decide` stays right unchanged.
+(p = 0), so the scheduler's :func:`~engine.paged.reply.decide` stays right unchanged.
 
 The chosen token's log-probability: a greedy stream's token is the row's top-1, so its rows ask
 for ``top_k = max(k, 1)`` and the top-k section carries it; a sampling stream already holds the
@@ -43,7 +43,6 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from engine.coordinator.batch_state import Action, Emit, Failed, Finished
 from engine.errors import GenerationError
 from engine.generation.grammar import (
     Grammar,
@@ -68,7 +67,8 @@ from engine.generation.request import (
     ToolCallConstraint,
 )
 from engine.generation.response_format import ToolCallTemplate, json_schema_grammar, tool_call_grammar
-from engine.shards.paged_step import PagedOutcome, PagedStep
+from engine.paged.state import Action, Emit, Failed, Finished
+from engine.paged.step import PagedOutcome, PagedStep
 from engine.wire.format import StreamId
 from engine.wire.step_plan import StepPlan
 

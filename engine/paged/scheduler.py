@@ -38,8 +38,8 @@ streams admitted after the one asking and not in flight are preempted, the most 
 their blocks are freed (kept in the prefix cache while the pool allows) and they wait at the
 front of the queue to re-prefill ``prompt + generated``. A waiting request is admitted only if
 its first chunk fits without preempting anyone. Admission reuses the longest indexed prefix
-(:mod:`engine.coordinator.prefix_blocks`): full blocks by reference, part of a block by copy
-(:mod:`engine.coordinator.prefix_admission`).
+(:mod:`engine.paged.prefix_blocks`): full blocks by reference, part of a block by copy
+(:mod:`engine.paged.prefix_admission`).
 """
 from __future__ import annotations
 
@@ -50,8 +50,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine.coordinator.batch_reply import decide, reply_problem
-from engine.coordinator.batch_state import (
+from engine.errors import DeskfleetError, GenerationError
+from engine.generation.generator import OverloadedError, UnavailableError
+from engine.generation.request import FinishReason, GenerationRequest, TokenEvent
+from engine.generation.sampling import make_rng
+from engine.paged.block_pool import BlockPool, PoolExhausted
+from engine.paged.prefix_admission import PrefixAdmission
+from engine.paged.prefix_blocks import PrefixBlocks, chain_hash
+from engine.paged.reply import decide, reply_problem
+from engine.paged.state import (
     Action,
     Drafts,
     DraftSubject,
@@ -62,14 +69,7 @@ from engine.coordinator.batch_state import (
     SchedulerConfig,
     StreamState,
 )
-from engine.coordinator.block_pool import BlockPool, PoolExhausted
-from engine.coordinator.prefix_admission import PrefixAdmission
-from engine.coordinator.prefix_blocks import PrefixBlocks, chain_hash
-from engine.errors import DeskfleetError, GenerationError
-from engine.generation.generator import OverloadedError, UnavailableError
-from engine.generation.request import FinishReason, GenerationRequest, TokenEvent
-from engine.generation.sampling import make_rng
-from engine.shards.paged_step import PagedOutcome, PagedStep
+from engine.paged.step import PagedOutcome, PagedStep
 from engine.wire.format import StreamId
 from engine.wire.step_plan import PlanRow, StepPlan, blocks_needed
 

@@ -1,4 +1,4 @@
-"""The coordinator's side of a paged ring: a :class:`~engine.shards.paged_step.PagedPath` over the network.
+"""The coordinator's side of a paged ring: a :class:`~engine.paged.step.PagedPath` over the network.
 
 Each step goes to stage 0 as one Step frame (the plan and every row's token id); each stage runs
 it on its own block pool and passes its hidden states on in a Step of its own; the last stage
@@ -6,10 +6,11 @@ answers on this path's return port with a StepReply. All steps of one connection
 *session*: the workers bind it to that connection, and a reconnect (failover) starts a new one,
 so a late frame of the old ring can never be taken for an answer of the new one.
 
-The ends of the ring (return port, the first hop, TLS and the peer policy, pings) are
-:class:`~engine.coordinator.ring.RingPath`'s; only the frames differ.
+The ends of the ring (return port, the first hop, TLS and the peer policy, pings, stage times)
+are :class:`~engine.ring.ends.RingEnds`', which the static runtime's path stands on too; only the
+frames differ.
 
-With ``local_stage0`` (a :class:`~engine.shards.paged_stage.PagedStage` whose pool holds the
+With ``local_stage0`` (a :class:`~engine.paged.stage.PagedStage` whose pool holds the
 plans' ``pool_blocks``) stage 0 runs in this process, one step at a time on a thread of its own,
 and its hidden states go to stage 1 in a Step carrying its compute time; its pool needs nothing
 on a reconnect (a new session starts with the pool considered empty, and the scheduler replays).
@@ -27,21 +28,21 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from engine.coordinator.ring import RingPath
 from engine.errors import DeskfleetError
-from engine.shards.paged_step import PagedOutcome, PagedStep
+from engine.paged.step import PagedOutcome, PagedStep
+from engine.ring.ends import RingEnds
 from engine.wire.format import StreamId
 from engine.wire.messages import Error, Message, Release, Step, StepReply
 
 if TYPE_CHECKING:
-    from engine.shards.paged_stage import PagedStage
+    from engine.paged.stage import PagedStage
 
 log = logging.getLogger(__name__)
 
 _sessions = itertools.count(1)
 
 
-class PagedRingPath(RingPath):
+class PagedRingPath(RingEnds):
     """Paged steps through remote stage workers, stage 0 optionally in this process."""
 
     def __init__(self, *args, block_size: int, local_stage0: PagedStage | None = None, **kwargs):
@@ -55,9 +56,8 @@ class PagedRingPath(RingPath):
         self._stage0_thread = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="deskfleet-paged-stage0")
                                if local_stage0 is not None else None)
         self.block_size = block_size
-        self.results: asyncio.Queue[PagedOutcome] = asyncio.Queue()  # type: ignore[assignment]
+        self.results: asyncio.Queue[PagedOutcome] = asyncio.Queue()
         self.session = StreamId(next(_sessions))
-        self._step_sent: dict[int, float] = {}
 
     async def _on_return(self, conn, msg: Message) -> None:
         match msg:
@@ -72,22 +72,19 @@ class PagedRingPath(RingPath):
                 log.debug("paged ring: ignoring %r on the return port", msg)
 
     def _answer(self, outcome: PagedOutcome) -> None:
-        sent = self._step_sent.pop(outcome.seq, None)
-        if sent is not None:
-            self._roundtrips.append(time.perf_counter() - sent)
-        self.stage_times.add(outcome.stage_ms)  # the moving medians stage_metrics reports (RingPath)
+        self._answered(outcome.seq, outcome.stage_ms)  # the moving medians stage_metrics reports
         self.results.put_nowait(outcome)
 
     @property
     def hosts_stage0(self) -> bool:
         return self.stage0 is not None
 
-    async def async_submit(self, step: PagedStep) -> None:  # type: ignore[override]
+    async def async_submit(self, step: PagedStep) -> None:
         if self._out is None:
             raise DeskfleetError("the ring is not connected; start the path first")
         padded = np.zeros(step.plan.padded_tokens, dtype=np.int64)
         padded[: step.token_ids.shape[0]] = step.token_ids
-        self._step_sent[step.seq] = time.perf_counter()
+        self._sent(step.seq)
         frame = Step(self.session, step.seq, step.plan, padded)
         if self.stage0 is not None:
             try:
@@ -116,7 +113,6 @@ class PagedRingPath(RingPath):
         """Dial the first stage again (after a failover) under a new session; the old session's
         pools are the workers' to drop when its connection closes."""
         self.session = StreamId(next(_sessions))
-        self._step_sent.clear()
         await super().async_reconnect(first_remote, peers)
 
     async def async_release(self, stream_id: StreamId) -> None:

@@ -1,7 +1,7 @@
 """Every stage's compute time per step, as the ring's replies report it: a moving median per stage.
 
-Each stage worker times its own inference and appends it to the frame it passes on (the Step's,
-Forward's and Packed's ``stage_ms``), so the last stage's reply carries one time per stage passed,
+Each stage worker times its own inference and appends it to the frame it passes on (the Step's
+and Packed's ``stage_ms``), so the last stage's reply carries one time per stage passed,
 in ring order (docs/PROTOCOL.md). A coordinator adds each reply's times here; the medians of the
 latest ``window`` steps are what its metrics expose as ``stage_compute_ms_per_step{stage="k"}``
 (the service's Metrics page shows them next to the placement's prediction). A median, not a mean:

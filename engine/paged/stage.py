@@ -9,8 +9,7 @@ stage holds no policy: :func:`paged_inputs` turns a plan into the PagedAttention
 GPU: implemented (block size 16, cache layout read from the compiled inputs), untested: no
 Intel GPU was available.
 
-:class:`LocalPagedPath` runs the stages of one export back to back in this process, the paged
-twin of :class:`engine.shards.step_path.LocalPath`. The plan itself is described in
+:class:`LocalPagedPath` runs the stages of one export back to back in this process. The plan itself is described in
 :mod:`engine.wire.step_plan` and docs/PROTOCOL.md ("Step").
 """
 
@@ -27,8 +26,8 @@ import openvino as ov
 import openvino.opset13 as ops
 
 from engine.errors import GenerationError, ShardCompileError
+from engine.paged.step import PagedOutcome, PagedStep
 from engine.shards.manifest import Manifest, load_manifest
-from engine.shards.paged_step import PagedOutcome, PagedStep
 from engine.shards.stage import open_stage_model
 from engine.shards.step_answer import answer_step, check_masks
 from engine.wire.step_plan import CPU_BLOCK_SIZE, GPU_BLOCK_SIZE, StepPlan, blocks_needed
@@ -240,7 +239,7 @@ class PagedStage:
         committed once, at load, and the stage's memory does not creep up as new blocks are first
         used. ``commit=False`` only maps the zeroed pages (each commits on its first write): for a
         worker whose first step must not wait for the pool's page writes, which it commits later
-        (engine.worker.paged_worker.commit_pages)."""
+        (engine.paged.worker.commit_pages)."""
         need = pool_blocks * self.block_bytes
         if need > budget_bytes:
             raise PoolBudgetError(f"stage {self.index}: a pool of {pool_blocks} blocks needs {need} bytes "
@@ -313,7 +312,7 @@ class PagedStage:
 
 class LocalPagedPath:
     """Every paged stage in this process; steps run one at a time on a worker thread (OpenVINO
-    releases the GIL in ``infer``). Implements :class:`engine.shards.paged_step.PagedPath`."""
+    releases the GIL in ``infer``). Implements :class:`engine.paged.step.PagedPath`."""
 
     def __init__(self, stages: Sequence[PagedStage], pool_blocks: int, budget_bytes: int):
         if not stages:

@@ -22,7 +22,7 @@ from engine.shards.stage import LocalChain, StepInputs
 
 
 class DraftModelDrafter:
-    """Proposes tokens with a small model; implements :class:`engine.coordinator.speculation_policy.Drafter`."""
+    """Proposes tokens with a small model; implements :class:`engine.paged.speculation_policy.Drafter`."""
 
     def __init__(self, chain: LocalChain, sampling: SamplingParams | None = None,
                  rng: np.random.Generator | None = None):

@@ -36,12 +36,12 @@ from ssl import SSLContext
 import numpy as np
 
 from engine.errors import DeskfleetError
-from engine.shards.paged_stage import PagedStage
+from engine.paged.stage import PagedStage
 from engine.shards.step_answer import answer_step
 from engine.trust.peer_policy import PeerPolicy
 from engine.wire.address import Address
 from engine.wire.format import ErrorCode, StreamId
-from engine.wire.messages import Error, Forward, Message, Packed, Release, Step
+from engine.wire.messages import Error, Message, Packed, Release, Step
 from engine.wire.stage_server import SessionServer
 from engine.wire.step_codec import step_frame_bound
 from engine.wire.step_plan import GPU_BLOCK_SIZE, MAX_STEP_ROWS, MAX_STEP_TOKENS, StepPlan, blocks_needed
@@ -124,7 +124,7 @@ class PagedStageWorker(SessionServer):
                     self.session = None
                 if not self.stage.is_last:
                     await self._send(msg)
-            case Forward() | Packed():
+            case Packed():
                 await self._send(Error(ErrorCode.STREAM_FAILED, f"stage {self.index} serves a paged stage: it takes "
                                        f"Step frames, not {type(msg).__name__}", msg.stream_id, msg.seq))
             case Error() if msg.stream_id:

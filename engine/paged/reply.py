@@ -1,9 +1,9 @@
 """What one stream's part of a paged step's reply means: the tokens it emits. Pure numpy.
 
 The last stage answers a row's trailing ``sample`` rows with top-1 ids and probabilities, plus
-full logits for streams that sample or asked for them (:class:`engine.shards.paged_step.PagedOutcome`).
+full logits for streams that sample or asked for them (:class:`engine.paged.step.PagedOutcome`).
 A decode row with K drafts was answered at K + 1 positions; the verdict keeps the accepted
-drafts and one token of the target's own (:mod:`engine.coordinator.speculation_policy`).
+drafts and one token of the target's own (:mod:`engine.paged.speculation_policy`).
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from engine.coordinator.speculation_policy import Verdict, verify_greedy, verify_sampling
 from engine.generation.request import SamplingParams
 from engine.generation.sampling import choose, probabilities
-from engine.shards.paged_step import PagedOutcome
+from engine.paged.speculation_policy import Verdict, verify_greedy, verify_sampling
+from engine.paged.step import PagedOutcome
 
 
 def reply_problem(outcome: PagedOutcome, sampled: int, logit_rows: int) -> str | None:
@@ -35,7 +35,7 @@ def decide(params: SamplingParams, rng: np.random.Generator, drafts: Sequence[in
 
     ids int64 [K+1], probs float32 [K+1]: the row's top-1 answers; logits float32 [K+1, V] or
     None; q [K, V] the drafts' distributions (None: a deterministic drafter). Draws from ``rng``
-    only when sampling, as the stateful path does (engine.coordinator.scheduler).
+    only when sampling.
     """
     if logits is not None and not params.greedy:
         if not drafts:

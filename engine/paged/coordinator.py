@@ -1,9 +1,9 @@
 """The paged coordinator: one loop that carries out what the batch scheduler decides.
 
 Every step is one infer per stage for every stream taking part (continuous batching on
-OpenVINO's PagedAttention): the pure :class:`~engine.coordinator.batch_scheduler.BatchScheduler`
+OpenVINO's PagedAttention): the pure :class:`~engine.paged.scheduler.BatchScheduler`
 owns every stream's state and block table and composes each step; this module only moves
-steps and outcomes between it and a :class:`~engine.shards.paged_step.PagedPath`, the clients'
+steps and outcomes between it and a :class:`~engine.paged.step.PagedPath`, the clients'
 queues and the speculator. Read :meth:`BatchCoordinator._step` first: it is the whole engine.
 
 Several steps are kept in flight at once (``lanes``; at least one per stage), each over streams
@@ -11,7 +11,7 @@ no other step in flight holds, so while stage 1 computes one micro-batch stage 0
 next one.
 
 Constrained output and log-probabilities (:attr:`BatchCoordinator.features`): a
-:class:`~engine.coordinator.constrained.StreamConstraints` puts each constrained stream's token
+:class:`~engine.paged.constraints.StreamConstraints` puts each constrained stream's token
 masks and each logprobs stream's top-k on the step before it is sent, and after the scheduler's
 verdict feeds the emitted tokens to the streams' grammars and their log-probabilities to the events.
 """
@@ -30,18 +30,17 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.coordinator.batch_scheduler import BatchScheduler
-from engine.coordinator.batch_state import Action, Emit, Failed, FailOver, Finished, SchedulerConfig
-from engine.coordinator.constrained import GrammarVocabulary, StreamConstraints
-from engine.coordinator.coordinator import model_card
-from engine.coordinator.speculation import Speculator
 from engine.errors import DeskfleetError
 from engine.generation.generator import ModelCard, UnavailableError
 from engine.generation.request import FinishReason, GenerationRequest, TokenEvent
 from engine.generation.ring_report import RingReport, coordinator_report
-from engine.shards.kv_pool import DEFAULT_KV_POOL_BYTES, pool_blocks_for
+from engine.paged.constraints import GrammarVocabulary, StreamConstraints
+from engine.paged.kv_pool import DEFAULT_KV_POOL_BYTES, pool_blocks_for
+from engine.paged.scheduler import BatchScheduler
+from engine.paged.speculation import Speculator
+from engine.paged.state import Action, Emit, Failed, FailOver, Finished, SchedulerConfig
+from engine.paged.step import PagedOutcome, PagedPath
 from engine.shards.manifest import Manifest, load_manifest
-from engine.shards.paged_step import PagedOutcome, PagedPath
 from engine.wire.format import StreamId
 from engine.wire.step_plan import CPU_BLOCK_SIZE, GPU_BLOCK_SIZE, StepPlan
 
@@ -137,14 +136,14 @@ class BatchCoordinator:
               **settings) -> BatchCoordinator:
         """A paged coordinator whose stages all run in this process; ``settings`` as
         :func:`paged_scheduler` (slots, max_waiting, token_budget, prefill_chunk, prefix_cache)."""
-        from engine.shards.paged_stage import LocalPagedPath
+        from engine.paged.stage import LocalPagedPath
 
         manifest = load_manifest(export_dir)
         block_size = block_size_for(device)
         pool = pool_blocks_for(manifest, kv_pool_bytes, block_size, precision="f32" if exact else None)
         path = LocalPagedPath.load(export_dir, pool, kv_pool_bytes, manifest=manifest, exact=exact, device=device,
                                    num_threads=num_threads)
-        return cls(path, model_card(manifest), paged_scheduler(manifest, pool, block_size, **settings),
+        return cls(path, ModelCard.from_manifest(manifest), paged_scheduler(manifest, pool, block_size, **settings),
                    speculation=speculation, lanes=1, grammar=GrammarVocabulary.of_export(export_dir, manifest))
 
     @property

@@ -4,7 +4,7 @@ A paged ring's stages share one block numbering (the coordinator's block tables 
 every stage), so the ring's pool is as many blocks as its tightest stage can hold. This module
 estimates a stage's bytes per block from the manifest alone, before anything is compiled, so the
 coordinator of a remote ring can size the pool; a stage checks the real size of its compiled
-cache tensors against its own budget when it allocates (engine.shards.paged_stage).
+cache tensors against its own budget when it allocates (engine.paged.stage).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ hash and its own tokens; a new stream matching some of those tokens gets a **cop
 
 Indexed blocks nobody holds stay in the pool's cache until the pool needs them (LRU), so a
 second turn of a chat (prompt = first prompt + answer + more) finds the first turn's blocks.
-Pure bookkeeping over :class:`~engine.coordinator.block_pool.BlockPool`; no OpenVINO.
+Pure bookkeeping over :class:`~engine.paged.block_pool.BlockPool`; no OpenVINO.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.coordinator.block_pool import BlockPool
+from engine.paged.block_pool import BlockPool
 
 PARTIALS_PER_PARENT = 8  # distinct partial tails kept after one full-block prefix
 

@@ -1,0 +1,1 @@
+"""The paged runtime (CPU/GPU exports): scheduler, coordinator, ring path, stage, KV pool and worker."""
