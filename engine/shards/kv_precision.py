@@ -2,7 +2,7 @@
 
 Keys are the manifest's ``kv_cache_precision`` (the exporter's ``--kv-cache-precision``) and the
 compile overrides; bf16 is held as raw 16-bit words. A u8/i8 cache also carries the CPU plugin's
-per-token scale and zero-point rows, which a memory estimate adds itself (engine.shards.kv_pool).
+per-token scale and zero-point rows, which a memory estimate adds itself (engine.paged.kv_pool).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ Stateful (CPU/GPU) stage graphs, per stage::
 Static (NPU) graphs take HIDDEN_STATES instead of INPUTS_EMBEDS on later stages, ATTENTION_MASK
 ("2d") or ATTENTION_BIAS ("4d"), the host's past_key(i)/past_value(i) as inputs, and return
 new_key(i)/new_value(i) beside LOGITS or HIDDEN_STATES_OUT. The paged conversion of a stateful
-graph (engine.shards.paged_stage) adds its metadata inputs and ``key_cache.L``/``value_cache.L``.
+graph (engine.paged.stage) adds its metadata inputs and ``key_cache.L``/``value_cache.L``.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ BEAM_IDX = "beam_idx"
 LOGITS = "logits"
 HIDDEN_STATES_OUT = "hidden_states_out"
 
-# The paged graph's (engine.shards.paged_stage) metadata inputs and KV cache ports
+# The paged graph's (engine.paged.stage) metadata inputs and KV cache ports
 PAST_LENS = "past_lens"
 SUBSEQUENCE_BEGINS = "subsequence_begins"
 BLOCK_INDICES = "block_indices"

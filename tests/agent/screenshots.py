@@ -26,8 +26,8 @@ POOL_BYTES = 16 << 20  # the paged coordinator's KV pool per stage: the tiny exp
 @contextlib.asynccontextmanager
 async def _api(export: Path):
     from engine.api.server import ApiSettings, async_run_api
-    from engine.coordinator.batch_coordinator import BatchCoordinator
     from engine.generation.tokenizer import ChatTokenizer
+    from engine.paged.coordinator import BatchCoordinator
 
     async with BatchCoordinator.local(export, slots=2, kv_pool_bytes=POOL_BYTES) as coordinator:
         running = await async_run_api(coordinator, ChatTokenizer(export / "tokenizer"),

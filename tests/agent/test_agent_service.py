@@ -20,8 +20,8 @@ from engine.control.client import ControlClient, ControlError
 from engine.control.messages import Assignment, WorkerSettings
 from engine.errors import DeskfleetError
 from engine.generation.request import GenerationRequest
+from engine.paged.stage import PagedStage
 from engine.shards.manifest import load_manifest
-from engine.shards.paged_stage import PagedStage
 from engine.trust.fleet_ca import FleetAuthority, Role
 from engine.trust.peer_policy import PeerPolicy
 from engine.wire.address import Address

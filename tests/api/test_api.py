@@ -302,8 +302,8 @@ REAL_SETTINGS = ApiSettings(api_key="sk-deskfleet-test", max_body_bytes=64 << 10
 
 @pytest.fixture(scope="module")
 def fleet(tiny_export):
-    from engine.coordinator.batch_coordinator import BatchCoordinator
     from engine.generation.tokenizer import ChatTokenizer
+    from engine.paged.coordinator import BatchCoordinator
 
     export = tiny_export("llama", 2)
     tokenizer = ChatTokenizer(export / "tokenizer")

@@ -4,7 +4,7 @@
 cannot depend on what else is batched with it) through the real ``openai`` client, in chat and
 legacy completions, streamed and not. Log-probabilities are shaped from what the generator puts
 on its token events; their exact shapes are checked over a canned generator here (the real
-coordinators' values: tests/api/test_constrained_stateful.py, test_constrained_api.py).
+coordinators' values: tests/api/test_logprobs_values.py, test_constrained_api.py).
 """
 
 from __future__ import annotations

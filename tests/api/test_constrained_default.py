@@ -32,8 +32,8 @@ class Person(BaseModel):
 @pytest.fixture(scope="module")
 def client(default_export_int4):
     from engine.api.server import ApiSettings, async_run_api
-    from engine.coordinator.batch_coordinator import BatchCoordinator
     from engine.generation.tokenizer import ChatTokenizer
+    from engine.paged.coordinator import BatchCoordinator
 
     export = default_export_int4
     settings = ApiSettings(api_key=KEY, model_name="smol", max_tokens_limit=256)

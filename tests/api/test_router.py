@@ -16,11 +16,11 @@ import openai
 import pytest
 
 from engine.api.server import ApiSettings, async_run_api
-from engine.coordinator.batch_coordinator import BatchCoordinator
 from engine.generation.generator import UnavailableError
 from engine.generation.request import GenerationRequest
 from engine.generation.ring_report import RingStatus
 from engine.generation.router import Router, RouterError, UnknownModelError
+from engine.paged.coordinator import BatchCoordinator
 from tests.api.test_api import parse_prometheus, serve_in_thread
 from tests.conftest import PROMPT_IDS
 from tests.support.asyncutil import collect, run, until

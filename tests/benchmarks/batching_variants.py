@@ -120,7 +120,7 @@ def _import_paged(module: str) -> Any:
 
 
 def _paged_settings(setup: Setup) -> dict[str, Any]:
-    """The paged scheduler's settings (``engine.coordinator.batch_coordinator.paged_scheduler``)."""
+    """The paged scheduler's settings (``engine.paged.coordinator.paged_scheduler``)."""
     return {"slots": setup.max_users, "prefix_cache": False, "token_budget": TOKEN_BUDGET,
             "prefill_chunk": TOKEN_BUDGET}
 
@@ -128,7 +128,7 @@ def _paged_settings(setup: Setup) -> dict[str, Any]:
 @contextlib.asynccontextmanager
 async def paged_local(setup: Setup) -> AsyncIterator[Generator]:
     """The paged coordinator (issue 14), its one stage in this process (``BatchCoordinator.local``)."""
-    module = _import_paged("engine.coordinator.batch_coordinator")
+    module = _import_paged("engine.paged.coordinator")
     local = getattr(module.BatchCoordinator, "local", None)
     if local is None:
         raise VariantUnavailable("the paged coordinator cannot be built here yet: engine.coordinator."
@@ -142,8 +142,8 @@ async def paged_local(setup: Setup) -> AsyncIterator[Generator]:
 async def paged_ring(setup: Setup) -> AsyncIterator[Generator]:
     """The paged coordinator over a paged worker process per stage on loopback
     (``engine.tools.local_fleet.paged_local_fleet``)."""
-    _import_paged("engine.coordinator.batch_coordinator")
-    _import_paged("engine.coordinator.paged_ring")
+    _import_paged("engine.paged.coordinator")
+    _import_paged("engine.paged.ring_path")
     fleet = _import_paged("engine.tools.local_fleet")
     if not hasattr(fleet, "paged_local_fleet"):
         raise VariantUnavailable("the paged ring cannot be started here yet: engine.tools.local_fleet has no "

@@ -44,10 +44,10 @@ def chained_tokens(export_dir: Path, prompt: list[int], n: int, threads: int) ->
 async def served_tokens(export_dir: Path, prompt: list[int], n: int, threads: int, rounds: int = 2) -> dict:
     """The same prompt through one loopback worker process per stage (``threads`` each)."""
     from engine.generation.request import GenerationRequest
-    from engine.tools.local_fleet import local_fleet
+    from engine.tools.local_fleet import paged_local_fleet
 
     out: dict = {"rounds": []}
-    async with local_fleet(export_dir, slots=1, threads=threads) as coordinator:
+    async with paged_local_fleet(export_dir, slots=1, threads=threads) as coordinator:
         for _ in range(rounds):
             stamps, tokens = [], []
             started = time.perf_counter()

@@ -183,8 +183,8 @@ def paged_runner(export_dir: Path, *, num_threads: int | None, pool_mb: float) -
     """One user's greedy request through the paged coordinator (``BatchCoordinator.local``), its
     stages in this process, on an event loop of its own kept for the runner's life; TTFT and the
     decode window as :func:`engine.generation.in_process.greedy_generate` times them."""
-    from engine.coordinator.batch_coordinator import BatchCoordinator
     from engine.generation.request import GenerationRequest
+    from engine.paged.coordinator import BatchCoordinator
 
     loop = asyncio.new_event_loop()
     coordinator = BatchCoordinator.local(export_dir, num_threads=num_threads, kv_pool_bytes=int(pool_mb * 2**20),

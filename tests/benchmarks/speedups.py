@@ -194,8 +194,8 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 async def _async_bench(args: argparse.Namespace) -> dict[str, Any]:
-    from engine.coordinator.speculation import SpeculationConfig, Speculator
     from engine.generation.tokenizer import ChatTokenizer
+    from engine.paged.speculation import SpeculationConfig, Speculator
 
     source, (one, two), _ = default_model_exports(("int4", 1, True), ("int4", 2, True))
     tok = ChatTokenizer(source.checkpoint_dir)

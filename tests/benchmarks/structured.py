@@ -211,7 +211,7 @@ def _timed_us(fn: Any, reps: int) -> float:
 def mask_fill_us(vocabulary: Any, answers: Sequence[Sequence[int]], users: int) -> tuple[float, list[np.ndarray]]:
     """Median µs per step of ``users`` matchers each giving its mask and consuming its token, along
     ``answers`` (each user its own; cycled when fewer); also the masks of the first step."""
-    from engine.coordinator.constrained import grammar_for
+    from engine.paged.constraints import grammar_for
 
     tok = vocabulary.load()
     grammar = grammar_for(constraint(PEOPLE, "people"))
@@ -271,7 +271,7 @@ def answer_figures(users: int, vocab: int, masks: Sequence[np.ndarray], reps: in
 
 def mask_costs(export: Path, rounds: Sequence[dict[str, Any]], users_list: Sequence[int], reps: int
                ) -> dict[str, dict[str, float]]:
-    from engine.coordinator.constrained import GrammarVocabulary
+    from engine.paged.constraints import GrammarVocabulary
     from engine.shards.manifest import load_manifest
 
     manifest = load_manifest(export)
@@ -395,7 +395,7 @@ def command_line(args: argparse.Namespace) -> str:
 
 
 async def _async_measure(export: Path, tokenizer: Any, args: argparse.Namespace) -> tuple[list, dict]:
-    from engine.coordinator.constrained import GrammarVocabulary
+    from engine.paged.constraints import GrammarVocabulary
     from engine.shards.manifest import load_manifest
     from engine.tools.local_fleet import paged_local_fleet
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.coordinator.batch_coordinator import StepTiming
+from engine.paged.coordinator import StepTiming
 from tests.benchmarks import failover as bench
 
 

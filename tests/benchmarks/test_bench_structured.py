@@ -46,7 +46,7 @@ def test_only_decode_steps_of_all_users_sent_after_the_round_started_count():
 @pytest.fixture(scope="module")
 def tiny_vocabulary(tiny_checkpoint):
     """The tiny llama's tokenizer (the session's checkpoint: no tokenizer trained here) over 512 logits."""
-    from engine.coordinator.constrained import GrammarVocabulary
+    from engine.paged.constraints import GrammarVocabulary
     from tests.support.tiny_models import SPECIAL_TOKENS
 
     checkpoint = tiny_checkpoint("llama")

@@ -45,9 +45,9 @@ class Api:
 def api(tiny_export):
     """The API on a thread of its own, up for the whole module (the paged coordinator's compute
     thread is started here by a first request, so no test is blamed for it)."""
-    from engine.coordinator.batch_coordinator import BatchCoordinator
     from engine.generation.request import GenerationRequest
     from engine.generation.tokenizer import ChatTokenizer
+    from engine.paged.coordinator import BatchCoordinator
 
     export = tiny_export("llama", 2)
     tokenizer = ChatTokenizer(export / "tokenizer")

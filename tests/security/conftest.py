@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.shards.paged_stage import PagedStage
+from engine.paged.stage import PagedStage
 from tests.security.dataplane_helpers import make_fleet
 
 

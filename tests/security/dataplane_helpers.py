@@ -8,16 +8,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.coordinator.batch_coordinator import BatchCoordinator, paged_scheduler
-from engine.coordinator.paged_ring import PagedRingPath
-from engine.shards.kv_pool import pool_blocks_for
+from engine.paged.coordinator import BatchCoordinator, paged_scheduler
+from engine.paged.kv_pool import pool_blocks_for
+from engine.paged.ring_path import PagedRingPath
+from engine.paged.stage import PagedStage
+from engine.paged.worker import PagedStageWorker
 from engine.shards.manifest import load_manifest
-from engine.shards.paged_stage import PagedStage
 from engine.trust.fleet_ca import Credentials, FleetAuthority, Role
 from engine.wire.address import Address
 from engine.wire.step_codec import step_reply_bound
 from engine.wire.step_plan import CPU_BLOCK_SIZE
-from engine.worker.paged_worker import PagedStageWorker
 from tests.support.paged_ring import card_of
 
 N = 12  # tokens per test request

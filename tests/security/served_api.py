@@ -19,8 +19,8 @@ SETTINGS = ApiSettings(api_key=KEY, max_body_bytes=2 << 20, max_prompt_tokens=20
 async def served(tiny_export, settings: ApiSettings = SETTINGS, host: str = "127.0.0.1", tokenizer_type=None):
     """(coordinator, api) on this loop over the tiny 2-stage export, warmed up; ``tokenizer_type``:
     a ChatTokenizer subclass to serve with (one that records what it was given)."""
-    from engine.coordinator.batch_coordinator import BatchCoordinator
     from engine.generation.tokenizer import ChatTokenizer
+    from engine.paged.coordinator import BatchCoordinator
 
     export = tiny_export("llama", 2)
     tokenizer = await asyncio.to_thread(tokenizer_type or ChatTokenizer, export / "tokenizer")

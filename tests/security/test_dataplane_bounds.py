@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from engine.generation.request import GenerationRequest
+from engine.paged.worker import paged_frame_bound
 from engine.shards.manifest import load_manifest
 from engine.trust.peer_policy import PeerPolicy
 from engine.wire.address import Address
@@ -30,7 +31,6 @@ from engine.wire.format import Role as WireRole
 from engine.wire.messages import Error, Hello
 from engine.wire.step_codec import step_reply_bound
 from engine.wire.transport import ConnectionClosedError, async_connect, async_read_frame
-from engine.worker.paged_worker import paged_frame_bound
 from tests.conftest import PROMPT_IDS
 from tests.security.dataplane_helpers import N, coordinator, fp_of, reply_bound, ring_path, worker
 from tests.support.asyncutil import collect, run

@@ -42,8 +42,8 @@ def big_format(tag: str, properties: int = 1800) -> dict:
 def api(tiny_export, tmp_path_factory):
     """(url, attacker key, victim key): the API over the paged coordinator, a fresh grammar pool."""
     from engine.api.server import ApiSettings, async_run_api
-    from engine.coordinator.batch_coordinator import BatchCoordinator
     from engine.generation.tokenizer import ChatTokenizer
+    from engine.paged.coordinator import BatchCoordinator
     from engine.trust.key_book import KeyBook
 
     export = tiny_export("llama", 2)

@@ -34,8 +34,8 @@ SECRET = [{"role": "system", "content": SYSTEM},
 
 
 def test_a_key_reuses_its_own_prefix_never_another_keys_and_metrics_are_for_the_operator(tiny_export, tmp_path):
-    from engine.coordinator.batch_coordinator import BatchCoordinator
     from engine.generation.tokenizer import ChatTokenizer
+    from engine.paged.coordinator import BatchCoordinator
 
     book = KeyBook(tmp_path)
     victim, bob, monitor = book.issue("victim"), book.issue("bob"), book.issue("grafana", metrics=True)

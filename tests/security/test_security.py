@@ -43,15 +43,15 @@ from agent.service.settings import AgentSettings
 from engine.control.client import ControlClient, ControlError
 from engine.control.messages import Assignment, WorkerSettings
 from engine.errors import JoinRefused, ManifestError
+from engine.paged.stage import PagedStage
+from engine.paged.worker import PagedStageWorker
 from engine.shards.manifest import load_manifest
-from engine.shards.paged_stage import PagedStage
 from engine.trust.fleet_ca import Credentials, FleetAuthority, Role, make_key_and_csr
 from engine.trust.peer_policy import PeerPolicy
 from engine.wire.address import Address
 from engine.wire.format import Role as WireRole
 from engine.wire.messages import Hello
 from engine.wire.transport import async_connect
-from engine.worker.paged_worker import PagedStageWorker
 from tests.support.agent_helpers import FakeIdle, console
 from tests.support.asyncutil import run
 from tests.support.loopback import free_port

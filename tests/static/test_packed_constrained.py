@@ -6,7 +6,7 @@ coordinator (engine.static.packed_choice). Static exports decode greedily.
 
 The tiny model's weights are random, so what it says is the grammar's doing: enums and booleans.
 Log-probabilities are checked against an independent float64 log-softmax of the same checkpoint's
-logits from its stateful export (tests/api/test_constrained_stateful.reference_logprobs).
+logits from its stateful export (tests/api/test_logprobs_values.reference_logprobs).
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from tests.api.test_constrained_stateful import PROMPT, TOOLS, WEATHER, reference_logprobs
+from tests.api.test_constrained_api import TOOLS, WEATHER
+from tests.api.test_logprobs_values import PROMPT, reference_logprobs
 from tests.support.api_helpers import serve_process
 from tests.support.npu_helpers import npu_export
 

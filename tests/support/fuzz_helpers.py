@@ -80,9 +80,9 @@ def served_paged(export, settings, *,
     from shared blocks is computed in another batch than the first time, and the last bits of its
     logits may differ, enough to flip a seeded draw at a near tie."""
     from engine.api.server import async_run_api
-    from engine.coordinator.batch_coordinator import BatchCoordinator
     from engine.generation.request import GenerationRequest
     from engine.generation.tokenizer import ChatTokenizer
+    from engine.paged.coordinator import BatchCoordinator
 
     tokenizer = ChatTokenizer(export / "tokenizer")
     with loop_thread() as loop:

@@ -9,12 +9,12 @@ import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from engine.coordinator.batch_coordinator import BatchCoordinator, paged_scheduler
-from engine.coordinator.paged_ring import PagedRingPath
 from engine.generation.generator import ModelCard
-from engine.shards.kv_pool import pool_blocks_for
+from engine.paged.coordinator import BatchCoordinator, paged_scheduler
+from engine.paged.kv_pool import pool_blocks_for
+from engine.paged.ring_path import PagedRingPath
+from engine.paged.stage import PagedStage
 from engine.shards.manifest import Manifest, load_manifest
-from engine.shards.paged_stage import PagedStage
 from engine.wire.address import Address
 from engine.wire.step_codec import step_reply_bound
 from engine.wire.step_plan import CPU_BLOCK_SIZE

@@ -62,7 +62,7 @@ def test_the_ring_count_is_checked(tiny_export):
 def test_every_local_ring_constrains_output_with_its_exports_vocabulary(tiny_export):
     """local_rings (and so paged_local_fleet, which serve --workers runs) give each ring's
     coordinator the export's grammar vocabulary: schemas and forced tool calls are served, not 400."""
-    from engine.coordinator.constrained import GRAMMAR_FEATURES, LOGPROBS
+    from engine.paged.constraints import GRAMMAR_FEATURES, LOGPROBS
 
     export = tiny_export("llama", 2)
 

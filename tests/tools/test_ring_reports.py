@@ -10,10 +10,10 @@ import asyncio
 
 import pytest
 
-from engine.coordinator.batch_coordinator import BatchCoordinator
 from engine.generation.generator import UnavailableError
 from engine.generation.request import GenerationRequest
 from engine.generation.ring_report import RingStatus
+from engine.paged.coordinator import BatchCoordinator
 from engine.tools.local_supervisor import StageDownError
 from tests.conftest import PROMPT_IDS
 from tests.support.asyncutil import collect, run

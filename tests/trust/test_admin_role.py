@@ -14,8 +14,9 @@ from aiohttp import web
 from agent.service.control_api import build_app
 from agent.service.service import AgentService
 from agent.service.settings import AgentSettings
+from engine.paged.stage import PagedStage
+from engine.paged.worker import PagedStageWorker
 from engine.shards.manifest import load_manifest
-from engine.shards.paged_stage import PagedStage
 from engine.trust.admin_bundle import (
     CA_FILE,
     CERT_FILE,
@@ -30,7 +31,6 @@ from engine.wire.address import Address
 from engine.wire.format import Role as WireRole
 from engine.wire.messages import Hello
 from engine.wire.transport import async_connect
-from engine.worker.paged_worker import PagedStageWorker
 from tests.support.agent_helpers import FakeIdle, console
 from tests.support.asyncutil import run
 
