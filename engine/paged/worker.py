@@ -113,7 +113,9 @@ class PagedStageWorker(SessionServer):
                          **listener_options)
 
     async def _handle(self, conn: Connection, msg: Message) -> None:
-        if isinstance(msg, Step | Release) and not await self._carried_by(conn, msg, _session_of(msg)):
+        # an upstream Error of a session is passed on toward the coordinator: only its owner may send one
+        carried = isinstance(msg, Step | Release) or (isinstance(msg, Error) and msg.stream_id)
+        if carried and not await self._carried_by(conn, msg, _session_of(msg)):
             return
         match msg:
             case Step():
@@ -195,5 +197,5 @@ class PagedStageWorker(SessionServer):
         self._owner = None
 
 
-def _session_of(msg: Step | Release) -> StreamId:
-    return msg.session if isinstance(msg, Step) else msg.stream_id
+def _session_of(msg: Message) -> StreamId:
+    return msg.session if isinstance(msg, Step) else StreamId(getattr(msg, "stream_id", 0))

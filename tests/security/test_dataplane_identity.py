@@ -315,9 +315,6 @@ def test_a_session_opened_on_one_connection_cannot_be_touched_from_another(fleet
     assert held == 5 and left is None and stray == 0
 
 
-@pytest.mark.xfail(strict=True, reason="engine gap: PagedStageWorker passes an Error frame of a session on toward "
-                                        "the coordinator without checking that its connection owns the session "
-                                        "(the retired StageWorker refused it with UNKNOWN_STREAM)")
 def test_an_error_for_a_session_from_another_connection_is_refused_not_passed_on(fleet, export, stage):
     console, desk = fleet["console"], fleet["desk"]
     fp = fp_of(export)
