@@ -58,9 +58,9 @@ def probe(state_dir: Path, agents: int, variant: str, seconds: float, beat_ms: i
     import PySide6
     from PySide6.QtCore import Qt, QTimer
 
-    from console.main_window import QtConsoleWindow
-    from console.service.console_settings import ConsoleSettings
-    from console.service_bridge import ServiceBridge
+    from console.fleet_api.fleet_settings import ConsoleSettings
+    from console.qt.main_window import QtConsoleWindow
+    from console.qt.service_bridge import ServiceBridge
     from tests.benchmarks.console_fleet_old import OldBridge, OldFleetPage
     from tests.support.xvfb import qt_wait
 

@@ -22,11 +22,11 @@ from PySide6.QtCore import Qt
 
 from agent.service.service import AgentService
 from agent.service.settings import AgentSettings
-from console.main_window import QtConsoleWindow
-from console.service.calibration_export import KV_BYTES
-from console.service.console_settings import ConsoleSettings
-from console.service.fleet_service import FleetService, FleetServiceSettings
-from console.service_bridge import ServiceBridge
+from console.fleet.calibration_export import KV_BYTES
+from console.fleet.fleet_service import FleetService, FleetServiceSettings
+from console.fleet_api.fleet_settings import ConsoleSettings
+from console.qt.main_window import QtConsoleWindow
+from console.qt.service_bridge import ServiceBridge
 from console.shared.loop_thread import LoopThread
 from engine.control.messages import WorkerSettings
 from tests.support.agent_helpers import FakeIdle

@@ -20,10 +20,10 @@ import pytest
 
 from agent.service.service import AgentService
 from agent.service.settings import AgentSettings
-from console.service.distribution import Distributor
-from console.service.errors import AgentsFailedError, LayoutError
-from console.service.ring_layout import AgentEndpoint, AgentTarget, RingLayout
-from console.service.ring_runtime import stage_pool_blocks
+from console.fleet.distribution import Distributor
+from console.fleet.errors import AgentsFailedError, LayoutError
+from console.fleet.ring_layout import AgentEndpoint, AgentTarget, RingLayout
+from console.fleet.ring_runtime import stage_pool_blocks
 from engine.api.server import ApiSettings, async_run_api
 from engine.control.fleet_services import MEMBER_KEY_RPM
 from engine.control.messages import WorkerSettings

@@ -12,16 +12,16 @@ import uuid
 import pytest
 from PySide6.QtCore import QItemSelectionModel, QSortFilterProxyModel, Qt
 
-from console.fleet_table_model import (
-    COLUMNS,
-    FILTER_ROLE,
-    SORT_ROLE,
-    Coalescer,
-    FleetTableModel,
-    diff_records,
-    ranges,
+from console.fleet.approvals import APPROVALS_FILE
+from console.fleet.errors import (
+    AgentUnreachableError,
+    ConsoleStateError,
+    ForeignAgentError,
+    UnknownAgentError,
 )
-from console.service.agent_record import (
+from console.fleet.fleet import FleetModel
+from console.fleet.revocations import REVOKED_FILE
+from console.fleet_api.agent_record import (
     AgentRecord,
     AgentSource,
     HubNews,
@@ -30,15 +30,15 @@ from console.service.agent_record import (
     Sighting,
     merge_record,
 )
-from console.service.approvals import APPROVALS_FILE
-from console.service.errors import (
-    AgentUnreachableError,
-    ConsoleStateError,
-    ForeignAgentError,
-    UnknownAgentError,
+from console.qt.fleet_table_model import (
+    COLUMNS,
+    FILTER_ROLE,
+    SORT_ROLE,
+    Coalescer,
+    FleetTableModel,
+    diff_records,
+    ranges,
 )
-from console.service.fleet import FleetModel
-from console.service.revocations import REVOKED_FILE
 from engine.control.client import ControlClient
 from engine.control.messages import Assignment
 from engine.discovery.mdns import Advertisement, Browser, Peer
@@ -434,7 +434,7 @@ def test_the_fleet_page_approves_pauses_resumes_and_removes_every_selected_agent
         assert not {r.name for r in service.service.fleet.records()} & set(names[1:])
         assert len(service.service.fleet.deny) == 2  # revoked, not just forgotten
 
-        from console.tokens_dialog import QtTokensDialog
+        from console.qt.tokens_dialog import QtTokensDialog
         page.tokens_button.click()  # the reusable join tokens, in a dialog of their own
         assert isinstance(page.tokens_dialog, QtTokensDialog) and page.tokens_dialog.isVisible()
         page.tokens_dialog.close()
@@ -448,7 +448,7 @@ def test_a_refresh_that_changes_nothing_on_screen_makes_no_qt_call_that_drops_a_
 
     from PySide6.QtCore import QObject, Signal
 
-    from console.fleet_page import QtFleetPage
+    from console.qt.fleet_page import QtFleetPage
 
     class Bridge(QObject):  # the signals the page listens to; records come from the test
         records_changed, token_changed, started = Signal(object), Signal(str), Signal()

@@ -10,16 +10,16 @@ import time
 
 import pytest
 
-from console.service.errors import ExportCancelledError, ExportJobError, ModelPathError
-from console.service.export_catalog import ExportKey, ExportSpec
-from console.service.export_job import (
+from console.fleet.errors import ExportCancelledError, ExportJobError, ModelPathError
+from console.fleet.export_catalog import ExportKey, ExportSpec
+from console.fleet.export_job import (
     PREPARE_STEPS,
     STAGE_STEPS,
     ExportFinished,
     ExportProgress,
     export_fraction,
 )
-from console.service.models import ModelLibrary
+from console.fleet.models import ModelLibrary
 from engine.placement.planner import Plan, PlannedStage
 from engine.shards.manifest import load_manifest, verify_files
 

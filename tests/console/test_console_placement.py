@@ -13,16 +13,16 @@ import shutil
 
 import pytest
 
-from console.service.calibration_export import (
+from console.fleet.calibration_export import (
     KV_BYTES,
     build_calibration_set,
     layer_weight_bytes,
     model_profile,
 )
-from console.service.errors import CalibrationError
-from console.service.links import CONSOLE, async_measure_links
-from console.service.placement_inputs import async_place
-from console.service.profiling import (
+from console.fleet.errors import CalibrationError
+from console.fleet.links import CONSOLE, async_measure_links
+from console.fleet.placement_inputs import async_place
+from console.fleet.profiling import (
     PROFILES_FILE,
     ProfileCache,
     async_calibrate_devices,

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from console.service.console_settings import ConsoleSettings
-from console.service.fleet_service import FleetService, FleetServiceSettings
+from console.fleet.fleet_service import FleetService, FleetServiceSettings
+from console.fleet_api.fleet_settings import ConsoleSettings
 from engine.envvars import KEYRING_DIR
 from tests.support.shared_loop import SharedLoop
 

@@ -14,7 +14,8 @@ import sys
 import pytest
 from cryptography.hazmat.primitives.serialization import Encoding
 
-from console.fleet_cli import (
+from console.fleet.admin_certs import write_admin_certificate
+from console.fleet.cli import (
     RUN_KEY,
     RUN_VALUE_NAME,
     configure,
@@ -23,8 +24,7 @@ from console.fleet_cli import (
     service_settings,
     windows_run_value,
 )
-from console.service.admin_certs import write_admin_certificate
-from console.service.errors import ConsoleError
+from console.fleet.errors import ConsoleError
 from engine.control.fleet_services import load_or_create_authority
 from engine.errors import DeskfleetError
 from engine.trust.admin_bundle import read_admin_credentials
@@ -51,8 +51,8 @@ def test_admin_cert_comes_from_the_fleet_ca_of_the_state_dir(tmp_path):
     creds = read_admin_credentials(folder)
     assert creds.role is Role.ADMIN and creds.name == "alice" and creds.ca_fingerprint == authority.fingerprint
     # recorded, listed and revocable from the shell (issue 29, M7); a life over the bound is refused
-    from console.fleet_cli import run as run_fleet
-    from console.service.admin_certs import AdminCertBook
+    from console.fleet.admin_certs import AdminCertBook
+    from console.fleet.cli import run as run_fleet
     from engine.trust.fleet_ca import peer_node_id
 
     fingerprint = peer_node_id(creds.certificate.public_bytes(Encoding.DER))

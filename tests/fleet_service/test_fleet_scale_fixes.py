@@ -11,13 +11,13 @@ import json
 import pytest
 from aiohttp import web
 
-from console.service.admin_client import AdminClient
-from console.service.admin_shapes import agent_json
-from console.service.agent_record import AgentRecord, AgentSource, Membership
-from console.service.approvals import APPROVALS_FILE, ApprovalBook
-from console.service.errors import ConsoleStateError
-from console.service.records_feed import AgentJsonCache, RecordsPublisher
-from console.service.service_events import EventFeed
+from console.fleet.approvals import APPROVALS_FILE, ApprovalBook
+from console.fleet.errors import ConsoleStateError
+from console.fleet.records_feed import AgentJsonCache, RecordsPublisher
+from console.fleet.service_events import EventFeed
+from console.fleet_api.admin_client import AdminClient
+from console.fleet_api.admin_shapes import agent_json
+from console.fleet_api.agent_record import AgentRecord, AgentSource, Membership
 from tests.support.asyncutil import run
 
 

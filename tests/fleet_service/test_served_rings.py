@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from console.service.errors import ConsoleStateError
-from console.service.export_catalog import ExportSpec
-from console.service.served_rings import SERVED_FILE, RingIdError, ServedRing, ServedRings, next_ring_id
+from console.fleet.errors import ConsoleStateError
+from console.fleet.export_catalog import ExportSpec
+from console.fleet.served_rings import SERVED_FILE, RingIdError, ServedRing, ServedRings, next_ring_id
 from engine.placement.planner import Plan, PlannedStage
 
 

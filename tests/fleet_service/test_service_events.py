@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from console.service.errors import ConsoleError
-from console.service.service_events import EventFeed, JobNotFoundError, Jobs
+from console.fleet.errors import ConsoleError
+from console.fleet.service_events import EventFeed, JobNotFoundError, Jobs
 from tests.support.asyncutil import run
 
 

@@ -20,8 +20,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from console.service.errors import ForeignAgentError
-from console.service.fleet import FleetModel
+from console.fleet.errors import ForeignAgentError
+from console.fleet.fleet import FleetModel
 from engine.control.client import ControlClient, ControlError, WrongAgentError
 from engine.control.enrollment import NotTheConsoleError
 from engine.control.fleet_services import API_KEY_SECRET

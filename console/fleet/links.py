@@ -1,0 +1,93 @@
+"""Link probes for placement: console -> agent measured by the console itself, agent -> agent
+measured by agent A on request (``POST /v1/link/measure``), turned into `engine.placement.planner.Links`.
+
+Latencies are one-way (half the median round trip). The console hosts the coordinator, so its
+own measurements are the coordinator's latencies. Each unordered pair of agents is measured
+once, from the first to the second: `Links.between` uses a pair for both directions.
+Bandwidths are kept for display only; the solver does not use them. Every probe is pinned to
+the node id the fleet model proved for the agent, and an agent's echo admits another agent only
+after the console named it (``POST /v1/link/expect``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from itertools import combinations
+from types import MappingProxyType
+
+from console.fleet.fleet import FleetModel
+from engine.control.client import ControlClient, ControlError
+from engine.control.links import LinkError, LinkMeasurement, async_measure_link
+from engine.placement.planner import Links
+
+log = logging.getLogger(__name__)
+
+CONSOLE = "console"  # the console's end of a link in `LinkReport` keys
+# A pair of agents that cannot reach each other: a hand-over between them costs this much, so
+# the solver only chains them when nothing else fits (and the plan then shows why it is slow).
+UNREACHABLE_MS = 1e6
+
+
+@dataclass(frozen=True)
+class LinkReport:
+    """What the probes found. ``measured[(src, dst)]`` is keyed by node id (``CONSOLE`` for the
+    console); ``failures[(src, dst)]`` says why a probe failed; ``links`` is placement's input."""
+
+    links: Links
+    measured: Mapping[tuple[str, str], LinkMeasurement]
+    failures: Mapping[tuple[str, str], str]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "measured", MappingProxyType(dict(self.measured)))
+        object.__setattr__(self, "failures", MappingProxyType(dict(self.failures)))
+
+    def mbit_s(self, src: str, dst: str) -> float | None:
+        """Measured bandwidth between ``src`` and ``dst`` (either direction), for display."""
+        m = self.measured.get((src, dst)) or self.measured.get((dst, src))
+        return None if m is None else m.mbit_s
+
+    @property
+    def unreachable(self) -> frozenset[str]:
+        """Agents the console could not measure: the coordinator cannot reach them."""
+        return frozenset(dst for src, dst in self.failures if src == CONSOLE)
+
+
+async def async_measure_links(fleet: FleetModel, node_ids: Sequence[str], *, samples: int = 5,
+                              nbytes: int = 1 << 20, timeout: float = 30.0) -> LinkReport:
+    """Measure the console's link to each agent in ``node_ids`` and every pair between them.
+
+    Probes run one after another so that they do not share (and skew) the links they measure.
+    A failure is recorded, never raised: an agent the console cannot reach gets no coordinator
+    latency (leave it out of placement, see `LinkReport.unreachable`), a pair of agents that
+    cannot reach each other gets `UNREACHABLE_MS`.
+    """
+    records = [fleet.get(n) for n in node_ids]
+    measured: dict[tuple[str, str], LinkMeasurement] = {}
+    failures: dict[tuple[str, str], str] = {}
+    ssl = fleet.credentials.client_context()
+    for r in records:
+        try:
+            measured[(CONSOLE, r.node_id)] = await async_measure_link(
+                f"https://{r.address}:{r.control_port}", ssl, samples=samples, nbytes=nbytes, timeout=timeout,
+                node_id=r.node_id)
+        except LinkError as exc:
+            log.warning("link to %s not measured: %s", r.name, exc)
+            failures[(CONSOLE, r.node_id)] = str(exc)
+    reachable = [r for r in records if (CONSOLE, r.node_id) in measured]
+    for a, b in combinations(reachable, 2):
+        client = ControlClient(fleet.credentials, a.address, a.control_port, timeout=timeout, node_id=a.node_id)
+        target = ControlClient(fleet.credentials, b.address, b.control_port, timeout=timeout, node_id=b.node_id)
+        try:
+            await target.async_expect_link(a.node_id)  # b's echo admits a's probes for a minute
+            got = await client.async_measure_link(b.control_address, samples=samples, nbytes=nbytes,
+                                                  target_node_id=b.node_id)
+            measured[(a.node_id, b.node_id)] = LinkMeasurement(float(got["rtt_ms"]), float(got["mbit_s"]))
+        except (ControlError, KeyError, TypeError, ValueError) as exc:
+            log.warning("link %s -> %s not measured: %s", a.name, b.name, exc)
+            failures[(a.node_id, b.node_id)] = str(exc)
+    pc_ms = {pair: m.one_way_ms for pair, m in measured.items() if CONSOLE not in pair}
+    pc_ms.update({pair: UNREACHABLE_MS for pair in failures if CONSOLE not in pair})
+    coordinator_ms = {dst: m.one_way_ms for (src, dst), m in measured.items() if src == CONSOLE}
+    return LinkReport(Links(pc_ms=pc_ms, coordinator_ms=coordinator_ms), measured, failures)
