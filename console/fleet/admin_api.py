@@ -31,7 +31,6 @@ from console.fleet.admin_certs import AdminCertBook, AdminCertError
 from console.fleet.errors import (
     AgentRefusedError,
     AgentUnreachableError,
-    ConsoleError,
     ExportNotFoundError,
     ForeignAgentError,
     ModelPathError,
@@ -51,6 +50,7 @@ from console.fleet_api.admin_shapes import (
     spec_from_json,
     strings,
 )
+from console.fleet_api.errors import ConsoleError
 from engine.api.guard import JSON_TYPE, LOOPBACK_NAMES, host_name, is_ip
 from engine.errors import DeskfleetError, TagError, TokenPolicyError
 from engine.http_limits import LimitedAppRunner

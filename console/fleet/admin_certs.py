@@ -23,8 +23,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from console.fleet.errors import ConsoleError, ConsoleStateError
+from console.fleet.errors import ConsoleStateError
 from console.fleet.state_file import read_json, write_json
+from console.fleet_api.errors import ConsoleError
 from engine.errors import DeskfleetError
 from engine.trust.fleet_ca import peer_node_id
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from zeroconf import IPVersion, ServiceInfo
 from zeroconf.asyncio import AsyncZeroconf
 
-from console.fleet.errors import ConsoleError
+from console.fleet_api.errors import ConsoleError
 from engine.discovery.mdns import RecordPublisher
 from engine.errors import DiscoveryError
 

@@ -3,7 +3,7 @@
 :meth:`Distributor.async_run` publishes the export on the console's hub, sends every agent its
 :class:`~engine.control.messages.Assignment` (listen port, next hop = the next agent's data address, and
 for the last stage the coordinator's return port), starts the fetches and polls the agents'
-status, reporting each agent's bytes as :class:`~console.fleet.ring_layout.AgentProgress`.
+status, reporting each agent's bytes as :class:`~console.fleet_api.ring_status.AgentProgress`.
 Once every agent holds verified files it starts the workers, connects the ring (stage 0 in this
 process when the layout says so, mutual TLS with the console's fleet certificate) and checks it
 with a one-token generation.
@@ -50,13 +50,7 @@ from console.fleet.errors import (
 )
 from console.fleet.failover import FailoverSettings, RingRecovery
 from console.fleet.failover_plan import moved_layout, spare_stages
-from console.fleet.ring_layout import (
-    AgentEndpoint,
-    AgentProgress,
-    AgentTarget,
-    RingHealth,
-    RingLayout,
-)
+from console.fleet.ring_layout import AgentEndpoint, AgentTarget, RingLayout
 from console.fleet.ring_runtime import (
     PoolBudgetRefusedError,
     RingRuntime,
@@ -64,6 +58,7 @@ from console.fleet.ring_runtime import (
     ring_pool_blocks,
     serves_paged,
 )
+from console.fleet_api.ring_status import AgentProgress, RingHealth
 from engine.control.client import ControlClient, ControlError
 from engine.control.fleet_services import FleetHost
 from engine.control.hub import AgentEvent

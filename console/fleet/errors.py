@@ -5,11 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.errors import DeskfleetError
-
-
-class ConsoleError(DeskfleetError):
-    """Base of every error the console's Qt-free services raise on purpose."""
+from console.fleet_api.errors import ConsoleError
 
 
 class ConsoleStateError(ConsoleError):

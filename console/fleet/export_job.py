@@ -9,7 +9,7 @@ and hands every event to ``on_event`` on the caller's thread.
 
 What the process does: resolve the model (a GGUF's config and tokenizer are written once), fingerprint it, turn
 ``stages``/``split`` into the cut points, and reuse an existing export with the same
-:class:`~console.fleet.export_catalog.ExportKey`; otherwise run ``export_model``, which writes
+:class:`~console.fleet_api.exports.ExportKey`; otherwise run ``export_model``, which writes
 into a hidden ``.NAME.partial-PID`` sibling and renames it into place only when complete. A
 terminated process never reaches that rename; :meth:`ExportJob.cancel` then removes the
 partial directory it leaves, so a cancelled export leaves nothing behind.
@@ -29,12 +29,16 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 from console.fleet.errors import ExportCancelledError, ExportJobError, ExportTimeoutError
-from console.fleet.export_catalog import (
+from console.fleet.export_catalog import find_export, partial_dir
+from console.fleet_api.exports import (
+    ExportCancelled,
+    ExportEvent,
+    ExportFailed,
+    ExportFinished,
     ExportInfo,
     ExportKey,
+    ExportProgress,
     ExportSpec,
-    find_export,
-    partial_dir,
 )
 
 log = logging.getLogger(__name__)
@@ -56,39 +60,6 @@ class ExportRequest:
     spec: ExportSpec = ExportSpec()
     stages: int | None = None
     split: tuple[int, ...] | None = None
-
-
-# -- events (what on_event receives) ---------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ExportProgress:
-    """``step`` of ``stage`` began (stage None: preparing); ``fraction`` of the whole job is done."""
-
-    stage: int | None
-    step: str
-    fraction: float
-
-
-@dataclass(frozen=True)
-class ExportFinished:
-    export: ExportInfo
-    reused: bool  # an identical export existed; nothing was exported
-    seconds: float
-
-
-@dataclass(frozen=True)
-class ExportFailed:
-    kind: str  # the exporter's exception class, e.g. "ExportError"
-    message: str
-
-
-@dataclass(frozen=True)
-class ExportCancelled:
-    pass
-
-
-ExportEvent = ExportProgress | ExportFinished | ExportFailed | ExportCancelled
 
 
 def export_fraction(stage: int | None, step: str, n_stages: int) -> float:

@@ -37,16 +37,13 @@ from typing import Any
 
 from console.fleet.admin_api import ADMIN_SOCKET, async_run_admin
 from console.fleet.distribution import DistributionTimeouts
-from console.fleet.errors import ConsoleError
-from console.fleet.export_catalog import ExportSpec
-from console.fleet.export_job import ExportEvent
 from console.fleet.failover import FailoverSettings
 from console.fleet.failover_tally import FILE as FAILOVERS_FILE
 from console.fleet.failover_tally import FailoverTally
 from console.fleet.fleet import FleetModel
 from console.fleet.join_tokens import TokenDesk
 from console.fleet.links import async_measure_links
-from console.fleet.models import ModelEntry, ModelLibrary
+from console.fleet.models import ModelLibrary
 from console.fleet.placement_store import (
     Placement,
     PlacementNotFoundError,  # noqa: F401 (named here before)
@@ -54,6 +51,7 @@ from console.fleet.placement_store import (
 )
 from console.fleet.placing import async_new_placement, async_solve_again, checked_tags, ring_pcs
 from console.fleet.records_feed import RecordsPublisher
+from console.fleet.ring_endpoints import free_port
 from console.fleet.served_rings import ServedRing, ServedRings, check_ring_id, next_ring_id
 from console.fleet.service_events import EventFeed, Jobs
 from console.fleet.service_ring import (
@@ -66,7 +64,10 @@ from console.fleet.service_ring import (
 )
 from console.fleet_api.admin_shapes import agent_json, export_json, model_json, plan_json
 from console.fleet_api.agent_record import AgentRecord
-from console.fleet_api.fleet_settings import ConsoleSettings, free_port
+from console.fleet_api.errors import ConsoleError
+from console.fleet_api.exports import ExportEvent, ExportSpec
+from console.fleet_api.fleet_settings import ConsoleSettings
+from console.fleet_api.model_entry import ModelEntry
 from engine.api.server import RunningApi, async_run_api
 from engine.control.fleet_services import FleetHost, fleet_host, write_private
 from engine.control.hub import AgentEvent

@@ -22,9 +22,9 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from console.fleet.errors import ConsoleError
 from console.fleet_api.admin_shapes import field
 from console.fleet_api.agent_record import AgentRecord, Membership
+from console.fleet_api.errors import ConsoleError
 from engine.control.join_audit import JoinAudit
 from engine.errors import DeskfleetError
 from engine.trust.join_token import DEFAULT_TTL_S, TokenBook, TokenInfo

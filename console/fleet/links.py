@@ -12,46 +12,20 @@ after the console named it (``POST /v1/link/expect``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from itertools import combinations
-from types import MappingProxyType
 
 from console.fleet.fleet import FleetModel
+from console.fleet_api.link_report import CONSOLE, LinkReport
 from engine.control.client import ControlClient, ControlError
 from engine.control.links import LinkError, LinkMeasurement, async_measure_link
 from engine.placement.planner import Links
 
 log = logging.getLogger(__name__)
 
-CONSOLE = "console"  # the console's end of a link in `LinkReport` keys
 # A pair of agents that cannot reach each other: a hand-over between them costs this much, so
 # the solver only chains them when nothing else fits (and the plan then shows why it is slow).
 UNREACHABLE_MS = 1e6
-
-
-@dataclass(frozen=True)
-class LinkReport:
-    """What the probes found. ``measured[(src, dst)]`` is keyed by node id (``CONSOLE`` for the
-    console); ``failures[(src, dst)]`` says why a probe failed; ``links`` is placement's input."""
-
-    links: Links
-    measured: Mapping[tuple[str, str], LinkMeasurement]
-    failures: Mapping[tuple[str, str], str]
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "measured", MappingProxyType(dict(self.measured)))
-        object.__setattr__(self, "failures", MappingProxyType(dict(self.failures)))
-
-    def mbit_s(self, src: str, dst: str) -> float | None:
-        """Measured bandwidth between ``src`` and ``dst`` (either direction), for display."""
-        m = self.measured.get((src, dst)) or self.measured.get((dst, src))
-        return None if m is None else m.mbit_s
-
-    @property
-    def unreachable(self) -> frozenset[str]:
-        """Agents the console could not measure: the coordinator cannot reach them."""
-        return frozenset(dst for src, dst in self.failures if src == CONSOLE)
 
 
 async def async_measure_links(fleet: FleetModel, node_ids: Sequence[str], *, samples: int = 5,

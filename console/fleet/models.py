@@ -12,21 +12,15 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from console.fleet.errors import ExportNotFoundError, ModelPathError
-from console.fleet.export_catalog import (
-    EXPORTS_SUBDIR,
-    ExportInfo,
-    ExportKey,
-    ExportSpec,
-    find_export,
-    scan_exports,
-)
-from console.fleet.export_job import ExportEvent, ExportJob, ExportRequest
+from console.fleet.export_catalog import find_export, scan_exports
+from console.fleet.export_job import ExportJob, ExportRequest
 from console.fleet.state_file import read_json, write_json
+from console.fleet_api.exports import EXPORTS_SUBDIR, ExportEvent, ExportInfo, ExportKey, ExportSpec
+from console.fleet_api.model_entry import ModelEntry, ModelKind
 from engine.errors import ManifestError
 from export.sources import (
     DEFAULT_MODEL_NAME,
@@ -41,25 +35,6 @@ if TYPE_CHECKING:
 
 MODELS_FILE = "models.json"
 _GGUF_MAGIC = b"GGUF"
-
-ModelKind = Literal["default", "hf", "gguf"]
-
-
-@dataclass(frozen=True)
-class ModelEntry:
-    """A model the admin can export. ``path`` is None for the embedded default; ``available`` is
-    False when the default's package is not installed or an added path has since vanished."""
-
-    name: str
-    kind: ModelKind
-    path: Path | None
-    available: bool
-
-    @property
-    def spec(self) -> str | None:
-        """What ``export.sources.resolve_model`` takes for this model."""
-        return None if self.path is None else str(self.path)
-
 
 def check_model_path(path: Path) -> ModelEntry:
     """A ModelEntry for ``path``, or ModelPathError saying what to pass instead."""

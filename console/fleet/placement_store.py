@@ -16,12 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from console.fleet.errors import ConsoleError, ConsoleStateError
-from console.fleet.export_catalog import ExportSpec
-from console.fleet.placement_inputs import PlacementInputs
+from console.fleet.errors import ConsoleStateError
 from console.fleet.state_file import read_json, write_json
 from console.fleet_api.admin_decode import inputs_from_json
 from console.fleet_api.admin_shapes import ShapeError, inputs_json, plan_from_json, plan_json, spec_from_json, spec_json
+from console.fleet_api.errors import ConsoleError
+from console.fleet_api.exports import ExportSpec
+from console.fleet_api.placement import PlacementInputs
 from engine.control.tags import parse_tags
 from engine.errors import TagError
 from engine.placement.planner import Plan

@@ -14,11 +14,11 @@ import dataclasses
 from collections.abc import Collection, Iterable
 from pathlib import Path
 
-from console.fleet.export_catalog import ExportSpec
 from console.fleet.fleet import FleetModel
 from console.fleet.placement_inputs import LEFT_OUT, async_placement_inputs, solve_inputs, tagged_out
 from console.fleet.placement_store import Placement
 from console.fleet_api.agent_record import AgentRecord
+from console.fleet_api.exports import ExportSpec
 from engine.control.hub import FleetHub
 from engine.control.tags import parse_tags
 from engine.placement.planner import PcInfo, PlacementRequest, Plan

@@ -15,13 +15,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from console.fleet.errors import LayoutError
+from console.fleet_api.fleet_settings import DEFAULT_DATA_PORT
 from engine.control.messages import parse_hostport
 from engine.errors import DeskfleetError
 
 if TYPE_CHECKING:
     from engine.placement.planner import Plan
 
-DEFAULT_DATA_PORT = 7211  # an agent's default data port (agent.service.settings.AgentSettings)
 
 
 @dataclass(frozen=True)
@@ -128,37 +128,3 @@ class RingLayout:
                               "agent its own data port")
 
 
-# -- progress ----------------------------------------------------------------------------------------
-
-PHASES = ("assigning", "fetching", "verified", "starting", "running", "failed")
-
-
-@dataclass(frozen=True)
-class AgentProgress:
-    """Where one agent is: ``phase`` is one of PHASES; bytes are its stage's shard files."""
-
-    agent: str
-    stage: int
-    phase: str
-    done_bytes: int = 0
-    total_bytes: int = 0
-    error: str | None = None
-
-    @property
-    def fraction(self) -> float:
-        return 1.0 if self.total_bytes == 0 else self.done_bytes / self.total_bytes
-
-
-@dataclass(frozen=True)
-class RingHealth:
-    """The ring as last checked: every agent's phase, and the one-token test generation."""
-
-    agents: tuple[AgentProgress, ...]
-    local_stage0: bool
-    test_token: int | None
-    test_ms: float
-    error: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None and self.test_token is not None and all(a.phase == "running" for a in self.agents)

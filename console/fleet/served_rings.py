@@ -18,10 +18,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from console.fleet.errors import ConsoleError, ConsoleStateError
-from console.fleet.export_catalog import ExportSpec
+from console.fleet.errors import ConsoleStateError
 from console.fleet.state_file import read_json, write_json
 from console.fleet_api.admin_shapes import ShapeError, plan_from_json, plan_json, spec_from_json, spec_json
+from console.fleet_api.errors import ConsoleError
+from console.fleet_api.exports import ExportSpec
 from engine.placement.planner import Plan
 
 SERVED_FILE = "served-rings.json"

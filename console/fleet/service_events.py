@@ -25,7 +25,7 @@ from collections.abc import Callable, Collection, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from console.fleet.errors import ConsoleError
+from console.fleet_api.errors import ConsoleError
 
 log = logging.getLogger("deskfleet.fleet")
 

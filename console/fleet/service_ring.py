@@ -21,16 +21,19 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from console.fleet.distribution import DistributionTimeouts, Distributor
-from console.fleet.errors import ConsoleError, ExportNotFoundError
-from console.fleet.export_catalog import ExportInfo
-from console.fleet.export_job import ExportEvent, ExportFailed, ExportFinished, ExportJob, ExportProgress
+from console.fleet.errors import ExportNotFoundError
+from console.fleet.export_job import ExportJob
 from console.fleet.failover import FailoverSettings
 from console.fleet.models import ModelLibrary
-from console.fleet.ring_layout import AgentEndpoint, AgentProgress, RingHealth, RingLayout
+from console.fleet.ring_endpoints import free_port, ring_endpoints
+from console.fleet.ring_layout import AgentEndpoint, RingLayout
 from console.fleet.served_rings import ServedRing
 from console.fleet_api.admin_shapes import plan_json, spec_json
 from console.fleet_api.agent_record import AgentRecord
-from console.fleet_api.fleet_settings import ConsoleSettings, free_port, ring_endpoints
+from console.fleet_api.errors import ConsoleError
+from console.fleet_api.exports import ExportEvent, ExportFailed, ExportFinished, ExportInfo, ExportProgress
+from console.fleet_api.fleet_settings import ConsoleSettings
+from console.fleet_api.ring_status import AgentProgress, RingHealth
 from engine.control.fleet_services import FleetHost
 from engine.generation.ring_report import RingReport, RingStatus
 from engine.generation.router import Router

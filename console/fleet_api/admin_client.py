@@ -21,9 +21,9 @@ from typing import Any
 
 import aiohttp
 
-from console.fleet.errors import ConsoleError
-from console.fleet.export_catalog import ExportSpec
 from console.fleet_api.admin_shapes import plan_from_json, plan_json, request_json, spec_json
+from console.fleet_api.errors import ConsoleError
+from console.fleet_api.exports import ExportSpec
 from engine.control.fleet_services import CA_CERT
 from engine.placement.planner import PlacementRequest, Plan
 from engine.trust.fleet_ca import Credentials, Role

@@ -16,12 +16,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from console.fleet.export_catalog import ExportInfo, ExportKey
-from console.fleet.links import CONSOLE, LinkReport
-from console.fleet.models import ModelEntry
-from console.fleet.placement_inputs import PlacementInputs
 from console.fleet_api.admin_shapes import ShapeError
 from console.fleet_api.agent_record import AgentRecord, AgentSource, Membership
+from console.fleet_api.exports import ExportInfo, ExportKey
+from console.fleet_api.link_report import CONSOLE, LinkReport
+from console.fleet_api.model_entry import ModelEntry
+from console.fleet_api.placement import PlacementInputs
 from engine.control.links import LinkMeasurement
 from engine.control.messages import AgentStatus
 from engine.control.tags import reported_tags

@@ -11,12 +11,12 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from console.fleet.errors import ConsoleError
-from console.fleet.export_catalog import ExportInfo, ExportSpec
-from console.fleet.links import LinkReport
-from console.fleet.models import ModelEntry
-from console.fleet.placement_inputs import PlacementInputs
 from console.fleet_api.agent_record import AgentRecord
+from console.fleet_api.errors import ConsoleError
+from console.fleet_api.exports import ExportInfo, ExportSpec
+from console.fleet_api.link_report import LinkReport
+from console.fleet_api.model_entry import ModelEntry
+from console.fleet_api.placement import PlacementInputs
 from engine.errors import Exclusion
 from engine.placement.planner import ModelProfile, PlacementRequest, Plan, PlannedStage
 

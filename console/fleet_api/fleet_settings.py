@@ -9,21 +9,16 @@ free one (tests, or a second console on one PC).
 from __future__ import annotations
 
 import os
-import socket
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from console.fleet.errors import LayoutError
-from console.fleet.ring_layout import DEFAULT_DATA_PORT, AgentEndpoint
-from console.fleet_api.agent_record import AgentRecord
 from engine.api.server import ApiSettings
 from engine.control.messages import WorkerSettings
-from engine.placement.planner import Plan
 
 ENROLLMENT_PORT = 7220
 HUB_PORT = 7221
 API_PORT = 8000
+DEFAULT_DATA_PORT = 7211  # an agent's default data port (agent.service.settings.AgentSettings)
 
 
 def default_state_dir() -> Path:
@@ -65,31 +60,3 @@ class ConsoleSettings:
         return f"http://{self.interface}:{self.api_port}/v1"
 
 
-def free_port(host: str) -> int:
-    """A TCP port nobody listens on at ``host`` right now."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def ring_endpoints(plan: Plan, records: Mapping[str, AgentRecord], data_port: int, *,
-                   pick_free: Callable[[str], int] = free_port) -> dict[str, AgentEndpoint]:
-    """Each planned agent's control address and the data port its stage listens on.
-
-    Agents on distinct PCs all use ``data_port``; agents sharing one address (several agents on
-    one PC) get ``data_port``, ``data_port + 1``... in stage order. ``data_port`` 0 picks free
-    ports (agents on this machine only)."""
-    endpoints: dict[str, AgentEndpoint] = {}
-    per_address: dict[str, int] = {}
-    for stage in plan.stages:
-        if stage.pc_id in endpoints:
-            continue
-        record = records.get(stage.pc_id)
-        if record is None or not record.control_port:
-            raise LayoutError(f"the plan places a stage on {stage.pc_id[:16]}…, which the console no longer "
-                              "lists; refresh the fleet and place the model again")
-        index = per_address.get(record.address, 0)
-        per_address[record.address] = index + 1
-        port = pick_free(record.address) if data_port == 0 else data_port + index
-        endpoints[stage.pc_id] = AgentEndpoint(record.control_address, port, record.name, record.node_id)
-    return endpoints

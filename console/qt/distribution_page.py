@@ -27,9 +27,9 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from console.fleet.export_job import ExportEvent, ExportFinished, ExportProgress
-from console.fleet.ring_layout import AgentProgress, RingHealth
 from console.fleet_api.agent_record import AgentRecord
+from console.fleet_api.exports import ExportEvent, ExportFinished, ExportProgress
+from console.fleet_api.ring_status import AgentProgress, RingHealth
 from console.qt.ring_diagram import QtRingDiagram, RingDiagram, measured_from_metrics
 from console.qt.service_serving import ServiceServing
 from console.qt.session import PLAN, SERVING, ConsoleSession

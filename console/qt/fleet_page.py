@@ -33,8 +33,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from console.fleet.links import CONSOLE, LinkReport
 from console.fleet_api.agent_record import AgentRecord, Membership
+from console.fleet_api.link_report import CONSOLE, LinkReport
 from console.qt.fleet_table_model import (
     COALESCE_MS,
     FILTER_ROLE,

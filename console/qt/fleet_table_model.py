@@ -24,8 +24,8 @@ from typing import Any
 from PySide6.QtCore import QAbstractTableModel, QModelIndex, QObject, QPersistentModelIndex, Qt, QTimer
 from PySide6.QtGui import QColor
 
-from console.fleet.links import CONSOLE, LinkReport
 from console.fleet_api.agent_record import AgentRecord, Membership
+from console.fleet_api.link_report import CONSOLE, LinkReport
 
 COLUMNS = ("Name", "State", "Tags", "Devices", "Memory", "Last seen", "Approved", "Address", "RTT ms", "Mbit/s")
 LAST_SEEN = COLUMNS.index("Last seen")

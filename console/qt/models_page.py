@@ -34,16 +34,17 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from console.fleet.errors import ConsoleError
-from console.fleet.export_catalog import ExportInfo, ExportSpec
-from console.fleet.export_job import (
+from console.fleet_api.errors import ConsoleError
+from console.fleet_api.exports import (
     ExportCancelled,
     ExportEvent,
     ExportFailed,
     ExportFinished,
+    ExportInfo,
     ExportProgress,
+    ExportSpec,
 )
-from console.fleet.models import ModelEntry
+from console.fleet_api.model_entry import ModelEntry
 from console.qt.service_bridge import ServiceBridge
 from console.qt.service_export import ServiceExportJob
 from engine.shards.manifest import MANIFEST_NAME

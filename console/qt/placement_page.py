@@ -4,14 +4,14 @@ speed, or the solver's explanation when no plan exists; then adjust it: move a s
 see the plan re-timed at once, or leave an agent out and re-solve (no measuring again).
 
 For a mixture-of-experts model a line under the plan says what its numbers mean: memory counts
-every expert, each step reads only the active ones (`placement_inputs.moe_note`).
+every expert, each step reads only the active ones (`console.fleet_api.placement.moe_note`).
 
 The context is left to the service by default ("auto"): the model's maximum, capped by what the
 agents' memory holds, with the reason shown beside the field. Placement can keep to agents with
 some tags and avoid others (the agents' tags: their own, or the admin's from the service).
 
 A thin view over the console session's plan: the measuring, calibration and solving run in the
-fleet service through the bridge; re-timing is pure (`placement_inputs.retime`).
+fleet service through the bridge; re-timing is pure (`console.fleet_api.placement.retime`).
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from console.fleet.placement_inputs import memory_warnings, moe_note, retime, stage_firsts
 from console.fleet_api.agent_record import AgentRecord
+from console.fleet_api.placement import memory_warnings, moe_note, retime, stage_firsts
 from console.qt.ring_diagram import QtRingDiagram, RingDiagram
 from console.qt.service_bridge import ServiceBridge
 from console.qt.session import MODEL, PLAN

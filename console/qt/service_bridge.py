@@ -21,12 +21,6 @@ from typing import Any
 
 from PySide6.QtCore import QObject, QTimer, Signal
 
-from console.fleet.errors import ConsoleError
-from console.fleet.export_catalog import EXPORTS_SUBDIR, ExportInfo, ExportSpec
-from console.fleet.export_job import ExportEvent
-from console.fleet.links import LinkReport
-from console.fleet.models import ModelEntry
-from console.fleet.placement_inputs import PlacementInputs
 from console.fleet_api.admin_client import AdminApiError, AdminClient, Event, ServiceUnreachableError
 from console.fleet_api.admin_decode import (
     agent_from_json,
@@ -38,7 +32,12 @@ from console.fleet_api.admin_decode import (
 )
 from console.fleet_api.admin_shapes import plan_from_json
 from console.fleet_api.agent_record import AgentRecord
+from console.fleet_api.errors import ConsoleError
+from console.fleet_api.exports import EXPORTS_SUBDIR, ExportEvent, ExportInfo, ExportSpec
 from console.fleet_api.fleet_settings import ConsoleSettings
+from console.fleet_api.link_report import LinkReport
+from console.fleet_api.model_entry import ModelEntry
+from console.fleet_api.placement import PlacementInputs
 from console.fleet_api.service_locator import async_attach_local
 from console.qt.service_export import ServiceExportJob, even_plan, layer_count
 from console.qt.session import ConsoleSession

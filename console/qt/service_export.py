@@ -2,7 +2,7 @@
 of the in-process :class:`console.fleet.export_job.ExportJob` the page drives: ``state``,
 ``done``, ``fraction``, ``result``/``reused``/``failure``, ``cancel()``, ``close()``, ``poll()``
 (a no-op: news arrives by itself), and ``on_event`` called on the GUI thread with the same
-:data:`~console.fleet.export_job.ExportEvent` objects.
+:data:`~console.fleet_api.exports.ExportEvent` objects.
 
 Progress is the feed's ``export`` events carrying this job's id (an event may arrive before the
 POST's answer names the job: those are held until it does); the outcome is the job's own
@@ -20,18 +20,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from console.fleet.errors import ConsoleError
-from console.fleet.export_catalog import ExportInfo, ExportSpec
-from console.fleet.export_job import (
+from console.fleet_api.admin_client import AdminJobError, Event
+from console.fleet_api.admin_decode import export_from_json
+from console.fleet_api.errors import ConsoleError
+from console.fleet_api.exports import (
     ExportCancelled,
     ExportEvent,
     ExportFailed,
     ExportFinished,
+    ExportInfo,
     ExportProgress,
+    ExportSpec,
 )
-from console.fleet.models import ModelEntry
-from console.fleet_api.admin_client import AdminJobError, Event
-from console.fleet_api.admin_decode import export_from_json
+from console.fleet_api.model_entry import ModelEntry
 from engine.placement.planner import Plan, PlannedStage
 
 

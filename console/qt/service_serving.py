@@ -17,11 +17,10 @@ from typing import Any
 
 from PySide6.QtCore import QObject, QTimer, Signal
 
-from console.fleet.export_catalog import ExportInfo, ExportKey
-from console.fleet.export_job import ExportFailed, ExportFinished, ExportProgress
-from console.fleet.ring_layout import AgentProgress, RingHealth
 from console.fleet_api.admin_client import Event
 from console.fleet_api.admin_shapes import plan_from_json
+from console.fleet_api.exports import ExportFailed, ExportFinished, ExportInfo, ExportKey, ExportProgress
+from console.fleet_api.ring_status import AgentProgress, RingHealth
 from console.qt.service_bridge import ServiceBridge
 from console.qt.session import Serving
 from engine.placement.planner import Plan

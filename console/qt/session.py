@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from console.fleet.export_catalog import ExportSpec
-from console.fleet.models import ModelEntry
-from console.fleet.placement_inputs import PlacementInputs
+from console.fleet_api.exports import ExportSpec
+from console.fleet_api.model_entry import ModelEntry
+from console.fleet_api.placement import PlacementInputs
 from engine.placement.planner import PlacementRequest, Plan
 
 MODEL, PLAN, SERVING = "model", "plan", "serving"

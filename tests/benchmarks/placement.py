@@ -221,9 +221,9 @@ async def async_run_bench(work: Path, bench: PlacementBench) -> dict[str, Any]:
         model_profile,
     )
     from console.fleet.distribution import Distributor
-    from console.fleet.export_catalog import ExportSpec
     from console.fleet.models import ModelLibrary
     from console.fleet.ring_layout import AgentEndpoint, RingLayout
+    from console.fleet_api.exports import ExportSpec
     from engine.control.fleet_services import fleet_host
     from engine.control.messages import WorkerSettings
     from engine.generation.tokenizer import ChatTokenizer

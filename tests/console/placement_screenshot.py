@@ -54,7 +54,7 @@ def drive_placement_page(work: Path, checkpoint: Path, wait: Wait, out: Path | N
     from PySide6.QtWidgets import QApplication
 
     from console.fleet.calibration_export import KV_BYTES
-    from console.fleet.export_catalog import ExportSpec
+    from console.fleet_api.exports import ExportSpec
     from console.qt.placement_page import QtPlacementPage
     from console.qt.service_bridge import ServiceBridge, ServiceLibrary
     from tests.console.console_app_helpers import console_settings, fleet_service

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from console.fleet.links import LinkReport
-from console.fleet.placement_inputs import PlacementInputs
 from console.fleet_api.admin_client import AdminApiError, AdminClient, AdminJobError, ServiceUnreachableError
 from console.fleet_api.admin_decode import agent_from_json, inputs_from_json
 from console.fleet_api.admin_shapes import agent_json, inputs_json
 from console.fleet_api.agent_record import AgentRecord, AgentSource, Membership
+from console.fleet_api.link_report import LinkReport
+from console.fleet_api.placement import PlacementInputs
 from console.fleet_api.service_locator import SERVICE_FILE, pid_alive, read_service_file
 from engine.control.links import LinkMeasurement
 from engine.placement.planner import DeviceProfile, Links, ModelProfile, PcInfo

@@ -13,8 +13,8 @@ import pytest
 
 from console.fleet.agent_tags import TAGS_FILE, TagBook
 from console.fleet.errors import ConsoleStateError
-from console.fleet.export_catalog import ExportSpec
 from console.fleet.placement_store import Placement
+from console.fleet_api.exports import ExportSpec
 from engine.control.hub import AgentEvent
 from engine.errors import DeskfleetError
 from tests.fleet_service.admin import Admin
@@ -30,8 +30,9 @@ TAGS = {"desk-a": ("finance", "floor-2"), "desk-b": ("floor-2",), "desk-c": ("fl
 def _placement_over(service, nodes: dict[str, str]) -> Placement:
     """A placement whose measured inputs are the joined agents' (node ids), each able to hold the
     whole model; solving it needs no calibration."""
-    from console.fleet.links import LinkReport
-    from console.fleet.placement_inputs import PlacementInputs, solve_inputs
+    from console.fleet.placement_inputs import solve_inputs
+    from console.fleet_api.link_report import LinkReport
+    from console.fleet_api.placement import PlacementInputs
     from engine.placement.planner import DeviceProfile, Links, ModelProfile, PcInfo, PlacementRequest
 
     pcs = tuple(PcInfo(node, 8 << 30, True) for node in nodes.values())

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from console.fleet.placement_inputs import retime, stage_firsts
-from console.fleet_api.fleet_settings import ring_endpoints
+from console.fleet.ring_endpoints import ring_endpoints
+from console.fleet_api.placement import retime, stage_firsts
 from console.qt.fleet_metrics import PauseLog, stage_breakdown
 from engine.control.hub import AgentEvent
 from engine.placement.planner import Plan, PlannedStage
@@ -327,8 +327,8 @@ def test_the_metrics_breakdown_and_the_pause_log():
 
 
 def _inputs():
-    from console.fleet.links import LinkReport
-    from console.fleet.placement_inputs import PlacementInputs
+    from console.fleet_api.link_report import LinkReport
+    from console.fleet_api.placement import PlacementInputs
     from engine.placement.planner import DeviceProfile, Links, ModelProfile, PcInfo
 
     model = ModelProfile(layer_bytes=(600,) * 4, embed_bytes=100, head_bytes=150, head_ms=0.3)
@@ -340,7 +340,8 @@ def _inputs():
 
 
 def test_a_plan_is_retimed_exactly_and_re_solved_without_an_agent():
-    from console.fleet.placement_inputs import LEFT_OUT, memory_warnings, solve_inputs
+    from console.fleet.placement_inputs import LEFT_OUT, solve_inputs
+    from console.fleet_api.placement import memory_warnings
     from engine.errors import Exclusion, PlacementInfeasible
     from engine.placement.planner import PlacementRequest
 

@@ -20,13 +20,14 @@ from console.fleet.calibration_export import (
     model_profile,
 )
 from console.fleet.errors import CalibrationError
-from console.fleet.links import CONSOLE, async_measure_links
+from console.fleet.links import async_measure_links
 from console.fleet.placement_inputs import async_place
 from console.fleet.profiling import (
     PROFILES_FILE,
     ProfileCache,
     async_calibrate_devices,
 )
+from console.fleet_api.link_report import CONSOLE
 from engine.control.client import ControlClient
 from engine.errors import Exclusion, PlacementInfeasible
 from engine.placement.planner import Plan

@@ -39,11 +39,12 @@ def test_a_moe_model_is_placed_with_its_experts_said_on_the_page(qtbot, tmp_path
     import dataclasses
 
     from console.fleet.calibration_export import build_calibration_set, layer_weight_bytes
-    from console.fleet.links import LinkReport
-    from console.fleet.placement_inputs import PlacementInputs, layer_read_bytes, placement_model, solve_inputs
+    from console.fleet.placement_inputs import layer_read_bytes, placement_model, solve_inputs
     from console.fleet_api.admin_decode import inputs_from_json
     from console.fleet_api.admin_shapes import inputs_json
     from console.fleet_api.fleet_settings import ConsoleSettings
+    from console.fleet_api.link_report import LinkReport
+    from console.fleet_api.placement import PlacementInputs
     from console.qt.placement_page import QtPlacementPage
     from console.qt.service_bridge import ServiceBridge
     from engine.placement.planner import DeviceProfile, Links, PcInfo, PlacementRequest

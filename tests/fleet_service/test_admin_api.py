@@ -153,10 +153,11 @@ def test_errors_name_what_is_wrong(shared_service):
 def _placement(service):
     """A placement over synthetic measured inputs (three PCs, one CPU each), as a finished
     POST /placements would leave it: the solve and rings routes work from the kept inputs."""
-    from console.fleet.export_catalog import ExportSpec
     from console.fleet.fleet_service import Placement
-    from console.fleet.links import LinkReport
-    from console.fleet.placement_inputs import PlacementInputs, solve_inputs
+    from console.fleet.placement_inputs import solve_inputs
+    from console.fleet_api.exports import ExportSpec
+    from console.fleet_api.link_report import LinkReport
+    from console.fleet_api.placement import PlacementInputs
     from engine.placement.planner import DeviceProfile, Links, ModelProfile, PcInfo, PlacementRequest
 
     pcs = tuple(PcInfo(f"pc-{c}", (4 + i) << 30, True) for i, c in enumerate("abc"))
@@ -229,7 +230,7 @@ def test_a_listed_ring_that_cannot_form_is_retried_until_stopped(tmp_path):
 
 
 def test_a_state_dir_too_deep_for_the_socket_is_a_clear_error(tmp_path):
-    from console.fleet.errors import ConsoleError
+    from console.fleet_api.errors import ConsoleError
 
     deep = tmp_path / ("d" * 60) / ("e" * 60)
 

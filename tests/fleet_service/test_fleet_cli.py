@@ -24,7 +24,7 @@ from console.fleet.cli import (
     service_settings,
     windows_run_value,
 )
-from console.fleet.errors import ConsoleError
+from console.fleet_api.errors import ConsoleError
 from engine.control.fleet_services import load_or_create_authority
 from engine.errors import DeskfleetError
 from engine.trust.admin_bundle import read_admin_credentials

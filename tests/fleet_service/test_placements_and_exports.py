@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 
 from console.fleet.errors import ConsoleStateError
-from console.fleet.export_catalog import ExportSpec
 from console.fleet.placement_store import PLACEMENTS_FILE, Placement, PlacementStore
 from console.fleet_api.admin_client import AdminClient
+from console.fleet_api.exports import ExportSpec
 from engine.placement.planner import Plan, PlannedStage
 from tests.fleet_service.admin import Admin
 from tests.fleet_service.conftest import service_in_process
@@ -27,8 +27,8 @@ SPEC = ExportSpec(weights="fp32", kv_cache_precision="f32")
 
 def _inputs():
     """Measured inputs as a finished placement job leaves them: three PCs, one CPU each."""
-    from console.fleet.links import LinkReport
-    from console.fleet.placement_inputs import PlacementInputs
+    from console.fleet_api.link_report import LinkReport
+    from console.fleet_api.placement import PlacementInputs
     from engine.placement.planner import DeviceProfile, Links, ModelProfile, PcInfo
 
     pcs = tuple(PcInfo(f"pc-{c}", (4 + i) << 30, True) for i, c in enumerate("abc"))

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from console.fleet.errors import ConsoleStateError
-from console.fleet.export_catalog import ExportSpec
 from console.fleet.served_rings import SERVED_FILE, RingIdError, ServedRing, ServedRings, next_ring_id
+from console.fleet_api.exports import ExportSpec
 from engine.placement.planner import Plan, PlannedStage
 
 

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from console.fleet.errors import ConsoleError
 from console.fleet.service_events import EventFeed, JobNotFoundError, Jobs
+from console.fleet_api.errors import ConsoleError
 from tests.support.asyncutil import run
 
 
