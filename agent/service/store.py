@@ -1,7 +1,7 @@
 """The shard store: where an agent keeps the files of its assigned stage, and how it gets them.
 
 Layout: ``<state dir>/shards/<export id>/manifest.json`` plus the stage's files at the paths the
-manifest names (every path goes through :func:`engine.shards.manifest.safe_join`, so nothing a console
+manifest names (every path goes through :func:`engine.shards.manifest.safe_join`, so nothing a fleet service
 sends can escape the store). A download writes ``<file>.part`` and resumes from its length with
 an HTTP Range request; a file becomes visible under its real name only after its sha256
 matched. Verified files are remembered by (size, mtime) in ``.verified.json``, so re-running a
@@ -134,9 +134,9 @@ class _Throttle:
 async def async_fetch(store: ShardStore, assignment: Assignment, *, ssl: SSLContext | None,
                       on_progress: Callable[[FetchProgress], None] = lambda p: None,
                       bandwidth_cap: int | None = None, timeout: float = 60.0,
-                      console_node_id: str | None = None) -> None:
+                      service_node_id: str | None = None) -> None:
     """Download and verify every missing file of the assignment's stage, resuming partial files.
-    Over TLS the hub must hold a console certificate (``console_node_id``: that console's).
+    Over TLS the hub must hold a fleet service certificate (``service_node_id``: that fleet service's).
 
     Raises FetchError, PeerIdentityError (someone else answered at the hub's address), or
     ControlRequestError 507 for disk space; what was verified stays.
@@ -151,7 +151,7 @@ async def async_fetch(store: ShardStore, assignment: Assignment, *, ssl: SSLCont
     on_progress(FetchProgress(done, total))
     client_timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout)
     connector = None if ssl is None else PeerCheckingConnector(
-        expect_peer(Role.CONSOLE, console_node_id, what=f"the console's hub at {assignment.source}"))
+        expect_peer(Role.FLEET_SERVICE, service_node_id, what=f"the fleet service's hub at {assignment.source}"))
     async with aiohttp.ClientSession(timeout=client_timeout, connector=connector) as session:
         for entry in todo:
             dest = safe_join(directory, entry.path)

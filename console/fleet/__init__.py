@@ -1,4 +1,5 @@
-"""The console's Qt-free services: the fleet it sees, the models it exports, placement inputs,
-distribution of shards and bringing up the ring. The Qt pages in ``console`` are thin views over
-these; an import-linter contract keeps Qt out of this package.
+"""The fleet service (``deskfleet fleet``), headless: the fleet it sees, the models it exports,
+placement inputs, distribution of shards, bringing up and failing over rings, and the admin API
+it serves. The console's Qt views (``console.qt``) are its clients over that API
+(``console.fleet_api``) and never import this package; an import-linter contract keeps Qt out.
 """

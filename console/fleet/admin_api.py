@@ -50,7 +50,7 @@ from console.fleet_api.admin_shapes import (
     spec_from_json,
     strings,
 )
-from console.fleet_api.errors import ConsoleError
+from console.fleet_api.errors import FleetServiceError
 from engine.api.guard import JSON_TYPE, LOOPBACK_NAMES, host_name, is_ip
 from engine.errors import DeskfleetError, TagError, TokenPolicyError
 from engine.http_limits import LimitedAppRunner
@@ -481,7 +481,7 @@ async def async_run_admin(service: FleetService, stack: contextlib.AsyncExitStac
     try:
         await web.UnixSite(runner, str(path)).start()
     except OSError as exc:  # e.g. a path over the 107 bytes a unix socket address holds
-        raise ConsoleError(f"the admin API cannot listen on {path} ({exc}); use a --state-dir with a shorter "
+        raise FleetServiceError(f"the admin API cannot listen on {path} ({exc}); use a --state-dir with a shorter "
                            "path") from exc
     os.chmod(path, 0o600)
     if settings.admin_port is None:
@@ -492,7 +492,7 @@ async def async_run_admin(service: FleetService, stack: contextlib.AsyncExitStac
     try:
         await site.start()
     except OSError as exc:
-        raise ConsoleError(f"the admin API cannot listen on {settings.admin_host}:{settings.admin_port} ({exc}); "
+        raise FleetServiceError(f"the admin API cannot listen on {settings.admin_host}:{settings.admin_port} ({exc}); "
                            "pick another --admin-port (or -1 for the local socket only)") from exc
     port = runner.addresses[-1][1]
     host = f"[{settings.admin_host}]" if ":" in settings.admin_host else settings.admin_host

@@ -23,9 +23,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from console.fleet.errors import ConsoleStateError
+from console.fleet.errors import FleetStateError
 from console.fleet.state_file import read_json, write_json
-from console.fleet_api.errors import ConsoleError
+from console.fleet_api.errors import FleetServiceError
 from engine.errors import DeskfleetError
 from engine.trust.fleet_ca import peer_node_id
 
@@ -93,10 +93,10 @@ class AdminCertBook:
         fingerprint = peer_node_id(der)
         try:
             record = self.certs().get(fingerprint)
-        except ConsoleStateError as exc:
+        except FleetStateError as exc:
             return f"the admin-certificate list cannot be read ({exc})"  # fail closed
         if record is None:
-            with contextlib.suppress(ConsoleStateError, OSError):
+            with contextlib.suppress(FleetStateError, OSError):
                 self.record(der, source="first seen")
             return None
         if record.get("revoked_at"):
@@ -146,7 +146,7 @@ class AdminCertBook:
         if data.get("format") != FORMAT or not isinstance(certs, dict) or not all(
                 isinstance(k, str) and _FINGERPRINT.fullmatch(k) and isinstance(v, dict)
                 and isinstance(v.get("not_after"), str) for k, v in certs.items()):
-            raise ConsoleStateError(f"{_WHAT} in {self.path} is not format {FORMAT} with a 'certs' object of "
+            raise FleetStateError(f"{_WHAT} in {self.path} is not format {FORMAT} with a 'certs' object of "
                                     "fingerprints; it was left in place and every admin certificate is refused "
                                     "until it is restored from a backup")
         return certs
@@ -207,7 +207,7 @@ def write_admin_certificate(state_dir: Path, name: str, out: Path, *, days: int 
     from engine.trust.state_owner import run_as_owner
 
     if is_first_run(state_dir):
-        raise ConsoleError(f"there is no fleet in {state_dir} (no fleet CA); start `deskfleet fleet` there first, "
+        raise FleetServiceError(f"there is no fleet in {state_dir} (no fleet CA); start `deskfleet fleet` there first, "
                            "or pass the service's --state-dir")
     _preload_for_owner()
     issued = run_as_owner(state_dir, lambda where: issue_recorded(where, name, days))

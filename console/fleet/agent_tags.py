@@ -8,7 +8,7 @@ after a restart of the service before its first poll.
 
 The file is written only when something changed (a poll that reports the same tags writes
 nothing) and atomically (:mod:`console.fleet.state_file`); a file that does not parse stops the
-service with `ConsoleStateError` naming it and is left in place.
+service with `FleetStateError` naming it and is left in place.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from console.fleet.errors import ConsoleStateError
+from console.fleet.errors import FleetStateError
 from console.fleet.state_file import read_agents, write_json
 from engine.control.tags import parse_tags
 from engine.errors import TagError
@@ -86,6 +86,6 @@ class TagBook:
                 out[node_id] = AgentTags(parse_tags(entry.get("reported", [])),
                                          None if admin is None else parse_tags(admin))
             except TagError as exc:
-                raise ConsoleStateError(f"{_WHAT} in {self.path} has a malformed entry for {node_id!r} ({exc}); "
+                raise FleetStateError(f"{_WHAT} in {self.path} has a malformed entry for {node_id!r} ({exc}); "
                                         "it was left in place: fix or remove that entry") from exc
         return out

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from zeroconf import IPVersion, ServiceInfo
 from zeroconf.asyncio import AsyncZeroconf
 
-from console.fleet_api.errors import ConsoleError
+from console.fleet_api.errors import FleetServiceError
 from engine.discovery.mdns import RecordPublisher
 from engine.errors import DiscoveryError
 
@@ -27,7 +27,7 @@ RECORD_TTL_S = 120
 ADVERTISE_TIMEOUT_S = 10.0
 
 
-class ApiAdvertError(ConsoleError):
+class ApiAdvertError(FleetServiceError):
     """The API's mDNS record cannot be published, or a record read back is not one of ours."""
 
 

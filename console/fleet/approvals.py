@@ -1,10 +1,10 @@
-"""The agents the admin approved for placement, kept in the console's state dir.
+"""The agents the admin approved for placement, kept in the fleet service's state dir.
 
 One JSON file, replaced atomically on every change, one agent a line. Each entry keeps where the
-agent was last seen, so an approved agent is listed (and polled) after a console restart even on
+agent was last seen, so an approved agent is listed (and polled) after a fleet service restart even on
 a network that drops multicast. Each entry's JSON is made once and kept: re-encoding a thousand
 entries (``asdict`` and the pure-Python indenting encoder) took ~70 ms per approval at 1,000
-agents. A file that does not parse stops the console with `ConsoleStateError` and is left in place.
+agents. A file that does not parse stops the fleet service with `FleetStateError` and is left in place.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import MappingProxyType
 
-from console.fleet.errors import ConsoleStateError
+from console.fleet.errors import FleetStateError
 from console.fleet.state_file import read_agents
 from engine.atomic_file import write_text_atomic
 
@@ -66,12 +66,12 @@ class ApprovalBook:
         try:
             write_text_atomic(self.path, text)
         except OSError as exc:
-            raise ConsoleStateError(f"cannot write {_WHAT} to {self.path}: {exc}; check free disk space "
+            raise FleetStateError(f"cannot write {_WHAT} to {self.path}: {exc}; check free disk space "
                                     "and the state directory's permissions") from exc
         self._approved, self._lines = approved, lines
 
     def _load(self) -> dict[str, Approval]:
-        """The approvals in the file; ConsoleStateError naming what is wrong (the file is left as it is)."""
+        """The approvals in the file; FleetStateError naming what is wrong (the file is left as it is)."""
         agents = read_agents(self.path, _WHAT, FORMAT, "the agents must then be approved again")
         approved = {}
         for node_id, entry in agents.items():
@@ -82,7 +82,7 @@ class ApprovalBook:
                                 ("node_id", "name", "address", "fleet_id", "approved_at"))):
                     raise TypeError("a field has the wrong type")
             except TypeError as exc:
-                raise ConsoleStateError(f"{_WHAT} in {self.path} has a malformed entry for {node_id!r} "
+                raise FleetStateError(f"{_WHAT} in {self.path} has a malformed entry for {node_id!r} "
                                         f"({exc}); it was left in place: fix or remove that entry") from exc
             approved[node_id] = approval
         return approved

@@ -6,7 +6,7 @@ per-stage overhead. Such stages must be middle stages (no embedding, no head), s
 five or more layers is exported once with ``split=[1, 2, 4]`` (stage 1 holds layer 1, stage 2
 layers 2-3), and a four-layer model twice, with ``[1, 2]`` and ``[1, 3]``. The exports use the
 weight format that will be served, since that is what the timings must describe, and are built
-once per model and format under the console's state dir.
+once per model and format under the fleet service's state dir.
 
 The same exports give placement's `ModelProfile`: the middle stages' file sizes are the bytes of
 a layer's weights, stage 0 less one layer is the embedding, the last stage less its layers the

@@ -44,7 +44,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("more", nargs="*", default=[], help="tokens revoke: the token's id (from `tokens list`)")
     p.add_argument("--state-dir", type=Path, default=None,
                    help="where the fleet CA, approvals, models, exports and the served rings live (default: the "
-                        "per-user data directory, the console's)")
+                        "per-user data directory, the fleet service's)")
     p.add_argument("--interface", default=None, metavar="ADDR",
                    help="IPv4 address to serve agents and browse mDNS on (default: the address of the default "
                         "route's interface; 127.0.0.1 keeps everything on this PC)")
@@ -87,7 +87,7 @@ def service_settings(args: argparse.Namespace):
     from dataclasses import replace
 
     from console.fleet.fleet_service import FleetServiceSettings
-    from console.fleet_api.fleet_settings import ConsoleSettings, default_state_dir
+    from console.fleet_api.fleet_settings import FleetSettings, default_state_dir
     from engine.control.messages import WorkerSettings
     from engine.errors import DeskfleetError
     from engine.machine.this_pc import primary_ipv4
@@ -99,16 +99,16 @@ def service_settings(args: argparse.Namespace):
     if not -1 <= args.admin_port < 65536:
         raise DeskfleetError(f"--admin-port must be a TCP port (0-65535) or -1 for none, not {args.admin_port}")
     interface = args.interface or primary_ipv4()
-    console = ConsoleSettings(state_dir=args.state_dir or default_state_dir(), interface=interface,
-                              api_port=args.api_port, enrollment_port=args.enrollment_port, hub_port=args.hub_port,
-                              runtime=args.runtime)
+    fleet = FleetSettings(state_dir=args.state_dir or default_state_dir(), interface=interface,
+                          api_port=args.api_port, enrollment_port=args.enrollment_port, hub_port=args.hub_port,
+                          runtime=args.runtime)
     if args.data_port is not None:
-        console = replace(console, data_port=args.data_port)
+        fleet = replace(fleet, data_port=args.data_port)
     if args.threads is not None or args.exact:
-        console = replace(console, worker=WorkerSettings(threads=args.threads, exact=args.exact))
+        fleet = replace(fleet, worker=WorkerSettings(threads=args.threads, exact=args.exact))
     admin_port = None if args.admin_port == -1 else args.admin_port
     mdns = getattr(args, "mdns", True)
-    return FleetServiceSettings(console=console, admin_host=args.admin_host or interface, admin_port=admin_port,
+    return FleetServiceSettings(fleet=fleet, admin_host=args.admin_host or interface, admin_port=admin_port,
                                 browse=mdns, advertise_api=mdns, advertise=mdns)
 
 

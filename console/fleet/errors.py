@@ -1,27 +1,27 @@
-"""The console services' exception hierarchy. Every message tells the admin what happened and
+"""The fleet service's exception hierarchy. Every message tells the admin what happened and
 what to do; each class says when it is raised."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from console.fleet_api.errors import ConsoleError
+from console.fleet_api.errors import FleetServiceError
 
 
-class ConsoleStateError(ConsoleError):
-    """A file in the console's state dir cannot be read, does not parse, or cannot be written; a
+class FleetStateError(FleetServiceError):
+    """A file in the fleet service's state dir cannot be read, does not parse, or cannot be written; a
     file that does not parse is left in place, never overwritten."""
 
 
 # -- the model library and export jobs ------------------------------------------------------------
 
 
-class ModelPathError(ConsoleError):
+class ModelPathError(FleetServiceError):
     """An admin added (or exported from) a path that is not a model: missing, not an HF checkpoint
     directory, not a GGUF file."""
 
 
-class ExportJobError(ConsoleError):
+class ExportJobError(FleetServiceError):
     """An export running in the background process failed; the message is the exporter's."""
 
     def __init__(self, message: str, kind: str = "") -> None:
@@ -29,22 +29,22 @@ class ExportJobError(ConsoleError):
         self.kind = kind  # the exporter's exception class name, e.g. "ExportError"
 
 
-class ExportCancelledError(ConsoleError):
+class ExportCancelledError(FleetServiceError):
     """Waited on an export job that was cancelled: nothing was written."""
 
 
-class ExportTimeoutError(ConsoleError):
+class ExportTimeoutError(FleetServiceError):
     """An export job did not finish within the time the caller allowed (it keeps running)."""
 
 
-class ExportNotFoundError(ConsoleError):
-    """An export id names no export in the console's library."""
+class ExportNotFoundError(FleetServiceError):
+    """An export id names no export in the fleet service's library."""
 
 
 # -- distribution and the ring ---------------------------------------------------------------------
 
 
-class DistributionError(ConsoleError):
+class DistributionError(FleetServiceError):
     """Base of the errors raised while distributing shards and bringing up the ring."""
 
 
@@ -80,21 +80,21 @@ class RingUnhealthyError(DistributionError):
 # -- the fleet, links and placement inputs ---------------------------------------------------------
 
 
-class UnknownAgentError(ConsoleError):
-    """A node id names no agent the console knows (never seen, or removed)."""
+class UnknownAgentError(FleetServiceError):
+    """A node id names no agent the fleet service knows (never seen, or removed)."""
 
 
-class ForeignAgentError(ConsoleError):
-    """An agent cannot be approved or controlled because it has not joined this console's fleet:
+class ForeignAgentError(FleetServiceError):
+    """An agent cannot be approved or controlled because it has not joined this fleet service's fleet:
     it belongs to another fleet, or has joined none yet."""
 
 
-class AgentUnreachableError(ConsoleError):
+class AgentUnreachableError(FleetServiceError):
     """An agent's control API did not answer in time, or refused the TLS handshake (another
-    fleet's agent refuses this console's certificate)."""
+    fleet's agent refuses this fleet service's certificate)."""
 
 
-class AgentRefusedError(ConsoleError):
+class AgentRefusedError(FleetServiceError):
     """An agent answered a control request with an error; ``status`` is the HTTP status."""
 
     def __init__(self, message: str, status: int) -> None:
@@ -102,7 +102,7 @@ class AgentRefusedError(ConsoleError):
         self.status = status
 
 
-class CalibrationError(ConsoleError):
+class CalibrationError(FleetServiceError):
     """A model cannot be profiled for placement: too few layers for calibration stages of one
     and two layers, or its calibration export cannot be built."""
 

@@ -1,6 +1,6 @@
-"""The exports the console has made: one directory each under ``<state dir>/exports/``, described
+"""The exports the fleet service has made: one directory each under ``<state dir>/exports/``, described
 by its manifest. Reading them is pure file I/O (no torch, no OpenVINO), so the background export
-process and the console share it.
+process and the fleet service share it.
 
 An export is identified for reuse by :class:`ExportKey`: the model's fingerprint, how the weights
 were compressed and where the layers were cut. Two requests with the same key would produce the

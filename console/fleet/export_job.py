@@ -2,10 +2,10 @@
 own error message.
 
 The export needs a lot of memory for a while (and torch for an NPU target); a separate process
-keeps both out of the console and makes cancelling a plain ``terminate()``. The process reports over a one-way pipe
-(frozen messages, no threads on either side). Whoever owns the job calls :meth:`ExportJob.poll`
-(a Qt timer, or :meth:`ExportJob.wait` / :meth:`ExportJob.async_wait`), which drains the pipe
-and hands every event to ``on_event`` on the caller's thread.
+keeps both out of the fleet service and makes cancelling a plain ``terminate()``. The process
+reports over a one-way pipe (frozen messages, no threads on either side). Whoever owns the job
+calls :meth:`ExportJob.poll` (a Qt timer, or :meth:`ExportJob.wait` / :meth:`ExportJob.async_wait`),
+which drains the pipe and hands every event to ``on_event`` on the caller's thread.
 
 What the process does: resolve the model (a GGUF's config and tokenizer are written once), fingerprint it, turn
 ``stages``/``split`` into the cut points, and reuse an existing export with the same
@@ -88,7 +88,7 @@ def _export_process(request: ExportRequest, conn: Connection) -> None:
     """Entry point of the export process: every outcome, success or failure, is one message."""
     try:
         _export(request, conn.send)
-    except Exception as exc:  # noqa: BLE001 - reported to the console, not raised into nowhere
+    except Exception as exc:  # noqa: BLE001 - reported to the fleet service, not raised into nowhere
         from engine.errors import DeskfleetError
 
         message = str(exc) if isinstance(exc, DeskfleetError) else (
@@ -126,7 +126,7 @@ def _export(request: ExportRequest, send: Callable[[object], None]) -> None:
     send(_Done(out, reused=False))
 
 
-# -- the console's handle ----------------------------------------------------------------------------
+# -- the fleet service's handle ----------------------------------------------------------------------------
 
 
 class ExportJob:
@@ -215,7 +215,7 @@ class ExportJob:
         self._reap()
         code = self._process.exitcode if self._process is not None else None
         self.failure = ExportFailed("ProcessDied", f"the export process exited (code {code}) without a result: "
-                                    "it could not start (its error is on the console's stderr), was killed, "
+                                    "it could not start (its error is on the fleet service's stderr), was killed, "
                                     "or ran out of memory. For the last, close other programs or choose "
                                     "smaller weights (int4), then export again.")
         self.state = "failed"

@@ -152,7 +152,7 @@ def pair_standbys(stages: Sequence[int], usable: Sequence[AgentEndpoint],
 
 def spare_stages(layout: RingLayout, standby: Sequence[AgentEndpoint]) -> dict[str, int]:
     """Which stage each standby holds a warm spare of: round-robin from the last stage back (the
-    last stage is always on an agent, stage 0 may be in the console)."""
+    last stage is always on an agent, stage 0 may be in the fleet service)."""
     stages = [t.stage for t in reversed(layout.targets)]
     return {e.control: stages[i % len(stages)] for i, e in enumerate(standby)} if stages else {}
 

@@ -18,7 +18,7 @@ import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from console.fleet.errors import ConsoleStateError
+from console.fleet.errors import FleetStateError
 from console.fleet.state_file import read_json, write_json
 
 log = logging.getLogger("deskfleet.fleet")
@@ -42,7 +42,7 @@ class FailoverTally:
     def _load(self, path: Path) -> None:
         try:
             data = read_json(path, WHAT)
-        except ConsoleStateError as exc:
+        except FleetStateError as exc:
             log.warning("%s; counting today's failovers from 0", exc)
             return
         if data and data.get("day") == self._day.isoformat() and isinstance(data.get("count"), int):

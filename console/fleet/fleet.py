@@ -1,8 +1,8 @@
-"""The agents the console knows: discovered over mDNS, registered at the hub by unicast, or
+"""The agents the fleet service knows: discovered over mDNS, registered at the hub by unicast, or
 added by address; approved (or not) by the admin; polled for their status; paused and resumed.
 
 `FleetModel` holds the sources' last words and merges them into `AgentRecord`s (the merge is
-pure, in `console.fleet_api.agent_record`); it lives on the console's one asyncio loop and is not
+pure, in `console.fleet_api.agent_record`); it lives on the fleet service's one asyncio loop and is not
 thread-safe. Listeners get the new list of records after every change, on the loop: the Qt
 view forwards them to the GUI thread with a queued signal. One source's news re-merges that
 agent's record only, and a status round polls a few agents at a time over one TLS context: at
@@ -14,7 +14,7 @@ Node ids come only from certificates: the hub's caller, the peer of a probe or a
 record is what anyone on the LAN may claim: it lists a PC as unverified and suggests an address
 to probe (a few probes at a time, each address at most every ``PROBE_RETRY_S``); it never moves
 a verified agent or changes its state, and never makes a node id approvable. Approving is
-refused for an agent that is not verified, or that is, as far as the console can tell, in
+refused for an agent that is not verified, or that is, as far as the fleet service can tell, in
 another fleet or none. Removing an agent revokes it (console.fleet.revocations).
 """
 
@@ -66,7 +66,7 @@ Listener = Callable[[tuple[AgentRecord, ...]], None]
 
 
 class FleetModel:
-    """``credentials`` is the console's own fleet certificate (``FleetHost.credentials``)."""
+    """``credentials`` is the fleet service's own fleet certificate (``FleetHost.credentials``)."""
 
     def __init__(self, state_dir: Path, credentials: Credentials, *, timeout: float = POLL_TIMEOUT_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -76,12 +76,12 @@ class FleetModel:
         self.timeout = timeout
         self._clock = clock
         self._ssl = credentials.client_context()  # one context for every control client: loading it costs ~1 ms
-        self._approvals = ApprovalBook(state_dir)  # raises ConsoleStateError for a corrupt file
+        self._approvals = ApprovalBook(state_dir)  # raises FleetStateError for a corrupt file
         self._revoked = RevocationBook(state_dir)
-        self._tags = TagBook(state_dir)  # raises ConsoleStateError for a corrupt file
+        self._tags = TagBook(state_dir)  # raises FleetStateError for a corrupt file
         self._hub: FleetHub | None = None
         self._rotate_api_key: Callable[[], str] | None = None  # FleetHost.rotate_api_key, once attached
-        self._api_key: str | None = None  # the console key the last removal rotated to (never sent to members)
+        self._api_key: str | None = None  # the `console` key the last removal rotated to (never sent to members)
         self._member_key: Callable[[str], str | None] | None = None  # FleetHost.member_key, once attached
         self._probed: dict[tuple[str, str, int], float] = {}  # (claimed key, host, port) -> when
         self._probes: set[asyncio.Task] = set()
@@ -107,7 +107,7 @@ class FleetModel:
         try:
             return self._records[key]
         except KeyError:
-            raise UnknownAgentError(f"no agent {key[:16]}… is known to the console; refresh the "
+            raise UnknownAgentError(f"no agent {key[:16]}… is known to the fleet service; refresh the "
                                     "agent list, or add the PC by address") from None
 
     def approved(self) -> tuple[AgentRecord, ...]:
@@ -164,7 +164,7 @@ class FleetModel:
                 if len(self._warned) > 4 * MAX_HINTS:  # a stream of forged records must not grow it for ever
                     self._warned.clear()
                 self._warned.add(where)
-                log.warning("an mDNS record claims agent %s (%s) is at %s:%d; the console keeps %s until a "
+                log.warning("an mDNS record claims agent %s (%s) is at %s:%d; the fleet service keeps %s until a "
                             "probe there proves it", key[:16], record.name, hint.address, hint.control_port,
                             record.control_address)
         now = self._clock()
@@ -231,7 +231,7 @@ class FleetModel:
     def attach_api_key(self, rotate: Callable[[], str],
                        member_key: Callable[[str], str | None] | None = None) -> Callable[[], None]:
         """Removing a member from now on calls ``rotate()`` (``FleetHost.rotate_api_key``): older
-        versions put the console key in every assignment. The deny list then carries each member's
+        versions put the `console` key in every assignment. The deny list then carries each member's
         own key (``member_key(node id)``, ``FleetHost.member_key``), never the new console key.
         Returns a function that detaches."""
         self._rotate_api_key = rotate
@@ -273,12 +273,12 @@ class FleetModel:
             raise AgentUnreachableError(
                 f"no Deskfleet agent of this fleet answered at {host}:{port} ({exc}); check the address "
                 "and the control port (7210 by default), that the PC is on and its firewall lets the "
-                "port through, and that it joined this console's fleet") from exc
+                "port through, and that it joined this fleet service's fleet") from exc
         node_id = client.peer_node_id
         claimed = probe.get("node_id") if isinstance(probe, dict) else None
         if not isinstance(claimed, str) or not claimed:
             raise ForeignAgentError(f"the agent at {host}:{port} has not joined a fleet; join it with a "
-                                    "token from this console first")
+                                    "token from this fleet service first")
         if claimed != node_id:
             log.warning("the agent at %s:%d claims node id %s but its certificate is %s; the certificate "
                         "counts", host, port, claimed[:16], node_id[:16])
@@ -297,16 +297,16 @@ class FleetModel:
         if not record.verified and record.membership is Membership.MEMBER:
             raise ForeignAgentError(
                 f"{record.name} is only known from an mDNS record, which anyone on the network can send; "
-                "the console approves an agent once it proved its identity over mutual TLS (a probe of "
+                "the fleet service approves an agent once it proved its identity over mutual TLS (a probe of "
                 "its address, or its registration at the hub). Wait a moment, or add the PC by address")
         if record.membership is Membership.OTHER_FLEET:
             raise ForeignAgentError(
                 f"{record.name} belongs to another fleet (fleet {record.fleet_id[:16]}…) and cannot be "
                 "approved here; to use it, leave that fleet from its tray menu and join this one "
-                "with a join token from this console")
+                "with a join token from this fleet service")
         if record.membership is Membership.NOT_JOINED:
             raise ForeignAgentError(f"{record.name} has not joined a fleet yet; give the person at that "
-                                    "PC a join token from this console, then approve it")
+                                    "PC a join token from this fleet service, then approve it")
         self._approvals.add(node_id, record.name, record.address, record.control_port, record.fleet_id)
         self._rebuild((node_id,))
         return self._records[node_id]
@@ -350,7 +350,7 @@ class FleetModel:
             task.add_done_callback(self._probes.discard)
 
     async def async_push_deny(self) -> dict[str, str]:
-        """Send the deny list (and each member its own API key: the console's was rotated) to every
+        """Send the deny list (and each member its own API key: the `console` key was rotated) to every
         verified member; {node id: why it failed} for those not told."""
         deny, rotated = self.deny, self._api_key is not None
         failed: dict[str, str] = {}
@@ -378,9 +378,9 @@ class FleetModel:
         record = self.get(node_id)
         if record.membership is not Membership.MEMBER or not record.control_port:
             raise ForeignAgentError(f"{record.name} is not a member of this fleet (it is "
-                                    f"{record.membership.value}); the console cannot control it")
+                                    f"{record.membership.value}); the fleet service cannot control it")
         if not record.verified:
-            raise ForeignAgentError(f"{record.name} has not proved its identity to the console yet (it is "
+            raise ForeignAgentError(f"{record.name} has not proved its identity to the fleet service yet (it is "
                                     "only known from an mDNS record); wait for the probe, or add it by address")
         return ControlClient(self.credentials, record.address, record.control_port, timeout=self.timeout,
                              node_id=record.node_id, ssl_context=self._ssl)
@@ -407,7 +407,7 @@ class FleetModel:
         return self._records[node_id]
 
     async def async_pause(self, node_id: str) -> AgentRecord:
-        """The console's pause: the agent stops its worker and stays paused until resumed."""
+        """The fleet service's pause: the agent stops its worker and stays paused until resumed."""
         await self._async_control(node_id, "pause")
         return await self.async_refresh_one(node_id)
 

@@ -64,9 +64,9 @@ from console.fleet.service_ring import (
 )
 from console.fleet_api.admin_shapes import agent_json, export_json, model_json, plan_json
 from console.fleet_api.agent_record import AgentRecord
-from console.fleet_api.errors import ConsoleError
+from console.fleet_api.errors import FleetServiceError
 from console.fleet_api.exports import ExportEvent, ExportSpec
-from console.fleet_api.fleet_settings import ConsoleSettings
+from console.fleet_api.fleet_settings import FleetSettings
 from console.fleet_api.model_entry import ModelEntry
 from engine.api.server import RunningApi, async_run_api
 from engine.control.fleet_services import FleetHost, fleet_host, write_private
@@ -91,9 +91,9 @@ class FleetServiceSettings:
     """``admin_port`` None: the admin API on the local socket only. ``browse`` False: no mDNS
     browser (agents are then found through the hub and by address only); ``advertise_api``
     False: the OpenAI API is not advertised over mDNS (``_deskfleet-api._tcp``); ``advertise``
-    False: nor is the enrolment port (PCs then join with the console's address given)."""
+    False: nor is the enrolment port (PCs then join with the fleet service's address given)."""
 
-    console: ConsoleSettings
+    fleet: FleetSettings
     admin_host: str = "127.0.0.1"
     admin_port: int | None = 7222
     down_grace_s: float = 15.0
@@ -107,14 +107,14 @@ class FleetServiceSettings:
 
     @property
     def state_dir(self) -> Path:
-        return self.console.state_dir
+        return self.fleet.state_dir
 
 
-class RingNotFoundError(ConsoleError):
+class RingNotFoundError(FleetServiceError):
     """A ring id names no ring the service serves."""
 
 
-class ModelNotFoundError(ConsoleError):
+class ModelNotFoundError(FleetServiceError):
     """A model name is not in the service's library."""
 
 
@@ -149,7 +149,7 @@ class FleetService:
     # ---- lifecycle -------------------------------------------------------------------------------
 
     async def async_start(self) -> None:
-        s = self.settings.console
+        s = self.settings.fleet
         s.state_dir.mkdir(parents=True, exist_ok=True)
         try:
             self.served = ServedRings(s.state_dir)
@@ -211,7 +211,7 @@ class FleetService:
             (self.settings.state_dir / SERVICE_FILE).unlink()
 
     async def _async_start_api(self) -> None:
-        s = self.settings.console
+        s = self.settings.fleet
         port = s.api_port
         if port == 0:  # agents learn the API's address with their assignment: keep it across restarts
             port = self.served.state.api_port or free_port(s.interface)
@@ -232,7 +232,7 @@ class FleetService:
         from console.fleet.api_advert import ApiAdvertError, ApiAdvertisement, ApiAdvertiser
 
         advertiser = ApiAdvertiser()
-        ad = ApiAdvertisement(self.fleet.fleet_id, self.api.port, self.settings.console.interface)
+        ad = ApiAdvertisement(self.fleet.fleet_id, self.api.port, self.settings.fleet.interface)
         try:
             await advertiser.async_start(ad)
         except (ApiAdvertError, OSError, TimeoutError) as exc:
@@ -254,7 +254,7 @@ class FleetService:
 
     @property
     def api_url(self) -> str:
-        return self.api.url if self.api is not None else self.settings.console.api_url
+        return self.api.url if self.api is not None else self.settings.fleet.api_url
 
     # ---- news ------------------------------------------------------------------------------------
 
@@ -272,7 +272,7 @@ class FleetService:
         out = {}
         for ring_id, ring in self.rings.items():
             if ring.in_router and ring.dist is not None:
-                with contextlib.suppress(ConsoleError):
+                with contextlib.suppress(FleetServiceError):
                     out[ring_id] = ring.dist.coordinator.metrics()
         return {"rings": out, "failovers_today": self.failovers.observe(out)}
 
@@ -301,7 +301,7 @@ class FleetService:
         if health != self._last_health:
             self._last_health = health
             self.feed.publish("health", health)
-        if now - last_metrics >= max(self.settings.console.metrics_s, 2.0) and any(
+        if now - last_metrics >= max(self.settings.fleet.metrics_s, 2.0) and any(
                 r.in_router for r in self.rings.values()):
             last_metrics = now
             self.feed.publish("metrics", self.metrics_json())
@@ -318,14 +318,14 @@ class FleetService:
 
     async def _async_refresh_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.settings.console.refresh_s)
+            await asyncio.sleep(self.settings.fleet.refresh_s)
             with contextlib.suppress(Exception):
                 await self.fleet.async_refresh()
 
     # ---- tokens and agents -----------------------------------------------------------------------
 
     def new_token(self, ttl_s: float | None = 24 * 3600, **options: Any) -> dict[str, Any]:
-        """A new join token (``options``: uses, auto_approve, label; see TokenDesk), the console's current one."""
+        """A new join token (``options``: uses, auto_approve, label; see TokenDesk), the fleet service's current one."""
         data = self.token_desk.issue({"ttl_s": ttl_s, **options})
         self.token = data["token"]
         self.feed.publish("token", {"token": self.token, "expires_at": data["expires_at"]})
@@ -340,7 +340,7 @@ class FleetService:
         return agent_json(record)
 
     def remove(self, key: str) -> None:
-        """Revoke the agent (deny list, pushed to every member; the console key rotated) and every
+        """Revoke the agent (deny list, pushed to every member; the `console` key rotated) and every
         API key issued to it (its tray's): the running API refuses them from the next request."""
         record = self.fleet.get(key)
         node_id = record.node_id
@@ -399,7 +399,7 @@ class FleetService:
             return self.placements.put(await async_new_placement(
                 self.fleet, self.host.hub, checkpoint, placement_id=self.placements.new_id(), model=model, spec=spec,
                 request=request, context=context, leave_out=leave_out, include=include, exclude=exclude,
-                steps=self.settings.console.calibration_steps, threads=self.settings.console.worker.threads))
+                steps=self.settings.fleet.calibration_steps, threads=self.settings.fleet.worker.threads))
 
         return self.jobs.start("place", asyncio.wait_for(place(), PLACE_TIMEOUT_S),
                                to_json=lambda p: {"placement": p.to_json()})
@@ -466,7 +466,7 @@ class FleetService:
     # ---- rings -----------------------------------------------------------------------------------
 
     def _context(self) -> RingContext:
-        return RingContext(self.host, self.library, self.settings.console, self.router, self.tokenizers,
+        return RingContext(self.host, self.library, self.settings.fleet, self.router, self.tokenizers,
                            self.fleet.records, self.feed.publish, self.served.put, self._in_other_rings,
                            lambda: self.api_url, self.settings.timeouts, self.settings.failover)
 
@@ -550,7 +550,7 @@ class FleetService:
     def service_json(self) -> dict[str, Any]:
         from engine import __version__
 
-        s = self.settings.console
+        s = self.settings.fleet
         hub = self.host.hub  # where agents register by address (their --seed)
         return {"fleet_id": self.fleet.fleet_id, "enrollment": self.host.enrollment, "version": __version__,
                 "hub": f"{hub.host}:{hub.port}" if hub.port else None,

@@ -24,7 +24,7 @@ from typing import Any
 
 from console.fleet_api.admin_shapes import field
 from console.fleet_api.agent_record import AgentRecord, Membership
-from console.fleet_api.errors import ConsoleError
+from console.fleet_api.errors import FleetServiceError
 from engine.control.join_audit import JoinAudit
 from engine.errors import DeskfleetError
 from engine.trust.join_token import DEFAULT_TTL_S, TokenBook, TokenInfo
@@ -36,7 +36,7 @@ EVENT_ADMITTED = 20  # admissions per token in a ``tokens`` event
 PUBLISH_EVERY_S = 1.0
 
 
-class TokenNotFoundError(ConsoleError):
+class TokenNotFoundError(FleetServiceError):
     """An admin named a join-token id the service's book does not hold (never issued, or pruned)."""
 
 

@@ -1,4 +1,4 @@
-"""The console's model library: the models an admin can export and the exports already made.
+"""The fleet service's model library: the models an admin can export and the exports already made.
 
 Models are the embedded default (SmolLM2-135M-Instruct, when its package is installed) plus the
 HF checkpoint directories and GGUF files the admin added, kept in ``<state dir>/models.json``.
@@ -60,7 +60,7 @@ def check_model_path(path: Path) -> ModelEntry:
 
 
 class ModelLibrary:
-    """Models and exports under one console state directory. Not thread-safe: use it from one
+    """Models and exports under one fleet service state directory. Not thread-safe: use it from one
     thread (the GUI's); export jobs report through their own ``poll``."""
 
     def __init__(self, state_dir: Path) -> None:

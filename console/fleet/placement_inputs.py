@@ -64,7 +64,7 @@ async def async_placement_inputs(fleet: FleetModel, hub: FleetHub, checkpoint: P
     inference threads: the workers'), profile the model. ``context`` None: the model's maximum,
     capped by the calibrated agents' free memory at ``headroom``, less the agents
     ``not_for_context`` (left out of the plan by the admin or their tags); the inputs' ``context``
-    says which and why (what it would be, when ``context`` is given). Runs on the console's loop
+    says which and why (what it would be, when ``context`` is given). Runs on the fleet service's loop
     (``fleet`` lives there)."""
     await fleet.async_refresh()
     members = [r for r in fleet.records() if r.membership is Membership.MEMBER]

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from console.fleet.errors import ConsoleStateError
+from console.fleet.errors import FleetStateError
 from console.fleet.state_file import read_json, write_json
 from console.fleet_api.admin_decode import inputs_from_json
 from console.fleet_api.admin_shapes import ShapeError, inputs_json, plan_from_json, plan_json, spec_from_json, spec_json
-from console.fleet_api.errors import ConsoleError
+from console.fleet_api.errors import FleetServiceError
 from console.fleet_api.exports import ExportSpec
 from console.fleet_api.placement import PlacementInputs
 from engine.control.tags import parse_tags
@@ -33,7 +33,7 @@ WHAT = "the list of placements"
 _ID = re.compile(r"p([0-9]+)")
 
 
-class PlacementNotFoundError(ConsoleError):
+class PlacementNotFoundError(FleetServiceError):
     """A placement id names no placement the service holds (made here, or listed in placements.json)."""
 
 
@@ -91,7 +91,7 @@ class PlacementStore:
                 raise ValueError("a placement id appears twice")
             return {p.id: p for p in items}
         except (KeyError, TypeError, ValueError, AttributeError, ShapeError, TagError) as exc:
-            raise ConsoleStateError(f"{WHAT} in {self.path} is damaged ({exc}); it was left in place: restore it "
+            raise FleetStateError(f"{WHAT} in {self.path} is damaged ({exc}); it was left in place: restore it "
                                     "from a backup, or move it aside to start with no placements") from exc
 
     def _save(self) -> None:

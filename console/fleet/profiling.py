@@ -3,7 +3,7 @@
 `console.fleet.placement_inputs` puts them together: refresh the agents' status, measure the
 links, build (once) the model's calibration export, calibrate every approved agent's devices that
 have no cached profile, and hand `engine.placement.planner.solve` the model, PCs, devices and links.
-Calibrated numbers are cached in the console state dir by (model key, node id, device, threads),
+Calibrated numbers are cached in the fleet service state dir by (model key, node id, device, threads),
 so the next placement of the same model measures nothing again.
 
 Device kinds calibrated here are CPU and GPU, which run the stateful export; an NPU runs static
@@ -25,7 +25,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 from console.fleet.calibration_export import CalibrationSet
-from console.fleet.errors import ConsoleStateError
+from console.fleet.errors import FleetStateError
 from console.fleet.fleet import FleetModel
 from console.fleet.state_file import read_json, write_json
 from console.fleet_api.agent_record import AgentRecord
@@ -71,7 +71,7 @@ class ProfileCache:
         self.path = Path(state_dir) / PROFILES_FILE
         data = read_json(self.path, _WHAT) or {"format": 1, "profiles": {}}
         if data.get("format") != 1 or not isinstance(data.get("profiles"), dict):
-            raise ConsoleStateError(f"{_WHAT} in {self.path} is not format 1; it was left in place: "
+            raise FleetStateError(f"{_WHAT} in {self.path} is not format 1; it was left in place: "
                                     "move it aside (devices are then calibrated again)")
         self._profiles: dict[str, dict] = data["profiles"]
 

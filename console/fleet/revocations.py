@@ -1,8 +1,8 @@
-"""Members the admin removed: their node ids, kept in the console's state dir (the deny list).
+"""Members the admin removed: their node ids, kept in the fleet service's state dir (the deny list).
 
 A fleet certificate stays valid for its whole life (engine.trust.fleet_ca.LEAF_DAYS), so "remove" must
 also take back what the certificate lets its holder do. The deny list is enforced where a
-member's certificate is checked: the console's hub (registrations, events, shards), the
+member's certificate is checked: the fleet service's hub (registrations, events, shards), the
 coordinator's return port (RingPath), and every agent — its control API and its stage worker —
 which get the list with each assignment and with ``POST /v1/deny``. A revoked PC comes back only
 through a fresh join (a new certificate, so a new node id), which the admin hands out.
@@ -14,7 +14,7 @@ import datetime as dt
 import re
 from pathlib import Path
 
-from console.fleet.errors import ConsoleStateError
+from console.fleet.errors import FleetStateError
 from console.fleet.state_file import read_json, write_json
 
 REVOKED_FILE = "revoked-agents.json"
@@ -53,7 +53,7 @@ class RevocationBook:
         revoked = data.get("revoked")
         if data.get("format") != FORMAT or not isinstance(revoked, dict) or not all(
                 isinstance(k, str) and _NODE_ID.fullmatch(k) and isinstance(v, dict) for k, v in revoked.items()):
-            raise ConsoleStateError(f"{_WHAT} in {self.path} is not format {FORMAT} with a 'revoked' object of "
+            raise FleetStateError(f"{_WHAT} in {self.path} is not format {FORMAT} with a 'revoked' object of "
                                     "node ids; it was left in place: restore it from a backup (moving it aside "
                                     "would let the removed PCs back in)")
         return revoked

@@ -32,7 +32,7 @@ def ring_endpoints(plan: Plan, records: Mapping[str, AgentRecord], data_port: in
             continue
         record = records.get(stage.pc_id)
         if record is None or not record.control_port:
-            raise LayoutError(f"the plan places a stage on {stage.pc_id[:16]}…, which the console no longer "
+            raise LayoutError(f"the plan places a stage on {stage.pc_id[:16]}…, which the fleet service no longer "
                               "lists; refresh the fleet and place the model again")
         index = per_address.get(record.address, 0)
         per_address[record.address] = index + 1

@@ -1,10 +1,10 @@
-"""Which agent serves which stage, and whether the console runs stage 0 itself: pure decisions over
+"""Which agent serves which stage, and whether the fleet service runs stage 0 itself: pure decisions over
 a placement plan (or a hand-made list, for tests and manual setups), plus the progress events the
 distribution reports per agent.
 
-The console can host stage 0 inside its own process (the coordinator computes it and sends
+The fleet service can host stage 0 inside its own process (the coordinator computes it and sends
 hidden states to stage 1), which saves one network hop. The plan decides: when its first stage
-sits on the console's own PC, stage 0 runs locally; every other stage needs an agent, one stage
+sits on the fleet service's own PC, stage 0 runs locally; every other stage needs an agent, one stage
 per agent.
 """
 
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class AgentEndpoint:
-    """How the console reaches one agent: its control API ``host:port`` and the data port its
+    """How the fleet service reaches one agent: its control API ``host:port`` and the data port its
     stage worker should listen on (on the same host). ``node_id``: the agent that must answer
     there (from the fleet model, which learnt it over mutual TLS); None: learnt from the
     certificate at the first contact, then pinned."""
@@ -92,7 +92,7 @@ class RingLayout:
                 continue
             endpoint = endpoints.get(stage.pc_id)
             if endpoint is None:
-                where = ("the console's own PC, and only stage 0 can run inside the console; run an agent "
+                where = ("the fleet service's own PC, and only stage 0 can run inside the fleet service; run an agent "
                          "on this PC or place the stage elsewhere" if stage.pc_id == console_pc_id else
                          f"{stage.pc_id}, whose agent address is unknown; wait until it is discovered, add "
                          "it by address, or place the stage elsewhere")
@@ -112,7 +112,7 @@ class RingLayout:
         stages = [t.stage for t in self.targets]
         wanted = list(range(self.first_agent_stage, n_stages))
         if stages != wanted:
-            where = "the console runs stage 0, so agents must serve" if self.local_stage0 else "agents must serve"
+            where = "the fleet service runs stage 0, so agents must serve" if self.local_stage0 else "agents must serve"
             raise LayoutError(f"the export has {n_stages} stages and {where} stages {wanted}, one each; "
                               f"this layout gives agents stages {stages}. Re-plan or pick the matching export.")
         try:

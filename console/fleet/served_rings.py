@@ -18,10 +18,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from console.fleet.errors import ConsoleStateError
+from console.fleet.errors import FleetStateError
 from console.fleet.state_file import read_json, write_json
 from console.fleet_api.admin_shapes import ShapeError, plan_from_json, plan_json, spec_from_json, spec_json
-from console.fleet_api.errors import ConsoleError
+from console.fleet_api.errors import FleetServiceError
 from console.fleet_api.exports import ExportSpec
 from engine.placement.planner import Plan
 
@@ -30,7 +30,7 @@ FORMAT = 1
 _RING_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,31}")
 
 
-class RingIdError(ConsoleError):
+class RingIdError(FleetServiceError):
     """A ring id is not 1-32 letters, digits, '.', '_' or '-' (starting with a letter or digit)."""
 
 
@@ -126,7 +126,7 @@ class ServedRings:
                 raise ValueError("a ring id appears twice")
             return ServedState(api_port=int(data.get("api_port") or 0), rings=rings)
         except (KeyError, TypeError, ValueError, ShapeError, RingIdError) as exc:
-            raise ConsoleStateError(f"the list of served rings in {self.path} is damaged ({exc}); it was left in "
+            raise FleetStateError(f"the list of served rings in {self.path} is damaged ({exc}); it was left in "
                                     "place: restore it from a backup, or move it aside to start with no rings") from exc
 
     def _save(self, state: ServedState) -> None:

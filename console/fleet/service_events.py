@@ -25,7 +25,7 @@ from collections.abc import Callable, Collection, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from console.fleet_api.errors import ConsoleError
+from console.fleet_api.errors import FleetServiceError
 
 log = logging.getLogger("deskfleet.fleet")
 
@@ -138,7 +138,7 @@ class EventFeed:
         return self.since(after, limit)
 
 
-class JobNotFoundError(ConsoleError):
+class JobNotFoundError(FleetServiceError):
     """No job of that id (never started, or finished more than KEEP_JOBS_S ago)."""
 
 
@@ -182,7 +182,7 @@ class Jobs:
                 job.state, job.error = "cancelled", "cancelled by an admin"
             except Exception as exc:
                 job.state, job.error = "failed", str(exc) or type(exc).__name__
-                if not isinstance(exc, ConsoleError | OSError) and not _named(exc):
+                if not isinstance(exc, FleetServiceError | OSError) and not _named(exc):
                     log.exception("job %s (%s) failed", job.id, kind)
             finally:
                 job.ended = time.time()

@@ -30,9 +30,9 @@ from console.fleet.ring_layout import AgentEndpoint, RingLayout
 from console.fleet.served_rings import ServedRing
 from console.fleet_api.admin_shapes import plan_json, spec_json
 from console.fleet_api.agent_record import AgentRecord
-from console.fleet_api.errors import ConsoleError
+from console.fleet_api.errors import FleetServiceError
 from console.fleet_api.exports import ExportEvent, ExportFailed, ExportFinished, ExportInfo, ExportProgress
-from console.fleet_api.fleet_settings import ConsoleSettings
+from console.fleet_api.fleet_settings import FleetSettings
 from console.fleet_api.ring_status import AgentProgress, RingHealth
 from engine.control.fleet_services import FleetHost
 from engine.generation.ring_report import RingReport, RingStatus
@@ -48,7 +48,7 @@ REMOVE_DRAIN_S = 30.0  # a stopped ring's streams in flight get this long to fin
 PHASES = ("pending", "exporting", "distributing", "serving", "failed", "stopping")
 
 
-class RingStateError(ConsoleError):
+class RingStateError(FleetServiceError):
     """An action does not fit the ring's phase (re-run a ring that has not failed, …)."""
 
 
@@ -58,7 +58,7 @@ class RingContext:
 
     host: FleetHost
     library: ModelLibrary
-    settings: ConsoleSettings
+    settings: FleetSettings
     router: Router
     tokenizers: dict[str, ChatTokenizer]  # served model name -> tokenizer: the API reads it
     records: Callable[[], tuple[AgentRecord, ...]]
@@ -148,7 +148,7 @@ class ServiceRing:
             log.warning("ring %s: export %s is gone from the library; exporting again", served.ring, served.export_id)
         entry = next((m for m in self.ctx.library.models() if m.name == served.model), None)
         if entry is None:
-            raise ConsoleError(f"the model {served.model!r} is not in the service's library; add it (POST "
+            raise FleetServiceError(f"the model {served.model!r} is not in the service's library; add it (POST "
                                "/admin/v1/models) or create the ring from one of its exports")
         self._set_phase("exporting")
         self.export_state = {"stage": None, "step": "starting", "fraction": 0.0}
@@ -212,7 +212,7 @@ class ServiceRing:
     async def _async_leave_router(self) -> None:
         if self.in_router:
             self.in_router = False
-            with contextlib.suppress(ConsoleError, Exception):
+            with contextlib.suppress(FleetServiceError, Exception):
                 await self.ctx.router.remove_ring(self.ring_id, timeout=REMOVE_DRAIN_S)
 
     async def async_stop(self, *, workers: bool = True) -> None:

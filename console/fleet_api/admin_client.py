@@ -22,7 +22,7 @@ from typing import Any
 import aiohttp
 
 from console.fleet_api.admin_shapes import plan_from_json, plan_json, request_json, spec_json
-from console.fleet_api.errors import ConsoleError
+from console.fleet_api.errors import FleetServiceError
 from console.fleet_api.exports import ExportSpec
 from engine.control.fleet_services import CA_CERT
 from engine.placement.planner import PlacementRequest, Plan
@@ -38,7 +38,7 @@ JOB_POLL_S = 0.25
 MAX_ANSWER_BYTES = 64 << 20
 
 
-class AdminApiError(ConsoleError):
+class AdminApiError(FleetServiceError):
     """The fleet service refused an admin call: ``status`` is the HTTP status, ``code`` the
     service's error code (bad_request, forbidden, not_found, conflict, unavailable, internal);
     the message is the service's, written for a person."""
@@ -115,7 +115,7 @@ class AdminClient:
             raise AdminApiError(f"the certificate given is of the {credentials.role or 'no'} role; the admin API "
                                 "takes admin certificates (`deskfleet fleet admin-cert NAME --out DIR`)")
         ctx = credentials.client_context()
-        check = expect_peer(Role.CONSOLE, service_node_id, what=f"the fleet service at {url}")
+        check = expect_peer(Role.FLEET_SERVICE, service_node_id, what=f"the fleet service at {url}")
         return cls(url, lambda: PeerCheckingConnector(check, ssl=ctx), f"the fleet service at {url}",
                    ca_pem=credentials.ca_pem)
 

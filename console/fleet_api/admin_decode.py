@@ -19,7 +19,7 @@ from typing import Any
 from console.fleet_api.admin_shapes import ShapeError
 from console.fleet_api.agent_record import AgentRecord, AgentSource, Membership
 from console.fleet_api.exports import ExportInfo, ExportKey
-from console.fleet_api.link_report import CONSOLE, LinkReport
+from console.fleet_api.link_report import SERVICE, LinkReport
 from console.fleet_api.model_entry import ModelEntry
 from console.fleet_api.placement import PlacementInputs
 from engine.control.links import LinkMeasurement
@@ -29,7 +29,7 @@ from engine.errors import PlacementInputError
 from engine.placement.moe import ExpertRouting, MoeWeights
 from engine.placement.planner import DeviceProfile, Links, ModelProfile, PcInfo
 
-SERVICE_END = "service"  # how docs/ADMIN_API.md names the service's end of a link; the pages call it CONSOLE
+SERVICE_END = "service"  # how docs/ADMIN_API.md names the service's end of a link; in `LinkReport` it is SERVICE
 
 
 def _get(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...], where: str, default: Any = ...) -> Any:
@@ -82,7 +82,7 @@ def links_from_json(body: Mapping[str, Any]) -> LinkReport:
     w = "links"
 
     def end(x: object) -> str:
-        return CONSOLE if x == SERVICE_END else str(x)
+        return SERVICE if x == SERVICE_END else str(x)
 
     measured = {(end(m["a"]), end(m["b"])): LinkMeasurement(float(m["rtt_ms"]), float(m["mbit_s"]))
                 for m in _get(body, "measured", list, w, [])}

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from console.fleet_api.agent_record import AgentRecord
-from console.fleet_api.errors import ConsoleError
+from console.fleet_api.errors import FleetServiceError
 from console.fleet_api.exports import ExportInfo, ExportSpec
 from console.fleet_api.link_report import LinkReport
 from console.fleet_api.model_entry import ModelEntry
@@ -21,7 +21,7 @@ from engine.errors import Exclusion
 from engine.placement.planner import ModelProfile, PlacementRequest, Plan, PlannedStage
 
 
-class ShapeError(ConsoleError):
+class ShapeError(FleetServiceError):
     """A JSON body does not have the shape docs/ADMIN_API.md gives it (the message names the field)."""
 
 
@@ -82,7 +82,7 @@ def request_from_json(body: Mapping[str, Any] | None) -> PlacementRequest:
             time_limit_s=field(body, "time_limit_s", float, where=w, default=10.0),
             max_stages=field(body, "max_stages", int, where=w, optional=True),
             min_stages=field(body, "min_stages", int, where=w, default=1))
-    except ConsoleError:
+    except FleetServiceError:
         raise
     except Exception as exc:  # PlacementInputError: the request's own rules
         raise ShapeError(str(exc)) from exc

@@ -1,12 +1,12 @@
-"""One agent as the console sees it, merged from what each source last said about it.
+"""One agent as the fleet service sees it, merged from what each source last said about it.
 
 Pure (no sockets): `console.fleet.fleet.FleetModel` collects `Sighting`s from mDNS, the hub's
 unicast registrations, "add by address" probes and the approvals file, plus the last status
 poll and hub event, and `merge_record` turns them into one frozen `AgentRecord`.
 
 Only what came over mutual TLS is believed: a hub registration or event (the hub saw the
-sender's certificate), a probe or status poll (the console saw the agent's certificate), or the
-approvals file (written from those). An mDNS record is anyone's claim: it lists a PC the console
+sender's certificate), a probe or status poll (the service saw the agent's certificate), or the
+approvals file (written from those). An mDNS record is anyone's claim: it lists a PC the service
 has not verified yet (``verified=False``, not approvable) and suggests an address to probe, but
 it never sets where a verified agent is or what state it is in. Among the proven sources, the
 newest word wins for the state, the newest sighting for where the agent is.
@@ -21,22 +21,22 @@ from typing import Any
 
 from engine.control.messages import AgentStatus
 
-UNKNOWN_STATE = "unknown"  # approved earlier, not heard from since the console started
+UNKNOWN_STATE = "unknown"  # approved earlier, not heard from since the fleet service started
 UNVERIFIED_STATE = "unverified"  # this fleet's agent by an mDNS record alone: not proven, nothing it claims shown
 
 
 class AgentSource(StrEnum):
-    """Where the console heard of an agent."""
+    """Where the fleet service heard of an agent."""
 
     MDNS = "mdns"  # the agent's DNS-SD advertisement: a claim (a hint to probe), never proof
-    PROBE = "probe"  # the console probed an mDNS hint's address and the agent proved its node id
-    HUB = "hub"  # a unicast registration at the console's hub (networks that drop multicast)
+    PROBE = "probe"  # the service probed an mDNS hint's address and the agent proved its node id
+    HUB = "hub"  # a unicast registration at the service's hub (networks that drop multicast)
     ADDRESS = "address"  # the admin added it by address (GET /v1/probe)
     SAVED = "saved"  # approved earlier: address kept in the approvals file
 
 
 class Membership(StrEnum):
-    """Whether an agent has joined this console's fleet."""
+    """Whether an agent has joined this service's fleet."""
 
     MEMBER = "member"
     OTHER_FLEET = "other-fleet"
@@ -86,9 +86,9 @@ class HubNews:
 
 @dataclass(frozen=True)
 class AgentRecord:
-    """One agent in the console's list. ``node_id`` is "" for an agent that has joined no fleet
+    """One agent in the fleet service's list. ``node_id`` is "" for an agent that has joined no fleet
     (it is then known by its mDNS ``instance``; see ``key``). ``last_seen`` is the monotonic
-    time the console last heard from it (None: only known from the approvals file).
+    time the service last heard from it (None: only known from the approvals file).
     ``reachable`` is None until a status poll was tried; ``error`` says why the last one failed.
     """
 
@@ -116,7 +116,7 @@ class AgentRecord:
 
     @property
     def key(self) -> str:
-        """The record's id in the console: the node id, or ``instance:<name>`` before a join."""
+        """The record's id in the fleet service: the node id, or ``instance:<name>`` before a join."""
         return self.node_id or f"instance:{self.instance}"
 
     @property

@@ -6,5 +6,5 @@ from __future__ import annotations
 from engine.errors import DeskfleetError
 
 
-class ConsoleError(DeskfleetError):
-    """Base of every error the console's Qt-free services raise on purpose."""
+class FleetServiceError(DeskfleetError):
+    """Base of every error the fleet service (and its admin API's client) raises on purpose."""

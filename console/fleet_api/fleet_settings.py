@@ -1,9 +1,11 @@
-"""The console's own settings, parsed once from the command line, and the pure decisions that
-depend on them: where the state lives, and which data port each agent of a ring listens on.
+"""The fleet service's settings, parsed once from the command line (``deskfleet fleet run``, or
+``deskfleet console`` for the local service it starts and the one it attaches to): where the
+state lives, the ports, and how rings are served.
 
-Ports are fixed by default so that agents configured with this console's addresses (enrollment
+Ports are fixed by default so that agents configured with this service's addresses (enrollment
 for joining, hub for unicast registration) keep working across restarts; 0 asks the OS for a
-free one (tests, or a second console on one PC).
+free one (tests, or a second service on one PC). The state dir keeps its old
+name (``deskfleet/console``): enrolled fleets' CA and state live there.
 """
 
 from __future__ import annotations
@@ -22,15 +24,15 @@ DEFAULT_DATA_PORT = 7211  # an agent's default data port (agent.service.settings
 
 
 def default_state_dir() -> Path:
-    """The platform's per-user data directory for the console (the fleet CA lives there)."""
+    """The platform's per-user data directory for the fleet service (the fleet CA lives there)."""
     if os.name == "nt":
         return Path(os.environ.get("LOCALAPPDATA", Path.home())) / "Deskfleet" / "console"
     return Path(os.environ.get("XDG_DATA_HOME", Path.home() / ".local" / "share")) / "deskfleet" / "console"
 
 
 @dataclass(frozen=True)
-class ConsoleSettings:
-    """``interface`` is the one IPv4 address the console binds everything to (enrollment, hub,
+class FleetSettings:
+    """``interface`` is the one IPv4 address the fleet service binds everything to (enrollment, hub,
     mDNS browsing, the ring's return port, the OpenAI API): agents must reach it.
     ``data_port`` is the port agents' stage workers listen on; 0 picks free ports on this
     machine, which only makes sense for agents running on this PC (tests, demos)."""

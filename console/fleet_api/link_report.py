@@ -12,11 +12,11 @@ from types import MappingProxyType
 from engine.control.links import LinkMeasurement
 from engine.placement.planner import Links
 
-CONSOLE = "console"  # the console's end of a link in `LinkReport` keys
+SERVICE = "console"  # the fleet service's end of a link in `LinkReport` keys (its value is kept in saved placements)
 @dataclass(frozen=True)
 class LinkReport:
-    """What the probes found. ``measured[(src, dst)]`` is keyed by node id (``CONSOLE`` for the
-    console); ``failures[(src, dst)]`` says why a probe failed; ``links`` is placement's input."""
+    """What the probes found. ``measured[(src, dst)]`` is keyed by node id (``SERVICE`` for the
+    fleet service); ``failures[(src, dst)]`` says why a probe failed; ``links`` is placement's input."""
 
     links: Links
     measured: Mapping[tuple[str, str], LinkMeasurement]
@@ -33,5 +33,5 @@ class LinkReport:
 
     @property
     def unreachable(self) -> frozenset[str]:
-        """Agents the console could not measure: the coordinator cannot reach them."""
-        return frozenset(dst for src, dst in self.failures if src == CONSOLE)
+        """Agents the fleet service could not measure: the coordinator cannot reach them."""
+        return frozenset(dst for src, dst in self.failures if src == SERVICE)

@@ -26,7 +26,7 @@ def settings_from_args(args: argparse.Namespace):
         API_PORT,
         ENROLLMENT_PORT,
         HUB_PORT,
-        ConsoleSettings,
+        FleetSettings,
         default_state_dir,
     )
     from engine.machine.this_pc import primary_ipv4
@@ -38,7 +38,7 @@ def settings_from_args(args: argparse.Namespace):
         from engine.errors import DeskfleetError
 
         raise DeskfleetError("--admin-cert is for a service elsewhere: give its admin API with --service https://HOST:PORT")
-    return ConsoleSettings(state_dir=getattr(args, "state_dir", None) or default_state_dir(), interface=interface,
+    return FleetSettings(state_dir=getattr(args, "state_dir", None) or default_state_dir(), interface=interface,
                            api_port=_port(args, "api_port", API_PORT),
                            enrollment_port=_port(args, "enrollment_port", ENROLLMENT_PORT),
                            hub_port=_port(args, "hub_port", HUB_PORT),

@@ -34,7 +34,7 @@ from PySide6.QtWidgets import (
 )
 
 from console.fleet_api.agent_record import AgentRecord, Membership
-from console.fleet_api.link_report import CONSOLE, LinkReport
+from console.fleet_api.link_report import SERVICE, LinkReport
 from console.qt.fleet_table_model import (
     COALESCE_MS,
     FILTER_ROLE,
@@ -363,7 +363,7 @@ class QtFleetPage(QWidget):
         self.measure_button.setEnabled(True)
         names = self.bridge.names()
         pairs = [f"{names.get(a, a[:8])} ↔ {names.get(b, b[:8])}: {m.rtt_ms:.2f} ms RTT, {m.mbit_s:.0f} Mbit/s"
-                 for (a, b), m in report.measured.items() if CONSOLE not in (a, b)]
+                 for (a, b), m in report.measured.items() if SERVICE not in (a, b)]
         failures = [f"{names.get(b, b[:8])}: {why}" for (a, b), why in report.failures.items()]
         self.links_label.setText("\n".join(["Between agents: " + ("; ".join(pairs) or "—"), *failures]))
         self._say("Links measured.")

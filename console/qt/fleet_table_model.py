@@ -25,7 +25,7 @@ from PySide6.QtCore import QAbstractTableModel, QModelIndex, QObject, QPersisten
 from PySide6.QtGui import QColor
 
 from console.fleet_api.agent_record import AgentRecord, Membership
-from console.fleet_api.link_report import CONSOLE, LinkReport
+from console.fleet_api.link_report import SERVICE, LinkReport
 
 COLUMNS = ("Name", "State", "Tags", "Devices", "Memory", "Last seen", "Approved", "Address", "RTT ms", "Mbit/s")
 LAST_SEEN = COLUMNS.index("Last seen")
@@ -163,7 +163,7 @@ class FleetTableModel(QAbstractTableModel):
         return None
 
     def _link(self, r: AgentRecord):
-        return self._links.measured.get((CONSOLE, r.node_id)) if self._links and r.node_id else None
+        return self._links.measured.get((SERVICE, r.node_id)) if self._links and r.node_id else None
 
     def _text(self, r: AgentRecord, col: int) -> str:
         if col == 0:

@@ -34,7 +34,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from console.fleet_api.errors import ConsoleError
+from console.fleet_api.errors import FleetServiceError
 from console.fleet_api.exports import (
     ExportCancelled,
     ExportEvent,
@@ -169,7 +169,7 @@ class QtModelsPage(QWidget):
         text = str(path) if path else self.path_edit.text().strip()
         try:
             entry = self.library.add_model(text)
-        except ConsoleError as exc:
+        except FleetServiceError as exc:
             self._say(str(exc), error=True)
             return None
         self.path_edit.clear()
@@ -218,7 +218,7 @@ class QtModelsPage(QWidget):
         try:
             self.job = self.library.start_export(entry, stages=self.stages.value(), spec=self.bridge.session.spec,
                                                  on_event=self._on_event)
-        except ConsoleError as exc:
+        except FleetServiceError as exc:
             self._say(str(exc), error=True)
             return
         self._say(f"Exporting {entry.name}…")

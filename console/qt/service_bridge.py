@@ -32,9 +32,9 @@ from console.fleet_api.admin_decode import (
 )
 from console.fleet_api.admin_shapes import plan_from_json
 from console.fleet_api.agent_record import AgentRecord
-from console.fleet_api.errors import ConsoleError
+from console.fleet_api.errors import FleetServiceError
 from console.fleet_api.exports import EXPORTS_SUBDIR, ExportEvent, ExportInfo, ExportSpec
-from console.fleet_api.fleet_settings import ConsoleSettings
+from console.fleet_api.fleet_settings import FleetSettings
 from console.fleet_api.link_report import LinkReport
 from console.fleet_api.model_entry import ModelEntry
 from console.fleet_api.placement import PlacementInputs
@@ -73,7 +73,7 @@ class ServiceBridge(QObject):
     service_event = Signal(object)  # admin_client.Event: rings, exports, progress, health, metrics, keys, jobs
     attached = Signal(bool)  # the event feed reaches the service (False while it is away)
 
-    def __init__(self, settings: ConsoleSettings, *, parent: QObject | None = None) -> None:
+    def __init__(self, settings: FleetSettings, *, parent: QObject | None = None) -> None:
         super().__init__(parent)
         self.settings = settings
         self.loop = LoopThread("deskfleet-console-loop")
@@ -140,7 +140,7 @@ class ServiceBridge(QObject):
         s = self.settings
         if s.service_url is not None:
             if s.admin_cert is None:
-                raise ConsoleError(f"attaching to {s.service_url} takes an admin certificate: --admin-cert DIR "
+                raise FleetServiceError(f"attaching to {s.service_url} takes an admin certificate: --admin-cert DIR "
                                    "(from `deskfleet fleet admin-cert NAME --out DIR` on the service's PC)")
             creds = await asyncio.to_thread(read_admin_credentials, s.admin_cert)
             self.client = AdminClient.over_tls(s.service_url, creds, service_node_id=s.service_node_id)
@@ -217,7 +217,7 @@ class ServiceBridge(QObject):
     def _post_records(self, event: Event) -> None:
         try:
             records = agents_from_json(event.data)
-        except (ConsoleError, KeyError, TypeError, ValueError) as exc:
+        except (FleetServiceError, KeyError, TypeError, ValueError) as exc:
             log.warning("a records event from the service did not read: %s", exc)
             return
         self._post(self._on_records, event, records)
@@ -243,7 +243,7 @@ class ServiceBridge(QObject):
             elif event.kind == "error":
                 self.error.emit(str(event.data.get("what", "the service")), str(event.data.get("message", "")))
             self.service_event.emit(event)
-        except (ConsoleError, KeyError, TypeError, ValueError) as exc:
+        except (FleetServiceError, KeyError, TypeError, ValueError) as exc:
             log.warning("a %s event from the service did not read: %s", event.kind, exc)
 
     def _apply_records(self, records: tuple[AgentRecord, ...]) -> None:
@@ -358,7 +358,8 @@ class ServiceBridge(QObject):
         placement = self._placements.get(id(inputs))
         if placement is None:
             if on_error is not None:
-                on_error(ConsoleError("these placement inputs did not come from the service; place the model again"))
+                on_error(FleetServiceError("these placement inputs did not come from the service; "
+                                           "place the model again"))
             return
         self.call(self.client.async_solve(placement, request, leave_out, include_tags=include_tags,
                                           exclude_tags=exclude_tags), "solving the placement",
@@ -387,7 +388,7 @@ class ServiceLibrary:
         except AdminApiError:
             raise
         except Exception as exc:  # the loop's timeout
-            raise ConsoleError(f"adding {path}: {exc}") from exc
+            raise FleetServiceError(f"adding {path}: {exc}") from exc
 
     def exports(self) -> list[ExportInfo]:
         """The service's exports; ``path`` is the export's directory when the service is this PC's
@@ -411,13 +412,13 @@ class ServiceLibrary:
         if (plan is None) == (stages is None):
             raise ValueError("give exactly one of plan or stages")
         if not self._bridge.running:
-            raise ConsoleError(f"exporting {model.name}: the console is not attached to a fleet service")
+            raise FleetServiceError(f"exporting {model.name}: the console is not attached to a fleet service")
         if plan is None:
             plan = even_plan(layer_count(model), stages)
         return ServiceExportJob(self._bridge, model.name, plan, spec, on_event).start()
 
 
-def local_service_args(settings: ConsoleSettings) -> list[str]:
+def local_service_args(settings: FleetSettings) -> list[str]:
     """The `deskfleet fleet` options a console passes to a local service it starts: its own."""
     return ["--interface", settings.interface, "--api-port", str(settings.api_port),
             "--enrollment-port", str(settings.enrollment_port), "--hub-port", str(settings.hub_port),

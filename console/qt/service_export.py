@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from console.fleet_api.admin_client import AdminJobError, Event
 from console.fleet_api.admin_decode import export_from_json
-from console.fleet_api.errors import ConsoleError
+from console.fleet_api.errors import FleetServiceError
 from console.fleet_api.exports import (
     ExportCancelled,
     ExportEvent,
@@ -172,7 +172,7 @@ def layer_count(entry: ModelEntry) -> int:
 
     path = entry.path if entry.path is not None else find_default_gguf()
     if path is None or not Path(path).exists():
-        raise ConsoleError(f"{entry.name}'s files are not on this PC, so an even split cannot be worked out here; "
+        raise FleetServiceError(f"{entry.name}'s files are not on this PC, so an even split cannot be worked out here; "
                            "place the model (Placement page) and export it with the plan's split instead")
     path = Path(path)
     try:
@@ -184,14 +184,14 @@ def layer_count(entry: ModelEntry) -> int:
         fields = GGUFFile(path).fields
         return int(fields[f"{fields['general.architecture']}.block_count"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ConsoleError(f"cannot read the layer count of {entry.name} ({path}): {exc}") from exc
+        raise FleetServiceError(f"cannot read the layer count of {entry.name} ({path}): {exc}") from exc
 
 
 def even_plan(n_layers: int, stages: int) -> Plan:
     """``stages`` contiguous layer ranges as even as possible, earlier stages one layer longer
     (the exporter's ``--stages N`` split), as a plan the service exports with."""
     if not 1 <= stages <= n_layers:
-        raise ConsoleError(f"{stages} stages is out of range: this model has {n_layers} layers "
+        raise FleetServiceError(f"{stages} stages is out of range: this model has {n_layers} layers "
                            f"(1..{n_layers} stages)")
     base, extra = divmod(n_layers, stages)
     bounds = [0]

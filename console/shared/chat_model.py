@@ -309,8 +309,8 @@ class ChatClient:
             from engine.trust.tls_peer import PeerCheckingConnector, expect_peer
 
             # the CA alone admits every member: the API must hold the service's (console-role) certificate
-            connector = PeerCheckingConnector(expect_peer(Role.CONSOLE, what=f"the fleet's API at {self.base_url}"),
-                                              ssl=api_client_context(self.ca_pem))
+            expected = expect_peer(Role.FLEET_SERVICE, what=f"the fleet's API at {self.base_url}")
+            connector = PeerCheckingConnector(expected, ssl=api_client_context(self.ca_pem))
         return aiohttp.ClientSession(timeout=timeout, headers=self._headers(), connector=connector)
 
     async def async_models(self) -> list[str]:

@@ -12,7 +12,7 @@ import json
 import pytest
 
 from console.fleet.agent_tags import TAGS_FILE, TagBook
-from console.fleet.errors import ConsoleStateError
+from console.fleet.errors import FleetStateError
 from console.fleet.placement_store import Placement
 from console.fleet_api.exports import ExportSpec
 from engine.control.hub import AgentEvent
@@ -158,10 +158,10 @@ def test_tags_from_the_agents_and_the_admin_and_placement_by_tags(tmp_path, caps
 
 def test_a_damaged_tags_file_is_named_and_left_in_place(tmp_path):
     (tmp_path / TAGS_FILE).write_text(json.dumps({"format": 1, "agents": {"n1": {"reported": ["not a tag"]}}}))
-    with pytest.raises(ConsoleStateError, match="malformed entry for 'n1'"):
+    with pytest.raises(FleetStateError, match="malformed entry for 'n1'"):
         TagBook(tmp_path)
     (tmp_path / TAGS_FILE).write_text("{")
-    with pytest.raises(ConsoleStateError, match="not valid JSON"):
+    with pytest.raises(FleetStateError, match="not valid JSON"):
         TagBook(tmp_path)
     assert (tmp_path / TAGS_FILE).read_text() == "{"
     book = TagBook(tmp_path / "fresh")

@@ -15,7 +15,7 @@ from PySide6.QtCore import QItemSelectionModel, QSortFilterProxyModel, Qt
 from console.fleet.approvals import APPROVALS_FILE
 from console.fleet.errors import (
     AgentUnreachableError,
-    ConsoleStateError,
+    FleetStateError,
     ForeignAgentError,
     UnknownAgentError,
 )
@@ -92,12 +92,12 @@ def test_a_corrupt_approvals_file_is_a_clear_error_and_is_left_in_place(tmp_path
     creds = FleetAuthority.create("t").issue_credentials("console", role=Role.CONSOLE)
     path = tmp_path / APPROVALS_FILE
     path.write_text("{not json")
-    with pytest.raises(ConsoleStateError) as err:
+    with pytest.raises(FleetStateError) as err:
         FleetModel(tmp_path, creds)
     assert str(path) in str(err.value) and "move it aside" in str(err.value)
     assert path.read_text() == "{not json"
     path.write_text(json.dumps({"format": 1, "agents": {"n1": {"node_id": "n1", "name": 3}}}))
-    with pytest.raises(ConsoleStateError, match="malformed entry for 'n1'"):
+    with pytest.raises(FleetStateError, match="malformed entry for 'n1'"):
         FleetModel(tmp_path, creds)
 
 
@@ -106,7 +106,7 @@ def test_a_damaged_revocation_list_stops_the_console_rather_than_letting_removed
     path = tmp_path / REVOKED_FILE
     for text in ("{not json", json.dumps({"format": 1, "revoked": {"not-a-node-id": {}}})):
         path.write_text(text)
-        with pytest.raises(ConsoleStateError) as err:
+        with pytest.raises(FleetStateError) as err:
             FleetModel(tmp_path, creds)
         assert str(path) in str(err.value) and path.read_text() == text  # left in place
 

@@ -42,7 +42,7 @@ def test_a_moe_model_is_placed_with_its_experts_said_on_the_page(qtbot, tmp_path
     from console.fleet.placement_inputs import layer_read_bytes, placement_model, solve_inputs
     from console.fleet_api.admin_decode import inputs_from_json
     from console.fleet_api.admin_shapes import inputs_json
-    from console.fleet_api.fleet_settings import ConsoleSettings
+    from console.fleet_api.fleet_settings import FleetSettings
     from console.fleet_api.link_report import LinkReport
     from console.fleet_api.placement import PlacementInputs
     from console.qt.placement_page import QtPlacementPage
@@ -65,7 +65,7 @@ def test_a_moe_model_is_placed_with_its_experts_said_on_the_page(qtbot, tmp_path
     received = inputs_from_json(inputs_json(inputs))  # as the console reads the service's placement
     assert received.model.moe == moe
     plan = solve_inputs(received, PlacementRequest())
-    bridge = ServiceBridge(ConsoleSettings(state_dir=tmp_path / "console"))
+    bridge = ServiceBridge(FleetSettings(state_dir=tmp_path / "console"))
     try:
         page = QtPlacementPage(bridge)
         qtbot.addWidget(page)

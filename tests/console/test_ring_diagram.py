@@ -147,13 +147,13 @@ def test_the_widget_keeps_boxes_apart_for_a_large_ring(qtbot):
 def test_the_distribution_page_draws_the_plan_and_follows_the_rings_metrics_and_records(qtbot, tmp_path):
     import dataclasses
 
-    from console.fleet_api.fleet_settings import ConsoleSettings
+    from console.fleet_api.fleet_settings import FleetSettings
     from console.qt.distribution_page import QtDistributionPage, stage_state
     from console.qt.service_bridge import ServiceBridge
     from console.qt.service_serving import ServiceServing
     from tests.console.test_dashboard import record
 
-    bridge = ServiceBridge(ConsoleSettings(state_dir=tmp_path))
+    bridge = ServiceBridge(FleetSettings(state_dir=tmp_path))
     try:
         serving = ServiceServing(bridge)
         page = QtDistributionPage(serving, bridge.session)

@@ -230,12 +230,12 @@ def test_a_listed_ring_that_cannot_form_is_retried_until_stopped(tmp_path):
 
 
 def test_a_state_dir_too_deep_for_the_socket_is_a_clear_error(tmp_path):
-    from console.fleet_api.errors import ConsoleError
+    from console.fleet_api.errors import FleetServiceError
 
     deep = tmp_path / ("d" * 60) / ("e" * 60)
 
     async def main():
-        with pytest.raises(ConsoleError, match="shorter"):
+        with pytest.raises(FleetServiceError, match="shorter"):
             async with service_in_process(deep):
                 pass
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from console.fleet.errors import ConsoleStateError
+from console.fleet.errors import FleetStateError
 from console.fleet.placement_store import PLACEMENTS_FILE, Placement, PlacementStore
 from console.fleet_api.admin_client import AdminClient
 from console.fleet_api.exports import ExportSpec
@@ -79,11 +79,11 @@ def test_a_damaged_placements_file_stops_the_start_and_is_left_in_place(tmp_path
     state = tmp_path / "fleet"
     state.mkdir()
     (state / PLACEMENTS_FILE).write_text(text)
-    with pytest.raises(ConsoleStateError, match=PLACEMENTS_FILE):
+    with pytest.raises(FleetStateError, match=PLACEMENTS_FILE):
         PlacementStore(state)
 
     async def main():
-        with pytest.raises(ConsoleStateError, match="placements"):
+        with pytest.raises(FleetStateError, match="placements"):
             async with service_in_process(state):
                 raise AssertionError("the service started over a damaged placements file")
 

@@ -91,7 +91,7 @@ def test_a_member_posing_as_the_console_at_enrolment_never_sees_the_token(tmp_pa
                     await real.async_start(console_advertisement("Acme", pin, enrollment_port, "127.0.0.1", "0.1.0"))
                     creds = await victim.async_join(None, token, timeout=15)
                 assert posted == [] and creds.fleet_id == con.authority.fleet_id
-                assert victim.console_node_id == con.credentials.node_id
+                assert victim.service_node_id == con.credentials.node_id
             finally:
                 await fake.async_close()
                 await real.async_close()
@@ -355,7 +355,7 @@ def test_a_refused_shard_fetch_reads_only_a_few_kib_of_the_answer(tmp_path, tiny
                                            next_hop="127.0.0.1:1")
             with pytest.raises(FetchError, match=f"HTTP 404.*exceeds {MAX_ERROR_BYTES} bytes"):
                 await asyncio.wait_for(async_fetch(ShardStore(tmp_path / "shards"), assignment,
-                                                   ssl=member.client_context(), console_node_id=hub.node_id,
+                                                   ssl=member.client_context(), service_node_id=hub.node_id,
                                                    timeout=10), 30)  # did not hang
         assert sent  # the body really was being streamed when the agent gave up
 

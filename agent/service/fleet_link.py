@@ -1,8 +1,8 @@
 """How the agent reaches its console: finding consoles over mDNS and joining through one (a token
 redeemed at each found console of the token's fleet in turn), registering by address with the seed
-consoles (networks that drop multicast), and telling the console's hub about events (a pause, a
-lost worker). Every connection to the hub pins a console-role certificate, and the one pinned at
-the join when there is one: what the agent says is for the console alone.
+fleet services (networks that drop multicast), and telling the fleet service's hub about events (a pause, a
+lost worker). Every connection to the hub pins a service-role certificate, and the one pinned at
+the join when there is one: what the agent says is for the fleet service alone.
 """
 
 from __future__ import annotations
@@ -26,18 +26,18 @@ from engine.trust.tls_peer import PeerCheckingConnector, PeerIdentityError, expe
 log = logging.getLogger(__name__)
 
 NOTIFY_TIMEOUT_S = 3.0
-CANDIDATE_TIMEOUT_S = 8.0  # one console found over mDNS: fetch the CA, check it, redeem the token
+CANDIDATE_TIMEOUT_S = 8.0  # one fleet service found over mDNS: fetch the CA, check it, redeem the token
 REGISTER_TIMEOUT_S = 5.0
 
 
-def console_connector(console_node_id: str | None) -> PeerCheckingConnector:
-    """Connections to the console's hub: a console certificate, the pinned one if any."""
-    return PeerCheckingConnector(expect_peer(Role.CONSOLE, console_node_id, what="the console's hub"))
+def service_connector(service_node_id: str | None) -> PeerCheckingConnector:
+    """Connections to the fleet service's hub: a fleet service certificate, the pinned one if any."""
+    return PeerCheckingConnector(expect_peer(Role.FLEET_SERVICE, service_node_id, what="the fleet service's hub"))
 
 
-async def async_join_found_console(interface: str, token: str, name: str, info: Mapping[str, Any] | None,
+async def async_join_found_service(interface: str, token: str, name: str, info: Mapping[str, Any] | None,
                                    timeout: float) -> Joined:
-    """Join through a console found over mDNS: those whose record names the token's fleet, tried
+    """Join through a fleet service found over mDNS: those whose record names the token's fleet, tried
     side by side (the join itself checks the CA against the token's pin)."""
     pin = parse_token(token).ca_pin  # a mistyped token is reported before any search
     loop = asyncio.get_running_loop()
@@ -46,7 +46,7 @@ async def async_join_found_console(interface: str, token: str, name: str, info: 
     candidates = list(dict.fromkeys(c.enrollment for c in consoles if c.ca_pin == pin))
     if not candidates:
         raise EnrollmentError(
-            f"no console of fleet {pin[:16]} answered on the network ({interface}); check that the "
+            f"no fleet service of fleet {pin[:16]} answered on the network ({interface}); check that the "
             "console is running on this network, or enter its address (host:port, shown next to the token)")
 
     async def attempt(address: str, budget: float) -> Joined:
@@ -59,8 +59,8 @@ async def async_join_first(candidates: Sequence[str], attempt: Callable[[str, fl
     """The first join that succeeds among ``candidates`` (enrollment addresses), all tried at once,
     each within ``per_candidate_s`` (and ``timeout`` in all): an mDNS record anyone on the network
     can forge, pointing at an address that never answers, costs one candidate's time, not the
-    join's (review L7). A refusal by the fleet's own console (JoinRefused) is final; any other
-    failure (a spoofed or stale record, a member posing as the console) leaves the others to try.
+    join's (review L7). A refusal by the fleet's own fleet service (JoinRefused) is final; any other
+    failure (a spoofed or stale record, a member posing as the fleet service) leaves the others to try.
     """
     budget = min(per_candidate_s, timeout)
     tasks = {asyncio.ensure_future(attempt(address, budget)): address for address in candidates}
@@ -70,11 +70,11 @@ async def async_join_first(candidates: Sequence[str], attempt: Callable[[str, fl
             try:
                 return await next_done
             except JoinRefused:
-                raise  # the fleet's own console (CA matched the pin, console-role certificate) said no
+                raise  # the fleet's own fleet service (CA matched the pin, service-role certificate) said no
             except (EnrollmentTimeout, TimeoutError) as exc:
-                log.warning("joining through a console found on the network failed: %s", exc)
+                log.warning("joining through a fleet service found on the network failed: %s", exc)
             except TrustError as exc:
-                log.warning("joining through a console found on the network failed: %s", exc)
+                log.warning("joining through a fleet service found on the network failed: %s", exc)
                 error = exc
     except TimeoutError:
         pass  # every candidate's own timeout is shorter: a last resort
@@ -85,12 +85,12 @@ async def async_join_first(candidates: Sequence[str], attempt: Callable[[str, fl
     if error is not None:  # a candidate that answered said why (a record of another fleet, a member)
         raise error
     raise EnrollmentError(f"none of the {len(candidates)} consoles found on the network for this fleet answered in "
-                          f"{timeout:.0f} s; enter the console's address (host:port, shown next to the token)")
+                          f"{timeout:.0f} s; enter the fleet service's address (host:port, shown next to the token)")
 
 
-async def async_tell_console(assignment: Assignment, creds: Credentials, console_node_id: str | None, event: str,
+async def async_tell_service(assignment: Assignment, creds: Credentials, service_node_id: str | None, event: str,
                              reasons: Sequence[str], detail: str | None = None) -> None:
-    """Post one event to the hub the assignment names (best effort: a console that is away learns
+    """Post one event to the hub the assignment names (best effort: a fleet service that is away learns
     it from its next poll)."""
     if assignment.events_url is None:
         return
@@ -99,24 +99,24 @@ async def async_tell_console(assignment: Assignment, creds: Credentials, console
             "detail": detail[:MAX_DETAIL_CHARS] if detail else detail}  # the hub keeps no more, nor takes 4 KiB+
     try:
         timeout = aiohttp.ClientTimeout(total=NOTIFY_TIMEOUT_S)
-        async with aiohttp.ClientSession(timeout=timeout, connector=console_connector(console_node_id)) as session:
+        async with aiohttp.ClientSession(timeout=timeout, connector=service_connector(service_node_id)) as session:
             async with session.post(assignment.events_url, json=body, ssl=creds.client_context()) as resp:
                 resp.release()
     except (aiohttp.ClientError, TimeoutError, OSError, PeerIdentityError) as exc:
-        log.debug("could not tell the console about %s: %s", event, exc)
+        log.debug("could not tell the fleet service about %s: %s", event, exc)
 
 
-async def async_register_with_seeds(creds: Credentials, console_node_id: str | None, seeds: Sequence[str],
+async def async_register_with_seeds(creds: Credentials, service_node_id: str | None, seeds: Sequence[str],
                                     body: Mapping[str, Any]) -> int:
-    """Register with every seed console by address; how many accepted."""
+    """Register with every seed fleet service by address; how many accepted."""
     accepted = 0
     timeout = aiohttp.ClientTimeout(total=REGISTER_TIMEOUT_S)
-    async with aiohttp.ClientSession(timeout=timeout, connector=console_connector(console_node_id)) as session:
+    async with aiohttp.ClientSession(timeout=timeout, connector=service_connector(service_node_id)) as session:
         for seed in seeds:
             try:
                 async with session.post(f"https://{seed}/v1/register", json=dict(body),
                                         ssl=creds.client_context()) as resp:
                     accepted += resp.status == 200
             except (aiohttp.ClientError, TimeoutError, OSError, PeerIdentityError) as exc:
-                log.debug("seed console %s unreachable: %s", seed, exc)
+                log.debug("seed fleet service %s unreachable: %s", seed, exc)
     return accepted
