@@ -51,6 +51,7 @@ from console.fleet_api.admin_shapes import (
     strings,
 )
 from console.fleet_api.errors import FleetServiceError
+from console.fleet_api.feed import EventKind
 from engine.api.guard import JSON_TYPE, LOOPBACK_NAMES, host_name, is_ip
 from engine.errors import DeskfleetError, TagError, TokenPolicyError
 from engine.http_limits import LimitedAppRunner
@@ -416,7 +417,7 @@ class AdminApi:
                                            metrics=bool(field(body, "metrics", bool, optional=True)))
             except (KeyNameError, KeyBookError) as exc:
                 raise refused(exc) from exc
-            s.feed.publish("keys", {"keys": live()})
+            s.feed.publish(EventKind.KEYS, {"keys": live()})
             return j({**issued.key.to_json(), "secret": issued.secret})
 
         async def revoke(q):
@@ -425,7 +426,7 @@ class AdminApi:
                 s.host.keys.revoke(name)
             except (KeyNameError, KeyBookError) as exc:
                 raise refused(exc) from exc
-            s.feed.publish("keys", {"keys": live()})
+            s.feed.publish(EventKind.KEYS, {"keys": live()})
             return j({"revoked": name})
 
         async def console_secret(q):

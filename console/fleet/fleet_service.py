@@ -66,8 +66,10 @@ from console.fleet_api.admin_shapes import agent_json, export_json, model_json, 
 from console.fleet_api.agent_record import AgentRecord
 from console.fleet_api.errors import FleetServiceError
 from console.fleet_api.exports import ExportEvent, ExportSpec
+from console.fleet_api.feed import EventKind
 from console.fleet_api.fleet_settings import FleetSettings
 from console.fleet_api.model_entry import ModelEntry
+from console.fleet_api.ring_status import RingPhase
 from engine.api.server import RunningApi, async_run_api
 from engine.control.fleet_services import FleetHost, fleet_host, write_private
 from engine.control.hub import AgentEvent
@@ -126,9 +128,9 @@ class FleetService:
         self.library = ModelLibrary(settings.state_dir)
         self.router = Router()
         self.tokenizers: dict[str, ChatTokenizer] = {}
-        self.feed = EventFeed(self._snapshot, latest_only=("records",))
+        self.feed = EventFeed(self._snapshot, latest_only=(EventKind.RECORDS,))
         self.records_feed = RecordsPublisher(lambda: self.fleet.records() if self.fleet is not None else (),
-                                             lambda agents: self.feed.publish("records", {"agents": agents}))
+                                             lambda agents: self.feed.publish(EventKind.RECORDS, {"agents": agents}))
         self.jobs = Jobs(self.feed)
         self.rings: dict[str, ServiceRing] = {}
         self.placements: PlacementStore | None = None
@@ -262,7 +264,7 @@ class FleetService:
         self.records_feed.on_records(records)  # throttled: console.fleet.records_feed
 
     def _on_hub_event(self, event: AgentEvent) -> None:
-        self.feed.publish("hub", {"node_id": event.node_id, "event": event.event, "body": public_body(event)})
+        self.feed.publish(EventKind.HUB, {"node_id": event.node_id, "event": event.event, "body": public_body(event)})
 
     def health_json(self) -> dict[str, Any]:
         reports = tuple(r.report() for r in self.rings.values())
@@ -276,13 +278,13 @@ class FleetService:
                     out[ring_id] = ring.dist.coordinator.metrics()
         return {"rings": out, "failovers_today": self.failovers.observe(out)}
 
-    def _snapshot(self) -> list[tuple[str, dict[str, Any]]]:
-        out: list[tuple[str, dict[str, Any]]] = []
+    def _snapshot(self) -> list[tuple[EventKind, dict[str, Any]]]:
+        out: list[tuple[EventKind, dict[str, Any]]] = []
         if self.fleet is not None:
-            out.append(("records", {"agents": self.records_feed.cache.dump(self.fleet.records())}))
-        out.append(("token", {"token": self.token}))
-        out += [("ring", {"ring": r.to_json()}) for r in self.rings.values()]
-        out.append(("health", self.health_json()))
+            out.append((EventKind.RECORDS, {"agents": self.records_feed.cache.dump(self.fleet.records())}))
+        out.append((EventKind.TOKEN, {"token": self.token}))
+        out += [(EventKind.RING, {"ring": r.to_json()}) for r in self.rings.values()]
+        out.append((EventKind.HEALTH, self.health_json()))
         return out
 
     async def _async_watch(self) -> None:
@@ -300,19 +302,19 @@ class FleetService:
         health = self.health_json()
         if health != self._last_health:
             self._last_health = health
-            self.feed.publish("health", health)
+            self.feed.publish(EventKind.HEALTH, health)
         if now - last_metrics >= max(self.settings.fleet.metrics_s, 2.0) and any(
                 r.in_router for r in self.rings.values()):
             last_metrics = now
-            self.feed.publish("metrics", self.metrics_json())
+            self.feed.publish(EventKind.METRICS, self.metrics_json())
         for ring_id, ring in list(self.rings.items()):
             if elapsed_down(ring, now) > self.settings.down_grace_s:
                 log.warning("ring %s has been down %.0f s (%s); rebuilding it", ring_id,
                             self.settings.down_grace_s, ring.report().detail)
-                ring.phase = "failed"
+                ring.phase = RingPhase.FAILED
                 self._auto.setdefault(ring_id, (0, now))
             due = self._auto.get(ring_id)
-            if due is not None and ring.phase == "failed" and now >= due[1]:
+            if due is not None and ring.phase is RingPhase.FAILED and now >= due[1]:
                 self._rerun(ring, auto=True)
         return last_metrics
 
@@ -328,7 +330,7 @@ class FleetService:
         """A new join token (``options``: uses, auto_approve, label; see TokenDesk), the fleet service's current one."""
         data = self.token_desk.issue({"ttl_s": ttl_s, **options})
         self.token = data["token"]
-        self.feed.publish("token", {"token": self.token, "expires_at": data["expires_at"]})
+        self.feed.publish(EventKind.TOKEN, {"token": self.token, "expires_at": data["expires_at"]})
         return data
 
     def agents(self) -> list[dict[str, Any]]:
@@ -348,7 +350,7 @@ class FleetService:
         self.token_desk.note_removed(record.key, record.name)
         if node_id and (revoked := self.host.revoke_member_keys(node_id)):
             log.warning("removed agent %s: its API keys %s are revoked", node_id[:16], ", ".join(revoked))
-            self.feed.publish("keys", {"keys": [k.to_json() for k in self.host.keys.keys() if k.live]})
+            self.feed.publish(EventKind.KEYS, {"keys": [k.to_json() for k in self.host.keys.keys() if k.live]})
 
     async def async_pause(self, key: str) -> dict[str, Any]:
         return agent_json(await self.fleet.async_pause(key))
@@ -452,7 +454,7 @@ class FleetService:
         job_id: list[str] = []
 
         def on_event(event: ExportEvent) -> None:
-            self.feed.publish("export", {"job": job_id[0] if job_id else None, **export_event_json(event)})
+            self.feed.publish(EventKind.EXPORT, {"job": job_id[0] if job_id else None, **export_event_json(event)})
 
         async def run() -> dict[str, Any]:
             export_job = self.library.start_export(entry, plan=plan, spec=spec, on_event=on_event)
@@ -498,7 +500,7 @@ class FleetService:
             self._auto.pop(ring.ring_id, None)
             return {"ring": result}
 
-        ring.phase = "pending"
+        ring.phase = RingPhase.PENDING
         return self.jobs.start(kind, run(), ring=ring.ring_id)
 
     def create_ring(self, plan: Plan, *, model: str | None = None, export_id: str | None = None,
@@ -526,7 +528,7 @@ class FleetService:
         return self.rings[ring_id], job
 
     def _rerun(self, ring: ServiceRing, *, auto: bool = False):
-        if ring.phase != "failed":
+        if ring.phase is not RingPhase.FAILED:
             raise RingStateError(f"ring {ring.ring_id} is {ring.phase}; only a failed ring is re-run")
         return self._start_run(ring, "restore" if auto else "rerun")
 
@@ -545,7 +547,7 @@ class FleetService:
         self.served.remove(ring_id)
         await ring.async_stop(workers=True)
         self.rings.pop(ring_id, None)
-        self.feed.publish("ring_removed", {"ring": ring_id})
+        self.feed.publish(EventKind.RING_REMOVED, {"ring": ring_id})
 
     def service_json(self) -> dict[str, Any]:
         from engine import __version__

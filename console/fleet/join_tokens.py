@@ -25,13 +25,14 @@ from typing import Any
 from console.fleet_api.admin_shapes import field
 from console.fleet_api.agent_record import AgentRecord, Membership
 from console.fleet_api.errors import FleetServiceError
+from console.fleet_api.feed import EventKind
 from engine.control.join_audit import JoinAudit
 from engine.errors import DeskfleetError
 from engine.trust.join_token import DEFAULT_TTL_S, TokenBook, TokenInfo
 
 log = logging.getLogger("deskfleet.fleet.tokens")
 
-Publish = Callable[[str, dict[str, Any]], None]
+Publish = Callable[[EventKind, dict[str, Any]], None]
 EVENT_ADMITTED = 20  # admissions per token in a ``tokens`` event
 PUBLISH_EVERY_S = 1.0
 
@@ -90,7 +91,8 @@ class TokenDesk:
         token admits hundreds; ``GET /tokens`` lists them all)."""
         self._publish_due = False
         with contextlib.suppress(DeskfleetError):
-            self._publish("tokens", {"tokens": [t.to_json(admitted_limit=EVENT_ADMITTED) for t in self.book.tokens()]})
+            tokens = [t.to_json(admitted_limit=EVENT_ADMITTED) for t in self.book.tokens()]
+            self._publish(EventKind.TOKENS, {"tokens": tokens})
 
     def _publish_soon(self) -> None:
         """At most one ``tokens`` event per PUBLISH_EVERY_S while PCs join (not one full listing per join)."""

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from console.fleet_api.errors import FleetServiceError
+from console.fleet_api.feed import EventKind
 
 log = logging.getLogger("deskfleet.fleet")
 
@@ -40,7 +41,7 @@ MAX_PAGE_BYTES = 4 << 20  # JSON one poll answers with, about (the first event a
 class Event:
     seq: int
     at: float
-    kind: str
+    kind: EventKind
     data: dict[str, Any]
 
     def to_json(self) -> dict[str, Any]:
@@ -84,8 +85,8 @@ class EventFeed:
     """``publish(kind, data)`` from the loop; ``await poll(after, timeout)`` from a request handler.
     ``snapshot()`` gives (kind, data) pairs for the current state, sent to a client starting out."""
 
-    def __init__(self, snapshot: Callable[[], Sequence[tuple[str, dict[str, Any]]]] = tuple,
-                 keep: int = KEEP_EVENTS, *, latest_only: Collection[str] = ()) -> None:
+    def __init__(self, snapshot: Callable[[], Sequence[tuple[EventKind, dict[str, Any]]]] = tuple,
+                 keep: int = KEEP_EVENTS, *, latest_only: Collection[EventKind] = ()) -> None:
         self._snapshot = snapshot
         self._events: collections.deque[Event] = collections.deque(maxlen=keep)
         self._seq = 1  # a snapshot answers next >= 1, so "after=0" only ever means a client starting out
@@ -99,7 +100,7 @@ class EventFeed:
     def last_seq(self) -> int:
         return self._seq
 
-    def publish(self, kind: str, data: dict[str, Any]) -> Event:
+    def publish(self, kind: EventKind, data: dict[str, Any]) -> Event:
         self._seq += 1
         event = Event(self._seq, time.time(), kind, data)
         if kind in self._latest_only:
@@ -186,10 +187,10 @@ class Jobs:
                     log.exception("job %s (%s) failed", job.id, kind)
             finally:
                 job.ended = time.time()
-                self.feed.publish("job", {"job": job.to_json()})
+                self.feed.publish(EventKind.JOB, {"job": job.to_json()})
 
         job.task = asyncio.get_running_loop().create_task(run(), name=f"deskfleet-job-{job.id}")
-        self.feed.publish("job", {"job": job.to_json()})
+        self.feed.publish(EventKind.JOB, {"job": job.to_json()})
         return job
 
     def get(self, job_id: str) -> Job:

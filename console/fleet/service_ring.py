@@ -32,8 +32,9 @@ from console.fleet_api.admin_shapes import plan_json, spec_json
 from console.fleet_api.agent_record import AgentRecord
 from console.fleet_api.errors import FleetServiceError
 from console.fleet_api.exports import ExportEvent, ExportFailed, ExportFinished, ExportInfo, ExportProgress
+from console.fleet_api.feed import EventKind
 from console.fleet_api.fleet_settings import FleetSettings
-from console.fleet_api.ring_status import AgentProgress, RingHealth
+from console.fleet_api.ring_status import AgentProgress, RingHealth, RingPhase
 from engine.control.fleet_services import FleetHost
 from engine.generation.ring_report import RingReport, RingStatus
 from engine.generation.router import Router
@@ -62,7 +63,7 @@ class RingContext:
     router: Router
     tokenizers: dict[str, ChatTokenizer]  # served model name -> tokenizer: the API reads it
     records: Callable[[], tuple[AgentRecord, ...]]
-    publish: Callable[[str, dict[str, Any]], None]
+    publish: Callable[[EventKind, dict[str, Any]], None]
     persist: Callable[[ServedRing], None]
     in_other_rings: Callable[[str], frozenset[str]]  # node ids the service's other rings use
     api_url: Callable[[], str]
@@ -76,7 +77,7 @@ class ServiceRing:
     def __init__(self, ctx: RingContext, served: ServedRing) -> None:
         self.ctx = ctx
         self.served = served
-        self.phase = "pending"
+        self.phase = RingPhase.PENDING
         self.error: str | None = None
         self.export_state: dict[str, Any] | None = None
         self.health: RingHealth | None = None
@@ -98,7 +99,7 @@ class ServiceRing:
             for report in self.ctx.router.ring_reports():
                 if report.ring == self.ring_id:
                     return report
-        detail = self.error if self.phase == "failed" and self.error else f"the ring is {self.phase}"
+        detail = self.error if self.phase is RingPhase.FAILED and self.error else f"the ring is {self.phase}"
         return RingReport(self.ring_id, self.served.model, RingStatus.DOWN, detail)
 
     def to_json(self) -> dict[str, Any]:
@@ -111,11 +112,11 @@ class ServiceRing:
                 "plan": plan_json(served.plan), "spec": spec_json(served.spec), "created": served.created,
                 "standby": None if served.standby is None else list(served.standby),
                 "export": self.export_state, "agents": agents, "health": health,
-                "report": self.report().to_json() if self.phase == "serving" else None, "error": self.error}
+                "report": self.report().to_json() if self.phase is RingPhase.SERVING else None, "error": self.error}
 
-    def _set_phase(self, phase: str, error: str | None = None) -> None:
+    def _set_phase(self, phase: RingPhase, error: str | None = None) -> None:
         self.phase, self.error = phase, error
-        self.ctx.publish("ring", {"ring": self.to_json()})
+        self.ctx.publish(EventKind.RING, {"ring": self.to_json()})
 
     # ---- bring-up --------------------------------------------------------------------------------
 
@@ -123,21 +124,21 @@ class ServiceRing:
         """Export when the ring has none yet, distribute, serve; resumes after a failure. Raises
         what failed (the ring is then ``failed`` with that error)."""
         async with self._lock:
-            if self.phase == "serving":
+            if self.phase is RingPhase.SERVING:
                 return self.to_json()
             try:
                 export = await self._async_export()
-                self._set_phase("distributing")
+                self._set_phase(RingPhase.DISTRIBUTING)
                 await self._async_distribute(export)
             except asyncio.CancelledError:
-                self._set_phase("failed", "the bring-up was cancelled")
+                self._set_phase(RingPhase.FAILED, "the bring-up was cancelled")
                 raise
             except Exception as exc:
                 log.warning("ring %s: %s", self.ring_id, exc)
-                self._set_phase("failed", str(exc) or type(exc).__name__)
+                self._set_phase(RingPhase.FAILED, str(exc) or type(exc).__name__)
                 raise
             self.down_since = None
-            self._set_phase("serving")
+            self._set_phase(RingPhase.SERVING)
             return self.to_json()
 
     async def _async_export(self) -> ExportInfo:
@@ -150,7 +151,7 @@ class ServiceRing:
         if entry is None:
             raise FleetServiceError(f"the model {served.model!r} is not in the service's library; add it (POST "
                                "/admin/v1/models) or create the ring from one of its exports")
-        self._set_phase("exporting")
+        self._set_phase(RingPhase.EXPORTING)
         self.export_state = {"stage": None, "step": "starting", "fraction": 0.0}
         self.job = self.ctx.library.start_export(entry, plan=served.plan, spec=served.spec,
                                                  on_event=self._on_export_event)
@@ -166,7 +167,7 @@ class ServiceRing:
         elif data["state"] == "finished":
             self.export_state = {"stage": None, "step": "finished", "fraction": 1.0}
         data = {"ring": self.ring_id, **data}
-        self.ctx.publish("export", data)
+        self.ctx.publish(EventKind.EXPORT, data)
 
     async def _async_distribute(self, export: ExportInfo) -> None:
         ctx = self.ctx
@@ -197,7 +198,7 @@ class ServiceRing:
                            failover=ctx.failover, runtime=settings.runtime, return_port=self.served.return_port)
 
     def _on_progress(self, progress: AgentProgress) -> None:
-        self.ctx.publish("progress", {"ring": self.ring_id, **_progress_json(progress)})
+        self.ctx.publish(EventKind.PROGRESS, {"ring": self.ring_id, **_progress_json(progress)})
 
     # ---- stop ------------------------------------------------------------------------------------
 
@@ -218,8 +219,8 @@ class ServiceRing:
     async def async_stop(self, *, workers: bool = True) -> None:
         """Leave the router, then close the coordinator; ``workers`` False keeps the agents'
         workers running (the service is shutting down and will re-form the ring on its next start)."""
-        self.phase = "stopping"
-        self.ctx.publish("ring", {"ring": self.to_json()})
+        self.phase = RingPhase.STOPPING
+        self.ctx.publish(EventKind.RING, {"ring": self.to_json()})
         if self.job is not None and not self.job.done:
             await asyncio.to_thread(self.job.cancel)
         await self._async_leave_router()
@@ -254,7 +255,7 @@ def _progress_json(p: AgentProgress) -> dict[str, Any]:
 def elapsed_down(ring: ServiceRing, now: float | None = None) -> float:
     """Seconds a serving ring has been reporting down (0 when it is not)."""
     now = time.monotonic() if now is None else now
-    if ring.phase != "serving" or ring.report().status is not RingStatus.DOWN:
+    if ring.phase is not RingPhase.SERVING or ring.report().status is not RingStatus.DOWN:
         ring.down_since = None
         return 0.0
     if ring.down_since is None:

@@ -5,20 +5,45 @@ ring's health after its one-token test (the distribution itself: :mod:`console.f
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
-PHASES = ("assigning", "fetching", "verified", "starting", "running", "failed")
+
+class RingPhase(StrEnum):
+    """Where a ring of the fleet service is (``phase`` in the admin API's ring JSON, this value)."""
+
+    PENDING = "pending"  # created or re-run, its bring-up not begun
+    EXPORTING = "exporting"  # its model is being exported with the plan's split
+    DISTRIBUTING = "distributing"  # shards to the agents, workers starting, the ring's test token
+    SERVING = "serving"
+    STOPPING = "stopping"
+    FAILED = "failed"  # ``error`` says why; a failed ring is re-run (by the admin, or by the service)
+
+
+class AgentPhase(StrEnum):
+    """Where one agent of a ring's bring-up is (``phase`` of an agent's progress, this value)."""
+
+    ASSIGNING = "assigning"
+    FETCHING = "fetching"
+    VERIFIED = "verified"  # its stage's shards are on disk, checked
+    STARTING = "starting"
+    RUNNING = "running"
+    FAILED = "failed"
 
 
 @dataclass(frozen=True)
 class AgentProgress:
-    """Where one agent is: ``phase`` is one of PHASES; bytes are its stage's shard files."""
+    """Where one agent is; bytes are its stage's shard files. ``phase`` may be given as its value
+    (the admin API's JSON, the distribution's reports): it is held as an AgentPhase."""
 
     agent: str
     stage: int
-    phase: str
+    phase: AgentPhase
     done_bytes: int = 0
     total_bytes: int = 0
     error: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "phase", AgentPhase(self.phase))
 
     @property
     def fraction(self) -> float:
@@ -37,4 +62,5 @@ class RingHealth:
 
     @property
     def ok(self) -> bool:
-        return self.error is None and self.test_token is not None and all(a.phase == "running" for a in self.agents)
+        running = all(a.phase is AgentPhase.RUNNING for a in self.agents)
+        return self.error is None and self.test_token is not None and running

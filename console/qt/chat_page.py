@@ -13,7 +13,7 @@ from typing import Any
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
 
-from console.qt.service_serving import ServiceServing
+from console.qt.service_serving import ServiceServing, ServingPhase
 from console.shared.chat_view import QtChatWindow
 from console.shared.conversations import ConversationStore
 from console.shared.loop_thread import LoopThread
@@ -58,7 +58,7 @@ class QtChatPage(QWidget):
         self.box.addWidget(self.chat, 1)
 
     def _on_phase(self, phase: str) -> None:
-        if phase == "idle":
+        if phase == ServingPhase.IDLE:
             self._drop_chat()
             self.url_label.clear()
             self.placeholder.show()

@@ -30,8 +30,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from console.fleet_api.admin_client import Event
 from console.fleet_api.agent_record import AgentRecord
+from console.fleet_api.feed import Event, EventKind
 from console.qt.fleet_overview import (
     HISTORY_S,
     SAMPLE_S,
@@ -203,16 +203,16 @@ class QtDashboardPage(QWidget):
         self.agents_title.setText(f"Agents: {total} in this fleet")
 
     def _on_event(self, event: Event) -> None:
-        if event.kind == "ring":
+        if event.kind is EventKind.RING:
             ring = event.data.get("ring") or {}
             if isinstance(ring, dict) and ring.get("ring"):
                 self.rings[str(ring["ring"])] = ring
                 self._show_figures()
-        elif event.kind == "ring_removed":
+        elif event.kind is EventKind.RING_REMOVED:
             self.rings.pop(str(event.data.get("ring")), None)
             self.metrics.pop(str(event.data.get("ring")), None)
             self._show_figures()
-        elif event.kind == "metrics":
+        elif event.kind is EventKind.METRICS:
             self._take_metrics(event.data)
 
     def sample(self) -> None:

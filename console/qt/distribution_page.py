@@ -31,7 +31,7 @@ from console.fleet_api.agent_record import AgentRecord
 from console.fleet_api.exports import ExportEvent, ExportFinished, ExportProgress
 from console.fleet_api.ring_status import AgentProgress, RingHealth
 from console.qt.ring_diagram import QtRingDiagram, RingDiagram, measured_from_metrics
-from console.qt.service_serving import ServiceServing
+from console.qt.service_serving import ServiceServing, ServingPhase
 from console.qt.session import PLAN, SERVING, ConsoleSession
 
 COLUMNS = ("Agent", "Stage", "Phase", "Progress", "Error")
@@ -159,7 +159,7 @@ class QtDistributionPage(QWidget):
             self._draw_ring()
 
     def _on_phase(self, phase: str) -> None:
-        if phase in ("exporting", "distributing", "idle"):
+        if phase in (ServingPhase.EXPORTING, ServingPhase.DISTRIBUTING, ServingPhase.IDLE):
             self.measured.clear()  # a new ring: the last one's measurements are not this one's
         self._update_buttons()
         self._draw_ring()
@@ -173,7 +173,8 @@ class QtDistributionPage(QWidget):
     def _ring_plan(self):
         """The plan drawn: the ring's while one serves (or failed), else the session's."""
         serving = self.session.serving
-        if serving is not None and self.serving.phase in ("serving", "failed", "stopping"):
+        shown = (ServingPhase.SERVING, ServingPhase.FAILED, ServingPhase.STOPPING)
+        if serving is not None and self.serving.phase in shown:
             return serving.plan
         return self.session.plan
 
@@ -189,7 +190,7 @@ class QtDistributionPage(QWidget):
 
     def _update_buttons(self) -> None:
         phase, plan = self.serving.phase, self.session.plan
-        busy = phase in ("exporting", "distributing", "stopping")
+        busy = phase in (ServingPhase.EXPORTING, ServingPhase.DISTRIBUTING, ServingPhase.STOPPING)
         if plan is None:
             self.plan_label.setText("No plan: place the model on the Placement page first.")
         else:
@@ -198,17 +199,17 @@ class QtDistributionPage(QWidget):
             self.plan_label.setText(f"Plan: {len(plan.stages)} stage(s): {stages}. Now: {phase}.")
         self.distribute_button.setEnabled(plan is not None and not busy)
         self.rerun_button.setEnabled(self.serving.can_rerun)
-        self.cancel_button.setEnabled(phase == "exporting")
-        self.stop_button.setEnabled(phase in ("serving", "failed"))
+        self.cancel_button.setEnabled(phase == ServingPhase.EXPORTING)
+        self.stop_button.setEnabled(phase in (ServingPhase.SERVING, ServingPhase.FAILED))
 
 
-def stage_state(record: AgentRecord | None, phase: str) -> str:
+def stage_state(record: AgentRecord | None, phase: ServingPhase) -> str:
     """What a stage's box says of its agent: "unreachable" when the service's last poll failed, the
     agent's own state while the ring is up or coming up, else "planned"."""
     if record is None:
-        return "unreachable" if phase == "serving" else "planned"
+        return "unreachable" if phase == ServingPhase.SERVING else "planned"
     if record.reachable is False:
         return "unreachable"
-    if phase == "idle" and record.state not in ("paused", "error"):
+    if phase == ServingPhase.IDLE and record.state not in ("paused", "error"):
         return "planned"
     return record.state

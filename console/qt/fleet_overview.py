@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from console.fleet_api.agent_record import UNKNOWN_STATE, UNVERIFIED_STATE, AgentRecord, Membership
+from console.fleet_api.ring_status import RingPhase
 
 HISTORY_S = 300.0  # how far back a sparkline reaches
 SAMPLE_S = 2.0  # one sample per agent per this many seconds at most
@@ -97,7 +98,7 @@ def ring_lines(rings: Mapping[str, Mapping[str, Any]], metrics: Mapping[str, Map
 
 
 def figures(lines: Sequence[RingLine], failovers_today: int | None) -> Figures:
-    serving = [r for r in lines if r.phase == "serving"]
+    serving = [r for r in lines if r.phase == RingPhase.SERVING]
     rates = [r.tok_s for r in serving if r.tok_s is not None]
     active = [r.active_streams for r in serving if r.active_streams is not None]
     return Figures(tuple(sorted({r.model for r in serving})), len(serving), sum(active) if active else None,

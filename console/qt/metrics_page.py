@@ -31,7 +31,7 @@ from console.qt.fleet_metrics import (
     stage_breakdown,
 )
 from console.qt.service_bridge import ServiceBridge
-from console.qt.service_serving import ServiceServing
+from console.qt.service_serving import ServiceServing, ServingPhase
 from engine.control.hub import AgentEvent
 
 BREAKDOWN_COLUMNS = ("Stage / hop", "Kind", "Predicted ms", "Measured ms")
@@ -85,7 +85,8 @@ class QtMetricsPage(QWidget):
         self.pauses = PauseLog()
         self._build()
         serving.metrics.connect(self.show_metrics)
-        serving.phase_changed.connect(lambda phase: self.history.clear() if phase == "distributing" else None)
+        serving.phase_changed.connect(
+            lambda phase: self.history.clear() if phase == ServingPhase.DISTRIBUTING else None)
         bridge.hub_event.connect(self._on_hub_event)
 
     def _build(self) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 
 from PySide6.QtCore import QObject, QTimer, Signal
 
-from console.fleet_api.admin_client import AdminApiError, AdminClient, Event, ServiceUnreachableError
+from console.fleet_api.admin_client import AdminApiError, AdminClient, ServiceUnreachableError
 from console.fleet_api.admin_decode import (
     agent_from_json,
     agents_from_json,
@@ -34,6 +34,7 @@ from console.fleet_api.admin_shapes import plan_from_json
 from console.fleet_api.agent_record import AgentRecord
 from console.fleet_api.errors import FleetServiceError
 from console.fleet_api.exports import EXPORTS_SUBDIR, ExportEvent, ExportInfo, ExportSpec
+from console.fleet_api.feed import Event, EventKind
 from console.fleet_api.fleet_settings import FleetSettings
 from console.fleet_api.link_report import LinkReport
 from console.fleet_api.model_entry import ModelEntry
@@ -207,9 +208,9 @@ class ServiceBridge(QObject):
                 self._post(self.attached.emit, True)
                 away = False
             after = batch.next
-            newest = max((i for i, e in enumerate(batch.events) if e.kind == "records"), default=-1)
+            newest = max((i for i, e in enumerate(batch.events) if e.kind is EventKind.RECORDS), default=-1)
             for i, event in enumerate(batch.events):
-                if event.kind != "records":
+                if event.kind is not EventKind.RECORDS:
                     self._post(self._on_event, event)
                 elif i == newest:  # earlier snapshots in the batch are superseded; decoded here, not on the GUI thread
                     self._post_records(event)
@@ -235,12 +236,12 @@ class ServiceBridge(QObject):
         if self._closed:
             return
         try:
-            if event.kind == "token":
+            if event.kind is EventKind.TOKEN:
                 self._set_token(str(event.data["token"]))
-            elif event.kind == "hub":
+            elif event.kind is EventKind.HUB:
                 self.hub_event.emit(AgentEvent(str(event.data["node_id"]), str(event.data["event"]),
                                                dict(event.data.get("body") or {}), time.monotonic()))
-            elif event.kind == "error":
+            elif event.kind is EventKind.ERROR:
                 self.error.emit(str(event.data.get("what", "the service")), str(event.data.get("message", "")))
             self.service_event.emit(event)
         except (FleetServiceError, KeyError, TypeError, ValueError) as exc:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from console.fleet_api.admin_client import AdminJobError, Event
+from console.fleet_api.admin_client import AdminJobError
 from console.fleet_api.admin_decode import export_from_json
 from console.fleet_api.errors import FleetServiceError
 from console.fleet_api.exports import (
@@ -32,6 +32,7 @@ from console.fleet_api.exports import (
     ExportProgress,
     ExportSpec,
 )
+from console.fleet_api.feed import Event, EventKind
 from console.fleet_api.model_entry import ModelEntry
 from engine.placement.planner import Plan, PlannedStage
 
@@ -126,7 +127,7 @@ class ServiceExportJob:
                           on_error=lambda exc: log.info("cancelling export job %s: %s", self.job_id, exc))
 
     def _on_service_event(self, event: Event) -> None:
-        if event.kind != "export" or "job" not in event.data or self.done:
+        if event.kind is not EventKind.EXPORT or "job" not in event.data or self.done:
             return
         if self.job_id is None:
             self._held.append(event.data)

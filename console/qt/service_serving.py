@@ -13,14 +13,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
+from enum import StrEnum
 from typing import Any
 
 from PySide6.QtCore import QObject, QTimer, Signal
 
-from console.fleet_api.admin_client import Event
 from console.fleet_api.admin_shapes import plan_from_json
 from console.fleet_api.exports import ExportFailed, ExportFinished, ExportInfo, ExportKey, ExportProgress
-from console.fleet_api.ring_status import AgentProgress, RingHealth
+from console.fleet_api.feed import Event, EventKind
+from console.fleet_api.ring_status import AgentPhase, AgentProgress, RingHealth, RingPhase
 from console.qt.service_bridge import ServiceBridge
 from console.qt.session import Serving
 from engine.placement.planner import Plan
@@ -28,7 +29,35 @@ from engine.placement.planner import Plan
 log = logging.getLogger("deskfleet.console")
 
 RING_TIMEOUT_S = 60.0
-PHASES = ("idle", "exporting", "distributing", "serving", "failed", "stopping")
+
+
+class ServingPhase(StrEnum):
+    """Where the ring this console shows is: IDLE (none), else its ring's phase in the service as
+    the console follows it (a pending ring shows as distributing)."""
+
+    IDLE = "idle"
+    EXPORTING = RingPhase.EXPORTING.value
+    DISTRIBUTING = RingPhase.DISTRIBUTING.value
+    SERVING = RingPhase.SERVING.value
+    STOPPING = RingPhase.STOPPING.value
+    FAILED = RingPhase.FAILED.value
+
+
+def serving_phase(ring_phase: object) -> ServingPhase:
+    """The console's phase for a ring's ``phase`` in the admin API (an unknown one: distributing)."""
+    try:
+        return ServingPhase(str(ring_phase))
+    except ValueError:
+        return ServingPhase.DISTRIBUTING
+
+
+def agent_phase(value: object) -> AgentPhase:
+    """An agent's bring-up phase from the admin API (one this console does not know: failed)."""
+    try:
+        return AgentPhase(str(value))
+    except ValueError:
+        log.warning("the service reports an agent phase this console does not know: %r", value)
+        return AgentPhase.FAILED
 
 
 class ServiceServing(QObject):
@@ -45,7 +74,7 @@ class ServiceServing(QObject):
     def __init__(self, bridge: ServiceBridge, parent: QObject | None = None) -> None:
         super().__init__(parent)
         self.bridge = bridge
-        self.phase = "idle"
+        self.phase = ServingPhase.IDLE
         self.ring: str | None = None
         self.api_url: str | None = None
         self.api_key: str | None = None
@@ -67,13 +96,13 @@ class ServiceServing(QObject):
 
     @property
     def can_rerun(self) -> bool:
-        return self.phase == "failed" and self.ring is not None
+        return self.phase is ServingPhase.FAILED and self.ring is not None
 
-    def _set_phase(self, phase: str) -> None:
+    def _set_phase(self, phase: ServingPhase) -> None:
         if phase != self.phase:
             self.phase = phase
             self.phase_changed.emit(phase)
-        if phase == "serving":
+        if phase is ServingPhase.SERVING:
             self._sampler.start()
         else:
             self._sampler.stop()
@@ -87,7 +116,7 @@ class ServiceServing(QObject):
         def took(rings: Mapping[str, Any]) -> None:
             self._sampling = False
             sample = rings.get(ring)
-            if sample is not None and ring == self.ring and self.phase == "serving":
+            if sample is not None and ring == self.ring and self.phase is ServingPhase.SERVING:
                 self._emit_metrics(sample)
 
         def missed(exc: BaseException) -> None:
@@ -124,7 +153,7 @@ class ServiceServing(QObject):
     def _take_rings(self, result: tuple[list[dict[str, Any]], str | None]) -> None:
         rings, self.api_key = result
         if self.ring is None and rings:
-            shown = next((r for r in rings if r.get("phase") == "serving"), rings[0])
+            shown = next((r for r in rings if r.get("phase") == RingPhase.SERVING), rings[0])
             self.ring = str(shown["ring"])
             self._apply_ring(shown)
 
@@ -137,11 +166,11 @@ class ServiceServing(QObject):
         if session.model is None:
             self._fail("choose a model on the Models page first")
             return
-        if self.phase in ("exporting", "distributing", "stopping"):
+        if self.phase in (ServingPhase.EXPORTING, ServingPhase.DISTRIBUTING, ServingPhase.STOPPING):
             return
         self._plan, old = plan, self.ring
         client, model, spec = self.bridge.client, session.model.name, session.spec
-        self._set_phase("exporting")
+        self._set_phase(ServingPhase.EXPORTING)
 
         async def create() -> dict[str, Any]:
             if old is not None:
@@ -156,13 +185,13 @@ class ServiceServing(QObject):
                          on_error=lambda exc: self._fail(str(exc)))
 
     def cancel_export(self) -> None:
-        if self.ring is not None and self.phase == "exporting" and self.bridge.running:
+        if self.ring is not None and self.phase is ServingPhase.EXPORTING and self.bridge.running:
             self.bridge.call(self.bridge.client.async_cancel(self.ring), "cancelling the export")
 
     def rerun(self) -> None:
         if not self.can_rerun:
             return
-        self._set_phase("distributing")
+        self._set_phase(ServingPhase.DISTRIBUTING)
         self.bridge.call(self.bridge.client.async_rerun(self.ring), "re-running the ring",
                          on_result=lambda answer: self._apply_ring(answer["ring"]),
                          on_error=lambda exc: self._fail(str(exc)))
@@ -172,28 +201,28 @@ class ServiceServing(QObject):
         if self.ring is None:
             self._stopped()
             return
-        self._set_phase("stopping")
+        self._set_phase(ServingPhase.STOPPING)
         self.bridge.call(self.bridge.client.async_stop_ring(self.ring), "stopping the ring", timeout=RING_TIMEOUT_S * 2,
                          on_result=lambda _: self._stopped(), on_error=lambda exc: self._stopped())
 
     def _stopped(self) -> None:
         self.ring = self.api_url = None
         self.bridge.session.set_serving(None)
-        self._set_phase("idle")
+        self._set_phase(ServingPhase.IDLE)
 
     # ---- news from the service -------------------------------------------------------------------
 
     def _on_event(self, event: Event) -> None:
         data = event.data
-        if event.kind == "ring" and self._mine(data.get("ring", {}).get("ring")):
+        if event.kind is EventKind.RING and self._mine(data.get("ring", {}).get("ring")):
             self._apply_ring(data["ring"])
-        elif event.kind == "ring_removed" and self._mine(data.get("ring")):
+        elif event.kind is EventKind.RING_REMOVED and self._mine(data.get("ring")):
             self._stopped()
-        elif event.kind == "export" and self._mine(data.get("ring")):
+        elif event.kind is EventKind.EXPORT and self._mine(data.get("ring")):
             self._on_export(data)
-        elif event.kind == "progress" and self._mine(data.get("ring")):
+        elif event.kind is EventKind.PROGRESS and self._mine(data.get("ring")):
             self.progress.emit(_progress(data))
-        elif event.kind == "metrics" and self.ring is not None and self.phase == "serving":
+        elif event.kind is EventKind.METRICS and self.ring is not None and self.phase is ServingPhase.SERVING:
             sample = data.get("rings", {}).get(self.ring)
             if sample is not None:
                 self._emit_metrics(sample)
@@ -225,8 +254,7 @@ class ServiceServing(QObject):
                                                     tuple(a for a, _ in layers[1:]), ""))
 
     def _apply_ring(self, ring: Mapping[str, Any]) -> None:
-        phase = str(ring.get("phase", "idle"))
-        phase = phase if phase in PHASES else "distributing"
+        phase = serving_phase(ring.get("phase", ServingPhase.IDLE))
         if ring.get("plan"):
             try:
                 self._plan = plan_from_json(ring["plan"])
@@ -234,9 +262,10 @@ class ServiceServing(QObject):
                 log.warning("the service's plan for ring %s does not read: %s", ring.get("ring"), exc)
         for agent in ring.get("agents") or ():
             self.progress.emit(_progress(agent))
-        if phase == "serving" and self.phase != "serving":
+        if phase is ServingPhase.SERVING and self.phase is not ServingPhase.SERVING:
             self._served(ring)
-        elif phase == "failed" and (self.phase != "failed" or ring.get("error") != self._error):
+        elif phase is ServingPhase.FAILED and (self.phase is not ServingPhase.FAILED
+                                               or ring.get("error") != self._error):
             self._error = ring.get("error")
             self._fail(str(ring.get("error") or "the ring failed"))
             return
@@ -251,16 +280,16 @@ class ServiceServing(QObject):
                                     check.get("error")))
         if self._plan is not None:
             self.bridge.session.set_serving(Serving(self._plan, str(ring.get("export_id") or ""), False, self.api_url))
-        self._set_phase("serving")
+        self._set_phase(ServingPhase.SERVING)
         if self.api_url:
             self.api_ready.emit(self.api_url)
 
     def _fail(self, message: str) -> None:
         log.warning("ring: %s", message)
-        self._set_phase("failed")
+        self._set_phase(ServingPhase.FAILED)
         self.failed.emit(message)
 
 
 def _progress(data: Mapping[str, Any]) -> AgentProgress:
-    return AgentProgress(str(data.get("agent", "")), int(data.get("stage", 0)), str(data.get("phase", "")),
+    return AgentProgress(str(data.get("agent", "")), int(data.get("stage", 0)), agent_phase(data.get("phase")),
                          int(data.get("done_bytes", 0)), int(data.get("total_bytes", 0)), data.get("error"))

@@ -51,11 +51,12 @@ from console.shared.chat_model import (
     ChatClient,
     ChatError,
     ChatEvent,
+    ChatEventKind,
     ChatModel,
     ReplyResult,
     async_stream_reply,
 )
-from console.shared.conversations import ConversationStore, keep
+from console.shared.conversations import SAVED_ON, ConversationStore, keep
 from console.shared.loop_thread import LoopThread
 from console.shared.qt_async import QtAsync
 from console.shared.transcript import QtTranscript
@@ -387,22 +388,22 @@ class QtChatWindow(QWidget):
     # ---- model events -> widgets ---------------------------------------------------------------
 
     def _on_event(self, event: ChatEvent) -> None:
-        if event.kind in ("added", "removed", "listed"):
+        if event.kind in (ChatEventKind.ADDED, ChatEventKind.REMOVED, ChatEventKind.LISTED):
             self._fill_list()
-        elif event.kind == "selected":
+        elif event.kind is ChatEventKind.SELECTED:
             self._select_item(event.conversation_id)
             self._fill_models()  # a chat reopens on the model that answered it, while it is served
             self.transcript.show_conversation(self.model.current)
-        elif event.kind == "models":
+        elif event.kind is ChatEventKind.MODELS:
             self._fill_models()
         elif event.conversation_id == self.model.current_id:
-            if event.kind == "delta":
+            if event.kind is ChatEventKind.DELTA:
                 self.transcript.streamed()
             else:
                 self.transcript.show_conversation(self.model.current)
-            if event.kind in ("message", "ended", "renamed"):
+            if event.kind in SAVED_ON:
                 self._fill_list()
-        elif event.kind in ("message", "ended", "renamed"):
+        elif event.kind in SAVED_ON:
             self._fill_list()
         self._update_speed()
         self._update_buttons()

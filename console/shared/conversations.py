@@ -31,6 +31,7 @@ from console.shared.chat_model import (
     STREAMING,
     ChatError,
     ChatEvent,
+    ChatEventKind,
     ChatModel,
     Conversation,
     Message,
@@ -174,7 +175,8 @@ def _reason(exc: BaseException) -> str:
     return str(exc)
 
 
-SAVED_ON = ("message", "ended", "renamed")
+# the changes after which a conversation is saved again
+SAVED_ON = frozenset({ChatEventKind.MESSAGE, ChatEventKind.ENDED, ChatEventKind.RENAMED})
 
 
 def keep(model: ChatModel, store: ConversationStore,
@@ -191,7 +193,7 @@ def keep(model: ChatModel, store: ConversationStore,
                 conversation = model.get(event.conversation_id)
                 if any(m.role != "system" for m in conversation.messages):  # an empty "New chat" stays unsaved
                     store.save(conversation)
-            elif event.kind == "removed" and event.conversation_id is not None:
+            elif event.kind is ChatEventKind.REMOVED and event.conversation_id is not None:
                 store.delete(event.conversation_id)
         except ConversationStoreError as exc:
             if on_error is None:

@@ -4,8 +4,8 @@ objects the page draws; a failed ring can be re-run. Real Qt (offscreen), no net
 
 from __future__ import annotations
 
-from console.fleet_api.admin_client import Event
 from console.fleet_api.exports import ExportFailed, ExportFinished, ExportProgress
+from console.fleet_api.feed import Event
 from console.fleet_api.fleet_settings import FleetSettings
 from console.fleet_api.ring_status import AgentProgress, RingHealth
 from console.qt.service_bridge import ServiceBridge
