@@ -132,7 +132,7 @@ def _admit(service: ControlledAgent, request: web.Request, *, console_only: bool
         raise ControlRequestError(f"member {node[:16]}… is revoked by the fleet service", 403)
     if console_only and not is_console(service, node, role):
         pinned = service.service_node_id
-        raise ControlRequestError(f"{request.path} is for the fleet console only" + (
+        raise ControlRequestError(f"{request.path} is for the fleet service only" + (
             f" (this agent joined through fleet service {pinned[:16]}…; join again to change services)"
             if pinned and role is Role.FLEET_SERVICE else ""), 403)
     return node, role

@@ -46,7 +46,7 @@ async def async_join_found_service(interface: str, token: str, name: str, info: 
     candidates = list(dict.fromkeys(c.enrollment for c in consoles if c.ca_pin == pin))
     if not candidates:
         raise EnrollmentError(
-            f"no fleet service of fleet {pin[:16]} answered on the network ({interface}); check that the "
+            f"no console of fleet {pin[:16]} answered on the network ({interface}); check that the "
             "console is running on this network, or enter its address (host:port, shown next to the token)")
 
     async def attempt(address: str, budget: float) -> Joined:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from agent.service.settings import AgentSettings, OfficeHours
 
 MANUAL = "paused by the user"
-REMOTE = "paused from the fleet service"
+REMOTE = "paused from the console"  # a reason agents report in their status (older ones too): kept as is
 IN_USE = "the PC is in use"
 BATTERY = "on battery"
 OFFICE_HOURS = "office hours"

@@ -46,6 +46,7 @@ from engine.control.messages import (
     FetchProgress,
     WorkerStatus,
 )
+from engine.discovery.advertisement import AgentState as RunState  # not the state file's AgentState
 from engine.discovery.join_service import async_find_consoles
 from engine.discovery.mdns import Advertisement, Advertiser, instance_name
 from engine.errors import DeskfleetError
@@ -402,19 +403,19 @@ class AgentService:
     def worker_pid(self) -> int | None:
         return self._supervisor.pid
 
-    def state(self) -> str:
+    def state(self) -> RunState:
         worker = self._supervisor.status
         if self._creds is None:
-            return "not-joined"
+            return RunState.NOT_JOINED
         if worker.state == "failed" or self._fetch.error:
-            return "error"
+            return RunState.ERROR
         if self._pause.paused:
-            return "paused"
+            return RunState.PAUSED
         if self._fetch_task is not None and not self._fetch_task.done():
-            return "fetching"
+            return RunState.FETCHING
         if worker.state in ("starting", "running", "backoff"):
-            return "serving"
-        return "idle"
+            return RunState.SERVING
+        return RunState.IDLE
 
     def status(self) -> AgentStatus:
         assignment = self.assignment

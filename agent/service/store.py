@@ -11,6 +11,7 @@ fetch after a partial failure never downloads or re-hashes them again.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -172,8 +173,7 @@ async def async_fetch(store: ShardStore, assignment: Assignment, *, ssl: SSLCont
                         part.unlink(missing_ok=True)
                     elif resp.status not in (200, 206):
                         what = f"fetching {entry.path} from {assignment.source}: HTTP {resp.status}"
-                        body = await async_read_limited(resp, MAX_ERROR_BYTES,
-                                                        lambda m, w=what: FetchError(f"{w} ({m})"))
+                        body = await async_read_limited(resp, MAX_ERROR_BYTES, functools.partial(_fetch_error, what))
                         raise FetchError(f"{what} {body[:200].decode('utf-8', 'replace')}")
                     with open(part, "ab") as f:
                         async for chunk in resp.content.iter_chunked(_CHUNK):
@@ -195,3 +195,7 @@ async def async_fetch(store: ShardStore, assignment: Assignment, *, ssl: SSLCont
             store.is_verified(assignment.export_id, entry)  # records the mark
             log.info("fetched and verified %s (%d bytes)", entry.path, entry.size)
     on_progress(FetchProgress(total, total, None, finished=True))
+
+
+def _fetch_error(what: str, message: str) -> FetchError:
+    return FetchError(f"{what} ({message})")

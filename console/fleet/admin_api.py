@@ -118,7 +118,8 @@ def caller(request: web.Request) -> str:
     from cryptography.x509.oid import NameOID
 
     names = x509.load_der_x509_certificate(der).subject.get_attributes_for_oid(NameOID.COMMON_NAME)
-    return f"admin:{names[0].value if names else '?'}"
+    name = names[0].value if names else "?"
+    return f"admin:{name.decode() if isinstance(name, bytes) else name}"
 
 
 def _no_constant(name: str) -> Any:

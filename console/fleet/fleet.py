@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from console.fleet.agent_tags import TagBook
 from console.fleet.approvals import ApprovalBook
@@ -176,7 +177,7 @@ class FleetModel:
             return  # no loop (a pure caller): hints stay hints
         self._probed[where] = now
         if len(self._probed) > 4 * MAX_HINTS:  # forget the oldest attempts
-            for old in sorted(self._probed, key=self._probed.get)[:MAX_HINTS]:
+            for old in sorted(self._probed, key=self._probed.__getitem__)[:MAX_HINTS]:
                 del self._probed[old]
         task = loop.create_task(self._async_probe_hint(key, hint.address, hint.control_port),
                                 name="deskfleet-probe-hint")
@@ -275,6 +276,9 @@ class FleetModel:
                 "and the control port (7210 by default), that the PC is on and its firewall lets the "
                 "port through, and that it joined this fleet service's fleet") from exc
         node_id = client.peer_node_id
+        if node_id is None:  # the client pins nothing here, so a completed probe saw a certificate
+            raise AgentUnreachableError(f"the agent at {host}:{port} answered without a certificate the probe "
+                                        "could read; check that it is a Deskfleet agent")
         claimed = probe.get("node_id") if isinstance(probe, dict) else None
         if not isinstance(claimed, str) or not claimed:
             raise ForeignAgentError(f"the agent at {host}:{port} has not joined a fleet; join it with a "
@@ -456,15 +460,17 @@ class FleetModel:
     def _take_registration(self, node_id: str, body: Mapping, at: float) -> None:
         if node_id in self._revoked:
             return
-        props = body.get("advertisement") if isinstance(body.get("advertisement"), dict) else {}
+        advertised = body.get("advertisement")
+        props: Mapping[str, Any] = advertised if isinstance(advertised, dict) else {}
         port, address = body.get("control_port"), body.get("address")
         if not (isinstance(port, int) and 0 < port < 65536 and isinstance(address, str) and address):
             log.warning("registration from %s without a control address ignored", node_id[:16])
             return
         if "tags" in body:  # an older agent's registration says nothing of tags: keep what is known
             self._tags.note_reported(node_id, reported_tags(body.get("tags")))
-        devices = props.get("dev") if isinstance(props.get("dev"), str) else ""
-        memory = props.get("mem") if isinstance(props.get("mem"), str) and props["mem"].isdigit() else "0"
+        dev, mem = props.get("dev"), props.get("mem")
+        devices = dev if isinstance(dev, str) else ""
+        memory = mem if isinstance(mem, str) and mem.isdigit() else "0"
         self._sightings.setdefault(node_id, {})[AgentSource.HUB] = Sighting(
             AgentSource.HUB, "", address, port, self.fleet_id,  # the hub checked its certificate
             str(props.get("st") or UNKNOWN_STATE), tuple(d for d in devices.split(",") if d), int(memory),

@@ -33,7 +33,7 @@ import time
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from console.fleet.admin_api import ADMIN_SOCKET, async_run_admin
 from console.fleet.distribution import DistributionTimeouts
@@ -120,6 +120,19 @@ class ModelNotFoundError(FleetServiceError):
     """A model name is not in the service's library."""
 
 
+T = TypeVar("T")
+
+
+class ServiceNotStartedError(FleetServiceError):
+    """A part of the fleet service that ``async_start`` makes was asked for before it ran."""
+
+
+def _started(part: T | None, what: str) -> T:
+    if part is None:
+        raise ServiceNotStartedError(f"the fleet service's {what} is not there yet: the service has not started")
+    return part
+
+
 class FleetService:
     """``await async_start()``, serve, ``await async_close()``. Every method runs on the loop."""
 
@@ -129,18 +142,19 @@ class FleetService:
         self.router = Router()
         self.tokenizers: dict[str, ChatTokenizer] = {}
         self.feed = EventFeed(self._snapshot, latest_only=(EventKind.RECORDS,))
-        self.records_feed = RecordsPublisher(lambda: self.fleet.records() if self.fleet is not None else (),
-                                             lambda agents: self.feed.publish(EventKind.RECORDS, {"agents": agents}))
+        self.records_feed = RecordsPublisher(lambda: self._fleet.records() if self._fleet is not None else (),
+                                             self._publish_records)
         self.jobs = Jobs(self.feed)
         self.rings: dict[str, ServiceRing] = {}
-        self.placements: PlacementStore | None = None
-        self.host: FleetHost | None = None
-        self.fleet: FleetModel | None = None
-        self.served: ServedRings | None = None
+        # set by async_start (read through the properties below, which name a service not started)
+        self._placements: PlacementStore | None = None
+        self._host: FleetHost | None = None
+        self._fleet: FleetModel | None = None
+        self._served: ServedRings | None = None
         self.api: RunningApi | None = None
         self.admin_url: str | None = None
         self.token = ""
-        self.token_desk: TokenDesk = None  # type: ignore[assignment]  # set by async_start
+        self._token_desk: TokenDesk | None = None
         self.started_at = 0.0
         self._stack = contextlib.AsyncExitStack()
         self._tasks: list[asyncio.Task] = []
@@ -148,28 +162,56 @@ class FleetService:
         self._last_health: Any = None
         self.failovers = FailoverTally(settings.state_dir / FAILOVERS_FILE)  # the Dashboard's "failovers today"
 
+    # ---- what async_start made --------------------------------------------------------------------
+
+    @property
+    def host(self) -> FleetHost:
+        return _started(self._host, "fleet host")
+
+    @property
+    def fleet(self) -> FleetModel:
+        return _started(self._fleet, "fleet model")
+
+    @property
+    def served(self) -> ServedRings:
+        return _started(self._served, "served rings")
+
+    @property
+    def placements(self) -> PlacementStore:
+        return _started(self._placements, "placements")
+
+    @property
+    def token_desk(self) -> TokenDesk:
+        return _started(self._token_desk, "token desk")
+
+    def _publish(self, kind: EventKind, data: dict[str, Any]) -> None:
+        self.feed.publish(kind, data)
+
+    def _publish_records(self, agents: list[dict[str, Any]]) -> None:
+        self.feed.publish(EventKind.RECORDS, {"agents": agents})
+
     # ---- lifecycle -------------------------------------------------------------------------------
 
     async def async_start(self) -> None:
         s = self.settings.fleet
         s.state_dir.mkdir(parents=True, exist_ok=True)
         try:
-            self.served = ServedRings(s.state_dir)
-            self.placements = PlacementStore(s.state_dir)  # a damaged file stops the start, named
-            host = self.host = await self._stack.enter_async_context(
+            self._served = ServedRings(s.state_dir)
+            self._placements = PlacementStore(s.state_dir)  # a damaged file stops the start, named
+            host = self._host = await self._stack.enter_async_context(
                 fleet_host(s.state_dir, host=s.interface, enrollment_port=s.enrollment_port, hub_port=s.hub_port,
                            advertise_on=s.interface if self.settings.advertise else None,
                            name="Deskfleet fleet"))
-            fleet = self.fleet = FleetModel(s.state_dir, host.credentials)
+            fleet = self._fleet = FleetModel(s.state_dir, host.credentials)
             self._stack.callback(fleet.subscribe(self._on_records))
-            self.token_desk = TokenDesk(host.tokens, host.audit, self.feed.publish)  # before the hub's news
-            self._stack.callback(fleet.subscribe(self.token_desk.on_records))
-            self._stack.callback(host.subscribe_joins(self.token_desk.on_join))
+            desk = self._token_desk = TokenDesk(host.tokens, host.audit, self._publish)  # before the hub's news
+            self._stack.callback(fleet.subscribe(desk.on_records))
+            self._stack.callback(host.subscribe_joins(desk.on_join))
             self._stack.callback(fleet.attach_hub(host.hub))
             self._stack.callback(fleet.attach_api_key(host.rotate_api_key, host.member_key))
             self._stack.callback(host.hub.subscribe(self._on_hub_event))
             self._stack.callback(host.subscribe_api_key(self._on_api_key))
-            self.token_desk.attach(fleet.approve, fleet.records())
+            desk.attach(fleet.approve, fleet.records())
             if self.settings.browse:
                 browser = Browser(s.interface, fleet.update_peers)
                 await browser.async_start()
@@ -233,6 +275,8 @@ class FleetService:
         """Publish the API over mDNS; a network without multicast only loses the record (logged)."""
         from console.fleet.api_advert import ApiAdvertError, ApiAdvertisement, ApiAdvertiser
 
+        if self.api is None:  # closed meanwhile
+            return
         advertiser = ApiAdvertiser()
         ad = ApiAdvertisement(self.fleet.fleet_id, self.api.port, self.settings.fleet.interface)
         try:
@@ -280,7 +324,7 @@ class FleetService:
 
     def _snapshot(self) -> list[tuple[EventKind, dict[str, Any]]]:
         out: list[tuple[EventKind, dict[str, Any]]] = []
-        if self.fleet is not None:
+        if self._fleet is not None:
             out.append((EventKind.RECORDS, {"agents": self.records_feed.cache.dump(self.fleet.records())}))
         out.append((EventKind.TOKEN, {"token": self.token}))
         out += [(EventKind.RING, {"ring": r.to_json()}) for r in self.rings.values()]
@@ -350,7 +394,9 @@ class FleetService:
         self.token_desk.note_removed(record.key, record.name)
         if node_id and (revoked := self.host.revoke_member_keys(node_id)):
             log.warning("removed agent %s: its API keys %s are revoked", node_id[:16], ", ".join(revoked))
-            self.feed.publish(EventKind.KEYS, {"keys": [k.to_json() for k in self.host.keys.keys() if k.live]})
+            book = self.host.keys
+            live = [k.to_json() for k in book.keys() if k.live] if book is not None else []
+            self.feed.publish(EventKind.KEYS, {"keys": live})
 
     async def async_pause(self, key: str) -> dict[str, Any]:
         return agent_json(await self.fleet.async_pause(key))
@@ -469,7 +515,7 @@ class FleetService:
 
     def _context(self) -> RingContext:
         return RingContext(self.host, self.library, self.settings.fleet, self.router, self.tokenizers,
-                           self.fleet.records, self.feed.publish, self.served.put, self._in_other_rings,
+                           self.fleet.records, self._publish, self.served.put, self._in_other_rings,
                            lambda: self.api_url, self.settings.timeouts, self.settings.failover)
 
     def _in_other_rings(self, ring_id: str) -> frozenset[str]:

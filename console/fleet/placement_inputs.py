@@ -106,6 +106,7 @@ def layer_read_bytes(calibration: CalibrationSet) -> float:
     spent reading these, so the head's time is scaled from them; for a dense model this is
     `calibration_export.layer_weight_bytes`."""
     read, layers = 0.0, 0
+    total: float
     for stage in (s for part in calibration.parts for s in part.manifest.stages):
         if stage.has_embedding or stage.has_head:
             continue

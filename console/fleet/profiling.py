@@ -31,13 +31,13 @@ from console.fleet.state_file import read_json, write_json
 from console.fleet_api.agent_record import AgentRecord
 from engine.control.client import ControlClient, ControlError
 from engine.control.hub import FleetHub
-from engine.placement.planner import DeviceProfile, ModelProfile, PcInfo
+from engine.placement.planner import DeviceKind, DeviceProfile, ModelProfile, PcInfo
 from engine.shards.calibration import StageTiming, fit_layer_time
 
 log = logging.getLogger(__name__)
 
 PROFILES_FILE = "device-profiles.json"
-CALIBRATED_KINDS = ("CPU", "GPU")
+CALIBRATED_KINDS: tuple[DeviceKind, ...] = ("CPU", "GPU")
 _WHAT = "the device calibration cache"
 
 
@@ -47,7 +47,7 @@ class Calibration:
 
     node_id: str
     device: str
-    kind: str
+    kind: DeviceKind
     layer_ms: float
     overhead_ms: float
     cached: bool
@@ -81,6 +81,8 @@ class ProfileCache:
 
     def get(self, model_key: str, node_id: str, device: str) -> tuple[float, float] | None:
         entry = self._profiles.get(self._key(model_key, node_id, device))
+        if entry is None:
+            return None
         try:
             return float(entry["layer_ms"]), float(entry["overhead_ms"])
         except (TypeError, KeyError, ValueError):
@@ -95,11 +97,11 @@ class ProfileCache:
         write_json(self.path, {"format": 1, "profiles": self._profiles}, _WHAT)
 
 
-def _calibrated_devices(record: AgentRecord) -> list[tuple[str, str]]:
+def _calibrated_devices(record: AgentRecord) -> list[tuple[str, DeviceKind]]:
     """(name, kind) of the record's devices that this module calibrates."""
     devices = record.status.inventory.get("devices", ()) if record.status else ()
-    return [(d["name"], d.get("kind", "")) for d in devices
-            if isinstance(d, dict) and isinstance(d.get("name"), str) and d.get("kind") in CALIBRATED_KINDS]
+    return [(d["name"], kind) for d in devices if isinstance(d, dict) and isinstance(d.get("name"), str)
+            for kind in CALIBRATED_KINDS if d.get("kind") == kind]
 
 
 def cache_device(device: str, threads: int | None) -> str:

@@ -64,7 +64,7 @@ class RingContext:
     tokenizers: dict[str, ChatTokenizer]  # served model name -> tokenizer: the API reads it
     records: Callable[[], tuple[AgentRecord, ...]]
     publish: Callable[[EventKind, dict[str, Any]], None]
-    persist: Callable[[ServedRing], None]
+    persist: Callable[[ServedRing], object]  # its result is not used
     in_other_rings: Callable[[str], frozenset[str]]  # node ids the service's other rings use
     api_url: Callable[[], str]
     timeouts: DistributionTimeouts | None = None

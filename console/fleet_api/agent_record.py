@@ -151,7 +151,8 @@ def merge_record(key: str, sightings: Mapping[AgentSource, Sighting], *, own_fle
     named = next((s for s in reversed(believed) if s.name), where)
     times = [s.at for s in ordered if s.at is not None]
     # (time, state, reasons) from every believed source that reports a state; the newest wins
-    states = [(s.at, s.state, ()) for s in believed if s.at is not None and s.state != UNKNOWN_STATE]
+    states: list[tuple[float, str, tuple[str, ...]]] = [
+        (s.at, s.state, ()) for s in believed if s.at is not None and s.state != UNKNOWN_STATE]
     # hardware facts (shown until a poll reports the inventory): a proven source's, else those of
     # an mDNS record from the proven address (the same agent's own advertisement)
     facts = next((s for s in reversed(believed) if s.devices), None) or next(

@@ -12,10 +12,20 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypedDict
 
 from engine.shards.manifest import Manifest, load_manifest
 
 EXPORTS_SUBDIR = "exports"
+
+
+class ExportOptionsKwargs(TypedDict):
+    """What an ExportSpec sets of ``export.exporter.ExportOptions`` (keyword arguments)."""
+
+    weights: str
+    group_size: int
+    symmetric: bool
+    kv_cache_precision: str
 
 
 @dataclass(frozen=True)
@@ -28,7 +38,7 @@ class ExportSpec:
     symmetric: bool = True
     kv_cache_precision: str = "f16"
 
-    def options_kwargs(self) -> dict[str, object]:
+    def options_kwargs(self) -> ExportOptionsKwargs:
         return {"weights": self.weights, "group_size": self.group_size, "symmetric": self.symmetric,
                 "kv_cache_precision": self.kv_cache_precision}
 

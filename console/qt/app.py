@@ -24,6 +24,7 @@ def settings_from_args(args: argparse.Namespace):
     """The console's settings for the parsed command line (defaults for what it does not name)."""
     from console.fleet_api.fleet_settings import (
         API_PORT,
+        DEFAULT_DATA_PORT,
         ENROLLMENT_PORT,
         HUB_PORT,
         FleetSettings,
@@ -45,7 +46,7 @@ def settings_from_args(args: argparse.Namespace):
                            runtime=getattr(args, "runtime", None) or "paged",
                            service_url=service_url, admin_cert=admin_cert,
                            service_node_id=getattr(args, "service_node_id", None),
-                           admin_port=_admin_port(args), **_data_port(args))
+                           admin_port=_admin_port(args), data_port=_data_port(args, DEFAULT_DATA_PORT))
 
 
 def _admin_port(args: argparse.Namespace) -> int | None:
@@ -57,9 +58,9 @@ def _admin_port(args: argparse.Namespace) -> int | None:
     return None if port == -1 else port
 
 
-def _data_port(args: argparse.Namespace) -> dict[str, int]:
+def _data_port(args: argparse.Namespace, default: int) -> int:
     port = getattr(args, "data_port", None)
-    return {} if port is None else {"data_port": _port(args, "data_port", port)}
+    return default if port is None else _port(args, "data_port", port)
 
 
 def _port(args: argparse.Namespace, name: str, default: int) -> int:

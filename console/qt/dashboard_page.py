@@ -272,13 +272,13 @@ class QtDashboardPage(QWidget):
         table.setRowCount(len(keys))
         for row, key in enumerate(keys):
             record = records[key]
-            cpu = table.cellWidget(row, 2)
-            if cpu is None:
-                cpu = QtSparkline(100.0, "#1a73e8")
+            cpu, mem = table.cellWidget(row, 2), table.cellWidget(row, 3)
+            if not (isinstance(cpu, QtSparkline) and isinstance(mem, QtSparkline)):
+                cpu, mem = QtSparkline(100.0, "#1a73e8"), QtSparkline(1.0, "#a142f4", lambda v: f"{100 * v:.0f} %")
                 table.setCellWidget(row, 2, cpu)
-                table.setCellWidget(row, 3, QtSparkline(1.0, "#a142f4", lambda v: f"{100 * v:.0f} %"))
+                table.setCellWidget(row, 3, mem)
             cpu.set_values(self.history.cpu(key))
-            table.cellWidget(row, 3).set_values(self.history.memory(key))
+            mem.set_values(self.history.memory(key))
             used = record.status.memory_used_bytes if record.status is not None else None
             total = record.status.inventory.get("ram_total") if record.status is not None else None
             memory = (f"{used / GB:.1f} of {total / GB:.1f} GB" if isinstance(used, int) and isinstance(total, int)

@@ -137,8 +137,9 @@ class QtDistributionPage(QWidget):
         row = self.rows[key]
         for col, value in ((0, p.agent), (1, str(p.stage)), (2, p.phase), (4, p.error or "")):
             self.table.setItem(row, col, QTableWidgetItem(value))
-        bar = self.table.cellWidget(row, 3)
-        bar.setValue(int(1000 * p.fraction))
+        shown = self.table.cellWidget(row, 3)
+        if isinstance(shown, QProgressBar):
+            shown.setValue(int(1000 * p.fraction))
         bar.setFormat(f"%p%  ({p.done_bytes / 1e6:.1f} of {p.total_bytes / 1e6:.1f} MB)")
         self.health_label.setText("Ring: distributing…")
 

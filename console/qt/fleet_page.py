@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from PySide6.QtCore import QItemSelection, QItemSelectionModel, QSortFilterProxyModel, Qt, QTimer
 from PySide6.QtGui import QGuiApplication
@@ -46,6 +47,9 @@ from console.qt.fleet_table_model import (
 from console.qt.service_bridge import ServiceBridge
 from engine.control.messages import parse_hostport
 from engine.errors import DeskfleetError
+
+if TYPE_CHECKING:  # the dialog's module is loaded on first use (open_tokens)
+    from console.qt.tokens_dialog import QtTokensDialog
 
 IN_FLIGHT = 8  # calls of one batch action running at once (the service dials each agent)
 TICK_MS = 2000  # "Last seen" redrawn this often
@@ -122,7 +126,7 @@ class QtFleetPage(QWidget):
         self.updates = Coalescer(self._apply, coalesce_ms, self)
         self.batch: BatchAction | None = None  # the last button press's calls
         self.confirmation: QMessageBox | None = None  # Remove's question, while it is asked
-        self.tokens_dialog = None  # console.qt.tokens_dialog.QtTokensDialog, once opened
+        self.tokens_dialog: QtTokensDialog | None = None  # once opened
         self._sized = False
         self._build()
         bridge.records_changed.connect(self.updates.offer)

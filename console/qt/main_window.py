@@ -24,6 +24,15 @@ from console.qt.service_bridge import ServiceBridge
 from console.qt.service_serving import ServiceServing
 
 
+class QtFirstRunDialog(QDialog):
+    """The first start's welcome: the fleet id and a join token (``view``) in a window of its own."""
+
+    def __init__(self, view: QtFirstRunView, parent: QMainWindow) -> None:
+        super().__init__(parent)
+        self.setWindowTitle("Deskfleet — your fleet is ready")
+        self.view = view
+        QVBoxLayout(self).addWidget(view)
+
 class QtConsoleWindow(QMainWindow):
     def __init__(self, bridge: ServiceBridge, *, chat_options: Mapping[str, Any] | None = None) -> None:
         super().__init__()
@@ -50,18 +59,15 @@ class QtConsoleWindow(QMainWindow):
             f"Fleet {bridge.fleet_id[:16]}… — enrollment {bridge.enrollment}", 0))
         bridge.error.connect(lambda what, why: self.statusBar().showMessage(f"{what} failed: {why}", 15000))
         self.serving.api_ready.connect(lambda url: self.statusBar().showMessage(f"Serving at {url}", 0))
-        self.first_run_dialog: QDialog | None = None
+        self.first_run_dialog: QtFirstRunDialog | None = None
         bridge.started.connect(self._welcome)
 
     def _welcome(self) -> None:
         """On the start that created the fleet: say so, with the join token to hand out."""
         if not self.bridge.first_run:
             return
-        dialog = QDialog(self)
-        dialog.setWindowTitle("Deskfleet — your fleet is ready")
         view = QtFirstRunView(self.bridge.fleet_id, self.bridge.enrollment, self.bridge.issue_token_now)
-        QVBoxLayout(dialog).addWidget(view)
-        dialog.view = view
+        dialog = QtFirstRunDialog(view, self)
         self.first_run_dialog = dialog
         dialog.show()
 

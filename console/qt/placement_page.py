@@ -42,7 +42,7 @@ from console.qt.service_bridge import ServiceBridge
 from console.qt.session import MODEL, PLAN
 from engine.control.tags import tags_from_text
 from engine.errors import DeskfleetError
-from engine.placement.planner import PlacementRequest, Plan, plan_quality
+from engine.placement.planner import Objective, PlacementRequest, Plan, plan_quality
 
 COLUMNS = ("Stage", "Agent", "Device", "Layers", "Predicted ms", "Memory", "Hop to next ms")
 AUTO = 0  # the context spin box's "auto": the service chooses (model maximum, capped by memory)
@@ -109,9 +109,9 @@ class QtPlacementPage(QWidget):
         self.fleet_tags = QLabel(fleet_tags_text(()))
         self.fleet_tags.setStyleSheet("color: #5f6368;")
         tag_row = QHBoxLayout()
-        for label, widget in (("Only agents tagged:", self.include_tags), ("Never agents tagged:", self.exclude_tags)):
+        for label, edit in (("Only agents tagged:", self.include_tags), ("Never agents tagged:", self.exclude_tags)):
             tag_row.addWidget(QLabel(label))
-            tag_row.addWidget(widget, 1)
+            tag_row.addWidget(edit, 1)
         tag_row.addWidget(self.fleet_tags, 1)
 
         self.table = QTableWidget(0, len(COLUMNS))
@@ -164,7 +164,8 @@ class QtPlacementPage(QWidget):
     # ---- actions ---------------------------------------------------------------------------------
 
     def request(self) -> PlacementRequest:
-        return PlacementRequest(objective=self.objective.currentText(), n_streams=self.streams.value())
+        objective: Objective = "throughput" if self.objective.currentText() == "throughput" else "latency"
+        return PlacementRequest(objective=objective, n_streams=self.streams.value())
 
     def tags(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """(include, exclude) from the tag fields; TagError for one that is not a tag."""
@@ -272,13 +273,14 @@ class QtPlacementPage(QWidget):
         self.moe.setText(note)
         self.moe.setVisible(bool(note))
         stages = plan.stages if plan is not None else ()
+        hops = plan.hop_ms if plan is not None else ()
         self.ring.set_diagram(None if plan is None else RingDiagram.from_plan(plan, self._names()),
                               "No plan yet: place the model to see its ring." if plan is None else None)
         self.table.setRowCount(len(stages))
         for k, s in enumerate(stages):
             values = (str(k), self.session.name(s.pc_id), s.device_id.rsplit("/", 1)[-1],
                       f"{s.first_layer}-{s.last_layer} ({s.n_layers})", f"{s.compute_ms:.2f}",
-                      f"{s.memory_bytes / 1e6:.1f} MB", f"{plan.hop_ms[k + 1]:.2f}")
+                      f"{s.memory_bytes / 1e6:.1f} MB", f"{hops[k + 1]:.2f}")
             for col, value in enumerate(values):
                 self.table.setItem(k, col, QTableWidgetItem(value))
         if plan is None:

@@ -140,7 +140,7 @@ class RingDiagram:
             return (f"{s.name} · {s.device}", f"{s.ms:.1f} ms{'' if s.measured_ms is None else ' meas.'}"
                                               f" · {s.first_layer}–{s.last_layer}")
         times = f"{s.predicted_ms:.2f} ms predicted"
-        lines = (f"{s.name} · {s.device}", f"{s.layers}  ({s.last_layer - s.first_layer + 1})", times)
+        lines: tuple[str, ...] = (f"{s.name} · {s.device}", f"{s.layers}  ({s.last_layer - s.first_layer + 1})", times)
         if s.measured_ms is not None:
             lines += (f"{s.measured_ms:.2f} ms measured",)
         return lines
@@ -214,7 +214,7 @@ class QtRingDiagram(QWidget):
     def layout_nodes(self) -> tuple[list[QPointF], float, float]:
         """The centre of every node (coordinator first, clockwise from the top, evenly spaced
         along the ellipse so no side crowds) and the boxes' width and height."""
-        n = 1 + len(self.diagram.stages)
+        n = 1 + (len(self.diagram.stages) if self.diagram is not None else 0)
         area = QRectF(self.rect()).adjusted(8, 8, -8, -30)
         box_h = 40.0 if self.compact else min(84.0 if n <= 7 else 66.0, max(56.0, area.height() / 3.5))
         rx0, ry0 = area.width() / 2, area.height() / 2

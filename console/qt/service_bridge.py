@@ -62,6 +62,10 @@ OnResult = Callable[[Any], None] | None
 OnError = Callable[[BaseException], None] | None
 
 
+class NotAttachedError(FleetServiceError):
+    """An action needs the fleet service before the console attached to it."""
+
+
 class ServiceBridge(QObject):
     """Create on the GUI thread, ``start()``, then use; ``close()`` before the QApplication ends."""
 
@@ -83,7 +87,7 @@ class ServiceBridge(QObject):
         self.library = ServiceLibrary(self)
         self.remote = settings.service_url is not None
         self.first_run = not self.remote and is_first_run(settings.state_dir)  # the service creates the CA
-        self.client: AdminClient | None = None  # a loop object
+        self._client: AdminClient | None = None  # a loop object; read as ``client``, once attached
         self.service: dict[str, Any] = {}  # GET /admin/v1/service, as the console attached
         self.started_service = False  # this console started the local service (it keeps running after it)
         self.records: tuple[AgentRecord, ...] = ()
@@ -144,10 +148,11 @@ class ServiceBridge(QObject):
                 raise FleetServiceError(f"attaching to {s.service_url} takes an admin certificate: --admin-cert DIR "
                                    "(from `deskfleet fleet admin-cert NAME --out DIR` on the service's PC)")
             creds = await asyncio.to_thread(read_admin_credentials, s.admin_cert)
-            self.client = AdminClient.over_tls(s.service_url, creds, service_node_id=s.service_node_id)
+            client = self._client = AdminClient.over_tls(s.service_url, creds, service_node_id=s.service_node_id)
         else:
-            self.client, _, self.started_service = await async_attach_local(
+            client, _, self.started_service = await async_attach_local(
                 s.state_dir, extra_args=local_service_args(s), timeout=START_TIMEOUT_S - 10)
+            self._client = client
             if self.started_service:
                 log.info("started the fleet service over %s; it keeps serving after the console closes", s.state_dir)
         service = await self.client.async_service()
@@ -185,8 +190,20 @@ class ServiceBridge(QObject):
         if self._feed is not None:
             self._feed.cancel()
             await asyncio.gather(self._feed, return_exceptions=True)
-        if self.client is not None:
-            await self.client.async_close()
+        if self._client is not None:
+            await self._client.async_close()
+
+    @property
+    def client(self) -> AdminClient:
+        """The admin API's client of the service this console attached to."""
+        if self._client is None:
+            raise NotAttachedError("the console is not attached to a fleet service yet")
+        return self._client
+
+    @property
+    def ca_pem(self) -> bytes | None:
+        """The fleet CA (from the admin client), None before the console attached."""
+        return self._client.ca_pem if self._client is not None else None
 
     # ---- the event feed --------------------------------------------------------------------------
 
@@ -415,6 +432,7 @@ class ServiceLibrary:
         if not self._bridge.running:
             raise FleetServiceError(f"exporting {model.name}: the console is not attached to a fleet service")
         if plan is None:
+            assert stages is not None  # exactly one of the two, checked above
             plan = even_plan(layer_count(model), stages)
         return ServiceExportJob(self._bridge, model.name, plan, spec, on_event).start()
 

@@ -16,11 +16,11 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from console.fleet_api.admin_client import AdminJobError
+from console.fleet_api.admin_client import AdminClient, AdminJobError
 from console.fleet_api.admin_decode import export_from_json
 from console.fleet_api.errors import FleetServiceError
 from console.fleet_api.exports import (
@@ -41,10 +41,12 @@ class ExportHost(Protocol):
     """What an export job needs of the console's bridge (``console.qt.service_bridge.ServiceBridge``):
     its feed signal, admin client, loop-to-GUI poster, call helper and library."""
 
-    service_event: Any  # a Qt signal of admin_client.Event
-    client: Any  # AdminClient, a loop object
+    service_event: Any  # a Qt signal of feed.Event (PySide6's SignalInstance is not generic)
     qt_async: Any  # QtAsync
     library: Any  # ServiceLibrary: localised(ExportInfo)
+
+    @property
+    def client(self) -> AdminClient: ...
 
     def call(self, coro: Any, what: str, *args: Any, **kwargs: Any) -> Any: ...
 
@@ -68,7 +70,7 @@ class ServiceExportJob:
         self.result: ExportInfo | None = None
         self.reused = False
         self.failure: ExportFailed | None = None
-        self._held: list[dict[str, Any]] = []  # export events for a job not yet named
+        self._held: list[Mapping[str, Any]] = []  # export events for a job not yet named
         self._started = time.monotonic()
         self._cancel_asked = False
         self._following = True
@@ -134,7 +136,7 @@ class ServiceExportJob:
         elif event.data.get("job") == self.job_id:
             self._progress(event.data)
 
-    def _progress(self, data: dict[str, Any]) -> None:
+    def _progress(self, data: Mapping[str, Any]) -> None:
         if data.get("state") != "progress":
             return  # the outcome is the job's (finished with its export, failed, cancelled)
         fraction = float(data.get("fraction", 0.0))

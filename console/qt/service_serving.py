@@ -91,8 +91,7 @@ class ServiceServing(QObject):
     @property
     def ca_pem(self) -> bytes | None:
         """The fleet CA (from the admin client): what the Chat page trusts an https API by."""
-        client = self.bridge.client
-        return client.ca_pem if client is not None else None
+        return self.bridge.ca_pem
 
     @property
     def can_rerun(self) -> bool:
@@ -189,10 +188,11 @@ class ServiceServing(QObject):
             self.bridge.call(self.bridge.client.async_cancel(self.ring), "cancelling the export")
 
     def rerun(self) -> None:
-        if not self.can_rerun:
+        ring = self.ring
+        if not self.can_rerun or ring is None:
             return
         self._set_phase(ServingPhase.DISTRIBUTING)
-        self.bridge.call(self.bridge.client.async_rerun(self.ring), "re-running the ring",
+        self.bridge.call(self.bridge.client.async_rerun(ring), "re-running the ring",
                          on_result=lambda answer: self._apply_ring(answer["ring"]),
                          on_error=lambda exc: self._fail(str(exc)))
 

@@ -95,9 +95,10 @@ def from_json(doc: Any) -> Conversation:
         raise ValueError(f"bad id {cid!r}")
     if not isinstance(title, str):
         raise ValueError("no title")
-    times = [doc.get("created"), doc.get("updated")]
-    if not all(isinstance(t, int | float) and not isinstance(t, bool) for t in times):
+    created, updated = doc.get("created"), doc.get("updated")
+    if not all(isinstance(t, int | float) and not isinstance(t, bool) for t in (created, updated)):
         raise ValueError("bad created/updated times")
+    assert isinstance(created, int | float) and isinstance(updated, int | float)  # checked just above
     model = doc.get("model")
     if model is not None and not isinstance(model, str):
         raise ValueError("bad model name")
@@ -112,7 +113,7 @@ def from_json(doc: Any) -> Conversation:
             raise ValueError(f"message {n + 1} is malformed")
         messages.append(Message(m["role"], m["content"], m.get("state", DONE), m.get("error"),
                                 reasoning=m.get("reasoning") or ""))
-    return Conversation(cid, title, messages, created=float(times[0]), updated=float(times[1]), model=model)
+    return Conversation(cid, title, messages, created=float(created), updated=float(updated), model=model)
 
 
 class ConversationStore:

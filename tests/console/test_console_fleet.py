@@ -188,7 +188,7 @@ def test_unicast_registration_and_add_by_address(tmp_path):
             await stranger.async_start()
             try:
                 await stranger.async_join(other.enrollment, other.token())
-                with pytest.raises(AgentUnreachableError, match="joined this console's fleet"):
+                with pytest.raises(AgentUnreachableError, match="joined this fleet service's fleet"):
                     await lone.async_add_address("127.0.0.1", stranger.control_port)
             finally:
                 await stranger.async_close()

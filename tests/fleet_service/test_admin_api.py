@@ -267,6 +267,7 @@ def test_a_serving_ring_that_stays_down_is_rebuilt(tmp_path):
     job), its stage named in /health meanwhile."""
     from console.fleet.served_rings import ServedRing
     from console.fleet.service_ring import ServiceRing
+    from console.fleet_api.ring_status import RingPhase
     from engine.placement.planner import Plan, PlannedStage
 
     plan = Plan((PlannedStage("pc/CPU", "pc", 0, 3, 1.0, 1 << 20),), (0.0, 0.0), 1.0, 1000.0, 1.0, 1, 1.0, 1000.0,
@@ -278,7 +279,7 @@ def test_a_serving_ring_that_stays_down_is_rebuilt(tmp_path):
                 Admin.unix(tmp_path / "fleet" / "admin.sock") as a:
             ring = ServiceRing(service._context(), ServedRing("r1", "gone-model", plan))
             service.router.add_ring("r1", _DeadRing(), model_name="gone-model")
-            ring.phase, ring.in_router = "serving", True
+            ring.phase, ring.in_router = RingPhase.SERVING, True
             service.rings["r1"] = ring
             health = await a.ok("GET", "/health")
             assert health["status"] == "down" and "worker exited 137" in health["rings"][0]["detail"]

@@ -116,7 +116,7 @@ def test_only_the_pinned_console_commands_and_a_revoked_member_is_refused_everyw
             other_console = f.host.authority.issue_credentials("second console", role=Role.CONSOLE)
             with pytest.raises(ControlError) as refused:
                 await ControlClient(other_console, "127.0.0.1", alpha.control_port).async_pause()
-            assert refused.value.status == 403 and "join again to change consoles" in str(refused.value)
+            assert refused.value.status == 403 and "join again to change services" in str(refused.value)
             assert alpha.status().state == "idle"
 
             beta_creds = beta.keystore.load()
@@ -139,7 +139,7 @@ def test_only_the_pinned_console_commands_and_a_revoked_member_is_refused_everyw
             assert reloaded.deny == (beta_id,)  # kept in the console's state dir
 
     run(main(), 120)
-    assert "revoked" in caplog.text and "for the fleet console only" in caplog.text
+    assert "revoked" in caplog.text and "for the fleet service only" in caplog.text
 
 
 def test_shards_only_for_the_stage_the_console_assigned(tmp_path, tiny_export, caplog):
