@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 
 from console.fleet.admin_api import ADMIN_SOCKET, async_run_admin
 from console.fleet.distribution import DistributionTimeouts
+from console.fleet.errors import ServiceNotStartedError
 from console.fleet.failover import FailoverSettings
 from console.fleet.failover_tally import FILE as FAILOVERS_FILE
 from console.fleet.failover_tally import FailoverTally
@@ -121,10 +122,6 @@ class ModelNotFoundError(FleetServiceError):
 
 
 T = TypeVar("T")
-
-
-class ServiceNotStartedError(FleetServiceError):
-    """A part of the fleet service that ``async_start`` makes was asked for before it ran."""
 
 
 def _started(part: T | None, what: str) -> T:
