@@ -131,16 +131,16 @@ class QtDistributionPage(QWidget):
         if key not in self.rows:
             self.rows[key] = self.table.rowCount()
             self.table.insertRow(self.table.rowCount())
-            bar = QProgressBar()
-            bar.setRange(0, 1000)
-            self.table.setCellWidget(self.rows[key], 3, bar)
+            made = QProgressBar()
+            made.setRange(0, 1000)
+            self.table.setCellWidget(self.rows[key], 3, made)
         row = self.rows[key]
         for col, value in ((0, p.agent), (1, str(p.stage)), (2, p.phase), (4, p.error or "")):
             self.table.setItem(row, col, QTableWidgetItem(value))
-        shown = self.table.cellWidget(row, 3)
-        if isinstance(shown, QProgressBar):
-            shown.setValue(int(1000 * p.fraction))
-        bar.setFormat(f"%p%  ({p.done_bytes / 1e6:.1f} of {p.total_bytes / 1e6:.1f} MB)")
+        bar = self.table.cellWidget(row, 3)
+        if isinstance(bar, QProgressBar):  # the row's own, made above
+            bar.setValue(int(1000 * p.fraction))
+            bar.setFormat(f"%p%  ({p.done_bytes / 1e6:.1f} of {p.total_bytes / 1e6:.1f} MB)")
         self.health_label.setText("Ring: distributing…")
 
     def _on_health(self, health: RingHealth) -> None:
