@@ -61,7 +61,7 @@ class SimAgent:
     index: int
     host: str = "127.0.0.1"
     creds: Credentials | None = None
-    console_node_id: str | None = None
+    service_node_id: str | None = None
     deny: frozenset[str] = frozenset()
     local_paused: bool = False
     remote_paused: bool = False
@@ -147,7 +147,7 @@ class SimAgent:
 
     async def async_join(self, enrollment: str, token: str, *, timeout: float = 30.0) -> Joined:
         joined = await async_join(enrollment, token, self.name, info=self.inventory, timeout=timeout)
-        self.creds, self.console_node_id = joined.credentials, joined.console_node_id
+        self.creds, self.service_node_id = joined.credentials, joined.console_node_id
         return joined
 
     async def async_open(self) -> int:
@@ -178,7 +178,7 @@ class SimAgent:
         """Register at the hub ``hub`` (HOST:PORT); the round trip in seconds, None if refused."""
         assert self.creds is not None
         start = time.perf_counter()
-        accepted = await async_register_with_seeds(self.creds, self.console_node_id, (hub,), self.registration())
+        accepted = await async_register_with_seeds(self.creds, self.service_node_id, (hub,), self.registration())
         return time.perf_counter() - start if accepted else None
 
     async def async_set_local_pause(self, paused: bool, hub: str) -> bool:
@@ -190,7 +190,7 @@ class SimAgent:
                 "reasons": list(self.reasons), "export_id": None, "stage": None, "detail": None}
         try:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=NOTIFY_TIMEOUT_S),
-                                             connector=service_connector(self.console_node_id)) as session:
+                                             connector=service_connector(self.service_node_id)) as session:
                 async with session.post(f"https://{hub}/v1/events", json=body,
                                         ssl=self.creds.client_context()) as resp:
                     return resp.status == 200
