@@ -472,7 +472,7 @@ def list_models(*, cache_root: Path | None = None) -> list[ModelListing]:
                 converted=True,
                 size_bytes=_dir_size(entry),
                 checkpoint_dir=entry,
-                original=Path(original) if original else None,
+                original=Path(str(original)) if original else None,
             )
         )
     return listings

@@ -69,7 +69,7 @@ def tiny_export(tmp_path_factory, tiny_checkpoint):
 def tiny_calibration(tmp_path_factory, tiny_checkpoint):
     """A state dir holding the tiny llama's fp32 calibration exports (built once per session;
     copy its ``calibration`` folder into a console's or service's state dir before placing)."""
-    from console.service.calibration_export import build_calibration_set
+    from console.fleet.calibration_export import build_calibration_set
     from export.exporter import ExportOptions
 
     root = tmp_path_factory.mktemp("tiny-calibration")

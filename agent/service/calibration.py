@@ -1,6 +1,6 @@
-"""Calibration on this PC for the console's placement: check the request, time the stages.
+"""Calibration on this PC for the fleet service's placement: check the request, time the stages.
 
-The console asks an agent to time one decode step of some stages of a calibration export on a
+The fleet service asks an agent to time one decode step of some stages of a calibration export on a
 device (``POST /v1/calibrate``); the agent fetches those stages like any assignment and runs
 :mod:`engine.shards.calibration` in a subprocess, so a crash or a hang there never takes the
 agent down.

@@ -1,11 +1,11 @@
 """The agent's control API: HTTPS with mutual TLS against the fleet CA (aiohttp, the same stack
 as the OpenAI API).
 
-Any fleet member may read (``GET /v1/status``, ``GET /v1/probe``); only the console may change
-anything: a certificate with the console role and, once the agent joined through a console,
-that console's node id (pinned at the join; a fresh join is the only way to replace it). A
-member the console revoked (its deny list) is refused on every route. ``/v1/link/echo`` is for
-the console and for the members the console named as measure targets (``POST /v1/link/expect``,
+Any fleet member may read (``GET /v1/status``, ``GET /v1/probe``); only the fleet service may change
+anything: a certificate with the fleet service role and, once the agent joined through a fleet service,
+that fleet service's node id (pinned at the join; a fresh join is the only way to replace it). A
+member the fleet service revoked (its deny list) is refused on every route. ``/v1/link/echo`` is for
+the fleet service and for the members the fleet service named as measure targets (``POST /v1/link/expect``,
 for a minute), streamed from one shared buffer, a few at a time. Every request is parsed by
 :mod:`engine.control.messages` before the service sees it; a bad request gets a 4xx with a message and
 changes nothing; every refusal is logged.
@@ -20,10 +20,10 @@ Routes (docs/CONTROL_API.md)::
     POST /v1/worker/stop
     POST /v1/drain           finish the frame in hand, refuse new streams, stop
     POST /v1/pause           {reason?}     POST /v1/resume
-    GET  /v1/link/echo?bytes=N   N zero bytes (link probes: the console, or an expected member)
+    GET  /v1/link/echo?bytes=N   N zero bytes (link probes: the fleet service, or an expected member)
     POST /v1/link/expect     {node_id} -> that member may probe /v1/link/echo for EXPECT_S
     POST /v1/link/measure    {target: HOST:PORT, target_node_id?} -> this agent's link to another agent
-    POST /v1/deny            {deny: [node ids], api_key?} -> the console's revocation list (control API +
+    POST /v1/deny            {deny: [node ids], api_key?} -> the fleet service's revocation list (control API +
                              worker) and, after a removal, the API's new key (the tray's chat)
     POST /v1/calibrate       {export..., stages, device, threads?} -> decode-step times per stage
     POST /v1/spare           Assignment -> 202: hold a warm spare of that stage (a standby's; from the
@@ -69,13 +69,13 @@ class ControlledAgent(Protocol):
     of the service. A call refuses with ControlRequestError (its status becomes the answer's)."""
 
     @property
-    def console_node_id(self) -> str | None:
-        """The console this agent takes orders from (None: any console-role certificate)."""
+    def service_node_id(self) -> str | None:
+        """The fleet service this agent takes orders from (None: any service-role certificate)."""
         ...
 
     @property
     def deny(self) -> frozenset[str]:
-        """Node ids the console revoked: refused on every route."""
+        """Node ids the fleet service revoked: refused on every route."""
         ...
 
     def status(self) -> AgentStatus: ...
@@ -122,25 +122,25 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 def _admit(service: ControlledAgent, request: web.Request, *, console_only: bool) -> tuple[str, Role | None]:
     """The caller's (node id, role) from its certificate, or ControlRequestError 403: a revoked
-    member anywhere; anyone but the pinned console (or, unpinned, a console-role certificate)
-    on a console route."""
+    member anywhere; anyone but the pinned fleet service (or, unpinned, a service-role certificate)
+    on a fleet service route."""
     node, role = _peer(request)
     if role is Role.ADMIN:  # the TLS layer refuses it first (fleet_ca.MEMBER_ROLES); never rely on one check
         raise ControlRequestError("an admin certificate is for the fleet service's admin API; agents take "
                                   "orders only from the service", 403)
     if node in service.deny:
-        raise ControlRequestError(f"member {node[:16]}… is revoked by the console", 403)
+        raise ControlRequestError(f"member {node[:16]}… is revoked by the fleet service", 403)
     if console_only and not is_console(service, node, role):
-        pinned = service.console_node_id
-        raise ControlRequestError(f"{request.path} is for the fleet console only" + (
-            f" (this agent joined through console {pinned[:16]}…; join again to change consoles)"
-            if pinned and role is Role.CONSOLE else ""), 403)
+        pinned = service.service_node_id
+        raise ControlRequestError(f"{request.path} is for the fleet service only" + (
+            f" (this agent joined through fleet service {pinned[:16]}…; join again to change services)"
+            if pinned and role is Role.FLEET_SERVICE else ""), 403)
     return node, role
 
 
 def is_console(service: ControlledAgent, node: str, role: Role | None) -> bool:
-    pinned = service.console_node_id
-    return role is Role.CONSOLE and (pinned is None or node == pinned)
+    pinned = service.service_node_id
+    return role is Role.FLEET_SERVICE and (pinned is None or node == pinned)
 
 
 def build_app(service: ControlledAgent) -> web.Application:
@@ -217,7 +217,7 @@ def build_app(service: ControlledAgent) -> web.Application:
         try:
             node, role = _admit(service, request, console_only=False)
             if not is_console(service, node, role) and expected.get(node, 0.0) < time.monotonic():
-                raise ControlRequestError("/v1/link/echo is for the console and for members it named as "
+                raise ControlRequestError("/v1/link/echo is for the fleet service and for members it named as "
                                           "measure targets (POST /v1/link/expect)", 403)
             n = int(request.query.get("bytes", "1"))
             if not 0 <= n <= MAX_ECHO_BYTES:

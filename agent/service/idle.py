@@ -170,9 +170,9 @@ class X11Idle:
 
     def seconds_since_input(self) -> float | None:
         display = self.display if self.display is not None else os.environ.get("DISPLAY")
-        if not display or not self.available:
-            return None
         x11, xss = self._x11, self._xss
+        if not display or x11 is None or xss is None:
+            return None
         dpy = x11.XOpenDisplay(display.encode())
         if not dpy:
             return None

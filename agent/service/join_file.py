@@ -10,7 +10,7 @@ around once used. A failed join keeps the file and logs why; a refused token (us
 expired, revoked, another fleet's, mistyped) is not tried again until the file changes, while a
 console that cannot be reached is retried every ``RETRY_S``.
 
-The file holds the token, and optionally the console's enrolment address (without one the
+The file holds the token, and optionally the fleet service's enrolment address (without one the
 console is found over mDNS)::
 
     DFJ1-...-...-....
@@ -100,7 +100,7 @@ def read_join_file(path: Path) -> JoinFile | None:
             raise JoinFileError(f"the join-token file {path} has a line it does not understand; it holds the token "
                                 "and optionally console=HOST:PORT")
     if not token:
-        raise JoinFileError(f"the join-token file {path} holds no token, only a console address")
+        raise JoinFileError(f"the join-token file {path} holds no token, only a fleet service address")
     try:
         parse_token(token)
         if console is not None:
@@ -141,11 +141,11 @@ async def async_join_from_file(agent: Joiner, path: Path, *, console: str | None
     if content is None:
         return "no_file"
     address = content.console or console
-    where = address or "the console found on the network"
+    where = address or "the fleet service found on the network"
     try:
         creds = await agent.async_join(address, content.token, timeout=timeout)
     except JoinRefused as exc:
-        log.error("the console refused the token in %s (%s): %s; the file is kept; put a new token in it",
+        log.error("the fleet service refused the token in %s (%s): %s; the file is kept; put a new token in it",
                   path, exc.reason, exc)
         return f"refused:{exc.reason}"
     except DeskfleetError as exc:

@@ -2,7 +2,7 @@
 
 `fresh_inventory` refreshes the changing entries of the inventory (free memory, power, disk);
 `LoadMeter` measures the whole PC's CPU use between two status reads and its memory in use, so
-the console can draw per-agent CPU and memory sparklines (docs/CONTROL_API.md, ``GET /v1/status``).
+the fleet service can draw per-agent CPU and memory sparklines (docs/CONTROL_API.md, ``GET /v1/status``).
 """
 
 from __future__ import annotations

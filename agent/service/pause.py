@@ -1,7 +1,7 @@
 """When the agent steps aside: a pure decision over what the PC reports.
 
 The person at the PC always comes first. Four independent reasons pause the agent — the manual
-pause from the tray or the console, someone using the PC, running on battery, office hours —
+pause from the tray or the fleet service, someone using the PC, running on battery, office hours —
 and it serves again only when none holds. "In use" has hysteresis: a keystroke pauses at once
 (the benchmark target is cores released within 2 s of input), but serving resumes only after
 the PC has been idle for ``resume_after_idle_s``, so a person reading a page is not interrupted
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from agent.service.settings import AgentSettings, OfficeHours
 
 MANUAL = "paused by the user"
-REMOTE = "paused from the console"
+REMOTE = "paused from the console"  # a reason agents report in their status (older ones too): kept as is
 IN_USE = "the PC is in use"
 BATTERY = "on battery"
 OFFICE_HOURS = "office hours"

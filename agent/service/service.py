@@ -3,7 +3,7 @@ its shard, supervises the stage worker, and steps aside when the person at the P
 
 One asyncio loop. The decisions are pure (:mod:`agent.service.pause`, :mod:`engine.control.messages`);
 this class holds the state, does the I/O around them, and tells whoever listens (the tray, the
-mDNS advertiser, the console) when something changed. Everything the console asked for is
+mDNS advertiser, the fleet service) when something changed. Everything the fleet service asked for is
 persisted in the state dir, so a restarted agent goes back to serving what it served.
 """
 
@@ -25,12 +25,12 @@ from aiohttp import web
 
 from agent.service import pause
 from agent.service.calibration import async_time_stages, parse_calibration_request
-from agent.service.console_link import (
-    async_join_found_console,
-    async_register_with_seeds,
-    async_tell_console,
-)
 from agent.service.control_api import build_app
+from agent.service.fleet_link import (
+    async_join_found_service,
+    async_register_with_seeds,
+    async_tell_service,
+)
 from agent.service.machine_load import LoadMeter, fresh_inventory
 from agent.service.settings import AgentSettings, AgentState, load_state, save_settings, save_state
 from agent.service.spare_policy import SpareDecision, spare_decision
@@ -47,6 +47,7 @@ from engine.control.messages import (
     FetchProgress,
     WorkerStatus,
 )
+from engine.discovery.advertisement import AgentState as RunState  # not the state file's AgentState
 from engine.discovery.join_service import async_find_consoles
 from engine.discovery.mdns import Advertisement, Advertiser, instance_name
 from engine.errors import DeskfleetError
@@ -167,25 +168,25 @@ class AgentService:
         return self._creds.ca_pem if self._creds is not None else None
 
     async def async_find_consoles(self, *, pin: str | None = None, timeout: float = 4.0):
-        """The consoles advertising their enrollment address on this agent's interface (mDNS)."""
+        """The fleet services advertising their enrollment address on this agent's interface (mDNS)."""
         return await async_find_consoles(self.interface, pin=pin, timeout=timeout)
 
     async def async_join(self, console: str | None, token: str, *, timeout: float = 15.0) -> Credentials:
-        """Redeem a join token at the console's enrollment address; keep the key in the keyring.
+        """Redeem a join token at the fleet service's enrollment address; keep the key in the keyring.
 
-        With no ``console`` the address is found over mDNS: the consoles whose record names the
+        With no ``console`` the address is found over mDNS: the fleet services whose record names the
         token's fleet, tried in turn (the join itself checks the CA against the token's pin).
         """
         if console:
             joined = await async_join(console, token, self.settings.name, info=self._inventory, timeout=timeout)
         else:
-            joined = await async_join_found_console(self.interface, token, self.settings.name, self._inventory,
+            joined = await async_join_found_service(self.interface, token, self.settings.name, self._inventory,
                                                     timeout)
         creds = joined.credentials
         self.keystore.save(creds)
         self._creds = creds
-        # the one place the pinned console is (re)written: a fresh join through a console-role peer
-        self._save(replace(self._state, console_node_id=joined.console_node_id, chat_key=joined.api_key))
+        # the one place the pinned fleet service is (re)written: a fresh join through a service-role peer
+        self._save(replace(self._state, service_node_id=joined.console_node_id, chat_key=joined.api_key))
         await self._async_close_control()
         await self._async_open_control()
         log.info("joined fleet %s as node %s", creds.fleet_id, creds.node_id[:16])
@@ -201,7 +202,7 @@ class AgentService:
         await self._async_close_control()
         self.keystore.delete()
         self._creds = None
-        self._save(AgentState())  # forgets the pinned console too: only a fresh join sets it again
+        self._save(AgentState())  # forgets the pinned fleet service too: only a fresh join sets it again
         self._changed()
 
     # ---- control (called by the control API and the tray) -----------------------------------
@@ -213,9 +214,9 @@ class AgentService:
     async def async_assign(self, assignment: Assignment) -> None:
         """Store an assignment. One that changes only who the worker deals with (a failover moved
         a neighbour, a new deny list) goes to the running worker as a policy update; any other
-        change stops the worker and the fetch (the console fetches and starts again)."""
+        change stops the worker and the fetch (the fleet service fetches and starts again)."""
         current = self.assignment
-        deny = tuple(sorted(set(assignment.deny) - {self._state.console_node_id}))
+        deny = tuple(sorted(set(assignment.deny) - {self._state.service_node_id}))
         if current is not None and current.same_stage(assignment) and self._supervisor.running:
             self._save(replace(self._state, assignment=assignment.to_dict(), deny=deny,
                                api_url=assignment.api_url or self._state.api_url))
@@ -233,9 +234,9 @@ class AgentService:
         self._changed()
 
     @property
-    def console_node_id(self) -> str | None:
-        """The console this agent takes orders from (pinned at the join)."""
-        return self._state.console_node_id
+    def service_node_id(self) -> str | None:
+        """The fleet service this agent takes orders from (pinned at the join)."""
+        return self._state.service_node_id
 
     @property
     def chat_key(self) -> str | None:
@@ -244,14 +245,14 @@ class AgentService:
 
     @property
     def deny(self) -> frozenset[str]:
-        """Node ids the console revoked: refused by the control API and the worker."""
+        """Node ids the fleet service revoked: refused by the control API and the worker."""
         return frozenset(self._state.deny)
 
     async def async_set_deny(self, deny: tuple[str, ...], *, api_key: str | None = None) -> None:
-        """Take the console's new deny list (``POST /v1/deny``): kept, and given to the worker;
+        """Take the fleet service's new deny list (``POST /v1/deny``): kept, and given to the worker;
         ``api_key``, the API's key after the removal rotated it, replaces the assignment's (the
         tray's chat sends it)."""
-        deny = tuple(sorted(set(deny) - {self._state.console_node_id}))  # never lock out the pinned console
+        deny = tuple(sorted(set(deny) - {self._state.service_node_id}))  # never lock out the pinned fleet service
         assignment = self.assignment
         state = replace(self._state, deny=deny)
         if assignment is not None:
@@ -262,7 +263,7 @@ class AgentService:
             if not await self._supervisor.async_update_policy(assignment.peer_policy_json()):
                 await self._async_launch_worker()
         self._changed()  # the tray re-reads the assignment (its chat's key)
-        log.info("the console's deny list now holds %d member(s)", len(deny))
+        log.info("the fleet service's deny list now holds %d member(s)", len(deny))
 
     async def async_begin_fetch(self, bandwidth_cap: int | None = None) -> None:
         assignment = self._require_assignment()
@@ -290,7 +291,7 @@ class AgentService:
         await self._async_launch_worker()
 
     async def async_stop_worker(self, *, drain: bool = False) -> None:
-        """Stop serving; the warm spare stays only when the console asked this agent to hold one
+        """Stop serving; the warm spare stays only when the fleet service asked this agent to hold one
         (it lost its stage in a failover and waits as a standby for it)."""
         self._save(replace(self._state, serving=False))
         if drain:
@@ -344,7 +345,7 @@ class AgentService:
     async def _async_fetch_spare(self, assignment: Assignment) -> None:
         if self.store.missing(assignment):
             await async_fetch(self.store, assignment, ssl=self._creds.client_context() if self._creds else None,
-                              console_node_id=self._state.console_node_id)
+                              service_node_id=self._state.service_node_id)
 
     def _spare_decision(self, assignment: Assignment, *, worker_running: bool) -> SpareDecision:
         available = None
@@ -382,7 +383,7 @@ class AgentService:
         request = parse_calibration_request(body)
         ssl = self._creds.client_context() if self._creds else None
         for part in request.parts:
-            await async_fetch(self.store, part, ssl=ssl, console_node_id=self._state.console_node_id)
+            await async_fetch(self.store, part, ssl=ssl, service_node_id=self._state.service_node_id)
         return await async_time_stages(self.store.directory(request.parts[0].export_id), request)
 
     async def async_update_settings(self, **changes) -> AgentSettings:
@@ -403,19 +404,19 @@ class AgentService:
     def worker_pid(self) -> int | None:
         return self._supervisor.pid
 
-    def state(self) -> str:
+    def state(self) -> RunState:
         worker = self._supervisor.status
         if self._creds is None:
-            return "not-joined"
+            return RunState.NOT_JOINED
         if worker.state == "failed" or self._fetch.error:
-            return "error"
+            return RunState.ERROR
         if self._pause.paused:
-            return "paused"
+            return RunState.PAUSED
         if self._fetch_task is not None and not self._fetch_task.done():
-            return "fetching"
+            return RunState.FETCHING
         if worker.state in ("starting", "running", "backoff"):
-            return "serving"
-        return "idle"
+            return RunState.SERVING
+        return RunState.IDLE
 
     def status(self) -> AgentStatus:
         assignment = self.assignment
@@ -504,7 +505,7 @@ class AgentService:
 
         try:
             await async_fetch(self.store, assignment, ssl=self._creds.client_context() if self._creds else None,
-                              on_progress=progress, bandwidth_cap=cap, console_node_id=self._state.console_node_id)
+                              on_progress=progress, bandwidth_cap=cap, service_node_id=self._state.service_node_id)
             self.store.prune(keep=assignment.export_id)
         except asyncio.CancelledError:
             raise
@@ -538,7 +539,7 @@ class AgentService:
         return WorkerLaunch(args, secrets, keep_stdin=WORKER_READS_POLICY_UPDATES)
 
     def _on_worker(self, status: WorkerStatus) -> None:
-        if status.restarts > self._worker_restarts:  # it died under load: the console fails over now
+        if status.restarts > self._worker_restarts:  # it died under load: the fleet service fails over now
             start_task(self._async_notify("worker-lost", status.last_error), name="deskfleet-notify-worker-lost",
                        logger=log, keep=self._background)
         self._worker_restarts = status.restarts
@@ -582,20 +583,20 @@ class AgentService:
                 log.exception("pause monitor step failed")
 
     async def _async_notify(self, event: str, detail: str | None = None) -> None:
-        """Tell the console (best effort) so it can hold or move the streams this stage served."""
+        """Tell the fleet service (best effort) so it can hold or move the streams this stage served."""
         assignment, creds = self.assignment, self._creds
         if assignment is not None and assignment.events_url is not None and creds is not None:
-            await async_tell_console(assignment, creds, self._state.console_node_id, event,
+            await async_tell_service(assignment, creds, self._state.service_node_id, event,
                                      self._pause.reasons, detail)
 
     async def async_register(self) -> int:
-        """Register with every seed console by address (networks that drop multicast); returns how
+        """Register with every seed fleet service by address (networks that drop multicast); returns how
         many accepted. Needs the fleet certificate: the seed's hub is mutual TLS like the rest."""
         if self._creds is None:
             return 0
         body = {"advertisement": self.advertisement().to_properties(), "control_port": self._control_port,
                 "address": self.interface, "tags": list(self.settings.tags)}
-        return await async_register_with_seeds(self._creds, self._state.console_node_id, self.settings.seeds, body)
+        return await async_register_with_seeds(self._creds, self._state.service_node_id, self.settings.seeds, body)
 
     async def _async_register_loop(self) -> None:
         while True:

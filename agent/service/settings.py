@@ -1,5 +1,5 @@
 """The agent's settings (chosen by the person at the PC or the installer) and its runtime state
-(what the console assigned, whether the person paused it), each one JSON file in the state dir.
+(what the fleet service assigned, whether the person paused it), each one JSON file in the state dir.
 
 Both are parsed once into frozen objects. Files are replaced atomically (write a temporary file,
 fsync, rename), so a crash never leaves half a file; a file that does not parse is never
@@ -146,29 +146,37 @@ class AgentSettings:
         return dataclasses.asdict(self)
 
 
+# Keys of the state file renamed since agents first wrote them: read under their new names.
+STATE_OLD_KEYS = {"console_node_id": "service_node_id"}
+
+
 @dataclass(frozen=True)
 class AgentState:
     """What survives a restart: the assignment in force, whether to serve it, and the pauses."""
 
     assignment: dict[str, Any] | None = None
-    serving: bool = False  # the console asked for the worker to run (resumed after a pause or restart)
+    serving: bool = False  # the fleet service asked for the worker to run (resumed after a pause or restart)
     manually_paused: bool = False
     remotely_paused: bool = False
     api_url: str | None = None
-    # The node id of the console this agent joined through (its certificate's sha256, seen over
-    # the join's TLS): the only certificate the control API takes orders from. Replaced only by
-    # a fresh join; None for an agent that joined before consoles were pinned.
-    console_node_id: str | None = None
-    # Node ids the console revoked (sent with every assignment and by POST /v1/deny): refused by
+    # The node id of the fleet service this agent joined through (its certificate's sha256, seen
+    # over the join's TLS): the only certificate the control API takes orders from. Replaced only
+    # by a fresh join; None for an agent that joined before the service was pinned. State files
+    # written before the rename hold it as "console_node_id" (STATE_OLD_KEYS): still read.
+    service_node_id: str | None = None
+    # Node ids the fleet service revoked (sent with every assignment and by POST /v1/deny): refused by
     # the control API and by the stage worker.
     deny: tuple[str, ...] = ()
-    # This PC's own key for the fleet API (its tray's chat), issued by the console at the join and
+    # This PC's own key for the fleet API (its tray's chat), issued by the fleet service at the join and
     # revoked when the PC is removed; None for an agent that joined an older console (the chat then
     # uses the key its assignment carries). The state file is 0600 (write_json_atomic).
     chat_key: str | None = field(default=None, repr=False)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> AgentState:
+        for old_key, key in STATE_OLD_KEYS.items():
+            if old_key in data:
+                data = {key: data[old_key], **{k: v for k, v in data.items() if k != old_key}}
         try:
             if isinstance(data.get("deny"), list):
                 data = {**data, "deny": tuple(data["deny"])}

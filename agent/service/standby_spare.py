@@ -1,10 +1,10 @@
-"""A standby's warm spare: the stage the console expects this agent to take over in a failover.
+"""A standby's warm spare: the stage the fleet service expects this agent to take over in a failover.
 
 ``POST /v1/spare`` names the stage (as the assignment the agent would get); the agent fetches the
 stage's files if it lacks them and keeps a spare worker compiled (engine.worker.spare) through
 its :class:`~agent.service.supervisor.WorkerSupervisor`. The assignment that later moves the
 stage here promotes the spare instead of starting a worker. Kept in memory only: a restarted
-agent holds no spare until the console asks again. A paused PC starts it when the pause ends.
+agent holds no spare until the fleet service asks again. A paused PC starts it when the pause ends.
 """
 
 from __future__ import annotations

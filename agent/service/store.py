@@ -1,7 +1,7 @@
 """The shard store: where an agent keeps the files of its assigned stage, and how it gets them.
 
 Layout: ``<state dir>/shards/<export id>/manifest.json`` plus the stage's files at the paths the
-manifest names (every path goes through :func:`engine.shards.manifest.safe_join`, so nothing a console
+manifest names (every path goes through :func:`engine.shards.manifest.safe_join`, so nothing a fleet service
 sends can escape the store). A download writes ``<file>.part`` and resumes from its length with
 an HTTP Range request; a file becomes visible under its real name only after its sha256
 matched. Verified files are remembered by (size, mtime) in ``.verified.json``, so re-running a
@@ -11,6 +11,7 @@ fetch after a partial failure never downloads or re-hashes them again.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -132,9 +133,9 @@ class _Throttle:
 async def async_fetch(store: ShardStore, assignment: Assignment, *, ssl: SSLContext | None,
                       on_progress: Callable[[FetchProgress], None] = lambda p: None,
                       bandwidth_cap: int | None = None, timeout: float = 60.0,
-                      console_node_id: str | None = None) -> None:
+                      service_node_id: str | None = None) -> None:
     """Download and verify every missing file of the assignment's stage, resuming partial files.
-    Over TLS the hub must hold a console certificate (``console_node_id``: that console's).
+    Over TLS the hub must hold a fleet service certificate (``service_node_id``: that fleet service's).
 
     Raises FetchError, PeerIdentityError (someone else answered at the hub's address), or
     ControlRequestError 507 for disk space; what was verified stays.
@@ -149,7 +150,7 @@ async def async_fetch(store: ShardStore, assignment: Assignment, *, ssl: SSLCont
     on_progress(FetchProgress(done, total))
     client_timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout)
     connector = None if ssl is None else PeerCheckingConnector(
-        expect_peer(Role.CONSOLE, console_node_id, what=f"the console's hub at {assignment.source}"))
+        expect_peer(Role.FLEET_SERVICE, service_node_id, what=f"the fleet service's hub at {assignment.source}"))
     async with aiohttp.ClientSession(timeout=client_timeout, connector=connector) as session:
         for entry in todo:
             dest = safe_join(directory, entry.path)
@@ -170,8 +171,7 @@ async def async_fetch(store: ShardStore, assignment: Assignment, *, ssl: SSLCont
                         part.unlink(missing_ok=True)
                     elif resp.status not in (200, 206):
                         what = f"fetching {entry.path} from {assignment.source}: HTTP {resp.status}"
-                        body = await async_read_limited(resp, MAX_ERROR_BYTES,
-                                                        lambda m, w=what: FetchError(f"{w} ({m})"))
+                        body = await async_read_limited(resp, MAX_ERROR_BYTES, functools.partial(_fetch_error, what))
                         raise FetchError(f"{what} {body[:200].decode('utf-8', 'replace')}")
                     with open(part, "ab") as f:
                         async for chunk in resp.content.iter_chunked(_CHUNK):
@@ -193,3 +193,7 @@ async def async_fetch(store: ShardStore, assignment: Assignment, *, ssl: SSLCont
             store.is_verified(assignment.export_id, entry)  # records the mark
             log.info("fetched and verified %s (%d bytes)", entry.path, entry.size)
     on_progress(FetchProgress(total, total, None, finished=True))
+
+
+def _fetch_error(what: str, message: str) -> FetchError:
+    return FetchError(f"{what} ({message})")

@@ -20,7 +20,7 @@ promotion too. A standby agent holds a spare with no worker (:meth:`async_start_
 
 The credentials JSON carries the worker's peer policy too (``expect_upstream``, ``expect_next``,
 ``deny``: engine.trust.peer_policy). stdin stays open while the worker runs, so a new policy — a
-failover moved a neighbour, the console revoked a member — is one more JSON line on it
+failover moved a neighbour, the fleet service revoked a member — is one more JSON line on it
 (:meth:`WorkerSupervisor.async_update_policy`) instead of a restart that would recompile the shard.
 
 Stopping sends SIGTERM: the worker finishes the frame in hand, refuses new streams and exits,

@@ -19,6 +19,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 import aiohttp
@@ -123,12 +124,25 @@ class Conversation:
                 and self.messages[-1].state != STREAMING and self.messages[-2].role == "user")
 
 
+class ChatEventKind(StrEnum):
+    """What changed in the chat model."""
+
+    ADDED = "added"  # a new conversation
+    SELECTED = "selected"  # another conversation is the current one
+    MESSAGE = "message"  # a message was added to a conversation
+    DELTA = "delta"  # a streamed answer grew by ``text``
+    ENDED = "ended"  # a streamed answer ended (done, stopped or failed)
+    MODELS = "models"  # the models on offer changed
+    RENAMED = "renamed"
+    REMOVED = "removed"
+    LISTED = "listed"  # conversations loaded from disk
+
+
 @dataclass(frozen=True)
 class ChatEvent:
-    """What changed: ``kind`` is one of "added", "selected", "message", "delta", "ended", "models",
-    "renamed", "removed", "listed" (conversations loaded from disk)."""
+    """What changed (``kind``) and in which conversation; ``text`` is a delta's new text."""
 
-    kind: str
+    kind: ChatEventKind
     conversation_id: str | None = None
     text: str = ""
 
@@ -172,7 +186,7 @@ class ChatModel:
         if self.system_prompt:
             conversation.messages.append(Message("system", self.system_prompt))
         self.conversations.append(conversation)
-        self._emit(ChatEvent("added", conversation.id))
+        self._emit(ChatEvent(ChatEventKind.ADDED, conversation.id))
         self.select(conversation.id)
         return conversation
 
@@ -180,14 +194,14 @@ class ChatModel:
         """Add conversations read from disk (those already here are kept as they are)."""
         known = {c.id for c in self.conversations}
         self.conversations.extend(c for c in conversations if c.id not in known)
-        self._emit(ChatEvent("listed"))
+        self._emit(ChatEvent(ChatEventKind.LISTED))
 
     def rename(self, conversation_id: str, title: str) -> None:
         title = " ".join(title.split())
         if not title:
             raise ChatError("a chat's name cannot be empty")
         self.get(conversation_id).title = title[:200]
-        self._emit(ChatEvent("renamed", conversation_id))
+        self._emit(ChatEvent(ChatEventKind.RENAMED, conversation_id))
 
     def remove(self, conversation_id: str) -> None:
         """Forget a conversation (its file too, when kept); the newest other one becomes current,
@@ -199,7 +213,7 @@ class ChatModel:
         was_current = self.current_id == conversation_id
         if was_current:
             self.current_id = None
-        self._emit(ChatEvent("removed", conversation_id))
+        self._emit(ChatEvent(ChatEventKind.REMOVED, conversation_id))
         if was_current:
             rest = self.newest_first()
             if rest:
@@ -212,13 +226,13 @@ class ChatModel:
         self.current_id = conversation_id
         if conversation.model in self.models:
             self.model_name = conversation.model
-        self._emit(ChatEvent("selected", conversation_id))
+        self._emit(ChatEvent(ChatEventKind.SELECTED, conversation_id))
 
     def set_models(self, models: Sequence[str]) -> None:
         self.models = list(models)
         if self.model_name not in self.models:
             self.model_name = self.models[0] if self.models else None
-        self._emit(ChatEvent("models"))
+        self._emit(ChatEvent(ChatEventKind.MODELS))
 
     def start_reply(self, conversation_id: str, text: str) -> list[dict[str, str]]:
         """Add the user's message and an empty assistant message; return the messages to send."""
@@ -231,7 +245,7 @@ class ChatModel:
             conversation.title = " ".join(text.split())[:TITLE_LENGTH]
         conversation.messages.append(Message("user", text))
         conversation.updated = self._clock()
-        self._emit(ChatEvent("message", conversation_id))
+        self._emit(ChatEvent(ChatEventKind.MESSAGE, conversation_id))
         return self._open_reply(conversation)
 
     def regenerate(self, conversation_id: str) -> list[dict[str, str]]:
@@ -246,7 +260,7 @@ class ChatModel:
         history = conversation.history()
         conversation.model = self.model_name
         conversation.messages.append(Message("assistant", state=STREAMING, throughput=Throughput()))
-        self._emit(ChatEvent("message", conversation.id))
+        self._emit(ChatEvent(ChatEventKind.MESSAGE, conversation.id))
         return history
 
     def add_delta(self, conversation_id: str, text: str, at: float, *, reasoning: bool = False) -> None:
@@ -261,7 +275,7 @@ class ChatModel:
             reply.content += text
         assert reply.throughput is not None
         reply.throughput.add(at)
-        self._emit(ChatEvent("delta", conversation_id, text))
+        self._emit(ChatEvent(ChatEventKind.DELTA, conversation_id, text))
 
     def end_reply(self, conversation_id: str, state: str, *, error: str | None = None,
                   completion_tokens: int | None = None) -> None:
@@ -272,7 +286,7 @@ class ChatModel:
         self.get(conversation_id).updated = self._clock()
         if completion_tokens is not None and reply.throughput is not None:
             reply.throughput.tokens = completion_tokens
-        self._emit(ChatEvent("ended", conversation_id))
+        self._emit(ChatEvent(ChatEventKind.ENDED, conversation_id))
 
     def _reply(self, conversation_id: str) -> Message | None:
         conversation = self.get(conversation_id)
@@ -309,8 +323,8 @@ class ChatClient:
             from engine.trust.tls_peer import PeerCheckingConnector, expect_peer
 
             # the CA alone admits every member: the API must hold the service's (console-role) certificate
-            connector = PeerCheckingConnector(expect_peer(Role.CONSOLE, what=f"the fleet's API at {self.base_url}"),
-                                              ssl=api_client_context(self.ca_pem))
+            expected = expect_peer(Role.FLEET_SERVICE, what=f"the fleet's API at {self.base_url}")
+            connector = PeerCheckingConnector(expected, ssl=api_client_context(self.ca_pem))
         return aiohttp.ClientSession(timeout=timeout, headers=self._headers(), connector=connector)
 
     async def async_models(self) -> list[str]:

@@ -51,11 +51,12 @@ from console.shared.chat_model import (
     ChatClient,
     ChatError,
     ChatEvent,
+    ChatEventKind,
     ChatModel,
     ReplyResult,
     async_stream_reply,
 )
-from console.shared.conversations import ConversationStore, keep
+from console.shared.conversations import SAVED_ON, ConversationStore, Damaged, keep
 from console.shared.loop_thread import LoopThread
 from console.shared.qt_async import QtAsync
 from console.shared.transcript import QtTranscript
@@ -89,7 +90,7 @@ class QtChatWindow(QWidget):
         self._checking = False
         self._closed = False
         self._build()
-        damaged = ()
+        damaged: tuple[Damaged, ...] = ()
         if store is not None:
             damaged = keep(self.model, store, on_error=self._show_error).damaged
         self._show_damaged(damaged)
@@ -250,12 +251,15 @@ class QtChatWindow(QWidget):
         self._stream(conversation.id, messages)
 
     def _stream(self, conversation_id: str, messages: list[dict[str, str]]) -> None:
+        model_name = self.model.model_name
+        if model_name is None:  # the callers checked: no model, no question sent
+            return
         self._show_error(None)
         token = self._reply_token = object()
         on_delta = functools.partial(self._delta_from_loop, conversation_id, token, False)
         on_reasoning = functools.partial(self._delta_from_loop, conversation_id, token, True)
         self._reply = self.qt_async.call(
-            async_stream_reply(self.client, self.model.model_name, messages, on_delta, on_reasoning=on_reasoning,
+            async_stream_reply(self.client, model_name, messages, on_delta, on_reasoning=on_reasoning,
                                **self.options),
             timeout=REPLY_TIMEOUT_S, what="the answer",
             on_result=functools.partial(self._reply_done, conversation_id, token),
@@ -387,22 +391,22 @@ class QtChatWindow(QWidget):
     # ---- model events -> widgets ---------------------------------------------------------------
 
     def _on_event(self, event: ChatEvent) -> None:
-        if event.kind in ("added", "removed", "listed"):
+        if event.kind in (ChatEventKind.ADDED, ChatEventKind.REMOVED, ChatEventKind.LISTED):
             self._fill_list()
-        elif event.kind == "selected":
+        elif event.kind is ChatEventKind.SELECTED:
             self._select_item(event.conversation_id)
             self._fill_models()  # a chat reopens on the model that answered it, while it is served
             self.transcript.show_conversation(self.model.current)
-        elif event.kind == "models":
+        elif event.kind is ChatEventKind.MODELS:
             self._fill_models()
         elif event.conversation_id == self.model.current_id:
-            if event.kind == "delta":
+            if event.kind is ChatEventKind.DELTA:
                 self.transcript.streamed()
             else:
                 self.transcript.show_conversation(self.model.current)
-            if event.kind in ("message", "ended", "renamed"):
+            if event.kind in SAVED_ON:
                 self._fill_list()
-        elif event.kind in ("message", "ended", "renamed"):
+        elif event.kind in SAVED_ON:
             self._fill_list()
         self._update_speed()
         self._update_buttons()
@@ -454,8 +458,8 @@ class QtChatWindow(QWidget):
 
     def _update_speed(self) -> None:
         conversation = self.model.current
-        replies = [m for m in conversation.messages if m.throughput is not None] if conversation else []
-        rate = replies[-1].throughput.per_second if replies else None
+        throughputs = [m.throughput for m in conversation.messages if m.throughput is not None] if conversation else []
+        rate = throughputs[-1].per_second if throughputs else None
         self.speed_label.setText("— tok/s" if rate is None else f"{rate:.1f} tok/s")
 
     def _update_buttons(self) -> None:

@@ -31,6 +31,7 @@ from console.shared.chat_model import (
     STREAMING,
     ChatError,
     ChatEvent,
+    ChatEventKind,
     ChatModel,
     Conversation,
     Message,
@@ -94,9 +95,10 @@ def from_json(doc: Any) -> Conversation:
         raise ValueError(f"bad id {cid!r}")
     if not isinstance(title, str):
         raise ValueError("no title")
-    times = [doc.get("created"), doc.get("updated")]
-    if not all(isinstance(t, int | float) and not isinstance(t, bool) for t in times):
+    created, updated = doc.get("created"), doc.get("updated")
+    if not all(isinstance(t, int | float) and not isinstance(t, bool) for t in (created, updated)):
         raise ValueError("bad created/updated times")
+    assert isinstance(created, int | float) and isinstance(updated, int | float)  # checked just above
     model = doc.get("model")
     if model is not None and not isinstance(model, str):
         raise ValueError("bad model name")
@@ -111,7 +113,7 @@ def from_json(doc: Any) -> Conversation:
             raise ValueError(f"message {n + 1} is malformed")
         messages.append(Message(m["role"], m["content"], m.get("state", DONE), m.get("error"),
                                 reasoning=m.get("reasoning") or ""))
-    return Conversation(cid, title, messages, created=float(times[0]), updated=float(times[1]), model=model)
+    return Conversation(cid, title, messages, created=float(created), updated=float(updated), model=model)
 
 
 class ConversationStore:
@@ -174,7 +176,8 @@ def _reason(exc: BaseException) -> str:
     return str(exc)
 
 
-SAVED_ON = ("message", "ended", "renamed")
+# the changes after which a conversation is saved again
+SAVED_ON = frozenset({ChatEventKind.MESSAGE, ChatEventKind.ENDED, ChatEventKind.RENAMED})
 
 
 def keep(model: ChatModel, store: ConversationStore,
@@ -191,7 +194,7 @@ def keep(model: ChatModel, store: ConversationStore,
                 conversation = model.get(event.conversation_id)
                 if any(m.role != "system" for m in conversation.messages):  # an empty "New chat" stays unsaved
                     store.save(conversation)
-            elif event.kind == "removed" and event.conversation_id is not None:
+            elif event.kind is ChatEventKind.REMOVED and event.conversation_id is not None:
                 store.delete(event.conversation_id)
         except ConversationStoreError as exc:
             if on_error is None:

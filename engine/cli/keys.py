@@ -24,7 +24,7 @@ from engine.trust.state_owner import run_as_owner
 
 def default_state_dir() -> Path:
     """The fleet's state directory when none is given: the per-user one the console and the fleet
-    service use (``console.service.console_settings.default_state_dir``; a test keeps them equal)."""
+    service use (``console.fleet_api.fleet_settings.default_state_dir``; a test keeps them equal)."""
     if os.name == "nt":
         return Path(os.environ.get("LOCALAPPDATA", Path.home())) / "Deskfleet" / "console"
     return Path(os.environ.get("XDG_DATA_HOME", Path.home() / ".local" / "share")) / "deskfleet" / "console"

@@ -54,15 +54,16 @@ TLS_REFUSALS = {
 class Role(StrEnum):
     """What a certificate's holder is in the fleet; recorded as the certificate's OU.
 
-    ``AGENT``: a PC that serves a stage. ``CONSOLE``: the fleet service (or a console that runs
-    the fleet in its own process): the one member agents take orders from and pin at the join
-    (docs may call it the service certificate). ``ADMIN``: a person's console attached to the
-    service's admin API; it gives the service orders and is admitted nowhere else, so a stolen
-    admin certificate never reaches an agent's control API or a stage's data port.
+    ``AGENT``: a PC that serves a stage. ``FLEET_SERVICE``: the fleet service: the one member
+    agents take orders from and pin at the join (docs may call it the service certificate).
+    ``ADMIN``: a person's console attached to the service's admin API; it gives the service orders
+    and is admitted nowhere else, so a stolen admin certificate never reaches an agent's control
+    API or a stage's data port.
     """
 
     AGENT = "agent"
-    CONSOLE = "console"
+    FLEET_SERVICE = "console"  # the OU every enrolled fleet's service certificate holds: never changes
+    CONSOLE = "console"  # the old name of FLEET_SERVICE (an alias: the same member, the same OU)
     ADMIN = "admin"
 
 

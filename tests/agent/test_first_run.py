@@ -13,8 +13,8 @@ from PySide6.QtGui import QGuiApplication
 
 from agent.tray import first_run_model as model
 from agent.tray.join_dialog import JoinDialog
-from console.first_run_model import NO_QR, first_run_text, qr_matrix
-from console.first_run_view import QtFirstRunView
+from console.qt.first_run_model import NO_QR, first_run_text, qr_matrix
+from console.qt.first_run_view import QtFirstRunView
 from engine.control.fleet_services import is_first_run, load_or_create_authority
 from engine.control.messages import AgentStatus, FetchProgress, WorkerStatus
 from engine.discovery.join_service import console_advertisement
@@ -147,7 +147,7 @@ def test_console_first_run_view_shows_a_working_token_copy_and_qr(qtbot, tmp_pat
 
 
 def test_console_view_without_segno_shows_the_token_and_says_why_no_qr(qtbot, tmp_path, monkeypatch):
-    import console.first_run_view as view_module
+    import console.qt.first_run_view as view_module
 
     monkeypatch.setattr(view_module, "qr_matrix", lambda text: None)
     view = QtFirstRunView("f" * 16, "h:1", lambda: "DFJ1-token")

@@ -10,7 +10,7 @@ import contextlib
 
 import pytest
 
-from agent.service.console_link import async_join_first
+from agent.service.fleet_link import async_join_first
 from engine.control.enrollment import async_join
 from engine.errors import EnrollmentError, JoinRefused
 from tests.support.agent_helpers import console

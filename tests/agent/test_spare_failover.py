@@ -18,9 +18,9 @@ import pytest
 
 from agent.service.service import AgentService
 from agent.service.settings import AgentSettings
-from console.service.distribution import Distributor
-from console.service.failover import FailoverSettings
-from console.service.ring_layout import AgentEndpoint, AgentTarget, RingLayout
+from console.fleet.distribution import Distributor
+from console.fleet.failover import FailoverSettings
+from console.fleet.ring_layout import AgentEndpoint, AgentTarget, RingLayout
 from engine.control.messages import WorkerSettings
 from engine.generation.request import GenerationRequest
 from tests.conftest import PROMPT_IDS

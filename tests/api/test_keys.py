@@ -302,7 +302,7 @@ def test_keys_command_issues_lists_and_revokes(tmp_path, capsys):
 
 
 def test_keys_command_defaults_to_the_consoles_state_dir():
-    from console.service.console_settings import default_state_dir as console_default
+    from console.fleet_api.fleet_settings import default_state_dir as console_default
     from engine.cli.keys import default_state_dir
 
     assert default_state_dir() == console_default()

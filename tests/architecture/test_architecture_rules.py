@@ -54,11 +54,11 @@ def test_contracts_catch_a_torch_import_in_engine_and_in_the_console(tmp_path):
     (tree / "engine" / "sneaky.py").write_text("import torch\n")
     # The console reaching torch through the exporter's CPU/GPU path (not the ignored NPU edge).
     (tree / "export" / "sneaky_export.py").write_text("def f():\n    import transformers\n")
-    (tree / "console" / "service" / "sneaky.py").write_text("from export import sneaky_export\n")
+    (tree / "console" / "fleet" / "sneaky.py").write_text("from export import sneaky_export\n")
     result = _lint_tree(tree)
     assert result.returncode != 0
     assert "engine.sneaky -> torch" in result.stdout
-    assert "console.service.sneaky -> export.sneaky_export" in result.stdout
+    assert "console.fleet.sneaky -> export.sneaky_export" in result.stdout
     assert "export.sneaky_export -> transformers" in result.stdout
 
 
@@ -76,13 +76,13 @@ def test_the_shell_contracts_catch_the_agent_reaching_into_the_console(tmp_path)
     imports nothing else of the console; no product package imports the installer. One bad
     import of each kind breaks exactly those three contracts, each named."""
     tree = _tree_copy(tmp_path)
-    (tree / "agent" / "tray" / "sneaky.py").write_text("from console import service_bridge\n")
-    (tree / "console" / "shared" / "sneaky.py").write_text("def f():\n    from console.service import fleet\n")
+    (tree / "agent" / "tray" / "sneaky.py").write_text("from console.qt import service_bridge\n")
+    (tree / "console" / "shared" / "sneaky.py").write_text("def f():\n    from console.fleet import fleet\n")
     (tree / "console" / "sneaky.py").write_text("from installer import deb\n")
     result = _lint_tree(tree)
     assert result.returncode != 0
-    assert "agent.tray.sneaky -> console.service_bridge" in result.stdout
-    assert "console.shared.sneaky -> console.service.fleet" in result.stdout
+    assert "agent.tray.sneaky -> console.qt.service_bridge" in result.stdout
+    assert "console.shared.sneaky -> console.fleet.fleet" in result.stdout
     assert "console.sneaky -> installer.deb" in result.stdout
     assert f"Contracts: {len(CONTRACTS) - 3} kept, 3 broken" in result.stdout
 

@@ -214,7 +214,7 @@ def test_every_path_the_docs_write_in_backticks_exists():
 def test_every_package_and_every_engine_floor_has_a_row():
     text = ARCH.read_text()
     packages = section(text, "Packages and their rules")
-    for package in ("engine", "export", "agent/service", "agent/tray", "console/service",
+    for package in ("engine", "export", "agent/service", "agent/tray", "console/fleet",
                     "installer", "tests"):
         assert f"| `{package}/` |" in packages, package
     floors = section(text, "engine/ in floors")

@@ -1,6 +1,6 @@
-"""Hygiene that CI enforces: ruff over the whole repository, mypy over engine/ and the export
-builder (export/builder, export/weights), every version pin written once, and no extra that pip
-cannot install as declared.
+"""Hygiene that CI enforces: ruff over the whole repository, mypy over engine/, the export
+builder (export/builder, export/weights), the console (console/) and the agent's service
+(agent/service), every version pin written once, and no extra that pip cannot install as declared.
 
 The tools and their settings are pyproject.toml's ([tool.ruff], [tool.mypy]; the versions pinned
 in the dev extra), so what passes here passes on a developer's machine. Each check is also run on
@@ -37,7 +37,8 @@ def _ruff(*paths: str | Path) -> subprocess.CompletedProcess:
 
 
 def _mypy(*paths: str | Path) -> subprocess.CompletedProcess:
-    """mypy with pyproject.toml's settings; with no paths, over its ``files`` (engine/, the builder)."""
+    """mypy with pyproject.toml's settings; with no paths, over its ``files`` (engine/, the builder,
+    console/, agent/service)."""
     return _run("mypy", "--config-file", str(PYPROJECT), "--cache-dir", str(MYPY_CACHE), *map(str, paths))
 
 
@@ -61,11 +62,11 @@ def test_ruff_fails_on_a_violation(tmp_path: Path) -> None:
 # -- mypy -----------------------------------------------------------------------------------------
 
 
-def test_mypy_over_engine_and_the_builder_is_clean() -> None:
+def test_mypy_over_engine_the_builder_the_console_and_the_agent_service_is_clean() -> None:
     result = _mypy()
     assert result.returncode == 0, f"mypy found type errors:\n{result.stdout}{result.stderr}"
     checked = tomllib.loads(PYPROJECT.read_text())["tool"]["mypy"]["files"]
-    assert {"engine", "export/builder", "export/weights"} <= set(checked)
+    assert {"engine", "export/builder", "export/weights", "console", "agent/service"} <= set(checked)
 
 
 def test_mypy_fails_on_a_type_error(tmp_path: Path) -> None:

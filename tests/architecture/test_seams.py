@@ -2,7 +2,7 @@
 checked by mypy (structural typing: a renamed or re-typed member breaks it):
 
 - ``agent.service.control_api.ControlledAgent``: what the control API calls; ``AgentService``;
-- ``console.service.failover.RecoverableRing``: what failover does to a ring; ``Distributor``
+- ``console.fleet.failover.RecoverableRing``: what failover does to a ring; ``Distributor``
   and the in-memory ring of tests/console/test_ring_recovery.py.
 
 A side that lacks a member is in the same file and must be the one error reported.
@@ -21,8 +21,8 @@ MYPY_CACHE = Path(tempfile.gettempdir()) / "deskfleet-mypy-cache"
 SIDES = '''\
 from agent.service.control_api import ControlledAgent
 from agent.service.service import AgentService
-from console.service.distribution import Distributor
-from console.service.failover import RecoverableRing
+from console.fleet.distribution import Distributor
+from console.fleet.failover import RecoverableRing
 from tests.console.test_ring_recovery import MemoryRing
 
 

@@ -84,11 +84,11 @@ def test_the_console_exports_and_calibrates_without_torch(tiny_llama, tiny_gguf,
     script = f"""
     import argparse, asyncio, json, sys
     from pathlib import Path
-    from console.app import run_console
-    from console.cli import COMMAND
-    from console.service import export_job
-    from console.service.calibration_export import async_build_calibration_set
-    from console.service.export_job import ExportJob, ExportRequest
+    from console.qt.app import run_console
+    from console.qt.cli import COMMAND
+    from console.fleet import export_job
+    from console.fleet.calibration_export import async_build_calibration_set
+    from console.fleet.export_job import ExportJob, ExportRequest
     from export.options import ExportOptions
 
     parser = argparse.ArgumentParser()
@@ -116,7 +116,7 @@ def test_the_console_exports_and_calibrates_without_torch(tiny_llama, tiny_gguf,
     code = run_console(args, until=exercise)
     heavy = [m for m in {HEAVY!r} if m in sys.modules]
     # The console started a local fleet service (closing the console stops nothing): stop it.
-    from console.service.service_locator import read_service_file
+    from console.fleet_api.service_locator import read_service_file
     service = read_service_file(state)
     if service is not None:
         import os, signal

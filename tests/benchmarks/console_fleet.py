@@ -10,7 +10,7 @@ page, attached over the admin socket). Variants, interleaved run by run:
 
 - ``old``: the page before the Qt model (a `QTableWidget` rebuilt per snapshot, every snapshot
   decoded on the GUI thread: tests/benchmarks/console_fleet_old.py);
-- ``new``: `console.fleet_table_model` (diffs, coalesced to one apply per 250 ms, snapshots
+- ``new``: `console.qt.fleet_table_model` (diffs, coalesced to one apply per 250 ms, snapshots
   decoded on the bridge's loop thread).
 
 Figures: a heartbeat timer every 5 ms stamps the event loop; a refresh's block is the longest
@@ -96,7 +96,7 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
 
 def _none_drift(raw: dict[str, Any], span: float) -> float:
     """How fast the console's references to None changed over the run (per second; negative: PySide6's
-    lost references, see console/fleet_page.py)."""
+    lost references, see console/qt/fleet_page.py)."""
     refs = raw.get("none_refs")
     return float("nan") if not refs else (refs[1] - refs[0]) / span
 
@@ -145,7 +145,7 @@ def render(args: argparse.Namespace, table: dict[tuple[int, str], dict[str, Any]
         f"every 5 s) and the real console window on the Fleet page in a process of its own (Qt platform: "
         f"{platform}), {args.seconds:g} s per run, {args.runs} run(s) per variant, interleaved. `old`: the page "
         f"before the Qt model (QTableWidget rebuilt per snapshot, snapshots decoded on the GUI thread); `new`: "
-        f"console/fleet_table_model.py (diff updates coalesced to one per 250 ms, decoding on the loop thread). "
+        f"console/qt/fleet_table_model.py (diff updates coalesced to one per 250 ms, decoding on the loop thread). "
         f"A 5 ms heartbeat timer stamps the GUI thread's event loop; a refresh's block is the longest stall "
         f"within 200 ms of its start (its paint included); lag is every stall of the run; handler is the "
         f"refresh's own slot time. Target: p95 block per refresh <= {TARGET_P95_MS:.0f} ms. PySide6 {pyside}; "

@@ -23,10 +23,11 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from console.service.admin_client import AdminApiError, Event, ServiceUnreachableError
-from console.service.admin_decode import agents_from_json
-from console.service.agent_record import AgentRecord, Membership
-from console.service_bridge import RETRY_S, ServiceBridge, log
+from console.fleet_api.admin_client import AdminApiError, ServiceUnreachableError
+from console.fleet_api.admin_decode import agents_from_json
+from console.fleet_api.agent_record import AgentRecord, Membership
+from console.fleet_api.feed import Event
+from console.qt.service_bridge import RETRY_S, ServiceBridge, log
 
 COLUMNS = ("Name", "State", "Devices", "Memory", "Last seen", "Approved", "Address", "RTT ms", "Mbit/s")
 

@@ -58,9 +58,9 @@ def probe(state_dir: Path, agents: int, variant: str, seconds: float, beat_ms: i
     import PySide6
     from PySide6.QtCore import Qt, QTimer
 
-    from console.main_window import QtConsoleWindow
-    from console.service.console_settings import ConsoleSettings
-    from console.service_bridge import ServiceBridge
+    from console.fleet_api.fleet_settings import FleetSettings
+    from console.qt.main_window import QtConsoleWindow
+    from console.qt.service_bridge import ServiceBridge
     from tests.benchmarks.console_fleet_old import OldBridge, OldFleetPage
     from tests.support.xvfb import qt_wait
 
@@ -69,7 +69,7 @@ def probe(state_dir: Path, agents: int, variant: str, seconds: float, beat_ms: i
     clock = Clock(t0)
     receive: list[tuple[float, float]] = []  # the GUI thread taking a snapshot from the feed
     refresh: list[tuple[float, float]] = []  # the Fleet page applying one
-    settings = ConsoleSettings(state_dir=state_dir, interface="127.0.0.1")
+    settings = FleetSettings(state_dir=state_dir, interface="127.0.0.1")
     bridge = (OldBridge if variant == "old" else ServiceBridge)(settings)
     window = QtConsoleWindow(bridge)
     if variant == "old":  # the old page in the new one's tab; the old feed decodes and fills in one slot

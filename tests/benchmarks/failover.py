@@ -245,9 +245,9 @@ async def _async_one(dist, agents: dict, settings, prompt: list[int], n: int, re
 
 
 async def _async_bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    from console.service.distribution import Distributor
-    from console.service.failover import FailoverSettings
-    from console.service.ring_layout import AgentEndpoint, AgentTarget, RingLayout
+    from console.fleet.distribution import Distributor
+    from console.fleet.failover import FailoverSettings
+    from console.fleet.ring_layout import AgentEndpoint, AgentTarget, RingLayout
     from engine.control.fleet_services import fleet_host
     from engine.control.messages import WorkerSettings
     from engine.generation.tokenizer import ChatTokenizer

@@ -72,7 +72,7 @@ class PlacementBench:
 def predict(plan: Plan, profiles: Sequence[tuple[float, float]], head_ratio: float) -> tuple[list[float], float]:
     """Per-stage and per-token ms of ``plan``'s split when stage k's device has
     ``profiles[k]`` = (layer_ms, overhead_ms); the head costs ``head_ratio`` layers (as
-    `console.service.profiling.device_profiles` estimates it) and the hops are the plan's."""
+    `console.fleet.profiling.device_profiles` estimates it) and the hops are the plan's."""
     last = len(plan.stages) - 1
     stages = [s.n_layers * t + o + (head_ratio * t if k == last else 0.0)
               for k, (s, (t, o)) in enumerate(zip(plan.stages, profiles, strict=True))]
@@ -147,10 +147,10 @@ async def _async_place_group(state_dir: Path, host, agents, checkpoint: Path, op
                              steps: int, streams: int | None,
                              threads: int | None) -> tuple[Plan, Plan, dict[str, tuple[float, float]]]:
     """(latency plan, measured plan, (layer_ms, overhead_ms) by node) over ``agents`` only."""
-    from console.service.fleet import FleetModel
-    from console.service.links import async_measure_links
-    from console.service.placement_inputs import async_place
-    from console.service.profiling import (
+    from console.fleet.fleet import FleetModel
+    from console.fleet.links import async_measure_links
+    from console.fleet.placement_inputs import async_place
+    from console.fleet.profiling import (
         ProfileCache,
         async_calibrate_devices,
         cache_device,
@@ -214,16 +214,16 @@ async def _timed_request(coordinator, prompt: tuple[int, ...], tokens: int, pids
 
 async def async_run_bench(work: Path, bench: PlacementBench) -> dict[str, Any]:
     """Place, export, distribute and measure every group of ``bench.agent_counts`` agents."""
-    from console.service.calibration_export import (
+    from console.fleet.calibration_export import (
         CALIBRATION_DIR,
         async_build_calibration_set,
         layer_weight_bytes,
         model_profile,
     )
-    from console.service.distribution import Distributor
-    from console.service.export_catalog import ExportSpec
-    from console.service.models import ModelLibrary
-    from console.service.ring_layout import AgentEndpoint, RingLayout
+    from console.fleet.distribution import Distributor
+    from console.fleet.models import ModelLibrary
+    from console.fleet.ring_layout import AgentEndpoint, RingLayout
+    from console.fleet_api.exports import ExportSpec
     from engine.control.fleet_services import fleet_host
     from engine.control.messages import WorkerSettings
     from engine.generation.tokenizer import ChatTokenizer

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("private_keyring")
 def library(tmp_path_factory, tiny_checkpoint):
     """The tiny model's calibration exports, built before the test (the exporter leaves a
     transformers worker thread behind in this process)."""
-    from console.service.calibration_export import build_calibration_set
+    from console.fleet.calibration_export import build_calibration_set
     from export.exporter import ExportOptions
 
     root = tmp_path_factory.mktemp("library")

@@ -39,7 +39,7 @@ What it does:
 > Tip: `collections.Counter` does the same in one line.
 """
 MARKDOWN_CODE = MARKDOWN_ANSWER.split("```python\n")[1].split("\n```")[0]
-# worded as the service's failover plan words it (console/service/failover_plan.py; the real one is
+# worded as the service's failover plan words it (console/fleet/failover_plan.py; the real one is
 # in tests/console/test_chat_real_fleet.py)
 PAUSE_DETAIL = "stage 1 on pc-b is paused (the keyboard is in use); no standby agent is free to take it"
 

@@ -22,11 +22,11 @@ from PySide6.QtCore import Qt
 
 from agent.service.service import AgentService
 from agent.service.settings import AgentSettings
-from console.main_window import QtConsoleWindow
-from console.service.calibration_export import KV_BYTES
-from console.service.console_settings import ConsoleSettings
-from console.service.fleet_service import FleetService, FleetServiceSettings
-from console.service_bridge import ServiceBridge
+from console.fleet.calibration_export import KV_BYTES
+from console.fleet.fleet_service import FleetService, FleetServiceSettings
+from console.fleet_api.fleet_settings import FleetSettings
+from console.qt.main_window import QtConsoleWindow
+from console.qt.service_bridge import ServiceBridge
 from console.shared.loop_thread import LoopThread
 from engine.control.messages import WorkerSettings
 from tests.support.agent_helpers import FakeIdle
@@ -38,9 +38,9 @@ NAMES = (f"desk-a-{SUFFIX}", f"desk-b-{SUFFIX}")
 CHAT_OPTIONS = {"temperature": 0, "max_tokens": 16}
 
 
-def console_settings(state_dir: Path) -> ConsoleSettings:
+def console_settings(state_dir: Path) -> FleetSettings:
     """Everything on loopback with OS-chosen ports; one thread per stage worker."""
-    return ConsoleSettings(state_dir=state_dir, interface="127.0.0.1", api_port=0, enrollment_port=0, hub_port=0,
+    return FleetSettings(state_dir=state_dir, interface="127.0.0.1", api_port=0, enrollment_port=0, hub_port=0,
                            data_port=0, worker=WorkerSettings(threads=1), refresh_s=1.0, metrics_s=0.25,
                            calibration_steps=4)
 

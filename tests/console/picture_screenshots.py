@@ -66,7 +66,7 @@ def chatting(url: str, key: str, ca_pem: bytes | None, stop: threading.Event) ->
 
 def check_dashboard(dashboard, bridge, names: tuple[str, ...], failovers_today: int) -> None:
     """What the Dashboard shows against what the service and the agents said (AssertionError)."""
-    from console.service.fleet_overview import dashboard_state, members
+    from console.qt.fleet_overview import dashboard_state, members
 
     records = {r.name: r for r in members(bridge.records) if r.name in names}
     dashboard.sample()
@@ -92,7 +92,7 @@ def check_dashboard(dashboard, bridge, names: tuple[str, ...], failovers_today: 
 def take_picture_screenshots(out: Path, checkpoint: Path, work: Path) -> list[Path]:
     from PySide6.QtWidgets import QApplication
 
-    from console.service.fleet_overview import members
+    from console.qt.fleet_overview import members
     from tests.console.console_app_helpers import ConsoleDriver, fleet_service, local_agents, running_console
     from tests.support.xvfb import qt_wait
 

@@ -53,10 +53,10 @@ def drive_placement_page(work: Path, checkpoint: Path, wait: Wait, out: Path | N
     ``cache``: a state dir whose ``calibration`` exports of the checkpoint the service may reuse."""
     from PySide6.QtWidgets import QApplication
 
-    from console.placement_page import QtPlacementPage
-    from console.service.calibration_export import KV_BYTES
-    from console.service.export_catalog import ExportSpec
-    from console.service_bridge import ServiceBridge, ServiceLibrary
+    from console.fleet.calibration_export import KV_BYTES
+    from console.fleet_api.exports import ExportSpec
+    from console.qt.placement_page import QtPlacementPage
+    from console.qt.service_bridge import ServiceBridge, ServiceLibrary
     from tests.console.console_app_helpers import console_settings, fleet_service
 
     app = QApplication.instance()

@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from console.service.admin_client import AdminApiError, AdminClient, AdminJobError, ServiceUnreachableError
-from console.service.admin_decode import agent_from_json, inputs_from_json
-from console.service.admin_shapes import agent_json, inputs_json
-from console.service.agent_record import AgentRecord, AgentSource, Membership
-from console.service.links import LinkReport
-from console.service.placement_inputs import PlacementInputs
-from console.service.service_locator import SERVICE_FILE, pid_alive, read_service_file
+from console.fleet_api.admin_client import AdminApiError, AdminClient, AdminJobError, ServiceUnreachableError
+from console.fleet_api.admin_decode import agent_from_json, inputs_from_json
+from console.fleet_api.admin_shapes import agent_json, inputs_json
+from console.fleet_api.agent_record import AgentRecord, AgentSource, Membership
+from console.fleet_api.link_report import LinkReport
+from console.fleet_api.placement import PlacementInputs
+from console.fleet_api.service_locator import SERVICE_FILE, pid_alive, read_service_file
 from engine.control.links import LinkMeasurement
 from engine.placement.types import DeviceProfile, Links, ModelProfile, PcInfo
 from engine.trust.fleet_ca import ADMIN_ROLES, FleetAuthority, Role
@@ -163,7 +163,7 @@ def test_a_detached_service_outlives_the_process_that_started_it(tmp_path):
     console's death (SIGKILL, a closed terminal) does not reach it."""
     pid_file = tmp_path / "pid"
     starter = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from pathlib import Path; from console.service.service_locator import start_detached; "
+        "import sys, time; from pathlib import Path; from console.fleet_api.service_locator import start_detached; "
         "p = start_detached([sys.executable, '-c', 'import time; time.sleep(60)'], "
         f"Path({str(tmp_path)!r}) / 'x.log'); "
         f"Path({str(pid_file)!r}).write_text(str(p.pid)); time.sleep(60)")], cwd=Path(__file__).parents[2])

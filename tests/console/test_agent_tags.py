@@ -11,10 +11,10 @@ import json
 
 import pytest
 
-from console.service.agent_tags import TAGS_FILE, TagBook
-from console.service.errors import ConsoleStateError
-from console.service.export_catalog import ExportSpec
-from console.service.placement_store import Placement
+from console.fleet.agent_tags import TAGS_FILE, TagBook
+from console.fleet.errors import FleetStateError
+from console.fleet.placement_store import Placement
+from console.fleet_api.exports import ExportSpec
 from engine.control.hub import AgentEvent
 from engine.errors import DeskfleetError
 from tests.fleet_service.admin import Admin
@@ -30,8 +30,9 @@ TAGS = {"desk-a": ("finance", "floor-2"), "desk-b": ("floor-2",), "desk-c": ("fl
 def _placement_over(service, nodes: dict[str, str]) -> Placement:
     """A placement whose measured inputs are the joined agents' (node ids), each able to hold the
     whole model; solving it needs no calibration."""
-    from console.service.links import LinkReport
-    from console.service.placement_inputs import PlacementInputs, solve_inputs
+    from console.fleet.placement_inputs import solve_inputs
+    from console.fleet_api.link_report import LinkReport
+    from console.fleet_api.placement import PlacementInputs
     from engine.placement.types import DeviceProfile, Links, ModelProfile, PcInfo, PlacementRequest
 
     pcs = tuple(PcInfo(node, 8 << 30, True) for node in nodes.values())
@@ -59,7 +60,7 @@ async def _joined(service, root, a: Admin) -> tuple[list, dict[str, str]]:
 
 def _cli(state_dir, name=None, tags=None, reset=False) -> int:
     """``deskfleet fleet tag [name] [--tags tags] [--reset]`` through the real parser."""
-    from console import fleet_cli
+    from console.fleet import cli as fleet_cli
 
     parser = argparse.ArgumentParser()
     fleet_cli.configure(parser)
@@ -157,10 +158,10 @@ def test_tags_from_the_agents_and_the_admin_and_placement_by_tags(tmp_path, caps
 
 def test_a_damaged_tags_file_is_named_and_left_in_place(tmp_path):
     (tmp_path / TAGS_FILE).write_text(json.dumps({"format": 1, "agents": {"n1": {"reported": ["not a tag"]}}}))
-    with pytest.raises(ConsoleStateError, match="malformed entry for 'n1'"):
+    with pytest.raises(FleetStateError, match="malformed entry for 'n1'"):
         TagBook(tmp_path)
     (tmp_path / TAGS_FILE).write_text("{")
-    with pytest.raises(ConsoleStateError, match="not valid JSON"):
+    with pytest.raises(FleetStateError, match="not valid JSON"):
         TagBook(tmp_path)
     assert (tmp_path / TAGS_FILE).read_text() == "{"
     book = TagBook(tmp_path / "fresh")

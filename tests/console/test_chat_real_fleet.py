@@ -13,9 +13,9 @@ import pytest
 
 from agent.service.service import AgentService
 from agent.service.settings import AgentSettings
-from console.service.distribution import Distributor
-from console.service.failover import FailoverSettings
-from console.service.ring_layout import AgentTarget, RingLayout
+from console.fleet.distribution import Distributor
+from console.fleet.failover import FailoverSettings
+from console.fleet.ring_layout import AgentTarget, RingLayout
 from console.shared.chat_model import DONE
 from console.shared.chat_view import QtChatWindow
 from console.shared.loop_thread import LoopThread

@@ -27,9 +27,9 @@ from pathlib import Path
 
 import pytest
 
-from console.service.console_settings import ring_endpoints
-from console.service.fleet_metrics import PauseLog, stage_breakdown
-from console.service.placement_inputs import retime, stage_firsts
+from console.fleet.ring_endpoints import ring_endpoints
+from console.fleet_api.placement import retime, stage_firsts
+from console.qt.fleet_metrics import PauseLog, stage_breakdown
 from engine.control.hub import AgentEvent
 from engine.placement.types import Plan, PlannedStage
 from tests.console.console_app_helpers import (
@@ -244,9 +244,9 @@ def test_an_export_from_the_models_page_runs_in_the_service_and_a_cancelled_one_
 def test_the_console_command_starts_a_service_and_attaches_to_it_again(tmp_path, qtbot):
     """`deskfleet console` with no service running starts one (detached: it creates the fleet CA and
     outlives the console); the next `deskfleet console` attaches to that same service."""
-    from console.app import run_console
-    from console.cli import COMMAND
-    from console.service.service_locator import pid_alive, read_service_file
+    from console.fleet_api.service_locator import pid_alive, read_service_file
+    from console.qt.app import run_console
+    from console.qt.cli import COMMAND
 
     parser = argparse.ArgumentParser()
     COMMAND.configure(parser)
@@ -294,7 +294,7 @@ def _plan(*stages: tuple[str, int, int, float]) -> Plan:
 
 
 def test_ring_endpoints_give_agents_on_one_address_their_own_data_ports():
-    from console.service.agent_record import AgentRecord, Membership
+    from console.fleet_api.agent_record import AgentRecord, Membership
 
     def record(node: str, address: str) -> AgentRecord:
         return AgentRecord(node, f"desk-{node}", address, 7210, "idle", ("CPU",), 1, "f", Membership.MEMBER,
@@ -327,8 +327,8 @@ def test_the_metrics_breakdown_and_the_pause_log():
 
 
 def _inputs():
-    from console.service.links import LinkReport
-    from console.service.placement_inputs import PlacementInputs
+    from console.fleet_api.link_report import LinkReport
+    from console.fleet_api.placement import PlacementInputs
     from engine.placement.types import DeviceProfile, Links, ModelProfile, PcInfo
 
     model = ModelProfile(layer_bytes=(600,) * 4, embed_bytes=100, head_bytes=150, head_ms=0.3)
@@ -340,7 +340,8 @@ def _inputs():
 
 
 def test_a_plan_is_retimed_exactly_and_re_solved_without_an_agent():
-    from console.service.placement_inputs import LEFT_OUT, memory_warnings, solve_inputs
+    from console.fleet.placement_inputs import LEFT_OUT, solve_inputs
+    from console.fleet_api.placement import memory_warnings
     from engine.errors import Exclusion, PlacementInfeasible
     from engine.placement.types import PlacementRequest
 

@@ -21,11 +21,11 @@ import pytest
 
 from agent.service.service import AgentService
 from agent.service.settings import AgentSettings
-from console.service.distribution import Distributor
-from console.service.errors import AgentsFailedError, DistributionError, LayoutError
-from console.service.models import ModelLibrary
-from console.service.ring_layout import AgentEndpoint, AgentTarget, RingLayout
-from console.service.ring_runtime import stage_pool_blocks
+from console.fleet.distribution import Distributor
+from console.fleet.errors import AgentsFailedError, DistributionError, LayoutError
+from console.fleet.models import ModelLibrary
+from console.fleet.ring_layout import AgentEndpoint, AgentTarget, RingLayout
+from console.fleet.ring_runtime import stage_pool_blocks
 from engine.api.server import ApiSettings, async_run_api
 from engine.control.fleet_services import MEMBER_KEY_RPM
 from engine.control.messages import WorkerSettings

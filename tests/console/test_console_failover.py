@@ -23,10 +23,10 @@ import pytest
 
 from agent.service.service import AgentService
 from agent.service.settings import AgentSettings
-from console.service.distribution import Distributor
-from console.service.errors import LayoutError
-from console.service.failover import FailoverSettings
-from console.service.failover_plan import (
+from console.fleet.distribution import Distributor
+from console.fleet.errors import LayoutError
+from console.fleet.failover import FailoverSettings
+from console.fleet.failover_plan import (
     PAUSED,
     RESTARTING,
     SERVING,
@@ -40,8 +40,8 @@ from console.service.failover_plan import (
     plan_recovery,
     ring_alarm,
 )
-from console.service.ring_layout import AgentEndpoint, AgentTarget, RingLayout
-from console.service.ring_runtime import PoolBudgetRefusedError, pool_refusal, ring_pool_blocks, stage_pool_blocks
+from console.fleet.ring_layout import AgentEndpoint, AgentTarget, RingLayout
+from console.fleet.ring_runtime import PoolBudgetRefusedError, pool_refusal, ring_pool_blocks, stage_pool_blocks
 from engine.control.messages import WorkerSettings
 from engine.generation.generator import UnavailableError
 from engine.generation.request import GenerationRequest

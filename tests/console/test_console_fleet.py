@@ -12,16 +12,16 @@ import uuid
 import pytest
 from PySide6.QtCore import QItemSelectionModel, QSortFilterProxyModel, Qt
 
-from console.fleet_table_model import (
-    COLUMNS,
-    FILTER_ROLE,
-    SORT_ROLE,
-    Coalescer,
-    FleetTableModel,
-    diff_records,
-    ranges,
+from console.fleet.approvals import APPROVALS_FILE
+from console.fleet.errors import (
+    AgentUnreachableError,
+    FleetStateError,
+    ForeignAgentError,
+    UnknownAgentError,
 )
-from console.service.agent_record import (
+from console.fleet.fleet import FleetModel
+from console.fleet.revocations import REVOKED_FILE
+from console.fleet_api.agent_record import (
     AgentRecord,
     AgentSource,
     HubNews,
@@ -30,15 +30,15 @@ from console.service.agent_record import (
     Sighting,
     merge_record,
 )
-from console.service.approvals import APPROVALS_FILE
-from console.service.errors import (
-    AgentUnreachableError,
-    ConsoleStateError,
-    ForeignAgentError,
-    UnknownAgentError,
+from console.qt.fleet_table_model import (
+    COLUMNS,
+    FILTER_ROLE,
+    SORT_ROLE,
+    Coalescer,
+    FleetTableModel,
+    diff_records,
+    ranges,
 )
-from console.service.fleet import FleetModel
-from console.service.revocations import REVOKED_FILE
 from engine.control.client import ControlClient
 from engine.control.messages import Assignment
 from engine.discovery.mdns import Advertisement, Browser, Peer
@@ -92,12 +92,12 @@ def test_a_corrupt_approvals_file_is_a_clear_error_and_is_left_in_place(tmp_path
     creds = FleetAuthority.create("t").issue_credentials("console", role=Role.CONSOLE)
     path = tmp_path / APPROVALS_FILE
     path.write_text("{not json")
-    with pytest.raises(ConsoleStateError) as err:
+    with pytest.raises(FleetStateError) as err:
         FleetModel(tmp_path, creds)
     assert str(path) in str(err.value) and "move it aside" in str(err.value)
     assert path.read_text() == "{not json"
     path.write_text(json.dumps({"format": 1, "agents": {"n1": {"node_id": "n1", "name": 3}}}))
-    with pytest.raises(ConsoleStateError, match="malformed entry for 'n1'"):
+    with pytest.raises(FleetStateError, match="malformed entry for 'n1'"):
         FleetModel(tmp_path, creds)
 
 
@@ -106,7 +106,7 @@ def test_a_damaged_revocation_list_stops_the_console_rather_than_letting_removed
     path = tmp_path / REVOKED_FILE
     for text in ("{not json", json.dumps({"format": 1, "revoked": {"not-a-node-id": {}}})):
         path.write_text(text)
-        with pytest.raises(ConsoleStateError) as err:
+        with pytest.raises(FleetStateError) as err:
             FleetModel(tmp_path, creds)
         assert str(path) in str(err.value) and path.read_text() == text  # left in place
 
@@ -188,7 +188,7 @@ def test_unicast_registration_and_add_by_address(tmp_path):
             await stranger.async_start()
             try:
                 await stranger.async_join(other.enrollment, other.token())
-                with pytest.raises(AgentUnreachableError, match="joined this console's fleet"):
+                with pytest.raises(AgentUnreachableError, match="joined this fleet service's fleet"):
                     await lone.async_add_address("127.0.0.1", stranger.control_port)
             finally:
                 await stranger.async_close()
@@ -434,7 +434,7 @@ def test_the_fleet_page_approves_pauses_resumes_and_removes_every_selected_agent
         assert not {r.name for r in service.service.fleet.records()} & set(names[1:])
         assert len(service.service.fleet.deny) == 2  # revoked, not just forgotten
 
-        from console.tokens_dialog import QtTokensDialog
+        from console.qt.tokens_dialog import QtTokensDialog
         page.tokens_button.click()  # the reusable join tokens, in a dialog of their own
         assert isinstance(page.tokens_dialog, QtTokensDialog) and page.tokens_dialog.isVisible()
         page.tokens_dialog.close()
@@ -448,7 +448,7 @@ def test_a_refresh_that_changes_nothing_on_screen_makes_no_qt_call_that_drops_a_
 
     from PySide6.QtCore import QObject, Signal
 
-    from console.fleet_page import QtFleetPage
+    from console.qt.fleet_page import QtFleetPage
 
     class Bridge(QObject):  # the signals the page listens to; records come from the test
         records_changed, token_changed, started = Signal(object), Signal(str), Signal()

@@ -10,16 +10,10 @@ import time
 
 import pytest
 
-from console.service.errors import ExportCancelledError, ExportJobError, ModelPathError
-from console.service.export_catalog import ExportKey, ExportSpec
-from console.service.export_job import (
-    PREPARE_STEPS,
-    STAGE_STEPS,
-    ExportFinished,
-    ExportProgress,
-    export_fraction,
-)
-from console.service.models import ModelLibrary
+from console.fleet.errors import ExportCancelledError, ExportJobError, ModelPathError
+from console.fleet.export_job import PREPARE_STEPS, STAGE_STEPS, export_fraction
+from console.fleet.models import ModelLibrary
+from console.fleet_api.exports import ExportFinished, ExportKey, ExportProgress, ExportSpec
 from engine.placement.types import Plan, PlannedStage
 from engine.shards.manifest import load_manifest, verify_files
 

@@ -13,20 +13,21 @@ import shutil
 
 import pytest
 
-from console.service.calibration_export import (
+from console.fleet.calibration_export import (
     KV_BYTES,
     build_calibration_set,
     layer_weight_bytes,
     model_profile,
 )
-from console.service.errors import CalibrationError
-from console.service.links import CONSOLE, async_measure_links
-from console.service.placement_inputs import async_place
-from console.service.profiling import (
+from console.fleet.errors import CalibrationError
+from console.fleet.links import async_measure_links
+from console.fleet.placement_inputs import async_place
+from console.fleet.profiling import (
     PROFILES_FILE,
     ProfileCache,
     async_calibrate_devices,
 )
+from console.fleet_api.link_report import SERVICE
 from engine.control.client import ControlClient
 from engine.errors import Exclusion, PlacementInfeasible
 from engine.placement.types import Plan
@@ -120,10 +121,10 @@ def test_links_are_measured_into_placement_links(tmp_path):
 
     a, b, report, gone = run(main())
     links = report.links
-    assert set(report.measured) == {(CONSOLE, a), (CONSOLE, b), (a, b)} and not report.failures
+    assert set(report.measured) == {(SERVICE, a), (SERVICE, b), (a, b)} and not report.failures
     for n in (a, b):
-        assert links.coordinator(n) == pytest.approx(report.measured[(CONSOLE, n)].rtt_ms / 2)
-        assert 0 < links.coordinator(n) < 500 and report.mbit_s(CONSOLE, n) > 1
+        assert links.coordinator(n) == pytest.approx(report.measured[(SERVICE, n)].rtt_ms / 2)
+        assert 0 < links.coordinator(n) < 500 and report.mbit_s(SERVICE, n) > 1
     assert links.between(a, b) == links.between(b, a) == pytest.approx(report.measured[(a, b)].rtt_ms / 2)
     assert report.mbit_s(b, a) > 1 and links.between(a, a) == 0
     assert gone.unreachable == {b} and b not in gone.links.coordinator_ms and a in gone.links.coordinator_ms

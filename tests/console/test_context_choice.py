@@ -1,13 +1,13 @@
 """The Placement's default context: the model's maximum, capped by the agents' memory with the
-reason in words (pure: console.service.context_choice), and the tags rule placement keeps to
+reason in words (pure: console.fleet_api.context_choice), and the tags rule placement keeps to
 (pure: engine.control.tags), and solve_inputs leaving agents out by their tags."""
 
 from __future__ import annotations
 
 import pytest
 
-from console.service.context_choice import MIN_CONTEXT, ROUND, choose_context
-from console.service.placement_inputs import LEFT_OUT, solve_inputs
+from console.fleet.placement_inputs import LEFT_OUT, solve_inputs
+from console.fleet_api.context_choice import MIN_CONTEXT, ROUND, choose_context
 from engine.control.tags import parse_tags, reported_tags, tag_exclusions, tags_from_text
 from engine.errors import Exclusion, TagError
 from engine.placement.types import PlacementRequest
@@ -80,8 +80,8 @@ def test_include_and_exclude_tags():
 
 def _inputs():
     """Two PCs, each able to hold the whole four-layer model."""
-    from console.service.links import LinkReport
-    from console.service.placement_inputs import PlacementInputs
+    from console.fleet_api.link_report import LinkReport
+    from console.fleet_api.placement import PlacementInputs
     from engine.placement.types import DeviceProfile, Links, ModelProfile, PcInfo
 
     model = ModelProfile(layer_bytes=(600,) * 4, embed_bytes=100, head_bytes=150, head_ms=0.3)

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from console.service.agent_record import AgentRecord, AgentSource, Membership
-from console.service.failover_tally import FailoverTally
-from console.service.fleet_overview import (
+from console.fleet.failover_tally import FailoverTally
+from console.fleet_api.agent_record import AgentRecord, AgentSource, Membership
+from console.qt.fleet_overview import (
     AWAITING,
     COLOURS,
     UNREACHABLE,
@@ -122,7 +122,7 @@ def test_screenshots_of_the_dashboard_and_the_live_ring(tmp_path, module_dirs, t
     offscreen in this process; the state colours and the bottleneck's red are in the pictures."""
     from PySide6.QtGui import QColor, QImage
 
-    from console.ring_diagram import BOTTLENECK
+    from console.qt.ring_diagram import BOTTLENECK
     from tests.console.picture_screenshots import SHOTS, STATES_SHOWN, take_picture_screenshots
     from tests.support.xvfb import XVFB, xvfb_works
 
@@ -150,7 +150,7 @@ def test_screenshots_of_the_dashboard_and_the_live_ring(tmp_path, module_dirs, t
 
 
 def test_a_sparkline_draws_on_its_fixed_scale(qtbot):
-    from console.sparkline import QtSparkline
+    from console.qt.sparkline import QtSparkline
 
     spark = QtSparkline(ceiling=100.0)
     qtbot.addWidget(spark)

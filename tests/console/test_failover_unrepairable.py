@@ -16,7 +16,7 @@ from dataclasses import replace
 
 import pytest
 
-from console.service.failover import FailoverSettings, RingRecovery, RingUnrepairableError
+from console.fleet.failover import FailoverSettings, RingRecovery, RingUnrepairableError
 from engine.generation.generator import UnavailableError
 from engine.generation.request import GenerationRequest
 from tests.conftest import PROMPT_IDS

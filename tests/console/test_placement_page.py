@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from console.placement_page import fleet_tags_text
-from console.service.agent_record import AgentRecord, Membership
+from console.fleet_api.agent_record import AgentRecord, Membership
+from console.qt.placement_page import fleet_tags_text
 
 pytestmark = pytest.mark.usefixtures("private_dirs")
 
@@ -38,14 +38,15 @@ def test_a_moe_model_is_placed_with_its_experts_said_on_the_page(qtbot, tmp_path
     JSON and is said under the plan, offscreen; a dense model's plan says nothing of experts."""
     import dataclasses
 
-    from console.placement_page import QtPlacementPage
-    from console.service.admin_decode import inputs_from_json
-    from console.service.admin_shapes import inputs_json
-    from console.service.calibration_export import build_calibration_set, layer_weight_bytes
-    from console.service.console_settings import ConsoleSettings
-    from console.service.links import LinkReport
-    from console.service.placement_inputs import PlacementInputs, layer_read_bytes, placement_model, solve_inputs
-    from console.service_bridge import ServiceBridge
+    from console.fleet.calibration_export import build_calibration_set, layer_weight_bytes
+    from console.fleet.placement_inputs import layer_read_bytes, placement_model, solve_inputs
+    from console.fleet_api.admin_decode import inputs_from_json
+    from console.fleet_api.admin_shapes import inputs_json
+    from console.fleet_api.fleet_settings import FleetSettings
+    from console.fleet_api.link_report import LinkReport
+    from console.fleet_api.placement import PlacementInputs
+    from console.qt.placement_page import QtPlacementPage
+    from console.qt.service_bridge import ServiceBridge
     from engine.placement.types import DeviceProfile, Links, PcInfo, PlacementRequest
     from export.exporter import ExportOptions
 
@@ -64,7 +65,7 @@ def test_a_moe_model_is_placed_with_its_experts_said_on_the_page(qtbot, tmp_path
     received = inputs_from_json(inputs_json(inputs))  # as the console reads the service's placement
     assert received.model.moe == moe
     plan = solve_inputs(received, PlacementRequest())
-    bridge = ServiceBridge(ConsoleSettings(state_dir=tmp_path / "console"))
+    bridge = ServiceBridge(FleetSettings(state_dir=tmp_path / "console"))
     try:
         page = QtPlacementPage(bridge)
         qtbot.addWidget(page)

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from console.ring_diagram import (
+from console.qt.ring_diagram import (
     BOTTLENECK_FILL,
     COORDINATOR_FILL,
     PLANNED,
@@ -105,7 +105,7 @@ def fill_at(image, centre, w, h):
 
 
 def test_the_widget_highlights_the_bottleneck_box_and_follows_live_measurements(qtbot):
-    from console.ring_diagram import QtRingDiagram
+    from console.qt.ring_diagram import QtRingDiagram
 
     widget = QtRingDiagram()
     qtbot.addWidget(widget)
@@ -125,7 +125,7 @@ def test_the_widget_highlights_the_bottleneck_box_and_follows_live_measurements(
 
 
 def test_the_widget_keeps_boxes_apart_for_a_large_ring(qtbot):
-    from console.ring_diagram import QtRingDiagram
+    from console.qt.ring_diagram import QtRingDiagram
 
     widget = QtRingDiagram()
     qtbot.addWidget(widget)
@@ -147,13 +147,13 @@ def test_the_widget_keeps_boxes_apart_for_a_large_ring(qtbot):
 def test_the_distribution_page_draws_the_plan_and_follows_the_rings_metrics_and_records(qtbot, tmp_path):
     import dataclasses
 
-    from console.distribution_page import QtDistributionPage, stage_state
-    from console.service.console_settings import ConsoleSettings
-    from console.service_bridge import ServiceBridge
-    from console.service_serving import ServiceServing
+    from console.fleet_api.fleet_settings import FleetSettings
+    from console.qt.distribution_page import QtDistributionPage, stage_state
+    from console.qt.service_bridge import ServiceBridge
+    from console.qt.service_serving import ServiceServing
     from tests.console.test_dashboard import record
 
-    bridge = ServiceBridge(ConsoleSettings(state_dir=tmp_path))
+    bridge = ServiceBridge(FleetSettings(state_dir=tmp_path))
     try:
         serving = ServiceServing(bridge)
         page = QtDistributionPage(serving, bridge.session)

@@ -1,6 +1,6 @@
 """RingRecovery's loop over an in-memory ring: what it asks, what it decides, what it does.
 
-The ring here is a :class:`~console.service.failover.RecoverableRing` over a dict of agent
+The ring here is a :class:`~console.fleet.failover.RecoverableRing` over a dict of agent
 statuses, recording every redial and move; no sockets, no processes. The real side (the
 Distributor over real agents) is tests/console/test_console_failover.py.
 """
@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from console.service.errors import AgentFailure, NoReplacementError
-from console.service.failover import FailoverSettings, RingRecovery
-from console.service.ring_layout import AgentEndpoint, AgentTarget, RingLayout
+from console.fleet.errors import AgentFailure, NoReplacementError
+from console.fleet.failover import FailoverSettings, RingRecovery
+from console.fleet.ring_layout import AgentEndpoint, AgentTarget, RingLayout
 from engine.control.messages import AgentStatus, FetchProgress, WorkerStatus
 from tests.support.asyncutil import run
 
@@ -135,7 +135,7 @@ def test_a_lost_stage_goes_to_the_standby_holding_its_warm_spare_first():
 
 
 def test_pairing_prefers_warm_standbys_then_takes_the_rest_in_order():
-    from console.service.failover_plan import pair_standbys, spare_stages
+    from console.fleet.failover_plan import pair_standbys, spare_stages
 
     a, b, c = (AgentEndpoint(agent(n), name=n) for n in ("a", "b", "c"))
     assert pair_standbys([0, 1], [a, b, c], {agent("b"): 1}) == ((0, a), (1, b))

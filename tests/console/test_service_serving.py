@@ -4,12 +4,12 @@ objects the page draws; a failed ring can be re-run. Real Qt (offscreen), no net
 
 from __future__ import annotations
 
-from console.service.admin_client import Event
-from console.service.console_settings import ConsoleSettings
-from console.service.export_job import ExportFailed, ExportFinished, ExportProgress
-from console.service.ring_layout import AgentProgress, RingHealth
-from console.service_bridge import ServiceBridge
-from console.service_serving import ServiceServing
+from console.fleet_api.exports import ExportFailed, ExportFinished, ExportProgress
+from console.fleet_api.feed import Event
+from console.fleet_api.fleet_settings import FleetSettings
+from console.fleet_api.ring_status import AgentProgress, RingHealth
+from console.qt.service_bridge import ServiceBridge
+from console.qt.service_serving import ServiceServing
 
 PLAN = {"stages": [{"device_id": "a/CPU", "pc_id": "a" * 64, "first_layer": 0, "last_layer": 1},
                    {"device_id": "b/CPU", "pc_id": "b" * 64, "first_layer": 2, "last_layer": 3}]}
@@ -22,7 +22,7 @@ def _ring(phase: str, **extra) -> dict:
 
 
 def test_the_rings_news_becomes_what_the_distribution_page_draws(tmp_path, qtbot):
-    bridge = ServiceBridge(ConsoleSettings(state_dir=tmp_path))
+    bridge = ServiceBridge(FleetSettings(state_dir=tmp_path))
     bridge.service = {"api_url": "http://127.0.0.1:8000/v1"}
     serving = ServiceServing(bridge)
     seen: dict[str, list] = {k: [] for k in ("export", "progress", "health", "failed", "phase", "api", "metrics")}

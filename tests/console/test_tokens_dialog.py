@@ -1,7 +1,7 @@
 """The console's Join tokens dialog against a real fleet service and agent (tests/console/tokens_screenshot.py
 drives it): issuing a reusable auto-approving token, the PC it admitted listed, the form refusing
 a never-expiring auto-approving token before anything is sent, revoking, copying; its rows are
-pure (console.tokens_model); the screenshot is taken under Xvfb when it works here."""
+pure (console.fleet_api.token_rows); the screenshot is taken under Xvfb when it works here."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from console.tokens_model import EXPIRY_CHOICES, TokenFormError, expiry_text, issue_options, token_rows
+from console.fleet_api.token_rows import EXPIRY_CHOICES, TokenFormError, expiry_text, issue_options, token_rows
 from tests.console.tokens_screenshot import LABEL, drive_tokens_dialog, to_json
 
 pytestmark = pytest.mark.usefixtures("private_dirs")

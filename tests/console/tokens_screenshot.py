@@ -24,8 +24,8 @@ def drive_tokens_dialog(work: Path, wait: Wait, out: Path | None = None) -> dict
     """Run the story (see the module docstring); what the test checks, and the PNG when ``out``."""
     from PySide6.QtGui import QGuiApplication
 
-    from console.service_bridge import ServiceBridge
-    from console.tokens_dialog import QtTokensDialog
+    from console.qt.service_bridge import ServiceBridge
+    from console.qt.tokens_dialog import QtTokensDialog
     from tests.console.console_app_helpers import console_settings, fleet_service, local_agents
 
     name = f"floor3-pc-{uuid.uuid4().hex[:4]}"  # mDNS on loopback is shared with other runs

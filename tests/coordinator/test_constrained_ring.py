@@ -13,8 +13,8 @@ from tokenizers import Tokenizer
 
 from agent.service.service import AgentService
 from agent.service.settings import AgentSettings
-from console.service.distribution import Distributor
-from console.service.ring_layout import AgentTarget, RingLayout
+from console.fleet.distribution import Distributor
+from console.fleet.ring_layout import AgentTarget, RingLayout
 from engine.control.messages import WorkerSettings
 from engine.generation.request import FinishReason, GenerationRequest, JsonConstraint, SamplingParams
 from tests.conftest import PROMPT_IDS

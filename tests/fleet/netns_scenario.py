@@ -19,9 +19,9 @@ import sys
 import time
 from pathlib import Path
 
-from console.service.distribution import Distributor
-from console.service.fleet import FleetModel
-from console.service.ring_layout import AgentEndpoint, RingLayout
+from console.fleet.distribution import Distributor
+from console.fleet.fleet import FleetModel
+from console.fleet.ring_layout import AgentEndpoint, RingLayout
 from engine.control.fleet_services import fleet_host, write_token_file
 from engine.control.messages import WorkerSettings
 from engine.discovery.mdns import Browser

@@ -1,4 +1,4 @@
-"""A minimal admin API client for the service tests (the console's own is console/service/admin_client.py):
+"""A minimal admin API client for the service tests (the console's own is console/fleet_api/admin_client.py):
 JSON over the service's unix socket, or HTTPS with a client certificate."""
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from console.service.console_settings import ConsoleSettings
-from console.service.fleet_service import FleetService, FleetServiceSettings
+from console.fleet.fleet_service import FleetService, FleetServiceSettings
+from console.fleet_api.fleet_settings import FleetSettings
 from engine.envvars import KEYRING_DIR
 from tests.support.shared_loop import SharedLoop
 
@@ -16,7 +16,7 @@ from tests.support.shared_loop import SharedLoop
 @contextlib.asynccontextmanager
 async def service_in_process(state_dir: Path, **kw):
     """A started FleetService with every port chosen by the OS (admin TLS too); closed after."""
-    console = ConsoleSettings(state_dir, api_port=0, enrollment_port=0, hub_port=0, data_port=0, refresh_s=0.5)
+    console = FleetSettings(state_dir, api_port=0, enrollment_port=0, hub_port=0, data_port=0, refresh_s=0.5)
     kw.setdefault("advertise_api", False)
     service = FleetService(FleetServiceSettings(console, admin_port=0, browse=False, **kw))
     await service.async_start()

@@ -153,10 +153,11 @@ def test_errors_name_what_is_wrong(shared_service):
 def _placement(service):
     """A placement over synthetic measured inputs (three PCs, one CPU each), as a finished
     POST /placements would leave it: the solve and rings routes work from the kept inputs."""
-    from console.service.export_catalog import ExportSpec
-    from console.service.fleet_service import Placement
-    from console.service.links import LinkReport
-    from console.service.placement_inputs import PlacementInputs, solve_inputs
+    from console.fleet.fleet_service import Placement
+    from console.fleet.placement_inputs import solve_inputs
+    from console.fleet_api.exports import ExportSpec
+    from console.fleet_api.link_report import LinkReport
+    from console.fleet_api.placement import PlacementInputs
     from engine.placement.types import DeviceProfile, Links, ModelProfile, PcInfo, PlacementRequest
 
     pcs = tuple(PcInfo(f"pc-{c}", (4 + i) << 30, True) for i, c in enumerate("abc"))
@@ -194,7 +195,7 @@ def test_solve_and_propose_rings_over_a_placements_inputs(shared_service):
 def test_a_listed_ring_that_cannot_form_is_retried_until_stopped(tmp_path):
     """A ring in served-rings.json whose agents are gone: at start the service tries to re-form it,
     says why it failed, keeps trying with its back-off, and forgets it once an admin stops it."""
-    from console.service.served_rings import ServedRing, ServedRings
+    from console.fleet.served_rings import ServedRing, ServedRings
     from engine.placement.types import Plan, PlannedStage
 
     state = tmp_path / "fleet"
@@ -229,12 +230,12 @@ def test_a_listed_ring_that_cannot_form_is_retried_until_stopped(tmp_path):
 
 
 def test_a_state_dir_too_deep_for_the_socket_is_a_clear_error(tmp_path):
-    from console.service.errors import ConsoleError
+    from console.fleet_api.errors import FleetServiceError
 
     deep = tmp_path / ("d" * 60) / ("e" * 60)
 
     async def main():
-        with pytest.raises(ConsoleError, match="shorter"):
+        with pytest.raises(FleetServiceError, match="shorter"):
             async with service_in_process(deep):
                 pass
 
@@ -264,8 +265,9 @@ class _DeadRing:
 def test_a_serving_ring_that_stays_down_is_rebuilt(tmp_path):
     """The watch sees a serving ring report down beyond the grace time and rebuilds it (a restore
     job), its stage named in /health meanwhile."""
-    from console.service.served_rings import ServedRing
-    from console.service.service_ring import ServiceRing
+    from console.fleet.served_rings import ServedRing
+    from console.fleet.service_ring import ServiceRing
+    from console.fleet_api.ring_status import RingPhase
     from engine.placement.types import Plan, PlannedStage
 
     plan = Plan((PlannedStage("pc/CPU", "pc", 0, 3, 1.0, 1 << 20),), (0.0, 0.0), 1.0, 1000.0, 1.0, 1, 1.0, 1000.0,
@@ -277,7 +279,7 @@ def test_a_serving_ring_that_stays_down_is_rebuilt(tmp_path):
                 Admin.unix(tmp_path / "fleet" / "admin.sock") as a:
             ring = ServiceRing(service._context(), ServedRing("r1", "gone-model", plan))
             service.router.add_ring("r1", _DeadRing(), model_name="gone-model")
-            ring.phase, ring.in_router = "serving", True
+            ring.phase, ring.in_router = RingPhase.SERVING, True
             service.rings["r1"] = ring
             health = await a.ok("GET", "/health")
             assert health["status"] == "down" and "worker exited 137" in health["rings"][0]["detail"]

@@ -16,7 +16,7 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 
-from console.service.admin_certs import AdminCertBook, AdminCertError
+from console.fleet.admin_certs import AdminCertBook, AdminCertError
 from engine.errors import CredentialsError
 from engine.trust.fleet_ca import MAX_ADMIN_DAYS, peer_node_id
 from tests.fleet_service.admin import Admin

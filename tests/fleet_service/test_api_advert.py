@@ -8,7 +8,7 @@ import contextlib
 
 import pytest
 
-from console.service.api_advert import ApiAdvertError, ApiAdvertisement, async_find_api
+from console.fleet.api_advert import ApiAdvertError, ApiAdvertisement, async_find_api
 from tests.fleet_service.conftest import service_in_process
 from tests.support.asyncutil import run
 

@@ -14,7 +14,8 @@ import sys
 import pytest
 from cryptography.hazmat.primitives.serialization import Encoding
 
-from console.fleet_cli import (
+from console.fleet.admin_certs import write_admin_certificate
+from console.fleet.cli import (
     RUN_KEY,
     RUN_VALUE_NAME,
     configure,
@@ -23,8 +24,7 @@ from console.fleet_cli import (
     service_settings,
     windows_run_value,
 )
-from console.service.admin_certs import write_admin_certificate
-from console.service.errors import ConsoleError
+from console.fleet_api.errors import FleetServiceError
 from engine.control.fleet_services import load_or_create_authority
 from engine.errors import DeskfleetError
 from engine.trust.admin_bundle import read_admin_credentials
@@ -43,7 +43,7 @@ def _args(*argv: str) -> argparse.Namespace:
 
 
 def test_admin_cert_comes_from_the_fleet_ca_of_the_state_dir(tmp_path):
-    with pytest.raises(ConsoleError, match="no fleet"):
+    with pytest.raises(FleetServiceError, match="no fleet"):
         write_admin_certificate(tmp_path / "empty", "alice", tmp_path / "out")
     state = tmp_path / "fleet"
     authority = load_or_create_authority(state, secrets_=ConsoleSecrets(state))
@@ -51,8 +51,8 @@ def test_admin_cert_comes_from_the_fleet_ca_of_the_state_dir(tmp_path):
     creds = read_admin_credentials(folder)
     assert creds.role is Role.ADMIN and creds.name == "alice" and creds.ca_fingerprint == authority.fingerprint
     # recorded, listed and revocable from the shell (issue 29, M7); a life over the bound is refused
-    from console.fleet_cli import run as run_fleet
-    from console.service.admin_certs import AdminCertBook
+    from console.fleet.admin_certs import AdminCertBook
+    from console.fleet.cli import run as run_fleet
     from engine.trust.fleet_ca import peer_node_id
 
     fingerprint = peer_node_id(creds.certificate.public_bytes(Encoding.DER))
@@ -68,8 +68,8 @@ def test_admin_cert_comes_from_the_fleet_ca_of_the_state_dir(tmp_path):
 def test_settings_from_the_command_line(tmp_path):
     s = service_settings(_args("--state-dir", str(tmp_path), "--interface", "127.0.0.1", "--api-port", "0",
                                "--admin-port", "-1", "--data-port", "0", "--threads", "2", "--exact"))
-    assert s.state_dir == tmp_path and s.admin_port is None and s.console.api_port == 0
-    assert s.console.data_port == 0 and s.console.worker.threads == 2 and s.console.worker.exact
+    assert s.state_dir == tmp_path and s.admin_port is None and s.fleet.api_port == 0
+    assert s.fleet.data_port == 0 and s.fleet.worker.threads == 2 and s.fleet.worker.exact
     assert service_settings(_args("--interface", "127.0.0.1", "--admin-host", "10.0.0.5")).admin_host == "10.0.0.5"
     assert s.browse and s.advertise and s.advertise_api  # mDNS by default
     quiet = service_settings(_args("--interface", "127.0.0.1", "--no-mdns"))

@@ -11,13 +11,13 @@ import json
 import pytest
 from aiohttp import web
 
-from console.service.admin_client import AdminClient
-from console.service.admin_shapes import agent_json
-from console.service.agent_record import AgentRecord, AgentSource, Membership
-from console.service.approvals import APPROVALS_FILE, ApprovalBook
-from console.service.errors import ConsoleStateError
-from console.service.records_feed import AgentJsonCache, RecordsPublisher
-from console.service.service_events import EventFeed
+from console.fleet.approvals import APPROVALS_FILE, ApprovalBook
+from console.fleet.errors import FleetStateError
+from console.fleet.records_feed import AgentJsonCache, RecordsPublisher
+from console.fleet.service_events import EventFeed
+from console.fleet_api.admin_client import AdminClient
+from console.fleet_api.admin_shapes import agent_json
+from console.fleet_api.agent_record import AgentRecord, AgentSource, Membership
 from tests.support.asyncutil import run
 
 
@@ -130,5 +130,5 @@ def test_the_approvals_file_keeps_one_agent_a_line_and_reads_back(tmp_path):
     again.discard(ids[4])
     assert json.loads((tmp_path / APPROVALS_FILE).read_text()) == {"format": 1, "agents": {}}
     (tmp_path / APPROVALS_FILE).write_text(text[:-20])  # cut short
-    with pytest.raises(ConsoleStateError, match="not valid JSON"):
+    with pytest.raises(FleetStateError, match="not valid JSON"):
         ApprovalBook(tmp_path)

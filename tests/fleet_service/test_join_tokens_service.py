@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from agent.service.join_file import async_join_from_file, async_keep_joining
-from console.service.admin_client import AdminClient
+from console.fleet_api.admin_client import AdminClient
 from engine.errors import JoinRefused
 from tests.fleet_service.admin import Admin
 from tests.support.console_fleet_helpers import agent
@@ -122,7 +122,7 @@ def test_a_revoked_token_admits_nobody_and_bad_requests_are_named(tmp_path, shar
 def test_the_fleet_cli_issues_lists_and_revokes_tokens(tmp_path, shared_service, capsys):
     import argparse
 
-    from console.fleet_cli import configure, run
+    from console.fleet.cli import configure, run
     from engine.errors import DeskfleetError
 
     state = shared_service.service.settings.state_dir
@@ -154,8 +154,8 @@ def test_the_fleet_cli_issues_lists_and_revokes_tokens(tmp_path, shared_service,
 def test_pcs_pending_auto_approval_survive_a_restart_and_a_revoked_token_approves_nobody(tmp_path):
     """TokenDesk's policy over a real token book and audit file, with the approval recorded by a
     list (no service): what a restarted service does with PCs admitted but not yet registered."""
-    from console.service.agent_record import AgentRecord, AgentSource, Membership
-    from console.service.join_tokens import TokenDesk
+    from console.fleet.join_tokens import TokenDesk
+    from console.fleet_api.agent_record import AgentRecord, AgentSource, Membership
     from engine.control.join_audit import JoinAudit
     from engine.trust.fleet_ca import FleetAuthority
     from engine.trust.join_token import TokenBook

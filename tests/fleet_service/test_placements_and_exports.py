@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pytest
 
-from console.service.admin_client import AdminClient
-from console.service.errors import ConsoleStateError
-from console.service.export_catalog import ExportSpec
-from console.service.placement_store import PLACEMENTS_FILE, Placement, PlacementStore
+from console.fleet.errors import FleetStateError
+from console.fleet.placement_store import PLACEMENTS_FILE, Placement, PlacementStore
+from console.fleet_api.admin_client import AdminClient
+from console.fleet_api.exports import ExportSpec
 from engine.placement.types import Plan, PlannedStage
 from tests.fleet_service.admin import Admin
 from tests.fleet_service.conftest import service_in_process
@@ -27,8 +27,8 @@ SPEC = ExportSpec(weights="fp32", kv_cache_precision="f32")
 
 def _inputs():
     """Measured inputs as a finished placement job leaves them: three PCs, one CPU each."""
-    from console.service.links import LinkReport
-    from console.service.placement_inputs import PlacementInputs
+    from console.fleet_api.link_report import LinkReport
+    from console.fleet_api.placement import PlacementInputs
     from engine.placement.types import DeviceProfile, Links, ModelProfile, PcInfo
 
     pcs = tuple(PcInfo(f"pc-{c}", (4 + i) << 30, True) for i, c in enumerate("abc"))
@@ -38,7 +38,7 @@ def _inputs():
 
 
 def _store_placement(service) -> Placement:
-    from console.service.placement_inputs import solve_inputs
+    from console.fleet.placement_inputs import solve_inputs
     from engine.placement.types import PlacementRequest
 
     inputs = _inputs()
@@ -79,11 +79,11 @@ def test_a_damaged_placements_file_stops_the_start_and_is_left_in_place(tmp_path
     state = tmp_path / "fleet"
     state.mkdir()
     (state / PLACEMENTS_FILE).write_text(text)
-    with pytest.raises(ConsoleStateError, match=PLACEMENTS_FILE):
+    with pytest.raises(FleetStateError, match=PLACEMENTS_FILE):
         PlacementStore(state)
 
     async def main():
-        with pytest.raises(ConsoleStateError, match="placements"):
+        with pytest.raises(FleetStateError, match="placements"):
             async with service_in_process(state):
                 raise AssertionError("the service started over a damaged placements file")
 
@@ -178,8 +178,8 @@ def test_placement_inputs_round_trip_through_json_unchanged():
     default (an older service's JSON without them still reads, spread evenly)."""
     import dataclasses
 
-    from console.service.admin_decode import inputs_from_json
-    from console.service.admin_shapes import inputs_json
+    from console.fleet_api.admin_decode import inputs_from_json
+    from console.fleet_api.admin_shapes import inputs_json
 
     inputs = _inputs()
     model = dataclasses.replace(inputs.model, layer_bytes=(1 << 20, 3 << 20, 2 << 20), embed_bytes=7, embed_ms=0.5,

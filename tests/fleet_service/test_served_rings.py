@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from console.service.errors import ConsoleStateError
-from console.service.export_catalog import ExportSpec
-from console.service.served_rings import SERVED_FILE, RingIdError, ServedRing, ServedRings, next_ring_id
+from console.fleet.errors import FleetStateError
+from console.fleet.served_rings import SERVED_FILE, RingIdError, ServedRing, ServedRings, next_ring_id
+from console.fleet_api.exports import ExportSpec
 from engine.placement.types import Plan, PlannedStage
 
 
@@ -49,7 +49,7 @@ def test_rings_and_api_port_survive_a_restart(tmp_path):
                                                                       "plan": {"stages": []}}]})])
 def test_a_damaged_file_is_a_clear_error_and_is_left_in_place(tmp_path, text):
     (tmp_path / SERVED_FILE).write_text(text)
-    with pytest.raises(ConsoleStateError, match="served rings") as err:
+    with pytest.raises(FleetStateError, match="served rings") as err:
         ServedRings(tmp_path)
     assert str(tmp_path / SERVED_FILE) in str(err.value) and "move it aside" in str(err.value)
     assert (tmp_path / SERVED_FILE).read_text() == text

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from console.service.errors import ConsoleError
-from console.service.service_events import EventFeed, JobNotFoundError, Jobs
+from console.fleet.service_events import EventFeed, JobNotFoundError, Jobs
+from console.fleet_api.errors import FleetServiceError
 from tests.support.asyncutil import run
 
 
@@ -48,7 +48,7 @@ def test_jobs_report_results_errors_and_cancellation():
             return 41
 
         async def bad():
-            raise ConsoleError("the agents are not there")
+            raise FleetServiceError("the agents are not there")
 
         async def slow():
             await asyncio.sleep(30)

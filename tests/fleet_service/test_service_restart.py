@@ -229,10 +229,10 @@ def _wait(qtbot, condition, timeout_s: float, what: str) -> None:
 
 @pytest.mark.skipif(sys.platform == "win32", reason="the local admin socket")
 def test_killing_the_console_mid_chat_stops_nothing_and_a_new_console_shows_the_same_fleet(serving, qtbot):
-    from console.main_window import QtConsoleWindow
-    from console.service.console_settings import ConsoleSettings
-    from console.service.service_locator import read_service_file
-    from console.service_bridge import ServiceBridge
+    from console.fleet_api.fleet_settings import FleetSettings
+    from console.fleet_api.service_locator import read_service_file
+    from console.qt.main_window import QtConsoleWindow
+    from console.qt.service_bridge import ServiceBridge
     from tests.console.console_app_helpers import ConsoleDriver
 
     fleet = serving
@@ -273,8 +273,8 @@ def test_killing_the_console_mid_chat_stops_nothing_and_a_new_console_shows_the_
         # Two new consoles attach (the local one over the socket, alice's over mutual TLS) and see the
         # same fleet; one's news reaches the other.
         admin_url = read_service_file(state).admin_url
-        local = ConsoleSettings(state_dir=state, interface="127.0.0.1", refresh_s=1.0)
-        remote = ConsoleSettings(state_dir=tmp_path / "alice-console", interface="127.0.0.1", refresh_s=1.0,
+        local = FleetSettings(state_dir=state, interface="127.0.0.1", refresh_s=1.0)
+        remote = FleetSettings(state_dir=tmp_path / "alice-console", interface="127.0.0.1", refresh_s=1.0,
                                  service_url=admin_url, admin_cert=tmp_path / "alice")
         windows = [QtConsoleWindow(ServiceBridge(settings)) for settings in (local, remote)]
         try:

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from agent.service import pause
-from console.service.agent_record import Membership
+from console.fleet_api.agent_record import Membership
 from tests.fleet_service.conftest import service_in_process
 from tests.support.sim_fleet import SimFleet
 

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import pytest
 
-from console.service.admin_shapes import plan_from_json, plan_json
+from console.fleet_api.admin_shapes import plan_from_json, plan_json
 from engine.errors import PlacementInputError, PlacementTimeout
 from engine.placement.counts import layer_sizes, solve_counts
 from engine.placement.fleet import time_stages

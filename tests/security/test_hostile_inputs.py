@@ -12,7 +12,7 @@ import math
 import aiohttp
 import pytest
 
-from console.tokens_cli import parse_ttl
+from console.fleet.tokens_cli import parse_ttl
 from engine.api.openai_answer import ChoiceBuilder
 from engine.api.openai_schema import MAX_TOKEN_ID
 from engine.errors import DeskfleetError, TokenPolicyError

@@ -19,7 +19,7 @@ import json
 import aiohttp
 import pytest
 
-from console.service.service_events import MAX_PAGE_BYTES
+from console.fleet.service_events import MAX_PAGE_BYTES
 from engine.control.enrollment import async_join
 from engine.control.hub_events import (
     EVENT_BURST,

@@ -20,8 +20,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from console.service.errors import ForeignAgentError
-from console.service.fleet import FleetModel
+from console.fleet.errors import ForeignAgentError
+from console.fleet.fleet import FleetModel
 from engine.control.client import ControlClient, ControlError, WrongAgentError
 from engine.control.enrollment import NotTheConsoleError
 from engine.control.fleet_services import API_KEY_SECRET
@@ -91,7 +91,7 @@ def test_a_member_posing_as_the_console_at_enrolment_never_sees_the_token(tmp_pa
                     await real.async_start(console_advertisement("Acme", pin, enrollment_port, "127.0.0.1", "0.1.0"))
                     creds = await victim.async_join(None, token, timeout=15)
                 assert posted == [] and creds.fleet_id == con.authority.fleet_id
-                assert victim.console_node_id == con.credentials.node_id
+                assert victim.service_node_id == con.credentials.node_id
             finally:
                 await fake.async_close()
                 await real.async_close()
@@ -116,7 +116,7 @@ def test_only_the_pinned_console_commands_and_a_revoked_member_is_refused_everyw
             other_console = f.host.authority.issue_credentials("second console", role=Role.CONSOLE)
             with pytest.raises(ControlError) as refused:
                 await ControlClient(other_console, "127.0.0.1", alpha.control_port).async_pause()
-            assert refused.value.status == 403 and "join again to change consoles" in str(refused.value)
+            assert refused.value.status == 403 and "join again to change services" in str(refused.value)
             assert alpha.status().state == "idle"
 
             beta_creds = beta.keystore.load()
@@ -139,7 +139,7 @@ def test_only_the_pinned_console_commands_and_a_revoked_member_is_refused_everyw
             assert reloaded.deny == (beta_id,)  # kept in the console's state dir
 
     run(main(), 120)
-    assert "revoked" in caplog.text and "for the fleet console only" in caplog.text
+    assert "revoked" in caplog.text and "for the fleet service only" in caplog.text
 
 
 def test_shards_only_for_the_stage_the_console_assigned(tmp_path, tiny_export, caplog):
@@ -355,7 +355,7 @@ def test_a_refused_shard_fetch_reads_only_a_few_kib_of_the_answer(tmp_path, tiny
                                            next_hop="127.0.0.1:1")
             with pytest.raises(FetchError, match=f"HTTP 404.*exceeds {MAX_ERROR_BYTES} bytes"):
                 await asyncio.wait_for(async_fetch(ShardStore(tmp_path / "shards"), assignment,
-                                                   ssl=member.client_context(), console_node_id=hub.node_id,
+                                                   ssl=member.client_context(), service_node_id=hub.node_id,
                                                    timeout=10), 30)  # did not hang
         assert sent  # the body really was being streamed when the agent gave up
 

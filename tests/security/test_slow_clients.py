@@ -171,6 +171,6 @@ def test_the_cap_policy_reclaims_the_longest_waiting_connection_of_the_crowded_a
 
 def test_every_http_listener_uses_the_limited_runner():
     for module in ("engine.api.server", "engine.control.enrollment", "engine.control.hub", "agent.service.service",
-                   "console.service.admin_api"):
+                   "console.fleet.admin_api"):
         source = inspect.getsource(importlib.import_module(module))
         assert "LimitedAppRunner(" in source and "web.AppRunner(" not in source, module

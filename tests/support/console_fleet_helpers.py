@@ -10,7 +10,7 @@ from pathlib import Path
 
 from agent.service.service import AgentService
 from agent.service.settings import AgentSettings
-from console.service.fleet import FleetModel
+from console.fleet.fleet import FleetModel
 from engine.control.fleet_services import FleetHost
 from tests.support.agent_helpers import FakeIdle, console
 

@@ -114,7 +114,7 @@ def test_member_ports_refuse_an_admin_and_the_admin_port_takes_only_admins(fleet
 class _Agent:
     """The least a control API serves: reads answer, orders are recorded (never reached here)."""
 
-    console_node_id = None
+    service_node_id = None
     deny: frozenset[str] = frozenset()
     orders: list[str] = []
 

@@ -64,7 +64,7 @@ def test_root_changes_another_users_key_book_as_that_user(owned_dir, capsys):
 
 def test_root_issues_an_admin_certificate_from_another_users_fleet_and_the_record_stays_theirs(owned_dir,
                                                                                               monkeypatch, capsys):
-    from console.service.admin_certs import AdminCertBook
+    from console.fleet.admin_certs import AdminCertBook
     from engine.control.fleet_services import load_or_create_authority
     from engine.envvars import KEYRING_DIR
     from engine.trust.admin_bundle import read_admin_credentials

@@ -1,14 +1,14 @@
 """Every stage reports its compute time per step (issue 16): over a real 2-stage stateful ring of
 worker processes (loopback sockets) each reply carries one time per stage, the coordinator keeps
 each stage's moving median, and the Metrics page's breakdown shows a measured figure for every
-stage of the plan (engine.ring.stage_times, console.service.fleet_metrics)."""
+stage of the plan (engine.ring.stage_times, console.qt.fleet_metrics)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from console.service.fleet_metrics import stage_breakdown
+from console.qt.fleet_metrics import stage_breakdown
 from engine.generation.request import GenerationRequest
 from engine.placement.types import Plan, PlannedStage
 from engine.ring.stage_times import StageTimes, stage_metric

@@ -1,6 +1,6 @@
 """One simulated agent: joined through the real enrolment, its control API the real one
 (:func:`agent.service.control_api.build_app`, mutual TLS with its own fleet certificate), its
-registrations and events the real agent's calls (:mod:`agent.service.console_link`).
+registrations and events the real agent's calls (:mod:`agent.service.fleet_link`).
 
 What it fakes is only what lies behind the control API: there is no worker, no shard store and
 no idle monitor. It answers status polls, probes, pause / resume and deny-list pushes as the real
@@ -20,8 +20,8 @@ import aiohttp
 from aiohttp import web
 
 from agent.service import pause
-from agent.service.console_link import NOTIFY_TIMEOUT_S, async_register_with_seeds, console_connector
 from agent.service.control_api import build_app
+from agent.service.fleet_link import NOTIFY_TIMEOUT_S, async_register_with_seeds, service_connector
 from engine import __version__
 from engine.control.enrollment import Joined, async_join
 from engine.control.links import LinkMeasurement
@@ -61,7 +61,7 @@ class SimAgent:
     index: int
     host: str = "127.0.0.1"
     creds: Credentials | None = None
-    console_node_id: str | None = None
+    service_node_id: str | None = None
     deny: frozenset[str] = frozenset()
     local_paused: bool = False
     remote_paused: bool = False
@@ -147,7 +147,7 @@ class SimAgent:
 
     async def async_join(self, enrollment: str, token: str, *, timeout: float = 30.0) -> Joined:
         joined = await async_join(enrollment, token, self.name, info=self.inventory, timeout=timeout)
-        self.creds, self.console_node_id = joined.credentials, joined.console_node_id
+        self.creds, self.service_node_id = joined.credentials, joined.console_node_id
         return joined
 
     async def async_open(self) -> int:
@@ -178,19 +178,19 @@ class SimAgent:
         """Register at the hub ``hub`` (HOST:PORT); the round trip in seconds, None if refused."""
         assert self.creds is not None
         start = time.perf_counter()
-        accepted = await async_register_with_seeds(self.creds, self.console_node_id, (hub,), self.registration())
+        accepted = await async_register_with_seeds(self.creds, self.service_node_id, (hub,), self.registration())
         return time.perf_counter() - start if accepted else None
 
     async def async_set_local_pause(self, paused: bool, hub: str) -> bool:
         """The person at the PC: paused (in use) or back to idle, and the hub told, as the real
-        agent's ``async_tell_console`` does; whether the hub took it."""
+        agent's ``async_tell_service`` does; whether the hub took it."""
         assert self.creds is not None
         self.local_paused = paused
         body = {"node_id": self.creds.node_id, "event": "paused" if paused else "resumed",
                 "reasons": list(self.reasons), "export_id": None, "stage": None, "detail": None}
         try:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=NOTIFY_TIMEOUT_S),
-                                             connector=console_connector(self.console_node_id)) as session:
+                                             connector=service_connector(self.service_node_id)) as session:
                 async with session.post(f"https://{hub}/v1/events", json=body,
                                         ssl=self.creds.client_context()) as resp:
                     return resp.status == 200

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from console.service.admin_client import AdminApiError, AdminClient
+from console.fleet_api.admin_client import AdminApiError, AdminClient
 from console.shared.loop_thread import LoopThread
 
 REGISTER_INTERVAL_S = 30.0  # agent.service.service.REGISTER_INTERVAL_S (not imported: it pulls in the worker stack)

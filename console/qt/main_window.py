@@ -1,0 +1,92 @@
+"""The console's one window: the Dashboard (the fleet at a glance), then a page per step from an
+empty network to a served model (Fleet, Models, Placement, Distribution, Chat, Metrics), over
+the bridge to the fleet service and the controller of the ring it shows.
+Closing the window shuts the pages down; the bridge itself is closed by whoever created it
+(`console.qt.app.run_console`, or a test)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from PySide6.QtGui import QCloseEvent
+from PySide6.QtWidgets import QDialog, QMainWindow, QTabWidget, QVBoxLayout
+
+from console.qt.chat_page import QtChatPage
+from console.qt.dashboard_page import QtDashboardPage
+from console.qt.distribution_page import QtDistributionPage
+from console.qt.first_run_view import QtFirstRunView
+from console.qt.fleet_page import QtFleetPage
+from console.qt.metrics_page import QtMetricsPage
+from console.qt.models_page import QtModelsPage
+from console.qt.placement_page import QtPlacementPage
+from console.qt.service_bridge import ServiceBridge
+from console.qt.service_serving import ServiceServing
+
+
+class QtFirstRunDialog(QDialog):
+    """The first start's welcome: the fleet id and a join token (``view``) in a window of its own."""
+
+    def __init__(self, view: QtFirstRunView, parent: QMainWindow) -> None:
+        super().__init__(parent)
+        self.setWindowTitle("Deskfleet — your fleet is ready")
+        self.view = view
+        QVBoxLayout(self).addWidget(view)
+
+class QtConsoleWindow(QMainWindow):
+    def __init__(self, bridge: ServiceBridge, *, chat_options: Mapping[str, Any] | None = None) -> None:
+        super().__init__()
+        self.bridge = bridge
+        self.serving = ServiceServing(bridge, self)
+        self.setWindowTitle(f"Deskfleet console — {bridge.settings.interface}")
+        self.resize(1100, 720)
+        self.tabs = QTabWidget()
+        self.dashboard_page = QtDashboardPage(bridge)
+        self.fleet_page = QtFleetPage(bridge)
+        self.models_page = QtModelsPage(bridge)
+        self.placement_page = QtPlacementPage(bridge)
+        self.distribution_page = QtDistributionPage(self.serving, bridge.session)
+        self.chat_page = QtChatPage(self.serving, bridge.loop, options=chat_options)
+        self.metrics_page = QtMetricsPage(bridge, self.serving)
+        for page, title in ((self.dashboard_page, "Dashboard"), (self.fleet_page, "Fleet"),
+                            (self.models_page, "Models"), (self.placement_page, "Placement"),
+                            (self.distribution_page, "Distribution"),
+                            (self.chat_page, "Chat"), (self.metrics_page, "Metrics")):
+            self.tabs.addTab(page, title)
+        self.setCentralWidget(self.tabs)
+        bridge.start_failed.connect(lambda why: self.statusBar().showMessage(f"The console did not start: {why}"))
+        bridge.started.connect(lambda: self.statusBar().showMessage(
+            f"Fleet {bridge.fleet_id[:16]}… — enrollment {bridge.enrollment}", 0))
+        bridge.error.connect(lambda what, why: self.statusBar().showMessage(f"{what} failed: {why}", 15000))
+        self.serving.api_ready.connect(lambda url: self.statusBar().showMessage(f"Serving at {url}", 0))
+        self.first_run_dialog: QtFirstRunDialog | None = None
+        bridge.started.connect(self._welcome)
+
+    def _welcome(self) -> None:
+        """On the start that created the fleet: say so, with the join token to hand out."""
+        if not self.bridge.first_run:
+            return
+        view = QtFirstRunView(self.bridge.fleet_id, self.bridge.enrollment, self.bridge.issue_token_now)
+        dialog = QtFirstRunDialog(view, self)
+        self.first_run_dialog = dialog
+        dialog.show()
+
+    def page(self, title: str):
+        """The page whose tab is ``title``."""
+        for i in range(self.tabs.count()):
+            if self.tabs.tabText(i) == title:
+                return self.tabs.widget(i)
+        raise KeyError(title)
+
+    def show_page(self, title: str) -> None:
+        self.tabs.setCurrentWidget(self.page(title))
+
+    def shutdown(self) -> None:
+        """Stop what the pages run in this process (a chat reply, following an export); what the
+        service runs (its exports, its rings) goes on."""
+        self.chat_page.shutdown()
+        self.models_page.shutdown()
+
+    def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802 (Qt's name)
+        self.shutdown()
+        super().closeEvent(event)
