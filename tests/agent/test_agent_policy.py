@@ -124,12 +124,12 @@ def test_assignment_round_trips(tiny_export):
     assert {e.path.split("/")[0] for e in a.files()} == {"stage_1"}
 
 
-def test_runtime_defaults_to_what_old_consoles_meant_and_paged_reaches_the_worker_with_the_pool_budget(tiny_export):
+def test_runtime_defaults_to_what_serves_the_export_and_paged_reaches_the_worker_with_the_pool_budget(tiny_export):
     mj = _manifest_json(tiny_export)
-    assert Assignment.from_dict(_assignment_dict(mj)).runtime == "stateful"  # an old console sends none
+    assert Assignment.from_dict(_assignment_dict(mj)).runtime == "paged"  # none sent: a CPU/GPU export serves paged
     paged = Assignment.from_dict(_assignment_dict(mj, runtime="paged"))
     assert paged.runtime == "paged" and Assignment.from_dict(paged.to_dict()) == paged
-    assert not paged.same_stage(replace(paged, runtime="stateful"))  # a runtime change restarts the worker
+    assert not paged.same_stage(replace(paged, runtime="static"))  # a runtime change restarts the worker
     args = worker_args("/s", 1, "127.0.0.1:7211", "127.0.0.1:7100", device="CPU", threads=1, exact=False, tls=True,
                        paged=True, kv_pool_mb=384)
     assert args[args.index("--kv-pool-mb") + 1] == "384" and "--paged" in args
@@ -185,8 +185,9 @@ def _escaping_manifest(manifest_json: str) -> str:
     ({"worker": {"device": "TPU"}}, "device"),
     ({"worker": {"threads": 0}}, "threads"),
     ({"api_url": "ftp://x"}, "api_url"),
-    ({"runtime": "batched"}, "runtime must be one of paged, stateful"),
-    ({"runtime": "paged", "worker": {"device": "NPU"}}, "cannot serve paged"),
+    ({"runtime": "batched"}, "runtime must be one of paged, static"),
+    ({"runtime": "static"}, "served by the paged runtime, not static"),
+    ({"runtime": "paged", "worker": {"device": "NPU"}}, "cannot serve on NPU"),
 ])
 def test_bad_assignments_are_refused_with_a_reason(tiny_export, change, message):
     data = _assignment_dict(_manifest_json(tiny_export), **change)
