@@ -55,7 +55,6 @@ from __future__ import annotations
 import collections
 import itertools
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -66,6 +65,7 @@ from engine.generation.request import Constraint, FinishReason, GenerationReques
 from engine.generation.sampling import make_rng
 from engine.paged.block_pool import BlockPool, PoolExhausted
 from engine.paged.constraints import GrammarVocabulary, StreamConstraints
+from engine.paged.flight import Flight, FlightRow
 from engine.paged.prefix_admission import CaughtUp, PrefixAdmission
 from engine.paged.prefix_blocks import PrefixBlocks, chain_hash
 from engine.paged.reply import decide, reply_problem
@@ -88,36 +88,6 @@ __all__ = [
     "Action", "BatchScheduler", "DraftSubject", "Drafts", "Emit", "FailOver", "Failed", "Finished", "Flight",
     "GrammarVocabulary", "PoolExhausted", "SchedulerConfig", "StreamState",
 ]
-
-
-@dataclass
-class _Row:
-    stream: StreamState
-    past: int  # the position its first row feeds
-    n: int
-    drafts: tuple[int, ...]
-    q: np.ndarray | None
-    sample: int
-    want_logits: bool
-    computing: list[bytes] = field(default_factory=list)  # full blocks this prefill chunk completes
-    void: bool = False  # an earlier step of its stream failed: this row's KV and answer are not used
-
-
-@dataclass
-class Flight:
-    """A step handed out whose outcome has not come back: the one record of it (the coordinator
-    reads it by seq, :meth:`BatchScheduler.flight`, and stamps when it left, :meth:`BatchScheduler.sent`)."""
-
-    seq: int
-    rows: list[_Row]
-    plan: StepPlan  # as composed (before masks): the answered rows' order, what its outcome answers
-    offered: tuple[StreamId, ...]  # streams of the step that were offered drafts (budget or blocks may cut them)
-    sent_at: float | None = None  # monotonic, once sent
-
-    @property
-    def tokens(self) -> int:
-        """New tokens the step carries (its real rows)."""
-        return self.plan.tokens
 
 
 # ----------------------------------------------------------------------------- the scheduler
@@ -284,7 +254,7 @@ class BatchScheduler:
         limit = max_rows if max_rows is not None else len(self._streams)
         budget = cfg.token_budget
         seq = next(self._seqs)
-        rows: list[_Row] = []
+        rows: list[FlightRow] = []
         copies: list[tuple[int, int]] = []
         actions: list[Action] = []
         preempted: set[StreamId] = set()
@@ -390,20 +360,20 @@ class BatchScheduler:
                           s.request.max_new_tokens - len(s.generated) - 1))
 
     def _row(self, s: StreamState, seq: int, n: int, drafts: tuple[int, ...] = (),
-             q: np.ndarray | None = None) -> _Row:
+             q: np.ndarray | None = None) -> FlightRow:
         past, fed = s.fed, n - len(drafts)
         s.in_flight = seq
         s.ahead += fed
         sample = (1 + len(drafts)) if past + fed == len(s.tokens) else 0
         want = bool(sample) and (s.request.want_logits or not s.request.sampling.greedy)
-        row = _Row(s, past, n, drafts, q, sample, want)
+        row = FlightRow(s, past, n, drafts, q, sample, want)
         if not sample:  # streams after this one in the step (or later steps) wait for these blocks
             row.computing = self._sharing.computing_blocks(s, past, n)
             self._computing.update(dict.fromkeys(row.computing, seq))
         return row
 
     @staticmethod
-    def _feed(r: _Row) -> list[int]:
+    def _feed(r: FlightRow) -> list[int]:
         return r.stream.tokens[r.past:r.past + r.n - len(r.drafts)] + list(r.drafts)
 
     def _follow_up(self, s: StreamState, seq: int, budget: int) -> int:
@@ -481,7 +451,7 @@ class BatchScheduler:
             actions.append(end)
         return actions
 
-    def _account(self, rows: list[_Row], outcome: PagedOutcome, now: float) -> list[Action]:
+    def _account(self, rows: list[FlightRow], outcome: PagedOutcome, now: float) -> list[Action]:
         """:meth:`on_outcome` before the constraints: the rows advance, rewind, emit and finish."""
         for r in rows:
             for digest in r.computing:
@@ -528,7 +498,7 @@ class BatchScheduler:
                 actions.extend(self._answer(s, r, ids, probs, logits, now))
         return actions
 
-    def _answer(self, s: StreamState, r: _Row, ids: np.ndarray, probs: np.ndarray,
+    def _answer(self, s: StreamState, r: FlightRow, ids: np.ndarray, probs: np.ndarray,
                 logits: np.ndarray | None, now: float) -> list[Action]:
         verdict, token_probs = decide(s.request.sampling, s.rng, r.drafts, r.q, ids, probs, logits)
         s.last_drafted, s.last_accepted = len(r.drafts), verdict.accepted

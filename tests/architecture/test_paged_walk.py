@@ -18,7 +18,7 @@ import grimp
 
 P = "engine.paged."
 # The scheduler and what it decides with: pure, no sockets, no OpenVINO, no loop.
-PURE = tuple(P + m for m in ("scheduler", "state", "reply", "block_pool", "prefix_blocks", "prefix_admission",
+PURE = tuple(P + m for m in ("scheduler", "flight", "state", "reply", "block_pool", "prefix_blocks", "prefix_admission",
                              "constraints", "speculation_policy", "step"))
 # The loop and the I/O around it: what the pure modules must never reach.
 LOOP_AND_IO = tuple(P + m for m in ("coordinator", "ring_path", "worker", "stage", "speculation", "draft_model"))
