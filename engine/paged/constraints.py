@@ -1,7 +1,8 @@
 """Constrained decoding and log-probabilities on the paged path: what each step asks, what each reply means.
 
-The paged coordinator (:mod:`engine.paged.coordinator`) keeps one
-:class:`StreamConstraints` for its model. For every stream with a constraint (``response_format``,
+The paged scheduler (:mod:`engine.paged.scheduler`) keeps one :class:`StreamConstraints` for its
+model (the one place grammar state is updated, as vLLM's scheduler does; the static runtime keeps
+its own). For every stream with a constraint (``response_format``,
 a forced tool call) it holds a :class:`~engine.generation.grammar.GrammarMatcher`; for every stream
 asking for ``logprobs`` it remembers k. Around each step it does two things, both pure bookkeeping:
 
@@ -167,7 +168,7 @@ class StreamConstraints:
     """The matchers and log-probability requests of one paged coordinator's streams.
 
     ``vocabulary`` None: constrained requests are refused (:class:`NoGrammarTokenizerError`);
-    log-probabilities still work. One owner (the coordinator's loop) calls everything; matchers
+    log-probabilities still work. One owner (the paged scheduler, on the coordinator's loop) calls everything; matchers
     are built on the process's grammar workers (:meth:`async_matcher`) and a step's masks on this
     ring's mask thread (:meth:`async_annotate`), while the loop waits for nothing.
     """
@@ -212,6 +213,11 @@ class StreamConstraints:
         """Follow a stream added to the scheduler (nothing to do without a matcher or logprobs)."""
         if matcher is not None or request.logprobs is not None:
             self._streams[stream_id] = _Stream(request, matcher)
+
+    @property
+    def tracks_any(self) -> bool:
+        """Some stream has a matcher or asks for log-probabilities (else a step needs nothing from here)."""
+        return bool(self._streams)
 
     def forget(self, stream_id: StreamId) -> None:
         self._streams.pop(stream_id, None)

@@ -10,10 +10,15 @@ Several steps are kept in flight at once (``lanes``; at least one per stage), ea
 no other step in flight holds, so while stage 1 computes one micro-batch stage 0 computes the
 next one.
 
-Constrained output and log-probabilities (:attr:`BatchCoordinator.features`): a
-:class:`~engine.paged.constraints.StreamConstraints` puts each constrained stream's token
-masks and each logprobs stream's top-k on the step before it is sent, and after the scheduler's
-verdict feeds the emitted tokens to the streams' grammars and their log-probabilities to the events.
+Constrained output and log-probabilities (:attr:`BatchCoordinator.features`) are the scheduler's:
+it asks its constraints for a step's masks and top-k before the step is sent and tells them the
+accepted tokens with its verdict; this loop touches no grammar state.
+
+One decode token's walk, in one direction: :meth:`BatchCoordinator.stream` adds the request to the
+scheduler (with its grammar's matcher, built off the loop); :meth:`~BatchCoordinator._fill_lanes`
+takes the speculator's drafts, the scheduler's next step and its masks, and hands the step to the
+path; the stages answer on the path's queue; :meth:`~BatchCoordinator._step` gives the outcome to
+the scheduler and carries out its actions (tokens to the clients' queues, ends, failovers).
 """
 
 from __future__ import annotations
@@ -21,28 +26,29 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import itertools
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from engine.errors import DeskfleetError
 from engine.generation.generator import ModelCard, UnavailableError
-from engine.generation.request import FinishReason, GenerationRequest, TokenEvent
+from engine.generation.request import GenerationRequest, TokenEvent
 from engine.generation.ring_report import RingReport, coordinator_report
-from engine.paged.constraints import GrammarVocabulary, StreamConstraints
 from engine.paged.kv_pool import DEFAULT_KV_POOL_BYTES, pool_blocks_for
-from engine.paged.scheduler import BatchScheduler
+from engine.paged.scheduler import BatchScheduler, GrammarVocabulary  # the scheduler owns the grammars
 from engine.paged.speculation import Speculator
 from engine.paged.state import Action, Emit, Failed, FailOver, Finished, SchedulerConfig
 from engine.paged.step import PagedOutcome, PagedPath
 from engine.shards.manifest import Manifest, load_manifest
+from engine.suppress import logged_suppress
+from engine.tasks import start_task
 from engine.wire.format import StreamId
-from engine.wire.step_plan import CPU_BLOCK_SIZE, GPU_BLOCK_SIZE, StepPlan
+from engine.wire.step_plan import CPU_BLOCK_SIZE, GPU_BLOCK_SIZE
 
 log = logging.getLogger(__name__)
 
@@ -52,14 +58,6 @@ _RATE_WINDOW_S = 10.0
 # object, reconnected under a new session). Raising, or not returning within hold_timeout_s,
 # fails the held streams.
 PagedRecover = Callable[[PagedPath, str], Awaitable[PagedPath]]
-
-
-@dataclass
-class _InFlight:
-    sent_at: float
-    tokens: int = 0  # new tokens the step carries (its real rows)
-    drafted: dict[StreamId, int] = field(default_factory=dict)  # streams of the step that were offered drafts
-    plan: StepPlan | None = None  # as sent (with the constrained rows' masks): what its outcome answers
 
 
 @dataclass(frozen=True)
@@ -76,18 +74,40 @@ class StepTiming:
     failed: bool = False
 
 
+@dataclass(frozen=True)
+class RingHold:
+    """Where the ring stands on failover, replaced whole at each change: serving (neither flag),
+    ``recovering`` (streams held while ``recover`` works), ``down`` (the last failover failed, or
+    there was nothing to fail over to; a repair may be ``recovering`` from it). ``detail`` and
+    ``stage`` are what /health says meanwhile; ``cause`` what a failed failover was about (a
+    request's repair attempt retells it)."""
+
+    recovering: bool = False
+    down: bool = False
+    detail: str | None = None
+    stage: int | None = None
+    cause: str = ""
+
+    @property
+    def trouble(self) -> tuple[str, int | None] | None:
+        """(detail, stage) while the ring recovers or is down; None while it serves."""
+        return (self.detail, self.stage) if self.detail is not None else None
+
+
 def block_size_for(device: str) -> int:
     """The PagedAttention block size of a device (the GPU plugin's is 16; implemented, untested here)."""
     return GPU_BLOCK_SIZE if device.upper().startswith("GPU") else CPU_BLOCK_SIZE
 
 
 def paged_scheduler(manifest: Manifest, pool_blocks: int, block_size: int, *, slots: int = 16, max_waiting: int = 64,
-                    token_budget: int = 256, prefill_chunk: int = 256, prefix_cache: bool = True) -> BatchScheduler:
-    """The scheduler of a paged ring serving ``manifest``'s model over a pool of ``pool_blocks``."""
+                    token_budget: int = 256, prefill_chunk: int = 256, prefix_cache: bool = True,
+                    grammar: GrammarVocabulary | None = None) -> BatchScheduler:
+    """The scheduler of a paged ring serving ``manifest``'s model over a pool of ``pool_blocks``
+    (``grammar``: its vocabulary for constrained output)."""
     config = SchedulerConfig(block_size=block_size, pool_blocks=pool_blocks, max_streams=slots,
                              max_waiting=max_waiting, token_budget=token_budget, prefill_chunk=prefill_chunk,
                              context_length=manifest.model.max_position_embeddings, prefix_cache=prefix_cache)
-    return BatchScheduler(config, fingerprint=manifest.model.fingerprint)
+    return BatchScheduler(config, fingerprint=manifest.model.fingerprint, grammar=grammar)
 
 
 class BatchCoordinator:
@@ -108,21 +128,16 @@ class BatchCoordinator:
         self.recover = recover
         self.step_timeout_s = step_timeout_s
         self.hold_timeout_s = hold_timeout_s
-        self.constraints = StreamConstraints(grammar)
-        self._seq = itertools.count(1)
-        self._in_flight: dict[int, _InFlight] = {}
+        if grammar is not None:
+            scheduler.use_grammar(grammar)
         self._queues: dict[StreamId, asyncio.Queue[TokenEvent | BaseException]] = {}
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
         self._task: asyncio.Task | None = None
         self._stopping = False
-        self._recovering = False
         self._failover: asyncio.Task | None = None  # the recovery running, if any
-        # why the ring is recovering or down (detail, stage or None); None while it serves
-        self._trouble: tuple[str, int | None] | None = None
-        self._cause = ""  # what the failed failover was about: a request's repair attempt retells it
-        self._down = False  # the last failover failed (or there was nothing to fail over to)
+        self._hold = RingHold()  # serving, recovering or down
         self._counters: collections.Counter[str] = collections.Counter()
         self._token_times: collections.deque[float] = collections.deque()
         self._step_ms: collections.deque[float] = collections.deque(maxlen=256)
@@ -143,8 +158,10 @@ class BatchCoordinator:
         pool = pool_blocks_for(manifest, kv_pool_bytes, block_size, precision="f32" if exact else None)
         path = LocalPagedPath.load(export_dir, pool, kv_pool_bytes, manifest=manifest, exact=exact, device=device,
                                    num_threads=num_threads)
-        return cls(path, ModelCard.from_manifest(manifest), paged_scheduler(manifest, pool, block_size, **settings),
-                   speculation=speculation, lanes=1, grammar=GrammarVocabulary.of_export(export_dir, manifest))
+        grammar = GrammarVocabulary.of_export(export_dir, manifest)
+        return cls(path, ModelCard.from_manifest(manifest),
+                   paged_scheduler(manifest, pool, block_size, grammar=grammar, **settings),
+                   speculation=speculation, lanes=1)
 
     @property
     def model(self) -> ModelCard:
@@ -155,23 +172,23 @@ class BatchCoordinator:
         """The request features this coordinator honours beyond plain generation (keys of
         :data:`engine.api.openai_schema.NOT_YET_SERVED`): log-probabilities, and constrained output
         (``response_format``, a forced tool call) when it has the model's vocabulary."""
-        return self.constraints.features
+        return self.scheduler.features
 
     def use_grammar(self, vocabulary: GrammarVocabulary | None) -> None:
         """Constrain output with ``vocabulary`` from now on (None: refuse constrained requests);
         for whoever builds a coordinator without knowing the export (a fleet's helper)."""
-        self.constraints.vocabulary = vocabulary
+        self.scheduler.use_grammar(vocabulary)
 
     @property
     def recovering(self) -> bool:
         """True while streams are held for a failover."""
-        return self._recovering
+        return self._hold.recovering
 
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def async_start(self) -> None:
         await self.path.async_start()
-        self._task = asyncio.create_task(self._run(), name="deskfleet-batch-coordinator")
+        self._task = start_task(self._run(), name="deskfleet-batch-coordinator", logger=log)
 
     async def async_stop(self) -> None:
         """Fail every request still running, then close the path."""
@@ -186,11 +203,11 @@ class BatchCoordinator:
         failover, self._failover = self._failover, None
         if failover is not None and not failover.done():  # a recovery must not redial a closed ring
             failover.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
+            with contextlib.suppress(asyncio.CancelledError), logged_suppress(log, "the cancelled failover"):
                 await failover
         if self.speculation is not None:
             self.speculation.close()
-        self.constraints.close()
+        self.scheduler.close()
         await self.path.async_close()
 
     async def __aenter__(self) -> BatchCoordinator:
@@ -210,15 +227,15 @@ class BatchCoordinator:
         if self._stopping or self._task is None or self._task.done():
             raise UnavailableError("the coordinator is not running")
         # A schema that does not compile is a GrammarError (400) before the request is queued.
-        matcher = await self.constraints.async_matcher(request.constraint) if request.constraint is not None else None
-        stream_id = self.scheduler.add(request, self._model.eos_token_ids, time.perf_counter())  # 429 when full
-        self.constraints.track(stream_id, request, matcher)
+        matcher = await self.scheduler.async_matcher(request.constraint) if request.constraint is not None else None
+        stream_id = self.scheduler.add(request, self._model.eos_token_ids, time.perf_counter(), matcher)  # 429: full
         queue: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
         self._queues[stream_id] = queue
         self._idle.clear()
         self._wake.set()
-        if self._down and self.recover is not None and self._trouble is not None:
-            self._fail_over(self._cause, self._trouble[1])  # repair first: the request is held meanwhile
+        hold = self._hold
+        if hold.down and self.recover is not None and hold.trouble is not None:
+            self._fail_over(hold.cause, hold.stage)  # repair first: the request is held meanwhile
         finished = False
         try:
             while True:
@@ -244,7 +261,7 @@ class BatchCoordinator:
         try:
             while True:
                 await self._fill_lanes()
-                if not self._in_flight:
+                if not self.scheduler.in_flight:
                     if self.scheduler.idle:
                         self._idle.set()
                     self._wake.clear()
@@ -272,60 +289,50 @@ class BatchCoordinator:
     async def _fill_lanes(self) -> None:
         """Submit steps until every lane is busy or nothing is ready; each step takes at most its
         share of the running streams, so the lanes hold disjoint micro-batches of similar size."""
-        while len(self._in_flight) < self.lanes and not self._recovering and not self._stopping:
-            drafts, drafted = await self._drafts()
+        while self.scheduler.in_flight < self.lanes and not self._hold.recovering and not self._stopping:
+            drafts = await self._drafts()
             share = -(-max(1, self.scheduler.streams) // self.lanes) if self.lanes > 1 else None
             step, actions = self.scheduler.next_step(drafts, max_rows=share)
             self._carry_out(actions)
             if step is None:
                 return
-            step = await self.constraints.async_annotate(step)  # masks (off the loop) and top-k
-            carried = {row.stream_id for row in step.plan.rows}
-            self._in_flight[step.seq] = _InFlight(time.monotonic(), step.plan.tokens,
-                                                  {StreamId(sid): n for sid, n in drafted.items() if sid in carried},
-                                                  step.plan)
+            step = await self.scheduler.async_masks(step)  # masks (off the loop) and top-k
+            self.scheduler.sent(step.seq, time.monotonic())
             try:
                 await self.path.async_submit(step)
             except DeskfleetError as exc:
                 await self._step(PagedOutcome.failed(step.seq, f"sending a step failed: {exc}"))
                 return
 
-    async def _drafts(self) -> tuple[dict[int, tuple[tuple[int, ...], np.ndarray | None]], dict[StreamId, int]]:
+    async def _drafts(self) -> dict[int, tuple[tuple[int, ...], np.ndarray | None]]:
+        """The speculator's drafts for the streams that may bring some (the scheduler cuts what the
+        grammar refuses, the budget and the pool do not hold)."""
         if self.speculation is None:
-            return {}, {}
+            return {}
         drafts: dict[int, tuple[tuple[int, ...], np.ndarray | None]] = {}
         for subject in self.scheduler.wants_drafts():
             tokens, q = await self.speculation.async_propose(subject)
-            keep = self.constraints.allowed_drafts(subject.stream_id, tokens)  # a refused draft is never kept
-            tokens, q = tokens[:keep], (q[:keep] if q is not None else None)
             if tokens:
                 drafts[subject.stream_id] = (tokens, q)
-        return drafts, {StreamId(sid): len(d[0]) for sid, d in drafts.items()}
+        return drafts
 
     async def _step(self, outcome: PagedOutcome) -> None:
         """One outcome in: the scheduler's verdict out to the clients (and maybe a failover)."""
-        sent = self._in_flight.pop(outcome.seq, None)
+        sent = self.scheduler.flight(outcome.seq)
         if sent is None:
             log.debug("dropping the outcome of step %d (not in flight: a failover forgot it)", outcome.seq)
             return
-        if outcome.error is None and self._down and not self._recovering:
-            self._down, self._trouble = False, None  # a step went round: the ring serves again
+        if outcome.error is None and self._hold.down and not self._hold.recovering:
+            self._hold = RingHold()  # a step went round: the ring serves again
         now, answered = time.perf_counter(), time.monotonic()
-        self._step_ms.append(1000 * (answered - sent.sent_at))
-        self.step_log.append(StepTiming(outcome.seq, sent.sent_at, answered, sent.tokens, len(outcome.ids),
+        sent_at = sent.sent_at if sent.sent_at is not None else answered
+        self._step_ms.append(1000 * (answered - sent_at))
+        self.step_log.append(StepTiming(outcome.seq, sent_at, answered, sent.tokens, len(outcome.ids),
                                         outcome.stage_ms, outcome.error is not None))
         self._step_rows.append(len(outcome.ids))
-        actions = self.scheduler.on_outcome(outcome, now)
-        if sent.plan is not None:
-            settled = self.constraints.settle(sent.plan, outcome, actions)
-            actions = settled.actions
-            for sid, end in settled.ended.items():  # a grammar's end (or a broken constraint): over now
-                # not in flight: ends now (counted as finished or cancelled); ``end`` is what its consumer hears
-                self.scheduler.cancel(sid, end.reason if isinstance(end, Finished) else FinishReason.CANCELLED)
-                actions.append(end)
-        self._carry_out(actions)
+        self._carry_out(self.scheduler.on_outcome(outcome, now))  # the verdict, grammars settled
         if self.speculation is not None:
-            for sid in sent.drafted:  # the drafts the step carried (budget or blocks may have cut them)
+            for sid in sent.offered:  # the drafts the step carried (budget or blocks may have cut them)
                 subject = self.scheduler.stream(sid)
                 if subject is not None:
                     self.speculation.observe(subject, subject.last_drafted, now)
@@ -351,7 +358,6 @@ class BatchCoordinator:
                     self._fail_over(reason)
 
     def _forget_drafter(self, stream_id: StreamId) -> None:
-        self.constraints.forget(stream_id)
         if self.speculation is not None:
             self.speculation.forget(stream_id)
 
@@ -363,9 +369,9 @@ class BatchCoordinator:
     # -- failover -------------------------------------------------------------------------------
 
     def _time_left(self) -> float | None:
-        if self.step_timeout_s is None or not self._in_flight:
+        oldest = self.scheduler.oldest_sent_at() if self.step_timeout_s is not None else None
+        if oldest is None or self.step_timeout_s is None:
             return None
-        oldest = min(f.sent_at for f in self._in_flight.values())
         return max(0.0, oldest + self.step_timeout_s - time.monotonic())
 
     def _on_overdue(self) -> None:
@@ -378,18 +384,14 @@ class BatchCoordinator:
         self._fail_over(reason, stage)
 
     def _fail_over(self, reason: str, stage: int | None = None) -> None:
-        if self._recovering or self._stopping:
+        if self._hold.recovering or self._stopping:
             return
-        self._trouble = (reason, stage)
         if self.recover is None:  # nothing to fail over to: every stream fails now
-            self._down = True
-            self._in_flight.clear()
+            self._hold = dataclasses.replace(self._hold, down=True, detail=reason, stage=stage)
             self._carry_out(self.scheduler.fail_all(UnavailableError(f"a stage stopped answering: {reason}")))
             return
-        self._recovering = True
-        task = self._failover = asyncio.get_running_loop().create_task(self._async_failover(reason),
-                                                                       name="deskfleet-failover")
-        task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
+        self._hold = dataclasses.replace(self._hold, recovering=True, detail=reason, stage=stage)
+        self._failover = start_task(self._async_failover(reason), name="deskfleet-failover", logger=log)
 
     async def _async_failover(self, reason: str) -> None:
         """Hold every stream, get a working ring from ``recover``, and let the scheduler replay
@@ -397,8 +399,7 @@ class BatchCoordinator:
         assert self.recover is not None
         log.warning("failing over: %s", reason)
         self._counters["failovers"] += 1
-        self._in_flight.clear()  # late outcomes of the old ring are dropped by seq
-        self._carry_out(self.scheduler.reset_for_replay())
+        self._carry_out(self.scheduler.reset_for_replay())  # steps in flight forgotten: late outcomes dropped by seq
         try:
             self.path = await asyncio.wait_for(self.recover(self.path, reason), self.hold_timeout_s)
         except Exception as exc:  # noqa: BLE001 - any failure to recover ends the held streams
@@ -407,19 +408,16 @@ class BatchCoordinator:
             error = UnavailableError(f"a stage stopped answering ({reason}) and {detail}; retry when the fleet "
                                      "is back")
             stage = getattr(exc, "stage", None)
-            stage = stage if stage is not None else self._stage()
-            self._down, self._cause, self._trouble = True, reason, (f"{reason}; {detail}", stage)
+            stage = stage if stage is not None else self._hold.stage
+            self._hold = RingHold(recovering=True, down=True, detail=f"{reason}; {detail}", stage=stage, cause=reason)
             self._carry_out(self.scheduler.fail_all(error))
             log.warning("failover failed: %s", detail)
         else:
-            self._down, self._trouble = False, None
+            self._hold = RingHold(recovering=True)
             log.info("ring recovered; replaying the held streams")
         finally:
-            self._recovering = False
+            self._hold = dataclasses.replace(self._hold, recovering=False)
             self._wake.set()
-
-    def _stage(self) -> int | None:
-        return self._trouble[1] if self._trouble is not None else None
 
     # -- health ---------------------------------------------------------------------------------
 
@@ -428,8 +426,8 @@ class BatchCoordinator:
         when it cannot serve (not running, its last failover failed, its first hop is closed)."""
         running = self.scheduler.running
         alive = not (self._stopping or self._task is None or self._task.done())
-        return (coordinator_report(self.ring_id, self._model.name, running=alive, recovering=self._recovering,
-                                   down=self._down, trouble=self._trouble, path=self.path, active=running,
+        return (coordinator_report(self.ring_id, self._model.name, running=alive, recovering=self._hold.recovering,
+                                   down=self._hold.down, trouble=self._hold.trouble, path=self.path, active=running,
                                    waiting=self.scheduler.streams - running),)
 
     # -- metrics --------------------------------------------------------------------------------

@@ -10,10 +10,10 @@ cache tensors against its own budget when it allocates (engine.paged.stage).
 from __future__ import annotations
 
 from engine.errors import DeskfleetError
+from engine.shards.kv_precision import KV_BYTES_PER_VALUE
 from engine.shards.manifest import Manifest, StageManifest
 from engine.wire.step_plan import MAX_POOL_BLOCKS, SCRATCH_BLOCKS
 
-_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
 DEFAULT_KV_POOL_BYTES = 1 << 30  # 1 GiB per stage when nobody says otherwise
 
 
@@ -31,7 +31,7 @@ def estimated_block_bytes(stage: StageManifest, num_kv_heads: int, head_dim: int
     if precision in ("u8", "i8"):
         per_layer = num_kv_heads * ((block_size + 8) * head_dim + block_size * (head_dim + 8))
     else:
-        per_layer = 2 * num_kv_heads * block_size * head_dim * _BYTES.get(precision, 2)
+        per_layer = 2 * num_kv_heads * block_size * head_dim * KV_BYTES_PER_VALUE.get(precision, 2)
     return layers * per_layer
 
 

@@ -4,9 +4,12 @@ A waiting stream is admitted onto the longest prefix the index holds
 (:mod:`engine.paged.prefix_blocks`): full blocks by reference, part of a block by copy;
 an admitted stream catches up on full blocks another stream computed since (users with one
 system prompt); a block a step in flight is computing is waited for and shared, never computed
-twice. Pure bookkeeping over the scheduler's pool, prefix index, stream states and counters: the
-scheduler owns them all and lends them here (``computing``: chain hash of a full block a prefill
-row in flight completes -> that step's seq).
+twice. Pure bookkeeping over the scheduler's pool, prefix index and counters, which the scheduler
+owns and lends here (``computing``: chain hash of a full block a prefill row in flight completes ->
+that step's seq). A stream's state is only read here: each step returns what to attach to it
+(:class:`Attach`, :class:`CaughtUp`) and the scheduler writes it, the one writer of a
+:class:`~engine.paged.state.StreamState`. The block references it hands over are already taken
+on the lent pool.
 """
 from __future__ import annotations
 
@@ -17,6 +20,33 @@ from engine.paged.block_pool import BlockPool
 from engine.paged.prefix_blocks import PrefixBlocks, PrefixMatch, chain_hash
 from engine.paged.state import StreamState
 from engine.wire.step_plan import blocks_needed
+
+
+@dataclass(frozen=True)
+class Attach:
+    """A waiting stream's admission: its blocks (the prefix's, a copy's destination, its first
+    chunk's), their chain hashes, the positions they already hold, whether a prefix block is
+    copied into its last block by its first step, and its first chunk's rows (0: it waits for a
+    block another stream is computing and shares it next step)."""
+
+    first: int
+    blocks: list[int]
+    hashes: list[bytes]
+    cached: int
+    copying: bool = False
+
+
+@dataclass(frozen=True)
+class CaughtUp:
+    """Full blocks an admitted stream now shares: ``blocks[i]`` replaces (or extends) its block
+    ``start + i``, ``hashes[i]`` its chain hash; ``cached`` its positions with KV after them; ``wait``:
+    the next block is being computed by a step in flight or planned (the stream sits this step out)."""
+
+    start: int
+    blocks: tuple[int, ...] = ()
+    hashes: tuple[bytes, ...] = ()
+    cached: int = 0
+    wait: bool = False
 
 
 @dataclass
@@ -31,31 +61,34 @@ class PrefixAdmission:
     computing: dict[bytes, int]
     counters: collections.Counter[str]
 
-    def catch_up(self, s: StreamState) -> bool:
-        """Share the full blocks another stream computed since ``s`` was admitted (users with one
-        system prompt), replacing ``s``'s own partial copy of such a block and leaving it at least
-        one token to compute. False when the next block ``s`` would compute is being computed by
-        a step in flight or planned: ``s`` sits this step out and shares it next time."""
-        if self.prefix is None:
-            return True
+    def catch_up(self, s: StreamState) -> CaughtUp:
+        """The full blocks another stream computed since ``s`` was admitted (users with one system
+        prompt), each already shared, that replace ``s``'s own partial copy of such a block or
+        extend its table, leaving it at least one token to compute; ``wait`` when the next block
+        ``s`` would compute is being computed by a step in flight or planned."""
         bs = self.block_size
-        j = s.cached // bs
+        start = j = s.cached // bs
+        if self.prefix is None:
+            return CaughtUp(start, cached=s.cached)
+        blocks: list[int] = []
+        hashes: list[bytes] = []
+        parent = s.hashes[-1] if s.hashes else s.root
+        wait = False
         while (j + 1) * bs < len(s.tokens):
-            digest = chain_hash(s.hashes[-1] if s.hashes else s.root, s.tokens[j * bs:(j + 1) * bs])
+            digest = chain_hash(parent, s.tokens[j * bs:(j + 1) * bs])
             block = self.pool.find(("full", digest))
             if block is None:
-                return digest not in self.computing
+                wait = digest in self.computing
+                break
             self.pool.share(block)
-            if len(s.blocks) > j:  # its own partial block: the shared one holds the same KV and more
-                self.pool.release(s.blocks[j])
-                s.blocks[j] = block
-            else:
-                s.blocks.append(block)
-            s.hashes.append(digest)
-            self.counters["prefix_tokens_reused"] += (j + 1) * bs - s.cached
-            s.cached = (j + 1) * bs
+            blocks.append(block)
+            hashes.append(digest)
+            parent = digest
             j += 1
-        return True
+        cached = j * bs if blocks else s.cached
+        if blocks:
+            self.counters["prefix_tokens_reused"] += cached - s.cached
+        return CaughtUp(start, tuple(blocks), tuple(hashes), cached, wait)
 
     def computing_blocks(self, s: StreamState, past: int, n: int) -> list[bytes]:
         """Chain hashes of the blocks a chunk of ``n`` rows of ``s`` from position ``past`` completes."""
@@ -69,11 +102,9 @@ class PrefixAdmission:
                 out.append(parent)
         return out
 
-    def admit(self, s: StreamState, budget: int, copies: list[tuple[int, int]], pins: list[int]) -> int | None:
-        """Attach the longest reusable prefix to a waiting stream and the blocks of its first chunk;
-        the chunk's size, 0 when the block after the prefix is being computed by another stream
-        (it is admitted and shares that block next step), or None (nothing changed) when the pool
-        cannot take it without preempting."""
+    def admit(self, s: StreamState, budget: int, copies: list[tuple[int, int]], pins: list[int]) -> Attach | None:
+        """The longest reusable prefix of a waiting stream and the blocks of its first chunk (taken
+        on the pool), or None (nothing changed) when the pool cannot take it without preempting."""
         bs = self.block_size
         hit = self.prefix.match(s.tokens, len(s.tokens) - 1, s.root) if self.prefix is not None else PrefixMatch()
         if self.prefix is not None and hit.copy_src is None and hit.tokens + bs < len(s.tokens):
@@ -81,9 +112,8 @@ class PrefixAdmission:
             if chain_hash(parent, s.tokens[hit.tokens:hit.tokens + bs]) in self.computing:
                 for b in hit.blocks:
                     self.pool.share(b)
-                s.blocks, s.hashes, s.cached = list(hit.blocks), list(hit.hashes), hit.tokens
                 self._count_hit(hit)
-                return 0
+                return Attach(0, list(hit.blocks), list(hit.hashes), hit.tokens)
         n = self._first_chunk(s, hit, budget)
         if n < 1 and hit.copy_src is not None:  # the copy's source and destination do not both fit: share only
             hit = PrefixMatch(hit.blocks, hit.hashes, tokens=len(hit.blocks) * bs)
@@ -95,18 +125,17 @@ class PrefixAdmission:
             return None
         for b in hit.blocks:
             self.pool.share(b)
-        s.blocks, s.hashes, s.cached = list(hit.blocks), list(hit.hashes), hit.tokens
+        blocks = list(hit.blocks)
         if hit.copy_src is not None:
             self.pool.share(hit.copy_src)
             pins.append(hit.copy_src)
             dst = self.pool.allocate(1)[0]
             copies.append((hit.copy_src, dst))
-            s.copying = True
             self.counters["prefix_copies"] += 1
-            s.blocks.append(dst)
-        s.blocks.extend(self.pool.allocate(blocks_needed(s.cached + n, bs) - len(s.blocks)))
+            blocks.append(dst)
+        blocks.extend(self.pool.allocate(blocks_needed(hit.tokens + n, bs) - len(blocks)))
         self._count_hit(hit)
-        return n
+        return Attach(n, blocks, list(hit.hashes), hit.tokens, copying=hit.copy_src is not None)
 
     def _count_hit(self, hit: PrefixMatch) -> None:
         if hit.tokens:

@@ -3,16 +3,25 @@
 The coordinator only carries out what this decides (vLLM's ``EngineCore.step()``: schedule,
 execute, update from the output)::
 
-    sched = BatchScheduler(SchedulerConfig(...), fingerprint=model.fingerprint)
-    sid = sched.add(request, eos_ids, now)           # OverloadedError / GenerationError at once
+    sched = BatchScheduler(SchedulerConfig(...), fingerprint=model.fingerprint, grammar=vocabulary)
+    matcher = await sched.async_matcher(constraint)  # a constrained request's grammar (off the loop)
+    sid = sched.add(request, eos_ids, now, matcher)  # OverloadedError / GenerationError at once
     subjects = sched.wants_drafts()                  # decoding streams not in flight (DraftSubject)
     step, actions = sched.next_step(drafts, max_rows)  # a PagedStep over streams not in flight, or None
-    actions = sched.on_outcome(outcome, now)         # Emit / Finished / Failed / FailOver
+    step = await sched.async_masks(step)             # its token masks and top-k (the mask thread)
+    sched.sent(step.seq, monotonic_now)              # step timeouts count from here (sched.flight(seq))
+    actions = sched.on_outcome(outcome, now)         # Emit / Finished / Failed / FailOver, grammars settled
     actions = sched.cancel(sid)
     actions = sched.reset_for_replay()               # the ring was lost: the pool is empty again
     actions = sched.fail_all(error)                  # no ring will come back
 
 Every stream that was added ends with exactly one :class:`Finished` or :class:`Failed` action.
+The steps in flight are indexed here only (:class:`Flight`); the coordinator reads them by seq.
+
+**Constraints** (:mod:`engine.paged.constraints`) live under the scheduler: a draft the grammar
+refuses is cut in :meth:`next_step`, a step's masks come from :meth:`async_masks`, and
+:meth:`on_outcome` feeds the accepted tokens to the grammars, attaches log-probabilities and ends
+a stream whose grammar is complete.
 
 **One rule for every row.** A stream's token sequence is ``prompt + generated``; ``cached`` of its
 positions have KV in its blocks. A step feeds ``tokens[cached : cached + n]``; when that reaches
@@ -46,16 +55,18 @@ from __future__ import annotations
 import collections
 import itertools
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from engine.errors import DeskfleetError, GenerationError
 from engine.generation.generator import OverloadedError, UnavailableError
-from engine.generation.request import FinishReason, GenerationRequest, TokenEvent
+from engine.generation.grammar import GrammarMatcher
+from engine.generation.request import Constraint, FinishReason, GenerationRequest, TokenEvent
 from engine.generation.sampling import make_rng
 from engine.paged.block_pool import BlockPool, PoolExhausted
-from engine.paged.prefix_admission import PrefixAdmission
+from engine.paged.constraints import GrammarVocabulary, StreamConstraints
+from engine.paged.flight import Flight, FlightRow
+from engine.paged.prefix_admission import CaughtUp, PrefixAdmission
 from engine.paged.prefix_blocks import PrefixBlocks, chain_hash
 from engine.paged.reply import decide, reply_problem
 from engine.paged.state import (
@@ -74,22 +85,9 @@ from engine.wire.format import StreamId
 from engine.wire.step_plan import PlanRow, StepPlan, blocks_needed
 
 __all__ = [
-    "Action", "BatchScheduler", "DraftSubject", "Drafts", "Emit", "FailOver", "Failed", "Finished",
-    "PoolExhausted", "SchedulerConfig", "StreamState",
+    "Action", "BatchScheduler", "DraftSubject", "Drafts", "Emit", "FailOver", "Failed", "Finished", "Flight",
+    "GrammarVocabulary", "PoolExhausted", "SchedulerConfig", "StreamState",
 ]
-
-
-@dataclass
-class _Row:
-    stream: StreamState
-    past: int  # the position its first row feeds
-    n: int
-    drafts: tuple[int, ...]
-    q: np.ndarray | None
-    sample: int
-    want_logits: bool
-    computing: list[bytes] = field(default_factory=list)  # full blocks this prefill chunk completes
-    void: bool = False  # an earlier step of its stream failed: this row's KV and answer are not used
 
 
 # ----------------------------------------------------------------------------- the scheduler
@@ -98,8 +96,11 @@ class _Row:
 class BatchScheduler:
     """Admission, step composition, block tables, replies to events, for every stream."""
 
-    def __init__(self, config: SchedulerConfig, fingerprint: str = ""):
+    def __init__(self, config: SchedulerConfig, fingerprint: str = "", grammar: GrammarVocabulary | None = None):
+        """``grammar``: the model's vocabulary for token masks (constrained output); without it only
+        log-probabilities of the request features are served (see :attr:`features`)."""
         self.config = config
+        self.constraints = StreamConstraints(grammar)  # masks before a step, grammar state after it: here only
         pool = BlockPool(config.pool_blocks)
         prefix = PrefixBlocks(pool, config.block_size, fingerprint) if config.prefix_cache else None
         self._ids = itertools.count(1)
@@ -108,7 +109,8 @@ class BatchScheduler:
         self._streams: dict[StreamId, StreamState] = {}
         self._running: list[StreamState] = []  # admitted, oldest first
         self._waiting: collections.deque[StreamState] = collections.deque()
-        self._flights: dict[int, list[_Row]] = {}
+        self._flights: dict[int, Flight] = {}
+        self._settling: list[StreamId] | None = None  # while on_outcome settles: streams that ended in it
         self._computing: dict[bytes, int] = {}  # chain hash of a full block a prefill row in flight completes -> seq
         self.counters: collections.Counter[str] = collections.Counter()
         # the pool and the prefix index live on the prefix-sharing helper: one object each, whoever reads them
@@ -128,11 +130,38 @@ class BatchScheduler:
         """The prefix index (None without ``prefix_cache``)."""
         return self._sharing.prefix
 
+    # -- constrained output and log-probabilities ---------------------------------------------------
+
+    @property
+    def features(self) -> frozenset[str]:
+        """The request features served beyond plain generation (:attr:`StreamConstraints.features`)."""
+        return self.constraints.features
+
+    def use_grammar(self, vocabulary: GrammarVocabulary | None) -> None:
+        """Constrain output with ``vocabulary`` from now on (None: refuse constrained requests)."""
+        self.constraints.vocabulary = vocabulary
+
+    async def async_matcher(self, constraint: Constraint) -> GrammarMatcher:
+        """A fresh matcher for a request's ``constraint``, built off the loop by the process's grammar
+        pool (GrammarError, a 400, for a schema that does not compile): pass it to :meth:`add`."""
+        return await self.constraints.async_matcher(constraint)
+
+    async def async_masks(self, step: PagedStep) -> PagedStep:
+        """``step`` with its constrained rows' token masks (built on the ring's mask thread, the loop
+        free meanwhile) and its log-probability rows' top-k: what the stages are sent."""
+        return await self.constraints.async_annotate(step)
+
+    def close(self) -> None:
+        """Stop the mask thread and forget the grammars (the coordinator stops)."""
+        self.constraints.close()
+
     # -- requests in and out ---------------------------------------------------------------------
 
-    def add(self, request: GenerationRequest, eos_ids: Iterable[int], now: float) -> StreamId:
-        """Queue a request; it joins the next step that has room. GenerationError when it can never
-        run (prompt too long for the context or the pool), OverloadedError when the queue is full."""
+    def add(self, request: GenerationRequest, eos_ids: Iterable[int], now: float,
+            matcher: GrammarMatcher | None = None) -> StreamId:
+        """Queue a request (``matcher``: its constraint's, from :meth:`async_matcher`); it joins the
+        next step that has room. GenerationError when it can never run (prompt too long for the
+        context or the pool), OverloadedError when the queue is full."""
         cfg, n = self.config, len(request.prompt_ids)
         if n >= cfg.context_length:
             raise GenerationError(f"the prompt has {n} tokens but the model's context is {cfg.context_length}; "
@@ -151,6 +180,7 @@ class BatchScheduler:
             state.root = self.prefix.root_for(request.cache_scope)  # one key's blocks are never another's
         self._streams[sid] = state
         self._waiting.append(state)
+        self.constraints.track(sid, request, matcher)
         self.counters["requests"] += 1
         return sid
 
@@ -194,6 +224,20 @@ class BatchScheduler:
         """Steps handed out whose outcome has not come back."""
         return len(self._flights)
 
+    def flight(self, seq: int) -> Flight | None:
+        """Step ``seq`` while it is in flight (None once answered, or forgotten by a replay)."""
+        return self._flights.get(seq)
+
+    def sent(self, seq: int, at: float) -> None:
+        """Step ``seq`` left for the stages at monotonic time ``at`` (what step timeouts count from)."""
+        flight = self._flights.get(seq)
+        if flight is not None:
+            flight.sent_at = at
+
+    def oldest_sent_at(self) -> float | None:
+        """When the oldest step in flight was sent (None: none is)."""
+        return min((f.sent_at for f in self._flights.values() if f.sent_at is not None), default=None)
+
     def block_tables(self) -> dict[StreamId, tuple[int, ...]]:
         return {s.stream_id: tuple(s.blocks) for s in self._running if s.blocks}
 
@@ -210,10 +254,11 @@ class BatchScheduler:
         limit = max_rows if max_rows is not None else len(self._streams)
         budget = cfg.token_budget
         seq = next(self._seqs)
-        rows: list[_Row] = []
+        rows: list[FlightRow] = []
         copies: list[tuple[int, int]] = []
         actions: list[Action] = []
         preempted: set[StreamId] = set()
+        offered: list[StreamId] = []
 
         def ready(s: StreamState) -> bool:
             return s in self._running and s.in_flight is None and not s.cancelled
@@ -224,6 +269,8 @@ class BatchScheduler:
             if not ready(s) or s.pending != 1:
                 continue
             tokens, q = drafts.get(s.stream_id, ((), None)) if s.generated else ((), None)
+            if tokens:  # a draft the grammar refuses would only be rejected: never sent
+                tokens = tokens[:self.constraints.allowed_drafts(s.stream_id, tokens)]
             k = max(0, min(len(tokens), len(q) if q is not None else len(tokens), budget - 1, self._room(s)))
             # drafts only where blocks are free; a plain decode row may preempt a newer stream
             while k and blocks_needed(s.cached + 1 + k, cfg.block_size) - len(s.blocks) > self.pool.free:
@@ -231,6 +278,8 @@ class BatchScheduler:
             if not self._reserve(s, 1 + k, preempted, actions):
                 continue
             draft = tuple(int(t) for t in tokens[:k])
+            if tokens:
+                offered.append(s.stream_id)
             rows.append(self._row(s, seq, 1 + k, draft, q[:k] if q is not None and k else None))
             budget -= 1 + k
 
@@ -239,7 +288,9 @@ class BatchScheduler:
                 break
             if not ready(s) or s.pending == 1:
                 continue
-            if not self._sharing.catch_up(s):
+            caught = self._sharing.catch_up(s)
+            self._share_caught_up(s, caught)
+            if caught.wait:
                 continue
             n = min(cfg.prefill_chunk, budget, s.pending)
             room = (len(s.blocks) + self.pool.free) * cfg.block_size - s.cached
@@ -256,9 +307,11 @@ class BatchScheduler:
             if blocks_needed(len(s.tokens), cfg.block_size) > self.pool.capacity:  # preempted at the pool's end
                 actions.extend(self._end(s, Failed(s.stream_id, self._too_big(s, len(s.tokens)))))
                 continue
-            first = self._sharing.admit(s, budget, copies, pins)
-            if first is None:
+            attach = self._sharing.admit(s, budget, copies, pins)
+            if attach is None:
                 break
+            s.blocks, s.hashes, s.cached, s.copying = attach.blocks, attach.hashes, attach.cached, attach.copying
+            first = attach.first
             self._waiting.popleft()
             s.order = next(self._orders)
             self._running.append(s)
@@ -284,10 +337,22 @@ class BatchScheduler:
                         copies=tuple(copies), token_budget=cfg.token_budget)
         ids = np.fromiter(itertools.chain.from_iterable(self._feed(r) for r in rows), dtype=np.int64,
                           count=plan.tokens)
-        self._flights[seq] = rows
+        self._flights[seq] = Flight(seq, rows, plan, tuple(offered))
         self.counters["steps"] += 1
         self.counters["step_tokens"] += plan.tokens
         return PagedStep(seq, plan, ids), actions
+
+    def _share_caught_up(self, s: StreamState, caught: CaughtUp) -> None:
+        """Put the full blocks ``s`` caught up on in its table (each replacing its own partial copy
+        of that block, if any: the shared one holds the same KV and more)."""
+        for j, (block, digest) in enumerate(zip(caught.blocks, caught.hashes, strict=True), start=caught.start):
+            if len(s.blocks) > j:
+                self.pool.release(s.blocks[j])
+                s.blocks[j] = block
+            else:
+                s.blocks.append(block)
+            s.hashes.append(digest)
+        s.cached = caught.cached
 
     def _room(self, s: StreamState) -> int:
         """Drafts a decode row may carry: positions left in the context and tokens left to generate."""
@@ -295,20 +360,20 @@ class BatchScheduler:
                           s.request.max_new_tokens - len(s.generated) - 1))
 
     def _row(self, s: StreamState, seq: int, n: int, drafts: tuple[int, ...] = (),
-             q: np.ndarray | None = None) -> _Row:
+             q: np.ndarray | None = None) -> FlightRow:
         past, fed = s.fed, n - len(drafts)
         s.in_flight = seq
         s.ahead += fed
         sample = (1 + len(drafts)) if past + fed == len(s.tokens) else 0
         want = bool(sample) and (s.request.want_logits or not s.request.sampling.greedy)
-        row = _Row(s, past, n, drafts, q, sample, want)
+        row = FlightRow(s, past, n, drafts, q, sample, want)
         if not sample:  # streams after this one in the step (or later steps) wait for these blocks
             row.computing = self._sharing.computing_blocks(s, past, n)
             self._computing.update(dict.fromkeys(row.computing, seq))
         return row
 
     @staticmethod
-    def _feed(r: _Row) -> list[int]:
+    def _feed(r: FlightRow) -> list[int]:
         return r.stream.tokens[r.past:r.past + r.n - len(r.drafts)] + list(r.drafts)
 
     def _follow_up(self, s: StreamState, seq: int, budget: int) -> int:
@@ -366,9 +431,28 @@ class BatchScheduler:
     def on_outcome(self, outcome: PagedOutcome, now: float) -> list[Action]:
         """Account for the last stage's answer to a step: advance, rewind, emit, finish. An outcome
         of a step this scheduler no longer knows (before a replay) is ignored."""
-        rows = self._flights.pop(outcome.seq, None)
-        if rows is None:
+        flight = self._flights.pop(outcome.seq, None)
+        if flight is None:
             return []
+        if outcome.error is not None or not self.constraints.tracks_any:
+            return self._account(flight.rows, outcome, now)
+        self._settling = []  # streams ending in this outcome keep their grammar until it is settled
+        try:
+            actions = self._account(flight.rows, outcome, now)
+            settled = self.constraints.settle(flight.plan, outcome, actions)  # grammars consume, logprobs attach
+        finally:
+            ended, self._settling = self._settling, None
+        for sid in ended:
+            self.constraints.forget(sid)
+        actions = settled.actions
+        for sid, end in settled.ended.items():  # a grammar's end (or a broken constraint): over now
+            # not in flight any more: ends now (counted as finished or cancelled); ``end`` is what its consumer hears
+            self.cancel(sid, end.reason if isinstance(end, Finished) else FinishReason.CANCELLED)
+            actions.append(end)
+        return actions
+
+    def _account(self, rows: list[FlightRow], outcome: PagedOutcome, now: float) -> list[Action]:
+        """:meth:`on_outcome` before the constraints: the rows advance, rewind, emit and finish."""
         for r in rows:
             for digest in r.computing:
                 if self._computing.get(digest) == outcome.seq:
@@ -414,7 +498,7 @@ class BatchScheduler:
                 actions.extend(self._answer(s, r, ids, probs, logits, now))
         return actions
 
-    def _answer(self, s: StreamState, r: _Row, ids: np.ndarray, probs: np.ndarray,
+    def _answer(self, s: StreamState, r: FlightRow, ids: np.ndarray, probs: np.ndarray,
                 logits: np.ndarray | None, now: float) -> list[Action]:
         verdict, token_probs = decide(s.request.sampling, s.rng, r.drafts, r.q, ids, probs, logits)
         s.last_drafted, s.last_accepted = len(r.drafts), verdict.accepted
@@ -461,8 +545,8 @@ class BatchScheduler:
     def _void_later(self, s: StreamState, seq: int) -> None:
         """Step ``seq`` of ``s`` failed: the later chunks of ``s`` in flight ran over KV that may be
         missing; their rows are void and the blocks they complete are no longer awaited."""
-        for later, rows in self._flights.items():
-            for r in rows:
+        for later, flight in self._flights.items():
+            for r in flight.rows:
                 if later > seq and r.stream is s and not r.void:
                     r.void = True
                     for digest in r.computing:
@@ -504,6 +588,10 @@ class BatchScheduler:
         elif s in self._waiting:
             self._waiting.remove(s)
         self._streams.pop(s.stream_id, None)
+        if self._settling is None:
+            self.constraints.forget(s.stream_id)
+        else:
+            self._settling.append(s.stream_id)
         if isinstance(action, Failed):
             self.counters["failed"] += 1
         else:

@@ -27,6 +27,7 @@ import openvino.opset13 as ops
 
 from engine.errors import GenerationError, ShardCompileError
 from engine.paged.step import PagedOutcome, PagedStep
+from engine.shards import tensor_names as tn
 from engine.shards.manifest import Manifest, load_manifest
 from engine.shards.stage import open_stage_model
 from engine.shards.step_answer import answer_step, check_masks
@@ -44,8 +45,9 @@ CACHE_DTYPES: Mapping[str, np.dtype] = {
 }
 # Ops that may sit between the LM head's MatMul and the logits output (a cast, a soft cap, a reshape).
 _HEAD_PASS_THROUGH = frozenset({"Convert", "Multiply", "Divide", "Tanh", "Reshape", "Squeeze", "Unsqueeze"})
-_METADATA_INPUTS = ("position_ids", "past_lens", "subsequence_begins", "block_indices", "block_indices_begins",
-                    "max_context_len")
+MAX_CONTEXT_LEN = "max_context_len"  # the paged conversion's own input (engine.shards.tensor_names lacks it)
+_METADATA_INPUTS = (tn.POSITION_IDS, tn.PAST_LENS, tn.SUBSEQUENCE_BEGINS, tn.BLOCK_INDICES, tn.BLOCK_INDICES_BEGINS,
+                    MAX_CONTEXT_LEN)
 
 
 class PagedStageError(GenerationError):
@@ -84,12 +86,12 @@ def paged_inputs(plan: StepPlan, *, sampled: bool = False) -> dict[str, np.ndarr
         tables.append(tuple(range(blocks_needed(pad, plan.block_size))))
     positions = np.concatenate([np.arange(p, p + n, dtype=np.int64) for p, n in zip(past, counts, strict=True)])
     out = {
-        "position_ids": positions,
-        "past_lens": np.asarray(past, dtype=np.int32),
-        "subsequence_begins": np.concatenate([[0], np.cumsum(counts)]).astype(np.int32),
-        "block_indices": np.asarray([b for table in tables for b in table], dtype=np.int32),
-        "block_indices_begins": np.concatenate([[0], np.cumsum([len(t) for t in tables])]).astype(np.int32),
-        "max_context_len": np.array(max(p + n for p, n in zip(past, counts, strict=True)), dtype=np.int32),
+        tn.POSITION_IDS: positions,
+        tn.PAST_LENS: np.asarray(past, dtype=np.int32),
+        tn.SUBSEQUENCE_BEGINS: np.concatenate([[0], np.cumsum(counts)]).astype(np.int32),
+        tn.BLOCK_INDICES: np.asarray([b for table in tables for b in table], dtype=np.int32),
+        tn.BLOCK_INDICES_BEGINS: np.concatenate([[0], np.cumsum([len(t) for t in tables])]).astype(np.int32),
+        MAX_CONTEXT_LEN: np.array(max(p + n for p, n in zip(past, counts, strict=True)), dtype=np.int32),
     }
     if sampled:
         rows = plan.sampled_indices() or [plan.tokens - 1]
@@ -134,7 +136,7 @@ def _name_first_input(model: ov.Model, name: str) -> None:
 
 def _logits_head(model: ov.Model) -> ov.Node:
     """The MatMul whose output becomes the logits (through casts, soft caps or reshapes only)."""
-    results = [r for r in model.get_results() if "logits" in r.input_value(0).get_names()] or model.get_results()
+    results = [r for r in model.get_results() if tn.LOGITS in r.input_value(0).get_names()] or model.get_results()
     node = results[0].input_value(0).get_node()
     for _ in range(8):
         if node.get_type_name() == "MatMul":
@@ -154,7 +156,7 @@ def convert_to_paged(model: ov.Model, *, has_embedding: bool, has_head: bool) ->
     Gather over a new ``sampled_tokens_indices`` input picks the rows that reach the LM head."""
     from openvino._offline_transformations import paged_attention_transformation
 
-    _name_first_input(model, "input_ids" if has_embedding else "inputs_embeds")
+    _name_first_input(model, tn.first_input(has_embedding))
     paged_attention_transformation(model, False, False, False)
     if has_head:
         head = _logits_head(model)
@@ -194,9 +196,9 @@ class PagedStage:
                                     f"compile it on {device}: {exc}") from exc
         self._first = self.compiled.inputs[0].get_any_name()
         names = {i.get_any_name() for i in self.compiled.inputs}
-        self._logits_last = "logits_last" in names
-        self._cache_inputs = [i for i in self.compiled.inputs if i.get_any_name().startswith(("key_cache.",
-                                                                                                "value_cache."))]
+        self._logits_last = tn.LOGITS_LAST in names
+        self._cache_inputs = [i for i in self.compiled.inputs if i.get_any_name().startswith((tn.KEY_CACHE_PREFIX,
+                                                                                                tn.VALUE_CACHE_PREFIX))]
         self.request = self.compiled.create_infer_request()
         self.caches: list[np.ndarray] = []
         self.pool_blocks = 0
@@ -300,7 +302,7 @@ class PagedStage:
         else:
             inputs[self._first] = np.ascontiguousarray(x, dtype=np.float32)
         if self._logits_last:
-            inputs["logits_last"] = np.array(1, dtype=np.int64)
+            inputs[tn.LOGITS_LAST] = np.array(1, dtype=np.int64)
         self.request.infer(inputs, share_inputs=True, share_outputs=True)
         out = self.request.get_output_tensor(0).data  # [Tb, 1, H] or [max(R, 1), 1, V]
         if self.is_last:

@@ -1,7 +1,8 @@
 """What the paged scheduler (:mod:`engine.paged.scheduler`) keeps and decides: its
 settings, the state of one stream, and the actions the coordinator carries out.
 
-Only :class:`~engine.paged.scheduler.BatchScheduler` writes a :class:`StreamState`;
+Only :class:`~engine.paged.scheduler.BatchScheduler` writes a :class:`StreamState` (prefix
+admission, :mod:`engine.paged.prefix_admission`, reads one and returns what to attach to it);
 the coordinator and the drafter read it (:class:`DraftSubject` is what a drafter needs).
 """
 
@@ -124,8 +125,7 @@ class DraftSubject(Protocol):
 @dataclass(eq=False)
 class StreamState:
     """One request, written only by :class:`~engine.paged.scheduler.BatchScheduler`;
-    the coordinator and the drafter only read it (the stateful path's ``scheduler.StreamState``
-    stays the identity reference)."""
+    prefix admission, the coordinator and the drafter only read it."""
 
     stream_id: StreamId
     request: GenerationRequest

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
 import time
 from ssl import SSLContext
 
 from engine.ring.stage_times import StageTimes
+from engine.suppress import logged_suppress
+from engine.tasks import start_task
 from engine.trust.peer_policy import PeerPolicy, PeerPolicyError
 from engine.wire.address import Address
 from engine.wire.format import (
@@ -111,7 +112,7 @@ class RingEnds:
         if reason is not None:
             log.warning("ring: dropping the connection to %s: %s", self.first_remote, reason)
             self._stop_hold()
-            with contextlib.suppress(Exception):
+            with logged_suppress(log, "closing the connection to a refused first stage"):
                 await out.async_close()
 
     # -- the return port -----------------------------------------------------------------------
@@ -159,8 +160,8 @@ class RingEnds:
                                         peer_check=self._check_first if self._client_ssl is not None else None)
         # Pings keep stage 0's idle timeout from closing the hop between requests; reading it
         # notices at once when stage 0 goes away (``connected`` turns False).
-        self._hold = asyncio.create_task(async_hold(self._out, "ring first hop", self._ping_interval),
-                                         name="deskfleet-ring-hold")
+        self._hold = start_task(async_hold(self._out, "ring first hop", self._ping_interval),
+                                name="deskfleet-ring-hold", logger=log)
         log.info("ring: connected to stage %d at %s; replies on %s", first_index, self.first_remote,
                  self.return_address)
 
@@ -172,7 +173,7 @@ class RingEnds:
             await self.async_set_peers(peers)
         self._stop_hold()
         if self._out is not None:
-            with contextlib.suppress(Exception):
+            with logged_suppress(log, "closing the old connection to the first stage"):
                 await self._out.async_close()
             self._out = None
         self._sent_at.clear()

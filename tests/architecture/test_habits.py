@@ -22,7 +22,7 @@ STRUCTURED_TASKS = {
 }
 # Background tasks still started by hand: files being reworked at the time start_task came.
 PENDING_TASKS = {
-    "engine/paged/coordinator.py": 2, "engine/coordinator/coordinator.py": 7,
+    "engine/coordinator/coordinator.py": 7,
     "engine/coordinator/ring.py": 1, "engine/static/packed_generator.py": 1, "engine/worker/stage_worker.py": 3,
     "engine/wire/downstream.py": 1, "console/qt/service_bridge.py": 1, "console/fleet/service_events.py": 1,
     "console/fleet/fleet_service.py": 3, "console/fleet/distribution.py": 2, "console/fleet/fleet.py": 2,
