@@ -64,8 +64,7 @@ def fleet_service(state_dir: Path, runtime: str | None = None) -> Iterator[Runni
         console = dataclasses.replace(console, runtime=runtime)
     settings = FleetServiceSettings(console, admin_port=None, advertise_api=False)
     with LoopThread("test-fleet-service") as loop, _warm_executor(loop):
-        service = FleetService(settings)
-        loop.run(service.async_start(), 120, "starting the fleet service")
+        service = loop.run(FleetService.async_open(settings), 120, "starting the fleet service")
         try:
             yield RunningService(loop, service, state_dir)
         finally:
