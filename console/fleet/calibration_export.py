@@ -25,13 +25,13 @@ from typing import TYPE_CHECKING
 from console.fleet.errors import CalibrationError
 from engine.errors import ManifestError
 from engine.placement.types import ModelProfile
+from engine.shards.kv_precision import KV_BYTES_PER_VALUE
 from engine.shards.manifest import Manifest, StageManifest, load_manifest
 
 if TYPE_CHECKING:
     from export.options import ExportOptions
 
 CALIBRATION_DIR = "calibration"
-KV_BYTES = {"f32": 4, "f16": 2, "u8": 1}  # ExportOptions.kv_cache_precision -> bytes per value
 # (export name, split, stage indices holding 1 and 2 layers); the first plan that fits is used
 _PLANS = ((5, (("main", (1, 2, 4), (1, 2)),)),
           (4, (("one", (1, 2), (1,)), ("two", (1, 3), (1,)))))
@@ -128,7 +128,7 @@ def model_profile(calibration: CalibrationSet, *, context: int, streams: int = 1
     layer_weights = layer_weight_bytes(calibration)
     first = min((s for s in stages if s.has_embedding), key=lambda s: s.num_layers)
     last = min((s for s in stages if s.has_head), key=lambda s: s.num_layers)
-    kv = 2 * info.num_kv_heads * info.head_dim * KV_BYTES[kv_precision] * context * streams
+    kv = 2 * info.num_kv_heads * info.head_dim * KV_BYTES_PER_VALUE[kv_precision] * context * streams
     return ModelProfile(
         layer_bytes=(int(layer_weights) + kv,) * info.num_layers,
         embed_bytes=max(int(_stage_bytes(first) - first.num_layers * layer_weights), 0),

@@ -72,6 +72,7 @@ from engine.paged.coordinator import BatchCoordinator
 from engine.paged.stage import PagedStage
 from engine.ring.ends import RingEnds
 from engine.shards.manifest import MANIFEST_NAME, load_manifest, serving_runtime
+from engine.tasks import start_task
 from engine.trust.peer_policy import PeerPolicy
 from engine.wire.address import Address
 
@@ -564,7 +565,7 @@ class Distributor:
 
         self._unsubscribe = unsubscribe
         if isinstance(coordinator, BatchCoordinator):  # failover is the paged runtime's (a static ring redials)
-            self._watch = asyncio.create_task(self.recovery.async_watch(coordinator), name="deskfleet-ring-watch")
+            self._watch = start_task(self.recovery.async_watch(coordinator), name="deskfleet-ring-watch", logger=log)
 
     async def _async_stop_watch(self) -> None:
         if self._unsubscribe is not None:
@@ -595,9 +596,8 @@ class Distributor:
     def _on_deny(self, deny: frozenset[str]) -> None:
         """The admin removed a member: the return port refuses it from now on."""
         if self._path is not None:
-            task = asyncio.get_running_loop().create_task(self._path.async_set_peers(self._ring_peers()))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            start_task(self._path.async_set_peers(self._ring_peers()), name="deskfleet-ring-set-peers", logger=log,
+                       keep=self._background)
 
     async def _async_drop(self, coordinator: RingGenerator) -> None:
         """Forget a broken ring (its path is closed); the next run opens a new one on the same port."""

@@ -114,7 +114,3 @@ class NoReplacementError(DistributionError):
     """A stage of the running ring stopped answering and, within the hold time, neither came back
     on its own agent (a restarted worker, a pause that ended) nor could move to a standby agent;
     the held requests fail with this message."""
-
-
-class ServiceNotStartedError(FleetServiceError):
-    """A part of the fleet service that ``async_start`` makes was asked for before it ran."""

@@ -21,7 +21,6 @@ another fleet or none. Removing an agent revokes it (console.fleet.revocations).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -52,6 +51,7 @@ from engine.control.client import ControlClient, ControlError, WrongAgentError
 from engine.control.hub import AgentEvent, FleetHub
 from engine.control.tags import reported_tags
 from engine.discovery.mdns import Peer
+from engine.tasks import start_task
 from engine.trust.fleet_ca import Credentials
 
 __all__ = ["AgentRecord", "AgentSource", "FleetModel", "Membership"]
@@ -172,17 +172,15 @@ class FleetModel:
         if now - self._probed.get(where, -PROBE_RETRY_S) < PROBE_RETRY_S or len(self._probes) >= 4 * MAX_PROBES:
             return
         try:
-            loop = asyncio.get_running_loop()
+            asyncio.get_running_loop()
         except RuntimeError:
             return  # no loop (a pure caller): hints stay hints
         self._probed[where] = now
         if len(self._probed) > 4 * MAX_HINTS:  # forget the oldest attempts
             for old in sorted(self._probed, key=self._probed.__getitem__)[:MAX_HINTS]:
                 del self._probed[old]
-        task = loop.create_task(self._async_probe_hint(key, hint.address, hint.control_port),
-                                name="deskfleet-probe-hint")
-        self._probes.add(task)
-        task.add_done_callback(self._probes.discard)
+        start_task(self._async_probe_hint(key, hint.address, hint.control_port), name="deskfleet-probe-hint",
+                   logger=log, keep=self._probes)
 
     async def _async_probe_hint(self, claimed: str, host: str, port: int) -> None:
         async with self._probe_slots:
@@ -348,10 +346,11 @@ class FleetModel:
         if self._rotate_api_key is not None:  # its assignments carried the API key: a new one, now
             self._api_key = self._rotate_api_key()
             log.warning("the API key was rotated: the removed PC's copy no longer works")
-        with contextlib.suppress(RuntimeError):  # no running loop: the next assignments carry both
-            task = asyncio.get_running_loop().create_task(self.async_push_deny(), name="deskfleet-push-deny")
-            self._probes.add(task)
-            task.add_done_callback(self._probes.discard)
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return  # no running loop: the next assignments carry both
+        start_task(self.async_push_deny(), name="deskfleet-push-deny", logger=log, keep=self._probes)
 
     async def async_push_deny(self) -> dict[str, str]:
         """Send the deny list (and each member its own API key: the `console` key was rotated) to every

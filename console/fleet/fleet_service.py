@@ -23,21 +23,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import json
 import logging
-import os
 import signal
-import socket
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from console.fleet.admin_api import ADMIN_SOCKET, async_run_admin
 from console.fleet.distribution import DistributionTimeouts
-from console.fleet.errors import ServiceNotStartedError
 from console.fleet.failover import FailoverSettings
 from console.fleet.failover_tally import FILE as FAILOVERS_FILE
 from console.fleet.failover_tally import FailoverTally
@@ -52,8 +47,13 @@ from console.fleet.placement_store import (
 )
 from console.fleet.placing import async_new_placement, async_solve_again, checked_tags, ring_pcs
 from console.fleet.records_feed import RecordsPublisher
-from console.fleet.ring_endpoints import free_port
 from console.fleet.served_rings import ServedRing, ServedRings, check_ring_id, next_ring_id
+from console.fleet.service_endpoints import (
+    async_advertise_api,
+    async_run_service_api,
+    remove_service_file,
+    write_service_file,
+)
 from console.fleet.service_events import EventFeed, Jobs
 from console.fleet.service_ring import (
     RingContext,
@@ -71,8 +71,8 @@ from console.fleet_api.feed import EventKind
 from console.fleet_api.fleet_settings import FleetSettings
 from console.fleet_api.model_entry import ModelEntry
 from console.fleet_api.ring_status import RingPhase
-from engine.api.server import RunningApi, async_run_api
-from engine.control.fleet_services import FleetHost, fleet_host, write_private
+from engine.api.server import RunningApi
+from engine.control.fleet_services import FleetHost, fleet_host
 from engine.control.hub import AgentEvent
 from engine.control.hub_events import public_body
 from engine.discovery.mdns import Browser
@@ -80,10 +80,11 @@ from engine.generation.ring_report import overall_status
 from engine.generation.router import Router
 from engine.generation.tokenizer import ChatTokenizer
 from engine.placement.types import PlacementRequest, Plan
+from engine.suppress import logged_suppress
+from engine.tasks import start_task
 
 log = logging.getLogger("deskfleet.fleet")
 
-SERVICE_FILE = "fleet-service.json"
 PLACE_TIMEOUT_S = 1800.0
 DEFAULT_SPEC = ExportSpec()
 RETRY_S = (2.0, 5.0, 10.0, 30.0)  # re-forming a ring after a restart or a failover that gave up
@@ -121,65 +122,70 @@ class ModelNotFoundError(FleetServiceError):
     """A model name is not in the service's library."""
 
 
-T = TypeVar("T")
-
-
-def _started(part: T | None, what: str) -> T:
-    if part is None:
-        raise ServiceNotStartedError(f"the fleet service's {what} is not there yet: the service has not started")
-    return part
-
-
 class FleetService:
-    """``await async_start()``, serve, ``await async_close()``. Every method runs on the loop."""
+    """Opened by :meth:`async_open` (every part built before the object exists), served, then
+    ``await async_close()``. Every method runs on the loop."""
 
-    def __init__(self, settings: FleetServiceSettings) -> None:
+    def __init__(self, settings: FleetServiceSettings, stack: contextlib.AsyncExitStack, *, host: FleetHost,
+                 fleet: FleetModel, served: ServedRings, placements: PlacementStore, router: Router,
+                 tokenizers: dict[str, ChatTokenizer], api: RunningApi) -> None:
+        """The parts :meth:`async_open` built; ``stack`` closes them (and what the service adds) at
+        :meth:`async_close`."""
         self.settings = settings
+        self.host = host
+        self.fleet = fleet
+        self.served = served
+        self.placements = placements
+        self.router = router
+        self.tokenizers = tokenizers
+        self.api = api
         self.library = ModelLibrary(settings.state_dir)
-        self.router = Router()
-        self.tokenizers: dict[str, ChatTokenizer] = {}
         self.feed = EventFeed(self._snapshot, latest_only=(EventKind.RECORDS,))
-        self.records_feed = RecordsPublisher(lambda: self._fleet.records() if self._fleet is not None else (),
-                                             self._publish_records)
+        self.records_feed = RecordsPublisher(fleet.records, self._publish_records)
         self.jobs = Jobs(self.feed)
+        self.token_desk = TokenDesk(host.tokens, host.audit, self._publish)
+        self.token = host.token()
         self.rings: dict[str, ServiceRing] = {}
-        # set by async_start (read through the properties below, which name a service not started)
-        self._placements: PlacementStore | None = None
-        self._host: FleetHost | None = None
-        self._fleet: FleetModel | None = None
-        self._served: ServedRings | None = None
-        self.api: RunningApi | None = None
-        self.admin_url: str | None = None
-        self.token = ""
-        self._token_desk: TokenDesk | None = None
-        self.started_at = 0.0
-        self._stack = contextlib.AsyncExitStack()
-        self._tasks: list[asyncio.Task] = []
+        self.admin_url: str | None = None  # the admin API over HTTPS, when settings.admin_port asks for one
+        self.started_at = time.time()
+        self.failovers = FailoverTally(settings.state_dir / FAILOVERS_FILE)  # the Dashboard's "failovers today"
+        self._stack = stack
+        self._tasks: set[asyncio.Task[Any]] = set()  # held by start_task; cancelled at the close
         self._auto: dict[str, tuple[int, float]] = {}  # ring -> (attempts, next monotonic time) to re-form it
         self._last_health: Any = None
-        self.failovers = FailoverTally(settings.state_dir / FAILOVERS_FILE)  # the Dashboard's "failovers today"
+        self._closed = False
 
-    # ---- what async_start made --------------------------------------------------------------------
-
-    @property
-    def host(self) -> FleetHost:
-        return _started(self._host, "fleet host")
-
-    @property
-    def fleet(self) -> FleetModel:
-        return _started(self._fleet, "fleet model")
-
-    @property
-    def served(self) -> ServedRings:
-        return _started(self._served, "served rings")
-
-    @property
-    def placements(self) -> PlacementStore:
-        return _started(self._placements, "placements")
-
-    @property
-    def token_desk(self) -> TokenDesk:
-        return _started(self._token_desk, "token desk")
+    @classmethod
+    async def async_open(cls, settings: FleetServiceSettings) -> FleetService:
+        """Build the service's parts (state files, fleet host, fleet model, OpenAI API), then serve:
+        the admin API, the mDNS browser, the rings served before re-formed. A part that fails
+        closes what was built and raises."""
+        s = settings.fleet
+        s.state_dir.mkdir(parents=True, exist_ok=True)
+        stack = contextlib.AsyncExitStack()
+        try:
+            served = ServedRings(s.state_dir)
+            placements = PlacementStore(s.state_dir)  # a damaged file stops the start, named
+            host = await stack.enter_async_context(
+                fleet_host(s.state_dir, host=s.interface, enrollment_port=s.enrollment_port, hub_port=s.hub_port,
+                           advertise_on=s.interface if settings.advertise else None, name="Deskfleet fleet"))
+            fleet = FleetModel(s.state_dir, host.credentials)
+            router, tokenizers = Router(), dict[str, ChatTokenizer]()
+            api = await async_run_service_api(s, host, served, router, tokenizers)
+            stack.push_async_callback(api.async_stop)
+            service = cls(settings, stack, host=host, fleet=fleet, served=served, placements=placements,
+                          router=router, tokenizers=tokenizers, api=api)
+        except BaseException:
+            await stack.aclose()
+            raise
+        try:
+            await service._async_serve()
+        except BaseException:
+            await service.async_close()
+            raise
+        log.info("fleet %s: PCs join at %s; OpenAI API at %s; admin API on %s%s", fleet.fleet_id, host.enrollment,
+                 service.api_url, s.state_dir / ADMIN_SOCKET, f" and {service.admin_url}" if service.admin_url else "")
+        return service
 
     def _publish(self, kind: EventKind, data: dict[str, Any]) -> None:
         self.feed.publish(kind, data)
@@ -189,115 +195,57 @@ class FleetService:
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
-    async def async_start(self) -> None:
-        s = self.settings.fleet
-        s.state_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            self._served = ServedRings(s.state_dir)
-            self._placements = PlacementStore(s.state_dir)  # a damaged file stops the start, named
-            host = self._host = await self._stack.enter_async_context(
-                fleet_host(s.state_dir, host=s.interface, enrollment_port=s.enrollment_port, hub_port=s.hub_port,
-                           advertise_on=s.interface if self.settings.advertise else None,
-                           name="Deskfleet fleet"))
-            fleet = self._fleet = FleetModel(s.state_dir, host.credentials)
-            self._stack.callback(fleet.subscribe(self._on_records))
-            desk = self._token_desk = TokenDesk(host.tokens, host.audit, self._publish)  # before the hub's news
-            self._stack.callback(fleet.subscribe(desk.on_records))
-            self._stack.callback(host.subscribe_joins(desk.on_join))
-            self._stack.callback(fleet.attach_hub(host.hub))
-            self._stack.callback(fleet.attach_api_key(host.rotate_api_key, host.member_key))
-            self._stack.callback(host.hub.subscribe(self._on_hub_event))
-            self._stack.callback(host.subscribe_api_key(self._on_api_key))
-            desk.attach(fleet.approve, fleet.records())
-            if self.settings.browse:
-                browser = Browser(s.interface, fleet.update_peers)
-                await browser.async_start()
-                self._stack.push_async_callback(browser.async_close)
-            await self._async_start_api()
-            if self.settings.advertise_api:  # mDNS probing takes ~1.6 s: serve meanwhile
-                self._tasks.append(asyncio.create_task(self._async_advertise_api(), name="deskfleet-api-advert"))
-            self.token = host.token()
-            self.admin_url = await async_run_admin(self, self._stack)
-            self.started_at = time.time()
-            self._write_service_file()
-            for served in self.served.state.rings:  # re-form what was served before
-                self._add_ring(served, auto=True)
-            self._tasks.append(asyncio.create_task(self._async_watch(), name="deskfleet-fleet-watch"))
-            self._tasks.append(asyncio.create_task(self._async_refresh_loop(), name="deskfleet-fleet-refresh"))
-        except BaseException:
-            await self.async_close()
-            raise
-        log.info("fleet %s: PCs join at %s; OpenAI API at %s; admin API on %s%s", fleet.fleet_id, host.enrollment,
-                 self.api_url, s.state_dir / ADMIN_SOCKET, f" and {self.admin_url}" if self.admin_url else "")
+    async def _async_serve(self) -> None:
+        fleet, host, desk, stack = self.fleet, self.host, self.token_desk, self._stack
+        stack.callback(fleet.subscribe(self._on_records))
+        stack.callback(fleet.subscribe(desk.on_records))  # before the hub's news
+        stack.callback(host.subscribe_joins(desk.on_join))
+        stack.callback(fleet.attach_hub(host.hub))
+        stack.callback(fleet.attach_api_key(host.rotate_api_key, host.member_key))
+        stack.callback(host.hub.subscribe(self._on_hub_event))
+        stack.callback(host.subscribe_api_key(self.api.set_api_key))
+        desk.attach(fleet.approve, fleet.records())
+        interface = self.settings.fleet.interface
+        if self.settings.browse:
+            browser = Browser(interface, fleet.update_peers)
+            await browser.async_start()
+            stack.push_async_callback(browser.async_close)
+        if self.settings.advertise_api:  # mDNS probing takes ~1.6 s: serve meanwhile
+            self._start(async_advertise_api(fleet.fleet_id, self.api, interface, stack), "api-advert")
+        self.admin_url = await async_run_admin(self, stack)
+        write_service_file(self.settings.state_dir, {
+            "admin_socket": str(self.settings.state_dir / ADMIN_SOCKET), "admin_url": self.admin_url,
+            "api_url": self.api_url, "enrollment": host.enrollment, "fleet_id": fleet.fleet_id,
+            "started_at": self.started_at})
+        for served in self.served.state.rings:  # re-form what was served before
+            self._add_ring(served, auto=True)
+        self._start(self._async_watch(), "fleet-watch")
+        self._start(self._async_refresh_loop(), "fleet-refresh")
+
+    def _start(self, coro: Coroutine[Any, Any, None], what: str) -> None:
+        start_task(coro, name=f"deskfleet-{what}", logger=log, keep=self._tasks)
 
     async def async_close(self, *, stop_workers: bool = False) -> None:
         """Stop serving here. ``stop_workers`` False (a restart, SIGTERM) leaves the agents' workers
-        running and the rings listed, so the next start re-forms them at once."""
-        for task in self._tasks:
+        running and the rings listed, so the next start re-forms them at once. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        tasks = list(self._tasks)
+        for task in tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-        self._tasks.clear()
+        await asyncio.gather(*tasks, return_exceptions=True)  # a failure was logged by start_task
         self.records_feed.cancel()
         await self.jobs.async_close()
         for ring in list(self.rings.values()):
-            with contextlib.suppress(Exception):
+            with logged_suppress(log, f"stopping ring {ring.ring_id}", level=logging.WARNING):
                 await ring.async_stop(workers=stop_workers)
-        if self.api is not None:
-            api, self.api = self.api, None
-            await api.async_stop()
         await self._stack.aclose()
-        with contextlib.suppress(FileNotFoundError):
-            (self.settings.state_dir / SERVICE_FILE).unlink()
-
-    async def _async_start_api(self) -> None:
-        s = self.settings.fleet
-        port = s.api_port
-        if port == 0:  # agents learn the API's address with their assignment: keep it across restarts
-            port = self.served.state.api_port or free_port(s.interface)
-        api_settings = dataclasses.replace(s.api, api_key=s.api.api_key or self.host.api_key,
-                                           allowed_hosts=(*s.api.allowed_hosts, socket.gethostname()))
-        from engine.api.audit import AuditLog
-        from engine.api.guard import is_loopback
-
-        # keys from the fleet's book (tray keys, named keys, "console"), one audit line per request,
-        # TLS with the service certificate off loopback (plain HTTP is refused there)
-        self.api = await async_run_api(self.router, self.tokenizers, api_settings, s.interface, port,
-                                       keys=self.host.keys, audit=AuditLog.in_dir(self.settings.state_dir),
-                                       ssl_context=None if is_loopback(s.interface) else self.host.api_tls_context())
-        self.served.set_api_port(self.api.port)
-
-    async def _async_advertise_api(self) -> None:
-        """Publish the API over mDNS; a network without multicast only loses the record (logged)."""
-        from console.fleet.api_advert import ApiAdvertError, ApiAdvertisement, ApiAdvertiser
-
-        if self.api is None:  # closed meanwhile
-            return
-        advertiser = ApiAdvertiser()
-        ad = ApiAdvertisement(self.fleet.fleet_id, self.api.port, self.settings.fleet.interface)
-        try:
-            await advertiser.async_start(ad)
-        except (ApiAdvertError, OSError, TimeoutError) as exc:
-            log.warning("the OpenAI API is not advertised over mDNS (%s); agents still get its address with "
-                        "their assignment", exc)
-            return
-        self._stack.push_async_callback(advertiser.async_close)
-
-    def _on_api_key(self, key: str) -> None:
-        if self.api is not None:
-            self.api.set_api_key(key)
-
-    def _write_service_file(self) -> None:
-        s = self.settings
-        data = {"pid": os.getpid(), "admin_socket": str(s.state_dir / ADMIN_SOCKET), "admin_url": self.admin_url,
-                "api_url": self.api_url, "enrollment": self.host.enrollment, "fleet_id": self.fleet.fleet_id,
-                "started_at": self.started_at}
-        write_private(s.state_dir / SERVICE_FILE, json.dumps(data, indent=1).encode())
+        remove_service_file(self.settings.state_dir)
 
     @property
     def api_url(self) -> str:
-        return self.api.url if self.api is not None else self.settings.fleet.api_url
+        return self.api.url
 
     # ---- news ------------------------------------------------------------------------------------
 
@@ -320,9 +268,8 @@ class FleetService:
         return {"rings": out, "failovers_today": self.failovers.observe(out)}
 
     def _snapshot(self) -> list[tuple[EventKind, dict[str, Any]]]:
-        out: list[tuple[EventKind, dict[str, Any]]] = []
-        if self._fleet is not None:
-            out.append((EventKind.RECORDS, {"agents": self.records_feed.cache.dump(self.fleet.records())}))
+        out: list[tuple[EventKind, dict[str, Any]]] = [
+            (EventKind.RECORDS, {"agents": self.records_feed.cache.dump(self.fleet.records())})]
         out.append((EventKind.TOKEN, {"token": self.token}))
         out += [(EventKind.RING, {"ring": r.to_json()}) for r in self.rings.values()]
         out.append((EventKind.HEALTH, self.health_json()))
@@ -362,7 +309,7 @@ class FleetService:
     async def _async_refresh_loop(self) -> None:
         while True:
             await asyncio.sleep(self.settings.fleet.refresh_s)
-            with contextlib.suppress(Exception):
+            with logged_suppress(log, "refreshing the agents' records"):
                 await self.fleet.async_refresh()
 
     # ---- tokens and agents -----------------------------------------------------------------------
@@ -602,8 +549,7 @@ class FleetService:
                 "hub": f"{hub.host}:{hub.port}" if hub.port else None,
                 "api_url": self.api_url, "started_at": self.started_at,
                 "admin": {"socket": True, "https": self.admin_url},
-                "settings": {"interface": s.interface, "runtime": s.runtime, "api_port": self.api.port if self.api
-                             else s.api_port}}
+                "settings": {"interface": s.interface, "runtime": s.runtime, "api_port": self.api.port}}
 
 
 def _checkpoint_of(model: ModelEntry) -> Path:
@@ -619,13 +565,12 @@ def run_fleet_service(settings: FleetServiceSettings) -> int:
     """Run the service until SIGINT/SIGTERM; the exit code."""
 
     async def main() -> int:
-        service = FleetService(settings)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError):  # Windows: Ctrl-C raises KeyboardInterrupt
                 loop.add_signal_handler(sig, stop.set)
-        await service.async_start()
+        service = await FleetService.async_open(settings)
         print(f"deskfleet fleet: fleet {service.fleet.fleet_id}; PCs join at {service.host.enrollment}; "
               f"OpenAI API at {service.api_url}; admin socket {settings.state_dir / ADMIN_SOCKET}"
               f"{'; admin API ' + service.admin_url if service.admin_url else ''}", flush=True)

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from console.fleet.calibration_export import (
-    KV_BYTES,
     CalibrationSet,
     async_build_calibration_set,
     model_profile,
@@ -43,6 +42,7 @@ from engine.errors import Exclusion
 from engine.placement.moe import ExpertRouting, moe_weights, streamed_bytes
 from engine.placement.planner import solve
 from engine.placement.types import ModelProfile, PlacementRequest, Plan
+from engine.shards.kv_precision import KV_BYTES_PER_VALUE
 
 if TYPE_CHECKING:
     from export.exporter import ExportOptions
@@ -120,7 +120,7 @@ def context_for(calibration: CalibrationSet, kv_precision: str, *, free: Sequenc
     bytes)]: `console.fleet_api.context_choice.choose_context` over this model's weights and KV."""
     info = calibration.parts[0].manifest.model
     weights = model_profile(calibration, context=0, streams=1, kv_precision=kv_precision)
-    kv_per_token = 2 * info.num_kv_heads * info.head_dim * KV_BYTES[kv_precision] * info.num_layers
+    kv_per_token = 2 * info.num_kv_heads * info.head_dim * KV_BYTES_PER_VALUE[kv_precision] * info.num_layers
     return choose_context(info.max_position_embeddings, kv_bytes_per_token=kv_per_token,
                           weight_bytes=sum(weights.layer_bytes) + weights.embed_bytes + weights.head_bytes,
                           free=free, streams=streams, headroom=headroom)

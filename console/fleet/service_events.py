@@ -27,6 +27,7 @@ from typing import Any
 
 from console.fleet_api.errors import FleetServiceError
 from console.fleet_api.feed import EventKind
+from engine.tasks import start_task
 
 log = logging.getLogger("deskfleet.fleet")
 
@@ -189,7 +190,7 @@ class Jobs:
                 job.ended = time.time()
                 self.feed.publish(EventKind.JOB, {"job": job.to_json()})
 
-        job.task = asyncio.get_running_loop().create_task(run(), name=f"deskfleet-job-{job.id}")
+        job.task = start_task(run(), name=f"deskfleet-job-{job.id}", logger=log)
         self.feed.publish(EventKind.JOB, {"job": job.to_json()})
         return job
 

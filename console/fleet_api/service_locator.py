@@ -64,7 +64,7 @@ def pid_alive(pid: int) -> bool:
         except PermissionError:
             return True
         return True
-    except Exception:  # psutil.NoSuchProcess between the two calls
+    except psutil.Error:  # NoSuchProcess between the two calls, AccessDenied reading the status
         return False
 
 

@@ -47,6 +47,7 @@ from console.shared.qt_async import QtAsync
 from engine.control.fleet_services import is_first_run
 from engine.control.hub import AgentEvent
 from engine.placement.types import PlacementRequest, Plan
+from engine.tasks import start_task
 from engine.trust.admin_bundle import read_admin_credentials
 
 log = logging.getLogger("deskfleet.console")
@@ -158,7 +159,7 @@ class ServiceBridge(QObject):
         service = await self.client.async_service()
         records = agents_from_json(await self.client.async_agents())
         token = await self.client.async_new_token()
-        self._feed = asyncio.get_running_loop().create_task(self._async_follow(), name="deskfleet-admin-feed")
+        self._feed = start_task(self._async_follow(), name="deskfleet-admin-feed", logger=log)
         return service, records, token
 
     def on_close(self, closer: Callable[[], Coroutine[Any, Any, None]]) -> None:

@@ -406,7 +406,7 @@ class ChatClient:
         try:
             error = (await resp.json())["error"]
             message, code = error["message"], error.get("code")
-        except Exception:
+        except (aiohttp.ClientError, ValueError, LookupError, TypeError, AttributeError):  # no OpenAI error body
             message = resp.reason or "no reason given"
         return ChatError(f"the fleet's API at {self.base_url} answered {resp.status}: {message}",
                          status=resp.status, code=code if isinstance(code, str) else None)

@@ -17,6 +17,10 @@ from engine.api.server import ApiSettings, async_run_api
 from engine.cli.main import Command
 from engine.errors import DeskfleetError, StatefulRuntimeRetiredError, TokenizerError
 from engine.generation.tokenizer import ChatTokenizer
+from engine.paged.constraints import GrammarVocabulary
+from engine.paged.kv_pool import DEFAULT_KV_POOL_BYTES
+from engine.shards.manifest import load_manifest, serving_runtime
+from engine.trust.peer_policy import PeerPolicy, PeerPolicyError
 from engine.wire.address import Address
 
 log = logging.getLogger("deskfleet.serve")
@@ -133,8 +137,7 @@ def _is_loopback(host: str) -> bool:
 def ring_options(args: argparse.Namespace, stdin=None) -> dict:
     """RingPath's TLS options (server_ssl, client_ssl, peers) for ``--first-stage``; empty without
     TLS, which only a loopback ring may do. Raises DeskfleetError naming the flag to add."""
-    from engine.cli.worker import read_tls_credentials, refuse_plaintext_exposure
-    from engine.trust.peer_policy import PeerPolicy, PeerPolicyError
+    from engine.cli.worker import read_tls_credentials, refuse_plaintext_exposure  # loads OpenVINO: TLS rings only
 
     tls = args.tls_stdin or args.tls_credentials is not None
     if args.first_stage is None:
@@ -219,12 +222,9 @@ async def async_serve_until_interrupted(generator, tokenizer: ChatTokenizer, set
 async def _open_generator(args: argparse.Namespace):
     """The generator the command line asks for: a remote ring (:func:`open_ring`, whichever runtime
     the export calls for), local workers, or every stage in this process."""
-    # Imported here, so `--help` does not load OpenVINO.
+    # Imported here, so `--help` (and every other command) does not load OpenVINO.
     from engine.coordinator.ring_factory import RingOptions, open_ring, refuse_static_options
-    from engine.paged.constraints import GrammarVocabulary
-    from engine.paged.kv_pool import DEFAULT_KV_POOL_BYTES
     from engine.paged.speculation import SpeculationConfig, Speculator
-    from engine.shards.manifest import load_manifest, serving_runtime
 
     manifest = load_manifest(args.shards)
     static = serving_runtime(manifest) == "static"  # an NPU-target export: packed greedy serving over its slots
@@ -248,7 +248,7 @@ async def _open_generator(args: argparse.Namespace):
         async with ring as generator:
             yield generator
     elif static:
-        from engine.tools.packed_fleet import local_static_fleet, static_generator
+        from engine.tools.packed_fleet import local_static_fleet, static_generator  # OpenVINO: serving only
 
         opened = (local_static_fleet(args.shards, exact=args.exact) if args.workers
                   else static_generator(args.shards, device=args.device, exact=args.exact))
@@ -263,10 +263,10 @@ async def _open_generator(args: argparse.Namespace):
 async def _open_paged(args: argparse.Namespace, pool_bytes: int, settings: dict, speculation):
     """The paged coordinator over this PC: paged local workers (one ring or several), or every stage
     in this process."""
-    from engine.paged.coordinator import BatchCoordinator
+    from engine.paged.coordinator import BatchCoordinator  # OpenVINO: serving only
 
     if getattr(args, "rings", 1) > 1:  # several local fleets behind one router
-        from engine.tools.local_rings import local_rings
+        from engine.tools.local_rings import local_rings  # OpenVINO and worker processes: --rings only
 
         if not args.workers or speculation is not None:
             raise DeskfleetError("--rings N serves N local fleets: add --workers (and drop --speculation)")
@@ -274,7 +274,7 @@ async def _open_paged(args: argparse.Namespace, pool_bytes: int, settings: dict,
                                kv_pool_bytes=pool_bytes, **supervision(args), **settings) as router:
             yield router  # every ring's coordinator has the export's grammar vocabulary (paged_local_fleet)
     elif args.workers:
-        from engine.tools.local_fleet import paged_local_fleet
+        from engine.tools.local_fleet import paged_local_fleet  # OpenVINO and worker processes: --workers only
 
         async with paged_local_fleet(args.shards, exact=args.exact, kv_pool_bytes=pool_bytes,
                                      speculation=speculation, **supervision(args), **settings) as coordinator:

@@ -74,17 +74,11 @@ def prepare_state_dir(state_dir: Path) -> None:
         os.chmod(state_dir, 0o700)
 
 
-def write_private(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data``, mode 0600 from the first byte (engine.atomic_file); the name
-    the console's importers still use."""
-    write_bytes_atomic(path, data)
-
-
 def write_token_file(path: Path, token: str) -> Path:
     """``token`` in a new 0600 file at ``path`` (its folder made if missing), for an agent's
     ``--join-file``: a join token never goes on a command line. Returns ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_private(path, token.encode())
+    write_bytes_atomic(path, token.encode())
     return path
 
 
@@ -146,7 +140,7 @@ def load_or_create_authority(state_dir: Path, name: str = "Deskfleet fleet", *,
         if b"ENCRYPTED" not in key_pem:  # an older console's plaintext key: encrypt it now
             authority = FleetAuthority.from_pem(cert.read_bytes(), key_pem)
             wrap = store.get_or_create(WRAP_SECRET, _new_wrapping_key)
-            write_private(key, authority.encrypted_key_pem(wrap.encode()))
+            write_bytes_atomic(key, authority.encrypted_key_pem(wrap.encode()))
             return authority
         kept = store.get(WRAP_SECRET)
         if kept is None:
@@ -157,7 +151,7 @@ def load_or_create_authority(state_dir: Path, name: str = "Deskfleet fleet", *,
     authority = FleetAuthority.create(name)
     wrap = _new_wrapping_key()
     store.put(WRAP_SECRET, wrap)  # first: a key file whose wrapping key was never kept is useless
-    write_private(key, authority.encrypted_key_pem(wrap.encode()))
+    write_bytes_atomic(key, authority.encrypted_key_pem(wrap.encode()))
     cert.write_bytes(authority.ca_pem)
     return authority
 

@@ -29,6 +29,7 @@ from engine.shards.manifest import (
     safe_join,
     verify_stage,
 )
+from engine.shards.tensor_names import ATTENTION_MASK, BEAM_IDX, LOGITS_LAST, POSITION_IDS
 
 # Settings under which a split model is bit-exact with the unsplit one (identity tests).
 EXACT_PROPERTIES: Mapping[str, str] = {
@@ -161,8 +162,8 @@ class Stage:
                 "Check that the device is available (`deskfleet doctor`) and has enough free memory."
             ) from exc
         self._input_name = self.spec.inputs[0].name
-        self._has_beam = "beam_idx" in self.spec.input_names
-        self._has_logits_last = "logits_last" in self.spec.input_names
+        self._has_beam = BEAM_IDX in self.spec.input_names
+        self._has_logits_last = LOGITS_LAST in self.spec.input_names
 
     @property
     def index(self) -> int:
@@ -187,13 +188,13 @@ class Stage:
     def feed(self, step: StepInputs) -> dict[str, np.ndarray]:
         inputs = {
             self._input_name: step.x,
-            "attention_mask": step.attention_mask,
-            "position_ids": step.position_ids,
+            ATTENTION_MASK: step.attention_mask,
+            POSITION_IDS: step.position_ids,
         }
         if self._has_beam:
-            inputs["beam_idx"] = BEAM_IDX_ZERO
+            inputs[BEAM_IDX] = BEAM_IDX_ZERO
         if self._has_logits_last:
-            inputs["logits_last"] = np.array(step.logits_last, dtype=np.int64)
+            inputs[LOGITS_LAST] = np.array(step.logits_last, dtype=np.int64)
         return inputs
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from engine.errors import GenerationError
+from engine.shards.tensor_names import new_key, new_value, past_key, past_kv_names, past_value
 
 DEFAULT_SINKS = 4
 
@@ -83,11 +84,6 @@ class SlotRing:
         return replace(self, count=keep)
 
 
-def kv_names(layers: Iterable[int]) -> list[str]:
-    """``past_key_{i}``, ``past_value_{i}`` for every layer, in the graph's input order."""
-    return [f"past_{kind}_{i}" for i in layers for kind in ("key", "value")]
-
-
 class KVRing:
     """The past-KV window of one stage: one [1, KV, W, D] float32 array per layer and kind.
 
@@ -100,8 +96,11 @@ class KVRing:
         self.window = window
         self.arrays: dict[str, np.ndarray] = {
             name: np.zeros((1, kv_heads, window, head_dim), dtype=np.float32)  # [1, KV, W, D]
-            for name in kv_names(self.layers)
+            for name in past_kv_names(self.layers)
         }
+        # the graph's output that fills each input: new_key_{i} -> past_key_{i}, new_value_{i} -> past_value_{i}
+        self._sources = {past: new for i in self.layers
+                         for past, new in ((past_key(i), new_key(i)), (past_value(i), new_value(i)))}
 
     @property
     def nbytes(self) -> int:
@@ -115,7 +114,7 @@ class KVRing:
         if rows.size == 0:
             return
         for name, array in self.arrays.items():
-            out = new["new_" + name.removeprefix("past_")]
+            out = new[self._sources[name]]
             array[0][:, columns, :] = out[0][:, rows, :]  # [KV, n, D]
 
     def fill(self, rng: np.random.Generator, columns: np.ndarray) -> None:

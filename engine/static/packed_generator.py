@@ -40,6 +40,8 @@ from engine.static.slot_scheduler import (
     retire,
     update,
 )
+from engine.suppress import logged_suppress
+from engine.tasks import start_task
 from engine.wire.format import StreamId
 from engine.wire.plan_frame import PlanFrame
 
@@ -152,7 +154,7 @@ class RingStatic:
             return result
 
     async def async_reset(self, failed: bool = False) -> None:
-        with contextlib.suppress(Exception):  # a ring that is down has nothing left to release
+        with logged_suppress(log, "releasing the session on the ring (a ring that is down holds nothing)"):
             await self.path.async_release(self.session)
         self.session = StreamId(self.session + 1)
         self._redial = self._redial or failed
@@ -222,7 +224,7 @@ class PackedGenerator:
     async def async_start(self) -> None:
         """Reach the stages (a ring: dial its first stage) and start serving."""
         await self.backend.async_start()
-        self._loop_task = asyncio.create_task(self._run(), name="deskfleet-packed-loop")
+        self._loop_task = start_task(self._run(), name="deskfleet-packed-loop", logger=log)
 
     async def async_stop(self) -> None:
         """Fail every request still waiting or running, then close the stages (a ring: its path)."""
@@ -295,7 +297,7 @@ class PackedGenerator:
         self._cancelled.clear()
         self.slots = empty_slots(self.geometry)
         self._session_open = False
-        with contextlib.suppress(Exception):
+        with logged_suppress(log, "resetting the static stages after a failure"):
             await self.backend.async_reset(failed=True)
 
     async def _step(self) -> bool:

@@ -24,6 +24,7 @@ import openvino as ov
 from engine.errors import GenerationError, ManifestError, ShardCompileError
 from engine.shards.manifest import GraphEntry, Manifest, ir_paths, load_manifest, verify_stage
 from engine.shards.stage import read_verified_model
+from engine.shards.tensor_names import ATTENTION_BIAS, ATTENTION_MASK, POSITION_IDS
 from engine.static.kv_ring import DEFAULT_SINKS, KVRing, SlotRing
 from engine.static.packing import SlotGeometry, additive_bias, layout_step, shared_mask
 from engine.static.slot_scheduler import (
@@ -130,11 +131,11 @@ class StaticStage:
         entry, request, new_kv = self.graphs[frame.rows]
         window = self.geometry.window
         layout = layout_step(self.slots, frame, window)
-        inputs: dict[str, np.ndarray] = {self._first: x, "position_ids": frame.position[None, :]}
+        inputs: dict[str, np.ndarray] = {self._first: x, POSITION_IDS: frame.position[None, :]}
         if entry.mask == "4d":
-            inputs["attention_bias"] = additive_bias(layout.mask)  # [1, 1, S, W + S]
+            inputs[ATTENTION_BIAS] = additive_bias(layout.mask)  # [1, 1, S, W + S]
         else:
-            inputs["attention_mask"] = shared_mask(layout, frame, window)  # [1, W + S]
+            inputs[ATTENTION_MASK] = shared_mask(layout, frame, window)  # [1, W + S]
         inputs.update(self.ring.arrays)
         request.infer(inputs, share_inputs=True, share_outputs=True)
         new = {name: request.get_tensor(name).data for name in new_kv}  # [1, KV, S, D] each

@@ -10,10 +10,11 @@ node id the worker's peer policy names as next hop. Stateful and static workers 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from ssl import SSLContext
 
+from engine.suppress import logged_suppress
+from engine.tasks import start_task
 from engine.wire.address import Address
 from engine.wire.format import COORDINATOR_STAGE, Role
 from engine.wire.messages import Hello, Message
@@ -55,7 +56,8 @@ class Downstream:
                 self._conn = await async_connect(self.address.host, self.address.port, hello,
                                                  ssl=self._client_ssl, deadline=self._dial_deadline,
                                                  peer_check=self._peer_check)
-                self._watch = asyncio.create_task(self._watch_connection(self._conn))
+                self._watch = start_task(self._watch_connection(self._conn), logger=log,
+                                         name=f"deskfleet-stage{self.stage_index}-next-hop-watch")
                 log.info("stage %d connected to %s", self.stage_index, self.address)
             return self._conn
 
@@ -75,7 +77,7 @@ class Downstream:
         if reason is None:
             return False
         log.warning("stage %d: dropping the connection to %s: %s", self.stage_index, self.address, reason)
-        with contextlib.suppress(Exception):
+        with logged_suppress(log, f"stage {self.stage_index}: closing the dropped connection to {self.address}"):
             await conn.async_close()
         return True
 
@@ -84,7 +86,7 @@ class Downstream:
         try:
             await conn.async_send(msg)
         except (ConnectionClosedError, OSError):
-            with contextlib.suppress(Exception):
+            with logged_suppress(log, f"stage {self.stage_index}: closing the broken connection to {self.address}"):
                 await conn.async_close()
             conn = await self._connection()  # the next stage came back on its address: one redial
             await conn.async_send(msg)

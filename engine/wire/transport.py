@@ -16,6 +16,7 @@ from collections.abc import Callable
 from contextlib import suppress
 from ssl import SSLContext, SSLError
 
+from engine.suppress import logged_suppress
 from engine.trust.fleet_ca import peer_node_id
 from engine.wire.codec import decode_body, decode_header, encode_parts
 from engine.wire.format import (
@@ -525,5 +526,5 @@ async def async_hold(conn: Connection, name: str, interval: float = PING_INTERVA
     except asyncio.CancelledError:
         raise
     except Exception:  # closed, reset, or garbage: in every case this connection is done
-        with suppress(Exception):
+        with logged_suppress(log, f"{name}: closing the link to {conn.peername}"):
             await conn.async_close()

@@ -28,6 +28,7 @@ from engine.paged.stage import PagedStage
 from engine.paged.worker import PagedStageWorker
 from engine.shards.manifest import load_manifest
 from engine.static.packed_worker import PackedStageWorker
+from engine.tasks import start_task
 from engine.trust.peer_policy import PeerPolicy, PeerPolicyError, parse_policy_update
 from engine.wire.address import Address
 from engine.worker.spare import (
@@ -187,9 +188,9 @@ async def async_serve_worker(shard_dir: Path, stage_index: int, listen: Address,
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
-    helpers = []
+    helpers: set[asyncio.Task[Any]] = set()  # held by start_task until they end; cancelled at the stop
     if exit_with_parent:
-        helpers.append(asyncio.create_task(_async_watch_parent(stop, parent)))
+        start_task(_async_watch_parent(stop, parent), name="deskfleet-watch-parent", logger=log, keep=helpers)
     activation: asyncio.Future[Activation] | None = loop.create_future() if spare else None
     if policy_updates is not None:
         threading.Thread(target=_read_policy_updates, args=(policy_updates, worker, loop, activation),
@@ -204,7 +205,7 @@ async def async_serve_worker(shard_dir: Path, stage_index: int, listen: Address,
         print(SPARE_PREFIX + json.dumps({"stage": stage_index, "opened_s": opened_s}), flush=True)
         where = await _async_wait_activation(activation, stop)
         if where is None:
-            for task in helpers:
+            for task in list(helpers):
                 task.cancel()
             await worker.async_close()
             return 0
@@ -223,15 +224,16 @@ async def async_serve_worker(shard_dir: Path, stage_index: int, listen: Address,
         stop.set()
 
     with contextlib.suppress(NotImplementedError, RuntimeError, AttributeError):
-        loop.add_signal_handler(signal.SIGUSR1, lambda: helpers.append(asyncio.create_task(drain_streams())))
+        loop.add_signal_handler(signal.SIGUSR1, lambda: start_task(drain_streams(), name="deskfleet-drain-streams",
+                                                                   logger=log, keep=helpers))
     if report_interval:
-        helpers.append(asyncio.create_task(_async_report(worker, report_interval)))
+        start_task(_async_report(worker, report_interval), name="deskfleet-worker-report", logger=log, keep=helpers)
     if ready is not None:
         ready.set()
     try:
         await stop.wait()
     finally:
-        for task in helpers:
+        for task in list(helpers):
             task.cancel()
     log.info("stage %d draining", stage_index)
     await worker.async_drain()

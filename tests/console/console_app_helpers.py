@@ -22,13 +22,13 @@ from PySide6.QtCore import Qt
 
 from agent.service.service import AgentService
 from agent.service.settings import AgentSettings
-from console.fleet.calibration_export import KV_BYTES
 from console.fleet.fleet_service import FleetService, FleetServiceSettings
 from console.fleet_api.fleet_settings import FleetSettings
 from console.qt.main_window import QtConsoleWindow
 from console.qt.service_bridge import ServiceBridge
 from console.shared.loop_thread import LoopThread
 from engine.control.messages import WorkerSettings
+from engine.shards.kv_precision import KV_BYTES_PER_VALUE
 from tests.support.agent_helpers import FakeIdle
 
 Wait = Callable[[Callable[[], bool], float, str], None]
@@ -64,8 +64,7 @@ def fleet_service(state_dir: Path, runtime: str | None = None) -> Iterator[Runni
         console = dataclasses.replace(console, runtime=runtime)
     settings = FleetServiceSettings(console, admin_port=None, advertise_api=False)
     with LoopThread("test-fleet-service") as loop, _warm_executor(loop):
-        service = FleetService(settings)
-        loop.run(service.async_start(), 120, "starting the fleet service")
+        service = loop.run(FleetService.async_open(settings), 120, "starting the fleet service")
         try:
             yield RunningService(loop, service, state_dir)
         finally:
@@ -197,7 +196,7 @@ class ConsoleDriver:
             return [r for r in self.bridge.records if r.approved and r.status is not None]
         self.wait(lambda: len(polled()) >= 2, 20, "the approved agents' status")
         free = min(r.status.inventory["ram_available"] for r in polled())
-        per_token = 2 * 2 * 16 * KV_BYTES[self.bridge.session.spec.kv_cache_precision]  # 2 KV heads of 16
+        per_token = 2 * 2 * 16 * KV_BYTES_PER_VALUE[self.bridge.session.spec.kv_cache_precision]  # 2 KV heads of 16
         return int(0.4 * 0.8 * free / per_token)
 
     def place(self, context: int, timeout: float = 600) -> None:

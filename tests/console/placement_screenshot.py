@@ -53,10 +53,10 @@ def drive_placement_page(work: Path, checkpoint: Path, wait: Wait, out: Path | N
     ``cache``: a state dir whose ``calibration`` exports of the checkpoint the service may reuse."""
     from PySide6.QtWidgets import QApplication
 
-    from console.fleet.calibration_export import KV_BYTES
     from console.fleet_api.exports import ExportSpec
     from console.qt.placement_page import QtPlacementPage
     from console.qt.service_bridge import ServiceBridge, ServiceLibrary
+    from engine.shards.kv_precision import KV_BYTES_PER_VALUE
     from tests.console.console_app_helpers import console_settings, fleet_service
 
     app = QApplication.instance()
@@ -108,7 +108,7 @@ def drive_placement_page(work: Path, checkpoint: Path, wait: Wait, out: Path | N
 
             page.exclude_tags.clear()
             free = min(r.status.inventory["ram_available"] for r in bridge.records if r.approved)
-            per_token = 2 * 2 * 16 * KV_BYTES[bridge.session.spec.kv_cache_precision]  # tiny: 2 KV heads of 16
+            per_token = 2 * 2 * 16 * KV_BYTES_PER_VALUE[bridge.session.spec.kv_cache_precision]  # 2 KV heads of 16
             page.context.setValue(int(0.4 * 0.8 * free / per_token))  # a layer is 0.4 of an agent: two stages
             page.place_button.click()
             wait(lambda: not page.busy, 600, "the second placement")

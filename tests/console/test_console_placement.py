@@ -14,7 +14,6 @@ import shutil
 import pytest
 
 from console.fleet.calibration_export import (
-    KV_BYTES,
     build_calibration_set,
     layer_weight_bytes,
     model_profile,
@@ -31,6 +30,7 @@ from console.fleet_api.link_report import SERVICE
 from engine.control.client import ControlClient
 from engine.errors import Exclusion, PlacementInfeasible
 from engine.placement.types import Plan
+from engine.shards.kv_precision import KV_BYTES_PER_VALUE
 from tests.support.asyncutil import run
 from tests.support.console_fleet_helpers import joined_fleet
 
@@ -92,7 +92,7 @@ def test_model_profile_reads_layer_embedding_and_head_bytes_from_the_exports(tem
     assert params * 4 <= weights <= params * 4 * 2  # fp32 weights plus the graph's XML
     one = model_profile(calibration, context=100, streams=1, kv_precision="f16")
     three = model_profile(calibration, context=100, streams=3, kv_precision="f32")
-    kv_one = 2 * kv_heads * head_dim * KV_BYTES["f16"] * 100
+    kv_one = 2 * kv_heads * head_dim * KV_BYTES_PER_VALUE["f16"] * 100
     assert one.layer_bytes == (int(weights) + kv_one,) * info.num_layers
     assert three.layer_bytes[0] - int(weights) == 2 * kv_heads * head_dim * 4 * 100 * 3
     assert vocab * hidden * 4 <= one.embed_bytes < vocab * hidden * 4 * 1.2  # the fp32 embedding table
@@ -177,7 +177,7 @@ def test_placement_over_two_agents(tmp_path, template, tiny_checkpoint, fp32, ca
             # a context whose KV cache makes a layer ~1/3 of one agent's usable memory: the four
             # layers fit on two agents, not on one
             free = min(r.status.inventory["ram_available"] for r in f.fleet.approved())
-            per_token = 2 * 2 * 16 * KV_BYTES[fp32.kv_cache_precision]  # tiny: 2 KV heads of 16
+            per_token = 2 * 2 * 16 * KV_BYTES_PER_VALUE[fp32.kv_cache_precision]  # tiny: 2 KV heads of 16
             context = int(0.34 * 0.8 * free / per_token)
             place = dict(options=fp32, steps=4)
             split = await async_place(f.fleet, f.host.hub, checkpoint, context=context, **place)

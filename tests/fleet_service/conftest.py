@@ -18,8 +18,7 @@ async def service_in_process(state_dir: Path, **kw):
     """A started FleetService with every port chosen by the OS (admin TLS too); closed after."""
     console = FleetSettings(state_dir, api_port=0, enrollment_port=0, hub_port=0, data_port=0, refresh_s=0.5)
     kw.setdefault("advertise_api", False)
-    service = FleetService(FleetServiceSettings(console, admin_port=0, browse=False, **kw))
-    await service.async_start()
+    service = await FleetService.async_open(FleetServiceSettings(console, admin_port=0, browse=False, **kw))
     try:
         yield service
     finally:
