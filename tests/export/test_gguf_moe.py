@@ -162,6 +162,23 @@ def test_the_gguf_exports_the_checkpoints_shards(moe_gguf, tiny_export, tmp_path
     assert tokens == greedy_generate(LocalChain.load(reference, exact=True), PROMPT_IDS, 12, ignore_eos=True).tokens
 
 
+@pytest.mark.slow
+def test_keep_mode_exports_a_quantised_moe_gguf(tiny_checkpoint, tmp_path):
+    """``--weights keep`` on Q8_0 experts: the dense tensors keep their blocks, the stacked experts
+    take keep's fallback; the tokens are those of the same GGUF dequantised to fp32."""
+    from export.exporter import ExportOptions, export_model
+
+    path = tmp_path / "q8.gguf"
+    write_qwen3moe_gguf(tiny_checkpoint(FAMILY), path, expert_type="Q8_0")
+    tokens = {}
+    for weights in ("keep", "fp32"):
+        export_model(path, tmp_path / weights, stages=2, options=ExportOptions(weights=weights))
+        tokens[weights] = greedy_generate(LocalChain.load(tmp_path / weights, exact=True), PROMPT_IDS, 12,
+                                          ignore_eos=True).tokens
+    assert load_manifest(tmp_path / "keep").stages[0].moe is not None
+    assert tokens["keep"] == tokens["fp32"]
+
+
 def test_moe_tensors_in_a_llama_gguf_are_still_refused(tmp_path):
     """Stacked experts are mapped for qwen3moe only: in a llama GGUF they are a Mixtral, not built."""
     from tests.support import llama_gguf
