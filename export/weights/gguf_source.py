@@ -4,6 +4,12 @@ What a GGUF stores differently from an HF checkpoint, and what is undone here (t
 transformers' GGUF loader applies, so both read the same numbers):
 
 - names: ``blk.N.attn_q.weight`` ↔ ``model.layers.N.self_attn.q_proj.weight`` (table below);
+- a Qwen3-MoE GGUF (``qwen3moe``) stacks each layer's experts into one 3-D tensor,
+  ``blk.N.ffn_gate_exps.weight`` of HF shape ``[experts, out, in]``: each expert is its own HF
+  tensor (``model.layers.N.mlp.experts.E.gate_proj.weight``), a window of ``out`` rows into the
+  stacked bytes, so the export reads (and dequantises) one expert at a time, never the stack;
+  the router ``blk.N.ffn_gate_inp.weight`` is ``mlp.gate.weight``; a layer without a router is a
+  dense one (``mlp_only_layers``), and the top-k weights are renormalised as llama.cpp does;
 - shapes: GGUF lists dimensions innermost first; the data itself is row-major ``[out, in]``;
 - llama.cpp's converter permutes the rows of Llama's Q and K projections (to interleave the
   rotary halves); for the ``llama`` architecture they are permuted back, per head (KV heads
@@ -28,12 +34,13 @@ from __future__ import annotations
 
 import mmap
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
 from export.weights.errors import CheckpointError
+from export.weights.gguf_file import TensorInfo
 
 # GGUF key (after "<arch>.") -> HF config key, as transformers maps them.
 _CONFIG_KEYS = {
@@ -56,8 +63,19 @@ _TOKEN_KEYS = {
     "tokenizer.ggml.eos_token_id": "eos_token_id",
     "tokenizer.ggml.padding_token_id": "pad_token_id",
 }
+# A GGUF's general.architecture -> the builder family (export.builder.families) it exports as; a
+# "llama" GGUF whose general.name says Mistral is "mistral". Every other architecture is refused.
+GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
+                      "qwen3moe": "qwen3_moe"}
 _ARCHITECTURE_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                         "qwen3": "Qwen3ForCausalLM"}
+                         "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+# MoE keys (after "<arch>."), read for the architectures with MoE tensors only.
+_MOE_CONFIG_KEYS = {
+    "expert_count": "num_experts",
+    "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_weights_norm": "norm_topk_prob",
+}
 
 # What transformers' configs of these families say and a GGUF leaves implicit.
 _FAMILY_DEFAULTS: dict[str, dict] = {
@@ -65,6 +83,8 @@ _FAMILY_DEFAULTS: dict[str, dict] = {
     "mistral": {"hidden_act": "silu"},
     "qwen2": {"hidden_act": "silu"},
     "qwen3": {"hidden_act": "silu", "attention_bias": False},
+    # llama.cpp's qwen3moe graph always renormalises the top-k weights (as transformers' GGUF loader notes)
+    "qwen3_moe": {"hidden_act": "silu", "attention_bias": False, "norm_topk_prob": True, "decoder_sparse_step": 1},
 }
 
 _GLOBAL_NAMES = {
@@ -85,6 +105,11 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Mixture-of-experts tensors, mapped for these GGUF architectures only (a llama GGUF holding them
+# is a Mixtral, which the builder does not build: refused as unread tensors).
+_MOE_ARCHITECTURES = frozenset({"qwen3moe"})
+_ROUTER = ("ffn_gate_inp", "mlp.gate")
+_STACKED_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _PLAIN: dict[str, np.dtype] = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_0-9]+)\.(weight|bias)$")
 _PERMUTED = {"llama": {"self_attn.q_proj.weight": "num_attention_heads",
@@ -104,14 +129,41 @@ _ROPE_TYPES_WITH_FACTORS = ("default", "linear", "yarn")
 IGNORED_TENSORS: dict[str, str] = {}
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The HF tensor name of a GGUF tensor, or ``None`` for tensors HF checkpoints do not have."""
+def hf_name(gguf_name: str, architecture: str = "llama") -> str | None:
+    """The HF tensor name of a GGUF tensor, or ``None`` for tensors HF checkpoints do not have
+    (and for stacked experts, which are many HF tensors: :func:`expert_names`)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     match = _LAYER_RE.match(gguf_name)
-    if match is None or match.group(2) not in _LAYER_NAMES:
+    if match is None:
+        return None
+    if match.group(2) == _ROUTER[0] and architecture in _MOE_ARCHITECTURES:
+        return f"model.layers.{match.group(1)}.{_ROUTER[1]}.{match.group(3)}"
+    if match.group(2) not in _LAYER_NAMES:
         return None
     return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}.{match.group(3)}"
+
+
+def expert_names(gguf_name: str, architecture: str) -> str | None:
+    """For a stacked-experts tensor of a MoE architecture, the HF name of its experts with ``{e}``
+    for the expert's index (``model.layers.0.mlp.experts.{e}.gate_proj.weight``); else ``None``."""
+    match = _LAYER_RE.match(gguf_name)
+    if architecture not in _MOE_ARCHITECTURES or match is None or match.group(2) not in _STACKED_EXPERTS:
+        return None
+    return f"model.layers.{match.group(1)}.mlp.experts.{{e}}.{_STACKED_EXPERTS[match.group(2)]}.{match.group(3)}"
+
+
+def split_experts(tensor: TensorInfo) -> list[TensorInfo]:
+    """The experts of a stacked [experts, out, in] tensor (GGUF dims ``(in, out, experts)``), each a
+    2-D window into the same bytes (rows are whole quantisation blocks, so each expert's bytes are
+    ``nbytes / experts``); nothing is read."""
+    if len(tensor.dims) != 3 or tensor.dims[2] <= 0 or tensor.nbytes % tensor.dims[2]:
+        raise CheckpointError(f"stacked experts {tensor.name!r} have shape {list(reversed(tensor.dims))}; "
+                              "expected [experts, out, in] with whole rows per expert")
+    count = tensor.dims[2]
+    each = tensor.nbytes // count
+    return [replace(tensor, name=f"{tensor.name} (expert {e})", dims=tensor.dims[:2], offset=tensor.offset + e * each,
+                    nbytes=each) for e in range(count)]
 
 
 def unpermute_rows(weight: np.ndarray, heads: int) -> np.ndarray:
@@ -144,13 +196,21 @@ class GGUFSource:
             raise CheckpointError(f"{self.path} is not a readable GGUF file ({exc}); "
                                   "download or copy it again") from exc
         self.architecture = str(self.field("general.architecture") or "")
-        self._tensors = {}
+        if self.architecture not in GGUF_ARCHITECTURES:
+            raise CheckpointError(
+                f"{self.path.name} is a GGUF of architecture {self.architecture or 'unnamed'!r}, which the exporter "
+                f"does not support; supported GGUF architectures: {', '.join(sorted(GGUF_ARCHITECTURES))} "
+                "(docs/MODELS.md)")
+        self._tensors: dict[str, TensorInfo] = {}
         self._rope_freqs = None
         unknown = []
         for tensor in self._file.tensors:
-            name = hf_name(tensor.name)
+            name = hf_name(tensor.name, self.architecture)
+            experts = expert_names(tensor.name, self.architecture)
             if name is not None:
                 self._tensors[name] = tensor
+            elif experts is not None:
+                self._tensors.update({experts.format(e=e): t for e, t in enumerate(split_experts(tensor))})
             elif tensor.name == ROPE_FREQS:
                 self._rope_freqs = tensor
             elif tensor.name not in IGNORED_TENSORS:
@@ -160,7 +220,7 @@ class GGUFSource:
             raise CheckpointError(
                 f"{self.path.name} ({self.architecture or 'no architecture'}) holds tensors the exporter does not "
                 f"read: {shown}. Ignoring them would change the model's math; supported are the decoder tensors "
-                f"of llama (Llama, Mistral), qwen2 and qwen3 GGUFs, and {ROPE_FREQS}")
+                f"of llama (Llama, Mistral), qwen2, qwen3 and qwen3moe GGUFs, and {ROPE_FREQS}")
         self._map: np.memmap | None = None
         self.config = self._config()
 
@@ -178,7 +238,7 @@ class GGUFSource:
     def _config(self) -> dict:
         arch = self.architecture
         name = str(self.field("general.name") or "").lower()
-        model_type = "mistral" if arch == "llama" and "mistral" in name else arch
+        model_type = "mistral" if arch == "llama" and "mistral" in name else GGUF_ARCHITECTURES[arch]
         config: dict = {"model_type": model_type}
         if model_type in _ARCHITECTURE_CLASSES:
             config["architectures"] = [_ARCHITECTURE_CLASSES[model_type]]
@@ -186,6 +246,8 @@ class GGUFSource:
             value = self.field(f"{arch}.{key}")
             if value is not None:
                 config[hf_key] = value
+        if arch in _MOE_ARCHITECTURES:
+            config.update(self._moe_config(arch))
         rope_dims = self.field(f"{arch}.rope.dimension_count")
         if rope_dims is not None and arch in _HEAD_DIM_FROM_ROPE:
             config["head_dim"] = rope_dims
@@ -228,6 +290,16 @@ class GGUFSource:
         config["rope_parameters"] = rope
         if arch in ("qwen2",):
             config["attention_bias"] = "model.layers.0.self_attn.q_proj.bias" in self._tensors
+        return config
+
+    def _moe_config(self, arch: str) -> dict:
+        """The MoE keys of the config; the dense layers are those without a router tensor."""
+        config = {hf_key: self.field(f"{arch}.{key}") for key, hf_key in _MOE_CONFIG_KEYS.items()
+                  if self.field(f"{arch}.{key}") is not None}
+        layers = self.field(f"{arch}.block_count")
+        if isinstance(layers, int):
+            config["mlp_only_layers"] = [i for i in range(layers) if f"model.layers.{i}.mlp.gate.weight" not in
+                                         self._tensors]
         return config
 
     def _read_rope_freqs(self, head_dim: object) -> np.ndarray:
