@@ -1,5 +1,6 @@
 """The paged scheduler's record of a step in flight (:mod:`engine.paged.scheduler`): its rows and
-what the coordinator reads of it. The scheduler is the one owner of these records and the one writer."""
+what the coordinator reads of it. The scheduler is the one owner of these records and the one writer
+(they sit in its :class:`~engine.paged.stream_book.StreamBook`; :mod:`engine.paged.step_composer` makes them)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,10 @@
 """What the paged scheduler (:mod:`engine.paged.scheduler`) keeps and decides: its
 settings, the state of one stream, and the actions the coordinator carries out.
 
-Only :class:`~engine.paged.scheduler.BatchScheduler` writes a :class:`StreamState` (prefix
-admission, :mod:`engine.paged.prefix_admission`, reads one and returns what to attach to it);
+Only :class:`~engine.paged.scheduler.BatchScheduler` writes a :class:`StreamState` (through its
+book and the two halves it lends it to, :mod:`engine.paged.step_composer` and
+:mod:`engine.paged.outcome_accountant`; prefix admission, :mod:`engine.paged.prefix_admission`,
+reads one and returns what to attach to it);
 the coordinator and the drafter read it (:class:`DraftSubject` is what a drafter needs).
 """
 
@@ -124,8 +126,8 @@ class DraftSubject(Protocol):
 
 @dataclass(eq=False)
 class StreamState:
-    """One request, written only by :class:`~engine.paged.scheduler.BatchScheduler`;
-    prefix admission, the coordinator and the drafter only read it."""
+    """One request, written only by :class:`~engine.paged.scheduler.BatchScheduler` (and the
+    parts it lends its book to); prefix admission, the coordinator and the drafter only read it."""
 
     stream_id: StreamId
     request: GenerationRequest

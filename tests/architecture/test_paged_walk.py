@@ -18,8 +18,9 @@ import grimp
 
 P = "engine.paged."
 # The scheduler and what it decides with: pure, no sockets, no OpenVINO, no loop.
-PURE = tuple(P + m for m in ("scheduler", "flight", "state", "reply", "block_pool", "prefix_blocks", "prefix_admission",
-                             "constraints", "speculation_policy", "step"))
+PURE = tuple(P + m for m in ("scheduler", "stream_book", "step_composer", "outcome_accountant", "flight", "state",
+                             "reply", "block_pool", "prefix_blocks", "prefix_admission", "constraints",
+                             "speculation_policy", "step"))
 # The loop and the I/O around it: what the pure modules must never reach.
 LOOP_AND_IO = tuple(P + m for m in ("coordinator", "ring_path", "worker", "stage", "speculation", "draft_model"))
 # The stages' side of the walk: the outcome goes back on a queue, not by a call into the coordinator.
