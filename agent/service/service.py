@@ -12,9 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
-import json
 import logging
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -32,11 +30,13 @@ from agent.service.fleet_link import (
     async_tell_service,
 )
 from agent.service.machine_load import LoadMeter, fresh_inventory
+from agent.service.pc_facts import async_collect_inventory, battery_on_ac
 from agent.service.settings import AgentSettings, AgentState, load_state, save_settings, save_state
-from agent.service.spare_policy import SpareDecision, spare_decision
+from agent.service.spare_policy import SpareDecision
 from agent.service.standby_spare import StandbySpare
 from agent.service.store import ShardStore, async_fetch
-from agent.service.supervisor import WorkerLaunch, WorkerSupervisor, worker_args
+from agent.service.supervisor import WorkerLaunch, WorkerSupervisor
+from agent.service.worker_launch import spare_decision_now, stage_worker_launch
 from engine import __version__
 from engine.control.enrollment import async_join
 from engine.control.links import LinkMeasurement, async_measure_link
@@ -53,7 +53,6 @@ from engine.discovery.mdns import Advertisement, Advertiser, instance_name
 from engine.errors import DeskfleetError
 from engine.http_limits import LimitedAppRunner
 from engine.machine.this_pc import primary_ipv4
-from engine.suppress import logged_suppress
 from engine.tasks import start_task
 from engine.trust.fleet_ca import Credentials
 from engine.trust.keystore import KeyStore
@@ -66,16 +65,6 @@ REGISTER_INTERVAL_S = 30.0
 WORKER_READY_TIMEOUT_S = 120.0
 DRAIN_TIMEOUT_S = 30.0
 PAUSE_STOP_S = 1.0
-# The stage worker reads peer-policy updates as further JSON lines on stdin (engine.cli.worker).
-WORKER_READS_POLICY_UPDATES = True
-
-
-def battery_on_ac() -> bool | None:
-    """True on mains power, False on battery, None for a PC without a battery."""
-    with logged_suppress(log, "reading the battery state"):
-        battery = psutil.sensors_battery()
-        return None if battery is None else bool(battery.power_plugged)
-    return None
 
 
 class AgentService:
@@ -348,12 +337,8 @@ class AgentService:
                               service_node_id=self._state.service_node_id)
 
     def _spare_decision(self, assignment: Assignment, *, worker_running: bool) -> SpareDecision:
-        available = None
-        with logged_suppress(log, "reading the free memory for the warm-spare decision"):
-            available = psutil.virtual_memory().available
-        pool = self.kv_pool_mb << 20 if assignment.runtime == "paged" else 0
-        return spare_decision(self.settings.warm_spare, stage_bytes=sum(e.size for e in assignment.files()),
-                              available_bytes=available, kv_pool_bytes=pool, worker_running=worker_running)
+        return spare_decision_now(self.settings.warm_spare, assignment, kv_pool_mb=self.kv_pool_mb,
+                                  worker_running=worker_running)
 
     async def async_wait_worker_ready(self, timeout: float = WORKER_READY_TIMEOUT_S) -> None:
         await self._supervisor.async_wait_ready(timeout)
@@ -457,20 +442,10 @@ class AgentService:
     # ---- internals ---------------------------------------------------------------------------
 
     async def _async_collect_inventory(self) -> dict:
-        """The PC's inventory, collected in a short-lived subprocess: OpenVINO costs ~50 MB of RSS
-        that an idle agent should not carry (only the worker needs it)."""
+        """The PC's inventory (the ``inventory`` seam's when given)."""
         if self._inventory_fn is not None:
             return self._inventory_fn()
-        self.store.root.mkdir(parents=True, exist_ok=True)
-        code = ("import json, sys; from pathlib import Path; from engine.machine.inventory import collect_inventory; "
-                "print(json.dumps(collect_inventory(Path(sys.argv[1])).to_dict()))")
-        proc = await asyncio.create_subprocess_exec(sys.executable, "-c", code, str(self.store.root),
-                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-        out, err = await asyncio.wait_for(proc.communicate(), 120)
-        if proc.returncode != 0:
-            log.warning("inventory failed (%s); reporting the CPU only", err.decode(errors="replace")[-300:])
-            return {"devices": [{"name": "CPU", "kind": "CPU", "full_name": "", "memory_bytes": None}]}
-        return json.loads(out)
+        return await async_collect_inventory(self.store.root)
 
     def _require_assignment(self) -> Assignment:
         assignment = self.assignment
@@ -527,16 +502,10 @@ class AgentService:
         creds = self._creds
         if creds is None:
             raise ControlRequestError("join a fleet before serving", 409)
-        host = self.interface
         port = assignment.listen_port or self.settings.data_port
-        args = worker_args(str(self.store.directory(assignment.export_id)), assignment.stage, f"{host}:{port}",
-                           assignment.next_hop, device=assignment.worker.device, threads=assignment.worker.threads,
-                           exact=assignment.worker.exact, tls=True, cache_dir=str(self.state_dir / "compiled"),
-                           paged=assignment.runtime == "paged",
-                           kv_pool_mb=self.kv_pool_mb if assignment.runtime == "paged" else None)
-        secrets = json.dumps({"ca_pem": creds.ca_pem.decode(), "cert_pem": creds.cert_pem.decode(),
-                              "key_pem": creds.key_pem.decode(), **assignment.peer_policy_json()}).encode() + b"\n"
-        return WorkerLaunch(args, secrets, keep_stdin=WORKER_READS_POLICY_UPDATES)
+        return stage_worker_launch(creds, assignment, listen=f"{self.interface}:{port}",
+                                   shard_dir=self.store.directory(assignment.export_id),
+                                   cache_dir=self.state_dir / "compiled", kv_pool_mb=self.kv_pool_mb)
 
     def _on_worker(self, status: WorkerStatus) -> None:
         if status.restarts > self._worker_restarts:  # it died under load: the fleet service fails over now

@@ -3,7 +3,8 @@
 :meth:`Distributor.async_run` publishes the export on the console's hub, sends every agent its
 :class:`~engine.control.messages.Assignment` (listen port, next hop = the next agent's data address, and
 for the last stage the coordinator's return port), starts the fetches and polls the agents'
-status, reporting each agent's bytes as :class:`~console.fleet_api.ring_status.AgentProgress`.
+status, reporting each agent's bytes as :class:`~console.fleet_api.ring_status.AgentProgress`
+(one agent's phases and their progress: :mod:`console.fleet.agent_phases`).
 Once every agent holds verified files it starts the workers, connects the ring (stage 0 in this
 process when the layout says so, mutual TLS with the console's fleet certificate) and checks it
 with a one-token generation.
@@ -39,9 +40,14 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
+from console.fleet.agent_phases import (
+    DistributionTimeouts,
+    ProgressBoard,
+    async_fetch_shard,
+    async_start_stage_worker,
+)
 from console.fleet.errors import (
     AgentFailure,
     AgentsFailedError,
@@ -79,17 +85,6 @@ from engine.wire.address import Address
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class DistributionTimeouts:
-    """Seconds each phase may take; ``poll_s`` is how often agents are asked for their status."""
-
-    fetch_s: float = 1800.0
-    start_s: float = 300.0
-    dial_s: float = 60.0
-    health_s: float = 60.0
-    poll_s: float = 0.2
-
-
 class Distributor:
     """Brings one export up on one ring of agents and keeps its coordinator until closed."""
 
@@ -119,7 +114,7 @@ class Distributor:
         self._pool_mb: dict[str, int] = {}  # control address -> the MiB its agent gives a paged pool
         self.pool_blocks = 0  # a paged ring's pool, fixed when its path opens
         self.timeouts = timeouts or DistributionTimeouts()
-        self._on_progress = on_progress or (lambda progress: None)
+        self._board = ProgressBoard(self.manifest, on_progress or (lambda progress: None))
         self._manifest_json = (self.export_dir / MANIFEST_NAME).read_text(encoding="utf-8")
         self.failover = failover or FailoverSettings()  # read at each failure: may be replaced between them
         self.recovery = RingRecovery(self, standby)
@@ -131,7 +126,6 @@ class Distributor:
         self._node_ids: dict[str, str] = {t.control: t.node_id for t in layout.targets if t.node_id}
         self._unsubscribe: Callable[[], None] | None = None
         self._watch: asyncio.Task | None = None
-        self._progress: dict[AgentTarget, AgentProgress] = {}
         self._stage0: PagedStage | None = None
         self._path: RingEnds | None = None
         self._opened: RingGenerator | None = None  # opened with its path (open_ring), started by _async_connect
@@ -166,7 +160,7 @@ class Distributor:
 
     def progress(self) -> tuple[AgentProgress, ...]:
         """The last progress of every agent, in stage order."""
-        return tuple(self._progress[t] for t in self.layout.targets if t in self._progress)
+        return self._board.progress(self.layout.targets)
 
     async def async_run(self) -> RingHealth:
         """Distribute, start and check the ring; a healthy RingHealth, or AgentsFailedError /
@@ -195,10 +189,10 @@ class Distributor:
         for target, status in zip(self.layout.targets, statuses, strict=True):
             if isinstance(status, AgentStatus):
                 phase = AgentPhase.RUNNING if status.worker.state == "running" else AgentPhase.FAILED
-                agents.append(self._report(target, phase, status, error=status.worker.last_error
+                agents.append(self._board.report(target, phase, status, error=status.worker.last_error
                                            if phase is AgentPhase.FAILED else None))
             else:
-                agents.append(self._report(target, AgentPhase.FAILED, error=status))
+                agents.append(self._board.report(target, AgentPhase.FAILED, error=status))
         if self._coordinator is None:
             return RingHealth(tuple(agents), self.layout.local_stage0, None, 0.0, "the ring is not up")
         started = time.perf_counter()
@@ -354,10 +348,10 @@ class Distributor:
             client = self.client(target.control)
             await client.async_probe()
         except ControlError as exc:
-            return self._fail(target, str(exc))
+            return self._board.fail(target, str(exc))
         node_id = client.peer_node_id
         if node_id is None or node_id in self.host.hub.deny:
-            return self._fail(target, "its certificate was revoked by the console (it was removed); re-plan "
+            return self._board.fail(target, "its certificate was revoked by the console (it was removed); re-plan "
                               "without it")
         self._node_ids[target.control] = node_id
         return None
@@ -368,16 +362,16 @@ class Distributor:
         try:
             status = await self.client(target.control).async_status()
         except ControlError as exc:
-            return self._fail(target, str(exc))
+            return self._board.fail(target, str(exc))
         if status.kv_pool_mb is None:
-            return self._fail(target, "its agent reports no KV pool budget: it is too old to serve a paged ring; "
+            return self._board.fail(target, "its agent reports no KV pool budget: it is too old to serve a paged ring; "
                               "update Deskfleet on that PC", status)
         self._pool_mb[target.control] = status.kv_pool_mb
         if self.pool_blocks:
             why = pool_refusal(self.manifest, self.worker, target.stage, target.label, status.kv_pool_mb,
                                self.pool_blocks)
             if why is not None:
-                return self._fail(target, why, status)
+                return self._board.fail(target, why, status)
         return None
 
     def _assignment(self, target: AgentTarget, return_port: int, layout: RingLayout | None = None) -> Assignment:
@@ -410,70 +404,22 @@ class Distributor:
                 log.warning("distribution: %s (stage %d): %s", failure.agent, failure.stage, failure.message)
             raise AgentsFailedError(failures)
 
-    def _fail(self, target: AgentTarget, message: str, status: AgentStatus | None = None) -> AgentFailure:
-        self._report(target, AgentPhase.FAILED, status, error=message)
-        return AgentFailure(target.label, target.stage, message)
-
     async def _async_fetch(self, target: AgentTarget, assignment: Assignment) -> AgentFailure | None:
         client = self.client(target.control)
         try:
-            self._report(target, AgentPhase.ASSIGNING)
+            self._board.report(target, AgentPhase.ASSIGNING)
             self.host.hub.grant(client.node_id or "", self.export_id, [target.stage])
             await client.async_assign(assignment)
             self._sent[target.control] = assignment
-            status = await client.async_status()
-            if status.worker.state == "running":  # the same assignment as before: still serving
-                self._report(target, AgentPhase.RUNNING, status)
-                return None
-            await client.async_fetch()
-            deadline = time.monotonic() + self.timeouts.fetch_s
-            while True:
-                status = await client.async_status()
-                if status.export_id != self.export_id or status.stage != target.stage:
-                    return self._fail(target, f"it was given another assignment ({status.export_id} stage "
-                                      f"{status.stage}) while fetching; is another console managing it?", status)
-                if status.fetch.error:
-                    return self._fail(target, f"fetching its shard failed: {status.fetch.error}", status)
-                if status.fetch.finished:
-                    self._report(target, AgentPhase.VERIFIED, status)
-                    return None
-                self._report(target, AgentPhase.FETCHING, status)
-                if time.monotonic() > deadline:
-                    return self._fail(target, f"the fetch did not finish within {self.timeouts.fetch_s:.0f} s "
-                                      f"({status.fetch.done_bytes} of {status.fetch.total_bytes} bytes); check "
-                                      "its network to the console and run the distribution again", status)
-                await asyncio.sleep(self.timeouts.poll_s)
+            return await async_fetch_shard(client, target, self.export_id, self._board, self.timeouts)
         except ControlError as exc:
-            return self._fail(target, str(exc))
+            return self._board.fail(target, str(exc))
 
     async def _async_start_worker(self, target: AgentTarget) -> AgentFailure | None:
-        client = self.client(target.control)
         try:
-            status = await client.async_status()
-            if status.worker.state != "running":
-                self._report(target, AgentPhase.STARTING, status)
-                await client.async_start_worker()
-            deadline = time.monotonic() + self.timeouts.start_s
-            while True:
-                status = await client.async_status()
-                worker = status.worker
-                if worker.state == "running":
-                    self._report(target, AgentPhase.RUNNING, status)
-                    return None
-                if status.state == "paused":  # before the worker check: a paused agent's worker is stopped
-                    return self._fail(target, f"it is paused ({', '.join(status.paused_reasons)}); its worker "
-                                      "starts when the pause ends. Run the distribution again then, or re-plan "
-                                      "without this PC", status)
-                if worker.state in ("failed", "stopped"):
-                    return self._fail(target, f"its stage worker {worker.state}: "
-                                      f"{worker.last_error or 'no reason given'}; see the agent's log", status)
-                if time.monotonic() > deadline:
-                    return self._fail(target, f"its stage worker was not running within {self.timeouts.start_s:.0f} s "
-                                      f"(state {worker.state}: {worker.last_error or 'no error yet'})", status)
-                self._report(target, AgentPhase.STARTING, status)
-                await asyncio.sleep(self.timeouts.poll_s)
+            return await async_start_stage_worker(self.client(target.control), target, self._board, self.timeouts)
         except ControlError as exc:
-            return self._fail(target, str(exc))
+            return self._board.fail(target, str(exc))
 
     async def _async_stop_worker(self, target: AgentTarget) -> None:
         try:
@@ -624,19 +570,3 @@ class Distributor:
             raise RingUnhealthyError(f"the ring is not healthy: {health.error or '; '.join(failing)}. "
                                      "Run the distribution again to rebuild it.")
         return health
-
-    # -- progress ------------------------------------------------------------------------------------
-
-    def _report(self, target: AgentTarget, phase: AgentPhase, status: AgentStatus | None = None,
-                error: str | None = None) -> AgentProgress:
-        total = sum(e.size for e in self.manifest.stages[target.stage].files)
-        done = 0
-        if status is not None and status.fetch.total_bytes:
-            done, total = status.fetch.done_bytes, status.fetch.total_bytes
-        if phase in (AgentPhase.VERIFIED, AgentPhase.STARTING, AgentPhase.RUNNING):
-            done = total
-        progress = AgentProgress(target.label, target.stage, phase, done, total, error)
-        if self._progress.get(target) != progress:
-            self._progress[target] = progress
-            self._on_progress(progress)
-        return progress
