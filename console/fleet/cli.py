@@ -30,7 +30,7 @@ RUN_VALUE_NAME = "Deskfleet fleet"
 def configure(p: argparse.ArgumentParser) -> None:
     from console.fleet.tag_cli import add_arguments as add_tag_arguments
     from console.fleet.tokens_cli import add_arguments as add_token_arguments
-    from console.fleet_api.fleet_settings import API_PORT, ENROLLMENT_PORT, HUB_PORT
+    from console.fleet_api.fleet_settings import add_listen_arguments
 
     p.add_argument("action", nargs="?", default="run", choices=("run", "admin-cert", "autostart", "tokens", "tag"),
                    help="run (default): serve the fleet; admin-cert NAME --out DIR: issue an admin certificate "
@@ -45,15 +45,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--state-dir", type=Path, default=None,
                    help="where the fleet CA, approvals, models, exports and the served rings live (default: the "
                         "per-user data directory, the fleet service's)")
-    p.add_argument("--interface", default=None, metavar="ADDR",
-                   help="IPv4 address to serve agents and browse mDNS on (default: the address of the default "
-                        "route's interface; 127.0.0.1 keeps everything on this PC)")
-    p.add_argument("--api-port", type=int, default=API_PORT,
-                   help=f"port of the OpenAI-compatible API over every ring (default {API_PORT}; 0: any free)")
-    p.add_argument("--enrollment-port", type=int, default=ENROLLMENT_PORT,
-                   help=f"port where PCs redeem join tokens (default {ENROLLMENT_PORT}; 0: any free)")
-    p.add_argument("--hub-port", type=int, default=HUB_PORT,
-                   help=f"port of the shard hub and unicast registration (default {HUB_PORT}; 0: any free)")
+    add_listen_arguments(p)
     p.add_argument("--data-port", type=int, default=None,
                    help="port agents' stage workers listen on (default 7211; 0: free ports, agents on this PC only)")
     p.add_argument("--admin-port", type=int, default=ADMIN_PORT,

@@ -10,6 +10,7 @@ name (``deskfleet/console``): enrolled fleets' CA and state live there.
 
 from __future__ import annotations
 
+import argparse
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,20 @@ ENROLLMENT_PORT = 7220
 HUB_PORT = 7221
 API_PORT = 8000
 DEFAULT_DATA_PORT = 7211  # an agent's default data port (agent.service.settings.AgentSettings)
+
+
+def add_listen_arguments(p: argparse.ArgumentParser) -> None:
+    """The fleet service's interface and ports, for `deskfleet fleet` and for the local service
+    `deskfleet console` starts."""
+    p.add_argument("--interface", default=None, metavar="ADDR",
+                   help="IPv4 address to serve agents and browse mDNS on (default: the address of the default "
+                        "route's interface; 127.0.0.1 keeps everything on this PC)")
+    p.add_argument("--api-port", type=int, default=API_PORT,
+                   help=f"port of the OpenAI-compatible API over every ring (default {API_PORT}; 0: any free)")
+    p.add_argument("--enrollment-port", type=int, default=ENROLLMENT_PORT,
+                   help=f"port where PCs redeem join tokens (default {ENROLLMENT_PORT}; 0: any free)")
+    p.add_argument("--hub-port", type=int, default=HUB_PORT,
+                   help=f"port of the shard hub and unicast registration (default {HUB_PORT}; 0: any free)")
 
 
 def default_state_dir() -> Path:

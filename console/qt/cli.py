@@ -10,20 +10,12 @@ from engine.cli.main import Command
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    from console.fleet_api.fleet_settings import API_PORT, ENROLLMENT_PORT, HUB_PORT
+    from console.fleet_api.fleet_settings import add_listen_arguments
 
     p.add_argument("--state-dir", type=Path, default=None,
                    help="where the fleet CA, approvals, models and exports live (default: the per-user data "
                         "directory); the CA is created there on the first run")
-    p.add_argument("--interface", default=None, metavar="ADDR",
-                   help="IPv4 address to serve agents and browse mDNS on (default: the address of the default "
-                        "route's interface; 127.0.0.1 keeps everything on this PC)")
-    p.add_argument("--api-port", type=int, default=API_PORT,
-                   help=f"port of the OpenAI-compatible API over the fleet (default {API_PORT}; 0: any free)")
-    p.add_argument("--enrollment-port", type=int, default=ENROLLMENT_PORT,
-                   help=f"port where PCs redeem join tokens (default {ENROLLMENT_PORT}; 0: any free)")
-    p.add_argument("--hub-port", type=int, default=HUB_PORT,
-                   help=f"port of the shard hub and unicast registration (default {HUB_PORT}; 0: any free)")
+    add_listen_arguments(p)
     p.add_argument("--service", default=None, metavar="https://HOST:PORT",
                    help="the admin API of a fleet service on another PC (with --admin-cert); default: the local "
                         "service over --state-dir, started in the background when none runs (it keeps serving after "
