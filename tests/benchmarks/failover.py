@@ -374,7 +374,8 @@ def render(result: dict[str, Any], json_path: Path) -> str:
     return "\n".join([
         "## Failover: a PC lost mid-answer",
         "",
-        f"`{COMMAND_LINE}` → `{json_path.as_posix()}` ({_machine(result['machine'])}). Default model, 2 INT4 "
+        f"`{result.get('command', COMMAND_LINE)}` → `{json_path.as_posix()}` ({_machine(result['machine'])}). "
+        "Default model, 2 INT4 "
         f"stages on two agents (one inference thread each) and a standby agent, real TLS on loopback, the paged "
         f"runtime (token budget {result.get('token_budget', '-')}); warm spares "
         f"{spare}; a "
@@ -417,13 +418,26 @@ def render(result: dict[str, Any], json_path: Path) -> str:
     ])
 
 
+def command_line(args: argparse.Namespace) -> str:
+    """The command as run: the options that differ from their defaults (``--json``/``--doc`` aside)."""
+    defaults = {"rounds": 3, "prompt_tokens": 400, "step_timeout": 10.0, "exact": False, "warm_spare": "on",
+                "pipeline": "on", "modes": ",".join(MODES), "total_tokens": TOTAL_TOKENS, "export": None}
+    parts = [COMMAND_LINE]
+    for name, default in defaults.items():
+        value = getattr(args, name)
+        if value != default:
+            flag = "--" + name.replace("_", "-")
+            parts.append(flag if value is True else f"{flag} {value}")
+    return " ".join(parts)
+
+
 def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="deskfleet-bench-failover-") as tmp:
         work = Path(tmp)
         os.environ["DESKFLEET_KEYRING_DIR"] = str(work / "keyring")  # never the real keyring
         machine = machine_info()
         result = asyncio.run(_async_bench(args, work))
-    result = {"benchmark": "failover", "command": COMMAND_LINE, "machine": machine, **result}
+    result = {"benchmark": "failover", "command": command_line(args), "machine": machine, **result}
     write_json(args.json, result)
     update_section(args.doc, "failover", render(result, args.json))
     print(render(result, args.json))
