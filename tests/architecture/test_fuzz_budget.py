@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
+from pathlib import Path
 
 TARGETS = {  # target -> modules holding its fuzz tests
     "wire protocol": ("tests.wire.test_wire_fuzz", "tests.wire.test_transport_live",
@@ -20,6 +21,7 @@ TARGETS = {  # target -> modules holding its fuzz tests
     "mDNS": ("tests.discovery.test_fuzz_mdns",),
 }
 MINIMUM = 10_000
+SECURITY_DOC = Path(__file__).resolve().parents[2] / "docs" / "SECURITY.md"
 
 
 def declared(module_name: str) -> dict[str, int]:
@@ -34,6 +36,22 @@ def declared(module_name: str) -> dict[str, int]:
             if live:
                 counts[f"{module_name}.{name} (live frames)"] = int(live.group(1))
     return counts
+
+
+def per_target_totals() -> dict[str, int]:
+    return {target: sum(v for m in modules for v in declared(m).values()) for target, modules in TARGETS.items()}
+
+
+def documented_totals() -> dict[str, int]:
+    """The "Fuzz budget" table of docs/SECURITY.md: target -> cases per run (the total row included)."""
+    section = SECURITY_DOC.read_text(encoding="utf-8").split("## Fuzz budget", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\|\s*\**([^|*]+?)\**\s*\|\s*\**([\d,]+)\**\s*\|$", section, flags=re.M)
+    return {name.strip(): int(count.replace(",", "")) for name, count in rows}
+
+
+def test_security_doc_states_the_fuzz_budget_the_tests_declare():
+    totals = per_target_totals()
+    assert documented_totals() == {**totals, "total": sum(totals.values())}
 
 
 def test_at_least_ten_thousand_hostile_inputs_are_generated():
