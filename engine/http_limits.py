@@ -22,7 +22,9 @@ So a slow or silent client can delay nobody: its connections go first when someo
 slot, and go anyway after the deadline. The policy is :class:`ConnectionCounter` (pure, no
 sockets); :class:`_Counted` wraps aiohttp's per-connection protocol and carries it out. Over TLS
 the count applies once the handshake is done (asyncio hands the connection to the protocol then);
-the handshake itself is bounded by asyncio's 60 s handshake timeout.
+the handshake itself must end within ``header_timeout_s`` (:class:`LimitedSite`, every listener's
+site; asyncio's default would be 60 s), so a silent TLS client holds a file descriptor no longer
+than a trickling HTTP one.
 """
 
 from __future__ import annotations
@@ -313,3 +315,26 @@ class LimitedAppRunner(web.AppRunner):
         if inner is None:
             return None
         return lambda: _Counted(inner(), self)
+
+
+class LimitedSite(web.TCPSite):
+    """A TCP site of a :class:`LimitedAppRunner` whose TLS handshakes end within the runner's header
+    deadline: a peer that opens a connection and never finishes its handshake is dropped then."""
+
+    def __init__(self, runner: LimitedAppRunner, host: str | None, port: int | None, **kwargs: Any) -> None:
+        super().__init__(runner, host, port, **kwargs)
+        self._handshake_timeout_s = runner.connections.limits.header_timeout_s
+
+    async def start(self) -> None:
+        if self._ssl_context is None:
+            await super().start()
+            return
+        await web.BaseSite.start(self)
+        server = self._runner.server
+        assert server is not None
+        self._server = await asyncio.get_running_loop().create_server(
+            server, self._host, self._port, ssl=self._ssl_context, backlog=self._backlog,
+            reuse_address=self._reuse_address, reuse_port=self._reuse_port,
+            ssl_handshake_timeout=self._handshake_timeout_s)
+        sockets = self._server.sockets
+        self._bound_port = sockets[0].getsockname()[1] if sockets else self._port

@@ -51,7 +51,7 @@ from engine.discovery.advertisement import AgentState as RunState  # not the sta
 from engine.discovery.join_service import async_find_consoles
 from engine.discovery.mdns import Advertisement, Advertiser, instance_name
 from engine.errors import DeskfleetError
-from engine.http_limits import LimitedAppRunner
+from engine.http_limits import LimitedAppRunner, LimitedSite
 from engine.machine.this_pc import primary_ipv4
 from engine.tasks import start_task
 from engine.trust.fleet_ca import Credentials
@@ -462,7 +462,7 @@ class AgentService:
         app = build_app(self)
         self._runner = LimitedAppRunner(app, access_log=None, handler_cancellation=True, what="control API")
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.interface, self.settings.control_port,
+        site = LimitedSite(self._runner, self.interface, self.settings.control_port,
                            ssl_context=self._creds.server_context())
         await site.start()
         self._control_port = self._runner.addresses[0][1]

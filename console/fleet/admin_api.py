@@ -54,7 +54,7 @@ from console.fleet_api.errors import FleetServiceError
 from console.fleet_api.feed import EventKind
 from engine.api.guard import JSON_TYPE, LOOPBACK_NAMES, host_name, is_ip
 from engine.errors import DeskfleetError, TagError, TokenPolicyError
-from engine.http_limits import LimitedAppRunner
+from engine.http_limits import LimitedAppRunner, LimitedSite
 from engine.trust.fleet_ca import ADMIN_ROLES, Role, peer_role
 
 FleetService = Any  # console.fleet.fleet_service.FleetService: it imports this module, never the reverse
@@ -490,7 +490,7 @@ async def async_run_admin(service: FleetService, stack: contextlib.AsyncExitStac
         return None
     # a revoked admin certificate ends the handshake (and the guard refuses it on a kept-alive connection)
     ctx: ssl.SSLContext = service.host.credentials.server_context(admit=ADMIN_ROLES, refuse=app[ADMIN_CERTS].refusal)
-    site = web.TCPSite(runner, settings.admin_host, settings.admin_port, ssl_context=ctx)
+    site = LimitedSite(runner, settings.admin_host, settings.admin_port, ssl_context=ctx)
     try:
         await site.start()
     except OSError as exc:

@@ -73,7 +73,7 @@ from engine.errors import DeskfleetError, GenerationError, TokenizerError
 from engine.generation.generator import Generator, ModelCard, OverloadedError, UnavailableError
 from engine.generation.ring_report import RingStatus, overall_status
 from engine.generation.router import Router, UnknownModelError
-from engine.http_limits import LimitedAppRunner
+from engine.http_limits import LimitedAppRunner, LimitedSite
 from engine.trust.key_book import KeyBook, KeyBookError
 
 log = logging.getLogger("deskfleet.api")
@@ -469,7 +469,7 @@ async def async_run_api(generator: Generator, tokenizer: Tokenizers, settings: A
     runner = LimitedAppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout, what="OpenAI API")
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
+        site = LimitedSite(runner, host, port, ssl_context=ssl_context)
         await site.start()
     except OSError as exc:
         await runner.cleanup()

@@ -51,7 +51,7 @@ from engine.errors import (
     TokenBookError,
     WrongFleetError,
 )
-from engine.http_limits import DEFAULT_LIMITS, ConnectionLimits, LimitedAppRunner
+from engine.http_limits import DEFAULT_LIMITS, ConnectionLimits, LimitedAppRunner, LimitedSite
 from engine.trust.fleet_ca import (
     LEAF_DAYS,
     Credentials,
@@ -136,7 +136,7 @@ class EnrollmentServer:
                                   what="enrollment endpoint")
         await runner.setup()
         try:
-            site = web.TCPSite(runner, host, port,
+            site = LimitedSite(runner, host, port,
                                ssl_context=self._credentials.server_context(verify_clients=False))
             await site.start()
         except OSError as exc:

@@ -39,7 +39,7 @@ from engine.control.hub_events import (
 )
 from engine.control.messages import ControlRequestError, decode_body
 from engine.errors import ManifestError
-from engine.http_limits import DEFAULT_LIMITS, ConnectionLimits, LimitedAppRunner
+from engine.http_limits import DEFAULT_LIMITS, ConnectionLimits, LimitedAppRunner, LimitedSite
 from engine.shards.manifest import FileEntry, load_manifest, safe_join
 from engine.trust.fleet_ca import Credentials, peer_node_id
 
@@ -148,7 +148,7 @@ class FleetHub:
         app.router.add_post("/v1/events", self._event)
         self._runner = LimitedAppRunner(app, access_log=None, limits=self.limits, what="fleet hub")
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port, ssl_context=self.credentials.server_context())
+        site = LimitedSite(self._runner, host, port, ssl_context=self.credentials.server_context())
         await site.start()
         self.host, self.port = host, self._runner.addresses[0][1]
         return self.host, self.port

@@ -174,3 +174,23 @@ def test_every_http_listener_uses_the_limited_runner():
                    "console.fleet.admin_api"):
         source = inspect.getsource(importlib.import_module(module))
         assert "LimitedAppRunner(" in source and "web.AppRunner(" not in source, module
+        assert "web.TCPSite(" not in source, module  # LimitedSite: its TLS handshakes end at the header deadline
+
+
+def test_a_silent_tls_client_is_dropped_at_the_header_deadline(enrolment):
+    """A stranger that connects and never starts its TLS handshake holds the socket only until the
+    header deadline (1 s here), not asyncio's default 60 s."""
+    server = enrolment()
+
+    async def main():
+        _, port = await server.async_start("127.0.0.1", 0)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.2", 0))
+        try:
+            return await asyncio.wait_for(reader.read(), GUARD_S)  # b"" once the server closes it
+        except TimeoutError:
+            return None
+        finally:
+            writer.close()
+            await server.async_close()
+
+    assert run(main(), 60) == b""
