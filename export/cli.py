@@ -1,4 +1,4 @@
-"""``deskfleet export`` and ``deskfleet models``.
+"""``deskfleet export`` and ``deskfleet models`` (its actions in :mod:`export.models_cli`).
 
 This module imports nothing heavy at load time: the CLI lists these commands even on a stage PC
 without the export extra, and running them there explains which extra to install. The CPU/GPU
@@ -120,18 +120,18 @@ def run_export(args: argparse.Namespace) -> int:
 
 
 def configure_models(p: argparse.ArgumentParser) -> None:
-    pass
+    from export.models_cli import configure
+
+    configure(p)
 
 
 def run_models(args: argparse.Namespace) -> int:
-    # here: model sources load only for `deskfleet models`, not for `--help`
-    from export.sources import format_models_table, list_models
+    from export.models_cli import run
 
-    print(format_models_table(list_models()))
-    return 0
+    return run(args)
 
 
 EXPORT = Command(name="export", help="export a model into per-stage OpenVINO shards",
                  configure=configure_export, run=run_export)
-MODELS = Command(name="models", help="list the models available for export",
+MODELS = Command(name="models", help="list the models on this PC, pull one from the hub, add one to the fleet",
                  configure=configure_models, run=run_models)

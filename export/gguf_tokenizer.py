@@ -65,20 +65,27 @@ class _Model:
     adds_bos: bool
 
 
-def tokenizer_files(metadata: Mapping[str, Any]) -> dict[str, str]:
-    """File name -> text of the HF tokenizer files, from a GGUF's metadata (key -> plain value,
-    as :attr:`export.weights.gguf_source.GGUFSource.metadata` holds it)."""
-    meta = {key: value for key, value in metadata.items() if key.startswith("tokenizer.")}
-    kind = meta.get("tokenizer.ggml.model")
+def check_tokenizer_kind(metadata: Mapping[str, Any]) -> tuple[str, str]:
+    """The GGUF's tokenizer model and pre-tokenizer, or GGUFTokenizerError when this converter does not
+    support them (read from the header alone: ``deskfleet models`` asks this of every GGUF it lists)."""
+    kind = metadata.get("tokenizer.ggml.model")
     if kind not in _MODELS:
         raise GGUFTokenizerError(
             f"this GGUF's tokenizer is {kind!r}; supported: {supported()}. "
             "Use an HF checkpoint directory with its tokenizer.json instead")
-    pre = str(meta.get("tokenizer.ggml.pre") or "default")
+    pre = str(metadata.get("tokenizer.ggml.pre") or "default")
     if kind == "gpt2" and pre not in SPLITS:
         raise GGUFTokenizerError(
             f"this GGUF's pre-tokenizer {pre!r} is not supported; supported: {supported()}. "
             "Use an HF checkpoint directory with its tokenizer.json instead")
+    return str(kind), pre
+
+
+def tokenizer_files(metadata: Mapping[str, Any]) -> dict[str, str]:
+    """File name -> text of the HF tokenizer files, from a GGUF's metadata (key -> plain value,
+    as :attr:`export.weights.gguf_source.GGUFSource.metadata` holds it)."""
+    meta = {key: value for key, value in metadata.items() if key.startswith("tokenizer.")}
+    kind, pre = check_tokenizer_kind(meta)
     tokens: list[str] = list(meta.get("tokenizer.ggml.tokens") or [])
     if not tokens:
         raise GGUFTokenizerError("this GGUF has no tokenizer vocabulary; it cannot be chatted with")

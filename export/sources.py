@@ -178,7 +178,7 @@ def resolve_model(
             f"{path} does not exist. Pass an HF checkpoint directory (config.json + "
             "*.safetensors), a .gguf file, or nothing for the embedded default model."
         )
-    path = path.resolve()
+    path = path.resolve() if path.is_dir() else path.parent.resolve() / path.name  # a link keeps its .gguf name
     if path.is_dir():
         check_hf_checkpoint(path)
         return ModelSource(path.name, "hf", path, path)

@@ -42,7 +42,7 @@ def check_model_path(path: Path) -> ModelEntry:
     if not path.exists():
         raise ModelPathError(f"{path} does not exist. Add an HF checkpoint directory (config.json + "
                              "*.safetensors) or a .gguf file.")
-    path = path.resolve()
+    path = path.resolve() if path.is_dir() else path.parent.resolve() / path.name  # a link keeps its .gguf name
     if path.is_dir():
         try:
             check_hf_checkpoint(path)
