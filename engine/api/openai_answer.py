@@ -302,12 +302,23 @@ class Answer:
         """The whole (non-streamed) answer, once every choice has ended."""
         async for _ in self._deltas:
             pass
-        return completion_response(self._params.kind, self._model, [b.choice() for b in self._builders],
-                                   self.usage())
+        return completion_response(self._params.kind, self._model, self.choices(), self.usage())
 
     async def first(self) -> None:
         """Wait for the first token's deltas (so that a refusal, 429 or 503, can still be an HTTP status)."""
         self._ready = await anext(self._deltas, None)
+
+    async def deltas(self) -> AsyncGenerator[Deltas, None]:
+        """The choices' streamed deltas after :meth:`first`, as they become ready (for another shape
+        of stream: :mod:`engine.api.responses_answer`)."""
+        ready = self._ready
+        while ready is not None:
+            yield ready
+            ready = await anext(self._deltas, None)
+
+    def choices(self) -> list[dict[str, Any]]:
+        """Each choice's whole body, once the answer has ended (as :meth:`whole` gives them)."""
+        return [b.choice() for b in self._builders]
 
     async def events(self) -> AsyncGenerator[bytes, None]:
         """The answer's server-sent events after :meth:`first`: the opening chunks, a chunk per
@@ -315,11 +326,9 @@ class Answer:
         chunks = CompletionChunks(self._params.kind, self._model, self._params.include_usage, self._params.n)
         for chunk in chunks.opening():
             yield sse_event(chunk)
-        ready = self._ready
-        while ready is not None:
+        async for ready in self.deltas():
             for choice in ready:
                 yield sse_event(chunks.chunk(choice))
-            ready = await anext(self._deltas, None)
         if self._params.include_usage:
             yield sse_event(chunks.usage(self.usage()))
         yield sse_event("[DONE]")

@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import logging
 import ssl
 import time
@@ -68,6 +69,9 @@ from engine.api.openai_schema import (
     parse_json_body,
     requested_model,
 )
+from engine.api.response_store import ResponseStore
+from engine.api.responses_answer import ResponseShape
+from engine.api.responses_schema import output_conversation, parse_response_request
 from engine.api.share import StreamShares
 from engine.errors import DeskfleetError, GenerationError, TokenizerError
 from engine.generation.generator import Generator, ModelCard, OverloadedError, UnavailableError
@@ -195,6 +199,7 @@ class _Api:
         shares = StreamShares(settings.key_streams or max(1, settings.max_concurrent // 2))
         self.admission = Admission(self.keys, shares)
         self.generation = Generation(self.router, tokenizer, settings, limiter, self.metrics)
+        self.responses = ResponseStore()  # /v1/responses kept for GET, DELETE and previous_response_id
 
     def _pending(self) -> frozenset[str]:
         """The features refused now: the settings' pending ones that some ring does not honour
@@ -375,6 +380,87 @@ class _Api:
             request[_ASKED_FOR] = asked
         return parse_completion(body, kind, served, pending=pending, max_prompt_tokens=self.settings.max_prompt_tokens)
 
+    # -- /v1/responses: the same four stages, a Responses body parsed and a Response shaped ----------
+
+    async def respond(self, request: web.Request) -> web.StreamResponse:
+        """Answer POST /v1/responses (:mod:`engine.api.responses_schema` parses it into the chat request
+        it means; :mod:`engine.api.responses_answer` shapes the answer)."""
+        started, caller, tally = time.perf_counter(), request.get(CALLER, ANONYMOUS), Tally()
+        try:
+            with self.door.enter(caller):
+                body = parse_json_body(await self._read_body(request))
+                if (asked := requested_model(body)) is not None:
+                    request[_ASKED_FOR] = asked
+                previous = self._previous(caller, body.get("previous_response_id"))
+                params = parse_response_request(body, [c.name for c in self.router.models()], previous=previous,
+                                                pending=self._pending(),
+                                                max_prompt_tokens=self.settings.max_prompt_tokens)
+                chat = params.chat
+                with self.admission.admit(caller, chat, request.get(_TOKEN)) as admitted:
+                    prepared = await self.generation.prepare(chat, admitted, tally)
+                    placed = functools.partial(_served_by, request, prepared.card.name)
+                    streams = self.generation.streams(prepared, admitted, tally, started, placed)
+                    shape = ResponseShape(params, prepared.card.name)
+                    async with contextlib.aclosing(Answer(chat, prepared, streams, tally)) as answer:
+
+                        def ending() -> tuple[dict[str, Any], dict[str, int]]:
+                            choice = answer.choices()[0]
+                            if params.store:
+                                conversation = (*params.conversation, *output_conversation(choice["message"]))
+                                self.responses.put(caller.name, shape.whole(choice, answer.usage()), conversation)
+                            return choice, answer.usage()
+
+                        if chat.stream:
+                            await answer.first()
+                            return await self._send_events(request, shape.events(answer.deltas(), ending))
+                        await answer.whole()
+                        choice, usage = ending()
+                        return web.json_response(shape.whole(choice, usage))
+        finally:
+            request[_USAGE] = (tally.prompt_tokens, tally.completion_tokens)
+
+    def _previous(self, caller: Caller, previous_id: Any) -> tuple[dict[str, Any], ...]:
+        if previous_id is None:
+            return ()
+        stored = self.responses.get(caller.name, previous_id) if isinstance(previous_id, str) else None
+        if stored is None:
+            raise ApiError(404, f"previous_response_id {str(previous_id)[:80]!r} names no response kept for this "
+                           "key (responses are kept a day, and not across a restart of the service); send the "
+                           "whole conversation in 'input' instead", "response_not_found", param="previous_response_id")
+        return stored.conversation
+
+    async def get_response(self, request: web.Request) -> web.Response:
+        stored = self.responses.get(request.get(CALLER, ANONYMOUS).name, request.match_info["id"])
+        if stored is None:
+            raise ApiError(404, f"no response {request.match_info['id'][:80]!r} is kept for this key",
+                           "response_not_found")
+        return web.json_response(stored.response)
+
+    async def delete_response(self, request: web.Request) -> web.Response:
+        response_id = request.match_info["id"]
+        if not self.responses.delete(request.get(CALLER, ANONYMOUS).name, response_id):
+            raise ApiError(404, f"no response {response_id[:80]!r} is kept for this key", "response_not_found")
+        return web.json_response({"id": response_id, "object": "response.deleted", "deleted": True})
+
+    async def _send_events(self, request: web.Request, events: Any) -> web.StreamResponse:
+        """Stream ``events`` (bytes) as server-sent events; an error after the headers goes in-band."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                               "X-Accel-Buffering": "no"})
+        await response.prepare(request)
+        try:
+            async for event in events:
+                await response.write(event)
+        except ConnectionResetError:
+            request[_GONE] = True
+        except Exception as exc:
+            error = api_error_from(exc)
+            if error.status == 500:
+                log.exception("generation failed mid-stream")
+            with contextlib.suppress(ConnectionResetError):
+                await response.write(f"event: error\ndata: {json.dumps({'type': 'error', **error.body()['error']})}"
+                                     "\n\n".encode())
+        return response
+
     async def _send_stream(self, request: web.Request, answer: Answer) -> web.StreamResponse:
         # Wait for the first token before sending headers so refusals (429/503) keep their status.
         await answer.first()
@@ -415,6 +501,9 @@ def build_app(generator: Generator, tokenizer: Tokenizers, settings: ApiSettings
     app[API_STATE] = api
     app.router.add_post("/v1/chat/completions", functools.partial(api.complete, "chat"))
     app.router.add_post("/v1/completions", functools.partial(api.complete, "text"))
+    app.router.add_post("/v1/responses", api.respond)
+    app.router.add_get("/v1/responses/{id}", api.get_response)
+    app.router.add_delete("/v1/responses/{id}", api.delete_response)
     app.router.add_get("/v1/models", api.models)
     app.router.add_get("/v1/models/{model}", api.model)
     app.router.add_get("/health", api.health)
