@@ -1,7 +1,7 @@
 """Hostile input against the live OpenAI-compatible API over a tiny-model coordinator (issue 7).
 
 One server for the module (4 slots, exact f32 so greedy tokens cannot depend on batching).
-Hypothesis builds /v1/chat/completions and /v1/completions bodies field by field, each field
+Hypothesis builds /v1/chat/completions, /v1/completions and /v1/responses bodies field by field, each field
 absent, valid or hostile (wrong types, huge numbers, NaN, lone surrogates, token ids far past the
 vocabulary, stream flag combinations), and sends random methods, paths, raw bodies, content
 types and API keys. The pure request parser and the tokenizer predict each answer: a valid
@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 from engine.api.generate import prompt_ids, to_generation_request
 from engine.api.openai_schema import ApiError, check_prompt_chars, parse_completion
+from engine.api.responses_schema import parse_response_request
 from engine.api.server import ApiSettings
 from engine.errors import GenerationError, TokenizerError
 from tests.support.fuzz_helpers import (
@@ -46,7 +47,8 @@ from tests.support.fuzz_helpers import (
 
 pytestmark = LIVE_FUZZ
 
-CASES = {"OpenAI API: chat bodies": 900, "OpenAI API: completion bodies": 600, "OpenAI API: raw requests": 2000}
+CASES = {"OpenAI API: chat bodies": 900, "OpenAI API: completion bodies": 600, "OpenAI API: raw requests": 2000,
+         "OpenAI API: responses bodies": 400}
 KEY = "sk-fuzz-key"
 SETTINGS = ApiSettings(api_key=KEY, max_body_bytes=64 << 10, max_prompt_tokens=480, default_max_tokens=3,
                        max_tokens_limit=16, max_concurrent=16)
@@ -308,7 +310,8 @@ def test_fuzz_completion_bodies(live):
     _fuzz_bodies(live, "text", "OpenAI API: completion bodies")
 
 
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/x", "/health", "/metrics")
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/x", "/health", "/metrics",
+          "/v1/responses", "/v1/responses/resp_x")
 AUTH_VARIANTS = ({"Authorization": f"Bearer {KEY}"}, {}, {"Authorization": "Bearer wrong"},
                  {"Authorization": f"Basic {KEY}"}, {"Authorization": f"bearer  {KEY} "},
                  {"Authorization": "Bearer " + "x" * 4000}, {"Authorization": f"Bearer {KEY}\u00e9"})
@@ -354,3 +357,93 @@ def test_fuzz_raw_requests(live):
     case()
     assert len(ran) >= CASES["OpenAI API: raw requests"]
     live.neighbour.check(since)
+
+
+# -- /v1/responses: the same checks, the Responses parser as the oracle --------------------------
+
+FUNCTION = {"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string"}}}}
+item = st.one_of(
+    st.fixed_dictionaries({"role": role, "content": text | st.lists(st.fixed_dictionaries({
+        "type": st.sampled_from(["input_text", "output_text"]), "text": text}), min_size=1, max_size=2)}),
+    st.fixed_dictionaries({"type": st.just("function_call"), "call_id": st.just("call_1"),
+                           "name": st.just("get_weather"), "arguments": st.sampled_from(['{"city": "x"}', "{}"])}),
+    st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": st.just("call_1"), "output": text}))
+bad_item = st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["tool", "", None, 1]), "content": text}),
+    st.fixed_dictionaries({"role": role, "content": st.sampled_from([[{"type": "input_image", "image_url": "x"}],
+                                                                    [{"type": "x"}], 5, None])}),
+    st.fixed_dictionaries({"type": st.sampled_from(["computer_call", "web_search_call", 3, None])}),
+    hostile)
+RESPONSE_FIELDS = {  # name: (valid or absent, hostile)
+    "model": (st.sampled_from([ABSENT, "MODEL"]), st.sampled_from(["nope", 1, None, ""])),
+    "input": (text.filter(bool) | st.lists(item, min_size=1, max_size=3),
+              st.lists(bad_item, min_size=1, max_size=2) | st.sampled_from([ABSENT, [], None, {}, 1])),
+    "instructions": (st.sampled_from([ABSENT, None]) | text, st.sampled_from([1, [], {}]) | bad_text),
+    "max_output_tokens": (st.sampled_from([ABSENT, None, 1, 3, 16]), st.sampled_from([0, -1, "3", 2**70, 1.5])),
+    "temperature": (st.sampled_from([ABSENT, 0, 0.7, None]), st.sampled_from([-1, 3, "hot", float("nan")])),
+    "top_p": (st.sampled_from([ABSENT, 1, 0.5]), st.sampled_from([2, -0.1, "x"])),
+    "tools": (st.sampled_from([ABSENT, [], [FUNCTION]]),
+              st.sampled_from([[{"type": "web_search"}], "x", [FUNCTION, FUNCTION], [{"type": "function"}]])),
+    "tool_choice": (st.sampled_from([ABSENT, "auto", "none"]),
+                    st.sampled_from(["required", {"type": "function", "name": "get_weather"}, {"type": "x"}, 1])),
+    "text": (st.sampled_from([ABSENT, None, {"format": {"type": "text"}}]),
+             st.sampled_from([{"format": {"type": "json_object"}}, {"format": {"type": "yaml"}}, {"format": 1}, 2])),
+    "store": (st.sampled_from([ABSENT, True, False]), st.sampled_from(["yes", 1, None])),
+    "previous_response_id": (st.just(ABSENT), st.sampled_from(["resp_nope", 1, "", None])),
+    "metadata": (st.sampled_from([ABSENT, {}, {"team": "a"}]), st.sampled_from([{"k": 1}, [], {"k": "v" * 600}])),
+    "stream": (st.sampled_from([ABSENT, True, False]), st.sampled_from(["true", 1, []])),
+    "background": (st.just(ABSENT), st.sampled_from([True, 1])),
+}
+
+
+@st.composite
+def response_bodies(draw, model: str):
+    n_bad = draw(st.sampled_from([0, 0, 0, 1, 1, 2]), label="hostile fields")
+    bad = set(draw(st.lists(st.sampled_from(list(RESPONSE_FIELDS)), min_size=n_bad, max_size=n_bad, unique=True)))
+    body = {name: draw(RESPONSE_FIELDS[name][name in bad], label=name) for name in RESPONSE_FIELDS}
+    return {k: (model if v == "MODEL" else v) for k, v in body.items() if v is not ABSENT}
+
+
+def predict_response(live: LiveApi, body: dict) -> ApiError | None:
+    if body.get("previous_response_id") is not None:  # none is kept under a made-up id
+        return ApiError(404, "no such response", "response_not_found", param="previous_response_id")
+    try:
+        params = parse_response_request(body, live.model, pending=SETTINGS.pending - live.features,
+                                        max_prompt_tokens=SETTINGS.max_prompt_tokens)
+        to_generation_request(prompt_ids(live.tokenizer, params.chat), params.chat, SETTINGS, live.card)
+    except ApiError as exc:
+        return exc
+    except (TokenizerError, GenerationError) as exc:
+        return ApiError(400, str(exc), "invalid_prompt")
+    return None
+
+
+def test_fuzz_responses_bodies(live):
+    name, ran, since = "OpenAI API: responses bodies", [], len(live.neighbour.answers)
+    outcomes = {"ok": 0, "stream": 0, "refused": 0}
+
+    @fuzz_settings(CASES[name])
+    @given(body=response_bodies(live.model))
+    def case(body):
+        ran.append(1)
+        reply = live.client.request("POST", "/v1/responses", dumps(body), AUTH)
+        what = f"/v1/responses {json.dumps(body)[:200]}"
+        assert_answered(reply, what)
+        expected = predict_response(live, body)
+        outcomes["refused" if expected is not None else "stream" if body.get("stream") is True else "ok"] += 1
+        if expected is not None:
+            check_refused(reply, expected, what)
+            return
+        assert reply.status == 200, f"{what}: a valid request got {reply.status}: {reply.body[:300]!r}"
+        if body.get("stream") is True:
+            kinds = [line[7:] for line in reply.body.decode().split("\n") if line.startswith("event: ")]
+            assert kinds[0] == "response.created" and kinds[-1] in ("response.completed", "response.incomplete"), what
+        else:
+            doc = reply.json()
+            assert doc["object"] == "response" and doc["status"] in ("completed", "incomplete"), what
+
+    case()
+    assert len(ran) >= CASES[name]
+    live.neighbour.check(since)
+    assert min(outcomes.values()) >= 20, outcomes  # the mix reaches every outcome (derandomized: 107, 25, 268)
