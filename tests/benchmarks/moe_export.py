@@ -83,6 +83,10 @@ def run(args: argparse.Namespace) -> int:
     from tests.benchmarks.record import machine_info, update_section, write_json
     from tests.support.synthetic_checkpoint import QWEN3_30B_A3B
 
+    if args.render_only:
+        recorded = json.loads(args.json.read_text())
+        update_section(args.doc, "moe-export", render(recorded, args.json))
+        return 0
     shape = replace(TOY if args.toy else QWEN3_30B_A3B, layers=args.layers)
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
@@ -113,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
         if not args.keep:
             shutil.rmtree(ckpt, ignore_errors=True)
             shutil.rmtree(out, ignore_errors=True)
+            out.with_suffix(".log").unlink(missing_ok=True)  # the export child's stderr
     result["machine"] = machine_info()
     write_json(args.json, result)
     update_section(args.doc, "moe-export", render(result, args.json))
@@ -156,8 +161,9 @@ def render(result: dict, json_path: Path) -> str:
         rows.append(["checkpoint (bf16)", f"{ck['bytes'] / 1e9:.2f} GB written in {ck['write_seconds']:.0f} s",
                      result.get("load_before_write")])
     if ex.get("ok"):
+        net = ex["peak_minus_baseline_bytes"] / MB
         rows.append(["export to 1 INT4 stage", f"{ex.get('export_seconds', ex['wall_seconds']):.0f} s; stage "
-                     f"{ex['largest_stage_bytes'] / MB:.0f} MiB; peak - baseline {ex['peak_minus_baseline_bytes'] / MB:.0f}"
+                     f"{ex['largest_stage_bytes'] / MB:.0f} MiB; peak - baseline {net:.0f}"
                      f" MiB ({ex['net_over_largest_stage']:.2f} x the stage; bound 1.3 x + 64 MB "
                      f"{'met' if ex['within_bound'] else '**missed**'})", result.get("load_before_export")])
     if by:
@@ -175,9 +181,26 @@ def render(result: dict, json_path: Path) -> str:
                      f"= {sv['served_fraction_of_active_bound']:.2f} of it", ""])
     if rows:
         lines += ["", markdown_table(["step", "result", "load average (1, 5, 15 min) before it"], rows)]
+    if by and sv:
+        lines += ["", _whole_model(result)]
     lines += ["", f"Load average when recorded: {machine.get('load_average', '?')}. Figures on this shared machine "
               "move with its load; compare within the table."]
     return "\n".join(lines)
+
+
+def _whole_model(result: dict) -> str:
+    """The 48-layer model extrapolated from the cut, per layer (a prediction, not a measurement): the
+    LM head's INT8 codes (vocab x hidden) are read once per token whatever the depth."""
+    by, sv, layers = result["bytes"], result["serve"], result["layers"]
+    real = result["layers_of_the_real_model"]
+    head = by["embedding_codes_bytes"]  # the head's codes: the same vocab x hidden as the embedding's
+    per_layer_active = (by["active_bytes_per_token"] - head) / layers
+    active = head + per_layer_active * real
+    experts = by["expert_bytes"] / layers * real
+    return (f"Extrapolated to all {real} layers (predicted from the cut, not measured): experts "
+            f"{experts / 1e9:.1f} GB held in memory (across the fleet's PCs), active "
+            f"{per_layer_active / MB:.0f} MiB per layer + {head / MB:.0f} MiB of LM head = {active / 1e9:.2f} GB read "
+            f"per token, a one-thread bound of {sv['bandwidth']['bytes_per_s'] / active:.2f} tok/s on this machine.")
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -192,6 +215,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--keep", action="store_true", help="keep the checkpoint and the export")
     p.add_argument("--toy", action="store_true", help="a toy shape (hidden 64, 8 experts) for the benchmark's test")
+    p.add_argument("--render-only", action="store_true", help="rewrite the Markdown section from --json, run nothing")
     p.add_argument("--json", type=Path, default=DEFAULT_JSON_DIR / "moe_export.json")
     p.add_argument("--doc", type=Path, default=DEFAULT_DOC)
 

@@ -33,7 +33,8 @@ def test_the_real_shape_is_qwen3_30b_a3b():
 
 def test_a_toy_run_exports_serves_and_records(tmp_path):
     args = argparse.Namespace(work=tmp_path / "work", layers=2, group_size=16, tokens=6, threads=1, seed=0,
-                              keep=True, toy=True, json=tmp_path / "moe.json", doc=tmp_path / "BENCH.md")
+                              keep=True, toy=True, render_only=False, json=tmp_path / "moe.json",
+                              doc=tmp_path / "BENCH.md")
     assert run(args) == 0
     result = json.loads(args.json.read_text())
     assert result["serve"]["tokens_equal"] and result["serve"]["served"]["decode_tok_per_s"] > 0
@@ -41,3 +42,4 @@ def test_a_toy_run_exports_serves_and_records(tmp_path):
     assert result["bytes"] == active_bytes(args.work / "int4-1", TOY.vocab, TOY.hidden)
     doc = args.doc.read_text()
     assert "<!-- moe-export:start -->" in doc and "python -m tests.benchmarks moe-export --toy --layers 2" in doc
+    assert "Extrapolated to all 48 layers" in doc
