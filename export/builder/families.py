@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import DeskfleetError
+from export.builder.refused import refusal
 
 
 class UnsupportedModelError(DeskfleetError):
@@ -159,6 +160,8 @@ def model_shape(config: dict[str, Any]) -> ModelShape:
     """Parse and check an HF config dict; raises :class:`UnsupportedModelError` with what is supported."""
     model_type = config.get("model_type")
     family = FAMILIES.get(str(model_type))
+    if family is None and refusal(str(model_type)) is not None:
+        raise UnsupportedModelError(f"{refusal(str(model_type))}; supported: {supported_summary()}")
     if family is None:
         raise UnsupportedModelError(
             f"architecture {model_type!r} is not supported for export; supported: {supported_summary()}")

@@ -10,6 +10,10 @@ transformers' GGUF loader applies, so both read the same numbers):
   stacked bytes, so the export reads (and dequantises) one expert at a time, never the stack;
   the router ``blk.N.ffn_gate_inp.weight`` is ``mlp.gate.weight``; a layer without a router is a
   dense one (``mlp_only_layers``), and the top-k weights are renormalised as llama.cpp does;
+- Phi-3 (``phi3``) keeps its fused projections: ``attn_qkv`` is ``self_attn.qkv_proj`` and its
+  ``ffn_up`` is ``mlp.gate_up_proj`` (gate rows first), read as the phi3 family reads a checkpoint;
+  its longrope factor lists are the tensors ``rope_factors_long``/``rope_factors_short``, and a
+  rope dimension count below the head size (Phi-4-mini) is partial rotary, which the builder refuses;
 - shapes: GGUF lists dimensions innermost first; the data itself is row-major ``[out, in]``;
 - llama.cpp's converter permutes the rows of Llama's Q and K projections (to interleave the
   rotary halves); for the ``llama`` architecture they are permuted back, per head (KV heads
@@ -32,6 +36,7 @@ does not map is refused by name: skipping it would export a model that computes 
 
 from __future__ import annotations
 
+import math
 import mmap
 import re
 from dataclasses import dataclass, replace
@@ -66,9 +71,9 @@ _TOKEN_KEYS = {
 # A GGUF's general.architecture -> the builder family (export.builder.families) it exports as; a
 # "llama" GGUF whose general.name says Mistral is "mistral". Every other architecture is refused.
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-                      "qwen3moe": "qwen3_moe"}
+                      "qwen3moe": "qwen3_moe", "phi3": "phi3"}
 _ARCHITECTURE_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                         "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+                         "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM"}
 # MoE keys (after "<arch>."), read for the architectures with MoE tensors only.
 _MOE_CONFIG_KEYS = {
     "expert_count": "num_experts",
@@ -85,6 +90,7 @@ _FAMILY_DEFAULTS: dict[str, dict] = {
     "qwen3": {"hidden_act": "silu", "attention_bias": False},
     # llama.cpp's qwen3moe graph always renormalises the top-k weights (as transformers' GGUF loader notes)
     "qwen3_moe": {"hidden_act": "silu", "attention_bias": False, "norm_topk_prob": True, "decoder_sparse_step": 1},
+    "phi3": {"hidden_act": "silu"},
 }
 
 _GLOBAL_NAMES = {
@@ -105,6 +111,10 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Fused projections kept fused, per GGUF architecture: llama.cpp's converter writes Phi-3's
+# qkv_proj as attn_qkv and its gate_up_proj (gate rows first, as ggml's swiglu splits it) as ffn_up,
+# which is exactly how the phi3 family (export.builder.families) reads them: no split, same bytes.
+_FUSED_NAMES = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
 # Mixture-of-experts tensors, mapped for these GGUF architectures only (a llama GGUF holding them
 # is a Mixtral, which the builder does not build: refused as unread tensors).
 _MOE_ARCHITECTURES = frozenset({"qwen3moe"})
@@ -116,6 +126,10 @@ _PERMUTED = {"llama": {"self_attn.q_proj.weight": "num_attention_heads",
                        "self_attn.k_proj.weight": "num_key_value_heads"}}
 
 ROPE_FREQS = "rope_freqs.weight"
+# Phi-3's longrope (llama.cpp's converter): the HF config's long/short factor lists as f32 tensors of
+# [rotary dims / 2], with rope.scaling.original_context_length and rope.scaling.attn_factor; a GGUF
+# without them has the default rope. They become the config's longrope rope_parameters.
+LONGROPE_FACTORS = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}
 # Rope scaling types a rope_freqs tensor combines with. llama.cpp passes the factors to every rope
 # (llama_model::get_rope_factors returns rope_freqs first) together with the scaling type's own
 # frequency scale and YaRN ramp: ggml's rope_yarn takes theta / factor as its extrapolated angle and
@@ -139,9 +153,10 @@ def hf_name(gguf_name: str, architecture: str = "llama") -> str | None:
         return None
     if match.group(2) == _ROUTER[0] and architecture in _MOE_ARCHITECTURES:
         return f"model.layers.{match.group(1)}.{_ROUTER[1]}.{match.group(3)}"
-    if match.group(2) not in _LAYER_NAMES:
+    part = _FUSED_NAMES.get(architecture, {}).get(match.group(2)) or _LAYER_NAMES.get(match.group(2))
+    if part is None:
         return None
-    return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}.{match.group(3)}"
+    return f"model.layers.{match.group(1)}.{part}.{match.group(3)}"
 
 
 def expert_names(gguf_name: str, architecture: str) -> str | None:
@@ -196,6 +211,13 @@ class GGUFSource:
             raise CheckpointError(f"{self.path} is not a readable GGUF file ({exc}); "
                                   "download or copy it again") from exc
         self.architecture = str(self.field("general.architecture") or "")
+        # here: the builder's refusals are plain data (no OpenVINO)
+        from export.builder.refused import refusal
+
+        if refusal(self.architecture) is not None:
+            raise CheckpointError(f"{self.path.name} is a GGUF of architecture {self.architecture!r}: "
+                                  f"{refusal(self.architecture)}; supported GGUF architectures: "
+                                  f"{', '.join(sorted(GGUF_ARCHITECTURES))} (docs/MODELS.md)")
         if self.architecture not in GGUF_ARCHITECTURES:
             raise CheckpointError(
                 f"{self.path.name} is a GGUF of architecture {self.architecture or 'unnamed'!r}, which the exporter "
@@ -203,6 +225,7 @@ class GGUFSource:
                 "(docs/MODELS.md)")
         self._tensors: dict[str, TensorInfo] = {}
         self._rope_freqs = None
+        self._longrope: dict[str, TensorInfo] = {}
         unknown = []
         for tensor in self._file.tensors:
             name = hf_name(tensor.name, self.architecture)
@@ -213,6 +236,8 @@ class GGUFSource:
                 self._tensors.update({experts.format(e=e): t for e, t in enumerate(split_experts(tensor))})
             elif tensor.name == ROPE_FREQS:
                 self._rope_freqs = tensor
+            elif tensor.name in LONGROPE_FACTORS and self.architecture == "phi3":
+                self._longrope[LONGROPE_FACTORS[tensor.name]] = tensor
             elif tensor.name not in IGNORED_TENSORS:
                 unknown.append(tensor.name)
         if unknown:
@@ -220,7 +245,8 @@ class GGUFSource:
             raise CheckpointError(
                 f"{self.path.name} ({self.architecture or 'no architecture'}) holds tensors the exporter does not "
                 f"read: {shown}. Ignoring them would change the model's math; supported are the decoder tensors "
-                f"of llama (Llama, Mistral), qwen2, qwen3 and qwen3moe GGUFs, and {ROPE_FREQS}")
+                f"of llama (Llama, Mistral), qwen2, qwen3, qwen3moe and phi3 GGUFs, {ROPE_FREQS} and phi3's "
+                f"{' and '.join(LONGROPE_FACTORS)}")
         self._map: np.memmap | None = None
         self.config = self._config()
 
@@ -281,6 +307,8 @@ class GGUFSource:
                     f"{self.path.name} has both {ROPE_FREQS} and rope scaling type {rope['rope_type']!r}; the "
                     f"factors combine with {', '.join(_ROPE_TYPES_WITH_FACTORS)} scaling only (see llama.cpp)")
             rope["freq_factors"] = [float(f) for f in self._read_rope_freqs(config.get("head_dim"))]
+        elif self._longrope:
+            rope.update(self._longrope_parameters(config))
         elif rope["rope_type"] == "llama3":
             # llama.cpp's converter writes llama3 scaling as rope_freqs, never as a scaling type: a
             # bare type carries none of the low/high frequency factors it needs.
@@ -288,6 +316,9 @@ class GGUFSource:
                 f"{self.path.name} names rope scaling type {rope['rope_type']!r} but carries no {ROPE_FREQS} "
                 "frequency factors; convert the checkpoint again with a current llama.cpp convert_hf_to_gguf.py")
         config["rope_parameters"] = rope
+        if arch == "phi3" and rope_dims is not None and rope_dims != config.get("head_dim"):
+            # Phi-4-mini is a phi3 GGUF rotating part of each head: the builder refuses it by this key
+            config["partial_rotary_factor"] = int(rope_dims) / int(config["head_dim"])
         if arch in ("qwen2",):
             config["attention_bias"] = "model.layers.0.self_attn.q_proj.bias" in self._tensors
         return config
@@ -302,26 +333,52 @@ class GGUFSource:
                                          self._tensors]
         return config
 
+    def _longrope_parameters(self, config: dict) -> dict:
+        """Phi-3's longrope as HF's rope_parameters, from its two factor tensors and scaling keys."""
+        arch = self.architecture
+        original = self.field(f"{arch}.rope.scaling.original_context_length")
+        lacking = sorted(set(LONGROPE_FACTORS) - {t.name for t in self._longrope.values()})
+        lacking += [] if original is not None else [f"{arch}.rope.scaling.original_context_length"]
+        if lacking:
+            raise CheckpointError(f"{self.path.name} has longrope factors but lacks {', '.join(lacking)}; convert the "
+                                  "checkpoint again with a current llama.cpp convert_hf_to_gguf.py")
+        rope_dims = int(self.field(f"{arch}.rope.dimension_count") or config.get("head_dim") or 0)
+        out: dict = {"rope_type": "longrope", "original_max_position_embeddings": int(original)}
+        for key, tensor in self._longrope.items():
+            out[key] = [float(f) for f in self._read_factors(tensor, rope_dims)]
+        # HF derives the attention factor from max / original positions when the config names none;
+        # the GGUF stores that same number in f32, so it is passed on only when it says otherwise.
+        given = self.field(f"{arch}.rope.scaling.attn_factor")
+        scale = float(config.get("max_position_embeddings", original)) / float(original)
+        derived = 1.0 if scale <= 1.0 else math.sqrt(1 + math.log(scale) / math.log(float(original)))
+        if given is not None and abs(float(given) - derived) > 1e-6 * derived:
+            out["attention_factor"] = float(given)
+        return out
+
     def _read_rope_freqs(self, head_dim: object) -> np.ndarray:
         """The rope frequency factors, f32 [head_dim / 2], checked (read here: no HF name)."""
         tensor = self._rope_freqs
         assert tensor is not None
+        return self._read_factors(tensor, head_dim)
+
+    def _read_factors(self, tensor: TensorInfo, head_dim: object) -> np.ndarray:
+        """A rope factor tensor (one factor per rotary frequency), f32 [head_dim / 2], checked."""
         if not isinstance(head_dim, int) or head_dim <= 0:
-            raise CheckpointError(f"{self.path.name} has {ROPE_FREQS} but no head size to check it against")
+            raise CheckpointError(f"{self.path.name} has {tensor.name} but no head size to check it against")
         # here: the gguf package (~1 s to import) loads only with a GGUF open
         from gguf import GGMLQuantizationType
 
         kind = GGMLQuantizationType(tensor.type_id).name
         if kind not in ("F32", "F16") or tensor.dims != (head_dim // 2,):
             raise CheckpointError(
-                f"{ROPE_FREQS} of {self.path.name} is {kind} of shape {list(tensor.dims)}; expected F32 (or F16) of "
+                f"{tensor.name} of {self.path.name} is {kind} of shape {list(tensor.dims)}; expected F32 (or F16) of "
                 f"shape [{head_dim // 2}] (one factor per rotary frequency of the {head_dim}-wide heads)")
         with self.path.open("rb") as f:
             f.seek(tensor.offset)
             raw = f.read(tensor.nbytes)
         factors = np.frombuffer(raw, dtype=_PLAIN[kind]).astype(np.float32)
         if not (np.isfinite(factors).all() and (factors > 0).all()):
-            raise CheckpointError(f"{ROPE_FREQS} of {self.path.name} holds zero, negative or non-finite factors; "
+            raise CheckpointError(f"{tensor.name} of {self.path.name} holds zero, negative or non-finite factors; "
                                   "the file is damaged")
         return factors
 

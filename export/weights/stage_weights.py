@@ -81,8 +81,9 @@ _OUTSIDE_DECODER: dict[str, str] = {
     "gguf_keep": "gguf_keep",
 }
 # gguf_keep: a GGUF's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K blocks become constants as they are
-# (export.weights.gguf_blocks); F16 and F32 matrices stay fp16/fp32; any other GGML type
-# (Q5_*, Q2_K, Q3_K, Q5_K, IQ*) is dequantised to fp16.
+# (export.weights.gguf_blocks), a MoE layer's experts too (one stacked constant, each expert its own
+# blocks); F16 and F32 matrices stay fp16/fp32; any other GGML type (Q5_*, Q2_K, Q3_K, Q5_K, IQ*) is
+# dequantised to fp16.
 _KEEP_FALLBACK = {"F16": "fp16", "F32": "fp32"}
 
 
@@ -168,11 +169,7 @@ class StageWeights:
                 raise WeightModeError(f"{names[0]} and the matrices stacked with it must be 2-D of one shape, "
                                       f"got {sorted(shapes)}")
             rows, cols = next(iter(shapes))
-            kind = kind_for(names[0], self.mode)
-            if kind == "gguf_keep":  # a GGUF's expert blocks are not kept as they are (yet): fp16
-                kind = _KEEP_FALLBACK.get(self.source.type_name(names[0]), "fp16") \
-                    if isinstance(self.source, KeptSource) else "fp16"
-            self._built[key] = self._lower(tuple(names), (rows, cols), kind)
+            self._built[key] = self._lower(tuple(names), (rows, cols), kind_for(names[0], self.mode))
         return self._built[key]
 
     def vector(self, name: str) -> ov.Output:
@@ -217,55 +214,67 @@ class StageWeights:
             mark_decompression(convert)
             return convert.output(0)
         if kind == "gguf_keep":
-            return self._lower_kept(name, shape)
+            return self._lower_kept(names, shape)
         return self._lower_integer(names, shape, scheme_for(kind, self.mode.group_size))
 
-    def _lower_kept(self, name: str, shape: tuple[int, int]) -> ov.Output:
+    def _lower_kept(self, names: str | tuple[str, ...], shape: tuple[int, int]) -> ov.Output:
+        """One GGUF matrix ``names`` [rows, cols], or a stack of them (a layer's experts, each its own
+        window of a stacked GGUF tensor) [len(names), rows, cols], from their stored blocks."""
         source = self.source
         if not isinstance(source, KeptSource):
             raise WeightModeError("gguf_keep keeps a GGUF's own quantisation, but this checkpoint is not a GGUF; "
                                   "choose int4_sym, int4_asym, int8_asym, fp16 or fp32")
-        type_name = source.type_name(name)
+        members = (names,) if isinstance(names, str) else names
+        lead = () if isinstance(names, str) else (len(names),)
+        name = members[0]
+        types = {source.type_name(member) for member in members}
+        if len(types) != 1:
+            raise WeightModeError(f"{name} and the matrices stacked with it are stored as {', '.join(sorted(types))}; "
+                                  "gguf_keep keeps one stack in one type: export with int4_sym or int8_asym instead")
+        type_name = types.pop()
         if type_name not in KEPT_TYPES:
-            return self._lower(name, shape, _KEEP_FALLBACK.get(type_name, "fp16"))
+            return self._lower(names, shape, _KEEP_FALLBACK.get(type_name, "fp16"))
         rows, cols = shape
-        raw = source.blocks(name).data  # uint8 [rows, bytes per row], GGUF row order
-        order = source.row_order(name)
         step = row_block(rows, cols)
         scales: list[np.ndarray] = []
         zeros: list[np.ndarray] = []
-        probe = decode(type_name, raw[:1])
+        probe = decode(type_name, source.blocks(name).data[:1])
         code_type, group = probe.code_type, probe.codes.shape[-1]
         float_type = "f16" if probe.scale.dtype == np.float16 else "f32"  # K-quants: f32 scales
 
         release = getattr(self.source, "release", lambda view: None)
 
         def codes():
-            for start in range(0, rows, step):
-                picked = raw[start:start + step] if order is None else raw[order[start:start + step]]
-                block = decode(type_name, picked)
-                if order is None:
-                    release(picked)  # mapped GGUF pages leave this process's RSS once decoded
-                scales.append(block.scale)
-                if block.zero_point is not None:
-                    zeros.append(block.zero_point)
-                yield pack_nibbles(block.codes) if code_type in ("u4", "i4") else block.codes
-            release(raw)
+            for member in members:
+                raw = source.blocks(member).data  # uint8 [rows, bytes per row], GGUF row order
+                order = source.row_order(member)
+                for start in range(0, rows, step):
+                    picked = raw[start:start + step] if order is None else raw[order[start:start + step]]
+                    block = decode(type_name, picked)
+                    if order is None:
+                        release(picked)  # mapped GGUF pages leave this process's RSS once decoded
+                    scales.append(block.scale)
+                    if block.zero_point is not None:
+                        zeros.append(block.zero_point)
+                    yield pack_nibbles(block.codes) if code_type in ("u4", "i4") else block.codes
+                release(raw)
 
         grouped = (rows, cols // group, group)
         region = self._store.write(codes())
         scale = np.concatenate(scales)
-        specs = [ConstantSpec(region, code_type, grouped, name),
+        scale = scale.reshape(lead + (rows,) + scale.shape[1:])
+        specs = [ConstantSpec(region, code_type, lead + grouped, name),
                  ConstantSpec(self._store.write([scale]), float_type, scale.shape, f"{name}/scale")]
         if zeros:
             zero = np.concatenate(zeros)
+            zero = zero.reshape(lead + (rows,) + zero.shape[1:])
             specs.append(ConstantSpec(self._store.write([zero]), float_type, zero.shape, f"{name}/zero_point"))
         nodes = self._store.constants(specs)
         weight = ops.convert(nodes[0], float_type)
         if zeros:
             weight = ops.subtract(weight, nodes[2], name=f"{name}/zero_point/subtract")
         weight = ops.multiply(weight, nodes[1], name=f"{name}/fq_weights")
-        weight = ops.reshape(weight, ops.constant(np.array(shape, np.int64)), special_zero=False)
+        weight = ops.reshape(weight, ops.constant(np.array(lead + shape, np.int64)), special_zero=False)
         return ops.convert(weight, "f32", name=f"{name}/fq_weights/convert").output(0)
 
     def _lower_integer(self, names: str | tuple[str, ...], shape: tuple[int, int], scheme: Scheme) -> ov.Output:

@@ -27,6 +27,7 @@ BENCHMARKS = {
     "fleet-scale": "tests.benchmarks.fleet_scale",
     "gguf-keep": "tests.benchmarks.gguf_keep",
     "grammar": "tests.benchmarks.grammar",
+    "moe-export": "tests.benchmarks.moe_export",
     "npu": "tests.benchmarks.npu",
     "office": "tests.benchmarks.office",
     "parity": "tests.benchmarks.parity",

@@ -18,6 +18,7 @@ SLOW = {
                                  "test_a_real_export_stays_within_the_issue_bound"},
     "test_bench_fleet_scale": "*",  # a service process and a worker of simulated agents
     "test_bench_gguf_keep": "*",  # every test reads the one real run of four exports
+    "test_bench_moe_export": {"test_a_toy_run_exports_serves_and_records"},  # an export child, a worker process
     "test_bench_parity": {"test_parity_runs_every_variant_and_records_json_and_table"},
     "test_bench_rings": {"test_a_toy_run_records_json_and_section"},  # worker processes, serve restarted
     "test_bench_placement": {"test_the_core_places_distributes_and_measures_two_agents"},

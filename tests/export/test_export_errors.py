@@ -118,6 +118,22 @@ def test_unsupported_architecture_names_what_is_supported(tmp_path):
     assert not out.exists()
 
 
+def test_gpt_oss_is_refused_by_name_with_the_reason(tmp_path):
+    """A gpt-oss checkpoint (``model_type: gpt_oss``) is refused before any work with what the builder
+    lacks for it, not only the list of what it supports (its GGUF: tests/export/test_gguf_families.py)."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    ckpt = tmp_path / "gpt-oss"
+    GptOssForCausalLM(GptOssConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=32, num_attention_heads=2,
+                                   num_key_value_heads=1, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                                   vocab_size=64)).save_pretrained(ckpt)
+    out = tmp_path / "out"
+    with pytest.raises(UnsupportedModelError, match="gpt-oss is not supported yet: .*attention sinks.*sliding-window"
+                                                    ".*MXFP4.*; supported: .*qwen3_moe"):
+        export_model(ckpt, out, stages=1, fingerprint="x")
+    assert not out.exists()
+
+
 def test_group_size_that_does_not_divide_hidden_size(tiny_checkpoint, tmp_path):
     out = tmp_path / "out"
     with pytest.raises(CompressionError, match="group size 48 does not divide hidden size"):

@@ -162,10 +162,41 @@ def test_the_gguf_exports_the_checkpoints_shards(moe_gguf, tiny_export, tmp_path
     assert tokens == greedy_generate(LocalChain.load(reference, exact=True), PROMPT_IDS, 12, ignore_eos=True).tokens
 
 
+@pytest.mark.parametrize("kind,code_type", [("Q8_0", "i8"), ("Q4_0", "i4"), ("Q4_1", "u4")])
+def test_keep_keeps_each_experts_blocks_in_one_stack(tiny_checkpoint, tmp_path, kind, code_type):
+    """``gguf_keep`` on a layer's experts: one [experts, out, in / 32, 32] code constant holding each
+    expert's own blocks, decompressing to gguf's values of that expert (Q4_1 within the f16 rounding
+    of its zero point, as for dense tensors: tests/export/weights/test_weights_gguf_keep.py)."""
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    from export.weights.stage_weights import StageWeights, WeightMode
+    from tests.export.weights.lowering_helpers import run
+
+    path = tmp_path / f"{kind}.gguf"
+    write_qwen3moe_gguf(tiny_checkpoint(FAMILY), path, expert_type=kind)
+    names = [f"model.layers.1.mlp.experts.{e}.down_proj.weight" for e in range(EXPERTS)]
+    with GGUFSource(path) as source, StageWeights(source, WeightMode("gguf_keep")) as weights:
+        rows, cols = source.shape(names[0])
+        x = ops.parameter([EXPERTS, -1, cols], np.float32, name="x")
+        model = ov.Model([ops.matmul(x, weights.stacked(names), False, True)], [x])  # [E, T, rows]
+        codes = [op for op in model.get_ordered_ops() if op.get_type_name() == "Constant"
+                 and op.get_output_element_type(0) == getattr(ov.Type, code_type)]
+        assert [tuple(op.get_output_shape(0)) for op in codes] == [(EXPERTS, rows, cols // 32, 32)]
+        eye = np.broadcast_to(np.eye(cols, dtype=np.float32), (EXPERTS, cols, cols)).copy()
+        got = run(model, eye)  # each expert's weight, transposed
+        for e, name in enumerate(names):
+            want = source.read(name)  # gguf's dequantisation of expert e alone
+            tolerance = float(np.abs(want).max()) * 2.0 ** -10 if kind == "Q4_1" else 0.0
+            np.testing.assert_allclose(got[e].T, want, rtol=0, atol=tolerance, err_msg=name)
+
+
 @pytest.mark.slow
 def test_keep_mode_exports_a_quantised_moe_gguf(tiny_checkpoint, tmp_path):
-    """``--weights keep`` on Q8_0 experts: the dense tensors keep their blocks, the stacked experts
-    take keep's fallback; the tokens are those of the same GGUF dequantised to fp32."""
+    """``--weights keep`` on Q8_0 experts: the dense tensors and the stacked experts keep their
+    blocks (i8 codes, no re-quantisation); the tokens are those of the same GGUF dequantised to fp32."""
+    import openvino as ov
+
     from export.exporter import ExportOptions, export_model
 
     path = tmp_path / "q8.gguf"
@@ -175,7 +206,12 @@ def test_keep_mode_exports_a_quantised_moe_gguf(tiny_checkpoint, tmp_path):
         export_model(path, tmp_path / weights, stages=2, options=ExportOptions(weights=weights))
         tokens[weights] = greedy_generate(LocalChain.load(tmp_path / weights, exact=True), PROMPT_IDS, 12,
                                           ignore_eos=True).tokens
-    assert load_manifest(tmp_path / "keep").stages[0].moe is not None
+    stage = load_manifest(tmp_path / "keep").stages[0]
+    assert stage.moe is not None
+    model = ov.Core().read_model(tmp_path / "keep" / stage.xml)
+    kept = {tuple(op.get_output_shape(0)) for op in model.get_ordered_ops()
+            if op.get_type_name() == "Constant" and op.get_output_element_type(0) == ov.Type.i8}
+    assert {(EXPERTS, 32, 2, 32), (EXPERTS, 64, 1, 32)} <= kept  # gate/up [E, 32, 64] and down [E, 64, 32]
     assert tokens["keep"] == tokens["fp32"]
 
 

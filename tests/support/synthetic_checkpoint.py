@@ -143,3 +143,70 @@ def write_synthetic_llama(directory: Path, shape: LlamaShape, dtype: str = "BF16
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     write_safetensors(directory / "model.safetensors", llama_tensors(shape), dtype, random_blocks(seed))
     return directory
+
+
+@dataclass(frozen=True)
+class Qwen3MoeShape:
+    """A Qwen3-MoE checkpoint's shape (every layer sparse, no shared expert)."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    experts: int
+    per_token: int
+    expert_intermediate: int
+    vocab: int
+
+
+# Qwen3-30B-A3B's config.json: 48 layers, 128 experts of width 768, 8 per token.
+QWEN3_30B_A3B = Qwen3MoeShape(layers=48, hidden=2048, heads=32, kv_heads=4, head_dim=128, experts=128, per_token=8,
+                              expert_intermediate=768, vocab=151936)
+
+
+def qwen3_moe_config(shape: Qwen3MoeShape) -> dict:
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": shape.hidden,
+        "intermediate_size": 6144,  # the dense MLP width, unused: every layer is sparse
+        "moe_intermediate_size": shape.expert_intermediate,
+        "num_experts": shape.experts,
+        "num_experts_per_tok": shape.per_token,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "num_hidden_layers": shape.layers,
+        "num_attention_heads": shape.heads,
+        "num_key_value_heads": shape.kv_heads,
+        "head_dim": shape.head_dim,
+        "vocab_size": shape.vocab,
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "torch_dtype": "bfloat16",
+    }
+
+
+def qwen3_moe_tensors(shape: Qwen3MoeShape) -> list[tuple[str, tuple[int, ...]]]:
+    """HF names and shapes of a Qwen3-MoE checkpoint, in file order."""
+    h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (shape.vocab, h))]
+    for i in range(shape.layers):
+        p = f"model.layers.{i}."
+        out += [(p + "input_layernorm.weight", (h,)), (p + "self_attn.q_proj.weight", (q, h)),
+                (p + "self_attn.k_proj.weight", (kv, h)), (p + "self_attn.v_proj.weight", (kv, h)),
+                (p + "self_attn.o_proj.weight", (h, q)), (p + "self_attn.q_norm.weight", (shape.head_dim,)),
+                (p + "self_attn.k_norm.weight", (shape.head_dim,)), (p + "post_attention_layernorm.weight", (h,)),
+                (p + "mlp.gate.weight", (shape.experts, h))]
+        for e in range(shape.experts):
+            out += [(p + f"mlp.experts.{e}.gate_proj.weight", (shape.expert_intermediate, h)),
+                    (p + f"mlp.experts.{e}.up_proj.weight", (shape.expert_intermediate, h)),
+                    (p + f"mlp.experts.{e}.down_proj.weight", (h, shape.expert_intermediate))]
+    out += [("model.norm.weight", (h,)), ("lm_head.weight", (shape.vocab, h))]
+    return out
