@@ -20,7 +20,7 @@ import logging
 import time
 from ssl import SSLContext
 
-from engine.ring.stage_times import StageTimes
+from engine.ring.stage_times import STEP_BUCKETS, StageTimes, bucket_of, histogram_metrics
 from engine.suppress import logged_suppress
 from engine.tasks import start_task
 from engine.trust.peer_policy import PeerPolicy, PeerPolicyError
@@ -89,6 +89,8 @@ class RingEnds:
         self._sent_at: dict[object, float] = {}
         self._roundtrips: collections.deque[float] = collections.deque(maxlen=256)
         self.stage_times = StageTimes()  # every stage's compute ms, as the replies report them
+        self._roundtrip_counts = [0] * (len(STEP_BUCKETS) + 1)  # every round trip, for ring_step_seconds
+        self._roundtrip_sum = 0.0
 
     # -- who may be at either end --------------------------------------------------------------
 
@@ -202,12 +204,16 @@ class RingEnds:
         """The reply to the step keyed ``key`` arrived, reporting ``stage_ms`` (every stage passed)."""
         sent = self._sent_at.pop(key, None)
         if sent is not None:
-            self._roundtrips.append(time.perf_counter() - sent)
+            took = time.perf_counter() - sent
+            self._roundtrips.append(took)
+            self._roundtrip_counts[bucket_of(took)] += 1
+            self._roundtrip_sum += took
         self.stage_times.add(stage_ms)
 
     def stage_metrics(self) -> dict[str, float]:
         out: dict[str, float] = {}
         if self._roundtrips:
             out["ring_step_ms_avg"] = 1000 * sum(self._roundtrips) / len(self._roundtrips)
+            out.update(histogram_metrics("ring_step_seconds", "", self._roundtrip_counts, self._roundtrip_sum))
         out.update(self.stage_times.metrics())
         return out
