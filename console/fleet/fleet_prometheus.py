@@ -9,8 +9,8 @@ Where the figures come from (nothing new listens on a PC):
   also carry ``agent``, the name of the PC serving that stage (``service`` for a stage 0 run in the
   service itself);
 - an agent's status comes from the service's status polls (``AgentRecord.status``: worker state,
-  restarts, steps/s, streams, CPU and memory), its pauses from the hub's ``paused`` events the
-  agents send (:class:`PauseCounter`);
+  restarts, steps/s, streams, bytes its stage sent to the next hop, CPU and memory), its pauses
+  from the hub's ``paused`` events the agents send (:class:`PauseCounter`);
 - re-plans: the stages failover moved to another PC (``RingRecovery.moves``) and the rebuilds the
   service started (:meth:`FleetFigures.note_rebuild`).
 
@@ -54,6 +54,7 @@ HELP = {
     "tokens_per_second": "tokens generated per second, over the latest seconds",
     "stage_step_seconds": "each stage's compute time per step, as the stage reports it",
     "ring_step_seconds": "one step's round trip through the whole ring",
+    "first_hop_sent_bytes_total": "bytes the coordinator sent to the ring's first stage",
     "stage_compute_seconds_per_step": "each stage's median compute time per step, over the latest steps",
 }
 COORDINATOR_HELP = "reported by the ring's coordinator"
@@ -159,7 +160,7 @@ def agent_families(records: Sequence[AgentRecord], pauses: Mapping[str, int]) ->
     for r in records:
         by_state[r.state] = by_state.get(r.state, 0) + 1
     labelled = [r for r in records if is_labelled(r)][:MAX_AGENT_LABELS]
-    up, paused, restarts, steps, streams, cpu, memory, count = [], [], [], [], [], [], [], []
+    up, paused, restarts, steps, streams, cpu, memory, count, sent = [], [], [], [], [], [], [], [], []
     for r in labelled:
         who = {"agent": r.name or r.node_id[:12]}
         up.append((who, 1.0 if r.reachable else 0.0))
@@ -175,16 +176,23 @@ def agent_families(records: Sequence[AgentRecord], pauses: Mapping[str, int]) ->
             cpu.append((who, s.cpu_percent))
         if s.memory_used_bytes is not None:
             memory.append((who, float(s.memory_used_bytes)))
+        if s.hop_bytes_sent is not None:
+            sent.append(({**who, "stage": "" if s.stage is None else str(s.stage)}, float(s.hop_bytes_sent)))
     pause_family = Metric(PREFIX + "agent_pauses", "times the agent paused (its person came back, battery, ...), "
                                                    "from the agents' hub events", "counter")
     for labels, value in count:
         pause_family.add_sample(PREFIX + "agent_pauses_total", dict(labels), value)
+    hop_family = Metric(PREFIX + "agent_hop_sent_bytes", "bytes the agent's stage workers sent to the next hop "
+                                                         "(stage: the one it serves now)", "counter")
+    for labels, value in sent:
+        hop_family.add_sample(PREFIX + "agent_hop_sent_bytes_total", dict(labels), value)
     return [
         _gauge("fleet_agents", "agents the service knows, by state", [({"state": k}, float(v))
                                                                       for k, v in sorted(by_state.items())]),
         _gauge("agent_up", "1 while the service's last status poll reached the agent", up),
         _gauge("agent_paused", "1 while the agent is paused", paused),
         pause_family,
+        hop_family,
         _gauge("agent_worker_restarts", "restarts of the agent's stage worker since it was started", restarts),
         _gauge("agent_worker_steps_per_second", "steps the agent's stage worker computes per second", steps),
         _gauge("agent_worker_streams", "streams the agent's stage worker holds", streams),

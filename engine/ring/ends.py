@@ -91,6 +91,7 @@ class RingEnds:
         self.stage_times = StageTimes()  # every stage's compute ms, as the replies report them
         self._roundtrip_counts = [0] * (len(STEP_BUCKETS) + 1)  # every round trip, for ring_step_seconds
         self._roundtrip_sum = 0.0
+        self._sent_before = 0  # bytes sent to the first stage over connections closed since
 
     # -- who may be at either end --------------------------------------------------------------
 
@@ -175,6 +176,7 @@ class RingEnds:
             await self.async_set_peers(peers)
         self._stop_hold()
         if self._out is not None:
+            self._sent_before += self._out.bytes_sent
             with logged_suppress(log, "closing the old connection to the first stage"):
                 await self._out.async_close()
             self._out = None
@@ -211,7 +213,8 @@ class RingEnds:
         self.stage_times.add(stage_ms)
 
     def stage_metrics(self) -> dict[str, float]:
-        out: dict[str, float] = {}
+        out: dict[str, float] = {
+            "first_hop_sent_bytes_total": float(self._sent_before + (self._out.bytes_sent if self._out else 0))}
         if self._roundtrips:
             out["ring_step_ms_avg"] = 1000 * sum(self._roundtrips) / len(self._roundtrips)
             out.update(histogram_metrics("ring_step_seconds", "", self._roundtrip_counts, self._roundtrip_sum))

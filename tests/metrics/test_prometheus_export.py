@@ -36,7 +36,7 @@ NO_PROMTOOL = ("promtool is not installed (Debian: apt-get install --no-install-
 def _record(name: str, *, restarts: int = 0, paused: tuple[str, ...] = ()) -> AgentRecord:
     status = AgentStatus(f"n-{name}", "fleet", name, "1", "serving", paused, {}, None, 1, FetchProgress(),
                          WorkerStatus(state="running", restarts=restarts, steps_per_s=12.5, streams=2), None,
-                         cpu_percent=20.0, memory_used_bytes=3 << 30)
+                         cpu_percent=20.0, memory_used_bytes=3 << 30, hop_bytes_sent=4096)
     return AgentRecord(node_id=f"n-{name}", name=name, address="127.0.0.1", control_port=1, state="serving",
                        devices=("CPU",), memory_bytes=16 << 30, fleet_id="fleet", membership=Membership.MEMBER,
                        last_seen=1.0, sources=frozenset({AgentSource.HUB}), approved=True, status=status,
@@ -120,6 +120,9 @@ def test_the_exposition_labels_rings_stages_agents_and_models(exposition):
                  "deskfleet_ring_stage_moves_total"):
         assert [s.labels for s in samples[name]] == [{"ring": "r1", "model": model}], name
     assert samples["deskfleet_ring_rebuilds_total"][0].value == 1
+    assert samples["deskfleet_first_hop_sent_bytes_total"][0].value > 0
+    assert {s.labels["agent"]: s.value for s in samples["deskfleet_agent_hop_sent_bytes_total"]} == {
+        "desk-a": 4096, "desk-b": 4096}
     by_agent = {s.labels["agent"]: s.value for s in samples["deskfleet_agent_pauses_total"]}
     assert by_agent == {"desk-a": 0, "desk-b": 1}
     assert {s.labels["agent"]: s.value for s in samples["deskfleet_agent_worker_restarts"]} == {"desk-a": 1,
