@@ -53,5 +53,7 @@ if [ "${DESKFLEET_NO_APT:-0}" != "1" ] && [ "$(id -u)" = "0" ] && command -v apt
   # the real /metrics with 'promtool check metrics'
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1 \
     || echo "deskfleet: apt could not install promtool (the /metrics lint test will be skipped)" >&2
+  # the package also enables a Prometheus server (port 9090): only its promtool is wanted here
+  command -v systemctl >/dev/null && systemctl disable --now prometheus >/dev/null 2>&1 || true
 fi
 echo "deskfleet: ready. Try: deskfleet demo" >&2
