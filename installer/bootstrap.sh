@@ -49,5 +49,11 @@ if [ "${DESKFLEET_NO_APT:-0}" != "1" ] && [ "$(id -u)" = "0" ] && command -v apt
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq xvfb xdotool libxcb-icccm4 libxcb-keysyms1 \
     libxkbcommon-x11-0 libxcb-cursor0 libxcb-image0 libxcb-render-util0 >/dev/null 2>&1 \
     || echo "deskfleet: apt could not install Xvfb (screenshots will be offscreen captures)" >&2
+  # promtool (Debian's prometheus package, without the exporters it recommends): tests/metrics checks
+  # the real /metrics with 'promtool check metrics'
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1 \
+    || echo "deskfleet: apt could not install promtool (the /metrics lint test will be skipped)" >&2
+  # the package also enables a Prometheus server (port 9090): only its promtool is wanted here
+  command -v systemctl >/dev/null && systemctl disable --now prometheus >/dev/null 2>&1 || true
 fi
 echo "deskfleet: ready. Try: deskfleet demo" >&2

@@ -416,7 +416,8 @@ class AgentService:
             export_id=assignment.export_id if assignment else None, stage=assignment.stage if assignment else None,
             fetch=self._fetch, worker=worker if not fetch_error else replace(worker, last_error=fetch_error),
             api_url=self._state.api_url, kv_pool_mb=self.kv_pool_mb, tags=self.settings.tags,
-            cpu_percent=load.cpu_percent, memory_used_bytes=load.memory_used_bytes)
+            cpu_percent=load.cpu_percent, memory_used_bytes=load.memory_used_bytes,
+            hop_bytes_sent=self._supervisor.hop_bytes_sent)
 
     @property
     def kv_pool_mb(self) -> int:

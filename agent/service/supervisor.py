@@ -88,6 +88,8 @@ class WorkerSupervisor:
         self.want_spare = False  # keep a warm spare beside the worker (the agent sets it before each start)
         self._on_change = on_change
         self._status = WorkerStatus()
+        self.hop_bytes_sent = 0  # every worker's frames to the next hop since the agent started (Prometheus)
+        self._hop_bytes_seen: dict[int, int] = {}  # the current worker (id) -> its last reported count
         self._launch: WorkerLaunch | None = None
         self._task: asyncio.Task | None = None
         self._proc: WorkerProcess | None = None
@@ -304,6 +306,15 @@ class WorkerSupervisor:
         proc.tail.append(text[:300])
         log.debug("spare: %s", text)
 
+    def _count_hop_bytes(self, proc: WorkerProcess, sent: object) -> None:
+        """Add what the worker sent to its next hop since its last stats line to :attr:`hop_bytes_sent`
+        (a new worker process counts from zero; an old worker never reported it)."""
+        if not isinstance(sent, int) or isinstance(sent, bool) or sent < 0:
+            return
+        before = self._hop_bytes_seen.get(id(proc), 0)
+        self.hop_bytes_sent += max(0, sent - before)
+        self._hop_bytes_seen = {id(proc): sent}
+
     def _on_line(self, proc: WorkerProcess, text: str) -> None:
         if proc is not self._proc:
             return
@@ -319,6 +330,7 @@ class WorkerSupervisor:
                     self._last_busy = now
                 proc.last_stats = (now, steps)
                 self._status = replace(self._status, steps_per_s=round(rate, 2), streams=int(stats["streams"]))
+                self._count_hop_bytes(proc, stats.get("bytes_out"))
             return
         if text.startswith(PEERS_PREFIX):
             log.info("worker: %s", text)

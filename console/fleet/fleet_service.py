@@ -37,6 +37,7 @@ from console.fleet.failover import FailoverSettings
 from console.fleet.failover_tally import FILE as FAILOVERS_FILE
 from console.fleet.failover_tally import FailoverTally
 from console.fleet.fleet import FleetModel
+from console.fleet.fleet_prometheus import FleetFigures, serving_figures
 from console.fleet.join_tokens import TokenDesk
 from console.fleet.links import async_measure_links
 from console.fleet.models import ModelLibrary
@@ -149,6 +150,10 @@ class FleetService:
         self.admin_url: str | None = None  # the admin API over HTTPS, when settings.admin_port asks for one
         self.started_at = time.time()
         self.failovers = FailoverTally(settings.state_dir / FAILOVERS_FILE)  # the Dashboard's "failovers today"
+        # /metrics (in the API's registry: every ring labelled, every agent) and GET /admin/v1/metrics
+        self.figures = FleetFigures(lambda: serving_figures(self.rings), fleet.records,
+                                    lambda: [r.phase for r in self.rings.values()])
+        api.metrics.use_generator(self.figures)
         self._stack = stack
         self._tasks: set[asyncio.Task[Any]] = set()  # held by start_task; cancelled at the close
         self._auto: dict[str, tuple[int, float]] = {}  # ring -> (attempts, next monotonic time) to re-form it
@@ -203,6 +208,7 @@ class FleetService:
         stack.callback(fleet.attach_hub(host.hub))
         stack.callback(fleet.attach_api_key(host.rotate_api_key, host.member_key))
         stack.callback(host.hub.subscribe(self._on_hub_event))
+        stack.callback(host.hub.subscribe(self.figures.pauses.on_event))
         stack.callback(host.subscribe_api_key(self.api.set_api_key))
         desk.attach(fleet.approve, fleet.records())
         interface = self.settings.fleet.interface
@@ -260,11 +266,7 @@ class FleetService:
         return {"status": overall_status(reports).value, "rings": [r.to_json() for r in reports]}
 
     def metrics_json(self) -> dict[str, Any]:
-        out = {}
-        for ring_id, ring in self.rings.items():
-            if ring.in_router and ring.dist is not None:
-                with contextlib.suppress(FleetServiceError):
-                    out[ring_id] = ring.dist.coordinator.metrics()
+        out = {r.ring: dict(r.metrics) for r in self.figures.rings()}  # what /metrics renders, unlabelled
         return {"rings": out, "failovers_today": self.failovers.observe(out)}
 
     def _snapshot(self) -> list[tuple[EventKind, dict[str, Any]]]:
@@ -521,6 +523,7 @@ class FleetService:
     def _rerun(self, ring: ServiceRing, *, auto: bool = False):
         if ring.phase is not RingPhase.FAILED:
             raise RingStateError(f"ring {ring.ring_id} is {ring.phase}; only a failed ring is re-run")
+        self.figures.note_rebuild(ring.ring_id)
         return self._start_run(ring, "restore" if auto else "rerun")
 
     def rerun(self, ring_id: str):

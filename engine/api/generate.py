@@ -210,7 +210,7 @@ class Generation:
         requests = tuple(replace(r, cache_scope=admitted.caller.scope)
                          for r in to_generation_requests(ids, params, self.limits, card))
         tally.prompt_tokens = len(requests[0].prompt_ids)
-        self.metrics.prompt_tokens += tally.prompt_tokens
+        self.metrics.observe_prompt(tally.prompt_tokens, card.name, admitted.caller.name)
         self.limiter.charge(admitted.caller, tally.prompt_tokens)
         return Prepared(card, tokenizer, tuple(ids), requests)
 
@@ -237,7 +237,7 @@ class Generation:
                     if not produced:
                         first_at = time.perf_counter()
                         if not tally.completion_tokens:
-                            self.metrics.observe_ttft(first_at - started)
+                            self.metrics.observe_ttft(first_at - started, card.name)
                     produced += 1
                     tally.completion_tokens += 1
                     self.limiter.charge(caller, 1)
@@ -257,4 +257,4 @@ class Generation:
             yield end
         finally:
             if produced:
-                self.metrics.observe_generation(produced, time.perf_counter() - first_at)
+                self.metrics.observe_generation(produced, time.perf_counter() - first_at, card.name, caller.name)

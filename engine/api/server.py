@@ -55,7 +55,7 @@ from aiohttp import web
 
 from engine.api.admit import Admission
 from engine.api.api_error import ApiError, model_not_found
-from engine.api.api_metrics import ApiMetrics, render_prometheus
+from engine.api.api_metrics import CONTENT_TYPE, ApiMetrics, DictCollector, render
 from engine.api.audit import AuditLog, AuditRecord, utc_stamp
 from engine.api.door import Door
 from engine.api.generate import Generation, Tally, Tokenizers
@@ -190,7 +190,8 @@ class _Api:
         self.generator: Generator = self.router
         self.settings = settings
         self.hosts = hosts
-        self.metrics = ApiMetrics()
+        self.metrics = ApiMetrics()  # its own registry: /metrics shows this server's figures only
+        self.metrics.use_generator(DictCollector(self.generator.metrics))
         self.keys = KeyCheck(settings.api_key, keys)
         limiter = RateLimiter()
         self.audit = audit
@@ -321,8 +322,8 @@ class _Api:
         if self.keys.required and not caller.metrics:
             raise ApiError(403, f"the key {caller.name!r} may not read /metrics; the fleet's admin can issue a key "
                            "for monitoring with 'deskfleet keys issue NAME --metrics'", "metrics_forbidden")
-        text = render_prometheus(self.generator.metrics(), self.metrics)
-        return web.Response(text=text, content_type="text/plain", headers={"Cache-Control": "no-store"})
+        return web.Response(body=render(self.metrics.registry),
+                            headers={"Content-Type": CONTENT_TYPE, "Cache-Control": "no-store"})
 
     @staticmethod
     def _model_entry(card: ModelCard) -> dict[str, Any]:
@@ -532,6 +533,12 @@ class RunningApi:
         audit = self.runner.app[API_STATE].audit
         if audit is not None:
             audit.close()
+
+    @property
+    def metrics(self) -> ApiMetrics:
+        """The server's metrics; its ``registry`` is what ``/metrics`` renders (a fleet service adds its
+        own collectors there, and :meth:`ApiMetrics.use_generator` replaces the generator's)."""
+        return self.runner.app[API_STATE].metrics
 
     def set_api_key(self, key: str) -> None:
         """Require ``key`` from the next request on (the console rotated its key: the old one is

@@ -322,6 +322,7 @@ class AgentStatus:
     tags: tuple[str, ...] = ()  # the agent's own tags (its settings); engine.control.tags
     cpu_percent: float | None = None
     memory_used_bytes: int | None = None
+    hop_bytes_sent: int | None = None  # the stage workers' frames to their next hop since the agent started
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -335,6 +336,7 @@ class AgentStatus:
             worker=WorkerStatus(**data["worker"]), api_url=data.get("api_url"),
             kv_pool_mb=_pool_mb(data.get("kv_pool_mb")), tags=reported_tags(data.get("tags")),
             cpu_percent=_percent(data.get("cpu_percent")), memory_used_bytes=_bytes(data.get("memory_used_bytes")),
+            hop_bytes_sent=_bytes(data.get("hop_bytes_sent")),
         )
 
 

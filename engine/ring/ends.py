@@ -20,7 +20,7 @@ import logging
 import time
 from ssl import SSLContext
 
-from engine.ring.stage_times import StageTimes
+from engine.ring.stage_times import STEP_BUCKETS, StageTimes, bucket_of, histogram_metrics
 from engine.suppress import logged_suppress
 from engine.tasks import start_task
 from engine.trust.peer_policy import PeerPolicy, PeerPolicyError
@@ -89,6 +89,9 @@ class RingEnds:
         self._sent_at: dict[object, float] = {}
         self._roundtrips: collections.deque[float] = collections.deque(maxlen=256)
         self.stage_times = StageTimes()  # every stage's compute ms, as the replies report them
+        self._roundtrip_counts = [0] * (len(STEP_BUCKETS) + 1)  # every round trip, for ring_step_seconds
+        self._roundtrip_sum = 0.0
+        self._sent_before = 0  # bytes sent to the first stage over connections closed since
 
     # -- who may be at either end --------------------------------------------------------------
 
@@ -173,6 +176,7 @@ class RingEnds:
             await self.async_set_peers(peers)
         self._stop_hold()
         if self._out is not None:
+            self._sent_before += self._out.bytes_sent
             with logged_suppress(log, "closing the old connection to the first stage"):
                 await self._out.async_close()
             self._out = None
@@ -202,12 +206,17 @@ class RingEnds:
         """The reply to the step keyed ``key`` arrived, reporting ``stage_ms`` (every stage passed)."""
         sent = self._sent_at.pop(key, None)
         if sent is not None:
-            self._roundtrips.append(time.perf_counter() - sent)
+            took = time.perf_counter() - sent
+            self._roundtrips.append(took)
+            self._roundtrip_counts[bucket_of(took)] += 1
+            self._roundtrip_sum += took
         self.stage_times.add(stage_ms)
 
     def stage_metrics(self) -> dict[str, float]:
-        out: dict[str, float] = {}
+        out: dict[str, float] = {
+            "first_hop_sent_bytes_total": float(self._sent_before + (self._out.bytes_sent if self._out else 0))}
         if self._roundtrips:
             out["ring_step_ms_avg"] = 1000 * sum(self._roundtrips) / len(self._roundtrips)
+            out.update(histogram_metrics("ring_step_seconds", "", self._roundtrip_counts, self._roundtrip_sum))
         out.update(self.stage_times.metrics())
         return out

@@ -45,6 +45,7 @@ class Downstream:
         self._peer_check = peer_check
         self._ping_interval = ping_interval
         self._conn: Connection | None = None
+        self.bytes_sent = 0  # to the next hop, over every connection this side dialled
         self._lock = asyncio.Lock()
         self._watch: asyncio.Task | None = None
 
@@ -84,12 +85,19 @@ class Downstream:
     async def async_send(self, msg: Message) -> None:
         conn = await self._connection()
         try:
-            await conn.async_send(msg)
+            await self._send(conn, msg)
         except (ConnectionClosedError, OSError):
             with logged_suppress(log, f"stage {self.stage_index}: closing the broken connection to {self.address}"):
                 await conn.async_close()
             conn = await self._connection()  # the next stage came back on its address: one redial
+            await self._send(conn, msg)
+
+    async def _send(self, conn: Connection, msg: Message) -> None:
+        before = conn.bytes_sent
+        try:
             await conn.async_send(msg)
+        finally:
+            self.bytes_sent += conn.bytes_sent - before
 
     async def async_send_if_connected(self, msg: Message) -> bool:
         """Send ``msg`` only over a connection that is up now (never dial: cleanup must not wait
@@ -98,7 +106,7 @@ class Downstream:
         if conn is None or conn.closed:
             return False
         try:
-            await conn.async_send(msg)
+            await self._send(conn, msg)
         except (ConnectionClosedError, OSError):
             return False
         return True

@@ -149,8 +149,9 @@ async def async_write_frame(
     *,
     max_bytes: int = MAX_FRAME_BYTES,
     timeout: float = WRITE_TIMEOUT,
-) -> None:
-    """Encode ``msg`` and write it, waiting at most ``timeout`` for the peer to accept it.
+) -> int:
+    """Encode ``msg`` and write it, waiting at most ``timeout`` for the peer to accept it; the
+    frame's size in bytes.
 
     ``max_bytes`` is the bound the *peer* announced. Raises FrameTooLargeError before anything
     is written, FrameTimeoutError for a peer that stopped reading, ConnectionClosedError.
@@ -166,6 +167,7 @@ async def async_write_frame(
         ) from None
     except OSError as exc:
         raise ConnectionClosedError(f"connection lost while writing: {exc}") from exc
+    return sum(memoryview(p).nbytes for p in parts)
 
 
 class Connection:
@@ -198,6 +200,7 @@ class Connection:
         self._peer_cert = ssl_object.getpeercert(binary_form=True) if ssl_object else None
         self._send_lock = asyncio.Lock()
         self._recv_lock = asyncio.Lock()
+        self.bytes_sent = 0  # frames written, in bytes (a stage's figure for its hop)
         self._closed = False
         self._closed_event = asyncio.Event()
 
@@ -237,7 +240,7 @@ class Connection:
         if self._closed:
             raise ConnectionClosedError(f"connection to {self.peername} is closed; dial again")
         async with self._send_lock:
-            await async_write_frame(
+            self.bytes_sent += await async_write_frame(
                 self._writer, msg, max_bytes=self.peer_max_frame_bytes, timeout=self.write_timeout
             )
 

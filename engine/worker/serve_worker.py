@@ -51,7 +51,7 @@ AnyWorker = PackedStageWorker | PagedStageWorker
 def stats_line(worker: AnyWorker) -> str:
     """One machine-readable line for the supervising agent (see ``agent.service.supervisor``)."""
     stats = {"steps": worker.steps, "compute_s": round(worker.compute_s, 6), "streams": worker.stream_count,
-             "draining": worker.draining}
+             "draining": worker.draining, "bytes_out": worker.downstream.bytes_sent}
     return STATS_PREFIX + json.dumps(stats, separators=(",", ":"))
 
 

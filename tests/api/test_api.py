@@ -21,7 +21,7 @@ import openai
 import pytest
 from aiohttp import web
 
-from engine.api.api_metrics import ApiMetrics, render_prometheus
+from engine.api.api_metrics import ApiMetrics, DictCollector, render
 from engine.api.server import ApiSettings, api_error_from, async_run_api
 from engine.errors import DeskfleetError, GenerationError, TokenizerError
 from engine.generation.generator import ModelCard, OverloadedError, UnavailableError
@@ -103,22 +103,40 @@ def parse_prometheus(text: str) -> dict[str, float]:
 
 def test_prometheus_rendering():
     api = ApiMetrics()
+    api.use_generator(DictCollector(lambda: {
+        "tokens_per_second": 12.5, 'stage_compute_ms_per_step{stage="1"}': 3.0, "requests_total": 4,
+        "bad name!": float("nan"), 'step_seconds_bucket{le="0.1"}': 1, 'step_seconds_bucket{le="+Inf"}': 2,
+        "step_seconds_sum": 0.6, "step_seconds_count": 2}))
     for status in (200, 200, 429):
         api.count(status)
     for seconds in (0.07, 100.0):
-        api.observe_ttft(seconds)
-    api.observe_generation(11, 2.0)
-    text = render_prometheus({"tokens_per_second": 12.5, 'stage_compute_ms_per_step{stage="1"}': 3.0,
-                              "requests_total": 4, "bad name!": float("nan")}, api)
+        api.observe_ttft(seconds, "m")
+    api.observe_generation(11, 2.0, "m", "alice")
+    text = render(api.registry).decode()
     samples = parse_prometheus(text)
-    assert samples['deskfleet_stage_compute_ms_per_step{stage="1"}'] == 3.0
+    # milliseconds are exposed in seconds (promtool refuses abbreviated units)
+    assert samples['deskfleet_stage_compute_seconds_per_step{stage="1"}'] == 0.003
     assert samples["deskfleet_tokens_per_second"] == 12.5
     assert "# TYPE deskfleet_requests_total counter" in text and "deskfleet_bad_name_ NaN" in text
+    assert "# TYPE deskfleet_step_seconds histogram" in text and samples["deskfleet_step_seconds_count"] == 2
     assert samples['deskfleet_api_requests_total{code="200"}'] == 2
-    assert samples['deskfleet_api_ttft_seconds_bucket{le="0.05"}'] == 0
-    assert samples['deskfleet_api_ttft_seconds_bucket{le="0.1"}'] == 1
-    assert samples['deskfleet_api_ttft_seconds_bucket{le="+Inf"}'] == samples["deskfleet_api_ttft_seconds_count"] == 2
+    assert samples['deskfleet_api_ttft_seconds_bucket{le="0.05",model="m"}'] == 0
+    assert samples['deskfleet_api_ttft_seconds_bucket{le="0.1",model="m"}'] == 1
+    assert samples['deskfleet_api_ttft_seconds_bucket{le="+Inf",model="m"}'] == \
+        samples['deskfleet_api_ttft_seconds_count{model="m"}'] == 2
     assert samples["deskfleet_api_decode_tokens_per_second"] == 5.0
+    assert samples['deskfleet_api_time_per_output_token_seconds_sum{model="m"}'] == 0.2
+    assert samples['deskfleet_api_key_tokens_total{key="alice",kind="completion",model="m"}'] == 11
+
+
+def test_usage_labels_are_bounded(monkeypatch):
+    monkeypatch.setattr("engine.api.api_metrics.MAX_KEY_LABELS", 2)
+    api = ApiMetrics()
+    for key in ("a", "b", "c", "d", "a"):
+        api.observe_prompt(1, "m", key)
+    text = render(api.registry).decode()
+    keys = {k for k in parse_prometheus(text) if k.startswith("deskfleet_api_key_tokens_total")}
+    assert {re.search(r'key="(\w+)"', k).group(1) for k in keys} == {"a", "b", "other"}
 
 
 # -- the HTTP layer over the fake ----------------------------------------------------------------

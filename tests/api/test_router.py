@@ -228,8 +228,8 @@ def test_two_rings_serve_eight_users_each_answer_its_solo_greedy_run(served, cli
     expected = [greedy(unsplit_greedy, p, N, eos) for p in PROMPTS]
     assert [n for _, n in answers] == [len(e) for e in expected]
     assert [text for text, _ in answers] == [tokenizer.decode(e) for e in expected]
-    served_by = {ring: after[f'deskfleet_router_requests_total{{ring="{ring}",model="{model}"}}']
-                 - before[f'deskfleet_router_requests_total{{ring="{ring}",model="{model}"}}'] for ring in "ab"}
+    served_by = {ring: after[f'deskfleet_router_requests_total{{model="{model}",ring="{ring}"}}']
+                 - before[f'deskfleet_router_requests_total{{model="{model}",ring="{ring}"}}'] for ring in "ab"}
     assert sum(served_by.values()) == USERS
     assert min(served_by.values()) >= 2, f"one ring took nearly everything: {served_by}"
 
@@ -242,7 +242,7 @@ def test_a_conversation_returns_to_the_ring_holding_its_prefix(served, client, u
 
     def counts():
         m = parse_prometheus(scrape(url, "/metrics")[1])
-        return {r: m[f'deskfleet_router_requests_total{{ring="{r}",model="{model}"}}'] for r in "ab"}
+        return {r: m[f'deskfleet_router_requests_total{{model="{model}",ring="{r}"}}'] for r in "ab"}
 
     for _ in range(3):  # level the rings: an idle router gives a request to the ring that served fewer
         if len(set(counts().values())) == 1:

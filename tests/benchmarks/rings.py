@@ -150,7 +150,7 @@ async def _ring_counts(url: str) -> dict[str, float]:
     async with aiohttp.ClientSession() as s, s.get(url.removesuffix("/v1") + "/metrics") as r:
         text = await r.text()
     return {m.group(1): float(m.group(2))
-            for m in re.finditer(r'^deskfleet_router_requests_total\{ring="([^"]+)"[^}]*\} (\S+)$', text, re.M)}
+            for m in re.finditer(r'^deskfleet_router_requests_total\{[^}]*ring="([^"]+)"[^}]*\} (\S+)$', text, re.M)}
 
 
 async def _async_rounds(urls: dict[int, str], args: argparse.Namespace) -> list[dict[str, Any]]:

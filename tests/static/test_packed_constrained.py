@@ -100,5 +100,5 @@ def test_every_static_stage_reports_its_compute_in_the_servers_metrics(client):
         samples = dict(line.rsplit(" ", 1) for line in reply.read().decode().splitlines()
                        if line and not line.startswith("#"))
     for stage in (0, 1):  # each packed stage worker appends its own ms to the frames it passes on
-        assert float(samples[f'deskfleet_stage_compute_ms_per_step{{stage="{stage}"}}']) > 0
+        assert float(samples[f'deskfleet_stage_compute_seconds_per_step{{stage="{stage}"}}']) > 0
     assert float(samples["deskfleet_packed_logit_steps_total"]) > 0  # the tests above asked for logits

@@ -44,7 +44,7 @@ def test_serve_two_local_rings_to_eight_users_identically(tiny_export, unsplit_g
         status, health = scrape(url, "/health")
 
     assert texts == [tokenizer.decode(greedy(unsplit_greedy, p, N, eos)) for p in PROMPTS]
-    per_ring = {r: metrics[f'deskfleet_router_requests_total{{ring="{r}",model="{model}"}}'] for r in ring_ids(2)}
+    per_ring = {r: metrics[f'deskfleet_router_requests_total{{model="{model}",ring="{r}"}}'] for r in ring_ids(2)}
     assert sum(per_ring.values()) == len(PROMPTS) and min(per_ring.values()) >= 2, per_ring
     assert status == 200 and [r["ring"] for r in health["rings"]] == list(ring_ids(2))
     assert {r["status"] for r in health["rings"]} == {"ok"} and health["status"] == "ok"
