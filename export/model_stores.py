@@ -225,10 +225,13 @@ def gguf_quant(fields: Mapping[str, Any], file_name: str = "", tensors: Iterable
 
 def servable_gguf(fields: Mapping[str, Any]) -> str | None:
     """None when this fleet exports a GGUF with this header, else why not."""
+    from export.builder.refused import refusal
     from export.gguf_tokenizer import GGUFTokenizerError, check_tokenizer_kind
     from export.weights.gguf_source import GGUF_ARCHITECTURES
 
     arch = str(fields.get("general.architecture", "?"))
+    if (why := refusal(arch)) is not None:
+        return why
     if arch not in GGUF_ARCHITECTURES:
         return f"architecture {arch!r} is not supported (supported: {', '.join(sorted(GGUF_ARCHITECTURES))})"
     try:
@@ -241,8 +244,11 @@ def servable_gguf(fields: Mapping[str, Any]) -> str | None:
 def servable_config(config: Mapping[str, Any]) -> str | None:
     """None when this fleet exports a checkpoint with this config.json, else why not."""
     from export.builder.families import FAMILIES
+    from export.builder.refused import refusal
 
     model_type = str(config.get("model_type", "?"))
+    if (why := refusal(model_type)) is not None:
+        return why
     if model_type not in FAMILIES:
         return f"model type {model_type!r} is not supported (supported: {', '.join(sorted(FAMILIES))})"
     return None

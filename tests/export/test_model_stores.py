@@ -57,6 +57,7 @@ def test_every_store_is_listed_with_its_quantisation_and_whether_it_can_be_serve
     lm.mkdir(parents=True)
     (lm / "tiny-Q8_0.gguf").write_bytes(chat_gguf)
     _foreign_gguf(lm / "falcon-Q4_K_M.gguf", "falcon")
+    _foreign_gguf(lm / "gpt-oss-20b-MXFP4.gguf", "gpt-oss")
     (lm / "notes.txt").write_text("not a model")
     found = find_models({"ollama": [tmp_path / "ollama"], "lmstudio": [tmp_path / "lmstudio"],
                          "hf-cache": [tmp_path / "hf"]})
@@ -68,7 +69,8 @@ def test_every_store_is_listed_with_its_quantisation_and_whether_it_can_be_serve
     assert rows["lmstudio:acme/Tiny-GGUF/tiny-Q8_0.gguf"][3] is None
     kind, q, _, problem = rows["lmstudio:acme/Tiny-GGUF/falcon-Q4_K_M.gguf"]
     assert q == "Q4_K_M" and problem is not None and "architecture 'falcon' is not supported" in problem
-    assert len(rows) == 4
+    assert "attention sinks" in rows["lmstudio:acme/Tiny-GGUF/gpt-oss-20b-MXFP4.gguf"][3]  # refused with its reason
+    assert len(rows) == 5
 
 
 def test_a_damaged_manifest_or_a_missing_blob_is_skipped_not_fatal(tmp_path, chat_gguf):
