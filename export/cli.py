@@ -1,4 +1,4 @@
-"""``deskfleet export`` and ``deskfleet models`` (its actions in :mod:`export.models_cli`).
+"""``deskfleet export`` (``deskfleet models`` is :mod:`console.fleet.models_cli`: it adds to the fleet service).
 
 This module imports nothing heavy at load time: the CLI lists these commands even on a stage PC
 without the export extra, and running them there explains which extra to install. The CPU/GPU
@@ -119,19 +119,5 @@ def run_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def configure_models(p: argparse.ArgumentParser) -> None:
-    from export.models_cli import configure
-
-    configure(p)
-
-
-def run_models(args: argparse.Namespace) -> int:
-    from export.models_cli import run
-
-    return run(args)
-
-
 EXPORT = Command(name="export", help="export a model into per-stage OpenVINO shards",
                  configure=configure_export, run=run_export)
-MODELS = Command(name="models", help="list the models on this PC, pull one from the hub, add one to the fleet",
-                 configure=configure_models, run=run_models)

@@ -325,10 +325,19 @@ class _Api:
         return web.Response(body=render(self.metrics.registry),
                             headers={"Content-Type": CONTENT_TYPE, "Cache-Control": "no-store"})
 
-    @staticmethod
-    def _model_entry(card: ModelCard) -> dict[str, Any]:
+    def _model_entry(self, card: ModelCard) -> dict[str, Any]:
+        """A model as /v1/models lists it, with what it can do here (``capabilities``)."""
+        try:
+            thinks = getattr(self.generation.tokenizer_for(card.name), "thinking", None) is not None
+        except UnavailableError:
+            thinks = False
+        refused = self._pending()  # features some ring behind this API does not honour
         return {"id": card.name, "object": "model", "created": 0, "owned_by": "deskfleet",
-                "context_length": card.context_length}
+                "context_length": card.context_length,
+                "capabilities": {"chat": True, "completions": True, "responses": True, "embeddings": False,
+                                 "tools": True, "thinking": thinks,
+                                 "structured_output": "response_format" not in refused,
+                                 "logprobs": "logprobs" not in refused}}
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [self._model_entry(c) for c in self.router.models()]})

@@ -154,3 +154,13 @@ def test_text_format_json_schema_constrains_the_output_through_the_same_grammar(
                                          text={"format": {"type": "json_schema", "name": "river", "schema": schema}})
     assert answer.status == "completed" and json.loads(answer.output_text)["river"] in ("Nile", "Rhine")
     assert answer.text.format.type == "json_schema"
+
+
+def test_models_lists_what_each_model_can_do(tiny_api):
+    url, model = tiny_api
+    with openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=60) as client:
+        (entry,) = client.models.list().data
+    capabilities = entry.model_extra["capabilities"]
+    assert entry.id == model and capabilities["chat"] and capabilities["responses"]
+    assert capabilities["embeddings"] is False and capabilities["thinking"] is False  # the tiny model's template
+    assert capabilities["structured_output"] is True  # the paged coordinator with the export's tokenizer

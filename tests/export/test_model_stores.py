@@ -16,8 +16,8 @@ import gguf
 import pytest
 
 from console.fleet.models import check_model_path
+from console.fleet.models_cli import local_path
 from export.model_stores import StoreRefError, find_models, resolve_ref
-from export.models_cli import local_path
 from tests.support.chat_gguf import write_chat_gguf
 
 

@@ -18,6 +18,7 @@ import re
 import sys
 from pathlib import Path
 
+from engine.cli.main import Command
 from engine.errors import DeskfleetError
 
 ACTIONS = ("pull", "add")
@@ -125,3 +126,7 @@ def local_path(model: str) -> Path:
     if not link.is_symlink():
         link.symlink_to(found.path)
     return link
+
+
+COMMAND = Command(name="models", help="list the models on this PC, pull one from the hub, add one to the fleet",
+                  configure=configure, run=run)
