@@ -60,6 +60,7 @@ outcome, replay, metrics.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 from collections.abc import Iterable
 
@@ -178,6 +179,8 @@ class BatchScheduler:
             book.counters["rejected_overloaded"] += 1
             raise OverloadedError(f"{len(book.running)} streams are running and {len(book.waiting)} requests are "
                                   "waiting; retry shortly")
+        if request.sampling.penalised and not request.want_logits:  # its tokens are chosen from its logits
+            request = dataclasses.replace(request, want_logits=True)
         sid = StreamId(next(self._ids))
         state = StreamState(sid, request, frozenset(eos_ids), now, make_rng(request.sampling), list(request.prompt_ids))
         if self.prefix is not None:
