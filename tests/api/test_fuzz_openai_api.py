@@ -23,7 +23,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.api.generate import prompt_ids, to_generation_request
+from engine.api.generate import check_logit_bias, check_prompt_ids, prompt_ids, to_generation_request
 from engine.api.openai_schema import ApiError, check_prompt_chars, parse_completion
 from engine.api.server import ApiSettings
 from engine.errors import GenerationError, TokenizerError
@@ -235,6 +235,8 @@ def predict(live: LiveApi, body: dict, kind: str) -> ApiError | None:
     try:
         params = parse_completion(body, kind, live.model, pending=SETTINGS.pending - live.features)
         check_prompt_chars(params, SETTINGS.max_prompt_tokens)  # refused unread: too long to tokenise
+        check_prompt_ids(params, live.card.vocab_size)
+        check_logit_bias(params, live.card.vocab_size)
         to_generation_request(prompt_ids(live.tokenizer, params), params, SETTINGS, live.card)
     except ApiError as exc:
         return exc

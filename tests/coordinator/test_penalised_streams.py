@@ -10,8 +10,6 @@ import asyncio
 
 import numpy as np
 import pytest
-import torch
-from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from engine.errors import GenerationError
 from engine.generation.in_process import greedy_generate
@@ -21,10 +19,10 @@ from engine.generation.sampling import probabilities
 from engine.paged.coordinator import BatchCoordinator
 from engine.paged.reply import decide
 from engine.paged.speculation import SpeculationConfig, Speculator
-from engine.shards.kv_layout import KVLayout
-from engine.shards.stage import LocalChain, StepInputs
+from engine.shards.stage import LocalChain
 from tests.conftest import PROMPT_IDS
 from tests.support.asyncutil import collect, collect_events, run
+from tests.support.penalty_reference import reference
 
 N = 24
 POOL = 16 << 20
@@ -71,27 +69,6 @@ def test_a_penalised_row_without_its_logits_is_an_error():
 
 
 # -- the tiny model through a real coordinator --------------------------------------------------------
-
-def reference(chain: LocalChain, prompt, n: int, params: SamplingParams) -> tuple[list[int], list[float]]:
-    """Greedy tokens under ``params``' penalties, each chosen from one plain forward pass of prompt +
-    tokens so far (no KV reuse), penalised by HF's processor and OpenAI's formula in torch; and each
-    chosen token's raw log-softmax (what ``logprobs`` reports)."""
-    tokens: list[int] = []
-    logprobs: list[float] = []
-    for _ in range(n):
-        fed = np.asarray([list(prompt) + tokens], dtype=np.int64)
-        mask, positions = KVLayout(fed.shape[1]).plan(fed.shape[1])
-        raw = torch.tensor(chain.forward(chain.new_streams(), StepInputs(fed, mask, positions, 0))[0][-1:])
-        x = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)(torch.tensor(fed), raw.clone())[0]
-        for j in set(tokens):
-            x[j] -= tokens.count(j) * params.frequency_penalty + params.presence_penalty
-        for j, bias in params.logit_bias:
-            x[j] += bias
-        token = int(torch.argmax(x))
-        logprobs.append(float(torch.log_softmax(raw[0].double(), -1)[token]))
-        tokens.append(token)
-    return tokens, logprobs
-
 
 @pytest.fixture(scope="module")
 def expected(tiny_export):
