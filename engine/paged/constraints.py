@@ -183,7 +183,8 @@ class StreamConstraints:
     @property
     def features(self) -> frozenset[str]:
         """The request features served (see :data:`GRAMMAR_FEATURES`)."""
-        return frozenset({LOGPROBS}) | PENALTY_FEATURES | (GRAMMAR_FEATURES if self.vocabulary is not None else frozenset())
+        grammar = GRAMMAR_FEATURES if self.vocabulary is not None else frozenset()
+        return frozenset({LOGPROBS}) | PENALTY_FEATURES | grammar
 
     # -- streams in and out ------------------------------------------------------------------------
 

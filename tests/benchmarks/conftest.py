@@ -20,6 +20,7 @@ SLOW = {
     "test_bench_gguf_keep": "*",  # every test reads the one real run of four exports
     "test_bench_parity": {"test_parity_runs_every_variant_and_records_json_and_table"},
     "test_bench_rings": {"test_a_toy_run_records_json_and_section"},  # worker processes, serve restarted
+    "test_bench_samplers": {"test_a_tiny_run_records_json_and_section"},  # worker processes
     "test_bench_placement": {"test_the_core_places_distributes_and_measures_two_agents"},
     "test_bench_soak": {"test_one_minute_soak_on_the_tiny_model_fails_no_request"},
     "test_not_shipped": {"test_the_wheel_carries_no_benchmark", "test_the_deb_carries_no_benchmark"},
