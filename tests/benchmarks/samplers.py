@@ -182,7 +182,23 @@ def markdown(result: dict[str, Any]) -> str:
         f"a history of {result['history']} tokens per row, µs per step for all N rows, median of "
         f"{result['micro_reps']}):",
         markdown_table(["users", *(f"{mode} µs" for mode in MODES)], costs),
+        reading(result),
     ])
+
+
+def reading(result: dict[str, Any]) -> str:
+    """What the tables say, from their own figures (the most users measured)."""
+    users = max(s["users"] for s in result["summary"])
+    cell = {s["mode"]: s for s in result["summary"] if s["users"] == users}
+    cost = next(c for c in result["decide_costs"] if c["users"] == users)
+    return (f"Reading: at {users} users a penalised greedy step took {cell['greedy+penalties']['step_vs_greedy']:.2f}x "
+            f"greedy's: each penalised row's logits ({4 * result['vocab'] // 1024} KiB) come back over the wire and "
+            f"the coordinator penalises and chooses ({cost['greedy+penalties'] / 1000:.1f} ms for the {users} rows "
+            f"here, against {cost['greedy'] / 1000:.2f} ms for plain greedy rows). Streams without penalties keep "
+            "their path: a greedy one still takes the last stage's top-1 (the only added work is one check per "
+            f"row). Sampling was the costlier path before this issue ({cell['sampled']['step_vs_greedy']:.2f}x "
+            "greedy's step): without top_k its top-p sorts the whole vocabulary per row in the coordinator; "
+            "top_k (as in sampled+penalties) makes that cheaper.")
 
 
 async def _async_measure(export: Any, tokenizer: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
