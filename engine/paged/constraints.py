@@ -60,7 +60,6 @@ from engine.generation.grammar_pool import (
     grammar_pool,
 )
 from engine.generation.logprobs import log_softmax
-from engine.generation.penalties import PENALTY_FEATURES
 from engine.generation.request import (
     Constraint,
     FinishReason,
@@ -75,8 +74,7 @@ from engine.wire.format import StreamId
 from engine.wire.step_plan import StepPlan
 
 # The request features a paged coordinator honours (keys of engine.api.openai_schema.NOT_YET_SERVED):
-# log-probabilities and penalties always (engine.paged.reply applies those), the two grammar ones
-# when it knows the model's tokenizer.
+# log-probabilities always, the two grammar ones when it knows the model's tokenizer.
 LOGPROBS = "logprobs"
 GRAMMAR_FEATURES = frozenset({"response_format", "forced_tool_call"})
 T = TypeVar("T")
@@ -183,8 +181,7 @@ class StreamConstraints:
     @property
     def features(self) -> frozenset[str]:
         """The request features served (see :data:`GRAMMAR_FEATURES`)."""
-        grammar = GRAMMAR_FEATURES if self.vocabulary is not None else frozenset()
-        return frozenset({LOGPROBS}) | PENALTY_FEATURES | grammar
+        return frozenset({LOGPROBS}) | (GRAMMAR_FEATURES if self.vocabulary is not None else frozenset())
 
     # -- streams in and out ------------------------------------------------------------------------
 

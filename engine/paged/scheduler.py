@@ -67,6 +67,7 @@ from collections.abc import Iterable
 from engine.errors import DeskfleetError, GenerationError
 from engine.generation.generator import OverloadedError, UnavailableError
 from engine.generation.grammar import GrammarMatcher
+from engine.generation.penalties import PENALTY_FEATURES
 from engine.generation.request import Constraint, FinishReason, GenerationRequest
 from engine.generation.sampling import make_rng
 from engine.paged.block_pool import BlockPool, PoolExhausted
@@ -138,8 +139,10 @@ class BatchScheduler:
 
     @property
     def features(self) -> frozenset[str]:
-        """The request features served beyond plain generation (:attr:`StreamConstraints.features`)."""
-        return self.constraints.features
+        """The request features served beyond plain generation: the penalties (applied to a penalised
+        stream's logits when its verdict is taken, :mod:`engine.paged.reply`) and
+        :attr:`StreamConstraints.features` (shared with the static runtime, which applies no penalties)."""
+        return self.constraints.features | PENALTY_FEATURES
 
     def use_grammar(self, vocabulary: GrammarVocabulary | None) -> None:
         """Constrain output with ``vocabulary`` from now on (None: refuse constrained requests)."""

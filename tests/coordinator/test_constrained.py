@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from engine.generation.grammar import GrammarError, unpack_mask
-from engine.generation.penalties import PENALTY_FEATURES
 from engine.generation.request import (
     FinishReason,
     FunctionSchema,
@@ -194,7 +193,7 @@ def test_without_a_tokenizer_logprobs_are_served_and_constraints_refused():
     from engine.paged.constraints import NoGrammarTokenizerError
 
     book = StreamConstraints(None)
-    assert book.features == {"logprobs"} | PENALTY_FEATURES  # penalties need no tokenizer
+    assert book.features == {"logprobs"}
     with pytest.raises(NoGrammarTokenizerError, match="tokenizer.json"):
         book.build_matcher(JsonConstraint())
 
