@@ -76,6 +76,15 @@ def check_prompt_ids(params: CompletionParams, vocab_size: int | None) -> None:
                        f"{vocab_size - 1}", "invalid_value", param="prompt")
 
 
+def check_logit_bias(params: CompletionParams, vocab_size: int | None) -> None:
+    """Raise ApiError 400 for a ``logit_bias`` naming a token id outside the model's vocabulary
+    (``vocab_size``; None: not known, and the stream fails at its first token instead)."""
+    bias = params.sampling.logit_bias
+    if vocab_size is not None and bias and bias[-1][0] >= vocab_size:  # ids ascending
+        raise ApiError(400, f"'logit_bias' names the token id {bias[-1][0]}; this model's vocabulary has ids 0 to "
+                       f"{vocab_size - 1}", "invalid_value", param="logit_bias")
+
+
 def prompt_ids(tokenizer: PromptTokenizer, params: CompletionParams) -> list[int]:
     """The prompt's token ids: a chat rendered by the model's template, with its tools given to a
     template that takes them (``tokenizer.takes_tools``) or described in the conversation in the
@@ -205,6 +214,7 @@ class Generation:
         card = self.router.card_for(params.model)
         tokenizer = self.tokenizer_for(card.name)
         check_prompt_ids(params, card.vocab_size)  # the model's rows: a tokenizer may name fewer ids
+        check_logit_bias(params, card.vocab_size)
         ids = await off_loop(self._encode_locked, tokenizer, params)
         # the key's own prefix cache: another key's prompts are never reused, nor timed, through it
         requests = tuple(replace(r, cache_scope=admitted.caller.scope)

@@ -5,7 +5,8 @@ generate (:mod:`engine.api.generate`) → shape (:mod:`engine.api.openai_answer`
 (:mod:`engine.api.server`) strings them together, and no stage calls back into an earlier one.
 
 :func:`parse_json_body` decodes the body, :func:`parse_completion` validates a /v1/chat/completions
-or /v1/completions body into :class:`CompletionParams` (model, messages or prompt, sampling, stop,
+or /v1/completions body into :class:`CompletionParams` (model, messages or prompt, sampling with its
+penalties, ``min_p`` and ``logit_bias``, stop,
 stream options, ``n``, ``logprobs``/``top_logprobs``, ``tools``/``tool_choice``,
 ``response_format``, ``reasoning_effort``) and :func:`check_prompt_chars` refuses, unread, a
 prompt far longer than the server could ever take. Invalid input raises
@@ -27,8 +28,18 @@ from typing import Any
 
 from engine.api.api_error import ApiError, bad_request, model_not_found
 from engine.errors import GenerationError
+from engine.generation.penalties import PENALTY_FEATURES
 from engine.generation.reasoning import ReasoningEffort
-from engine.generation.request import MAX_TOP_LOGPROBS, Constraint, JsonConstraint, SamplingParams
+from engine.generation.request import (
+    LOGIT_BIAS_LIMIT,
+    MAX_LOGIT_BIAS,
+    MAX_TOP_LOGPROBS,
+    PENALTY_LIMIT,
+    REPETITION_PENALTY_MAX,
+    Constraint,
+    JsonConstraint,
+    SamplingParams,
+)
 from engine.generation.tool_calls import (
     EMPTY_PARAMETERS,
     FunctionTool,
@@ -45,8 +56,7 @@ MAX_TOOLS = 128
 MAX_TOKEN_ID = (1 << 31) - 1  # a prompt's ids are int32 to the model; the tokenizer's vocabulary bounds them further
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 # Fields a client may send that this server cannot honour: refuse them rather than ignore them.
-UNSUPPORTED = ("functions", "function_call", "logit_bias", "echo", "suffix", "presence_penalty",
-               "frequency_penalty")
+UNSUPPORTED = ("functions", "function_call", "echo", "suffix")
 # Features parsed and carried on the request that not every generator honours: the paged, stateful
 # and static (NPU) runtimes do (their coordinators' ``features``), the constrained ones only when
 # started with the model's tokenizer.json. Refused with a 400 naming the field where the serving
@@ -59,6 +69,9 @@ NOT_YET_SERVED: Mapping[str, tuple[str, str]] = {
                                            f"model ({_RUNTIMES}); ask for JSON in the prompt instead"),
     "forced_tool_call": ("tool_choice", "a required or named tool_choice needs constrained decoding, which the "
                                         f"runtime serving this model does not do ({_RUNTIMES}); use 'auto'"),
+    **{name: (name, "penalties and logit_bias are not applied by the runtime serving this model (a static NPU "
+                    "export decodes from its last stage's top-1; the paged runtime of CPU/GPU exports applies them); "
+                    "leave it out") for name in sorted(PENALTY_FEATURES)},
 }
 NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
 
@@ -106,8 +119,11 @@ class CompletionParams:
 
     def features(self) -> frozenset[str]:
         """The request's features that not every generator honours (keys of :data:`NOT_YET_SERVED`)."""
+        sampling = self.sampling
         used = {"logprobs": self.logprobs is not None, "response_format": self.response_format is not None,
-                "forced_tool_call": self.tool_choice.forced}
+                "forced_tool_call": self.tool_choice.forced, "frequency_penalty": sampling.frequency_penalty != 0.0,
+                "presence_penalty": sampling.presence_penalty != 0.0,
+                "repetition_penalty": sampling.repetition_penalty != 1.0, "logit_bias": bool(sampling.logit_bias)}
         return frozenset(k for k, on in used.items() if on)
 
 
@@ -347,6 +363,63 @@ def _stop(raw: Any) -> tuple[str, ...]:
     return tuple(stops)
 
 
+def _sampling(body: Mapping[str, Any]) -> SamplingParams:
+    """temperature, top_p, top_k, min_p, seed, the penalties and logit_bias (the fields a chat
+    front-end's sampler settings send; llama.cpp's ``repeat_penalty`` read as ``repetition_penalty``)."""
+    temperature = _number(body, "temperature", 0.0, 2.0)
+    top_p = _number(body, "top_p", 0.0, 1.0)
+    top_k = _integer(body, "top_k", -1, 1 << 30)  # -1 (vLLM's) and 0 (llama.cpp's, HF's) are off
+    repetition = _number(body, "repetition_penalty", 0.0, REPETITION_PENALTY_MAX)
+    alias = _number(body, "repeat_penalty", 0.0, REPETITION_PENALTY_MAX)
+    if repetition is not None and alias is not None and repetition != alias:
+        raise _bad(f"'repetition_penalty' ({repetition}) and its alias 'repeat_penalty' ({alias}) differ; send one",
+                   "repetition_penalty")
+    repetition = repetition if repetition is not None else alias
+    if repetition is not None and repetition <= 0.0:
+        raise _bad(f"'repetition_penalty' must be above 0 and at most {REPETITION_PENALTY_MAX} (1 is off, above "
+                   f"1 discourages repeating), got {repetition}", "repetition_penalty")
+    return SamplingParams(
+        temperature=1.0 if temperature is None else float(temperature),
+        top_p=1.0 if top_p is None else float(top_p),
+        top_k=max(0, top_k or 0),
+        seed=_integer(body, "seed", 0, (1 << 63) - 1),
+        min_p=float(_number(body, "min_p", 0.0, 1.0) or 0.0),
+        frequency_penalty=float(_number(body, "frequency_penalty", -PENALTY_LIMIT, PENALTY_LIMIT) or 0.0),
+        presence_penalty=float(_number(body, "presence_penalty", -PENALTY_LIMIT, PENALTY_LIMIT) or 0.0),
+        repetition_penalty=1.0 if repetition is None else float(repetition),
+        logit_bias=_logit_bias(body.get("logit_bias")),
+    )
+
+
+def _logit_bias(raw: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``{"<token id>": bias}`` (or llama.cpp's ``[[id, bias], ...]``) as (id, bias) pairs,
+    ids ascending; a bias of 0 is left out (it changes nothing). Whether the ids are in the model's
+    vocabulary is the generate stage's check (:func:`engine.api.generate.check_logit_bias`)."""
+    if raw is None:
+        return ()
+    what = (f"'logit_bias' must map at most {MAX_LOGIT_BIAS} token ids (as strings: {{\"50256\": -100}}) to "
+            f"biases between -{LOGIT_BIAS_LIMIT:g} and {LOGIT_BIAS_LIMIT:g}")
+    if isinstance(raw, dict):
+        items = list(raw.items())
+    elif isinstance(raw, list) and all(isinstance(p, list) and len(p) == 2 for p in raw):
+        items = [(str(k) if isinstance(k, int) and not isinstance(k, bool) else k, v) for k, v in raw]
+    else:
+        raise _bad(f"{what}, got {json.dumps(raw)[:60]}", "logit_bias")
+    if len(items) > MAX_LOGIT_BIAS:
+        raise _bad(f"{what}; got {len(items)} entries", "logit_bias")
+    bias: dict[int, float] = {}
+    for key, value in items:
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and int(key) <= MAX_TOKEN_ID):
+            raise _bad(f"{what}; {json.dumps(key)[:40]} is not a token id", "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                math.isfinite(value) and -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT):
+            raise _bad(f"{what}; token {key} has {json.dumps(value)[:40]}", "logit_bias")
+        if int(key) in bias:
+            raise _bad(f"{what}; token {int(key)} is named twice", "logit_bias")
+        bias[int(key)] = float(value)
+    return tuple(sorted((t, b) for t, b in bias.items() if b != 0.0))
+
+
 def parse_json_body(raw: bytes) -> dict[str, Any]:
     """Decode a request body, which must be a JSON object; :class:`ApiError` 400 otherwise."""
     try:
@@ -382,15 +455,8 @@ def parse_completion(body: Mapping[str, Any], kind: str, served: str | Collectio
     max_tokens = _integer(body, "max_completion_tokens", 1, 1 << 30)
     if max_tokens is None:
         max_tokens = _integer(body, "max_tokens", 1, 1 << 30)
-    temperature = _number(body, "temperature", 0.0, 2.0)
-    top_p = _number(body, "top_p", 0.0, 1.0)
     try:
-        sampling = SamplingParams(
-            temperature=1.0 if temperature is None else float(temperature),
-            top_p=1.0 if top_p is None else float(top_p),
-            top_k=_integer(body, "top_k", 0, 1 << 30) or 0,
-            seed=_integer(body, "seed", 0, (1 << 63) - 1),
-        )
+        sampling = _sampling(body)
     except GenerationError as exc:
         raise _bad(str(exc)) from exc
     stream = bool(_get(body, "stream", (bool,), "true or false"))

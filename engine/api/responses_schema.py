@@ -9,7 +9,8 @@ parts), ``function_call`` items (an assistant's calls) and ``function_call_outpu
 message each). Function tools (``{type: "function", name, description, parameters, strict}``),
 ``tool_choice`` (``{type: "function", name}`` too), ``text.format`` (``text``, ``json_object``,
 ``json_schema``: the same grammar as ``response_format``), ``max_output_tokens``, ``temperature``,
-``top_p`` and ``reasoning.effort`` map to their chat fields. Every other tool type and input part
+``top_p`` and ``reasoning.effort`` map to their chat fields; chat's penalties and samplers
+(``frequency_penalty`` … ``logit_bias``, ``seed``) pass through as they are. Every other tool type and input part
 (images, files, web search …) is refused by name, as are the features this server does not run
 (``background``, stored prompts, conversations). Errors name the Responses field, not the chat one.
 
@@ -34,6 +35,9 @@ REFUSED_FIELDS = {
     "conversation": "conversations are not kept by this server; chain responses with 'previous_response_id'",
     "top_logprobs": "log-probabilities are served by /v1/chat/completions ('logprobs'), not here",
 }
+# chat's sampling fields beyond OpenAI's Responses (llama.cpp, vLLM and Open WebUI send them): passed on as they are
+SAMPLER_EXTRAS = ("frequency_penalty", "presence_penalty", "repetition_penalty", "repeat_penalty", "top_k", "min_p",
+                  "logit_bias", "seed")
 # Responses field -> the chat field its errors come back under (renamed for the caller)
 CHAT_PARAM = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
               "messages": "input", "response_format": "text.format", "reasoning_effort": "reasoning.effort"}
@@ -75,7 +79,7 @@ def parse_response_request(body: Mapping[str, Any], served: str | Collection[str
         "messages": ([{"role": "system", "content": instructions}] if instructions else []) + conversation,
         "stream": body.get("stream", False),
     }
-    for name in ("model", "temperature", "top_p"):
+    for name in ("model", "temperature", "top_p", *SAMPLER_EXTRAS):
         if body.get(name) is not None:
             chat_body[name] = body[name]
     if body.get("max_output_tokens") is not None:

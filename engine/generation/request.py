@@ -19,14 +19,32 @@ from engine.errors import GenerationError
 RequestId = NewType("RequestId", int)
 
 
+MAX_LOGIT_BIAS = 300  # token ids one request may bias (OpenAI's limit)
+LOGIT_BIAS_LIMIT = 100.0  # |bias| at most this (OpenAI's range: -100 bans a token, +100 forces it)
+PENALTY_LIMIT = 2.0  # |frequency_penalty|, |presence_penalty| at most this (OpenAI's range)
+REPETITION_PENALTY_MAX = 10.0  # repetition_penalty in (0, this]; 1.0 is off
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 means greedy; top_k 0 and top_p 1.0 disable those filters."""
+    """How a stream's next token is chosen from its logits (:mod:`engine.generation.penalties`,
+    then :mod:`engine.generation.sampling`).
+
+    temperature 0 means greedy; top_k 0, top_p 1.0 and min_p 0.0 disable those filters.
+    ``frequency_penalty`` / ``presence_penalty`` (OpenAI's, -2..2, over the generated tokens),
+    ``repetition_penalty`` (HF's / vLLM's / llama.cpp's, > 0, 1.0 off, over prompt and generated
+    tokens) and ``logit_bias`` ((token id, bias) pairs, ids ascending, bias -100..100) adjust the
+    logits before any of that; a stream with one of them set is :attr:`penalised`."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.temperature <= 100.0:
@@ -35,10 +53,33 @@ class SamplingParams:
             raise GenerationError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise GenerationError(f"top_k must be 0 (off) or positive, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise GenerationError(f"min_p must be between 0 and 1, got {self.min_p}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -PENALTY_LIMIT <= getattr(self, name) <= PENALTY_LIMIT:
+                raise GenerationError(f"{name} must be between -{PENALTY_LIMIT} and {PENALTY_LIMIT}, "
+                                      f"got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= REPETITION_PENALTY_MAX:
+            raise GenerationError(f"repetition_penalty must be above 0 and at most {REPETITION_PENALTY_MAX} "
+                                  f"(1.0 is off), got {self.repetition_penalty}")
+        ids = [t for t, _ in self.logit_bias]
+        if len(ids) > MAX_LOGIT_BIAS or ids != sorted(set(ids)) or any(t < 0 for t in ids):
+            raise GenerationError(f"logit_bias must name at most {MAX_LOGIT_BIAS} distinct token ids >= 0, "
+                                  "in ascending order")
+        if any(not -LOGIT_BIAS_LIMIT <= b <= LOGIT_BIAS_LIMIT for _, b in self.logit_bias):
+            raise GenerationError(f"logit_bias values must be between -{LOGIT_BIAS_LIMIT} and {LOGIT_BIAS_LIMIT}")
 
     @property
     def greedy(self) -> bool:
+        """The token is the top of the (penalised) logits: no draw."""
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def penalised(self) -> bool:
+        """Whether the logits are adjusted per stream before choosing (a penalty or a bias): its
+        tokens are then chosen by the coordinator from the row's logits, never the last stage's top-1."""
+        return (self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
+                or bool(self.logit_bias))
 
 
 MAX_TOP_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's limit; the step frame's top_k)

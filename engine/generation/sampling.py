@@ -1,4 +1,4 @@
-"""Choosing the next token from logits: greedy, or temperature / top-k / top-p with a seed.
+"""Choosing the next token from logits: greedy, or temperature / top-k / top-p / min-p with a seed.
 
 Pure numpy. A request's generator is seeded once, so the same seed gives the same tokens, and
 one request's draws never depend on another's.
@@ -16,7 +16,10 @@ def make_rng(params: SamplingParams) -> np.random.Generator:
 
 
 def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """The distribution sampling draws from: softmax(logits / T) restricted by top-k and top-p.
+    """The distribution sampling draws from: softmax(logits / T) restricted by top-k, then top-p,
+    then min-p (HF's warpers' order: min-p drops the tokens less likely than ``min_p`` times the
+    likeliest that top-k and top-p kept). A penalised stream's logits come here penalised
+    (:func:`engine.generation.penalties.penalise`).
 
     logits: [V] float. Returns [V] float64 summing to 1 (zeros outside the kept set).
     """
@@ -34,6 +37,9 @@ def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         mask = np.zeros_like(p, dtype=bool)
         mask[keep] = True
         p = np.where(mask, p, 0.0)
+        p /= p.sum()
+    if params.min_p > 0.0:
+        p = np.where(p >= params.min_p * p.max(), p, 0.0)
         p /= p.sum()
     return p
 

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from engine.errors import GenerationError
 from engine.generation.request import FinishReason, TokenEvent
 from engine.paged.flight import FlightRow
 from engine.paged.prefix_blocks import chain_hash
 from engine.paged.reply import decide, reply_problem
-from engine.paged.state import Action, Emit, FailOver, Finished, SchedulerConfig, StreamState
+from engine.paged.state import Action, Emit, Failed, FailOver, Finished, SchedulerConfig, StreamState
 from engine.paged.step import PagedOutcome
 from engine.paged.stream_book import StreamBook
 
@@ -82,7 +83,11 @@ class OutcomeAccountant:
 
     def _answer(self, s: StreamState, r: FlightRow, ids: np.ndarray, probs: np.ndarray,
                 logits: np.ndarray | None, now: float) -> list[Action]:
-        verdict, token_probs = decide(s.request.sampling, s.rng, r.drafts, r.q, ids, probs, logits)
+        try:
+            verdict, token_probs = decide(s.request.sampling, s.rng, r.drafts, r.q, ids, probs, logits, s.tokens,
+                                          len(s.request.prompt_ids))
+        except GenerationError as exc:  # this stream cannot go on (a bias beyond the logits, NaN logits)
+            return self.book.end(s, Failed(s.stream_id, exc))
         s.last_drafted, s.last_accepted = len(r.drafts), verdict.accepted
         s.proposed_total += len(r.drafts)
         s.accepted_total += verdict.accepted

@@ -60,12 +60,14 @@ outcome, replay, metrics.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 from collections.abc import Iterable
 
 from engine.errors import DeskfleetError, GenerationError
 from engine.generation.generator import OverloadedError, UnavailableError
 from engine.generation.grammar import GrammarMatcher
+from engine.generation.penalties import PENALTY_FEATURES
 from engine.generation.request import Constraint, FinishReason, GenerationRequest
 from engine.generation.sampling import make_rng
 from engine.paged.block_pool import BlockPool, PoolExhausted
@@ -137,8 +139,10 @@ class BatchScheduler:
 
     @property
     def features(self) -> frozenset[str]:
-        """The request features served beyond plain generation (:attr:`StreamConstraints.features`)."""
-        return self.constraints.features
+        """The request features served beyond plain generation: the penalties (applied to a penalised
+        stream's logits when its verdict is taken, :mod:`engine.paged.reply`) and
+        :attr:`StreamConstraints.features` (shared with the static runtime, which applies no penalties)."""
+        return self.constraints.features | PENALTY_FEATURES
 
     def use_grammar(self, vocabulary: GrammarVocabulary | None) -> None:
         """Constrain output with ``vocabulary`` from now on (None: refuse constrained requests)."""
@@ -178,6 +182,8 @@ class BatchScheduler:
             book.counters["rejected_overloaded"] += 1
             raise OverloadedError(f"{len(book.running)} streams are running and {len(book.waiting)} requests are "
                                   "waiting; retry shortly")
+        if request.sampling.penalised and not request.want_logits:  # its tokens are chosen from its logits
+            request = dataclasses.replace(request, want_logits=True)
         sid = StreamId(next(self._ids))
         state = StreamState(sid, request, frozenset(eos_ids), now, make_rng(request.sampling), list(request.prompt_ids))
         if self.prefix is not None:

@@ -241,6 +241,9 @@ class PackedGenerator:
     def _slot_request(self, request: GenerationRequest) -> tuple[SlotRequest, frozenset[int]]:
         if request.want_logits:
             raise GenerationError("a static (NPU-target) export returns top-1 tokens only, not logits")
+        if request.sampling.penalised:
+            raise GenerationError("a static (NPU-target) export decodes from its last stage's top-1 and applies no "
+                                  "penalties or logit_bias; leave them out or serve the model from a CPU/GPU export")
         stops = frozenset(request.stop_token_ids) | (frozenset() if request.ignore_eos
                                                       else frozenset(self.card.eos_token_ids))
         slot_request = SlotRequest(self._next_id, tuple(request.prompt_ids), request.max_new_tokens, stops)

@@ -23,7 +23,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.api.generate import prompt_ids, to_generation_request
+from engine.api.generate import check_logit_bias, check_prompt_ids, prompt_ids, to_generation_request
 from engine.api.openai_schema import ApiError, check_prompt_chars, parse_completion
 from engine.api.responses_schema import parse_response_request
 from engine.api.server import ApiSettings
@@ -178,7 +178,8 @@ FIELDS = {
     "max_completion_tokens": (st.just(ABSENT) | st.integers(1, 6), hostile),
     "temperature": (st.just(ABSENT) | st.floats(0, 2), st.floats(2.0001, 1e308) | hostile),
     "top_p": (st.just(ABSENT) | st.floats(0.01, 1), st.sampled_from([0, -0.1, 1.01]) | hostile),
-    "top_k": (st.just(ABSENT) | st.integers(0, 50), st.integers(max_value=-1) | hostile),
+    "top_k": (st.just(ABSENT) | st.integers(-1, 50), st.integers(max_value=-2) | hostile),
+    "min_p": (st.just(ABSENT) | st.floats(0, 1), st.sampled_from([-0.1, 1.01]) | hostile),
     "seed": (st.just(ABSENT) | st.integers(0, 2**63 - 1), st.integers(min_value=2**63) | hostile),
     "stop": (st.just(ABSENT) | text.filter(bool) | st.lists(text.filter(bool), max_size=4),
              st.lists(text.filter(bool), min_size=5, max_size=6) | st.sampled_from([[""], "", [1], {}, 3])),
@@ -200,7 +201,11 @@ FIELDS = {
                             "json", 1, []])),
     "logprobs": (st.sampled_from([ABSENT, False, None]), st.sampled_from([True, 5, "x", 21, -1])),
     "top_logprobs": (st.sampled_from([ABSENT, None]), st.sampled_from([0, 2, 20, 21, -1, "x", True])),
-    "presence_penalty": (st.sampled_from([ABSENT, 0, None]), st.sampled_from([0.5, "x", -2])),
+    "presence_penalty": (st.sampled_from([ABSENT, 0, None, 0.5, -2]), st.sampled_from([2.01, "x", -3]) | hostile),
+    "frequency_penalty": (st.just(ABSENT) | st.floats(-2, 2), st.sampled_from([2.5, "x", -2.01]) | hostile),
+    "repetition_penalty": (st.just(ABSENT) | st.floats(0.5, 2), st.sampled_from([0, -1, 10.5, "x"]) | hostile),
+    "logit_bias": (st.sampled_from([ABSENT, None, {}, {"5": -100}, {"7": 2.5, "9": 0}]),
+                   st.sampled_from([{"x": 1}, {"5": 101}, {"-1": 1}, {"600": 1}, [1], "5", {"5": "1"}]) | hostile),
     "messages": (st.lists(message, min_size=1, max_size=3),
                  st.lists(bad_message, min_size=1, max_size=2) | st.sampled_from([ABSENT, [], None, "hi", {}, 1])),
     "prompt": (text.filter(bool) | st.lists(st.integers(0, 511), min_size=1, max_size=8)
@@ -232,6 +237,8 @@ def predict(live: LiveApi, body: dict, kind: str) -> ApiError | None:
     try:
         params = parse_completion(body, kind, live.model, pending=SETTINGS.pending - live.features)
         check_prompt_chars(params, SETTINGS.max_prompt_tokens)  # refused unread: too long to tokenise
+        check_prompt_ids(params, live.card.vocab_size)
+        check_logit_bias(params, live.card.vocab_size)
         to_generation_request(prompt_ids(live.tokenizer, params), params, SETTINGS, live.card)
     except ApiError as exc:
         return exc

@@ -64,7 +64,7 @@ def test_completion_prompt_forms_and_defaults():
     ({"messages": []}, "messages"), ({"messages": [{"role": "tool", "content": "x"}]}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
     ({"messages": [{"role": "user", "content": None}]}, "messages"),
-    ({"tools": [{"type": "function"}]}, "tools"), ({"stream": "yes"}, "stream"), ({"top_k": -1}, "top_k"),
+    ({"tools": [{"type": "function"}]}, "tools"), ({"stream": "yes"}, "stream"), ({"top_k": -2}, "top_k"),
 ])
 def test_invalid_fields_are_400_naming_the_field(patch, param):
     body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], **patch}

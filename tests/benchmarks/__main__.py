@@ -36,6 +36,7 @@ BENCHMARKS = {
     "placement-scale": "tests.benchmarks.placement_scale",
     "ring-model": "tests.benchmarks.ring_model",
     "rings": "tests.benchmarks.rings",
+    "samplers": "tests.benchmarks.samplers",
     "shape-caches": "tests.benchmarks.shape_caches",
     "soak": "tests.benchmarks.soak",
     "speedups": "tests.benchmarks.speedups",

@@ -21,6 +21,7 @@ SLOW = {
     "test_bench_moe_export": {"test_a_toy_run_exports_serves_and_records"},  # an export child, a worker process
     "test_bench_parity": {"test_parity_runs_every_variant_and_records_json_and_table"},
     "test_bench_rings": {"test_a_toy_run_records_json_and_section"},  # worker processes, serve restarted
+    "test_bench_samplers": {"test_a_tiny_run_records_json_and_section"},  # worker processes
     "test_bench_placement": {"test_the_core_places_distributes_and_measures_two_agents"},
     "test_bench_soak": {"test_one_minute_soak_on_the_tiny_model_fails_no_request"},
     "test_not_shipped": {"test_the_wheel_carries_no_benchmark", "test_the_deb_carries_no_benchmark"},

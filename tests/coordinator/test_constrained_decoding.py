@@ -17,6 +17,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from engine.generation.grammar import GrammarError
+from engine.generation.penalties import PENALTY_FEATURES
 from engine.generation.request import (
     FinishReason,
     FunctionSchema,
@@ -241,5 +242,5 @@ def test_without_its_tokenizer_a_coordinator_serves_logprobs_only(export):
             return c.features, events
 
     features, events = run(main())
-    assert features == {"logprobs"}
+    assert features == {"logprobs"} | PENALTY_FEATURES  # penalties need no tokenizer
     assert all(len(e.top_logprobs) == 2 for e in events)

@@ -102,3 +102,17 @@ def test_every_static_stage_reports_its_compute_in_the_servers_metrics(client):
     for stage in (0, 1):  # each packed stage worker appends its own ms to the frames it passes on
         assert float(samples[f'deskfleet_stage_compute_seconds_per_step{{stage="{stage}"}}']) > 0
     assert float(samples["deskfleet_packed_logit_steps_total"]) > 0  # the tests above asked for logits
+
+
+@pytest.mark.parametrize("field, value", [("frequency_penalty", 0.5), ("presence_penalty", -0.5),
+                                          ("repetition_penalty", 1.2), ("logit_bias", {"5": -100})])
+def test_penalties_are_refused_by_name_and_top_k_min_p_served_greedily(client, field, value):
+    # a static export decodes from its last stage's top-1: it cannot apply penalties (issue 35)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, extra_body={field: value})
+    assert info.value.body["param"] == field, info.value.body
+    assert "not applied by the runtime serving this model" in str(info.value)
+    plain = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, temperature=0)
+    filtered = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, temperature=0,
+                                         extra_body={"top_k": 5, "min_p": 0.2})
+    assert filtered.choices[0].text == plain.choices[0].text  # greedy keeps the top token under any filter
