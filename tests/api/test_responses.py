@@ -168,8 +168,8 @@ def test_models_lists_what_each_model_can_do(tiny_api):
 
 def test_penalties_and_samplers_pass_through_to_the_chat_request():
     params = parse_response_request({"input": "x", "frequency_penalty": 0.5, "repeat_penalty": 1.2, "top_k": 5,
-                                     "seed": 3}, None)
+                                     "seed": 3}, None, pending=frozenset())
     assert params.chat.sampling.top_k == 5 and params.chat.sampling.seed == 3
     with pytest.raises(ApiError) as caught:
-        parse_response_request({"input": "x", "presence_penalty": 9}, None)
+        parse_response_request({"input": "x", "presence_penalty": 9}, None, pending=frozenset())
     assert caught.value.param == "presence_penalty"
