@@ -124,6 +124,9 @@ def _validate_options(shape: ModelShape, options: ExportOptions, gguf: Path | No
     if shape.moe is not None and options.target != "stateful":
         raise ExportError(f"{shape.family.title} is a mixture-of-experts model: the NPU target does not build its "
                           "expert blocks (GroupedMatMul); export it for --target stateful (CPU/GPU, paged or not)")
+    if shape.gemma4 is not None and options.target != "stateful":
+        raise ExportError(f"{shape.family.title}: the NPU target does not build Gemma 4's layers (sliding windows, "
+                          "shared K/V, per-layer embeddings); export it for --target stateful (CPU/GPU, paged or not)")
     if options.weights not in WEIGHT_FORMATS:
         raise ExportError(f"unknown --weights {options.weights!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
     if options.weights == "keep" and (gguf is None or options.target != "stateful"):

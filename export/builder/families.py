@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import DeskfleetError
+from export.builder.gemma4_shape import Gemma4ConfigError, Gemma4Shape, gemma4_shape
 
 
 class UnsupportedModelError(DeskfleetError):
@@ -65,6 +66,7 @@ class Family:
     fused_gate_up: str | None = None  # one [2 I, hidden] projection, gate rows first (Phi-3)
     qkv_bias: bool | None = None  # None: the config's ``attention_bias`` decides
     moe: MoeNames | None = None  # sparse MoE blocks in place of the MLP on the config's MoE layers
+    gemma4: bool = False  # Gemma 4's layer (export.builder.gemma4_graph) in place of the Llama-like one
 
     def __post_init__(self) -> None:
         if (self.q_norm is None) != (self.k_norm is None):
@@ -80,6 +82,9 @@ FAMILIES: dict[str, Family] = {
                    fused_gate_up="mlp.gate_up_proj", qkv_bias=False),
     "qwen3_moe": Family("qwen3_moe", "Qwen3-MoE (Qwen3-30B-A3B, 235B-A22B)", q_norm="self_attn.q_norm.weight",
                         k_norm="self_attn.k_norm.weight", moe=MoeNames()),
+    "gemma4_text": Family("gemma4_text", "Gemma 4 text (E2B, E4B, 31B; not the MoE 26B-A4B)",
+                          q_norm="self_attn.q_norm.weight", k_norm="self_attn.k_norm.weight", qkv_bias=False,
+                          gemma4=True),
 }
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
@@ -112,6 +117,7 @@ class ModelShape:
     rope: dict[str, Any]
     max_positions: int
     moe: MoeShape | None = None
+    gemma4: Gemma4Shape | None = None  # the Gemma 4 family's per-layer facts
 
     @property
     def groups(self) -> int:
@@ -177,6 +183,15 @@ def model_shape(config: dict[str, Any]) -> ModelShape:
                                     "is the checkpoint complete?") from exc
     if heads % kv_heads:
         raise UnsupportedModelError(f"{heads} attention heads are not a multiple of {kv_heads} KV heads")
+    if family.gemma4:
+        try:
+            gemma = gemma4_shape(config, shape_args["num_layers"], shape_args["head_dim"], kv_heads,
+                                 shape_args["intermediate"])
+        except (Gemma4ConfigError, KeyError, TypeError, ValueError) as exc:
+            raise UnsupportedModelError(f"this {model_type} checkpoint: {exc}") from exc
+        return ModelShape(family=family, **shape_args, qkv_bias=False, o_bias=False, mlp_bias=False,
+                          tied=bool(config.get("tie_word_embeddings", True)), rope={},
+                          max_positions=int(config.get("max_position_embeddings", 4096)), gemma4=gemma)
     act = config.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise UnsupportedModelError(f"activation {act!r} of this {model_type} checkpoint is not supported (only silu)")

@@ -120,18 +120,22 @@ def expand_groups(kv: Out, groups: int, heads: int, head_dim: int) -> Out:
     return ops.reshape(wide, i64([0, heads, -1, head_dim]), special_zero=True).output(0)
 
 
-def attention_bias(attention_mask: Out, position_ids: Out) -> Out:
+def attention_bias(attention_mask: Out, position_ids: Out, window: int | None = None) -> Out:
     """Additive mask [B, 1, S, T]: causal over physical positions, minus masked cache slots.
 
     attention_mask [B, T] i64 covers every physical cache position plus the S new ones (1 =
     attend); the i-th new token sits at physical position T - S + i. Masked slots get the
     lowest f32, not -inf, so that a fully masked row stays finite (as the static NPU graphs do).
+    ``window``: a sliding window, each query seeing only the ``window`` positions up to its own.
     """
     total = ops.gather(ops.shape_of(attention_mask), i64(1), i64(0))  # T
     new = ops.gather(ops.shape_of(position_ids), i64(1), i64(0))  # S
     keys = ops.range(i64(0), total, i64(1), output_type="i64")  # [T]
     queries = ops.range(ops.subtract(total, new), total, i64(1), output_type="i64")  # [S]
     causal = ops.less_equal(ops.unsqueeze(keys, i64([0])), ops.unsqueeze(queries, i64([1])))  # [S, T]
+    if window is not None:
+        near = ops.greater(ops.unsqueeze(keys, i64([0])), ops.unsqueeze(ops.subtract(queries, i64(window)), i64([1])))
+        causal = ops.logical_and(causal, near)
     visible = ops.greater(ops.unsqueeze(attention_mask, i64([1, 2])), i64(0))  # [B, 1, 1, T]
     allowed = ops.logical_and(ops.unsqueeze(causal, i64([0, 1])), visible)  # [B, 1, S, T]
     return ops.select(allowed, const(0.0), const(np.finfo(np.float32).min)).output(0)
