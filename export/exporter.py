@@ -141,7 +141,16 @@ def _validate_options(shape: ModelShape, options: ExportOptions, gguf: Path | No
             "intermediate size": shape.intermediate,
             "attention width": shape.heads * shape.head_dim,
             **({"expert intermediate size": shape.moe.intermediate} if shape.moe is not None else {}),
+            **(_gemma4_widths(shape) if shape.gemma4 is not None else {}),
         })
+
+
+def _gemma4_widths(shape: ModelShape) -> dict[str, int]:
+    """The input widths of Gemma 4's other matrices: full-attention heads, double-wide MLPs, PLE."""
+    g = shape.gemma4
+    assert g is not None
+    widths = {"full-attention width": shape.heads * max(g.head_dims), "widest MLP": max(g.intermediates)}
+    return widths | ({"per-layer input width": g.ple_dim} if g.ple_dim else {})
 
 
 def _gguf_tokenizer(gguf: Path, source: Any, out_dir: Path) -> tuple[FileEntry, ...]:

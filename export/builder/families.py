@@ -165,6 +165,11 @@ def model_shape(config: dict[str, Any]) -> ModelShape:
     """Parse and check an HF config dict; raises :class:`UnsupportedModelError` with what is supported."""
     model_type = config.get("model_type")
     family = FAMILIES.get(str(model_type))
+    if model_type == "gemma4":
+        raise UnsupportedModelError(
+            "this is a multimodal Gemma 4 checkpoint (gemma4, Gemma4ForConditionalGeneration, tensors under "
+            "model.language_model.); the builder exports Gemma 4's text model as a gemma4_text checkpoint "
+            "(Gemma4ForCausalLM): save that first, or pick a text-only Gemma 4 checkpoint")
     if family is None:
         raise UnsupportedModelError(
             f"architecture {model_type!r} is not supported for export; supported: {supported_summary()}")

@@ -126,6 +126,11 @@ def test_a_gemma4_config_the_builder_cannot_build_is_refused_by_name(extra, mess
         model_shape({**BASE, **extra})
 
 
+def test_a_multimodal_gemma4_checkpoint_is_refused_naming_the_text_model():
+    with pytest.raises(UnsupportedModelError, match="multimodal Gemma 4.*gemma4_text"):
+        model_shape({"model_type": "gemma4", "text_config": BASE})
+
+
 def test_the_npu_target_refuses_gemma4_by_name(tiny_checkpoint, tmp_path):
     from export.exporter import ExportError, ExportOptions, export_model
 
