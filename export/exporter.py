@@ -266,6 +266,10 @@ def export_model(checkpoint_dir: Path | str, out_dir: Path | str, *, stages: int
         config = dict(source.config)
         shape = model_shape(config)
         _validate_options(shape, options, gguf)
+        if shape.gemma4 is not None and shape.moe is not None:  # stacked experts, read as one matrix per expert
+            # here: the fleet service imports this module for ExportOptions; weights load only for an export
+            from export.weights.expert_views import ExpertViews
+            source = ExpertViews(source)
         plan = plan_stages(shape.num_layers, stages, split)
         if fingerprint is None:
             # here: model sources (hashing, tokenizers) load only when no fingerprint is given

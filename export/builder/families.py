@@ -82,7 +82,7 @@ FAMILIES: dict[str, Family] = {
                    fused_gate_up="mlp.gate_up_proj", qkv_bias=False),
     "qwen3_moe": Family("qwen3_moe", "Qwen3-MoE (Qwen3-30B-A3B, 235B-A22B)", q_norm="self_attn.q_norm.weight",
                         k_norm="self_attn.k_norm.weight", moe=MoeNames()),
-    "gemma4_text": Family("gemma4_text", "Gemma 4 text (E2B, E4B, 31B; not the MoE 26B-A4B)",
+    "gemma4_text": Family("gemma4_text", "Gemma 4 text (E2B, E4B, 31B, 26B-A4B MoE)",
                           q_norm="self_attn.q_norm.weight", k_norm="self_attn.k_norm.weight", qkv_bias=False,
                           gemma4=True),
 }
@@ -194,8 +194,10 @@ def model_shape(config: dict[str, Any]) -> ModelShape:
                                  shape_args["intermediate"])
         except (Gemma4ConfigError, KeyError, TypeError, ValueError) as exc:
             raise UnsupportedModelError(f"this {model_type} checkpoint: {exc}") from exc
+        moe = MoeShape(experts=gemma.experts, per_token=gemma.top_k, intermediate=gemma.moe_intermediate,
+                       normalise=True, layers=frozenset(range(shape_args["num_layers"]))) if gemma.experts else None
         return ModelShape(family=family, **shape_args, qkv_bias=False, o_bias=False, mlp_bias=False,
-                          tied=bool(config.get("tie_word_embeddings", True)), rope={},
+                          tied=bool(config.get("tie_word_embeddings", True)), rope={}, moe=moe,
                           max_positions=int(config.get("max_position_embeddings", 4096)), gemma4=gemma)
     act = config.get("hidden_act", "silu")
     if act not in ("silu", "swish"):

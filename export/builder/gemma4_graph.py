@@ -42,6 +42,7 @@ from export.builder.families import ModelShape
 from export.builder.gemma4_shape import Carried, Gemma4Shape, carried
 from export.builder.rope import inverse_frequencies
 from export.builder.stage_graph import LayerNames, StagePlan, WeightSource, parameter
+from export.weights.expert_views import expert_name
 
 PLE_TABLE = "model.embed_tokens_per_layer.weight"
 PLE_PROJECTION = "model.per_layer_model_projection.weight"
@@ -53,6 +54,15 @@ PLE_GATE = "per_layer_input_gate.weight"
 PLE_PROJECT = "per_layer_projection.weight"
 PLE_POST_NORM = "post_per_layer_input_norm.weight"
 LAYER_SCALAR = "layer_scalar"
+# The MoE block (enable_moe_block), relative to model.layers.{i}.; the experts as
+# export.weights.expert_views shows them, one matrix per expert.
+ROUTER = "router.proj.weight"
+ROUTER_SCALE = "router.scale"
+EXPERT_SCALE = "router.per_expert_scale"
+PRE_MOE_NORM = "pre_feedforward_layernorm_2.weight"
+POST_MLP_NORM = "post_feedforward_layernorm_1.weight"
+POST_MOE_NORM = "post_feedforward_layernorm_2.weight"
+EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")
 
 
 def _gemma(shape: ModelShape) -> Gemma4Shape:
@@ -162,6 +172,21 @@ class _Stage:
         out = ops.scaled_dot_product_attention(q, k_all, v_all, self.bias[kind], blocks.const(1.0), causal=False)
         return blocks.linear(blocks.merge_heads(out.output(0), heads * d), w.linear(n("self_attn.o_proj.weight")))
 
+    def moe(self, n: LayerNames, residual: ov.Output) -> ov.Output:
+        """The MoE block over the layer's residual [B, S, H], as HF's Gemma4TextRouter and experts."""
+        g, shape, w = self.g, self.shape, self.w
+        flat = ops.reshape(residual, blocks.i64([-1, shape.hidden]), special_zero=False).output(0)  # [T, H]
+        routed = blocks.rms_norm(flat, blocks.const(np.ones(shape.hidden, np.float32)), shape.eps)
+        routed = _scale(ops.multiply(routed, w.vector(n(ROUTER_SCALE))).output(0), shape.hidden ** -0.5)
+        probs = ops.softmax(blocks.linear(routed, w.linear(n(ROUTER))), -1)  # [T, E]
+        top = ops.topk(probs, blocks.i64(g.top_k), axis=-1, mode="max", sort="value", index_element_type="i64")
+        weights = ops.divide(top.output(0), ops.reduce_sum(top.output(0), blocks.i64([-1]), keep_dims=True))
+        weights = ops.multiply(weights, ops.gather(w.vector(n(EXPERT_SCALE)), top.output(1), blocks.i64(0)))
+        rows = blocks.rms_norm(flat, w.vector(n(PRE_MOE_NORM)), shape.eps)
+        gate, up, down = (w.stacked(names) for names in _expert_names(g, n))
+        out = blocks.moe_experts(rows, weights.output(0), top.output(1), gate, up, down, g.top_k, _gelu)
+        return ops.reshape(out, ops.shape_of(residual), special_zero=False).output(0)
+
     def layer(self, i: int, h: ov.Output) -> ov.Output:
         shape, w, eps = self.shape, self.w, self.shape.eps
         n = LayerNames(shape, i)
@@ -172,6 +197,9 @@ class _Stage:
         gate = _gelu(blocks.linear(x, w.linear(n("mlp.gate_proj.weight"))))
         up = blocks.linear(x, w.linear(n("mlp.up_proj.weight")))
         ffn = blocks.linear(ops.multiply(gate, up).output(0), w.linear(n("mlp.down_proj.weight")))
+        if self.g.experts:
+            dense = blocks.rms_norm(ffn, w.vector(n(POST_MLP_NORM)), eps)
+            ffn = ops.add(dense, blocks.rms_norm(self.moe(n, h), w.vector(n(POST_MOE_NORM)), eps)).output(0)
         h = ops.add(h, blocks.rms_norm(ffn, w.vector(n(POST_FFN_NORM)), eps)).output(0)
         if self.g.ple_dim:
             gated = ops.multiply(_gelu(blocks.linear(h, w.linear(n(PLE_GATE)))), self.ple[i]).output(0)
@@ -231,6 +259,11 @@ def build_gemma4_stage(shape: ModelShape, stage: StagePlan, weights: WeightSourc
     return model
 
 
+def _expert_names(g: Gemma4Shape, n: LayerNames) -> list[list[str]]:
+    """A MoE layer's gate, up and down matrices, one per expert in expert order."""
+    return [[n(expert_name("", e, part)) for e in range(g.experts)] for part in EXPERT_PARTS]
+
+
 def gemma4_tensor_names(shape: ModelShape, stage: StagePlan, head: str) -> list[str]:
     """Exactly the checkpoint tensors :func:`build_gemma4_stage` reads for ``stage``."""
     g = _gemma(shape)
@@ -249,6 +282,9 @@ def gemma4_tensor_names(shape: ModelShape, stage: StagePlan, head: str) -> list[
             names += [n("self_attn.k_proj.weight"), n("self_attn.k_norm.weight")]
             names += [] if g.values_are_keys(i) else [n("self_attn.v_proj.weight")]
         names += [n(PLE_GATE), n(PLE_PROJECT), n(PLE_POST_NORM)] if g.ple_dim else []
+        if g.experts:
+            names += [n(x) for x in (ROUTER, ROUTER_SCALE, EXPERT_SCALE, PRE_MOE_NORM, POST_MLP_NORM, POST_MOE_NORM)]
+            names += [name for group in _expert_names(g, n) for name in group]
     if stage.has_head:
         names += [f.final_norm, head]
     return names

@@ -14,7 +14,10 @@ What sets Gemma 4 apart from the Llama-like families (transformers' ``modeling_g
   main embedding, combined into a P-wide input for each layer;
 * RMSNorms around attention and MLP (pre and post), GELU-tanh MLPs (double width on the shared
   layers with ``use_double_wide_mlp``), a per-layer scalar, embeddings scaled by sqrt(hidden),
-  attention scale 1 (q and k are RMS-normed), logits soft-capped by ``final_logit_softcapping``.
+  attention scale 1 (q and k are RMS-normed), logits soft-capped by ``final_logit_softcapping``;
+* with ``enable_moe_block`` (26B-A4B) every layer adds a MoE block to its dense MLP: a router over
+  the RMS-normed residual (scaled per channel and by 1/sqrt(hidden)), top-k of its softmax
+  renormalised and scaled per expert, GELU-tanh experts stacked as ``experts.gate_up_proj``.
 
 :func:`carried` says what a stage passes on besides the hidden state when a cut falls between
 a layer and the PLE or K/V it needs (see export.builder.gemma4_graph).
@@ -51,6 +54,9 @@ class Gemma4Shape:
     ple_vocab: int
     softcap: float | None
     k_eq_v: bool  # full layers: values are the key projection (before the key norm)
+    experts: int = 0  # enable_moe_block: every layer's MoE block beside its dense MLP (0 = none)
+    top_k: int = 0
+    moe_intermediate: int = 0
 
     def is_sliding(self, layer: int) -> bool:
         return self.layer_types[layer] == SLIDING
@@ -121,9 +127,13 @@ def _per_layer(config: dict[str, Any], types: list[str], key: str, default: int,
 def gemma4_shape(config: dict[str, Any], num_layers: int, head_dim: int, kv_heads: int,
                  intermediate: int) -> Gemma4Shape:
     """Parse the Gemma 4 part of a ``gemma4_text`` config; Gemma4ConfigError names what is not built."""
+    experts = top_k = moe_intermediate = 0
     if config.get("enable_moe_block"):
-        raise Gemma4ConfigError("Gemma 4 with MoE blocks (enable_moe_block, e.g. 26B-A4B) is not built yet: its "
-                                "router and expert layout differ from Qwen3-MoE's; the dense Gemma 4 models are")
+        experts, top_k = int(config.get("num_experts") or 0), int(config.get("top_k_experts") or 0)
+        moe_intermediate = int(config.get("moe_intermediate_size") or 0)
+        if not 0 < top_k <= experts or moe_intermediate <= 0:
+            raise Gemma4ConfigError(f"a MoE block needs 0 < top_k_experts ({top_k}) <= num_experts ({experts}) and "
+                                    f"a moe_intermediate_size ({moe_intermediate})")
     if config.get("use_bidirectional_attention") == "all":
         raise Gemma4ConfigError("use_bidirectional_attention 'all' (an encoder) is not a causal decoder; not built")
     act = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
@@ -161,5 +171,6 @@ def gemma4_shape(config: dict[str, Any], num_layers: int, head_dim: int, kv_head
         layer_types=tuple(types), head_dims=head_dims, kv_heads=kv, intermediates=intermediates, kv_source=sources,
         sliding_window=int(config.get("sliding_window") or 0), rope={k: dict(v) for k, v in rope.items()},
         ple_dim=ple, ple_vocab=int(config.get("vocab_size_per_layer_input") or config["vocab_size"]),
-        softcap=float(softcap) if softcap else None, k_eq_v=k_eq_v,
+        softcap=float(softcap) if softcap else None, k_eq_v=k_eq_v, experts=experts, top_k=top_k,
+        moe_intermediate=moe_intermediate,
     )

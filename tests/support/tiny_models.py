@@ -88,10 +88,22 @@ TINY_CONFIGS = {
                          "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
                                             "rope_theta": 1000000.0}},
         **{**_COMMON, "num_hidden_layers": 6}),
+    # Gemma 4 with MoE blocks (as 26B-A4B: no PLE, no K/V sharing, keys = values on full layers):
+    # 4 experts, 2 per token, beside each layer's dense MLP.
+    "gemma4_moe": lambda vocab: Gemma4TextConfig(
+        vocab_size=vocab, tie_word_embeddings=True, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+        attention_k_eq_v=True, sliding_window=8, enable_moe_block=True, num_experts=4, top_k_experts=2,
+        moe_intermediate_size=32, hidden_size_per_layer_input=0,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        final_logit_softcapping=2.0,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                            "rope_theta": 1000000.0}},
+        **_COMMON),
 }
 # Families whose init leaves norm gammas and scalars at one: random instead, so that a builder
 # that skips one of them (or applies it twice) gives other tokens.
-_RANDOM_VECTORS = frozenset({"gemma4"})
+_RANDOM_VECTORS = frozenset({"gemma4", "gemma4_moe"})
 
 
 def _randomise_vectors(model: torch.nn.Module) -> None:
