@@ -294,8 +294,9 @@ def export_model(checkpoint_dir: Path | str, out_dir: Path | str, *, stages: int
                     hidden_size=shape.hidden,
                     vocab_size=shape.vocab,
                     num_attention_heads=shape.heads,
-                    num_kv_heads=shape.kv_heads,
-                    head_dim=shape.head_dim,
+                    # the widest layer's: block estimates (engine.paged.kv_pool) stay upper bounds
+                    num_kv_heads=shape.widest_kv[0],
+                    head_dim=shape.widest_kv[1],
                     max_position_embeddings=shape.max_positions,
                     bos_token_id=config.get("bos_token_id"),
                     eos_token_ids=_eos_ids(tokenizer_dir, config),

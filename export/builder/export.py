@@ -66,7 +66,8 @@ def port_spec(port: ov.Output) -> TensorSpec:
 
 def estimate_memory(shape: ModelShape, stage: StagePlan, file_bytes: int, kv_precision: str, context: int) -> int:
     """Shard files + KV at ``context`` positions + compiled-graph scratch (measured order of magnitude)."""
-    per_position = 2 * len(stage.layers) * shape.kv_heads * shape.head_dim * KV_BYTES_PER_VALUE[kv_precision]
+    values = sum(kv * d for kv, d in (shape.kv_geometry(i) for i in stage.layers))
+    per_position = 2 * values * KV_BYTES_PER_VALUE[kv_precision]
     return file_bytes + per_position * context + 64 * 1024 * 1024
 
 

@@ -123,6 +123,18 @@ class ModelShape:
     def groups(self) -> int:
         return self.heads // self.kv_heads
 
+    def kv_geometry(self, index: int) -> tuple[int, int]:
+        """(KV heads, head_dim) of layer ``index`` (Gemma 4's full layers have their own)."""
+        if self.gemma4 is not None:
+            return self.gemma4.kv_heads[index], self.gemma4.head_dims[index]
+        return self.kv_heads, self.head_dim
+
+    @property
+    def widest_kv(self) -> tuple[int, int]:
+        """(KV heads, head_dim) of the layer with the most K values per position: a manifest's
+        per-layer KV geometry, an upper bound for every layer's cache."""
+        return max((self.kv_geometry(i) for i in range(self.num_layers)), key=lambda kd: kd[0] * kd[1])
+
     def is_moe_layer(self, index: int) -> bool:
         return self.moe is not None and index in self.moe.layers
 

@@ -49,6 +49,28 @@ def test_paged_greedy_equals_hf_torch(stages, paged_path, hf_greedy):
     assert tuple(got[1]) == expected
 
 
+def test_a_ring_of_paged_workers_on_loopback_answers_like_the_local_path(tiny_export):
+    """Three paged workers over real sockets: the carried PLE and K/V columns travel in the Step
+    frames (wider than the hidden size) and every step's answer is the in-process path's."""
+    from tests.support.asyncutil import run
+    from tests.worker.test_paged_worker import next_reply, paged_ring, recorded_steps, step_frame
+
+    stages = LocalPagedPath.load(tiny_export(FAMILY, 3), POOL, BUDGET, exact=True).stages
+    recorded = recorded_steps(stages)
+
+    async def main():
+        async with paged_ring(stages) as (dial, replies, _):
+            conn = await dial()
+            got = []
+            for step, _ in recorded:
+                await conn.async_send(step_frame(7, step))
+                got.append(await next_reply(replies))
+            return got
+
+    for (step, want), reply in zip(recorded, run(main(), 120), strict=True):
+        assert reply.ids.tolist() == want.ids.tolist(), f"step {step.seq}"
+
+
 def test_stateful_chain_greedy_equals_hf_torch(tiny_export, hf_greedy):
     chain = LocalChain.load(tiny_export(FAMILY, 2), exact=True)
     assert greedy_generate(chain, PROMPT_IDS, N_TOKENS, ignore_eos=True).tokens == hf_greedy(FAMILY, N_TOKENS)
