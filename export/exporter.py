@@ -124,6 +124,9 @@ def _validate_options(shape: ModelShape, options: ExportOptions, gguf: Path | No
     if shape.moe is not None and options.target != "stateful":
         raise ExportError(f"{shape.family.title} is a mixture-of-experts model: the NPU target does not build its "
                           "expert blocks (GroupedMatMul); export it for --target stateful (CPU/GPU, paged or not)")
+    if shape.gemma4 is not None and options.target != "stateful":
+        raise ExportError(f"{shape.family.title}: the NPU target does not build Gemma 4's layers (sliding windows, "
+                          "shared K/V, per-layer embeddings); export it for --target stateful (CPU/GPU, paged or not)")
     if options.weights not in WEIGHT_FORMATS:
         raise ExportError(f"unknown --weights {options.weights!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
     if options.weights == "keep" and (gguf is None or options.target != "stateful"):
@@ -138,7 +141,16 @@ def _validate_options(shape: ModelShape, options: ExportOptions, gguf: Path | No
             "intermediate size": shape.intermediate,
             "attention width": shape.heads * shape.head_dim,
             **({"expert intermediate size": shape.moe.intermediate} if shape.moe is not None else {}),
+            **(_gemma4_widths(shape) if shape.gemma4 is not None else {}),
         })
+
+
+def _gemma4_widths(shape: ModelShape) -> dict[str, int]:
+    """The input widths of Gemma 4's other matrices: full-attention heads, double-wide MLPs, PLE."""
+    g = shape.gemma4
+    assert g is not None
+    widths = {"full-attention width": shape.heads * max(g.head_dims), "widest MLP": max(g.intermediates)}
+    return widths | ({"per-layer input width": g.ple_dim} if g.ple_dim else {})
 
 
 def _gguf_tokenizer(gguf: Path, source: Any, out_dir: Path) -> tuple[FileEntry, ...]:
@@ -254,6 +266,10 @@ def export_model(checkpoint_dir: Path | str, out_dir: Path | str, *, stages: int
         config = dict(source.config)
         shape = model_shape(config)
         _validate_options(shape, options, gguf)
+        if shape.gemma4 is not None and shape.moe is not None:  # stacked experts, read as one matrix per expert
+            # here: the fleet service imports this module for ExportOptions; weights load only for an export
+            from export.weights.expert_views import ExpertViews
+            source = ExpertViews(source)
         plan = plan_stages(shape.num_layers, stages, split)
         if fingerprint is None:
             # here: model sources (hashing, tokenizers) load only when no fingerprint is given
@@ -278,8 +294,9 @@ def export_model(checkpoint_dir: Path | str, out_dir: Path | str, *, stages: int
                     hidden_size=shape.hidden,
                     vocab_size=shape.vocab,
                     num_attention_heads=shape.heads,
-                    num_kv_heads=shape.kv_heads,
-                    head_dim=shape.head_dim,
+                    # the widest layer's: block estimates (engine.paged.kv_pool) stay upper bounds
+                    num_kv_heads=shape.widest_kv[0],
+                    head_dim=shape.widest_kv[1],
                     max_position_embeddings=shape.max_positions,
                     bos_token_id=config.get("bos_token_id"),
                     eos_token_ids=_eos_ids(tokenizer_dir, config),

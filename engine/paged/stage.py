@@ -151,13 +151,48 @@ def _logits_head(model: ov.Model) -> ov.Node:
                               "logits output; re-export the model with a current exporter")
 
 
+def _sliding_windows(model: ov.Model) -> list[int] | None:
+    """The stage's per-attention sliding windows (graph order, 0 = none) from its rt_info, if any."""
+    if not model.has_rt_info(tn.SLIDING_WINDOW_RT_INFO):
+        return None
+    text = model.get_rt_info(tn.SLIDING_WINDOW_RT_INFO).astype(str)
+    try:
+        return [int(w) for w in text.split(",")]
+    except ValueError as exc:
+        raise ShardCompileError(f"the stage's {tn.SLIDING_WINDOW_RT_INFO} rt_info {text!r} is not a list of "
+                                "windows; re-export the model") from exc
+
+
+def _apply_sliding_windows(model: ov.Model, windows: list[int]) -> None:
+    """Give each PagedAttention (``key_cache.N``: the N-th attention of the stage) its window."""
+    attention = [op for op in model.get_ordered_ops() if op.get_type_name() == "PagedAttentionExtension"]
+    by_cache = sorted(attention, key=lambda op: int(op.input_value(_PA_KEY_CACHE).get_any_name().split(".")[-1]))
+    if len(by_cache) != len(windows):
+        raise ShardCompileError(f"the stage names {len(windows)} attention windows but its paged conversion has "
+                                f"{len(by_cache)} attentions; re-export the model")
+    for op, window in zip(by_cache, windows, strict=True):
+        if window:
+            op.input(_PA_SLIDING_WINDOW).replace_source_output(ops.constant(np.int32(window)).output(0))
+
+
+# PagedAttentionExtension's inputs: query, key, value, key_cache (3), value_cache, past_lens,
+# subsequence_begins, block_indices, block_indices_begins, scale, sliding_window (10), ...
+_PA_KEY_CACHE = 3
+_PA_SLIDING_WINDOW = 10
+
+
 def convert_to_paged(model: ov.Model, *, has_embedding: bool, has_head: bool) -> ov.Model:
     """``model`` (a stateful stage) converted in place to PagedAttention; on the last stage a
-    Gather over a new ``sampled_tokens_indices`` input picks the rows that reach the LM head."""
+    Gather over a new ``sampled_tokens_indices`` input picks the rows that reach the LM head.
+    A stage that lists sliding windows (:data:`~engine.shards.tensor_names.SLIDING_WINDOW_RT_INFO`)
+    gets them on its PagedAttentions (each attends to the window's last positions, its own included)."""
     from openvino._offline_transformations import paged_attention_transformation
 
     _name_first_input(model, tn.first_input(has_embedding))
+    windows = _sliding_windows(model)
     paged_attention_transformation(model, False, False, False)
+    if windows is not None:
+        _apply_sliding_windows(model, windows)
     if has_head:
         head = _logits_head(model)
         indices = ops.parameter([-1], ov.Type.i64, name=SAMPLED)

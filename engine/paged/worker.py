@@ -108,8 +108,9 @@ class PagedStageWorker(SessionServer):
         super().__init__(stage.index, stage.is_last, model.fingerprint, listen, next_address,
                          server_ssl=server_ssl, client_ssl=client_ssl, dial_deadline=dial_deadline,
                          thread_name=f"deskfleet-paged{stage.index}", peers=peers,
-                         max_frame_bytes=paged_frame_bound(model.hidden_size, model.max_position_embeddings,
-                                                           max_step_tokens, model.vocab_size),
+                         max_frame_bytes=paged_frame_bound(stage.manifest.activation_width,
+                                                           model.max_position_embeddings, max_step_tokens,
+                                                           model.vocab_size),
                          **listener_options)
 
     async def _handle(self, conn: Connection, msg: Message) -> None:

@@ -41,7 +41,7 @@ def time_stage(shard_dir: Path, index: int, *, device: str = "CPU", steps: int =
     compile_s = time.perf_counter() - started
     if stage.spec.has_embedding:
         raise ValueError(f"stage {index} starts with the embedding; calibrate a middle stage")
-    hidden = stage.manifest.model.hidden_size
+    hidden = stage.spec.activation_input_width or stage.manifest.model.hidden_size
     rng = np.random.default_rng(seed)
     stream = stage.new_stream()
     x = rng.standard_normal((1, context, hidden), dtype=np.float32) * 0.1

@@ -179,6 +179,14 @@ class StageManifest:
     def input_names(self) -> tuple[str, ...]:
         return tuple(t.name for t in self.inputs)
 
+    @property
+    def activation_input_width(self) -> int | None:
+        """Columns of the activation a later stage takes ([B, S, W]; None on stage 0 or when not
+        static): the hidden size, or more where the model carries tensors across the cut (Gemma 4's
+        per-layer embeddings and shared K/V, export.builder.gemma4_graph)."""
+        dims = self.inputs[0].shape if self.inputs and not self.has_embedding else ()
+        return dims[-1] if len(dims) == 3 and dims[-1] > 0 else None
+
     def graph(self, name: str) -> GraphEntry:
         """The static graph called ``name``; a clear error when this stage has none."""
         for g in self.graphs:
@@ -206,6 +214,11 @@ class Manifest:
     def splits(self) -> tuple[int, ...]:
         """First layer of every stage after the first (the ``--split`` that made this export)."""
         return tuple(s.first_layer for s in self.stages[1:])
+
+    @property
+    def activation_width(self) -> int:
+        """The widest activation passed from one stage to the next (what frames must hold)."""
+        return max([self.model.hidden_size, *(s.activation_input_width or 0 for s in self.stages)])
 
     @property
     def moe(self) -> StageMoe | None:

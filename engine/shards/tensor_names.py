@@ -41,6 +41,10 @@ BLOCK_INDICES = "block_indices"
 BLOCK_INDICES_BEGINS = "block_indices_begins"
 KEY_CACHE_PREFIX = "key_cache."
 VALUE_CACHE_PREFIX = "value_cache."
+# A stateful stage's model rt_info: the sliding window of each of its attentions in graph (layer)
+# order, "w0,w1,..." with 0 for none (Gemma 4); the paged conversion (engine.paged.stage) gives each
+# PagedAttention its window.
+SLIDING_WINDOW_RT_INFO = "deskfleet_sliding_window"
 
 
 def first_input(has_embedding: bool, *, static: bool = False) -> str:

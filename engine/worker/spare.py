@@ -107,7 +107,7 @@ def warm_up(stage: PagedStage, chunk: int = WARM_UP_TOKENS) -> None:
     pool = SCRATCH_BLOCKS + held
     stage.allocate(pool, pool * stage.block_bytes)
     blocks = tuple(range(SCRATCH_BLOCKS, pool))
-    hidden = stage.manifest.model.hidden_size
+    hidden = stage.spec.activation_input_width or stage.manifest.model.hidden_size
     try:
         for past, new in ((0, chunk), (chunk, 1)):
             plan = StepPlan(size, pool, (PlanRow(1, past, new, blocks[:blocks_needed(past + new, size)]),))

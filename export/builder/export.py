@@ -21,6 +21,7 @@ from engine.errors import DeskfleetError
 from engine.shards.kv_precision import KV_BYTES_PER_VALUE
 from engine.shards.manifest import StageManifest, StageMoe, TensorSpec, file_entry, ir_paths
 from export.builder.families import ModelShape
+from export.builder.gemma4_graph import build_gemma4_stage, gemma4_tensor_names
 from export.builder.stage_graph import StagePlan, build_stage_model, head_tensor, stage_tensor_names
 from export.weights.stage_weights import StageWeights, WeightMode
 
@@ -45,6 +46,19 @@ def default_weights(source: Any, mode: Any, bin_path: Path | None) -> Any:
     return StageWeights(source, mode, bin_path)
 
 
+def tensor_names(shape: ModelShape, stage: StagePlan, available: frozenset[str]) -> list[str]:
+    """Exactly the checkpoint tensors the stage's graph reads (its family's builder decides)."""
+    if shape.gemma4 is not None:
+        return gemma4_tensor_names(shape, stage, head_tensor(shape, available))
+    return stage_tensor_names(shape, stage, available)
+
+
+def build_model(shape: ModelShape, stage: StagePlan, weights: Any, head: str, beam_idx: bool) -> ov.Model:
+    """The stage's stateful graph, by its family's builder."""
+    build = build_gemma4_stage if shape.gemma4 is not None else build_stage_model
+    return build(shape, stage, weights, head, beam_idx)
+
+
 def port_spec(port: ov.Output) -> TensorSpec:
     dims = tuple(-1 if d.is_dynamic else d.get_length() for d in port.get_partial_shape())
     return TensorSpec(name=port.get_any_name(), dtype=port.get_element_type().get_type_name(), shape=dims)
@@ -52,7 +66,8 @@ def port_spec(port: ov.Output) -> TensorSpec:
 
 def estimate_memory(shape: ModelShape, stage: StagePlan, file_bytes: int, kv_precision: str, context: int) -> int:
     """Shard files + KV at ``context`` positions + compiled-graph scratch (measured order of magnitude)."""
-    per_position = 2 * len(stage.layers) * shape.kv_heads * shape.head_dim * KV_BYTES_PER_VALUE[kv_precision]
+    values = sum(kv * d for kv, d in (shape.kv_geometry(i) for i in stage.layers))
+    per_position = 2 * values * KV_BYTES_PER_VALUE[kv_precision]
     return file_bytes + per_position * context + 64 * 1024 * 1024
 
 
@@ -94,7 +109,7 @@ def unread_tensors(shape: ModelShape, plan: list[StagePlan], available: frozense
     """The checkpoint's tensors that no stage of ``plan`` (the whole model) reads, sorted."""
     read: set[str] = set()
     for stage in plan:
-        read.update(stage_tensor_names(shape, stage, available))
+        read.update(tensor_names(shape, stage, available))
     if shape.tied:
         read.add(shape.family.head)  # a tied model's head is its embedding, whatever else is saved
     return sorted(n for n in available - read if not _UNREAD_ON_PURPOSE.search(n))
@@ -112,7 +127,7 @@ def check_tensors(source: Any, shape: ModelShape, plan: list[StagePlan]) -> None
     not announce, say), which would otherwise be dropped silently and change the model's math."""
     available = source.names()
     for stage in plan:
-        missing = [n for n in stage_tensor_names(shape, stage, available) if n not in available]
+        missing = [n for n in tensor_names(shape, stage, available) if n not in available]
         if missing:
             raise BuildError(f"checkpoint tensor {missing[0]!r} is missing (stage {stage.index} needs it); "
                              "the checkpoint is incomplete: download or convert it again")
@@ -149,7 +164,7 @@ def export_stage(source: Any, shape: ModelShape, stage: StagePlan, options: Any,
     # stage is never whole in anonymous memory; closing the weights deletes it.
     scratch = out_dir / f".stage_{stage.index}.weights"
     with weights_factory(source, weight_mode(options), scratch) as weights:
-        model = build_stage_model(shape, stage, weights, head_tensor(shape, available), options.beam_idx)
+        model = build_model(shape, stage, weights, head_tensor(shape, available), options.beam_idx)
         model.set_rt_info(options.kv_cache_precision, ["runtime_options", "KV_CACHE_PRECISION"])
         progress(stage.index, "stateful")
         progress(stage.index, "compress")

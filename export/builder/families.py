@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import DeskfleetError
+from export.builder.gemma4_shape import Gemma4ConfigError, Gemma4Shape, gemma4_shape
 from export.builder.refused import refusal
 
 
@@ -66,6 +67,7 @@ class Family:
     fused_gate_up: str | None = None  # one [2 I, hidden] projection, gate rows first (Phi-3)
     qkv_bias: bool | None = None  # None: the config's ``attention_bias`` decides
     moe: MoeNames | None = None  # sparse MoE blocks in place of the MLP on the config's MoE layers
+    gemma4: bool = False  # Gemma 4's layer (export.builder.gemma4_graph) in place of the Llama-like one
 
     def __post_init__(self) -> None:
         if (self.q_norm is None) != (self.k_norm is None):
@@ -81,6 +83,9 @@ FAMILIES: dict[str, Family] = {
                    fused_gate_up="mlp.gate_up_proj", qkv_bias=False),
     "qwen3_moe": Family("qwen3_moe", "Qwen3-MoE (Qwen3-30B-A3B, 235B-A22B)", q_norm="self_attn.q_norm.weight",
                         k_norm="self_attn.k_norm.weight", moe=MoeNames()),
+    "gemma4_text": Family("gemma4_text", "Gemma 4 text (E2B, E4B, 31B, 26B-A4B MoE)",
+                          q_norm="self_attn.q_norm.weight", k_norm="self_attn.k_norm.weight", qkv_bias=False,
+                          gemma4=True),
 }
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
@@ -113,10 +118,23 @@ class ModelShape:
     rope: dict[str, Any]
     max_positions: int
     moe: MoeShape | None = None
+    gemma4: Gemma4Shape | None = None  # the Gemma 4 family's per-layer facts
 
     @property
     def groups(self) -> int:
         return self.heads // self.kv_heads
+
+    def kv_geometry(self, index: int) -> tuple[int, int]:
+        """(KV heads, head_dim) of layer ``index`` (Gemma 4's full layers have their own)."""
+        if self.gemma4 is not None:
+            return self.gemma4.kv_heads[index], self.gemma4.head_dims[index]
+        return self.kv_heads, self.head_dim
+
+    @property
+    def widest_kv(self) -> tuple[int, int]:
+        """(KV heads, head_dim) of the layer with the most K values per position: a manifest's
+        per-layer KV geometry, an upper bound for every layer's cache."""
+        return max((self.kv_geometry(i) for i in range(self.num_layers)), key=lambda kd: kd[0] * kd[1])
 
     def is_moe_layer(self, index: int) -> bool:
         return self.moe is not None and index in self.moe.layers
@@ -162,6 +180,11 @@ def model_shape(config: dict[str, Any]) -> ModelShape:
     family = FAMILIES.get(str(model_type))
     if family is None and refusal(str(model_type)) is not None:
         raise UnsupportedModelError(f"{refusal(str(model_type))}; supported: {supported_summary()}")
+    if model_type == "gemma4":  # a checkpoint's model_type only (a GGUF's gemma4 is refused as unread)
+        raise UnsupportedModelError(
+            "this is a multimodal Gemma 4 checkpoint (gemma4, Gemma4ForConditionalGeneration, tensors under "
+            "model.language_model.); the builder exports Gemma 4's text model as a gemma4_text checkpoint "
+            "(Gemma4ForCausalLM): save that first, or pick a text-only Gemma 4 checkpoint")
     if family is None:
         raise UnsupportedModelError(
             f"architecture {model_type!r} is not supported for export; supported: {supported_summary()}")
@@ -180,6 +203,17 @@ def model_shape(config: dict[str, Any]) -> ModelShape:
                                     "is the checkpoint complete?") from exc
     if heads % kv_heads:
         raise UnsupportedModelError(f"{heads} attention heads are not a multiple of {kv_heads} KV heads")
+    if family.gemma4:
+        try:
+            gemma = gemma4_shape(config, shape_args["num_layers"], shape_args["head_dim"], kv_heads,
+                                 shape_args["intermediate"])
+        except (Gemma4ConfigError, KeyError, TypeError, ValueError) as exc:
+            raise UnsupportedModelError(f"this {model_type} checkpoint: {exc}") from exc
+        moe = MoeShape(experts=gemma.experts, per_token=gemma.top_k, intermediate=gemma.moe_intermediate,
+                       normalise=True, layers=frozenset(range(shape_args["num_layers"]))) if gemma.experts else None
+        return ModelShape(family=family, **shape_args, qkv_bias=False, o_bias=False, mlp_bias=False,
+                          tied=bool(config.get("tie_word_embeddings", True)), rope={}, moe=moe,
+                          max_positions=int(config.get("max_position_embeddings", 4096)), gemma4=gemma)
     act = config.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise UnsupportedModelError(f"activation {act!r} of this {model_type} checkpoint is not supported (only silu)")

@@ -120,18 +120,22 @@ def expand_groups(kv: Out, groups: int, heads: int, head_dim: int) -> Out:
     return ops.reshape(wide, i64([0, heads, -1, head_dim]), special_zero=True).output(0)
 
 
-def attention_bias(attention_mask: Out, position_ids: Out) -> Out:
+def attention_bias(attention_mask: Out, position_ids: Out, window: int | None = None) -> Out:
     """Additive mask [B, 1, S, T]: causal over physical positions, minus masked cache slots.
 
     attention_mask [B, T] i64 covers every physical cache position plus the S new ones (1 =
     attend); the i-th new token sits at physical position T - S + i. Masked slots get the
     lowest f32, not -inf, so that a fully masked row stays finite (as the static NPU graphs do).
+    ``window``: a sliding window, each query seeing only the ``window`` positions up to its own.
     """
     total = ops.gather(ops.shape_of(attention_mask), i64(1), i64(0))  # T
     new = ops.gather(ops.shape_of(position_ids), i64(1), i64(0))  # S
     keys = ops.range(i64(0), total, i64(1), output_type="i64")  # [T]
     queries = ops.range(ops.subtract(total, new), total, i64(1), output_type="i64")  # [S]
     causal = ops.less_equal(ops.unsqueeze(keys, i64([0])), ops.unsqueeze(queries, i64([1])))  # [S, T]
+    if window is not None:
+        near = ops.greater(ops.unsqueeze(keys, i64([0])), ops.unsqueeze(ops.subtract(queries, i64(window)), i64([1])))
+        causal = ops.logical_and(causal, near)
     visible = ops.greater(ops.unsqueeze(attention_mask, i64([1, 2])), i64(0))  # [B, 1, 1, T]
     allowed = ops.logical_and(ops.unsqueeze(causal, i64([0, 1])), visible)  # [B, 1, S, T]
     return ops.select(allowed, const(0.0), const(np.finfo(np.float32).min)).output(0)
@@ -156,15 +160,9 @@ def moe_block(x: Out, router: Out, gate: Out, up: Out, down: Out, top_k: int, no
 
     router [E, H]; gate, up [E, I, H]; down [E, H, I]. Each token's router softmax (f32) picks its
     ``top_k`` experts (TopK sorted by value, as torch.topk), their probabilities renormalised to sum
-    to one when ``normalise``; the output is the probability-weighted sum of those experts' MLPs.
-
-    The T * k (token, expert) pairs are sorted by expert (a stable TopK), so each expert's rows are
-    contiguous; three GroupedMatMuls with the cumulative row counts as offsets run every row
-    through its own expert only (the CPU plugin lowers them to GatherMatmul: the picked experts'
-    weights are the only ones read); the rows are then put back in pair order and each token's k
-    rows summed with their weights.
+    to one when ``normalise``; the output is the probability-weighted sum of those experts' MLPs
+    (:func:`moe_experts`).
     """
-    experts = router.get_partial_shape()[0].get_length()
     hidden = router.get_partial_shape()[1].get_length()
     flat = ops.reshape(x, i64([-1, hidden]), special_zero=False)  # [T, H], T = B * S
     probs = ops.softmax(ops.matmul(flat, router, transpose_a=False, transpose_b=True), -1)  # [T, E]
@@ -172,18 +170,35 @@ def moe_block(x: Out, router: Out, gate: Out, up: Out, down: Out, top_k: int, no
     weights = top.output(0)  # [T, k]
     if normalise:
         weights = ops.divide(weights, ops.reduce_sum(weights, i64([-1]), keep_dims=True)).output(0)
-    chosen = ops.reshape(top.output(1), i64([-1]), special_zero=False)  # [T * k] expert of each pair
+    out = moe_experts(flat.output(0), weights, top.output(1), gate, up, down, top_k, ops.swish)
+    return ops.reshape(out, ops.shape_of(x), special_zero=False).output(0)  # [B, S, H]
+
+
+def moe_experts(flat: Out, weights: Out, chosen: Out, gate: Out, up: Out, down: Out, top_k: int,
+                act=ops.swish) -> Out:
+    """The routed experts' gated MLPs: rows flat [T, H], each token's ``top_k`` experts ``chosen``
+    [T, k] i64 and their ``weights`` [T, k] -> [T, H], sum over k of weight * down(act(gate x) * up x).
+
+    The T * k (token, expert) pairs are sorted by expert (a stable TopK), so each expert's rows are
+    contiguous; three GroupedMatMuls with the cumulative row counts as offsets run every row
+    through its own expert only (the CPU plugin lowers them to GatherMatmul: the picked experts'
+    weights are the only ones read); the rows are then put back in pair order and each token's k
+    rows summed with their weights.
+    """
+    experts = gate.get_partial_shape()[0].get_length()
+    hidden = down.get_partial_shape()[1].get_length()
+    chosen = ops.reshape(chosen, i64([-1]), special_zero=False)  # [T * k] expert of each pair
     pairs = ops.squeeze(ops.shape_of(chosen), i64([0]))  # T * k
     by_expert = ops.topk(chosen, pairs, axis=0, mode="min", sort="value", index_element_type="i64",
                          stable=True).output(1)  # [T * k] pair indices, grouped by expert
     rows = ops.gather(flat, ops.divide(by_expert, i64(top_k)), i64(0))  # [T * k, H]
     one_hot = ops.one_hot(chosen, i64(experts), i64(1), i64(0), axis=-1)  # [T * k, E]
     ends = ops.cumsum(ops.reduce_sum(one_hot, i64([0]), keep_dims=False), i64(0))  # [E] cumulative row counts
-    act = ops.multiply(ops.swish(grouped_matmul(rows, gate, ends)), grouped_matmul(rows, up, ends))  # [T * k, I]
-    out = grouped_matmul(act, down, ends)  # [T * k, H]
+    act_rows = ops.multiply(act(grouped_matmul(rows, gate, ends)), grouped_matmul(rows, up, ends))  # [T * k, I]
+    out = grouped_matmul(act_rows, down, ends)  # [T * k, H]
     pair_weight = ops.gather(ops.reshape(weights, i64([-1]), special_zero=False), by_expert, i64(0))
     out = ops.multiply(out, ops.unsqueeze(pair_weight, i64([1])))
     back = ops.topk(by_expert, pairs, axis=0, mode="min", sort="value", index_element_type="i64").output(1)
     out = ops.gather(out, back, i64(0))  # [T * k, H] in pair order: token-major, k per token
-    out = ops.reduce_sum(ops.reshape(out, i64([-1, top_k, hidden]), special_zero=False), i64([1]), keep_dims=False)
-    return ops.reshape(out, ops.shape_of(x), special_zero=False).output(0)  # [B, S, H]
+    return ops.reduce_sum(ops.reshape(out, i64([-1, top_k, hidden]), special_zero=False), i64([1]),
+                          keep_dims=False).output(0)

@@ -106,6 +106,11 @@ def _tables(rope: dict[str, Any], head_dim: int, max_positions: int) -> RotaryTa
     dim = head_dim
     if kind == "default":
         return RotaryTables(_default(base, dim), 1.0)
+    if kind == "proportional":  # Gemma 4's full layers: the first frequencies turn, the rest stay still
+        turning = int(float(rope.get("partial_rotary_factor", 1.0)) * dim // 2)
+        inv = np.zeros(dim // 2, dtype=np.float32)
+        inv[:turning] = _default(base, dim)[:turning]
+        return RotaryTables((inv / np.float32(rope.get("factor", 1.0))).astype(np.float32), 1.0)
     if kind == "linear":
         return RotaryTables((_default(base, dim) / np.float32(rope["factor"])).astype(np.float32), 1.0)
     if kind == "llama3":

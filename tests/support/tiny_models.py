@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Gemma4TextConfig,
     LlamaConfig,
     MistralConfig,
     Phi3Config,
@@ -73,7 +74,47 @@ TINY_CONFIGS = {
         },
         **_COMMON,
     ),
+    # Gemma 4 text: sliding (window 8, head_dim 16, 2 KV heads) and full layers (head_dim 32, one
+    # KV head, keys = values, proportional rope over a quarter of the head); per-layer embeddings;
+    # the last 3 layers reuse the K/V of layer 2 (sliding) and 1 (full), and have double-wide MLPs;
+    # final logits soft-capped. Norm gammas and layer scalars are random (see _randomise_vectors).
+    "gemma4": lambda vocab: Gemma4TextConfig(
+        vocab_size=vocab, tie_word_embeddings=True, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+        attention_k_eq_v=True, sliding_window=8, num_kv_shared_layers=3, use_double_wide_mlp=True,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
+                     "sliding_attention", "full_attention"],
+        vocab_size_per_layer_input=vocab, hidden_size_per_layer_input=8, final_logit_softcapping=2.0,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                            "rope_theta": 1000000.0}},
+        **{**_COMMON, "num_hidden_layers": 6}),
+    # Gemma 4 with MoE blocks (as 26B-A4B: no PLE, no K/V sharing, keys = values on full layers):
+    # 4 experts, 2 per token, beside each layer's dense MLP.
+    "gemma4_moe": lambda vocab: Gemma4TextConfig(
+        vocab_size=vocab, tie_word_embeddings=True, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+        attention_k_eq_v=True, sliding_window=8, enable_moe_block=True, num_experts=4, top_k_experts=2,
+        moe_intermediate_size=32, hidden_size_per_layer_input=0,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        final_logit_softcapping=2.0,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                            "rope_theta": 1000000.0}},
+        **_COMMON),
 }
+# Families whose init leaves norm gammas and scalars at one: random instead, so that a builder
+# that skips one of them (or applies it twice) gives other tokens.
+_RANDOM_VECTORS = frozenset({"gemma4", "gemma4_moe"})
+
+
+def _randomise_vectors(model: torch.nn.Module) -> None:
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            if tensor.dim() == 1 and tensor.is_floating_point():
+                tensor.uniform_(0.6, 1.4)
+            elif name == "model.embed_tokens.weight":
+                # Gemma scales its embeddings by sqrt(hidden): at this init the residual would be the
+                # input token's embedding, and the (tied) head would repeat the last token forever.
+                tensor.mul_(0.125)
 
 
 # ChatML, as SmolLM2 uses it; ids 0..2 are the special tokens the tiny configs point at.
@@ -123,6 +164,8 @@ def build_tiny_model(out_dir: Path | str, family: str = "llama", vocab_size: int
     config = TINY_CONFIGS[family](vocab_size)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if family in _RANDOM_VECTORS:
+        _randomise_vectors(model)
     model.save_pretrained(out)
     if with_tokenizer:
         build_tiny_tokenizer(out, vocab_size)
