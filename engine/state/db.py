@@ -429,11 +429,11 @@ class StateDB:
                     (*(doc.get(c) for c in self._KEY_COLS), _dumps(extra)))
 
     def prune_revoked_api_keys(self, revoked_before: str) -> list[str]:
-        """Delete the keys revoked before ``revoked_before`` (ISO 8601 UTC); their names."""
+        """Delete the keys revoked at or before ``revoked_before`` (ISO 8601 UTC); their names."""
         with self.transaction():
             names = [r[0] for r in self._run("SELECT name FROM api_keys WHERE revoked_at IS NOT NULL "
-                                             "AND revoked_at < ?", (revoked_before,)).fetchall()]
-            self._run("DELETE FROM api_keys WHERE revoked_at IS NOT NULL AND revoked_at < ?", (revoked_before,))
+                                             "AND revoked_at <= ?", (revoked_before,)).fetchall()]
+            self._run("DELETE FROM api_keys WHERE revoked_at IS NOT NULL AND revoked_at <= ?", (revoked_before,))
         return names
 
     def key_groups(self) -> dict[str, dict[str, int | None]]:

@@ -292,8 +292,16 @@ def test_keys_command_issues_lists_and_revokes(tmp_path, capsys):
     assert "live key named 'alice' exists" in capsys.readouterr().err
     assert main(["keys", "--state-dir", str(tmp_path), "list"]) == 0
     table = capsys.readouterr().out
-    assert table.splitlines()[0].split() == ["NAME", "RPM", "TPM", "METRICS", "ISSUED", "REVOKED"]
-    assert table.splitlines()[1].split()[:3] == ["alice", "5", "900"] and secret not in table
+    assert table.splitlines()[0].split() == ["NAME", "HOLDER", "GROUP", "RPM", "TPM", "DAY", "MONTH", "METRICS",
+                                             "ISSUED", "REVOKED"]
+    assert table.splitlines()[1].split()[:5] == ["alice", "-", "-", "5", "900"] and secret not in table
+    assert main(["keys", "--state-dir", str(tmp_path), "set", "alice", "--holder", "Alice", "--group", "lab",
+                 "--day-tokens", "1000"]) == 0
+    capsys.readouterr()
+    assert (KeyBook(tmp_path).get("alice").holder, KeyBook(tmp_path).get("alice").day_tokens) == ("Alice", 1000)
+    assert KeyBook(tmp_path).get("alice").rpm == 5  # what set does not name stays
+    assert main(["keys", "--state-dir", str(tmp_path), "group", "lab", "--month-tokens", "50000"]) == 0
+    assert "group 'lab': 50000 tokens per month" in capsys.readouterr().err
     assert main(["keys", "--state-dir", str(tmp_path), "revoke", "alice"]) == 0
     capsys.readouterr()
     assert KeyBook(tmp_path).identify(secret) is None
