@@ -34,7 +34,6 @@ from typing import Any
 from console.fleet.admin_api import ADMIN_SOCKET, async_run_admin
 from console.fleet.distribution import DistributionTimeouts
 from console.fleet.failover import FailoverSettings
-from console.fleet.failover_tally import FILE as FAILOVERS_FILE
 from console.fleet.failover_tally import FailoverTally
 from console.fleet.fleet import FleetModel
 from console.fleet.join_tokens import TokenDesk
@@ -148,7 +147,7 @@ class FleetService:
         self.rings: dict[str, ServiceRing] = {}
         self.admin_url: str | None = None  # the admin API over HTTPS, when settings.admin_port asks for one
         self.started_at = time.time()
-        self.failovers = FailoverTally(settings.state_dir / FAILOVERS_FILE)  # the Dashboard's "failovers today"
+        self.failovers = FailoverTally(settings.state_dir)  # the Dashboard's "failovers today"
         self._stack = stack
         self._tasks: set[asyncio.Task[Any]] = set()  # held by start_task; cancelled at the close
         self._auto: dict[str, tuple[int, float]] = {}  # ring -> (attempts, next monotonic time) to re-form it

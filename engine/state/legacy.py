@@ -32,6 +32,9 @@ SERVED_FILE = "served-rings.json"
 PLACEMENTS_FILE = "placements.json"
 TOKENS_FILE = "join-tokens.json"
 KEYS_FILE = "api-keys.json"
+MODELS_FILE = "models.json"
+PROFILES_FILE = "device-profiles.json"
+FAILOVERS_FILE = "failovers.json"
 TOKENS_FORMAT, TOKENS_FORMAT_V1 = "deskfleet-join-tokens/2", "deskfleet-join-tokens/1"
 KEYS_FORMAT = "deskfleet-api-keys/1"
 # the lock files the old writers held beside their files: moved with them
@@ -180,9 +183,30 @@ def _keys(db: StateDB, data: dict[str, Any]) -> int:
     return len(keys)
 
 
+def _models(db: StateDB, data: dict[str, Any]) -> int:
+    models = [str(p) for p in data.get("models") or () if isinstance(p, str)]
+    db.set_setting("models", models)
+    return len(models)
+
+
+def _profiles(db: StateDB, data: dict[str, Any]) -> int:
+    if data.get("format") != 1 or not isinstance(data.get("profiles"), dict):
+        raise ValueError("not format 1 with a 'profiles' object")
+    db.set_setting("device_profiles", data["profiles"])
+    return len(data["profiles"])
+
+
+def _failovers(db: StateDB, data: dict[str, Any]) -> int:
+    if isinstance(data.get("day"), str) and isinstance(data.get("count"), int):
+        db.set_setting("failover_tally", {"day": data["day"], "count": data["count"]})
+    return 1
+
+
 IMPORTERS: tuple[tuple[str, Callable[[StateDB, dict[str, Any]], int]], ...] = (
     (APPROVALS_FILE, _approvals), (TAGS_FILE, _tags), (REVOKED_FILE, _revoked), (ADMIN_CERTS_FILE, _admin_certs),
-    (SERVED_FILE, _served), (PLACEMENTS_FILE, _placements), (TOKENS_FILE, _tokens), (KEYS_FILE, _keys))
+    (SERVED_FILE, _served), (PLACEMENTS_FILE, _placements), (TOKENS_FILE, _tokens), (KEYS_FILE, _keys),
+    (MODELS_FILE, _models), (PROFILES_FILE, _profiles), (FAILOVERS_FILE, _failovers))
+LENIENT = frozenset({FAILOVERS_FILE})  # a day's count for the dashboard: a damaged one is counted from 0
 
 
 def import_legacy(db: StateDB) -> dict[str, int]:
@@ -190,7 +214,13 @@ def import_legacy(db: StateDB) -> dict[str, int]:
     transaction); file name -> records imported. StateDBError naming a file that does not parse."""
     counts = {}
     for name, importer in IMPORTERS:
-        data = _read(db.state_dir, name)
+        try:
+            data = _read(db.state_dir, name)
+        except StateDBError as exc:
+            if name not in LENIENT:
+                raise
+            log.warning("%s; not imported", exc)
+            continue
         if data is None:
             continue
         try:

@@ -41,7 +41,7 @@ def _old_state(tmp_path: Path) -> Path:
 
 def test_a_state_dir_of_the_json_release_comes_up_in_the_service_with_everything_intact(tmp_path):
     state = _old_state(tmp_path)
-    originals = {name: (state / name).read_text() for name, _ in IMPORTERS}
+    originals = {name: (state / name).read_text() for name, _ in IMPORTERS if (state / name).exists()}
 
     async def main():
         async with service_in_process(state) as service, Admin.unix(state / "admin.sock") as a:
@@ -143,3 +143,19 @@ def test_an_empty_state_dir_gets_a_database_and_no_backup(tmp_path):
     assert db.path.is_file() and not (tmp_path / "new" / BACKUP_DIR).exists()
     assert (db.path.stat().st_mode & 0o777) == 0o600
     assert json.loads(json.dumps(db.api_keys())) == []
+
+
+def test_the_model_list_calibrations_and_failover_count_are_imported_too(tmp_path):
+    from console.fleet.failover_tally import FailoverTally
+    from console.fleet.models import ModelLibrary
+    from console.fleet.profiling import ProfileCache
+
+    checkpoint = tmp_path / "ckpt.gguf"
+    (tmp_path / "models.json").write_text(json.dumps({"models": [str(checkpoint)]}))
+    (tmp_path / "device-profiles.json").write_text(json.dumps({"format": 1, "profiles": {
+        "m|n1|CPU": {"layer_ms": 2.5, "overhead_ms": 0.5, "timings": []}}}))
+    (tmp_path / "failovers.json").write_text("{damaged")  # a day's dashboard count: not worth a stop
+    assert [m.path for m in ModelLibrary(tmp_path).models()[1:]] == [checkpoint]
+    assert ProfileCache(tmp_path).get("m", "n1", "CPU") == (2.5, 0.5)
+    assert FailoverTally(tmp_path).today() == 0
+    assert (tmp_path / BACKUP_DIR / "models.json").is_file() and not (tmp_path / "failovers.json").exists()
