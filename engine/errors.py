@@ -75,6 +75,14 @@ class PlacementTimeout(DeskfleetError):
 
 # -- trust: the fleet CA, join tokens, credentials ------------------------------------------------
 
+class StateDBError(DeskfleetError):
+    """The fleet's state database cannot be opened, read or written: damaged (not a database, a failed
+    integrity check, a stored document that does not parse), written by a newer Deskfleet,
+    unreadable, or the disk refused a write; or a state dir's JSON files from before it do not
+    parse. What could not be read is left as it is, never treated as empty; the message says what
+    to do (engine.state.db)."""
+
+
 class TrustError(DeskfleetError):
     """Base of the trust layer's errors (fleet CA, join tokens, credentials, enrollment)."""
 

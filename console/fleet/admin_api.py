@@ -395,6 +395,8 @@ class AdminApi:
         """The OpenAI API's keys (docs/ADMIN_API.md, "Keys"), kept by the fleet's KeyBook: the running
         API re-reads the book when it changes, so a revocation is refused on its next request; a
         secret is answered once, when issued, and never listed."""
+        from engine.api.usage import BY as USAGE_BY
+        from engine.api.usage import DEFAULT_SINCE, parse_since, summary
         from engine.trust.key_book import KeyBookError, KeyNameError
 
         s, j = self.service, web.json_response
@@ -410,16 +412,55 @@ class AdminApi:
         async def keys(q):
             return j({"keys": live()})
 
+        def record_fields(body: dict[str, Any]) -> dict[str, Any]:
+            """The key record's fields the body gives (holder, holder_kind, group, budgets, limits)."""
+            kinds = {"rpm": int, "tpm": int, "holder": str, "holder_kind": str, "group": str, "day_tokens": int,
+                     "month_tokens": int}
+            return {k: field(body, k, kind) for k, kind in kinds.items() if body.get(k) is not None}
+
         async def issue(q):
             body = await self.body(q)
             try:
-                issued = s.host.keys.issue(field(body, "name", str), rpm=field(body, "rpm", int, optional=True),
-                                           tpm=field(body, "tpm", int, optional=True),
-                                           metrics=bool(field(body, "metrics", bool, optional=True)))
-            except (KeyNameError, KeyBookError) as exc:
+                issued = s.host.keys.issue(field(body, "name", str),
+                                           metrics=bool(field(body, "metrics", bool, optional=True)),
+                                           **record_fields(body))
+            except (KeyNameError, KeyBookError, ValueError) as exc:
                 raise refused(exc) from exc
             s.feed.publish(EventKind.KEYS, {"keys": live()})
             return j({**issued.key.to_json(), "secret": issued.secret})
+
+        async def change(q):
+            body = await self.body(q)
+            try:
+                key = s.host.keys.update(q.match_info["name"], **record_fields(body))
+            except (KeyNameError, KeyBookError, ValueError) as exc:
+                raise refused(exc) from exc
+            s.feed.publish(EventKind.KEYS, {"keys": live()})
+            return j({"key": key.to_json()})
+
+        async def groups(q):
+            return j({"groups": s.host.keys.groups()})
+
+        async def set_group(q):
+            body = await self.body(q)
+            try:
+                s.host.keys.set_group_budget(q.match_info["group"], day_tokens=field(body, "day_tokens", int,
+                                                                                    optional=True),
+                                             month_tokens=field(body, "month_tokens", int, optional=True))
+            except (KeyBookError, ValueError) as exc:
+                raise AdminError(400, "bad_request", str(exc)) from exc
+            return j({"groups": s.host.keys.groups()})
+
+        async def usage(q):
+            by = q.query.get("by", "key")
+            if by not in USAGE_BY:
+                raise AdminError(400, "bad_request", f"by must be one of {', '.join(USAGE_BY)}, not {by!r}")
+            try:
+                since = parse_since(q.query.get("since", DEFAULT_SINCE))
+                rows = summary(s.host.keys.state_dir, by, since, q.query.get("key"))
+            except DeskfleetError as exc:
+                raise AdminError(400, "bad_request", str(exc)) from exc
+            return j({"by": by, "since": since, "rows": rows})
 
         async def revoke(q):
             name = q.match_info["name"]
@@ -454,6 +495,10 @@ class AdminApi:
         app.router.add_post(f"{PREFIX}/keys", issue)
         app.router.add_post(f"{PREFIX}/keys/{{name}}/secret", console_secret)
         app.router.add_delete(f"{PREFIX}/keys/{{name}}", revoke)
+        app.router.add_post(f"{PREFIX}/keys/{{name}}", change)
+        app.router.add_get(f"{PREFIX}/key-groups", groups)
+        app.router.add_post(f"{PREFIX}/key-groups/{{group}}", set_group)
+        app.router.add_get(f"{PREFIX}/usage", usage)
 
 
 ADMIN_CERTS: web.AppKey[AdminCertBook] = web.AppKey("deskfleet_admin_certs", AdminCertBook)

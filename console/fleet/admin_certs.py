@@ -2,36 +2,31 @@
 
 An admin certificate controls the whole fleet (join tokens, the console's API key, models), and
 its key rests unencrypted in the admin's folder. So a lost laptop must be cut off without a new CA:
-``admin-certs.json`` in the service's state dir (0600, hashes and names only) keeps, per
+the ``admin_certs`` table of the service's state database (hashes and names only) keeps, per
 certificate fingerprint (sha256 of its DER, as ``engine.trust.fleet_ca.peer_node_id``), its name,
 issue and expiry times and, once revoked, when. The admin API refuses a revoked certificate at
 the TLS handshake and again on every request (a connection kept alive across the revocation).
 
 ``deskfleet fleet admin-cert NAME`` records what it issues; a certificate issued before records
 existed is recorded the first time it is used, so it shows in ``--list`` and can be revoked like
-the others. The CLI and the running service share the file under a lock; the service re-reads it
-when it changes, so a revocation from a shell holds from the next handshake.
+the others. The CLI and the running service share the database (a change is a transaction); the
+service reads the table at each handshake, so a revocation from a shell holds from the next one.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import os
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from console.fleet.errors import FleetStateError
-from console.fleet.state_file import read_json, write_json
+from console.fleet.fleet_state import fleet_db, state_errors
 from console.fleet_api.errors import FleetServiceError
 from engine.errors import DeskfleetError
 from engine.trust.fleet_ca import peer_node_id
 
-ADMIN_CERTS_FILE = "admin-certs.json"
-LOCK_FILE = "admin-certs.json.lock"
-FORMAT = 1
 MAX_RECORDS = 4096  # an office's admins over years; beyond that the oldest expired ones go
 _WHAT = "the admin-certificate list"
 _FINGERPRINT = re.compile(r"[0-9a-f]{64}")
@@ -57,27 +52,21 @@ def _describe(der: bytes) -> dict[str, str]:
 
 
 class AdminCertBook:
-    """The records in ``state_dir / ADMIN_CERTS_FILE`` (see the module docstring)."""
+    """The admin-certificate records in the state database of ``state_dir`` (see the module docstring)."""
 
     def __init__(self, state_dir: Path) -> None:
-        self.path = Path(state_dir) / ADMIN_CERTS_FILE
-        self._lock_path = Path(state_dir) / LOCK_FILE
-        self._seen: tuple[int, int, int] | None = None
-        self._certs: dict[str, dict[str, Any]] = {}
+        self.state_dir = Path(state_dir)
+
+    @property
+    def path(self) -> Path:
+        return fleet_db(self.state_dir).path
 
     # -- reading ------------------------------------------------------------------------------------
 
     def certs(self) -> dict[str, dict[str, Any]]:
-        """fingerprint -> record, fresh from disk when the file changed."""
-        try:
-            st = os.stat(self.path)
-        except FileNotFoundError:
-            self._seen, self._certs = None, {}
-            return {}
-        seen = (st.st_ino, st.st_mtime_ns, st.st_size)
-        if seen != self._seen:
-            self._certs, self._seen = self._load(), seen
-        return self._certs
+        """fingerprint -> record, as the database holds them now."""
+        with state_errors():
+            return fleet_db(self.state_dir).admin_certs()
 
     def listing(self) -> list[dict[str, Any]]:
         """Every record, oldest first, with its fingerprint and state (active / expired / revoked)."""
@@ -96,7 +85,7 @@ class AdminCertBook:
         except FleetStateError as exc:
             return f"the admin-certificate list cannot be read ({exc})"  # fail closed
         if record is None:
-            with contextlib.suppress(FleetStateError, OSError):
+            with contextlib.suppress(FleetStateError):
                 self.record(der, source="first seen")
             return None
         if record.get("revoked_at"):
@@ -109,47 +98,29 @@ class AdminCertBook:
     def record(self, der: bytes, *, source: str = "issued") -> dict[str, Any]:
         """Record a certificate (DER) as issued now (``source``: how we learnt of it); idempotent."""
         fingerprint = peer_node_id(der)
-        with self._changing() as certs:
-            if fingerprint not in certs:
-                certs[fingerprint] = {**_describe(der), "issued_at": _now(), "source": source, "revoked_at": None}
-                _prune(certs)
-            return {"fingerprint": fingerprint, **certs[fingerprint]}
+        with state_errors():
+            db = fleet_db(self.state_dir)
+            with db.transaction():
+                certs = db.admin_certs()
+                if fingerprint not in certs:
+                    certs[fingerprint] = {**_describe(der), "issued_at": _now(), "source": source, "revoked_at": None}
+                    db.put_admin_cert(fingerprint, certs[fingerprint])
+                    for fp in _pruned(certs):
+                        db.delete_admin_cert(fp)
+                return {"fingerprint": fingerprint, **certs[fingerprint]}
 
     def revoke(self, which: str) -> dict[str, Any]:
         """Revoke the certificate named by ``which``: its fingerprint (or a unique start of it, at
         least 8 hex digits) or the name of exactly one live certificate. Revoking twice is a no-op."""
-        with self._changing() as certs:
-            fingerprint = _find(certs, which)
-            if not certs[fingerprint].get("revoked_at"):
-                certs[fingerprint] = {**certs[fingerprint], "revoked_at": _now()}
-            return {"fingerprint": fingerprint, **certs[fingerprint]}
-
-    @contextlib.contextmanager
-    def _changing(self) -> Iterator[dict[str, dict[str, Any]]]:
-        from engine.trust.key_book import _lock
-
-        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
-        try:
-            _lock(fd)
-            certs = dict(self._load())
-            yield certs
-            write_json(self.path, {"format": FORMAT, "certs": certs}, _WHAT)
-            self._seen = None
-        finally:
-            os.close(fd)
-
-    def _load(self) -> dict[str, dict[str, Any]]:
-        data = read_json(self.path, _WHAT)
-        if data is None:
-            return {}
-        certs = data.get("certs")
-        if data.get("format") != FORMAT or not isinstance(certs, dict) or not all(
-                isinstance(k, str) and _FINGERPRINT.fullmatch(k) and isinstance(v, dict)
-                and isinstance(v.get("not_after"), str) for k, v in certs.items()):
-            raise FleetStateError(f"{_WHAT} in {self.path} is not format {FORMAT} with a 'certs' object of "
-                                    "fingerprints; it was left in place and every admin certificate is refused "
-                                    "until it is restored from a backup")
-        return certs
+        with state_errors():
+            db = fleet_db(self.state_dir)
+            with db.transaction():
+                certs = db.admin_certs()
+                fingerprint = _find(certs, which)
+                if not certs[fingerprint].get("revoked_at"):
+                    certs[fingerprint] = {**certs[fingerprint], "revoked_at": _now()}
+                    db.put_admin_cert(fingerprint, certs[fingerprint])
+                return {"fingerprint": fingerprint, **certs[fingerprint]}
 
 
 def _find(certs: dict[str, dict[str, Any]], which: str) -> str:
@@ -170,32 +141,44 @@ def _find(certs: dict[str, dict[str, Any]], which: str) -> str:
                          "`deskfleet fleet admin-cert --list`)")
 
 
-def _prune(certs: dict[str, dict[str, Any]]) -> None:
-    """Keep at most MAX_RECORDS: drop the longest-expired first (a revoked one only once expired)."""
+def _pruned(certs: dict[str, dict[str, Any]]) -> list[str]:
+    """The records to drop to keep at most MAX_RECORDS: the longest-expired first (a revoked one
+    only once expired)."""
     if len(certs) <= MAX_RECORDS:
-        return
+        return []
     now = _now()
     expired = sorted((rec["not_after"], fp) for fp, rec in certs.items() if rec["not_after"] < now)
-    for _, fp in expired[:len(certs) - MAX_RECORDS]:
-        del certs[fp]
+    return [fp for _, fp in expired[:len(certs) - MAX_RECORDS]]
 
 
 
-def issue_recorded(state_dir: Path, name: str, days: int) -> dict[str, str]:
-    """A new admin certificate from the fleet CA in ``state_dir``, recorded there: its PEMs (ca, cert,
-    key) and fingerprint. Runs as the state dir's owner under ``sudo`` (engine.trust.state_owner)."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives.serialization import Encoding
-
+def issue_admin_pems(state_dir: Path, name: str, days: int) -> dict[str, str]:
+    """A new admin certificate from the fleet CA in ``state_dir``: its PEMs (ca, cert, key). Runs as
+    the state dir's owner under ``sudo`` (engine.trust.state_owner), not confined: the CA's wrapping
+    key is in the keyring named after the state dir's path."""
     from engine.control.fleet_services import load_or_create_authority
     from engine.trust.keystore import ConsoleSecrets
 
     authority = load_or_create_authority(state_dir, secrets_=ConsoleSecrets(state_dir))
     creds = authority.issue_admin(name, days=days)
-    der = x509.load_pem_x509_certificate(creds.cert_pem).public_bytes(Encoding.DER)
-    record = AdminCertBook(state_dir).record(der)
     return {"ca_pem": creds.ca_pem.decode("ascii"), "cert_pem": creds.cert_pem.decode("ascii"),
-            "key_pem": creds.key_pem.decode("ascii"), "fingerprint": record["fingerprint"]}
+            "key_pem": creds.key_pem.decode("ascii")}
+
+
+def record_pem(state_dir: Path, cert_pem: str) -> dict[str, Any]:
+    """Record the admin certificate ``cert_pem`` as issued now in ``state_dir``'s state database."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives.serialization import Encoding
+
+    der = x509.load_pem_x509_certificate(cert_pem.encode("ascii")).public_bytes(Encoding.DER)
+    return AdminCertBook(state_dir).record(der)
+
+
+def issue_recorded(state_dir: Path, name: str, days: int) -> dict[str, str]:
+    """A new admin certificate from the fleet CA in ``state_dir``, recorded there: its PEMs (ca, cert,
+    key) and fingerprint (in this process)."""
+    issued = issue_admin_pems(state_dir, name, days)
+    return {**issued, "fingerprint": record_pem(state_dir, issued["cert_pem"])["fingerprint"]}
 
 
 def write_admin_certificate(state_dir: Path, name: str, out: Path, *, days: int = 365) -> Path:
@@ -210,7 +193,8 @@ def write_admin_certificate(state_dir: Path, name: str, out: Path, *, days: int 
         raise FleetServiceError(f"there is no fleet in {state_dir} (no fleet CA); start `deskfleet fleet` there first, "
                            "or pass the service's --state-dir")
     _preload_for_owner()
-    issued = run_as_owner(state_dir, lambda where: issue_recorded(where, name, days))
+    issued = run_as_owner(state_dir, lambda where: issue_admin_pems(where, name, days), confine=False)
+    run_as_owner(state_dir, lambda where: record_pem(where, issued["cert_pem"]))
     creds = Credentials(issued["ca_pem"].encode(), issued["cert_pem"].encode(), issued["key_pem"].encode())
     return write_admin_credentials(creds, out)
 

@@ -7,7 +7,7 @@ those per-coordinator counters into a count per day: it is shown every metrics s
 service takes and adds what each ring's counter grew by since the last (a counter that went
 down is a new coordinator: all of its count is new; a ring missing from a sample keeps its last
 figure, so one that comes back is not counted twice). The day's count survives a service
-restart in ``<state_dir>/failovers.json``; a failover of a ring that ends before the next sample
+restart in the state database (a setting); a failover of a ring that ends before the next sample
 (at most the metrics interval, a few seconds) is not counted.
 """
 
@@ -19,33 +19,33 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from console.fleet.errors import FleetStateError
-from console.fleet.state_file import read_json, write_json
+from console.fleet.fleet_state import fleet_db
 
 log = logging.getLogger("deskfleet.fleet")
 
-FILE = "failovers.json"
+SETTING = "failover_tally"
 WHAT = "the failover tally"
 
 
 class FailoverTally:
-    """``observe(metrics_by_ring)`` with each sample; ``today()`` answers the count. ``path``
-    None keeps it in memory only."""
+    """``observe(metrics_by_ring)`` with each sample; ``today()`` answers the count, kept in the
+    state database of ``state_dir`` (None: in memory only)."""
 
-    def __init__(self, path: Path | None, clock: Callable[[], dt.date] = dt.date.today) -> None:
-        self._path = path
+    def __init__(self, state_dir: Path | None, clock: Callable[[], dt.date] = dt.date.today) -> None:
+        self._path = state_dir
         self._clock = clock
         self._seen: dict[str, float] = {}  # ring -> its coordinator's failovers_total last sample
         self._day, self._count = clock(), 0
-        if path is not None:
-            self._load(path)
+        if state_dir is not None:
+            self._load(state_dir)
 
     def _load(self, path: Path) -> None:
         try:
-            data = read_json(path, WHAT)
+            data = fleet_db(path).setting(SETTING)
         except FleetStateError as exc:
             log.warning("%s; counting today's failovers from 0", exc)
             return
-        if data and data.get("day") == self._day.isoformat() and isinstance(data.get("count"), int):
+        if isinstance(data, dict) and data.get("day") == self._day.isoformat() and isinstance(data.get("count"), int):
             self._count = max(0, data["count"])
 
     def today(self) -> int:
@@ -77,6 +77,6 @@ class FailoverTally:
         if self._path is None:
             return
         try:
-            write_json(self._path, {"day": self._day.isoformat(), "count": self._count}, WHAT)
-        except OSError as exc:
+            fleet_db(self._path).set_setting(SETTING, {"day": self._day.isoformat(), "count": self._count})
+        except FleetStateError as exc:
             log.warning("could not save %s in %s: %s", WHAT, self._path, exc)

@@ -34,7 +34,6 @@ from typing import Any
 from console.fleet.admin_api import ADMIN_SOCKET, async_run_admin
 from console.fleet.distribution import DistributionTimeouts
 from console.fleet.failover import FailoverSettings
-from console.fleet.failover_tally import FILE as FAILOVERS_FILE
 from console.fleet.failover_tally import FailoverTally
 from console.fleet.fleet import FleetModel
 from console.fleet.fleet_prometheus import FleetFigures, serving_figures
@@ -149,7 +148,7 @@ class FleetService:
         self.rings: dict[str, ServiceRing] = {}
         self.admin_url: str | None = None  # the admin API over HTTPS, when settings.admin_port asks for one
         self.started_at = time.time()
-        self.failovers = FailoverTally(settings.state_dir / FAILOVERS_FILE)  # the Dashboard's "failovers today"
+        self.failovers = FailoverTally(settings.state_dir)  # the Dashboard's "failovers today"
         # /metrics (in the API's registry: every ring labelled, every agent) and GET /admin/v1/metrics
         self.figures = FleetFigures(lambda: serving_figures(self.rings), fleet.records,
                                     lambda: [r.phase for r in self.rings.values()])

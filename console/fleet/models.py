@@ -1,7 +1,7 @@
 """The fleet service's model library: the models an admin can export and the exports already made.
 
 Models are the embedded default (SmolLM2-135M-Instruct, when its package is installed) plus the
-HF checkpoint directories and GGUF files the admin added, kept in ``<state dir>/models.json``.
+HF checkpoint directories and GGUF files the admin added, kept in the state database (a setting).
 Adding a path checks it cheaply (no conversion, no torch): a directory must hold config.json and
 safetensors weights, a file must be a GGUF. Exports live in ``<state dir>/exports/<export id>/``
 (see :mod:`console.fleet.export_catalog`); :meth:`ModelLibrary.start_export` runs one in a
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from console.fleet.errors import ExportNotFoundError, ModelPathError
 from console.fleet.export_catalog import find_export, scan_exports
 from console.fleet.export_job import ExportJob, ExportRequest
-from console.fleet.state_file import read_json, write_json
+from console.fleet.fleet_state import fleet_db, state_errors
 from console.fleet_api.exports import EXPORTS_SUBDIR, ExportEvent, ExportInfo, ExportKey, ExportSpec
 from console.fleet_api.model_entry import ModelEntry, ModelKind
 from engine.errors import ManifestError
@@ -33,7 +33,6 @@ from export.sources import (
 if TYPE_CHECKING:
     from engine.placement.types import Plan
 
-MODELS_FILE = "models.json"
 _GGUF_MAGIC = b"GGUF"
 
 def check_model_path(path: Path) -> ModelEntry:
@@ -66,14 +65,17 @@ class ModelLibrary:
     def __init__(self, state_dir: Path) -> None:
         self.state_dir = Path(state_dir)
         self.exports_dir = self.state_dir / EXPORTS_SUBDIR
-        self._models_file = self.state_dir / MODELS_FILE
 
     # -- models ------------------------------------------------------------------------------------
 
     def _added(self) -> list[str]:
-        data = read_json(self._models_file, "the model list") or {}
-        paths = data.get("models", [])
+        with state_errors():
+            paths = fleet_db(self.state_dir).setting("models") or []
         return [p for p in paths if isinstance(p, str)] if isinstance(paths, list) else []
+
+    def _keep(self, paths: list[str]) -> None:
+        with state_errors():
+            fleet_db(self.state_dir).set_setting("models", paths)
 
     def models(self) -> list[ModelEntry]:
         """The embedded default first, then the added models in the order they were added."""
@@ -90,7 +92,7 @@ class ModelLibrary:
         entry = check_model_path(Path(path))
         added = self._added()
         if str(entry.path) not in added:
-            write_json(self._models_file, {"models": [*added, str(entry.path)]}, "the model list")
+            self._keep([*added, str(entry.path)])
         return entry
 
     def remove_model(self, path: Path | str) -> None:
@@ -98,7 +100,7 @@ class ModelLibrary:
         target = str(Path(path).expanduser().resolve())
         added = self._added()
         if target in added:
-            write_json(self._models_file, {"models": [p for p in added if p != target]}, "the model list")
+            self._keep([p for p in added if p != target])
 
     # -- exports -----------------------------------------------------------------------------------
 

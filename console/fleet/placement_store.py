@@ -1,11 +1,10 @@
-"""The fleet service's placements, persisted: ``placements.json`` in its state dir.
+"""The fleet service's placements, persisted: the ``placements`` table of its state database.
 
 A placement is what ``POST /admin/v1/placements`` measured, calibrated and solved for a model:
 its id, the model, the context, the export spec, the measured inputs and the plan (replaced by
-each re-solve). The store writes the whole file atomically (temporary file, fsync, rename; see
-:mod:`console.fleet.state_file`) on every change and reads it once when the service starts, so
-a placement id keeps working after a restart. A file that does not parse is a clear error that
-names it and leaves it in place, never an empty list.
+each re-solve). The store writes a placement's row (one transaction) on every change and reads
+the table once when the service starts, so a placement id keeps working after a restart. A row
+that does not parse is a clear error naming the database, never an empty list.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from console.fleet.errors import FleetStateError
-from console.fleet.state_file import read_json, write_json
+from console.fleet.fleet_state import fleet_db, state_errors
 from console.fleet_api.admin_decode import inputs_from_json
 from console.fleet_api.admin_shapes import ShapeError, inputs_json, plan_from_json, plan_json, spec_from_json, spec_json
 from console.fleet_api.errors import FleetServiceError
@@ -26,15 +25,14 @@ from console.fleet_api.placement import PlacementInputs
 from engine.control.tags import parse_tags
 from engine.errors import TagError
 from engine.placement.types import Plan
+from engine.state.db import StateDB
 
-PLACEMENTS_FILE = "placements.json"
-FORMAT = 1
 WHAT = "the list of placements"
 _ID = re.compile(r"p([0-9]+)")
 
 
 class PlacementNotFoundError(FleetServiceError):
-    """A placement id names no placement the service holds (made here, or listed in placements.json)."""
+    """A placement id names no placement the service holds (made here, or kept in its state database)."""
 
 
 @dataclass
@@ -74,28 +72,23 @@ class PlacementStore:
     through on every change. Ids are p1, p2, …; a restart goes on after the highest one kept."""
 
     def __init__(self, state_dir: Path) -> None:
-        self.path = Path(state_dir) / PLACEMENTS_FILE
+        self._state_dir = Path(state_dir)
+        self.path = self._db.path
         self._items: dict[str, Placement] = self._load()
         self._last = max((int(m.group(1)) for p in self._items if (m := _ID.fullmatch(p))), default=0)
 
-    def _load(self) -> dict[str, Placement]:
-        data = read_json(self.path, WHAT)
-        if data is None:
-            return {}
-        try:
-            if data.get("format") != FORMAT:
-                raise ValueError(f"format {data.get('format')!r}, this version reads {FORMAT}")
-            items = [Placement.from_json(p) for p in data.get("placements") or ()]
-            ids = [p.id for p in items]
-            if len(set(ids)) != len(ids):
-                raise ValueError("a placement id appears twice")
-            return {p.id: p for p in items}
-        except (KeyError, TypeError, ValueError, AttributeError, ShapeError, TagError) as exc:
-            raise FleetStateError(f"{WHAT} in {self.path} is damaged ({exc}); it was left in place: restore it "
-                                    "from a backup, or move it aside to start with no placements") from exc
+    @property
+    def _db(self) -> StateDB:
+        return fleet_db(self._state_dir)
 
-    def _save(self) -> None:
-        write_json(self.path, {"format": FORMAT, "placements": [p.to_json() for p in self._items.values()]}, WHAT)
+    def _load(self) -> dict[str, Placement]:
+        with state_errors():
+            docs = self._db.placements()
+        try:
+            return {p.id: p for p in (Placement.from_json(d) for d in docs)}
+        except (KeyError, TypeError, ValueError, AttributeError, ShapeError, TagError) as exc:
+            raise FleetStateError(f"{WHAT} in {self.path} is damaged ({exc}); it was left as it is: restore it "
+                                  "from a backup") from exc
 
     def new_id(self) -> str:
         self._last += 1
@@ -110,8 +103,9 @@ class PlacementStore:
 
     def put(self, placement: Placement) -> Placement:
         """Add or replace ``placement`` (a re-solved plan too) and write the file."""
+        with state_errors():
+            self._db.put_placement(placement.id, placement.to_json())
         self._items[placement.id] = placement
-        self._save()
         return placement
 
     def get(self, placement_id: str) -> Placement:

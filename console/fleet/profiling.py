@@ -27,7 +27,7 @@ from types import MappingProxyType
 from console.fleet.calibration_export import CalibrationSet
 from console.fleet.errors import FleetStateError
 from console.fleet.fleet import FleetModel
-from console.fleet.state_file import read_json, write_json
+from console.fleet.fleet_state import fleet_db, state_errors
 from console.fleet_api.agent_record import AgentRecord
 from engine.control.client import ControlClient, ControlError
 from engine.control.hub import FleetHub
@@ -36,7 +36,7 @@ from engine.shards.calibration import StageTiming, fit_layer_time
 
 log = logging.getLogger(__name__)
 
-PROFILES_FILE = "device-profiles.json"
+PROFILES_SETTING = "device_profiles"
 CALIBRATED_KINDS: tuple[DeviceKind, ...] = ("CPU", "GPU")
 _WHAT = "the device calibration cache"
 
@@ -65,15 +65,16 @@ class Calibrations:
 
 
 class ProfileCache:
-    """Fitted (layer_ms, overhead_ms) by (model key, node id, device), in one JSON file."""
+    """Fitted (layer_ms, overhead_ms) by (model key, node id, device), in the state database."""
 
     def __init__(self, state_dir: Path) -> None:
-        self.path = Path(state_dir) / PROFILES_FILE
-        data = read_json(self.path, _WHAT) or {"format": 1, "profiles": {}}
-        if data.get("format") != 1 or not isinstance(data.get("profiles"), dict):
-            raise FleetStateError(f"{_WHAT} in {self.path} is not format 1; it was left in place: "
-                                    "move it aside (devices are then calibrated again)")
-        self._profiles: dict[str, dict] = data["profiles"]
+        self.state_dir = Path(state_dir)
+        with state_errors():
+            profiles = fleet_db(self.state_dir).setting(PROFILES_SETTING) or {}
+        if not isinstance(profiles, dict):
+            raise FleetStateError(f"{_WHAT} in the state database of {self.state_dir} is not an object; "
+                                  "restore the database from a backup")
+        self._profiles: dict[str, dict] = profiles
 
     @staticmethod
     def _key(model_key: str, node_id: str, device: str) -> str:
@@ -94,7 +95,8 @@ class ProfileCache:
             "layer_ms": layer_ms, "overhead_ms": overhead_ms,
             "timings": [dataclasses.asdict(t) for t in timings],
             "measured": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")}
-        write_json(self.path, {"format": 1, "profiles": self._profiles}, _WHAT)
+        with state_errors():
+            fleet_db(self.state_dir).set_setting(PROFILES_SETTING, self._profiles)
 
 
 def _calibrated_devices(record: AgentRecord) -> list[tuple[str, DeviceKind]]:

@@ -1,12 +1,12 @@
-"""What the fleet service serves, persisted: ``served-rings.json`` in its state dir.
+"""What the fleet service serves, persisted: the ``served_rings`` table of its state database.
 
 One entry per ring: its id, the model (by its library name), the plan it was placed with, the
 export spec, the export once it exists, its standbys and the return port its coordinator listens
-on; plus the API's port. The service writes the file (atomically: temporary file, fsync,
-rename) each time a ring is created, has exported, or is stopped, and reads it once at start to
+on; plus the API's port. The service writes a ring's row (one transaction) each time the ring is
+created, has exported, or is stopped, and reads the table once at start to
 re-form every ring with no admin action: agents keep their verified shards, and the same return
 port and API address give every agent the assignment it already holds, so running workers keep
-running. A file that does not parse is a clear error, never an empty fleet.
+running. A row that does not parse is a clear error, never an empty fleet.
 """
 
 from __future__ import annotations
@@ -19,14 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from console.fleet.errors import FleetStateError
-from console.fleet.state_file import read_json, write_json
+from console.fleet.fleet_state import fleet_db, state_errors
 from console.fleet_api.admin_shapes import ShapeError, plan_from_json, plan_json, spec_from_json, spec_json
 from console.fleet_api.errors import FleetServiceError
 from console.fleet_api.exports import ExportSpec
 from engine.placement.types import Plan
+from engine.state.db import StateDB
 
-SERVED_FILE = "served-rings.json"
-FORMAT = 1
 _RING_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,31}")
 
 
@@ -107,41 +106,40 @@ class ServedState:
 
 
 class ServedRings:
-    """The file's one owner (the fleet service): ``state`` in memory, written through on change."""
+    """The table's one owner (the fleet service): ``state`` in memory, written through on change."""
 
     def __init__(self, state_dir: Path) -> None:
-        self.path = Path(state_dir) / SERVED_FILE
+        self._state_dir = Path(state_dir)
+        self.path = self._db.path
         self.state = self._load()
 
-    def _load(self) -> ServedState:
-        data = read_json(self.path, "the list of served rings")
-        if data is None:
-            return ServedState()
-        try:
-            if data.get("format") != FORMAT:
-                raise ValueError(f"format {data.get('format')!r}, this version reads {FORMAT}")
-            rings = tuple(ServedRing.from_json(r) for r in data.get("rings") or ())
-            ids = [r.ring for r in rings]
-            if len(set(ids)) != len(ids):
-                raise ValueError("a ring id appears twice")
-            return ServedState(api_port=int(data.get("api_port") or 0), rings=rings)
-        except (KeyError, TypeError, ValueError, ShapeError, RingIdError) as exc:
-            raise FleetStateError(f"the list of served rings in {self.path} is damaged ({exc}); it was left in "
-                                    "place: restore it from a backup, or move it aside to start with no rings") from exc
+    @property
+    def _db(self) -> StateDB:
+        return fleet_db(self._state_dir)
 
-    def _save(self, state: ServedState) -> None:
-        write_json(self.path, {"format": FORMAT, "api_port": state.api_port,
-                               "rings": [r.to_json() for r in state.rings]}, "the list of served rings")
-        self.state = state
+    def _load(self) -> ServedState:
+        with state_errors():
+            docs, api_port = self._db.served_rings(), self._db.setting("api_port")
+        try:
+            return ServedState(api_port=int(api_port or 0), rings=tuple(ServedRing.from_json(r) for r in docs))
+        except (KeyError, TypeError, ValueError, ShapeError, RingIdError) as exc:
+            raise FleetStateError(f"the served rings in {self.path} are damaged ({exc}); it was left as it is: "
+                                  "restore it from a backup, or stop that ring's entry with the admin API") from exc
 
     def put(self, ring: ServedRing) -> ServedRing:
-        self._save(self.state.with_ring(ring))
+        with state_errors():
+            self._db.put_served_ring(ring.ring, ring.to_json())
+        self.state = self.state.with_ring(ring)
         return ring
 
     def remove(self, ring_id: str) -> None:
         if self.state.ring(ring_id) is not None:
-            self._save(self.state.without_ring(ring_id))
+            with state_errors():
+                self._db.delete_served_ring(ring_id)
+            self.state = self.state.without_ring(ring_id)
 
     def set_api_port(self, port: int) -> None:
         if port != self.state.api_port:
-            self._save(replace(self.state, api_port=port))
+            with state_errors():
+                self._db.set_setting("api_port", port)
+            self.state = replace(self.state, api_port=port)

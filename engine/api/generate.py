@@ -159,10 +159,12 @@ class Prepared:
 
 @dataclass
 class Tally:
-    """A request's token counts so far: its prompt (once) and every choice's generated tokens."""
+    """A request's token counts so far: its prompt (once) and every choice's generated tokens; when
+    its first token came (``time.perf_counter()``; None: none yet)."""
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    first_token_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -248,6 +250,7 @@ class Generation:
                         first_at = time.perf_counter()
                         if not tally.completion_tokens:
                             self.metrics.observe_ttft(first_at - started, card.name)
+                            tally.first_token_at = first_at
                     produced += 1
                     tally.completion_tokens += 1
                     self.limiter.charge(caller, 1)

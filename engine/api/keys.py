@@ -36,13 +36,17 @@ class Caller:
     key's: :attr:`~engine.generation.request.GenerationRequest.cache_scope`); a book key's is
     derived from its secret's hash, so a key issued again under the same name starts a new scope.
     ``metrics``: may read ``/metrics`` (the one fixed key, the console's key, a key issued with
-    ``--metrics``)."""
+    ``--metrics``). ``group``, ``day_tokens``, ``month_tokens``: the key's group and token budgets
+    (:mod:`engine.api.usage`)."""
 
     name: str
     rpm: int | None = None
     tpm: int | None = None
     scope: str = ""
     metrics: bool = False
+    group: str | None = None
+    day_tokens: int | None = None
+    month_tokens: int | None = None
 
 
 ANONYMOUS = Caller("-")  # a server without keys (loopback only), or a stranger on /health
@@ -73,7 +77,8 @@ class KeyCheck:
             key = self.book.identify(token)
             if key is not None:
                 return Caller(key.name, key.rpm, key.tpm, scope=f"key:{key.sha256[:32]}",
-                              metrics=key.metrics or key.name == CONSOLE_KEY_NAME)
+                              metrics=key.metrics or key.name == CONSOLE_KEY_NAME, group=key.group,
+                              day_tokens=key.day_tokens, month_tokens=key.month_tokens)
         # aiohttp hands header bytes that are not UTF-8 over as surrogates: compare them as the bytes they were
         if self._static is not None and hmac.compare_digest(token.encode("utf-8", "surrogateescape"), self._static):
             return Caller(DEFAULT_CALLER, scope=DEFAULT_CALLER, metrics=True)  # the operator's own key

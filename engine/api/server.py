@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import functools
 import json
 import logging
@@ -60,7 +61,8 @@ from engine.api.audit import AuditLog, AuditRecord, utc_stamp
 from engine.api.door import Door
 from engine.api.generate import Generation, Tally, Tokenizers
 from engine.api.guard import HostPolicy, check_exposure, check_json_type
-from engine.api.keys import ANONYMOUS, Caller, KeyCheck, RateLimiter
+from engine.api.keys import ANONYMOUS, Caller, KeyCheck, RateLimiter, retry_after_header
+from engine.api.off_loop import off_loop
 from engine.api.openai_answer import Answer, sse_event
 from engine.api.openai_schema import (
     NOT_YET_SERVED,
@@ -73,12 +75,14 @@ from engine.api.response_store import ResponseStore
 from engine.api.responses_answer import ResponseShape
 from engine.api.responses_schema import output_conversation, parse_response_request
 from engine.api.share import StreamShares
+from engine.api.usage import WARNING_HEADER, UsageLedger
 from engine.errors import DeskfleetError, GenerationError, TokenizerError
 from engine.generation.generator import Generator, ModelCard, OverloadedError, UnavailableError
 from engine.generation.ring_report import RingStatus, overall_status
 from engine.generation.router import Router, UnknownModelError
 from engine.http_limits import LimitedAppRunner, LimitedSite
-from engine.trust.key_book import KeyBook, KeyBookError
+from engine.tasks import start_task
+from engine.trust.key_book import KEEP_REVOKED_DAYS, KeyBook, KeyBookError
 
 log = logging.getLogger("deskfleet.api")
 
@@ -161,6 +165,8 @@ def api_error_from(exc: BaseException) -> ApiError:
 _GONE = web.RequestKey("client_gone", bool)
 _ASKED_FOR: web.RequestKey[str] = web.RequestKey("deskfleet_asked_for", str)  # the model the request named
 _USAGE: web.RequestKey[tuple[int, int]] = web.RequestKey("deskfleet_usage", tuple)  # (prompt, completion) tokens
+_TTFT: web.RequestKey[float] = web.RequestKey("deskfleet_ttft", float)  # seconds to the first token
+_BUDGET_NOTE: web.RequestKey[str] = web.RequestKey("deskfleet_budget_note", str)  # the 80 % warning
 # (model, ring) once a ring has answered the request: what the audit records
 SERVED_BY: web.RequestKey[tuple[str, str]] = web.RequestKey("deskfleet_served_by", tuple)
 CALLER: web.RequestKey[Caller] = web.RequestKey("deskfleet_caller", Caller)  # who sent it (a valid key)
@@ -201,6 +207,8 @@ class _Api:
         self.admission = Admission(self.keys, shares)
         self.generation = Generation(self.router, tokenizer, settings, limiter, self.metrics)
         self.responses = ResponseStore()  # /v1/responses kept for GET, DELETE and previous_response_id
+        book = keys
+        self.usage = UsageLedger(lambda: book.db) if book is not None else None  # usage and budgets
 
     def _pending(self) -> frozenset[str]:
         """The features refused now: the settings' pending ones that some ring does not honour
@@ -238,6 +246,27 @@ class _Api:
             return response
         finally:
             self._audit(request, status, started)
+            self._record_usage(request, status, started)
+
+    def _record_usage(self, request: web.Request, status: int, started: float) -> None:
+        """A completion's usage row (:mod:`engine.api.usage`): never its text."""
+        caller = request.get(CALLER)
+        if self.usage is None or caller is None or _USAGE not in request:
+            return
+        model, ring = request.get(SERVED_BY, (request.get(_ASKED_FOR), None))
+        prompt, completion = request[_USAGE]
+        if self.usage.record(caller, model=model or "", ring=ring or "", prompt_tokens=prompt,
+                             completion_tokens=completion, ttft_s=request.get(_TTFT),
+                             duration_s=time.time() - started, status=status):
+            start_task(off_loop(self._housekeeping), name="usage roll-up", logger=log)
+
+    def _housekeeping(self) -> None:
+        """Hourly, off the loop: old usage rows folded into days, long-revoked keys forgotten (L11)."""
+        if self.usage is not None:
+            self.usage.roll_up()
+        if self.keys.book is not None and (pruned := self.keys.book.prune_revoked()):
+            log.info("forgot %d key(s) revoked over %d days ago: %s", len(pruned), KEEP_REVOKED_DAYS,
+                     ", ".join(pruned))
 
     def _audit(self, request: web.Request, status: int, started: float) -> None:
         """The request's audit line: its key's name, model and ring, status, token counts, duration."""
@@ -291,6 +320,8 @@ class _Api:
         card = self._card(request)
         if card is not None:
             response.headers[STAGES_HEADER] = str(card.stages)
+        if (note := request.get(_BUDGET_NOTE)) is not None:
+            response.headers[WARNING_HEADER] = note
 
     def _stranger(self, request: web.Request) -> bool:
         """True for a caller without a valid key on a server that requires one."""
@@ -367,6 +398,7 @@ class _Api:
         caller = request.get(CALLER, ANONYMOUS)
         tally = Tally()
         try:
+            self._check_budget(request, caller)
             with self.door.enter(caller):  # the key's rate limit and a slot, before the body is read
                 params = await self._parse(kind, request)  # 1. parse
                 with self.admission.admit(caller, params, request.get(_TOKEN)) as admitted:  # 2. admit
@@ -379,7 +411,21 @@ class _Api:
                         body = await answer.whole()
         finally:
             request[_USAGE] = (tally.prompt_tokens, tally.completion_tokens)
+            if tally.first_token_at is not None:
+                request[_TTFT] = tally.first_token_at - started
         return web.json_response(body)
+
+    def _check_budget(self, request: web.Request, caller: Caller) -> None:
+        """ApiError 429 when the caller's key or group has used a token budget; the 80 % warning noted."""
+        if self.usage is None:
+            return
+        verdict = self.usage.check(caller)
+        if verdict.over is not None:
+            wait = verdict.over.retry_after(datetime.datetime.now(datetime.UTC))
+            raise ApiError(429, verdict.over.refusal(), "budget_exceeded",
+                           headers={"Retry-After": retry_after_header(wait)})
+        if verdict.warning is not None:
+            request[_BUDGET_NOTE] = verdict.warning.warning()
 
     async def _parse(self, kind: str, request: web.Request) -> CompletionParams:
         """The parse stage on the request's body, with what the server serves now."""

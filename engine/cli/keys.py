@@ -1,11 +1,17 @@
 """``deskfleet keys``: the fleet's API keys, over a state directory (the fleet service's or console's).
 
-    deskfleet keys issue NAME [--rpm N] [--tpm N] [--metrics]   a new key; its secret is printed once
+    deskfleet keys issue NAME [--rpm N] [--tpm N] [--metrics] [--holder WHO] [--application]
+                              [--group G] [--day-tokens N] [--month-tokens N]
+                                                    a new key; its secret is printed once
+    deskfleet keys set NAME [same options]          change a live key's limits, budgets, holder or group
+    deskfleet keys group G [--day-tokens N] [--month-tokens N]   the group's token budgets (none: no budget)
     deskfleet keys list [--json]                    every key, live and revoked (never a secret)
     deskfleet keys revoke NAME                      the running API refuses it from its next request
+    deskfleet keys prune [--days N]                 forget keys revoked more than N days ago (default 90)
 
-The book is :class:`engine.trust.key_book.KeyBook` (``<state dir>/api-keys.json``, hashes only);
-the service's admin API changes the same book. This command may run while the service runs.
+The book is :class:`engine.trust.key_book.KeyBook` (the state database in the state directory,
+hashes only); the service's admin API changes the same book. This command may run while the
+service runs.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from pathlib import Path
 
 from engine.cli.main import Command
 from engine.errors import DeskfleetError
-from engine.trust.key_book import KeyBook
+from engine.trust.key_book import KEEP_REVOKED_DAYS, KeyBook
 from engine.trust.state_owner import run_as_owner
 
 
@@ -51,17 +57,52 @@ def configure(p: argparse.ArgumentParser) -> None:
                        help="at most N tokens (prompt + answer) per minute")
     issue.add_argument("--metrics", action="store_true",
                        help="the key may read the API's /metrics (for a monitoring system; no other key may)")
+    _record_options(issue)
+    change = sub.add_parser("set", help="change a live key's limits, budgets, holder or group (its secret stays)")
+    change.add_argument("name")
+    change.add_argument("--rpm", type=_limit, default=None, metavar="N", help="at most N requests per minute")
+    change.add_argument("--tpm", type=_limit, default=None, metavar="N", help="at most N tokens per minute")
+    _record_options(change)
+    group = sub.add_parser("group", help="a group's token budgets (every key in it together)")
+    group.add_argument("group")
+    group.add_argument("--day-tokens", type=_limit, default=None, metavar="N", help="tokens per UTC day")
+    group.add_argument("--month-tokens", type=_limit, default=None, metavar="N", help="tokens per UTC month")
+    prune = sub.add_parser("prune", help="forget the keys revoked more than --days ago (the service does it daily)")
+    prune.add_argument("--days", type=float, default=KEEP_REVOKED_DAYS, metavar="N",
+                       help=f"keep revoked keys this many days (default {KEEP_REVOKED_DAYS})")
     listing = sub.add_parser("list", help="every key: name, limits, issued, revoked (never a secret)")
     listing.add_argument("--json", action="store_true", help="one JSON document instead of a table")
     revoke = sub.add_parser("revoke", help="revoke a key: the running API refuses it from its next request")
     revoke.add_argument("name")
 
 
+def _record_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--holder", default=None, metavar="WHO", help="the person (or application) the key is for")
+    p.add_argument("--application", action="store_true", help="the holder is an application, not a person")
+    p.add_argument("--group", default=None, metavar="G", help="the key's group (budgets and usage per group)")
+    p.add_argument("--day-tokens", type=_limit, default=None, metavar="N", help="a budget of N tokens per UTC day")
+    p.add_argument("--month-tokens", type=_limit, default=None, metavar="N",
+                   help="a budget of N tokens per UTC month")
+
+
+def _record_fields(args: argparse.Namespace) -> dict:
+    """The record options given (``set`` changes only those)."""
+    given = {k: getattr(args, k) for k in ("holder", "group", "day_tokens", "month_tokens", "rpm", "tpm")
+             if getattr(args, k, None) is not None}
+    if args.application:
+        given["holder_kind"] = "application"
+    return given
+
+
 def _table(keys: list[dict]) -> str:
-    rows = [("NAME", "RPM", "TPM", "METRICS", "ISSUED", "REVOKED")]
+    rows = [("NAME", "HOLDER", "GROUP", "RPM", "TPM", "DAY", "MONTH", "METRICS", "ISSUED", "REVOKED")]
     for k in keys:
-        rows.append((k["name"], str(k.get("rpm") or "-"), str(k.get("tpm") or "-"), "yes" if k.get("metrics") else "-",
-                     k["issued_at"], k.get("revoked_at") or "-"))
+        holder = k.get("holder") or "-"
+        if k.get("holder") and k.get("holder_kind") == "application":
+            holder += " (app)"
+        rows.append((k["name"], holder, k.get("group") or "-", str(k.get("rpm") or "-"), str(k.get("tpm") or "-"),
+                     str(k.get("day_tokens") or "-"), str(k.get("month_tokens") or "-"),
+                     "yes" if k.get("metrics") else "-", k["issued_at"], k.get("revoked_at") or "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
 
@@ -71,8 +112,15 @@ def _change(args: argparse.Namespace, state_dir: Path) -> dict:
     book = KeyBook(state_dir)
     try:
         if args.keys_action == "issue":
-            issued = book.issue(args.name, rpm=args.rpm, tpm=args.tpm, metrics=args.metrics)
+            issued = book.issue(args.name, metrics=args.metrics, **_record_fields(args))
             return {"secret": issued.secret}
+        if args.keys_action == "set":
+            return {"key": book.update(args.name, **_record_fields(args)).to_json()}
+        if args.keys_action == "group":
+            book.set_group_budget(args.group, day_tokens=args.day_tokens, month_tokens=args.month_tokens)
+            return {"group": args.group}
+        if args.keys_action == "prune":
+            return {"pruned": list(book.prune_revoked(keep_days=args.days))}
         if args.keys_action == "list":
             return {"keys": [k.to_json() for k in book.keys()], "path": str(book.path)}
         return {"revoked": book.revoke(args.name).to_json()}
@@ -94,10 +142,20 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps(answer["keys"], indent=1))
         else:
             print(_table(answer["keys"]) if answer["keys"] else f"no keys in {state_dir}")
+    elif args.keys_action == "set":
+        print(f"key {args.name!r} changed", file=sys.stderr)
+    elif args.keys_action == "group":
+        budgets = ", ".join(f"{n} tokens per {p}" for n, p in ((args.day_tokens, "day"), (args.month_tokens, "month"))
+                            if n) or "no budget"
+        print(f"group {args.group!r}: {budgets}", file=sys.stderr)
+    elif args.keys_action == "prune":
+        print(f"{len(answer['pruned'])} revoked key(s) forgotten: {', '.join(answer['pruned']) or '-'}",
+              file=sys.stderr)
     else:
         revoked = answer["revoked"]
         print(f"key {revoked['name']!r} revoked at {revoked['revoked_at']}", file=sys.stderr)
     return 0
 
 
-COMMAND = Command(name="keys", help="issue, list and revoke the fleet's API keys", configure=configure, run=run)
+COMMAND = Command(name="keys", help="issue, change, list, revoke and prune the fleet's API keys",
+                  configure=configure, run=run)

@@ -45,7 +45,8 @@ def _unavailable(name: str, exc: Exception) -> Command:
 # Built-in subcommands by name -> module with a COMMAND. Loaded lazily: a long-running process
 # such as the agent should not carry the imports of every other command (OpenVINO, scipy).
 _BUILTINS = {"doctor": "engine.cli.doctor", "generate": "engine.cli.generate", "keys": "engine.cli.keys",
-             "serve": "engine.cli.serve", "wan": "engine.cli.wan", "worker": "engine.cli.worker"}
+             "serve": "engine.cli.serve", "usage": "engine.cli.usage", "wan": "engine.cli.wan",
+             "worker": "engine.cli.worker"}
 
 
 def _plugins(group: str, only: str | None = None) -> list[Command]:

@@ -21,17 +21,15 @@ import binascii
 import contextlib
 import hashlib
 import hmac
-import json
 import os
 import secrets
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.atomic_file import write_text_atomic
 from engine.errors import JoinRefused, JoinTokenError, TokenBookError, TokenPolicyError
+from engine.state.db import StateDB, StateDBError
 
 PREFIX = "DFJ1"
 PIN_HEX = 32  # 128 bits of the CA fingerprint: a second-preimage search is out of reach
@@ -40,8 +38,6 @@ SECRET_CHARS = 26  # base32 of 16 bytes, padding removed
 CHECK_CHARS = 4
 DEFAULT_TTL_S = 24 * 3600.0
 KEEP_EXPIRED_S = 7 * 24 * 3600.0  # how long the book remembers a dead token, to say "expired" not "unknown"
-BOOK_FORMAT = "deskfleet-join-tokens/2"
-BOOK_FORMAT_V1 = "deskfleet-join-tokens/1"  # single-use tokens; read and migrated
 TOKEN_ID_HEX = 10
 MAX_USES = 100_000
 MAX_LABEL_CHARS = 80
@@ -49,7 +45,6 @@ MAX_TTL_S = 366 * 86400.0  # a token that should outlive a year is one with no e
 MAX_AUTO_APPROVE_TTL_S = 30 * 86400.0  # an auto-approving token is an admin's approval: a roll-out's weeks at most
 _HEX = frozenset("0123456789abcdef")
 _B32 = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZ234567")
-_THREAD_LOCK = threading.Lock()  # one per process: books are few, the critical sections short
 
 
 def _check(body: str) -> str:
@@ -190,62 +185,14 @@ def _info(key: str, entry: dict, now: float) -> TokenInfo:
                      tuple(Admission(a["node_id"], a["name"], a["at"]) for a in entry["admitted"]))
 
 
-def _migrate_v1(tokens: dict) -> dict[str, dict]:
-    """A format-1 book (single-use tokens: issued_at / expires_at / used_at) in format 2."""
-    out = {}
-    for key, entry in tokens.items():
-        if not isinstance(entry, dict) or not isinstance(entry.get("expires_at"), int | float) \
-                or not isinstance(entry.get("used_at"), int | float | None):
-            raise ValueError(f"entry {str(key)[:12]}... is damaged")
-        used_at = entry["used_at"]
-        out[key] = {"label": "", "issued_at": float(entry.get("issued_at") or entry["expires_at"]),
-                    "expires_at": float(entry["expires_at"]), "uses": 1, "used": 0 if used_at is None else 1,
-                    "auto_approve": False, "revoked_at": None, "last_used_at": used_at, "admitted": []}
-    return out
-
-
-def _check_entry(key: str, entry: dict) -> None:
-    ok = (len(key) == 64 and isinstance(entry, dict)
-          and isinstance(entry.get("label"), str) and isinstance(entry.get("issued_at"), int | float)
-          and isinstance(entry.get("expires_at"), int | float | None)
-          and isinstance(entry.get("uses"), int) and isinstance(entry.get("used"), int)
-          and 0 <= entry["used"] <= entry["uses"] and isinstance(entry.get("auto_approve"), bool)
-          and isinstance(entry.get("revoked_at"), int | float | None)
-          and isinstance(entry.get("admitted"), list)
-          and all(isinstance(a, dict) and isinstance(a.get("node_id"), str) and isinstance(a.get("name"), str)
-                  and isinstance(a.get("at"), int | float) for a in entry["admitted"]))
-    if not ok:
-        raise ValueError(f"entry {str(key)[:12]}... is damaged")
-
-
-@contextlib.contextmanager
-def _exclusive(path: Path) -> Iterator[None]:
-    """Hold ``path``'s lock file (POSIX flock; elsewhere the in-process lock only) for one
-    read-modify-write of the book, so concurrent redeems never both take the last use."""
-    with _THREAD_LOCK:
-        if os.name != "posix":
-            yield
-            return
-        import fcntl  # POSIX only
-
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)
-
-
 class TokenBook:
-    """The console's register of issued join tokens, persisted as JSON at ``path``.
+    """The console's register of issued join tokens, kept in the state database of ``path``'s
+    directory (:mod:`engine.state.db`; ``path`` names the book, as it did when the book was a file).
 
-    Holds only sha256(secret), uses, expiry, label and the PCs admitted per token. Read on every
-    call and written atomically (temp file + ``os.replace``), so a crash never leaves half a book,
-    and a book that cannot be read raises TokenBookError instead of silently forgetting tokens.
-    Every read-modify-write holds a lock (a thread lock and, on POSIX, ``flock`` on
-    ``<path>.lock``): a token of N uses admits at most N PCs however many join at once. A book
-    written by an older console (format 1, single-use tokens) is read and rewritten as format 2.
+    Holds only sha256(secret), uses, expiry, label and the PCs admitted per token. Every
+    read-modify-write is one transaction (BEGIN IMMEDIATE): a token of N uses admits at most N PCs
+    however many join at once, in this process or another; a database that cannot be read raises
+    TokenBookError instead of silently forgetting tokens. A dead token is kept KEEP_EXPIRED_S.
     """
 
     def __init__(self, path: str | os.PathLike[str], ca_fingerprint: str, *,
@@ -253,9 +200,11 @@ class TokenBook:
         self.path = Path(path)
         self._ca_fingerprint = ca_fingerprint.lower()
         self._clock = clock
-        # (inode, mtime, size) of the file as last read or written, and what it holds: a join reads
-        # the book three times, and at a roll-out's hundredth PC parsing it each time was most of the cost
-        self._cache: tuple[tuple[int, int, int], dict[str, dict]] | None = None
+
+    @property
+    def db(self) -> StateDB:
+        with _book_errors():
+            return StateDB.for_dir(self.path.parent)
 
     def issue(self, ttl_s: float | None = DEFAULT_TTL_S) -> str:
         """A new single-use token valid for ``ttl_s`` seconds; its text is shown once, never stored."""
@@ -282,15 +231,14 @@ class TokenBook:
         if len(label) > MAX_LABEL_CHARS or not label.isprintable():
             raise TokenPolicyError(f"a token's label is at most {MAX_LABEL_CHARS} printable characters")
         token = JoinToken.new(self._ca_fingerprint)
-        with _exclusive(self.path):
-            now = self._clock()
-            tokens = self._load()
-            entry = {"label": label, "issued_at": now, "expires_at": None if ttl_s is None else now + ttl_s,
-                     "uses": uses, "used": 0, "auto_approve": bool(auto_approve), "revoked_at": None,
-                     "last_used_at": None, "admitted": []}
-            tokens[token.secret_hash] = entry
-            self._save(tokens, now)
-        return Issued(token.text, _info(token.secret_hash, entry, now))
+        now = self._clock()
+        entry = {"label": label, "issued_at": now, "expires_at": None if ttl_s is None else now + ttl_s,
+                 "uses": uses, "used": 0, "auto_approve": bool(auto_approve), "revoked_at": None,
+                 "last_used_at": None}
+        with _book_errors(), self.db.transaction():
+            self._prune(now)
+            self.db.put_join_token(token.secret_hash, entry)
+        return Issued(token.text, _info(token.secret_hash, {**entry, "admitted": []}, now))
 
     def redeem(self, token: str | JoinToken) -> Redeemed:
         """Use ``token`` once: return what it is if it admits a PC now, else raise JoinRefused
@@ -303,54 +251,47 @@ class TokenBook:
                 raise JoinRefused("malformed", str(exc)) from None
         if not token.pins(self._ca_fingerprint):
             raise JoinRefused("other_fleet")
-        with _exclusive(self.path):
+        with _book_errors(), self.db.transaction():
             now = self._clock()
-            tokens = self._load()
-            entry = tokens.get(token.secret_hash)
+            entry = self.db.join_token(token.secret_hash)
             if entry is None:
                 raise JoinRefused("unknown")
             state = _state(entry, now)
             if state != "active":
                 raise JoinRefused({"used_up": "used"}.get(state, state), token_id=token_id_of(token.secret_hash),
                                   token_label=entry.get("label"))
-            entry["used"] += 1
-            entry["last_used_at"] = now
-            self._save(tokens, now)
+            self.db.put_join_token(token.secret_hash, {**entry, "used": entry["used"] + 1, "last_used_at": now})
         return Redeemed(token_id_of(token.secret_hash), entry["label"], entry["auto_approve"])
 
     def record_admission(self, token_id: str, node_id: str, name: str) -> None:
         """Remember that the token ``token_id`` admitted PC ``node_id`` (called once its certificate
         is signed). A token pruned meanwhile is logged by the caller, not an error here."""
-        with _exclusive(self.path):
-            now = self._clock()
-            tokens = self._load()
-            for key, entry in tokens.items():
+        with _book_errors(), self.db.transaction():
+            for key in self.db.join_tokens():
                 if token_id_of(key) == token_id:
-                    entry["admitted"].append({"node_id": node_id, "name": name[:64], "at": now})
-                    self._save(tokens, now)
+                    self.db.add_admission(key, node_id, name[:64], self._clock())
                     return
 
     def admitted_by(self, node_id: str) -> TokenInfo | None:
         """The token that admitted ``node_id`` (the newest, should it have joined twice), or None."""
         now = self._clock()
-        found = None
-        for key, entry in self._load().items():
-            if any(a["node_id"] == node_id for a in entry["admitted"]):
-                info = _info(key, entry, now)
-                if found is None or info.issued_at > found.issued_at:
-                    found = info
-        return found
+        with _book_errors():
+            hashes = self.db.admitting_tokens(node_id)
+            if not hashes:
+                return None
+            tokens = self.db.join_tokens()
+        infos = [_info(h, tokens[h], now) for h in hashes if h in tokens]
+        return max(infos, key=lambda info: info.issued_at, default=None)
 
     def revoke(self, token_id: str) -> TokenInfo:
         """Stop the token ``token_id`` admitting anyone from now on (PCs it admitted stay)."""
-        with _exclusive(self.path):
+        with _book_errors(), self.db.transaction():
             now = self._clock()
-            tokens = self._load()
-            for key, entry in tokens.items():
+            for key, entry in self.db.join_tokens().items():
                 if token_id_of(key) == token_id:
                     if entry["revoked_at"] is None:
                         entry["revoked_at"] = now
-                        self._save(tokens, now)
+                        self.db.put_join_token(key, entry)
                     return _info(key, entry, now)
         raise TokenPolicyError(f"no join token {token_id!r} in this console's book; list them with "
                                "'deskfleet fleet tokens list'")
@@ -358,65 +299,27 @@ class TokenBook:
     def tokens(self) -> tuple[TokenInfo, ...]:
         """Every token the book keeps, newest first."""
         now = self._clock()
-        infos = (_info(k, e, now) for k, e in self._load().items())
-        return tuple(sorted(infos, key=lambda t: (-t.issued_at, t.token_id)))
+        with _book_errors():
+            infos = (_info(k, e, now) for k, e in self.db.join_tokens().items() if _kept(e, now))
+            return tuple(sorted(infos, key=lambda t: (-t.issued_at, t.token_id)))
 
     def outstanding(self) -> int:
         """How many tokens could still admit a PC (for the console's display)."""
-        now = self._clock()
-        return sum(1 for e in self._load().values() if _state(e, now) == "active")
+        return sum(1 for t in self.tokens() if t.state == "active")
 
-    def _signature(self) -> tuple[int, int, int]:
-        st = os.stat(self.path)
-        return st.st_ino, st.st_mtime_ns, st.st_size
+    def _prune(self, now: float) -> None:
+        """Forget the tokens dead for over KEEP_EXPIRED_S (with their admissions)."""
+        dead = [k for k, e in self.db.join_tokens().items() if not _kept(e, now)]
+        if dead:
+            self.db.delete_join_tokens(dead)
 
-    def _load(self) -> dict[str, dict]:
-        """The book's tokens (the cached ones while the file is the one last seen: every writer
-        replaces it, so another writer's change is a new inode). Callers mutate entries only to
-        save them at once; a failed save drops the cache."""
-        signature = None
-        with contextlib.suppress(OSError):
-            signature = self._signature()
-        if signature is not None and self._cache is not None and self._cache[0] == signature:
-            return self._cache[1]
-        tokens = self._read()
-        self._cache = (signature, tokens) if signature is not None else None
-        return tokens
 
-    def _read(self) -> dict[str, dict]:
-        try:
-            raw = self.path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            return {}
-        except OSError as exc:
-            raise TokenBookError(f"cannot read the join-token book {self.path} ({exc}); "
-                                 "check its permissions") from exc
-        try:
-            doc = json.loads(raw)
-            if not isinstance(doc, dict) or doc.get("format") not in (BOOK_FORMAT, BOOK_FORMAT_V1):
-                raise ValueError(f"not a {BOOK_FORMAT} document")
-            tokens = doc["tokens"]
-            if not isinstance(tokens, dict):
-                raise ValueError("its 'tokens' is not an object")
-            if doc["format"] == BOOK_FORMAT_V1:
-                tokens = _migrate_v1(tokens)
-            for key, entry in tokens.items():
-                _check_entry(key, entry)
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise TokenBookError(f"the join-token book {self.path} is corrupt ({exc}); move it aside "
-                                 "(the tokens in it stop working) and issue new tokens") from exc
-        return tokens
-
-    def _save(self, tokens: dict[str, dict], now: float) -> None:
-        keep = {k: e for k, e in tokens.items() if _kept(e, now)}
-        data = json.dumps({"format": BOOK_FORMAT, "tokens": keep}, separators=(",", ":"))
-        self._cache = None
-        try:
-            write_text_atomic(self.path, data)
-            self._cache = (self._signature(), keep)
-        except OSError as exc:
-            raise TokenBookError(f"cannot write the join-token book {self.path} ({exc}); "
-                                 "check the disk and its permissions") from exc
+@contextlib.contextmanager
+def _book_errors() -> Iterator[None]:
+    try:
+        yield
+    except StateDBError as exc:
+        raise TokenBookError(f"the join-token book cannot be read or written: {exc}") from exc
 
 
 def _kept(entry: dict, now: float) -> bool:

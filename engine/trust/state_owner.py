@@ -39,11 +39,14 @@ def owner_of(state_dir: Path) -> tuple[int, int] | None:
     return None if st.st_uid == 0 else (st.st_uid, st.st_gid)
 
 
-def run_as_owner(state_dir: Path, work: Callable[[Path], Any]) -> Any:
+def run_as_owner(state_dir: Path, work: Callable[[Path], Any], *, confine: bool = True) -> Any:
     """``work(dir)`` as the owner of ``state_dir`` (see the module docstring); its result must be
     JSON. ``dir`` is ``state_dir`` itself, or ``Path(".")`` inside the dropped child (whose
-    parent directories the owner may not be allowed to cross: ``/var/lib/private``). A
-    DeskfleetError raised by ``work`` is raised again here with its message."""
+    parent directories the owner may not be allowed to cross: ``/var/lib/private``). ``confine``:
+    the child's root is the state dir (chroot), so what opens files by absolute path (SQLite: the
+    state database) reaches them, and nothing outside; without it, work that names the state dir
+    by its real path (the keyring's account for the fleet CA) sees it. A DeskfleetError raised by
+    ``work`` is raised again here with its message."""
     owner = owner_of(Path(state_dir))
     if owner is None:
         return work(Path(state_dir))
@@ -57,6 +60,8 @@ def run_as_owner(state_dir: Path, work: Callable[[Path], Any]) -> Any:
             os.environ["HOME"] = "."  # as the service's unit has it (HOME=the state dir): never root's
             for name in ("XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_CACHE_HOME"):
                 os.environ.pop(name, None)
+            if confine:  # SQLite opens by absolute path; the owner may not cross the directories above
+                os.chroot(".")
             os.setgroups([])
             os.setgid(owner[1])
             os.setuid(owner[0])

@@ -1,4 +1,4 @@
-"""API keys: the key book on disk (hashes only, atomic, shared between processes, corrupt = loud),
+"""API keys: the key book in the state database (hashes only, shared between processes, damaged = loud),
 the pure rate limiter, then the real `openai` client against the real API on loopback: no key, a
 wrong key and a revoked key are 401, a key over its rate limit is 429 with Retry-After, and off
 loopback the API is served only over TLS with the fleet CA."""
@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import stat
 import subprocess
 import sys
@@ -19,9 +18,11 @@ import openai
 import pytest
 
 from engine.api.keys import Caller, KeyCheck, RateLimiter, retry_after_header
+from engine.state.db import DB_FILE, StateDB
 from engine.trust.key_book import KEY_PREFIX, KeyBook, KeyBookError, KeyNameError, digest
 from tests.support.api_helpers import SETTINGS
 from tests.support.key_helpers import ScriptedGenerator, serving
+from tests.support.state_helpers import damage_key_record
 
 TIMEOUT = 30.0
 CHAT = [{"role": "user", "content": "hello"}]
@@ -33,14 +34,15 @@ def test_issued_secret_is_kept_only_as_its_hash(tmp_path):
     book = KeyBook(tmp_path)
     issued = book.issue("alice", rpm=30)
     assert issued.secret.startswith(KEY_PREFIX) and len(issued.secret) == len(KEY_PREFIX) + 32
-    text = book.path.read_text()
-    assert issued.secret not in text and digest(issued.secret) in text
+    stored = b"".join(p.read_bytes() for p in tmp_path.glob(f"{DB_FILE}*"))  # the database and its WAL
+    assert issued.secret.encode() not in stored and digest(issued.secret).encode() in stored
     assert stat.S_IMODE(book.path.stat().st_mode) == 0o600
     assert book.identify(issued.secret).name == "alice"
     assert book.identify(issued.secret + "x") is None and book.identify("") is None
     assert [k.to_json() for k in book.keys()] == [{"name": "alice", "issued_at": issued.key.issued_at, "rpm": 30,
                                                   "tpm": None, "node_id": None, "revoked_at": None,
-                                                  "metrics": False}]
+                                                  "metrics": False, "holder": None, "holder_kind": "person",
+                                                  "group": None, "day_tokens": None, "month_tokens": None}]
     assert "sha256" not in repr(issued) and issued.secret not in repr(issued)
 
 
@@ -78,17 +80,18 @@ def test_a_revocation_by_another_process_counts_on_the_next_lookup(tmp_path):
 def test_a_corrupt_book_is_an_error_never_an_empty_book(tmp_path):
     book = KeyBook(tmp_path)
     issued = book.issue("carol")
-    for damage in ("{not json", json.dumps({"format": "other/1", "keys": []}),
-                   json.dumps({"format": "deskfleet-api-keys/1", "keys": [{"name": "carol"}]}),
-                   json.dumps({"format": "deskfleet-api-keys/1",
-                               "keys": [{"name": "c", "sha256": "0" * 64, "issued_at": "t"}] * 2})):
-        book.path.write_text(damage)
-        os.utime(book.path, ns=(1, len(damage)))  # a new mtime even within the clock's granularity
-        with pytest.raises(KeyBookError, match="corrupt"):
-            book.identify(issued.secret)
-        with pytest.raises(KeyBookError, match="corrupt"):
-            book.issue("dave")  # and nothing is written over it
-        assert book.path.read_text() == damage
+    damage_key_record(tmp_path, "carol")
+    with pytest.raises(KeyBookError, match="damaged"):
+        book.identify(issued.secret)
+    with pytest.raises(KeyBookError, match="damaged"):
+        book.issue("carol", replace_live=True)
+    StateDB.forget(tmp_path)
+    book.path.write_bytes(b"SQLite format 3\x00" + b"\xff" * 4000)  # the file itself damaged
+    for path in tmp_path.glob(f"{DB_FILE}-*"):
+        path.unlink()
+    with pytest.raises(KeyBookError, match=f"{DB_FILE} is damaged"):
+        KeyBook(tmp_path).identify(issued.secret)
+    assert book.path.read_bytes().startswith(b"SQLite format 3\x00\xff")  # left as it was
 
 
 def test_adopt_and_revoke_member(tmp_path):
@@ -200,7 +203,7 @@ def test_a_corrupt_book_refuses_every_key_with_503(tmp_path):
     book = KeyBook(tmp_path)
     alice = book.issue("alice")
     with serving(ScriptedGenerator(), SETTINGS, keys=book) as url:
-        book.path.write_text("{damaged")
+        damage_key_record(tmp_path, "alice")
         with openai.OpenAI(base_url=url, api_key=alice.secret, max_retries=0, timeout=TIMEOUT) as client:
             with pytest.raises(openai.InternalServerError) as refused:
                 client.chat.completions.create(model="fake", messages=CHAT)
@@ -289,8 +292,16 @@ def test_keys_command_issues_lists_and_revokes(tmp_path, capsys):
     assert "live key named 'alice' exists" in capsys.readouterr().err
     assert main(["keys", "--state-dir", str(tmp_path), "list"]) == 0
     table = capsys.readouterr().out
-    assert table.splitlines()[0].split() == ["NAME", "RPM", "TPM", "METRICS", "ISSUED", "REVOKED"]
-    assert table.splitlines()[1].split()[:3] == ["alice", "5", "900"] and secret not in table
+    assert table.splitlines()[0].split() == ["NAME", "HOLDER", "GROUP", "RPM", "TPM", "DAY", "MONTH", "METRICS",
+                                             "ISSUED", "REVOKED"]
+    assert table.splitlines()[1].split()[:5] == ["alice", "-", "-", "5", "900"] and secret not in table
+    assert main(["keys", "--state-dir", str(tmp_path), "set", "alice", "--holder", "Alice", "--group", "lab",
+                 "--day-tokens", "1000"]) == 0
+    capsys.readouterr()
+    assert (KeyBook(tmp_path).get("alice").holder, KeyBook(tmp_path).get("alice").day_tokens) == ("Alice", 1000)
+    assert KeyBook(tmp_path).get("alice").rpm == 5  # what set does not name stays
+    assert main(["keys", "--state-dir", str(tmp_path), "group", "lab", "--month-tokens", "50000"]) == 0
+    assert "group 'lab': 50000 tokens per month" in capsys.readouterr().err
     assert main(["keys", "--state-dir", str(tmp_path), "revoke", "alice"]) == 0
     capsys.readouterr()
     assert KeyBook(tmp_path).identify(secret) is None

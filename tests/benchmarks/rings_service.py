@@ -1,7 +1,7 @@
 """The rings benchmark's fleet-service phase: ``deskfleet fleet`` as a real process on loopback
 with two real agents (in this process; their stage workers are processes) serving one 2-stage
 ring of the export; the service is SIGKILLed and started again on its state dir, and the time
-from that restart to the first answer is measured (it re-forms the ring from served-rings.json,
+from that restart to the first answer is measured (it re-forms the ring from the state database,
 the agents keep their workers); then the idle service's CPU and RSS. The harness is the fleet
 service's own restart test's (:class:`tests.support.service_process.ServiceProcess`).
 """

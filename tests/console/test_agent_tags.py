@@ -11,12 +11,14 @@ import json
 
 import pytest
 
-from console.fleet.agent_tags import TAGS_FILE, TagBook
+from console.fleet.agent_tags import TagBook
 from console.fleet.errors import FleetStateError
+from console.fleet.fleet_state import fleet_db
 from console.fleet.placement_store import Placement
 from console.fleet_api.exports import ExportSpec
 from engine.control.hub import AgentEvent
 from engine.errors import DeskfleetError
+from engine.state.legacy import BACKUP_DIR, TAGS_FILE
 from tests.fleet_service.admin import Admin
 from tests.fleet_service.conftest import service_in_process
 from tests.support.asyncutil import run
@@ -152,18 +154,19 @@ def test_tags_from_the_agents_and_the_admin_and_placement_by_tags(tmp_path, caps
     nodes = run(main(), timeout=240)
     out = capsys.readouterr().out
     assert "desk-b" in out and "floor-2, printer (set by the admin)" in out and "finance, floor-2" in out
-    kept = json.loads((state / TAGS_FILE).read_text())["agents"]
-    assert nodes["desk-a"] not in kept and kept[nodes["desk-c"]] == {"reported": ["floor-3"], "admin": None}
+    kept = fleet_db(state).agent_tags()
+    assert nodes["desk-a"] not in kept and kept[nodes["desk-c"]] == (["floor-3"], None)
 
 
-def test_a_damaged_tags_file_is_named_and_left_in_place(tmp_path):
-    (tmp_path / TAGS_FILE).write_text(json.dumps({"format": 1, "agents": {"n1": {"reported": ["not a tag"]}}}))
-    with pytest.raises(FleetStateError, match="malformed entry for 'n1'"):
-        TagBook(tmp_path)
+def test_a_damaged_tags_file_from_before_the_database_is_named_and_left_in_place(tmp_path):
     (tmp_path / TAGS_FILE).write_text("{")
-    with pytest.raises(FleetStateError, match="not valid JSON"):
+    with pytest.raises(FleetStateError, match=f"{TAGS_FILE}.*cannot be read"):
         TagBook(tmp_path)
     assert (tmp_path / TAGS_FILE).read_text() == "{"
+    (tmp_path / TAGS_FILE).write_text(json.dumps({"format": 1, "agents": {"n1": {"reported": ["not a tag"]}}}))
+    with pytest.raises(FleetStateError, match="malformed entry for 'n1'"):  # imported, then refused by name
+        TagBook(tmp_path)
+    assert (tmp_path / BACKUP_DIR / TAGS_FILE).is_file()
     book = TagBook(tmp_path / "fresh")
     book.note_reported("n1", ("a",))
     book.set_admin("n1", ("B",))

@@ -12,7 +12,6 @@ import uuid
 import pytest
 from PySide6.QtCore import QItemSelectionModel, QSortFilterProxyModel, Qt
 
-from console.fleet.approvals import APPROVALS_FILE
 from console.fleet.errors import (
     AgentUnreachableError,
     FleetStateError,
@@ -20,7 +19,6 @@ from console.fleet.errors import (
     UnknownAgentError,
 )
 from console.fleet.fleet import FleetModel
-from console.fleet.revocations import REVOKED_FILE
 from console.fleet_api.agent_record import (
     AgentRecord,
     AgentSource,
@@ -42,6 +40,7 @@ from console.qt.fleet_table_model import (
 from engine.control.client import ControlClient
 from engine.control.messages import Assignment
 from engine.discovery.mdns import Advertisement, Browser, Peer
+from engine.state.legacy import APPROVALS_FILE, REVOKED_FILE
 from engine.trust.fleet_ca import FleetAuthority, Role
 from tests.support.agent_helpers import console
 from tests.support.asyncutil import run, until
@@ -88,7 +87,7 @@ def test_the_newest_proven_word_wins_an_mdns_claim_never_moves_a_verified_agent_
     assert fresh.membership is Membership.NOT_JOINED and fresh.node_id == "" and fresh.key == "instance:x"
 
 
-def test_a_corrupt_approvals_file_is_a_clear_error_and_is_left_in_place(tmp_path):
+def test_a_corrupt_approvals_file_from_before_the_database_is_a_clear_error_and_is_left_in_place(tmp_path):
     creds = FleetAuthority.create("t").issue_credentials("console", role=Role.CONSOLE)
     path = tmp_path / APPROVALS_FILE
     path.write_text("{not json")
@@ -97,7 +96,7 @@ def test_a_corrupt_approvals_file_is_a_clear_error_and_is_left_in_place(tmp_path
     assert str(path) in str(err.value) and "move it aside" in str(err.value)
     assert path.read_text() == "{not json"
     path.write_text(json.dumps({"format": 1, "agents": {"n1": {"node_id": "n1", "name": 3}}}))
-    with pytest.raises(FleetStateError, match="malformed entry for 'n1'"):
+    with pytest.raises(FleetStateError, match=f"{APPROVALS_FILE}.*damaged"):
         FleetModel(tmp_path, creds)
 
 

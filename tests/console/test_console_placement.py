@@ -22,7 +22,7 @@ from console.fleet.errors import CalibrationError
 from console.fleet.links import async_measure_links
 from console.fleet.placement_inputs import async_place
 from console.fleet.profiling import (
-    PROFILES_FILE,
+    PROFILES_SETTING,
     ProfileCache,
     async_calibrate_devices,
 )
@@ -31,6 +31,7 @@ from engine.control.client import ControlClient
 from engine.errors import Exclusion, PlacementInfeasible
 from engine.placement.types import Plan
 from engine.shards.kv_precision import KV_BYTES_PER_VALUE
+from engine.state.db import StateDB
 from tests.support.asyncutil import run
 from tests.support.console_fleet_helpers import joined_fleet
 
@@ -160,7 +161,7 @@ def test_calibration_on_the_cpu_is_cached_per_model_node_and_device(tmp_path, te
     for c in first.done:
         assert 0 < c.layer_ms < 1000 and c.overhead_ms >= 0
     assert [(c.layer_ms, c.overhead_ms) for c in second.done] == [(c.layer_ms, c.overhead_ms) for c in first.done]
-    stored = json.loads((state_dir / PROFILES_FILE).read_text())["profiles"]
+    stored = StateDB.for_dir(state_dir).setting(PROFILES_SETTING)
     assert f"{calibration.key}|{a}|CPU" in stored and len(stored[f"{calibration.key}|{a}|CPU"]["timings"]) == 2
     one_thread = stored[f"{calibration.key}|{a}|CPU@1t"]["timings"]
     assert [t["threads"] for t in one_thread] == [1] * len(calibration.parts)

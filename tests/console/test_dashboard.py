@@ -29,6 +29,7 @@ from console.qt.fleet_overview import (
     state_counts,
 )
 from engine.control.messages import AgentStatus, FetchProgress, WorkerStatus
+from engine.state.db import DB_FILE, StateDB
 
 GB = 1 << 30
 
@@ -97,7 +98,7 @@ class Day:
 
 
 def test_the_failover_tally_counts_what_each_coordinator_added_today_and_keeps_it(tmp_path):
-    day, path = Day(), tmp_path / "failovers.json"
+    day, path = Day(), tmp_path
     tally = FailoverTally(path, clock=day)
     assert tally.observe({"r1": {"failovers_total": 0.0}}) == 0
     assert tally.observe({"r1": {"failovers_total": 2.0}, "r2": {"failovers_total": 1.0}}) == 3
@@ -108,9 +109,11 @@ def test_the_failover_tally_counts_what_each_coordinator_added_today_and_keeps_i
     day.day = dt.date(2026, 3, 2)
     assert tally.today() == 0 and FailoverTally(path, clock=day).today() == 0
     assert tally.observe({"r1": {"failovers_total": 3.0}}) == 2
-    path.write_text("{not json")
-    assert FailoverTally(path, clock=day).today() == 0  # a damaged file: counted from 0, the file left in place
-    assert path.read_text() == "{not json"
+    StateDB.forget(path)
+    damaged = b"not a database" * 400
+    (path / DB_FILE).write_bytes(damaged)
+    assert FailoverTally(path, clock=day).today() == 0  # a damaged database: counted from 0, left in place
+    assert (path / DB_FILE).read_bytes() == damaged
 
 
 # -- the page against a real fleet service -----------------------------------------------------------------

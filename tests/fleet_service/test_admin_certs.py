@@ -18,6 +18,7 @@ from cryptography.hazmat.primitives.serialization import Encoding
 
 from console.fleet.admin_certs import AdminCertBook, AdminCertError
 from engine.errors import CredentialsError
+from engine.state.db import StateDB
 from engine.trust.fleet_ca import MAX_ADMIN_DAYS, peer_node_id
 from tests.fleet_service.admin import Admin
 
@@ -93,5 +94,7 @@ def test_admin_certificates_live_at_most_max_admin_days_and_a_damaged_list_fails
     book.record(der)
     with pytest.raises(AdminCertError, match="no recorded admin certificate"):
         book.revoke("mallory")
-    book.path.write_text("{not json")
+    path = book.path
+    StateDB.forget(tmp_path)  # the service restarts on a damaged database
+    path.write_bytes(b"not a database" * 400)
     assert "cannot be read" in book.refusal(der)  # fail closed: nobody in until it is restored

@@ -11,13 +11,14 @@ import json
 import pytest
 from aiohttp import web
 
-from console.fleet.approvals import APPROVALS_FILE, ApprovalBook
+from console.fleet.approvals import ApprovalBook
 from console.fleet.errors import FleetStateError
 from console.fleet.records_feed import AgentJsonCache, RecordsPublisher
 from console.fleet.service_events import EventFeed
 from console.fleet_api.admin_client import AdminClient
 from console.fleet_api.admin_shapes import agent_json
 from console.fleet_api.agent_record import AgentRecord, AgentSource, Membership
+from engine.state.db import DB_FILE, StateDB
 from tests.support.asyncutil import run
 
 
@@ -112,23 +113,22 @@ def test_the_admin_client_reads_a_large_answer_whole(tmp_path):
     run(main(), 30)
 
 
-def test_the_approvals_file_keeps_one_agent_a_line_and_reads_back(tmp_path):
+def test_approvals_are_rows_of_the_state_database_and_read_back(tmp_path):
     book = ApprovalBook(tmp_path)
     ids = [f"{i:064x}" for i in range(5)]
     for i, node_id in enumerate(ids):
         book.add(node_id, f"pc-{i}", "10.0.0.1", 7210 + i, "f" * 64)
     book.discard(ids[2])
-    text = (tmp_path / APPROVALS_FILE).read_text()
-    data = json.loads(text)
-    assert data["format"] == 1 and sorted(data["agents"]) == [ids[0], ids[1], ids[3], ids[4]]
-    assert len(text.splitlines()) == 2 + 4  # the header, one line per agent, the closing braces
+    StateDB.forget(tmp_path)  # a restart: read from the file, not from this process's connection
     again = ApprovalBook(tmp_path)
     assert dict(again.approved) == dict(book.approved) and again.approved[ids[4]].control_port == 7214
-    for node_id in ids[:2]:
+    assert sorted(again.approved) == [ids[0], ids[1], ids[3], ids[4]]
+    for node_id in ids:
         again.discard(node_id)
-    again.discard(ids[3])
-    again.discard(ids[4])
-    assert json.loads((tmp_path / APPROVALS_FILE).read_text()) == {"format": 1, "agents": {}}
-    (tmp_path / APPROVALS_FILE).write_text(text[:-20])  # cut short
-    with pytest.raises(FleetStateError, match="not valid JSON"):
+    StateDB.forget(tmp_path)
+    assert dict(ApprovalBook(tmp_path).approved) == {}
+    StateDB.forget(tmp_path)
+    db_file = tmp_path / DB_FILE
+    db_file.write_bytes(db_file.read_bytes()[:1000])  # cut short
+    with pytest.raises(FleetStateError, match=f"{DB_FILE} is damaged"):
         ApprovalBook(tmp_path)

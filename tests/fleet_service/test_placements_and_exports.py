@@ -1,4 +1,4 @@
-"""Placements persisted (placements.json) and the export route, on a real fleet service on loopback.
+"""Placements persisted (the state database) and the export route, on a real fleet service on loopback.
 
 A placement made in one run of the service answers by its id after a real restart (the service
 object closed and a new one started on the same state dir), a re-solve is kept too, and new ids go
@@ -12,10 +12,12 @@ from __future__ import annotations
 import pytest
 
 from console.fleet.errors import FleetStateError
-from console.fleet.placement_store import PLACEMENTS_FILE, Placement, PlacementStore
+from console.fleet.placement_store import Placement, PlacementStore
 from console.fleet_api.admin_client import AdminClient
 from console.fleet_api.exports import ExportSpec
 from engine.placement.types import Plan, PlannedStage
+from engine.state.db import StateDB
+from engine.state.legacy import PLACEMENTS_FILE
 from tests.fleet_service.admin import Admin
 from tests.fleet_service.conftest import service_in_process
 from tests.support.asyncutil import run
@@ -55,7 +57,7 @@ def test_a_placement_id_survives_a_restart_of_the_service(tmp_path):
             made = _store_placement(service)
             assert made.id == "p1"
             before = made.to_json()
-        assert (state / PLACEMENTS_FILE).is_file()
+        assert [p["id"] for p in StateDB.for_dir(state).placements()] == ["p1"]  # kept in the state database
 
         async with service_in_process(state) as service, Admin.unix(state / "admin.sock") as a:
             got = (await a.ok("GET", "/placements/p1"))["placement"]
@@ -75,7 +77,7 @@ def test_a_placement_id_survives_a_restart_of_the_service(tmp_path):
 
 
 @pytest.mark.parametrize("text", ["{not json", '{"format": 1, "placements": [{"id": "p1"}]}', '{"format": 7}'])
-def test_a_damaged_placements_file_stops_the_start_and_is_left_in_place(tmp_path, text):
+def test_a_damaged_placements_file_from_before_the_database_stops_the_start_and_is_left_in_place(tmp_path, text):
     state = tmp_path / "fleet"
     state.mkdir()
     (state / PLACEMENTS_FILE).write_text(text)

@@ -1,5 +1,6 @@
-"""served-rings.json: what the fleet service re-forms after a restart survives a round trip, a
-damaged file is a clear error left in place (never an empty fleet), and ring ids are checked."""
+"""The served rings (a table of the state database): what the fleet service re-forms after a restart
+survives a round trip, a damaged row or an old damaged served-rings.json is a clear error left in
+place (never an empty fleet), and ring ids are checked."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ import json
 import pytest
 
 from console.fleet.errors import FleetStateError
-from console.fleet.served_rings import SERVED_FILE, RingIdError, ServedRing, ServedRings, next_ring_id
+from console.fleet.served_rings import RingIdError, ServedRing, ServedRings, next_ring_id
 from console.fleet_api.exports import ExportSpec
 from engine.placement.types import Plan, PlannedStage
+from engine.state.db import StateDB
+from engine.state.legacy import SERVED_FILE
+from tests.support.state_helpers import damage_document
 
 
 def _plan(*pcs: str) -> Plan:
@@ -29,6 +33,7 @@ def test_rings_and_api_port_survive_a_restart(tmp_path):
     book.put(ServedRing("r1", "tiny", one.plan, one.spec, export_id="tiny-2", standby=one.standby,
                         return_port=40001, created=one.created))
 
+    StateDB.forget(tmp_path)  # a restart: read back from the file
     again = ServedRings(tmp_path).state
     assert again.api_port == 8123
     assert [r.ring for r in again.rings] == ["r1", "r2"]  # replaced in place
@@ -40,19 +45,27 @@ def test_rings_and_api_port_survive_a_restart(tmp_path):
 
     book.remove("r2")
     assert [r.ring for r in ServedRings(tmp_path).state.rings] == ["r1"]
-    assert not list(tmp_path.glob("*.tmp*"))  # written atomically, nothing left behind
+    damage_document(tmp_path, "served_rings")
+    with pytest.raises(FleetStateError, match="is damaged"):
+        ServedRings(tmp_path)
 
 
 @pytest.mark.parametrize("text", ["{not json", json.dumps({"format": 99, "rings": []}),
-                                  json.dumps({"format": 1, "rings": [{"ring": "r1"}]}),
-                                  json.dumps({"format": 1, "rings": [{"ring": "bad id!", "model": "m",
-                                                                      "plan": {"stages": []}}]})])
-def test_a_damaged_file_is_a_clear_error_and_is_left_in_place(tmp_path, text):
+                                  json.dumps({"format": 1, "rings": [{"ring": "r1"}]})])
+def test_a_damaged_file_from_before_the_database_is_a_clear_error_and_is_left_in_place(tmp_path, text):
     (tmp_path / SERVED_FILE).write_text(text)
-    with pytest.raises(FleetStateError, match="served rings") as err:
+    with pytest.raises(FleetStateError, match="served rings|served-rings") as err:
         ServedRings(tmp_path)
     assert str(tmp_path / SERVED_FILE) in str(err.value) and "move it aside" in str(err.value)
     assert (tmp_path / SERVED_FILE).read_text() == text
+
+
+@pytest.mark.parametrize("ring", [{"ring": "r1", "model": "m", "plan": {}},
+                                  {"ring": "bad id!", "model": "m", "plan": {"stages": []}}])
+def test_a_damaged_ring_imported_from_before_the_database_is_named_not_dropped(tmp_path, ring):
+    (tmp_path / SERVED_FILE).write_text(json.dumps({"format": 1, "rings": [ring]}))
+    with pytest.raises(FleetStateError, match="served rings in .* are damaged"):
+        ServedRings(tmp_path)
 
 
 def test_ring_ids():

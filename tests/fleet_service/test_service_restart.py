@@ -33,6 +33,7 @@ import pytest
 from engine.envvars import KEYRING_DIR
 from engine.generation.tokenizer import ChatTokenizer
 from engine.shards.manifest import load_manifest
+from engine.state.db import StateDB
 from tests.conftest import PROMPT_IDS
 from tests.fleet_service.admin import Admin
 from tests.support.console_fleet_helpers import agent
@@ -195,7 +196,7 @@ def test_the_service_killed_and_restarted_re_forms_its_ring_and_answers(serving)
 
         await fleet.admin.close()
         fleet.admin = None
-        await fleet.service.kill()  # no goodbye: the rings are re-formed from served-rings.json
+        await fleet.service.kill()  # no goodbye: the rings are re-formed from the state database
         killed = time.monotonic()
         fleet.admin = await fleet.service.start()
         ring = await ring_serving(fleet.admin, fleet.ring, 90)  # a hang guard: the rings benchmark times it
@@ -209,7 +210,7 @@ def test_the_service_killed_and_restarted_re_forms_its_ring_and_answers(serving)
     before, after, pids, pids_after = fleet.run(main(), 300, "the restart")
     assert before == after == fleet.expected
     assert pids_after == pids  # the agents' workers kept running: their assignment did not change
-    assert os.path.exists(fleet.state / "served-rings.json")
+    assert [doc["ring"] for doc in StateDB.for_dir(fleet.state).served_rings()] == [fleet.ring]
 
 
 def _console_process(state: Path, log: Path) -> subprocess.Popen:

@@ -14,8 +14,10 @@ import pytest
 from engine.control.enrollment import EnrollmentServer, async_join
 from engine.control.join_audit import JoinAudit
 from engine.errors import JoinRefused, TokenBookError, TokenPolicyError
+from engine.state.db import DB_FILE, StateDB
+from engine.state.legacy import BACKUP_DIR
 from engine.trust.fleet_ca import FleetAuthority, Role
-from engine.trust.join_token import BOOK_FORMAT, JoinToken, TokenBook, parse_token
+from engine.trust.join_token import JoinToken, TokenBook
 from tests.support.asyncutil import run
 
 USES = 3
@@ -153,31 +155,39 @@ def test_admissions_are_remembered_per_token_and_the_newest_wins(authority, tmp_
     assert len(listed.to_json()["admitted"]) == 4
 
 
-def test_a_format_1_book_is_read_and_rewritten_as_format_2(authority, tmp_path):
+def test_a_format_1_book_from_before_the_database_is_imported_once_and_kept_as_a_backup(authority, tmp_path):
     clock = Clock()
-    path = tmp_path / "tokens.json"
+    path = tmp_path / "join-tokens.json"
     fresh, spent = JoinToken.new(authority.fingerprint), JoinToken.new(authority.fingerprint)
-    path.write_text(json.dumps({"format": "deskfleet-join-tokens/1", "tokens": {
+    text = json.dumps({"format": "deskfleet-join-tokens/1", "tokens": {
         fresh.secret_hash: {"issued_at": clock.now, "expires_at": clock.now + 60, "used_at": None},
-        spent.secret_hash: {"issued_at": clock.now, "expires_at": clock.now + 60, "used_at": clock.now}}}))
+        spent.secret_hash: {"issued_at": clock.now, "expires_at": clock.now + 60, "used_at": clock.now}}})
+    path.write_text(text)
     book = TokenBook(path, authority.fingerprint, clock=clock)
     assert {t.state for t in book.tokens()} == {"active", "used_up"}
     with pytest.raises(JoinRefused) as used:
         book.redeem(spent.text)
     assert used.value.reason == "used"
     book.redeem(fresh.text)
-    doc = json.loads(path.read_text())
-    assert doc["format"] == BOOK_FORMAT and all(e["uses"] == 1 for e in doc["tokens"].values())
-    damaged = json.dumps({"format": "deskfleet-join-tokens/2", "tokens": {fresh.secret_hash: {"uses": 1}}})
+    assert all(t.uses == 1 and t.used == 1 for t in book.tokens())
+    assert not path.exists() and (tmp_path / BACKUP_DIR / path.name).read_text() == text
+    assert (tmp_path / DB_FILE).is_file()
+
+
+def test_a_damaged_book_from_before_the_database_stops_the_import_and_is_left_in_place(authority, tmp_path):
+    path = tmp_path / "join-tokens.json"
+    damaged = json.dumps({"format": "deskfleet-join-tokens/2", "tokens": {"a" * 64: {"uses": 1}}})
     path.write_text(damaged)
-    with pytest.raises(TokenBookError, match=f"{path.name}.*corrupt"):
-        book.tokens()
-    assert path.read_text() == damaged
-    assert parse_token(fresh.text).secret_hash == fresh.secret_hash
+    with pytest.raises(TokenBookError, match=f"{path.name}.*damaged"):
+        TokenBook(path, authority.fingerprint).tokens()
+    assert path.read_text() == damaged and not (tmp_path / BACKUP_DIR).exists()
+    path.unlink()  # moved aside: the next open starts an empty book
+    StateDB.forget(tmp_path)
+    assert TokenBook(path, authority.fingerprint).tokens() == ()
 
 
 def test_two_books_on_one_file_see_each_others_writes(authority, tmp_path):
-    """A book keeps what it last read while the file is unchanged; another writer's change is seen."""
+    """Two books on one state dir share its database: each sees the other's writes at once."""
     path = tmp_path / "tokens.json"
     first, second = TokenBook(path, authority.fingerprint), TokenBook(path, authority.fingerprint)
     issued = first.issue_token(uses=2)

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from engine.cli.main import main
-from engine.trust.key_book import LOCK_FILE, KeyBook
+from engine.state.db import DB_FILE
+from engine.trust.key_book import KeyBook
 
 pytestmark = pytest.mark.skipif(os.name != "posix" or os.geteuid() != 0, reason="root on another user's state dir")
 
@@ -42,18 +43,18 @@ def _has_account(uid: int) -> bool:
 
 def test_root_changes_another_users_key_book_as_that_user(owned_dir, capsys):
     sandbox, state, uid = owned_dir
-    # the owner (the service's user) planted a link where root would create the lock file
-    (state / LOCK_FILE).symlink_to(sandbox / "made-by-root")
+    # the owner (the service's user) planted a link where root would create the state database
+    (state / DB_FILE).symlink_to(sandbox / "made-by-root")
     assert main(["keys", "--state-dir", str(state), "issue", "alice"]) == 1
-    assert "Permission denied" in capsys.readouterr().err
+    assert DB_FILE in capsys.readouterr().err
     assert not (sandbox / "made-by-root").exists()  # root would have created it through the link
-    (state / LOCK_FILE).unlink()
+    (state / DB_FILE).unlink()
 
     assert main(["keys", "--state-dir", str(state), "issue", "alice", "--rpm", "5"]) == 0
     secret = capsys.readouterr().out.strip()
-    book = state / "api-keys.json"
+    book = state / DB_FILE
     assert (book.stat().st_uid, book.stat().st_gid) == (uid, uid)  # the service can still read it
-    assert book.stat().st_mode & 0o777 == 0o600 and (state / LOCK_FILE).stat().st_uid == uid
+    assert book.stat().st_mode & 0o777 == 0o600
     assert KeyBook(state).identify(secret).name == "alice"
     assert main(["keys", "--state-dir", str(state), "list", "--json"]) == 0
     assert [k["name"] for k in json.loads(capsys.readouterr().out)] == ["alice"]
@@ -79,7 +80,7 @@ def test_root_issues_an_admin_certificate_from_another_users_fleet_and_the_recor
     out = sandbox / "alice"
     assert main(["fleet", "admin-cert", "alice", "--out", str(out), "--state-dir", str(state)]) == 0
     assert read_admin_credentials(out).name == "alice" and (out / "admin.key").stat().st_uid == 0  # root's folder
-    record = state / "admin-certs.json"
+    record = state / DB_FILE
     assert (record.stat().st_uid, record.stat().st_mode & 0o777) == (uid, 0o600)  # the service can read it
     assert [r["name"] for r in AdminCertBook(state).listing()] == ["alice"]
     assert {p.stat().st_uid for p in state.iterdir()} == {uid}

@@ -32,6 +32,7 @@ from engine.errors import (
     KeyStoreError,
     TokenBookError,
 )
+from engine.state.db import DB_FILE, StateDB
 from engine.trust.fleet_ca import (
     Credentials,
     FleetAuthority,
@@ -311,11 +312,13 @@ def test_token_book_refuses_replayed_expired_unknown_malformed_and_foreign_token
 def test_token_book_survives_reload_and_stores_no_secret(fleet, tmp_path):
     path = tmp_path / "state" / "tokens.json"
     token = TokenBook(path, fleet.fingerprint).issue()
-    stored = path.read_text()
-    assert parse_token(token).secret.hex() not in stored and token.split("-")[2] not in stored
+    db_file = path.parent / DB_FILE
+    stored = b"".join(p.read_bytes() for p in path.parent.glob(f"{DB_FILE}*"))  # the database and its WAL
+    assert parse_token(token).secret.hex().encode() not in stored and token.split("-")[2].encode() not in stored
     if sys.platform != "win32":
-        assert stat.S_IMODE(path.stat().st_mode) == 0o600
-    TokenBook(path, fleet.fingerprint).redeem(token)  # a fresh book, as after a console restart
+        assert stat.S_IMODE(db_file.stat().st_mode) == 0o600
+    StateDB.forget(path.parent)  # as after a console restart
+    TokenBook(path, fleet.fingerprint).redeem(token)
     with pytest.raises(JoinRefused, match="already used"):
         TokenBook(path, fleet.fingerprint).redeem(token)
 
@@ -324,14 +327,15 @@ def test_corrupt_token_book_is_an_error_not_a_silent_reset(fleet, tmp_path):
     path = tmp_path / "tokens.json"
     book = TokenBook(path, fleet.fingerprint)
     token = book.issue()
-    for damage in ("{not json", json.dumps({"format": "other"}),
-                   json.dumps({"format": "deskfleet-join-tokens/1", "tokens": {"ab": {}}})):
-        path.write_text(damage)
-        with pytest.raises(TokenBookError, match="corrupt.*move it aside"):
-            book.redeem(token)
-        with pytest.raises(TokenBookError):
-            book.issue()
-        assert path.read_text() == damage  # left for a person to look at
+    StateDB.forget(tmp_path)
+    db_file = tmp_path / DB_FILE
+    damage = db_file.read_bytes()[:100] + b"\x00\xff" * 3000
+    db_file.write_bytes(damage)
+    with pytest.raises(TokenBookError, match="damaged.*restore"):
+        book.redeem(token)
+    with pytest.raises(TokenBookError):
+        book.issue()
+    assert db_file.read_bytes() == damage  # left for a person to look at
 
 
 # -- keystore -------------------------------------------------------------------------------------
