@@ -443,6 +443,7 @@ class _Api:
         it means; :mod:`engine.api.responses_answer` shapes the answer)."""
         started, caller, tally = time.perf_counter(), request.get(CALLER, ANONYMOUS), Tally()
         try:
+            self._check_budget(request, caller)
             with self.door.enter(caller):
                 body = parse_json_body(await self._read_body(request))
                 if (asked := requested_model(body)) is not None:
@@ -474,6 +475,8 @@ class _Api:
                         return web.json_response(shape.whole(choice, usage))
         finally:
             request[_USAGE] = (tally.prompt_tokens, tally.completion_tokens)
+            if tally.first_token_at is not None:
+                request[_TTFT] = tally.first_token_at - started
 
     def _previous(self, caller: Caller, previous_id: Any) -> tuple[dict[str, Any], ...]:
         if previous_id is None:
