@@ -32,6 +32,7 @@ from console.fleet_api.placement import retime, stage_firsts
 from console.qt.fleet_metrics import PauseLog, stage_breakdown
 from engine.control.hub import AgentEvent
 from engine.placement.types import Plan, PlannedStage
+from export.sources import find_default_gguf
 from tests.console.console_app_helpers import (
     ConsoleDriver,
     fleet_service,
@@ -98,7 +99,8 @@ def _from_an_empty_network_to_a_chat(tmp_path, tiny_checkpoint, wait, console_ca
         assert window.fleet_page.enrollment_label.text() == window.bridge.enrollment
         drive.join(agent_loop, agents)
         drive.wait_rows(names, lambda row: row["State"] == "idle" and row["Approved"] == "no", "the joined agents")
-        assert not window.placement_page.place_button.isEnabled()  # no model chosen yet
+        # the built-in default is chosen on arrival (when installed): Placement is no dead end
+        assert window.placement_page.place_button.isEnabled() == (find_default_gguf() is not None)
         drive.approve(names)
         drive.measure_links(names)
         rows = drive.fleet_rows()
