@@ -36,6 +36,7 @@ from PySide6.QtWidgets import (
 
 from console.fleet_api.agent_record import AgentRecord, Membership
 from console.fleet_api.link_report import SERVICE, LinkReport
+from console.qt.fleet_overview import awaiting_approval
 from console.qt.fleet_table_model import (
     COALESCE_MS,
     FILTER_ROLE,
@@ -282,6 +283,12 @@ class QtFleetPage(QWidget):
 
     def approve_selected(self) -> None:
         self._run("Approved", "Approving", self.bridge.approve, [r for r in self.selected() if approvable(r)])
+
+    def approve_waiting(self) -> None:
+        """Approve every PC that waits for approval (the banner's "Approve all")."""
+        waiting = awaiting_approval(self.model.records())
+        self.select({r.key for r in waiting})
+        self._run("Approved", "Approving", self.bridge.approve, waiting)
 
     def pause_selected(self) -> None:
         self._run("Paused", "Pausing", self.bridge.pause, [r for r in self.selected() if pausable(r)])

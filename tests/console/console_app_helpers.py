@@ -42,7 +42,7 @@ def console_settings(state_dir: Path) -> FleetSettings:
     """Everything on loopback with OS-chosen ports; one thread per stage worker."""
     return FleetSettings(state_dir=state_dir, interface="127.0.0.1", api_port=0, enrollment_port=0, hub_port=0,
                            data_port=0, worker=WorkerSettings(threads=1), refresh_s=1.0, metrics_s=0.25,
-                           calibration_steps=4)
+                           calibration_steps=4, admin_port=None)
 
 
 @dataclass

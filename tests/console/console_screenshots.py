@@ -71,7 +71,7 @@ def take_console_screenshots(out: Path, checkpoint: Path, work: Path, cache: Pat
         dialog.close()
         drive.wait_rows(names, lambda row: row["State"] == "not joined", "the agents over mDNS")
         drive.join(agent_loop, agents)
-        drive.wait_rows(names, lambda row: row["State"] == "idle", "the joined agents")
+        drive.wait_rows(names, lambda row: row["State"].startswith("awaiting approval"), "the joined agents")
         drive.approve(names)
         drive.measure_links(names)
         drive.add_model(checkpoint)

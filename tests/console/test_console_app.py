@@ -98,7 +98,8 @@ def _from_an_empty_network_to_a_chat(tmp_path, tiny_checkpoint, wait, console_ca
         drive.wait_rows(names, lambda row: row["State"] == "not joined", "the agents over mDNS")
         assert window.fleet_page.enrollment_label.text() == window.bridge.enrollment
         drive.join(agent_loop, agents)
-        drive.wait_rows(names, lambda row: row["State"] == "idle" and row["Approved"] == "no", "the joined agents")
+        drive.wait_rows(names, lambda row: row["State"].startswith("awaiting approval") and row["Approved"] == "no",
+                        "the joined agents")
         # the built-in default is chosen on arrival (when installed): Placement is no dead end
         assert window.placement_page.place_button.isEnabled() == (find_default_gguf() is not None)
         drive.approve(names)

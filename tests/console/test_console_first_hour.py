@@ -7,10 +7,20 @@ can be approved from a banner; the Dashboard's empty state is a checklist that t
 
 from __future__ import annotations
 
-import pytest
+import argparse
+import os
+import signal
+import time
 
+import pytest
+from PySide6.QtCore import QTimer
+from PySide6.QtWidgets import QApplication, QMessageBox
+
+from console.fleet_api.service_locator import pid_alive, read_service_file
+from console.qt.app import run_console
+from console.qt.cli import COMMAND
 from export.sources import DEFAULT_MODEL_NAME, find_default_gguf
-from tests.console.console_app_helpers import fleet_service, item_texts, running_console
+from tests.console.console_app_helpers import ConsoleDriver, fleet_service, item_texts, local_agents, running_console
 
 pytestmark = pytest.mark.usefixtures("module_dirs")
 
@@ -48,3 +58,78 @@ def test_the_models_page_lists_the_library_on_arrival_and_chooses_the_default(tm
         page.refresh_button.click()
         assert session.model is not None and session.model.name == DEFAULT_MODEL_NAME
         assert page.model_list.currentRow() == 0
+
+
+def test_pcs_that_wait_for_approval_are_named_so_and_approved_from_the_banner(tmp_path, wait, service):
+    with local_agents(tmp_path) as (agent_loop, agents), running_console(tmp_path / "console", wait,
+                                                                         service) as window:
+        drive, names = ConsoleDriver(window, wait), tuple(agents)
+        banner = window.approval_banner
+        assert banner.isHidden()
+        drive.join(agent_loop, agents)
+        # one name for it: the Fleet table, its count line, the Dashboard and the banner
+        drive.wait_rows(names, lambda row: row["State"].startswith("awaiting approval") and row["Approved"] == "no",
+                        "the joined agents")
+        assert "2 awaiting approval" in window.fleet_page.count_label.text()
+        assert [(c.state, c.count) for c in window.dashboard_page.state_bar.counts] == [("awaiting approval", 2)]
+        wait(lambda: not banner.isHidden(), 5, "the approval banner")
+        assert banner.text.text().startswith("2 PCs wait for approval")
+        banner.buttons["Review"].click()
+        assert window.tabs.currentWidget() is window.fleet_page
+        assert {r.name for r in window.fleet_page.selected()} == set(names)
+        window.show_page("Dashboard")
+        banner.buttons["Approve all"].click()
+        drive.wait_rows(names, lambda row: row["Approved"] == "yes", "the approvals")
+        wait(banner.isHidden, 10, "the banner to go")
+        assert not any(row["State"].startswith("awaiting") for row in drive.fleet_rows().values())
+
+
+def test_a_lost_service_shows_a_banner_and_retry_starts_it_again(tmp_path, wait):
+    state = tmp_path / "state"
+    service_cm = fleet_service(state)
+    running, stopped = service_cm.__enter__(), False
+    try:
+        with running_console(state, wait, running) as window:
+            banner = window.service_banner
+            assert banner.isHidden()
+            service_cm.__exit__(None, None, None)  # the service stops under the open console
+            stopped = True
+            wait(lambda: not banner.isHidden(), 30, "the lost-service banner")
+            assert "Lost contact with the fleet service on this PC" in banner.text.text()
+            banner.buttons["Retry"].click()  # starts the service again, detached, over the same state dir
+            wait(banner.isHidden, 90, "the banner to go once the service is back")
+            assert read_service_file(state) is not None
+            token = window.fleet_page.token_edit.text()
+            window.fleet_page.new_token_button.click()  # the console works again
+            wait(lambda: window.fleet_page.token_edit.text() not in ("", token), 20, "a new join token")
+    finally:
+        if not stopped:
+            service_cm.__exit__(None, None, None)
+        info = read_service_file(state)
+        if info is not None and pid_alive(info.pid):
+            os.kill(info.pid, signal.SIGTERM)
+            deadline = time.monotonic() + 30
+            while pid_alive(info.pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+
+
+def test_a_console_that_cannot_start_says_why_in_a_dialog(tmp_path, qtbot):
+    parser = argparse.ArgumentParser()
+    COMMAND.configure(parser)
+    args = parser.parse_args(["--service", "https://127.0.0.1:9", "--admin-cert", str(tmp_path / "no-such-folder"),
+                              "--interface", "127.0.0.1"])
+    seen: list[tuple[str, str]] = []
+
+    def answer() -> None:  # the dialog is up while the event loop runs: read it and close it as a person would
+        for widget in QApplication.topLevelWidgets():
+            if isinstance(widget, QMessageBox) and widget.isVisible():
+                seen.append((widget.text(), widget.informativeText()))
+                widget.button(QMessageBox.StandardButton.Close).click()
+                return
+        QTimer.singleShot(50, answer)
+
+    QTimer.singleShot(50, answer)
+    assert run_console(args) == 1
+    assert len(seen) == 1
+    why, hint = seen[0]
+    assert "no-such-folder" in why and "https://127.0.0.1:9" in hint
