@@ -13,7 +13,6 @@ from PySide6.QtGui import QCloseEvent
 from PySide6.QtWidgets import QDialog, QMainWindow, QMessageBox, QTabWidget, QVBoxLayout, QWidget
 
 from console.qt.banners import NOTICE, WARNING, QtBanner, approval_text, lost_service_text
-
 from console.qt.chat_page import QtChatPage
 from console.qt.dashboard_page import QtDashboardPage
 from console.qt.distribution_page import QtDistributionPage
