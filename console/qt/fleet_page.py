@@ -286,7 +286,7 @@ class QtFleetPage(QWidget):
 
     def approve_waiting(self) -> None:
         """Approve every PC that waits for approval (the banner's "Approve all")."""
-        waiting = awaiting_approval(self.model.records())
+        waiting = awaiting_approval(self.bridge.records)  # the newest news, not the table (it lags by design)
         self.select({r.key for r in waiting})
         self._run("Approved", "Approving", self.bridge.approve, waiting)
 

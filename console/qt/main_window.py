@@ -12,18 +12,23 @@ from typing import Any
 from PySide6.QtGui import QCloseEvent
 from PySide6.QtWidgets import QDialog, QMainWindow, QMessageBox, QTabWidget, QVBoxLayout, QWidget
 
+from console.fleet_api.feed import Event, EventKind
 from console.qt.banners import NOTICE, WARNING, QtBanner, approval_text, lost_service_text
 from console.qt.chat_page import QtChatPage
 from console.qt.dashboard_page import QtDashboardPage
 from console.qt.distribution_page import QtDistributionPage
 from console.qt.first_run_view import QtFirstRunView
+from console.qt.first_steps import FleetNow
+from console.qt.first_steps_view import QtFirstSteps
 from console.qt.fleet_overview import awaiting_approval
 from console.qt.fleet_page import QtFleetPage
 from console.qt.metrics_page import QtMetricsPage
 from console.qt.models_page import QtModelsPage
 from console.qt.placement_page import QtPlacementPage
+from console.qt.quick_serve import QuickServe
 from console.qt.service_bridge import ServiceBridge
 from console.qt.service_serving import ServiceServing
+from console.qt.session import MODEL
 
 
 class QtFirstRunDialog(QDialog):
@@ -65,6 +70,14 @@ class QtConsoleWindow(QMainWindow):
             column.addWidget(widget)
         column.addWidget(self.tabs, 1)
         self.setCentralWidget(central)
+        self.quick_serve = QuickServe(bridge, self.serving, self)
+        self.first_steps = QtFirstSteps(self._fleet_now, self.quick_serve, self.show_page,
+                                        self.fleet_page.approve_waiting)
+        self.dashboard_page.add_first_steps(self.first_steps)
+        for signal in (bridge.records_changed, bridge.token_changed, bridge.started):
+            signal.connect(self.first_steps.refresh)
+        bridge.service_event.connect(self._on_service_event)
+        bridge.session.subscribe(lambda what: self.first_steps.refresh() if what == MODEL else None)
         bridge.attached.connect(self._attached)
         bridge.records_changed.connect(lambda records: self.approval_banner.say(approval_text(records)))
         bridge.start_failed.connect(lambda why: self.statusBar().showMessage(f"The console did not start: {why}"))
@@ -75,6 +88,15 @@ class QtConsoleWindow(QMainWindow):
         self.first_run_dialog: QtFirstRunDialog | None = None
         self.start_failure: QMessageBox | None = None  # the dialog of a console that could not start
         bridge.started.connect(self._welcome)
+
+    def _fleet_now(self) -> FleetNow:
+        """What the "Get started" checklist reads (the Dashboard keeps the rings and their metrics)."""
+        return FleetNow(self.bridge.records, self.dashboard_page.rings, self.dashboard_page.metrics, self.bridge.token,
+                        self.bridge.enrollment, self.quick_serve.model_name(), self.quick_serve.busy)
+
+    def _on_service_event(self, event: Event) -> None:
+        if event.kind in (EventKind.RING, EventKind.RING_REMOVED, EventKind.METRICS):
+            self.first_steps.refresh()
 
     def _attached(self, reached: bool) -> None:
         """The event feed lost (False) or reached again (True) the fleet service."""

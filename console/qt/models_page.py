@@ -46,6 +46,7 @@ from console.fleet_api.exports import (
 )
 from console.fleet_api.feed import Event, EventKind
 from console.fleet_api.model_entry import ModelEntry
+from console.qt.first_steps import default_model
 from console.qt.service_bridge import ServiceBridge
 from console.qt.service_export import ServiceExportJob
 from engine.shards.manifest import MANIFEST_NAME
@@ -53,13 +54,6 @@ from engine.shards.manifest import MANIFEST_NAME
 ROLE = Qt.ItemDataRole.UserRole
 WEIGHTS = ("int4", "int8", "fp16", "fp32")
 EXPORT_COLUMNS = ("Export", "Model", "Weights", "Stages", "Layers", "Size", "Created")
-
-
-def default_model(models: list[ModelEntry]) -> ModelEntry | None:
-    """The model chosen for an admin who has not chosen one: the embedded default when it is
-    installed, else the first available one."""
-    available = [m for m in models if m.available]
-    return next((m for m in available if m.kind == "default"), available[0] if available else None)
 
 
 def model_label(entry: ModelEntry) -> str:

@@ -16,9 +16,11 @@ import pytest
 from PySide6.QtCore import QTimer
 from PySide6.QtWidgets import QApplication, QMessageBox
 
+from console.fleet_api.agent_record import UNVERIFIED_STATE, AgentRecord, AgentSource, Membership
 from console.fleet_api.service_locator import pid_alive, read_service_file
 from console.qt.app import run_console
 from console.qt.cli import COMMAND
+from console.qt.first_steps import FleetNow, StepKey, checklist
 from export.sources import DEFAULT_MODEL_NAME, find_default_gguf
 from tests.console.console_app_helpers import ConsoleDriver, fleet_service, item_texts, local_agents, running_console
 
@@ -133,3 +135,80 @@ def test_a_console_that_cannot_start_says_why_in_a_dialog(tmp_path, qtbot):
     assert len(seen) == 1
     why, hint = seen[0]
     assert "no-such-folder" in why and "https://127.0.0.1:9" in hint
+
+
+@pytest.mark.slow
+def test_the_dashboard_checklist_walks_an_empty_fleet_to_a_chat_and_ticks_itself_off(tmp_path, wait,
+                                                                                       tiny_checkpoint):
+    with fleet_service(tmp_path / "fleet") as running, local_agents(tmp_path) as (agent_loop, agents), \
+            running_console(tmp_path / "console", wait, running) as window:
+        drive, names, steps = ConsoleDriver(window, wait), tuple(agents), window.first_steps
+
+        def done() -> dict[StepKey, bool]:
+            return {s.key: s.done for s in steps.steps}
+
+        assert not steps.isHidden() and not any(done().values())
+        join = steps.details[StepKey.JOIN].text()
+        assert f"echo {window.bridge.token} | deskfleet agent --headless --join -" in join and "Join a fleet…" in join
+        assert not steps.actions[StepKey.SERVE].isEnabled()  # nothing approved to serve on
+        steps.links[StepKey.JOIN].click()
+        assert window.tabs.currentWidget() is window.fleet_page
+        window.show_page("Dashboard")
+        drive.join(agent_loop, agents)
+        wait(lambda: done()[StepKey.JOIN] and "2 PCs wait for approval" in steps.details[StepKey.APPROVE].text(),
+             30, "the join step ticked and two PCs waiting")
+        steps.actions[StepKey.APPROVE].click()
+        wait(lambda: done()[StepKey.APPROVE], 30, "the approve step ticked")
+        wait(lambda: steps.actions[StepKey.SERVE].isEnabled(), 10, "Serve to be offered")
+        # Serve brings up the model chosen on the Models page (the built-in default unless the admin chose
+        # another): here the tiny test model, which a loaded 2-core test machine answers within the step timeout
+        drive.add_model(tiny_checkpoint("llama"))
+        model = window.bridge.session.model.name
+        window.show_page("Dashboard")
+        assert model in steps.details[StepKey.SERVE].text()
+        steps.actions[StepKey.SERVE].click()  # one press: place with the defaults, then distribute
+        assert not steps.actions[StepKey.SERVE].isEnabled()  # no second press while it runs
+        wait(lambda: done()[StepKey.SERVE] or window.quick_serve.error, 900, "the default model to be served")
+        assert done()[StepKey.SERVE], steps.details[StepKey.SERVE].text()
+        plan = window.bridge.session.plan
+        assert plan is not None and window.bridge.session.model.name == model
+        assert {window.bridge.session.name(s.pc_id) for s in plan.stages} <= set(names)
+        steps.actions[StepKey.CHAT].click()
+        assert window.tabs.currentWidget() is window.chat_page
+        assert drive.chat("What is the capital of France?").strip()
+        window.show_page("Dashboard")
+        wait(lambda: done()[StepKey.CHAT], 30, "the chat step ticked by the service's metrics")
+        assert steps.isHidden()  # every step done: the Dashboard is the fleet at a glance again
+
+
+def _member(i: int, **kw) -> AgentRecord:
+    fields = dict(node_id=f"n{i:04d}", name=f"pc-{i}", address="10.0.0.1", control_port=7000 + i, state="idle",
+                  devices=("CPU",), memory_bytes=8 * 10**9, fleet_id="F", membership=Membership.MEMBER,
+                  last_seen=100.0, sources=frozenset({AgentSource.HUB}), approved=True, verified=True)
+    fields.update(kw)
+    return AgentRecord(**fields)
+
+
+def test_the_checklist_is_decided_from_the_services_state_alone():
+    def steps(records=(), rings=None, metrics=None, model="SmolLM2-135M-Instruct", busy=False):
+        now = FleetNow(tuple(records), rings or {}, metrics or {}, "TOKEN-1", "10.0.0.9:7220", model, busy)
+        return {s.key: s for s in checklist(now)}
+
+    empty = steps()
+    assert not any(s.done for s in empty.values()) and not empty[StepKey.SERVE].can_act
+    assert "echo TOKEN-1 | deskfleet agent --headless --join -" in empty[StepKey.JOIN].detail
+    assert [s.page for s in empty.values()] == ["Fleet", "Fleet", "Distribution", "Chat"]
+    waiting = steps([_member(1, approved=False), _member(2, approved=False), _member(3, approved=False,
+                                                                                      state=UNVERIFIED_STATE)])
+    assert waiting[StepKey.JOIN].done and not waiting[StepKey.APPROVE].done and waiting[StepKey.APPROVE].can_act
+    assert waiting[StepKey.APPROVE].detail.startswith("2 PCs wait for approval: pc-1, pc-2")  # a claim is no PC yet
+    approved = steps([_member(1)])
+    assert approved[StepKey.APPROVE].done and approved[StepKey.SERVE].can_act
+    assert not steps([_member(1)], busy=True)[StepKey.SERVE].can_act  # no second press while it runs
+    assert "add one on the Models page" in steps([_member(1)], model="")[StepKey.SERVE].detail
+    ring = {"r1": {"ring": "r1", "phase": "serving", "model": "m"}}
+    serving = steps([_member(1)], ring)
+    assert serving[StepKey.SERVE].done and not serving[StepKey.CHAT].done and serving[StepKey.CHAT].can_act
+    assert steps([_member(1)], ring, {"r1": {"requests_finished_total": 1.0}})[StepKey.CHAT].done
+    # a ring that stopped serving un-ticks Serve: the list follows the service, it does not remember
+    assert not steps([_member(1)], {"r1": {**ring["r1"], "phase": "failed"}})[StepKey.SERVE].done
