@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from engine.cli.main import main
+from engine.control.fleet_services import CA_CERT, CA_KEY
 from engine.trust.key_book import LOCK_FILE, KeyBook
 
 pytestmark = pytest.mark.skipif(os.name != "posix" or os.geteuid() != 0, reason="root on another user's state dir")
@@ -42,6 +43,9 @@ def _has_account(uid: int) -> bool:
 
 def test_root_changes_another_users_key_book_as_that_user(owned_dir, capsys):
     sandbox, state, uid = owned_dir
+    for name in (CA_CERT, CA_KEY):  # a fleet's state dir (`keys` refuses one without a fleet)
+        (state / name).write_text("")
+        os.chown(state / name, uid, uid)
     # the owner (the service's user) planted a link where root would create the lock file
     (state / LOCK_FILE).symlink_to(sandbox / "made-by-root")
     assert main(["keys", "--state-dir", str(state), "issue", "alice"]) == 1
