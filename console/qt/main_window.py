@@ -22,6 +22,7 @@ from console.qt.first_steps import FleetNow
 from console.qt.first_steps_view import QtFirstSteps
 from console.qt.fleet_overview import awaiting_approval
 from console.qt.fleet_page import QtFleetPage
+from console.qt.keys_page import QtKeysPage
 from console.qt.metrics_page import QtMetricsPage
 from console.qt.models_page import QtModelsPage
 from console.qt.placement_page import QtPlacementPage
@@ -55,10 +56,11 @@ class QtConsoleWindow(QMainWindow):
         self.distribution_page = QtDistributionPage(self.serving, bridge.session)
         self.chat_page = QtChatPage(self.serving, bridge.loop, options=chat_options)
         self.metrics_page = QtMetricsPage(bridge, self.serving)
+        self.keys_page = QtKeysPage(bridge, self.serving, self._model_id)
         for page, title in ((self.dashboard_page, "Dashboard"), (self.fleet_page, "Fleet"),
                             (self.models_page, "Models"), (self.placement_page, "Placement"),
                             (self.distribution_page, "Distribution"),
-                            (self.chat_page, "Chat"), (self.metrics_page, "Metrics")):
+                            (self.chat_page, "Chat"), (self.keys_page, "Keys"), (self.metrics_page, "Metrics")):
             self.tabs.addTab(page, title)
         self.service_banner = QtBanner(WARNING, (("Retry", self.retry_service),))
         self.approval_banner = QtBanner(NOTICE, (("Review", self.review_waiting),
@@ -93,6 +95,13 @@ class QtConsoleWindow(QMainWindow):
         """What the "Get started" checklist reads (the Dashboard keeps the rings and their metrics)."""
         return FleetNow(self.bridge.records, self.dashboard_page.rings, self.dashboard_page.metrics, self.bridge.token,
                         self.bridge.enrollment, self.quick_serve.model_name(), self.quick_serve.busy)
+
+    def _model_id(self) -> str:
+        """The model id an API user asks for: a served ring's model, else the one chosen."""
+        served = [str(r.get("model", "")) for r in self.dashboard_page.rings.values() if r.get("phase") == "serving"]
+        if served:
+            return served[0]
+        return self.bridge.session.model.name if self.bridge.session.model is not None else ""
 
     def _on_service_event(self, event: Event) -> None:
         if event.kind in (EventKind.RING, EventKind.RING_REMOVED, EventKind.METRICS):

@@ -11,13 +11,17 @@ import argparse
 import os
 import signal
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 from PySide6.QtCore import QTimer
 from PySide6.QtWidgets import QApplication, QMessageBox
 
+from console.fleet.key_usage import KeyUse, usage_of
 from console.fleet_api.agent_record import UNVERIFIED_STATE, AgentRecord, AgentSource, Membership
 from console.fleet_api.service_locator import pid_alive, read_service_file
+from console.qt.api_snippets import mask_key
 from console.qt.app import run_console
 from console.qt.cli import COMMAND
 from console.qt.first_steps import FleetNow, StepKey, checklist
@@ -212,3 +216,70 @@ def test_the_checklist_is_decided_from_the_services_state_alone():
     assert steps([_member(1)], ring, {"r1": {"requests_finished_total": 1.0}})[StepKey.CHAT].done
     # a ring that stopped serving un-ticks Serve: the list follows the service, it does not remember
     assert not steps([_member(1)], {"r1": {**ring["r1"], "phase": "failed"}})[StepKey.SERVE].done
+
+
+def test_the_keys_page_masks_the_consoles_key_issues_shows_once_tracks_use_and_revokes(tmp_path, wait, service):
+    with running_console(tmp_path / "console", wait, service) as window:
+        page, serving = window.keys_page, window.serving
+        wait(lambda: bool(serving.api_key) and page.copy_key_button.isEnabled(), 20, "the console's key")
+        key, url = serving.api_key, str(window.bridge.service["api_url"])
+        assert key not in page.key_label.text() and page.key_label.text().endswith(key[-4:])
+        page.copy_key_button.click()
+        assert QApplication.clipboard().text() == key
+        page.show_key_button.click()
+        assert page.key_label.text() == key
+        page.show_key_button.click()
+        model = window.bridge.session.model.name if window.bridge.session.model else "MODEL"
+        for snippet in (page.curl_view.toPlainText(), page.python_view.toPlainText()):
+            assert url in snippet and key in snippet and model in snippet
+        # the Chat page masks it too
+        window.chat_page.show_api(url)
+        assert key not in window.chat_page.url_label.text() and not window.chat_page.copy_key_button.isHidden()
+
+        page.name_edit.setText("alice")
+        page.rpm.setValue(5)
+        page.issue_button.click()
+        wait(lambda: not page.secret_box.isHidden(), 20, "the new key's secret")
+        secret = page.secret_edit.text()
+        assert secret and "only this once" in page.secret_note.text()
+        assert secret in page.curl_view.toPlainText()  # the snippets now use alice's key
+        wait(lambda: "alice" in _column(page, 0), 20, "alice in the list (from the service's keys event)")
+        row = _column(page, 0).index("alice")
+        assert page.table.item(row, 1).text() == "5" and page.table.item(row, 5).text().startswith("never")
+        # a real request with it: the audit logs who asked
+        assert _get(url + "/models", secret) == 200
+        page.refresh_button.click()
+        wait(lambda: _column(page, 6)[_column(page, 0).index("alice")] == "1", 20, "alice's use")
+        assert not _column(page, 5)[_column(page, 0).index("alice")].startswith("never")
+        page.table.selectRow(_column(page, 0).index("alice"))
+        page.revoke_button.click()
+        box = page.confirmation
+        assert box is not None and "alice" in box.text()
+        box.button(QMessageBox.StandardButton.Yes).click()
+        wait(lambda: "alice" not in _column(page, 0), 20, "alice to be revoked")
+        assert _get(url + "/models", secret) == 401
+        assert page.secret_box.isHidden() and secret not in page.curl_view.toPlainText()
+
+
+def _column(page, col: int) -> list[str]:
+    return [page.table.item(r, col).text() for r in range(page.table.rowCount())]
+
+
+def _get(url: str, key: str) -> int:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"})
+    try:
+        with urllib.request.urlopen(request, timeout=20) as answer:
+            return int(answer.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+
+
+def test_key_use_is_read_from_the_audit_lines_and_a_key_is_masked_to_its_end():
+    lines = ['{"time": "t1", "key": "alice", "prompt_tokens": 3, "completion_tokens": 4}',
+             '{"time": "t0", "kind": "strangers", "key": null}', 'cut-off line"}',
+             '{"time": "t2", "key": "alice", "prompt_tokens": 1, "completion_tokens": 0}',
+             '{"time": "t3", "key": "bob"}']
+    used = usage_of(lines)
+    assert used == {"alice": KeyUse("t2", 2, 8), "bob": KeyUse("t3", 1, 0)}
+    masked = mask_key("dfk_" + "x" * 36 + "9abc")
+    assert masked.startswith("dfk_") and masked.endswith("9abc") and "x" not in masked
