@@ -90,7 +90,8 @@ def test_pcs_that_wait_for_approval_are_named_so_and_approved_from_the_banner(tm
         # the approval gave each PC the fleet's chat address (its key came with its join): every
         # approved employee can chat before their PC is given any part of a model
         api_url = str(window.bridge.service["api_url"])
-        wait(lambda: all(a.status().api_url == api_url for a in agents.values()), 20, "the PCs to learn the chat address")
+        wait(lambda: all(a.status().api_url == api_url for a in agents.values()), 20,
+             "the PCs to learn the chat address")
         assert all(a.chat_key for a in agents.values())
         assert not any(row["State"].startswith("awaiting") for row in drive.fleet_rows().values())
 
