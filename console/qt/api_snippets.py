@@ -6,16 +6,19 @@ from __future__ import annotations
 import json
 import shlex
 
+from engine.trust.key_book import KEY_PREFIX
+
 SHOWN = 4  # characters of a key's end left visible when it is masked
 PROMPT = "Say hello in one sentence."
 
 
 def mask_key(key: str) -> str:
-    """``dfk_…`` with all but the last `SHOWN` characters of the secret hidden."""
+    """``sk-deskfleet-••••••••••••abcd``: the key's kind (its prefix) and its last `SHOWN`
+    characters, the secret between them hidden."""
     if len(key) <= 2 * SHOWN:
         return "•" * len(key)
-    prefix = key.split("_", 1)[0] + "_" if "_" in key[:8] else ""
-    return f"{prefix}{'•' * 12}{key[-SHOWN:]}"
+    cut = len(KEY_PREFIX) if key.startswith(KEY_PREFIX) else 0
+    return f"{key[:cut]}{'•' * 12}{key[-SHOWN:]}"
 
 
 def curl_snippet(api_url: str, key: str, model: str) -> str:

@@ -68,7 +68,7 @@ def join_commands(token: str, enrollment: str) -> str:
     """How a PC joins, per kind of PC: the tray on a desktop, one command on a server."""
     return (f"Windows, macOS or a Linux desktop: install Deskfleet, open its tray icon → Join a fleet…, paste the "
             f"token (it finds this console by itself; else its address is {enrollment or '…'}).\n"
-            f"A Linux server without a desktop: echo {token or 'TOKEN'} | deskfleet agent --headless --join -")
+            f"A Linux server without a desktop:\n    echo {token or 'TOKEN'} | deskfleet agent --headless --join -")
 
 
 def serving_rings(rings: Mapping[str, Mapping[str, Any]]) -> list[str]:

@@ -31,7 +31,7 @@ class QtFirstSteps(QGroupBox):
         self.titles: dict[StepKey, QLabel] = {}
         self.details: dict[StepKey, QLabel] = {}
         self.links: dict[StepKey, QPushButton] = {}
-        self.actions: dict[StepKey, QPushButton] = {}
+        self.buttons: dict[StepKey, QPushButton] = {}
         grid = QGridLayout(self)
         grid.setColumnStretch(2, 1)
         act: dict[StepKey, tuple[str, Callable[[], None]]] = {
@@ -57,7 +57,7 @@ class QtFirstSteps(QGroupBox):
             for col, widget in enumerate((tick, title, detail, action, link)):
                 grid.addWidget(widget, row, col, Qt.AlignmentFlag.AlignTop)
             self.ticks[key], self.titles[key], self.details[key] = tick, title, detail
-            self.links[key], self.actions[key] = link, action
+            self.links[key], self.buttons[key] = link, action
         quick.changed.connect(self.refresh)
         self.refresh()
 
@@ -66,7 +66,7 @@ class QtFirstSteps(QGroupBox):
 
     def copy_token(self) -> None:
         QGuiApplication.clipboard().setText(self._now().token)
-        self.actions[StepKey.JOIN].setText("Copied")
+        self.buttons[StepKey.JOIN].setText("Copied")
 
     def refresh(self, *_: object) -> None:
         now = self._now()
@@ -81,10 +81,10 @@ class QtFirstSteps(QGroupBox):
             self.details[s.key].setText(detail)
             self.details[s.key].setStyleSheet("color: #b3261e;" if s.key is StepKey.SERVE and self.quick.error
                                               and not s.done else "")
-            action = self.actions[s.key]
+            button = self.buttons[s.key]
             if s.key is StepKey.JOIN:
-                action.setEnabled(bool(now.token))
+                button.setEnabled(bool(now.token))
             else:
-                action.setEnabled(s.can_act)
-            action.setVisible(not s.done)
+                button.setEnabled(s.can_act)
+            button.setVisible(not s.done)
         self.setVisible(not all(s.done for s in self.steps))

@@ -233,6 +233,8 @@ class QtFleetPage(QWidget):
         if not self._sized and records:
             self._sized = True
             self.table.resizeColumnsToContents()  # once: measuring on every change costs a thousand rows
+            state = self.table.fontMetrics().horizontalAdvance("awaiting approval (the PC is in use)") + 16
+            self.table.setColumnWidth(1, max(self.table.columnWidth(1), state))  # states change after the sizing
         self._update_counts()
         self._update_buttons()
 

@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from PySide6.QtGui import QGuiApplication
+from PySide6.QtGui import QGuiApplication, QShowEvent
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QCheckBox,
@@ -84,6 +84,7 @@ class QtKeysPage(QWidget):
             view.setReadOnly(True)
             view.setMaximumHeight(110)
             self.snippets.addTab(view, title)
+        self.snippets.setMaximumHeight(150)
         self.copy_snippet_button = QPushButton("Copy snippet")
         self.copy_snippet_button.clicked.connect(self.copy_snippet)
         self.snippet_note = QLabel()
@@ -113,10 +114,10 @@ class QtKeysPage(QWidget):
         self.name_edit.returnPressed.connect(self.issue)
         self.rpm = QSpinBox()
         self.tpm = QSpinBox()
-        for box, unit in ((self.rpm, " requests/min"), (self.tpm, " tokens/min")):
-            box.setRange(0, 10_000_000)
-            box.setSpecialValueText("no limit")
-            box.setSuffix(unit)
+        for limit, unit in ((self.rpm, " requests/min"), (self.tpm, " tokens/min")):
+            limit.setRange(0, 10_000_000)
+            limit.setSpecialValueText("no limit")
+            limit.setSuffix(unit)
         self.metrics_check = QCheckBox("may read /metrics")
         self.issue_button = QPushButton("Issue key")
         self.issue_button.clicked.connect(self.issue)
@@ -157,6 +158,11 @@ class QtKeysPage(QWidget):
         box.addWidget(keys, 1)
         box.addWidget(self.message)
         self._update_buttons()
+
+    def showEvent(self, event: QShowEvent) -> None:  # noqa: N802 (Qt's name)
+        """Each visit reads the keys' use again (requests make no event)."""
+        super().showEvent(event)
+        self.reload()
 
     # ---- the API and its snippets ----------------------------------------------------------------
 

@@ -80,7 +80,7 @@ class QtModelsPage(QWidget):
         # The library lives in the service: read it once attached (and again after a restart of
         # the service), and whenever an export ends there (this console's or another's).
         bridge.started.connect(self.reload)
-        bridge.attached.connect(lambda back: back and self.reload())
+        bridge.attached.connect(self._on_attached)
         bridge.service_event.connect(self._on_service_event)
         self.reload()
 
@@ -190,6 +190,10 @@ class QtModelsPage(QWidget):
         self._fill_exports()
         if current is None and (default := default_model(models)) is not None:
             self.select_model(default)
+
+    def _on_attached(self, reached: bool) -> None:
+        if reached:  # the service is back (perhaps restarted, perhaps another library)
+            self.reload()
 
     def _on_service_event(self, event: Event) -> None:
         if event.kind is EventKind.EXPORT and event.data.get("state") in ("finished", "cancelled"):

@@ -40,7 +40,7 @@ from tests.console.console_app_helpers import (
     local_agents,
     running_console,
 )
-from tests.console.console_screenshots import PAGES, copy_caches, take_console_screenshots
+from tests.console.console_screenshots import FIRST_HOUR, PAGES, copy_caches, take_console_screenshots
 
 pytestmark = pytest.mark.usefixtures("module_dirs")
 
@@ -389,7 +389,7 @@ def test_screenshots_of_every_page(tmp_path, tiny_checkpoint, console_cache, qtb
     out = Path(os.environ.get("DESKFLEET_SCREENSHOTS") or tmp_path / "screenshots")
     checkpoint = tiny_checkpoint("llama")
     env = {**os.environ, "QT_QPA_PLATFORM": "xcb"}
-    expected = [f"console-{p.lower()}.png" for p in PAGES] + ["console-first-run.png"]
+    expected = [f"console-{p.lower()}.png" for p in PAGES] + ["console-first-run.png", *FIRST_HOUR]
     if xvfb_works(env):
         run = subprocess.run([*XVFB, sys.executable, "-m", "tests.console.console_screenshots", "--out", str(out),
                               "--checkpoint", str(checkpoint), "--work", str(tmp_path / "work"),

@@ -25,6 +25,7 @@ from console.qt.api_snippets import mask_key
 from console.qt.app import run_console
 from console.qt.cli import COMMAND
 from console.qt.first_steps import FleetNow, StepKey, checklist
+from engine.trust.key_book import KEY_PREFIX
 from export.sources import DEFAULT_MODEL_NAME, find_default_gguf
 from tests.console.console_app_helpers import ConsoleDriver, fleet_service, item_texts, local_agents, running_console
 
@@ -160,30 +161,30 @@ def test_the_dashboard_checklist_walks_an_empty_fleet_to_a_chat_and_ticks_itself
         assert not steps.isHidden() and not any(done().values())
         join = steps.details[StepKey.JOIN].text()
         assert f"echo {window.bridge.token} | deskfleet agent --headless --join -" in join and "Join a fleet…" in join
-        assert not steps.actions[StepKey.SERVE].isEnabled()  # nothing approved to serve on
+        assert not steps.buttons[StepKey.SERVE].isEnabled()  # nothing approved to serve on
         steps.links[StepKey.JOIN].click()
         assert window.tabs.currentWidget() is window.fleet_page
         window.show_page("Dashboard")
         drive.join(agent_loop, agents)
         wait(lambda: done()[StepKey.JOIN] and "2 PCs wait for approval" in steps.details[StepKey.APPROVE].text(),
              30, "the join step ticked and two PCs waiting")
-        steps.actions[StepKey.APPROVE].click()
+        steps.buttons[StepKey.APPROVE].click()
         wait(lambda: done()[StepKey.APPROVE], 30, "the approve step ticked")
-        wait(lambda: steps.actions[StepKey.SERVE].isEnabled(), 10, "Serve to be offered")
+        wait(lambda: steps.buttons[StepKey.SERVE].isEnabled(), 10, "Serve to be offered")
         # Serve brings up the model chosen on the Models page (the built-in default unless the admin chose
         # another): here the tiny test model, which a loaded 2-core test machine answers within the step timeout
         drive.add_model(tiny_checkpoint("llama"))
         model = window.bridge.session.model.name
         window.show_page("Dashboard")
         assert model in steps.details[StepKey.SERVE].text()
-        steps.actions[StepKey.SERVE].click()  # one press: place with the defaults, then distribute
-        assert not steps.actions[StepKey.SERVE].isEnabled()  # no second press while it runs
+        steps.buttons[StepKey.SERVE].click()  # one press: place with the defaults, then distribute
+        assert not steps.buttons[StepKey.SERVE].isEnabled()  # no second press while it runs
         wait(lambda: done()[StepKey.SERVE] or window.quick_serve.error, 900, "the default model to be served")
         assert done()[StepKey.SERVE], steps.details[StepKey.SERVE].text()
         plan = window.bridge.session.plan
         assert plan is not None and window.bridge.session.model.name == model
         assert {window.bridge.session.name(s.pc_id) for s in plan.stages} <= set(names)
-        steps.actions[StepKey.CHAT].click()
+        steps.buttons[StepKey.CHAT].click()
         assert window.tabs.currentWidget() is window.chat_page
         assert drive.chat("What is the capital of France?").strip()
         window.show_page("Dashboard")
@@ -287,5 +288,5 @@ def test_key_use_is_read_from_the_audit_lines_and_a_key_is_masked_to_its_end():
              '{"time": "t3", "key": "bob"}']
     used = usage_of(lines)
     assert used == {"alice": KeyUse("t2", 2, 8), "bob": KeyUse("t3", 1, 0)}
-    masked = mask_key("dfk_" + "x" * 36 + "9abc")
-    assert masked.startswith("dfk_") and masked.endswith("9abc") and "x" not in masked
+    masked = mask_key(KEY_PREFIX + "x" * 36 + "9abc")
+    assert masked.startswith(KEY_PREFIX) and masked.endswith("9abc") and "x" not in masked
