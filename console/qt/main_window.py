@@ -28,7 +28,7 @@ from console.qt.models_page import QtModelsPage
 from console.qt.placement_page import QtPlacementPage
 from console.qt.quick_serve import QuickServe
 from console.qt.service_bridge import ServiceBridge
-from console.qt.service_serving import ServiceServing
+from console.qt.service_serving import ServiceServing, ServingPhase
 from console.qt.session import MODEL
 
 
@@ -87,9 +87,14 @@ class QtConsoleWindow(QMainWindow):
             f"Fleet {bridge.fleet_id[:16]}… — enrollment {bridge.enrollment}", 0))
         bridge.error.connect(lambda what, why: self.statusBar().showMessage(f"{what} failed: {why}", 15000))
         self.serving.api_ready.connect(lambda url: self.statusBar().showMessage(f"Serving at {url}", 0))
+        self.serving.phase_changed.connect(self._on_serving_phase)
         self.first_run_dialog: QtFirstRunDialog | None = None
         self.start_failure: QMessageBox | None = None  # the dialog of a console that could not start
         bridge.started.connect(self._welcome)
+
+    def _on_serving_phase(self, phase: str) -> None:
+        if phase == ServingPhase.IDLE and self.statusBar().currentMessage().startswith("Serving at"):
+            self.statusBar().showMessage("Nothing is served now.", 0)  # not a stale "Serving at…"
 
     def _fleet_now(self) -> FleetNow:
         """What the "Get started" checklist reads (the Dashboard keeps the rings and their metrics)."""

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QMessageBox
 
 from agent.service.service import AgentService
 from agent.service.settings import AgentSettings
@@ -206,7 +207,10 @@ class ConsoleDriver:
         self.wait(lambda: not page.busy, timeout, "the placement")
 
     def distribute(self, timeout: float = 600) -> None:
-        self.window.distribution_page.distribute_button.click()
+        page = self.window.distribution_page
+        page.distribute_button.click()
+        if page.confirmation is not None:  # a ring serves: the page asks before replacing it
+            page.confirmation.button(QMessageBox.StandardButton.Yes).click()
         serving = self.window.serving
         self.wait(lambda: serving.phase in ("serving", "failed"), timeout, "the distribution")
         assert serving.phase == "serving", self.window.distribution_page.error_label.text()

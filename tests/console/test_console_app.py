@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import pytest
+from PySide6.QtWidgets import QMessageBox
 
 from console.fleet.ring_endpoints import ring_endpoints
 from console.fleet_api.placement import retime, stage_firsts
@@ -85,6 +86,7 @@ def test_from_an_empty_network_to_a_chat_answered_by_two_agents(tmp_path, tiny_c
             wait(lambda: serving.phase == "serving", 30, "the next console to show the ring serving")
             assert hub.bytes_served > 0 and window.bridge.session.serving is not None
             window.distribution_page.stop_button.click()
+            window.distribution_page.confirmation.button(QMessageBox.StandardButton.Yes).click()  # it cuts chats off
             wait(lambda: serving.phase == "idle" and serving.ring is None, 120, "the ring to stop")
         assert all(a.status().worker.state == "stopped" for a in agents.values())  # stopping it stopped them
 
@@ -142,6 +144,7 @@ def _from_an_empty_network_to_a_chat(tmp_path, tiny_checkpoint, wait, console_ca
         window.show_page("Distribution")
         dist, serving = window.distribution_page, window.serving
         dist.distribute_button.click()
+        dist.confirmation.button(QMessageBox.StandardButton.Yes).click()  # it replaces the serving ring
         wait(lambda: serving.phase == "failed", 600, "the distribution to fail on the paused agent")
         assert f"{names[1]} (stage" in dist.error_label.text()
         assert "run the distribution again" in dist.error_label.text()

@@ -191,6 +191,20 @@ def test_the_dashboard_checklist_walks_an_empty_fleet_to_a_chat_and_ticks_itself
         wait(lambda: done()[StepKey.CHAT], 30, "the chat step ticked by the service's metrics")
         assert steps.isHidden()  # every step done: the Dashboard is the fleet at a glance again
 
+        # Stop serving asks first (it cuts off every chat); Cancel keeps the ring
+        dist = window.distribution_page
+        dist.stop_button.click()
+        assert dist.confirmation is not None and "chat" in dist.confirmation.informativeText()
+        dist.confirmation.button(QMessageBox.StandardButton.Cancel).click()
+        assert window.serving.phase == "serving" and dist.confirmation is None
+        dist.stop_button.click()
+        dist.confirmation.button(QMessageBox.StandardButton.Yes).click()
+        wait(lambda: window.serving.phase == "idle", 120, "the ring to stop")
+        # nothing stale: no "Serving at", no running rows; the checklist follows the service again
+        assert not window.statusBar().currentMessage().startswith("Serving at")
+        assert dist.table.rowCount() == 0 and "not running" in dist.health_label.text()
+        wait(lambda: not done()[StepKey.SERVE] and not steps.isHidden(), 30, "Serve to be offered again")
+
 
 def _member(i: int, **kw) -> AgentRecord:
     fields = dict(node_id=f"n{i:04d}", name=f"pc-{i}", address="10.0.0.1", control_port=7000 + i, state="idle",
