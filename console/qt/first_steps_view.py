@@ -1,7 +1,7 @@
 """The Dashboard's "Get started" checklist (what it says: :mod:`console.qt.first_steps`): a row per
 step with a tick, its text, a link to the page that does it by hand and, where one press does it,
-a button (Copy the token, Approve all, Serve the default model, Open Chat). It hides itself once
-every step is done.
+a button (Copy the token, Approve all, Serve the default model, Open Chat). It hides itself while
+the fleet serves a model that has answered.
 """
 
 from __future__ import annotations
@@ -87,4 +87,7 @@ class QtFirstSteps(QGroupBox):
             else:
                 button.setEnabled(s.can_act)
             button.setVisible(not s.done)
-        self.setVisible(not all(s.done for s in self.steps))
+        # the Dashboard's empty state: gone once the fleet serves and has answered (a PC joining
+        # later is the approval banner's business, not a reason to push the fleet's figures down)
+        done = {s.key: s.done for s in self.steps}
+        self.setVisible(not (done[StepKey.SERVE] and done[StepKey.CHAT]))
