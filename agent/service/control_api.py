@@ -25,6 +25,7 @@ Routes (docs/CONTROL_API.md)::
     POST /v1/link/measure    {target: HOST:PORT, target_node_id?} -> this agent's link to another agent
     POST /v1/deny            {deny: [node ids], api_key?} -> the fleet service's revocation list (control API +
                              worker) and, after a removal, the API's new key (the tray's chat)
+    POST /v1/fleet-api       {api_url} -> the fleet's OpenAI API address, given at approval (the tray's chat)
     POST /v1/calibrate       {export..., stages, device, threads?} -> decode-step times per stage
     POST /v1/spare           Assignment -> 202: hold a warm spare of that stage (a standby's; from the
                              pause's end when paused; 409 when serving another stage or short of memory)
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
@@ -96,6 +98,8 @@ class ControlledAgent(Protocol):
                                  node_id: str | None = None) -> LinkMeasurement: ...
 
     async def async_set_deny(self, deny: tuple[str, ...], *, api_key: str | None = None) -> None: ...
+
+    async def async_set_fleet_api(self, api_url: str) -> None: ...
 
     async def async_calibrate(self, body: dict[str, Any]) -> list[dict[str, Any]]: ...
 
@@ -273,6 +277,14 @@ def build_app(service: ControlledAgent) -> web.Application:
     async def deny(request, body):
         await service.async_set_deny(parse_node_ids(body.get("deny"), "deny"),
                                      api_key=parse_api_key(body.get("api_key")))
+        return None
+
+    @route("POST", "/v1/fleet-api", console_only=True)
+    async def fleet_api(request, body):
+        url = body.get("api_url")
+        if not isinstance(url, str) or not re.match(r"^https?://[^\s]{1,500}$", url):
+            raise ControlRequestError(f"api_url must be an http(s) URL, got {url!r}")
+        await service.async_set_fleet_api(url)
         return None
 
     @route("POST", "/v1/spare", console_only=True)

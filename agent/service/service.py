@@ -254,6 +254,14 @@ class AgentService:
         self._changed()  # the tray re-reads the assignment (its chat's key)
         log.info("the fleet service's deny list now holds %d member(s)", len(deny))
 
+    async def async_set_fleet_api(self, api_url: str) -> None:
+        """The fleet's OpenAI API address (``POST /v1/fleet-api``, when the admin approves this PC):
+        kept, so the tray's chat opens before this PC is given any part of a model."""
+        if api_url != self._state.api_url:
+            self._save(replace(self._state, api_url=api_url))
+            self._changed()
+            log.info("the fleet's chat address is %s", api_url)
+
     async def async_begin_fetch(self, bandwidth_cap: int | None = None) -> None:
         assignment = self._require_assignment()
         if self._fetch_task is not None and not self._fetch_task.done():

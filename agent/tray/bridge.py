@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -58,6 +59,7 @@ class AgentBridge(QObject):
         # the fleet API's key from the current assignment, for the chat; kept out of AgentStatus,
         # which the control API serves to other members
         self.api_key: str | None = None
+        self.parts: int | None = None  # how many parts (stages) the model this PC helps with has
         self.start_error: BaseException | None = None
         self._start_future: concurrent.futures.Future | None = None
         self._running = False
@@ -122,7 +124,7 @@ class AgentBridge(QObject):
     def _status_from_loop(self, status: AgentStatus) -> None:
         """The service's listener: runs on the loop thread, so it only posts."""
         if self.qt_async is not None and not self._closed:
-            self.qt_async.post(self._apply_status, status, self._api_key_on_loop())
+            self.qt_async.post(self._apply_status, status, self._api_key_on_loop(), self._parts_on_loop())
 
     def _api_key_on_loop(self) -> str | None:
         if self.service.chat_key:  # this PC's own key, from its join; else the one its assignment carries
@@ -134,10 +136,22 @@ class AgentBridge(QObject):
             return None
         return assignment.api_key if assignment is not None else None
 
-    def _apply_status(self, status: AgentStatus, api_key: str | None = None) -> None:
+    def _parts_on_loop(self) -> int | None:
+        """The number of stages of the export this PC's assignment serves (its manifest says)."""
+        try:
+            assignment = self.service.assignment
+            if assignment is None:
+                return None
+            stages = json.loads(assignment.manifest_json).get("stages")
+        except Exception as exc:  # a damaged stored assignment: the service reports it; the tray says "part N"
+            log.debug("no stage count from the assignment: %s", exc)
+            return None
+        return len(stages) if isinstance(stages, list) and stages else None
+
+    def _apply_status(self, status: AgentStatus, api_key: str | None = None, parts: int | None = None) -> None:
         if self._closed:
             return
-        self.api_key = api_key
+        self.api_key, self.parts = api_key, parts
         before, self.status = self.status, status
         if status != before:
             self.status_changed.emit(status)
@@ -151,8 +165,8 @@ class AgentBridge(QObject):
                        lambda result: self._apply_status(*result),
                        lambda error: log.debug("status poll failed: %s", error))
 
-    async def _async_status(self) -> tuple[AgentStatus, str | None]:
-        return self.service.status(), self._api_key_on_loop()
+    async def _async_status(self) -> tuple[AgentStatus, str | None, int | None]:
+        return self.service.status(), self._api_key_on_loop(), self._parts_on_loop()
 
     # ---- actions from the GUI ---------------------------------------------------------------------
 

@@ -65,10 +65,15 @@ def waiting_page(status: AgentStatus | None) -> WaitingPage:
     if status is not None and status.export_id is not None:
         return WaitingPage(
             "Approved: this PC is part of the fleet",
-            f"It holds stage {status.stage} of {status.export_id} and serves it only while you are away. "
+            f"It holds part {(status.stage or 0) + 1} of a model and helps the fleet only while you are away. "
             "You can close this window; Deskfleet keeps working from the tray.", True)
+    if status is not None and status.api_url:
+        return WaitingPage(
+            "Approved: this PC is part of the fleet",
+            "Your admin approved it; it gets work when the fleet needs it, and only while you are away. "
+            "Chat with the fleet from the tray menu (Open chat…).", True)
     return WaitingPage(
-        "Joined. Waiting for approval",
+        "Joined — awaiting approval",
         f"This PC joined {fleet}. Your admin now approves it in the console and gives it its "
         "part of a model; until then nothing runs on it. You can close this window: Deskfleet "
         "waits in the tray.", False)

@@ -9,24 +9,37 @@ was told (where no tray exists they would otherwise vanish).
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from PySide6.QtCore import QObject, Signal
+from PySide6.QtCore import QObject, QTimer, Signal
 from PySide6.QtGui import QAction
 from PySide6.QtWidgets import QMenu, QMessageBox, QSystemTrayIcon
 
+from agent.service import pause
 from agent.tray import autostart
 from agent.tray.bridge import AgentBridge
 from agent.tray.icons import state_icon
 from agent.tray.join_dialog import JoinDialog
-from agent.tray.tray_model import NO_CHAT_ADDRESS, STARTING, MenuState, Notice, menu_state
+from agent.tray.tray_model import (
+    NO_CHAT_ADDRESS,
+    NOT_JOINED_CHAT,
+    STARTING,
+    MenuState,
+    Notice,
+    PauseFor,
+    TrayContext,
+    menu_state,
+    pause_until,
+)
 from engine.control.messages import AgentStatus
 
 log = logging.getLogger(__name__)
 
 NOTICE_MS = 8000
+PAUSE_CHECK_MS = 30_000
 _NOTICE_ICONS = {"info": QSystemTrayIcon.MessageIcon.Information,
                  "warning": QSystemTrayIcon.MessageIcon.Warning,
                  "error": QSystemTrayIcon.MessageIcon.Critical}
@@ -63,6 +76,12 @@ class QtAgentTray(QObject):
         self.status_action = self._action("Starting…", enabled=False)
         self.menu.addSeparator()
         self.pause_action = self._action("Pause", self.toggle_pause)
+        self.paused_until: dt.datetime | None = None  # the end of a timed pause of the person's
+        self.timed_pause_actions = {choice: self._action(choice.value, lambda _=False, c=choice: self.pause_for(c))
+                                    for choice in PauseFor}
+        self._pause_clock = QTimer(self)  # ends a timed pause (a minute late at most)
+        self._pause_clock.setInterval(PAUSE_CHECK_MS)
+        self._pause_clock.timeout.connect(self.end_timed_pause_if_due)
         self.pause_in_use_action = self._action("Pause while I use this PC", self.set_pause_while_in_use,
                                                 checkable=True)
         self.menu.addSeparator()
@@ -102,10 +121,15 @@ class QtAgentTray(QObject):
             login = autostart.is_enabled()
         except autostart.AutostartError:
             login = False
-        return menu_state(self.bridge.status, self.bridge.settings, login)
+        context = TrayContext(dt.datetime.now(), self.bridge.parts, self.paused_until,
+                              self.bridge.settings.resume_after_idle_s)
+        return menu_state(self.bridge.status, self.bridge.settings, login, context)
 
     def refresh(self, status: AgentStatus | None = None) -> None:
         status = status if status is not None else self.bridge.status
+        if self.paused_until is not None and status is not None and pause.MANUAL not in status.paused_reasons:
+            self.paused_until = None  # resumed another way (the menu's Resume, the console): no timer left
+            self._pause_clock.stop()
         m = self.current_menu_state()
         self.state = status.state if status is not None else STARTING
         if status is None and self.bridge.start_error is not None:
@@ -114,6 +138,10 @@ class QtAgentTray(QObject):
         self.status_action.setText(m.status)
         self.pause_action.setText(m.pause_text)
         self.pause_action.setEnabled(m.pause_enabled and self.bridge.running)
+        for action in self.timed_pause_actions.values():
+            action.setEnabled(m.pause_enabled and self.bridge.running and self.paused_until is None)
+        self.chat_action.setText("Open chat…" if status is not None and status.api_url else
+                                 "Open chat… (not available yet)")
         self.pause_in_use_action.setChecked(m.pause_while_in_use)
         self.pause_in_use_action.setEnabled(self.bridge.running)
         self.join_action.setVisible(not m.joined)
@@ -138,7 +166,23 @@ class QtAgentTray(QObject):
 
     def toggle_pause(self) -> None:
         paused = self.current_menu_state().manually_paused
+        if paused:
+            self.paused_until = None
+            self._pause_clock.stop()
         self.bridge.set_manual_pause(not paused)
+
+    def pause_for(self, choice: PauseFor, now: dt.datetime | None = None) -> None:
+        """Pause now and resume by itself at the end (this tray keeps the time: quitting it ends the
+        timer, not the pause)."""
+        self.paused_until = pause_until(choice, now or dt.datetime.now())
+        self._pause_clock.start()
+        self.bridge.set_manual_pause(True, on_result=lambda _: self.refresh())
+
+    def end_timed_pause_if_due(self, now: dt.datetime | None = None) -> None:
+        if self.paused_until is not None and (now or dt.datetime.now()) >= self.paused_until:
+            self.paused_until = None
+            self._pause_clock.stop()
+            self.bridge.set_manual_pause(False, on_result=lambda _: self.refresh())
 
     def set_pause_while_in_use(self, checked: bool) -> None:
         self.bridge.update_settings(pause_while_in_use=checked, on_result=lambda _: self.refresh())
@@ -178,8 +222,9 @@ class QtAgentTray(QObject):
         """Open (or raise) the chat window on the fleet's API address, if the agent has learnt one."""
         status = self.bridge.status
         url = status.api_url if status is not None else None
-        if not url:
-            self.show_notice(Notice("Chat", NO_CHAT_ADDRESS, "warning"))
+        if not url:  # say why: not in a fleet, or not approved (or nothing served) yet
+            joined = status is not None and status.state != "not-joined"
+            self.show_notice(Notice("Chat", NO_CHAT_ADDRESS if joined else NOT_JOINED_CHAT, "warning"))
             return None
         key = self.bridge.api_key  # sent as the bearer token: the console's API requires it
         if self.chat_window is not None and (self.chat_window.client.base_url != url.rstrip("/")

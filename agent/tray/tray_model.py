@@ -7,8 +7,10 @@ without a QApplication; :mod:`agent.tray.tray` only copies the result onto its Q
 
 from __future__ import annotations
 
+import datetime as dt
 import sys
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 
 from agent.service import pause
@@ -17,8 +19,31 @@ from engine.control.messages import AgentStatus
 
 STARTING = "starting"  # not an agent state: the tray's own, until the service's first status
 STATUS_MAX_CHARS = 90
-NO_CHAT_ADDRESS = ("The fleet has no chat address yet: it appears here once the console gives this PC "
-                   "its part of a model.")
+NO_CHAT_ADDRESS = ("Chat is not available on this PC yet: it opens once the fleet's admin has approved this PC "
+                   "and the fleet serves a model. Ask your fleet's admin if it stays this way.")
+NOT_JOINED_CHAT = "Chat is for PCs in a fleet: join one first (Join a fleet…)."
+MORNING = dt.time(8, 0)  # "until tomorrow" resumes at this local time the next day
+
+
+class PauseFor(StrEnum):
+    """The timed pauses the menu offers, as Syncthing and Tailscale do."""
+
+    HOUR = "Pause for 1 hour"
+    TOMORROW = "Pause until tomorrow"
+
+
+def pause_until(choice: PauseFor, now: dt.datetime) -> dt.datetime:
+    """When a timed pause chosen at ``now`` (local time) ends."""
+    if choice is PauseFor.HOUR:
+        return now + dt.timedelta(hours=1)
+    return dt.datetime.combine(now.date() + dt.timedelta(days=1), MORNING, tzinfo=now.tzinfo)
+
+
+def clock(moment: dt.datetime, now: dt.datetime) -> str:
+    """"14:36", or "tomorrow 08:00" when ``moment`` is on another day than ``now``."""
+    hhmm = moment.strftime("%H:%M")
+    return hhmm if moment.date() == now.date() else f"tomorrow {hhmm}" if moment.date() == now.date() + \
+        dt.timedelta(days=1) else moment.strftime("%a %H:%M")
 
 
 @dataclass(frozen=True)
@@ -46,37 +71,66 @@ def _short(text: str) -> str:
     return text if len(text) <= STATUS_MAX_CHARS else text[: STATUS_MAX_CHARS - 1] + "…"
 
 
-def _part(status: AgentStatus) -> str:
-    if status.export_id is None:
+@dataclass(frozen=True)
+class TrayContext:
+    """What the status line needs beyond the agent's status: the time now (local), how many parts
+    the model this PC helps with has (None: unknown), and the end of a timed pause of the person's."""
+
+    now: dt.datetime
+    parts: int | None = None
+    paused_until: dt.datetime | None = None
+    resume_after_idle_s: float = 300.0
+
+
+def _part(status: AgentStatus, parts: int | None) -> str:
+    """"(part 1 of 2)": people's words for a stage (numbered from 1)."""
+    if status.export_id is None or status.stage is None:
         return ""
-    return f"stage {status.stage} of {status.export_id}"
+    return f"(part {status.stage + 1} of {parts})" if parts else f"(part {status.stage + 1})"
 
 
-def status_line(status: AgentStatus | None) -> str:
-    """One line for the top of the menu, e.g. "Serving stage 1 of tiny-2 · 12 steps/s"."""
+def _paused(status: AgentStatus, c: TrayContext) -> str:
+    reasons = set(status.paused_reasons)
+    if pause.MANUAL in reasons:
+        return (f"Paused by you until {clock(c.paused_until, c.now)}" if c.paused_until is not None
+                else "Paused by you — Resume lends this PC to the fleet again")
+    if pause.REMOTE in reasons:
+        return "Paused by the fleet's admin — ask them to resume it"
+    if reasons == {pause.IN_USE}:
+        resume = c.now + dt.timedelta(seconds=c.resume_after_idle_s)
+        return f"Paused while you use this PC — resumes at {clock(resume, c.now)} if idle"
+    return f"Paused: {', '.join(status.paused_reasons)}"
+
+
+def status_line(status: AgentStatus | None, context: TrayContext | None = None) -> str:
+    """One line for the top of the menu in people's words, e.g. "Helping the fleet (part 1 of 2)"."""
     if status is None:
         return "Starting…"
-    part = _part(status)
+    c = context or TrayContext(dt.datetime.now())
+    part = _part(status, c.parts)
     if status.state == "not-joined":
         return "Not in a fleet: join one to lend this PC"
     if status.state == "paused":
-        return _short(f"Paused: {', '.join(status.paused_reasons)}")
+        return _short(_paused(status, c))
     if status.state == "error":
-        return _short(f"Error: {status.worker.last_error or 'the stage worker failed'}")
+        return _short(f"Something went wrong: {status.worker.last_error or 'the fleet work stopped'}")
     if status.state == "fetching":
-        return _short(f"Fetching {part} · {status.fetch.fraction:.0%}")
+        return _short(f"Getting its share of the model {part} · {status.fetch.fraction:.0%}")
     if status.state == "serving":
-        speed = f" · {status.worker.steps_per_s:.0f} steps/s" if status.worker.state == "running" else " · starting"
-        return _short(f"Serving {part}{speed}")
+        return _short(f"Helping the fleet {part}" + ("" if status.worker.state == "running" else " · starting"))
     if part:
-        return _short(f"Ready: {part}")
-    return "Idle: waiting for work from the fleet"
+        return _short(f"Ready to help the fleet {part}")
+    if status.api_url:
+        return "Approved — no work for this PC right now"
+    return "Joined — awaiting approval by the fleet's admin"
 
 
-def menu_state(status: AgentStatus | None, settings: AgentSettings, start_at_login: bool) -> MenuState:
+def menu_state(status: AgentStatus | None, settings: AgentSettings, start_at_login: bool,
+               context: TrayContext | None = None) -> MenuState:
     joined = status is not None and status.state != "not-joined"
     manual = status is not None and pause.MANUAL in status.paused_reasons
-    return MenuState(status=status_line(status), pause_text="Resume" if manual else "Pause",
+    context = context or TrayContext(dt.datetime.now(), resume_after_idle_s=settings.resume_after_idle_s)
+    return MenuState(status=status_line(status, context), pause_text="Resume" if manual else "Pause",
                      pause_enabled=joined, manually_paused=manual,
                      pause_while_in_use=settings.pause_while_in_use, joined=joined,
                      start_at_login=start_at_login)
@@ -101,7 +155,10 @@ def notices_between(before: AgentStatus | None, after: AgentStatus) -> list[Noti
                               "was deleted."))
     if after.state == "paused" and before.state != "paused":
         reasons = after.paused_reasons
-        if reasons != (pause.IN_USE,) or before.state == "serving":
+        if reasons == (pause.IN_USE,) and before.state == "serving":
+            notices.append(Notice("Deskfleet paused", "Paused while you use this PC: the fleet carries on without "
+                                  "it, and it helps again once the PC is idle."))
+        elif reasons != (pause.IN_USE,):
             notices.append(Notice("Deskfleet paused", f"Paused: {', '.join(reasons)}."))
     if after.state == "error" and before.state != "error":
         notices.append(Notice("Deskfleet error", after.worker.last_error or "the stage worker failed", "error"))

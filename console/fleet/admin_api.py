@@ -14,6 +14,7 @@ JSON. Each action is logged with who asked (the admin certificate's name, or "lo
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import json
@@ -471,6 +472,12 @@ class AdminApi:
             s.feed.publish(EventKind.KEYS, {"keys": live()})
             return j({"revoked": name})
 
+        async def keys_recent_use(q):
+            from console.fleet.key_usage import read_usage
+
+            used = await asyncio.to_thread(read_usage, Path(s.settings.state_dir))
+            return j({"usage": {name: use.to_json() for name, use in used.items()}})
+
         async def console_secret(q):
             if q.match_info["name"] != CONSOLE_KEY:
                 raise AdminError(403, "forbidden", "only the console's own key is handed out again; another key's "
@@ -492,6 +499,7 @@ class AdminApi:
         app.router.add_get(f"{PREFIX}/admin-certs", admin_certs)
         app.router.add_post(f"{PREFIX}/admin-certs/{{which}}/revoke", revoke_admin_cert)
         app.router.add_get(f"{PREFIX}/keys", keys)
+        app.router.add_get(f"{PREFIX}/keys/usage", keys_recent_use)
         app.router.add_post(f"{PREFIX}/keys", issue)
         app.router.add_post(f"{PREFIX}/keys/{{name}}/secret", console_secret)
         app.router.add_delete(f"{PREFIX}/keys/{{name}}", revoke)

@@ -328,7 +328,22 @@ class FleetService:
     def approve(self, key: str) -> dict[str, Any]:
         record = self.fleet.approve(key)
         self.token_desk.note_approved(record)
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # a caller off the loop: the PC learns the address with its first assignment
+            log.debug("approved %s off the loop: its chat address comes with its assignment", record.name)
+        else:
+            self._start(self._async_tell_fleet_api(record.key, record.name), "tell-fleet-api")
         return agent_json(record)
+
+    async def _async_tell_fleet_api(self, key: str, name: str) -> None:
+        """Give a PC just approved the fleet's OpenAI API address: its tray's chat opens now, not
+        once it is given a part of a model (its key came with its join). A PC not told learns the
+        address with its first assignment."""
+        try:
+            await self.fleet.client(key).async_set_fleet_api(self.api_url)
+        except Exception as exc:  # an older agent (404), or it went away: the assignment carries it later
+            log.info("could not give %s the fleet's chat address: %s", name, exc)
 
     def remove(self, key: str) -> None:
         """Revoke the agent (deny list, pushed to every member; the `console` key rotated) and every

@@ -298,6 +298,10 @@ class AdminClient:
             body["metrics"] = True
         return await self.async_call("POST", "/keys", body)
 
+    async def async_key_usage(self) -> dict[str, dict[str, Any]]:
+        """Key name -> {"last": ISO time, "requests": n, "tokens": n} from the audit log's recent tail."""
+        return dict((await self.async_call("GET", "/keys/usage"))["usage"])
+
     async def async_revoke_key(self, name: str) -> dict[str, Any]:
         return await self.async_call("DELETE", f"/keys/{name}")
 

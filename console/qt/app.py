@@ -13,7 +13,7 @@ import signal
 import sys
 
 from PySide6.QtCore import QTimer
-from PySide6.QtWidgets import QApplication
+from PySide6.QtWidgets import QApplication, QMessageBox
 
 from console.shared.qt_async import drop_pending_quit
 
@@ -73,6 +73,22 @@ def _port(args: argparse.Namespace, name: str, default: int) -> int:
     return value
 
 
+def start_failure_box(parent, why: str, settings) -> QMessageBox:
+    """The dialog a console that could not start shows: the reason, and where to look next."""
+    from console.fleet_api.service_locator import LOG_FILE
+
+    if settings.service_url:
+        hint = (f"The console could not reach the fleet service at {settings.service_url}. Check the address, "
+                "the admin certificate folder (--admin-cert) and that the service runs.")
+    else:
+        hint = (f"The console could not start or reach the fleet service over {settings.state_dir}. Its log is "
+                f"{settings.state_dir / LOG_FILE}; `deskfleet doctor` checks this PC.")
+    box = QMessageBox(QMessageBox.Icon.Critical, "Deskfleet console could not start", why,
+                      QMessageBox.StandardButton.Close, parent)
+    box.setInformativeText(hint)
+    return box
+
+
 def run_console(args: argparse.Namespace, *, until=None) -> int:
     """Run the console until its window closes; returns the exit code. ``until(window)`` (tests)
     is called once the console has started and quits the app when it returns."""
@@ -90,7 +106,10 @@ def run_console(args: argparse.Namespace, *, until=None) -> int:
     def failed(why: str) -> None:
         print(f"deskfleet console: could not start: {why}", file=sys.stderr, flush=True)
         code["exit"] = 1
-        app.quit()
+        # started from a desktop menu there is no terminal: say it in a window, then quit
+        window.start_failure = start_failure_box(window, why, settings)
+        window.start_failure.finished.connect(app.quit)
+        window.start_failure.open()
 
     def started() -> None:
         if settings.service_url:

@@ -11,8 +11,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
+from PySide6.QtGui import QGuiApplication
+from PySide6.QtWidgets import QHBoxLayout, QLabel, QPushButton, QVBoxLayout, QWidget
 
+from console.qt.api_snippets import mask_key
 from console.qt.service_serving import ServiceServing, ServingPhase
 from console.shared.chat_view import QtChatWindow
 from console.shared.conversations import ConversationStore
@@ -33,19 +35,26 @@ class QtChatPage(QWidget):
         self.options = dict(options or {})
         self.chat: QtChatWindow | None = None
         self.url_label = QLabel()
-        self.url_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)  # copy the key
+        self.url_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.copy_key_button = QPushButton("Copy key")  # the key is masked on screen (others may look on)
+        self.copy_key_button.clicked.connect(lambda: QGuiApplication.clipboard().setText(self.serving.api_key or ""))
+        self.copy_key_button.hide()
         self.placeholder = QLabel(WAITING)
         self.placeholder.setWordWrap(True)
         self.box = QVBoxLayout(self)
-        self.box.addWidget(self.url_label)
+        top = QHBoxLayout()
+        top.addWidget(self.url_label, 1)
+        top.addWidget(self.copy_key_button)
+        self.box.addLayout(top)
         self.box.addWidget(self.placeholder, 1)
         serving.api_ready.connect(self.show_api)
         serving.phase_changed.connect(self._on_phase)
 
     def show_api(self, url: str) -> None:
         key = self.serving.api_key
-        self.url_label.setText(f"OpenAI-compatible API: {url}  API key: {key}" if key else
-                               f"OpenAI-compatible API: {url}")
+        self.url_label.setText(f"OpenAI-compatible API: {url}  API key: {mask_key(key)}  (snippets for programs: "
+                               "the Keys page)" if key else f"OpenAI-compatible API: {url}")
+        self.copy_key_button.setVisible(bool(key))
         if (self.chat is not None and self.chat.client.base_url == url.rstrip("/")
                 and self.chat.client.api_key == key):
             self.chat.check_fleet()
@@ -61,6 +70,7 @@ class QtChatPage(QWidget):
         if phase == ServingPhase.IDLE:
             self._drop_chat()
             self.url_label.clear()
+            self.copy_key_button.hide()
             self.placeholder.show()
 
     def _drop_chat(self) -> None:

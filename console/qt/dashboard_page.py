@@ -176,7 +176,7 @@ class QtDashboardPage(QWidget):
         header = self.load_table.horizontalHeader()
         for column in (2, 3):
             header.setSectionResizeMode(column, QHeaderView.ResizeMode.Stretch)
-        box = QVBoxLayout(self)
+        box = self.column = QVBoxLayout(self)
         top = QHBoxLayout()
         top.addWidget(self.agents_title)
         top.addStretch(1)
@@ -188,6 +188,10 @@ class QtDashboardPage(QWidget):
         box.addWidget(self.load_title)
         box.addWidget(self.load_table, 1)
         self._show_figures()
+
+    def add_first_steps(self, checklist: QWidget) -> None:
+        """Put the "Get started" checklist at the top of the page (it hides itself once done)."""
+        self.column.insertWidget(0, checklist)
 
     def set_sample_s(self, seconds: float) -> None:
         """Sample the agents' load and the service's metrics every ``seconds`` from now on."""

@@ -18,6 +18,7 @@ from PySide6.QtWidgets import (
     QHBoxLayout,
     QHeaderView,
     QLabel,
+    QMessageBox,
     QProgressBar,
     QPushButton,
     QSplitter,
@@ -42,6 +43,7 @@ class QtDistributionPage(QWidget):
         super().__init__(parent)
         self.serving = serving
         self.session = session
+        self.confirmation: QMessageBox | None = None  # the question before cutting off users' chats
         self.rows: dict[tuple[str, int], int] = {}  # (agent, stage) -> table row
         self.measured: dict[int, float] = {}  # stage -> the last measured ms of the ring serving now
         self._build()
@@ -64,7 +66,7 @@ class QtDistributionPage(QWidget):
         self.cancel_button = QPushButton("Cancel export")
         self.cancel_button.clicked.connect(self.serving.cancel_export)
         self.stop_button = QPushButton("Stop serving")
-        self.stop_button.clicked.connect(self.serving.stop)
+        self.stop_button.clicked.connect(self.stop)
         buttons = QHBoxLayout()
         for b in (self.distribute_button, self.rerun_button, self.cancel_button, self.stop_button):
             buttons.addWidget(b)
@@ -106,7 +108,42 @@ class QtDistributionPage(QWidget):
         self._update_buttons()
         self._draw_ring()
 
+    def _ask(self, title: str, question: str, detail: str, then) -> None:
+        """Ask before anything that drops the chats of the people using the fleet; ``then()`` on Yes."""
+        box = QMessageBox(QMessageBox.Icon.Warning, title, question,
+                          QMessageBox.StandardButton.Yes | QMessageBox.StandardButton.Cancel, self)
+        box.setInformativeText(detail)
+        box.setDefaultButton(QMessageBox.StandardButton.Cancel)
+        self.confirmation = box
+
+        def answered(button) -> None:
+            self.confirmation = None
+            if box.standardButton(button) == QMessageBox.StandardButton.Yes:
+                then()
+
+        box.buttonClicked.connect(answered)
+        box.open()
+
+    def stop(self) -> None:
+        """Stop serving, after a question while the ring serves (it cuts off every chat in progress)."""
+        if self.serving.phase is not ServingPhase.SERVING:
+            self.serving.stop()
+            return
+        self._ask("Stop serving", "Stop serving the model?",
+                  "Every chat in progress is cut off, and the fleet's API answers no one until a model is "
+                  "distributed again.", self.serving.stop)
+
     def distribute(self) -> None:
+        if self.session.plan is None:
+            return
+        if self.serving.phase is ServingPhase.SERVING:
+            self._ask("Replace the ring", "Replace the model being served with this plan?",
+                      "The running ring stops first: every chat in progress is cut off until the new one is up.",
+                      self._distribute)
+            return
+        self._distribute()
+
+    def _distribute(self) -> None:
         if self.session.plan is None:
             return
         self.rows.clear()
@@ -162,6 +199,10 @@ class QtDistributionPage(QWidget):
     def _on_phase(self, phase: str) -> None:
         if phase in (ServingPhase.EXPORTING, ServingPhase.DISTRIBUTING, ServingPhase.IDLE):
             self.measured.clear()  # a new ring: the last one's measurements are not this one's
+        if phase == ServingPhase.IDLE:  # stopped: nothing of the last ring is "running" or "distributing" now
+            self.rows.clear()
+            self.table.setRowCount(0)
+            self.health_label.setText("Ring: not running — nothing is served.")
         self._update_buttons()
         self._draw_ring()
 

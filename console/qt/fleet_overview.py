@@ -41,6 +41,12 @@ def dashboard_state(record: AgentRecord) -> str:
     return record.state if record.state in COLOURS else "other"
 
 
+def awaiting_approval(records: Iterable[AgentRecord]) -> list[AgentRecord]:
+    """The members waiting for the admin's approval that the admin can approve now (an unverified
+    claim cannot be; an unreachable PC is shown as such)."""
+    return [r for r in members(records) if dashboard_state(r) == AWAITING]
+
+
 def members(records: Iterable[AgentRecord]) -> list[AgentRecord]:
     return [r for r in records if r.membership is Membership.MEMBER]
 

@@ -36,6 +36,7 @@ from PySide6.QtWidgets import (
 
 from console.fleet_api.agent_record import AgentRecord, Membership
 from console.fleet_api.link_report import SERVICE, LinkReport
+from console.qt.fleet_overview import awaiting_approval
 from console.qt.fleet_table_model import (
     COALESCE_MS,
     FILTER_ROLE,
@@ -232,6 +233,8 @@ class QtFleetPage(QWidget):
         if not self._sized and records:
             self._sized = True
             self.table.resizeColumnsToContents()  # once: measuring on every change costs a thousand rows
+            state = self.table.fontMetrics().horizontalAdvance("awaiting approval (the PC is in use)") + 16
+            self.table.setColumnWidth(1, max(self.table.columnWidth(1), state))  # states change after the sizing
         self._update_counts()
         self._update_buttons()
 
@@ -282,6 +285,12 @@ class QtFleetPage(QWidget):
 
     def approve_selected(self) -> None:
         self._run("Approved", "Approving", self.bridge.approve, [r for r in self.selected() if approvable(r)])
+
+    def approve_waiting(self) -> None:
+        """Approve every PC that waits for approval (the banner's "Approve all")."""
+        waiting = awaiting_approval(self.bridge.records)  # the newest news, not the table (it lags by design)
+        self.select({r.key for r in waiting})
+        self._run("Approved", "Approving", self.bridge.approve, waiting)
 
     def pause_selected(self) -> None:
         self._run("Paused", "Pausing", self.bridge.pause, [r for r in self.selected() if pausable(r)])

@@ -24,8 +24,9 @@ from typing import Any
 from PySide6.QtCore import QAbstractTableModel, QModelIndex, QObject, QPersistentModelIndex, Qt, QTimer
 from PySide6.QtGui import QColor
 
-from console.fleet_api.agent_record import AgentRecord, Membership
+from console.fleet_api.agent_record import UNVERIFIED_STATE, AgentRecord, Membership
 from console.fleet_api.link_report import SERVICE, LinkReport
+from console.qt.fleet_overview import AWAITING
 
 COLUMNS = ("Name", "State", "Tags", "Devices", "Memory", "Last seen", "Approved", "Address", "RTT ms", "Mbit/s")
 LAST_SEEN = COLUMNS.index("Last seen")
@@ -34,7 +35,8 @@ RECORD_ROLE = Qt.ItemDataRole.UserRole + 1  # the row's AgentRecord (any column)
 SORT_ROLE = Qt.ItemDataRole.UserRole + 2  # what the column sorts by (numbers where the text is a number)
 FILTER_ROLE = Qt.ItemDataRole.UserRole + 3  # "name state tags", lower case (column 0)
 COALESCE_MS = 250  # at most one snapshot applied per this long
-STATE_COLOURS = {"unreachable": "#b3261e", "paused": "#9a6700", "not joined": "#5f6368", "other fleet": "#5f6368"}
+STATE_COLOURS = {"unreachable": "#b3261e", "paused": "#9a6700", "not joined": "#5f6368", "other fleet": "#5f6368",
+                 AWAITING: "#a142f4"}
 
 Index = QModelIndex | QPersistentModelIndex
 ROOT = QModelIndex()
@@ -45,6 +47,9 @@ def state_text(record: AgentRecord) -> str:
         return "not joined" if record.membership is Membership.NOT_JOINED else "other fleet"
     if record.reachable is False:
         return "unreachable"
+    if not record.approved and record.state != UNVERIFIED_STATE:
+        # one name for it everywhere (the Dashboard, the banner, the tray): what the PC does meanwhile in brackets
+        return AWAITING + (f" ({', '.join(record.paused_reasons)})" if record.paused and record.paused_reasons else "")
     if record.paused and record.paused_reasons:
         return f"paused ({', '.join(record.paused_reasons)})"
     return record.state
@@ -158,7 +163,7 @@ class FleetTableModel(QAbstractTableModel):
             if col == 2 and r.tags:
                 return "set by the admin" if r.tags_set_by == "admin" else "as the agent reports them"
         if role == Qt.ItemDataRole.ForegroundRole and col == 1:
-            colour = STATE_COLOURS.get(state_text(r).split(" ")[0])
+            colour = STATE_COLOURS.get(state_text(r).split(" (")[0])  # the state without its reasons
             return QColor(colour) if colour else None
         return None
 

@@ -10,18 +10,26 @@ from collections.abc import Mapping
 from typing import Any
 
 from PySide6.QtGui import QCloseEvent
-from PySide6.QtWidgets import QDialog, QMainWindow, QTabWidget, QVBoxLayout
+from PySide6.QtWidgets import QDialog, QMainWindow, QMessageBox, QTabWidget, QVBoxLayout, QWidget
 
+from console.fleet_api.feed import Event, EventKind
+from console.qt.banners import NOTICE, WARNING, QtBanner, approval_text, lost_service_text
 from console.qt.chat_page import QtChatPage
 from console.qt.dashboard_page import QtDashboardPage
 from console.qt.distribution_page import QtDistributionPage
 from console.qt.first_run_view import QtFirstRunView
+from console.qt.first_steps import FleetNow
+from console.qt.first_steps_view import QtFirstSteps
+from console.qt.fleet_overview import awaiting_approval
 from console.qt.fleet_page import QtFleetPage
+from console.qt.keys_page import QtKeysPage
 from console.qt.metrics_page import QtMetricsPage
 from console.qt.models_page import QtModelsPage
 from console.qt.placement_page import QtPlacementPage
+from console.qt.quick_serve import QuickServe
 from console.qt.service_bridge import ServiceBridge
-from console.qt.service_serving import ServiceServing
+from console.qt.service_serving import ServiceServing, ServingPhase
+from console.qt.session import MODEL
 
 
 class QtFirstRunDialog(QDialog):
@@ -48,19 +56,85 @@ class QtConsoleWindow(QMainWindow):
         self.distribution_page = QtDistributionPage(self.serving, bridge.session)
         self.chat_page = QtChatPage(self.serving, bridge.loop, options=chat_options)
         self.metrics_page = QtMetricsPage(bridge, self.serving)
+        self.keys_page = QtKeysPage(bridge, self.serving, self._model_id)
         for page, title in ((self.dashboard_page, "Dashboard"), (self.fleet_page, "Fleet"),
                             (self.models_page, "Models"), (self.placement_page, "Placement"),
                             (self.distribution_page, "Distribution"),
-                            (self.chat_page, "Chat"), (self.metrics_page, "Metrics")):
+                            (self.chat_page, "Chat"), (self.keys_page, "Keys"), (self.metrics_page, "Metrics")):
             self.tabs.addTab(page, title)
-        self.setCentralWidget(self.tabs)
+        self.service_banner = QtBanner(WARNING, (("Retry", self.retry_service),))
+        self.approval_banner = QtBanner(NOTICE, (("Review", self.review_waiting),
+                                                 ("Approve all", self.fleet_page.approve_waiting)))
+        central = QWidget()
+        column = QVBoxLayout(central)
+        column.setContentsMargins(6, 6, 6, 6)
+        for widget in (self.service_banner, self.approval_banner):
+            column.addWidget(widget)
+        column.addWidget(self.tabs, 1)
+        self.setCentralWidget(central)
+        self.quick_serve = QuickServe(bridge, self.serving, self)
+        self.first_steps = QtFirstSteps(self._fleet_now, self.quick_serve, self.show_page,
+                                        self.fleet_page.approve_waiting)
+        self.dashboard_page.add_first_steps(self.first_steps)
+        for signal in (bridge.records_changed, bridge.token_changed, bridge.started):
+            signal.connect(self.first_steps.refresh)
+        bridge.service_event.connect(self._on_service_event)
+        bridge.session.subscribe(lambda what: self.first_steps.refresh() if what == MODEL else None)
+        bridge.attached.connect(self._attached)
+        bridge.records_changed.connect(lambda records: self.approval_banner.say(approval_text(records)))
         bridge.start_failed.connect(lambda why: self.statusBar().showMessage(f"The console did not start: {why}"))
         bridge.started.connect(lambda: self.statusBar().showMessage(
             f"Fleet {bridge.fleet_id[:16]}… — enrollment {bridge.enrollment}", 0))
         bridge.error.connect(lambda what, why: self.statusBar().showMessage(f"{what} failed: {why}", 15000))
         self.serving.api_ready.connect(lambda url: self.statusBar().showMessage(f"Serving at {url}", 0))
+        self.serving.phase_changed.connect(self._on_serving_phase)
         self.first_run_dialog: QtFirstRunDialog | None = None
+        self.start_failure: QMessageBox | None = None  # the dialog of a console that could not start
         bridge.started.connect(self._welcome)
+
+    def _on_serving_phase(self, phase: str) -> None:
+        if phase == ServingPhase.IDLE and self.statusBar().currentMessage().startswith("Serving at"):
+            self.statusBar().showMessage("Nothing is served now.", 0)  # not a stale "Serving at…"
+
+    def _fleet_now(self) -> FleetNow:
+        """What the "Get started" checklist reads (the Dashboard keeps the rings and their metrics)."""
+        return FleetNow(self.bridge.records, self.dashboard_page.rings, self.dashboard_page.metrics, self.bridge.token,
+                        self.bridge.enrollment, self.quick_serve.model_name(), self.quick_serve.busy)
+
+    def _model_id(self) -> str:
+        """The model id an API user asks for: a served ring's model, else the one chosen."""
+        served = [str(r.get("model", "")) for r in self.dashboard_page.rings.values() if r.get("phase") == "serving"]
+        if served:
+            return served[0]
+        return self.bridge.session.model.name if self.bridge.session.model is not None else ""
+
+    def _on_service_event(self, event: Event) -> None:
+        if event.kind in (EventKind.RING, EventKind.RING_REMOVED, EventKind.METRICS):
+            self.first_steps.refresh()
+
+    def _attached(self, reached: bool) -> None:
+        """The event feed lost (False) or reached again (True) the fleet service."""
+        self.service_banner.buttons["Retry"].setEnabled(True)
+        self.service_banner.say(None if reached else lost_service_text(self.bridge.settings.service_url, False))
+        if reached:
+            self.statusBar().showMessage("The fleet service is back.", 10000)
+
+    def retry_service(self) -> None:
+        """The banner's Retry: start the local service again (the feed finds it within a second)."""
+        self.service_banner.buttons["Retry"].setEnabled(False)
+        self.service_banner.say(lost_service_text(self.bridge.settings.service_url, True))
+
+        def failed(exc: BaseException) -> None:
+            self.service_banner.buttons["Retry"].setEnabled(True)
+            self.service_banner.say(f"The fleet service did not start again: {exc}")
+
+        self.bridge.restart_service(on_result=lambda _: self.service_banner.buttons["Retry"].setEnabled(True),
+                                    on_error=failed)
+
+    def review_waiting(self) -> None:
+        """The approval banner's Review: the Fleet page with the waiting PCs selected."""
+        self.show_page("Fleet")
+        self.fleet_page.select({r.key for r in awaiting_approval(self.bridge.records)})
 
     def _welcome(self) -> None:
         """On the start that created the fleet: say so, with the join token to hand out."""

@@ -44,7 +44,9 @@ from console.fleet_api.exports import (
     ExportProgress,
     ExportSpec,
 )
+from console.fleet_api.feed import Event, EventKind
 from console.fleet_api.model_entry import ModelEntry
+from console.qt.first_steps import default_model
 from console.qt.service_bridge import ServiceBridge
 from console.qt.service_export import ServiceExportJob
 from engine.shards.manifest import MANIFEST_NAME
@@ -52,6 +54,17 @@ from engine.shards.manifest import MANIFEST_NAME
 ROLE = Qt.ItemDataRole.UserRole
 WEIGHTS = ("int4", "int8", "fp16", "fp32")
 EXPORT_COLUMNS = ("Export", "Model", "Weights", "Stages", "Layers", "Size", "Created")
+
+
+def model_label(entry: ModelEntry) -> str:
+    """A model's line in the list: name, what it is, and whether it can be exported."""
+    kind = {"default": "built-in default", "hf": "HF checkpoint", "gguf": "GGUF file"}.get(entry.kind, entry.kind)
+    label = f"{entry.name}  ({kind}{'' if entry.available else ', not available'})"
+    if entry.path is not None:
+        label += f" — {entry.path}"
+    elif not entry.available:
+        label += " — its package is not installed on the service's PC (`deskfleet models` says how)"
+    return label
 
 
 class QtModelsPage(QWidget):
@@ -64,11 +77,20 @@ class QtModelsPage(QWidget):
         self._timer.setInterval(100)
         self._timer.timeout.connect(self._poll)
         self._build()
+        # The library lives in the service: read it once attached (and again after a restart of
+        # the service), and whenever an export ends there (this console's or another's).
+        bridge.started.connect(self.reload)
+        bridge.attached.connect(self._on_attached)
+        bridge.service_event.connect(self._on_service_event)
         self.reload()
 
     def _build(self) -> None:
         self.model_list = QListWidget()
         self.model_list.currentItemChanged.connect(lambda *_: self._choose())
+        self.refresh_button = QPushButton("Refresh")
+        self.refresh_button.setToolTip("Read the model library and the exports from the fleet service again")
+        self.refresh_button.clicked.connect(self.reload)
+        self.library_label = QLabel("Models")
         self.path_edit = QLineEdit()
         self.path_edit.setPlaceholderText("an HF checkpoint directory or a .gguf file")
         self.path_edit.returnPressed.connect(self.add_path)
@@ -119,7 +141,13 @@ class QtModelsPage(QWidget):
         top = QWidget()
         top_box = QVBoxLayout(top)
         top_box.setContentsMargins(0, 0, 0, 0)
-        top_box.addWidget(QLabel("Models"))
+        heading = QHBoxLayout()
+        heading.addWidget(self.library_label, 1)
+        heading.addWidget(self.refresh_button)
+        top_box.addLayout(heading)
+        top_box.addWidget(QLabel("Export makes the model's stage files; the Placement page decides how many "
+                                 "stages and on which PCs, and Distribution exports (or reuses) what the plan "
+                                 "needs — you need not export here first."))
         top_box.addWidget(self.model_list, 1)
         top_box.addLayout(add)
         top_box.addLayout(export)
@@ -138,21 +166,38 @@ class QtModelsPage(QWidget):
     # ---- models ----------------------------------------------------------------------------------
 
     def reload(self) -> None:
-        """Redraw the models and the exports from the library."""
+        """Redraw the models and the exports from the library; with no model chosen yet, choose
+        the default one (the embedded model when installed), as the Placement page needs one."""
+        if not self.bridge.running:
+            self.library_label.setText("Models — waiting for the fleet service…")
+            return
+        try:
+            models = self.library.models()
+        except Exception as exc:  # the service went away between the check and the read
+            self._say(f"Could not read the model library: {exc}", error=True)
+            return
         current = self.bridge.session.model
         self.model_list.blockSignals(True)
         self.model_list.clear()
-        for entry in self.library.models():
-            label = f"{entry.name}  ({entry.kind}{'' if entry.available else ', unavailable'})"
-            if entry.path is not None:
-                label += f" — {entry.path}"
-            item = QListWidgetItem(label)
+        for entry in models:
+            item = QListWidgetItem(model_label(entry))
             item.setData(ROLE, entry)
             self.model_list.addItem(item)
             if entry == current:
                 self.model_list.setCurrentItem(item)
         self.model_list.blockSignals(False)
+        self.library_label.setText(f"Models in the fleet's library: {len(models)}")
         self._fill_exports()
+        if current is None and (default := default_model(models)) is not None:
+            self.select_model(default)
+
+    def _on_attached(self, reached: bool) -> None:
+        if reached:  # the service is back (perhaps restarted, perhaps another library)
+            self.reload()
+
+    def _on_service_event(self, event: Event) -> None:
+        if event.kind is EventKind.EXPORT and event.data.get("state") in ("finished", "cancelled"):
+            self.reload()
 
     def select_model(self, entry: ModelEntry) -> None:
         for i in range(self.model_list.count()):

@@ -162,6 +162,25 @@ class ServiceBridge(QObject):
         self._feed = start_task(self._async_follow(), name="deskfleet-admin-feed", logger=log)
         return service, records, token
 
+    def restart_service(self, on_result: OnResult = None, on_error: OnError = None) -> None:
+        """Start the local fleet service again if none runs over the state dir (the feed then finds
+        it: ``attached(True)``); ``on_result(started)``. A remote service is not this PC's to start:
+        ``on_result(False)`` at once."""
+        if self.remote:
+            if on_result is not None:
+                on_result(False)
+            return
+        s = self.settings
+
+        async def attach() -> bool:
+            client, _, started = await async_attach_local(s.state_dir, extra_args=local_service_args(s),
+                                                          timeout=START_TIMEOUT_S - 10)
+            await client.async_close()  # the console's own client reaches it over the same socket
+            return started
+
+        self.call(attach(), "starting the fleet service", timeout=START_TIMEOUT_S, on_result=on_result,
+                  on_error=on_error)
+
     def on_close(self, closer: Callable[[], Coroutine[Any, Any, None]]) -> None:
         """Run ``closer()`` on the loop when the console closes (before the client closes)."""
         self._closers.append(closer)

@@ -70,6 +70,7 @@ class ServiceServing(QObject):
     phase_changed = Signal(str)
     api_ready = Signal(str)
     metrics = Signal(object)
+    api_key_known = Signal()  # the console's own API key was read (``api_key``)
 
     def __init__(self, bridge: ServiceBridge, parent: QObject | None = None) -> None:
         super().__init__(parent)
@@ -151,6 +152,7 @@ class ServiceServing(QObject):
 
     def _take_rings(self, result: tuple[list[dict[str, Any]], str | None]) -> None:
         rings, self.api_key = result
+        self.api_key_known.emit()
         if self.ring is None and rings:
             shown = next((r for r in rings if r.get("phase") == RingPhase.SERVING), rings[0])
             self.ring = str(shown["ring"])

@@ -9,6 +9,9 @@
     deskfleet keys revoke NAME                      the running API refuses it from its next request
     deskfleet keys prune [--days N]                 forget keys revoked more than N days ago (default 90)
 
+``--state-dir DIR`` goes before or after the action (the README writes it after). A directory
+that holds no fleet (no fleet CA) is refused: a key issued there would work nowhere.
+
 The book is :class:`engine.trust.key_book.KeyBook` (the state database in the state directory,
 hashes only); the service's admin API changes the same book. This command may run while the
 service runs.
@@ -23,6 +26,7 @@ import sys
 from pathlib import Path
 
 from engine.cli.main import Command
+from engine.control.fleet_services import is_first_run
 from engine.errors import DeskfleetError
 from engine.trust.key_book import KEEP_REVOKED_DAYS, KeyBook
 from engine.trust.state_owner import run_as_owner
@@ -46,9 +50,11 @@ def _limit(text: str) -> int:
     return value
 
 
+STATE_DIR_HELP = "the fleet service's state directory (default: the per-user one the console uses)"
+
+
 def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--state-dir", type=Path, default=None,
-                   help="the fleet service's state directory (default: the per-user one the console uses)")
+    p.add_argument("--state-dir", type=Path, default=None, help=STATE_DIR_HELP)
     sub = p.add_subparsers(dest="keys_action", metavar="ACTION", required=True)
     issue = sub.add_parser("issue", help="issue a named key (a person or an application); prints its secret once")
     issue.add_argument("name", help="who holds it: alice, wiki-bot (letters, digits, . _ @ : -)")
@@ -74,6 +80,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     listing.add_argument("--json", action="store_true", help="one JSON document instead of a table")
     revoke = sub.add_parser("revoke", help="revoke a key: the running API refuses it from its next request")
     revoke.add_argument("name")
+    for action in (issue, listing, revoke):  # after the action too; SUPPRESS keeps one given before it
+        action.add_argument("--state-dir", type=Path, default=argparse.SUPPRESS, help=STATE_DIR_HELP)
 
 
 def _record_options(p: argparse.ArgumentParser) -> None:
@@ -132,6 +140,10 @@ def run(args: argparse.Namespace) -> int:
     """As root on a state dir another user owns (``sudo deskfleet keys … --state-dir /var/lib/deskfleet``)
     the book is changed as that owner, so the service can still read it (issue 29, L10)."""
     state_dir = args.state_dir or default_state_dir()
+    if is_first_run(state_dir):
+        raise DeskfleetError(f"{state_dir} holds no fleet (no fleet CA): a key issued there would work nowhere. "
+                             "Give the fleet service's state directory with --state-dir (the one `deskfleet "
+                             "console` or `deskfleet fleet run` uses)")
     answer = run_as_owner(state_dir, lambda where: _change(args, where))
     if args.keys_action == "issue":
         print(answer["secret"])

@@ -144,6 +144,10 @@ class ControlClient:
             body["api_key"] = api_key
         await self._call("POST", "/v1/deny", body)
 
+    async def async_set_fleet_api(self, api_url: str) -> None:
+        """Give the agent the fleet's OpenAI API address (at approval: its tray's chat opens)."""
+        await self._call("POST", "/v1/fleet-api", {"api_url": api_url})
+
     async def async_calibrate(self, calibration: dict[str, Any]) -> list[dict[str, Any]]:
         """Time decode steps of a calibration export's stages on the agent (see engine.shards.calibration)."""
         return (await self._call("POST", "/v1/calibrate", calibration, timeout=900))["timings"]

@@ -49,10 +49,13 @@ def test_first_run_texts():
     assert model.join_request(" DFJ1-x ", " ") == ("DFJ1-x", None)
     assert model.join_request("DFJ1-x", "h:1") == ("DFJ1-x", "h:1")
     waiting = model.waiting_page(_status())
-    assert waiting.headline == "Joined. Waiting for approval" and not waiting.approved
+    assert waiting.headline == "Joined — awaiting approval" and not waiting.approved
     assert FP[:16] in waiting.detail and "nothing runs on it" in waiting.detail
     approved = model.waiting_page(_status(export_id="smol-2", stage=1))
-    assert approved.approved and "stage 1 of smol-2" in approved.detail
+    assert approved.approved and "part 2 of a model" in approved.detail
+    # approved before any work: the fleet gave it its chat address at the approval
+    told = model.waiting_page(_status(api_url="http://10.0.0.9:8000/v1"))
+    assert told.approved and "Open chat" in told.detail
 
 
 @pytest.mark.slow
@@ -77,7 +80,7 @@ def test_agent_first_run_needs_only_the_token(qtbot, start_tray, tmp_path):
         dialog.join_button.click()
         qtbot.waitUntil(lambda: dialog.page == "waiting", timeout=30000)
         assert tray.bridge.status.fleet_id == con.authority.fleet_id
-        assert dialog.waiting_headline.text() == "Joined. Waiting for approval"
+        assert dialog.waiting_headline.text() == "Joined — awaiting approval"
         assert con.authority.fleet_id[:16] in dialog.waiting_detail.text()
         assert model.WHAT_IT_DOES in dialog.what_it_does.text() and dialog.what_it_does.isVisible()
 

@@ -54,7 +54,7 @@ CASES = {"control API: mutated assignments": 900, "control API: random requests"
          "control API: oversized bodies": 12, "control API: deny lists and measure targets": 200}
 ROUTES = ("/v1/status", "/v1/probe", "/v1/assign", "/v1/fetch", "/v1/worker/start", "/v1/worker/stop",
           "/v1/drain", "/v1/pause", "/v1/resume", "/v1/link/echo", "/v1/link/measure", "/v1/calibrate",
-          "/v1/link/expect", "/v1/deny")
+          "/v1/link/expect", "/v1/deny", "/v1/fleet-api")
 
 
 @dataclass

@@ -7,6 +7,7 @@ Quit stops everything without leaking a thread. Only the idle clock is fake."""
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -25,10 +26,13 @@ from agent.service.settings import (
 from agent.tray.icons import STATE_STYLES, state_pixmap
 from agent.tray.tray import QtAgentTray
 from agent.tray.tray_model import (
-    NO_CHAT_ADDRESS,
+    NOT_JOINED_CHAT,
+    PauseFor,
+    TrayContext,
     login_command,
     menu_state,
     notices_between,
+    pause_until,
     status_line,
 )
 from engine.control.messages import AgentStatus, FetchProgress, WorkerStatus
@@ -54,13 +58,29 @@ def _status(state: str, **over) -> AgentStatus:
 
 
 def test_status_lines_and_notices_are_decided_without_qt():
+    now = dt.datetime(2026, 12, 7, 14, 31)
+    two = TrayContext(now, parts=2)
     serving = _status("serving", worker=WorkerStatus(state="running", steps_per_s=12.4))
-    assert status_line(serving) == "Serving stage 1 of tiny-2 · 12 steps/s"
-    assert status_line(_status("fetching")) == "Fetching stage 1 of tiny-2 · 42%"
+    # people's words: no export ids, stages counted from 1 as parts of the model
+    assert status_line(serving, two) == "Helping the fleet (part 2 of 2)"
+    assert status_line(serving) == "Helping the fleet (part 2)"  # the part count unknown
+    assert status_line(_status("fetching"), two) == "Getting its share of the model (part 2 of 2) · 42%"
     assert status_line(_status("paused", paused_reasons=(pause.IN_USE, pause.BATTERY))) == \
         "Paused: the PC is in use, on battery"
+    in_use_line = status_line(_status("paused", paused_reasons=(pause.IN_USE,)),
+                              TrayContext(now, resume_after_idle_s=300))
+    assert in_use_line == "Paused while you use this PC — resumes at 14:36 if idle"
+    assert status_line(_status("paused", paused_reasons=(pause.MANUAL,)),
+                       TrayContext(now, paused_until=pause_until(PauseFor.HOUR, now))) == "Paused by you until 15:31"
+    assert status_line(_status("paused", paused_reasons=(pause.MANUAL,)),
+                       TrayContext(now, paused_until=pause_until(PauseFor.TOMORROW, now))) == \
+        "Paused by you until tomorrow 08:00"
+    assert "ask them" in status_line(_status("paused", paused_reasons=(pause.REMOTE,)))
     assert status_line(_status("error", worker=WorkerStatus(last_error="x" * 200))).endswith("…")
-    assert status_line(_status("idle")) == "Ready: stage 1 of tiny-2"
+    assert status_line(_status("idle"), two) == "Ready to help the fleet (part 2 of 2)"
+    unassigned = _status("idle", export_id=None, stage=None)
+    assert status_line(unassigned) == "Joined — awaiting approval by the fleet's admin"
+    assert status_line(replace(unassigned, api_url="http://h:8000/v1")) == "Approved — no work for this PC right now"
     assert status_line(None) == "Starting…"
 
     idle = _status("idle", export_id=None, stage=None)
@@ -70,7 +90,8 @@ def test_status_lines_and_notices_are_decided_without_qt():
     assert [n.title for n in notices_between(not_joined, idle)] == ["Joined the fleet"]
     assert [n.title for n in notices_between(idle, not_joined)] == ["Left the fleet"]
     assert notices_between(idle, in_use) == []  # the person touched their own PC: no noise
-    assert [n.message for n in notices_between(serving, in_use)] == ["Paused: the PC is in use."]
+    assert [n.message for n in notices_between(serving, in_use)] == [
+        "Paused while you use this PC: the fleet carries on without it, and it helps again once the PC is idle."]
     office = notices_between(idle, _status("paused", paused_reasons=(pause.OFFICE_HOURS,)))
     assert [n.message for n in office] == ["Paused: office hours."]
     failed = notices_between(serving, _status("error", worker=WorkerStatus(last_error="worker exited 9")))
@@ -119,7 +140,7 @@ def test_menu_follows_join_pause_resume_and_leave(qtbot, start_tray, fleet_conso
     dialog.console_edit.setText(fleet_console.enrollment)
     dialog.join_button.click()
     qtbot.waitUntil(lambda: dialog.page == "waiting" and bridge.status.state == "idle", timeout=30000)
-    assert dialog.waiting_headline.text() == "Joined. Waiting for approval"
+    assert dialog.waiting_headline.text() == "Joined — awaiting approval"
     dialog.close_button.click()
     qtbot.waitUntil(lambda: tray.join_dialog is None, timeout=5000)
     assert bridge.status.fleet_id == fleet_console.authority.fleet_id
@@ -127,13 +148,13 @@ def test_menu_follows_join_pause_resume_and_leave(qtbot, start_tray, fleet_conso
     assert fleet_console.authority.fleet_id[:16] in tray.notices[0].message
     assert not tray.join_action.isVisible() and tray.leave_action.isVisible() and tray.leave_action.isEnabled()
     assert tray.pause_action.isEnabled() and tray.pause_action.text() == "Pause"
-    assert tray.status_action.text() == "Idle: waiting for work from the fleet"
+    assert tray.status_action.text() == "Joined — awaiting approval by the fleet's admin"
     icons["idle"] = _icon_image(tray)
 
     tray.pause_action.trigger()
     qtbot.waitUntil(lambda: bridge.status.state == "paused", timeout=10000)
     assert bridge.status.paused_reasons == (pause.MANUAL,)
-    assert tray.status_action.text() == "Paused: paused by the user"
+    assert tray.status_action.text().startswith("Paused by you")
     assert tray.pause_action.text() == "Resume"
     assert json.loads((tmp_path / "agent" / "state.json").read_text())["manually_paused"] is True
     assert tray.notices[-1].title == "Deskfleet paused" and pause.MANUAL in tray.notices[-1].message
@@ -143,6 +164,20 @@ def test_menu_follows_join_pause_resume_and_leave(qtbot, start_tray, fleet_conso
     qtbot.waitUntil(lambda: bridge.status.state == "idle", timeout=10000)
     assert tray.pause_action.text() == "Pause" and bridge.status.paused_reasons == ()
     assert _icon_image(tray) == icons["idle"]
+
+    # "Pause for 1 hour": paused now, with its end in the menu, and resumed by itself at that time
+    start = dt.datetime.now()
+    tray.pause_for(PauseFor.HOUR, now=start)
+    qtbot.waitUntil(lambda: bridge.status.state == "paused", timeout=10000)
+    ends = (start + dt.timedelta(hours=1)).strftime("%H:%M")
+    qtbot.waitUntil(lambda: tray.status_action.text().startswith("Paused by you until"), timeout=5000)
+    assert ends in tray.status_action.text()
+    assert not any(a.isEnabled() for a in tray.timed_pause_actions.values())  # one timed pause at a time
+    tray.end_timed_pause_if_due(now=start + dt.timedelta(minutes=59))
+    assert tray.paused_until is not None  # not yet
+    tray.end_timed_pause_if_due(now=start + dt.timedelta(hours=1))
+    qtbot.waitUntil(lambda: bridge.status.state == "idle", timeout=10000)
+    assert tray.paused_until is None and all(a.isEnabled() for a in tray.timed_pause_actions.values())
 
     assert len({img.cacheKey() for img in icons.values()}) == 3
     assert icons["not-joined"] != icons["idle"] != icons["paused"] != icons["not-joined"]
@@ -228,7 +263,8 @@ def test_start_at_login_writes_and_removes_the_xdg_entry(qtbot, start_tray, tmp_
 def test_open_chat_needs_the_fleets_address(qtbot, start_tray, tmp_path):
     tray = start_tray()
     assert tray.open_chat() is None
-    assert tray.notices[-1].message == NO_CHAT_ADDRESS
+    assert tray.notices[-1].message == NOT_JOINED_CHAT  # says why: this PC is in no fleet
+    assert tray.chat_action.text() == "Open chat… (not available yet)"
     tray.shutdown()
 
     # the agent learnt an address from an earlier assignment (kept in state.json)

@@ -282,8 +282,15 @@ def test_plain_http_is_refused_off_loopback_and_tls_uses_the_fleet_ca(tmp_path):
 
 def test_keys_command_issues_lists_and_revokes(tmp_path, capsys):
     from engine.cli.main import main
+    from engine.control.fleet_services import CA_CERT, CA_KEY
 
-    assert main(["keys", "--state-dir", str(tmp_path), "issue", "alice", "--rpm", "5", "--tpm", "900"]) == 0
+    # a folder without a fleet is refused: a key issued there would work nowhere
+    assert main(["keys", "--state-dir", str(tmp_path), "issue", "alice"]) == 1
+    assert "holds no fleet" in capsys.readouterr().err and not list(tmp_path.iterdir())
+    for name in (CA_CERT, CA_KEY):  # what makes a folder a fleet's (the command reads nothing else of them)
+        (tmp_path / name).write_text("")
+    # --state-dir after the action, as the README writes it, works as well as before it
+    assert main(["keys", "issue", "alice", "--rpm", "5", "--tpm", "900", "--state-dir", str(tmp_path)]) == 0
     out = capsys.readouterr()
     secret = out.out.strip()
     assert secret.startswith(KEY_PREFIX) and "only time its secret is shown" in out.err

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QMessageBox
 
 from agent.service.service import AgentService
 from agent.service.settings import AgentSettings
@@ -42,7 +43,7 @@ def console_settings(state_dir: Path) -> FleetSettings:
     """Everything on loopback with OS-chosen ports; one thread per stage worker."""
     return FleetSettings(state_dir=state_dir, interface="127.0.0.1", api_port=0, enrollment_port=0, hub_port=0,
                            data_port=0, worker=WorkerSettings(threads=1), refresh_s=1.0, metrics_s=0.25,
-                           calibration_steps=4)
+                           calibration_steps=4, admin_port=None)
 
 
 @dataclass
@@ -206,7 +207,10 @@ class ConsoleDriver:
         self.wait(lambda: not page.busy, timeout, "the placement")
 
     def distribute(self, timeout: float = 600) -> None:
-        self.window.distribution_page.distribute_button.click()
+        page = self.window.distribution_page
+        page.distribute_button.click()
+        if page.confirmation is not None:  # a ring serves: the page asks before replacing it
+            page.confirmation.button(QMessageBox.StandardButton.Yes).click()
         serving = self.window.serving
         self.wait(lambda: serving.phase in ("serving", "failed"), timeout, "the distribution")
         assert serving.phase == "serving", self.window.distribution_page.error_label.text()

@@ -18,7 +18,10 @@ import sys
 import time
 from pathlib import Path
 
-PAGES = ("Fleet", "Models", "Placement", "Distribution", "Chat", "Metrics")
+PAGES = ("Dashboard", "Fleet", "Models", "Placement", "Distribution", "Chat", "Keys", "Metrics")
+# the first hour, before anything is served: a fresh service and an empty library (issue 32)
+FIRST_HOUR = ("console-dashboard-get-started.png", "console-models-on-arrival.png", "console-fleet-awaiting.png",
+              "console-dashboard-approve.png")
 QUESTION = "Tell me a long story."
 
 
@@ -69,9 +72,23 @@ def take_console_screenshots(out: Path, checkpoint: Path, work: Path, cache: Pat
         settle(app)
         save(dialog, "console-first-run.png")
         dialog.close()
+        window.show_page("Dashboard")
+        settle(app)
+        save(window, "console-dashboard-get-started.png")
+        window.show_page("Models")  # what a new admin finds there: the built-in model, chosen
+        wait(lambda: window.models_page.model_list.count() > 0, 20, "the model library")
+        settle(app)
+        save(window, "console-models-on-arrival.png")
         drive.wait_rows(names, lambda row: row["State"] == "not joined", "the agents over mDNS")
         drive.join(agent_loop, agents)
-        drive.wait_rows(names, lambda row: row["State"] == "idle", "the joined agents")
+        drive.wait_rows(names, lambda row: row["State"].startswith("awaiting approval"), "the joined agents")
+        window.show_page("Fleet")
+        wait(lambda: not window.approval_banner.isHidden(), 10, "the approval banner")
+        settle(app)
+        save(window, "console-fleet-awaiting.png")
+        window.show_page("Dashboard")
+        settle(app)
+        save(window, "console-dashboard-approve.png")
         drive.approve(names)
         drive.measure_links(names)
         drive.add_model(checkpoint)

@@ -26,12 +26,14 @@ import time
 from pathlib import Path
 
 import pytest
+from PySide6.QtWidgets import QMessageBox
 
 from console.fleet.ring_endpoints import ring_endpoints
 from console.fleet_api.placement import retime, stage_firsts
 from console.qt.fleet_metrics import PauseLog, stage_breakdown
 from engine.control.hub import AgentEvent
 from engine.placement.types import Plan, PlannedStage
+from export.sources import find_default_gguf
 from tests.console.console_app_helpers import (
     ConsoleDriver,
     fleet_service,
@@ -39,7 +41,7 @@ from tests.console.console_app_helpers import (
     local_agents,
     running_console,
 )
-from tests.console.console_screenshots import PAGES, copy_caches, take_console_screenshots
+from tests.console.console_screenshots import FIRST_HOUR, PAGES, copy_caches, take_console_screenshots
 
 pytestmark = pytest.mark.usefixtures("module_dirs")
 
@@ -84,6 +86,7 @@ def test_from_an_empty_network_to_a_chat_answered_by_two_agents(tmp_path, tiny_c
             wait(lambda: serving.phase == "serving", 30, "the next console to show the ring serving")
             assert hub.bytes_served > 0 and window.bridge.session.serving is not None
             window.distribution_page.stop_button.click()
+            window.distribution_page.confirmation.button(QMessageBox.StandardButton.Yes).click()  # it cuts chats off
             wait(lambda: serving.phase == "idle" and serving.ring is None, 120, "the ring to stop")
         assert all(a.status().worker.state == "stopped" for a in agents.values())  # stopping it stopped them
 
@@ -97,8 +100,10 @@ def _from_an_empty_network_to_a_chat(tmp_path, tiny_checkpoint, wait, console_ca
         drive.wait_rows(names, lambda row: row["State"] == "not joined", "the agents over mDNS")
         assert window.fleet_page.enrollment_label.text() == window.bridge.enrollment
         drive.join(agent_loop, agents)
-        drive.wait_rows(names, lambda row: row["State"] == "idle" and row["Approved"] == "no", "the joined agents")
-        assert not window.placement_page.place_button.isEnabled()  # no model chosen yet
+        drive.wait_rows(names, lambda row: row["State"].startswith("awaiting approval") and row["Approved"] == "no",
+                        "the joined agents")
+        # the built-in default is chosen on arrival (when installed): Placement is no dead end
+        assert window.placement_page.place_button.isEnabled() == (find_default_gguf() is not None)
         drive.approve(names)
         drive.measure_links(names)
         rows = drive.fleet_rows()
@@ -139,6 +144,7 @@ def _from_an_empty_network_to_a_chat(tmp_path, tiny_checkpoint, wait, console_ca
         window.show_page("Distribution")
         dist, serving = window.distribution_page, window.serving
         dist.distribute_button.click()
+        assert dist.confirmation is None  # nothing served yet: nothing to ask
         wait(lambda: serving.phase == "failed", 600, "the distribution to fail on the paused agent")
         assert f"{names[1]} (stage" in dist.error_label.text()
         assert "run the distribution again" in dist.error_label.text()
@@ -386,7 +392,7 @@ def test_screenshots_of_every_page(tmp_path, tiny_checkpoint, console_cache, qtb
     out = Path(os.environ.get("DESKFLEET_SCREENSHOTS") or tmp_path / "screenshots")
     checkpoint = tiny_checkpoint("llama")
     env = {**os.environ, "QT_QPA_PLATFORM": "xcb"}
-    expected = [f"console-{p.lower()}.png" for p in PAGES] + ["console-first-run.png"]
+    expected = [f"console-{p.lower()}.png" for p in PAGES] + ["console-first-run.png", *FIRST_HOUR]
     if xvfb_works(env):
         run = subprocess.run([*XVFB, sys.executable, "-m", "tests.console.console_screenshots", "--out", str(out),
                               "--checkpoint", str(checkpoint), "--work", str(tmp_path / "work"),

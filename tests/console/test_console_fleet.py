@@ -378,7 +378,8 @@ def test_the_fleet_page_approves_pauses_resumes_and_removes_every_selected_agent
           local_agents(tmp_path, names) as (agent_loop, agents)):
         drive, page = ConsoleDriver(window, wait), window.fleet_page
         drive.join(agent_loop, agents)
-        drive.wait_rows(names, lambda row: row["State"] == "idle" and row["Approved"] == "no", "the joined agents")
+        drive.wait_rows(names, lambda row: row["State"].startswith("awaiting approval") and row["Approved"] == "no",
+                        "the joined agents")
         assert {page.model.record(r).name for r in range(page.model.rowCount())} >= set(names)
 
         drive.select(names)  # all three: one press approves them all

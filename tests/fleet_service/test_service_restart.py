@@ -307,6 +307,9 @@ def test_killing_the_console_mid_chat_stops_nothing_and_a_new_console_shows_the_
             lap("token and links")
             # the ring stopped from one console is gone from the other's pages; a pause likewise
             first.distribution_page.stop_button.click()
+            from PySide6.QtWidgets import QMessageBox  # Qt only in this test (the module runs without a display)
+
+            first.distribution_page.confirmation.button(QMessageBox.StandardButton.Yes).click()  # it asks first
             _wait(qtbot, lambda: second.serving.phase == "idle" and second.serving.ring is None, 60,
                   "the stopped ring to leave the other console")
             desk_b = next(r for r in first.bridge.records if r.name == "desk-b")

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from engine.cli.main import main
+from engine.control.fleet_services import CA_CERT, CA_KEY
 from engine.state.db import DB_FILE
 from engine.trust.key_book import KeyBook
 
@@ -43,6 +44,9 @@ def _has_account(uid: int) -> bool:
 
 def test_root_changes_another_users_key_book_as_that_user(owned_dir, capsys):
     sandbox, state, uid = owned_dir
+    for name in (CA_CERT, CA_KEY):  # a fleet's state dir (`keys` refuses one without a fleet)
+        (state / name).write_text("")
+        os.chown(state / name, uid, uid)
     # the owner (the service's user) planted a link where root would create the state database
     (state / DB_FILE).symlink_to(sandbox / "made-by-root")
     assert main(["keys", "--state-dir", str(state), "issue", "alice"]) == 1

@@ -134,6 +134,9 @@ class SimAgent:
     async def async_set_deny(self, deny: tuple[str, ...], *, api_key: str | None = None) -> None:
         self.deny = frozenset(deny)
 
+    async def async_set_fleet_api(self, api_url: str) -> None:
+        self.api_url = api_url
+
     async def async_calibrate(self, body: dict[str, Any]) -> list[dict[str, Any]]:
         raise _refuse("calibrate")
 
