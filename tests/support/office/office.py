@@ -44,8 +44,8 @@ SUBNET = "10.231.78"
 REPO = Path(__file__).resolve().parents[3]
 CONTROL_PORT, DATA_PORT = 7210, 7211  # each PC has its own network: the installed defaults
 AGENT_STOP_S = 20.0
-# A desk's agent: no warm spare (it would double the stage in a memory-limited PC whose limit the agent
-# cannot see: it reads the machine's RAM) and a small KV pool (preallocated per stage)
+# A desk's agent: no warm spare (in a memory-limited PC it would double the stage; the agent sees its
+# cgroup's limit and would keep none, but the office does not rely on it) and a small KV pool (preallocated per stage)
 AGENT_DEFAULTS: dict[str, Any] = {"warm_spare": "off", "kv_pool_mb": 64}
 _serial = itertools.count(1)
 
