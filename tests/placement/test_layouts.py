@@ -115,3 +115,20 @@ def test_layout_pcs_keeps_the_usable_pcs_with_their_fastest_device():
 def test_eight_pcs_are_arranged_without_blowing_up():
     choice = choose_layout(model(1.5), pcs(*([2.0] * 4 + [1.0] * 4)), users=16)
     assert choice.chosen is not None and len(choice.alternatives) > 3
+
+
+def test_placement_refuses_a_model_one_pc_cannot_hold_naming_the_memory_it_needs_and_the_pc_has():
+    """The same model and PC through the solver (engine.placement.planner) and the layouts: both refuse
+    before anything is exported or loaded, with the model's memory and the PC's."""
+    from engine.errors import PlacementInfeasible
+    from engine.placement.planner import solve
+    from engine.placement.types import Links, PlacementRequest
+
+    m = model(3.0)
+    pc = PcInfo("pc0", 2 * GB, True)
+    device = DeviceProfile("pc0/CPU", "pc0", "CPU", 2.0, 4.0, 2 * GB)
+    with pytest.raises(PlacementInfeasible) as info:
+        solve(PlacementRequest(), model=m, pcs=[pc], devices=[device], links=Links(default_ms=1.0))
+    assert "(model 3.0 GB; 1.6 GB usable on 1 device(s) of 1 agent(s)" in str(info.value), info.value
+    refused = choose_layout(m, layout_pcs([pc], [device], {"pc0": "desk-0"}), users=1).refused
+    assert refused is not None and "needs 3.00 GB" in refused and "desk-0" in refused and "1.60 GB" in refused
