@@ -36,7 +36,8 @@ NO_LIMIT = 1 << 62
 @dataclass(frozen=True)
 class CgroupMemory:
     """A process's cgroup memory: ``limit_bytes`` the least limit over its cgroup and its ancestors
-    (None: none), ``in_use_bytes`` what its cgroup holds less the page cache it can drop (None: unknown)."""
+    (None: none), ``in_use_bytes`` what its cgroup holds less its files' page cache, which the kernel
+    drops before it OOM-kills (None: unknown)."""
 
     limit_bytes: int | None = None
     in_use_bytes: int | None = None
@@ -50,10 +51,11 @@ class CgroupMemory:
         return min(total, self.limit_bytes), max(0, min(available, free_here))
 
 
-# the files of one hierarchy: (limit, usage, the page-cache line of memory.stat)
-_FILES: Mapping[str, tuple[str, str, str]] = {
-    "v1": ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),
-    "v2": ("memory.max", "memory.current", "inactive_file"),
+# the files of one hierarchy: (limit, usage, the page-cache lines of memory.stat). The page cache of
+# files (a shard just fetched is all of it, and active) is dropped before the limit's OOM killer acts.
+_FILES: Mapping[str, tuple[str, str, tuple[str, ...]]] = {
+    "v1": ("memory.limit_in_bytes", "memory.usage_in_bytes", ("total_inactive_file", "total_active_file")),
+    "v2": ("memory.max", "memory.current", ("inactive_file", "active_file")),
 }
 
 
@@ -81,8 +83,8 @@ def cgroup_memory(proc_cgroup: str, root: Path = CGROUP_ROOT) -> CgroupMemory:
     return CgroupMemory()
 
 
-def _read_hierarchy(top: Path, path: str, files: tuple[str, str, str]) -> CgroupMemory:
-    limit_file, usage_file, cache_key = files
+def _read_hierarchy(top: Path, path: str, files: tuple[str, str, tuple[str, ...]]) -> CgroupMemory:
+    limit_file, usage_file, cache_keys = files
     leaf = top / path.strip("/")
     if not leaf.is_dir():
         leaf = top
@@ -97,7 +99,7 @@ def _read_hierarchy(top: Path, path: str, files: tuple[str, str, str]) -> Cgroup
         here = here.parent
     usage = _read_int(leaf / usage_file)
     if usage is not None:
-        usage -= _stat_value(leaf / "memory.stat", cache_key)
+        usage -= sum(_stat_value(leaf / "memory.stat", key) for key in cache_keys)
     return CgroupMemory(min(limits) if limits else None, None if usage is None else max(usage, 0))
 
 

@@ -25,7 +25,7 @@ def v1_tree(root: Path, *, top: str = V1_NONE, leaf: str = V1_NONE, usage: int =
     write(root / "memory", memory__limit_in_bytes=V1_NONE)
     write(root / "memory" / "office", memory__limit_in_bytes=top)
     write(root / "memory" / "office" / "pc1", memory__limit_in_bytes=leaf, memory__usage_in_bytes=str(usage),
-          memory__stat=f"cache {cache}\ntotal_inactive_file {cache}\n")
+          memory__stat=f"cache {cache}\ntotal_inactive_file {cache // 4}\ntotal_active_file {cache - cache // 4}\n")
     write(root / "cpu")
     return "5:cpu,cpuacct:/\n4:memory:/office/pc1\n0::/\n"
 
@@ -45,6 +45,7 @@ def test_v1_no_limit(tmp_path: Path) -> None:
 
 
 def test_v1_page_cache_is_not_in_use(tmp_path: Path) -> None:
+    """Files' pages, active or not (a shard just fetched), are dropped before the OOM killer acts."""
     text = v1_tree(tmp_path, leaf=str(3 * GIB), usage=2 * GIB, cache=GIB // 2)
     assert cgroup_memory(text, tmp_path).in_use_bytes == 2 * GIB - GIB // 2
 
@@ -59,8 +60,8 @@ def test_v2(tmp_path: Path) -> None:
     write(tmp_path, cgroup__controllers="cpu memory", memory__max="max")
     write(tmp_path / "office", memory__max=str(4 * GIB))
     write(tmp_path / "office" / "pc2", memory__max="max", memory__current=str(GIB),
-          memory__stat=f"anon {GIB}\ninactive_file 0\n")
-    assert cgroup_memory("0::/office/pc2\n", tmp_path) == CgroupMemory(4 * GIB, GIB)
+          memory__stat=f"anon {GIB}\ninactive_file 7\nactive_file 3\n")
+    assert cgroup_memory("0::/office/pc2\n", tmp_path) == CgroupMemory(4 * GIB, GIB - 10)
 
 
 def test_v2_no_limit(tmp_path: Path) -> None:

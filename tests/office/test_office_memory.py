@@ -30,7 +30,7 @@ def _in_use(memory_dir) -> int:
     """What the group holds less the page cache it can drop (as the agent counts it)."""
     usage = int((memory_dir / "memory.usage_in_bytes").read_text())
     stat = dict(line.split() for line in (memory_dir / "memory.stat").read_text().splitlines())
-    return usage - int(stat.get("total_inactive_file", 0))
+    return usage - int(stat.get("total_inactive_file", 0)) - int(stat.get("total_active_file", 0))
 
 
 def test_a_memory_limited_pc_reports_its_limit_and_refuses_a_stage_that_would_not_fit(tmp_path, tiny_export):
