@@ -28,6 +28,10 @@ from engine.trust.fleet_ca import Credentials
 
 log = logging.getLogger(__name__)
 MIB = 1 << 20
+# A stage worker's own footprint before its weights: Python, OpenVINO's libraries and plugin, the wire and
+# TLS stacks (~250-300 MiB resident here). Without it a stage that "fits" thrashes on its own weights' pages
+# at its cgroup's limit (found in the office-big benchmark).
+WORKER_BASE_BYTES = 320 * MIB
 
 # The stage worker reads peer-policy updates as further JSON lines on stdin (engine.cli.worker).
 WORKER_READS_POLICY_UPDATES = True
@@ -60,11 +64,12 @@ def spare_decision_now(setting: str, assignment: Assignment, *, kv_pool_mb: int,
 
 
 def stage_memory_need(assignment: Assignment, *, kv_pool_mb: int) -> tuple[int, int, int]:
-    """(need, weights, pool) in bytes: what ``assignment``'s stage worker takes once loaded, its
-    compiled weights (the shard's files x COMPILED_FACTOR) and a paged stage's KV pool."""
+    """(need, weights, pool) in bytes: what ``assignment``'s stage worker takes once loaded (its own
+    WORKER_BASE_BYTES besides), its compiled weights (the shard's files x COMPILED_FACTOR) and a paged
+    stage's KV pool."""
     weights = int(sum(e.size for e in assignment.files()) * COMPILED_FACTOR)
     pool = kv_pool_mb * MIB if assignment.runtime == "paged" else 0
-    return weights + pool, weights, pool
+    return WORKER_BASE_BYTES + weights + pool, weights, pool
 
 
 def memory_refusal(assignment: Assignment, *, kv_pool_mb: int, available_bytes: int | None,
@@ -74,7 +79,8 @@ def memory_refusal(assignment: Assignment, *, kv_pool_mb: int, available_bytes: 
     need, weights, pool = stage_memory_need(assignment, kv_pool_mb=kv_pool_mb)
     if available_bytes is None or need <= available_bytes:
         return None
-    parts = f"{weights // MIB} MiB of compiled weights" + (f" and a {pool // MIB} MiB KV pool" if pool else "")
+    parts = f"{weights // MIB} MiB of compiled weights, {WORKER_BASE_BYTES // MIB} MiB for the worker itself" + (
+        f" and a {pool // MIB} MiB KV pool" if pool else "")
     of = "" if total_bytes is None else f" of its {total_bytes // MIB} MiB"
     return (f"stage {assignment.stage} of {assignment.export_id} needs {need // MIB} MiB of memory ({parts}) but "
             f"this PC has {available_bytes // MIB} MiB free{of}; not loaded. Place the model over more PCs or "

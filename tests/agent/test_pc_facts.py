@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from agent.service.pc_facts import CgroupMemory, capped_memory, cgroup_memory
-from agent.service.worker_launch import memory_refusal, stage_memory_need
+from agent.service.worker_launch import WORKER_BASE_BYTES, memory_refusal, stage_memory_need
 from engine.control.messages import Assignment, WorkerSettings
 
 GIB = 1 << 30
@@ -98,7 +98,7 @@ def _assignment(export: Path, runtime: str = "paged") -> Assignment:
 def test_a_stage_that_does_not_fit_is_refused_naming_its_need_and_the_pcs_memory(tiny_export) -> None:
     assignment = _assignment(tiny_export("llama", 2))
     need, weights, pool = stage_memory_need(assignment, kv_pool_mb=64)
-    assert pool == 64 << 20 and weights > 0 and need == weights + pool
+    assert pool == 64 << 20 and weights > 0 and need == WORKER_BASE_BYTES + weights + pool
     assert memory_refusal(assignment, kv_pool_mb=64, available_bytes=need, total_bytes=GIB) is None
     why = memory_refusal(assignment, kv_pool_mb=64, available_bytes=need - (1 << 20), total_bytes=GIB)
     assert why is not None
@@ -109,4 +109,4 @@ def test_a_stage_that_does_not_fit_is_refused_naming_its_need_and_the_pcs_memory
 def test_a_static_stage_has_no_pool_to_count(tiny_export) -> None:
     assignment = _assignment(tiny_export("llama", 2), runtime="static")
     need, weights, pool = stage_memory_need(assignment, kv_pool_mb=64)
-    assert pool == 0 and need == weights
+    assert pool == 0 and need == WORKER_BASE_BYTES + weights

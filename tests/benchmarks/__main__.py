@@ -29,6 +29,7 @@ BENCHMARKS = {
     "grammar": "tests.benchmarks.grammar",
     "npu": "tests.benchmarks.npu",
     "office": "tests.benchmarks.office",
+    "office-big": "tests.benchmarks.office_big",
     "parity": "tests.benchmarks.parity",
     "pipeline": "tests.benchmarks.pipeline",
     "placement": "tests.benchmarks.placement",
