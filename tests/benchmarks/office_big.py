@@ -71,6 +71,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--headroom", type=float, default=0.6,
                    help="the share of a desk's free memory placement may fill with weights and KV; the rest is the "
                         "worker's own (default 0.6)")
+    p.add_argument("--layers", type=int, default=24,
+                   help="decoder layers of the shape (default 24, SmolLM2-1.7B's; fewer: the same layers, a "
+                        "smaller model)")
     p.add_argument("--users", default="1,2", help="concurrent users, comma-separated (default 1,2)")
     p.add_argument("--tokens", type=int, default=32, help="greedy tokens per answer (default 32)")
     p.add_argument("--rounds", type=int, default=2, help="rounds of every user count (default 2)")
@@ -83,21 +86,22 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def command_line(args: argparse.Namespace) -> str:
-    return (f"python -m tests.benchmarks office-big --desks {args.desks} --cores {args.cores:g} --memory-mb "
-            f"{args.memory_mb} --users {args.users} --tokens {args.tokens} --rounds {args.rounds} "
-            f"--context {args.context} --headroom {args.headroom:g}")
+    return (f"python -m tests.benchmarks office-big --layers {args.layers} --desks {args.desks} --cores "
+            f"{args.cores:g} --memory-mb {args.memory_mb} --users {args.users} --tokens {args.tokens} --rounds "
+            f"{args.rounds} --context {args.context} --headroom {args.headroom:g}")
 
 
 def say(text: str) -> None:
     print(f"[office-big] {text}", file=sys.stderr, flush=True)
 
 
-def write_checkpoint(directory: Path) -> Path:
-    """The shape's random-weight checkpoint with the default model's tokenizer (the same family's)."""
+def write_checkpoint(directory: Path, layers: int = 24) -> Path:
+    """The shape's random-weight checkpoint (``layers`` of its layers) with the default model's tokenizer
+    (the same family's)."""
     from export.sources import resolve_model
     from tests.support.synthetic_checkpoint import LlamaShape, write_synthetic_llama
 
-    checkpoint = write_synthetic_llama(directory, LlamaShape(**SHAPE_ARGS))  # type: ignore[arg-type]
+    checkpoint = write_synthetic_llama(directory, LlamaShape(**{**SHAPE_ARGS, "layers": layers}))  # type: ignore[arg-type]
     source = resolve_model(None).checkpoint_dir
     for name in TOKENIZER_FILES:
         if (source / name).is_file():
@@ -243,7 +247,8 @@ def render(result: dict[str, Any], command: str) -> str:
     s, m = result["settings"], result["machine"]
     lines = [f"## Bigger than one PC: a {SHAPE_NAME}-shaped model on {s['desks']} emulated PCs (office-big)", "",
              f"    {command}", "",
-             f"A random-weight checkpoint of {SHAPE_NAME}'s shape (24 layers, hidden 2048, vocab 49152), INT4: "
+             f"A random-weight checkpoint of {SHAPE_NAME}'s shape ({s.get('layers', 24)} of its 24 layers, "
+             f"hidden 2048, vocab 49152), INT4: "
              f"{result['weight_bytes'] / 1e6:.0f} MB of weights. The desks' memory limit ({s['memory_mb']} MiB each, "
              f"{s['cores']:g} core each) is sized to the model: a half fits with its worker, the whole does not; "
              f"placement fills at most {s.get('headroom', 0.8):.0%} of a desk's free memory (the rest is the worker's "
@@ -285,12 +290,12 @@ def run(args: argparse.Namespace) -> int:
         checkpoint = args.checkpoint
         if checkpoint is None:
             started = time.perf_counter()
-            checkpoint = write_checkpoint(Path(tmp) / "checkpoint")
+            checkpoint = write_checkpoint(Path(tmp) / "checkpoint", args.layers)
             say(f"checkpoint written in {time.perf_counter() - started:.0f} s")
         result = asyncio.run(_async_run(args, Path(tmp) / "office", checkpoint))
     result |= {"machine": machine, "load_after": [round(x, 2) for x in os.getloadavg()],
                "settings": {k: getattr(args, k) for k in ("desks", "cores", "memory_mb", "users", "tokens",
-                                                          "rounds", "context", "headroom")}}
+                                                          "rounds", "context", "headroom", "layers")}}
     result["summary"] = summarise(result)
     text = render(result, command_line(args))
     print(text)
