@@ -1,11 +1,11 @@
 """Bigger than one PC, measured: ``python -m tests.benchmarks office-big``.
 
-A random-weight checkpoint of a real shape (SmolLM2-1.7B's: 24 layers, hidden 2048, MLP 8192, 32
-heads, vocab 49152, tied embeddings; the default model's tokenizer, which is that family's) is
-written on disk. The emulated office's desks (tests/support/office) get a memory limit sized to
-the model: ``--memory-mb`` (1600 MiB by default) holds a half of its INT4 export with its worker,
-but not the whole; placement may fill ``--headroom`` (0.6) of a desk's free memory. Then, through
-the real fleet service and agents:
+A random-weight checkpoint of a real shape (SmolLM2-1.7B's layers: hidden 2048, MLP 8192, 32 heads,
+vocab 49152, tied embeddings; ``--layers`` of its 24, 8 by default; the default model's tokenizer,
+which is that family's) is written on disk. The emulated office's desks (tests/support/office) get
+a memory limit sized to the model: ``--memory-mb`` (1400 MiB by default) holds a half of its INT4
+export with its worker, but not the whole; placement may fill ``--headroom`` (0.4) of a desk's free
+memory. Then, through the real fleet service and agents:
 
 1. each agent reports its PC's memory: the cgroup limit, not the machine's RAM;
 2. the service places the model (``POST /placements``: it measures, calibrates and solves) on
@@ -66,14 +66,14 @@ print(json.dumps(out))
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--desks", type=int, default=2, help="desk PCs the model is placed on (default 2; 3 also fits)")
     p.add_argument("--cores", type=float, default=1.0, help="cores per desk (default 1)")
-    p.add_argument("--memory-mb", type=int, default=1600,
-                   help="memory limit per desk, sized to the model: half of it fits, all of it does not (default 1600)")
-    p.add_argument("--headroom", type=float, default=0.6,
+    p.add_argument("--memory-mb", type=int, default=1400,
+                   help="memory limit per desk, sized to the model: half of it fits, all of it does not (default 1400)")
+    p.add_argument("--headroom", type=float, default=0.4,
                    help="the share of a desk's free memory placement may fill with weights and KV; the rest is the "
-                        "worker's own (default 0.6)")
-    p.add_argument("--layers", type=int, default=24,
-                   help="decoder layers of the shape (default 24, SmolLM2-1.7B's; fewer: the same layers, a "
-                        "smaller model)")
+                        "worker's own, about as much again (default 0.4)")
+    p.add_argument("--layers", type=int, default=8,
+                   help="decoder layers of the shape (default 8 of SmolLM2-1.7B's 24: the same layers, a smaller "
+                        "model; all 24 did not answer yet, docs/BENCHMARKS.md)")
     p.add_argument("--users", default="1,2", help="concurrent users, comma-separated (default 1,2)")
     p.add_argument("--tokens", type=int, default=32, help="greedy tokens per answer (default 32)")
     p.add_argument("--rounds", type=int, default=2, help="rounds of every user count (default 2)")

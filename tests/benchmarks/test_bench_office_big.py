@@ -20,7 +20,7 @@ def test_medians_and_the_table_say_the_load_and_the_refusal():
     configure(p)
     args = p.parse_args([])
     assert command_line(args).startswith(
-        "python -m tests.benchmarks office-big --layers 24 --desks 2 --cores 1 --memory-mb 1600")
+        "python -m tests.benchmarks office-big --layers 8 --desks 2 --cores 1 --memory-mb 1400")
     result = {
         "sweep_gb_s": {"4 MiB": 3.0, "256 MiB": 2.0}, "streamed_bytes": 400_000_000, "weight_bytes": 500_000_000,
         "rounds": [{"users": 1, "tok_s": t, "decode_tok_s_per_user": t, "tokens": 32, "ttft_s": 1.0}
