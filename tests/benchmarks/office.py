@@ -222,12 +222,12 @@ async def _async_run(args: argparse.Namespace, root: Path, one: Path,
 async def _proposals(office, users: list[int]) -> dict[int, list[dict[str, Any]]]:
     """The layouts placement proposes for each user count, over the fleet service's placement of the
     default model on the desks (best first: name, kind, predicted tok/s at 1 and N users)."""
+    from console.fleet.models import DEFAULT_MODEL_NAME
     from console.fleet_api.admin_decode import inputs_from_json
     from engine.placement.layouts import propose
-    from export.sources import resolve_model
 
     started = time.perf_counter()
-    model = await office.async_add_model(resolve_model(None).checkpoint_dir)
+    model = DEFAULT_MODEL_NAME  # the library's embedded default: the model the layouts are measured with
     placement = await office.async_placement(model, request={"objective": "throughput", "n_streams": max(users)})
     inputs = inputs_from_json(placement["inputs"])
     out = {}
