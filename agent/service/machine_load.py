@@ -17,6 +17,7 @@ from pathlib import Path
 
 import psutil
 
+from agent.service.pc_facts import own_cgroup_memory
 from engine.suppress import logged_suppress
 
 MIN_WINDOW_S = 1.0  # reads closer together than this answer the last figure (a busy tray, many polls)
@@ -79,10 +80,13 @@ class LoadMeter:
 
 
 def fresh_inventory(inventory: dict, store_root: Path) -> dict:
-    """``inventory`` with the facts that change (free memory, power, disk) read now."""
+    """``inventory`` with the facts that change (free memory, power, disk) read now; memory within
+    this process's cgroup limit (`agent.service.pc_facts.cgroup_memory`)."""
     inventory = dict(inventory)
     with logged_suppress(log, "reading free memory, power and disk for the inventory"):
-        inventory["ram_available"] = psutil.virtual_memory().available
+        memory = psutil.virtual_memory()
+        inventory["ram_total"], inventory["ram_available"] = own_cgroup_memory().cap(
+            int(inventory.get("ram_total") or memory.total), int(memory.available))
         battery = psutil.sensors_battery()
         inventory["battery_percent"] = None if battery is None else battery.percent
         inventory["on_ac"] = None if battery is None else bool(battery.power_plugged)

@@ -36,7 +36,7 @@ from agent.service.spare_policy import SpareDecision
 from agent.service.standby_spare import StandbySpare
 from agent.service.store import ShardStore, async_fetch
 from agent.service.supervisor import WorkerLaunch, WorkerSupervisor
-from agent.service.worker_launch import spare_decision_now, stage_worker_launch
+from agent.service.worker_launch import memory_free_now, memory_refusal, spare_decision_now, stage_worker_launch
 from engine import __version__
 from engine.control.enrollment import async_join
 from engine.control.links import LinkMeasurement, async_measure_link
@@ -267,6 +267,7 @@ class AgentService:
         if self._fetch_task is not None and not self._fetch_task.done():
             return  # already fetching: the status shows its progress
         self.store.check_space(assignment)  # 507 now rather than a failure in the background
+        self._check_memory(assignment)
         cap = bandwidth_cap or self.settings.bandwidth_cap_bytes_s
         self._fetch = replace(self._fetch, error=None, finished=False)
         self._fetch_task = start_task(self._async_fetch(assignment, cap), name="deskfleet-fetch", logger=log)
@@ -281,6 +282,7 @@ class AgentService:
         assignment = self._require_assignment()
         if self.store.missing(assignment):
             raise ControlRequestError("the shard is not fetched and verified yet: POST /v1/fetch first", 409)
+        self._check_memory(assignment)
         self._save(replace(self._state, serving=True))
         if self._pause.paused:
             self._changed()  # it starts when the pause ends
@@ -506,6 +508,17 @@ class AgentService:
         self.spare = self._spare_decision(assignment, worker_running=self._supervisor.running)
         self._supervisor.want_spare = self.spare.keep
         await self._supervisor.async_start(launch)
+
+    def _check_memory(self, assignment: Assignment) -> None:
+        """Refuse (HTTP 507) a stage this PC's free memory cannot hold, before it is fetched or loaded;
+        not while a worker or a spare of it runs (its memory is already taken)."""
+        if self._supervisor.running or self._supervisor.spare_pid is not None:
+            return
+        free, total = memory_free_now()
+        why = memory_refusal(assignment, kv_pool_mb=self.kv_pool_mb, available_bytes=free, total_bytes=total)
+        if why is not None:
+            log.warning("refused: %s", why)
+            raise ControlRequestError(why, 507)
 
     def _worker_launch(self, assignment: Assignment) -> WorkerLaunch:
         creds = self._creds

@@ -3,6 +3,9 @@
 speed, or the solver's explanation when no plan exists; then adjust it: move a split point and
 see the plan re-timed at once, or leave an agent out and re-solve (no measuring again).
 
+Under the plan, the layouts the PCs allow (console.qt.layouts_view): every PC its own copy, rings,
+or both, each with its predicted tok/s at one user and at the users expected, the best proposed.
+
 For a mixture-of-experts model a line under the plan says what its numbers mean: memory counts
 every expert, each step reads only the active ones (`console.fleet_api.placement.moe_note`).
 
@@ -36,7 +39,9 @@ from PySide6.QtWidgets import (
 )
 
 from console.fleet_api.agent_record import AgentRecord
+from console.fleet_api.feed import Event, EventKind
 from console.fleet_api.placement import memory_warnings, moe_note, retime, stage_firsts
+from console.qt.layouts_view import QtLayoutsView
 from console.qt.ring_diagram import QtRingDiagram, RingDiagram
 from console.qt.service_bridge import ServiceBridge
 from console.qt.session import MODEL, PLAN
@@ -73,6 +78,7 @@ class QtPlacementPage(QWidget):
         self.session.subscribe(self._on_session)
         bridge.started.connect(self._update_buttons)
         bridge.records_changed.connect(self._on_records)
+        bridge.service_event.connect(self._on_event)
         self._on_session(MODEL)
         self._on_records(bridge.records)
 
@@ -157,6 +163,8 @@ class QtPlacementPage(QWidget):
         box.addWidget(self.summary)
         box.addWidget(self.moe)
         box.addWidget(self.explanation)
+        self.layouts = QtLayoutsView()
+        box.addWidget(self.layouts)
         box.addLayout(self.splits_row)
         box.addWidget(QLabel("Agents the plan may use:"))
         box.addLayout(adjust)
@@ -264,7 +272,13 @@ class QtPlacementPage(QWidget):
             self.context_reason.setText(AUTO_HINT)  # the last placement's context was another model's
         elif what == PLAN:
             self._show_plan(self.session.plan)
+            if self.layouts.inputs is not self.session.inputs:
+                self.layouts.show_inputs(self.session.inputs, self.session.request.headroom)
         self._update_buttons()
+
+    def _on_event(self, event: Event) -> None:
+        if event.kind is EventKind.METRICS:
+            self.layouts.take_metrics(event.data.get("rings", {}))
 
     def _on_records(self, records: tuple[AgentRecord, ...]) -> None:
         self.fleet_tags.setText(fleet_tags_text(records))

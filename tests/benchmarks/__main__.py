@@ -30,6 +30,7 @@ BENCHMARKS = {
     "moe-export": "tests.benchmarks.moe_export",
     "npu": "tests.benchmarks.npu",
     "office": "tests.benchmarks.office",
+    "office-big": "tests.benchmarks.office_big",
     "parity": "tests.benchmarks.parity",
     "pipeline": "tests.benchmarks.pipeline",
     "placement": "tests.benchmarks.placement",

@@ -44,8 +44,8 @@ SUBNET = "10.231.78"
 REPO = Path(__file__).resolve().parents[3]
 CONTROL_PORT, DATA_PORT = 7210, 7211  # each PC has its own network: the installed defaults
 AGENT_STOP_S = 20.0
-# A desk's agent: no warm spare (it would double the stage in a memory-limited PC whose limit the agent
-# cannot see: it reads the machine's RAM) and a small KV pool (preallocated per stage)
+# A desk's agent: no warm spare (in a memory-limited PC it would double the stage; the agent sees its
+# cgroup's limit and would keep none, but the office does not rely on it) and a small KV pool (preallocated per stage)
 AGENT_DEFAULTS: dict[str, Any] = {"warm_spare": "off", "kv_pool_mb": 64}
 _serial = itertools.count(1)
 
@@ -260,6 +260,34 @@ class Office:
         job = await self.admin.job(made["job"]["id"], timeout)
         if job["state"] != "done":
             raise OfficeError(f"the ring on {[pc.name for pc in desks]} did not come up: {job}")
+        return (await self.admin.ok("GET", f"/rings/{made['ring']['ring']}"))["ring"]
+
+    async def async_add_model(self, checkpoint: Path) -> str:
+        """Add ``checkpoint`` (a directory the server PC can read) to the fleet's library; its name."""
+        assert self.admin is not None
+        return (await self.admin.ok("POST", "/models", {"path": str(checkpoint)}))["model"]["name"]
+
+    async def async_placement(self, model: str, *, context: int | None = None, request: dict | None = None,
+                              timeout: float = 1800.0) -> dict[str, Any]:
+        """The fleet service's placement of ``model`` over the approved agents (measured, calibrated and
+        solved by the service: ``POST /placements``); its JSON (id, inputs, plan)."""
+        assert self.admin is not None
+        made = await self.admin.ok("POST", "/placements", {"model": model, "context": context,
+                                                           "request": request or {}})
+        job = await self.admin.job(made["job"]["id"], timeout)
+        if job["state"] != "done":
+            raise OfficeError(f"the placement of {model} failed: {job.get('error') or job}")
+        return job["result"]["placement"]
+
+    async def async_serve_plan(self, model: str, plan: dict[str, Any], spec: dict[str, Any] | None = None, *,
+                               timeout: float = 1800.0) -> dict[str, Any]:
+        """Serve ``model`` as one ring with ``plan`` (a placement's), exported by the service with its split;
+        the ring's record once it serves."""
+        assert self.admin is not None
+        made = await self.admin.ok("POST", "/rings", {"plan": plan, "model": model, "spec": spec or {}, "standby": []})
+        job = await self.admin.job(made["job"]["id"], timeout)
+        if job["state"] != "done":
+            raise OfficeError(f"the ring of {model} did not come up: {job.get('error') or job}")
         return (await self.admin.ok("GET", f"/rings/{made['ring']['ring']}"))["ring"]
 
     async def async_stop_rings(self, *, timeout: float = 60.0) -> None:
