@@ -31,6 +31,7 @@ from PySide6.QtWidgets import (
 from console.fleet_api.agent_record import AgentRecord
 from console.fleet_api.exports import ExportEvent, ExportFinished, ExportProgress
 from console.fleet_api.ring_status import AgentProgress, RingHealth
+from console.qt.confirm import ask_first
 from console.qt.ring_diagram import QtRingDiagram, RingDiagram, measured_from_metrics
 from console.qt.service_serving import ServiceServing, ServingPhase
 from console.qt.session import PLAN, SERVING, ConsoleSession
@@ -110,19 +111,8 @@ class QtDistributionPage(QWidget):
 
     def _ask(self, title: str, question: str, detail: str, then) -> None:
         """Ask before anything that drops the chats of the people using the fleet; ``then()`` on Yes."""
-        box = QMessageBox(QMessageBox.Icon.Warning, title, question,
-                          QMessageBox.StandardButton.Yes | QMessageBox.StandardButton.Cancel, self)
-        box.setInformativeText(detail)
-        box.setDefaultButton(QMessageBox.StandardButton.Cancel)
-        self.confirmation = box
-
-        def answered(button) -> None:
-            self.confirmation = None
-            if box.standardButton(button) == QMessageBox.StandardButton.Yes:
-                then()
-
-        box.buttonClicked.connect(answered)
-        box.open()
+        self.confirmation = ask_first(self, title, question, detail, then,
+                                      closed=lambda: setattr(self, "confirmation", None))
 
     def stop(self) -> None:
         """Stop serving, after a question while the ring serves (it cuts off every chat in progress)."""

@@ -36,6 +36,7 @@ from PySide6.QtWidgets import (
 
 from console.fleet_api.agent_record import AgentRecord, Membership
 from console.fleet_api.link_report import SERVICE, LinkReport
+from console.qt.confirm import ask_first
 from console.qt.fleet_overview import awaiting_approval
 from console.qt.fleet_table_model import (
     COALESCE_MS,
@@ -304,20 +305,11 @@ class QtFleetPage(QWidget):
         if not chosen:
             return
         what = chosen[0].name if len(chosen) == 1 else f"{len(chosen)} agents"
-        box = QMessageBox(QMessageBox.Icon.Warning, "Remove agents", f"Remove {what} from the fleet?",
-                          QMessageBox.StandardButton.Yes | QMessageBox.StandardButton.Cancel, self)
-        box.setInformativeText("A removed PC's certificate is revoked: it can only come back by joining again "
-                               "with a new token.")
-        box.setDefaultButton(QMessageBox.StandardButton.Cancel)
-        self.confirmation = box
-
-        def answered(button) -> None:
-            self.confirmation = None
-            if box.standardButton(button) == QMessageBox.StandardButton.Yes:
-                self._run("Removed", "Removing", self.bridge.remove, chosen)
-
-        box.buttonClicked.connect(answered)
-        box.open()
+        self.confirmation = ask_first(
+            self, "Remove agents", f"Remove {what} from the fleet?",
+            "A removed PC's certificate is revoked: it can only come back by joining again with a new token.",
+            lambda: self._run("Removed", "Removing", self.bridge.remove, chosen),
+            closed=lambda: setattr(self, "confirmation", None))
 
     def _run(self, done_verb: str, doing_verb: str, action: Action, records: list[AgentRecord]) -> None:
         if not records:

@@ -35,6 +35,7 @@ from PySide6.QtWidgets import (
 
 from console.fleet_api.feed import Event, EventKind
 from console.qt.api_snippets import curl_snippet, mask_key, python_snippet
+from console.qt.confirm import ask_first
 from console.qt.service_bridge import ServiceBridge
 from console.qt.service_serving import ServiceServing
 
@@ -259,22 +260,13 @@ class QtKeysPage(QWidget):
         name = self.selected_name()
         if name is None:
             return
-        box = QMessageBox(QMessageBox.Icon.Warning, "Revoke the key", f"Revoke the key “{name}”?",
-                          QMessageBox.StandardButton.Yes | QMessageBox.StandardButton.Cancel, self)
-        box.setInformativeText("Whoever uses it is refused from their next request; a revoked key cannot be "
-                               "restored (issue a new one).")
-        box.setDefaultButton(QMessageBox.StandardButton.Cancel)
-        self.confirmation = box
-
-        def answered(button) -> None:
-            self.confirmation = None
-            if box.standardButton(button) == QMessageBox.StandardButton.Yes:
-                self.bridge.call(self.bridge.client.async_revoke_key(name), f"revoking the key {name}",
-                                 on_result=lambda _: self._revoked(name),
-                                 on_error=lambda exc: self._say(f"Could not revoke “{name}”: {exc}", error=True))
-
-        box.buttonClicked.connect(answered)
-        box.open()
+        self.confirmation = ask_first(
+            self, "Revoke the key", f"Revoke the key “{name}”?",
+            "Whoever uses it is refused from their next request; a revoked key cannot be restored (issue a new one).",
+            lambda: self.bridge.call(self.bridge.client.async_revoke_key(name), f"revoking the key {name}",
+                                     on_result=lambda _: self._revoked(name),
+                                     on_error=lambda exc: self._say(f"Could not revoke “{name}”: {exc}", error=True)),
+            closed=lambda: setattr(self, "confirmation", None))
 
     def _revoked(self, name: str) -> None:
         if self.snippet_key is not None and self.snippet_key[0] == name:

@@ -132,6 +132,17 @@ _SAMPLE_S = 0.05  # the kernel keeps no peak for RssAnon/RssFile: sample them th
 _STATUS_FIELDS = ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem")
 
 
+def export_or_default(export: Path | None) -> tuple[Path, str]:
+    """A benchmark's ``--export`` and its model's name, or the embedded default model's 2-stage INT4
+    export (made on first use) named "<model> INT4"."""
+    from engine.shards.manifest import load_manifest
+
+    if export is not None:
+        return export, load_manifest(export).model.name
+    source, (made,), _ = default_model_exports(("int4", 2, True))
+    return made, f"{source.name} INT4"
+
+
 def _status_kb(pid: int) -> dict[str, int]:
     """The memory fields of /proc/<pid>/status in kB ({} once the process is gone)."""
     try:

@@ -414,14 +414,9 @@ def run(args: argparse.Namespace) -> int:
 
     from engine.generation.tokenizer import ChatTokenizer
     from engine.shards.manifest import load_manifest
+    from tests.benchmarks.kit import export_or_default
 
-    if args.export is not None:
-        export, model = args.export, load_manifest(args.export).model.name
-    else:
-        from tests.benchmarks.kit import default_model_exports
-
-        source, (export,), _ = default_model_exports(("int4", 2, True))
-        model = f"{source.name} INT4"
+    export, model = export_or_default(args.export)
     manifest = load_manifest(export)
     tokenizer = ChatTokenizer(export / "tokenizer")
     start, machine = time.monotonic(), machine_info()
