@@ -1,6 +1,6 @@
 """``deskfleet keys``: the fleet's API keys, over a state directory (the fleet service's or console's).
 
-    deskfleet keys issue NAME [--rpm N] [--tpm N] [--metrics]   a new key; its secret is printed once
+    deskfleet keys issue NAME [--rpm N] [--tpm N] [--metrics] [--priority batch]   a new key (secret printed once)
     deskfleet keys list [--json]                    every key, live and revoked (never a secret)
     deskfleet keys revoke NAME                      the running API refuses it from its next request
 
@@ -49,6 +49,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     issue.add_argument("--rpm", type=_limit, default=None, metavar="N", help="at most N requests per minute")
     issue.add_argument("--tpm", type=_limit, default=None, metavar="N",
                        help="at most N tokens (prompt + answer) per minute")
+    issue.add_argument("--priority", choices=("interactive", "batch"), default="interactive",
+                       help="its class in a ring's fair share: interactive (chat, the default) or batch (served "
+                            "after interactive keys when both wait, with a smaller share)")
     issue.add_argument("--metrics", action="store_true",
                        help="the key may read the API's /metrics (for a monitoring system; no other key may)")
     listing = sub.add_parser("list", help="every key: name, limits, issued, revoked (never a secret)")
@@ -71,7 +74,7 @@ def _change(args: argparse.Namespace, state_dir: Path) -> dict:
     book = KeyBook(state_dir)
     try:
         if args.keys_action == "issue":
-            issued = book.issue(args.name, rpm=args.rpm, tpm=args.tpm, metrics=args.metrics)
+            issued = book.issue(args.name, rpm=args.rpm, tpm=args.tpm, metrics=args.metrics, priority=args.priority)
             return {"secret": issued.secret}
         if args.keys_action == "list":
             return {"keys": [k.to_json() for k in book.keys()], "path": str(book.path)}

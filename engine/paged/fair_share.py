@@ -166,7 +166,8 @@ class FairShare:
             del self._clock[p]
 
     @staticmethod
-    def slot_shares(streams: Mapping[PrincipalId, int], slots: int, order: Sequence[Principal]) -> dict[PrincipalId, int]:
+    def slot_shares(streams: Mapping[PrincipalId, int], slots: int,
+                    order: Sequence[Principal]) -> dict[PrincipalId, int]:
         """How many of ``slots`` each principal may hold running, for its ``streams`` (running and
         waiting)."""
         return split(slots, streams, {p.id: p.weight for p in order}, [p.id for p in order])
@@ -187,11 +188,11 @@ class StepFairness:
     and running streams, and what it may still take of the step (:class:`StepShares`)."""
 
     def __init__(self, order: Sequence[Principal], slots: Mapping[PrincipalId, int],
-                 running: Mapping[PrincipalId, int], shares: StepShares) -> None:
+                 running: Mapping[PrincipalId, int]) -> None:
         self.order = list(order)
         self.slots = dict(slots)
         self.running = dict(running)
-        self.shares = shares
+        self.shares = StepShares({}, {})  # uncapped until :meth:`divide`
         self.withheld = 0  # rows that waited because their principal's share of the step was used up
 
     def room(self, s: StreamState, want: int) -> int:
@@ -203,6 +204,22 @@ class StepFairness:
 
     def take(self, s: StreamState, tokens: int) -> None:
         self.shares.take(s.request.principal.id, tokens)
+
+    def divide(self, running: Sequence[StreamState], waiting: Sequence[StreamState], config: SchedulerConfig,
+               drafts: Drafts, rows: int, tokens: int, skip: set) -> None:
+        """Share the step's ``rows`` and ``tokens`` by the principals' demands, once the slots are
+        rebalanced: a waiting stream counts only if a free slot is there for it (in order)."""
+        free = config.max_streams - len(running)
+        line: dict[PrincipalId, int] = {}
+        for s in waiting:
+            if s.stream_id not in skip:
+                line[s.request.principal.id] = line.get(s.request.principal.id, 0) + 1
+        admissible: dict[PrincipalId, int] = {}
+        for p in self.order:
+            take = min(free, line.get(p.id, 0), max(0, self.slots.get(p.id, 0) - self.running.get(p.id, 0)))
+            admissible[p.id], free = take, free - take
+        wants = demands(running, [s for s in waiting if s.stream_id not in skip], config, drafts, admissible)
+        self.shares = FairShare.step_shares(wants, rows, tokens, self.order)
 
     def admitted(self, s: StreamState) -> None:
         p = s.request.principal.id
@@ -223,11 +240,20 @@ class StepFairness:
                     return first
         return None
 
+    def admissible(self, waiting: Iterable[StreamState], skip: set) -> int:
+        """Waiting streams that principals under their slot share may admit now."""
+        line: dict[PrincipalId, int] = {}
+        for s in waiting:
+            if s.stream_id not in skip:
+                line[s.request.principal.id] = line.get(s.request.principal.id, 0) + 1
+        return sum(min(n, max(0, self.slots.get(p, 0) - self.running.get(p, 0))) for p, n in line.items())
+
     def victim(self, running: Sequence[StreamState]) -> StreamState | None:
         """The stream to preempt so a principal under its slot share can take a slot when none is
         free: the newest stream not in flight of the principal most over its share (None: nobody is
-        over, or every stream of those who are is in flight)."""
-        over = sorted((p for p in self.order if self.running.get(p.id, 0) > self.slots.get(p.id, 0)),
+        over, or every stream of those who are is in flight). A principal's last stream is never
+        taken: with more principals than slots they take turns as streams end, without churn."""
+        over = sorted((p for p in self.order if self.running.get(p.id, 0) > max(1, self.slots.get(p.id, 0))),
                       key=lambda p: (self.slots.get(p.id, 0) - self.running.get(p.id, 0), -p.priority.rank))
         for p in over:
             mine = [s for s in running if s.request.principal.id == p.id and s.in_flight is None and not s.cancelled]
@@ -237,10 +263,10 @@ class StepFairness:
 
 
 def plan_step(fair: FairShare, streams: Iterable[StreamState], running: Sequence[StreamState],
-              waiting: Iterable[StreamState], config: SchedulerConfig, drafts: Drafts, rows: int,
-              tokens: int) -> StepFairness | None:
-    """The shares of the next step over ``streams`` (every stream added and not ended): None
-    while they are all one principal's (nothing is capped then)."""
+              config: SchedulerConfig) -> StepFairness | None:
+    """The slot shares of the next step over ``streams`` (every stream added and not ended): None
+    while they are all one principal's (nothing is capped then). Its rows and tokens are shared by
+    :meth:`StepFairness.divide`, once the slots are rebalanced."""
     principals: dict[PrincipalId, Principal] = {}
     oldest: dict[PrincipalId, int] = {}
     counts: dict[PrincipalId, int] = {}
@@ -257,6 +283,4 @@ def plan_step(fair: FairShare, streams: Iterable[StreamState], running: Sequence
     held: dict[PrincipalId, int] = {}
     for s in running:
         held[s.request.principal.id] = held.get(s.request.principal.id, 0) + 1
-    admissible = {p: max(0, slots[p] - held.get(p, 0)) for p in principals}
-    wants = demands(running, waiting, config, drafts, admissible)
-    return StepFairness(order, slots, held, FairShare.step_shares(wants, rows, tokens, order))
+    return StepFairness(order, slots, held)

@@ -51,12 +51,22 @@ class StepComposer:
         self._orders = itertools.count(1)
         self.fair = FairShare()
         self._step_fairness: StepFairness | None = None  # while a step is composed: its principals' shares
+        self._withheld = False  # the last step composed left rows out for their principals' shares
 
     def next_step(self, drafts: Drafts | None = None, max_rows: int | None = None
                   ) -> tuple[PagedStep | None, list[Action]]:
         """The next step over streams not in flight, within the token budget (None: nothing to do),
         recorded as in flight; ``max_rows`` caps the streams in it. The actions are streams that
-        failed while planning (:meth:`BatchScheduler.next_step`)."""
+        failed while planning (:meth:`BatchScheduler.next_step`). A step the shares leave empty
+        (the shares' rows could not be made: streams waiting for blocks) is composed uncapped."""
+        step, actions = self._compose(drafts, max_rows, self.config.fair_share)
+        if step is None and self.config.fair_share and self._withheld:
+            more, again = self._compose(drafts, max_rows, fair_share=False)
+            return more, actions + again
+        return step, actions
+
+    def _compose(self, drafts: Drafts | None, max_rows: int | None, fair_share: bool
+                 ) -> tuple[PagedStep | None, list[Action]]:
         cfg, book = self.config, self.book
         drafts = drafts or {}
         limit = max_rows if max_rows is not None else len(book.streams)
@@ -67,8 +77,11 @@ class StepComposer:
         actions: list[Action] = []
         preempted: set[StreamId] = set()
         offered: list[StreamId] = []
-        fair = self._step_fairness = plan_step(self.fair, book.streams.values(), book.running, book.waiting, cfg,
-                                               drafts, limit, budget) if cfg.fair_share else None
+        fair = self._step_fairness = plan_step(self.fair, book.streams.values(), book.running,
+                                               cfg) if fair_share else None
+        if fair is not None:
+            self._rebalance_slots(fair, preempted)
+            fair.divide(book.running, book.waiting, cfg, drafts, limit, budget, preempted)
 
         def ready(s: StreamState) -> bool:
             return s in book.running and s.in_flight is None and not s.cancelled
@@ -146,12 +159,13 @@ class StepComposer:
         for s in list(book.running):  # the next chunks of prefills in flight, in the room left
             if budget < 1 or len(rows) >= limit:
                 break
-            n = self._follow_up(s, seq, room(s, budget))
+            n = self._follow_up(s, seq, room(s, budget)) if s.in_flight not in (None, seq) and s.unfed > 0 else 0
             if n:
                 rows.append(self._row(s, seq, n))
                 budget -= n
 
         self._step_fairness = None
+        self._withheld = fair is not None and fair.withheld > 0
         if fair is not None:
             book.counters["fair_steps"] += 1
             book.counters["fair_withheld"] += fair.withheld
@@ -171,22 +185,28 @@ class StepComposer:
         return PagedStep(seq, plan, ids), actions
 
     def _next_waiting(self, preempted: set[StreamId]) -> StreamState | None:
-        """The waiting stream to admit next, with a slot for it (None: nobody now). First come first
-        served, or with several principals the first in line of the first one under its slot share,
-        a principal over its share giving up a slot when none is free."""
+        """The waiting stream to admit next if a slot is free (None: nobody now): first come first
+        served, or with several principals the first in line of the first one under its slot share."""
         book, fair = self.book, self._step_fairness
+        if len(book.running) >= self.config.max_streams:
+            return None
         if fair is None:
             s = book.waiting[0]
-            return s if len(book.running) < self.config.max_streams and s.stream_id not in preempted else None
-        s = fair.next_waiting(book.waiting, preempted)
-        if s is not None and len(book.running) >= self.config.max_streams:
+            return s if s.stream_id not in preempted else None
+        return fair.next_waiting(book.waiting, preempted)
+
+    def _rebalance_slots(self, fair: StepFairness, preempted: set[StreamId]) -> None:
+        """Before any row is planned (rows put their streams in flight): while principals under their
+        slot share wait for more slots than are free, the principal most over its share gives one up,
+        its newest stream not in flight preempted (the slot then waits for those under their share)."""
+        book = self.book
+        while fair.admissible(book.waiting, preempted) > self.config.max_streams - len(book.running):
             victim = fair.victim(book.running)
             if victim is None:
-                return None
+                return
             self._preempt(victim)
             preempted.add(victim.stream_id)
             book.counters["fair_preemptions"] += 1
-        return s
 
     def _share_caught_up(self, s: StreamState, caught: CaughtUp) -> None:
         """Put the full blocks ``s`` caught up on in its table (each replacing its own partial copy

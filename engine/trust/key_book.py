@@ -38,6 +38,7 @@ BOOK_FORMAT = "deskfleet-api-keys/1"
 CONSOLE_KEY_NAME = "console"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@:-]{0,63}$")
 MAX_LIMIT = 10**9
+PRIORITIES = ("interactive", "batch")  # engine.generation.principal.Priority's values: a key's scheduling class
 
 
 class KeyBookError(TrustError):
@@ -89,7 +90,9 @@ class ApiKey:
     """One key's record. ``rpm``/``tpm``: requests and tokens (prompt + completion) per minute,
     None for no limit. ``node_id``: the fleet member the key was issued to (an agent's tray), so
     removing that member revokes it. ``metrics``: the key may read the API's ``/metrics`` (a
-    monitoring system's; the console's own key may too), which no other key may."""
+    monitoring system's; the console's own key may too), which no other key may. ``priority``:
+    its class in a ring's fair share (``interactive``, chat, or ``batch``: served after interactive
+    keys when both wait, with a smaller share, never starved)."""
 
     name: str
     sha256: str = field(repr=False)
@@ -99,6 +102,7 @@ class ApiKey:
     node_id: str | None = None
     revoked_at: str | None = None
     metrics: bool = False
+    priority: str = "interactive"
 
     @property
     def live(self) -> bool:
@@ -117,7 +121,10 @@ class ApiKey:
             raise TypeError("a key record must be an object")
         key = cls(name=check_name(doc["name"]), sha256=str(doc["sha256"]), issued_at=str(doc["issued_at"]),
                   rpm=_check_limit("rpm", doc.get("rpm")), tpm=_check_limit("tpm", doc.get("tpm")),
-                  node_id=doc.get("node_id"), revoked_at=doc.get("revoked_at"), metrics=doc.get("metrics", False))
+                  node_id=doc.get("node_id"), revoked_at=doc.get("revoked_at"), metrics=doc.get("metrics", False),
+                  priority=doc.get("priority", "interactive"))
+        if key.priority not in PRIORITIES:
+            raise ValueError(f"key {key.name!r}: priority {key.priority!r} is not one of {', '.join(PRIORITIES)}")
         if not isinstance(key.metrics, bool):
             raise TypeError(f"key {key.name!r}: metrics must be true or false")
         if len(key.sha256) != 64 or not all(c in "0123456789abcdef" for c in key.sha256):
@@ -239,12 +246,12 @@ class KeyBook:
             os.close(fd)  # releases the lock
 
     def issue(self, name: str, *, rpm: int | None = None, tpm: int | None = None, node_id: str | None = None,
-              replace_live: bool = False, metrics: bool = False) -> IssuedKey:
+              replace_live: bool = False, metrics: bool = False, priority: str = "interactive") -> IssuedKey:
         """A new key named ``name``; its secret is returned once and kept nowhere. A revoked key
         of that name is replaced; a live one only with ``replace_live`` (the old secret stops
         working at once), else KeyNameError."""
         return self._put(name, new_secret(), rpm=rpm, tpm=tpm, node_id=node_id, replace_live=replace_live,
-                         metrics=metrics)
+                         metrics=metrics, priority=priority)
 
     def adopt(self, name: str, secret: str, *, node_id: str | None = None) -> ApiKey:
         """Record an existing secret under ``name`` (the console's key, kept in its keyring from
@@ -255,10 +262,12 @@ class KeyBook:
         return self._put(name, secret, rpm=None, tpm=None, node_id=node_id, replace_live=True).key
 
     def _put(self, name: str, secret: str, *, rpm: int | None, tpm: int | None, node_id: str | None,
-             replace_live: bool, metrics: bool = False) -> IssuedKey:
+             replace_live: bool, metrics: bool = False, priority: str = "interactive") -> IssuedKey:
         check_name(name)
+        if priority not in PRIORITIES:
+            raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}, got {priority!r}")
         record = ApiKey(name, digest(secret), _now(), _check_limit("rpm", rpm), _check_limit("tpm", tpm), node_id,
-                        metrics=bool(metrics))
+                        metrics=bool(metrics), priority=priority)
         with self._changing() as keys:
             old = keys.get(name)
             if old is not None and old.live and not replace_live:

@@ -118,7 +118,7 @@ def _greedy_then_chats(fair: bool) -> tuple[Stepper, list[int], int]:
                                   pool_blocks=512, fair_share=fair), fingerprint="sim")
     stepper = Stepper(sched)
     long_a, long_b = _prompt(rnd, 200), _prompt(rnd, 180)
-    for i in range(8):  # a request's n choices: one prompt, one principal
+    for _ in range(8):  # a request's n choices: one prompt, one principal
         stepper.add(GenerationRequest(long_a, max_new_tokens=60, principal=GREEDY, ignore_eos=True))
     stepper.add(GenerationRequest(long_b, max_new_tokens=60, principal=GREEDY, ignore_eos=True))
     for _ in range(2):
@@ -245,7 +245,7 @@ def test_a_batch_principal_is_never_starved_by_many_interactive_ones():
                                             pool_blocks=512)))
     interactive = [Principal(PrincipalId(f"key:i{k}")) for k in range(12)]
     batch = stepper.add(GenerationRequest(_prompt(rnd, 120), max_new_tokens=4, principal=BATCH, ignore_eos=True))
-    for tick in range(400):
+    for _ in range(400):
         if batch in stepper.run.ends:
             break
         for p in interactive:  # each always has a request waiting
@@ -253,7 +253,7 @@ def test_a_batch_principal_is_never_starved_by_many_interactive_ones():
                        for sid in stepper.requests):
                 stepper.add(GenerationRequest(_prompt(rnd, 60), max_new_tokens=4, principal=p, ignore_eos=True))
         stepper.step()
-    assert batch in stepper.run.ends and len(stepper.run.tokens[batch]) == 4, f"starved for {tick} steps"
+    assert batch in stepper.run.ends and len(stepper.run.tokens[batch]) == 4, "starved"
     stepper.finish()
 
 
