@@ -6,10 +6,10 @@ The default model's 1-stage export served by the paged coordinator and the real 
 process, with a key book of four keys; every user is the real ``openai`` client (``AsyncOpenAI``).
 Per round, four variants run interleaved (order rotated each round): the chat users alone or
 beside the greedy user, with the scheduler's fair share on or off (``SchedulerConfig.fair_share``;
-two coordinators, loaded once). The greedy user sends ``n = 8`` requests on a long prompt, one
-after another; each chat user asks ``--chats`` short questions in turn. TTFT is measured by each
-chat user from sending to its first streamed token; figures are medians over rounds of each
-round's p95.
+two coordinators, loaded once). The greedy user keeps ``--greedy-requests`` ``n = 8`` requests on
+long prompts in flight (2: every one of the 16 slots), back to back; each chat user asks
+``--chats`` short questions in turn. TTFT is measured by each chat user from sending to its first
+streamed token; figures are medians over rounds of each round's p95.
 """
 
 from __future__ import annotations
@@ -83,8 +83,8 @@ async def _round(urls: dict[bool, str], secrets: list[str], model: str, with_gre
     clients = [openai.AsyncOpenAI(base_url=url, api_key=s, max_retries=0, timeout=1800) for s in secrets]
     stop = asyncio.Event()
     try:
-        greedy = asyncio.ensure_future(_greedy_user(clients[0], model, args.long_repeats, args.greedy_tokens, stop)) \
-            if with_greedy else None
+        greedy = asyncio.gather(*(_greedy_user(clients[0], model, args.long_repeats, args.greedy_tokens, stop)
+                                  for _ in range(args.greedy_requests))) if with_greedy else None
         if greedy is not None:
             await asyncio.sleep(args.head_start)  # the greedy user's choices in the slots first
         users = await asyncio.gather(*(_chat_user(c, model, args.chats, args.chat_tokens, seed * 10 + k)
@@ -120,11 +120,12 @@ async def _async_run(args: argparse.Namespace, export: Path) -> dict[str, Any]:
                 stack.push_async_callback(api.async_stop)
                 urls[fair], model = api.url, coordinator.model.name
             rounds: list[dict[str, Any]] = []
-            for r in range(args.rounds):
+            for r in range(-args.warmups, args.rounds):
                 order = VARIANTS[r % 4:] + VARIANTS[:r % 4]
                 for load, fair in order:
                     result = await _round(urls, secrets, model, load == "greedy", fair, args, r)
-                    rounds.append({"round": r, "load": load, "fair": fair, **result})
+                    if r >= 0:  # warm-up rounds (negative) compile the step shapes: not recorded
+                        rounds.append({"round": r, "load": load, "fair": fair, **result})
                     print(f"round {r} {load:6s} fair={fair}: TTFT p95 {result['ttft_p95_s']:.2f} s", file=sys.stderr)
     return {"rounds": rounds}
 
@@ -139,8 +140,11 @@ def summarise(rounds: list[dict[str, Any]]) -> dict[str, float]:
 
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=3, help="rounds, each running every variant once (default 3)")
+    p.add_argument("--warmups", type=int, default=1, help="untimed rounds first (default 1)")
     p.add_argument("--chats", type=int, default=4, help="questions per chat user per round (default 4)")
     p.add_argument("--chat-tokens", type=int, default=16, help="tokens per chat answer (default 16)")
+    p.add_argument("--greedy-requests", type=int, default=2,
+                   help="n = 8 requests the greedy user keeps in flight at once (default 2: 16 streams)")
     p.add_argument("--greedy-tokens", type=int, default=64, help="tokens per greedy choice (default 64)")
     p.add_argument("--long-repeats", type=int, default=12, help="paragraphs in the greedy prompt (default 12)")
     p.add_argument("--head-start", type=float, default=2.0, help="seconds the greedy user starts first")
@@ -162,15 +166,18 @@ def run(args: argparse.Namespace) -> int:
     write_json(args.json, {"machine": machine, "args": {k: str(v) for k, v in vars(args).items() if k != "_run"},
                            "figures": figures, **raw})
     flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-                     if k in ("rounds", "chats", "chat_tokens", "greedy_tokens", "long_repeats", "slots"))
+                     if k in ("rounds", "warmups", "chats", "chat_tokens", "greedy_requests", "greedy_tokens",
+                              "long_repeats", "slots"))
     rows = [["fair share on", f"{figures['alone-fair']:.2f}", f"{figures['greedy-fair']:.2f}", f"{ratio_fair:.2f}x",
              "met" if ratio_fair <= TARGET else "**missed**"],
             ["fair share off (first come first served)", f"{figures['alone-fcfs']:.2f}",
              f"{figures['greedy-fcfs']:.2f}", f"{ratio_fcfs:.2f}x", "-"]]
     body = (f"## Fairness: chat users beside a greedy user\n\n`{COMMAND_LINE} {flags}`\n\n"
             "Three chat users (the real `openai` client, streamed, one key each) ask short questions in turn; "
-            "a fourth key sends `n = 8` requests on a long prompt back to back. TTFT p95 of the chat users, "
-            f"median over {args.rounds} interleaved rounds, default model (int4, 1 stage), {args.slots} slots. "
+            f"a fourth key keeps {args.greedy_requests} `n = 8` requests on long prompts in flight, back to back. "
+            "TTFT p95 of the chat users, "
+            f"median over {args.rounds} interleaved rounds after {args.warmups} untimed, default model (int4, "
+            f"1 stage), {args.slots} slots. "
             f"Issue 33's goal: within {TARGET:.0f}x of the same chat load without the greedy user. "
             f"Machine: {machine['cores']} cores, load average {machine['load_average']} at the start "
             f"({machine['date']}; shared and loaded: compare the ratios).\n\n"
