@@ -53,9 +53,9 @@ its first chunk fits without preempting anyone. Admission reuses the longest ind
 **Its parts.** The scheduler owns the state (:class:`~engine.paged.stream_book.StreamBook`: the
 queues, the steps in flight, the block moves that free a stream) and the constraints, and lends
 the book to its two halves: composing a step (:mod:`engine.paged.step_composer`: rows, blocks,
-preemption, admission) and accounting for its outcome (:mod:`engine.paged.outcome_accountant`:
-advance, rewind, verify, sample, finish). Here: requests in and out, the grammars around an
-outcome, replay, metrics.
+preemption, admission, each principal's fair share: :mod:`engine.paged.fair_share`) and accounting
+for its outcome (:mod:`engine.paged.outcome_accountant`: advance, rewind, verify, sample, finish).
+Here: requests in and out, the grammars around an outcome, replay, metrics.
 """
 from __future__ import annotations
 
