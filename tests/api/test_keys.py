@@ -40,7 +40,7 @@ def test_issued_secret_is_kept_only_as_its_hash(tmp_path):
     assert book.identify(issued.secret + "x") is None and book.identify("") is None
     assert [k.to_json() for k in book.keys()] == [{"name": "alice", "issued_at": issued.key.issued_at, "rpm": 30,
                                                   "tpm": None, "node_id": None, "revoked_at": None,
-                                                  "metrics": False}]
+                                                  "metrics": False, "priority": "interactive"}]
     assert "sha256" not in repr(issued) and issued.secret not in repr(issued)
 
 

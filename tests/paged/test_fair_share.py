@@ -93,6 +93,28 @@ class Stepper:
                    and self.requests[sid].principal == principal)
 
 
+# -- whose request it is -------------------------------------------------------------------------
+
+def test_the_api_names_a_requests_principal_by_key_member_or_none(tmp_path):
+    """A book key's principal is its scope, with the key's priority; a member's keys are the member;
+    without keys every request is the one anonymous party (issue 29: keyless = one principal)."""
+    from engine.api.keys import ANONYMOUS, KeyCheck
+    from engine.generation.principal import ANONYMOUS as NOBODY
+    from engine.trust.key_book import KeyBook
+
+    book = KeyBook(tmp_path)
+    alice, bot = book.issue("alice"), book.issue("wiki-bot", priority="batch")
+    tray = book.issue("tray-pc1", node_id="node-1")
+    check = KeyCheck(book=book)
+    a, b, t = (check.identify(k.secret) for k in (alice, bot, tray))
+    assert a.principal == Principal(PrincipalId(a.scope)) and a.scope.startswith("key:")
+    assert b.principal.priority is Priority.BATCH and b.principal.weight < a.principal.weight
+    assert t.principal.id == "member:node-1"
+    assert ANONYMOUS.principal == NOBODY and GenerationRequest((1,), 1).principal == NOBODY
+    with pytest.raises(ValueError, match="priority"):
+        book.issue("carol", priority="urgent")
+
+
 # -- the split ------------------------------------------------------------------------------------
 
 def test_split_is_weighted_max_min_fair_and_work_conserving():
