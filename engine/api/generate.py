@@ -4,7 +4,8 @@
 tokenises the prompt off the loop (:func:`prompt_ids`) and makes one id-level
 :class:`~engine.generation.request.GenerationRequest` per choice within the server's limits and
 the model's context (:func:`to_generation_requests`: the refusals that need the token count are
-here, 400 ``context_length_exceeded``), in the key's own cache scope. :meth:`Generation.streams`
+here, 400 ``context_length_exceeded``), in the key's own cache scope and as its principal's (the
+paged scheduler's fair share, :mod:`engine.paged.fair_share`). :meth:`Generation.streams`
 runs each choice through the router and yields its :class:`Token` events, then one :class:`End`
 (the OpenAI ``finish_reason``, and ``stop_reason`` when the server stopped it). Tokens are charged
 to the caller's key as they come: a stream stops when the key runs out of tokens
@@ -218,8 +219,9 @@ class Generation:
         check_prompt_ids(params, card.vocab_size)  # the model's rows: a tokenizer may name fewer ids
         check_logit_bias(params, card.vocab_size)
         ids = await off_loop(self._encode_locked, tokenizer, params)
-        # the key's own prefix cache: another key's prompts are never reused, nor timed, through it
-        requests = tuple(replace(r, cache_scope=admitted.caller.scope)
+        # the key's own prefix cache: another key's prompts are never reused, nor timed, through it;
+        # and its principal, whose fair share of a ring's slots and steps its choices count against
+        requests = tuple(replace(r, cache_scope=admitted.caller.scope, principal=admitted.caller.principal)
                          for r in to_generation_requests(ids, params, self.limits, card))
         tally.prompt_tokens = len(requests[0].prompt_ids)
         self.metrics.observe_prompt(tally.prompt_tokens, card.name, admitted.caller.name)

@@ -22,6 +22,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from engine.generation.principal import ANONYMOUS as ANONYMOUS_PRINCIPAL
+from engine.generation.principal import Principal, PrincipalId, Priority
 from engine.trust.key_book import CONSOLE_KEY_NAME, KeyBook
 
 DEFAULT_CALLER = "default"
@@ -37,7 +39,8 @@ class Caller:
     derived from its secret's hash, so a key issued again under the same name starts a new scope.
     ``metrics``: may read ``/metrics`` (the one fixed key, the console's key, a key issued with
     ``--metrics``). ``group``, ``day_tokens``, ``month_tokens``: the key's group and token budgets
-    (:mod:`engine.api.usage`)."""
+    (:mod:`engine.api.usage`). ``member``: the fleet member a key was issued to (its tray's), whose keys share
+    one :attr:`principal`; ``priority``: the key's class in a ring's fair share."""
 
     name: str
     rpm: int | None = None
@@ -47,6 +50,19 @@ class Caller:
     group: str | None = None
     day_tokens: int | None = None
     month_tokens: int | None = None
+    member: str | None = None
+    priority: Priority = Priority.INTERACTIVE
+
+    @property
+    def principal(self) -> Principal:
+        """Whom a ring's fair share counts this caller's streams against
+        (:attr:`~engine.generation.request.GenerationRequest.principal`): the member for a member's
+        key, else the key (its scope); without keys, the one anonymous party."""
+        if self.member is not None:
+            return Principal(PrincipalId(f"member:{self.member}"), self.priority)
+        if not self.scope:
+            return ANONYMOUS_PRINCIPAL
+        return Principal(PrincipalId(self.scope), self.priority)
 
 
 ANONYMOUS = Caller("-")  # a server without keys (loopback only), or a stranger on /health
@@ -78,7 +94,8 @@ class KeyCheck:
             if key is not None:
                 return Caller(key.name, key.rpm, key.tpm, scope=f"key:{key.sha256[:32]}",
                               metrics=key.metrics or key.name == CONSOLE_KEY_NAME, group=key.group,
-                              day_tokens=key.day_tokens, month_tokens=key.month_tokens)
+                              day_tokens=key.day_tokens, month_tokens=key.month_tokens, member=key.node_id,
+                              priority=Priority.parse(key.priority))
         # aiohttp hands header bytes that are not UTF-8 over as surrogates: compare them as the bytes they were
         if self._static is not None and hmac.compare_digest(token.encode("utf-8", "surrogateescape"), self._static):
             return Caller(DEFAULT_CALLER, scope=DEFAULT_CALLER, metrics=True)  # the operator's own key

@@ -1,7 +1,7 @@
 """``deskfleet keys``: the fleet's API keys, over a state directory (the fleet service's or console's).
 
     deskfleet keys issue NAME [--rpm N] [--tpm N] [--metrics] [--holder WHO] [--application]
-                              [--group G] [--day-tokens N] [--month-tokens N]
+                              [--group G] [--day-tokens N] [--month-tokens N] [--priority batch]
                                                     a new key; its secret is printed once
     deskfleet keys set NAME [same options]          change a live key's limits, budgets, holder or group
     deskfleet keys group G [--day-tokens N] [--month-tokens N]   the group's token budgets (none: no budget)
@@ -91,11 +91,14 @@ def _record_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--day-tokens", type=_limit, default=None, metavar="N", help="a budget of N tokens per UTC day")
     p.add_argument("--month-tokens", type=_limit, default=None, metavar="N",
                    help="a budget of N tokens per UTC month")
+    p.add_argument("--priority", choices=("interactive", "batch"), default=None,
+                   help="its class in a ring's fair share: interactive (chat, the default) or batch (served "
+                        "after interactive keys when both wait, with a smaller share)")
 
 
 def _record_fields(args: argparse.Namespace) -> dict:
     """The record options given (``set`` changes only those)."""
-    given = {k: getattr(args, k) for k in ("holder", "group", "day_tokens", "month_tokens", "rpm", "tpm")
+    given = {k: getattr(args, k) for k in ("holder", "group", "day_tokens", "month_tokens", "rpm", "tpm", "priority")
              if getattr(args, k, None) is not None}
     if args.application:
         given["holder_kind"] = "application"

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import NewType
 
 from engine.errors import GenerationError
+from engine.generation.principal import ANONYMOUS, Principal
 
 RequestId = NewType("RequestId", int)
 
@@ -129,7 +130,9 @@ class GenerationRequest:
     after the constraint's mask). ``constraint``: the grammar the output must match (None: free).
     ``cache_scope``: whose prompt this is (the API puts the key's scope here): cached KV and prefix
     routing are shared only between requests of one scope, so no key learns what another's prompts
-    hold from reused tokens or their timing ("" for a server without keys: one user)."""
+    hold from reused tokens or their timing ("" for a server without keys: one user). ``principal``:
+    who the request counts against in the paged scheduler's fair share (the API sets it beside
+    ``cache_scope``; a request's choices share it)."""
 
     prompt_ids: tuple[int, ...]
     max_new_tokens: int
@@ -140,6 +143,7 @@ class GenerationRequest:
     logprobs: int | None = None
     constraint: Constraint | None = None
     cache_scope: str = ""
+    principal: Principal = ANONYMOUS
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

@@ -101,12 +101,13 @@ def block_size_for(device: str) -> int:
 
 def paged_scheduler(manifest: Manifest, pool_blocks: int, block_size: int, *, slots: int = 16, max_waiting: int = 64,
                     token_budget: int = 256, prefill_chunk: int = 256, prefix_cache: bool = True,
-                    grammar: GrammarVocabulary | None = None) -> BatchScheduler:
+                    grammar: GrammarVocabulary | None = None, fair_share: bool = True) -> BatchScheduler:
     """The scheduler of a paged ring serving ``manifest``'s model over a pool of ``pool_blocks``
-    (``grammar``: its vocabulary for constrained output)."""
+    (``grammar``: its vocabulary for constrained output; ``fair_share``: off only to measure it)."""
     config = SchedulerConfig(block_size=block_size, pool_blocks=pool_blocks, max_streams=slots,
                              max_waiting=max_waiting, token_budget=token_budget, prefill_chunk=prefill_chunk,
-                             context_length=manifest.model.max_position_embeddings, prefix_cache=prefix_cache)
+                             context_length=manifest.model.max_position_embeddings, prefix_cache=prefix_cache,
+                             fair_share=fair_share)
     return BatchScheduler(config, fingerprint=manifest.model.fingerprint, grammar=grammar)
 
 
@@ -150,7 +151,8 @@ class BatchCoordinator:
               kv_pool_bytes: int = DEFAULT_KV_POOL_BYTES, speculation: Speculator | None = None,
               **settings) -> BatchCoordinator:
         """A paged coordinator whose stages all run in this process; ``settings`` as
-        :func:`paged_scheduler` (slots, max_waiting, token_budget, prefill_chunk, prefix_cache)."""
+        :func:`paged_scheduler` (slots, max_waiting, token_budget, prefill_chunk, prefix_cache,
+        fair_share)."""
         from engine.paged.stage import LocalPagedPath
 
         manifest = load_manifest(export_dir)

@@ -53,9 +53,9 @@ its first chunk fits without preempting anyone. Admission reuses the longest ind
 **Its parts.** The scheduler owns the state (:class:`~engine.paged.stream_book.StreamBook`: the
 queues, the steps in flight, the block moves that free a stream) and the constraints, and lends
 the book to its two halves: composing a step (:mod:`engine.paged.step_composer`: rows, blocks,
-preemption, admission) and accounting for its outcome (:mod:`engine.paged.outcome_accountant`:
-advance, rewind, verify, sample, finish). Here: requests in and out, the grammars around an
-outcome, replay, metrics.
+preemption, admission, each principal's fair share: :mod:`engine.paged.fair_share`) and accounting
+for its outcome (:mod:`engine.paged.outcome_accountant`: advance, rewind, verify, sample, finish).
+Here: requests in and out, the grammars around an outcome, replay, metrics.
 """
 from __future__ import annotations
 
@@ -345,6 +345,9 @@ class BatchScheduler:
             "sched_preemptions_total": float(c["preemptions"]),
             "sched_replays_total": float(c["replays"]),
             "sched_pipelined_chunks_total": float(c["pipelined"]),
+            "sched_fair_steps_total": float(c["fair_steps"]),
+            "sched_fair_withheld_rows_total": float(c["fair_withheld"]),
+            "sched_fair_preemptions_total": float(c["fair_preemptions"]),
             "prefix_hits_total": float(c["prefix_hits"]),
             "prefix_tokens_reused_total": float(c["prefix_tokens_reused"]),
             "prefix_block_copies_total": float(c["prefix_copies"]),

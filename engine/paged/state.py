@@ -33,7 +33,9 @@ class SchedulerConfig:
     ``token_budget``: new tokens per step (decode rows first, then prefill chunks of at most
     ``prefill_chunk``). ``max_replays``: failovers a stream survives. ``pipeline_prefill``: a
     long prefill's next chunk may join a step while its earlier chunks are in flight (so the
-    stages of a ring overlap on it: a failover's replay, a long prompt).
+    stages of a ring overlap on it: a failover's replay, a long prompt). ``fair_share``: while
+    streams of several principals are added, each gets at most its share of the slots and of a
+    step's rows and token budget (:mod:`engine.paged.fair_share`); off only to measure what it does.
     """
 
     block_size: int = CPU_BLOCK_SIZE
@@ -46,6 +48,7 @@ class SchedulerConfig:
     prefix_cache: bool = True
     max_replays: int = 3
     pipeline_prefill: bool = True
+    fair_share: bool = True
 
     def __post_init__(self) -> None:
         problems = []

@@ -40,6 +40,7 @@ HOLDER_KINDS = ("person", "application")
 CONSOLE_KEY_NAME = "console"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@:-]{0,63}$")
 MAX_LIMIT = 10**9
+PRIORITIES = ("interactive", "batch")  # engine.generation.principal.Priority's values: a key's scheduling class
 
 
 class KeyBookError(TrustError):
@@ -103,7 +104,9 @@ class ApiKey:
     monitoring system's; the console's own key may too), which no other key may. ``holder``:
     the person or application the key is for (``holder_kind``), ``group`` an optional group
     (budgets per group, usage by group); ``day_tokens``/``month_tokens``: the key's token budget
-    per UTC day and month (None: none). New fields are added with a default: the book keeps
+    per UTC day and month (None: none); ``priority``: its class in a ring's fair share
+    (``interactive``, chat, or ``batch``: served after interactive keys when both wait, with a smaller
+    share, never starved). New fields are added with a default: the book keeps
     every field without a schema change."""
 
     name: str
@@ -119,6 +122,7 @@ class ApiKey:
     group: str | None = None
     day_tokens: int | None = None
     month_tokens: int | None = None
+    priority: str = "interactive"
 
     @property
     def live(self) -> bool:
@@ -143,6 +147,8 @@ class ApiKey:
             _check_limit(what, getattr(key, what))
         if key.holder_kind not in HOLDER_KINDS:
             raise ValueError(f"key {key.name!r}: holder_kind must be one of {HOLDER_KINDS}")
+        if key.priority not in PRIORITIES:
+            raise ValueError(f"key {key.name!r}: priority {key.priority!r} is not one of {', '.join(PRIORITIES)}")
         if not isinstance(key.metrics, bool):
             raise TypeError(f"key {key.name!r}: metrics must be true or false")
         if len(key.sha256) != 64 or not all(c in "0123456789abcdef" for c in key.sha256):
@@ -288,6 +294,8 @@ def _checked(key: ApiKey) -> ApiKey:
         _check_limit(what, getattr(key, what))
     if key.holder_kind not in HOLDER_KINDS:
         raise ValueError(f"a key is for a {' or an '.join(HOLDER_KINDS)}; got {key.holder_kind!r}")
+    if key.priority not in PRIORITIES:
+        raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}, got {key.priority!r}")
     return replace(key, holder=_check_text("the holder's name", key.holder),
                    group=_check_text("a group", key.group, 64))
 

@@ -42,7 +42,8 @@ def test_issued_secret_is_kept_only_as_its_hash(tmp_path):
     assert [k.to_json() for k in book.keys()] == [{"name": "alice", "issued_at": issued.key.issued_at, "rpm": 30,
                                                   "tpm": None, "node_id": None, "revoked_at": None,
                                                   "metrics": False, "holder": None, "holder_kind": "person",
-                                                  "group": None, "day_tokens": None, "month_tokens": None}]
+                                                  "group": None, "day_tokens": None, "month_tokens": None,
+                                                  "priority": "interactive"}]
     assert "sha256" not in repr(issued) and issued.secret not in repr(issued)
 
 

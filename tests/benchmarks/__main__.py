@@ -24,6 +24,7 @@ BENCHMARKS = {
     "console-fleet": "tests.benchmarks.console_fleet",
     "export-memory": "tests.benchmarks.export_memory",
     "failover": "tests.benchmarks.failover",
+    "fairness": "tests.benchmarks.fairness",
     "fleet-scale": "tests.benchmarks.fleet_scale",
     "gguf-keep": "tests.benchmarks.gguf_keep",
     "grammar": "tests.benchmarks.grammar",

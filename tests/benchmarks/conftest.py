@@ -14,6 +14,7 @@ HERE = Path(__file__).parent
 SLOW = {
     "test_bench_batching": {"test_a_toy_run_with_every_variant_and_the_rings"},  # worker processes
     "test_bench_console_fleet": {"test_a_tiny_run_under_xvfb_records_json_section_and_a_screenshot"},  # processes
+    "test_bench_fairness": {"test_a_toy_run_on_the_tiny_model_measures_every_variant"},  # two paged servers
     "test_bench_export_memory": {"test_the_checkpoint_is_hf_shards_with_an_index_that_reads_back",
                                  "test_a_real_export_stays_within_the_issue_bound"},
     "test_bench_fleet_scale": "*",  # a service process and a worker of simulated agents
