@@ -242,7 +242,8 @@ def test_fuzz_oversized_bodies_are_413(live):
     ran = []
 
     @fuzz_settings(CASES["control API: oversized bodies"])
-    @given(path=st.sampled_from(ROUTES[2:]), extra=st.integers(1, 2 << 20), as_json=st.booleans())
+    @given(path=st.sampled_from([r for r in ROUTES[2:] if r != "/v1/link/echo"]),  # the POST routes (echo: GET)
+           extra=st.integers(1, 2 << 20), as_json=st.booleans())
     def case(path, extra, as_json):
         ran.append(1)
         size = (4 << 20) + extra
