@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime as dt
 
 from engine.cli.main import main
+from engine.control.fleet_services import CA_CERT, CA_KEY
 from engine.trust.key_book import KEEP_REVOKED_DAYS, KeyBook
 
 
@@ -27,6 +28,8 @@ def test_keys_revoked_longer_ago_than_the_retention_are_forgotten_live_ones_neve
 
     book.issue("bob")
     book.revoke("bob")
+    for name in (CA_CERT, CA_KEY):  # a fleet's folder (`deskfleet keys` refuses one without a fleet)
+        (tmp_path / name).write_text("")
     assert main(["keys", "--state-dir", str(tmp_path), "prune", "--days", "0"]) == 0
     assert "1 revoked key(s) forgotten: bob" in capsys.readouterr().err
     assert book.get("bob") is None and book.get("alice") is not None
