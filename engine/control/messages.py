@@ -164,7 +164,11 @@ class Assignment:
         stage = _field(data, "stage", int)
         manifest_json = _field(data, "manifest_json", str)
         digest = _field(data, "manifest_sha256", str)
-        if hashlib.sha256(manifest_json.encode()).hexdigest() != digest.lower():
+        try:
+            manifest_bytes = manifest_json.encode()
+        except UnicodeEncodeError:  # a lone surrogate: JSON can carry it, UTF-8 cannot
+            raise ControlRequestError("manifest_json is not valid Unicode text: refusing the assignment") from None
+        if hashlib.sha256(manifest_bytes).hexdigest() != digest.lower():
             raise ControlRequestError("manifest_sha256 does not match manifest_json: refusing the assignment")
         try:
             manifest = parse_manifest(json.loads(manifest_json))

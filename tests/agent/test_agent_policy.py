@@ -195,6 +195,12 @@ def test_bad_assignments_are_refused_with_a_reason(tiny_export, change, message)
         Assignment.from_dict(data)
 
 
+def test_a_manifest_that_is_not_unicode_text_is_refused_not_a_server_error(tiny_export):
+    data = {**_assignment_dict(_manifest_json(tiny_export)), "manifest_json": "\ud800"}  # JSON carries it; UTF-8 not
+    with pytest.raises(ControlRequestError, match="not valid Unicode"):
+        Assignment.from_dict(data)
+
+
 def test_a_manifest_path_escaping_the_store_is_refused(tiny_export):
     mj = _escaping_manifest(_manifest_json(tiny_export))
     with pytest.raises(ControlRequestError, match="unsafe|escapes"):
