@@ -17,9 +17,10 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterable, Callable, Mapping
 from typing import Any
 
+from engine.api.api_error import ApiError
 from engine.api.responses_schema import ResponseParams
 
 
@@ -94,7 +95,7 @@ class ResponseShape:
         return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
 
     async def events(self, deltas: AsyncIterable[list[dict[str, Any]]],
-                     ending: Callable[[], tuple[Mapping[str, Any], Mapping[str, int]]]) -> AsyncIterator[bytes]:
+                     ending: Callable[[], tuple[Mapping[str, Any], Mapping[str, int]]]) -> AsyncGenerator[bytes, None]:
         """The typed events for the chat ``deltas`` of one choice; ``ending()`` gives the whole choice
         and the usage once the deltas are done."""
         yield self._event("response.created", response=self.response([], "in_progress"))
@@ -199,6 +200,12 @@ class _ItemStream:
         self.done.append(item)
         self._open, self._text, self._call = None, "", None
         return out
+
+
+def error_event(error: ApiError) -> bytes:
+    """A failure after the stream began, as the Responses ``error`` event."""
+    payload = {"type": "error", **error.body()["error"]}
+    return f"event: error\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
 
 
 def _text_part(text: str) -> dict[str, Any]:

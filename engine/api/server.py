@@ -44,11 +44,10 @@ import asyncio
 import contextlib
 import datetime
 import functools
-import json
 import logging
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,7 +71,7 @@ from engine.api.openai_schema import (
     requested_model,
 )
 from engine.api.response_store import ResponseStore
-from engine.api.responses_answer import ResponseShape
+from engine.api.responses_answer import ResponseShape, error_event
 from engine.api.responses_schema import output_conversation, parse_response_request
 from engine.api.share import StreamShares
 from engine.api.usage import WARNING_HEADER, UsageLedger
@@ -469,7 +468,7 @@ class _Api:
 
                         if chat.stream:
                             await answer.first()
-                            return await self._send_events(request, shape.events(answer.deltas(), ending))
+                            return await self._send_events(request, shape.events(answer.deltas(), ending), error_event)
                         await answer.whole()
                         choice, usage = ending()
                         return web.json_response(shape.whole(choice, usage))
@@ -501,44 +500,31 @@ class _Api:
             raise ApiError(404, f"no response {response_id[:80]!r} is kept for this key", "response_not_found")
         return web.json_response({"id": response_id, "object": "response.deleted", "deleted": True})
 
-    async def _send_events(self, request: web.Request, events: Any) -> web.StreamResponse:
-        """Stream ``events`` (bytes) as server-sent events; an error after the headers goes in-band."""
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                               "X-Accel-Buffering": "no"})
-        await response.prepare(request)
-        try:
-            async for event in events:
-                await response.write(event)
-        except ConnectionResetError:
-            request[_GONE] = True
-        except Exception as exc:
-            error = api_error_from(exc)
-            if error.status == 500:
-                log.exception("generation failed mid-stream")
-            with contextlib.suppress(ConnectionResetError):
-                await response.write(f"event: error\ndata: {json.dumps({'type': 'error', **error.body()['error']})}"
-                                     "\n\n".encode())
-        return response
-
     async def _send_stream(self, request: web.Request, answer: Answer) -> web.StreamResponse:
         # Wait for the first token before sending headers so refusals (429/503) keep their status.
         await answer.first()
+        return await self._send_events(request, answer.events(), lambda error: sse_event(error.body()))
+
+    async def _send_events(self, request: web.Request, events: AsyncGenerator[bytes, None],
+                           error_event: Callable[[ApiError], bytes]) -> web.StreamResponse:
+        """Stream ``events`` (bytes) as server-sent events; an error after the headers goes in-band
+        as ``error_event`` shapes it (chat's error chunk, or the Responses ``error`` event), as OpenAI does."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                "X-Accel-Buffering": "no"})
         await response.prepare(request)
         try:
-            async with contextlib.aclosing(answer.events()) as events:
+            async with contextlib.aclosing(events):
                 async for event in events:
                     await response.write(event)
         except ConnectionResetError:
             request[_GONE] = True
             log.debug("client left during a streamed answer; generation cancelled")
-        except Exception as exc:  # after the headers: report in-band, as OpenAI does
+        except Exception as exc:
             error = api_error_from(exc)
             if error.status == 500:
                 log.exception("generation failed mid-stream")
             with contextlib.suppress(ConnectionResetError):
-                await response.write(sse_event(error.body()))
+                await response.write(error_event(error))
         return response
 
 
